@@ -1,0 +1,70 @@
+"""The `fctkit` command line. Subcommands live with the part they drive and are imported
+only when run, so `fctkit --help` and the device commands work without torch installed."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from fctkit import __version__
+from fctkit.errors import FctkitError
+
+# name -> ("module", "attribute", "one-line help"). Parts register here when they add commands.
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "eval": ("fctkit.trainer.cli", "eval_command", "Evaluate retrieval between query and gallery .npz embeddings."),
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(SUBCOMMANDS))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in SUBCOMMANDS:
+            module_name, attr, _ = SUBCOMMANDS[name]
+            return getattr(importlib.import_module(module_name), attr)
+        return super().get_command(ctx, name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Help texts come from the table so listing commands imports nothing heavy.
+        rows = [(name, SUBCOMMANDS[name][2]) for name in sorted(SUBCOMMANDS)]
+        rows += [(n, c.get_short_help_str()) for n, c in sorted(self.commands.items()) if n not in SUBCOMMANDS]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(sorted(rows))
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="fctkit")
+def cli() -> None:
+    """fctkit: train adapters between embedding-model versions, export them as signed
+    bundles, serve them over gRPC, and upgrade encrypted on-device galleries in place.
+
+    Run `fctkit COMMAND --help` for each command's options.
+    """
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: kit errors print one clear line and exit 2 instead of a traceback."""
+    try:
+        cli.main(args=argv, standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except FctkitError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Strict configs: dataclasses built from mappings (TOML files, CLI) where unknown keys are errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fctkit.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def from_mapping(cls: type[T], data: typing.Mapping[str, Any], where: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``; nested dataclasses are built recursively.
+
+    Unknown keys raise :class:`ConfigError` naming the key and the allowed ones, so a typo
+    never silently falls back to a default.
+    """
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    if not isinstance(data, typing.Mapping):
+        raise ConfigError(f"{where or cls.__name__}: expected a table, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{where or cls.__name__}: unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"allowed: {', '.join(sorted(fields))}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {
+        name: _coerce(hints[name], value, f"{where}.{name}" if where else name)
+        for name, value in data.items()
+    }
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{where or cls.__name__}: {exc}") from exc
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return from_mapping(hint, value, where)
+    if origin is typing.Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        if len(args) == 1:
+            return _coerce(args[0], value, where)
+        return value
+    if origin in (tuple, list) and isinstance(value, (list, tuple)):
+        args = typing.get_args(hint)
+        inner = args[0] if args else Any
+        items = [_coerce(inner, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and not isinstance(value, hint):
+        raise ConfigError(f"{where}: expected {hint.__name__}, got {value!r}")
+    if isinstance(hint, type) and issubclass(hint, Path):
+        return Path(value)
+    return value
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file not found: {path}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+
+
+def to_mapping(obj: Any) -> dict[str, Any]:
+    """The inverse of :func:`from_mapping`, JSON/TOML friendly (paths become strings)."""
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, (list, tuple)):
+            return [convert(v) for v in value]
+        if isinstance(value, dict):
+            return {k: convert(v) for k, v in value.items()}
+        return value
+
+    return convert(dataclasses.asdict(obj))

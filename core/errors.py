@@ -1,0 +1,49 @@
+"""One exception hierarchy for the kit: catch :class:`FctkitError` for anything fctkit raises
+on purpose, or one of its subclasses for what you can handle."""
+
+from __future__ import annotations
+
+
+class FctkitError(Exception):
+    """Base class of every error fctkit raises deliberately."""
+
+
+class ConfigError(FctkitError, ValueError):
+    """A configuration is invalid: unknown keys, wrong types, out-of-range values."""
+
+
+class InputError(FctkitError, ValueError):
+    """Data handed to the kit is unusable: wrong shapes or dims, NaN/inf, empty sets."""
+
+
+class DataUnavailableError(FctkitError):
+    """A dataset or file the kit needs is not installed or not found; the message says how to get it."""
+
+
+class DependencyError(FctkitError, ImportError):
+    """An optional dependency is missing; the message names the extra to install."""
+
+
+class BundleError(FctkitError):
+    """A model bundle failed verification or cannot be built."""
+
+
+class GateError(FctkitError):
+    """An evaluation gate (e.g. ECC) did not pass, so publishing is refused."""
+
+
+class ExportError(FctkitError):
+    """ONNX/TensorRT export failed or its parity check did not hold."""
+
+
+def require(module: str, extra: str):
+    """Import an optional dependency or raise :class:`DependencyError` naming the extra."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise DependencyError(
+            f"`{module}` is needed for this and is not installed: pip install 'fctkit[{extra}]' "
+            f"-c constraints.txt"
+        ) from exc

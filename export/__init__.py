@@ -1,0 +1,1 @@
+"""fctkit.export — ONNX export with parity checks, TensorRT engines, signed model bundles."""

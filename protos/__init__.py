@@ -1,0 +1,1 @@
+"""fctkit.protos — the wire formats shared by server, devices and trainer."""

@@ -1,0 +1,1 @@
+"""fctkit.server — the gRPC server: registry, artifact streaming, encrypted image vault, fleet."""
