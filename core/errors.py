@@ -36,6 +36,26 @@ class ExportError(FctkitError):
     """ONNX/TensorRT export failed or its parity check did not hold."""
 
 
+class BundleFormatError(BundleError):
+    """A bundle or its manifest is malformed, incomplete or internally inconsistent."""
+
+
+class SignatureError(BundleError):
+    """A bundle's signature is missing, malformed, or does not verify under the pinned key."""
+
+
+class HashMismatchError(BundleError):
+    """An artifact's bytes differ from the manifest (flipped byte, truncation, swapped file)."""
+
+
+class RollbackError(BundleError):
+    """A bundle's version is not newer than the installed one (rollback or replay)."""
+
+
+class PublisherKeyError(BundleError):
+    """A publisher key file is missing, malformed, too readable, or its passphrase is wrong."""
+
+
 def require(module: str, extra: str):
     """Import an optional dependency or raise :class:`DependencyError` naming the extra."""
     import importlib
