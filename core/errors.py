@@ -67,3 +67,17 @@ def require(module: str, extra: str):
             f"`{module}` is needed for this and is not installed: pip install 'fctkit[{extra}]' "
             f"-c constraints.txt"
         ) from exc
+
+
+class RpcStatusError(FctkitError):
+    """A gRPC call ended with a status other than OK: raised by the client library when the
+    server answered one, and by server handlers to answer one. ``code`` is the status name
+    (e.g. ``"NOT_FOUND"``), ``details`` the server's explanation."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+
+    def __reduce__(self):
+        return type(self), (self.code, self.details)

@@ -1,0 +1,129 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class UpgradeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UPGRADE_STATE_UNSPECIFIED: _ClassVar[UpgradeState]
+    UPGRADE_STATE_IDLE: _ClassVar[UpgradeState]
+    UPGRADE_STATE_DOWNLOADING: _ClassVar[UpgradeState]
+    UPGRADE_STATE_UPGRADING: _ClassVar[UpgradeState]
+    UPGRADE_STATE_BACKFILLING: _ClassVar[UpgradeState]
+    UPGRADE_STATE_FAILED: _ClassVar[UpgradeState]
+UPGRADE_STATE_UNSPECIFIED: UpgradeState
+UPGRADE_STATE_IDLE: UpgradeState
+UPGRADE_STATE_DOWNLOADING: UpgradeState
+UPGRADE_STATE_UPGRADING: UpgradeState
+UPGRADE_STATE_BACKFILLING: UpgradeState
+UPGRADE_STATE_FAILED: UpgradeState
+
+class CreateEnrolmentCodeRequest(_message.Message):
+    __slots__ = ("ttl_seconds", "label")
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    ttl_seconds: int
+    label: str
+    def __init__(self, ttl_seconds: _Optional[int] = ..., label: _Optional[str] = ...) -> None: ...
+
+class CreateEnrolmentCodeResponse(_message.Message):
+    __slots__ = ("code", "expires_at")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    expires_at: str
+    def __init__(self, code: _Optional[str] = ..., expires_at: _Optional[str] = ...) -> None: ...
+
+class EnrolRequest(_message.Message):
+    __slots__ = ("code", "device_name")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    device_name: str
+    def __init__(self, code: _Optional[str] = ..., device_name: _Optional[str] = ...) -> None: ...
+
+class EnrolResponse(_message.Message):
+    __slots__ = ("device_id", "token", "publisher_public_key", "publisher_key_id")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    token: str
+    publisher_public_key: bytes
+    publisher_key_id: str
+    def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., publisher_public_key: _Optional[bytes] = ..., publisher_key_id: _Optional[str] = ...) -> None: ...
+
+class ReportRequest(_message.Message):
+    __slots__ = ("version", "gallery_size", "upgrade_state", "target_version", "progress", "detail")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    GALLERY_SIZE_FIELD_NUMBER: _ClassVar[int]
+    UPGRADE_STATE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    gallery_size: int
+    upgrade_state: UpgradeState
+    target_version: int
+    progress: float
+    detail: str
+    def __init__(self, version: _Optional[int] = ..., gallery_size: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., target_version: _Optional[int] = ..., progress: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ReportResponse(_message.Message):
+    __slots__ = ("recorded_at", "latest_version")
+    RECORDED_AT_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    recorded_at: str
+    latest_version: int
+    def __init__(self, recorded_at: _Optional[str] = ..., latest_version: _Optional[int] = ...) -> None: ...
+
+class DeviceInfo(_message.Message):
+    __slots__ = ("device_id", "name", "label", "enrolled_at", "last_report_at", "version", "gallery_size", "upgrade_state", "target_version", "progress", "detail", "vault_bytes", "vault_blobs")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    ENROLLED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_REPORT_AT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    GALLERY_SIZE_FIELD_NUMBER: _ClassVar[int]
+    UPGRADE_STATE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    VAULT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VAULT_BLOBS_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    name: str
+    label: str
+    enrolled_at: str
+    last_report_at: str
+    version: int
+    gallery_size: int
+    upgrade_state: UpgradeState
+    target_version: int
+    progress: float
+    detail: str
+    vault_bytes: int
+    vault_blobs: int
+    def __init__(self, device_id: _Optional[str] = ..., name: _Optional[str] = ..., label: _Optional[str] = ..., enrolled_at: _Optional[str] = ..., last_report_at: _Optional[str] = ..., version: _Optional[int] = ..., gallery_size: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., target_version: _Optional[int] = ..., progress: _Optional[float] = ..., detail: _Optional[str] = ..., vault_bytes: _Optional[int] = ..., vault_blobs: _Optional[int] = ...) -> None: ...
+
+class ListDevicesRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListDevicesResponse(_message.Message):
+    __slots__ = ("devices", "next_page_token")
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
+    next_page_token: str
+    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...

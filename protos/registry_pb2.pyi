@@ -1,0 +1,200 @@
+from . import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ArtifactInfo(_message.Message):
+    __slots__ = ("name", "role", "file", "sha256", "size", "source_version", "target_version", "precision")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: str
+    file: str
+    sha256: str
+    size: int
+    source_version: int
+    target_version: int
+    precision: str
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., file: _Optional[str] = ..., sha256: _Optional[str] = ..., size: _Optional[int] = ..., source_version: _Optional[int] = ..., target_version: _Optional[int] = ..., precision: _Optional[str] = ...) -> None: ...
+
+class VersionInfo(_message.Message):
+    __slots__ = ("version", "parents", "mode", "distance", "normalize", "embedding_dim", "side_info_dim", "artifacts", "created_at", "published_at", "publisher_key_id", "manifest_sha256", "gate_forced")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    DISTANCE_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIM_FIELD_NUMBER: _ClassVar[int]
+    SIDE_INFO_DIM_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    GATE_FORCED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    mode: str
+    distance: str
+    normalize: bool
+    embedding_dim: int
+    side_info_dim: int
+    artifacts: _containers.RepeatedCompositeFieldContainer[ArtifactInfo]
+    created_at: str
+    published_at: str
+    publisher_key_id: str
+    manifest_sha256: str
+    gate_forced: bool
+    def __init__(self, version: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., distance: _Optional[str] = ..., normalize: _Optional[bool] = ..., embedding_dim: _Optional[int] = ..., side_info_dim: _Optional[int] = ..., artifacts: _Optional[_Iterable[_Union[ArtifactInfo, _Mapping]]] = ..., created_at: _Optional[str] = ..., published_at: _Optional[str] = ..., publisher_key_id: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., gate_forced: _Optional[bool] = ...) -> None: ...
+
+class ListVersionsRequest(_message.Message):
+    __slots__ = ("after_version", "page_size")
+    AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    after_version: int
+    page_size: int
+    def __init__(self, after_version: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
+
+class ListVersionsResponse(_message.Message):
+    __slots__ = ("versions", "more", "latest_version")
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
+    more: bool
+    latest_version: int
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., more: _Optional[bool] = ..., latest_version: _Optional[int] = ...) -> None: ...
+
+class GetManifestRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class GetManifestResponse(_message.Message):
+    __slots__ = ("version", "manifest", "signature")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    manifest: bytes
+    signature: bytes
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class PlanUpgradeRequest(_message.Message):
+    __slots__ = ("from_version", "to_version")
+    FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TO_VERSION_FIELD_NUMBER: _ClassVar[int]
+    from_version: int
+    to_version: int
+    def __init__(self, from_version: _Optional[int] = ..., to_version: _Optional[int] = ...) -> None: ...
+
+class UpgradeHop(_message.Message):
+    __slots__ = ("source_version", "target_version", "bundle_version", "identity", "forward", "side_forward")
+    SOURCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_FIELD_NUMBER: _ClassVar[int]
+    SIDE_FORWARD_FIELD_NUMBER: _ClassVar[int]
+    source_version: int
+    target_version: int
+    bundle_version: int
+    identity: bool
+    forward: ArtifactInfo
+    side_forward: ArtifactInfo
+    def __init__(self, source_version: _Optional[int] = ..., target_version: _Optional[int] = ..., bundle_version: _Optional[int] = ..., identity: _Optional[bool] = ..., forward: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., side_forward: _Optional[_Union[ArtifactInfo, _Mapping]] = ...) -> None: ...
+
+class PlanUpgradeResponse(_message.Message):
+    __slots__ = ("from_version", "to_version", "hops")
+    FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TO_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOPS_FIELD_NUMBER: _ClassVar[int]
+    from_version: int
+    to_version: int
+    hops: _containers.RepeatedCompositeFieldContainer[UpgradeHop]
+    def __init__(self, from_version: _Optional[int] = ..., to_version: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[UpgradeHop, _Mapping]]] = ...) -> None: ...
+
+class DownloadArtifactRequest(_message.Message):
+    __slots__ = ("version", "artifact_name", "offset", "chunk_size")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    artifact_name: str
+    offset: int
+    chunk_size: int
+    def __init__(self, version: _Optional[int] = ..., artifact_name: _Optional[str] = ..., offset: _Optional[int] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+
+class ArtifactHeader(_message.Message):
+    __slots__ = ("version", "artifact", "offset")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    artifact: ArtifactInfo
+    offset: int
+    def __init__(self, version: _Optional[int] = ..., artifact: _Optional[_Union[ArtifactInfo, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class DownloadArtifactResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ArtifactHeader
+    chunk: _common_pb2.Chunk
+    def __init__(self, header: _Optional[_Union[ArtifactHeader, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.Chunk, _Mapping]] = ...) -> None: ...
+
+class WatchVersionsRequest(_message.Message):
+    __slots__ = ("after_version",)
+    AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    after_version: int
+    def __init__(self, after_version: _Optional[int] = ...) -> None: ...
+
+class KeepAlive(_message.Message):
+    __slots__ = ("server_time", "latest_version")
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    server_time: str
+    latest_version: int
+    def __init__(self, server_time: _Optional[str] = ..., latest_version: _Optional[int] = ...) -> None: ...
+
+class WatchVersionsResponse(_message.Message):
+    __slots__ = ("published", "keepalive")
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
+    published: VersionInfo
+    keepalive: KeepAlive
+    def __init__(self, published: _Optional[_Union[VersionInfo, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAlive, _Mapping]] = ...) -> None: ...
+
+class PublishHeader(_message.Message):
+    __slots__ = ("archive_size", "archive_sha256")
+    ARCHIVE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    archive_size: int
+    archive_sha256: str
+    def __init__(self, archive_size: _Optional[int] = ..., archive_sha256: _Optional[str] = ...) -> None: ...
+
+class PublishBundleRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PublishHeader
+    chunk: _common_pb2.Chunk
+    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.Chunk, _Mapping]] = ...) -> None: ...
+
+class PublishBundleResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: VersionInfo
+    def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ...) -> None: ...

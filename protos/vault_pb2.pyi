@@ -1,0 +1,130 @@
+from . import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class BlobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BLOB_STATE_UNSPECIFIED: _ClassVar[BlobState]
+    BLOB_STATE_ABSENT: _ClassVar[BlobState]
+    BLOB_STATE_PARTIAL: _ClassVar[BlobState]
+    BLOB_STATE_STORED: _ClassVar[BlobState]
+BLOB_STATE_UNSPECIFIED: BlobState
+BLOB_STATE_ABSENT: BlobState
+BLOB_STATE_PARTIAL: BlobState
+BLOB_STATE_STORED: BlobState
+
+class BlobInfo(_message.Message):
+    __slots__ = ("sha256", "size", "item_id", "created_at")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    size: int
+    item_id: str
+    created_at: str
+    def __init__(self, sha256: _Optional[str] = ..., size: _Optional[int] = ..., item_id: _Optional[str] = ..., created_at: _Optional[str] = ...) -> None: ...
+
+class UploadHeader(_message.Message):
+    __slots__ = ("sha256", "size", "item_id", "offset")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    size: int
+    item_id: str
+    offset: int
+    def __init__(self, sha256: _Optional[str] = ..., size: _Optional[int] = ..., item_id: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class UploadBlobRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: UploadHeader
+    chunk: _common_pb2.Chunk
+    def __init__(self, header: _Optional[_Union[UploadHeader, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.Chunk, _Mapping]] = ...) -> None: ...
+
+class UploadBlobResponse(_message.Message):
+    __slots__ = ("blob", "already_stored", "used_bytes", "quota_bytes")
+    BLOB_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_STORED_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    blob: BlobInfo
+    already_stored: bool
+    used_bytes: int
+    quota_bytes: int
+    def __init__(self, blob: _Optional[_Union[BlobInfo, _Mapping]] = ..., already_stored: _Optional[bool] = ..., used_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ...) -> None: ...
+
+class DownloadBlobRequest(_message.Message):
+    __slots__ = ("sha256", "offset", "chunk_size")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    offset: int
+    chunk_size: int
+    def __init__(self, sha256: _Optional[str] = ..., offset: _Optional[int] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+
+class DownloadBlobResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: BlobInfo
+    chunk: _common_pb2.Chunk
+    def __init__(self, header: _Optional[_Union[BlobInfo, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.Chunk, _Mapping]] = ...) -> None: ...
+
+class StatBlobRequest(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+
+class StatBlobResponse(_message.Message):
+    __slots__ = ("state", "received", "blob")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BLOB_FIELD_NUMBER: _ClassVar[int]
+    state: BlobState
+    received: int
+    blob: BlobInfo
+    def __init__(self, state: _Optional[_Union[BlobState, str]] = ..., received: _Optional[int] = ..., blob: _Optional[_Union[BlobInfo, _Mapping]] = ...) -> None: ...
+
+class ListBlobsRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListBlobsResponse(_message.Message):
+    __slots__ = ("blobs", "next_page_token", "used_bytes", "quota_bytes")
+    BLOBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    blobs: _containers.RepeatedCompositeFieldContainer[BlobInfo]
+    next_page_token: str
+    used_bytes: int
+    quota_bytes: int
+    def __init__(self, blobs: _Optional[_Iterable[_Union[BlobInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., used_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ...) -> None: ...
+
+class DeleteBlobRequest(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+
+class DeleteBlobResponse(_message.Message):
+    __slots__ = ("used_bytes",)
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    used_bytes: int
+    def __init__(self, used_bytes: _Optional[int] = ...) -> None: ...
