@@ -1,0 +1,138 @@
+"""What every adapter shares: input validation, the ``kind`` registry, and one-file save/load.
+
+An adapter file is ``torch.save`` of a plain dict::
+
+    {"format": "fctkit-adapter", "format_version": 1, "kind": str,
+     "config": {...}, "dims": {...}, "state_dict": {...}, "metrics": {...}}
+
+``dims`` are the constructor's keyword arguments besides the config, so :func:`load_adapter`
+rebuilds any adapter from its file without the caller knowing the class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from fctkit.config import from_mapping, to_mapping
+from fctkit.errors import ConfigError, InputError
+
+from .torch_utils import predict
+
+FILE_FORMAT = "fctkit-adapter"
+FILE_FORMAT_VERSION = 1
+# Modules that define adapter kinds; imported by load_adapter so that every kind is registered.
+_ADAPTER_MODULES = ("adapters", "lambda_orth", "closed_form")
+_REGISTRY: dict[str, type[Adapter]] = {}
+
+
+class Adapter(torch.nn.Module):
+    """Base class of every adapter: a torch module with a config dataclass and its dims.
+
+    Subclasses declare ``kind`` (the registry key written into files) and ``config_class``,
+    and take ``config`` plus the keyword arguments listed in :meth:`dims` in ``__init__``.
+    """
+
+    kind: ClassVar[str]
+    config_class: ClassVar[type]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("kind")
+        if kind is not None:
+            if kind in _REGISTRY and _REGISTRY[kind] is not cls:
+                raise TypeError(f"adapter kind {kind!r} is registered twice")
+            _REGISTRY[kind] = cls
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.metrics: dict[str, float] = {}
+
+    def dims(self) -> dict[str, int]:
+        """The constructor's dimension arguments (written into the file)."""
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        parameter = next(self.parameters(), None)
+        return parameter.device if parameter is not None else torch.device("cpu")
+
+    def _run(self, module: torch.nn.Module, *inputs: np.ndarray) -> np.ndarray:
+        """Numpy in, numpy out, in eval mode, on the adapter's device."""
+        return predict(module, *inputs, device=self.device)
+
+    def save(self, path: str | Path) -> Path:
+        """Write weights, config, dims and metrics to one file; returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "format": FILE_FORMAT,
+            "format_version": FILE_FORMAT_VERSION,
+            "kind": self.kind,
+            "config": to_mapping(self.config),
+            "dims": dict(self.dims()),
+            "state_dict": {k: v.detach().cpu() for k, v in self.state_dict().items()},
+            "metrics": {k: float(v) for k, v in self.metrics.items()},
+        }
+        torch.save(payload, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Adapter:
+        """Load an adapter file; on a subclass, also check that the file holds that kind."""
+        adapter = load_adapter(path)
+        if cls is not Adapter and not isinstance(adapter, cls):
+            raise InputError(f"{path}: holds a {adapter.kind!r} adapter, not a {cls.kind!r} one; use fctkit.trainer.load_adapter")
+        return adapter
+
+
+def adapter_kinds() -> dict[str, type[Adapter]]:
+    """Every registered adapter kind (imports the modules that define them)."""
+    for name in _ADAPTER_MODULES:
+        importlib.import_module(f"{__package__}.{name}")
+    return dict(_REGISTRY)
+
+
+def load_adapter(path: str | Path) -> Adapter:
+    """Rebuild whichever adapter ``path`` holds (CPU, eval mode)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"adapter file not found: {path}")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for truncated or foreign files
+        raise InputError(f"{path}: not a readable adapter file ({type(exc).__name__}: {exc}); re-create it with Adapter.save") from exc
+    expected = {"format", "format_version", "kind", "config", "dims", "state_dict", "metrics"}
+    if not isinstance(payload, dict) or payload.get("format") != FILE_FORMAT or set(payload) != expected:
+        raise InputError(f"{path}: not a fctkit adapter file (wrong format tag or keys); re-create it with Adapter.save")
+    if payload["format_version"] != FILE_FORMAT_VERSION:
+        raise InputError(f"{path}: adapter file format {payload['format_version']} is not supported (this kit reads {FILE_FORMAT_VERSION})")
+    kinds = adapter_kinds()
+    cls = kinds.get(payload["kind"])
+    if cls is None:
+        raise InputError(f"{path}: unknown adapter kind {payload['kind']!r}; known: {', '.join(sorted(kinds))}")
+    try:
+        config = from_mapping(cls.config_class, payload["config"], where=f"{path}:config")
+        adapter = cls(config=config, **payload["dims"])
+        adapter.load_state_dict(payload["state_dict"], strict=True)
+    except (ConfigError, TypeError, RuntimeError, ValueError) as exc:
+        raise InputError(f"{path}: adapter file does not match its {payload['kind']!r} definition: {exc}") from exc
+    adapter.metrics = dict(payload["metrics"])
+    return adapter.eval()
+
+
+def config_of(cls: type, config: Any) -> Any:
+    """Accept a config dataclass instance, a mapping (built strictly) or None (defaults)."""
+    if config is None:
+        return cls()
+    if isinstance(config, cls):
+        return config
+    if dataclasses.is_dataclass(config):
+        raise ConfigError(f"expected a {cls.__name__}, got a {type(config).__name__}")
+    return from_mapping(cls, config)

@@ -1,0 +1,35 @@
+"""Validation of feature matrices and labels handed to the trainer (numpy only, no torch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fctkit.errors import InputError
+
+
+def check_features(name: str, array: Any, *, dim: int | None = None, rows: int | None = None) -> np.ndarray:
+    """Validate a feature matrix and return it as contiguous float32.
+
+    Raises :class:`InputError` for anything that is not a finite, non-empty 2-D array with the
+    expected number of columns (``dim``) and rows (``rows``).
+    """
+    if array is None:
+        raise InputError(f"{name}: features are missing")
+    array = np.asarray(array)
+    if array.ndim != 2:
+        raise InputError(f"{name}: expected a 2-D array (rows × dims), got shape {array.shape}")
+    if array.shape[0] == 0:
+        raise InputError(f"{name}: the feature matrix is empty")
+    if not np.issubdtype(array.dtype, np.number) or np.issubdtype(array.dtype, np.complexfloating):
+        raise InputError(f"{name}: expected real numbers, got dtype {array.dtype}")
+    if dim is not None and array.shape[1] != dim:
+        raise InputError(f"{name}: expected {dim} dims, got {array.shape[1]}; use features of the model this adapter was fitted on")
+    if rows is not None and array.shape[0] != rows:
+        raise InputError(f"{name}: has {array.shape[0]} rows but the other inputs have {rows}; rows must be aligned item by item")
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if not np.isfinite(array).all():
+        bad = int((~np.isfinite(array)).any(axis=1).sum())
+        raise InputError(f"{name}: {bad} row(s) hold NaN or inf; drop or repair them first")
+    return array

@@ -1,0 +1,210 @@
+"""λ-orthogonality (Ricci et al., NeurIPS 2025): a unified space in which old gallery rows and
+new queries meet, learned jointly by a forward map F (old → unified) and a backward map B
+(new → old-compatible).
+
+- F: ``affine`` ``Lin(d_old→n)`` or ``mlp`` ``Lin(d_old→hidden)-BN-ReLU-Lin(hidden→n)``.
+- B: ``orthogonal`` B⊥ = expm(U − Uᵀ) with U strictly upper-triangular (orthogonal by
+  construction, no bias); ``lambda`` B_λ x = Wx + b trained with the gated penalty
+  ``sigmoid(α(‖WWᵀ−I‖_F − λ))·‖WWᵀ−I‖_F``; ``affine`` the same map without any penalty
+  (the unconstrained baseline). Affine B starts at the identity.
+
+Loss per batch (each ‖·‖² is a mean over rows and dimensions)::
+
+    L = w1‖F(h_k) − B(h_t)‖² + w2‖B(h_t) − h_k‖² + w3·L_C + penalty
+    L_C = L_contr(F(h_k), B(h_t)) + L_contr(F(h_k), h_k)
+
+with the supervised multi-positive contrastive loss at temperature τ (same-class items are
+positives; without labels only the same item is).
+
+Dimension mismatch: the unified space has ``n = min(d_old, d_new)`` dims and the larger
+embedding is truncated to its first ``n`` coordinates — the *new* embedding before B when
+``d_new > d_old`` (so B is square), the *old* embedding (targets ``h_k`` and old gallery rows,
+see :meth:`LambdaOrthAdapter.unified_old`) when ``d_old > d_new``.
+
+Unified mode: gallery rows are φ_old (:meth:`unified_old`), F(φ_old) (:meth:`transform`) or
+B(φ_new) (:meth:`transform_new`); queries use B(φ_new).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from fctkit.errors import ConfigError, InputError
+
+from .adapter_base import Adapter, config_of
+from .datasets import validate_labels
+from .feature_checks import check_features
+from .fitting import History, TrainConfig, fit
+from .losses import mse_loss, orthogonality_error, orthogonality_penalty, supervised_contrastive
+
+
+@dataclasses.dataclass
+class LambdaOrthConfig:
+    forward: Literal["affine", "mlp"] = "affine"
+    backward: Literal["orthogonal", "lambda", "affine"] = "orthogonal"
+    lam: float = 1.0  # tolerance λ on ‖WWᵀ − I‖_F (backward = "lambda")
+    alpha: float = 10.0  # sharpness α of the sigmoid gate
+    tau: float = 0.1  # temperature of the contrastive loss
+    w1: float = 1.0
+    w2: float = 1.0
+    w3: float = 1.0
+    hidden_width: int = 512  # width of the MLP forward map
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        if self.tau <= 0:
+            raise ConfigError("tau must be > 0")
+        if self.lam < 0 or self.alpha <= 0:
+            raise ConfigError("lam must be >= 0 and alpha > 0")
+        if min(self.w1, self.w2, self.w3) < 0:
+            raise ConfigError("loss weights w1, w2, w3 must be >= 0")
+        if self.hidden_width < 1:
+            raise ConfigError("hidden_width must be >= 1")
+
+
+class OrthogonalMap(nn.Module):
+    """x ↦ x Bᵀ with B = expm(U − Uᵀ), U the strictly upper-triangular part of a parameter.
+
+    The exponential of a skew-symmetric matrix is a rotation, so B is orthogonal whatever the
+    parameter; it starts at the identity (U = 0). Computed in float64 for accuracy.
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.upper = nn.Parameter(torch.zeros(dim, dim))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        strict = torch.triu(self.upper, diagonal=1)
+        return torch.linalg.matrix_exp((strict - strict.T).double()).to(self.upper.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T
+
+
+def _identity_linear(dim: int) -> nn.Linear:
+    linear = nn.Linear(dim, dim)
+    with torch.no_grad():
+        linear.weight.copy_(torch.eye(dim))
+        linear.bias.zero_()
+    return linear
+
+
+class LambdaOrthAdapter(Adapter):
+    """Jointly trained F (old → unified, n dims) and B (new → unified); see the module docstring."""
+
+    kind = "lambda_orth"
+    config_class = LambdaOrthConfig
+
+    def __init__(self, config: LambdaOrthConfig, d_old: int, d_new: int) -> None:
+        super().__init__(config)
+        if d_old < 1 or d_new < 1:
+            raise InputError(f"dims must be positive: d_old={d_old}, d_new={d_new}")
+        self.d_old, self.d_new = d_old, d_new
+        self.n = n = min(d_old, d_new)
+        if config.forward == "affine":
+            self.forward_map: nn.Module = nn.Linear(d_old, n)
+        else:
+            width = config.hidden_width
+            self.forward_map = nn.Sequential(nn.Linear(d_old, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, n))
+        self.backward_map: nn.Module = OrthogonalMap(n) if config.backward == "orthogonal" else _identity_linear(n)
+
+    def dims(self) -> dict[str, int]:
+        return {"d_old": self.d_old, "d_new": self.d_new}
+
+    def forward(self, old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(F(old), B(new))`` — both in the n-dim unified space."""
+        return self.forward_map(old), self.backward_map(new[:, : self.n])
+
+    def backward_weight(self) -> torch.Tensor:
+        """B's ``n × n`` matrix (for B⊥ the materialised expm)."""
+        return self.backward_map.weight
+
+    def orthogonality_error(self) -> float:
+        """``‖WWᵀ − I‖_F`` of B's matrix (≈ 0 for B⊥)."""
+        with torch.no_grad():
+            return float(orthogonality_error(self.backward_weight().double()))
+
+    # --- numpy surface ----------------------------------------------------------------------
+
+    def transform(self, old: np.ndarray) -> np.ndarray:
+        """F(φ_old): old gallery rows moved into the unified space."""
+        return self._run(self.forward_map, check_features("old", old, dim=self.d_old))
+
+    def transform_new(self, new: np.ndarray) -> np.ndarray:
+        """B(φ_new): new queries (and backfilled rows) in the unified space."""
+        return self._run(self.materialized_backward(), check_features("new", new, dim=self.d_new))
+
+    def unified_old(self, old: np.ndarray) -> np.ndarray:
+        """φ_old as a unified-space row (its first n coordinates)."""
+        return check_features("old", old, dim=self.d_old)[:, : self.n].copy()
+
+    # --- export surface ---------------------------------------------------------------------
+
+    def forward_module(self) -> nn.Module:
+        """F as a module ``old (N, d_old) → (N, n)`` (export role ``forward``)."""
+        return self.forward_map
+
+    def materialized_backward(self) -> nn.Linear:
+        """B as a plain ``nn.Linear(d_new → n)`` (export role ``backward``).
+
+        The truncation of the new embedding is folded in as zero columns, and B⊥'s matrix
+        exponential is evaluated once, so the module exports to ONNX as a single Gemm.
+        """
+        with torch.no_grad():
+            matrix = self.backward_weight().detach()
+            linear = nn.Linear(self.d_new, self.n, bias=isinstance(self.backward_map, nn.Linear))
+            linear.to(matrix.device)
+            linear.weight.zero_()
+            linear.weight[:, : self.n] = matrix
+            if linear.bias is not None:
+                linear.bias.copy_(self.backward_map.bias)
+        return linear.eval()
+
+    # --- training ---------------------------------------------------------------------------
+
+    @classmethod
+    def fit(
+        cls,
+        old: np.ndarray,
+        new: np.ndarray,
+        labels: np.ndarray | None = None,
+        config: LambdaOrthConfig | Mapping[str, Any] | None = None,
+    ) -> tuple[LambdaOrthAdapter, History]:
+        """Jointly train F and B on aligned old/new embeddings of the same items.
+
+        ``labels`` (int per row) define the contrastive positives; without them only the same
+        item is positive. The final ``‖WWᵀ − I‖_F`` is recorded in ``metrics``.
+        """
+        config = config_of(cls.config_class, config)
+        old = check_features("old", old)
+        new = check_features("new", new, rows=len(old))
+        arrays = [old, new]
+        if labels is not None:
+            arrays.append(validate_labels(labels, len(old)))
+        torch.manual_seed(config.train.seed)
+        model = cls(config=config, d_old=old.shape[1], d_new=new.shape[1])
+        history = fit(model, arrays, model.loss, config.train, description=f"fit {cls.kind}")
+        model.metrics["orthogonality_error"] = model.orthogonality_error()
+        model.metrics["best_val_loss"] = min(history.val_loss) if history.val_loss else history.train_loss[-1]
+        return model, history
+
+    @staticmethod
+    def loss(model: LambdaOrthAdapter, old: torch.Tensor, new: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        config = model.config
+        forward_old, backward_new = model(old, new)
+        old_target = old[:, : model.n]
+        total = config.w1 * mse_loss(forward_old, backward_new) + config.w2 * mse_loss(backward_new, old_target)
+        if config.w3:
+            contrastive = supervised_contrastive(forward_old, backward_new, labels, config.tau)
+            contrastive = contrastive + supervised_contrastive(forward_old, old_target, labels, config.tau)
+            total = total + config.w3 * contrastive
+        if config.backward == "lambda":
+            total = total + orthogonality_penalty(model.backward_weight(), config.lam, config.alpha)
+        return total

@@ -1,0 +1,82 @@
+"""Losses of the adapter methods: MSE (FCT), heteroscedastic MSE (FastFill), the supervised
+multi-positive contrastive loss and the gated orthogonality penalty (λ-orthogonality).
+
+All reductions are means over the batch so that the loss scale does not depend on the batch size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def mse_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over rows and dimensions of the squared error (FCT's transformation loss)."""
+    return F.mse_loss(prediction, target)
+
+
+def heteroscedastic_mse(prediction: torch.Tensor, target: torch.Tensor, log_variance: torch.Tensor) -> torch.Tensor:
+    """FastFill's Bayesian (heteroscedastic) regression loss, one variance per row.
+
+    Per row ``i`` with ``d`` dimensions and ``s_i = log σ_i²``::
+
+        ℓ_i = ‖h_i − φ_i‖² / (2 σ_i²) + (d / 2) · s_i
+
+    which is the negative log-likelihood of ``φ_i ~ N(h_i, σ_i² I_d)`` up to a constant. The
+    returned value is ``mean_i ℓ_i / d``: dividing by the constant ``d`` keeps the scale of
+    plain MSE (so the same learning rate works) without moving the optimum, where
+    ``σ_i² = ‖h_i − φ_i‖² / d`` — the per-row mean squared error.
+    """
+    log_variance = log_variance.reshape(-1)
+    squared_error = (prediction - target).pow(2).sum(dim=1)
+    dims = prediction.shape[1]
+    per_row = 0.5 * squared_error * torch.exp(-log_variance) + 0.5 * dims * log_variance
+    return per_row.mean() / dims
+
+
+def supervised_contrastive(
+    anchors: torch.Tensor,
+    candidates: torch.Tensor,
+    labels: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """Supervised multi-positive contrastive loss between two aligned views (rows = items).
+
+    Rows are L2-normalised; ``logits[i, j] = <a_i, c_j> / τ``. For anchor ``i`` the positives
+    are every candidate ``j`` with ``labels[j] == labels[i]`` (always including ``j = i``, the
+    same item in the other view); with ``labels=None`` only ``j = i`` is positive (an InfoNCE
+    across the two views; unlike SimCLR's NT-Xent there are no negatives within a view). The loss is the mean over anchors of ``−mean_{j∈P(i)} log softmax_j``,
+    symmetrised over the two directions (anchors→candidates and candidates→anchors).
+    """
+    a = F.normalize(anchors, dim=1)
+    c = F.normalize(candidates, dim=1)
+    logits = a @ c.T / temperature
+    if labels is None:
+        positives = torch.eye(len(a), dtype=torch.bool, device=a.device)
+    else:
+        positives = labels.reshape(-1, 1) == labels.reshape(1, -1)
+    positive_weights = positives.float() / positives.sum(dim=1, keepdim=True)
+
+    def one_direction(scores: torch.Tensor) -> torch.Tensor:
+        return -(positive_weights * F.log_softmax(scores, dim=1)).sum(dim=1).mean()
+
+    # `positives` is symmetric, so the same weights serve the transposed direction.
+    return 0.5 * (one_direction(logits) + one_direction(logits.T))
+
+
+def orthogonality_error(weight: torch.Tensor) -> torch.Tensor:
+    """``‖W Wᵀ − I‖_F``: zero exactly when the rows of ``W`` are orthonormal."""
+    gram = weight @ weight.T
+    identity = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    return torch.linalg.matrix_norm(gram - identity, ord="fro")
+
+
+def orthogonality_penalty(weight: torch.Tensor, lam: float, alpha: float) -> torch.Tensor:
+    """The λ-orthogonality penalty ``sigmoid(α (‖WWᵀ − I‖_F − λ)) · ‖WWᵀ − I‖_F``.
+
+    Below the tolerance ``λ`` the gate is closed (≈ 0 value and gradient for large ``α``), so
+    ``W`` may deviate from orthogonality by up to ``λ`` for free; above it the penalty grows like
+    the deviation itself.
+    """
+    error = orthogonality_error(weight)
+    return torch.sigmoid(alpha * (error - lam)) * error
