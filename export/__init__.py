@@ -1,1 +1,33 @@
-"""fctkit.export — ONNX export with parity checks, TensorRT engines, signed model bundles."""
+"""fctkit.export — ONNX export with parity checks, TensorRT engines, signed model bundles.
+
+Importing this package needs neither torch nor onnx: the names below load their modules on
+first use. Bundles: :func:`build_bundle` (the publishing gate), :func:`check_graphs_load`;
+keys: :func:`generate_keys`, :func:`load_private_key`; ONNX: :func:`export_onnx`,
+:func:`check_parity` (torch); TensorRT: :func:`build_engine`,
+:func:`tensorrt_unavailable_reason`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "ArtifactSource": "bundle",
+    "BundleSpec": "bundle",
+    "build_bundle": "bundle",
+    "check_graphs_load": "bundle",
+    "load_bundle_spec": "bundle",
+    "generate_keys": "keys",
+    "load_private_key": "keys",
+    "save_private_key": "keys",
+    "save_public_key": "keys",
+    "read_passphrase": "keys",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,257 @@
+"""Building, signing and checking model bundles (the format is :mod:`fctkit.protos.bundle`).
+
+:func:`build_bundle` is the publishing gate: it refuses a bundle unless the empirical
+compatibility criterion (ECC) holds for every forward/backward artifact, or an explicit
+override with a reason is given, which the signed manifest then records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from fctkit import __version__
+from fctkit.errors import BundleFormatError, ConfigError, GateError, require
+from fctkit.protos.bundle import (
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    SIGNATURE_FILE,
+    Artifact,
+    Distance,
+    Manifest,
+    Mode,
+    Role,
+    VerifiedBundle,
+    artifact_name,
+    file_sha256,
+    gate_failures,
+    public_key_id,
+    staged_directory,
+    verify_bundle,
+)
+
+from .onnx_graph import graph_io_specs, graph_precision, load_onnx_model
+
+
+@dataclass(frozen=True)
+class ArtifactSource:
+    """An ONNX file to put into a bundle, and what it is.
+
+    ``name`` defaults to :func:`~fctkit.protos.bundle.artifact_name` (``embed``,
+    ``forward_1_to_2``, …), the key under which the gate records ECC."""
+
+    file: Path
+    role: Role
+    source_version: int | None = None
+    target_version: int | None = None
+    name: str | None = None
+
+    @property
+    def artifact_name(self) -> str:
+        return self.name or artifact_name(self.role, self.source_version, self.target_version)
+
+
+def build_bundle(
+    out_dir: str | os.PathLike,
+    *,
+    version: int,
+    parents: Sequence[int],
+    mode: Mode,
+    distance: Distance,
+    normalize: bool,
+    artifacts: Sequence[ArtifactSource],
+    gate: Mapping[str, Any],
+    private_key: Ed25519PrivateKey,
+    force: bool = False,
+    force_reason: str | None = None,
+) -> VerifiedBundle:
+    """Copy the ONNX files into a new bundle directory ``out_dir``, describe them in a
+    manifest, sign it, and return the bundle verified as a device would verify it.
+
+    ``gate`` is ``{"cases": {case: {metric: value}}, "ecc": {artifact name: bool}}`` from the
+    trainer's report. Unless ECC is true for every forward/backward artifact this raises
+    :class:`GateError`; ``force=True`` with a ``force_reason`` publishes anyway and records
+    ``"forced": true`` and the reason in the signed manifest. ``out_dir`` appears only when
+    everything succeeded (written to a temporary directory, fsynced, renamed)."""
+    cases, ecc = _gate_tables(gate)
+    if force and not (force_reason and force_reason.strip()):
+        raise GateError("--force needs a reason (--reason '...'): the override is recorded in the signed manifest")
+    with staged_directory(out_dir) as staging:
+        described = tuple(_copy_and_describe(source, staging) for source in artifacts)
+        failures = gate_failures(described, ecc)
+        if failures and not force:
+            raise GateError(
+                f"publishing refused: ECC (M(new, h(old)) > M(old, old)) is not recorded as holding for "
+                f"{', '.join(failures)}; fix the adapters, or pass --force --reason '...' to override on the record"
+            )
+        manifest = Manifest(
+            format_version=FORMAT_VERSION,
+            version=version,
+            parents=tuple(parents),
+            mode=mode,
+            distance=distance,
+            normalize=normalize,
+            embedding_dim=_output_dim(described, "embed"),
+            side_info_dim=_output_dim(described, "side_info"),
+            artifacts=described,
+            gate={"cases": cases, "ecc": ecc, "forced": bool(failures), "force_reason": force_reason if failures else None},
+            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            kit_version=__version__,
+            publisher_key_id=public_key_id(private_key.public_key()),
+        )
+        manifest_bytes = manifest.canonical_bytes()
+        (staging / MANIFEST_FILE).write_bytes(manifest_bytes)
+        (staging / SIGNATURE_FILE).write_bytes(private_key.sign(manifest_bytes))
+    return verify_bundle(out_dir, private_key.public_key())
+
+
+def _gate_tables(gate: Mapping[str, Any]) -> tuple[dict, dict]:
+    if not isinstance(gate, Mapping):
+        raise GateError(f"the gate must be a table with 'cases' and 'ecc', got {type(gate).__name__}")
+    unknown = sorted(set(gate) - {"cases", "ecc"})
+    if unknown:
+        raise GateError(
+            f"the gate has unknown key(s) {', '.join(unknown)}; it holds only 'cases' and 'ecc' "
+            "(the override is recorded from --force/--reason, not from the gate file)"
+        )
+    cases, ecc = gate.get("cases", {}), gate.get("ecc", {})
+    if not isinstance(cases, Mapping) or not isinstance(ecc, Mapping):
+        raise GateError("gate 'cases' and 'ecc' must be tables")
+    # A JSON round trip makes the tables plain JSON values, exactly as they will be signed.
+    return json.loads(json.dumps(dict(cases))), json.loads(json.dumps(dict(ecc)))
+
+
+def _copy_and_describe(source: ArtifactSource, staging: Path) -> Artifact:
+    name = source.artifact_name
+    src = Path(source.file)
+    if not src.is_file():
+        raise BundleFormatError(f"artifact {name!r}: ONNX file {src} does not exist")
+    file_name = f"{name}.onnx"
+    copy = staging / file_name
+    if copy.exists():
+        raise BundleFormatError(f"two artifacts are both named {name!r}: give one a distinct name")
+    shutil.copyfile(src, copy)
+    # Describe the copy, not the source, so the manifest matches exactly the bytes bundled.
+    model = load_onnx_model(copy)
+    inputs, outputs = graph_io_specs(model)
+    sha256, size = file_sha256(copy)
+    return Artifact(
+        name=name,
+        role=source.role,
+        file=file_name,
+        sha256=sha256,
+        size=size,
+        inputs=inputs,
+        outputs=outputs,
+        source_version=source.source_version,
+        target_version=source.target_version,
+        precision=graph_precision(model),
+    )
+
+
+def _output_dim(artifacts: Sequence[Artifact], role: str) -> int:
+    matches = [a for a in artifacts if a.role == role]
+    return matches[0].outputs[0].feature_dim if matches else 0
+
+
+# --------------------------------------------------------------------------- ONNX Runtime check
+
+_ORT_TYPES = {
+    "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
+    "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8", "tensor(uint8)": "uint8",
+    "tensor(bool)": "bool",
+}
+
+
+def check_graphs_load(bundle: VerifiedBundle) -> dict[str, list[str]]:
+    """Load every artifact of a verified bundle in an ONNX Runtime session (from the
+    re-verified bytes) and check its input/output names, dims and dtypes against the
+    manifest. Returns the execution providers each session uses."""
+    ort = require("onnxruntime", "cpu")
+    providers: dict[str, list[str]] = {}
+    for artifact in bundle.manifest.artifacts:
+        try:
+            session = ort.InferenceSession(bundle.read_artifact(artifact), providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own non-exported exception types
+            raise BundleFormatError(f"artifact {artifact.name!r} does not load in ONNX Runtime: {exc}") from exc
+        for kind, declared, actual in (
+            ("inputs", artifact.inputs, session.get_inputs()),
+            ("outputs", artifact.outputs, session.get_outputs()),
+        ):
+            found = tuple(_ort_spec(node) for node in actual)
+            expected = tuple((s.name, s.shape, s.dtype) for s in declared)
+            if found != expected:
+                raise BundleFormatError(
+                    f"artifact {artifact.name!r}: graph {kind} {_describe(found)} differ from the manifest's "
+                    f"{_describe(expected)}; rebuild the bundle"
+                )
+        providers[artifact.name] = session.get_providers()
+    return providers
+
+
+def _ort_spec(node: Any) -> tuple[str, tuple, str]:
+    shape = tuple(d if isinstance(d, int) else None for d in node.shape)
+    return node.name, shape, _ORT_TYPES.get(node.type, node.type)
+
+
+def _describe(specs: Sequence[tuple[str, tuple, str]]) -> str:
+    return "[" + ", ".join(f"{name}{list(shape)}:{dtype}" for name, shape, dtype in specs) + "]"
+
+
+# --------------------------------------------------------------------------- build spec (TOML)
+
+
+@dataclass(frozen=True)
+class BundleSpec:
+    """The TOML spec of ``fctkit bundle build``; relative paths resolve against the spec's folder."""
+
+    version: int
+    mode: Mode
+    distance: Literal["l2", "cosine"]
+    normalize: bool
+    artifact: tuple[ArtifactSource, ...]
+    parents: tuple[int, ...] = ()
+    gate: Path | None = None
+
+    def resolved(self, base: Path) -> BundleSpec:
+        return BundleSpec(
+            version=self.version,
+            mode=self.mode,
+            distance=self.distance,
+            normalize=self.normalize,
+            artifact=tuple(
+                ArtifactSource(base / a.file, a.role, a.source_version, a.target_version, a.name) for a in self.artifact
+            ),
+            parents=self.parents,
+            gate=None if self.gate is None else base / self.gate,
+        )
+
+
+def load_bundle_spec(path: str | os.PathLike) -> tuple[BundleSpec, dict]:
+    """Read a build spec and its gate JSON (``{"cases": …, "ecc": …}``; empty when absent)."""
+    from fctkit.config import from_mapping, load_toml
+
+    path = Path(path)
+    spec = from_mapping(BundleSpec, load_toml(path), where=path.name).resolved(path.parent)
+    if not spec.artifact:
+        raise ConfigError(f"{path}: no [[artifact]] tables; a bundle needs at least its embed model")
+    if spec.gate is None:
+        return spec, {"cases": {}, "ecc": {}}
+    try:
+        gate = json.loads(spec.gate.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: gate file {spec.gate} does not exist") from exc
+    except ValueError as exc:
+        raise ConfigError(f"{path}: gate file {spec.gate} is not valid JSON: {exc}") from exc
+    return spec, gate
+
+
+__all__ = ["ArtifactSource", "BundleSpec", "build_bundle", "check_graphs_load", "load_bundle_spec"]

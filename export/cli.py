@@ -1,0 +1,110 @@
+"""`fctkit keys …` and `fctkit bundle …`. `bundle verify` needs neither torch nor onnx:
+it runs on a device with the core install plus onnxruntime."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import click
+
+from fctkit.protos.bundle import VerifiedBundle, pack_bundle, unpack_bundle, verify_bundle
+
+from .keys import PASSPHRASE_ENV, generate_keys, load_private_key, public_key_id, read_passphrase
+
+_PASSPHRASE_HELP = f"file holding the key passphrase (or set ${PASSPHRASE_ENV}); never a plain argument"
+
+
+@click.group("keys")
+def keys_command() -> None:
+    """Publisher signing keys (Ed25519)."""
+
+
+@keys_command.command("generate")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="folder for publisher.key (mode 0600) and publisher.pub")
+@click.option("--passphrase-file", type=click.Path(dir_okay=False, path_type=Path), help=_PASSPHRASE_HELP)
+def generate_command(out_dir: Path, passphrase_file: Path | None) -> None:
+    """Create a publisher key pair; devices pin publisher.pub."""
+    passphrase = read_passphrase(passphrase_file)
+    private_path, public_path = generate_keys(out_dir, passphrase)
+    key_id = public_key_id(load_private_key(private_path, passphrase).public_key())
+    state = "passphrase-encrypted" if passphrase else "unencrypted"
+    click.echo(f"private key: {private_path} (0600, {state})\npublic key:  {public_path}\nkey id:      {key_id}")
+
+
+@click.group("bundle")
+def bundle_command() -> None:
+    """Build, verify and pack signed model bundles."""
+
+
+@bundle_command.command("build")
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--key", "key_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="publisher private key (publisher.key)")
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="new bundle folder (must not exist)")
+@click.option("--passphrase-file", type=click.Path(dir_okay=False, path_type=Path), help=_PASSPHRASE_HELP)
+@click.option("--archive", type=click.Path(dir_okay=False, path_type=Path), help="also pack the bundle into this .tar")
+@click.option("--force", is_flag=True, help="publish although the ECC gate fails (recorded in the signed manifest)")
+@click.option("--reason", help="why the gate is overridden; required with --force")
+def build_command(spec: Path, key_path: Path, out_dir: Path, passphrase_file: Path | None,
+                  archive: Path | None, force: bool, reason: str | None) -> None:
+    """Build and sign a bundle from a TOML SPEC (version, parents, mode, distance,
+    normalize, optional gate JSON, and [[artifact]] tables with file/role/source_version/
+    target_version)."""
+    from .bundle import build_bundle, load_bundle_spec
+
+    bundle_spec, gate = load_bundle_spec(spec)
+    private_key = load_private_key(key_path, read_passphrase(passphrase_file))
+    bundle = build_bundle(
+        out_dir, version=bundle_spec.version, parents=bundle_spec.parents, mode=bundle_spec.mode,
+        distance=bundle_spec.distance, normalize=bundle_spec.normalize, artifacts=bundle_spec.artifact,
+        gate=gate, private_key=private_key, force=force, force_reason=reason,
+    )
+    _echo_summary(bundle)
+    if archive is not None:
+        click.echo(f"archive: {pack_bundle(bundle.root, archive)}")
+
+
+@bundle_command.command("verify")
+@click.argument("bundle", type=click.Path(exists=True, path_type=Path))
+@click.option("--public-key", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="the pinned publisher public key (publisher.pub)")
+@click.option("--installed-version", type=click.IntRange(min=0),
+              help="refuse the bundle unless its version is newer than this")
+def verify_command(bundle: Path, public_key: Path, installed_version: int | None) -> None:
+    """Verify a bundle folder or .tar archive: signature, every hash and size, dims,
+    version monotonicity, and that every graph loads in ONNX Runtime with the declared
+    input/output names and dims."""
+    from .bundle import check_graphs_load
+
+    with tempfile.TemporaryDirectory(prefix="fctkit-verify-") as scratch:
+        root = bundle if bundle.is_dir() else unpack_bundle(bundle, Path(scratch) / "bundle")
+        verified = verify_bundle(root, public_key, installed_version=installed_version)
+        providers = check_graphs_load(verified)
+        _echo_summary(verified)
+        click.echo(f"onnxruntime: {len(providers)} graph(s) load with the declared inputs/outputs")
+
+
+@bundle_command.command("pack")
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("archive", type=click.Path(dir_okay=False, path_type=Path))
+def pack_command(bundle: Path, archive: Path) -> None:
+    """Pack a bundle folder into a deterministic .tar ARCHIVE."""
+    click.echo(f"archive: {pack_bundle(bundle, archive)}")
+
+
+def _echo_summary(bundle: VerifiedBundle) -> None:
+    m = bundle.manifest
+    parents = ", ".join(f"v{p}" for p in m.parents) or "none"
+    click.echo(f"OK bundle v{m.version} (parents {parents}) at {bundle.root}")
+    click.echo(f"mode {m.mode}, distance {m.distance}, normalize {str(m.normalize).lower()}, "
+               f"embedding_dim {m.embedding_dim}, side_info_dim {m.side_info_dim}")
+    click.echo(f"publisher key id {m.publisher_key_id}")
+    for a in m.artifacts:
+        hop = f" v{a.source_version}->v{a.target_version}" if a.source_version is not None else ""
+        dims = ", ".join(f"{s.name}{list(s.shape)}" for s in a.inputs) + " -> " + ", ".join(
+            f"{s.name}{list(s.shape)}" for s in a.outputs)
+        click.echo(f"  {a.name:<22} {a.role}{hop} {a.precision} {a.size} B  {dims}")
+    if m.gate["forced"]:
+        click.echo(f"WARNING gate overridden (forced): {m.gate['force_reason']}")
