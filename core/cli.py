@@ -13,6 +13,8 @@ from fctkit.errors import FctkitError
 
 # name -> ("module", "attribute", "one-line help"). Parts register here when they add commands.
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "keys": ("fctkit.export.cli", "keys_command", "Generate the publisher's Ed25519 signing key pair."),
+    "bundle": ("fctkit.export.cli", "bundle_command", "Build, verify and pack signed model bundles."),
     "eval": ("fctkit.trainer.cli", "eval_command", "Evaluate retrieval between query and gallery .npz embeddings."),
 }
 
