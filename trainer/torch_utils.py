@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import random
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from fctkit.errors import ConfigError
+from fctkit.errors import ConfigError, DataUnavailableError, InputError
 
 DeviceName = Literal["auto", "cpu", "cuda"]
 
@@ -56,3 +58,56 @@ def predict(module: torch.nn.Module, *inputs: np.ndarray, batch_size: int = 1024
     if not outputs:
         return np.zeros((0,), dtype=np.float32)
     return np.concatenate(outputs).astype(np.float32, copy=False)
+
+
+CHECKPOINT_VERSION = 1
+
+
+def save_checkpoint(path: str | Path, kind: str, state_dict: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+    """Write weights plus JSON-like metadata (config, classes, ...) atomically to one file.
+
+    ``kind`` names what the file holds (e.g. ``fctkit.backbone``) so that loading a file of
+    another kind fails clearly. Only tensors and plain values are stored: the file loads with
+    ``torch.load(weights_only=True)``, never unpickling code.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "kind": kind,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "meta": meta,
+        "state_dict": {k: v.detach().cpu() for k, v in state_dict.items()},
+    }
+    partial = path.with_name(path.name + ".partial")
+    torch.save(payload, partial)
+    os.replace(partial, path)
+    return path
+
+
+def load_checkpoint(path: str | Path, kind: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Read a file written by :func:`save_checkpoint`; return ``(state_dict, meta)``."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataUnavailableError(f"model file not found: {path}")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for truncated/foreign files
+        raise InputError(f"{path}: not a readable fctkit model file ({type(exc).__name__}: {exc}); "
+                         f"the file is truncated or damaged, re-save it") from exc
+    if not isinstance(payload, dict) or payload.get("kind") != kind:
+        found = payload.get("kind") if isinstance(payload, dict) else type(payload).__name__
+        raise InputError(f"{path}: holds {found!r}, expected a {kind!r} file")
+    if payload.get("checkpoint_version") != CHECKPOINT_VERSION:
+        raise InputError(f"{path}: checkpoint version {payload.get('checkpoint_version')!r} is not supported "
+                         f"(this fctkit reads version {CHECKPOINT_VERSION})")
+    if not isinstance(payload.get("state_dict"), dict) or not isinstance(payload.get("meta"), dict):
+        raise InputError(f"{path}: incomplete model file (no weights or metadata); re-save it")
+    return payload["state_dict"], payload["meta"]
+
+
+def load_state(module: torch.nn.Module, state_dict: dict[str, torch.Tensor], where: str) -> None:
+    """``module.load_state_dict`` with a kit error when the weights do not fit the module."""
+    try:
+        module.load_state_dict(state_dict)
+    except RuntimeError as exc:
+        raise InputError(f"{where}: the weights do not fit the saved config ({exc}); the file is damaged") from exc
