@@ -1,0 +1,85 @@
+"""Trainer commands of the `fctkit` CLI (registered in :data:`fctkit.cli.SUBCOMMANDS`)."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import click
+import numpy as np
+
+from fctkit.errors import DataUnavailableError, InputError
+
+
+def load_embeddings_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """Read ``embeddings`` (items x dims) and ``labels`` (items) from an .npz file."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataUnavailableError(f"{path}: no such file; give an .npz with arrays 'embeddings' and 'labels'")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            missing = [key for key in ("embeddings", "labels") if key not in data.files]
+            if missing:
+                raise InputError(
+                    f"{path}: missing array(s) {', '.join(missing)} (has: {', '.join(data.files) or 'none'}); "
+                    "save with np.savez(path, embeddings=X, labels=y)"
+                )
+            return data["embeddings"], data["labels"]
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+        if isinstance(exc, InputError):
+            raise
+        raise InputError(f"{path}: not a readable .npz file ({exc}); it may be truncated or not saved by np.savez") from exc
+
+
+def _parse_topk(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        ks = tuple(int(part) for part in value.split(",") if part.strip())
+    except ValueError as exc:
+        raise click.BadParameter(f"expected comma-separated integers like 1,5,10; got {value!r}") from exc
+    if not ks or min(ks) < 1:
+        raise click.BadParameter(f"every k must be >= 1; got {value!r}")
+    return ks
+
+
+@click.command("eval")
+@click.option("--query", "query_path", required=True, type=click.Path(path_type=Path), help="Query .npz (embeddings, labels).")
+@click.option(
+    "--gallery", "gallery_path", type=click.Path(path_type=Path),
+    help="Gallery .npz; omitted: the query set is its own gallery with leave-one-out.",
+)
+@click.option("--distance", type=click.Choice(["l2", "cosine"]), default="l2", show_default=True)
+@click.option("--topk", default="1,5", show_default=True, callback=_parse_topk, help="Comma-separated CMC ks.")
+@click.option("--leave-one-out", is_flag=True, help="Query i and gallery i are the same item: exclude it.")
+@click.option("--chunk-size", default=1024, show_default=True, type=click.IntRange(min=1), help="Queries per chunk (memory ~ chunk x gallery x 8 bytes).")
+@click.option("--name", "case_name", default=None, help="Case name in the report (default: QUERY/GALLERY file stems).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), help="Write report.md/json/png here.")
+def eval_command(
+    query_path: Path,
+    gallery_path: Path | None,
+    distance: str,
+    topk: tuple[int, ...],
+    leave_one_out: bool,
+    chunk_size: int,
+    case_name: str | None,
+    out_dir: Path | None,
+) -> None:
+    """Evaluate retrieval (CMC top-k, mAP@1.0) of query embeddings against a gallery."""
+    from .evaluation import evaluate_retrieval
+    from .report import Report
+
+    query, query_labels = load_embeddings_npz(query_path)
+    if gallery_path is None:
+        gallery, gallery_labels, leave_one_out = query, query_labels, True
+    else:
+        gallery, gallery_labels = load_embeddings_npz(gallery_path)
+    result = evaluate_retrieval(
+        query, query_labels, gallery, gallery_labels, distance=distance, topk=topk,
+        leave_one_out=leave_one_out, chunk_size=chunk_size, progress=True,
+    )
+    name = case_name or f"{query_path.stem}/{(gallery_path or query_path).stem}"
+    report = Report(f"Retrieval evaluation ({distance}{', leave-one-out' if leave_one_out else ''})")
+    report.add_case(name, result)
+    click.echo(report.to_markdown())
+    if out_dir is not None:
+        for path in report.save(out_dir).values():
+            click.echo(f"wrote {path}")
