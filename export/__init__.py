@@ -23,6 +23,17 @@ _LAZY = {
     "save_private_key": "keys",
     "save_public_key": "keys",
     "read_passphrase": "keys",
+    "ExportResult": "onnx_export",
+    "InputSpec": "onnx_export",
+    "ParityReport": "onnx_export",
+    "export_onnx": "onnx_export",
+    "check_parity": "onnx_export",
+    "run_onnx": "onnx_export",
+    "EngineResult": "tensorrt",
+    "TensorRTRunner": "tensorrt",
+    "build_engine": "tensorrt",
+    "check_engine_parity": "tensorrt",
+    "tensorrt_unavailable_reason": "tensorrt",
 }
 __all__ = sorted(_LAZY)
 
