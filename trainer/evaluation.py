@@ -489,9 +489,15 @@ class BackfillCurve:
     fractions: np.ndarray
     values: np.ndarray
     area: float
+    metric: str = "top1"
 
     def to_dict(self) -> dict:
-        return {"fractions": self.fractions.tolist(), "values": self.values.tolist(), "area": self.area}
+        return {
+            "fractions": self.fractions.tolist(),
+            "values": self.values.tolist(),
+            "area": self.area,
+            "metric": self.metric,
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> BackfillCurve:
@@ -499,6 +505,7 @@ class BackfillCurve:
             fractions=np.asarray(data["fractions"], dtype=float),
             values=np.asarray(data["values"], dtype=float),
             area=float(data["area"]),
+            metric=str(data.get("metric", "top1")),
         )
 
 
@@ -548,4 +555,4 @@ def backfill_curve(
         )
         values[s] = metric_value(result, metric)
     area = float(np.sum((values[1:] + values[:-1]) / 2 * np.diff(fractions)))
-    return BackfillCurve(fractions=fractions, values=values, area=area)
+    return BackfillCurve(fractions=fractions, values=values, area=area, metric=metric)

@@ -136,21 +136,21 @@ class Report:
         if self.cases:
             parts.append("## Retrieval\n\n" + self._cases_markdown())
         if self.verdicts:
-            rows = [f"| {v.name} | {'PASS' if v.passed else 'FAIL'} | {v.detail} |" for v in self.verdicts]
+            rows = [f"| {_cell(v.name)} | {'PASS' if v.passed else 'FAIL'} | {_cell(v.detail)} |" for v in self.verdicts]
             parts.append("## Verdicts\n\n| check | verdict | detail |\n|---|---|---|\n" + "\n".join(rows))
         if self.backfill_curves:
             parts.append("## Backfill\n\n" + self._backfill_markdown())
         if self.compatibility is not None:
             parts.append("## Compatibility matrix\n\n" + self.compatibility.to_markdown(self.compatibility_names))
         if self.facts:
-            rows = [f"| {k} | {_format_fact(v)} |" for k, v in self.facts.items()]
+            rows = [f"| {_cell(k)} | {_cell(_format_fact(v))} |" for k, v in self.facts.items()]
             parts.append("## Facts\n\n| fact | value |\n|---|---|\n" + "\n".join(rows))
         return "\n\n".join(parts) + "\n"
 
     def _cases_markdown(self) -> str:
         ks = self.topk()
         extra_keys = list(dict.fromkeys(k for c in self.cases.values() for k in c.extra))
-        header = ["case", *(f"top-{k}" for k in ks), "mAP@1.0", "queries", "skipped", *extra_keys]
+        header = ["case", *(f"top-{k}" for k in ks), "mAP@1.0", "queries", "skipped", *map(_cell, extra_keys)]
         lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
         for case in self.cases.values():
             cells = [case.name]
@@ -159,7 +159,7 @@ class Report:
                 cells.append("–" if ours is None else _with_reference(ours, case.reference.get(f"top{k}")))
             cells.append(_with_reference(case.result.mean_ap, case.reference.get("mean_ap")))
             cells += [str(case.result.n_queries), str(case.result.n_skipped)]
-            cells += [_format_fact(case.extra.get(key, "")) for key in extra_keys]
+            cells += [_cell(_format_fact(case.extra.get(key, ""))) for key in extra_keys]
             lines.append("| " + " | ".join(cells) + " |")
         unshown = sorted({m for c in self.cases.values() for m in c.reference} - {f"top{k}" for k in ks} - {"mean_ap"})
         if unshown:
@@ -169,10 +169,12 @@ class Report:
         return "\n".join(lines)
 
     def _backfill_markdown(self) -> str:
-        lines = ["| ordering | area M~ | at 0 | at 1 | curve |", "|---|---|---|---|---|"]
+        lines = ["| ordering | metric | area M~ | at 0 | at 1 | curve |", "|---|---|---|---|---|---|"]
         for name, curve in self.backfill_curves.items():
             points = ", ".join(f"{v:.3f}" for v in curve.values)
-            lines.append(f"| {name} | {curve.area:.4f} | {curve.values[0]:.4f} | {curve.values[-1]:.4f} | {points} |")
+            lines.append(
+                f"| {name} | {curve.metric} | {curve.area:.4f} | {curve.values[0]:.4f} | {curve.values[-1]:.4f} | {points} |"
+            )
         return "\n".join(lines)
 
     def to_json(self) -> dict:
@@ -246,7 +248,8 @@ class Report:
             bf_ax = axes[1]
             for name, curve in self.backfill_curves.items():
                 bf_ax.plot(curve.fractions, curve.values, marker=".", label=f"{name} (M~ {curve.area:.3f})")
-            bf_ax.set(xlabel="fraction of gallery backfilled", ylabel="metric", title="Backfill", xlim=(0, 1))
+            metrics = ", ".join(dict.fromkeys(c.metric for c in self.backfill_curves.values()))
+            bf_ax.set(xlabel="fraction of gallery backfilled", ylabel=metrics, title="Backfill", xlim=(0, 1))
             bf_ax.legend(fontsize="small")
         path = Path(path)
         fig.savefig(path, dpi=100, format="png")
@@ -262,6 +265,11 @@ def _cmc_points(result: RetrievalResult) -> tuple[list[int], list[float]]:
 
 def _with_reference(ours: float, reference: float | None) -> str:
     return f"{ours:.4f}" if reference is None else f"{ours:.4f} ({reference:.4f})"
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a markdown table cell."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def _format_fact(value: Any) -> str:

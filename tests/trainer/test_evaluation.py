@@ -315,6 +315,7 @@ def test_backfill_curve_endpoints_and_area():
                             leave_one_out=True)
     assert by_map.values.tolist() == [at(adapted, "mean_ap"), at(backfilled, "mean_ap")]
     assert by_map.area == pytest.approx(by_map.values.mean(), abs=1e-15)
+    assert (curve.metric, by_map.metric) == ("top1", "mean_ap")
     assert BackfillCurve.from_dict(json.loads(json.dumps(curve.to_dict()))).area == curve.area
 
 
