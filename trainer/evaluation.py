@@ -270,7 +270,7 @@ def _positive_ranks(row: np.ndarray, pos: np.ndarray) -> np.ndarray:
     equal keys is the gallery index.
     """
     d_pos = np.sort(row[pos])
-    candidates = row[row <= d_pos[-1]]
+    candidates = np.compress(row <= d_pos[-1], row)  # several times faster than row[mask] here
     candidates.sort()
     before = np.searchsorted(candidates, d_pos, side="left")  # sorted keys: numpy reuses each hit
     following = before + 1
