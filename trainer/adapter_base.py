@@ -1,11 +1,8 @@
-"""What every adapter shares: input validation, the ``kind`` registry, and one-file save/load.
+"""What every adapter shares: the ``kind`` registry and one-file save/load.
 
-An adapter file is ``torch.save`` of a plain dict::
-
-    {"format": "fctkit-adapter", "format_version": 1, "kind": str,
-     "config": {...}, "dims": {...}, "state_dict": {...}, "metrics": {...}}
-
-``dims`` are the constructor's keyword arguments besides the config, so :func:`load_adapter`
+An adapter file is a :func:`fctkit.trainer.torch_utils.save_checkpoint` file of kind
+``fctkit.adapter`` whose metadata holds ``adapter_kind``, ``config``, ``dims`` (the
+constructor's keyword arguments besides the config) and ``metrics``, so :func:`load_adapter`
 rebuilds any adapter from its file without the caller knowing the class.
 """
 
@@ -22,10 +19,9 @@ import torch
 from fctkit.config import from_mapping, to_mapping
 from fctkit.errors import ConfigError, InputError
 
-from .torch_utils import predict
+from .torch_utils import load_checkpoint, load_state, predict, save_checkpoint
 
-FILE_FORMAT = "fctkit-adapter"
-FILE_FORMAT_VERSION = 1
+CHECKPOINT_KIND = "fctkit.adapter"
 # Modules that define adapter kinds; imported by load_adapter so that every kind is registered.
 _ADAPTER_MODULES = ("adapters", "lambda_orth", "closed_form")
 _REGISTRY: dict[str, type[Adapter]] = {}
@@ -68,20 +64,14 @@ class Adapter(torch.nn.Module):
         return predict(module, *inputs, device=self.device)
 
     def save(self, path: str | Path) -> Path:
-        """Write weights, config, dims and metrics to one file; returns the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "format": FILE_FORMAT,
-            "format_version": FILE_FORMAT_VERSION,
-            "kind": self.kind,
+        """Write weights, config, dims and metrics to one file (atomically); returns the path."""
+        meta = {
+            "adapter_kind": self.kind,
             "config": to_mapping(self.config),
             "dims": dict(self.dims()),
-            "state_dict": {k: v.detach().cpu() for k, v in self.state_dict().items()},
             "metrics": {k: float(v) for k, v in self.metrics.items()},
         }
-        torch.save(payload, path)
-        return path
+        return save_checkpoint(path, CHECKPOINT_KIND, self.state_dict(), meta)
 
     @classmethod
     def load(cls, path: str | Path) -> Adapter:
@@ -101,29 +91,20 @@ def adapter_kinds() -> dict[str, type[Adapter]]:
 
 def load_adapter(path: str | Path) -> Adapter:
     """Rebuild whichever adapter ``path`` holds (CPU, eval mode)."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"adapter file not found: {path}")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for truncated or foreign files
-        raise InputError(f"{path}: not a readable adapter file ({type(exc).__name__}: {exc}); re-create it with Adapter.save") from exc
-    expected = {"format", "format_version", "kind", "config", "dims", "state_dict", "metrics"}
-    if not isinstance(payload, dict) or payload.get("format") != FILE_FORMAT or set(payload) != expected:
-        raise InputError(f"{path}: not a fctkit adapter file (wrong format tag or keys); re-create it with Adapter.save")
-    if payload["format_version"] != FILE_FORMAT_VERSION:
-        raise InputError(f"{path}: adapter file format {payload['format_version']} is not supported (this kit reads {FILE_FORMAT_VERSION})")
+    state_dict, meta = load_checkpoint(path, CHECKPOINT_KIND)
+    if set(meta) != {"adapter_kind", "config", "dims", "metrics"}:
+        raise InputError(f"{path}: incomplete adapter file (metadata keys {sorted(meta)}); re-create it with Adapter.save")
     kinds = adapter_kinds()
-    cls = kinds.get(payload["kind"])
+    cls = kinds.get(meta["adapter_kind"])
     if cls is None:
-        raise InputError(f"{path}: unknown adapter kind {payload['kind']!r}; known: {', '.join(sorted(kinds))}")
+        raise InputError(f"{path}: unknown adapter kind {meta['adapter_kind']!r}; known: {', '.join(sorted(kinds))}")
     try:
-        config = from_mapping(cls.config_class, payload["config"], where=f"{path}:config")
-        adapter = cls(config=config, **payload["dims"])
-        adapter.load_state_dict(payload["state_dict"], strict=True)
-    except (ConfigError, TypeError, RuntimeError, ValueError) as exc:
-        raise InputError(f"{path}: adapter file does not match its {payload['kind']!r} definition: {exc}") from exc
-    adapter.metrics = dict(payload["metrics"])
+        config = from_mapping(cls.config_class, meta["config"], where=f"{path}:config")
+        adapter = cls(config=config, **meta["dims"])
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise InputError(f"{path}: adapter file does not match its {meta['adapter_kind']!r} definition: {exc}") from exc
+    load_state(adapter, state_dict, str(path))
+    adapter.metrics = dict(meta["metrics"])
     return adapter.eval()
 
 

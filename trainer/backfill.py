@@ -52,7 +52,8 @@ def backfill_order(
         return np.random.default_rng(seed).permutation(len(embeddings)).astype(np.int64)
     metric = "cosine" if kind == "class-mean-cosine" else "l2"
     if kind == "kmeans" or labels is None:
-        groups = kmeans(embeddings, n_clusters or default_clusters(len(embeddings)), seed)
+        clusters = default_clusters(len(embeddings)) if n_clusters is None else n_clusters
+        groups = kmeans(embeddings, clusters, seed)
     else:
         groups = validate_labels(labels, len(embeddings), "labels")
     return _descending(distance_to_group_mean(embeddings, groups, metric))

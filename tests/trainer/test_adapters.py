@@ -7,12 +7,13 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from fctkit.errors import ConfigError, InputError
+from fctkit.errors import ConfigError, DataUnavailableError, InputError
 from fctkit.trainer.adapter_base import Adapter, adapter_kinds, load_adapter
 from fctkit.trainer.adapters import FastFillAdapter, FCTAdapter
 from fctkit.trainer.closed_form import ClosedFormAdapter
 from fctkit.trainer.evaluation import evaluate_retrieval
 from fctkit.trainer.lambda_orth import LambdaOrthAdapter
+from fctkit.trainer.losses import heteroscedastic_mse
 
 
 def small_config(side_info: bool = True, epochs: int = 15, seed: int = 0, **extra) -> dict:
@@ -122,6 +123,17 @@ def test_fastfill_sigma_follows_the_actual_error():
     assert not adapter.training  # computing σ leaves the adapter in eval mode
 
 
+def test_heteroscedastic_loss_is_minimal_where_sigma_squared_is_the_row_mse():
+    torch.manual_seed(0)
+    prediction, target = torch.randn(5, 7), torch.randn(5, 7)
+    row_mse = (prediction - target).pow(2).mean(dim=1)
+    log_variance = torch.log(row_mse).requires_grad_()
+    heteroscedastic_mse(prediction, target, log_variance).backward()
+    assert log_variance.grad.abs().max() < 1e-6
+    for shift in (-0.3, 0.3):
+        assert heteroscedastic_mse(prediction, target, log_variance.detach() + shift) > heteroscedastic_mse(prediction, target, log_variance.detach())
+
+
 def test_fastfill_discriminative_term_uses_the_frozen_classifier(digits_views):
     d = digits_views
     torch.manual_seed(0)
@@ -182,24 +194,28 @@ def test_save_load_round_trip_gives_identical_outputs_for_every_kind(tmp_path):
         assert isinstance(type(adapter).load(path), type(adapter))
 
 
-def test_loading_bad_files_raises_input_error(tmp_path):
+def test_loading_bad_files_raises_kit_errors(tmp_path):
     adapter = ClosedFormAdapter.fit(np.eye(4, dtype=np.float32), np.eye(4, dtype=np.float32))[0]
     good = adapter.save(tmp_path / "good.pt")
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(good.read_bytes()[:200])
     foreign = tmp_path / "foreign.pt"
     torch.save({"weights": torch.zeros(3)}, foreign)
-    for path, message in [(truncated, "not a readable adapter file"), (foreign, "not a fctkit adapter file"),
-                          (tmp_path / "missing.pt", "not found")]:
+    for path, message in [(truncated, "not a readable"), (foreign, "expected a 'fctkit.adapter' file")]:
         with pytest.raises(InputError, match=message):
             load_adapter(path)
+    with pytest.raises(DataUnavailableError, match="not found"):
+        load_adapter(tmp_path / "missing.pt")
     with pytest.raises(InputError, match="holds a 'closed_form' adapter"):
         FCTAdapter.load(good)
-    payload = torch.load(good, weights_only=True)
-    payload["dims"]["d_new"] = 5  # weights no longer fit the declared dims
-    torch.save(payload, tmp_path / "tampered.pt")
-    with pytest.raises(InputError, match="does not match"):
-        load_adapter(tmp_path / "tampered.pt")
+    for key, value, message in [("dims", {"d_old": 4, "d_new": 5}, "do not fit"),
+                                ("adapter_kind", "nope", "unknown adapter kind"),
+                                ("config", {"method": "qr"}, "does not match")]:
+        payload = torch.load(good, weights_only=True)
+        payload["meta"][key] = value
+        torch.save(payload, tmp_path / "tampered.pt")
+        with pytest.raises(InputError, match=message):
+            load_adapter(tmp_path / "tampered.pt")
 
 
 def test_bad_inputs_raise_input_error():
