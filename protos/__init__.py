@@ -4,3 +4,15 @@
 from fctkit.protos.bundle import Artifact, Manifest, TensorSpec, VerifiedBundle, unpack_bundle, verify_bundle  # noqa: E402
 
 __all__ = [*globals().get("__all__", []), "Artifact", "Manifest", "TensorSpec", "VerifiedBundle", "unpack_bundle", "verify_bundle"]
+
+# The gRPC client library (fctkit.protos.client) imports grpc: loaded only when asked for.
+_CLIENT_NAMES = ("FctkitClient", "RetryPolicy", "Transfer", "Enrolment")
+__all__ += list(_CLIENT_NAMES)
+
+
+def __getattr__(name: str):
+    if name in _CLIENT_NAMES:
+        from fctkit.protos import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'fctkit.protos' has no attribute {name!r}")

@@ -1,1 +1,13 @@
-"""fctkit.server — the gRPC server: registry, artifact streaming, encrypted image vault, fleet."""
+"""fctkit.server — the gRPC server: registry, artifact streaming, encrypted image vault, fleet.
+
+Run it with ``fctkit serve`` (see :mod:`fctkit.server.cli`) or in-process::
+
+    server = FctkitServer(ServerConfig(data_dir=..., publisher_key=..., port=0))
+    port = await server.start(); ...; await server.stop()
+"""
+
+from fctkit.server.app import FctkitServer, ServerConfig, serve
+from fctkit.server.planner import PlannedHop, plan_upgrade
+from fctkit.server.storage import SqliteStorage, Storage
+
+__all__ = ["FctkitServer", "ServerConfig", "serve", "PlannedHop", "plan_upgrade", "SqliteStorage", "Storage"]

@@ -1,0 +1,432 @@
+"""Client library for the fctkit server (used by the device runtime and ``fctkit admin``).
+
+Synchronous, on one gRPC channel; torch-free. Every call that the server answers with a
+status other than OK raises :class:`~fctkit.errors.RpcStatusError` (``.code`` is the status
+name). Calls are retried with seeded, jittered exponential backoff while the server is
+UNAVAILABLE (restarting, network blip); downloads resume from the last byte received, across
+reconnects and (for :meth:`FctkitClient.download_artifact`) across process restarts via a
+``.part`` file, and are SHA-256 checked; uploads to the vault resume from what the server
+already holds.
+
+Example (a device)::
+
+    with FctkitClient("server:50051", token) as client:
+        plan = client.plan_upgrade(from_version=1)
+        bundle = client.download_bundle(plan.to_version, Path("bundles/v3"), public_key=pinned_key)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import grpc
+
+from fctkit.errors import HashMismatchError, InputError, RpcStatusError
+
+from . import fleet_pb2, fleet_pb2_grpc, limits, registry_pb2, registry_pb2_grpc, vault_pb2, vault_pb2_grpc
+from .common_pb2 import Chunk
+
+_PART_SUFFIX = ".part"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff for UNAVAILABLE: ``attempts`` tries in all, waits growing from
+    ``initial_backoff_s`` by ``multiplier`` up to ``max_backoff_s``, each stretched by up to
+    ``jitter`` (a fraction) from a generator seeded with ``seed``."""
+
+    attempts: int = 6
+    initial_backoff_s: float = 0.2
+    max_backoff_s: float = 5.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.initial_backoff_s < 0 or self.multiplier < 1 or not 0 <= self.jitter <= 1:
+            raise InputError("RetryPolicy: attempts >= 1, initial_backoff_s >= 0, multiplier >= 1, 0 <= jitter <= 1")
+
+    def delays(self) -> Iterator[float]:
+        """The waits between consecutive attempts (``attempts - 1`` of them)."""
+        rng = random.Random(self.seed)
+        delay = self.initial_backoff_s
+        for _ in range(self.attempts - 1):
+            yield min(delay, self.max_backoff_s) * (1 + self.jitter * rng.random())
+            delay *= self.multiplier
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What a download or upload moved: the object's digest and size, and where it (re)started."""
+
+    sha256: str
+    size: int
+    resumed_from: int
+    header: Any = None  # ArtifactHeader / BlobInfo as sent by the server
+
+
+@dataclass(frozen=True)
+class Enrolment:
+    device_id: str
+    token: str
+    publisher_public_key: bytes
+    publisher_key_id: str
+
+
+def status_error(error: grpc.RpcError) -> RpcStatusError:
+    """The kit error for a failed gRPC call."""
+    code = error.code() if hasattr(error, "code") else None
+    details = error.details() if hasattr(error, "details") else str(error)
+    return RpcStatusError(code.name if code else "UNKNOWN", details or "")
+
+
+def _code(error: grpc.RpcError) -> grpc.StatusCode | None:
+    return error.code() if hasattr(error, "code") else None
+
+
+class FctkitClient:
+    """One connection to an fctkit server, authenticated with a device or admin token."""
+
+    def __init__(
+        self,
+        target: str,
+        token: str | None = None,
+        *,
+        root_certificates: bytes | None = None,
+        retry: RetryPolicy | None = None,
+        timeout_s: float = 60.0,
+        chunk_size: int = limits.MAX_CHUNK_BYTES,
+    ) -> None:
+        if not 0 < chunk_size <= limits.MAX_CHUNK_BYTES:
+            raise InputError(f"chunk_size must be 1..{limits.MAX_CHUNK_BYTES}")
+        options = [("grpc.max_receive_message_length", limits.MAX_MESSAGE_BYTES)]
+        if root_certificates is None:
+            self._channel = grpc.insecure_channel(target, options=options)
+        else:
+            credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self._channel = grpc.secure_channel(target, credentials, options=options)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.retry = retry or RetryPolicy()
+        self.timeout_s = timeout_s
+        self.chunk_size = chunk_size
+        self.registry = registry_pb2_grpc.RegistryStub(self._channel)
+        self.vault = vault_pb2_grpc.VaultStub(self._channel)
+        self.fleet = fleet_pb2_grpc.FleetStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> FctkitClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _retrying(self, attempt: Callable[[], Any], retry_on: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)) -> Any:
+        delays = self.retry.delays()
+        while True:
+            try:
+                return attempt()
+            except grpc.RpcError as error:
+                delay = next(delays, None) if _code(error) in retry_on else None
+                if delay is None:
+                    raise status_error(error) from None
+                time.sleep(delay)
+
+    def _unary(self, method: Callable, request: Any, *, retry: bool = True) -> Any:
+        def attempt():
+            return method(request, metadata=self._metadata, timeout=self.timeout_s)
+
+        return self._retrying(attempt, (grpc.StatusCode.UNAVAILABLE,) if retry else ())
+
+    def _stream_download(self, open_stream: Callable[[int], Any], header_digest: Callable[[Any], tuple[str, int]],
+                         sink: BinaryIO, offset: int, digest) -> Transfer:
+        """Write a header-then-chunks stream from ``offset`` into ``sink`` (which holds the
+        first ``offset`` bytes already, hashed into ``digest``), reconnecting from the last
+        byte received while the server is UNAVAILABLE; verify the SHA-256 at the end."""
+        position, started, header, expected = offset, offset, None, None
+        delays = self.retry.delays()
+        while True:
+            call = open_stream(position)
+            try:
+                for message in call:
+                    if message.WhichOneof("payload") == "header":
+                        header = message.header
+                        announced = header_digest(header)
+                        if expected is not None and announced != expected:
+                            raise HashMismatchError("the object changed on the server while it was being downloaded; start again")
+                        expected = announced
+                        if position > expected[1]:
+                            raise HashMismatchError(f"{position} bytes are held locally but the object has only {expected[1]}; start again")
+                        continue
+                    chunk = message.chunk
+                    if expected is None or chunk.offset != position:
+                        raise RpcStatusError("DATA_LOSS", f"the server sent a chunk at offset {chunk.offset}, expected {position}")
+                    sink.write(chunk.data)
+                    digest.update(chunk.data)
+                    position += len(chunk.data)
+                    delays = self.retry.delays()  # progress resets the retry budget
+                break
+            except grpc.RpcError as error:
+                delay = next(delays, None) if _code(error) == grpc.StatusCode.UNAVAILABLE else None
+                if delay is None:
+                    raise status_error(error) from None
+                time.sleep(delay)
+            finally:
+                call.cancel()
+        sha256, size = expected
+        if position != size or digest.hexdigest() != sha256:
+            raise HashMismatchError(
+                f"downloaded {position} bytes hashing to {digest.hexdigest()[:16]}…, expected {size} bytes with "
+                f"SHA-256 {sha256[:16]}…; download again"
+            )
+        return Transfer(sha256, size, started, header)
+
+    def _download_to_file(self, open_stream: Callable[[int], Any], header_digest: Callable[[Any], tuple[str, int]], dest: Path) -> Transfer:
+        """Download into ``dest`` through ``dest.part`` (kept between attempts and processes,
+        resumed from its size), renamed to ``dest`` once the SHA-256 matches."""
+        dest = Path(dest)
+        part = dest.with_name(dest.name + _PART_SUFFIX)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        with part.open("a+b") as sink:
+            sink.seek(0)
+            while block := sink.read(1 << 20):
+                digest.update(block)
+            offset = sink.tell()
+            try:
+                transfer = self._stream_download(open_stream, header_digest, sink, offset, digest)
+            except HashMismatchError:
+                sink.close()
+                part.unlink(missing_ok=True)
+                raise
+            sink.flush()
+            os.fsync(sink.fileno())
+        os.replace(part, dest)
+        return transfer
+
+    # -- registry ---------------------------------------------------------------------------
+
+    def list_versions(self, after_version: int = 0) -> list[registry_pb2.VersionInfo]:
+        """Every published version after ``after_version``, in order (all pages)."""
+        found: list[registry_pb2.VersionInfo] = []
+        while True:
+            page = self._unary(self.registry.ListVersions, registry_pb2.ListVersionsRequest(after_version=after_version))
+            found.extend(page.versions)
+            if not page.more or not page.versions:
+                return found
+            after_version = page.versions[-1].version
+
+    def get_manifest(self, version: int) -> tuple[bytes, bytes]:
+        """The signed manifest bytes and signature of ``version``, exactly as published."""
+        response = self._unary(self.registry.GetManifest, registry_pb2.GetManifestRequest(version=version))
+        return response.manifest, response.signature
+
+    def plan_upgrade(self, from_version: int, to_version: int = 0) -> registry_pb2.PlanUpgradeResponse:
+        """The hops from ``from_version`` to ``to_version`` (0: the latest)."""
+        request = registry_pb2.PlanUpgradeRequest(from_version=from_version, to_version=to_version)
+        return self._unary(self.registry.PlanUpgrade, request)
+
+    def _artifact_stream(self, version: int, name: str) -> Callable[[int], Any]:
+        def open_stream(offset: int):
+            request = registry_pb2.DownloadArtifactRequest(
+                version=version, artifact_name=name, offset=offset, chunk_size=self.chunk_size
+            )
+            return self.registry.DownloadArtifact(request, metadata=self._metadata)
+
+        return open_stream
+
+    def fetch_artifact(self, version: int, name: str, sink: BinaryIO) -> Transfer:
+        """Stream an artifact into ``sink`` (any writable binary file), SHA-256 checked."""
+        return self._stream_download(self._artifact_stream(version, name), _artifact_digest, sink, 0, hashlib.sha256())
+
+    def download_artifact(self, version: int, name: str, dest: Path) -> Transfer:
+        """Download an artifact to ``dest``, resuming a ``dest.part`` left by an interrupted try."""
+        return self._download_to_file(self._artifact_stream(version, name), _artifact_digest, dest)
+
+    def download_bundle(self, version: int, dest: Path, public_key: Any, *, installed_version: int | None = None):
+        """Fetch bundle ``version`` into the directory ``dest`` (manifest, signature, every
+        artifact; files already complete are kept, partial ones resumed) and verify it as a
+        device must: signature under the pinned ``public_key`` (checked before any artifact is
+        fetched), hashes, and version newer than ``installed_version``.
+        Returns :class:`fctkit.protos.bundle.VerifiedBundle`."""
+        from .bundle import MANIFEST_FILE, SIGNATURE_FILE, check_version_is_newer, verify_bundle, verify_manifest
+
+        manifest_bytes, signature = self.get_manifest(version)
+        manifest = verify_manifest(manifest_bytes, signature, public_key)
+        check_version_is_newer(manifest.version, installed_version)
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / MANIFEST_FILE).write_bytes(manifest_bytes)
+        (dest / SIGNATURE_FILE).write_bytes(signature)
+        for artifact in manifest.artifacts:
+            target = dest / artifact.file
+            if target.is_file() and target.stat().st_size == artifact.size and _file_sha256(target) == artifact.sha256:
+                continue
+            target.unlink(missing_ok=True)
+            self.download_artifact(version, artifact.name, target)
+        return verify_bundle(dest, public_key, installed_version=installed_version)
+
+    def watch_versions(self, after_version: int = 0) -> Iterator[registry_pb2.VersionInfo]:
+        """Published versions after ``after_version``, then new ones as they appear; ends when
+        the server shuts down. Reconnects (from the last version seen) while UNAVAILABLE."""
+        delays = self.retry.delays()
+        while True:
+            call = self.registry.WatchVersions(
+                registry_pb2.WatchVersionsRequest(after_version=after_version), metadata=self._metadata
+            )
+            try:
+                for event in call:
+                    delays = self.retry.delays()
+                    if event.WhichOneof("event") == "published":
+                        after_version = event.published.version
+                        yield event.published
+                return
+            except grpc.RpcError as error:
+                delay = next(delays, None) if _code(error) == grpc.StatusCode.UNAVAILABLE else None
+                if delay is None:
+                    raise status_error(error) from None
+                time.sleep(delay)
+            finally:
+                call.cancel()
+
+    def publish_bundle(self, archive: Path) -> registry_pb2.VersionInfo:
+        """Admin: publish a bundle archive (from ``fctkit.protos.bundle.pack_bundle``)."""
+        archive = Path(archive)
+        sha256, size = _file_sha256(archive), archive.stat().st_size
+
+        def requests() -> Iterator[registry_pb2.PublishBundleRequest]:
+            yield registry_pb2.PublishBundleRequest(header=registry_pb2.PublishHeader(archive_size=size, archive_sha256=sha256))
+            with archive.open("rb") as fh:
+                for chunk in _chunks_of(fh, 0, self.chunk_size):
+                    yield registry_pb2.PublishBundleRequest(chunk=chunk)
+
+        try:
+            return self.registry.PublishBundle(requests(), metadata=self._metadata).version
+        except grpc.RpcError as error:
+            raise status_error(error) from None
+
+    # -- vault ------------------------------------------------------------------------------
+
+    def upload_blob(self, data: bytes, item_id: str = "") -> Transfer:
+        """Store ``data`` (ciphertext: encrypt before calling) in this device's vault.
+
+        Resumes from what the server already holds (an earlier interrupted upload); while the
+        server is UNAVAILABLE, or still busy with the interrupted stream (ABORTED), waits and
+        resumes. ``Transfer.header`` is the stored :class:`BlobInfo`."""
+        sha256 = hashlib.sha256(data).hexdigest()
+
+        def attempt() -> Transfer:
+            state = self.vault.Stat(vault_pb2.StatBlobRequest(sha256=sha256), metadata=self._metadata, timeout=self.timeout_s)
+            if state.state == vault_pb2.BLOB_STATE_STORED:
+                return Transfer(sha256, len(data), len(data), state.blob)
+            offset = state.received if state.state == vault_pb2.BLOB_STATE_PARTIAL and state.received <= len(data) else 0
+
+            def requests() -> Iterator[vault_pb2.UploadBlobRequest]:
+                header = vault_pb2.UploadHeader(sha256=sha256, size=len(data), item_id=item_id, offset=offset)
+                yield vault_pb2.UploadBlobRequest(header=header)
+                for chunk in _chunks_of(io.BytesIO(data), offset, self.chunk_size):
+                    yield vault_pb2.UploadBlobRequest(chunk=chunk)
+
+            response = self.vault.Upload(requests(), metadata=self._metadata)
+            return Transfer(sha256, len(data), offset, response.blob)
+
+        return self._retrying(attempt, (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED))
+
+    def _blob_stream(self, sha256: str) -> Callable[[int], Any]:
+        def open_stream(offset: int):
+            request = vault_pb2.DownloadBlobRequest(sha256=sha256, offset=offset, chunk_size=self.chunk_size)
+            return self.vault.Download(request, metadata=self._metadata)
+
+        return open_stream
+
+    def read_blob(self, sha256: str) -> bytes:
+        """A blob of this device's vault, in memory, SHA-256 checked."""
+        buffer = io.BytesIO()
+        self._stream_download(self._blob_stream(sha256), _blob_digest, buffer, 0, hashlib.sha256())
+        return buffer.getvalue()
+
+    def download_blob(self, sha256: str, dest: Path) -> Transfer:
+        """A blob of this device's vault to ``dest``, resuming a ``dest.part`` left by an interrupted try."""
+        return self._download_to_file(self._blob_stream(sha256), _blob_digest, dest)
+
+    def stat_blob(self, sha256: str) -> vault_pb2.StatBlobResponse:
+        return self._unary(self.vault.Stat, vault_pb2.StatBlobRequest(sha256=sha256))
+
+    def list_blobs(self) -> list[vault_pb2.BlobInfo]:
+        """Every blob of this device's vault (all pages)."""
+        found: list[vault_pb2.BlobInfo] = []
+        token = ""
+        while True:
+            page = self._unary(self.vault.List, vault_pb2.ListBlobsRequest(page_token=token))
+            found.extend(page.blobs)
+            token = page.next_page_token
+            if not token:
+                return found
+
+    def delete_blob(self, sha256: str) -> int:
+        """Delete a blob; returns the bytes the device still stores."""
+        return self._unary(self.vault.Delete, vault_pb2.DeleteBlobRequest(sha256=sha256)).used_bytes
+
+    # -- fleet ------------------------------------------------------------------------------
+
+    def create_enrolment_code(self, ttl_seconds: int = 0, label: str = "") -> fleet_pb2.CreateEnrolmentCodeResponse:
+        """Admin: a one-time enrolment code (``ttl_seconds`` 0: one day)."""
+        request = fleet_pb2.CreateEnrolmentCodeRequest(ttl_seconds=ttl_seconds, label=label)
+        return self._unary(self.fleet.CreateEnrolmentCode, request)
+
+    def enrol(self, code: str, device_name: str = "") -> Enrolment:
+        """Trade an enrolment code for a device id and token (not retried: a code works once)."""
+        response = self._unary(self.fleet.Enrol, fleet_pb2.EnrolRequest(code=code, device_name=device_name), retry=False)
+        return Enrolment(response.device_id, response.token, response.publisher_public_key, response.publisher_key_id)
+
+    def report(self, version: int, gallery_size: int, upgrade_state: int, *, target_version: int = 0,
+               progress: float = 0.0, detail: str = "") -> fleet_pb2.ReportResponse:
+        """Device: report the installed version, gallery size and upgrade state
+        (``fleet_pb2.UPGRADE_STATE_IDLE`` …)."""
+        request = fleet_pb2.ReportRequest(
+            version=version, gallery_size=gallery_size, upgrade_state=upgrade_state,
+            target_version=target_version, progress=progress, detail=detail,
+        )
+        return self._unary(self.fleet.Report, request)
+
+    def list_devices(self) -> list[fleet_pb2.DeviceInfo]:
+        """Admin: every enrolled device (all pages)."""
+        found: list[fleet_pb2.DeviceInfo] = []
+        token = ""
+        while True:
+            page = self._unary(self.fleet.ListDevices, fleet_pb2.ListDevicesRequest(page_token=token))
+            found.extend(page.devices)
+            token = page.next_page_token
+            if not token:
+                return found
+
+
+def _artifact_digest(header: registry_pb2.ArtifactHeader) -> tuple[str, int]:
+    return header.artifact.sha256, header.artifact.size
+
+
+def _blob_digest(header: vault_pb2.BlobInfo) -> tuple[str, int]:
+    return header.sha256, header.size
+
+
+def _chunks_of(fh: BinaryIO, offset: int, chunk_size: int) -> Iterator[Chunk]:
+    fh.seek(offset)
+    while data := fh.read(chunk_size):
+        yield Chunk(offset=offset, data=data)
+        offset += len(data)
+
+
+def _file_sha256(path: Path) -> str:
+    with Path(path).open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()

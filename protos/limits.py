@@ -1,0 +1,31 @@
+"""Wire limits of the ``fctkit.v1`` protocol (documented in ``protos/fctkit/v1/common.proto``).
+
+The server enforces them (INVALID_ARGUMENT naming the field); the client library stays
+within them.
+"""
+
+from __future__ import annotations
+
+MAX_CHUNK_BYTES = 1 << 20
+"""Data bytes in one Chunk message (1 MiB)."""
+
+MAX_MESSAGE_BYTES = 2 << 20
+"""The server refuses any message bigger than this (2 MiB), far below gRPC's 4 MiB default."""
+
+MAX_MANIFEST_BYTES = 1 << 20
+"""A bundle manifest, so that GetManifest stays a single small message."""
+
+MAX_ARTIFACTS_PER_BUNDLE = 32
+MAX_VERSIONS_PAGE = 100
+MAX_BLOBS_PAGE = 1000
+MAX_DEVICES_PAGE = 500
+MAX_NAME_CHARS = 256
+"""Names, labels, item ids, artifact names."""
+
+MAX_DETAIL_CHARS = 1024
+MAX_ENROLMENT_TTL_S = 30 * 24 * 3600
+DEFAULT_ENROLMENT_TTL_S = 24 * 3600
+MAX_UINT63 = (1 << 63) - 1
+"""Counters (sizes, gallery sizes) are stored as signed 64-bit integers."""
+
+SHA256_HEX_CHARS = 64

@@ -1,0 +1,163 @@
+"""The fctkit gRPC server (grpc.aio): Registry, Vault and Fleet behind bearer-token auth, with
+standard health checking and server reflection, optional TLS, JSON-lines logging and graceful
+shutdown (SIGINT/SIGTERM: health turns NOT_SERVING, watch streams end with OK, in-flight calls
+get ``shutdown_grace_s`` to finish)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import grpc
+from cryptography.hazmat.primitives import serialization
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from fctkit.errors import ConfigError
+from fctkit.protos import fleet_pb2_grpc, limits, registry_pb2_grpc, vault_pb2_grpc
+from fctkit.protos.bundle import load_public_key, public_key_id
+
+from .auth import SERVICE_MODULES, AuthInterceptor, Authenticator, load_or_create_admin_token
+from .fleet import FleetService
+from .jsonlog import configure_logging, log_event
+from .registry import Catalog, RegistryService
+from .storage import SqliteStorage
+from .vault import VaultService
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``fctkit serve`` takes (build it with :func:`fctkit.config.from_mapping`)."""
+
+    data_dir: Path
+    publisher_key: Path
+    host: str = "127.0.0.1"
+    port: int = 50051
+    admin_token_file: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    quota_bytes: int = 1 << 30
+    max_blob_bytes: int = 64 << 20
+    max_bundle_bytes: int = 4 << 30
+    max_partial_uploads: int = 4
+    watch_keepalive_s: float = 15.0
+    shutdown_grace_s: float = 10.0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port {self.port} is not 0..65535 (0 picks a free port)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("TLS needs both --tls-cert and --tls-key")
+        for name in ("quota_bytes", "max_blob_bytes", "max_bundle_bytes", "max_partial_uploads"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.watch_keepalive_s <= 0 or self.shutdown_grace_s < 0:
+            raise ConfigError("watch_keepalive_s must be positive and shutdown_grace_s not negative")
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} {path}: {exc.strerror}") from exc
+
+
+class FctkitServer:
+    """One server over one data directory. ``await start()``, then ``await stop()``."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.port: int | None = None
+        public_key = load_public_key(config.publisher_key)
+        self._storage = SqliteStorage(config.data_dir)
+        removed = self._storage.collect_garbage()
+        self._catalog = Catalog.load(self._storage, public_key)
+        admin_token, self.admin_token_path = load_or_create_admin_token(config.admin_token_file, config.data_dir)
+        authenticator = Authenticator(admin_token, self._storage.device_for_token)
+        self._health = health.aio.HealthServicer()
+        self._server = grpc.aio.server(
+            interceptors=[AuthInterceptor(authenticator)],
+            options=[
+                ("grpc.max_receive_message_length", limits.MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", limits.MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        raw_key = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        registry_pb2_grpc.add_RegistryServicer_to_server(
+            RegistryService(self._storage, self._catalog, public_key,
+                            max_bundle_bytes=config.max_bundle_bytes, keepalive_s=config.watch_keepalive_s),
+            self._server,
+        )
+        vault_pb2_grpc.add_VaultServicer_to_server(
+            VaultService(self._storage, quota_bytes=config.quota_bytes, max_blob_bytes=config.max_blob_bytes,
+                         max_partial_uploads=config.max_partial_uploads),
+            self._server,
+        )
+        fleet_pb2_grpc.add_FleetServicer_to_server(
+            FleetService(self._storage, publisher_public_key=raw_key, publisher_key_id=public_key_id(public_key),
+                         latest_version=lambda: self._catalog.latest),
+            self._server,
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection([*self.service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
+        log_event("storage opened", data_dir=str(config.data_dir), garbage_removed=removed, **self._storage.counts())
+
+    @staticmethod
+    def service_names() -> list[str]:
+        return [s.full_name for m in SERVICE_MODULES for s in m.DESCRIPTOR.services_by_name.values()]
+
+    def _bind(self) -> int:
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls_cert is None:
+            port = self._server.add_insecure_port(address)
+        else:
+            credentials = grpc.ssl_server_credentials(
+                [(_read(self.config.tls_key, "TLS key"), _read(self.config.tls_cert, "TLS certificate"))]
+            )
+            port = self._server.add_secure_port(address, credentials)
+        if port == 0:
+            raise ConfigError(f"cannot listen on {address}: the port is taken or the address is not local")
+        return port
+
+    async def start(self) -> int:
+        try:
+            self.port = self._bind()
+        except RuntimeError as exc:  # grpc raises RuntimeError when binding fails
+            raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {exc}") from exc
+        await self._server.start()
+        for name in ["", *self.service_names()]:
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log_event(
+            "listening", host=self.config.host, port=self.port, tls=self.config.tls_cert is not None,
+            latest_version=self._catalog.latest, admin_token_file=str(self.admin_token_path),
+        )
+        return self.port
+
+    async def stop(self) -> None:
+        log_event("shutting down", grace_s=self.config.shutdown_grace_s)
+        await self._health.enter_graceful_shutdown()
+        self._catalog.close()
+        await self._server.stop(self.config.shutdown_grace_s)
+        self._storage.close()
+        log_event("stopped")
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()
+
+
+async def serve(config: ServerConfig) -> None:
+    """Run until SIGINT or SIGTERM, then shut down gracefully."""
+    configure_logging(config.log_level)
+    server = FctkitServer(config)
+    await server.start()
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop_requested.set)
+    await stop_requested.wait()
+    await server.stop()

@@ -1,0 +1,147 @@
+"""``fctkit serve`` (run the server) and ``fctkit admin ...`` (talk to one as the admin).
+
+The admin token is read from ``--admin-token-file`` or ``$FCTKIT_ADMIN_TOKEN``, never from a
+command-line argument (other users can read those from the process list)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import click
+
+from fctkit.errors import ConfigError
+
+ADMIN_TOKEN_ENV = "FCTKIT_ADMIN_TOKEN"
+SERVER_ENV = "FCTKIT_SERVER"
+_PATH = click.Path(path_type=Path)
+_EXISTING = click.Path(path_type=Path, exists=True, dir_okay=False)
+
+
+@click.command("serve")
+@click.option("--data", "data_dir", type=_PATH, required=True, help="Data directory (SQLite metadata + content store); created if missing.")
+@click.option("--port", type=int, default=50051, show_default=True, help="Port to listen on; 0 picks a free one (logged as the 'listening' event).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 / [::] for all interfaces).")
+@click.option("--publisher-key", type=_EXISTING, required=True, help="The publisher's public key (PEM or raw 32 bytes): bundles must verify under it.")
+@click.option("--admin-token-file", type=_PATH, default=None, help="File holding the admin token; default DATA/admin.token, created (mode 0600) if missing.")
+@click.option("--tls-cert", type=_EXISTING, default=None, help="PEM certificate chain: serve TLS (with --tls-key).")
+@click.option("--tls-key", type=_EXISTING, default=None, help="PEM private key of --tls-cert.")
+@click.option("--quota-bytes", type=int, default=1 << 30, show_default=True, help="Vault bytes each device may store.")
+@click.option("--max-blob-bytes", type=int, default=64 << 20, show_default=True, help="Largest vault blob.")
+@click.option("--max-bundle-bytes", type=int, default=4 << 30, show_default=True, help="Largest bundle archive accepted for publishing.")
+@click.option("--watch-keepalive", "watch_keepalive_s", type=float, default=15.0, show_default=True, help="Seconds between keep-alives on idle WatchVersions streams.")
+@click.option("--shutdown-grace", "shutdown_grace_s", type=float, default=10.0, show_default=True, help="Seconds in-flight calls get to finish on SIGTERM/SIGINT.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+def serve_command(**options) -> None:
+    """Run the fctkit gRPC server (Registry, Vault, Fleet; health checking and reflection on).
+
+    Logs are JSON lines on stderr. Stop with SIGTERM or Ctrl-C: in-flight calls finish first.
+    """
+    from fctkit.config import from_mapping
+
+    from .app import ServerConfig, serve
+
+    config = from_mapping(ServerConfig, {k: v for k, v in options.items() if v is not None})
+    asyncio.run(serve(config))
+
+
+def _admin_token(token_file: Path | None) -> str:
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the admin token file {token_file}: {exc.strerror}") from exc
+    else:
+        token = os.environ.get(ADMIN_TOKEN_ENV, "").strip()
+    if not token:
+        raise ConfigError(f"no admin token: pass --admin-token-file (the server's DATA/admin.token) or set ${ADMIN_TOKEN_ENV}")
+    return token
+
+
+@click.group("admin")
+@click.option("--server", default="127.0.0.1:50051", envvar=SERVER_ENV, show_default=True, help=f"host:port of the server (or ${SERVER_ENV}).")
+@click.option("--admin-token-file", type=_PATH, default=None, help=f"File holding the admin token (else ${ADMIN_TOKEN_ENV}).")
+@click.option("--tls-ca", type=_EXISTING, default=None, help="PEM CA certificate to trust: connect with TLS.")
+@click.pass_context
+def admin_command(ctx: click.Context, server: str, admin_token_file: Path | None, tls_ca: Path | None) -> None:
+    """Administer a running fctkit server: enrolment codes, publishing, fleet and version lists."""
+
+    def connect():
+        from fctkit.protos.client import FctkitClient
+
+        return FctkitClient(server, _admin_token(admin_token_file), root_certificates=tls_ca.read_bytes() if tls_ca else None)
+
+    ctx.obj = connect
+
+
+def _emit(rows: list[dict], as_json: bool, columns: tuple[str, ...]) -> None:
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("(none)")
+        return
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+    click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for row in rows:
+        click.echo("  ".join(str(row.get(c, "")).ljust(w) for c, w in zip(columns, widths)))
+
+
+def _as_dict(message) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+@admin_command.command("enrol-code")
+@click.option("--ttl", type=int, default=0, help="Seconds the code stays valid (0: one day; at most 30 days).")
+@click.option("--label", default="", help="A note (e.g. where the device goes), copied to the device record.")
+@click.pass_obj
+def enrol_code_command(connect, ttl: int, label: str) -> None:
+    """Make a one-time enrolment code for one device."""
+    with connect() as client:
+        response = client.create_enrolment_code(ttl, label)
+    click.echo(response.code)
+    click.echo(f"expires {response.expires_at}", err=True)
+
+
+@admin_command.command("publish")
+@click.argument("bundle", type=click.Path(path_type=Path, exists=True))
+@click.pass_obj
+def publish_command(connect, bundle: Path) -> None:
+    """Publish BUNDLE (a bundle directory or its .tar archive); the server verifies it first."""
+    from fctkit.protos.bundle import pack_bundle
+
+    with connect() as client, tempfile.TemporaryDirectory() as tmp:
+        archive = pack_bundle(bundle, Path(tmp) / "bundle.tar") if bundle.is_dir() else bundle
+        info = client.publish_bundle(archive)
+    click.echo(f"published version {info.version} ({len(info.artifacts)} artifacts, mode {info.mode})")
+
+
+@admin_command.command("list-devices")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.pass_obj
+def list_devices_command(connect, as_json: bool) -> None:
+    """Every enrolled device with its version, gallery size and upgrade state."""
+    with connect() as client:
+        rows = [_as_dict(d) for d in client.list_devices()]
+    columns = ("device_id", "name", "version", "gallery_size", "upgrade_state", "last_report_at", "vault_bytes")
+    _emit(rows, as_json, columns)
+
+
+@admin_command.command("list-versions")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.pass_obj
+def list_versions_command(connect, as_json: bool) -> None:
+    """Every published model version."""
+    with connect() as client:
+        versions = client.list_versions()
+    rows = [_as_dict(v) for v in versions]
+    if not as_json:
+        for row, version in zip(rows, versions):
+            row["artifacts"] = ",".join(a.name for a in version.artifacts)
+            row["parents"] = ",".join(map(str, version.parents))
+    _emit(rows, as_json, ("version", "parents", "mode", "embedding_dim", "published_at", "artifacts"))

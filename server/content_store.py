@@ -1,0 +1,79 @@
+"""A content-addressed file store: each object lives at ``<root>/<aa>/<sha256>`` where
+``aa`` is the first two hex digits of its SHA-256. Objects arrive as finished files that are
+fsynced and renamed into place, so a crash never leaves a half-written object under its name."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_READ_BLOCK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    """SHA-256 hex digest of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(_READ_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ContentStore:
+    """Immutable objects named by their SHA-256 under one directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, sha256: str) -> Path:
+        if not _SHA256.fullmatch(sha256):
+            raise ValueError(f"not a lowercase SHA-256 hex digest: {sha256!r}")
+        return self.root / sha256[:2] / sha256
+
+    def has(self, sha256: str) -> bool:
+        return self.path(sha256).is_file()
+
+    def size(self, sha256: str) -> int:
+        return self.path(sha256).stat().st_size
+
+    def open(self, sha256: str) -> BinaryIO:
+        return self.path(sha256).open("rb")
+
+    def put(self, source: Path, sha256: str) -> Path:
+        """Move the finished file ``source`` (whose digest the caller checked) into the store.
+
+        An object that is already stored is kept and ``source`` is removed.
+        """
+        target = self.path(sha256)
+        if target.is_file():
+            source.unlink()
+            return target
+        target.parent.mkdir(exist_ok=True)
+        with source.open("rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(source, target)
+        fsync_dir(target.parent)
+        return target
+
+    def delete(self, sha256: str) -> None:
+        self.path(sha256).unlink(missing_ok=True)
+
+    def __iter__(self) -> Iterator[str]:
+        """Every stored digest."""
+        for shard in sorted(self.root.iterdir()):
+            if shard.is_dir():
+                yield from sorted(p.name for p in shard.iterdir() if _SHA256.fullmatch(p.name))

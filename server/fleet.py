@@ -1,0 +1,106 @@
+"""The Fleet service: one-time enrolment codes, device enrolment, device reports, fleet listing.
+
+Codes and device tokens are random (>= 120 bits) and kept only as SHA-256 hashes; a code
+works once and until it expires. Enrolment hands the device the publisher's public key to pin.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import secrets
+from collections.abc import Callable
+
+from fctkit.errors import RpcStatusError
+from fctkit.protos import fleet_pb2, fleet_pb2_grpc, limits
+
+from .auth import current_device_id, hash_secret, new_device_token
+from .storage import DeviceRecord, DeviceReport, Storage
+from .validation import counter_field, invalid, page_size, text_field, timestamp
+
+
+def new_enrolment_code() -> str:
+    """24 base32 characters (120 bits) in groups of four: easy to read out and type."""
+    raw = base64.b32encode(secrets.token_bytes(15)).decode()
+    return "-".join(raw[i : i + 4] for i in range(0, len(raw), 4))
+
+
+def normalise_code(code: str) -> str:
+    return "".join(code.split()).replace("-", "").upper()
+
+
+def device_info(record: DeviceRecord) -> fleet_pb2.DeviceInfo:
+    report = record.report
+    return fleet_pb2.DeviceInfo(
+        device_id=record.device_id, name=record.name, label=record.label, enrolled_at=record.enrolled_at,
+        last_report_at=record.last_report_at or "", version=report.version, gallery_size=report.gallery_size,
+        upgrade_state=report.upgrade_state, target_version=report.target_version, progress=report.progress,
+        detail=report.detail, vault_bytes=record.vault_bytes, vault_blobs=record.vault_blobs,
+    )
+
+
+class FleetService(fleet_pb2_grpc.FleetServicer):
+    def __init__(self, storage: Storage, *, publisher_public_key: bytes, publisher_key_id: str,
+                 latest_version: Callable[[], int]) -> None:
+        self._storage = storage
+        self._publisher_key = publisher_public_key
+        self._publisher_key_id = publisher_key_id
+        self._latest_version = latest_version
+
+    async def CreateEnrolmentCode(self, request, context):
+        ttl = request.ttl_seconds or limits.DEFAULT_ENROLMENT_TTL_S
+        if ttl > limits.MAX_ENROLMENT_TTL_S:
+            raise invalid(f"ttl_seconds is {ttl}; at most {limits.MAX_ENROLMENT_TTL_S} (30 days)")
+        label = text_field(request.label, "label")
+        code = new_enrolment_code()
+        expires_at = timestamp(after_s=ttl)
+        self._storage.add_enrolment_code(hash_secret(normalise_code(code)), label, timestamp(), expires_at)
+        return fleet_pb2.CreateEnrolmentCodeResponse(code=code, expires_at=expires_at)
+
+    async def Enrol(self, request, context):
+        code = normalise_code(text_field(request.code, "code", 64))
+        if not code:
+            raise invalid("code is empty: ask an admin for an enrolment code (fctkit admin enrol-code)")
+        name = text_field(request.device_name, "device_name") or "device"
+        token = new_device_token()
+        device_id = "dev-" + secrets.token_hex(8)
+        record = self._storage.enrol(hash_secret(code), timestamp(), device_id, name, hash_secret(token))
+        if record is None:
+            raise RpcStatusError("PERMISSION_DENIED", "unknown, used or expired enrolment code: ask an admin for a new one")
+        return fleet_pb2.EnrolResponse(
+            device_id=device_id, token=token,
+            publisher_public_key=self._publisher_key, publisher_key_id=self._publisher_key_id,
+        )
+
+    async def Report(self, request, context):
+        device_id = current_device_id()
+        if request.upgrade_state not in fleet_pb2.UpgradeState.values() or request.upgrade_state == fleet_pb2.UPGRADE_STATE_UNSPECIFIED:
+            raise invalid(f"upgrade_state {request.upgrade_state} is not one of IDLE, DOWNLOADING, UPGRADING, BACKFILLING, FAILED")
+        if not (math.isfinite(request.progress) and 0.0 <= request.progress <= 1.0):
+            raise invalid(f"progress is {request.progress}; a fraction from 0 to 1")
+        report = DeviceReport(
+            version=request.version,
+            gallery_size=counter_field(request.gallery_size, "gallery_size"),
+            upgrade_state=request.upgrade_state,
+            target_version=request.target_version,
+            progress=request.progress,
+            detail=text_field(request.detail, "detail", limits.MAX_DETAIL_CHARS),
+        )
+        now = timestamp()
+        self._storage.record_report(device_id, report, now)
+        return fleet_pb2.ReportResponse(recorded_at=now, latest_version=self._latest_version())
+
+    async def ListDevices(self, request, context):
+        limit = page_size(request.page_size, limits.MAX_DEVICES_PAGE)
+        try:
+            after = int(request.page_token) if request.page_token else 0
+        except ValueError:
+            raise invalid("page_token must come from a previous ListDevices response") from None
+        if not 0 <= after <= limits.MAX_UINT63:
+            raise invalid("page_token must come from a previous ListDevices response")
+        records = self._storage.list_devices(after, limit + 1)
+        page = records[:limit]
+        return fleet_pb2.ListDevicesResponse(
+            devices=[device_info(r) for r in page],
+            next_page_token=str(page[-1].seq) if len(records) > limit else "",
+        )

@@ -1,0 +1,239 @@
+"""The Registry service: published model versions, upgrade plans, artifact streaming with
+resume, version watching, and bundle publishing.
+
+Publishing receives the bundle archive into ``tmp/publish-*``, checks its size and SHA-256,
+unpacks it safely, verifies it exactly as a device would (signature under the publisher key
+the server was started with, every artifact's size and hash, version newer than every
+published one), moves the artifacts into the content store and only then commits the
+version row: a half-uploaded or tampered bundle is never listed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from fctkit.errors import BundleError, ConfigError, RpcStatusError
+from fctkit.protos import limits, registry_pb2, registry_pb2_grpc
+from fctkit.protos.bundle import Artifact, Manifest, unpack_bundle, verify_bundle, verify_manifest
+
+from .planner import PlannedHop, plan_upgrade
+from .storage import Storage, VersionRecord
+from .streams import check_offset, file_chunks, read_header, receive_chunks
+from .validation import chunk_size, invalid, page_size, sha256_field, timestamp, version_field
+
+
+def artifact_info(artifact: Artifact) -> registry_pb2.ArtifactInfo:
+    return registry_pb2.ArtifactInfo(
+        name=artifact.name, role=artifact.role, file=artifact.file, sha256=artifact.sha256, size=artifact.size,
+        source_version=artifact.source_version, target_version=artifact.target_version, precision=artifact.precision,
+    )
+
+
+@dataclass(frozen=True)
+class PublishedVersion:
+    record: VersionRecord
+    manifest: Manifest
+
+    @property
+    def version(self) -> int:
+        return self.record.version
+
+    def info(self) -> registry_pb2.VersionInfo:
+        m = self.manifest
+        return registry_pb2.VersionInfo(
+            version=m.version, parents=m.parents, mode=m.mode, distance=m.distance, normalize=m.normalize,
+            embedding_dim=m.embedding_dim, side_info_dim=m.side_info_dim,
+            artifacts=[artifact_info(a) for a in m.artifacts], created_at=m.created_at,
+            published_at=self.record.published_at, publisher_key_id=m.publisher_key_id,
+            manifest_sha256=hashlib.sha256(self.record.manifest).hexdigest(), gate_forced=bool(m.gate.get("forced")),
+        )
+
+    def artifact(self, name: str) -> Artifact:
+        for artifact in self.manifest.artifacts:
+            if artifact.name == name:
+                return artifact
+        names = ", ".join(a.name for a in self.manifest.artifacts)
+        raise RpcStatusError("NOT_FOUND", f"version {self.version} has no artifact {name!r} (it has: {names})")
+
+
+class Catalog:
+    """The published versions in memory, and a change signal for watchers."""
+
+    def __init__(self, versions: list[PublishedVersion]) -> None:
+        self._versions = {v.version: v for v in versions}
+        self._changed = asyncio.Event()
+        self.closed = False
+
+    @classmethod
+    def load(cls, storage: Storage, public_key) -> Catalog:
+        """Every stored version, re-verified under ``public_key``; refuses a damaged data directory."""
+        versions = []
+        for record in storage.versions():
+            try:
+                manifest = verify_manifest(record.manifest, record.signature, public_key)
+            except BundleError as exc:
+                raise ConfigError(
+                    f"stored version {record.version} does not verify under the given publisher key ({exc}); "
+                    "start the server with the key that published it"
+                ) from exc
+            missing = [a.name for a in manifest.artifacts if not storage.artifacts.has(a.sha256)]
+            if missing:
+                raise ConfigError(f"stored version {record.version} lacks artifact files {missing}: the data directory is damaged")
+            versions.append(PublishedVersion(record, manifest))
+        return cls(versions)
+
+    @property
+    def latest(self) -> int:
+        return max(self._versions, default=0)
+
+    @property
+    def changed(self) -> asyncio.Event:
+        """Set at the next publish or at shutdown; take it *before* reading the versions."""
+        return self._changed
+
+    def get(self, version: int) -> PublishedVersion:
+        try:
+            return self._versions[version]
+        except KeyError:
+            raise RpcStatusError("NOT_FOUND", f"version {version} is not published (latest: {self.latest})") from None
+
+    def after(self, version: int, limit: int | None = None) -> list[PublishedVersion]:
+        found = [self._versions[v] for v in sorted(self._versions) if v > version]
+        return found if limit is None else found[:limit]
+
+    def add(self, published: PublishedVersion) -> None:
+        self._versions[published.version] = published
+        self._notify()
+
+    def manifests(self) -> list[Manifest]:
+        return [v.manifest for _, v in sorted(self._versions.items())]
+
+    def close(self) -> None:
+        self.closed = True
+        self._notify()
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+
+class RegistryService(registry_pb2_grpc.RegistryServicer):
+    def __init__(self, storage: Storage, catalog: Catalog, public_key, *, max_bundle_bytes: int, keepalive_s: float) -> None:
+        self._storage = storage
+        self._catalog = catalog
+        self._public_key = public_key
+        self._max_bundle = max_bundle_bytes
+        self._keepalive_s = keepalive_s
+        self._publishing = asyncio.Lock()
+
+    async def ListVersions(self, request, context):
+        limit = page_size(request.page_size, limits.MAX_VERSIONS_PAGE)
+        found = self._catalog.after(request.after_version, limit + 1)
+        return registry_pb2.ListVersionsResponse(
+            versions=[v.info() for v in found[:limit]], more=len(found) > limit, latest_version=self._catalog.latest
+        )
+
+    async def GetManifest(self, request, context):
+        record = self._catalog.get(version_field(request.version, "version")).record
+        return registry_pb2.GetManifestResponse(version=record.version, manifest=record.manifest, signature=record.signature)
+
+    async def PlanUpgrade(self, request, context):
+        source = self._catalog.get(version_field(request.from_version, "from_version")).version
+        target = self._catalog.get(request.to_version or self._catalog.latest).version
+        hops = plan_upgrade(self._catalog.manifests(), source, target)
+        if hops is None:
+            raise RpcStatusError(
+                "NOT_FOUND", f"no chain of published adapters leads from version {source} to {target} "
+                "(versions only move forward); the device needs a backfill"
+            )
+        return registry_pb2.PlanUpgradeResponse(from_version=source, to_version=target, hops=[_hop(h) for h in hops])
+
+    async def DownloadArtifact(self, request, context):
+        published = self._catalog.get(version_field(request.version, "version"))
+        artifact = published.artifact(request.artifact_name)
+        size = chunk_size(request.chunk_size)
+        offset = check_offset(request.offset, artifact.size)
+        yield registry_pb2.DownloadArtifactResponse(
+            header=registry_pb2.ArtifactHeader(version=published.version, artifact=artifact_info(artifact), offset=offset)
+        )
+        for chunk in file_chunks(self._storage.artifacts.path(artifact.sha256), offset, artifact.size, size):
+            yield registry_pb2.DownloadArtifactResponse(chunk=chunk)
+
+    async def WatchVersions(self, request, context):
+        sent = request.after_version
+        while not self._catalog.closed:
+            changed = self._catalog.changed
+            for published in self._catalog.after(sent):
+                yield registry_pb2.WatchVersionsResponse(published=published.info())
+                sent = published.version
+            try:
+                await asyncio.wait_for(changed.wait(), self._keepalive_s)
+            except TimeoutError:
+                keepalive = registry_pb2.KeepAlive(server_time=timestamp(), latest_version=self._catalog.latest)
+                yield registry_pb2.WatchVersionsResponse(keepalive=keepalive)
+
+    async def PublishBundle(self, requests, context):
+        header = await read_header(requests)
+        if not 0 < header.archive_size <= self._max_bundle:
+            raise invalid(f"header.archive_size is {header.archive_size}; bundles hold 1 to {self._max_bundle} bytes")
+        expected_sha256 = sha256_field(header.archive_sha256, "header.archive_sha256")
+        staging = Path(tempfile.mkdtemp(prefix="publish-", dir=self._storage.tmp_dir))
+        try:
+            archive = staging / "bundle.tar"
+            digest = hashlib.sha256()
+            with archive.open("wb") as sink:
+                end = await receive_chunks(requests, sink, position=0, total=header.archive_size, digest=digest)
+            if end != header.archive_size:
+                raise invalid(f"the stream ended after {end} of {header.archive_size} bytes; publish again")
+            if digest.hexdigest() != expected_sha256:
+                raise invalid("the archive's SHA-256 differs from header.archive_sha256; publish again")
+            published = await self._verify_and_store(archive, staging / "bundle")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return registry_pb2.PublishBundleResponse(version=published.info())
+
+    async def _verify_and_store(self, archive: Path, unpack_to: Path) -> PublishedVersion:
+        verified = await asyncio.to_thread(self._verify, archive, unpack_to, self._catalog.latest)
+        async with self._publishing:
+            manifest = verified.manifest
+            _check_newer(manifest.version, self._catalog.latest)  # another publish may have won meanwhile
+            store = self._storage.artifacts
+            await asyncio.to_thread(
+                lambda: [store.put(verified.root / a.file, a.sha256) for a in manifest.artifacts if not store.has(a.sha256)]
+            )
+            record = VersionRecord(manifest.version, verified.manifest_bytes, verified.signature, timestamp())
+            self._storage.add_version(record, [a.sha256 for a in manifest.artifacts])
+            published = PublishedVersion(record, manifest)
+            self._catalog.add(published)
+        return published
+
+    def _verify(self, archive: Path, unpack_to: Path, latest: int):
+        try:
+            verified = verify_bundle(unpack_bundle(archive, unpack_to), self._public_key)
+        except BundleError as exc:
+            raise invalid(f"bundle refused: {exc}") from exc
+        _check_newer(verified.manifest.version, latest)
+        if len(verified.manifest.artifacts) > limits.MAX_ARTIFACTS_PER_BUNDLE:
+            raise invalid(f"the bundle has {len(verified.manifest.artifacts)} artifacts; at most {limits.MAX_ARTIFACTS_PER_BUNDLE}")
+        return verified
+
+
+def _check_newer(version: int, latest: int) -> None:
+    if version == latest:
+        raise RpcStatusError("ALREADY_EXISTS", f"version {version} is already published; build the next version")
+    if version < latest:
+        raise RpcStatusError("FAILED_PRECONDITION", f"version {version} is older than the latest published {latest}; versions only move forward")
+
+
+def _hop(hop: PlannedHop) -> registry_pb2.UpgradeHop:
+    return registry_pb2.UpgradeHop(
+        source_version=hop.source_version, target_version=hop.target_version, bundle_version=hop.bundle_version,
+        identity=hop.identity,
+        forward=artifact_info(hop.forward) if hop.forward else None,
+        side_forward=artifact_info(hop.side_forward) if hop.side_forward else None,
+    )
