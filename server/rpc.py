@@ -54,6 +54,7 @@ async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
 async def _served(method: str, context: grpc.aio.ServicerContext, authorize: Callable) -> AsyncIterator[None]:
     started = time.perf_counter()
     code, principal, fields = "OK", None, {}
+    peer = context.peer()  # read it now: asking a cancelled call's context for it crashes grpc (SIGSEGV)
     try:
         principal = authorize(context)
         yield
@@ -71,7 +72,7 @@ async def _served(method: str, context: grpc.aio.ServicerContext, authorize: Cal
             "rpc",
             level=logging.WARNING if code == "INTERNAL" else logging.INFO,
             method=method,
-            peer=context.peer(),
+            peer=peer,
             principal=principal.name if principal else "-",
             code=code,
             ms=round((time.perf_counter() - started) * 1000, 2),

@@ -1,0 +1,172 @@
+"""Fixtures for the server tests: real `fctkit serve` processes on loopback, a publisher key,
+and real signed bundles (v1..v5) built from tiny ONNX graphs (onnx.helper, no torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from fctkit.export.bundle import ArtifactSource, build_bundle
+from fctkit.export.keys import save_public_key
+from fctkit.protos.bundle import pack_bundle
+
+EMBED_DIM, SIDE_DIM, IMAGE_DIM = 8, 4, 16
+BIG_IMAGE_DIM = 80_000  # v1's embed graph: 80,000 x 8 float32 weights, about 2.5 MB
+ADMIN_TOKEN = "fcta_test-admin-token-0123456789abcdef0123456789"
+
+
+def linear_onnx(path: Path, inputs: dict[str, int], out_dim: int, *, seed: int, output: str) -> Path:
+    """A real ONNX graph: concatenate the inputs, multiply by a seeded matrix."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    weight = rng.standard_normal((sum(inputs.values()), out_dim)).astype(np.float32)
+    nodes, joined = [], next(iter(inputs))
+    if len(inputs) > 1:
+        nodes.append(helper.make_node("Concat", list(inputs), ["joined"], axis=1))
+        joined = "joined"
+    nodes.append(helper.make_node("MatMul", [joined, "W"], [output]))
+    graph = helper.make_graph(
+        nodes, "tiny",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", d]) for n, d in inputs.items()],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", out_dim])],
+        initializer=[numpy_helper.from_array(weight, "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def _sources(folder: Path, version: int, hops: tuple[tuple[int, int], ...], image_dim: int) -> list[ArtifactSource]:
+    folder.mkdir(parents=True, exist_ok=True)
+    seed = version * 100
+    sources = [
+        ArtifactSource(linear_onnx(folder / "embed.onnx", {"image": image_dim}, EMBED_DIM, seed=seed, output="embedding"), "embed"),
+        ArtifactSource(linear_onnx(folder / "side.onnx", {"image": IMAGE_DIM}, SIDE_DIM, seed=seed + 1, output="side_info"), "side_info"),
+    ]
+    for i, (source, target) in enumerate(hops):
+        old = {"old_embedding": EMBED_DIM, "old_side_info": SIDE_DIM}
+        h = linear_onnx(folder / f"h{source}.onnx", old, EMBED_DIM, seed=seed + 10 + i, output="new_embedding")
+        g = linear_onnx(folder / f"g{source}.onnx", old, SIDE_DIM, seed=seed + 20 + i, output="new_side_info")
+        sources += [ArtifactSource(h, "forward", source, target), ArtifactSource(g, "side_forward", source, target)]
+    return sources
+
+
+#: version -> the adapters its bundle carries; v4 has a direct 1->4 adapter besides 3->4.
+CHAIN: dict[int, tuple[tuple[int, int], ...]] = {1: (), 2: ((1, 2),), 3: ((2, 3),), 4: ((3, 4), (1, 4)), 5: ((4, 5),)}
+
+
+@pytest.fixture(scope="session")
+def publisher_key() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.from_private_bytes(bytes(range(100, 132)))
+
+
+@pytest.fixture(scope="session")
+def publisher_pub(tmp_path_factory, publisher_key) -> Path:
+    return save_public_key(publisher_key.public_key(), tmp_path_factory.mktemp("keys") / "publisher.pub")
+
+
+@pytest.fixture(scope="session")
+def admin_token_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("admin") / "admin.token"
+    path.write_text(ADMIN_TOKEN + "\n")
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture(scope="session")
+def bundles(tmp_path_factory, publisher_key) -> dict[int, Path]:
+    """Signed bundle directories v1..v5 of the CHAIN (v1's embed graph is ~2.5 MB)."""
+    root = tmp_path_factory.mktemp("bundles")
+    built = {}
+    for version, hops in CHAIN.items():
+        sources = _sources(root / f"src{version}", version, hops, BIG_IMAGE_DIM if version == 1 else IMAGE_DIM)
+        ecc = {s.artifact_name: True for s in sources if s.role == "forward"}
+        built[version] = build_bundle(
+            root / f"v{version}", version=version, parents=(version - 1,) if version > 1 else (), mode="forward",
+            distance="cosine", normalize=True, artifacts=sources, gate={"cases": {}, "ecc": ecc}, private_key=publisher_key,
+        ).root
+    return built
+
+
+@pytest.fixture(scope="session")
+def archives(tmp_path_factory, bundles) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("archives")
+    return {v: pack_bundle(path, root / f"v{v}.tar") for v, path in bundles.items()}
+
+
+class ServerProcess:
+    """`python -m fctkit.cli serve` in a subprocess; its JSON-lines log goes to a file."""
+
+    def __init__(self, data_dir: Path, publisher_pub: Path, admin_token_file: Path, *args: str) -> None:
+        self.data_dir, self.args = Path(data_dir), list(args)
+        self.publisher_pub, self.admin_token_file = publisher_pub, admin_token_file
+        self.port = 0
+        self.process: subprocess.Popen | None = None
+        self.log_path = self.data_dir.parent / f"{self.data_dir.name}-server.log"
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> ServerProcess:
+        log = self.log_path.open("a")
+        offset = log.tell()
+        command = [
+            sys.executable, "-m", "fctkit.cli", "serve", "--data", str(self.data_dir), "--port", str(self.port),
+            "--publisher-key", str(self.publisher_pub), "--admin-token-file", str(self.admin_token_file), *self.args,
+        ]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for event in self.events(offset):
+                if event.get("event") == "listening":
+                    self.port = event["port"]
+                    return self
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_path.read_text()[offset:]}")
+            time.sleep(0.05)
+        raise RuntimeError(f"server did not start within {timeout_s} s:\n{self.log_path.read_text()[offset:]}")
+
+    def events(self, offset: int = 0) -> list[dict]:
+        text = self.log_path.read_text()[offset:] if self.log_path.exists() else ""
+        return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout_s)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+@pytest.fixture(scope="module")
+def start_server(tmp_path_factory, publisher_pub, admin_token_file) -> Callable[..., ServerProcess]:
+    """``start_server(*extra_args, data_dir=None)``: a started server, stopped at module end."""
+    started: list[ServerProcess] = []
+
+    def start(*args: str, data_dir: Path | None = None) -> ServerProcess:
+        data = data_dir or tmp_path_factory.mktemp("server") / "data"
+        server = ServerProcess(data, publisher_pub, admin_token_file, *args).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        if server.alive():
+            server.stop()
