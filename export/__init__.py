@@ -4,7 +4,8 @@ Importing this package needs neither torch nor onnx: the names below load their 
 first use. Bundles: :func:`build_bundle` (the publishing gate), :func:`check_graphs_load`;
 keys: :func:`generate_keys`, :func:`load_private_key`; ONNX: :func:`export_onnx`,
 :func:`check_parity` (torch); TensorRT: :func:`build_engine`,
-:func:`tensorrt_unavailable_reason`.
+:func:`tensorrt_unavailable_reason`; every bundle role from trainer objects:
+:func:`export_role` (torch).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ _LAZY = {
     "run_onnx": "onnx_export",
     "EngineResult": "tensorrt",
     "TensorRTRunner": "tensorrt",
+    "RoleExport": "roles",
+    "export_role": "roles",
+    "role_module": "roles",
+    "write_role_table": "roles",
     "build_engine": "tensorrt",
     "check_engine_parity": "tensorrt",
     "tensorrt_unavailable_reason": "tensorrt",

@@ -7,6 +7,12 @@ a bundle whose signature, any artifact hash or size, internal consistency (roles
 gate) or version monotonicity fails, each with its own error class and a message that
 names the file and what to do.
 
+Artifact graphs take the embedding (or image) as their first input and, when they use it,
+the side-info as their second; every tensor's first axis is the dynamic batch. ``fctkit.export``
+names them ``image``/``old``/``new`` and ``side``, outputs ``embedding``/``side_info``/``sigma``;
+the manifest records the exact names and dims, which ``fctkit bundle verify`` checks
+against the graphs.
+
 This module is the format only: stdlib + cryptography, no torch, no onnxruntime.
 """
 

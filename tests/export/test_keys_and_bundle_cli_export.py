@@ -164,3 +164,16 @@ def test_fctkit_bundle_verify_runs_without_torch_or_onnx(tmp_path, publisher_key
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr
     assert "OK bundle v2" in proc.stdout and "4 graph(s) load" in proc.stdout
+
+
+def test_bundle_verify_without_onnxruntime_says_what_to_install(tmp_path, publisher_key, make_bundle):
+    from fctkit.export.keys import save_public_key
+
+    bundle = make_bundle(tmp_path / "v2", publisher_key)
+    public = save_public_key(publisher_key.public_key(), tmp_path / "publisher.pub")
+    code = BLOCK_TORCH_AND_ONNX.replace('("torch", "onnx", "onnxscript")', '("torch", "onnx", "onnxscript", "onnxruntime")') + (
+        f"from fctkit.cli import main\nmain(['bundle', 'verify', {str(bundle.root)!r}, '--public-key', {str(public)!r}])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "onnxruntime" in proc.stderr and "fctkit[cpu]" in proc.stderr
