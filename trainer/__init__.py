@@ -20,8 +20,74 @@ from .evaluation import (
     summarize,
 )
 from .report import Case, Report, Verdict
+from .cka import linear_cka
+from .backfill import ORDERING_KINDS, backfill_order
+from .datasets import (
+    FeatureSet,
+    ImageDataset,
+    Splits,
+    class_subset,
+    load_dataset,
+    load_feature_versions,
+    load_features,
+    make_splits,
+    old_class_subset,
+    save_features,
+)
+
+# Names that need torch, imported on first access so `import fctkit.trainer` stays torch-free.
+_LAZY: dict[str, str] = {
+    "BackboneConfig": "backbones",
+    "Backbone": "backbones",
+    "train_backbone": "backbones",
+    "extract_features": "backbones",
+    "save_backbone": "backbones",
+    "load_backbone": "backbones",
+    "SideInfoConfig": "side_info",
+    "SideInfoModel": "side_info",
+    "train_side_info": "side_info",
+    "extract_side_info": "side_info",
+    "save_side_info": "side_info",
+    "load_side_info": "side_info",
+    "Adapter": "adapter_base",
+    "adapter_kinds": "adapter_base",
+    "load_adapter": "adapter_base",
+    "FCTAdapter": "adapters",
+    "FCTConfig": "adapters",
+    "FastFillAdapter": "adapters",
+    "FastFillConfig": "adapters",
+    "LambdaOrthAdapter": "lambda_orth",
+    "LambdaOrthConfig": "lambda_orth",
+    "ClosedFormAdapter": "closed_form",
+    "ClosedFormConfig": "closed_form",
+    "resolve_device": "torch_utils",
+    "set_seed": "torch_utils",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
+    *_LAZY,
+    "FeatureSet",
+    "ImageDataset",
+    "Splits",
+    "class_subset",
+    "load_dataset",
+    "load_feature_versions",
+    "load_features",
+    "make_splits",
+    "old_class_subset",
+    "save_features",
+    "linear_cka",
+    "ORDERING_KINDS",
+    "backfill_order",
     "BackfillCurve",
     "Case",
     "CompatibilityMatrix",

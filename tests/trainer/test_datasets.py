@@ -247,3 +247,14 @@ def test_class_subsets_for_a_chain(digits):
     assert set(chain[0]) < set(chain[1]) < set(chain[2])
     with pytest.raises(InputError, match="n_classes must be in 1..10"):
         class_subset(digits.labels, 11)
+
+
+def test_datasets_and_the_trainer_package_import_without_torch():
+    import subprocess
+    import sys
+
+    probe = ("import sys, fctkit.trainer, fctkit.trainer.datasets, fctkit.trainer.cka\n"
+             "assert 'torch' not in sys.modules, 'torch was imported'\n"
+             "fctkit.trainer.train_backbone\n"
+             "assert 'torch' in sys.modules")
+    subprocess.run([sys.executable, "-c", probe], check=True)
