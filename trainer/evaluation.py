@@ -2,17 +2,22 @@
 
 Ranking semantics (used everywhere in the kit):
 
-* ``l2`` ranks the gallery by squared Euclidean distance (same order as Euclidean distance;
-  no square root, so no extra ties), computed as ``|g|^2 - 2 q.g`` per query row (the row
-  constant ``|q|^2`` does not change the order); ``cosine`` ranks by ``1 - cos(q, g)``.
-  Keys are float64 so the ranking agrees with exact distances up to ~1e-13 relative (less
-  for embeddings far from the origin, where the expansion cancels): it matches a brute-force
-  reference on any data without such near-ties, where float32 would invent thousands of
-  ties in a 100k gallery. Small integer or dyadic data (hand-made ties) are exact.
+* ``l2`` ranks the gallery by squared Euclidean distance (the order of Euclidean distance;
+  no square root, so no extra ties), ``cosine`` by ``1 - cos(q, g)``.
 * Ties are broken by gallery index: the gallery is ordered by the pair (distance, index).
 * CMC@k: the fraction of evaluated queries with an item of their class among the first k.
 * AP of a query: ``mean_i(i / rank_i)`` over its positives, ``rank_i`` the 1-based rank of
   the i-th positive in that order; mAP@1.0 is the mean over evaluated queries.
+
+How distances are compared: a float64 matrix product gives fast keys for a chunk of
+queries against the whole gallery, accurate to a proven per-query tolerance (~1e-13
+relative). Pairs further apart than that are ordered by the fast keys; items within it of
+a positive (exact ties or near ties) are compared by a canonical float64 distance computed
+from the two vectors alone, then by gallery index. So the ranking agrees with exact
+distances wherever they differ by more than float64 rounding, and it does not depend on how
+BLAS blocks or threads the product: results are identical for every ``chunk_size`` and
+``workers`` (sums over queries are exact, too). Float32 keys would be 3x faster to compute
+but would invent thousands of ties in a 100k gallery.
 
 Without exact distance ties this AP equals ``sklearn.metrics.average_precision_score(
 y_true, -distance)``. With ties the two differ on purpose: scikit-learn puts a whole tie group
@@ -22,10 +27,10 @@ gallery distances ``[1, 1]`` with labels ``[neg, pos]``: scikit-learn gives AP 0
 give 0.5; labels ``[pos, neg]``: scikit-learn 0.5, we 1.0; distances ``[0, 1, 1]`` with
 labels ``[neg, pos, pos]``: scikit-learn 2/3, we ``(1/2 + 2/3) / 2 = 7/12``.
 
-Memory: only a chunk of ``chunk_size`` queries x gallery distances (float64) is held at once,
-plus per-query results. Results do not depend on ``chunk_size`` or ``workers``: every row's
-distances come out of the same BLAS kernel (chunks are padded so numpy never switches to
-the matrix-vector path, which sums in a different order), and sums over queries are exact.
+Memory: one chunk of ``chunk_size`` queries x gallery keys (float64, reused) plus the
+float64 embeddings and per-query results: ~1.3 GiB for 100k x 100k x 128 at chunk 1024.
+Only gallery items no farther than a query's farthest positive are sorted, and AP comes
+from the ranks of the positives, never from a full argsort.
 """
 
 from __future__ import annotations
@@ -44,11 +49,6 @@ from fctkit.errors import InputError
 
 Distance = Literal["l2", "cosine"]
 DISTANCES: tuple[str, ...] = ("l2", "cosine")
-
-# Query chunks are padded to a multiple of this many rows before the matrix product, so
-# the product never degenerates to a matrix-vector call (different summation order).
-_GEMM_ROW_MULTIPLE = 8
-
 
 @dataclass(frozen=True)
 class RetrievalResult:
@@ -225,7 +225,7 @@ def rank_queries(
                 pos = pos[pos != i]
                 row[i] = np.inf
             if pos.size:
-                ranks = _positive_ranks(row, pos)
+                ranks = _positive_ranks(row, pos, keys.tolerance[i], lambda idx: keys.canonical(i, idx))
                 first[i] = ranks[0]
                 ap[i] = float(np.mean(np.arange(1, ranks.size + 1) / ranks))
                 n_pos[i] = ranks.size
@@ -242,8 +242,8 @@ def rank_queries(
 def pairwise_distances(query: np.ndarray, gallery: np.ndarray, distance: Distance = "l2") -> np.ndarray:
     """The full (n_query, n_gallery) float64 distance matrix (small sets only).
 
-    Squared Euclidean for ``l2``, ``1 - cos`` for ``cosine``: the ranking key of each row
-    plus a per-row constant (see :class:`_RankingKeys`).
+    Squared Euclidean for ``l2``, ``1 - cos`` for ``cosine``: the fast ranking keys plus a
+    per-row constant (see :class:`_RankingKeys`).
     """
     q, g = _prepare_embeddings(query, gallery, distance)
     keys = _RankingKeys(q, g, distance, len(q)).chunk(0, len(q))
@@ -262,58 +262,77 @@ def _positives_by_class(codes: np.ndarray) -> dict[int, np.ndarray]:
     return {int(c): idx for c, idx in zip(classes, np.split(order, starts[1:]))}
 
 
-def _positive_ranks(row: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """Sorted 1-based ranks of the gallery items ``pos`` in ``row`` ordered by (key, index).
+def _positive_ranks(
+    row: np.ndarray, pos: np.ndarray, tolerance: float, canonical: Callable[[np.ndarray], np.ndarray]
+) -> np.ndarray:
+    """Sorted 1-based ranks of the gallery items ``pos`` in the order (distance, gallery index).
 
-    Only items no farther than the farthest positive can precede a positive, so only those
-    are sorted. Exact ties involving a positive fall back to a stable argsort, whose order on
-    equal keys is the gallery index.
+    ``row`` holds fast keys accurate to ``tolerance``: items whose key is below a positive's
+    by more than that precede it for certain. Only items no farther than the farthest
+    positive (plus the tolerance) can precede a positive, so only those are sorted. Items
+    within the tolerance of a positive (exact or near ties, rare) are compared by their
+    ``canonical`` keys, then by gallery index.
     """
-    d_pos = np.sort(row[pos])
-    candidates = np.compress(row <= d_pos[-1], row)  # several times faster than row[mask] here
+    pos = pos[np.argsort(row[pos], kind="stable")]
+    d_pos = row[pos]
+    limit = d_pos[-1] + tolerance
+    candidates = np.compress(row <= limit, row)  # several times faster than row[mask] here
     candidates.sort()
-    before = np.searchsorted(candidates, d_pos, side="left")  # sorted keys: numpy reuses each hit
-    following = before + 1
-    inside = following < candidates.size
-    if np.any(candidates[following[inside]] == d_pos[inside]):
-        cand_index = np.flatnonzero(row <= d_pos[-1])
-        order = np.argsort(row[cand_index], kind="stable")
-        position = np.empty_like(order)
-        position[order] = np.arange(order.size)
-        before = np.sort(position[np.searchsorted(cand_index, pos)])
-    return before + 1
+    before = np.searchsorted(candidates, d_pos - tolerance, side="left")  # sorted keys: fast
+    ranks = before + 1
+    band_end = np.searchsorted(candidates, d_pos + tolerance, side="right")
+    ambiguous = np.flatnonzero(band_end - before > 1)  # more than the positive itself in its band
+    if ambiguous.size:
+        cand_index = np.flatnonzero(row <= limit)
+        in_key_order = cand_index[np.argsort(row[cand_index], kind="stable")]
+        for j in ambiguous:
+            band = in_key_order[before[j] : band_end[j]]
+            keys = canonical(band)
+            own = keys[band == pos[j]][0]
+            ranks[j] += np.count_nonzero((keys < own) | ((keys == own) & (band < pos[j])))
+        ranks.sort()
+    return ranks
 
 
 class _RankingKeys:
-    """Per-row ranking keys of query rows [start, stop) against the whole gallery.
+    """Fast ranking keys of query rows [start, stop) against the whole gallery, plus the
+    exact comparison for near ties.
 
-    ``l2``: ``|g|^2 - 2 q.g`` (the squared distance minus the row constant ``|q|^2``);
-    ``cosine``: ``-cos(q, g)``. Both come out of one float64 matrix product of augmented
-    rows (``[-2q, 1] . [g, |g|^2]``), so no elementwise pass over the chunk is needed;
-    scaling by -2 is exact. Chunks are padded to a multiple of ``_GEMM_ROW_MULTIPLE`` rows
-    and written into one reused buffer.
+    Fast keys come out of one float64 matrix product of augmented rows written into one
+    reused buffer: ``l2``: ``[-2q, 1] . [g, |g|^2] = |q - g|^2 - |q|^2`` (scaling by -2 is
+    exact); ``cosine``: ``-q.g`` of unit rows. BLAS sums in an order that depends on the
+    block shape and threading, so one pair's key can differ in its last bits between
+    chunkings. ``tolerance[i]`` bounds that error for query row i (a rounding-error bound
+    valid for any summation order, with a 2x margin): keys further apart than it are
+    ordered correctly; closer pairs are compared by :meth:`canonical`, which computes the
+    distance from the two vectors alone in a fixed order.
     """
 
     def __init__(self, q: np.ndarray, g: np.ndarray, distance: str, max_rows: int) -> None:
+        self.q_rows, self.g_rows, self.distance = q, g, distance
+        bound = 4 * (2 * q.shape[1] + 8) * np.finfo(np.float64).eps / 2
         if distance == "l2":
             self.q = np.hstack([-2.0 * q, np.ones((len(q), 1))])
             self.g_t = np.ascontiguousarray(np.hstack([g, np.einsum("ij,ij->i", g, g)[:, None]]).T)
+            reach = np.linalg.norm(q, axis=1) + np.linalg.norm(g, axis=1).max()
+            self.tolerance = bound * reach * reach
         else:
             self.q = -q
             self.g_t = np.ascontiguousarray(g.T)
-        padded = -(-max_rows // _GEMM_ROW_MULTIPLE) * _GEMM_ROW_MULTIPLE
-        self.buffer = np.empty((padded, self.g_t.shape[1]))
-        self.pad = np.zeros((_GEMM_ROW_MULTIPLE, self.q.shape[1]))
+            self.tolerance = np.full(len(q), bound)
+        self.buffer = np.empty((max_rows, self.g_t.shape[1]))
 
     def chunk(self, start: int, stop: int) -> np.ndarray:
-        rows = stop - start
-        padded = -(-rows // _GEMM_ROW_MULTIPLE) * _GEMM_ROW_MULTIPLE
-        block = self.q[start:stop]
-        if padded != rows:
-            block = np.concatenate([block, self.pad[: padded - rows]])
-        out = self.buffer[:padded]
-        np.matmul(block, self.g_t, out=out)
-        return out[:rows]
+        out = self.buffer[: stop - start]
+        np.matmul(self.q[start:stop], self.g_t, out=out)
+        return out
+
+    def canonical(self, i: int, gallery_index: np.ndarray) -> np.ndarray:
+        """Keys of query i against some gallery items: a row-local numpy reduction whose
+        value depends on the two vectors only (squared distance, or -cos)."""
+        if self.distance == "l2":
+            return np.add.reduce(np.square(self.q_rows[i] - self.g_rows[gallery_index]), axis=1)
+        return -np.add.reduce(self.q_rows[i] * self.g_rows[gallery_index], axis=1)
 
 
 def _prepare_embeddings(query: np.ndarray, gallery: np.ndarray, distance: str) -> tuple[np.ndarray, np.ndarray]:

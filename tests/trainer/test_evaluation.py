@@ -8,6 +8,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.spatial.distance import cdist
 from sklearn.metrics import average_precision_score
 
@@ -149,6 +151,34 @@ def test_duplicate_gallery_items_rank_by_index_in_every_chunking():
         np.testing.assert_allclose(ranks.average_precision, expected_ap, rtol=0, atol=1e-15)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 6).flatmap(lambda n_q: st.tuples(
+        st.lists(st.tuples(st.integers(-2, 2), st.integers(-2, 2), st.integers(0, 2)), min_size=n_q, max_size=n_q),
+        st.lists(st.tuples(st.integers(-2, 2), st.integers(-2, 2), st.integers(0, 2)), min_size=1, max_size=12),
+        st.integers(1, 13),
+        st.booleans(),
+    ))
+)
+def test_tie_heavy_integer_data_matches_a_lexsort_reference(data):
+    """Small integer grids are full of exact ties; ranks must follow (distance, gallery index)."""
+    query_rows, gallery_rows, chunk, leave_one_out = data
+    if leave_one_out:
+        query_rows = gallery_rows
+    q, ql = np.array([r[:2] for r in query_rows], float), np.array([r[2] for r in query_rows])
+    g, gl = np.array([r[:2] for r in gallery_rows], float), np.array([r[2] for r in gallery_rows])
+    dist = cdist(q, g, "sqeuclidean")
+    ranks = rank_queries(q, ql, g, gl, chunk_size=chunk, leave_one_out=leave_one_out)
+    for i in range(len(q)):
+        keep = np.flatnonzero(np.arange(len(g)) != i) if leave_one_out else np.arange(len(g))
+        order = keep[np.lexsort((keep, dist[i][keep]))]
+        hits = np.flatnonzero(gl[order] == ql[i]) + 1
+        assert ranks.n_positives[i] == hits.size
+        if hits.size:
+            assert ranks.first_positive_rank[i] == hits[0]
+            assert ranks.average_precision[i] == pytest.approx(np.mean(np.arange(1, hits.size + 1) / hits), abs=1e-15)
+
+
 # -- random data against brute force ---------------------------------------------------------
 
 
@@ -218,6 +248,44 @@ def test_chunked_equals_unchunked_exactly(distance, leave_one_out):
         np.testing.assert_array_equal(ranks.first_positive_rank, full.first_positive_rank)
         np.testing.assert_array_equal(ranks.average_precision, full.average_precision)
         assert evaluate_retrieval(query, query_labels, items, labels, chunk_size=chunk, workers=workers, **kwargs) == reference
+
+
+def near_tie_sets(distance: str):
+    """Galleries where many distances agree up to float64 rounding noise."""
+    rng = np.random.default_rng(21)
+    angles = rng.uniform(0, 2 * np.pi, 40)
+    if distance == "l2":  # points on a unit circle around the first query
+        centre = np.array([0.1, 0.2])
+        gallery = centre + np.stack([np.cos(angles), np.sin(angles)], axis=1)
+        query = np.vstack([centre, rng.normal(size=(4, 2))])
+    else:  # a few directions at many scales: equal cosines, unequal rounding
+        directions = np.stack([np.cos(angles[:5]), np.sin(angles[:5])], axis=1)
+        gallery = directions[rng.integers(0, 5, 40)] * rng.uniform(0.1, 10, size=(40, 1))
+        query = np.vstack([directions[:2] * 3.3, rng.normal(size=(3, 2))])
+    return query, rng.integers(0, 3, len(query)), gallery, rng.integers(0, 3, len(gallery))
+
+
+@pytest.mark.parametrize("distance", ["l2", "cosine"])
+def test_near_ties_resolve_by_canonical_distance_then_index(distance):
+    """BLAS rounding differs with the chunk shape; near ties must not: they are decided by a
+    fixed-order distance of the two vectors (np.add.reduce along the row), then the index."""
+    q, ql, g, gl = near_tie_sets(distance)
+    if distance == "l2":
+        canonical = lambda i: np.add.reduce(np.square(q[i] - g), axis=1)  # noqa: E731
+    else:
+        unit = lambda x: x / np.linalg.norm(x, axis=1)[:, None]  # noqa: E731
+        canonical = lambda i: -np.add.reduce(unit(q)[i] * unit(g), axis=1)  # noqa: E731
+    expected_first, expected_ap = [], []
+    for i in range(len(q)):
+        order = np.lexsort((np.arange(len(g)), canonical(i)))
+        hits = np.flatnonzero(gl[order] == ql[i]) + 1
+        expected_first.append(hits[0])
+        expected_ap.append(np.mean(np.arange(1, hits.size + 1) / hits))
+    assert len(set(canonical(0).tolist())) < len(g)  # the data really holds exact ties, too
+    for chunk, workers in [(1, 1), (2, 2), (3, 1), (len(q), 2)]:
+        ranks = rank_queries(q, ql, g, gl, distance=distance, chunk_size=chunk, workers=workers)
+        assert ranks.first_positive_rank.tolist() == expected_first
+        np.testing.assert_array_equal(ranks.average_precision, expected_ap)
 
 
 def test_float32_and_integer_inputs_are_accepted():
