@@ -114,6 +114,7 @@ class ServerProcess:
         self.data_dir, self.args = Path(data_dir), list(args)
         self.publisher_pub, self.admin_token_file = publisher_pub, admin_token_file
         self.port = 0
+        self.log_offset = 0
         self.process: subprocess.Popen | None = None
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}-server.log"
 
@@ -123,7 +124,7 @@ class ServerProcess:
 
     def start(self, timeout_s: float = 60.0) -> ServerProcess:
         log = self.log_path.open("a")
-        offset = log.tell()
+        offset = self.log_offset = log.tell()
         command = [
             sys.executable, "-m", "fctkit.cli", "serve", "--data", str(self.data_dir), "--port", str(self.port),
             "--publisher-key", str(self.publisher_pub), "--admin-token-file", str(self.admin_token_file), *self.args,
@@ -137,13 +138,19 @@ class ServerProcess:
                     self.port = event["port"]
                     return self
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_path.read_text()[offset:]}")
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_text(offset)}")
             time.sleep(0.05)
-        raise RuntimeError(f"server did not start within {timeout_s} s:\n{self.log_path.read_text()[offset:]}")
+        raise RuntimeError(f"server did not start within {timeout_s} s:\n{self.log_text(offset)}")
 
-    def events(self, offset: int = 0) -> list[dict]:
-        text = self.log_path.read_text()[offset:] if self.log_path.exists() else ""
-        return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    def log_text(self, offset: int) -> str:
+        return self.log_path.read_bytes()[offset:].decode("utf-8", "replace") if self.log_path.exists() else ""
+
+    def events(self, offset: int | None = None) -> list[dict]:
+        """The JSON log lines of this process (since its start)."""
+        offset = self.log_offset if offset is None else offset
+        text = self.log_text(offset)
+        complete_lines = text.split("\n")[:-1]  # the last piece may still be being written
+        return [json.loads(line) for line in complete_lines if line.startswith("{")]
 
     def stop(self, timeout_s: float = 30.0) -> int:
         assert self.process is not None

@@ -1,0 +1,159 @@
+"""Persistence across a restart, graceful shutdown, start-up checks and TLS, each against real
+`fctkit serve` processes."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from fctkit.errors import RpcStatusError
+from fctkit.protos import fleet_pb2
+from fctkit.protos.bundle import MANIFEST_FILE
+from fctkit.protos.client import FctkitClient, RetryPolicy
+
+from .conftest import ADMIN_TOKEN, ServerProcess
+
+_RETRIES: list[float] = []
+
+
+@dataclass(frozen=True)
+class CountingRetryPolicy(RetryPolicy):
+    """Records every backoff the client takes, so the test can see that retries happened."""
+
+    def delays(self):
+        for delay in super().delays():
+            _RETRIES.append(delay)
+            yield delay
+
+
+def test_everything_survives_a_restart_and_clients_retry_through_it(tmp_path, publisher_pub, admin_token_file, archives, bundles):
+    server = ServerProcess(tmp_path / "data", publisher_pub, admin_token_file).start()
+    patient = CountingRetryPolicy(attempts=60, initial_backoff_s=0.05, max_backoff_s=0.5)
+    admin = FctkitClient(server.target, ADMIN_TOKEN, retry=patient)
+    for version in (1, 2):
+        admin.publish_bundle(archives[version])
+    enrolment = FctkitClient(server.target).enrol(admin.create_enrolment_code().code, "camera")
+    device = FctkitClient(server.target, enrolment.token, retry=patient)
+    spare_code = admin.create_enrolment_code().code
+    blob = b"\x17encrypted" * 50_000
+    sha256 = device.upload_blob(blob, item_id="photo-1").sha256
+    device.report(2, 42, fleet_pb2.UPGRADE_STATE_IDLE, detail="ready")
+    before = (admin.list_versions(), admin.list_devices(), device.list_blobs())
+
+    assert server.stop() == 0  # graceful: SIGTERM, exit code 0
+    assert server.events()[-1]["event"] == "stopped"
+    orphan = server.data_dir / "artifacts" / "ab" / ("ab" * 32)
+    orphan.parent.mkdir(exist_ok=True)
+    orphan.write_bytes(b"left by a crash between file and row")
+    (server.data_dir / "tmp" / "publish-crashed").mkdir()
+
+    _RETRIES.clear()
+    restarted = ServerProcess(server.data_dir, publisher_pub, admin_token_file)
+    restarted.port = server.port
+    starting = threading.Thread(target=restarted.start)
+    starting.start()
+    versions = device.list_versions()  # sent while the new process is still starting
+    starting.join()
+    assert _RETRIES, "the client should have backed off while the server was down"
+    try:
+        assert versions == before[0]
+        assert admin.list_devices() == before[1] and device.list_blobs() == before[2]
+        assert device.read_blob(sha256) == blob
+        assert device.get_manifest(2)[0] == (bundles[2] / MANIFEST_FILE).read_bytes()
+        assert FctkitClient(restarted.target).enrol(spare_code, "late").device_id  # unused codes persist
+        removed = next(e for e in restarted.events() if e.get("event") == "storage opened")["garbage_removed"]
+        assert removed == {"artifacts": 1, "blobs": 0, "staging": 1} and not orphan.exists()
+    finally:
+        restarted.stop()
+
+
+def test_shutdown_ends_watch_streams_cleanly(start_server, archives):
+    server = start_server()
+    admin = FctkitClient(server.target, ADMIN_TOKEN, retry=RetryPolicy(attempts=1))
+    admin.publish_bundle(archives[1])
+    seen, outcome = [], []
+
+    def watch():
+        try:
+            seen.extend(v.version for v in admin.watch_versions())
+            outcome.append("ended")
+        except RpcStatusError as exc:
+            outcome.append(exc.code)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    watcher.join(1.0)
+    assert watcher.is_alive() and seen == [1]
+    assert server.stop() == 0
+    watcher.join(30)
+    assert outcome == ["ended"]
+    assert [e["code"] for e in server.events() if e.get("method") == "/fctkit.v1.Registry/WatchVersions"] == ["OK"]
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fctkit.cli", "serve", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_bad_start_up_settings_fail_with_one_clear_line(tmp_path, publisher_pub, admin_token_file, archives):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from fctkit.export.keys import save_public_key
+
+    base = ["--data", str(tmp_path / "data"), "--port", "0", "--admin-token-file", str(admin_token_file)]
+    result = _serve(*base, "--publisher-key", str(publisher_pub), "--tls-cert", str(publisher_pub))
+    assert result.returncode == 2 and "TLS needs both" in result.stderr and "Traceback" not in result.stderr
+    server = ServerProcess(tmp_path / "data", publisher_pub, admin_token_file).start()
+    FctkitClient(server.target, ADMIN_TOKEN).publish_bundle(archives[1])
+    server.stop()
+    stranger = save_public_key(Ed25519PrivateKey.generate().public_key(), tmp_path / "stranger.pub")
+    result = _serve(*base, "--publisher-key", str(stranger))
+    assert result.returncode == 2 and "does not verify under the given publisher key" in result.stderr
+    assert "Traceback" not in result.stderr
+    short = tmp_path / "short.token"
+    short.write_text("too-short")
+    result = _serve("--data", str(tmp_path / "data"), "--port", "0", "--publisher-key", str(publisher_pub), "--admin-token-file", str(short))
+    assert result.returncode == 2 and "at least 32" in result.stderr
+
+
+def _self_signed(tmp_path):
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / "server.crt", tmp_path / "server.key"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_tls_serves_verified_clients_and_refuses_plaintext(start_server, tmp_path, archives):
+    cert, key = _self_signed(tmp_path)
+    server = start_server("--tls-cert", str(cert), "--tls-key", str(key))
+    assert next(e for e in server.events() if e.get("event") == "listening")["tls"] is True
+    with FctkitClient(server.target, ADMIN_TOKEN, root_certificates=cert.read_bytes()) as admin:
+        version = admin.publish_bundle(archives[1])
+        assert [v.version for v in admin.list_versions()] == [version.version] == [1]
+        side_info = next(a for a in version.artifacts if a.name == "side_info")
+        with open("/dev/null", "wb") as sink:
+            assert admin.fetch_artifact(1, "side_info", sink).sha256 == side_info.sha256  # checked while streaming
+    with FctkitClient(server.target, ADMIN_TOKEN, retry=RetryPolicy(attempts=1)) as plaintext:
+        with pytest.raises(RpcStatusError) as refused:
+            plaintext.list_versions()
+    assert refused.value.code == "UNAVAILABLE"
