@@ -17,6 +17,7 @@ accepted only when it is ``None`` or has 0 columns. One class serves both cases 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -233,9 +234,9 @@ class FastFillAdapter(FCTAdapter):
         labels: np.ndarray | None = None,
         on_epoch_start: EpochHook | None = None,
     ) -> tuple[FastFillAdapter, History]:
-        """Fit with the heteroscedastic loss; with ``classifier`` (the new model's head, kept
-        frozen, mapping φ_new → logits) and ``labels`` also add
-        ``discriminative_weight · CE(classifier(h(old)), label)``."""
+        """Fit with the heteroscedastic loss; with ``classifier`` (the new model's head mapping
+        φ_new → logits; a frozen copy is used, the module itself is left untouched) and
+        ``labels`` also add ``discriminative_weight · CE(classifier(h(old)), label)``."""
         config = config_of(cls.config_class, config)
         if (classifier is None) != (labels is None):
             raise InputError("the discriminative term needs both classifier= and labels= (or neither)")
@@ -254,15 +255,13 @@ class FastFillAdapter(FCTAdapter):
 
 
 def _discriminative_loss(classifier: nn.Module, weight: float) -> Callable[..., torch.Tensor]:
-    classifier.eval()
-    for parameter in classifier.parameters():
-        parameter.requires_grad_(False)
+    # A frozen private copy: the caller's module is neither trained, moved nor switched to eval.
+    frozen = copy.deepcopy(classifier).eval().requires_grad_(False)
 
     def loss_fn(model: FastFillAdapter, *batch: torch.Tensor) -> torch.Tensor:
         *inputs, target, labels = batch
         prediction, log_variance = model.forward_with_log_variance(*inputs)
-        classifier.to(prediction.device)
-        cross_entropy = nn.functional.cross_entropy(classifier(prediction), labels)
+        cross_entropy = nn.functional.cross_entropy(frozen.to(prediction.device)(prediction), labels)
         return heteroscedastic_mse(prediction, target, log_variance) + weight * cross_entropy
 
     return loss_fn

@@ -143,8 +143,9 @@ def test_fastfill_discriminative_term_uses_the_frozen_classifier(digits_views):
     config = small_config(side_info=False, epochs=8, discriminative_weight=1.0)
     with_term, _ = FastFillAdapter.fit(old, new, config=config, classifier=classifier, labels=labels)
     without, _ = FastFillAdapter.fit(old, new, config=config)
-    assert torch.equal(classifier.weight, before) and not classifier.weight.requires_grad
+    assert torch.equal(classifier.weight, before) and classifier.weight.requires_grad and classifier.training
 
+    @torch.no_grad()
     def cross_entropy(adapter: FastFillAdapter) -> float:
         logits = classifier(torch.from_numpy(adapter.transform(old)))
         return float(torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels)))
@@ -241,3 +242,21 @@ def test_bad_inputs_raise_input_error():
         adapter.transform(old)
     with pytest.raises(ConfigError, match="unknown key"):
         FCTAdapter.fit(old, new, side, {**config, "mixer_widht": 3})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (TrainConfig.device = 'cuda')")
+def test_adapters_train_on_cuda_and_load_back_on_cpu(tmp_path):
+    data = two_factor_data(n=300)
+    cuda_train = {"epochs": 2, "batch_size": 64, "device": "cuda", "progress": False}
+    fitted = [
+        FCTAdapter.fit(data["old"], data["new"], data["side"], {**small_config(), "train": cuda_train})[0],
+        FastFillAdapter.fit(data["old"], data["new"], data["side"], {**small_config(), "train": cuda_train})[0],
+        LambdaOrthAdapter.fit(data["old"], data["new"], None, {"forward": "mlp", "train": cuda_train})[0],
+    ]
+    for index, adapter in enumerate(fitted):
+        assert adapter.device.type == "cuda"
+        on_cpu = load_adapter(adapter.save(tmp_path / f"{index}.pt"))
+        assert on_cpu.device.type == "cpu"
+        for gpu_output, cpu_output in zip(outputs_of(adapter, data), outputs_of(on_cpu, data)):
+            np.testing.assert_allclose(gpu_output, cpu_output, rtol=1e-4, atol=1e-4)
