@@ -172,9 +172,10 @@ class FctkitClient:
                     chunk = message.chunk
                     if expected is None or chunk.offset != position:
                         raise RpcStatusError("DATA_LOSS", f"the server sent a chunk at offset {chunk.offset}, expected {position}")
-                    sink.write(chunk.data)
-                    digest.update(chunk.data)
-                    position += len(chunk.data)
+                    data = chunk.data  # each access copies the bytes out of the message
+                    sink.write(data)
+                    digest.update(data)
+                    position += len(data)
                     delays = self.retry.delays()  # progress resets the retry budget
                 break
             except grpc.RpcError as error:

@@ -161,8 +161,9 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         yield registry_pb2.DownloadArtifactResponse(
             header=registry_pb2.ArtifactHeader(version=published.version, artifact=artifact_info(artifact), offset=offset)
         )
-        for chunk in file_chunks(self._storage.artifacts.path(artifact.sha256), offset, artifact.size, size):
-            yield registry_pb2.DownloadArtifactResponse(chunk=chunk)
+        path = self._storage.artifacts.path(artifact.sha256)
+        for response in file_chunks(path, offset, artifact.size, size, registry_pb2.DownloadArtifactResponse):
+            yield response
 
     async def WatchVersions(self, request, context):
         sent = request.after_version

@@ -114,8 +114,9 @@ class VaultService(vault_pb2_grpc.VaultServicer):
             raise RpcStatusError("NOT_FOUND", f"no blob {sha256} in this device's vault")
         offset = check_offset(request.offset, record.size)
         yield vault_pb2.DownloadBlobResponse(header=_blob_info(record))
-        for chunk in file_chunks(self._storage.blobs.path(sha256), offset, record.size, size):
-            yield vault_pb2.DownloadBlobResponse(chunk=chunk)
+        path = self._storage.blobs.path(sha256)
+        for response in file_chunks(path, offset, record.size, size, vault_pb2.DownloadBlobResponse):
+            yield response
 
     async def Stat(self, request, context):
         device_id = current_device_id()
