@@ -50,6 +50,7 @@ from fctkit.errors import InputError
 Distance = Literal["l2", "cosine"]
 DISTANCES: tuple[str, ...] = ("l2", "cosine")
 
+
 @dataclass(frozen=True)
 class RetrievalResult:
     """Aggregate retrieval metrics of one query set against one gallery.
