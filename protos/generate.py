@@ -1,6 +1,7 @@
 """Regenerate the Python stubs of the wire protocol: ``python -m fctkit.protos.generate``.
 
-The sources are ``protos/fctkit/v1/*.proto`` (proto package ``fctkit.v1``). grpcio-tools
+The sources are ``protos/proto-src/fctkit/v1/*.proto`` (proto package ``fctkit.v1``; the
+folder name is not a Python identifier, so packaging treats it as data, not as a package). grpcio-tools
 writes ``<name>_pb2.py``, ``<name>_pb2.pyi`` and ``<name>_pb2_grpc.py`` (the last only for
 files that declare a service) next to this module, with their imports rewritten to be
 relative so they work inside the ``fctkit.protos`` package. ``--check`` regenerates into a
@@ -18,7 +19,7 @@ from pathlib import Path
 from fctkit.errors import DependencyError, require
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-PROTO_ROOT = PACKAGE_DIR  # proto imports are written relative to it: "fctkit/v1/common.proto"
+PROTO_ROOT = PACKAGE_DIR / "proto-src"  # proto imports are written relative to it: "fctkit/v1/common.proto"
 PROTO_SUBDIR = Path("fctkit") / "v1"
 _ABSOLUTE_IMPORT = re.compile(r"^from fctkit\.v1 import (\w+_pb2)", re.MULTILINE)
 

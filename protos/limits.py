@@ -1,4 +1,4 @@
-"""Wire limits of the ``fctkit.v1`` protocol (documented in ``protos/fctkit/v1/common.proto``).
+"""Wire limits of the ``fctkit.v1`` protocol (documented in ``protos/proto-src/fctkit/v1/common.proto``).
 
 The server enforces them (INVALID_ARGUMENT naming the field); the client library stays
 within them.

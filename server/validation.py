@@ -1,5 +1,5 @@
 """Field checks shared by the services: each failure is an INVALID_ARGUMENT naming the field
-and the limit (see ``protos/fctkit/v1/common.proto``)."""
+and the limit (see ``protos/proto-src/fctkit/v1/common.proto``)."""
 
 from __future__ import annotations
 
