@@ -118,6 +118,7 @@ class Backbone(nn.Module):
         self.encoder = Encoder(config.architecture, config.width, config.embedding_dim, in_channels,
                                config.normalize_embedding)
         self.classifier = nn.Linear(config.embedding_dim, len(self.classes))
+        self.history: History | None = None  # set by train_backbone
 
     @property
     def embedding_dim(self) -> int:
@@ -193,12 +194,13 @@ def train_backbone(images: np.ndarray, labels: np.ndarray, config: BackboneConfi
     return backbone
 
 
-def extract_features(model: nn.Module, images: np.ndarray, batch_size: int = 512, device: str | None = None) -> np.ndarray:
+def extract_features(model: nn.Module, images: np.ndarray, batch_size: int = 512, device: str | None = None,
+                     progress: bool = False) -> np.ndarray:
     """Run ``model`` (a :class:`Backbone`, side-info model or any embedding module) over numpy
     images in batches; return float32 (N, d). Runs on the model's own device unless ``device`` is given."""
     images = validate_images(images)
     target = resolve_device(device) if device is not None else _device_of(model)
-    return predict(model, images, batch_size=batch_size, device=target)
+    return predict(model, images, batch_size=batch_size, device=target, progress=progress)
 
 
 def _device_of(model: nn.Module) -> torch.device:

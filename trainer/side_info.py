@@ -29,7 +29,7 @@ from fctkit.errors import ConfigError, InputError
 from .backbones import Architecture, Backbone, BackboneConfig, Encoder, extract_features, train_backbone
 from .cka import linear_cka
 from .datasets import validate_images, validate_labels
-from .fitting import TrainConfig, fit
+from .fitting import History, TrainConfig, fit
 from .torch_utils import load_checkpoint, load_state, resolve_device, save_checkpoint, set_seed
 
 __all__ = [
@@ -119,6 +119,7 @@ class SideInfoModel(nn.Module):
         self.in_channels = in_channels
         self.encoder: nn.Module | None = None
         self.head: nn.Module | None = None
+        self.history: History | None = None  # set by train_side_info
         if config.kind == "simclr":
             self.encoder = Encoder(config.architecture, config.width, config.dim, in_channels)
             self.head = nn.Sequential(nn.Linear(config.dim, config.dim), nn.ReLU(), nn.Linear(config.dim, config.projection_dim))
@@ -202,9 +203,7 @@ def train_side_info(images: np.ndarray, labels: np.ndarray | None = None, config
     config = config or SideInfoConfig()
     images = validate_images(images)
     if config.kind == "none":
-        model = SideInfoModel(config, images.shape[1])
-        model.history = None
-        return model.eval()
+        return SideInfoModel(config, images.shape[1]).eval()
     if config.kind == "alternate":
         if labels is None:
             raise InputError("side-info kind 'alternate' trains a second old model and needs the old labels")
@@ -225,9 +224,10 @@ def train_side_info(images: np.ndarray, labels: np.ndarray | None = None, config
     return model
 
 
-def extract_side_info(model: SideInfoModel, images: np.ndarray, batch_size: int = 512, device: str | None = None) -> np.ndarray:
+def extract_side_info(model: SideInfoModel, images: np.ndarray, batch_size: int = 512, device: str | None = None,
+                      progress: bool = False) -> np.ndarray:
     """ψ for numpy images, float32 (N, dim)."""
-    return extract_features(model, images, batch_size=batch_size, device=device)
+    return extract_features(model, images, batch_size=batch_size, device=device, progress=progress)
 
 
 SIDE_INFO_FORMAT = "fctkit.side_info"
@@ -251,5 +251,4 @@ def load_side_info(path: str | Path, device: str = "cpu") -> SideInfoModel:
     except (KeyError, TypeError) as exc:
         raise InputError(f"{path}: incomplete side-info metadata ({exc}); re-save the model") from exc
     load_state(model, state, str(path))
-    model.history = None
     return model.to(resolve_device(device)).eval()

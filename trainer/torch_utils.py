@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from fctkit.errors import ConfigError, DataUnavailableError, InputError
 
@@ -41,14 +42,16 @@ def as_tensor(array: np.ndarray, device: torch.device | str = "cpu", dtype: torc
 
 
 @torch.no_grad()
-def predict(module: torch.nn.Module, *inputs: np.ndarray, batch_size: int = 1024, device: torch.device | str = "cpu") -> np.ndarray:
-    """Run ``module`` in eval mode over numpy inputs in batches; return a float32 numpy array."""
+def predict(module: torch.nn.Module, *inputs: np.ndarray, batch_size: int = 1024, device: torch.device | str = "cpu",
+            progress: bool = False) -> np.ndarray:
+    """Run ``module`` in eval mode over numpy inputs in batches; return a float32 numpy array.
+    ``progress`` shows a tqdm bar over the batches (for large inputs)."""
     was_training = module.training
     module.eval()
     module.to(device)
     n = len(inputs[0])
     outputs = []
-    for start in range(0, n, batch_size):
+    for start in tqdm(range(0, n, batch_size), desc="inference", unit="batch", disable=not progress, leave=False):
         batch = [as_tensor(x[start : start + batch_size], device) for x in inputs]
         out = module(*batch)
         if isinstance(out, (tuple, list)):
