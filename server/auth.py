@@ -10,7 +10,6 @@ stored: the admin token is compared by hash, device tokens are looked up by hash
 
 from __future__ import annotations
 
-import contextvars
 import hashlib
 import hmac
 import os
@@ -25,7 +24,7 @@ import grpc
 from fctkit.errors import ConfigError, RpcStatusError
 from fctkit.protos import fleet_pb2, registry_pb2, vault_pb2
 
-from .rpc import wrap_handler
+from .rpc import CALLER, wrap_handler
 
 Role = Literal["admin", "device"]
 PUBLIC: frozenset[Role] = frozenset()
@@ -98,16 +97,13 @@ class Principal:
         return self.device_id or self.role
 
 
-_CURRENT: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("fctkit_principal", default=None)
-
-
 def current_principal() -> Principal | None:
     """Who is calling the RPC being served (None for public methods)."""
-    return _CURRENT.get()
+    return CALLER.get()
 
 
 def current_device_id() -> str:
-    principal = _CURRENT.get()
+    principal = CALLER.get()
     if principal is None or principal.device_id is None:
         raise RpcStatusError("PERMISSION_DENIED", "this call needs a device token")
     return principal.device_id
@@ -160,11 +156,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             if not roles:
                 return None
             principal = self._authenticator.principal(context.invocation_metadata())
+            CALLER.set(principal)
             if principal.role not in roles:
                 raise RpcStatusError(
                     "PERMISSION_DENIED", f"{handler_call_details.method} needs {' or '.join(sorted(roles))} credentials"
                 )
-            _CURRENT.set(principal)
             return principal
 
         return wrap_handler(handler, handler_call_details.method, authorize)

@@ -1,7 +1,7 @@
 """What every served fctkit RPC goes through (:func:`wrap_handler`):
 
 - requests that do not decode become INVALID_ARGUMENT (instead of gRPC's generic INTERNAL);
-- the caller is authorized before the handler runs;
+- the caller is authorized before the handler runs (and named in the log even when refused);
 - :class:`~fctkit.errors.RpcStatusError` raised by a handler becomes that status; kit input
   errors become INVALID_ARGUMENT; anything unexpected is logged with its traceback and answered
   INTERNAL with an incident id, so no request can take the server down;
@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import secrets
 import time
@@ -24,6 +25,9 @@ from fctkit.errors import ConfigError, InputError, RpcStatusError
 from .jsonlog import log_event
 
 _MALFORMED = object()
+
+CALLER: contextvars.ContextVar[Any] = contextvars.ContextVar("fctkit_caller", default=None)
+"""Who makes the RPC being served (set by the authorizer; each RPC runs in its own task)."""
 
 
 def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
@@ -53,10 +57,10 @@ async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
 @contextlib.asynccontextmanager
 async def _served(method: str, context: grpc.aio.ServicerContext, authorize: Callable) -> AsyncIterator[None]:
     started = time.perf_counter()
-    code, principal, fields = "OK", None, {}
+    code, fields = "OK", {}
     peer = context.peer()  # read it now: asking a cancelled call's context for it crashes grpc (SIGSEGV)
     try:
-        principal = authorize(context)
+        authorize(context)
         yield
     except grpc.aio.AbortError:
         code = "ABORTED_BY_HANDLER"
@@ -73,7 +77,7 @@ async def _served(method: str, context: grpc.aio.ServicerContext, authorize: Cal
             level=logging.WARNING if code == "INTERNAL" else logging.INFO,
             method=method,
             peer=peer,
-            principal=principal.name if principal else "-",
+            principal=getattr(CALLER.get(), "name", "-"),
             code=code,
             ms=round((time.perf_counter() - started) * 1000, 2),
             **fields,

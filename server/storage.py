@@ -7,6 +7,7 @@ DATA/meta.sqlite3      metadata (SQLite in WAL mode): versions, devices, enrolme
 DATA/artifacts/aa/...  bundle artifacts, content-addressed by SHA-256
 DATA/blobs/aa/...      vault blobs (device ciphertext), content-addressed by SHA-256
 DATA/tmp/              uploads in progress and publish staging (never listed)
+DATA/server.lock       held (flock) by the one server using the directory
 ```
 
 A content file is fsynced and renamed into place *before* the metadata row that makes it
@@ -19,6 +20,8 @@ later release; nothing sets it yet.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
 import sqlite3
 from collections.abc import Sequence
@@ -155,25 +158,16 @@ class SqliteStorage:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock_exclusively(self.data_dir / "server.lock")
         self.artifacts = ContentStore(self.data_dir / "artifacts")
         self.blobs = ContentStore(self.data_dir / "blobs")
         self.tmp_dir = self.data_dir / "tmp"
         self.tmp_dir.mkdir(exist_ok=True)
         try:
-            self._db = sqlite3.connect(self.data_dir / "meta.sqlite3", isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            found = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if found not in (0, SCHEMA_VERSION):
-                raise ConfigError(
-                    f"{self.data_dir}: metadata schema {found} is not the {SCHEMA_VERSION} this server "
-                    "understands; run the fctkit version that wrote it"
-                )
-            self._db.executescript(_SCHEMA)
-            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        except sqlite3.DatabaseError as exc:
-            raise ConfigError(f"{self.data_dir / 'meta.sqlite3'}: not a usable fctkit database: {exc}") from exc
+            self._db = _open_database(self.data_dir / "meta.sqlite3")
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
 
     # -- registry ---------------------------------------------------------------------------
 
@@ -323,9 +317,42 @@ class SqliteStorage:
 
     def close(self) -> None:
         self._db.close()
+        os.close(self._lock_fd)  # releases the lock
 
     def _transaction(self):
         return _Transaction(self._db)
+
+
+def _open_database(path: Path) -> sqlite3.Connection:
+    try:
+        db = sqlite3.connect(path, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA foreign_keys=ON")
+        found = db.execute("PRAGMA user_version").fetchone()[0]
+        if found not in (0, SCHEMA_VERSION):
+            db.close()
+            raise ConfigError(
+                f"{path.parent}: metadata schema {found} is not the {SCHEMA_VERSION} this server "
+                "understands; run the fctkit version that wrote it"
+            )
+        db.executescript(_SCHEMA)
+        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    except sqlite3.DatabaseError as exc:
+        raise ConfigError(f"{path}: not a usable fctkit database: {exc}") from exc
+    return db
+
+
+def _lock_exclusively(path: Path) -> int:
+    """Hold an exclusive lock on ``path`` for as long as the returned descriptor stays open:
+    two servers on one data directory would race each other's uploads and publishes."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"{path.parent} is in use by another fctkit server; stop it or choose another --data") from None
+    return fd
 
 
 class _Transaction:

@@ -432,3 +432,5 @@ def test_every_call_is_logged_as_one_json_line(server):
     assert events and all({"method", "peer", "principal", "code", "ms"} <= set(e) for e in events)
     assert {"OK", "UNAUTHENTICATED", "PERMISSION_DENIED", "NOT_FOUND", "INVALID_ARGUMENT"} <= {e["code"] for e in events}
     assert not [e for e in events if e["code"] == "INTERNAL"]
+    refused = [e for e in events if e["method"] == "/fctkit.v1.Registry/PublishBundle" and e["code"] == "PERMISSION_DENIED"]
+    assert refused and refused[0]["principal"].startswith("dev-")  # who tried is on the record

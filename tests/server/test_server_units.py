@@ -127,13 +127,18 @@ def test_versions_need_their_artifacts_and_garbage_is_collected(tmp_path):
     assert storage.versions() == [VersionRecord(1, b"{}", b"sig", "now")]
 
 
-def test_unusable_databases_are_refused(tmp_path):
+def test_one_server_per_data_directory_and_unusable_databases_are_refused(tmp_path):
     storage = _storage(tmp_path)
+    with pytest.raises(ConfigError, match="in use by another fctkit server"):
+        _storage(tmp_path)
     storage.close()
     with sqlite3.connect(tmp_path / "data" / "meta.sqlite3") as db:
         db.execute("PRAGMA user_version=99")
     with pytest.raises(ConfigError, match="schema 99"):
         _storage(tmp_path)
+    with sqlite3.connect(tmp_path / "data" / "meta.sqlite3") as db:
+        db.execute("PRAGMA user_version=1")
+    _storage(tmp_path).close()  # the refusal released the lock
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "meta.sqlite3").write_bytes(b"this is not a database" * 100)
