@@ -15,7 +15,9 @@ from typing import Any
 
 _LAZY = {
     "ArtifactSource": "bundle",
+    "ArtifactSpec": "bundle",
     "BundleSpec": "bundle",
+    "gate_from_report": "bundle",
     "build_bundle": "bundle",
     "check_graphs_load": "bundle",
     "load_bundle_spec": "bundle",

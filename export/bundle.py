@@ -208,50 +208,100 @@ def _describe(specs: Sequence[tuple[str, tuple, str]]) -> str:
 
 # --------------------------------------------------------------------------- build spec (TOML)
 
+TRAINER_REPORT_FORMAT = "fctkit-report/1"
+
+
+@dataclass(frozen=True)
+class ArtifactSpec:
+    """One ``[[artifact]]`` table of a build spec. ``ecc`` names the trainer-report verdict
+    (e.g. ``"ECC (top1)"``) that gates this forward/backward artifact when ``gate`` is a
+    trainer ``report.json``."""
+
+    file: Path
+    role: Role
+    source_version: int | None = None
+    target_version: int | None = None
+    name: str | None = None
+    ecc: str | None = None
+
+    def source(self, base: Path) -> ArtifactSource:
+        return ArtifactSource(base / self.file, self.role, self.source_version, self.target_version, self.name)
+
 
 @dataclass(frozen=True)
 class BundleSpec:
-    """The TOML spec of ``fctkit bundle build``; relative paths resolve against the spec's folder."""
+    """The TOML spec of ``fctkit bundle build``; relative paths resolve against the spec's folder.
+
+    ``gate`` is either a gate JSON (``{"cases": …, "ecc": {artifact name: bool}}``) or a
+    trainer ``report.json``, whose cases are copied and whose verdicts named by each
+    artifact's ``ecc`` give the ECC entries."""
 
     version: int
     mode: Mode
     distance: Literal["l2", "cosine"]
     normalize: bool
-    artifact: tuple[ArtifactSource, ...]
+    artifact: tuple[ArtifactSpec, ...]
     parents: tuple[int, ...] = ()
     gate: Path | None = None
 
-    def resolved(self, base: Path) -> BundleSpec:
-        return BundleSpec(
-            version=self.version,
-            mode=self.mode,
-            distance=self.distance,
-            normalize=self.normalize,
-            artifact=tuple(
-                ArtifactSource(base / a.file, a.role, a.source_version, a.target_version, a.name) for a in self.artifact
-            ),
-            parents=self.parents,
-            gate=None if self.gate is None else base / self.gate,
-        )
 
-
-def load_bundle_spec(path: str | os.PathLike) -> tuple[BundleSpec, dict]:
-    """Read a build spec and its gate JSON (``{"cases": …, "ecc": …}``; empty when absent)."""
+def load_bundle_spec(path: str | os.PathLike) -> tuple[BundleSpec, list[ArtifactSource], dict]:
+    """Read a build spec: the spec, its artifacts (paths resolved) and the gate tables."""
     from fctkit.config import from_mapping, load_toml
 
     path = Path(path)
-    spec = from_mapping(BundleSpec, load_toml(path), where=path.name).resolved(path.parent)
+    spec = from_mapping(BundleSpec, load_toml(path), where=path.name)
     if not spec.artifact:
         raise ConfigError(f"{path}: no [[artifact]] tables; a bundle needs at least its embed model")
+    sources = [a.source(path.parent) for a in spec.artifact]
     if spec.gate is None:
-        return spec, {"cases": {}, "ecc": {}}
+        return spec, sources, {"cases": {}, "ecc": {}}
+    gate_path = path.parent / spec.gate
     try:
-        gate = json.loads(spec.gate.read_text())
+        data = json.loads(gate_path.read_text())
     except FileNotFoundError as exc:
-        raise ConfigError(f"{path}: gate file {spec.gate} does not exist") from exc
+        raise ConfigError(f"{path}: gate file {gate_path} does not exist") from exc
     except ValueError as exc:
-        raise ConfigError(f"{path}: gate file {spec.gate} is not valid JSON: {exc}") from exc
-    return spec, gate
+        raise ConfigError(f"{path}: gate file {gate_path} is not valid JSON: {exc}") from exc
+    if isinstance(data, dict) and data.get("format") == TRAINER_REPORT_FORMAT:
+        verdicts = {source.artifact_name: a.ecc for a, source in zip(spec.artifact, sources) if a.ecc is not None}
+        return spec, sources, gate_from_report(data, verdicts)
+    stray = [a.file for a in spec.artifact if a.ecc is not None]
+    if stray:
+        raise ConfigError(f"{path}: 'ecc' (for {', '.join(map(str, stray))}) names report verdicts, but {gate_path} is not a trainer report")
+    return spec, sources, data
 
 
-__all__ = ["ArtifactSource", "BundleSpec", "build_bundle", "check_graphs_load", "load_bundle_spec"]
+def gate_from_report(report: Mapping[str, Any], ecc_verdicts: Mapping[str, str]) -> dict:
+    """Gate tables from a trainer ``report.json``: every case's top-k and mAP, and for each
+    artifact name in ``ecc_verdicts`` whether the named verdict passed."""
+    try:
+        cases = {
+            case["name"]: {
+                **{f"top{k}": float(v) for k, v in case["result"]["cmc"].items()},
+                "mAP": float(case["result"]["mean_ap"]),
+            }
+            for case in report["cases"]
+        }
+        names = [v["name"] for v in report["verdicts"]]
+        verdicts = {v["name"]: v["passed"] for v in report["verdicts"]}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise GateError(f"the trainer report is malformed ({exc!r}); regenerate it with the trainer") from exc
+    repeated = sorted({n for n in names if names.count(n) > 1} & set(ecc_verdicts.values()))
+    if repeated:
+        raise GateError(f"the trainer report has several verdicts named {', '.join(map(repr, repeated))}: give each a distinct name")
+    ecc = {}
+    for artifact, verdict in ecc_verdicts.items():
+        if verdict not in verdicts:
+            raise GateError(
+                f"artifact {artifact!r} is gated by verdict {verdict!r}, which the report does not have "
+                f"(it has: {', '.join(verdicts) or 'none'})"
+            )
+        ecc[artifact] = verdicts[verdict] is True
+    return {"cases": cases, "ecc": ecc}
+
+
+__all__ = [
+    "ArtifactSource", "ArtifactSpec", "BundleSpec", "build_bundle", "check_graphs_load", "gate_from_report",
+    "load_bundle_spec",
+]

@@ -50,15 +50,15 @@ def bundle_command() -> None:
 def build_command(spec: Path, key_path: Path, out_dir: Path, passphrase_file: Path | None,
                   archive: Path | None, force: bool, reason: str | None) -> None:
     """Build and sign a bundle from a TOML SPEC (version, parents, mode, distance,
-    normalize, optional gate JSON, and [[artifact]] tables with file/role/source_version/
-    target_version)."""
+    normalize, optional gate = a gate JSON or the trainer's report.json, and [[artifact]]
+    tables with file/role/source_version/target_version[/ecc = "report verdict"])."""
     from .bundle import build_bundle, load_bundle_spec
 
-    bundle_spec, gate = load_bundle_spec(spec)
+    bundle_spec, sources, gate = load_bundle_spec(spec)
     private_key = load_private_key(key_path, read_passphrase(passphrase_file))
     bundle = build_bundle(
         out_dir, version=bundle_spec.version, parents=bundle_spec.parents, mode=bundle_spec.mode,
-        distance=bundle_spec.distance, normalize=bundle_spec.normalize, artifacts=bundle_spec.artifact,
+        distance=bundle_spec.distance, normalize=bundle_spec.normalize, artifacts=sources,
         gate=gate, private_key=private_key, force=force, force_reason=reason,
     )
     _echo_summary(bundle)

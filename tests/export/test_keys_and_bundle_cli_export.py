@@ -77,7 +77,8 @@ def _run(args: list[str], env: dict | None = None):
     return result
 
 
-def _write_spec(folder: Path, tiny_sources, *, gate: dict | None) -> Path:
+def _write_spec(folder: Path, tiny_sources, *, gate: dict | None, verdicts: dict | None = None) -> Path:
+    """A build spec for the tiny graphs; ``verdicts`` (role -> report verdict) adds ``ecc`` keys."""
     sources = tiny_sources(folder / "graphs")
     lines = ["version = 2", "parents = [1]", 'mode = "forward"', 'distance = "cosine"', "normalize = true"]
     if gate is not None:
@@ -87,6 +88,8 @@ def _write_spec(folder: Path, tiny_sources, *, gate: dict | None) -> Path:
         lines += ["", "[[artifact]]", f'file = "graphs/{s.file.name}"', f'role = "{s.role}"']
         if s.source_version is not None:
             lines += [f"source_version = {s.source_version}", f"target_version = {s.target_version}"]
+        if verdicts and s.role in verdicts:
+            lines.append(f'ecc = "{verdicts[s.role]}"')
     spec = folder / "bundle.toml"
     spec.write_text("\n".join(lines) + "\n")
     return spec
@@ -177,3 +180,41 @@ def test_bundle_verify_without_onnxruntime_says_what_to_install(tmp_path, publis
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "onnxruntime" in proc.stderr and "fctkit[cpu]" in proc.stderr
+
+
+def _trainer_report(forward_top1: float) -> dict:
+    from fctkit.trainer import Report, RetrievalResult
+
+    report = Report("digits v1 -> v2")
+    for name, top1 in (("old/old", 0.90), ("new/h(old)", forward_top1), ("B(new)/old", 0.91)):
+        report.add_case(name, RetrievalResult(cmc={1: top1, 5: 0.99}, mean_ap=top1 - 0.1, n_queries=300, n_skipped=0))
+    report.add_ecc()
+    report.add_verdict("ECC backward (top1)", True, "B(new)/old 0.91 > old/old 0.90")
+    return report.to_json()
+
+
+def test_cli_gate_from_a_trainer_report(tmp_path, tiny_sources, monkeypatch):
+    monkeypatch.delenv(PASSPHRASE_ENV, raising=False)
+    generate_keys(tmp_path / "keys")
+    verdicts = {"forward": "ECC (top1)", "backward": "ECC backward (top1)"}
+    spec = _write_spec(tmp_path, tiny_sources, gate=_trainer_report(0.93), verdicts=verdicts)
+    build = ["bundle", "build", str(spec), "--key", str(tmp_path / "keys/publisher.key")]
+    result = _run(build + ["--out", str(tmp_path / "ok")])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "ok/manifest.json").read_text())
+    assert manifest["gate"]["cases"]["new/h(old)"] == {"top1": 0.93, "top5": 0.99, "mAP": 0.93 - 0.1}
+    assert manifest["gate"]["ecc"] == {"forward_1_to_2": True, "backward_2_to_1": True}
+
+    (tmp_path / "gate.json").write_text(json.dumps(_trainer_report(0.85)))  # ECC fails for h
+    result = _run(build + ["--out", str(tmp_path / "refused")])
+    assert "publishing refused" in str(result.exception) and "forward_1_to_2" in str(result.exception)
+
+    spec.write_text(spec.read_text().replace('ecc = "ECC (top1)"', 'ecc = "ECC (top5)"', 1))
+    result = _run(build + ["--out", str(tmp_path / "unknown")])
+    assert "verdict 'ECC (top5)'" in str(result.exception)
+    report = _trainer_report(0.93)
+    report["verdicts"].append(dict(report["verdicts"][0]))
+    (tmp_path / "gate.json").write_text(json.dumps(report))
+    spec.write_text(spec.read_text().replace('ecc = "ECC (top5)"', 'ecc = "ECC (top1)"'))
+    result = _run(build + ["--out", str(tmp_path / "ambiguous")])
+    assert "several verdicts named 'ECC (top1)'" in str(result.exception)
