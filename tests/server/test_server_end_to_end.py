@@ -17,7 +17,7 @@ from fctkit.cli import cli
 from fctkit.errors import HashMismatchError, RollbackError, RpcStatusError, SignatureError
 from fctkit.protos import fleet_pb2, limits, registry_pb2, registry_pb2_grpc, vault_pb2, vault_pb2_grpc
 from fctkit.protos.bundle import MANIFEST_FILE, SIGNATURE_FILE, Manifest, pack_bundle, verify_manifest
-from fctkit.protos.client import FctkitClient, RetryPolicy
+from fctkit.protos.client import FctkitClient
 from fctkit.protos.common_pb2 import Chunk
 
 from .conftest import ADMIN_TOKEN
@@ -291,13 +291,15 @@ def test_watch_survives_idle_time_and_receives_a_newly_published_version(server,
 # -- vault -----------------------------------------------------------------------------------
 
 
-def test_vault_upload_list_download_delete(device):
+def test_vault_upload_list_download_delete(server, device):
     ciphertext = hashlib.sha256(b"seed").digest() * 40_000  # 1.28 MB, spans several chunks
     transfer = device.upload_blob(ciphertext, item_id="item-7")
     assert transfer.resumed_from == 0 and transfer.header.item_id == "item-7"
     assert device.upload_blob(ciphertext).resumed_from == len(ciphertext)  # already stored
     listed = {b.sha256: b for b in device.list_blobs()}
     assert listed[transfer.sha256].size == len(ciphertext)
+    stored = next(server.data_dir.glob(f"blobs/*/{transfer.sha256}"))
+    assert stored.read_bytes() == ciphertext  # kept exactly as given: the server has nothing to decrypt it with
     assert device.read_blob(transfer.sha256) == ciphertext
     assert device.stat_blob(transfer.sha256).state == vault_pb2.BLOB_STATE_STORED
     assert device.delete_blob(transfer.sha256) == sum(b.size for b in listed.values()) - len(ciphertext)

@@ -11,11 +11,13 @@ import threading
 from dataclasses import dataclass
 
 import pytest
+from click.testing import CliRunner
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from fctkit.cli import cli
 from fctkit.errors import RpcStatusError
 from fctkit.protos import fleet_pb2
 from fctkit.protos.bundle import MANIFEST_FILE
@@ -77,10 +79,13 @@ def test_everything_survives_a_restart_and_clients_retry_through_it(tmp_path, pu
         restarted.stop()
 
 
-def test_shutdown_ends_watch_streams_cleanly(start_server, archives):
+def test_admin_publish_and_shutdown_ending_watch_streams_cleanly(start_server, admin_token_file, bundles):
     server = start_server()
     admin = FctkitClient(server.target, ADMIN_TOKEN, retry=RetryPolicy(attempts=1))
-    admin.publish_bundle(archives[1])
+    published = CliRunner().invoke(
+        cli, ["admin", "--server", server.target, "--admin-token-file", str(admin_token_file), "publish", str(bundles[1])]
+    )  # a bundle directory: the command packs it
+    assert published.exit_code == 0 and "published version 1" in published.output, published.output
     seen, outcome = [], []
 
     def watch():
@@ -114,6 +119,8 @@ def test_bad_start_up_settings_fail_with_one_clear_line(tmp_path, publisher_pub,
     assert result.returncode == 2 and "TLS needs both" in result.stderr and "Traceback" not in result.stderr
     server = ServerProcess(tmp_path / "data", publisher_pub, admin_token_file).start()
     FctkitClient(server.target, ADMIN_TOKEN).publish_bundle(archives[1])
+    result = _serve(*base, "--publisher-key", str(publisher_pub))
+    assert result.returncode == 2 and "in use by another fctkit server" in result.stderr
     server.stop()
     stranger = save_public_key(Ed25519PrivateKey.generate().public_key(), tmp_path / "stranger.pub")
     result = _serve(*base, "--publisher-key", str(stranger))
