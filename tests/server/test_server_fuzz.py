@@ -148,6 +148,7 @@ def test_random_and_garbled_requests_get_status_codes_and_leave_the_data_intact(
 
     calls = st.one_of([st.tuples(st.just(m), _requests(m, strings), tokens(m)) for m in METHODS])
     answers: dict[str, int] = {}
+    methods_called: set[str] = set()
 
     with grpc.insecure_channel(server.target) as channel:
 
@@ -160,13 +161,14 @@ def test_random_and_garbled_requests_get_status_codes_and_leave_the_data_intact(
             code = _invoke(channel, method, payload, metadata)
             assert code == grpc.StatusCode.OK or code in EXPECTED_CODES, (method.full_name, code)
             answers[code.name] = answers.get(code.name, 0) + 1
+            methods_called.add(method.full_name)
 
         check()
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
         assert health.status == health_pb2.HealthCheckResponse.SERVING
 
     assert server.alive()
-    assert sum(answers.values()) >= 1000
+    assert sum(answers.values()) >= 1000 and methods_called == {m.full_name for m in METHODS}
     assert {"OK", "INVALID_ARGUMENT", "UNAUTHENTICATED", "PERMISSION_DENIED", "NOT_FOUND"} <= set(answers), answers
     assert answers["INVALID_ARGUMENT"] > answers["UNAUTHENTICATED"], answers  # most got past auth
     assert not [e for e in server.events() if e.get("code") == "INTERNAL" or e.get("level") == "error"]
