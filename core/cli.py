@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "keys": ("fctkit.export.cli", "keys_command", "Generate the publisher's Ed25519 signing key pair."),
     "bundle": ("fctkit.export.cli", "bundle_command", "Build, verify and pack signed model bundles."),
     "eval": ("fctkit.trainer.cli", "eval_command", "Evaluate retrieval between query and gallery .npz embeddings."),
+    "train": ("fctkit.trainer.cli", "train_command", "Train backbones, side-info and adapters from a TOML config; write a report."),
     "serve": ("fctkit.server.cli", "serve_command", "Run the gRPC server: model registry, encrypted vault, fleet."),
     "admin": ("fctkit.server.cli", "admin_command", "Administer a running server: enrolment codes, publish, list devices/versions."),
 }

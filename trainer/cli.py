@@ -83,3 +83,45 @@ def eval_command(
     if out_dir is not None:
         for path in report.save(out_dir).values():
             click.echo(f"wrote {path}")
+
+
+def _parse_overrides(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, object]:
+    """``--set fct.train.epochs=5`` → {"fct.train.epochs": 5}; values are read as TOML (strings may be bare)."""
+    import tomllib
+
+    overrides: dict[str, object] = {}
+    for item in values:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"expected KEY=VALUE (e.g. fct.train.epochs=5), got {item!r}")
+        try:
+            overrides[key.strip()] = tomllib.loads(f"value = {raw}")["value"]
+        except tomllib.TOMLDecodeError:
+            overrides[key.strip()] = raw
+    return overrides
+
+
+@click.command("train")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="TOML config (see configs/digits.toml); unknown keys are errors. Omitted: digits defaults.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output folder: models/, adapters/, features/, report.md/json/png, gate.json, config.json.")
+@click.option("--set", "overrides", multiple=True, callback=_parse_overrides, metavar="KEY=VALUE",
+              help="Override a config value by dotted key, e.g. --set fct.train.epochs=5 (repeatable).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None, help="Overrides the config's device.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def train_command(config_path: Path | None, out_dir: Path, overrides: dict[str, object], device: str | None, quiet: bool) -> None:
+    """Train backbones, side-info and every adapter method; evaluate every case; write the report.
+
+    Image data (digits, fashion-mnist) trains the old/new backbones and the side-info model
+    first; `data.name = "features"` starts from your own .npz embeddings instead.
+    """
+    from .pipeline import load_pipeline_config, run_pipeline
+
+    if device is not None:
+        overrides = {**overrides, "device": device}
+    if quiet:
+        overrides = {**overrides, "progress": False}
+    config = load_pipeline_config(config_path, overrides)
+    result = run_pipeline(config, out_dir, log=lambda message: click.echo(f"[train] {message}", err=True))
+    click.echo(result.report.to_markdown())

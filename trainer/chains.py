@@ -1,0 +1,81 @@
+"""Chains of versions v1 → v2 → v3 (FCT paper, Table 5).
+
+Each version's backbone sees the first ``classes[v]`` classes and its own SimCLR side-info
+model is trained on that version's data. Hop by hop, a v1 row becomes
+``h3(h2(φ1, ψ1), g2(φ1, ψ1))``: h2 moves the embedding, g2 the side-info, h3 the result.
+A device that skipped v2 can instead use the direct adapter ``h13(φ1, ψ1)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .adapters import FCTAdapter
+from .backbones import extract_features, train_backbone
+from .datasets import class_subset
+from .report import Report
+from .side_info import extract_side_info, train_side_info
+
+if TYPE_CHECKING:
+    from .pipeline import PipelineConfig
+
+
+@dataclasses.dataclass
+class VersionFeatures:
+    embedding: np.ndarray  # φ_v
+    side: np.ndarray  # ψ_v
+
+
+def run_chain(config: PipelineConfig, out: Path, report: Report, log: Callable[[str], None]) -> dict[str, float]:
+    from .pipeline import Evaluator, _metrics, load_image_splits
+
+    data = load_image_splits(config)
+    train_labels = data.labels[data.train]
+    versions_train: list[VersionFeatures] = []
+    versions_eval: list[VersionFeatures] = []
+    for v, n_classes in enumerate(config.chain.classes, start=1):
+        seen = class_subset(train_labels, n_classes)
+        backbone_config = config.old_backbone if v == 1 else config.new_backbone
+        log(f"chain v{v}: backbone and side-info on {n_classes} classes ({len(seen)} images)")
+        images = data.images[data.train][seen]
+        backbone = train_backbone(images, train_labels[seen], backbone_config, config.seed + 10 * v, config.device)
+        side_model = train_side_info(images, train_labels[seen], config.side_info, config.seed + 10 * v + 1, config.device)
+        for split, target in ((data.train, versions_train), (data.evaluation, versions_eval)):
+            x = data.images[split]
+            target.append(VersionFeatures(extract_features(backbone, x), extract_side_info(side_model, x)))
+
+    v1, v2, v3 = versions_train
+    fct = dataclasses.replace(config.fct, side_info=True)
+    log("chain adapters h2, g2, h3 and direct h13")
+    h2, _ = FCTAdapter.fit(v1.embedding, v2.embedding, v1.side, fct)
+    g2, _ = FCTAdapter.fit(v1.embedding, v2.side, v1.side, fct)
+    h3, _ = FCTAdapter.fit(v2.embedding, v3.embedding, v2.side, fct)
+    h13, _ = FCTAdapter.fit(v1.embedding, v3.embedding, v1.side, fct)
+    for name, adapter in (("chain_h2", h2), ("chain_g2", g2), ("chain_h3", h3), ("chain_h13", h13)):
+        adapter.save(out / "adapters" / f"{name}.pt")
+
+    e1, _, e3 = versions_eval
+    hop_by_hop = h3.transform(h2.transform(e1.embedding, e1.side), g2.transform(e1.embedding, e1.side))
+    direct = h13.transform(e1.embedding, e1.side)
+    evaluate = Evaluator(data.labels[data.evaluation], config.evaluation)
+    cases = {
+        "v1/v1 [chain]": evaluate(e1.embedding, e1.embedding),
+        "v3/v3 [chain]": evaluate(e3.embedding, e3.embedding),
+        "v3/v1 [chain]": evaluate(e3.embedding, e1.embedding),
+        "v3/h3(h2(v1)) [chain, hop by hop]": evaluate(e3.embedding, hop_by_hop),
+        "v3/h13(v1) [chain, direct]": evaluate(e3.embedding, direct),
+    }
+    for name, result in cases.items():
+        report.add_case(name, result)
+    hop, one = cases["v3/h3(h2(v1)) [chain, hop by hop]"], cases["v3/h13(v1) [chain, direct]"]
+    report.add_verdict("ECC [chain, hop by hop]", hop.top1 > cases["v1/v1 [chain]"].top1,
+                       f"top-1 {hop.top1:.4f} vs v1/v1 {cases['v1/v1 [chain]'].top1:.4f}")
+    report.add_verdict("ECC [chain, direct]", one.top1 > cases["v1/v1 [chain]"].top1,
+                       f"top-1 {one.top1:.4f} vs v1/v1 {cases['v1/v1 [chain]'].top1:.4f}")
+    return {"hop_by_hop": _metrics(hop), "direct": _metrics(one), "v1/v1": _metrics(cases["v1/v1 [chain]"]),
+            "v3/v3": _metrics(cases["v3/v3 [chain]"])}
