@@ -366,14 +366,7 @@ class FctkitClient:
 
     def list_blobs(self) -> list[vault_pb2.BlobInfo]:
         """Every blob of this device's vault (all pages)."""
-        found: list[vault_pb2.BlobInfo] = []
-        token = ""
-        while True:
-            page = self._unary(self.vault.List, vault_pb2.ListBlobsRequest(page_token=token))
-            found.extend(page.blobs)
-            token = page.next_page_token
-            if not token:
-                return found
+        return self._all_pages(self.vault.List, vault_pb2.ListBlobsRequest, "blobs")
 
     def delete_blob(self, sha256: str) -> int:
         """Delete a blob; returns the bytes the device still stores."""
@@ -403,11 +396,15 @@ class FctkitClient:
 
     def list_devices(self) -> list[fleet_pb2.DeviceInfo]:
         """Admin: every enrolled device (all pages)."""
-        found: list[fleet_pb2.DeviceInfo] = []
+        return self._all_pages(self.fleet.ListDevices, fleet_pb2.ListDevicesRequest, "devices")
+
+    def _all_pages(self, method: Any, request_type: Any, items: str) -> list:
+        """Follow ``next_page_token`` until the last page; return every page's ``items``."""
+        found: list = []
         token = ""
         while True:
-            page = self._unary(self.fleet.ListDevices, fleet_pb2.ListDevicesRequest(page_token=token))
-            found.extend(page.devices)
+            page = self._unary(method, request_type(page_token=token))
+            found.extend(getattr(page, items))
             token = page.next_page_token
             if not token:
                 return found
