@@ -81,3 +81,21 @@ class RpcStatusError(FctkitError):
 
     def __reduce__(self):
         return type(self), (self.code, self.details)
+
+
+class DeviceKeyError(FctkitError):
+    """A device key file is missing, too readable, malformed, or its passphrase is wrong,
+    or a gallery was opened with a key that is not its own."""
+
+
+class CorruptRecordError(FctkitError):
+    """An encrypted gallery record or vault blob failed authentication: it was modified,
+    truncated, swapped with another record, or sealed under another key."""
+
+
+class GalleryError(FctkitError):
+    """An on-device gallery is missing, malformed, or in a state that forbids the request."""
+
+
+class DeviceError(FctkitError):
+    """A device operation cannot proceed (not initialised, not enrolled, no model installed, …)."""

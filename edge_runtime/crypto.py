@@ -1,0 +1,122 @@
+"""Device keys and sealed records: AES-256-GCM with authenticated data.
+
+The device key is 32 random bytes in a key file readable by its owner only (0600), stored
+either as is or wrapped by a passphrase (scrypt → AES-256-GCM). Every gallery record and
+every vault blob is sealed under it with a fresh 96-bit nonce; the authenticated data names
+what the record is (gallery, row, version tag, field), so a record moved to another row,
+another gallery or another field, or replayed from an older version, fails to open.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import stat
+from pathlib import Path
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
+
+from fctkit.errors import CorruptRecordError, DeviceKeyError
+
+KEY_BYTES = 32
+NONCE_BYTES = 12
+TAG_BYTES = 16
+KEY_FILE_FORMAT = 1
+#: scrypt cost (n = 2**15, r = 8, p = 1: ~32 MiB, ~0.1 s): the interactive setting of RFC 7914.
+SCRYPT_N, SCRYPT_R, SCRYPT_P = 1 << 15, 8, 1
+
+
+class Sealer:
+    """Seal and open records under one 256-bit key."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) != KEY_BYTES:
+            raise DeviceKeyError(f"a device key is {KEY_BYTES} bytes, got {len(key)}")
+        self._aead = AESGCM(key)
+
+    def seal(self, plaintext: bytes, aad: bytes) -> bytes:
+        """``nonce || ciphertext || tag`` with a fresh random nonce."""
+        nonce = os.urandom(NONCE_BYTES)
+        return nonce + self._aead.encrypt(nonce, plaintext, aad)
+
+    def open(self, record: bytes, aad: bytes, what: str = "record") -> bytes:
+        """The plaintext of ``record``; :class:`CorruptRecordError` when it was modified,
+        truncated, sealed under another key, or belongs to other authenticated data."""
+        if len(record) < NONCE_BYTES + TAG_BYTES:
+            raise CorruptRecordError(f"{what}: {len(record)} bytes is shorter than any sealed record (truncated)")
+        try:
+            return self._aead.decrypt(record[:NONCE_BYTES], record[NONCE_BYTES:], aad)
+        except InvalidTag:
+            raise CorruptRecordError(
+                f"{what}: authentication failed (modified, swapped with another record, or sealed under another key)"
+            ) from None
+
+
+def new_key() -> bytes:
+    return AESGCM.generate_key(bit_length=256)
+
+
+def _scrypt(passphrase: str, salt: bytes) -> bytes:
+    return Scrypt(salt=salt, length=KEY_BYTES, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P).derive(passphrase.encode("utf-8"))
+
+
+def write_key_file(path: str | os.PathLike, key: bytes, passphrase: str | None = None) -> Path:
+    """Write ``key`` to a new 0600 file (refusing to overwrite one), wrapped when a passphrase is given."""
+    path = Path(path)
+    if passphrase is None:
+        body = {"format": KEY_FILE_FORMAT, "wrapping": "none", "key": base64.b64encode(key).decode()}
+    else:
+        if not passphrase:
+            raise DeviceKeyError("the passphrase is empty: give a real one, or none to store the key unwrapped")
+        salt = os.urandom(16)
+        wrapped = Sealer(_scrypt(passphrase, salt)).seal(key, b"fctkit-device-key")
+        body = {
+            "format": KEY_FILE_FORMAT, "wrapping": "scrypt-aes256gcm", "n": SCRYPT_N, "r": SCRYPT_R, "p": SCRYPT_P,
+            "salt": base64.b64encode(salt).decode(), "wrapped_key": base64.b64encode(wrapped).decode(),
+        }
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise DeviceKeyError(f"{path} already exists: a device key is never overwritten (move it away first)") from None
+    with os.fdopen(fd, "w") as fh:
+        json.dump(body, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return path
+
+
+def read_key_file(path: str | os.PathLike, passphrase: str | None = None) -> bytes:
+    """The device key from its file; refuses files others can read, and wrong passphrases."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise DeviceKeyError(f"device key file {path} does not exist: run `fctkit device init` first") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise DeviceKeyError(f"{path} is readable by others (mode {stat.S_IMODE(mode):o}): chmod 600 {path}")
+    try:
+        body = json.loads(path.read_text())
+        if body.get("format") != KEY_FILE_FORMAT:
+            raise DeviceKeyError(f"{path}: unsupported key file format {body.get('format')!r}")
+        if body["wrapping"] == "none":
+            key = base64.b64decode(body["key"], validate=True)
+        elif body["wrapping"] == "scrypt-aes256gcm":
+            if passphrase is None:
+                raise DeviceKeyError(f"{path} is passphrase-protected: give the passphrase (--passphrase-env VAR)")
+            salt = base64.b64decode(body["salt"], validate=True)
+            kdf = Scrypt(salt=salt, length=KEY_BYTES, n=body["n"], r=body["r"], p=body["p"])
+            wrapping_key = kdf.derive(passphrase.encode("utf-8"))
+            try:
+                key = Sealer(wrapping_key).open(base64.b64decode(body["wrapped_key"], validate=True), b"fctkit-device-key")
+            except CorruptRecordError:
+                raise DeviceKeyError(f"{path}: wrong passphrase (or the key file was modified)") from None
+        else:
+            raise DeviceKeyError(f"{path}: unknown key wrapping {body['wrapping']!r}")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DeviceKeyError(f"{path} is not a valid fctkit key file ({exc})") from exc
+    if len(key) != KEY_BYTES:
+        raise DeviceKeyError(f"{path}: the key is {len(key)} bytes, expected {KEY_BYTES}")
+    return key

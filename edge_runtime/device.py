@@ -1,0 +1,464 @@
+"""A device: its key, its encrypted gallery, its installed bundles and its link to the server.
+
+Directory layout (everything private to the device user)::
+
+    device.json      settings: server address, device id, engine choices (no secrets)
+    device.key       the 256-bit device key, 0600, optionally passphrase-wrapped
+    token            the device's bearer token from enrolment, 0600
+    publisher.pub    the publisher's Ed25519 key pinned at enrolment (or at init)
+    gallery.sqlite   the encrypted gallery (see fctkit.edge_runtime.gallery)
+    bundles/vN/      verified bundles; downloads/vN/ while downloading (resumable)
+
+Typical use::
+
+    device = Device.open("dev1")
+    device.sync()                      # install or upgrade to the latest published version
+    device.add(images, labels=labels)  # embed locally, store sealed rows, upload sealed originals
+    matches = device.query(images, k=5)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fctkit.config import from_mapping, to_mapping
+from fctkit.errors import BundleError, DeviceError, InputError, RpcStatusError
+
+from .crypto import Sealer, new_key, read_key_file, write_key_file
+from .engine import PREFERENCE, Engine, EngineConfig
+from .gallery import Gallery, LoadedRows, NewRow, VersionTag
+from .search import ExactIndex
+from .upgrade import Hop, UpgradePlan, hop_list, run_upgrade
+from .vault_blob import open_image, seal_image
+
+SETTINGS_FILE, KEY_FILE, TOKEN_FILE, PUBLISHER_FILE, GALLERY_FILE = "device.json", "device.key", "token", "publisher.pub", "gallery.sqlite"
+
+
+@dataclass(frozen=True)
+class DeviceSettings:
+    """What ``device.json`` holds (unknown keys are errors)."""
+
+    server: str | None = None
+    device_id: str | None = None
+    device_name: str = ""
+    tls_root_certificates: str | None = None
+    providers: tuple[str, ...] = PREFERENCE
+    batch_size: int = 1024
+    threads: int = 0
+    search_backend: str = "auto"
+
+    @property
+    def engine(self) -> EngineConfig:
+        return EngineConfig(providers=tuple(self.providers), batch_size=self.batch_size, threads=self.threads)
+
+
+@dataclass(frozen=True)
+class Match:
+    item_id: str
+    distance: float
+    label: str | None
+    tag: str
+
+
+@dataclass
+class SyncResult:
+    installed_before: int
+    installed_after: int
+    hops: str = "(none)"
+    rows_upgraded: int = 0
+    uploaded: int = 0
+    still_queued: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+class Device:
+    """One device directory; open with :meth:`init` (new) or :meth:`open` (existing)."""
+
+    def __init__(self, root: Path, key: bytes, settings: DeviceSettings) -> None:
+        self.root = root
+        self.settings = settings
+        self._key = key
+        self._sealer = Sealer(key)
+        self.gallery = Gallery.open(root / GALLERY_FILE, key)
+        self._engines: dict[int, Engine] = {}
+        self._index_cache: tuple[tuple, ExactIndex, LoadedRows] | None = None
+        self.progress = True
+
+    # -- creation ---------------------------------------------------------------------------
+
+    @classmethod
+    def init(cls, root: str | os.PathLike, *, passphrase: str | None = None, publisher_key: str | os.PathLike | None = None,
+             settings: DeviceSettings | None = None) -> Device:
+        """Create a device directory: a new key, an empty gallery, optionally a pinned publisher key."""
+        root = Path(root)
+        if (root / SETTINGS_FILE).exists():
+            raise DeviceError(f"{root} is already a device: open it (nothing was changed)")
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        key = new_key()
+        write_key_file(root / KEY_FILE, key, passphrase)
+        Gallery.create(root / GALLERY_FILE, key).close()
+        if publisher_key is not None:
+            from fctkit.protos.bundle import load_public_key
+
+            load_public_key(publisher_key)  # refuse a bad key file now
+            shutil.copyfile(publisher_key, root / PUBLISHER_FILE)
+        settings = settings or DeviceSettings()
+        _write_private(root / SETTINGS_FILE, json.dumps(to_mapping(settings), indent=2).encode())
+        return cls(root, key, settings)
+
+    @classmethod
+    def open(cls, root: str | os.PathLike, *, passphrase: str | None = None) -> Device:
+        root = Path(root)
+        if not (root / SETTINGS_FILE).is_file():
+            raise DeviceError(f"{root} is not a device directory: run `fctkit device init {root}` first")
+        settings = from_mapping(DeviceSettings, json.loads((root / SETTINGS_FILE).read_text()), SETTINGS_FILE)
+        return cls(root, read_key_file(root / KEY_FILE, passphrase), settings)
+
+    def close(self) -> None:
+        self.gallery.close()
+
+    def __enter__(self) -> Device:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _save_settings(self, settings: DeviceSettings) -> None:
+        _write_private(self.root / SETTINGS_FILE, json.dumps(to_mapping(settings), indent=2).encode())
+        self.settings = settings
+
+    # -- server link ------------------------------------------------------------------------
+
+    @property
+    def publisher_key(self):
+        from fctkit.protos.bundle import load_public_key
+
+        path = self.root / PUBLISHER_FILE
+        if not path.exists():
+            raise DeviceError("no publisher key is pinned: enrol with a server, or init with --publisher-key")
+        return load_public_key(path)
+
+    def enrol(self, server: str, code: str, *, device_name: str = "", tls_root_certificates: str | None = None) -> str:
+        """Trade an enrolment code for a device token and pin the publisher's key; returns the device id.
+        A device that already pins another publisher key refuses the server."""
+        from fctkit.protos.bundle import load_public_key, public_key_id
+        from fctkit.protos.client import FctkitClient
+
+        roots = Path(tls_root_certificates).read_bytes() if tls_root_certificates else None
+        with FctkitClient(server, root_certificates=roots) as client:
+            enrolment = client.enrol(code, device_name)
+        offered = load_public_key(enrolment.publisher_public_key)
+        if (self.root / PUBLISHER_FILE).exists() and public_key_id(self.publisher_key) != public_key_id(offered):
+            raise DeviceError("the server's publisher key differs from the one this device pins: refusing to enrol")
+        if not (self.root / PUBLISHER_FILE).exists():
+            _write_private(self.root / PUBLISHER_FILE, enrolment.publisher_public_key)
+        _write_private(self.root / TOKEN_FILE, enrolment.token.encode(), replace_existing=True)
+        self._save_settings(replace(self.settings, server=server, device_id=enrolment.device_id, device_name=device_name,
+                                    tls_root_certificates=tls_root_certificates))
+        return enrolment.device_id
+
+    def client(self, *, attempts: int = 6):
+        from fctkit.protos.client import FctkitClient, RetryPolicy
+
+        if not self.settings.server or not (self.root / TOKEN_FILE).exists():
+            raise DeviceError("this device is not enrolled: run `fctkit device enrol --server HOST:PORT --code CODE`")
+        roots = Path(self.settings.tls_root_certificates).read_bytes() if self.settings.tls_root_certificates else None
+        token = (self.root / TOKEN_FILE).read_text().strip()
+        return FctkitClient(self.settings.server, token, root_certificates=roots, retry=RetryPolicy(attempts=attempts))
+
+    # -- bundles and engines ----------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The installed version (the one answering queries; 0: none yet)."""
+        return self.gallery.query_version
+
+    def _bundle_dir(self, version: int) -> Path:
+        return self.root / "bundles" / f"v{version}"
+
+    def engine(self, version: int | None = None) -> Engine:
+        """The engine of an installed bundle (default: the query version), verified on first use."""
+        from fctkit.protos.bundle import verify_bundle
+
+        version = self.version if version is None else version
+        if version == 0:
+            raise DeviceError("no model is installed yet: run `fctkit device sync` (or `upgrade --bundle DIR`)")
+        if version not in self._engines:
+            path = self._bundle_dir(version)
+            if not path.is_dir():
+                raise DeviceError(f"bundle v{version} is not installed on this device; sync again")
+            bundle = verify_bundle(path, self.publisher_key)
+            if bundle.manifest.version != version:
+                raise BundleError(f"{path} holds bundle v{bundle.manifest.version}, not v{version}")
+            self._engines[version] = Engine(bundle, self.settings.engine)
+        return self._engines[version]
+
+    def install_bundle(self, source: str | os.PathLike) -> int:
+        """Verify a local bundle directory under the pinned key (signature, hashes, newer than
+        the installed version) and copy it in; returns its version. The gallery is not touched."""
+        from fctkit.protos.bundle import verify_bundle
+
+        verified = verify_bundle(source, self.publisher_key, installed_version=self.version or None)
+        version = verified.manifest.version
+        dest = self._bundle_dir(version)
+        if not dest.exists():
+            staging = dest.with_name(dest.name + ".partial")
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.copytree(verified.root, staging)
+            verify_bundle(staging, self.publisher_key)
+            os.rename(staging, dest)
+        return version
+
+    def _download(self, client, version: int) -> None:
+        from fctkit.protos.bundle import verify_bundle
+
+        dest = self._bundle_dir(version)
+        if dest.is_dir():
+            verify_bundle(dest, self.publisher_key, installed_version=self.version or None)
+            return
+        staging = self.root / "downloads" / f"v{version}"
+        client.download_bundle(version, staging, self.publisher_key, installed_version=self.version or None)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(staging, dest)
+
+    # -- adding and querying ----------------------------------------------------------------
+
+    def add(self, images: np.ndarray | Sequence[np.ndarray], *, item_ids: Sequence[str] | None = None,
+            labels: Sequence[str | None] | None = None, upload: bool = True) -> list[str]:
+        """Embed ``images`` locally (φ and ψ of the installed bundle), store them as sealed rows,
+        and queue each image, sealed under a fresh data key, for the vault (in the same
+        transaction); then try to upload the queue. Returns the item ids."""
+        images = np.asarray(images)
+        if images.ndim < 2 or len(images) == 0:
+            raise InputError(f"images must be an array of at least one image, got shape {images.shape}")
+        item_ids = list(item_ids) if item_ids is not None else [uuid.uuid4().hex for _ in range(len(images))]
+        labels = list(labels) if labels is not None else [None] * len(images)
+        if len(item_ids) != len(images) or len(labels) != len(images):
+            raise InputError(f"{len(images)} images but {len(item_ids)} item ids and {len(labels)} labels")
+        if len(set(item_ids)) != len(item_ids) or not all(isinstance(i, str) and i for i in item_ids):
+            raise InputError("item ids must be unique non-empty strings")
+        engine = self.engine()
+        embeddings = engine.embed(images)
+        tag = VersionTag(self.version, self.version, "native")
+        if engine.manifest.mode == "unified":
+            embeddings = engine.run(engine.manifest.artifact("backward"), embeddings)
+            tag = VersionTag(self.version, self.version, "backward")
+        side_infos = engine.side_info(images)
+        rows = [NewRow(i, e, s, None if lab is None else str(lab)) for i, e, s, lab in zip(item_ids, embeddings, side_infos, labels, strict=True)]
+        outbox = [(i, seal_image(self._sealer, self.gallery.gallery_id, i, image)) for i, image in zip(item_ids, images, strict=True)]
+        self.gallery.add_rows(rows, tag, outbox)
+        if upload and self.settings.server:
+            self.flush_outbox()
+        return item_ids
+
+    def flush_outbox(self, *, attempts: int = 2) -> tuple[int, int]:
+        """Upload queued sealed originals to the vault; returns (uploaded, still queued).
+        When the server cannot be reached the queue is kept for the next try."""
+        queued = self.gallery.outbox()
+        uploaded = 0
+        if not queued:
+            return 0, 0
+        with self.client(attempts=attempts) as client:
+            for item_id, blob in queued:
+                try:
+                    transfer = client.upload_blob(blob, item_id)
+                except RpcStatusError as exc:
+                    if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"):
+                        break
+                    raise
+                self.gallery.mark_uploaded(item_id, transfer.sha256)
+                uploaded += 1
+        return uploaded, self.gallery.outbox_size()
+
+    def fetch_original(self, item_id: str) -> np.ndarray:
+        """Download an item's sealed original from the vault and open it."""
+        sha256 = self.gallery.vault_sha256(item_id)
+        if sha256 is None:
+            raise DeviceError(f"item {item_id!r} has not been uploaded yet: sync first")
+        with self.client() as client:
+            return open_image(self._sealer, self.gallery.gallery_id, item_id, client.read_blob(sha256))
+
+    def query_vectors(self, images: np.ndarray) -> np.ndarray:
+        """Query images in the gallery's query space: φ_v, or B(φ_v) in unified mode."""
+        engine = self.engine()
+        vectors = engine.embed(np.asarray(images))
+        if engine.manifest.mode == "unified":
+            vectors = engine.run(engine.manifest.artifact("backward"), vectors)
+        return vectors
+
+    def searchable(self) -> tuple[ExactIndex, LoadedRows]:
+        """The decrypted rows comparable with queries (cached until the gallery changes)."""
+        key = (self.version, self.gallery._db.execute("PRAGMA data_version").fetchone()[0], self.gallery._db.total_changes)
+        if self._index_cache is None or self._index_cache[0] != key:
+            loaded = self.gallery.load()
+            manifest = self.engine().manifest
+            if manifest.mode != "unified":
+                keep = [i for i, t in enumerate(loaded.tags) if t.version == self.version]
+                if len(keep) != len(loaded):
+                    loaded = _subset(loaded, keep)
+            index = ExactIndex(loaded.embeddings if len(loaded) else np.zeros((0, manifest.embedding_dim), np.float32),
+                               manifest.distance, self.settings.search_backend)
+            self._index_cache = (key, index, loaded)
+        return self._index_cache[1], self._index_cache[2]
+
+    def query(self, images: np.ndarray, k: int = 5) -> list[list[Match]]:
+        """The ``k`` nearest gallery items of each query image (exact search)."""
+        vectors = self.query_vectors(images)
+        index, rows = self.searchable()
+        found = index.search(vectors, k)
+        return [
+            [Match(rows.item_ids[j], float(d), rows.labels[j], str(rows.tags[j])) for j, d in zip(idx, dist, strict=True)]
+            for idx, dist in zip(found.indices, found.distances, strict=True)
+        ]
+
+    # -- sync and upgrade -------------------------------------------------------------------
+
+    def sync(self, *, upgrade: bool = True) -> SyncResult:
+        """Upload queued originals, then install (first time) or upgrade to the latest version."""
+        from fctkit.protos import fleet_pb2
+
+        result = SyncResult(self.version, self.version)
+        with self.client() as client:
+            result.uploaded, result.still_queued = self.flush_outbox()
+            state = self.gallery.upgrade_state
+            if state is not None:
+                result.rows_upgraded += self._run(UpgradePlan.from_state(state), client)
+            latest = client.list_versions(after_version=self.version)
+            if not latest:
+                result.installed_after = self.version
+                self._report(client, fleet_pb2.UPGRADE_STATE_IDLE)
+                return result
+            target = latest[-1].version
+            self._report(client, fleet_pb2.UPGRADE_STATE_DOWNLOADING, target)
+            if self.version == 0:
+                self._download(client, target)
+                self.gallery.set_meta({"query_version": str(target)})
+            else:
+                plan = self._plan(client, target)
+                for bundle in sorted({h.bundle for h in plan.hops} | {target}):
+                    self._download(client, bundle)
+                result.hops = hop_list(plan.hops)
+                if upgrade:
+                    result.rows_upgraded += self.upgrade_with(plan, client)
+            result.installed_after = self.version
+            self._report(client, fleet_pb2.UPGRADE_STATE_IDLE)
+        return result
+
+    def _plan(self, client, target: int) -> UpgradePlan:
+        self._download(client, target)
+        mode = self.engine(target).manifest.mode
+        try:
+            planned = client.plan_upgrade(self.version, target)
+        except RpcStatusError as exc:
+            if mode == "unified" and exc.code in ("NOT_FOUND", "FAILED_PRECONDITION"):
+                return UpgradePlan(target, mode, ())
+            raise
+        hops = tuple(
+            Hop(h.source_version, h.target_version, h.bundle_version,
+                None if h.identity else h.forward.name, h.side_forward.name if h.HasField("side_forward") else None)
+            for h in planned.hops
+        )
+        return UpgradePlan(target, mode, hops)
+
+    def upgrade(self, bundle_dir: str | os.PathLike | None = None) -> int:
+        """Offline: resume an interrupted upgrade, or install ``bundle_dir`` (verified) and
+        upgrade to it with its direct adapter from the installed version. Returns rows upgraded."""
+        state = self.gallery.upgrade_state
+        done = self._run(UpgradePlan.from_state(state), None) if state is not None else 0
+        if bundle_dir is None:
+            return done
+        target = self.install_bundle(bundle_dir)
+        manifest = self.engine(target).manifest
+        hops: tuple[Hop, ...] = ()
+        forwards = [a for a in manifest.artifacts if a.role == "forward" and a.source_version == self.version]
+        if forwards:
+            side = [a for a in manifest.artifacts if a.role == "side_forward" and a.source_version == self.version]
+            hops = (Hop(self.version, target, target, forwards[0].name, side[0].name if side else None),)
+        elif manifest.mode == "compatible" and self.version in manifest.parents:
+            hops = (Hop(self.version, target, target, None, None),)
+        elif manifest.mode != "unified":
+            raise DeviceError(f"bundle v{target} has no adapter from v{self.version}: sync from the server to plan a chained path")
+        return done + self.upgrade_with(UpgradePlan(target, manifest.mode, hops), None)
+
+    def upgrade_with(self, plan: UpgradePlan, client) -> int:
+        """Record ``plan`` in the gallery and run it (resuming is the same call with the stored plan)."""
+        if self.gallery.upgrade_state is not None:
+            raise DeviceError("another upgrade is in progress: run `fctkit device upgrade` to finish it first")
+        from fctkit.protos.bundle import check_version_is_newer
+
+        check_version_is_newer(plan.target, self.version or None)
+        meta = {"upgrade": plan.to_json()}
+        if plan.mode != "forward":
+            meta["query_version"] = str(plan.target)  # unified/compatible: queries switch first
+        self.gallery.set_meta(meta)
+        return self._run(plan, client)
+
+    def _run(self, plan: UpgradePlan, client) -> int:
+        from tqdm import tqdm
+
+        from fctkit.protos import fleet_pb2
+
+        engines = {b: self.engine(b) for b in {h.bundle for h in plan.hops if h.forward is not None}}
+        left = self.gallery.remaining(plan.target) if plan.hops else 0
+        if client is not None:
+            self._report(client, fleet_pb2.UPGRADE_STATE_UPGRADING, plan.target)
+        with tqdm(total=left, desc=f"upgrade {hop_list(plan.hops)}", unit="row", disable=not self.progress or left == 0) as bar:
+            done = run_upgrade(self.gallery, plan, engines, batch_size=self.settings.batch_size,
+                               on_batch=lambda n, _left: bar.update(n)) if plan.hops else 0
+        if plan.mode == "forward":
+            self.gallery.switch_to(plan.target, {"upgrade": None})
+        else:
+            self.gallery.set_meta({"upgrade": None, "query_version": str(plan.target)})
+        self._index_cache = None
+        return done
+
+    def _report(self, client, state: int, target: int = 0) -> None:
+        client.report(self.version, len(self.gallery), state, target_version=target)
+
+    # -- status -----------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        state = self.gallery.upgrade_state
+        result: dict[str, Any] = {
+            "device": str(self.root), "device_id": self.settings.device_id, "server": self.settings.server,
+            "installed_version": self.version, "rows": len(self.gallery), "rows_by_space": self.gallery.tag_counts(),
+            "queued_uploads": self.gallery.outbox_size(), "publisher_key_pinned": (self.root / PUBLISHER_FILE).exists(),
+        }
+        if state is not None:
+            result["upgrade"] = {"target": state["target"], "mode": state["mode"],
+                                 "rows_left": self.gallery.remaining(state["target"]) if state["hops"] else 0}
+        if self.version:
+            engine = self.engine()
+            result.update(mode=engine.manifest.mode, distance=engine.manifest.distance, provider=engine.provider)
+        return result
+
+
+def _subset(rows: LoadedRows, keep: list[int]) -> LoadedRows:
+    return LoadedRows(
+        row_ids=rows.row_ids[keep], item_ids=[rows.item_ids[i] for i in keep], tags=[rows.tags[i] for i in keep],
+        embeddings=rows.embeddings[keep], side_infos=rows.side_infos[keep], labels=[rows.labels[i] for i in keep],
+        corrupt=rows.corrupt,
+    )
+
+
+def _write_private(path: Path, data: bytes, *, replace_existing: bool = True) -> None:
+    """Write ``data`` to ``path`` with mode 0600 through a temporary file and a rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    if not replace_existing and path.exists():
+        tmp.unlink()
+        raise DeviceError(f"{path} already exists")
+    os.replace(tmp, path)

@@ -1,0 +1,425 @@
+"""The encrypted on-device gallery: one SQLite file (WAL) of sealed rows.
+
+Row format (one table ``rows``)::
+
+    row_id          INTEGER PRIMARY KEY   stable for the row's life; part of every record's AAD
+    item_id         TEXT UNIQUE           the app's id for the item (plaintext: use opaque ids)
+    origin_version  INTEGER               the model version that embedded the item's image
+    version         INTEGER               the version whose query space the row lives in
+    via             TEXT                  how it got there: 'native' (embedded by that version's
+                                          model), 'forward' (adapted by h/F from origin_version),
+                                          'backward' (B(φ_new), unified mode)
+    embedding       BLOB                  sealed float32 vector
+    side_info       BLOB                  sealed float32 vector (empty when the bundle has none)
+    label           BLOB NULL             sealed UTF-8 label
+    staged_*        NULL or the row's next (version, via, embedding, side_info) while a
+                    forward-mode upgrade runs; moved into place by the switch commit
+    vault_sha256    TEXT NULL             the encrypted original in the server's vault, once uploaded
+
+The version tag (origin_version, version, via) says exactly which space a row is in, so a
+backfilled row (native at v) and an adapted one (forward from u to v) can sit side by side,
+and a replicated row can be compared only once the device has its version (issue 7 adds
+owner, sequence and tombstone columns through ``schema_version``).
+
+Every record is sealed with AES-256-GCM under the device key; its authenticated data is
+``gallery id | row id | item id | origin | version | via | field``. A modified, truncated,
+swapped or replayed record fails to open and is reported as corrupt; the other rows load.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sqlite3
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryError, InputError
+
+from .crypto import Sealer
+
+SCHEMA_VERSION = 1
+VIAS = ("native", "forward", "backward")
+_KEY_CHECK = b"fctkit-gallery-key-check"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS rows (
+    row_id INTEGER PRIMARY KEY,
+    item_id TEXT NOT NULL UNIQUE,
+    origin_version INTEGER NOT NULL,
+    version INTEGER NOT NULL,
+    via TEXT NOT NULL,
+    embedding BLOB NOT NULL,
+    side_info BLOB NOT NULL,
+    label BLOB,
+    staged_version INTEGER,
+    staged_via TEXT,
+    staged_embedding BLOB,
+    staged_side_info BLOB,
+    vault_sha256 TEXT
+);
+CREATE TABLE IF NOT EXISTS outbox (
+    item_id TEXT PRIMARY KEY,
+    blob BLOB NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class VersionTag:
+    """Which space a row's vectors are in (see the module docstring)."""
+
+    origin_version: int
+    version: int
+    via: str
+
+    def __post_init__(self) -> None:
+        if self.via not in VIAS:
+            raise GalleryError(f"version tag via={self.via!r} is not one of {', '.join(VIAS)}")
+
+    def __str__(self) -> str:
+        if self.via == "native":
+            return f"v{self.version}"
+        if self.origin_version == self.version:
+            return f"v{self.version} ({self.via})"
+        return f"v{self.origin_version}->v{self.version} ({self.via})"
+
+
+@dataclass(frozen=True)
+class NewRow:
+    item_id: str
+    embedding: np.ndarray
+    side_info: np.ndarray
+    label: str | None = None
+
+
+@dataclass
+class LoadedRows:
+    """The decrypted gallery (the rows that opened) and the rows that did not."""
+
+    row_ids: np.ndarray
+    item_ids: list[str]
+    tags: list[VersionTag]
+    embeddings: np.ndarray
+    side_infos: np.ndarray
+    labels: list[str | None]
+    corrupt: list[tuple[int, str, str]] = field(default_factory=list)  # (row id, item id, reason)
+
+    def __len__(self) -> int:
+        return len(self.item_ids)
+
+
+@dataclass(frozen=True)
+class RowUpdate:
+    """The new vectors of one row, produced from its current (guarded) tag."""
+
+    row_id: int
+    item_id: str
+    old_tag: VersionTag
+    new_tag: VersionTag
+    embedding: np.ndarray
+    side_info: np.ndarray
+
+
+def _aad(gallery_id: bytes, row_id: int, item_id: str, tag: VersionTag, field_name: str) -> bytes:
+    return b"|".join((
+        b"fctkit-gallery/1", gallery_id, str(row_id).encode(), item_id.encode("utf-8"),
+        str(tag.origin_version).encode(), str(tag.version).encode(), tag.via.encode(), field_name.encode(),
+    ))
+
+
+def _label_tag(origin_version: int) -> VersionTag:
+    # labels never change across versions: bound to the row and its origin only
+    return VersionTag(origin_version, origin_version, "native")
+
+
+class Gallery:
+    """An encrypted gallery file. Open with :meth:`create` (new) or :meth:`open` (existing).
+
+    Readers and one writer may use the file at the same time (WAL): a query sees one
+    consistent snapshot; each write is one transaction."""
+
+    def __init__(self, path: Path, connection: sqlite3.Connection, sealer: Sealer, gallery_id: bytes) -> None:
+        self.path = path
+        self._db = connection
+        self._sealer = sealer
+        self.gallery_id = gallery_id
+
+    # -- opening ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _connect(path: Path) -> sqlite3.Connection:
+        db = sqlite3.connect(path, isolation_level=None, timeout=60.0, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        return db
+
+    @classmethod
+    def create(cls, path: str | os.PathLike, key: bytes) -> Gallery:
+        path = Path(path)
+        if path.exists():
+            raise GalleryError(f"{path} already exists: open it instead, or move it away to start a new gallery")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        db = cls._connect(path)
+        gallery_id = os.urandom(16)
+        sealer = Sealer(key)
+        check = sealer.seal(_KEY_CHECK, b"key-check|" + gallery_id)
+        with _transaction(db):
+            for statement in filter(str.strip, _SCHEMA.split(";")):
+                db.execute(statement)
+            db.executemany("INSERT INTO meta VALUES (?, ?)", [
+                ("schema_version", str(SCHEMA_VERSION)), ("gallery_id", gallery_id.hex()),
+                ("key_check", base64.b64encode(check).decode()), ("query_version", "0"),
+            ])
+        return cls(path, db, sealer, gallery_id)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, key: bytes) -> Gallery:
+        """Open an existing gallery; a key that is not the gallery's raises
+        :class:`DeviceKeyError` before anything is written."""
+        path = Path(path)
+        if not path.is_file():
+            raise GalleryError(f"gallery {path} does not exist: run `fctkit device init` first")
+        db = cls._connect(path)
+        try:
+            meta = dict(db.execute("SELECT key, value FROM meta"))
+        except sqlite3.DatabaseError as exc:
+            db.close()
+            raise GalleryError(f"{path} is not an fctkit gallery or is damaged beyond its records ({exc})") from exc
+        if meta.get("schema_version") != str(SCHEMA_VERSION) or "gallery_id" not in meta:
+            db.close()
+            raise GalleryError(f"{path}: unsupported gallery schema {meta.get('schema_version')!r} (this fctkit reads {SCHEMA_VERSION})")
+        gallery_id = bytes.fromhex(meta["gallery_id"])
+        sealer = Sealer(key)
+        try:
+            sealer.open(base64.b64decode(meta["key_check"]), b"key-check|" + gallery_id, "key check")
+        except CorruptRecordError:
+            db.close()
+            raise DeviceKeyError(
+                f"{path} was not sealed with this device key: use the gallery's own key file (nothing was changed)"
+            ) from None
+        return cls(path, db, sealer, gallery_id)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Gallery:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- metadata --------------------------------------------------------------------------
+
+    def meta(self, key: str, default: str | None = None) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else default
+
+    def set_meta(self, values: dict[str, str | None]) -> None:
+        with _transaction(self._db):
+            self._set_meta(values)
+
+    def _set_meta(self, values: dict[str, str | None]) -> None:
+        for key, value in values.items():
+            if value is None:
+                self._db.execute("DELETE FROM meta WHERE key = ?", (key,))
+            else:
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+    @property
+    def query_version(self) -> int:
+        """The installed version whose query model answers queries (0: none yet)."""
+        return int(self.meta("query_version", "0"))
+
+    @property
+    def upgrade_state(self) -> dict[str, Any] | None:
+        """The upgrade in progress (target, mode, hops) or None."""
+        text = self.meta("upgrade")
+        return json.loads(text) if text else None
+
+    def __len__(self) -> int:
+        return self._db.execute("SELECT COUNT(*) FROM rows").fetchone()[0]
+
+    def tag_counts(self) -> dict[str, int]:
+        """How many rows are in each space (``str(VersionTag)``), staged rows counted at their next tag."""
+        counts: dict[str, int] = {}
+        query = "SELECT origin_version, COALESCE(staged_version, version), COALESCE(staged_via, via), COUNT(*) FROM rows GROUP BY 1, 2, 3"
+        for origin, version, via, count in self._db.execute(query):
+            counts[str(VersionTag(origin, version, via))] = count
+        return counts
+
+    # -- rows ------------------------------------------------------------------------------
+
+    def add_rows(self, rows: Sequence[NewRow], tag: VersionTag, outbox: Sequence[tuple[str, bytes]] = ()) -> list[int]:
+        """Insert rows (and their queued vault uploads) in one transaction; returns the row ids.
+        An item id already in the gallery is an error (nothing is written)."""
+        ids: list[int] = []
+        with _transaction(self._db):
+            for row in rows:
+                try:
+                    cursor = self._db.execute(
+                        "INSERT INTO rows (item_id, origin_version, version, via, embedding, side_info) VALUES (?, ?, ?, ?, x'', x'')",
+                        (row.item_id, tag.origin_version, tag.version, tag.via),
+                    )
+                except sqlite3.IntegrityError:
+                    raise InputError(f"item {row.item_id!r} is already in the gallery: item ids are unique") from None
+                row_id = cursor.lastrowid
+                embedding, side_info = self._seal_vectors(row_id, row.item_id, tag, row.embedding, row.side_info)
+                label = None if row.label is None else self._sealer.seal(
+                    row.label.encode("utf-8"), _aad(self.gallery_id, row_id, row.item_id, _label_tag(tag.origin_version), "label"))
+                self._db.execute("UPDATE rows SET embedding = ?, side_info = ?, label = ? WHERE row_id = ?",
+                                 (embedding, side_info, label, row_id))
+                ids.append(row_id)
+            self._db.executemany("INSERT INTO outbox VALUES (?, ?)", outbox)
+        return ids
+
+    def _seal_vectors(self, row_id: int, item_id: str, tag: VersionTag, embedding: np.ndarray, side_info: np.ndarray) -> tuple[bytes, bytes]:
+        seal = self._sealer.seal
+        return (
+            seal(np.ascontiguousarray(embedding, dtype="<f4").tobytes(), _aad(self.gallery_id, row_id, item_id, tag, "embedding")),
+            seal(np.ascontiguousarray(side_info, dtype="<f4").tobytes(), _aad(self.gallery_id, row_id, item_id, tag, "side_info")),
+        )
+
+    def load(self, *, with_labels: bool = True) -> LoadedRows:
+        """Decrypt every row into memory in one consistent snapshot. Rows that fail to open
+        are listed in ``corrupt`` (row id, item id, reason); the others load."""
+        with _read_snapshot(self._db):
+            cursor = self._db.execute(
+                "SELECT row_id, item_id, origin_version, version, via, embedding, side_info, label FROM rows ORDER BY row_id")
+            return self._decrypt_rows(cursor, with_labels=with_labels)
+
+    def _decrypt_rows(self, cursor: Iterable[tuple], *, with_labels: bool, staged: bool = False) -> LoadedRows:
+        row_ids, item_ids, tags, embeddings, side_infos, labels, corrupt = [], [], [], [], [], [], []
+        gid, open_ = self.gallery_id, self._sealer.open
+        for row_id, item_id, origin, version, via, emb, side, label in cursor:
+            tag = VersionTag(origin, version, via)
+            try:
+                e = open_(emb, _aad(gid, row_id, item_id, tag, "embedding"), f"row {row_id} embedding")
+                s = open_(side, _aad(gid, row_id, item_id, tag, "side_info"), f"row {row_id} side_info")
+                text = None
+                if with_labels and label is not None:
+                    text = open_(label, _aad(gid, row_id, item_id, _label_tag(origin), "label"), f"row {row_id} label").decode("utf-8")
+            except CorruptRecordError as exc:
+                corrupt.append((row_id, item_id, str(exc)))
+                continue
+            row_ids.append(row_id)
+            item_ids.append(item_id)
+            tags.append(tag)
+            embeddings.append(e)
+            side_infos.append(s)
+            labels.append(text)
+        return LoadedRows(
+            row_ids=np.asarray(row_ids, dtype=np.int64), item_ids=item_ids, tags=tags,
+            embeddings=_stack(embeddings), side_infos=_stack(side_infos), labels=labels, corrupt=corrupt,
+        )
+
+    # -- upgrades --------------------------------------------------------------------------
+
+    def rows_to_upgrade(self, target_version: int, after_row_id: int, limit: int) -> LoadedRows:
+        """The next ``limit`` rows (by row id, after ``after_row_id``) not yet in ``target_version``'s
+        space, counting staged vectors, decrypted from their latest vectors."""
+        cursor = self._db.execute(
+            "SELECT row_id, item_id, origin_version, COALESCE(staged_version, version), COALESCE(staged_via, via), "
+            "COALESCE(staged_embedding, embedding), COALESCE(staged_side_info, side_info), NULL FROM rows "
+            "WHERE COALESCE(staged_version, version) != ? AND row_id > ? ORDER BY row_id LIMIT ?",
+            (target_version, after_row_id, limit),
+        )
+        return self._decrypt_rows(cursor.fetchall(), with_labels=False)
+
+    def remaining(self, target_version: int) -> int:
+        query = "SELECT COUNT(*) FROM rows WHERE COALESCE(staged_version, version) != ?"
+        return self._db.execute(query, (target_version,)).fetchone()[0]
+
+    def write_upgrades(self, updates: Sequence[RowUpdate], *, staged: bool, progress: dict[str, str] | None = None) -> None:
+        """Write a batch of upgraded rows in one transaction, each guarded by the tag it was
+        computed from (a row changed since is refused, the whole batch rolled back).
+        ``staged``: into the staged columns (forward mode, switched later); else in place."""
+        sealed = [(u, *self._seal_vectors(u.row_id, u.item_id, u.new_tag, u.embedding, u.side_info)) for u in updates]
+        if staged:
+            sql = ("UPDATE rows SET staged_version = ?, staged_via = ?, staged_embedding = ?, staged_side_info = ? "
+                   "WHERE row_id = ? AND origin_version = ? AND COALESCE(staged_version, version) = ? AND COALESCE(staged_via, via) = ?")
+        else:
+            sql = ("UPDATE rows SET version = ?, via = ?, embedding = ?, side_info = ? "
+                   "WHERE row_id = ? AND origin_version = ? AND version = ? AND via = ? AND staged_version IS NULL")
+        params = [
+            (u.new_tag.version, u.new_tag.via, e, s, u.row_id, u.old_tag.origin_version, u.old_tag.version, u.old_tag.via)
+            for u, e, s in sealed
+        ]
+        with _transaction(self._db):
+            for p in params:
+                if self._db.execute(sql, p).rowcount != 1:
+                    raise GalleryError(f"row {p[4]} changed while it was being upgraded; run the upgrade again")
+            if progress:
+                self._set_meta(progress)
+
+    def switch_to(self, target_version: int, meta: dict[str, str | None]) -> None:
+        """Commit a forward-mode upgrade: move every staged row into place and set the query
+        version, in one transaction; refused while any row is not yet in the target space."""
+        with _transaction(self._db):
+            left = self.remaining(target_version)
+            if left:
+                raise GalleryError(f"{left} row(s) are not yet in v{target_version}'s space: finish the upgrade first")
+            self._db.execute(
+                "UPDATE rows SET version = staged_version, via = staged_via, embedding = staged_embedding, "
+                "side_info = staged_side_info, staged_version = NULL, staged_via = NULL, staged_embedding = NULL, "
+                "staged_side_info = NULL WHERE staged_version IS NOT NULL")
+            self._set_meta({**meta, "query_version": str(target_version)})
+
+    # -- outbox ----------------------------------------------------------------------------
+
+    def outbox(self) -> list[tuple[str, bytes]]:
+        return list(self._db.execute("SELECT item_id, blob FROM outbox ORDER BY item_id"))
+
+    def outbox_size(self) -> int:
+        return self._db.execute("SELECT COUNT(*) FROM outbox").fetchone()[0]
+
+    def mark_uploaded(self, item_id: str, sha256: str) -> None:
+        with _transaction(self._db):
+            self._db.execute("UPDATE rows SET vault_sha256 = ? WHERE item_id = ?", (sha256, item_id))
+            self._db.execute("DELETE FROM outbox WHERE item_id = ?", (item_id,))
+
+    def vault_sha256(self, item_id: str) -> str | None:
+        row = self._db.execute("SELECT vault_sha256 FROM rows WHERE item_id = ?", (item_id,)).fetchone()
+        if row is None:
+            raise InputError(f"item {item_id!r} is not in the gallery")
+        return row[0]
+
+    def row_id_of(self, item_id: str) -> int:
+        row = self._db.execute("SELECT row_id FROM rows WHERE item_id = ?", (item_id,)).fetchone()
+        if row is None:
+            raise InputError(f"item {item_id!r} is not in the gallery")
+        return row[0]
+
+
+def _stack(vectors: list[bytes]) -> np.ndarray:
+    if not vectors:
+        return np.zeros((0, 0), dtype=np.float32)
+    return np.frombuffer(b"".join(vectors), dtype="<f4").reshape(len(vectors), -1).astype(np.float32, copy=False)
+
+
+class _transaction:
+    """BEGIN IMMEDIATE … COMMIT (ROLLBACK on any error): one atomic write."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+
+
+class _read_snapshot(_transaction):
+    def __enter__(self) -> sqlite3.Connection:
+        self.db.execute("BEGIN DEFERRED")
+        return self.db

@@ -1,0 +1,100 @@
+"""Exact k-nearest-neighbour search over a decrypted gallery, with the bundle's distance.
+
+Cosine ranks by inner product of L2-normalised vectors, L2 by squared Euclidean distance.
+Ties are broken by gallery position, so the same inputs always give the same ranking.
+faiss (IndexFlatIP / IndexFlatL2, also exact) is used when installed and asked for.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import numpy as np
+
+from fctkit.errors import InputError
+
+BACKENDS = ("auto", "numpy", "faiss")
+
+
+@dataclass(frozen=True)
+class Neighbours:
+    """``indices[i, j]``: gallery position of query i's j-th nearest; ``distances`` likewise
+    (cosine: 1 - similarity; l2: squared distance)."""
+
+    indices: np.ndarray
+    distances: np.ndarray
+
+
+def normalise(x: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return x / np.maximum(norms, np.float32(1e-12))
+
+
+def faiss_available() -> bool:
+    return importlib.util.find_spec("faiss") is not None
+
+
+class ExactIndex:
+    """The gallery vectors, prepared once; :meth:`search` answers batches of queries."""
+
+    def __init__(self, vectors: np.ndarray, distance: str, backend: str = "auto") -> None:
+        if distance not in ("cosine", "l2"):
+            raise InputError(f"distance {distance!r} is not cosine or l2")
+        if backend not in BACKENDS:
+            raise InputError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        if vectors.ndim != 2:
+            raise InputError(f"gallery vectors must be 2-D, got shape {vectors.shape}")
+        self.distance = distance
+        self.vectors = normalise(vectors) if distance == "cosine" else vectors
+        self.backend = "faiss" if backend == "faiss" or (backend == "auto" and faiss_available()) else "numpy"
+        self._faiss_index = None
+        if self.backend == "faiss" and len(vectors):
+            import faiss
+
+            index = faiss.IndexFlatIP(vectors.shape[1]) if distance == "cosine" else faiss.IndexFlatL2(vectors.shape[1])
+            index.add(self.vectors)
+            self._faiss_index = index
+        self._squared_norms = (self.vectors ** 2).sum(axis=1) if distance == "l2" else None
+
+    def __len__(self) -> int:
+        return len(self.vectors)
+
+    def search(self, queries: np.ndarray, k: int) -> Neighbours:
+        queries = np.ascontiguousarray(queries, dtype=np.float32)
+        if queries.ndim != 2 or (len(self) and queries.shape[1] != self.vectors.shape[1]):
+            raise InputError(f"queries of shape {queries.shape} do not match gallery vectors of dim {self.vectors.shape[1:]}")
+        if not np.isfinite(queries).all():
+            raise InputError("queries hold NaN or inf values")
+        if k < 1:
+            raise InputError(f"k must be >= 1, got {k}")
+        k = min(k, len(self))
+        if k == 0:
+            empty = np.zeros((len(queries), 0))
+            return Neighbours(empty.astype(np.int64), empty.astype(np.float32))
+        if self.distance == "cosine":
+            queries = normalise(queries)
+        if self._faiss_index is not None:
+            scores, indices = self._faiss_index.search(queries, k)
+            distances = 1.0 - scores if self.distance == "cosine" else scores
+            return _tie_ordered(indices.astype(np.int64), distances.astype(np.float32))
+        return self._numpy_search(queries, k)
+
+    def _numpy_search(self, queries: np.ndarray, k: int) -> Neighbours:
+        if self.distance == "cosine":
+            distances = 1.0 - queries @ self.vectors.T
+        else:
+            distances = (queries ** 2).sum(axis=1, keepdims=True) - 2.0 * (queries @ self.vectors.T) + self._squared_norms
+        if k < distances.shape[1]:
+            part = np.argpartition(distances, k - 1, axis=1)[:, :k]
+        else:
+            part = np.broadcast_to(np.arange(distances.shape[1]), distances.shape).copy()
+        picked = np.take_along_axis(distances, part, axis=1)
+        return _tie_ordered(part.astype(np.int64), picked.astype(np.float32))
+
+
+def _tie_ordered(indices: np.ndarray, distances: np.ndarray) -> Neighbours:
+    """Sort each row by (distance, gallery position)."""
+    order = np.lexsort((indices, distances), axis=1)
+    return Neighbours(np.take_along_axis(indices, order, axis=1), np.take_along_axis(distances, order, axis=1))

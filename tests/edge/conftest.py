@@ -1,0 +1,76 @@
+"""Fixtures for the edge-runtime tests: tiny signed bundles (the server tests' CHAIN of
+linear ONNX graphs), devices, and the server tests' real `fctkit serve` process."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.server.conftest import ADMIN_TOKEN, IMAGE_DIM, ServerProcess, _sources  # noqa: E402
+
+from fctkit.edge_runtime import Device, DeviceSettings  # noqa: E402
+from fctkit.export.bundle import build_bundle  # noqa: E402
+from fctkit.export.keys import save_public_key  # noqa: E402
+
+#: version -> adapters (source, target); v3 also has a direct 1->3 adapter.
+TINY_CHAIN: dict[int, tuple[tuple[int, int], ...]] = {1: (), 2: ((1, 2),), 3: ((2, 3), (1, 3))}
+
+
+@pytest.fixture(scope="session")
+def publisher_key() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.from_private_bytes(bytes(range(7, 39)))
+
+
+@pytest.fixture(scope="session")
+def publisher_pub(tmp_path_factory, publisher_key) -> Path:
+    return save_public_key(publisher_key.public_key(), tmp_path_factory.mktemp("keys") / "publisher.pub")
+
+
+def make_tiny_bundle(out: Path, key: Ed25519PrivateKey, version: int, hops: tuple[tuple[int, int], ...], *, mode: str = "forward") -> Path:
+    sources = _sources(out.parent / f"{out.name}-src", version, hops, IMAGE_DIM)
+    ecc = {s.artifact_name: True for s in sources if s.role == "forward"}
+    return build_bundle(
+        out, version=version, parents=(version - 1,) if version > 1 else (), mode=mode, distance="cosine",
+        normalize=True, artifacts=sources, gate={"cases": {}, "ecc": ecc}, private_key=key,
+    ).root
+
+
+@pytest.fixture(scope="session")
+def tiny_bundles(tmp_path_factory, publisher_key) -> dict[int, Path]:
+    """Signed bundle directories v1..v3 of TINY_CHAIN (16-d images, 8-d φ, 4-d ψ)."""
+    root = tmp_path_factory.mktemp("tiny-bundles")
+    return {v: make_tiny_bundle(root / f"v{v}", publisher_key, v, hops) for v, hops in TINY_CHAIN.items()}
+
+
+@pytest.fixture
+def images() -> Callable[[int, int], np.ndarray]:
+    """``images(n, seed)``: n random 16-value 'images' (what the tiny embed graphs take)."""
+    return lambda n, seed=0: np.random.default_rng(seed).standard_normal((n, IMAGE_DIM)).astype(np.float32)
+
+
+@pytest.fixture
+def make_device(tmp_path, publisher_pub) -> Callable[..., Device]:
+    """``make_device(name, passphrase=None, **settings)``: a new device pinning the test publisher key."""
+    opened: list[Device] = []
+
+    def make(name: str = "dev", passphrase: str | None = None, **settings) -> Device:
+        device = Device.init(tmp_path / name, passphrase=passphrase, publisher_key=publisher_pub, settings=DeviceSettings(**settings))
+        device.progress = False
+        opened.append(device)
+        return device
+
+    yield make
+    for device in opened:
+        device.close()
+
+
+__all__ = ["ADMIN_TOKEN", "ServerProcess", "make_tiny_bundle", "TINY_CHAIN"]
