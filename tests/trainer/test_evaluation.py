@@ -457,3 +457,16 @@ def test_evaluation_imports_without_torch_or_matplotlib():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "| a/a |" in done.stdout
+
+
+def test_large_benchmark_script_agrees_with_its_baseline_at_a_small_size():
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "eval_large.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--n", "400", "--baseline-n", "300", "--dim", "16", "--classes", "10"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "same metrics as the baseline at 300: yes" in done.stdout
+    assert "throughput ratio ours / baseline at 300:" in done.stdout
