@@ -35,7 +35,7 @@ from fctkit.errors import BundleError, DeviceError, InputError, RpcStatusError
 
 from .crypto import Sealer, new_key, read_key_file, write_key_file
 from .engine import PREFERENCE, Engine, EngineConfig
-from .gallery import Gallery, LoadedRows, NewRow, VersionTag
+from .gallery import Gallery, LoadedRows, NewRow, VersionTag, take_rows
 from .search import ExactIndex
 from .upgrade import Hop, UpgradePlan, hop_list, run_upgrade
 from .vault_blob import open_image, seal_image
@@ -260,6 +260,10 @@ class Device:
             self.flush_outbox()
         return item_ids
 
+    def remove(self, item_ids: Sequence[str]) -> int:
+        """Remove items from the gallery (and their queued uploads); returns how many were removed."""
+        return self.gallery.delete_rows(list(item_ids))
+
     def flush_outbox(self, *, attempts: int = 2) -> tuple[int, int]:
         """Upload queued sealed originals to the vault; returns (uploaded, still queued).
         When the server cannot be reached the queue is kept for the next try."""
@@ -305,7 +309,8 @@ class Device:
                 keep = [i for i, t in enumerate(loaded.tags) if t.version == self.version]
                 if len(keep) != len(loaded):
                     loaded = _subset(loaded, keep)
-            index = ExactIndex(loaded.embeddings if len(loaded) else np.zeros((0, manifest.embedding_dim), np.float32),
+            vectors = take_rows(loaded.embeddings, range(len(loaded))) if len(loaded) else np.zeros((0, 1), np.float32)
+            index = ExactIndex(vectors,
                                manifest.distance, self.settings.search_backend)
             self._index_cache = (key, index, loaded)
         return self._index_cache[1], self._index_cache[2]
@@ -445,7 +450,7 @@ class Device:
 def _subset(rows: LoadedRows, keep: list[int]) -> LoadedRows:
     return LoadedRows(
         row_ids=rows.row_ids[keep], item_ids=[rows.item_ids[i] for i in keep], tags=[rows.tags[i] for i in keep],
-        embeddings=rows.embeddings[keep], side_infos=rows.side_infos[keep], labels=[rows.labels[i] for i in keep],
+        embeddings=take_rows(rows.embeddings, keep), side_infos=rows.side_infos[keep], labels=[rows.labels[i] for i in keep],
         corrupt=rows.corrupt,
     )
 

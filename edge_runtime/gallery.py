@@ -321,6 +321,13 @@ class Gallery:
             embeddings=_stack(embeddings), side_infos=_stack(side_infos), labels=labels, corrupt=corrupt,
         )
 
+    def delete_rows(self, item_ids: Sequence[str]) -> int:
+        """Remove items (rows and queued uploads) in one transaction; returns the rows removed."""
+        with _transaction(self._db):
+            removed = sum(self._db.execute("DELETE FROM rows WHERE item_id = ?", (i,)).rowcount for i in item_ids)
+            self._db.executemany("DELETE FROM outbox WHERE item_id = ?", [(i,) for i in item_ids])
+        return removed
+
     # -- upgrades --------------------------------------------------------------------------
 
     def rows_to_upgrade(self, target_version: int, after_row_id: int, limit: int) -> LoadedRows:
@@ -400,9 +407,25 @@ class Gallery:
 
 
 def _stack(vectors: list[bytes]) -> np.ndarray:
+    """An (n, d) float32 array; when rows of different spaces have different dims, an
+    object array of 1-D vectors (use :func:`take_rows` to get a dense block of one space)."""
     if not vectors:
         return np.zeros((0, 0), dtype=np.float32)
-    return np.frombuffer(b"".join(vectors), dtype="<f4").reshape(len(vectors), -1).astype(np.float32, copy=False)
+    if len({len(v) for v in vectors}) == 1:
+        return np.frombuffer(b"".join(vectors), dtype="<f4").reshape(len(vectors), -1).astype(np.float32, copy=False)
+    ragged = np.empty(len(vectors), dtype=object)
+    ragged[:] = [np.frombuffer(v, dtype="<f4") for v in vectors]
+    return ragged
+
+
+def take_rows(vectors: np.ndarray, rows: Sequence[int]) -> np.ndarray:
+    """The dense (len(rows), d) float32 block of ``vectors`` (dense or ragged) at ``rows``."""
+    picked = vectors[list(rows)]
+    if picked.dtype == object:
+        if len({len(v) for v in picked}) > 1:
+            raise GalleryError("the selected rows have vectors of different dims (rows of different spaces)")
+        return np.stack(list(picked)).astype(np.float32, copy=False) if len(picked) else np.zeros((0, 0), np.float32)
+    return picked
 
 
 class _transaction:

@@ -30,7 +30,7 @@ import numpy as np
 from fctkit.errors import GalleryError
 
 from .engine import Engine
-from .gallery import Gallery, RowUpdate, VersionTag
+from .gallery import Gallery, RowUpdate, VersionTag, take_rows
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,8 @@ def run_upgrade(gallery: Gallery, plan: UpgradePlan, engines: Mapping[int, Engin
         updates: list[RowUpdate] = []
         for tag in sorted(set(batch.tags), key=lambda t: (t.origin_version, t.version, t.via)):
             rows = [i for i, t in enumerate(batch.tags) if t == tag]
-            new_tag, embeddings, side_infos = transform_rows(plan, engines, tag, batch.embeddings[rows], batch.side_infos[rows])
+            new_tag, embeddings, side_infos = transform_rows(
+                plan, engines, tag, take_rows(batch.embeddings, rows), take_rows(batch.side_infos, rows))
             updates += [
                 RowUpdate(int(batch.row_ids[i]), batch.item_ids[i], tag, new_tag, embeddings[j], side_infos[j])
                 for j, i in enumerate(rows)

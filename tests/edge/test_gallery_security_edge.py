@@ -1,0 +1,156 @@
+"""Security of the device: keys, sealed records, and refused bundles."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+
+import numpy as np
+import pytest
+
+from fctkit.edge_runtime import Device, Gallery
+from fctkit.edge_runtime.crypto import new_key, read_key_file, write_key_file
+from fctkit.edge_runtime.vault_blob import open_image, seal_image
+from fctkit.edge_runtime.crypto import Sealer
+from fctkit.errors import CorruptRecordError, GalleryError, DeviceKeyError, HashMismatchError, RollbackError, SignatureError
+
+
+def _raw_rows(path) -> list[tuple]:
+    with sqlite3.connect(path) as db:
+        return db.execute("SELECT * FROM rows ORDER BY row_id").fetchall() + db.execute("SELECT * FROM meta ORDER BY key").fetchall()
+
+
+def _filled(make_device, tiny_bundles, images, n=20, name="dev", **kwargs) -> Device:
+    device = make_device(name, **kwargs)
+    device.install_bundle(tiny_bundles[1])
+    device.gallery.set_meta({"query_version": "1"})
+    device.add(images(n, seed=11), item_ids=[f"item{i:02d}" for i in range(n)], labels=[f"L{i}" for i in range(n)])
+    return device
+
+
+def test_key_file_is_private_and_passphrase_wrapped(tmp_path):
+    key = new_key()
+    plain = write_key_file(tmp_path / "plain.key", key)
+    assert oct(plain.stat().st_mode & 0o777) == "0o600" and read_key_file(plain) == key
+    wrapped = write_key_file(tmp_path / "wrapped.key", key, "correct horse")
+    assert key not in wrapped.read_bytes() and key.hex() not in wrapped.read_text()
+    assert read_key_file(wrapped, "correct horse") == key
+    with pytest.raises(DeviceKeyError, match="wrong passphrase"):
+        read_key_file(wrapped, "wrong horse")
+    with pytest.raises(DeviceKeyError, match="passphrase-protected"):
+        read_key_file(wrapped)
+    with pytest.raises(DeviceKeyError, match="never overwritten"):
+        write_key_file(wrapped, new_key())
+    assert read_key_file(wrapped, "correct horse") == key
+    os.chmod(plain, 0o644)
+    with pytest.raises(DeviceKeyError, match="chmod 600"):
+        read_key_file(plain)
+
+
+def test_wrong_key_is_refused_and_nothing_is_overwritten(make_device, tiny_bundles, images, tmp_path):
+    device = _filled(make_device, tiny_bundles, images)
+    path = device.gallery.path
+    device.close()
+    before = _raw_rows(path)
+    with pytest.raises(DeviceKeyError, match="not sealed with this device key"):
+        Gallery.open(path, new_key())
+    assert _raw_rows(path) == before
+    # a device directory whose key file was replaced by another device's key
+    other = make_device("other")
+    shutil.copyfile(other.root / "device.key", device.root / "device.key")
+    with pytest.raises(DeviceKeyError):
+        Device.open(device.root)
+    assert _raw_rows(path) == before
+
+
+def test_passphrase_device_opens_only_with_it(make_device, tiny_bundles, images):
+    device = _filled(make_device, tiny_bundles, images, n=3, passphrase="s3cret")
+    root = device.root
+    device.close()
+    with pytest.raises(DeviceKeyError, match="wrong passphrase"):
+        Device.open(root, passphrase="nope")
+    with Device.open(root, passphrase="s3cret") as reopened:
+        assert len(reopened.gallery.load()) == 3
+
+
+def test_one_flipped_byte_reports_that_record_and_the_others_load(make_device, tiny_bundles, images):
+    device = _filled(make_device, tiny_bundles, images)
+    path, key = device.gallery.path, device._key
+    victim = device.gallery._db.execute("SELECT embedding FROM rows WHERE item_id = 'item07'").fetchone()[0]
+    device.close()  # checkpoints the WAL into the main file
+    data = bytearray(path.read_bytes())
+    offset = data.find(victim)
+    assert offset > 0 and data.find(victim, offset + 1) == -1
+    data[offset + 20] ^= 0x01
+    path.write_bytes(bytes(data))
+    with Gallery.open(path, key) as gallery:
+        loaded = gallery.load()
+    assert [(c[1]) for c in loaded.corrupt] == ["item07"] and "authentication failed" in loaded.corrupt[0][2]
+    assert len(loaded) == 19 and "item07" not in loaded.item_ids
+
+
+def test_swapped_and_replayed_records_are_detected(make_device, tiny_bundles, images):
+    device = _filled(make_device, tiny_bundles, images)
+    db = device.gallery._db
+    old_record = db.execute("SELECT embedding FROM rows WHERE item_id = 'item05'").fetchone()[0]
+    a, b = (db.execute("SELECT embedding FROM rows WHERE item_id = ?", (i,)).fetchone()[0] for i in ("item01", "item02"))
+    db.execute("UPDATE rows SET embedding = ? WHERE item_id = 'item01'", (b,))
+    db.execute("UPDATE rows SET embedding = ? WHERE item_id = 'item02'", (a,))
+    labels = [db.execute("SELECT label FROM rows WHERE item_id = ?", (i,)).fetchone()[0] for i in ("item03", "item04")]
+    db.execute("UPDATE rows SET label = ? WHERE item_id = 'item03'", (labels[1],))
+    assert sorted(c[1] for c in device.gallery.load().corrupt) == ["item01", "item02", "item03"]
+    with pytest.raises(GalleryError, match="cannot be upgraded"):
+        device.upgrade(tiny_bundles[2])
+    assert device.remove(["item01", "item02", "item03"]) == 3
+    # a record of the same row from an older version is refused after the upgrade (replay)
+    device.upgrade()
+    db.execute("UPDATE rows SET embedding = ? WHERE item_id = 'item05'", (old_record,))
+    assert "item05" in [c[1] for c in device.gallery.load().corrupt]
+
+
+def test_vault_envelope_hides_the_image_and_binds_the_item(images):
+    device_key, gallery_id = Sealer(new_key()), os.urandom(16)
+    image = (images(1, seed=3)[0] * 100).astype(np.int16)
+    blob = seal_image(device_key, gallery_id, "photo-1", image)
+    assert image.tobytes() not in blob
+    np.testing.assert_array_equal(open_image(device_key, gallery_id, "photo-1", blob), image)
+    with pytest.raises(CorruptRecordError):
+        open_image(device_key, gallery_id, "photo-2", blob)
+    with pytest.raises(CorruptRecordError):
+        open_image(Sealer(new_key()), gallery_id, "photo-1", blob)
+    flipped = bytearray(blob)
+    flipped[-5] ^= 0x80
+    with pytest.raises(CorruptRecordError):
+        open_image(device_key, gallery_id, "photo-1", bytes(flipped))
+
+
+def _tampered_copy(source, dest, edit):
+    shutil.copytree(source, dest)
+    edit(dest)
+    return dest
+
+
+def _flip(path, offset=-1):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_bad_bundles_are_refused_and_the_gallery_is_untouched(make_device, tiny_bundles, images, tmp_path):
+    device = _filled(make_device, tiny_bundles, images)
+    device.upgrade(tiny_bundles[2])
+    path = device.gallery.path
+    before = _raw_rows(path)
+    bad_signature = _tampered_copy(tiny_bundles[3], tmp_path / "sig", lambda d: _flip(d / "manifest.sig"))
+    bad_hash = _tampered_copy(tiny_bundles[3], tmp_path / "hash", lambda d: _flip(next(d.glob("*.onnx")), -10))
+    with pytest.raises(SignatureError):
+        device.upgrade(bad_signature)
+    with pytest.raises(HashMismatchError):
+        device.upgrade(bad_hash)
+    with pytest.raises(RollbackError, match="rollback"):
+        device.upgrade(tiny_bundles[1])
+    with pytest.raises(RollbackError, match="replay"):
+        device.upgrade(tiny_bundles[2])
+    assert _raw_rows(path) == before and device.version == 2
+    assert not (device.root / "bundles" / "v3").exists()
