@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("fctkit.trainer.cli", "eval_command", "Evaluate retrieval between query and gallery .npz embeddings."),
     "train": ("fctkit.trainer.cli", "train_command", "Train backbones, side-info and adapters from a TOML config; write a report."),
     "serve": ("fctkit.server.cli", "serve_command", "Run the gRPC server: model registry, encrypted vault, fleet."),
+    "device": ("fctkit.edge_runtime.cli", "device_command", "The on-device runtime: encrypted gallery, local embedding, signed sync, upgrades."),
     "admin": ("fctkit.server.cli", "admin_command", "Administer a running server: enrolment codes, publish, list devices/versions."),
 }
 

@@ -74,3 +74,32 @@ def make_device(tmp_path, publisher_pub) -> Callable[..., Device]:
 
 
 __all__ = ["ADMIN_TOKEN", "ServerProcess", "make_tiny_bundle", "TINY_CHAIN"]
+
+
+@pytest.fixture(scope="module")
+def edge_server(tmp_path_factory, publisher_pub):
+    """A real `fctkit serve` on loopback pinning the edge tests' publisher key."""
+    root = tmp_path_factory.mktemp("edge-server")
+    token = root / "admin.token"
+    token.write_text(ADMIN_TOKEN + "\n")
+    token.chmod(0o600)
+    server = ServerProcess(root / "data", publisher_pub, token).start()
+    yield server
+    if server.alive():
+        server.stop()
+
+
+def enrolment_code(server: ServerProcess, label: str = "") -> str:
+    from fctkit.protos.client import FctkitClient
+
+    with FctkitClient(server.target, ADMIN_TOKEN) as admin:
+        return admin.create_enrolment_code(label=label).code
+
+
+def publish(server: ServerProcess, bundle_dir: Path, archive_dir: Path) -> None:
+    from fctkit.protos.bundle import pack_bundle
+    from fctkit.protos.client import FctkitClient
+
+    archive = pack_bundle(bundle_dir, archive_dir / f"{bundle_dir.name}-{id(bundle_dir)}.tar")
+    with FctkitClient(server.target, ADMIN_TOKEN) as admin:
+        admin.publish_bundle(archive)

@@ -1,0 +1,157 @@
+"""`fctkit device …`: the device command line (torch-free)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import click
+import numpy as np
+
+from fctkit.errors import InputError
+
+from .device import Device, DeviceSettings
+from .engine import PREFERENCE
+
+_DIR = click.option("--dir", "root", type=click.Path(path_type=Path), default=lambda: os.environ.get("FCTKIT_DEVICE", "device"),
+                    show_default="$FCTKIT_DEVICE or ./device", help="The device directory.")
+_PASSPHRASE = click.option("--passphrase-env", metavar="VAR", default=None,
+                           help="Environment variable holding the key file's passphrase.")
+
+
+def _passphrase(var: str | None) -> str | None:
+    if var is None:
+        return None
+    if var not in os.environ:
+        raise InputError(f"environment variable {var} is not set (it should hold the passphrase)")
+    return os.environ[var]
+
+
+def _open(root: Path, passphrase_env: str | None, quiet: bool = False) -> Device:
+    device = Device.open(root, passphrase=_passphrase(passphrase_env))
+    device.progress = not quiet
+    return device
+
+
+def _echo(data) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def _load_images(path: Path) -> tuple[np.ndarray, list[str] | None, list[str] | None]:
+    """Images from .npy, or .npz with ``images`` and optional ``labels`` / ``ids``."""
+    if not path.is_file():
+        raise InputError(f"{path} does not exist")
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise InputError(f"{path} is not a .npy/.npz file ({exc})") from exc
+    if isinstance(data, np.ndarray):
+        return data, None, None
+    with data:
+        if "images" not in data:
+            raise InputError(f"{path} has no 'images' array (it has: {', '.join(data.files)})")
+        labels = [str(x) for x in data["labels"]] if "labels" in data else None
+        ids = [str(x) for x in data["ids"]] if "ids" in data else None
+        return data["images"], labels, ids
+
+
+@click.group("device")
+def device_command() -> None:
+    """The on-device runtime: encrypted gallery, local embedding, signed sync, upgrades."""
+
+
+@device_command.command("init")
+@_DIR
+@_PASSPHRASE
+@click.option("--publisher-key", type=click.Path(exists=True, dir_okay=False), help="Pin this publisher key now (offline devices).")
+@click.option("--providers", default=",".join(PREFERENCE), show_default=True, help="Execution providers allowed, in preference order.")
+@click.option("--batch-size", type=int, default=1024, show_default=True, help="Rows per ONNX Runtime call and per upgrade commit.")
+@click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime intra-op threads (0: its default).")
+@click.option("--search-backend", type=click.Choice(["auto", "numpy", "faiss"]), default="auto", show_default=True)
+def init_command(root, passphrase_env, publisher_key, providers, batch_size, threads, search_backend) -> None:
+    """Create a device: a new 0600 device key (passphrase-wrapped with --passphrase-env) and an empty gallery."""
+    settings = DeviceSettings(providers=tuple(p.strip() for p in providers.split(",") if p.strip()),
+                              batch_size=batch_size, threads=threads, search_backend=search_backend)
+    settings.engine  # validates the engine choices before anything is written
+    with Device.init(root, passphrase=_passphrase(passphrase_env), publisher_key=publisher_key, settings=settings) as device:
+        _echo({"device": str(device.root), "gallery_id": device.gallery.gallery_id.hex()})
+
+
+@device_command.command("enrol")
+@_DIR
+@_PASSPHRASE
+@click.option("--server", required=True, help="host:port of the fctkit server.")
+@click.option("--code", required=True, help="The enrolment code an admin created (`fctkit admin enrolment-code`).")
+@click.option("--name", default="", help="A name for this device in the fleet.")
+@click.option("--tls-root", type=click.Path(exists=True, dir_okay=False), default=None, help="CA certificate for TLS.")
+def enrol_command(root, passphrase_env, server, code, name, tls_root) -> None:
+    """Enrol with a server: get a device token and pin the publisher's key."""
+    with _open(root, passphrase_env) as device:
+        _echo({"device_id": device.enrol(server, code, device_name=name, tls_root_certificates=tls_root)})
+
+
+@device_command.command("add")
+@_DIR
+@_PASSPHRASE
+@click.argument("images", type=click.Path(path_type=Path))
+@click.option("--no-upload", is_flag=True, help="Only queue the sealed originals; upload at the next sync.")
+def add_command(root, passphrase_env, images, no_upload) -> None:
+    """Embed IMAGES (.npy, or .npz with images/labels/ids) locally and store them sealed."""
+    pictures, labels, ids = _load_images(images)
+    with _open(root, passphrase_env) as device:
+        added = device.add(pictures, item_ids=ids, labels=labels, upload=not no_upload)
+        _echo({"added": len(added), "rows": len(device.gallery), "queued_uploads": device.gallery.outbox_size()})
+
+
+@device_command.command("query")
+@_DIR
+@_PASSPHRASE
+@click.argument("images", type=click.Path(path_type=Path))
+@click.option("-k", type=int, default=5, show_default=True, help="Neighbours per query.")
+def query_command(root, passphrase_env, images, k) -> None:
+    """The k nearest gallery items of each image in IMAGES (one JSON list per query)."""
+    pictures, _, _ = _load_images(images)
+    with _open(root, passphrase_env) as device:
+        for matches in device.query(pictures, k=k):
+            click.echo(json.dumps([dataclasses.asdict(m) for m in matches]))
+
+
+@device_command.command("sync")
+@_DIR
+@_PASSPHRASE
+@click.option("--no-upgrade", is_flag=True, help="Download and verify, but defer upgrading the gallery.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def sync_command(root, passphrase_env, no_upgrade, quiet) -> None:
+    """Upload queued originals, then install or upgrade to the latest published version."""
+    with _open(root, passphrase_env, quiet) as device:
+        _echo(dataclasses.asdict(device.sync(upgrade=not no_upgrade)))
+
+
+@device_command.command("upgrade")
+@_DIR
+@_PASSPHRASE
+@click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), default=None,
+              help="Install this local bundle directory (verified) and upgrade to it.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def upgrade_command(root, passphrase_env, bundle_dir, quiet) -> None:
+    """Resume an interrupted upgrade, or upgrade offline to a local bundle; the first local
+    bundle of a new device is just installed."""
+    with _open(root, passphrase_env, quiet) as device:
+        if bundle_dir is not None and device.version == 0:
+            version = device.install_bundle(bundle_dir)
+            device.gallery.set_meta({"query_version": str(version)})
+            _echo({"installed": version})
+            return
+        rows = device.upgrade(bundle_dir)
+        _echo({"rows_upgraded": rows, "installed_version": device.version})
+
+
+@device_command.command("status")
+@_DIR
+@_PASSPHRASE
+def status_command(root, passphrase_env) -> None:
+    """The installed version, rows per space, queued uploads, any upgrade in progress."""
+    with _open(root, passphrase_env) as device:
+        _echo(device.status())

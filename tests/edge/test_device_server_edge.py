@@ -1,0 +1,115 @@
+"""Devices against a real server on loopback (tiny bundles): enrol, add with sealed uploads,
+the CLI with torch blocked, sync/upgrade hop by hop and by a direct adapter, an offline
+outbox, and fleet reports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.edge.conftest import ADMIN_TOKEN, enrolment_code, publish
+from tests.foundation.test_packaging import BLOCK_TORCH
+
+from fctkit.edge_runtime import Device
+from fctkit.protos.client import FctkitClient
+
+
+def device_cli(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """`fctkit device ARGS` in a fresh interpreter where importing torch fails."""
+    code = BLOCK_TORCH + "from fctkit.cli import main\nmain(sys.argv[1:])\nassert 'torch' not in sys.modules\n"
+    return subprocess.run([sys.executable, "-c", code, "device", *args], capture_output=True, text=True)
+
+
+def _all_server_bytes(server) -> bytes:
+    return b"".join(p.read_bytes() for p in server.data_dir.rglob("*") if p.is_file())
+
+
+@pytest.fixture(scope="module")
+def published_v1(edge_server, tiny_bundles, tmp_path_factory):
+    publish(edge_server, tiny_bundles[1], tmp_path_factory.mktemp("archives"))
+    return edge_server
+
+
+def test_cli_device_without_torch(published_v1, tmp_path, images):
+    server, root = published_v1, tmp_path / "cli-dev"
+    pictures = (images(6, seed=21) * 1000).astype(np.float32)
+    np.savez(tmp_path / "add.npz", images=pictures, labels=np.array(list("abcdef")), ids=np.array([f"c{i}" for i in range(6)]))
+    np.save(tmp_path / "q.npy", pictures[:2])
+    steps = [
+        ("init", "--dir", str(root), "--batch-size", "4"),
+        ("enrol", "--dir", str(root), "--server", server.target, "--code", enrolment_code(server), "--name", "cli"),
+        ("sync", "--dir", str(root), "--quiet"),
+        ("add", "--dir", str(root), str(tmp_path / "add.npz")),
+        ("query", "--dir", str(root), str(tmp_path / "q.npy"), "-k", "1"),
+        ("status", "--dir", str(root)),
+    ]
+    outputs = []
+    for step in steps:
+        proc = device_cli(*step)
+        assert proc.returncode == 0, (step, proc.stderr)
+        outputs.append(proc.stdout)
+    assert json.loads(outputs[2])["installed_after"] == 1
+    assert json.loads(outputs[3]) == {"added": 6, "rows": 6, "queued_uploads": 0}
+    assert [json.loads(line)[0]["item_id"] for line in outputs[4].splitlines()] == ["c0", "c1"]
+    assert json.loads(outputs[4].splitlines()[0])[0]["label"] == "a"
+    status = json.loads(outputs[5])
+    assert status["installed_version"] == 1 and status["provider"] == "CPUExecutionProvider"
+    # the sealed originals are in the vault; the image bytes are nowhere on the server's disk
+    on_disk = _all_server_bytes(server)
+    for picture in pictures:
+        assert picture.tobytes() not in on_disk
+    bad = device_cli("query", "--dir", str(tmp_path / "missing"), str(tmp_path / "q.npy"))
+    assert bad.returncode == 2 and "fctkit device init" in bad.stderr
+
+
+def test_sync_upgrade_paths_outbox_and_fleet(published_v1, tiny_bundles, tmp_path, images, make_device):
+    server = published_v1
+    early, late = make_device("early", batch_size=5), make_device("late", batch_size=5)
+    for name, device in (("early", early), ("late", late)):
+        device.enrol(server.target, enrolment_code(server), device_name=name)
+        assert device.sync().installed_after == 1
+        device.add(images(12, seed=hash(name) % 100), item_ids=[f"{name}{i}" for i in range(12)])
+    with FctkitClient(server.target, (early.root / "token").read_text()) as client:
+        assert len(client.list_blobs()) == 12
+    # offline: the sealed original waits in the outbox, nothing is lost, the next sync uploads it
+    server.stop()
+    early.add(images(2, seed=99), item_ids=["offline0", "offline1"])
+    assert early.gallery.outbox_size() == 2
+    server.start()
+    original = early.fetch_original("early0")
+    np.testing.assert_array_equal(original, images(12, seed=hash("early") % 100)[0])
+
+    publish(server, tiny_bundles[2], tmp_path)
+    result = early.sync()
+    assert (result.installed_before, result.installed_after, result.hops, result.uploaded) == (1, 2, "v1 -> v2", 2)
+    assert early.status()["rows_by_space"] == {"v1->v2 (forward)": 14}
+    np.testing.assert_array_equal(early.fetch_original("offline1"), images(2, seed=99)[1])
+
+    publish(server, tiny_bundles[3], tmp_path)
+    assert late.sync().hops == "v1 -> v3"  # skipped v2: the planned direct adapter
+    assert early.sync().hops == "v2 -> v3"
+    # the late device's rows went through h_{1->3}: the same as the direct graph on its v1 rows
+    assert late.status()["rows_by_space"] == {"v1->v3 (forward)": 12}
+    assert early.status()["rows_by_space"] == {"v1->v3 (forward)": 14}
+    with FctkitClient(server.target, ADMIN_TOKEN) as admin:
+        fleet = {d.name: d for d in admin.list_devices()}
+    assert fleet["early"].version == 3 and fleet["early"].gallery_size == 14
+    assert fleet["late"].version == 3 and fleet["late"].gallery_size == 12
+
+
+def test_enrolment_refuses_a_server_with_another_publisher_key(published_v1, tmp_path):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from fctkit.errors import DeviceError
+    from fctkit.export.keys import save_public_key
+
+    other = save_public_key(Ed25519PrivateKey.from_private_bytes(bytes(32)).public_key(), tmp_path / "other.pub")
+    device = Device.init(tmp_path / "pinned", publisher_key=other)
+    with pytest.raises(DeviceError, match="differs"):
+        device.enrol(published_v1.target, enrolment_code(published_v1))
+    assert not (device.root / "token").exists()
+    device.close()
