@@ -15,6 +15,7 @@ from fctkit.errors import FctkitError
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "keys": ("fctkit.export.cli", "keys_command", "Generate the publisher's Ed25519 signing key pair."),
     "bundle": ("fctkit.export.cli", "bundle_command", "Build, verify and pack signed model bundles."),
+    "export": ("fctkit.export.cli", "export_command", "Export a train run as signed, versioned bundles (v1, v2[, v3])."),
     "eval": ("fctkit.trainer.cli", "eval_command", "Evaluate retrieval between query and gallery .npz embeddings."),
     "train": ("fctkit.trainer.cli", "train_command", "Train backbones, side-info and adapters from a TOML config; write a report."),
     "serve": ("fctkit.server.cli", "serve_command", "Run the gRPC server: model registry, encrypted vault, fleet."),

@@ -1,5 +1,6 @@
-"""`fctkit keys …` and `fctkit bundle …`. `bundle verify` needs neither torch nor onnx:
-it runs on a device with the core install plus onnxruntime."""
+"""`fctkit keys …`, `fctkit bundle …` and `fctkit export`. `bundle verify` needs neither torch
+nor onnx: it runs on a device with the core install plus onnxruntime. `export` turns a
+`fctkit train` run into signed bundles (:mod:`fctkit.export.release`; needs torch)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import click
 from fctkit.protos.bundle import VerifiedBundle, pack_bundle, unpack_bundle, verify_bundle
 
 from .keys import PASSPHRASE_ENV, generate_keys, load_private_key, public_key_id, read_passphrase
+from .release import METHODS, build_release
 
 _PASSPHRASE_HELP = f"file holding the key passphrase (or set ${PASSPHRASE_ENV}); never a plain argument"
 
@@ -108,3 +110,47 @@ def _echo_summary(bundle: VerifiedBundle) -> None:
         click.echo(f"  {a.name:<22} {a.role}{hop} {a.precision} {a.size} B  {dims}")
     if m.gate["forced"]:
         click.echo(f"WARNING gate overridden (forced): {m.gate['force_reason']}")
+
+
+@click.command("export")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--key", "key_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="publisher private key (publisher.key)")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="folder for the bundles v<N>/ and their v<N>.tar archives")
+@click.option("--method", default="fct", show_default=True,
+              type=click.Choice(METHODS),
+              help="which of the run's adapters v2 carries (λ-orth methods give unified-mode bundles)")
+@click.option("--chain", is_flag=True, help="export v1, v2, v3 from the run's chain models (h2, g2, h3 and direct h13)")
+@click.option("--first-version", default=1, show_default=True, type=click.IntRange(min=1),
+              help="version number of the first bundle; the others follow")
+@click.option("--fp16", is_flag=True, help="store the graphs' weights in float16 (inputs/outputs stay float32)")
+@click.option("--force", is_flag=True, help="publish although an ECC gate fails (recorded in the signed manifests)")
+@click.option("--reason", help="why the gate is overridden; required with --force")
+@click.option("--passphrase-file", type=click.Path(dir_okay=False, path_type=Path), help=_PASSPHRASE_HELP)
+@click.option("--progress/--no-progress", default=True, show_default=True, help="progress bar while exporting")
+def export_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, chain: bool, first_version: int,
+                   fp16: bool, force: bool, reason: str | None, passphrase_file: Path | None, progress: bool) -> None:
+    """Export a `fctkit train` RUN_DIR as signed, versioned bundles ready for `fctkit admin publish`:
+    every role exported to ONNX and parity-checked on the run's evaluation data, gated by the
+    run's ECC verdicts."""
+    private_key = load_private_key(key_path, read_passphrase(passphrase_file))
+    released = build_release(run_dir, out_dir, private_key=private_key, method=method, first_version=first_version,
+                             chain=chain, fp16=fp16, force=force, force_reason=reason, progress=progress)
+    seen: dict[str, int] = {}
+    for item in released:
+        m = item.bundle.manifest
+        parents = ", ".join(f"v{p}" for p in m.parents) or "none"
+        click.echo(f"bundle v{m.version} (parents {parents}, mode {m.mode}) -> {item.bundle.root}  archive {item.archive}")
+        click.echo(f"  {'artifact':<22} {'role':<13} {'hop':<8} {'size (B)':>9}  {'parity max abs err':>18}  from")
+        for plan, export in item.exports:
+            artifact = m.artifact(plan.role, source_version=plan.source_version, target_version=plan.target_version)
+            hop = f"v{plan.source_version}->v{plan.target_version}" if plan.source_version is not None else ""
+            shared = f" (same graph as v{seen[artifact.sha256]})" if seen.get(artifact.sha256, m.version) != m.version else ""
+            seen.setdefault(artifact.sha256, m.version)
+            click.echo(f"  {artifact.name:<22} {plan.role:<13} {hop:<8} {artifact.size:>9}  "
+                       f"{export.parity.max_abs_error:>18.2e}  {plan.source}{shared}")
+        verdicts = ", ".join(f"{name} {'holds' if ok else 'FAILS'}" for name, ok in m.gate["ecc"].items()) or "no adapters to gate"
+        click.echo(f"  ECC gate: {verdicts}")
+        if m.gate["forced"]:
+            click.echo(f"  WARNING gate overridden (forced, recorded in the manifest): {m.gate['force_reason']}")

@@ -38,7 +38,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fctkit.errors import DataUnavailableError, GateError, InputError
-from fctkit.protos.bundle import Mode, Role, VerifiedBundle, artifact_name, pack_bundle
+from fctkit.protos.bundle import GATED_ROLES, Mode, Role, VerifiedBundle, artifact_name, pack_bundle, verify_bundle
 
 from .bundle import build_bundle
 from .roles import RoleExport, export_role
@@ -254,8 +254,9 @@ def build_release(
     """Export and sign every version of the release into ``out_dir/v{N}/`` and ``out_dir/v{N}.tar``.
 
     A role exported from the same saved file (ψ shared by v1 and v2) is exported once and the
-    same ONNX bytes go into every bundle that lists it. Raises :class:`GateError` when a
-    version's ECC gate fails and ``force`` is not given; nothing of that version is written."""
+    same ONNX bytes go into every bundle that lists it. Raises :class:`GateError` before
+    exporting anything when a version's ECC gate fails and ``force`` is not given. Versions
+    appear in ``out_dir`` only when the whole release succeeded."""
     if force and not (force_reason and force_reason.strip()):
         raise GateError("--force needs a reason (--reason '...'): the override is recorded in the signed manifest")
     run = TrainedRun.open(run_dir)
@@ -265,22 +266,34 @@ def build_release(
         for target in (out_dir / f"v{plan.version}", out_dir / f"v{plan.version}.tar"):
             if target.exists():
                 raise InputError(f"{target} already exists: choose an empty --out folder or remove it")
+    _check_gates(plans, force)
     out_dir.mkdir(parents=True, exist_ok=True)
     real = _RealInputs(run, chain)
-    released = []
-    with tempfile.TemporaryDirectory(prefix=".onnx-", dir=out_dir) as scratch:
-        export = _Exporter(run, real, Path(scratch), fp16, _progress_bar(sum(len(p.roles) for p in plans), progress))
+    built = []
+    # Everything is built in a scratch folder and moved into place at the end: a refused or
+    # failed release leaves no partial versions behind.
+    with tempfile.TemporaryDirectory(prefix=".release-", dir=out_dir) as scratch:
+        scratch = Path(scratch)
+        export = _Exporter(run, real, scratch / "onnx", fp16, _progress_bar(sum(len(p.roles) for p in plans), progress))
         with export.bar:
             for plan in plans:
                 exports = tuple((role, export(role)) for role in plan.roles)
-                bundle = build_bundle(
-                    out_dir / f"v{plan.version}", version=plan.version, parents=plan.parents, mode=plan.mode,
+                build_bundle(
+                    scratch / f"v{plan.version}", version=plan.version, parents=plan.parents, mode=plan.mode,
                     distance=run.distance, normalize=run.distance == "cosine",
                     artifacts=[e.artifact for _, e in exports], gate=plan.gate, private_key=private_key,
                     force=force, force_reason=force_reason,
                 )
-                archive = pack_bundle(bundle.root, out_dir / f"v{plan.version}.tar")
-                released.append(ReleasedBundle(bundle, archive, exports))
+                pack_bundle(scratch / f"v{plan.version}", scratch / f"v{plan.version}.tar")
+                built.append((plan.version, exports))
+        for version, _ in built:
+            os.rename(scratch / f"v{version}", out_dir / f"v{version}")
+            os.rename(scratch / f"v{version}.tar", out_dir / f"v{version}.tar")
+    public_key = private_key.public_key()
+    released = [
+        ReleasedBundle(verify_bundle(out_dir / f"v{version}", public_key), out_dir / f"v{version}.tar", exports)
+        for version, exports in built
+    ]
     return released
 
 
@@ -337,6 +350,19 @@ class _Exporter:
             )
         self.bar.update(1)
         return self.done[key]
+
+
+def _check_gates(plans: Sequence[VersionPlan], force: bool) -> None:
+    """Refuse before exporting anything when a version's ECC gate fails and ``force`` is not set."""
+    failing = [
+        f"v{plan.version} {role.name}" for plan in plans for role in plan.roles
+        if role.role in GATED_ROLES and plan.gate["ecc"].get(role.name) is not True
+    ]
+    if failing and not force:
+        raise GateError(
+            f"publishing refused: the run's ECC (M(new, h(old)) > M(old, old)) does not hold for {', '.join(failing)}; "
+            "fix the adapters, or pass --force --reason '...' to override on the record"
+        )
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:
