@@ -5,7 +5,8 @@ first use. Bundles: :func:`build_bundle` (the publishing gate), :func:`check_gra
 keys: :func:`generate_keys`, :func:`load_private_key`; ONNX: :func:`export_onnx`,
 :func:`check_parity` (torch); TensorRT: :func:`build_engine`,
 :func:`tensorrt_unavailable_reason`; every bundle role from trainer objects:
-:func:`export_role` (torch).
+:func:`export_role` (torch); a whole `fctkit train` run as signed, versioned bundles:
+:func:`export_release` / :func:`build_release` (torch), :func:`plan_release`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ _LAZY = {
     "export_role": "roles",
     "role_module": "roles",
     "write_role_table": "roles",
+    "TrainedRun": "release",
+    "RolePlan": "release",
+    "VersionPlan": "release",
+    "ReleasedBundle": "release",
+    "plan_release": "release",
+    "build_release": "release",
+    "export_release": "release",
     "build_engine": "tensorrt",
     "check_engine_parity": "tensorrt",
     "tensorrt_unavailable_reason": "tensorrt",

@@ -267,7 +267,24 @@ def build_release(
             if target.exists():
                 raise InputError(f"{target} already exists: choose an empty --out folder or remove it")
     _check_gates(plans, force)
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        built = _build_versions(run, plans, out_dir, private_key, chain, fp16, force, force_reason, progress)
+    except BaseException:
+        if created and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise
+    public_key = private_key.public_key()
+    return [
+        ReleasedBundle(verify_bundle(out_dir / f"v{version}", public_key), out_dir / f"v{version}.tar", exports)
+        for version, exports in built
+    ]
+
+
+def _build_versions(run: TrainedRun, plans: Sequence[VersionPlan], out_dir: Path, private_key: Ed25519PrivateKey,
+                    chain: bool, fp16: bool, force: bool, force_reason: str | None,
+                    progress: bool) -> list[tuple[int, tuple[tuple[RolePlan, RoleExport], ...]]]:
     real = _RealInputs(run, chain)
     built = []
     # Everything is built in a scratch folder and moved into place at the end: a refused or
@@ -289,12 +306,7 @@ def build_release(
         for version, _ in built:
             os.rename(scratch / f"v{version}", out_dir / f"v{version}")
             os.rename(scratch / f"v{version}.tar", out_dir / f"v{version}.tar")
-    public_key = private_key.public_key()
-    released = [
-        ReleasedBundle(verify_bundle(out_dir / f"v{version}", public_key), out_dir / f"v{version}.tar", exports)
-        for version, exports in built
-    ]
-    return released
+    return built
 
 
 def export_release(
