@@ -418,7 +418,7 @@ class Device:
             self._report(client, fleet_pb2.UPGRADE_STATE_UPGRADING, plan.target)
         with tqdm(total=left, desc=f"upgrade {hop_list(plan.hops)}", unit="row", disable=not self.progress or left == 0) as bar:
             done = run_upgrade(self.gallery, plan, engines, batch_size=self.settings.batch_size,
-                               on_batch=lambda n, _left: bar.update(n)) if plan.hops else 0
+                               on_batch=bar.update) if plan.hops else 0
         if plan.mode == "forward":
             self.gallery.switch_to(plan.target, {"upgrade": None})
         else:

@@ -1,25 +1,27 @@
 """The encrypted on-device gallery: one SQLite file (WAL) of sealed rows.
 
-Row format (one table ``rows``)::
+Row format::
 
-    row_id          INTEGER PRIMARY KEY   stable for the row's life; part of every record's AAD
-    item_id         TEXT UNIQUE           the app's id for the item (plaintext: use opaque ids)
-    origin_version  INTEGER               the model version that embedded the item's image
-    version         INTEGER               the version whose query space the row lives in
-    via             TEXT                  how it got there: 'native' (embedded by that version's
-                                          model), 'forward' (adapted by h/F from origin_version),
-                                          'backward' (B(φ_new), unified mode)
-    embedding       BLOB                  sealed float32 vector
-    side_info       BLOB                  sealed float32 vector (empty when the bundle has none)
-    label           BLOB NULL             sealed UTF-8 label
-    staged_*        NULL or the row's next (version, via, embedding, side_info) while a
-                    forward-mode upgrade runs; moved into place by the switch commit
-    vault_sha256    TEXT NULL             the encrypted original in the server's vault, once uploaded
+    items       row_id INTEGER PRIMARY KEY  stable for the row's life; part of every record's AAD
+                item_id TEXT UNIQUE         the app's id for the item (plaintext: use opaque ids)
+                origin_version INTEGER      the model version that embedded the item's image
+                label BLOB NULL             sealed UTF-8 label
+                vault_sha256 TEXT NULL      the encrypted original in the server's vault, once uploaded
+    vectors_0 / row_id INTEGER PRIMARY KEY
+    vectors_1   version INTEGER             the version whose query space the vectors live in
+                via TEXT                    how they got there: 'native' (embedded by that version's
+                                            model), 'forward' (adapted by h/F from origin_version),
+                                            'backward' (B(φ_new), unified mode)
+                embedding BLOB, side_info BLOB   sealed float32 vectors (side-info empty when none)
+
+One of the two vector tables is live (``meta.live_vectors``); a forward-mode upgrade writes
+the new vectors into the other one and the switch commit flips them in one transaction, so
+queries see complete old vectors until then and the table swap rewrites nothing.
 
 The version tag (origin_version, version, via) says exactly which space a row is in, so a
 backfilled row (native at v) and an adapted one (forward from u to v) can sit side by side,
 and a replicated row can be compared only once the device has its version (issue 7 adds
-owner, sequence and tombstone columns through ``schema_version``).
+owner, sequence and tombstone columns to ``items`` through ``schema_version``).
 
 Every record is sealed with AES-256-GCM under the device key; its authenticated data is
 ``gallery id | row id | item id | origin | version | via | field``. A modified, truncated,
@@ -32,7 +34,7 @@ import base64
 import json
 import os
 import sqlite3
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,29 +47,24 @@ from .crypto import Sealer
 
 SCHEMA_VERSION = 1
 VIAS = ("native", "forward", "backward")
+VECTOR_TABLES = ("vectors_0", "vectors_1")
+PAGE_SIZE = 16384  # a row's two sealed 128-d vectors are ~1.1 KB: several rows per page
 _KEY_CHECK = b"fctkit-gallery-key-check"
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS rows (
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE items (
     row_id INTEGER PRIMARY KEY,
     item_id TEXT NOT NULL UNIQUE,
     origin_version INTEGER NOT NULL,
-    version INTEGER NOT NULL,
-    via TEXT NOT NULL,
-    embedding BLOB NOT NULL,
-    side_info BLOB NOT NULL,
     label BLOB,
-    staged_version INTEGER,
-    staged_via TEXT,
-    staged_embedding BLOB,
-    staged_side_info BLOB,
     vault_sha256 TEXT
 );
-CREATE TABLE IF NOT EXISTS outbox (
-    item_id TEXT PRIMARY KEY,
-    blob BLOB NOT NULL
-);
+CREATE TABLE vectors_0 (row_id INTEGER PRIMARY KEY, version INTEGER NOT NULL, via TEXT NOT NULL,
+                        embedding BLOB NOT NULL, side_info BLOB NOT NULL);
+CREATE TABLE vectors_1 (row_id INTEGER PRIMARY KEY, version INTEGER NOT NULL, via TEXT NOT NULL,
+                        embedding BLOB NOT NULL, side_info BLOB NOT NULL);
+CREATE TABLE outbox (item_id TEXT PRIMARY KEY, blob BLOB NOT NULL);
 """
 
 
@@ -116,22 +113,20 @@ class LoadedRows:
 
 
 @dataclass(frozen=True)
-class RowUpdate:
-    """The new vectors of one row, produced from its current (guarded) tag."""
+class UpgradedRows:
+    """New vectors for a batch of rows, all computed from the same (guarded) tag."""
 
-    row_id: int
-    item_id: str
+    row_ids: Sequence[int]
+    item_ids: Sequence[str]
     old_tag: VersionTag
     new_tag: VersionTag
-    embedding: np.ndarray
-    side_info: np.ndarray
+    embeddings: np.ndarray
+    side_infos: np.ndarray
 
 
 def _aad(gallery_id: bytes, row_id: int, item_id: str, tag: VersionTag, field_name: str) -> bytes:
-    return b"|".join((
-        b"fctkit-gallery/1", gallery_id, str(row_id).encode(), item_id.encode("utf-8"),
-        str(tag.origin_version).encode(), str(tag.version).encode(), tag.via.encode(), field_name.encode(),
-    ))
+    return b"fctkit-gallery/1|%s|%d|%s|%d|%d|%s|%s" % (
+        gallery_id, row_id, item_id.encode("utf-8"), tag.origin_version, tag.version, tag.via.encode(), field_name.encode())
 
 
 def _label_tag(origin_version: int) -> VersionTag:
@@ -154,8 +149,10 @@ class Gallery:
     # -- opening ---------------------------------------------------------------------------
 
     @staticmethod
-    def _connect(path: Path) -> sqlite3.Connection:
+    def _connect(path: Path, *, new: bool = False) -> sqlite3.Connection:
         db = sqlite3.connect(path, isolation_level=None, timeout=60.0, check_same_thread=False)
+        if new:
+            db.execute(f"PRAGMA page_size={PAGE_SIZE}")
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
         return db
@@ -168,7 +165,7 @@ class Gallery:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.close(fd)
-        db = cls._connect(path)
+        db = cls._connect(path, new=True)
         gallery_id = os.urandom(16)
         sealer = Sealer(key)
         check = sealer.seal(_KEY_CHECK, b"key-check|" + gallery_id)
@@ -178,6 +175,7 @@ class Gallery:
             db.executemany("INSERT INTO meta VALUES (?, ?)", [
                 ("schema_version", str(SCHEMA_VERSION)), ("gallery_id", gallery_id.hex()),
                 ("key_check", base64.b64encode(check).decode()), ("query_version", "0"),
+                ("live_vectors", VECTOR_TABLES[0]),
             ])
         return cls(path, db, sealer, gallery_id)
 
@@ -245,62 +243,83 @@ class Gallery:
         text = self.meta("upgrade")
         return json.loads(text) if text else None
 
+    def _tables(self) -> tuple[str, str]:
+        """(live, staged) vector tables; read inside the caller's transaction."""
+        live = self.meta("live_vectors")
+        if live not in VECTOR_TABLES:
+            raise GalleryError(f"{self.path}: meta.live_vectors is {live!r}; the gallery is damaged")
+        return live, VECTOR_TABLES[1 - VECTOR_TABLES.index(live)]
+
     def __len__(self) -> int:
-        return self._db.execute("SELECT COUNT(*) FROM rows").fetchone()[0]
+        return self._db.execute("SELECT COUNT(*) FROM items").fetchone()[0]
 
     def tag_counts(self) -> dict[str, int]:
         """How many rows are in each space (``str(VersionTag)``), staged rows counted at their next tag."""
-        counts: dict[str, int] = {}
-        query = "SELECT origin_version, COALESCE(staged_version, version), COALESCE(staged_via, via), COUNT(*) FROM rows GROUP BY 1, 2, 3"
-        for origin, version, via, count in self._db.execute(query):
-            counts[str(VersionTag(origin, version, via))] = count
-        return counts
+        with _read_snapshot(self._db):
+            live, staged = self._tables()
+            query = (f"SELECT i.origin_version, COALESCE(s.version, v.version), COALESCE(s.via, v.via), COUNT(*) "
+                     f"FROM items i JOIN {live} v USING (row_id) LEFT JOIN {staged} s USING (row_id) GROUP BY 1, 2, 3")
+            rows = self._db.execute(query).fetchall()
+        return {str(VersionTag(o, v, via)): n for o, v, via, n in rows}
 
     # -- rows ------------------------------------------------------------------------------
 
     def add_rows(self, rows: Sequence[NewRow], tag: VersionTag, outbox: Sequence[tuple[str, bytes]] = ()) -> list[int]:
         """Insert rows (and their queued vault uploads) in one transaction; returns the row ids.
         An item id already in the gallery is an error (nothing is written)."""
-        ids: list[int] = []
         with _transaction(self._db):
-            for row in rows:
-                try:
-                    cursor = self._db.execute(
-                        "INSERT INTO rows (item_id, origin_version, version, via, embedding, side_info) VALUES (?, ?, ?, ?, x'', x'')",
-                        (row.item_id, tag.origin_version, tag.version, tag.via),
-                    )
-                except sqlite3.IntegrityError:
-                    raise InputError(f"item {row.item_id!r} is already in the gallery: item ids are unique") from None
-                row_id = cursor.lastrowid
+            live, _ = self._tables()
+            first = self._db.execute("SELECT COALESCE(MAX(row_id), 0) + 1 FROM items").fetchone()[0]
+            ids = list(range(first, first + len(rows)))
+            items, vectors = [], []
+            for row_id, row in zip(ids, rows, strict=True):
                 embedding, side_info = self._seal_vectors(row_id, row.item_id, tag, row.embedding, row.side_info)
                 label = None if row.label is None else self._sealer.seal(
                     row.label.encode("utf-8"), _aad(self.gallery_id, row_id, row.item_id, _label_tag(tag.origin_version), "label"))
-                self._db.execute("UPDATE rows SET embedding = ?, side_info = ?, label = ? WHERE row_id = ?",
-                                 (embedding, side_info, label, row_id))
-                ids.append(row_id)
+                items.append((row_id, row.item_id, tag.origin_version, label))
+                vectors.append((row_id, tag.version, tag.via, embedding, side_info))
+            try:
+                self._db.executemany("INSERT INTO items (row_id, item_id, origin_version, label) VALUES (?, ?, ?, ?)", items)
+            except sqlite3.IntegrityError:
+                raise InputError("an item id is already in the gallery: item ids are unique (nothing was added)") from None
+            self._db.executemany(f"INSERT INTO {live} VALUES (?, ?, ?, ?, ?)", vectors)
             self._db.executemany("INSERT INTO outbox VALUES (?, ?)", outbox)
         return ids
 
     def _seal_vectors(self, row_id: int, item_id: str, tag: VersionTag, embedding: np.ndarray, side_info: np.ndarray) -> tuple[bytes, bytes]:
-        seal = self._sealer.seal
-        return (
-            seal(np.ascontiguousarray(embedding, dtype="<f4").tobytes(), _aad(self.gallery_id, row_id, item_id, tag, "embedding")),
-            seal(np.ascontiguousarray(side_info, dtype="<f4").tobytes(), _aad(self.gallery_id, row_id, item_id, tag, "side_info")),
-        )
+        (embedding,), (side_info,) = self._seal_block([row_id], [item_id], tag, embedding[None], side_info[None])
+        return embedding, side_info
+
+    def _seal_block(self, row_ids: Sequence[int], item_ids: Sequence[str], tag: VersionTag,
+                    embeddings: np.ndarray, side_infos: np.ndarray) -> tuple[list[bytes], list[bytes]]:
+        """Sealed records of each row's embedding and side-info."""
+        sealed = []
+        for name, block in (("embedding", embeddings), ("side_info", side_infos)):
+            block = np.ascontiguousarray(block, dtype="<f4").reshape(len(row_ids), -1)
+            raw, width = block.tobytes(), block.shape[1] * 4
+            plaintexts = [raw[i * width:(i + 1) * width] for i in range(len(row_ids))]
+            aads = [_aad(self.gallery_id, r, i, tag, name) for r, i in zip(row_ids, item_ids, strict=True)]
+            sealed.append(self._sealer.seal_many(plaintexts, aads))
+        return sealed[0], sealed[1]
 
     def load(self, *, with_labels: bool = True) -> LoadedRows:
         """Decrypt every row into memory in one consistent snapshot. Rows that fail to open
         are listed in ``corrupt`` (row id, item id, reason); the others load."""
         with _read_snapshot(self._db):
+            live, _ = self._tables()
             cursor = self._db.execute(
-                "SELECT row_id, item_id, origin_version, version, via, embedding, side_info, label FROM rows ORDER BY row_id")
+                f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.embedding, v.side_info, i.label "
+                f"FROM items i JOIN {live} v USING (row_id) ORDER BY row_id")
             return self._decrypt_rows(cursor, with_labels=with_labels)
 
-    def _decrypt_rows(self, cursor: Iterable[tuple], *, with_labels: bool, staged: bool = False) -> LoadedRows:
+    def _decrypt_rows(self, cursor: Iterable[tuple], *, with_labels: bool) -> LoadedRows:
         row_ids, item_ids, tags, embeddings, side_infos, labels, corrupt = [], [], [], [], [], [], []
         gid, open_ = self.gallery_id, self._sealer.open
+        known_tags: dict[tuple, VersionTag] = {}
         for row_id, item_id, origin, version, via, emb, side, label in cursor:
-            tag = VersionTag(origin, version, via)
+            tag = known_tags.get((origin, version, via))
+            if tag is None:
+                tag = known_tags[(origin, version, via)] = VersionTag(origin, version, via)
             try:
                 e = open_(emb, _aad(gid, row_id, item_id, tag, "embedding"), f"row {row_id} embedding")
                 s = open_(side, _aad(gid, row_id, item_id, tag, "side_info"), f"row {row_id} side_info")
@@ -322,63 +341,73 @@ class Gallery:
         )
 
     def delete_rows(self, item_ids: Sequence[str]) -> int:
-        """Remove items (rows and queued uploads) in one transaction; returns the rows removed."""
+        """Remove items (rows, vectors and queued uploads) in one transaction; returns the rows removed."""
         with _transaction(self._db):
-            removed = sum(self._db.execute("DELETE FROM rows WHERE item_id = ?", (i,)).rowcount for i in item_ids)
+            row_ids = [r[0] for i in item_ids for r in self._db.execute("SELECT row_id FROM items WHERE item_id = ?", (i,))]
+            for table in ("items", *VECTOR_TABLES):
+                self._db.executemany(f"DELETE FROM {table} WHERE row_id = ?", [(r,) for r in row_ids])
             self._db.executemany("DELETE FROM outbox WHERE item_id = ?", [(i,) for i in item_ids])
-        return removed
+        return len(row_ids)
 
     # -- upgrades --------------------------------------------------------------------------
 
     def rows_to_upgrade(self, target_version: int, after_row_id: int, limit: int) -> LoadedRows:
         """The next ``limit`` rows (by row id, after ``after_row_id``) not yet in ``target_version``'s
-        space, counting staged vectors, decrypted from their latest vectors."""
-        cursor = self._db.execute(
-            "SELECT row_id, item_id, origin_version, COALESCE(staged_version, version), COALESCE(staged_via, via), "
-            "COALESCE(staged_embedding, embedding), COALESCE(staged_side_info, side_info), NULL FROM rows "
-            "WHERE COALESCE(staged_version, version) != ? AND row_id > ? ORDER BY row_id LIMIT ?",
-            (target_version, after_row_id, limit),
-        )
-        return self._decrypt_rows(cursor.fetchall(), with_labels=False)
+        space (live vectors elsewhere and nothing staged), decrypted."""
+        with _read_snapshot(self._db):
+            live, staged = self._tables()
+            rows = self._db.execute(
+                f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.embedding, v.side_info, NULL "
+                f"FROM {live} v JOIN items i USING (row_id) WHERE v.version != ? AND v.row_id > ? "
+                f"AND NOT EXISTS (SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id) ORDER BY v.row_id LIMIT ?",
+                (target_version, after_row_id, limit),
+            ).fetchall()
+        return self._decrypt_rows(rows, with_labels=False)
 
     def remaining(self, target_version: int) -> int:
-        query = "SELECT COUNT(*) FROM rows WHERE COALESCE(staged_version, version) != ?"
+        live, staged = self._tables()
+        query = (f"SELECT COUNT(*) FROM {live} v WHERE v.version != ? "
+                 f"AND NOT EXISTS (SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id)")
         return self._db.execute(query, (target_version,)).fetchone()[0]
 
-    def write_upgrades(self, updates: Sequence[RowUpdate], *, staged: bool, progress: dict[str, str] | None = None) -> None:
-        """Write a batch of upgraded rows in one transaction, each guarded by the tag it was
-        computed from (a row changed since is refused, the whole batch rolled back).
-        ``staged``: into the staged columns (forward mode, switched later); else in place."""
-        sealed = [(u, *self._seal_vectors(u.row_id, u.item_id, u.new_tag, u.embedding, u.side_info)) for u in updates]
-        if staged:
-            sql = ("UPDATE rows SET staged_version = ?, staged_via = ?, staged_embedding = ?, staged_side_info = ? "
-                   "WHERE row_id = ? AND origin_version = ? AND COALESCE(staged_version, version) = ? AND COALESCE(staged_via, via) = ?")
-        else:
-            sql = ("UPDATE rows SET version = ?, via = ?, embedding = ?, side_info = ? "
-                   "WHERE row_id = ? AND origin_version = ? AND version = ? AND via = ? AND staged_version IS NULL")
-        params = [
-            (u.new_tag.version, u.new_tag.via, e, s, u.row_id, u.old_tag.origin_version, u.old_tag.version, u.old_tag.via)
-            for u, e, s in sealed
-        ]
+    def write_upgrades(self, batches: Sequence[UpgradedRows], *, staged: bool) -> None:
+        """Write upgraded rows in one transaction, each guarded by the tag it was computed
+        from (a row changed or staged since makes the whole transaction roll back).
+        ``staged``: into the staged vector table (forward mode, switched later); else in place."""
+        params = []
+        for b in batches:
+            embeddings, side_infos = self._seal_block(b.row_ids, b.item_ids, b.new_tag, b.embeddings, b.side_infos)
+            new, old = b.new_tag, b.old_tag
+            params += [(r, new.version, new.via, e, s, r, old.version, old.via)
+                       for r, e, s in zip(b.row_ids, embeddings, side_infos, strict=True)]
         with _transaction(self._db):
-            for p in params:
-                if self._db.execute(sql, p).rowcount != 1:
-                    raise GalleryError(f"row {p[4]} changed while it was being upgraded; run the upgrade again")
-            if progress:
-                self._set_meta(progress)
+            live, other = self._tables()
+            if staged:
+                sql = (f"INSERT INTO {other} (row_id, version, via, embedding, side_info) SELECT ?, ?, ?, ?, ? "
+                       f"WHERE EXISTS (SELECT 1 FROM {live} WHERE row_id = ? AND version = ? AND via = ?)")
+            else:
+                sql = (f"UPDATE {live} SET row_id = ?, version = ?, via = ?, embedding = ?, side_info = ? "
+                       f"WHERE row_id = ? AND version = ? AND via = ?")
+            try:
+                written = self._db.executemany(sql, params).rowcount
+            except sqlite3.IntegrityError:
+                raise GalleryError("a row of this batch is already upgraded (staged); run the upgrade again") from None
+            if written != len(params):
+                raise GalleryError(f"{len(params) - written} row(s) changed while being upgraded; run the upgrade again")
 
     def switch_to(self, target_version: int, meta: dict[str, str | None]) -> None:
-        """Commit a forward-mode upgrade: move every staged row into place and set the query
-        version, in one transaction; refused while any row is not yet in the target space."""
+        """Commit a forward-mode upgrade in one transaction: the staged vector table becomes
+        live and the query version is set; refused while any row is not yet in the target space."""
         with _transaction(self._db):
             left = self.remaining(target_version)
             if left:
                 raise GalleryError(f"{left} row(s) are not yet in v{target_version}'s space: finish the upgrade first")
-            self._db.execute(
-                "UPDATE rows SET version = staged_version, via = staged_via, embedding = staged_embedding, "
-                "side_info = staged_side_info, staged_version = NULL, staged_via = NULL, staged_embedding = NULL, "
-                "staged_side_info = NULL WHERE staged_version IS NOT NULL")
-            self._set_meta({**meta, "query_version": str(target_version)})
+            live, staged = self._tables()
+            # rows already in the target space needed no transform: carried over unchanged
+            self._db.execute(f"INSERT INTO {staged} SELECT * FROM {live} v WHERE NOT EXISTS "
+                             f"(SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id)")
+            self._db.execute(f"DELETE FROM {live}")
+            self._set_meta({**meta, "query_version": str(target_version), "live_vectors": staged})
 
     # -- outbox ----------------------------------------------------------------------------
 
@@ -390,17 +419,11 @@ class Gallery:
 
     def mark_uploaded(self, item_id: str, sha256: str) -> None:
         with _transaction(self._db):
-            self._db.execute("UPDATE rows SET vault_sha256 = ? WHERE item_id = ?", (sha256, item_id))
+            self._db.execute("UPDATE items SET vault_sha256 = ? WHERE item_id = ?", (sha256, item_id))
             self._db.execute("DELETE FROM outbox WHERE item_id = ?", (item_id,))
 
     def vault_sha256(self, item_id: str) -> str | None:
-        row = self._db.execute("SELECT vault_sha256 FROM rows WHERE item_id = ?", (item_id,)).fetchone()
-        if row is None:
-            raise InputError(f"item {item_id!r} is not in the gallery")
-        return row[0]
-
-    def row_id_of(self, item_id: str) -> int:
-        row = self._db.execute("SELECT row_id FROM rows WHERE item_id = ?", (item_id,)).fetchone()
+        row = self._db.execute("SELECT vault_sha256 FROM items WHERE item_id = ?", (item_id,)).fetchone()
         if row is None:
             raise InputError(f"item {item_id!r} is not in the gallery")
         return row[0]

@@ -30,7 +30,7 @@ import numpy as np
 from fctkit.errors import GalleryError
 
 from .engine import Engine
-from .gallery import Gallery, RowUpdate, VersionTag, take_rows
+from .gallery import Gallery, UpgradedRows, VersionTag, take_rows
 
 
 @dataclass(frozen=True)
@@ -97,31 +97,38 @@ def _inputs(artifact, embeddings: np.ndarray, side_infos: np.ndarray) -> tuple[n
 
 
 def run_upgrade(gallery: Gallery, plan: UpgradePlan, engines: Mapping[int, Engine], *, batch_size: int,
-                on_batch: Callable[[int, int], None] | None = None) -> int:
+                on_batch: Callable[[int], None] | None = None) -> int:
     """Upgrade every row not yet in ``plan.target``'s space; returns the rows upgraded now.
-    ``on_batch(rows_done_now, rows_left)`` is called after each committed batch."""
+    ``on_batch(rows)`` is called after each committed batch.
+
+    Batches are the next ``batch_size`` pending rows in row-id order, so a restart after a
+    crash (which begins again at the lowest pending row) forms the same batches as an
+    uninterrupted run. Rows added meanwhile get higher ids and are picked up; a final pass
+    from the start catches anything else before returning."""
     staged = plan.mode == "forward"
-    done = 0
+    done, last_row_id = 0, 0
     while True:
-        batch = gallery.rows_to_upgrade(plan.target, 0, batch_size)
+        batch = gallery.rows_to_upgrade(plan.target, last_row_id, batch_size)
         if batch.corrupt:
             row_id, item_id, reason = batch.corrupt[0]
             raise GalleryError(f"row {row_id} ({item_id!r}) cannot be upgraded: {reason}; remove it and run the upgrade again")
         if not len(batch):
-            return done
-        updates: list[RowUpdate] = []
+            if last_row_id == 0 or gallery.remaining(plan.target) == 0:
+                return done
+            last_row_id = 0
+            continue
+        groups: list[UpgradedRows] = []
         for tag in sorted(set(batch.tags), key=lambda t: (t.origin_version, t.version, t.via)):
             rows = [i for i, t in enumerate(batch.tags) if t == tag]
             new_tag, embeddings, side_infos = transform_rows(
                 plan, engines, tag, take_rows(batch.embeddings, rows), take_rows(batch.side_infos, rows))
-            updates += [
-                RowUpdate(int(batch.row_ids[i]), batch.item_ids[i], tag, new_tag, embeddings[j], side_infos[j])
-                for j, i in enumerate(rows)
-            ]
-        gallery.write_upgrades(updates, staged=staged)
-        done += len(updates)
+            groups.append(UpgradedRows([int(batch.row_ids[i]) for i in rows], [batch.item_ids[i] for i in rows],
+                                       tag, new_tag, embeddings, side_infos))
+        gallery.write_upgrades(groups, staged=staged)
+        done += len(batch)
+        last_row_id = int(batch.row_ids[-1])
         if on_batch is not None:
-            on_batch(len(updates), gallery.remaining(plan.target))
+            on_batch(len(batch))
 
 
 def hop_list(hops: Sequence[Hop]) -> str:

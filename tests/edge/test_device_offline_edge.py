@@ -76,8 +76,8 @@ def test_forward_mode_queries_stay_complete_until_the_switch(make_device, tiny_b
     device.gallery.set_meta({"upgrade": plan.to_json()})
     batches = []
 
-    def stop_after_one(done, left):
-        batches.append(left)
+    def stop_after_one(done):
+        batches.append(device.gallery.remaining(2))
         # mid-upgrade: the old model still answers, over every row
         assert [m[0].item_id for m in device.query(pictures, k=1)] == ids
         raise KeyboardInterrupt

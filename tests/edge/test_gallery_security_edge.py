@@ -18,7 +18,24 @@ from fctkit.errors import CorruptRecordError, GalleryError, DeviceKeyError, Hash
 
 def _raw_rows(path) -> list[tuple]:
     with sqlite3.connect(path) as db:
-        return db.execute("SELECT * FROM rows ORDER BY row_id").fetchall() + db.execute("SELECT * FROM meta ORDER BY key").fetchall()
+        tables = ("items", "vectors_0", "vectors_1", "outbox", "meta")
+        return [db.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall() for t in tables]
+
+
+def _record(db, item_id: str, field: str = "embedding") -> bytes:
+    """The sealed record of an item's live vector (or its label)."""
+    if field == "label":
+        return db.execute("SELECT label FROM items WHERE item_id = ?", (item_id,)).fetchone()[0]
+    live = db.execute("SELECT value FROM meta WHERE key = 'live_vectors'").fetchone()[0]
+    return db.execute(f"SELECT v.{field} FROM {live} v JOIN items i USING (row_id) WHERE i.item_id = ?", (item_id,)).fetchone()[0]
+
+
+def _overwrite(db, item_id: str, record: bytes, field: str = "embedding") -> None:
+    if field == "label":
+        db.execute("UPDATE items SET label = ? WHERE item_id = ?", (record, item_id))
+        return
+    live = db.execute("SELECT value FROM meta WHERE key = 'live_vectors'").fetchone()[0]
+    db.execute(f"UPDATE {live} SET {field} = ? WHERE row_id = (SELECT row_id FROM items WHERE item_id = ?)", (record, item_id))
 
 
 def _filled(make_device, tiny_bundles, images, n=20, name="dev", **kwargs) -> Device:
@@ -77,7 +94,7 @@ def test_passphrase_device_opens_only_with_it(make_device, tiny_bundles, images)
 def test_one_flipped_byte_reports_that_record_and_the_others_load(make_device, tiny_bundles, images):
     device = _filled(make_device, tiny_bundles, images)
     path, key = device.gallery.path, device._key
-    victim = device.gallery._db.execute("SELECT embedding FROM rows WHERE item_id = 'item07'").fetchone()[0]
+    victim = _record(device.gallery._db, "item07")
     device.close()  # checkpoints the WAL into the main file
     data = bytearray(path.read_bytes())
     offset = data.find(victim)
@@ -93,19 +110,18 @@ def test_one_flipped_byte_reports_that_record_and_the_others_load(make_device, t
 def test_swapped_and_replayed_records_are_detected(make_device, tiny_bundles, images):
     device = _filled(make_device, tiny_bundles, images)
     db = device.gallery._db
-    old_record = db.execute("SELECT embedding FROM rows WHERE item_id = 'item05'").fetchone()[0]
-    a, b = (db.execute("SELECT embedding FROM rows WHERE item_id = ?", (i,)).fetchone()[0] for i in ("item01", "item02"))
-    db.execute("UPDATE rows SET embedding = ? WHERE item_id = 'item01'", (b,))
-    db.execute("UPDATE rows SET embedding = ? WHERE item_id = 'item02'", (a,))
-    labels = [db.execute("SELECT label FROM rows WHERE item_id = ?", (i,)).fetchone()[0] for i in ("item03", "item04")]
-    db.execute("UPDATE rows SET label = ? WHERE item_id = 'item03'", (labels[1],))
+    old_record = _record(db, "item05")
+    a, b = _record(db, "item01"), _record(db, "item02")
+    _overwrite(db, "item01", b)
+    _overwrite(db, "item02", a)
+    _overwrite(db, "item03", _record(db, "item04", "label"), "label")
     assert sorted(c[1] for c in device.gallery.load().corrupt) == ["item01", "item02", "item03"]
     with pytest.raises(GalleryError, match="cannot be upgraded"):
         device.upgrade(tiny_bundles[2])
     assert device.remove(["item01", "item02", "item03"]) == 3
     # a record of the same row from an older version is refused after the upgrade (replay)
     device.upgrade()
-    db.execute("UPDATE rows SET embedding = ? WHERE item_id = 'item05'", (old_record,))
+    _overwrite(db, "item05", old_record)
     assert "item05" in [c[1] for c in device.gallery.load().corrupt]
 
 

@@ -1,0 +1,273 @@
+"""Edge upgrade throughput: a device upgrading its encrypted gallery in place, against
+(a) the bare ONNX Runtime transform of the same rows and (b) re-embedding them from images.
+
+    python benchmarks/edge_upgrade.py                      # 1,000,000 rows (the acceptance size)
+    python benchmarks/edge_upgrade.py --rows 200000 --markdown BENCHMARKS-edge.md
+
+For each adapter (the FCT mixer at the paper's widths — branches 256, mixer 2048, 128-d φ
+and ψ, 11.4 MFLOP/row — and a 128x128 linear map) a device gallery of N random sealed rows
+is built (not timed), then:
+
+* bare: one ONNX Runtime session runs the adapter over the same N rows, already decrypted in
+  memory, at the same batch size and threads (measured before and after the upgrade; mean);
+* upgrade: ``Device.upgrade(bundle)`` end to end — bundle verification, then per batch
+  decrypt + transform + seal + one SQLite commit, then the switch commit.
+
+The ratio upgrade/bare is the target ≥ 0.6. Re-embedding: a ResNet-50 with a 128-d head
+(the FCT paper's backbone, 224x224 images, random weights: cost does not depend on them)
+exported to ONNX, per image on the same machine; the ratio is re-embed time per row over
+FCT upgrade time per row (target ≥ 100). Torch is needed only to export the ResNet-50
+(``--skip-reembed`` avoids it). Timings vary with load on shared machines: read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from fctkit.edge_runtime import Device, DeviceSettings, NewRow, VersionTag
+
+D_OLD = D_NEW = D_SIDE = 128
+IMAGE_DIM = 16
+
+
+# --------------------------------------------------------------------------- graphs
+
+
+def _save(path: Path, nodes, inputs: dict[str, int], output: str, out_dim: int, weights: dict[str, np.ndarray]) -> Path:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        nodes, path.stem,
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", d]) for n, d in inputs.items()],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", out_dim])],
+        initializer=[numpy_helper.from_array(w.astype(np.float32), n) for n, w in weights.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def _mlp(rng, prefix: str, x: str, dims: list[int], weights: dict, nodes: list, last_relu: bool) -> str:
+    from onnx import helper
+
+    for i, (d_in, d_out) in enumerate(zip(dims, dims[1:])):
+        w, b, y = f"{prefix}W{i}", f"{prefix}b{i}", f"{prefix}y{i}"
+        weights[w] = rng.standard_normal((d_in, d_out)) * np.sqrt(2.0 / d_in)
+        weights[b] = np.zeros(d_out)
+        nodes.append(helper.make_node("Gemm", [x, w, b], [y]))
+        x = y
+        if i < len(dims) - 2 or last_relu:
+            nodes.append(helper.make_node("Relu", [x], [f"{y}r"]))
+            x = f"{y}r"
+    return x
+
+
+def fct_graph(path: Path, seed: int) -> Path:
+    """h(φ, ψ): two Lin-ReLU-Lin-ReLU branches (256), concat, mixer 512→2048→2048→128 (BN folded)."""
+    from onnx import helper
+
+    rng, weights, nodes = np.random.default_rng(seed), {}, []
+    a = _mlp(rng, "old_", "old", [D_OLD, 256, 256], weights, nodes, last_relu=True)
+    b = _mlp(rng, "side_", "side", [D_SIDE, 256, 256], weights, nodes, last_relu=True)
+    nodes.append(helper.make_node("Concat", [a, b], ["joined"], axis=1))
+    out = _mlp(rng, "mix_", "joined", [512, 2048, 2048, D_NEW], weights, nodes, last_relu=False)
+    nodes.append(helper.make_node("Identity", [out], ["embedding"]))
+    return _save(path, nodes, {"old": D_OLD, "side": D_SIDE}, "embedding", D_NEW, weights)
+
+
+def linear_graph(path: Path, inputs: dict[str, int], out_dim: int, output: str, seed: int) -> Path:
+    from onnx import helper
+
+    rng, weights, nodes = np.random.default_rng(seed), {}, []
+    x = next(iter(inputs))
+    out = _mlp(rng, "lin_", x, [inputs[x], out_dim], weights, nodes, last_relu=False)
+    nodes.append(helper.make_node("Identity", [out], [output]))
+    return _save(path, nodes, inputs, output, out_dim, weights)
+
+
+def build_bundles(folder: Path, adapter: str, key) -> tuple[Path, Path]:
+    from fctkit.export.bundle import ArtifactSource, build_bundle
+
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def base(version: int) -> list[ArtifactSource]:
+        return [
+            ArtifactSource(linear_graph(folder / f"embed{version}.onnx", {"image": IMAGE_DIM}, D_OLD, "embedding", version), "embed"),
+            ArtifactSource(linear_graph(folder / f"side{version}.onnx", {"image": IMAGE_DIM}, D_SIDE, "side_info", 10 + version), "side_info"),
+        ]
+
+    h = fct_graph(folder / "h.onnx", 7) if adapter == "fct" else linear_graph(folder / "h.onnx", {"old": D_OLD}, D_NEW, "embedding", 7)
+    common = dict(mode="forward", distance="cosine", normalize=True, private_key=key)
+    v1 = build_bundle(folder / "v1", version=1, parents=(), artifacts=base(1), gate={"cases": {}, "ecc": {}}, **common).root
+    sources = [*base(2), ArtifactSource(h, "forward", 1, 2)]
+    v2 = build_bundle(folder / "v2", version=2, parents=(1,), artifacts=sources,
+                      gate={"cases": {}, "ecc": {"forward_1_to_2": True}}, **common).root
+    return v1, v2
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+def fill(device: Device, rows: int, seed: int, chunk: int = 20_000) -> float:
+    rng = np.random.default_rng(seed)
+    start = time.perf_counter()
+    tag = VersionTag(1, 1, "native")
+    for first in tqdm(range(0, rows, chunk), desc="fill gallery", unit="chunk", file=sys.stderr):
+        n = min(chunk, rows - first)
+        emb = rng.standard_normal((n, D_OLD), dtype=np.float32)
+        side = rng.standard_normal((n, D_SIDE), dtype=np.float32)
+        device.gallery.add_rows([NewRow(f"r{first + i:08d}", emb[i], side[i]) for i in range(n)], tag)
+    return time.perf_counter() - start
+
+
+def bare_transform_seconds(model: Path, inputs: list[np.ndarray], batch: int, threads: int) -> float:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(model), sess_options=options, providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    session.run(None, {n: x[:batch] for n, x in zip(names, inputs)})  # warm-up
+    start = time.perf_counter()
+    for first in range(0, len(inputs[0]), batch):
+        session.run(None, {n: x[first:first + batch] for n, x in zip(names, inputs)})
+    return time.perf_counter() - start
+
+
+def measure_adapter(adapter: str, rows: int, batch: int, threads: int, work: Path, key, pub: Path) -> dict:
+    v1, v2 = build_bundles(work / f"{adapter}-bundles", adapter, key)
+    device = Device.init(work / f"{adapter}-device", publisher_key=pub, settings=DeviceSettings(batch_size=batch, threads=threads))
+    device.install_bundle(v1)
+    device.gallery.set_meta({"query_version": "1"})
+    fill_s = fill(device, rows, seed=1)
+    loaded = device.gallery.load(with_labels=False)
+    inputs = [loaded.embeddings, loaded.side_infos] if adapter == "fct" else [loaded.embeddings]
+    model = work / f"{adapter}-bundles" / "h.onnx"
+    bare = [bare_transform_seconds(model, inputs, batch, threads)]
+    del loaded, inputs
+    start = time.perf_counter()
+    upgraded = device.upgrade(v2)
+    upgrade_s = time.perf_counter() - start
+    assert upgraded == rows and device.version == 2
+    loaded = device.gallery.load(with_labels=False)
+    inputs = [np.zeros_like(loaded.embeddings), loaded.side_infos] if adapter == "fct" else [loaded.embeddings]
+    bare.append(bare_transform_seconds(model, inputs, batch, threads))
+    device.close()
+    shutil.rmtree(work / f"{adapter}-device")
+    bare_s = statistics.mean(bare)
+    return {"adapter": adapter, "rows": rows, "fill_s": fill_s, "bare_s": bare_s, "bare_runs_s": bare, "upgrade_s": upgrade_s,
+            "bare_rows_per_s": rows / bare_s, "upgrade_rows_per_s": rows / upgrade_s, "ratio": bare_s / upgrade_s}
+
+
+def resnet50(embedding_dim: int = 128):
+    import torch
+    from torch import nn
+
+    class Bottleneck(nn.Module):
+        def __init__(self, c_in: int, width: int, stride: int) -> None:
+            super().__init__()
+            c_out = width * 4
+            self.body = nn.Sequential(
+                nn.Conv2d(c_in, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+                nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+                nn.Conv2d(width, c_out, 1, bias=False), nn.BatchNorm2d(c_out),
+            )
+            self.skip = (nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+                         if stride != 1 or c_in != c_out else nn.Identity())
+
+        def forward(self, x):
+            return torch.relu(self.body(x) + self.skip(x))
+
+    layers, c_in = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)], 64
+    for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for i in range(blocks):
+            layers.append(Bottleneck(c_in, width, stride if i == 0 else 1))
+            c_in = width * 4
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, embedding_dim)]
+    torch.manual_seed(0)
+    return nn.Sequential(*layers).eval()
+
+
+def reembed_seconds_per_row(work: Path, images: int, threads: int) -> float:
+    import onnxruntime as ort
+
+    from fctkit.export.onnx_export import InputSpec, export_onnx
+
+    path = work / "resnet50.onnx"
+    export_onnx(resnet50(), [InputSpec("image", (3, 224, 224))], ["embedding"], path)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+    batch = np.random.default_rng(0).standard_normal((min(16, images), 3, 224, 224), dtype=np.float32)
+    session.run(None, {"image": batch[:2]})
+    start, done = time.perf_counter(), 0
+    while done < images:
+        session.run(None, {"image": batch})
+        done += len(batch)
+    return (time.perf_counter() - start) / done
+
+
+def markdown(results: list[dict], reembed_s: float | None, args: argparse.Namespace) -> str:
+    lines = [
+        f"Rows: {args.rows:,}, batch {args.batch}, ONNX Runtime threads {args.threads or 'default'}, CPU provider.",
+        "",
+        "| adapter | bare ORT rows/s | device upgrade rows/s | upgrade / bare (target ≥ 0.6) | gallery fill s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(f"| {r['adapter']} | {r['bare_rows_per_s']:,.0f} | {r['upgrade_rows_per_s']:,.0f} | {r['ratio']:.2f} | {r['fill_s']:.0f} |")
+    if reembed_s is not None:
+        fct = next(r for r in results if r["adapter"] == "fct")
+        per_row = fct["upgrade_s"] / fct["rows"]
+        lines += ["", f"Re-embedding with ResNet-50-128 (224x224, ONNX Runtime): {1 / reembed_s:,.1f} images/s, "
+                  f"{reembed_s * 1e3:.1f} ms per row; FCT upgrade {per_row * 1e6:.1f} µs per row: "
+                  f"**{reembed_s / per_row:,.0f}x cheaper** (target ≥ 100x)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--adapters", default="fct,linear")
+    parser.add_argument("--reembed-images", type=int, default=32)
+    parser.add_argument("--skip-reembed", action="store_true")
+    parser.add_argument("--markdown", type=Path, help="Also write the table to this file.")
+    args = parser.parse_args(argv)
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from fctkit.export.keys import save_public_key
+
+    work = Path(tempfile.mkdtemp(prefix="fctkit-edge-upgrade-"))
+    try:
+        key = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+        pub = save_public_key(key.public_key(), work / "publisher.pub")
+        results = []
+        for adapter in args.adapters.split(","):
+            result = measure_adapter(adapter, args.rows, args.batch, args.threads, work, key, pub)
+            print(f"{adapter}: bare {result['bare_rows_per_s']:,.0f} rows/s, upgrade {result['upgrade_rows_per_s']:,.0f} rows/s, "
+                  f"ratio {result['ratio']:.2f} (bare runs {', '.join(f'{s:.1f}' for s in result['bare_runs_s'])} s)", flush=True)
+            results.append(result)
+        reembed = None if args.skip_reembed else reembed_seconds_per_row(work, args.reembed_images, args.threads)
+        text = markdown(results, reembed, args)
+        print(text)
+        if args.markdown:
+            args.markdown.write_text(text)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
