@@ -2,7 +2,11 @@
 new queries meet, learned jointly by a forward map F (old → unified) and a backward map B
 (new → old-compatible).
 
-- F: ``affine`` ``Lin(d_old→n)`` or ``mlp`` ``Lin(d_old→hidden)-BN-ReLU-Lin(hidden→n)``.
+- F: ``affine`` ``Lin(d_old→n)`` or ``mlp``, the residual ``x[:, :n] + (Lin(d_old→hidden)-BN-ReLU-
+  Lin(hidden→n))(x)``. Both start as the identity on the first n coordinates (affine weight
+  ``[I_n | 0]``, the MLP's last layer zero): the unified space is the old space, so F starts by
+  leaving old rows as they are (F(old)/old = old/old) and learns only what improves them
+  (on digits CNN features this init clearly beat a random one for F(old)/old and B(new)/old).
 - B: ``orthogonal`` B⊥ = expm(U − Uᵀ) with U strictly upper-triangular (orthogonal by
   construction, no bias); ``lambda`` B_λ x = Wx + b trained with the gated penalty
   ``sigmoid(α(‖WWᵀ−I‖_F − λ))·‖WWᵀ−I‖_F``; ``affine`` the same map without any penalty
@@ -88,12 +92,27 @@ class OrthogonalMap(nn.Module):
         return x @ self.weight.T
 
 
-def _identity_linear(dim: int) -> nn.Linear:
-    linear = nn.Linear(dim, dim)
+def _identity_linear(d_in: int, d_out: int) -> nn.Linear:
+    """``nn.Linear`` starting as ``x ↦ x[:, :d_out]`` (``d_out <= d_in``)."""
+    linear = nn.Linear(d_in, d_out)
     with torch.no_grad():
-        linear.weight.copy_(torch.eye(dim))
+        linear.weight.copy_(torch.eye(d_out, d_in))
         linear.bias.zero_()
     return linear
+
+
+class ResidualMLP(nn.Module):
+    """``x[:, :n] + Lin(d→hidden)-BN-ReLU-Lin(hidden→n)(x)``, starting as the identity (last layer zero)."""
+
+    def __init__(self, d_in: int, n: int, hidden_width: int) -> None:
+        super().__init__()
+        self.n = n
+        self.mlp = nn.Sequential(nn.Linear(d_in, hidden_width), nn.BatchNorm1d(hidden_width), nn.ReLU(), nn.Linear(hidden_width, n))
+        nn.init.zeros_(self.mlp[-1].weight)
+        nn.init.zeros_(self.mlp[-1].bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, : self.n] + self.mlp(x)
 
 
 class LambdaOrthAdapter(Adapter):
@@ -108,12 +127,8 @@ class LambdaOrthAdapter(Adapter):
             raise InputError(f"dims must be positive: d_old={d_old}, d_new={d_new}")
         self.d_old, self.d_new = d_old, d_new
         self.n = n = min(d_old, d_new)
-        if config.forward == "affine":
-            self.forward_map: nn.Module = nn.Linear(d_old, n)
-        else:
-            width = config.hidden_width
-            self.forward_map = nn.Sequential(nn.Linear(d_old, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, n))
-        self.backward_map: nn.Module = OrthogonalMap(n) if config.backward == "orthogonal" else _identity_linear(n)
+        self.forward_map: nn.Module = _identity_linear(d_old, n) if config.forward == "affine" else ResidualMLP(d_old, n, config.hidden_width)
+        self.backward_map: nn.Module = OrthogonalMap(n) if config.backward == "orthogonal" else _identity_linear(n, n)
 
     def dims(self) -> dict[str, int]:
         return {"d_old": self.d_old, "d_new": self.d_new}

@@ -105,6 +105,18 @@ def test_mismatched_dims_truncate_the_larger_embedding(d_old, d_new):
     np.testing.assert_array_equal(adapter.transform_new(changed_tail), adapter.transform_new(new))
 
 
+@pytest.mark.parametrize("forward", ["affine", "mlp"])
+@pytest.mark.parametrize("d_old,d_new", [(6, 9), (9, 6)])
+def test_untrained_maps_start_as_the_identity(forward, d_old, d_new):
+    rng = np.random.default_rng(0)
+    old, new = rng.normal(size=(30, d_old)).astype(np.float32), rng.normal(size=(30, d_new)).astype(np.float32)
+    n = min(d_old, d_new)
+    for backward in ("orthogonal", "lambda"):
+        adapter = LambdaOrthAdapter(LambdaOrthConfig(forward=forward, backward=backward), d_old=d_old, d_new=d_new)
+        np.testing.assert_allclose(adapter.transform(old), old[:, :n], atol=1e-6)
+        np.testing.assert_allclose(adapter.transform_new(new), new[:, :n], atol=1e-6)
+
+
 @pytest.mark.parametrize("backward", ["orthogonal", "lambda"])
 def test_materialized_backward_equals_the_trained_map(backward):
     old, new, labels, _ = rotated_versions(n=200)
