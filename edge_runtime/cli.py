@@ -122,11 +122,15 @@ def query_command(root, passphrase_env, images, k) -> None:
 @_DIR
 @_PASSPHRASE
 @click.option("--no-upgrade", is_flag=True, help="Download and verify, but defer upgrading the gallery.")
+@click.option("--watch", is_flag=True, help="Then keep following the server and sync on every new version.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def sync_command(root, passphrase_env, no_upgrade, quiet) -> None:
+def sync_command(root, passphrase_env, no_upgrade, watch, quiet) -> None:
     """Upload queued originals, then install or upgrade to the latest published version."""
     with _open(root, passphrase_env, quiet) as device:
         _echo(dataclasses.asdict(device.sync(upgrade=not no_upgrade)))
+        if watch:
+            for result in device.watch(upgrade=not no_upgrade):
+                _echo(dataclasses.asdict(result))
 
 
 @device_command.command("upgrade")

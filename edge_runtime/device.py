@@ -358,6 +358,19 @@ class Device:
             self._report(client, fleet_pb2.UPGRADE_STATE_IDLE)
         return result
 
+    def watch(self, *, max_versions: int | None = None, upgrade: bool = True):
+        """Follow the server's version stream and sync on each new version (blocking; ends when
+        the server shuts down, or after ``max_versions`` versions). Yields each :class:`SyncResult`."""
+        seen = 0
+        with self.client() as client:
+            for published in client.watch_versions(after_version=self.version):
+                if published.version <= self.version:
+                    continue
+                yield self.sync(upgrade=upgrade)
+                seen += 1
+                if max_versions is not None and seen >= max_versions:
+                    return
+
     def _plan(self, client, target: int) -> UpgradePlan:
         self._download(client, target)
         mode = self.engine(target).manifest.mode

@@ -120,6 +120,18 @@ def test_engine_reports_its_provider_and_batches(tiny_bundles, publisher_pub, im
         EngineConfig(providers=("tpu",))
 
 
+def test_engine_runs_on_cuda_when_onnxruntime_gpu_is_installed(tiny_bundles, publisher_pub, images):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu with CUDA is not installed here (the CPU package only)")
+    engine = Engine(verify_bundle(tiny_bundles[1], publisher_pub), EngineConfig(providers=("cuda", "cpu")))
+    cpu = Engine(verify_bundle(tiny_bundles[1], publisher_pub), EngineConfig(providers=("cpu",)))
+    pictures = images(64)
+    np.testing.assert_allclose(engine.embed(pictures), cpu.embed(pictures), rtol=1e-3, atol=1e-3)
+    assert engine.provider == "CUDAExecutionProvider", "onnxruntime fell back to CPU silently"
+
+
 def test_unified_mode_switches_queries_first(tmp_path, make_device, publisher_key, images):
     from tests.edge.conftest import make_tiny_bundle
     from tests.server.conftest import EMBED_DIM, linear_onnx

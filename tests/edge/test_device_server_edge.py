@@ -113,3 +113,24 @@ def test_enrolment_refuses_a_server_with_another_publisher_key(published_v1, tmp
         device.enrol(published_v1.target, enrolment_code(published_v1))
     assert not (device.root / "token").exists()
     device.close()
+
+
+def test_watch_syncs_when_a_version_is_published(edge_server, publisher_key, tmp_path, images, make_device):
+    import threading
+
+    from tests.edge.conftest import make_tiny_bundle
+
+    server = edge_server
+    device = make_device("watcher", batch_size=4)
+    device.enrol(server.target, enrolment_code(server), device_name="watcher")
+    device.sync()
+    start = device.version
+    device.add(images(6, seed=31))
+    results = []
+    watcher = threading.Thread(target=lambda: results.extend(device.watch(max_versions=1)), daemon=True)
+    watcher.start()
+    next_version = start + 1
+    publish(server, make_tiny_bundle(tmp_path / "next", publisher_key, next_version, ((start, next_version),)), tmp_path)
+    watcher.join(timeout=60)
+    assert not watcher.is_alive() and results[0].installed_after == next_version
+    assert device.version == next_version and len(device.gallery.load()) == 6
