@@ -255,7 +255,7 @@ class Device:
         side_infos = engine.side_info(images)
         rows = [NewRow(i, e, s, None if lab is None else str(lab)) for i, e, s, lab in zip(item_ids, embeddings, side_infos, labels, strict=True)]
         outbox = [(i, seal_image(self._sealer, self.gallery.gallery_id, i, image)) for i, image in zip(item_ids, images, strict=True)]
-        self.gallery.add_rows(rows, tag, outbox)
+        self.gallery.add_rows(rows, tag, outbox, query_version=engine.manifest.version)
         if upload and self.settings.server:
             self.flush_outbox()
         return item_ids

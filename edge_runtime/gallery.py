@@ -264,10 +264,15 @@ class Gallery:
 
     # -- rows ------------------------------------------------------------------------------
 
-    def add_rows(self, rows: Sequence[NewRow], tag: VersionTag, outbox: Sequence[tuple[str, bytes]] = ()) -> list[int]:
+    def add_rows(self, rows: Sequence[NewRow], tag: VersionTag, outbox: Sequence[tuple[str, bytes]] = (), *,
+                 query_version: int | None = None) -> list[int]:
         """Insert rows (and their queued vault uploads) in one transaction; returns the row ids.
-        An item id already in the gallery is an error (nothing is written)."""
+        An item id already in the gallery is an error, and so is a ``query_version`` that is no
+        longer the gallery's (another process switched it meanwhile): nothing is written."""
         with _transaction(self._db):
+            if query_version is not None and self.query_version != query_version:
+                raise GalleryError(
+                    f"the gallery switched to v{self.query_version} while these rows were embedded with v{query_version}: add them again")
             live, _ = self._tables()
             first = self._db.execute("SELECT COALESCE(MAX(row_id), 0) + 1 FROM items").fetchone()[0]
             ids = list(range(first, first + len(rows)))

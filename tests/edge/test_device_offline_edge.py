@@ -43,6 +43,13 @@ def test_add_query_and_upgrade_match_the_graphs(make_device, tiny_bundles, image
     np.testing.assert_allclose(after.embeddings, expected_h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(after.side_infos, expected_g, rtol=1e-5, atol=1e-5)
     assert after.labels == before.labels
+    # rows embedded by a process that still ran v1 when the switch committed are refused
+    from fctkit.edge_runtime import NewRow, VersionTag
+    from fctkit.errors import GalleryError
+
+    stale = [NewRow("stale", before.embeddings[0], before.side_infos[0])]
+    with pytest.raises(GalleryError, match="switched to v2"):
+        device.gallery.add_rows(stale, VersionTag(1, 1, "native"), query_version=1)
     # new items are embedded natively at v2 and sit next to adapted ones
     device.add(images(3, seed=9), item_ids=["n1", "n2", "n3"])
     assert device.status()["rows_by_space"] == {"v1->v2 (forward)": 40, "v2": 3}
