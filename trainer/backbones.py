@@ -1,6 +1,7 @@
 """Demo image backbones: a small "old" CNN and a wider "new" CNN, trained with cross-entropy
 on their class subsets. Both work for any grey image size (8x8 digits, 28x28 fashion-mnist)
-thanks to adaptive pooling.
+thanks to adaptive pooling to a small grid (2x2 by default: unlike global pooling it keeps
+the coarse layout, which the shallow old CNN's small receptive field needs on 28x28 images).
 
 The retrieval embedding (``Backbone.embed``, also ``forward`` so that ONNX export of the
 module gives the embedding) is the feature *before* the classifier, as in the FCT paper.
@@ -44,6 +45,7 @@ class BackboneConfig:
     architecture: Architecture = "small"
     embedding_dim: int = 32
     width: int = 16
+    pool_grid: int = 2  # adaptive average pooling to pool_grid x pool_grid before the projection
     normalize_embedding: bool = False
     epochs: int = 40
     lr: float = 3e-3
@@ -58,8 +60,8 @@ class BackboneConfig:
     def __post_init__(self) -> None:
         if self.architecture not in _STAGES:
             raise ConfigError(f"architecture must be one of {', '.join(_STAGES)}, got {self.architecture!r}")
-        if self.embedding_dim < 1 or self.width < 1:
-            raise ConfigError("embedding_dim and width must be >= 1")
+        if self.embedding_dim < 1 or self.width < 1 or self.pool_grid < 1:
+            raise ConfigError("embedding_dim, width and pool_grid must be >= 1")
         if self.shift_augment < 0:
             raise ConfigError("shift_augment must be >= 0")
 
@@ -69,8 +71,9 @@ class BackboneConfig:
                            seed=seed, device=device, progress=self.progress)
 
 
-def conv_trunk(architecture: str, width: int, in_channels: int = 1) -> tuple[nn.Sequential, int]:
-    """Conv-BN-ReLU stages ending in global average pooling; returns (trunk, output channels)."""
+def conv_trunk(architecture: str, width: int, in_channels: int = 1, pool_grid: int = 2) -> tuple[nn.Sequential, int]:
+    """Conv-BN-ReLU stages ending in adaptive average pooling to a ``pool_grid`` square,
+    flattened; returns (trunk, output features)."""
     layers: list[nn.Module] = []
     channels = in_channels
     for stage, (multiplier, n_convs) in enumerate(_STAGES[architecture]):
@@ -79,17 +82,18 @@ def conv_trunk(architecture: str, width: int, in_channels: int = 1) -> tuple[nn.
             stride = 2 if stage > 0 and index == 0 else 1
             layers += [nn.Conv2d(channels, out, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(out), nn.ReLU()]
             channels = out
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
-    return nn.Sequential(*layers), channels
+    layers += [nn.AdaptiveAvgPool2d(pool_grid), nn.Flatten()]
+    return nn.Sequential(*layers), channels * pool_grid * pool_grid
 
 
 class Encoder(nn.Module):
     """Conv trunk + linear projection to ``dim``: the image encoder shared by backbones and
     the SimCLR side-information model. ``forward`` returns the (optionally L2-normalised) feature."""
 
-    def __init__(self, architecture: str, width: int, dim: int, in_channels: int = 1, normalize: bool = False):
+    def __init__(self, architecture: str, width: int, dim: int, in_channels: int = 1, normalize: bool = False,
+                 pool_grid: int = 2):
         super().__init__()
-        self.trunk, channels = conv_trunk(architecture, width, in_channels)
+        self.trunk, channels = conv_trunk(architecture, width, in_channels, pool_grid)
         self.projection = nn.Linear(channels, dim)
         self.normalize = normalize
         self.in_channels = in_channels
@@ -116,7 +120,7 @@ class Backbone(nn.Module):
         self.config = config
         self.classes = tuple(int(c) for c in classes)
         self.encoder = Encoder(config.architecture, config.width, config.embedding_dim, in_channels,
-                               config.normalize_embedding)
+                               config.normalize_embedding, config.pool_grid)
         self.classifier = nn.Linear(config.embedding_dim, len(self.classes))
         self.history: History | None = None  # set by train_backbone
 

@@ -73,6 +73,7 @@ class SideInfoConfig:
     dim: int = 32
     architecture: Architecture = "small"
     width: int = 16
+    pool_grid: int = 2
     projection_dim: int = 64
     temperature: float = 0.2
     epochs: int = 60
@@ -88,8 +89,8 @@ class SideInfoConfig:
     def __post_init__(self) -> None:
         if self.kind not in ("simclr", "none", "alternate"):
             raise ConfigError(f"side-info kind must be 'simclr', 'none' or 'alternate', got {self.kind!r}")
-        if self.dim < 1 or self.width < 1 or self.projection_dim < 1:
-            raise ConfigError("dim, width and projection_dim must be >= 1")
+        if min(self.dim, self.width, self.pool_grid, self.projection_dim) < 1:
+            raise ConfigError("dim, width, pool_grid and projection_dim must be >= 1")
         if self.temperature <= 0:
             raise ConfigError("temperature must be > 0")
 
@@ -100,7 +101,7 @@ class SideInfoConfig:
 
     def backbone_config(self) -> BackboneConfig:
         """The second old model of kind ``alternate``."""
-        return BackboneConfig(architecture=self.architecture, embedding_dim=self.dim, width=self.width,
+        return BackboneConfig(architecture=self.architecture, embedding_dim=self.dim, width=self.width, pool_grid=self.pool_grid,
                               epochs=self.epochs, lr=self.lr, weight_decay=self.weight_decay,
                               batch_size=self.batch_size, warmup_epochs=self.warmup_epochs,
                               val_fraction=self.val_fraction, patience=self.patience, progress=self.progress)
@@ -121,7 +122,7 @@ class SideInfoModel(nn.Module):
         self.head: nn.Module | None = None
         self.history: History | None = None  # set by train_side_info
         if config.kind == "simclr":
-            self.encoder = Encoder(config.architecture, config.width, config.dim, in_channels)
+            self.encoder = Encoder(config.architecture, config.width, config.dim, in_channels, pool_grid=config.pool_grid)
             self.head = nn.Sequential(nn.Linear(config.dim, config.dim), nn.ReLU(), nn.Linear(config.dim, config.projection_dim))
         elif config.kind == "alternate":
             self.encoder = Backbone(config.backbone_config(), classes, in_channels)

@@ -67,10 +67,10 @@ def test_new_backbone_retrieves_held_out_digits(new_model, data):
 
 
 def test_old_backbone_is_good_on_its_classes_only(old_model, new_model, data):
-    # Measured: old classes 0.978, all classes 0.705 (it never saw classes 5-9).
+    # Measured: old classes 0.989, all classes 0.836 (it never saw classes 5-9).
     old_on_old = _top1(old_model, _old_classes(data["query"]), _old_classes(data["gallery"]))
     old_on_all = _top1(old_model, data["query"], data["gallery"])
-    assert old_on_old > 0.93
+    assert old_on_old > 0.95
     assert old_on_all < _top1(new_model, data["query"], data["gallery"]) - 0.1
     assert old_model.classes == (0, 1, 2, 3, 4)
     held_out = _old_classes(data["query"])

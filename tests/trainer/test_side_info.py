@@ -43,23 +43,30 @@ def simclr(old_data):
     return train_side_info(old_data["train"].images, None, SIMCLR, seed=0, device="cpu")
 
 
-def _knn_top1(model, data) -> float:
+def _knn(model, data):
     query, gallery = data["query"], data["gallery"]
     return evaluate_retrieval(extract_side_info(model, query.images), query.labels,
-                              extract_side_info(model, gallery.images), gallery.labels, topk=(1,)).cmc[1]
+                              extract_side_info(model, gallery.images), gallery.labels, topk=(1,))
+
+
+def _knn_top1(model, data) -> float:
+    return _knn(model, data).cmc[1]
 
 
 def test_simclr_loss_decreases(simclr):
     losses = simclr.history.train_loss
     assert len(losses) >= 20
-    assert losses[-1] < 0.85 * losses[0]  # measured 6.18 -> 4.60
+    assert losses[-1] < 0.85 * losses[0]  # measured 6.13 -> 4.26
 
 
 def test_simclr_features_beat_random_without_labels(simclr, old_data):
-    # Measured: SimCLR 0.933, the same encoder untrained 0.728 (5 classes: chance 0.2).
+    # Measured on old-class digits: SimCLR top-1 0.983 / mAP 0.839; the same encoder untrained
+    # 0.950 / 0.597 (5 classes: chance 0.2). Top-1 saturates on digits, mAP shows the gap.
+    torch.manual_seed(0)
     untrained = SideInfoModel(SIMCLR)
-    assert _knn_top1(simclr, old_data) > 0.88
-    assert _knn_top1(simclr, old_data) > _knn_top1(untrained, old_data) + 0.1
+    trained = _knn(simclr, old_data)
+    assert trained.cmc[1] > 0.93
+    assert trained.mean_ap > _knn(untrained, old_data).mean_ap + 0.15
     assert extract_side_info(simclr, old_data["query"].images).shape == (len(old_data["query"]), 32)
 
 
@@ -90,7 +97,7 @@ def test_alternate_is_a_second_old_model(old_data, simclr, tmp_path):
         train_side_info(old_data["train"].images, None, config)
     alternate = train_side_info(old_data["train"].images, old_data["train"].labels, config, seed=1, device="cpu")
     assert alternate.classes == (0, 1, 2, 3, 4)
-    assert _knn_top1(alternate, old_data) > 0.93  # measured 0.98: a supervised old model
+    assert _knn_top1(alternate, old_data) > 0.95  # measured 0.994: a supervised old model
     loaded = load_side_info(save_side_info(alternate, tmp_path / "alt.pt"))
     images = old_data["query"].images
     assert np.array_equal(extract_side_info(loaded, images), extract_side_info(alternate, images))
