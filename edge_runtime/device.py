@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -40,6 +41,7 @@ from .search import ExactIndex
 from .upgrade import Hop, UpgradePlan, hop_list, run_upgrade
 from .vault_blob import open_image, seal_image
 
+REPORT_EVERY_S = 2.0  # upgrade progress reports to the fleet service, at most this often
 SETTINGS_FILE, KEY_FILE, TOKEN_FILE, PUBLISHER_FILE, GALLERY_FILE = "device.json", "device.key", "token", "publisher.pub", "gallery.sqlite"
 
 
@@ -429,9 +431,17 @@ class Device:
         left = self.gallery.remaining(plan.target) if plan.hops else 0
         if client is not None:
             self._report(client, fleet_pb2.UPGRADE_STATE_UPGRADING, plan.target)
+        last_report = [time.monotonic()]
+
+        def on_batch(rows: int) -> None:
+            bar.update(rows)
+            if client is not None and time.monotonic() - last_report[0] > REPORT_EVERY_S:
+                self._report(client, fleet_pb2.UPGRADE_STATE_UPGRADING, plan.target, progress=bar.n / max(left, 1))
+                last_report[0] = time.monotonic()
+
         with tqdm(total=left, desc=f"upgrade {hop_list(plan.hops)}", unit="row", disable=not self.progress or left == 0) as bar:
             done = run_upgrade(self.gallery, plan, engines, batch_size=self.settings.batch_size,
-                               on_batch=bar.update) if plan.hops else 0
+                               on_batch=on_batch) if plan.hops else 0
         if plan.mode == "forward":
             self.gallery.switch_to(plan.target, {"upgrade": None})
         else:
@@ -439,8 +449,13 @@ class Device:
         self._index_cache = None
         return done
 
-    def _report(self, client, state: int, target: int = 0) -> None:
-        client.report(self.version, len(self.gallery), state, target_version=target)
+    def _report(self, client, state: int, target: int = 0, progress: float = 0.0) -> None:
+        """Tell the fleet service where this device stands; best effort while the server is away."""
+        try:
+            client.report(self.version, len(self.gallery), state, target_version=target, progress=min(progress, 1.0))
+        except RpcStatusError as exc:
+            if exc.code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                raise
 
     # -- status -----------------------------------------------------------------------------
 
