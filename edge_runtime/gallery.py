@@ -206,6 +206,10 @@ class Gallery:
             ) from None
         return cls(path, db, sealer, gallery_id)
 
+    def reader(self) -> Gallery:
+        """A second connection to the same gallery (for a thread that reads while this one writes)."""
+        return Gallery(self.path, self._connect(self.path), self._sealer, self.gallery_id)
+
     def close(self) -> None:
         self._db.close()
 

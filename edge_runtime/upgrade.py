@@ -22,6 +22,7 @@ Guarantees while an upgrade runs (zero downtime):
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -30,7 +31,7 @@ import numpy as np
 from fctkit.errors import GalleryError
 
 from .engine import Engine
-from .gallery import Gallery, UpgradedRows, VersionTag, take_rows
+from .gallery import Gallery, LoadedRows, UpgradedRows, VersionTag, take_rows
 
 
 @dataclass(frozen=True)
@@ -103,32 +104,48 @@ def run_upgrade(gallery: Gallery, plan: UpgradePlan, engines: Mapping[int, Engin
 
     Batches are the next ``batch_size`` pending rows in row-id order, so a restart after a
     crash (which begins again at the lowest pending row) forms the same batches as an
-    uninterrupted run. Rows added meanwhile get higher ids and are picked up; a final pass
-    from the start catches anything else before returning."""
+    uninterrupted run. While a batch is transformed and written, a second connection reads
+    and decrypts the next one (rows with higher ids, which this batch does not touch). Rows
+    added meanwhile get higher ids and are picked up; a final pass from the start catches
+    anything else before returning."""
     staged = plan.mode == "forward"
     done, last_row_id = 0, 0
-    while True:
-        batch = gallery.rows_to_upgrade(plan.target, last_row_id, batch_size)
-        if batch.corrupt:
-            row_id, item_id, reason = batch.corrupt[0]
-            raise GalleryError(f"row {row_id} ({item_id!r}) cannot be upgraded: {reason}; remove it and run the upgrade again")
-        if not len(batch):
-            if last_row_id == 0 or gallery.remaining(plan.target) == 0:
-                return done
-            last_row_id = 0
-            continue
-        groups: list[UpgradedRows] = []
-        for tag in sorted(set(batch.tags), key=lambda t: (t.origin_version, t.version, t.via)):
-            rows = [i for i, t in enumerate(batch.tags) if t == tag]
-            new_tag, embeddings, side_infos = transform_rows(
-                plan, engines, tag, take_rows(batch.embeddings, rows), take_rows(batch.side_infos, rows))
-            groups.append(UpgradedRows([int(batch.row_ids[i]) for i in rows], [batch.item_ids[i] for i in rows],
-                                       tag, new_tag, embeddings, side_infos))
-        gallery.write_upgrades(groups, staged=staged)
-        done += len(batch)
-        last_row_id = int(batch.row_ids[-1])
-        if on_batch is not None:
-            on_batch(len(batch))
+    reader = gallery.reader()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fctkit-prefetch") as pool:
+        try:
+            upcoming = pool.submit(reader.rows_to_upgrade, plan.target, 0, batch_size)
+            while True:
+                batch = upcoming.result()
+                if batch.corrupt:
+                    row_id, item_id, reason = batch.corrupt[0]
+                    raise GalleryError(f"row {row_id} ({item_id!r}) cannot be upgraded: {reason}; remove it and run the upgrade again")
+                if not len(batch):
+                    if last_row_id == 0 or gallery.remaining(plan.target) == 0:
+                        return done
+                    last_row_id = 0
+                    upcoming = pool.submit(reader.rows_to_upgrade, plan.target, 0, batch_size)
+                    continue
+                last_row_id = int(batch.row_ids[-1])
+                upcoming = pool.submit(reader.rows_to_upgrade, plan.target, last_row_id, batch_size)
+                gallery.write_upgrades(_transform_batch(plan, engines, batch), staged=staged)
+                done += len(batch)
+                if on_batch is not None:
+                    on_batch(len(batch))
+        finally:
+            pool.shutdown(wait=True)
+            reader.close()
+
+
+def _transform_batch(plan: UpgradePlan, engines: Mapping[int, Engine], batch: LoadedRows) -> list[UpgradedRows]:
+    """The batch's rows moved to the target, one group per version tag."""
+    groups: list[UpgradedRows] = []
+    for tag in sorted(set(batch.tags), key=lambda t: (t.origin_version, t.version, t.via)):
+        rows = [i for i, t in enumerate(batch.tags) if t == tag]
+        new_tag, embeddings, side_infos = transform_rows(
+            plan, engines, tag, take_rows(batch.embeddings, rows), take_rows(batch.side_infos, rows))
+        groups.append(UpgradedRows([int(batch.row_ids[i]) for i in rows], [batch.item_ids[i] for i in rows],
+                                   tag, new_tag, embeddings, side_infos))
+    return groups
 
 
 def hop_list(hops: Sequence[Hop]) -> str:
