@@ -109,10 +109,13 @@ class TrainedRun:
         from fctkit.trainer.pipeline import load_image_splits
 
         splits = load_image_splits(self.config)
-        images = splits.images[splits.evaluation]
-        if len(images) != len(self.eval_features["labels"]):
-            raise InputError(f"{self.root}: the evaluation split rebuilt from config.json does not match features/eval.npz")
-        return images
+        labels = splits.labels[splits.evaluation]
+        if not np.array_equal(labels, self.eval_features["labels"]):
+            raise InputError(
+                f"{self.root}: the evaluation split rebuilt from config.json does not match features/eval.npz "
+                "(the dataset or the split code changed since the run); train the run again"
+            )
+        return splits.images[splits.evaluation]
 
     def load(self, relative: str) -> Any:
         """A saved model or adapter (``models/….pt`` or ``adapters/….pt``) on the CPU."""
@@ -159,9 +162,13 @@ def plan_release(run: TrainedRun, *, method: str = "fct", first_version: int = 1
     """The versions, roles and gates of a release, without exporting anything."""
     if first_version < 1:
         raise InputError(f"first_version must be >= 1, got {first_version}")
-    if chain:
-        return _chain_plan(run, method, first_version)
-    return _two_version_plan(run, method, first_version)
+    try:
+        return _chain_plan(run, method, first_version) if chain else _two_version_plan(run, method, first_version)
+    except (KeyError, TypeError) as exc:
+        raise InputError(
+            f"{run.root}/gate.json lacks the entry {exc} (or it has the wrong type): it was not written by this "
+            "fctkit's trainer; train the run again"
+        ) from exc
 
 
 def _two_version_plan(run: TrainedRun, method: str, v1: int) -> list[VersionPlan]:
@@ -184,7 +191,7 @@ def _two_version_plan(run: TrainedRun, method: str, v1: int) -> list[VersionPlan
     if mode == "unified":
         transforms.append(RolePlan("backward", adapter, ("new",), v2, v1))
     cases = gate["cases"]
-    gated = {p.name: bool(gate["ecc"][method]) for p in transforms if p.role in ("forward", "backward")}
+    gated = {p.name: gate["ecc"][method] is True for p in transforms if p.role in GATED_ROLES}
     return [
         VersionPlan(v1, (), mode, (RolePlan("embed", "models/old_backbone.pt", ("images",)), *side),
                     {"cases": {"old/old": cases["old/old"]}, "ecc": {}}),
@@ -218,11 +225,11 @@ def _chain_plan(run: TrainedRun, method: str, v1: int) -> list[VersionPlan]:
     return [
         VersionPlan(v1, (), "forward", own(v1), {"cases": {"v1/v1": chain["v1/v1"]}, "ecc": {}}),
         VersionPlan(v2, (v1,), "forward", (*own(v2), h2, g2),
-                    {"cases": {k: chain[k] for k in ("v1/v1", "v2/v2", "v2/h2(v1)")}, "ecc": {h2.name: bool(ecc["chain_h2"])}}),
+                    {"cases": {k: chain[k] for k in ("v1/v1", "v2/v2", "v2/h2(v1)")}, "ecc": {h2.name: ecc["chain_h2"] is True}}),
         VersionPlan(v3, (v1, v2), "forward", (*own(v3), h3, h13),
                     {"cases": {"v2/v2": chain["v2/v2"], "v3/v3": chain["v3/v3"], "v3/h3(v2)": chain["v3/h3(v2)"],
                                "v3/h13(v1)": chain["direct"], "v3/h3(h2(v1))": chain["hop_by_hop"], "v1/v1": chain["v1/v1"]},
-                     "ecc": {h3.name: bool(ecc["chain_h3"]), h13.name: bool(ecc["chain_h13"])}}),
+                     "ecc": {h3.name: ecc["chain_h3"] is True, h13.name: ecc["chain_h13"] is True}}),
     ]
 
 

@@ -192,6 +192,10 @@ def test_bad_runs_and_options_are_refused_clearly(release, run, private_key, tmp
     (no_chain / "gate.json").write_text(json.dumps(gate))
     with pytest.raises(InputError, match=r"\[chain\] enabled = true"):
         plan_release(TrainedRun.open(no_chain), chain=True)
+    del gate["cases"]["old/old"]
+    (no_chain / "gate.json").write_text(json.dumps(gate))
+    with pytest.raises(InputError, match="lacks the entry 'old/old'"):
+        plan_release(TrainedRun.open(no_chain), method="fct")
     assert not (tmp_path / "out").exists()
 
 
