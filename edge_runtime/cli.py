@@ -143,11 +143,6 @@ def upgrade_command(root, passphrase_env, bundle_dir, quiet) -> None:
     """Resume an interrupted upgrade; else upgrade offline to --bundle (the first bundle of a
     new device is just installed), or, on an enrolled device, to the server's latest version."""
     with _open(root, passphrase_env, quiet) as device:
-        if bundle_dir is not None and device.version == 0:
-            version = device.install_bundle(bundle_dir)
-            device.gallery.set_meta({"query_version": str(version)})
-            _echo({"installed": version})
-            return
         if bundle_dir is None and device.gallery.upgrade_state is None and device.settings.server:
             _echo(dataclasses.asdict(device.sync()))  # a deferred upgrade: plan it with the server now
             return

@@ -35,6 +35,7 @@ from fctkit.config import from_mapping, to_mapping
 from fctkit.errors import BundleError, DeviceError, InputError, RpcStatusError
 
 from .crypto import Sealer, new_key, read_key_file, write_key_file
+from .backfill import BackfillResult, gallery_vectors, record_uncertainty, run_backfill
 from .engine import PREFERENCE, Engine, EngineConfig
 from .gallery import Gallery, LoadedRows, NewRow, VersionTag, take_rows
 from .search import ExactIndex
@@ -249,12 +250,8 @@ class Device:
         if len(set(item_ids)) != len(item_ids) or not all(isinstance(i, str) and i for i in item_ids):
             raise InputError("item ids must be unique non-empty strings")
         engine = self.engine()
-        embeddings = engine.embed(images)
-        tag = VersionTag(self.version, self.version, "native")
-        if engine.manifest.mode == "unified":
-            embeddings = engine.run(engine.manifest.artifact("backward"), embeddings)
-            tag = VersionTag(self.version, self.version, "backward")
-        side_infos = engine.side_info(images)
+        embeddings, side_infos, via = gallery_vectors(engine, images)
+        tag = VersionTag(self.version, self.version, via)
         rows = [NewRow(i, e, s, None if lab is None else str(lab)) for i, e, s, lab in zip(item_ids, embeddings, side_infos, labels, strict=True)]
         outbox = [(i, seal_image(self._sealer, self.gallery.gallery_id, i, image)) for i, image in zip(item_ids, images, strict=True)]
         self.gallery.add_rows(rows, tag, outbox, query_version=engine.manifest.version)
@@ -303,7 +300,7 @@ class Device:
 
     def searchable(self) -> tuple[ExactIndex, LoadedRows]:
         """The decrypted rows comparable with queries (cached until the gallery changes)."""
-        key = (self.version, self.gallery._db.execute("PRAGMA data_version").fetchone()[0], self.gallery._db.total_changes)
+        key = (self.version, *self.gallery.change_marker())
         if self._index_cache is None or self._index_cache[0] != key:
             loaded = self.gallery.load()
             manifest = self.engine().manifest
@@ -391,12 +388,16 @@ class Device:
 
     def upgrade(self, bundle_dir: str | os.PathLike | None = None) -> int:
         """Offline: resume an interrupted upgrade, or install ``bundle_dir`` (verified) and
-        upgrade to it with its direct adapter from the installed version. Returns rows upgraded."""
+        upgrade to it with its direct adapter from the installed version (a device with no
+        model yet just installs it). Returns the rows upgraded."""
         state = self.gallery.upgrade_state
         done = self._run(UpgradePlan.from_state(state), None) if state is not None else 0
         if bundle_dir is None:
             return done
         target = self.install_bundle(bundle_dir)
+        if self.version == 0:
+            self.gallery.set_meta({"query_version": str(target)})
+            return done
         manifest = self.engine(target).manifest
         hops: tuple[Hop, ...] = ()
         forwards = [a for a in manifest.artifacts if a.role == "forward" and a.source_version == self.version]
@@ -416,6 +417,7 @@ class Device:
         from fctkit.protos.bundle import check_version_is_newer
 
         check_version_is_newer(plan.target, self.version or None)
+        record_uncertainty(self, self.engine(plan.target))  # FastFill σ needs φ_old, ψ: before they are rewritten
         meta = {"upgrade": plan.to_json()}
         if plan.mode != "forward":
             meta["query_version"] = str(plan.target)  # unified/compatible: queries switch first
@@ -456,6 +458,18 @@ class Device:
         except RpcStatusError as exc:
             if exc.code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
                 raise
+
+    # -- backfill ---------------------------------------------------------------------------
+
+    def backfill(self, budget: int | None = None, *, budget_bytes: int | None = None, order: str | None = None,
+                 seed: int = 0, batch_size: int = 64, on_batch=None) -> BackfillResult:
+        """Re-embed the rows most worth it from their vault originals (see
+        :mod:`fctkit.edge_runtime.backfill`): ``order`` one of random, uncertainty,
+        class-mean-l2, class-mean-cosine, kmeans (default: uncertainty when the bundle has
+        σ, else class-mean-l2), within ``budget`` rows and/or ``budget_bytes`` of vault
+        downloads. Resumes an interrupted backfill first."""
+        return run_backfill(self, budget=budget, budget_bytes=budget_bytes, order=order, seed=seed,
+                            batch_size=batch_size, on_batch=on_batch)
 
     # -- status -----------------------------------------------------------------------------
 

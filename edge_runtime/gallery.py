@@ -247,6 +247,10 @@ class Gallery:
         text = self.meta("upgrade")
         return json.loads(text) if text else None
 
+    def change_marker(self) -> tuple[int, int]:
+        """Changes whenever this or another connection commits a write (cache key for searches)."""
+        return self._db.execute("PRAGMA data_version").fetchone()[0], self._db.total_changes
+
     def _tables(self) -> tuple[str, str]:
         """(live, staged) vector tables; read inside the caller's transaction."""
         live = self.meta("live_vectors")

@@ -78,7 +78,7 @@ def transform_rows(plan: UpgradePlan, engines: Mapping[int, Engine], tag: Versio
             manifest = engines[hop.bundle].manifest
             forward = _artifact(manifest, hop.forward)
             new_embeddings = engines[hop.bundle].run(forward, *_inputs(forward, embeddings, side_infos))
-            if hop.side_forward is not None:
+            if hop.side_forward is not None:  # without g the side-info model is shared: ψ stays
                 side = _artifact(manifest, hop.side_forward)
                 side_infos = engines[hop.bundle].run(side, *_inputs(side, embeddings, side_infos))
             embeddings = new_embeddings

@@ -59,8 +59,7 @@ def test_add_query_and_upgrade_match_the_graphs(make_device, tiny_bundles, image
 def test_direct_adapter_and_hop_by_hop_both_land_in_v3(make_device, tiny_bundles, images):
     direct, hops = make_device("direct"), make_device("hops")
     for device in (direct, hops):
-        device.install_bundle(tiny_bundles[1])
-        device.gallery.set_meta({"query_version": "1"})
+        device.upgrade(tiny_bundles[1])
         device.add(images(10, seed=2), item_ids=[f"i{k}" for k in range(10)])
     direct.upgrade(tiny_bundles[3])  # v3 carries forward_1_to_3
     assert set(direct.status()["rows_by_space"]) == {"v1->v3 (forward)"}
@@ -73,8 +72,7 @@ def test_direct_adapter_and_hop_by_hop_both_land_in_v3(make_device, tiny_bundles
 
 def test_forward_mode_queries_stay_complete_until_the_switch(make_device, tiny_bundles, images):
     device = make_device(batch_size=4)
-    device.install_bundle(tiny_bundles[1])
-    device.gallery.set_meta({"query_version": "1"})
+    device.upgrade(tiny_bundles[1])
     pictures = images(12, seed=3)
     ids = device.add(pictures)
     device.install_bundle(tiny_bundles[2])
@@ -101,8 +99,7 @@ def test_no_model_installed_and_missing_adapter_are_clear_errors(make_device, ti
     device = make_device()
     with pytest.raises(DeviceError, match="no model is installed"):
         device.add(images(2))
-    device.install_bundle(tiny_bundles[1])
-    device.gallery.set_meta({"query_version": "1"})
+    device.upgrade(tiny_bundles[1])
     with pytest.raises(InputError, match="expects items of shape"):
         device.add(np.zeros((2, 5), np.float32))
     with pytest.raises(InputError, match="NaN"):
@@ -155,8 +152,7 @@ def test_unified_mode_switches_queries_first(tmp_path, make_device, publisher_ke
     v2 = build_bundle(tmp_path / "u2", version=2, parents=(1,), mode="unified", distance="cosine", normalize=True,
                       artifacts=sources, gate={"cases": {}, "ecc": {"backward_2_to_1": True}}, private_key=publisher_key).root
     device = make_device()
-    device.install_bundle(v1)
-    device.gallery.set_meta({"query_version": "1"})
+    device.upgrade(v1)
     old_ids = device.add(images(5, seed=4))
     assert device.upgrade(v2) == 0  # no F: rows stay, queries become B(φ_2)
     assert device.version == 2 and device.query_vectors(images(1)).shape == (1, EMBED_DIM)

@@ -40,8 +40,7 @@ def _overwrite(db, item_id: str, record: bytes, field: str = "embedding") -> Non
 
 def _filled(make_device, tiny_bundles, images, n=20, name="dev", **kwargs) -> Device:
     device = make_device(name, **kwargs)
-    device.install_bundle(tiny_bundles[1])
-    device.gallery.set_meta({"query_version": "1"})
+    device.upgrade(tiny_bundles[1])
     device.add(images(n, seed=11), item_ids=[f"item{i:02d}" for i in range(n)], labels=[f"L{i}" for i in range(n)])
     return device
 

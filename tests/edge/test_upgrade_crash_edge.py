@@ -105,8 +105,7 @@ def _decrypted(root: Path, key: bytes):
 @pytest.mark.slow
 def test_sigkill_anywhere_then_restart_equals_uninterrupted(tmp_path, make_device, tiny_bundles):
     source = make_device("source", batch_size=BATCH, threads=1)
-    source.install_bundle(tiny_bundles[1])
-    source.gallery.set_meta({"query_version": "1"})
+    source.upgrade(tiny_bundles[1])
     pictures = np.random.default_rng(5).standard_normal((ROWS, 16)).astype(np.float32)
     source.add(pictures, item_ids=[f"r{i:05d}" for i in range(ROWS)], upload=False)
     source.close()
