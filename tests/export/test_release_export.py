@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from fctkit.cli import cli
-from fctkit.errors import DataUnavailableError, GateError, InputError
+from fctkit.errors import DataUnavailableError, GateError, InputError, PublisherKeyError
 from fctkit.export.bundle import check_graphs_load
 from fctkit.export.keys import load_private_key
 from fctkit.export.onnx_export import run_onnx
@@ -145,7 +145,15 @@ def _run_with_failing_fct_gate(release, folder: Path) -> Path:
 def test_cli_refuses_a_failing_gate_and_records_a_forced_release(release, tmp_path):
     run_dir = _run_with_failing_fct_gate(release, tmp_path)
     out = tmp_path / "release"
-    base = ["export", str(run_dir), "--key", str(release.private_key_path), "--out", str(out), "--no-progress"]
+    passphrase = tmp_path / "passphrase"
+    passphrase.write_text("correct horse battery staple\n")
+    made = CliRunner().invoke(cli, ["keys", "generate", "--out", str(tmp_path / "keys"), "--passphrase-file", str(passphrase)])
+    assert made.exit_code == 0, made.output
+    key, public_key = tmp_path / "keys" / "publisher.key", tmp_path / "keys" / "publisher.pub"
+    base = ["export", str(run_dir), "--key", str(key), "--out", str(out), "--no-progress"]
+    no_passphrase = CliRunner().invoke(cli, base)
+    assert isinstance(no_passphrase.exception, PublisherKeyError) and "passphrase" in str(no_passphrase.exception)
+    base += ["--passphrase-file", str(passphrase)]
     refused = CliRunner().invoke(cli, base)
     assert isinstance(refused.exception, GateError) and "forward_1_to_2" in str(refused.exception)
     assert not out.exists()  # refused before anything was exported
@@ -158,10 +166,10 @@ def test_cli_refuses_a_failing_gate_and_records_a_forced_release(release, tmp_pa
                  "forward_1_to_2", "adapters/fct.pt", "(same graph as v1)", "ECC gate: forward_1_to_2 FAILS",
                  "WARNING gate overridden (forced, recorded in the manifest): test: tiny run"):
         assert line in forced.output, line
-    verified = CliRunner().invoke(cli, ["bundle", "verify", str(out / "v2.tar"), "--public-key", str(release.public_key_path)])
+    verified = CliRunner().invoke(cli, ["bundle", "verify", str(out / "v2.tar"), "--public-key", str(public_key)])
     assert verified.exit_code == 0, verified.output
     assert "WARNING gate overridden" in verified.output
-    v1, v2 = (verify_bundle(out / f"v{v}", release.public_key_path) for v in (1, 2))
+    v1, v2 = (verify_bundle(out / f"v{v}", public_key) for v in (1, 2))
     assert v2.manifest.gate["forced"] is True and v2.manifest.gate["ecc"] == {"forward_1_to_2": False}
     assert v2.manifest.gate["force_reason"] == "test: tiny run, override on the record"
     assert v1.manifest.gate["forced"] is False  # v1 has nothing to gate
