@@ -18,10 +18,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# Until `fctkit demo` (the end-to-end device demo) lands, the main job is the trainer on digits:
-# old/new backbones, SimCLR side-info, every adapter method, the full report in runs/demo/.
+# The main job: train v1/v2 on digits, serve them on loopback, upgrade a fleet of devices in
+# place, backfill one from the encrypted vault; the table and report land in runs/demo/.
 demo: $(STAMP)
-	$(BIN)/fctkit train --config configs/digits.toml --out runs/demo $(ARGS)
+	$(BIN)/fctkit demo $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)

@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("fctkit.trainer.cli", "train_command", "Train backbones, side-info and adapters from a TOML config; write a report."),
     "serve": ("fctkit.server.cli", "serve_command", "Run the gRPC server: model registry, encrypted vault, fleet."),
     "device": ("fctkit.edge_runtime.cli", "device_command", "The on-device runtime: encrypted gallery, local embedding, signed sync, upgrades."),
+    "demo": ("fctkit.demo", "demo_command", "Run the whole story: train v1/v2, serve, upgrade a device fleet in place, backfill; print the table."),
     "admin": ("fctkit.server.cli", "admin_command", "Administer a running server: enrolment codes, publish, list devices/versions."),
 }
 

@@ -157,3 +157,21 @@ def status_command(root, passphrase_env) -> None:
     """The installed version, rows per space, queued uploads, any upgrade in progress."""
     with _open(root, passphrase_env) as device:
         _echo(device.status())
+
+
+@device_command.command("backfill")
+@_DIR
+@_PASSPHRASE
+@click.option("--budget", type=click.IntRange(min=0), default=None, help="Rows to re-embed at most.")
+@click.option("--budget-bytes", type=click.IntRange(min=0), default=None, help="Vault bytes to download at most.")
+@click.option("--order", type=click.Choice(["random", "uncertainty", "class-mean-l2", "class-mean-cosine", "kmeans"]), default=None,
+              help="Which rows first (default: uncertainty when the bundle has FastFill σ, else class-mean-l2).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random and k-means orderings.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def backfill_command(root, passphrase_env, budget, budget_bytes, order, seed, quiet) -> None:
+    """Re-embed the most useful rows from their encrypted vault originals with the installed
+    model (tag: native); resumes an interrupted backfill first."""
+    with _open(root, passphrase_env, quiet) as device:
+        if budget is None and budget_bytes is None and device.gallery.meta("backfill") is None:
+            raise InputError("give --budget N (rows) and/or --budget-bytes B")
+        _echo(dataclasses.asdict(device.backfill(budget, budget_bytes=budget_bytes, order=order, seed=seed)))
