@@ -426,6 +426,7 @@ def _assemble(options, trained, fleet, measures, labels, distance, backfill, bac
             "backfill_per_row_ms": round(1000 * per_row_backfill_s, 4),
             "embed_per_row_ms": round(1000 * per_row_embed_s, 4),
             "full_reembed_estimate_s": round(per_row_backfill_s * total_rows, 3),
+            "backfill_row_over_upgrade_row": round(per_row_backfill_s / max(upgrade_s / max(upgrade_rows, 1), 1e-12), 2),
             "note": "full re-embed = every device downloads and opens every original and re-embeds it: "
                     "rows x the per-row cost measured by this run's backfill (download + decrypt + embed + write)",
         },
@@ -470,6 +471,7 @@ def render_table(report: dict[str, Any]) -> str:
         f"| backfill per row (download + decrypt + embed + write) | {c['backfill_per_row_ms']:.3f} ms |",
         f"| embed + side-info per row alone | {c['embed_per_row_ms']:.3f} ms |",
         f"| full re-embed of the fleet (estimate) | {c['full_reembed_estimate_s']:.2f} s |",
+        f"| a backfilled row costs (same run) | {c['backfill_row_over_upgrade_row']:.1f}x an upgraded row |",
         "", "| phase | seconds |", "|---|---|",
         *(f"| {name} | {s:.1f} |" for name, s in report.get("phases_s", {}).items()),
     ]
