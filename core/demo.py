@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from fctkit.errors import FctkitError, InputError
+from fctkit.errors import FctkitError, InputError, require
 
 MARKER = ".fctkit-demo"
 CASES = ("old/old", "new/old", "new/h(old)", "after backfill", "new/new")
@@ -243,8 +243,7 @@ def _fresh_out(out: Path) -> Path:
 
 
 def _train(options: DemoOptions, run_dir: Path, log: Callable[[str], None]):
-    import torch
-
+    torch = require("torch", "train")
     from fctkit.trainer.pipeline import load_pipeline_config, run_pipeline
 
     overrides = {"seed": options.seed, "progress": options.progress, "methods": [options.method], "chain.enabled": False,

@@ -4,9 +4,11 @@ grpcio, cryptography; faiss optional).
 - :class:`Device` — a device directory: key, encrypted gallery, installed bundles, sync/upgrade.
 - :class:`Gallery` — the encrypted SQLite gallery (rows sealed with AES-256-GCM).
 - :class:`Engine` — a verified bundle's ONNX graphs on ONNX Runtime (TensorRT → CUDA → CPU).
+- :meth:`Device.backfill` — partial backfill from the vault (:mod:`.backfill`, :class:`BackfillResult`).
 - :class:`ExactIndex` — exact k-NN (numpy, or faiss when installed) with the bundle's distance.
 """
 
+from .backfill import ORDERINGS, BackfillResult
 from .device import Device, DeviceSettings, Match, SyncResult
 from .engine import Engine, EngineConfig, select_providers
 from .gallery import Gallery, LoadedRows, NewRow, VersionTag
@@ -16,4 +18,5 @@ from .upgrade import Hop, UpgradePlan, run_upgrade
 __all__ = [
     "Device", "DeviceSettings", "Match", "SyncResult", "Engine", "EngineConfig", "select_providers", "Gallery",
     "LoadedRows", "NewRow", "VersionTag", "ExactIndex", "Neighbours", "Hop", "UpgradePlan", "run_upgrade",
+    "BackfillResult", "ORDERINGS",
 ]

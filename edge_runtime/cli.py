@@ -164,8 +164,8 @@ def status_command(root, passphrase_env) -> None:
 @_PASSPHRASE
 @click.option("--budget", type=click.IntRange(min=0), default=None, help="Rows to re-embed at most.")
 @click.option("--budget-bytes", type=click.IntRange(min=0), default=None, help="Vault bytes to download at most.")
-@click.option("--order", type=click.Choice(["random", "uncertainty", "class-mean-l2", "class-mean-cosine", "kmeans"]), default=None,
-              help="Which rows first (default: uncertainty when the bundle has FastFill σ, else class-mean-l2).")
+@click.option("--order", type=click.Choice(["random", "uncertainty", "class-mean", "class-mean-l2", "class-mean-cosine", "kmeans"]),
+              default=None, help="Which rows first (class-mean = class-mean-l2; default: uncertainty when the bundle has FastFill σ, else class-mean-l2).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random and k-means orderings.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def backfill_command(root, passphrase_env, budget, budget_bytes, order, seed, quiet) -> None:
@@ -174,4 +174,5 @@ def backfill_command(root, passphrase_env, budget, budget_bytes, order, seed, qu
     with _open(root, passphrase_env, quiet) as device:
         if budget is None and budget_bytes is None and device.gallery.meta("backfill") is None:
             raise InputError("give --budget N (rows) and/or --budget-bytes B")
+        order = "class-mean-l2" if order == "class-mean" else order
         _echo(dataclasses.asdict(device.backfill(budget, budget_bytes=budget_bytes, order=order, seed=seed)))
