@@ -233,6 +233,8 @@ def run_demo(options: DemoOptions, log: Callable[[str], None] = print) -> DemoRe
 
 def _fresh_out(out: Path) -> Path:
     """``out``, emptied when it holds an earlier demo; an unrelated non-empty folder is refused."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file: give a folder")
     if out.exists() and any(out.iterdir()):
         if not (out / MARKER).exists():
             raise InputError(f"{out} is not empty and was not written by `fctkit demo`: choose another --out")
