@@ -45,8 +45,11 @@ def main() -> None:
     parser.add_argument("--max-train", type=int, default=None, help="subsample the training split (seeded)")
     parser.add_argument("--max-eval", type=int, default=None, help="subsample query and gallery each (seeded)")
     parser.add_argument("--epochs", type=int, default=None, help="override every model's epoch budget")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     data = load_dataset(args.dataset)
     splits = make_splits(data.labels, seed=args.seed)

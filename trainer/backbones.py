@@ -53,7 +53,7 @@ class BackboneConfig:
     batch_size: int = 64
     warmup_epochs: int = 2
     val_fraction: float = 0.1
-    patience: int = 6
+    patience: int = 10
     shift_augment: int = 1  # random translation by up to this many pixels while training; 0 = off
     progress: bool = True
 

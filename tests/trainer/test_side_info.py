@@ -92,7 +92,7 @@ def test_none_gives_zero_vectors(old_data, tmp_path):
 
 
 def test_alternate_is_a_second_old_model(old_data, simclr, tmp_path):
-    config = SideInfoConfig(kind="alternate", dim=32, progress=False, epochs=40, batch_size=64, patience=6)
+    config = SideInfoConfig(kind="alternate", dim=32, progress=False, epochs=40, batch_size=64, patience=10)
     with pytest.raises(InputError, match="needs the old labels"):
         train_side_info(old_data["train"].images, None, config)
     alternate = train_side_info(old_data["train"].images, old_data["train"].labels, config, seed=1, device="cpu")
