@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
-# Tests run on 2 cores next to other work: keep torch/BLAS from oversubscribing.
-os.environ.setdefault("OMP_NUM_THREADS", "2")
-os.environ.setdefault("MKL_NUM_THREADS", "2")
+# One intra-op thread: tests start servers and device subprocesses next to the test process,
+# and torch with 2 threads on 2 oversubscribed cores runs many times slower, not faster.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
