@@ -211,8 +211,9 @@ def gallery_vectors(engine: Engine, images: np.ndarray) -> tuple[np.ndarray, np.
     Forward mode: φ_v, native; unified mode: B(φ_v), tagged 'backward'."""
     embeddings = engine.embed(images)
     via = "native"
-    if engine.manifest.mode == "unified":
-        embeddings = engine.run(engine.manifest.artifact("backward"), embeddings)
+    backward = engine.unified_backward()
+    if backward is not None:
+        embeddings = engine.run(backward, embeddings)
         via = "backward"
     return embeddings, engine.side_info(images), via
 

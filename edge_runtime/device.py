@@ -294,9 +294,8 @@ class Device:
         """Query images in the gallery's query space: φ_v, or B(φ_v) in unified mode."""
         engine = self.engine()
         vectors = engine.embed(np.asarray(images))
-        if engine.manifest.mode == "unified":
-            vectors = engine.run(engine.manifest.artifact("backward"), vectors)
-        return vectors
+        backward = engine.unified_backward()
+        return vectors if backward is None else engine.run(backward, vectors)
 
     def searchable(self) -> tuple[ExactIndex, LoadedRows]:
         """The decrypted rows comparable with queries (cached until the gallery changes)."""

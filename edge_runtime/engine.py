@@ -103,6 +103,16 @@ class Engine:
                 progress(min(step, rows - start))
         return result
 
+    def unified_backward(self) -> Artifact | None:
+        """The B graph that queries and new rows go through in unified mode; None in other
+        modes and for the first version of a unified line (its own space is the stable one)."""
+        if self.manifest.mode != "unified":
+            return None
+        backward = [a for a in self.manifest.artifacts if a.role == "backward"]
+        if len(backward) > 1:
+            raise InputError(f"bundle v{self.manifest.version} has {len(backward)} backward graphs; a device uses one")
+        return backward[0] if backward else None
+
     def embed(self, images: np.ndarray) -> np.ndarray:
         return self.run(self.manifest.artifact("embed"), images)
 

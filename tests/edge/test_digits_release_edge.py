@@ -102,3 +102,31 @@ def test_devices_upgrade_digits_release_to_the_trainers_figures(release, release
     np.testing.assert_array_equal(devices["c"].fetch_original("c-5"), images[5])
     for device in devices.values():
         device.close()
+
+
+def test_unified_lambda_orth_release_answers_b_new_against_f_old(release, tmp_path):
+    """Unified mode on real models: the run's λ-orth (relaxed) adapters exported as v1/v2;
+    the device rewrites its rows with F and answers with B(φ2(query)), matching the
+    trainer's B(new)/F(old) figure on the same (all) evaluation rows."""
+    import json
+
+    from fctkit.export.keys import load_private_key
+    from fctkit.export.release import build_release
+
+    method = "lambda-orth-relaxed"
+    build_release(release.run_dir, tmp_path / "unified", private_key=load_private_key(release.private_key_path), method=method)
+    images, labels = release.eval_features["images"], release.eval_features["labels"]
+    device = Device.init(tmp_path / "device", publisher_key=release.public_key_path, settings=DeviceSettings(batch_size=128))
+    device.progress = False
+    device.upgrade(tmp_path / "unified" / "v1")
+    ids = [f"u-{i}" for i in range(len(labels))]
+    device.add(images, item_ids=ids, labels=[str(x) for x in labels])
+    before = _device_top1(device, images, ids, labels)
+    assert device.upgrade(tmp_path / "unified" / "v2") == len(labels)
+    status = device.status()
+    assert status["mode"] == "unified" and status["rows_by_space"] == {"v1->v2 (forward)": len(labels)}
+    got = _device_top1(device, images, ids, labels)
+    gate = json.loads((release.run_dir / "gate.json").read_text())["cases"]
+    assert before == pytest.approx(gate["old/old"]["top1"], abs=0.005)
+    assert got == pytest.approx(gate[method]["top1"], abs=0.005)
+    device.close()
