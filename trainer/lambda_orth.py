@@ -10,9 +10,20 @@ new queries meet, learned jointly by a forward map F (old → unified) and a bac
 - B: ``orthogonal`` B⊥ = expm(U − Uᵀ) with U strictly upper-triangular (orthogonal by
   construction, no bias); ``lambda`` B_λ x = Wx + b trained with the gated penalty
   ``sigmoid(α(‖WWᵀ−I‖_F − λ))·‖WWᵀ−I‖_F``; ``affine`` the same map without any penalty
-  (the unconstrained baseline). Affine B starts at the identity.
+  (the unconstrained baseline). With ``init = "procrustes"`` (the default) B starts at the
+  rotation that best maps the training set's new rows onto its old rows (orthogonal
+  Procrustes restricted to det = +1, so B⊥ = expm(U − Uᵀ) can represent it); with
+  ``"identity"`` at the identity. A rotation is the exact constraint of B⊥, so the
+  closed-form solution is its natural starting point; gradient descent from the identity
+  needs many epochs to turn far enough and may settle in a poor rotation.
+- ``normalize = true`` (the default; the paper works with L2-normalised features and cosine
+  similarity): input rows are scaled to unit norm before F and B (the new row after its
+  truncation to n coordinates), and F's and B's outputs
+  and the unified old rows are unit rows too, so every row of the unified space lies on the
+  unit sphere (L2 and cosine distance then rank identically). The exported modules include
+  these normalisations. Without it, B⊥ preserves the norm of φ_new, which need not match φ_old's.
 
-Loss per batch (each ‖·‖² is a mean over rows and dimensions)::
+Loss per batch (each ‖·‖² is the squared L2 distance of a row pair, averaged over the rows)::
 
     L = w1‖F(h_k) − B(h_t)‖² + w2‖B(h_t) − h_k‖² + w3·L_C + penalty
     L_C = L_contr(F(h_k), B(h_t)) + L_contr(F(h_k), h_k)
@@ -45,7 +56,7 @@ from .adapter_base import Adapter, config_of
 from .datasets import validate_labels
 from .feature_checks import check_features
 from .fitting import History, TrainConfig, fit
-from .losses import mse_loss, orthogonality_error, orthogonality_penalty, supervised_contrastive
+from .losses import orthogonality_error, orthogonality_penalty, squared_distance, supervised_contrastive
 
 
 @dataclasses.dataclass
@@ -59,6 +70,8 @@ class LambdaOrthConfig:
     w2: float = 1.0
     w3: float = 1.0
     hidden_width: int = 512  # width of the MLP forward map
+    normalize: bool = True  # unit rows in and out: the unified space is the unit sphere (cosine)
+    init: Literal["procrustes", "identity"] = "procrustes"  # where B starts
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
@@ -90,6 +103,47 @@ class OrthogonalMap(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight.T
+
+    def set_rotation(self, rotation: np.ndarray) -> bool:
+        """Make the map equal ``rotation`` (orthogonal, det +1) via its matrix logarithm.
+
+        Returns False and leaves the map unchanged when the logarithm does not reproduce the
+        rotation (an eigenvalue at −1 makes the real logarithm ill-defined).
+        """
+        from scipy.linalg import expm, logm
+
+        log = np.real(logm(np.asarray(rotation, dtype=np.float64)))
+        strict = np.triu(0.5 * (log - log.T), k=1)
+        if not np.allclose(expm(strict - strict.T), rotation, rtol=0, atol=1e-6):
+            return False
+        with torch.no_grad():
+            self.upper.copy_(torch.from_numpy(strict))
+        return True
+
+
+class UnitRows(nn.Module):
+    """Scales every row by the inverse L2 norm of its first ``dims`` coordinates (all of them
+    when ``None``), so that those coordinates form a unit vector. Exports as plain ONNX arithmetic."""
+
+    def __init__(self, dims: int | None = None) -> None:
+        super().__init__()
+        self.dims = dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        head = x if self.dims is None else x[:, : self.dims]
+        return x * torch.rsqrt((head * head).sum(dim=1, keepdim=True).clamp_min(1e-24))
+
+
+def rotation_between(source: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """The rotation ``R`` (orthogonal, det +1) minimising ``‖source Rᵀ − target‖`` (Kabsch).
+
+    From the SVD ``sourceᵀ target = U Σ Vᵀ``: ``Rᵀ = U D Vᵀ`` with ``D = diag(1, …, 1, ±1)``
+    choosing the sign that makes the determinant +1.
+    """
+    u, _, vt = np.linalg.svd(np.asarray(source, np.float64).T @ np.asarray(target, np.float64))
+    signs = np.ones(len(u))
+    signs[-1] = 1.0 if np.linalg.det(u @ vt) >= 0 else -1.0
+    return ((u * signs) @ vt).T
 
 
 def _identity_linear(d_in: int, d_out: int) -> nn.Linear:
@@ -129,13 +183,19 @@ class LambdaOrthAdapter(Adapter):
         self.n = n = min(d_old, d_new)
         self.forward_map: nn.Module = _identity_linear(d_old, n) if config.forward == "affine" else ResidualMLP(d_old, n, config.hidden_width)
         self.backward_map: nn.Module = OrthogonalMap(n) if config.backward == "orthogonal" else _identity_linear(n, n)
+        self.unit_rows: nn.Module = UnitRows() if config.normalize else nn.Identity()
 
     def dims(self) -> dict[str, int]:
         return {"d_old": self.d_old, "d_new": self.d_new}
 
     def forward(self, old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(F(old), B(new))`` — both in the n-dim unified space."""
-        return self.forward_map(old), self.backward_map(new[:, : self.n])
+        unit = self.unit_rows
+        return unit(self.forward_map(unit(old))), unit(self.backward_map(unit(new[:, : self.n])))
+
+    def old_target(self, old: torch.Tensor) -> torch.Tensor:
+        """φ_old as a unified-space row: its first n coordinates (unit rows when normalising)."""
+        return self.unit_rows(old[:, : self.n])
 
     def backward_weight(self) -> torch.Tensor:
         """B's ``n × n`` matrix (for B⊥ the materialised expm)."""
@@ -150,27 +210,29 @@ class LambdaOrthAdapter(Adapter):
 
     def transform(self, old: np.ndarray) -> np.ndarray:
         """F(φ_old): old gallery rows moved into the unified space."""
-        return self._run(self.forward_map, check_features("old", old, dim=self.d_old))
+        return self._run(self.forward_module(), check_features("old", old, dim=self.d_old))
 
     def transform_new(self, new: np.ndarray) -> np.ndarray:
         """B(φ_new): new queries (and backfilled rows) in the unified space."""
         return self._run(self.materialized_backward(), check_features("new", new, dim=self.d_new))
 
     def unified_old(self, old: np.ndarray) -> np.ndarray:
-        """φ_old as a unified-space row (its first n coordinates)."""
-        return check_features("old", old, dim=self.d_old)[:, : self.n].copy()
+        """φ_old as a unified-space row (its first n coordinates; unit rows when normalising)."""
+        return self._run(self.unit_rows, check_features("old", old, dim=self.d_old)[:, : self.n])
 
     # --- export surface ---------------------------------------------------------------------
 
     def forward_module(self) -> nn.Module:
-        """F as a module ``old (N, d_old) → (N, n)`` (export role ``forward``)."""
-        return self.forward_map
+        """F as a module ``old (N, d_old) → (N, n)`` (export role ``forward``), with the row
+        normalisations when ``normalize``."""
+        return nn.Sequential(UnitRows(), self.forward_map, UnitRows()) if self.config.normalize else self.forward_map
 
-    def materialized_backward(self) -> nn.Linear:
-        """B as a plain ``nn.Linear(d_new → n)`` (export role ``backward``).
+    def materialized_backward(self) -> nn.Module:
+        """B as a plain ``nn.Linear(d_new → n)`` (export role ``backward``), between the row
+        normalisations when ``normalize``.
 
         The truncation of the new embedding is folded in as zero columns, and B⊥'s matrix
-        exponential is evaluated once, so the module exports to ONNX as a single Gemm.
+        exponential is evaluated once, so the map exports to ONNX as a single Gemm.
         """
         with torch.no_grad():
             matrix = self.backward_weight().detach()
@@ -180,7 +242,22 @@ class LambdaOrthAdapter(Adapter):
             linear.weight[:, : self.n] = matrix
             if linear.bias is not None:
                 linear.bias.copy_(self.backward_map.bias)
-        return linear.eval()
+        # UnitRows(n) normalises by the first n coordinates only: the zero columns drop the rest
+        return (nn.Sequential(UnitRows(self.n), linear, UnitRows()) if self.config.normalize else linear).eval()
+
+    def start_at_procrustes(self, old: np.ndarray, new: np.ndarray) -> None:
+        """Set B to the rotation that best maps these new rows onto their old rows (after the
+        normalisation and truncation the model applies); F is left as it is."""
+        with torch.no_grad():
+            source = self.unit_rows(torch.as_tensor(new[:, : self.n])).double().numpy()
+            target = self.old_target(torch.as_tensor(old)).double().numpy()
+        rotation = rotation_between(source, target)
+        if isinstance(self.backward_map, OrthogonalMap):
+            self.metrics["procrustes_init"] = float(self.backward_map.set_rotation(rotation))
+        else:
+            with torch.no_grad():
+                self.backward_map.weight.copy_(torch.from_numpy(rotation))
+            self.metrics["procrustes_init"] = 1.0
 
     # --- training ---------------------------------------------------------------------------
 
@@ -205,6 +282,8 @@ class LambdaOrthAdapter(Adapter):
             arrays.append(validate_labels(labels, len(old)))
         torch.manual_seed(config.train.seed)
         model = cls(config=config, d_old=old.shape[1], d_new=new.shape[1])
+        if config.init == "procrustes":
+            model.start_at_procrustes(old, new)
         history = fit(model, arrays, model.loss, config.train, description=f"fit {cls.kind}")
         model.metrics["orthogonality_error"] = model.orthogonality_error()
         model.metrics["best_val_loss"] = min(history.val_loss) if history.val_loss else history.train_loss[-1]
@@ -214,8 +293,8 @@ class LambdaOrthAdapter(Adapter):
     def loss(model: LambdaOrthAdapter, old: torch.Tensor, new: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         config = model.config
         forward_old, backward_new = model(old, new)
-        old_target = old[:, : model.n]
-        total = config.w1 * mse_loss(forward_old, backward_new) + config.w2 * mse_loss(backward_new, old_target)
+        old_target = model.old_target(old)
+        total = config.w1 * squared_distance(forward_old, backward_new) + config.w2 * squared_distance(backward_new, old_target)
         if config.w3:
             contrastive = supervised_contrastive(forward_old, backward_new, labels, config.tau)
             contrastive = contrastive + supervised_contrastive(forward_old, old_target, labels, config.tau)

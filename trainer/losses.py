@@ -15,6 +15,15 @@ def mse_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(prediction, target)
 
 
+def squared_distance(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of the squared L2 distance ``‖p_i − t_i‖²`` (summed over dimensions).
+
+    On unit rows this is ``2 − 2 cos``, bounded by 4 whatever the dimension, so it weighs
+    against a contrastive loss the same way in 32 or 2048 dims (λ-orthogonality's terms).
+    """
+    return (prediction - target).pow(2).sum(dim=1).mean()
+
+
 def heteroscedastic_mse(prediction: torch.Tensor, target: torch.Tensor, log_variance: torch.Tensor) -> torch.Tensor:
     """FastFill's Bayesian (heteroscedastic) regression loss, one variance per row.
 

@@ -10,12 +10,16 @@ from scipy.stats import special_ortho_group
 
 from fctkit.errors import ConfigError, InputError
 from fctkit.trainer.evaluation import evaluate_retrieval
-from fctkit.trainer.lambda_orth import LambdaOrthAdapter, LambdaOrthConfig, OrthogonalMap
+from fctkit.trainer.lambda_orth import LambdaOrthAdapter, LambdaOrthConfig, OrthogonalMap, rotation_between
 from fctkit.trainer.losses import orthogonality_error, orthogonality_penalty, supervised_contrastive
 
 
 def train_config(epochs: int = 20, lr: float = 0.1, seed: int = 0) -> dict:
     return {"epochs": epochs, "batch_size": 64, "warmup_epochs": 1, "lr": lr, "seed": seed, "device": "cpu", "progress": False}
+
+
+def unit_rows(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
 def rotated_versions(n: int = 800, d_old: int = 16, extra: int = 4, seed: int = 0):
@@ -99,29 +103,40 @@ def test_mismatched_dims_truncate_the_larger_embedding(d_old, d_new):
     n = min(d_old, d_new)
     assert adapter.n == n
     assert adapter.transform(old).shape == (120, n) and adapter.transform_new(new).shape == (120, n)
-    np.testing.assert_array_equal(adapter.unified_old(old), old[:, :n])
+    np.testing.assert_allclose(adapter.unified_old(old), unit_rows(old[:, :n]), rtol=0, atol=1e-6)  # normalize = true
     changed_tail = new.copy()
     changed_tail[:, n:] += 100.0  # coordinates beyond n are dropped before B
     np.testing.assert_array_equal(adapter.transform_new(changed_tail), adapter.transform_new(new))
 
 
+@pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("forward", ["affine", "mlp"])
 @pytest.mark.parametrize("d_old,d_new", [(6, 9), (9, 6)])
-def test_untrained_maps_start_as_the_identity(forward, d_old, d_new):
+def test_untrained_maps_start_as_the_identity(forward, d_old, d_new, normalize):
     rng = np.random.default_rng(0)
     old, new = rng.normal(size=(30, d_old)).astype(np.float32), rng.normal(size=(30, d_new)).astype(np.float32)
     n = min(d_old, d_new)
+    space = unit_rows if normalize else (lambda x: x)
     for backward in ("orthogonal", "lambda"):
-        adapter = LambdaOrthAdapter(LambdaOrthConfig(forward=forward, backward=backward), d_old=d_old, d_new=d_new)
-        np.testing.assert_allclose(adapter.transform(old), old[:, :n], atol=1e-6)
-        np.testing.assert_allclose(adapter.transform_new(new), new[:, :n], atol=1e-6)
+        config = LambdaOrthConfig(forward=forward, backward=backward, normalize=normalize)
+        adapter = LambdaOrthAdapter(config, d_old=d_old, d_new=d_new)
+        np.testing.assert_allclose(adapter.transform(old), space(old[:, :n]), atol=1e-6)
+        np.testing.assert_allclose(adapter.transform_new(new), space(new[:, :n]), atol=1e-6)
+        np.testing.assert_allclose(adapter.unified_old(old), space(old[:, :n]), atol=1e-6)
 
 
+@pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("backward", ["orthogonal", "lambda"])
-def test_materialized_backward_equals_the_trained_map(backward):
+def test_materialized_backward_equals_the_trained_map(backward, normalize):
     old, new, labels, _ = rotated_versions(n=200)
-    adapter, _ = LambdaOrthAdapter.fit(old, new, labels, {"backward": backward, "lam": 0.0, "train": train_config(epochs=3)})
-    linear = adapter.materialized_backward()
+    config = {"backward": backward, "lam": 0.0, "normalize": normalize, "train": train_config(epochs=3)}
+    adapter, _ = LambdaOrthAdapter.fit(old, new, labels, config)
+    module = adapter.materialized_backward()
+    if normalize:  # unit rows (of the first 16 coords) in, the plain matrix, unit rows out
+        assert [type(m).__name__ for m in module] == ["UnitRows", "Linear", "UnitRows"]
+        linear = module[1]
+    else:
+        linear = module
     assert isinstance(linear, torch.nn.Linear) and (linear.in_features, linear.out_features) == (20, 16)
     assert torch.count_nonzero(linear.weight[:, 16:]) == 0
     if backward == "orthogonal":
@@ -134,7 +149,28 @@ def test_materialized_backward_equals_the_trained_map(backward):
     torch.testing.assert_close(linear.weight[:, :16], expected, rtol=0, atol=1e-6)
     with torch.no_grad():
         _, direct = adapter(torch.from_numpy(old), torch.from_numpy(new))
-        torch.testing.assert_close(linear(torch.from_numpy(new)), direct, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(module(torch.from_numpy(new)), direct, rtol=1e-5, atol=1e-5)
+
+
+def test_procrustes_start_is_the_best_rotation():
+    old, new, _, rotation = rotated_versions(n=300)
+    adapter = LambdaOrthAdapter(LambdaOrthConfig(), d_old=16, d_new=20)
+    adapter.start_at_procrustes(old, new)
+    assert adapter.metrics["procrustes_init"] == 1.0
+    np.testing.assert_allclose(adapter.backward_weight().detach().numpy(), rotation.T, atol=1e-4)
+    # a reflection is not expm of a skew-symmetric matrix: the best map with det +1 is chosen
+    reflected = old.copy()
+    reflected[:, 0] *= -1
+    best = rotation_between(old, reflected)
+    np.testing.assert_allclose(best @ best.T, np.eye(16), atol=1e-8)
+    assert np.linalg.det(best) == pytest.approx(1.0)
+
+
+def test_normalised_unified_space_has_unit_rows():
+    old, new, labels, _ = rotated_versions(n=200)
+    adapter, _ = LambdaOrthAdapter.fit(5 * old, new, labels, {"backward": "lambda", "train": train_config(epochs=2)})
+    for rows in (adapter.transform(5 * old), adapter.transform_new(new), adapter.unified_old(5 * old)):
+        np.testing.assert_allclose(np.linalg.norm(rows, axis=1), 1.0, atol=1e-5)
 
 
 def test_orthogonal_map_is_orthogonal_for_any_parameter():
