@@ -16,9 +16,9 @@ from fctkit.trainer.lambda_orth import LambdaOrthAdapter
 from fctkit.trainer.losses import heteroscedastic_mse
 
 
-def small_config(side_info: bool = True, epochs: int = 15, seed: int = 0, **extra) -> dict:
+def small_config(side_info: bool = True, epochs: int = 15, seed: int = 0, mixer_width: int = 128, **extra) -> dict:
     train = {"epochs": epochs, "batch_size": 64, "warmup_epochs": 1, "lr": 1e-3, "seed": seed, "device": "cpu", "progress": False}
-    return {"side_info": side_info, "branch_width": 64, "mixer_width": 256, "train": train, **extra}
+    return {"side_info": side_info, "branch_width": 64, "mixer_width": mixer_width, "train": train, **extra}
 
 
 def two_factor_data(n: int = 1200, seed: int = 1) -> dict[str, np.ndarray]:
@@ -66,7 +66,8 @@ def test_side_info_helps_when_it_carries_what_the_old_embedding_lacks():
     train, test = slice(0, 1000), slice(1000, None)
     errors = {}
     for side_info in (True, False):
-        adapter, _ = FCTAdapter.fit(data["old"][train], data["new"][train], data["side"][train], small_config(side_info))
+        config = small_config(side_info, mixer_width=256)
+        adapter, _ = FCTAdapter.fit(data["old"][train], data["new"][train], data["side"][train], config)
         errors[side_info] = float(((adapter.transform(data["old"][test], data["side"][test]) - data["new"][test]) ** 2).mean())
     assert errors[True] < 0.6 * errors[False]
 
@@ -112,8 +113,8 @@ def heteroscedastic_data(n: int = 1200, seed: int = 2) -> tuple[np.ndarray, np.n
 
 
 def test_fastfill_sigma_follows_the_actual_error():
-    x, target, noise_scale = heteroscedastic_data()
-    train, test = slice(0, 1000), slice(1000, None)
+    x, target, noise_scale = heteroscedastic_data(n=800)
+    train, test = slice(0, 600), slice(600, None)
     adapter, _ = FastFillAdapter.fit(x[train], target[train], config=small_config(side_info=False, epochs=10))
     sigma = adapter.uncertainty(x[test])
     error = ((adapter.transform(x[test]) - target[test]) ** 2).sum(axis=1)
@@ -139,8 +140,9 @@ def test_fastfill_discriminative_term_uses_the_frozen_classifier(digits_views):
     torch.manual_seed(0)
     classifier = torch.nn.Linear(d.new.shape[1], 10)
     before = classifier.weight.detach().clone()
-    old, new, labels = d.old[d.train], d.new[d.train], d.labels[d.train]
-    config = small_config(side_info=False, epochs=8, discriminative_weight=1.0)
+    rows = d.train[:600]
+    old, new, labels = d.old[rows], d.new[rows], d.labels[rows]
+    config = small_config(side_info=False, epochs=6, discriminative_weight=1.0)
     with_term, _ = FastFillAdapter.fit(old, new, config=config, classifier=classifier, labels=labels)
     without, _ = FastFillAdapter.fit(old, new, config=config)
     assert torch.equal(classifier.weight, before) and classifier.weight.requires_grad and classifier.training
