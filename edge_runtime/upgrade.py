@@ -10,20 +10,25 @@ is bit-for-bit that of an uninterrupted run (same batch size and threads).
 
 Guarantees while an upgrade runs (zero downtime):
 
-* **forward mode** — new vectors go into the rows' *staged* columns; queries keep using the
-  old query model against the old vectors, complete and exact, until the switch commits
-  (one transaction moves every staged row into place and sets the new query version).
-  Rows added meanwhile are embedded with the old model and upgraded before the switch.
+* **forward mode** — new vectors go into the *staged* vector table; queries keep using the
+  old query model against the live (old) vectors, complete and exact, until the switch
+  commits (one transaction makes the staged table live and sets the new query version).
+  Rows added meanwhile are embedded with the old model and upgraded before the switch; a
+  row embedded by a process that still ran the old model after the switch is refused.
 * **unified mode** (λ-orth) — the query model switches first to B(φ_new); rows are rewritten
   in place with F where the bundle has one, and every row, adapted or not, stays comparable.
 * **compatible mode** — identity hops only change the version tags.
+
+Readers in other processes see one consistent snapshot per query (SQLite WAL); they are
+never blocked by the upgrade's writes. Not guaranteed: a query issued while the switch
+commits is answered by whichever version its snapshot saw (old or new, never a mix).
 """
 
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import numpy as np
