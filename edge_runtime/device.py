@@ -290,33 +290,40 @@ class Device:
         with self.client() as client:
             return open_image(self._sealer, self.gallery.gallery_id, item_id, client.read_blob(sha256))
 
-    def query_vectors(self, images: np.ndarray) -> np.ndarray:
-        """Query images in the gallery's query space: φ_v, or B(φ_v) in unified mode."""
-        engine = self.engine()
+    def query_vectors(self, images: np.ndarray, version: int | None = None) -> np.ndarray:
+        """Query images in the query space of ``version`` (default: installed): φ_v, or B(φ_v) in unified mode."""
+        engine = self.engine(version)
         vectors = engine.embed(np.asarray(images))
         backward = engine.unified_backward()
         return vectors if backward is None else engine.run(backward, vectors)
 
     def searchable(self) -> tuple[ExactIndex, LoadedRows]:
         """The decrypted rows comparable with queries (cached until the gallery changes)."""
-        key = (self.version, *self.gallery.change_marker())
-        if self._index_cache is None or self._index_cache[0] != key:
+        return self._searchable()[1:]
+
+    def _searchable(self) -> tuple[int, ExactIndex, LoadedRows]:
+        """The installed version and its searchable rows, loaded again if an upgrade switched
+        versions between reading the version and loading the rows."""
+        while True:
+            version = self.version
+            key = (version, *self.gallery.change_marker())
+            if self._index_cache is not None and self._index_cache[0] == key:
+                return version, self._index_cache[1], self._index_cache[2]
             loaded = self.gallery.load()
-            manifest = self.engine().manifest
+            if self.version != version:
+                continue
+            manifest = self.engine(version).manifest
             if manifest.mode != "unified":
-                keep = [i for i, t in enumerate(loaded.tags) if t.version == self.version]
+                keep = [i for i, t in enumerate(loaded.tags) if t.version == version]
                 if len(keep) != len(loaded):
                     loaded = _subset(loaded, keep)
             vectors = take_rows(loaded.embeddings, range(len(loaded))) if len(loaded) else np.zeros((0, 1), np.float32)
-            index = ExactIndex(vectors,
-                               manifest.distance, self.settings.search_backend)
-            self._index_cache = (key, index, loaded)
-        return self._index_cache[1], self._index_cache[2]
+            self._index_cache = (key, ExactIndex(vectors, manifest.distance, self.settings.search_backend), loaded)
 
     def query(self, images: np.ndarray, k: int = 5) -> list[list[Match]]:
         """The ``k`` nearest gallery items of each query image (exact search)."""
-        vectors = self.query_vectors(images)
-        index, rows = self.searchable()
+        version, index, rows = self._searchable()
+        vectors = self.query_vectors(images, version)
         found = index.search(vectors, k)
         return [
             [Match(rows.item_ids[j], float(d), rows.labels[j], str(rows.tags[j])) for j, d in zip(idx, dist, strict=True)]
