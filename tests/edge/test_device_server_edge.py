@@ -90,6 +90,9 @@ def test_sync_upgrade_paths_outbox_and_fleet(published_v1, tiny_bundles, tmp_pat
     np.testing.assert_array_equal(early.fetch_original("offline1"), images(2, seed=99)[1])
 
     publish(server, tiny_bundles[3], tmp_path)
+    deferred = late.sync(upgrade=False)  # downloaded and verified, gallery left as it is
+    assert (deferred.installed_after, deferred.hops, deferred.rows_upgraded) == (1, "v1 -> v3", 0)
+    assert (late.root / "bundles" / "v3").is_dir() and late.status()["rows_by_space"] == {"v1": 12}
     assert late.sync().hops == "v1 -> v3"  # skipped v2: the planned direct adapter
     assert early.sync().hops == "v2 -> v3"
     # the late device's rows went through h_{1->3}: the same as the direct graph on its v1 rows
