@@ -37,7 +37,7 @@ class VersionFeatures:
 
 
 def run_chain(config: PipelineConfig, out: Path, report: Report, log: Callable[[str], None]) -> dict[str, float]:
-    from .pipeline import Evaluator, _metrics, load_image_splits
+    from .pipeline import Evaluator, _metrics, load_image_splits, run_seeded
 
     data = load_image_splits(config)
     train_labels = data.labels[data.train]
@@ -57,7 +57,7 @@ def run_chain(config: PipelineConfig, out: Path, report: Report, log: Callable[[
             target.append(VersionFeatures(extract_features(backbone, x), extract_side_info(side_model, x)))
 
     v1, v2, v3 = versions_train
-    fct = dataclasses.replace(config.fct, side_info=True)
+    fct = dataclasses.replace(run_seeded(config, config.fct), side_info=True)
     log("chain adapters h2, g2, h3 and direct h13")
     h2, _ = FCTAdapter.fit(v1.embedding, v2.embedding, v1.side, fct)
     g2, _ = FCTAdapter.fit(v1.embedding, v2.side, v1.side, fct)

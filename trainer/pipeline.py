@@ -225,18 +225,24 @@ def fit_adapters(config: PipelineConfig, train: Features, log: Callable[[str], N
         log(f"fitting {METHOD_LABELS[method]}")
         if method in ("fct", "fct-no-side-info"):
             use_side = has_side and method == "fct"
-            fct_config = dataclasses.replace(config.fct, side_info=use_side)
+            fct_config = dataclasses.replace(run_seeded(config, config.fct), side_info=use_side)
             fitted[method], _ = FCTAdapter.fit(train.old, train.new, train.side if use_side else None, fct_config)
         elif method == "fastfill":
-            ff_config = dataclasses.replace(config.fastfill, side_info=has_side)
+            ff_config = dataclasses.replace(run_seeded(config, config.fastfill), side_info=has_side)
             fitted[method], _ = FastFillAdapter.fit(train.old, train.new, train.side if has_side else None, ff_config)
         elif method in ("least-squares", "procrustes"):
             cf_config = ClosedFormConfig(method=method.replace("-", "_"))
             fitted[method], _ = ClosedFormAdapter.fit(train.old, train.new, cf_config)
         else:
             lo_config = config.lambda_orth if method == "lambda-orth" else config.lambda_orth_relaxed
-            fitted[method], _ = LambdaOrthAdapter.fit(train.old, train.new, train.labels, lo_config)
+            fitted[method], _ = LambdaOrthAdapter.fit(train.old, train.new, train.labels, run_seeded(config, lo_config))
     return fitted
+
+
+def run_seeded(config: PipelineConfig, section: Any) -> Any:
+    """A method's config whose training seed is offset by the run's ``seed``, so that changing
+    the run's seed changes every stage (a method's own ``train.seed`` stays an offset)."""
+    return dataclasses.replace(section, train=dataclasses.replace(section.train, seed=section.train.seed + config.seed))
 
 
 def forward_transform(adapter: Adapter, features: Features) -> np.ndarray:
