@@ -643,15 +643,16 @@ def staged_directory(dest: str | os.PathLike) -> Iterator[Path]:
         for path in staging.iterdir():
             with path.open("rb") as fh:
                 os.fsync(fh.fileno())
-        _fsync_dir(staging)
+        fsync_dir(staging)
         os.rename(staging, dest)
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename or create inside ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -816,5 +817,5 @@ __all__ = [
     "MANIFEST_FILE", "SIGNATURE_FILE", "FORMAT_VERSION", "SIGNATURE_SIZE", "Role", "Mode", "Distance",
     "ROLES", "MODES", "DISTANCES", "TRANSFORM_ROLES", "GATED_ROLES", "TensorSpec", "Artifact", "Manifest",
     "VerifiedBundle", "artifact_name", "gate_failures", "load_public_key", "public_key_id", "verify_manifest",
-    "verify_bundle", "check_version_is_newer", "file_sha256", "staged_directory", "pack_bundle", "unpack_bundle",
+    "verify_bundle", "check_version_is_newer", "file_sha256", "fsync_dir", "staged_directory", "pack_bundle", "unpack_bundle",
 ]

@@ -32,6 +32,7 @@ import grpc
 from fctkit.errors import HashMismatchError, InputError, RpcStatusError
 
 from . import fleet_pb2, fleet_pb2_grpc, limits, registry_pb2, registry_pb2_grpc, vault_pb2, vault_pb2_grpc
+from .bundle import file_sha256
 from .common_pb2 import Chunk
 
 _PART_SUFFIX = ".part"
@@ -272,7 +273,7 @@ class FctkitClient:
         (dest / SIGNATURE_FILE).write_bytes(signature)
         for artifact in manifest.artifacts:
             target = dest / artifact.file
-            if target.is_file() and target.stat().st_size == artifact.size and _file_sha256(target) == artifact.sha256:
+            if target.is_file() and target.stat().st_size == artifact.size and file_sha256(target)[0] == artifact.sha256:
                 continue
             target.unlink(missing_ok=True)
             self.download_artifact(version, artifact.name, target)
@@ -304,7 +305,7 @@ class FctkitClient:
     def publish_bundle(self, archive: Path) -> registry_pb2.VersionInfo:
         """Admin: publish a bundle archive (from ``fctkit.protos.bundle.pack_bundle``)."""
         archive = Path(archive)
-        sha256, size = _file_sha256(archive), archive.stat().st_size
+        sha256, size = file_sha256(archive)
 
         def requests() -> Iterator[registry_pb2.PublishBundleRequest]:
             yield registry_pb2.PublishBundleRequest(header=registry_pb2.PublishHeader(archive_size=size, archive_sha256=sha256))
@@ -424,7 +425,3 @@ def _chunks_of(fh: BinaryIO, offset: int, chunk_size: int) -> Iterator[Chunk]:
         yield Chunk(offset=offset, data=data)
         offset += len(data)
 
-
-def _file_sha256(path: Path) -> str:
-    with Path(path).open("rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()

@@ -4,32 +4,15 @@ fsynced and renamed into place, so a crash never leaves a half-written object un
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from fctkit.protos.bundle import fsync_dir
+
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_READ_BLOCK = 1 << 20
-
-
-def sha256_file(path: Path) -> str:
-    """SHA-256 hex digest of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while block := fh.read(_READ_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ContentStore:

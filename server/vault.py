@@ -13,9 +13,9 @@ from pathlib import Path
 
 from fctkit.errors import RpcStatusError
 from fctkit.protos import limits, vault_pb2, vault_pb2_grpc
+from fctkit.protos.bundle import file_sha256
 
 from .auth import current_device_id
-from .content_store import sha256_file
 from .storage import BlobRecord, Storage
 from .streams import check_offset, file_chunks, read_header, receive_chunks
 from .validation import chunk_size, invalid, page_size, sha256_field, text_field, timestamp
@@ -92,7 +92,7 @@ class VaultService(vault_pb2_grpc.VaultServicer):
             end = await receive_chunks(requests, sink, position=header.offset, total=header.size)
         if end != header.size:
             raise invalid(f"the stream ended after {end} of {header.size} bytes; resume from offset {end}")
-        digest = await asyncio.to_thread(sha256_file, partial)
+        digest, _ = await asyncio.to_thread(file_sha256, partial)
         if digest != sha256:
             partial.unlink(missing_ok=True)
             raise invalid(f"the received bytes hash to {digest}, not the announced {sha256}; upload again from offset 0")
