@@ -191,11 +191,15 @@ def test_bad_runs_and_options_are_refused_clearly(release, run, private_key, tmp
         plan_release(run, first_version=0)
     with pytest.raises(GateError, match="reason"):
         export_release(release.run_dir, tmp_path / "out", private_key=private_key, force=True)
-    with pytest.raises(GateError, match="v2 forward_1_to_2, v2 backward_2_to_1"):  # strict B⊥ fails ECC at tiny sizes
-        export_release(release.run_dir, tmp_path / "out", private_key=private_key, method="lambda-orth")
     no_chain = tmp_path / "no-chain"
     shutil.copytree(release.run_dir, no_chain)
     gate = json.loads((no_chain / "gate.json").read_text())
+    # A method whose ECC failed in the run is refused for every artifact it gates.
+    failing = json.loads(json.dumps(gate))
+    failing["ecc"]["lambda-orth"] = False
+    (no_chain / "gate.json").write_text(json.dumps(failing))
+    with pytest.raises(GateError, match="v2 forward_1_to_2, v2 backward_2_to_1"):
+        export_release(no_chain, tmp_path / "out", private_key=private_key, method="lambda-orth")
     del gate["chain"]
     (no_chain / "gate.json").write_text(json.dumps(gate))
     with pytest.raises(InputError, match=r"\[chain\] enabled = true"):
