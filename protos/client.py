@@ -32,7 +32,7 @@ import grpc
 from fctkit.errors import HashMismatchError, InputError, RpcStatusError
 
 from . import fleet_pb2, fleet_pb2_grpc, limits, registry_pb2, registry_pb2_grpc, vault_pb2, vault_pb2_grpc
-from .bundle import file_sha256
+from .bundle import MANIFEST_FILE, SIGNATURE_FILE, check_version_is_newer, file_sha256, verify_bundle, verify_manifest
 from .common_pb2 import Chunk
 
 _PART_SUFFIX = ".part"
@@ -262,8 +262,6 @@ class FctkitClient:
         device must: signature under the pinned ``public_key`` (checked before any artifact is
         fetched), hashes, and version newer than ``installed_version``.
         Returns :class:`fctkit.protos.bundle.VerifiedBundle`."""
-        from .bundle import MANIFEST_FILE, SIGNATURE_FILE, check_version_is_newer, verify_bundle, verify_manifest
-
         manifest_bytes, signature = self.get_manifest(version)
         manifest = verify_manifest(manifest_bytes, signature, public_key)
         check_version_is_newer(manifest.version, installed_version)
