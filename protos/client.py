@@ -22,7 +22,7 @@ import io
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -80,6 +80,7 @@ class Enrolment:
     token: str
     publisher_public_key: bytes
     publisher_key_id: str
+    owner_id: str = ""
 
 
 def status_error(error: grpc.RpcError) -> RpcStatusError:
@@ -363,9 +364,44 @@ class FctkitClient:
     def stat_blob(self, sha256: str) -> vault_pb2.StatBlobResponse:
         return self._unary(self.vault.Stat, vault_pb2.StatBlobRequest(sha256=sha256))
 
-    def list_blobs(self) -> list[vault_pb2.BlobInfo]:
-        """Every blob of this device's vault (all pages)."""
-        return self._all_pages(self.vault.List, vault_pb2.ListBlobsRequest, "blobs")
+    def list_blobs(self, owner_id: str = "") -> list[vault_pb2.BlobInfo]:
+        """Every blob of this device's owner (all pages); naming another owner is PERMISSION_DENIED."""
+        return self._all_pages(self.vault.List, lambda page_token: vault_pb2.ListBlobsRequest(page_token=page_token, owner_id=owner_id), "blobs")
+
+    # -- replica ----------------------------------------------------------------------------
+
+    def push_records(self, records: Sequence[vault_pb2.SealedRecord]) -> vault_pb2.PushRecordsResponse:
+        """Push sealed gallery records in messages within the wire limits; retried while the
+        server is UNAVAILABLE (safe: each record's change id makes a retry idempotent)."""
+        messages = list(_record_batches(records))
+
+        def attempt() -> vault_pb2.PushRecordsResponse:
+            requests = (vault_pb2.PushRecordsRequest(records=batch) for batch in messages)
+            return self.vault.PushRecords(requests, metadata=self._metadata, timeout=self.timeout_s)
+
+        return self._retrying(attempt)
+
+    def pull_records(self, after_sequence: int = 0, owner_id: str = "") -> Iterator[vault_pb2.PullRecordsResponse]:
+        """The owner's records after ``after_sequence``, batch by batch; reconnects from the last
+        record received while the server is UNAVAILABLE."""
+        delays = self.retry.delays()
+        while True:
+            call = self.vault.PullRecords(vault_pb2.PullRecordsRequest(after_sequence=after_sequence, owner_id=owner_id),
+                                          metadata=self._metadata)
+            try:
+                for batch in call:
+                    delays = self.retry.delays()
+                    if batch.records:
+                        after_sequence = batch.records[-1].sequence
+                    yield batch
+                return
+            except grpc.RpcError as error:
+                delay = next(delays, None) if _code(error) == grpc.StatusCode.UNAVAILABLE else None
+                if delay is None:
+                    raise status_error(error) from None
+                time.sleep(delay)
+            finally:
+                call.cancel()
 
     def delete_blob(self, sha256: str) -> int:
         """Delete a blob; returns the bytes the device still stores."""
@@ -373,15 +409,17 @@ class FctkitClient:
 
     # -- fleet ------------------------------------------------------------------------------
 
-    def create_enrolment_code(self, ttl_seconds: int = 0, label: str = "") -> fleet_pb2.CreateEnrolmentCodeResponse:
-        """Admin: a one-time enrolment code (``ttl_seconds`` 0: one day)."""
-        request = fleet_pb2.CreateEnrolmentCodeRequest(ttl_seconds=ttl_seconds, label=label)
+    def create_enrolment_code(self, ttl_seconds: int = 0, label: str = "", *, owner: str = "") -> fleet_pb2.CreateEnrolmentCodeResponse:
+        """Admin: a one-time enrolment code (``ttl_seconds`` 0: one day) for a device of
+        ``owner`` (empty: a new owner of its own; the response names it)."""
+        request = fleet_pb2.CreateEnrolmentCodeRequest(ttl_seconds=ttl_seconds, label=label, owner=owner)
         return self._unary(self.fleet.CreateEnrolmentCode, request)
 
     def enrol(self, code: str, device_name: str = "") -> Enrolment:
         """Trade an enrolment code for a device id and token (not retried: a code works once)."""
         response = self._unary(self.fleet.Enrol, fleet_pb2.EnrolRequest(code=code, device_name=device_name), retry=False)
-        return Enrolment(response.device_id, response.token, response.publisher_public_key, response.publisher_key_id)
+        return Enrolment(response.device_id, response.token, response.publisher_public_key, response.publisher_key_id,
+                         response.owner_id)
 
     def report(self, version: int, gallery_size: int, upgrade_state: int, *, target_version: int = 0,
                progress: float = 0.0, detail: str = "") -> fleet_pb2.ReportResponse:
@@ -415,6 +453,21 @@ def _artifact_digest(header: registry_pb2.ArtifactHeader) -> tuple[str, int]:
 
 def _blob_digest(header: vault_pb2.BlobInfo) -> tuple[str, int]:
     return header.sha256, header.size
+
+
+def _record_batches(records: Sequence[vault_pb2.SealedRecord]) -> Iterator[list[vault_pb2.SealedRecord]]:
+    """``records`` cut into messages of at most MAX_RECORDS_PER_MESSAGE records and
+    MAX_RECORD_BATCH_BYTES sealed bytes."""
+    batch: list[vault_pb2.SealedRecord] = []
+    size = 0
+    for record in records:
+        if batch and (len(batch) == limits.MAX_RECORDS_PER_MESSAGE or size + len(record.sealed) > limits.MAX_RECORD_BATCH_BYTES):
+            yield batch
+            batch, size = [], 0
+        batch.append(record)
+        size += len(record.sealed)
+    if batch:
+        yield batch
 
 
 def _chunks_of(fh: BinaryIO, offset: int, chunk_size: int) -> Iterator[Chunk]:

@@ -23,20 +23,24 @@ UPGRADE_STATE_BACKFILLING: UpgradeState
 UPGRADE_STATE_FAILED: UpgradeState
 
 class CreateEnrolmentCodeRequest(_message.Message):
-    __slots__ = ("ttl_seconds", "label")
+    __slots__ = ("ttl_seconds", "label", "owner")
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     ttl_seconds: int
     label: str
-    def __init__(self, ttl_seconds: _Optional[int] = ..., label: _Optional[str] = ...) -> None: ...
+    owner: str
+    def __init__(self, ttl_seconds: _Optional[int] = ..., label: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class CreateEnrolmentCodeResponse(_message.Message):
-    __slots__ = ("code", "expires_at")
+    __slots__ = ("code", "expires_at", "owner_id")
     CODE_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     code: str
     expires_at: str
-    def __init__(self, code: _Optional[str] = ..., expires_at: _Optional[str] = ...) -> None: ...
+    owner_id: str
+    def __init__(self, code: _Optional[str] = ..., expires_at: _Optional[str] = ..., owner_id: _Optional[str] = ...) -> None: ...
 
 class EnrolRequest(_message.Message):
     __slots__ = ("code", "device_name")
@@ -47,16 +51,18 @@ class EnrolRequest(_message.Message):
     def __init__(self, code: _Optional[str] = ..., device_name: _Optional[str] = ...) -> None: ...
 
 class EnrolResponse(_message.Message):
-    __slots__ = ("device_id", "token", "publisher_public_key", "publisher_key_id")
+    __slots__ = ("device_id", "token", "publisher_public_key", "publisher_key_id", "owner_id")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     PUBLISHER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     PUBLISHER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     token: str
     publisher_public_key: bytes
     publisher_key_id: str
-    def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., publisher_public_key: _Optional[bytes] = ..., publisher_key_id: _Optional[str] = ...) -> None: ...
+    owner_id: str
+    def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., publisher_public_key: _Optional[bytes] = ..., publisher_key_id: _Optional[str] = ..., owner_id: _Optional[str] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("version", "gallery_size", "upgrade_state", "target_version", "progress", "detail")
@@ -83,7 +89,7 @@ class ReportResponse(_message.Message):
     def __init__(self, recorded_at: _Optional[str] = ..., latest_version: _Optional[int] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
-    __slots__ = ("device_id", "name", "label", "enrolled_at", "last_report_at", "version", "gallery_size", "upgrade_state", "target_version", "progress", "detail", "vault_bytes", "vault_blobs")
+    __slots__ = ("device_id", "name", "label", "enrolled_at", "last_report_at", "version", "gallery_size", "upgrade_state", "target_version", "progress", "detail", "vault_bytes", "vault_blobs", "owner_id")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +103,7 @@ class DeviceInfo(_message.Message):
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     VAULT_BYTES_FIELD_NUMBER: _ClassVar[int]
     VAULT_BLOBS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     name: str
     label: str
@@ -110,7 +117,8 @@ class DeviceInfo(_message.Message):
     detail: str
     vault_bytes: int
     vault_blobs: int
-    def __init__(self, device_id: _Optional[str] = ..., name: _Optional[str] = ..., label: _Optional[str] = ..., enrolled_at: _Optional[str] = ..., last_report_at: _Optional[str] = ..., version: _Optional[int] = ..., gallery_size: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., target_version: _Optional[int] = ..., progress: _Optional[float] = ..., detail: _Optional[str] = ..., vault_bytes: _Optional[int] = ..., vault_blobs: _Optional[int] = ...) -> None: ...
+    owner_id: str
+    def __init__(self, device_id: _Optional[str] = ..., name: _Optional[str] = ..., label: _Optional[str] = ..., enrolled_at: _Optional[str] = ..., last_report_at: _Optional[str] = ..., version: _Optional[int] = ..., gallery_size: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., target_version: _Optional[int] = ..., progress: _Optional[float] = ..., detail: _Optional[str] = ..., vault_bytes: _Optional[int] = ..., vault_blobs: _Optional[int] = ..., owner_id: _Optional[str] = ...) -> None: ...
 
 class ListDevicesRequest(_message.Message):
     __slots__ = ("page_size", "page_token")

@@ -29,3 +29,12 @@ MAX_UINT63 = (1 << 63) - 1
 """Counters (sizes, gallery sizes) are stored as signed 64-bit integers."""
 
 SHA256_HEX_CHARS = 64
+
+MAX_RECORDS_PER_MESSAGE = 4096
+"""Sealed gallery records in one PushRecords / PullRecords message."""
+
+MAX_RECORD_BYTES = 64 << 10
+"""One sealed gallery record (nonce, ciphertext and tag): far above a 2,048-d float32 row."""
+
+MAX_RECORD_BATCH_BYTES = 1 << 20
+"""Sealed bytes of the records in one PushRecords / PullRecords message (1 MiB)."""

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as fctkit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66\x63tkit/v1/vault.proto\x12\tfctkit.v1\x1a\x16\x66\x63tkit/v1/common.proto\"M\n\x08\x42lobInfo\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0f\n\x07item_id\x18\x03 \x01(\t\x12\x12\n\ncreated_at\x18\x04 \x01(\t\"M\n\x0cUploadHeader\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0f\n\x07item_id\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\"l\n\x11UploadBlobRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.fctkit.v1.UploadHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.fctkit.v1.ChunkH\x00\x42\t\n\x07payload\"x\n\x12UploadBlobResponse\x12!\n\x04\x62lob\x18\x01 \x01(\x0b\x32\x13.fctkit.v1.BlobInfo\x12\x16\n\x0e\x61lready_stored\x18\x02 \x01(\x08\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bquota_bytes\x18\x04 \x01(\x04\"I\n\x13\x44ownloadBlobRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x12\n\nchunk_size\x18\x03 \x01(\r\"k\n\x14\x44ownloadBlobResponse\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.fctkit.v1.BlobInfoH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.fctkit.v1.ChunkH\x00\x42\t\n\x07payload\"!\n\x0fStatBlobRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"l\n\x10StatBlobResponse\x12#\n\x05state\x18\x01 \x01(\x0e\x32\x14.fctkit.v1.BlobState\x12\x10\n\x08received\x18\x02 \x01(\x04\x12!\n\x04\x62lob\x18\x03 \x01(\x0b\x32\x13.fctkit.v1.BlobInfo\"9\n\x10ListBlobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"y\n\x11ListBlobsResponse\x12\"\n\x05\x62lobs\x18\x01 \x03(\x0b\x32\x13.fctkit.v1.BlobInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bquota_bytes\x18\x04 \x01(\x04\"#\n\x11\x44\x65leteBlobRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"(\n\x12\x44\x65leteBlobResponse\x12\x12\n\nused_bytes\x18\x01 \x01(\x04*m\n\tBlobState\x12\x1a\n\x16\x42LOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x42LOB_STATE_ABSENT\x10\x01\x12\x16\n\x12\x42LOB_STATE_PARTIAL\x10\x02\x12\x15\n\x11\x42LOB_STATE_STORED\x10\x03\x32\xea\x02\n\x05Vault\x12G\n\x06Upload\x12\x1c.fctkit.v1.UploadBlobRequest\x1a\x1d.fctkit.v1.UploadBlobResponse(\x01\x12M\n\x08\x44ownload\x12\x1e.fctkit.v1.DownloadBlobRequest\x1a\x1f.fctkit.v1.DownloadBlobResponse0\x01\x12?\n\x04Stat\x12\x1a.fctkit.v1.StatBlobRequest\x1a\x1b.fctkit.v1.StatBlobResponse\x12\x41\n\x04List\x12\x1b.fctkit.v1.ListBlobsRequest\x1a\x1c.fctkit.v1.ListBlobsResponse\x12\x45\n\x06\x44\x65lete\x12\x1c.fctkit.v1.DeleteBlobRequest\x1a\x1d.fctkit.v1.DeleteBlobResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66\x63tkit/v1/vault.proto\x12\tfctkit.v1\x1a\x16\x66\x63tkit/v1/common.proto\"M\n\x08\x42lobInfo\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0f\n\x07item_id\x18\x03 \x01(\t\x12\x12\n\ncreated_at\x18\x04 \x01(\t\"M\n\x0cUploadHeader\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0f\n\x07item_id\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\"l\n\x11UploadBlobRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.fctkit.v1.UploadHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.fctkit.v1.ChunkH\x00\x42\t\n\x07payload\"x\n\x12UploadBlobResponse\x12!\n\x04\x62lob\x18\x01 \x01(\x0b\x32\x13.fctkit.v1.BlobInfo\x12\x16\n\x0e\x61lready_stored\x18\x02 \x01(\x08\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bquota_bytes\x18\x04 \x01(\x04\"I\n\x13\x44ownloadBlobRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x12\n\nchunk_size\x18\x03 \x01(\r\"k\n\x14\x44ownloadBlobResponse\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.fctkit.v1.BlobInfoH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.fctkit.v1.ChunkH\x00\x42\t\n\x07payload\"!\n\x0fStatBlobRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"l\n\x10StatBlobResponse\x12#\n\x05state\x18\x01 \x01(\x0e\x32\x14.fctkit.v1.BlobState\x12\x10\n\x08received\x18\x02 \x01(\x04\x12!\n\x04\x62lob\x18\x03 \x01(\x0b\x32\x13.fctkit.v1.BlobInfo\"K\n\x10ListBlobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x10\n\x08owner_id\x18\x03 \x01(\t\"y\n\x11ListBlobsResponse\x12\"\n\x05\x62lobs\x18\x01 \x03(\x0b\x32\x13.fctkit.v1.BlobInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bquota_bytes\x18\x04 \x01(\x04\"#\n\x11\x44\x65leteBlobRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"(\n\x12\x44\x65leteBlobResponse\x12\x12\n\nused_bytes\x18\x01 \x01(\x04\"\x9d\x01\n\x0cSealedRecord\x12\x11\n\tchange_id\x18\x01 \x01(\x04\x12\x0f\n\x07item_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\r\x12\x16\n\x0eorigin_version\x18\x04 \x01(\r\x12\x0b\n\x03via\x18\x05 \x01(\t\x12\x11\n\ttombstone\x18\x06 \x01(\x08\x12\x0e\n\x06sealed\x18\x07 \x01(\x0c\x12\x10\n\x08sequence\x18\x08 \x01(\x04\">\n\x12PushRecordsRequest\x12(\n\x07records\x18\x01 \x03(\x0b\x32\x17.fctkit.v1.SealedRecord\"T\n\x13PushRecordsResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x04\x12\x16\n\x0e\x61lready_stored\x18\x02 \x01(\x04\x12\x15\n\rlast_sequence\x18\x03 \x01(\x04\">\n\x12PullRecordsRequest\x12\x16\n\x0e\x61\x66ter_sequence\x18\x01 \x01(\x04\x12\x10\n\x08owner_id\x18\x02 \x01(\t\"V\n\x13PullRecordsResponse\x12(\n\x07records\x18\x01 \x03(\x0b\x32\x17.fctkit.v1.SealedRecord\x12\x15\n\rlast_sequence\x18\x02 \x01(\x04*m\n\tBlobState\x12\x1a\n\x16\x42LOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x42LOB_STATE_ABSENT\x10\x01\x12\x16\n\x12\x42LOB_STATE_PARTIAL\x10\x02\x12\x15\n\x11\x42LOB_STATE_STORED\x10\x03\x32\x8a\x04\n\x05Vault\x12G\n\x06Upload\x12\x1c.fctkit.v1.UploadBlobRequest\x1a\x1d.fctkit.v1.UploadBlobResponse(\x01\x12M\n\x08\x44ownload\x12\x1e.fctkit.v1.DownloadBlobRequest\x1a\x1f.fctkit.v1.DownloadBlobResponse0\x01\x12?\n\x04Stat\x12\x1a.fctkit.v1.StatBlobRequest\x1a\x1b.fctkit.v1.StatBlobResponse\x12\x41\n\x04List\x12\x1b.fctkit.v1.ListBlobsRequest\x1a\x1c.fctkit.v1.ListBlobsResponse\x12\x45\n\x06\x44\x65lete\x12\x1c.fctkit.v1.DeleteBlobRequest\x1a\x1d.fctkit.v1.DeleteBlobResponse\x12N\n\x0bPushRecords\x12\x1d.fctkit.v1.PushRecordsRequest\x1a\x1e.fctkit.v1.PushRecordsResponse(\x01\x12N\n\x0bPullRecords\x12\x1d.fctkit.v1.PullRecordsRequest\x1a\x1e.fctkit.v1.PullRecordsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fctkit.v1.vault_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BLOBSTATE']._serialized_start=1040
-  _globals['_BLOBSTATE']._serialized_end=1149
+  _globals['_BLOBSTATE']._serialized_start=1520
+  _globals['_BLOBSTATE']._serialized_end=1629
   _globals['_BLOBINFO']._serialized_start=60
   _globals['_BLOBINFO']._serialized_end=137
   _globals['_UPLOADHEADER']._serialized_start=139
@@ -51,13 +51,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATBLOBRESPONSE']._serialized_start=669
   _globals['_STATBLOBRESPONSE']._serialized_end=777
   _globals['_LISTBLOBSREQUEST']._serialized_start=779
-  _globals['_LISTBLOBSREQUEST']._serialized_end=836
-  _globals['_LISTBLOBSRESPONSE']._serialized_start=838
-  _globals['_LISTBLOBSRESPONSE']._serialized_end=959
-  _globals['_DELETEBLOBREQUEST']._serialized_start=961
-  _globals['_DELETEBLOBREQUEST']._serialized_end=996
-  _globals['_DELETEBLOBRESPONSE']._serialized_start=998
-  _globals['_DELETEBLOBRESPONSE']._serialized_end=1038
-  _globals['_VAULT']._serialized_start=1152
-  _globals['_VAULT']._serialized_end=1514
+  _globals['_LISTBLOBSREQUEST']._serialized_end=854
+  _globals['_LISTBLOBSRESPONSE']._serialized_start=856
+  _globals['_LISTBLOBSRESPONSE']._serialized_end=977
+  _globals['_DELETEBLOBREQUEST']._serialized_start=979
+  _globals['_DELETEBLOBREQUEST']._serialized_end=1014
+  _globals['_DELETEBLOBRESPONSE']._serialized_start=1016
+  _globals['_DELETEBLOBRESPONSE']._serialized_end=1056
+  _globals['_SEALEDRECORD']._serialized_start=1059
+  _globals['_SEALEDRECORD']._serialized_end=1216
+  _globals['_PUSHRECORDSREQUEST']._serialized_start=1218
+  _globals['_PUSHRECORDSREQUEST']._serialized_end=1280
+  _globals['_PUSHRECORDSRESPONSE']._serialized_start=1282
+  _globals['_PUSHRECORDSRESPONSE']._serialized_end=1366
+  _globals['_PULLRECORDSREQUEST']._serialized_start=1368
+  _globals['_PULLRECORDSREQUEST']._serialized_end=1430
+  _globals['_PULLRECORDSRESPONSE']._serialized_start=1432
+  _globals['_PULLRECORDSRESPONSE']._serialized_end=1518
+  _globals['_VAULT']._serialized_start=1632
+  _globals['_VAULT']._serialized_end=2154
 # @@protoc_insertion_point(module_scope)

@@ -98,12 +98,14 @@ class StatBlobResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[BlobState, str]] = ..., received: _Optional[int] = ..., blob: _Optional[_Union[BlobInfo, _Mapping]] = ...) -> None: ...
 
 class ListBlobsRequest(_message.Message):
-    __slots__ = ("page_size", "page_token")
+    __slots__ = ("page_size", "page_token", "owner_id")
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     page_size: int
     page_token: str
-    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    owner_id: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., owner_id: _Optional[str] = ...) -> None: ...
 
 class ListBlobsResponse(_message.Message):
     __slots__ = ("blobs", "next_page_token", "used_bytes", "quota_bytes")
@@ -128,3 +130,55 @@ class DeleteBlobResponse(_message.Message):
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     used_bytes: int
     def __init__(self, used_bytes: _Optional[int] = ...) -> None: ...
+
+class SealedRecord(_message.Message):
+    __slots__ = ("change_id", "item_id", "version", "origin_version", "via", "tombstone", "sealed", "sequence")
+    CHANGE_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VIA_FIELD_NUMBER: _ClassVar[int]
+    TOMBSTONE_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    change_id: int
+    item_id: str
+    version: int
+    origin_version: int
+    via: str
+    tombstone: bool
+    sealed: bytes
+    sequence: int
+    def __init__(self, change_id: _Optional[int] = ..., item_id: _Optional[str] = ..., version: _Optional[int] = ..., origin_version: _Optional[int] = ..., via: _Optional[str] = ..., tombstone: _Optional[bool] = ..., sealed: _Optional[bytes] = ..., sequence: _Optional[int] = ...) -> None: ...
+
+class PushRecordsRequest(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[SealedRecord]
+    def __init__(self, records: _Optional[_Iterable[_Union[SealedRecord, _Mapping]]] = ...) -> None: ...
+
+class PushRecordsResponse(_message.Message):
+    __slots__ = ("stored", "already_stored", "last_sequence")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_STORED_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    already_stored: int
+    last_sequence: int
+    def __init__(self, stored: _Optional[int] = ..., already_stored: _Optional[int] = ..., last_sequence: _Optional[int] = ...) -> None: ...
+
+class PullRecordsRequest(_message.Message):
+    __slots__ = ("after_sequence", "owner_id")
+    AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    after_sequence: int
+    owner_id: str
+    def __init__(self, after_sequence: _Optional[int] = ..., owner_id: _Optional[str] = ...) -> None: ...
+
+class PullRecordsResponse(_message.Message):
+    __slots__ = ("records", "last_sequence")
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[SealedRecord]
+    last_sequence: int
+    def __init__(self, records: _Optional[_Iterable[_Union[SealedRecord, _Mapping]]] = ..., last_sequence: _Optional[int] = ...) -> None: ...

@@ -26,9 +26,11 @@ if _version_not_supported:
 
 
 class VaultStub:
-    """Each device's end-to-end encrypted image blobs. The server stores the bytes it is given
-    (ciphertext: it never receives a key), addressed by their SHA-256. Device tokens only; a
-    device sees only its own blobs: another device's blob answers PERMISSION_DENIED.
+    """Each owner's end-to-end encrypted image blobs and gallery replica. The server stores the
+    bytes it is given (ciphertext: it never receives a key), blobs addressed by their SHA-256.
+    Device tokens only; blobs and records belong to the owner the device enrolled under (every
+    device of the owner reaches them, the uploading device is kept for audit); a blob or record
+    of another owner answers PERMISSION_DENIED.
     """
 
     def __init__(self, channel):
@@ -62,12 +64,24 @@ class VaultStub:
                 request_serializer=fctkit_dot_v1_dot_vault__pb2.DeleteBlobRequest.SerializeToString,
                 response_deserializer=fctkit_dot_v1_dot_vault__pb2.DeleteBlobResponse.FromString,
                 _registered_method=True)
+        self.PushRecords = channel.stream_unary(
+                '/fctkit.v1.Vault/PushRecords',
+                request_serializer=fctkit_dot_v1_dot_vault__pb2.PushRecordsRequest.SerializeToString,
+                response_deserializer=fctkit_dot_v1_dot_vault__pb2.PushRecordsResponse.FromString,
+                _registered_method=True)
+        self.PullRecords = channel.unary_stream(
+                '/fctkit.v1.Vault/PullRecords',
+                request_serializer=fctkit_dot_v1_dot_vault__pb2.PullRecordsRequest.SerializeToString,
+                response_deserializer=fctkit_dot_v1_dot_vault__pb2.PullRecordsResponse.FromString,
+                _registered_method=True)
 
 
 class VaultServicer:
-    """Each device's end-to-end encrypted image blobs. The server stores the bytes it is given
-    (ciphertext: it never receives a key), addressed by their SHA-256. Device tokens only; a
-    device sees only its own blobs: another device's blob answers PERMISSION_DENIED.
+    """Each owner's end-to-end encrypted image blobs and gallery replica. The server stores the
+    bytes it is given (ciphertext: it never receives a key), blobs addressed by their SHA-256.
+    Device tokens only; blobs and records belong to the owner the device enrolled under (every
+    device of the owner reaches them, the uploading device is kept for audit); a blob or record
+    of another owner answers PERMISSION_DENIED.
     """
 
     def Upload(self, request_iterator, context):
@@ -94,7 +108,7 @@ class VaultServicer:
         raise NotImplementedError('Method not implemented!')
 
     def List(self, request, context):
-        """The device's blobs in SHA-256 order, 1,000 at most per page, and its quota.
+        """The owner's blobs in SHA-256 order, 1,000 at most per page, and the owner's quota.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -102,6 +116,26 @@ class VaultServicer:
 
     def Delete(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushRecords(self, request_iterator, context):
+        """Gallery replication, client stream: batches of sealed records (AES-256-GCM under the
+        owner key, which the server never has), each with the pushing device's change id as its
+        idempotency key. Each batch is stored in one transaction, every new record getting the
+        owner's next sequence number; a record whose (device, change id) is already stored keeps
+        the sequence it got then and is not stored twice (a retried push). RESOURCE_EXHAUSTED
+        when the owner's replica quota would be exceeded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullRecords(self, request, context):
+        """The owner's records with a sequence number above `after_sequence`, in sequence order, in
+        batches of at most 1 MiB of records.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -134,6 +168,16 @@ def add_VaultServicer_to_server(servicer, server):
                     request_deserializer=fctkit_dot_v1_dot_vault__pb2.DeleteBlobRequest.FromString,
                     response_serializer=fctkit_dot_v1_dot_vault__pb2.DeleteBlobResponse.SerializeToString,
             ),
+            'PushRecords': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushRecords,
+                    request_deserializer=fctkit_dot_v1_dot_vault__pb2.PushRecordsRequest.FromString,
+                    response_serializer=fctkit_dot_v1_dot_vault__pb2.PushRecordsResponse.SerializeToString,
+            ),
+            'PullRecords': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullRecords,
+                    request_deserializer=fctkit_dot_v1_dot_vault__pb2.PullRecordsRequest.FromString,
+                    response_serializer=fctkit_dot_v1_dot_vault__pb2.PullRecordsResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'fctkit.v1.Vault', rpc_method_handlers)
@@ -143,9 +187,11 @@ def add_VaultServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Vault:
-    """Each device's end-to-end encrypted image blobs. The server stores the bytes it is given
-    (ciphertext: it never receives a key), addressed by their SHA-256. Device tokens only; a
-    device sees only its own blobs: another device's blob answers PERMISSION_DENIED.
+    """Each owner's end-to-end encrypted image blobs and gallery replica. The server stores the
+    bytes it is given (ciphertext: it never receives a key), blobs addressed by their SHA-256.
+    Device tokens only; blobs and records belong to the owner the device enrolled under (every
+    device of the owner reaches them, the uploading device is kept for audit); a blob or record
+    of another owner answers PERMISSION_DENIED.
     """
 
     @staticmethod
@@ -273,6 +319,60 @@ class Vault:
             '/fctkit.v1.Vault/Delete',
             fctkit_dot_v1_dot_vault__pb2.DeleteBlobRequest.SerializeToString,
             fctkit_dot_v1_dot_vault__pb2.DeleteBlobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushRecords(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fctkit.v1.Vault/PushRecords',
+            fctkit_dot_v1_dot_vault__pb2.PushRecordsRequest.SerializeToString,
+            fctkit_dot_v1_dot_vault__pb2.PushRecordsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullRecords(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fctkit.v1.Vault/PullRecords',
+            fctkit_dot_v1_dot_vault__pb2.PullRecordsRequest.SerializeToString,
+            fctkit_dot_v1_dot_vault__pb2.PullRecordsResponse.FromString,
             options,
             channel_credentials,
             insecure,

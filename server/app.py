@@ -1,4 +1,4 @@
-"""The fctkit gRPC server (grpc.aio): Registry, Vault and Fleet behind bearer-token auth, with
+"""The fctkit gRPC server (grpc.aio): Registry, Vault (blobs and gallery replica) and Fleet behind bearer-token auth, with
 standard health checking and server reflection, optional TLS, JSON-lines logging and graceful
 shutdown (SIGINT/SIGTERM: health turns NOT_SERVING, watch streams end with OK, in-flight calls
 get ``shutdown_grace_s`` to finish)."""
@@ -40,6 +40,7 @@ class ServerConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     quota_bytes: int = 1 << 30
+    replica_quota_bytes: int = 1 << 30
     max_blob_bytes: int = 64 << 20
     max_bundle_bytes: int = 4 << 30
     max_partial_uploads: int = 4
@@ -52,7 +53,7 @@ class ServerConfig:
             raise ConfigError(f"port {self.port} is not 0..65535 (0 picks a free port)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
-        for name in ("quota_bytes", "max_blob_bytes", "max_bundle_bytes", "max_partial_uploads"):
+        for name in ("quota_bytes", "replica_quota_bytes", "max_blob_bytes", "max_bundle_bytes", "max_partial_uploads"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if self.watch_keepalive_s <= 0 or self.shutdown_grace_s < 0:
@@ -77,7 +78,7 @@ class FctkitServer:
         removed = self._storage.collect_garbage()
         self._catalog = Catalog.load(self._storage, public_key)
         admin_token, self.admin_token_path = load_or_create_admin_token(config.admin_token_file, config.data_dir)
-        authenticator = Authenticator(admin_token, self._storage.device_for_token)
+        authenticator = Authenticator(admin_token, self._storage.device_for_token, self._storage.device_owner)
         self._health = health.aio.HealthServicer()
         self._server = grpc.aio.server(
             interceptors=[AuthInterceptor(authenticator)],
@@ -95,7 +96,7 @@ class FctkitServer:
         )
         vault_pb2_grpc.add_VaultServicer_to_server(
             VaultService(self._storage, quota_bytes=config.quota_bytes, max_blob_bytes=config.max_blob_bytes,
-                         max_partial_uploads=config.max_partial_uploads),
+                         max_partial_uploads=config.max_partial_uploads, replica_quota_bytes=config.replica_quota_bytes),
             self._server,
         )
         fleet_pb2_grpc.add_FleetServicer_to_server(

@@ -44,6 +44,8 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     "/fctkit.v1.Vault/Stat": DEVICE,
     "/fctkit.v1.Vault/List": DEVICE,
     "/fctkit.v1.Vault/Delete": DEVICE,
+    "/fctkit.v1.Vault/PushRecords": DEVICE,
+    "/fctkit.v1.Vault/PullRecords": DEVICE,
     "/fctkit.v1.Fleet/CreateEnrolmentCode": ADMIN,
     "/fctkit.v1.Fleet/Enrol": PUBLIC,
     "/fctkit.v1.Fleet/Report": DEVICE,
@@ -91,6 +93,7 @@ def load_or_create_admin_token(token_file: Path | None, data_dir: Path) -> tuple
 class Principal:
     role: Role
     device_id: str | None = None
+    owner_id: str | None = None  # the owner a device belongs to
 
     @property
     def name(self) -> str:
@@ -109,12 +112,23 @@ def current_device_id() -> str:
     return principal.device_id
 
 
+def current_owner_id() -> str:
+    """The owner of the calling device (whose blobs and records it may reach)."""
+    current_device_id()
+    owner_id = CALLER.get().owner_id
+    if owner_id is None:
+        raise RpcStatusError("PERMISSION_DENIED", "this device belongs to no owner: enrol it again")
+    return owner_id
+
+
 class Authenticator:
     """Resolves bearer tokens: the admin token (compared by hash) or a device token (looked up by hash)."""
 
-    def __init__(self, admin_token: str, device_for_token_hash: Callable[[str], str | None]) -> None:
+    def __init__(self, admin_token: str, device_for_token_hash: Callable[[str], str | None],
+                 device_owner: Callable[[str], str | None] = lambda device_id: None) -> None:
         self._admin_hash = hash_secret(admin_token)
         self._device_for_token_hash = device_for_token_hash
+        self._device_owner = device_owner
 
     def principal(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> Principal:
         value = next((v for k, v in metadata or () if k == "authorization"), None)
@@ -132,7 +146,7 @@ class Authenticator:
         device_id = self._device_for_token_hash(token_hash)
         if device_id is None:
             raise RpcStatusError("UNAUTHENTICATED", "unknown token: enrol the device again or check the admin token")
-        return Principal("device", device_id)
+        return Principal("device", device_id, self._device_owner(device_id))
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

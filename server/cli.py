@@ -29,7 +29,8 @@ _EXISTING = click.Path(path_type=Path, exists=True, dir_okay=False)
 @click.option("--admin-token-file", type=_PATH, default=None, help="File holding the admin token; default DATA/admin.token, created (mode 0600) if missing.")
 @click.option("--tls-cert", type=_EXISTING, default=None, help="PEM certificate chain: serve TLS (with --tls-key).")
 @click.option("--tls-key", type=_EXISTING, default=None, help="PEM private key of --tls-cert.")
-@click.option("--quota-bytes", type=int, default=1 << 30, show_default=True, help="Vault bytes each device may store.")
+@click.option("--quota-bytes", type=int, default=1 << 30, show_default=True, help="Vault bytes each owner may store.")
+@click.option("--replica-quota-bytes", type=int, default=1 << 30, show_default=True, help="Sealed gallery-record bytes each owner may store.")
 @click.option("--max-blob-bytes", type=int, default=64 << 20, show_default=True, help="Largest vault blob.")
 @click.option("--max-bundle-bytes", type=int, default=4 << 30, show_default=True, help="Largest bundle archive accepted for publishing.")
 @click.option("--watch-keepalive", "watch_keepalive_s", type=float, default=15.0, show_default=True, help="Seconds between keep-alives on idle WatchVersions streams.")
@@ -99,13 +100,15 @@ def _as_dict(message) -> dict:
 @admin_command.command("enrol-code")
 @click.option("--ttl", type=int, default=0, help="Seconds the code stays valid (0: one day; at most 30 days).")
 @click.option("--label", default="", help="A note (e.g. where the device goes), copied to the device record.")
+@click.option("--owner", default="", help="Enrol the device into this owner (its blobs and gallery replica are shared "
+              "with the owner's other devices); default: a new owner of its own.")
 @click.pass_obj
-def enrol_code_command(connect, ttl: int, label: str) -> None:
+def enrol_code_command(connect, ttl: int, label: str, owner: str) -> None:
     """Make a one-time enrolment code for one device."""
     with connect() as client:
-        response = client.create_enrolment_code(ttl, label)
+        response = client.create_enrolment_code(ttl, label, owner=owner)
     click.echo(response.code)
-    click.echo(f"expires {response.expires_at}", err=True)
+    click.echo(f"expires {response.expires_at}, owner {response.owner_id}", err=True)
 
 
 @admin_command.command("publish")
@@ -128,7 +131,7 @@ def list_devices_command(connect, as_json: bool) -> None:
     """Every enrolled device with its version, gallery size and upgrade state."""
     with connect() as client:
         rows = [_as_dict(d) for d in client.list_devices()]
-    columns = ("device_id", "name", "version", "gallery_size", "upgrade_state", "last_report_at", "vault_bytes")
+    columns = ("device_id", "owner_id", "name", "version", "gallery_size", "upgrade_state", "last_report_at", "vault_bytes")
     _emit(rows, as_json, columns)
 
 

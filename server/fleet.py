@@ -1,7 +1,9 @@
 """The Fleet service: one-time enrolment codes, device enrolment, device reports, fleet listing.
 
 Codes and device tokens are random (>= 120 bits) and kept only as SHA-256 hashes; a code
-works once and until it expires. Enrolment hands the device the publisher's public key to pin.
+works once and until it expires. Each code names the owner its device joins (the admin's
+``owner``, or a new owner of its own); enrolment hands the device its owner id and the
+publisher's public key to pin.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def device_info(record: DeviceRecord) -> fleet_pb2.DeviceInfo:
         device_id=record.device_id, name=record.name, label=record.label, enrolled_at=record.enrolled_at,
         last_report_at=record.last_report_at or "", version=report.version, gallery_size=report.gallery_size,
         upgrade_state=report.upgrade_state, target_version=report.target_version, progress=report.progress,
-        detail=report.detail, vault_bytes=record.vault_bytes, vault_blobs=record.vault_blobs,
+        detail=report.detail, vault_bytes=record.vault_bytes, vault_blobs=record.vault_blobs, owner_id=record.owner_id,
     )
 
 
@@ -52,10 +54,11 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
         if ttl > limits.MAX_ENROLMENT_TTL_S:
             raise invalid(f"ttl_seconds is {ttl}; at most {limits.MAX_ENROLMENT_TTL_S} (30 days)")
         label = text_field(request.label, "label")
+        owner_id = text_field(request.owner, "owner").strip() or "own-" + secrets.token_hex(8)
         code = new_enrolment_code()
         expires_at = timestamp(after_s=ttl)
-        self._storage.add_enrolment_code(hash_secret(normalise_code(code)), label, timestamp(), expires_at)
-        return fleet_pb2.CreateEnrolmentCodeResponse(code=code, expires_at=expires_at)
+        self._storage.add_enrolment_code(hash_secret(normalise_code(code)), label, timestamp(), expires_at, owner_id)
+        return fleet_pb2.CreateEnrolmentCodeResponse(code=code, expires_at=expires_at, owner_id=owner_id)
 
     async def Enrol(self, request, context):
         code = normalise_code(text_field(request.code, "code", 64))
@@ -69,7 +72,7 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
             raise RpcStatusError("PERMISSION_DENIED", "unknown, used or expired enrolment code: ask an admin for a new one")
         return fleet_pb2.EnrolResponse(
             device_id=device_id, token=token,
-            publisher_public_key=self._publisher_key, publisher_key_id=self._publisher_key_id,
+            publisher_public_key=self._publisher_key, publisher_key_id=self._publisher_key_id, owner_id=record.owner_id,
         )
 
     async def Report(self, request, context):

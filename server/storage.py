@@ -3,7 +3,8 @@
 The default, :class:`SqliteStorage`, keeps everything in one data directory:
 
 ```
-DATA/meta.sqlite3      metadata (SQLite in WAL mode): versions, devices, enrolment codes, blob index
+DATA/meta.sqlite3      metadata (SQLite in WAL mode): versions, devices, enrolment codes, blob index,
+                       owners' replicated gallery records (sealed: ciphertext only)
 DATA/artifacts/aa/...  bundle artifacts, content-addressed by SHA-256
 DATA/blobs/aa/...      vault blobs (device ciphertext), content-addressed by SHA-256
 DATA/tmp/              uploads in progress and publish staging (never listed)
@@ -14,8 +15,15 @@ A content file is fsynced and renamed into place *before* the metadata row that 
 visible is committed; files that no row references (a crash in between) are removed by
 :meth:`SqliteStorage.collect_garbage` at start-up.
 
-The tables carry an ``owner_id`` column (devices and blobs) for the multi-device owners of a
-later release; nothing sets it yet.
+Owners: every enrolment code names an owner (a fresh one unless the admin gives one) and the
+device it enrols belongs to that owner. Vault blobs and replica records belong to the owner
+(the uploading / pushing device is kept for audit); a device reaches everything of its owner
+and nothing of another. Schema 1 databases (before owners) are migrated in place: each device
+becomes the only device of an owner of its own.
+
+Replica records (``replica_records``) get a per-owner sequence number, assigned in the
+transaction that stores them; ``(device_id, change_id)`` is unique, so a retried push finds
+its records already stored and never duplicates them.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from fctkit.errors import ConfigError
 
 from .content_store import ContentStore
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (
     version INTEGER PRIMARY KEY,
@@ -52,7 +60,8 @@ CREATE TABLE IF NOT EXISTS enrolment_codes (
     created_at TEXT NOT NULL,
     expires_at TEXT NOT NULL,
     used_at TEXT,
-    device_id TEXT
+    device_id TEXT,
+    owner_id TEXT
 );
 CREATE TABLE IF NOT EXISTS devices (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -80,6 +89,27 @@ CREATE TABLE IF NOT EXISTS blobs (
     PRIMARY KEY (device_id, sha256)
 );
 CREATE INDEX IF NOT EXISTS blobs_by_sha256 ON blobs (sha256);
+CREATE INDEX IF NOT EXISTS blobs_by_owner ON blobs (owner_id, sha256);
+CREATE TABLE IF NOT EXISTS replica_records (
+    owner_id TEXT NOT NULL,
+    sequence INTEGER NOT NULL,
+    device_id TEXT NOT NULL,
+    change_id INTEGER NOT NULL,
+    item_id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    origin_version INTEGER NOT NULL,
+    via TEXT NOT NULL,
+    tombstone INTEGER NOT NULL,
+    sealed BLOB NOT NULL,
+    created_at TEXT NOT NULL,
+    PRIMARY KEY (owner_id, sequence),
+    UNIQUE (device_id, change_id)
+);
+CREATE TABLE IF NOT EXISTS replica_owners (
+    owner_id TEXT PRIMARY KEY,
+    last_sequence INTEGER NOT NULL,
+    sealed_bytes INTEGER NOT NULL
+);
 """
 
 
@@ -91,6 +121,18 @@ class VersionRecord:
     published_at: str
 
 
+def _add_owners(db: sqlite3.Connection) -> None:
+    """Schema 1 -> 2: owners. Each existing device becomes the only device of an owner of its own."""
+    if "owner_id" not in {row[1] for row in db.execute("PRAGMA table_info(enrolment_codes)")}:
+        db.execute("ALTER TABLE enrolment_codes ADD COLUMN owner_id TEXT")
+    db.execute("UPDATE devices SET owner_id = 'own-' || device_id WHERE owner_id IS NULL")
+    db.execute("UPDATE blobs SET owner_id = (SELECT d.owner_id FROM devices d WHERE d.device_id = blobs.device_id) "
+               "WHERE owner_id IS NULL")
+
+
+_MIGRATIONS = {1: _add_owners}  # schema found -> the step to the next one
+
+
 @dataclass(frozen=True)
 class BlobRecord:
     device_id: str
@@ -98,6 +140,28 @@ class BlobRecord:
     size: int
     item_id: str
     created_at: str
+    owner_id: str | None = None  # None: the uploading device's owner
+
+
+@dataclass(frozen=True)
+class ReplicaRecord:
+    """One sealed gallery record of an owner's replica (see the Vault service's SealedRecord)."""
+
+    change_id: int
+    item_id: str
+    version: int
+    origin_version: int
+    via: str
+    tombstone: bool
+    sealed: bytes
+    sequence: int = 0  # assigned by the server
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    stored: int
+    already_stored: int
+    last_sequence: int
 
 
 @dataclass(frozen=True)
@@ -121,6 +185,7 @@ class DeviceRecord:
     report: DeviceReport
     vault_bytes: int
     vault_blobs: int
+    owner_id: str = ""
 
 
 class Storage(Protocol):
@@ -140,10 +205,21 @@ class Storage(Protocol):
     def list_blobs(self, device_id: str, after_sha256: str, limit: int) -> list[BlobRecord]: ...
     def delete_blob(self, device_id: str, sha256: str) -> bool: ...
     def vault_usage(self, device_id: str) -> tuple[int, int]: ...
+    def owner_blob(self, owner_id: str, sha256: str) -> BlobRecord | None: ...
+    def blob_held_by_other_owner(self, owner_id: str, sha256: str) -> bool: ...
+    def list_owner_blobs(self, owner_id: str, after_sha256: str, limit: int) -> list[BlobRecord]: ...
+    def delete_owner_blob(self, owner_id: str, sha256: str) -> bool: ...
+    def owner_vault_usage(self, owner_id: str) -> tuple[int, int]: ...
 
-    def add_enrolment_code(self, code_hash: str, label: str, created_at: str, expires_at: str) -> None: ...
+    def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str) -> PushOutcome: ...
+    def pull_records(self, owner_id: str, after_sequence: int, limit: int) -> list[ReplicaRecord]: ...
+    def replica_usage(self, owner_id: str) -> tuple[int, int]: ...
+
+    def add_enrolment_code(self, code_hash: str, label: str, created_at: str, expires_at: str,
+                           owner_id: str | None = None) -> None: ...
     def enrol(self, code_hash: str, now: str, device_id: str, name: str, token_hash: str) -> DeviceRecord | None: ...
     def device_for_token(self, token_hash: str) -> str | None: ...
+    def device_owner(self, device_id: str) -> str | None: ...
     def record_report(self, device_id: str, report: DeviceReport, now: str) -> None: ...
     def list_devices(self, after_seq: int, limit: int) -> list[DeviceRecord]: ...
 
@@ -192,54 +268,114 @@ class SqliteStorage:
             )
 
     # -- vault ------------------------------------------------------------------------------
+    # Blobs are looked up per device (its uploads) or per owner (what its devices may reach).
 
     def blob(self, device_id: str, sha256: str) -> BlobRecord | None:
-        row = self._db.execute(
-            "SELECT device_id, sha256, size, item_id, created_at FROM blobs WHERE device_id=? AND sha256=?",
-            (device_id, sha256),
-        ).fetchone()
-        return BlobRecord(*row) if row else None
+        return next(iter(self._blobs("device_id", device_id, "sha256=?", (sha256,), 1)), None)
+
+    def owner_blob(self, owner_id: str, sha256: str) -> BlobRecord | None:
+        return next(iter(self._blobs("owner_id", owner_id, "sha256=?", (sha256,), 1)), None)
 
     def blob_held_by_other_device(self, device_id: str, sha256: str) -> bool:
-        row = self._db.execute(
-            "SELECT 1 FROM blobs WHERE sha256=? AND device_id<>? LIMIT 1", (sha256, device_id)
-        ).fetchone()
-        return row is not None
+        return self._held_by_other("device_id", device_id, sha256)
+
+    def blob_held_by_other_owner(self, owner_id: str, sha256: str) -> bool:
+        return self._held_by_other("owner_id", owner_id, sha256)
 
     def add_blob(self, record: BlobRecord, source: Path) -> None:
         self.blobs.put(source, record.sha256)
+        owner_id = record.owner_id or self.device_owner(record.device_id)
         self._db.execute(
-            "INSERT OR IGNORE INTO blobs (device_id, sha256, size, item_id, created_at) VALUES (?, ?, ?, ?, ?)",
-            (record.device_id, record.sha256, record.size, record.item_id, record.created_at),
+            "INSERT OR IGNORE INTO blobs (device_id, sha256, size, item_id, created_at, owner_id) VALUES (?, ?, ?, ?, ?, ?)",
+            (record.device_id, record.sha256, record.size, record.item_id, record.created_at, owner_id),
         )
 
     def list_blobs(self, device_id: str, after_sha256: str, limit: int) -> list[BlobRecord]:
-        rows = self._db.execute(
-            "SELECT device_id, sha256, size, item_id, created_at FROM blobs "
-            "WHERE device_id=? AND sha256>? ORDER BY sha256 LIMIT ?",
-            (device_id, after_sha256, limit),
-        )
-        return [BlobRecord(*row) for row in rows]
+        return self._blobs("device_id", device_id, "sha256>?", (after_sha256,), limit)
+
+    def list_owner_blobs(self, owner_id: str, after_sha256: str, limit: int) -> list[BlobRecord]:
+        return self._blobs("owner_id", owner_id, "sha256>?", (after_sha256,), limit)
 
     def delete_blob(self, device_id: str, sha256: str) -> bool:
         """Forget the device's blob; the file goes when no device holds it any more."""
-        deleted = self._db.execute("DELETE FROM blobs WHERE device_id=? AND sha256=?", (device_id, sha256)).rowcount
+        return self._delete_blob("device_id", device_id, sha256)
+
+    def delete_owner_blob(self, owner_id: str, sha256: str) -> bool:
+        """Forget the owner's blob (whichever of its devices uploaded it)."""
+        return self._delete_blob("owner_id", owner_id, sha256)
+
+    def vault_usage(self, device_id: str) -> tuple[int, int]:
+        return self._usage("device_id", device_id)
+
+    def owner_vault_usage(self, owner_id: str) -> tuple[int, int]:
+        return self._usage("owner_id", owner_id)
+
+    def _blobs(self, column: str, value: str, condition: str, params: tuple, limit: int) -> list[BlobRecord]:
+        rows = self._db.execute(
+            f"SELECT device_id, sha256, size, item_id, created_at, owner_id FROM blobs "
+            f"WHERE {column}=? AND {condition} ORDER BY sha256 LIMIT ?",
+            (value, *params, limit),
+        )
+        return [BlobRecord(*row) for row in rows]
+
+    def _held_by_other(self, column: str, value: str, sha256: str) -> bool:
+        query = f"SELECT 1 FROM blobs WHERE sha256=? AND ({column} IS NULL OR {column}<>?) LIMIT 1"
+        return self._db.execute(query, (sha256, value)).fetchone() is not None
+
+    def _delete_blob(self, column: str, value: str, sha256: str) -> bool:
+        deleted = self._db.execute(f"DELETE FROM blobs WHERE {column}=? AND sha256=?", (value, sha256)).rowcount
         if deleted and not self._db.execute("SELECT 1 FROM blobs WHERE sha256=? LIMIT 1", (sha256,)).fetchone():
             self.blobs.delete(sha256)
         return bool(deleted)
 
-    def vault_usage(self, device_id: str) -> tuple[int, int]:
+    def _usage(self, column: str, value: str) -> tuple[int, int]:
         size, count = self._db.execute(
-            "SELECT COALESCE(SUM(size), 0), COUNT(*) FROM blobs WHERE device_id=?", (device_id,)
+            f"SELECT COALESCE(SUM(size), 0), COUNT(*) FROM blobs WHERE {column}=?", (value,)
         ).fetchone()
         return int(size), int(count)
 
+    # -- replica ----------------------------------------------------------------------------
+
+    def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str) -> PushOutcome:
+        """Store ``records`` in one transaction, each new one under the owner's next sequence
+        number; a record whose (device, change id) is already stored is left as it is."""
+        stored = added_bytes = 0
+        with self._transaction():
+            size, last = self.replica_usage(owner_id)
+            for record in records:
+                inserted = self._db.execute(
+                    "INSERT OR IGNORE INTO replica_records (owner_id, sequence, device_id, change_id, item_id, version, "
+                    "origin_version, via, tombstone, sealed, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (owner_id, last + 1, device_id, record.change_id, record.item_id, record.version,
+                     record.origin_version, record.via, int(record.tombstone), record.sealed, now),
+                ).rowcount
+                stored += inserted
+                last += inserted
+                added_bytes += inserted * len(record.sealed)
+            self._db.execute("INSERT OR REPLACE INTO replica_owners VALUES (?, ?, ?)", (owner_id, last, size + added_bytes))
+        return PushOutcome(stored, len(records) - stored, last)
+
+    def pull_records(self, owner_id: str, after_sequence: int, limit: int) -> list[ReplicaRecord]:
+        rows = self._db.execute(
+            "SELECT change_id, item_id, version, origin_version, via, tombstone, sealed, sequence FROM replica_records "
+            "WHERE owner_id=? AND sequence>? ORDER BY sequence LIMIT ?",
+            (owner_id, after_sequence, limit),
+        )
+        return [ReplicaRecord(c, i, v, o, via, bool(t), bytes(s), seq) for c, i, v, o, via, t, s, seq in rows]
+
+    def replica_usage(self, owner_id: str) -> tuple[int, int]:
+        """(sealed bytes, highest sequence number) of the owner's replica."""
+        row = self._db.execute("SELECT sealed_bytes, last_sequence FROM replica_owners WHERE owner_id=?", (owner_id,)).fetchone()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
     # -- fleet ------------------------------------------------------------------------------
 
-    def add_enrolment_code(self, code_hash: str, label: str, created_at: str, expires_at: str) -> None:
+    def add_enrolment_code(self, code_hash: str, label: str, created_at: str, expires_at: str,
+                           owner_id: str | None = None) -> None:
+        """A one-time code; the device it enrols joins ``owner_id`` (None: an owner of its own)."""
         self._db.execute(
-            "INSERT INTO enrolment_codes (code_hash, label, created_at, expires_at) VALUES (?, ?, ?, ?)",
-            (code_hash, label, created_at, expires_at),
+            "INSERT INTO enrolment_codes (code_hash, label, created_at, expires_at, owner_id) VALUES (?, ?, ?, ?, ?)",
+            (code_hash, label, created_at, expires_at, owner_id),
         )
 
     def enrol(self, code_hash: str, now: str, device_id: str, name: str, token_hash: str) -> DeviceRecord | None:
@@ -247,7 +383,7 @@ class SqliteStorage:
         the code is unknown, used or expired."""
         with self._transaction():
             row = self._db.execute(
-                "SELECT label FROM enrolment_codes WHERE code_hash=? AND used_at IS NULL AND expires_at>?",
+                "SELECT label, owner_id FROM enrolment_codes WHERE code_hash=? AND used_at IS NULL AND expires_at>?",
                 (code_hash, now),
             ).fetchone()
             if row is None:
@@ -256,13 +392,17 @@ class SqliteStorage:
                 "UPDATE enrolment_codes SET used_at=?, device_id=? WHERE code_hash=?", (now, device_id, code_hash)
             )
             self._db.execute(
-                "INSERT INTO devices (device_id, token_hash, name, label, enrolled_at) VALUES (?, ?, ?, ?, ?)",
-                (device_id, token_hash, name, row[0], now),
+                "INSERT INTO devices (device_id, token_hash, name, label, enrolled_at, owner_id) VALUES (?, ?, ?, ?, ?, ?)",
+                (device_id, token_hash, name, row[0], now, row[1] or "own-" + device_id),
             )
         return self._devices("WHERE d.device_id=?", (device_id,))[0]
 
     def device_for_token(self, token_hash: str) -> str | None:
         row = self._db.execute("SELECT device_id FROM devices WHERE token_hash=?", (token_hash,)).fetchone()
+        return row[0] if row else None
+
+    def device_owner(self, device_id: str) -> str | None:
+        row = self._db.execute("SELECT owner_id FROM devices WHERE device_id=?", (device_id,)).fetchone()
         return row[0] if row else None
 
     def record_report(self, device_id: str, report: DeviceReport, now: str) -> None:
@@ -281,13 +421,13 @@ class SqliteStorage:
             "SELECT d.seq, d.device_id, d.name, d.label, d.enrolled_at, d.last_report_at, d.version, d.gallery_size, "
             "d.upgrade_state, d.target_version, d.progress, d.detail, "
             "(SELECT COALESCE(SUM(size), 0) FROM blobs b WHERE b.device_id=d.device_id), "
-            "(SELECT COUNT(*) FROM blobs b WHERE b.device_id=d.device_id) "
+            "(SELECT COUNT(*) FROM blobs b WHERE b.device_id=d.device_id), d.owner_id "
             f"FROM devices d {where}",
             params,
         )
         return [
-            DeviceRecord(seq, dev, name, label, enrolled, last, DeviceReport(*report), int(vb), int(vn))
-            for seq, dev, name, label, enrolled, last, *report, vb, vn in rows
+            DeviceRecord(seq, dev, name, label, enrolled, last, DeviceReport(*report), int(vb), int(vn), owner or "")
+            for seq, dev, name, label, enrolled, last, *report, vb, vn, owner in rows
         ]
 
     # -- housekeeping -----------------------------------------------------------------------
@@ -330,14 +470,18 @@ def _open_database(path: Path) -> sqlite3.Connection:
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA foreign_keys=ON")
         found = db.execute("PRAGMA user_version").fetchone()[0]
-        if found not in (0, SCHEMA_VERSION):
+        if found not in (0, SCHEMA_VERSION, *_MIGRATIONS):
             db.close()
             raise ConfigError(
                 f"{path.parent}: metadata schema {found} is not the {SCHEMA_VERSION} this server "
                 "understands; run the fctkit version that wrote it"
             )
-        db.executescript(_SCHEMA)
-        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        with _Transaction(db):
+            for step in range(found, SCHEMA_VERSION) if found else ():
+                _MIGRATIONS[step](db)
+            for statement in filter(str.strip, _SCHEMA.split(";")):
+                db.execute(statement)
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     except sqlite3.DatabaseError as exc:
         raise ConfigError(f"{path}: not a usable fctkit database: {exc}") from exc
     return db

@@ -1,7 +1,9 @@
-"""The Vault service: each device's end-to-end encrypted image blobs.
+"""The Vault service: each owner's end-to-end encrypted image blobs and gallery replica.
 
 The server stores exactly the bytes it receives (ciphertext; it never sees a key), names them
-by SHA-256 and lets a device reach only its own. Interrupted uploads stay under
+by SHA-256 and lets a device reach only its owner's (any device of the owner reaches every
+blob of the owner; the uploading device is recorded for audit). The quota is per owner. The
+replica RPCs live in :mod:`fctkit.server.replica`. Interrupted uploads stay under
 ``tmp/uploads/<device>/<sha256>.part`` and can be resumed (Stat tells how much arrived); a
 device keeps at most ``max_partial_uploads`` of them, the oldest giving way.
 """
@@ -15,7 +17,8 @@ from fctkit.errors import RpcStatusError
 from fctkit.protos import limits, vault_pb2, vault_pb2_grpc
 from fctkit.protos.bundle import file_sha256
 
-from .auth import current_device_id
+from .auth import current_device_id, current_owner_id
+from .replica import ReplicaHandlers
 from .storage import BlobRecord, Storage
 from .streams import check_offset, file_chunks, read_header, receive_chunks
 from .validation import chunk_size, invalid, page_size, sha256_field, text_field, timestamp
@@ -25,9 +28,11 @@ def _blob_info(record: BlobRecord) -> vault_pb2.BlobInfo:
     return vault_pb2.BlobInfo(sha256=record.sha256, size=record.size, item_id=record.item_id, created_at=record.created_at)
 
 
-class VaultService(vault_pb2_grpc.VaultServicer):
-    def __init__(self, storage: Storage, *, quota_bytes: int, max_blob_bytes: int, max_partial_uploads: int = 4) -> None:
+class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
+    def __init__(self, storage: Storage, *, quota_bytes: int, max_blob_bytes: int, max_partial_uploads: int = 4,
+                 replica_quota_bytes: int = 1 << 30) -> None:
         self._storage = storage
+        self._replica_quota = replica_quota_bytes
         self._quota = quota_bytes
         self._max_blob = max_blob_bytes
         self._max_partials = max_partial_uploads
@@ -36,15 +41,15 @@ class VaultService(vault_pb2_grpc.VaultServicer):
     def _partial_path(self, device_id: str, sha256: str) -> Path:
         return self._storage.tmp_dir / "uploads" / device_id / f"{sha256}.part"
 
-    def _own_blob(self, device_id: str, sha256: str) -> BlobRecord | None:
-        """The device's blob, None when nobody stores it; PERMISSION_DENIED when only others do."""
-        record = self._storage.blob(device_id, sha256)
-        if record is None and self._storage.blob_held_by_other_device(device_id, sha256):
-            raise RpcStatusError("PERMISSION_DENIED", "this blob belongs to another device")
+    def _own_blob(self, owner_id: str, sha256: str) -> BlobRecord | None:
+        """The owner's blob, None when nobody stores it; PERMISSION_DENIED when only other owners do."""
+        record = self._storage.owner_blob(owner_id, sha256)
+        if record is None and self._storage.blob_held_by_other_owner(owner_id, sha256):
+            raise RpcStatusError("PERMISSION_DENIED", "this blob belongs to another owner")
         return record
 
-    def _check_quota(self, device_id: str, extra: int) -> int:
-        used, _ = self._storage.vault_usage(device_id)
+    def _check_quota(self, owner_id: str, extra: int) -> int:
+        used, _ = self._storage.owner_vault_usage(owner_id)
         if used + extra > self._quota:
             raise RpcStatusError(
                 "RESOURCE_EXHAUSTED",
@@ -60,27 +65,27 @@ class VaultService(vault_pb2_grpc.VaultServicer):
             stale.unlink(missing_ok=True)
 
     async def Upload(self, requests, context):
-        device_id = current_device_id()
+        device_id, owner_id = current_device_id(), current_owner_id()
         header = await read_header(requests)
         sha256 = sha256_field(header.sha256, "header.sha256")
         if not 0 < header.size <= self._max_blob:
             raise invalid(f"header.size is {header.size}; blobs hold 1 to {self._max_blob} bytes")
         item_id = text_field(header.item_id, "header.item_id")
-        existing = self._own_blob(device_id, sha256)
+        existing = self._own_blob(owner_id, sha256)
         if existing is not None:
-            used, _ = self._storage.vault_usage(device_id)
+            used, _ = self._storage.owner_vault_usage(owner_id)
             return vault_pb2.UploadBlobResponse(blob=_blob_info(existing), already_stored=True, used_bytes=used, quota_bytes=self._quota)
-        self._check_quota(device_id, header.size)
+        self._check_quota(owner_id, header.size)
         key = (device_id, sha256)
         if key in self._uploading:
             raise RpcStatusError("ABORTED", "an upload of this blob is already in progress; retry when it ends")
         self._uploading.add(key)
         try:
-            return await self._receive(requests, device_id, header, sha256, item_id)
+            return await self._receive(requests, device_id, owner_id, header, sha256, item_id)
         finally:
             self._uploading.discard(key)
 
-    async def _receive(self, requests, device_id: str, header, sha256: str, item_id: str):
+    async def _receive(self, requests, device_id: str, owner_id: str, header, sha256: str, item_id: str):
         partial = self._partial_path(device_id, sha256)
         held = partial.stat().st_size if partial.exists() else 0
         if header.offset > held:
@@ -97,21 +102,21 @@ class VaultService(vault_pb2_grpc.VaultServicer):
             partial.unlink(missing_ok=True)
             raise invalid(f"the received bytes hash to {digest}, not the announced {sha256}; upload again from offset 0")
         try:
-            used = self._check_quota(device_id, header.size)
+            used = self._check_quota(owner_id, header.size)
         except RpcStatusError:
             partial.unlink(missing_ok=True)
             raise
-        record = BlobRecord(device_id, sha256, header.size, item_id, timestamp())
+        record = BlobRecord(device_id, sha256, header.size, item_id, timestamp(), owner_id)
         self._storage.add_blob(record, partial)
         return vault_pb2.UploadBlobResponse(blob=_blob_info(record), used_bytes=used + header.size, quota_bytes=self._quota)
 
     async def Download(self, request, context):
-        device_id = current_device_id()
+        owner_id = current_owner_id()
         sha256 = sha256_field(request.sha256, "sha256")
         size = chunk_size(request.chunk_size)
-        record = self._own_blob(device_id, sha256)
+        record = self._own_blob(owner_id, sha256)
         if record is None:
-            raise RpcStatusError("NOT_FOUND", f"no blob {sha256} in this device's vault")
+            raise RpcStatusError("NOT_FOUND", f"no blob {sha256} in this owner's vault")
         offset = check_offset(request.offset, record.size)
         yield vault_pb2.DownloadBlobResponse(header=_blob_info(record))
         path = self._storage.blobs.path(sha256)
@@ -119,9 +124,9 @@ class VaultService(vault_pb2_grpc.VaultServicer):
             yield response
 
     async def Stat(self, request, context):
-        device_id = current_device_id()
+        device_id, owner_id = current_device_id(), current_owner_id()
         sha256 = sha256_field(request.sha256, "sha256")
-        record = self._own_blob(device_id, sha256)
+        record = self._own_blob(owner_id, sha256)
         if record is not None:
             return vault_pb2.StatBlobResponse(state=vault_pb2.BLOB_STATE_STORED, received=record.size, blob=_blob_info(record))
         partial = self._partial_path(device_id, sha256)
@@ -130,11 +135,11 @@ class VaultService(vault_pb2_grpc.VaultServicer):
         return vault_pb2.StatBlobResponse(state=vault_pb2.BLOB_STATE_ABSENT)
 
     async def List(self, request, context):
-        device_id = current_device_id()
+        owner_id = self._requested_owner(request.owner_id)
         limit = page_size(request.page_size, limits.MAX_BLOBS_PAGE)
         after = sha256_field(request.page_token, "page_token") if request.page_token else ""
-        records = self._storage.list_blobs(device_id, after, limit + 1)
-        used, _ = self._storage.vault_usage(device_id)
+        records = self._storage.list_owner_blobs(owner_id, after, limit + 1)
+        used, _ = self._storage.owner_vault_usage(owner_id)
         page = records[:limit]
         return vault_pb2.ListBlobsResponse(
             blobs=[_blob_info(r) for r in page],
@@ -144,17 +149,17 @@ class VaultService(vault_pb2_grpc.VaultServicer):
         )
 
     async def Delete(self, request, context):
-        device_id = current_device_id()
+        device_id, owner_id = current_device_id(), current_owner_id()
         sha256 = sha256_field(request.sha256, "sha256")
-        record = self._storage.blob(device_id, sha256)
+        record = self._storage.owner_blob(owner_id, sha256)
         partial = self._partial_path(device_id, sha256)
         removed_partial = partial.exists() and (device_id, sha256) not in self._uploading
         if removed_partial:
             partial.unlink(missing_ok=True)
         if record is not None:
-            self._storage.delete_blob(device_id, sha256)
+            self._storage.delete_owner_blob(owner_id, sha256)
         elif not removed_partial:
-            self._own_blob(device_id, sha256)  # PERMISSION_DENIED when another device holds it
-            raise RpcStatusError("NOT_FOUND", f"no blob {sha256} in this device's vault")
-        used, _ = self._storage.vault_usage(device_id)
+            self._own_blob(owner_id, sha256)  # PERMISSION_DENIED when another owner holds it
+            raise RpcStatusError("NOT_FOUND", f"no blob {sha256} in this owner's vault")
+        used, _ = self._storage.owner_vault_usage(owner_id)
         return vault_pb2.DeleteBlobResponse(used_bytes=used)

@@ -16,7 +16,7 @@ from fctkit.server.auth import METHOD_ROLES, protocol_methods
 PROTO_ROOT = generate.PROTO_ROOT
 EXPECTED_RPCS = {
     "Registry": ["ListVersions", "GetManifest", "PlanUpgrade", "DownloadArtifact", "WatchVersions", "PublishBundle"],
-    "Vault": ["Upload", "Download", "Stat", "List", "Delete"],
+    "Vault": ["Upload", "Download", "Stat", "List", "Delete", "PushRecords", "PullRecords"],
     "Fleet": ["CreateEnrolmentCode", "Enrol", "Report", "ListDevices"],
 }
 
