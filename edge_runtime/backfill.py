@@ -32,7 +32,6 @@ import numpy as np
 from fctkit.errors import DeviceError, GalleryError, InputError
 
 from .gallery import LoadedRows, UpgradedRows, VersionTag, take_rows
-from .vault_blob import open_image
 
 if TYPE_CHECKING:
     from .device import Device
@@ -134,8 +133,7 @@ def run_backfill(device: Device, *, budget: int | None = None, budget_bytes: int
             items = [rows.item_ids[i] for i in batch]
             blobs = [client.read_blob(_vault_sha(device, item)) for item in items]
             downloaded += sum(len(b) for b in blobs)
-            images = np.stack([open_image(device._sealer, gallery.gallery_id, item, blob)
-                               for item, blob in zip(items, blobs, strict=True)])
+            images = np.stack([device.open_original(item, blob) for item, blob in zip(items, blobs, strict=True)])
             gallery.write_upgrades(_reembedded(engine, rows, batch, images, version), staged=False)
             device._index_cache = None
             bar.update(len(batch))

@@ -1,10 +1,18 @@
-"""Device keys and sealed records: AES-256-GCM with authenticated data.
+"""Device and owner keys and sealed records: AES-256-GCM with authenticated data.
 
-The device key is 32 random bytes in a key file readable by its owner only (0600), stored
-either as is or wrapped by a passphrase (scrypt → AES-256-GCM). Every gallery record and
-every vault blob is sealed under it with a fresh 96-bit nonce; the authenticated data names
-what the record is (gallery, row, version tag, field), so a record moved to another row,
-another gallery or another field, or replayed from an older version, fails to open.
+Two 256-bit keys live in key files readable by their user only (0600), stored either as is
+or wrapped by a passphrase (scrypt → AES-256-GCM), in one format (:func:`write_key_file`,
+:func:`read_key_file`; ``kind`` names which key a file holds and is bound into the wrapping):
+
+* the **device key** seals every on-device gallery record; it never leaves the device;
+* the **owner key** is shared by all devices of one owner (exported passphrase-wrapped with
+  ``fctkit device export-key``, imported with ``init --import-key``): it seals the data keys of
+  the vault originals and the replicated gallery records, so any device of the owner can read
+  them and the server none.
+
+Every record is sealed with a fresh 96-bit nonce; the authenticated data names what the
+record is (gallery, row, version tag, field; or owner, item, version), so a record moved to
+another row, another gallery or another field, or replayed from an older version, fails to open.
 """
 
 from __future__ import annotations
@@ -73,24 +81,37 @@ def _scrypt(passphrase: str, salt: bytes) -> bytes:
     return Scrypt(salt=salt, length=KEY_BYTES, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P).derive(passphrase.encode("utf-8"))
 
 
-def write_key_file(path: str | os.PathLike, key: bytes, passphrase: str | None = None) -> Path:
-    """Write ``key`` to a new 0600 file (refusing to overwrite one), wrapped when a passphrase is given."""
+KEY_KINDS = ("device", "owner")
+
+
+def _wrapping_aad(kind: str) -> bytes:
+    if kind not in KEY_KINDS:
+        raise DeviceKeyError(f"unknown key kind {kind!r}; one of {', '.join(KEY_KINDS)}")
+    return b"fctkit-%s-key" % kind.encode()
+
+
+def write_key_file(path: str | os.PathLike, key: bytes, passphrase: str | None = None, *, kind: str = "device") -> Path:
+    """Write ``key`` to a new 0600 file (refusing to overwrite one), wrapped when a passphrase
+    is given; ``kind`` ('device' or 'owner') is recorded and bound into the wrapping."""
     path = Path(path)
+    aad = _wrapping_aad(kind)
     if passphrase is None:
         body = {"format": KEY_FILE_FORMAT, "wrapping": "none", "key": base64.b64encode(key).decode()}
     else:
         if not passphrase:
             raise DeviceKeyError("the passphrase is empty: give a real one, or none to store the key unwrapped")
         salt = os.urandom(16)
-        wrapped = Sealer(_scrypt(passphrase, salt)).seal(key, b"fctkit-device-key")
+        wrapped = Sealer(_scrypt(passphrase, salt)).seal(key, aad)
         body = {
             "format": KEY_FILE_FORMAT, "wrapping": "scrypt-aes256gcm", "n": SCRYPT_N, "r": SCRYPT_R, "p": SCRYPT_P,
             "salt": base64.b64encode(salt).decode(), "wrapped_key": base64.b64encode(wrapped).decode(),
         }
+    if kind != "device":
+        body["kind"] = kind  # device key files predate the field: absent means device
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        raise DeviceKeyError(f"{path} already exists: a device key is never overwritten (move it away first)") from None
+        raise DeviceKeyError(f"{path} already exists: a key file is never overwritten (move it away first)") from None
     with os.fdopen(fd, "w") as fh:
         json.dump(body, fh)
         fh.flush()
@@ -98,19 +119,23 @@ def write_key_file(path: str | os.PathLike, key: bytes, passphrase: str | None =
     return path
 
 
-def read_key_file(path: str | os.PathLike, passphrase: str | None = None) -> bytes:
-    """The device key from its file; refuses files others can read, and wrong passphrases."""
+def read_key_file(path: str | os.PathLike, passphrase: str | None = None, *, kind: str = "device") -> bytes:
+    """The ``kind`` key from its file; refuses files others can read, files holding another
+    kind of key, and wrong passphrases."""
     path = Path(path)
+    aad = _wrapping_aad(kind)
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:
-        raise DeviceKeyError(f"device key file {path} does not exist: run `fctkit device init` first") from None
+        raise DeviceKeyError(f"{kind} key file {path} does not exist: run `fctkit device init` first") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise DeviceKeyError(f"{path} is readable by others (mode {stat.S_IMODE(mode):o}): chmod 600 {path}")
     try:
         body = json.loads(path.read_text())
         if body.get("format") != KEY_FILE_FORMAT:
             raise DeviceKeyError(f"{path}: unsupported key file format {body.get('format')!r}")
+        if body.get("kind", "device") != kind:
+            raise DeviceKeyError(f"{path} holds a {body.get('kind', 'device')} key, not the {kind} key asked for")
         if body["wrapping"] == "none":
             key = base64.b64decode(body["key"], validate=True)
         elif body["wrapping"] == "scrypt-aes256gcm":
@@ -120,7 +145,7 @@ def read_key_file(path: str | os.PathLike, passphrase: str | None = None) -> byt
             kdf = Scrypt(salt=salt, length=KEY_BYTES, n=body["n"], r=body["r"], p=body["p"])
             wrapping_key = kdf.derive(passphrase.encode("utf-8"))
             try:
-                key = Sealer(wrapping_key).open(base64.b64decode(body["wrapped_key"], validate=True), b"fctkit-device-key")
+                key = Sealer(wrapping_key).open(base64.b64decode(body["wrapped_key"], validate=True), aad)
             except CorruptRecordError:
                 raise DeviceKeyError(f"{path}: wrong passphrase (or the key file was modified)") from None
         else:

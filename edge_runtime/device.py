@@ -2,8 +2,10 @@
 
 Directory layout (everything private to the device user)::
 
-    device.json      settings: server address, device id, engine choices (no secrets)
+    device.json      settings: server address, device id, owner id, engine choices (no secrets)
     device.key       the 256-bit device key, 0600, optionally passphrase-wrapped
+    owner.key        the owner's 256-bit key (shared by the owner's devices: export-key / init
+                     --import-key), 0600, wrapped by the same passphrase as device.key
     token            the device's bearer token from enrolment, 0600
     publisher.pub    the publisher's Ed25519 key pinned at enrolment (or at init)
     gallery.sqlite   the encrypted gallery (see fctkit.edge_runtime.gallery)
@@ -12,9 +14,13 @@ Directory layout (everything private to the device user)::
 Typical use::
 
     device = Device.open("dev1")
-    device.sync()                      # install or upgrade to the latest published version
+    device.sync()                      # install or upgrade to the latest published version,
+                                       # then pull and push the owner's gallery replica
     device.add(images, labels=labels)  # embed locally, store sealed rows, upload sealed originals
     matches = device.query(images, k=5)
+
+Restoring a lost device: ``Device.init(new_dir, owner_key_file=exported, owner_key_passphrase=...)``,
+enrol with a code made for the same owner, ``sync()``: the gallery comes back from the replica.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from fctkit.errors import BundleError, DeviceError, InputError, RpcStatusError
 
 from .crypto import Sealer, new_key, read_key_file, write_key_file
 from .backfill import BackfillResult, gallery_vectors, record_uncertainty, run_backfill
+from .replication import ReplicationResult, apply_pending, replicate
 from .engine import PREFERENCE, Engine, EngineConfig
 from .gallery import Gallery, LoadedRows, NewRow, VersionTag, take_rows
 from .search import ExactIndex
@@ -44,6 +51,7 @@ from .vault_blob import open_image, seal_image
 
 REPORT_EVERY_S = 2.0  # upgrade progress reports to the fleet service, at most this often
 SETTINGS_FILE, KEY_FILE, TOKEN_FILE, PUBLISHER_FILE, GALLERY_FILE = "device.json", "device.key", "token", "publisher.pub", "gallery.sqlite"
+OWNER_KEY_FILE = "owner.key"
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ class DeviceSettings:
 
     server: str | None = None
     device_id: str | None = None
+    owner_id: str | None = None
     device_name: str = ""
     tls_root_certificates: str | None = None
     providers: tuple[str, ...] = PREFERENCE
@@ -81,16 +90,19 @@ class SyncResult:
     uploaded: int = 0
     still_queued: int = 0
     notes: list[str] = field(default_factory=list)
+    replication: ReplicationResult | None = None
 
 
 class Device:
     """One device directory; open with :meth:`init` (new) or :meth:`open` (existing)."""
 
-    def __init__(self, root: Path, key: bytes, settings: DeviceSettings) -> None:
+    def __init__(self, root: Path, key: bytes, settings: DeviceSettings, owner_key: bytes) -> None:
         self.root = root
         self.settings = settings
         self._key = key
         self._sealer = Sealer(key)
+        self.owner_sealer = Sealer(owner_key)  # vault originals and replica records
+        self._owner_key = owner_key
         self.gallery = Gallery.open(root / GALLERY_FILE, key)
         self._engines: dict[int, Engine] = {}
         self._index_cache: tuple[tuple, ExactIndex, LoadedRows] | None = None
@@ -100,14 +112,19 @@ class Device:
 
     @classmethod
     def init(cls, root: str | os.PathLike, *, passphrase: str | None = None, publisher_key: str | os.PathLike | None = None,
-             settings: DeviceSettings | None = None) -> Device:
-        """Create a device directory: a new key, an empty gallery, optionally a pinned publisher key."""
+             settings: DeviceSettings | None = None, owner_key_file: str | os.PathLike | None = None,
+             owner_key_passphrase: str | None = None) -> Device:
+        """Create a device directory: a new device key, an empty gallery, optionally a pinned
+        publisher key; the owner key is imported from ``owner_key_file`` (written by
+        :meth:`export_owner_key` on another device of the owner) or, without one, made new."""
         root = Path(root)
         if (root / SETTINGS_FILE).exists():
             raise DeviceError(f"{root} is already a device: open it (nothing was changed)")
+        owner_key = new_key() if owner_key_file is None else read_key_file(owner_key_file, owner_key_passphrase, kind="owner")
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         key = new_key()
         write_key_file(root / KEY_FILE, key, passphrase)
+        write_key_file(root / OWNER_KEY_FILE, owner_key, passphrase, kind="owner")
         Gallery.create(root / GALLERY_FILE, key).close()
         if publisher_key is not None:
             from fctkit.protos.bundle import load_public_key
@@ -116,7 +133,7 @@ class Device:
             shutil.copyfile(publisher_key, root / PUBLISHER_FILE)
         settings = settings or DeviceSettings()
         _write_private(root / SETTINGS_FILE, json.dumps(to_mapping(settings), indent=2).encode())
-        return cls(root, key, settings)
+        return cls(root, key, settings, owner_key)
 
     @classmethod
     def open(cls, root: str | os.PathLike, *, passphrase: str | None = None) -> Device:
@@ -124,7 +141,17 @@ class Device:
         if not (root / SETTINGS_FILE).is_file():
             raise DeviceError(f"{root} is not a device directory: run `fctkit device init {root}` first")
         settings = from_mapping(DeviceSettings, json.loads((root / SETTINGS_FILE).read_text()), SETTINGS_FILE)
-        return cls(root, read_key_file(root / KEY_FILE, passphrase), settings)
+        key = read_key_file(root / KEY_FILE, passphrase)
+        if not (root / OWNER_KEY_FILE).exists():  # a device from before owners: it starts an owner key of its own
+            write_key_file(root / OWNER_KEY_FILE, new_key(), passphrase, kind="owner")
+        return cls(root, key, settings, read_key_file(root / OWNER_KEY_FILE, passphrase, kind="owner"))
+
+    def export_owner_key(self, path: str | os.PathLike, passphrase: str) -> Path:
+        """Write the owner key to a new 0600 file, wrapped by ``passphrase`` (scrypt), for
+        ``init(owner_key_file=...)`` on the owner's other or replacement devices."""
+        if not passphrase:
+            raise DeviceError("an exported owner key must be passphrase-wrapped: give a passphrase")
+        return write_key_file(path, self._owner_key, passphrase, kind="owner")
 
     def close(self) -> None:
         self.gallery.close()
@@ -165,8 +192,10 @@ class Device:
         if not (self.root / PUBLISHER_FILE).exists():
             _write_private(self.root / PUBLISHER_FILE, enrolment.publisher_public_key)
         _write_private(self.root / TOKEN_FILE, enrolment.token.encode(), replace_existing=True)
+        if self.settings.owner_id and self.settings.owner_id != enrolment.owner_id:
+            self.gallery.reset_replication()  # a new owner: its replica starts from this gallery
         self._save_settings(replace(self.settings, server=server, device_id=enrolment.device_id, device_name=device_name,
-                                    tls_root_certificates=tls_root_certificates))
+                                    tls_root_certificates=tls_root_certificates, owner_id=enrolment.owner_id or None))
         return enrolment.device_id
 
     def client(self, *, attempts: int = 6):
@@ -253,14 +282,15 @@ class Device:
         embeddings, side_infos, via = gallery_vectors(engine, images)
         tag = VersionTag(self.version, self.version, via)
         rows = [NewRow(i, e, s, None if lab is None else str(lab)) for i, e, s, lab in zip(item_ids, embeddings, side_infos, labels, strict=True)]
-        outbox = [(i, seal_image(self._sealer, self.gallery.gallery_id, i, image)) for i, image in zip(item_ids, images, strict=True)]
+        outbox = [(i, seal_image(self.owner_sealer, i, image)) for i, image in zip(item_ids, images, strict=True)]
         self.gallery.add_rows(rows, tag, outbox, query_version=engine.manifest.version)
         if upload and self.settings.server:
             self.flush_outbox()
         return item_ids
 
     def remove(self, item_ids: Sequence[str]) -> int:
-        """Remove items from the gallery (and their queued uploads); returns how many were removed."""
+        """Remove items from the gallery (and their queued uploads); returns how many were
+        removed. The removal replicates as tombstones: the ids are never used again."""
         return self.gallery.delete_rows(list(item_ids))
 
     def flush_outbox(self, *, attempts: int = 2) -> tuple[int, int]:
@@ -288,7 +318,11 @@ class Device:
         if sha256 is None:
             raise DeviceError(f"item {item_id!r} has not been uploaded yet: sync first")
         with self.client() as client:
-            return open_image(self._sealer, self.gallery.gallery_id, item_id, client.read_blob(sha256))
+            return self.open_original(item_id, client.read_blob(sha256))
+
+    def open_original(self, item_id: str, blob: bytes) -> np.ndarray:
+        """Open a sealed original from the vault (sealed by any device of the owner)."""
+        return open_image(self.owner_sealer, item_id, blob, device=self._sealer, gallery_id=self.gallery.gallery_id)
 
     def query_vectors(self, images: np.ndarray, version: int | None = None) -> np.ndarray:
         """Query images in the query space of ``version`` (default: installed): φ_v, or B(φ_v) in unified mode."""
@@ -332,8 +366,9 @@ class Device:
 
     # -- sync and upgrade -------------------------------------------------------------------
 
-    def sync(self, *, upgrade: bool = True) -> SyncResult:
-        """Upload queued originals, then install (first time) or upgrade to the latest version."""
+    def sync(self, *, upgrade: bool = True, replicate: bool = True) -> SyncResult:
+        """Upload queued originals, install (first time) or upgrade to the latest version, then
+        (``replicate``, on a device of an owner) pull and push the owner's gallery replica."""
         from fctkit.protos import fleet_pb2
 
         result = SyncResult(self.version, self.version)
@@ -345,6 +380,7 @@ class Device:
             latest = client.list_versions(after_version=self.version)
             if not latest:
                 result.installed_after = self.version
+                self._replicate(client, result, replicate)
                 self._report(client, fleet_pb2.UPGRADE_STATE_IDLE)
                 return result
             target = latest[-1].version
@@ -360,8 +396,31 @@ class Device:
                 if upgrade:
                     result.rows_upgraded += self.upgrade_with(plan, client)
             result.installed_after = self.version
+            self._replicate(client, result, replicate)
             self._report(client, fleet_pb2.UPGRADE_STATE_IDLE)
         return result
+
+    def _replicate(self, client, result: SyncResult, wanted: bool) -> None:
+        if not wanted:
+            return
+        if not self.settings.owner_id:
+            result.notes.append("not replicated: enrolled before owners existed; enrol again to join an owner")
+            return
+        result.replication = replicate(self, client)
+        self._index_cache = None
+
+    def replicate(self, *, on_batch=None) -> ReplicationResult:
+        """Pull and push the owner's gallery replica (see :mod:`fctkit.edge_runtime.replication`)."""
+        with self.client() as client:
+            result = replicate(self, client, on_batch=on_batch)
+        self._index_cache = None
+        return result
+
+    def installed_versions(self) -> list[int]:
+        """The versions whose verified bundles are installed on this device."""
+        folder = self.root / "bundles"
+        names = [p.name for p in folder.iterdir() if p.is_dir()] if folder.is_dir() else []
+        return sorted(int(n[1:]) for n in names if n.startswith("v") and n[1:].isdigit())
 
     def watch(self, *, max_versions: int | None = None, upgrade: bool = True):
         """Follow the server's version stream and sync on each new version (blocking; ends when
@@ -454,6 +513,7 @@ class Device:
             self.gallery.switch_to(plan.target, {"upgrade": None})
         else:
             self.gallery.set_meta({"upgrade": None, "query_version": str(plan.target)})
+        apply_pending(self)  # replicated records that waited for this version
         self._index_cache = None
         return done
 
@@ -485,6 +545,7 @@ class Device:
             "device": str(self.root), "device_id": self.settings.device_id, "server": self.settings.server,
             "installed_version": self.version, "rows": len(self.gallery), "rows_by_space": self.gallery.tag_counts(),
             "queued_uploads": self.gallery.outbox_size(), "publisher_key_pinned": (self.root / PUBLISHER_FILE).exists(),
+            "owner_id": self.settings.owner_id, "replica": self.gallery.replication_counts(),
         }
         if state is not None:
             result["upgrade"] = {"target": state["target"], "mode": state["mode"],

@@ -7,6 +7,9 @@ Row format::
                 origin_version INTEGER      the model version that embedded the item's image
                 label BLOB NULL             sealed UTF-8 label
                 vault_sha256 TEXT NULL      the encrypted original in the server's vault, once uploaded
+                                            (a replicated row: the original another device uploaded)
+                record_sha256 TEXT NULL     the replica record this row's content is (pulled, or sealed
+                                            for pushing); NULL: a local change not sealed yet
     vectors_0 / row_id INTEGER PRIMARY KEY
     vectors_1   version INTEGER             the version whose query space the vectors live in
                 via TEXT                    how they got there: 'native' (embedded by that version's
@@ -14,14 +17,29 @@ Row format::
                                             'backward' (B(φ_new), unified mode)
                 embedding BLOB, side_info BLOB   sealed float32 vectors (side-info empty when none)
 
+Replication (schema 2, :mod:`fctkit.edge_runtime.replication`)::
+
+    changes          change_id INTEGER PRIMARY KEY AUTOINCREMENT   the outbox of rows to push; the
+                     item_id, tombstone, then once sealed: version,  id is the push's idempotency key
+                     origin_version, via, sealed (the owner-key record)
+    tombstones       item_id                     removed items (their ids are never used again)
+    pending_records  sequence, item_id, version, origin_version, via, sealed
+                                                 pulled records of a version not installed yet
+    meta.replica_cursor                          the owner's last sequence number merged
+
+Every write that changes a live row logs a change in the same transaction (adding, the
+switch commit of an upgrade, in-place upgrades and backfills, removal as a tombstone); one
+unsealed change per item is kept. Schema 1 galleries are migrated when opened: every row
+gets a change, so the whole gallery is pushed once.
+
 One of the two vector tables is live (``meta.live_vectors``); a forward-mode upgrade writes
 the new vectors into the other one and the switch commit flips them in one transaction, so
 queries see complete old vectors until then and the table swap rewrites nothing.
 
 The version tag (origin_version, version, via) says exactly which space a row is in, so a
 backfilled row (native at v) and an adapted one (forward from u to v) can sit side by side,
-and a replicated row can be compared only once the device has its version (issue 7 adds
-owner, sequence and tombstone columns to ``items`` through ``schema_version``).
+and a replicated row is compared only once the device has its version (until then it waits
+in ``pending_records``).
 
 Every record is sealed with AES-256-GCM under the device key; its authenticated data is
 ``gallery id | row id | item id | origin | version | via | field``. A modified, truncated,
@@ -34,7 +52,7 @@ import base64
 import json
 import os
 import sqlite3
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +63,7 @@ from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryError, Inpu
 
 from .crypto import Sealer
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 VIAS = ("native", "forward", "backward")
 VECTOR_TABLES = ("vectors_0", "vectors_1")
 PAGE_SIZE = 16384  # a row's two sealed 128-d vectors are ~1.1 KB: several rows per page
@@ -58,7 +76,8 @@ CREATE TABLE items (
     item_id TEXT NOT NULL UNIQUE,
     origin_version INTEGER NOT NULL,
     label BLOB,
-    vault_sha256 TEXT
+    vault_sha256 TEXT,
+    record_sha256 TEXT
 );
 CREATE TABLE vectors_0 (row_id INTEGER PRIMARY KEY, version INTEGER NOT NULL, via TEXT NOT NULL,
                         embedding BLOB NOT NULL, side_info BLOB NOT NULL);
@@ -66,7 +85,16 @@ CREATE TABLE vectors_1 (row_id INTEGER PRIMARY KEY, version INTEGER NOT NULL, vi
                         embedding BLOB NOT NULL, side_info BLOB NOT NULL);
 CREATE TABLE outbox (item_id TEXT PRIMARY KEY, blob BLOB NOT NULL);
 """
-
+_REPLICATION_SCHEMA = """
+CREATE TABLE changes (change_id INTEGER PRIMARY KEY AUTOINCREMENT, item_id TEXT NOT NULL, tombstone INTEGER NOT NULL,
+                      version INTEGER, origin_version INTEGER, via TEXT, sealed BLOB);
+CREATE INDEX changes_by_item ON changes (item_id);
+CREATE TABLE tombstones (item_id TEXT PRIMARY KEY);
+CREATE TABLE pending_records (sequence INTEGER PRIMARY KEY, item_id TEXT NOT NULL, version INTEGER NOT NULL,
+                              origin_version INTEGER NOT NULL, via TEXT NOT NULL, sealed BLOB NOT NULL);
+"""
+_SCHEMA += _REPLICATION_SCHEMA
+_SQL_VARIABLES = 500  # item ids per `IN (...)` query
 
 @dataclass(frozen=True)
 class VersionTag:
@@ -110,6 +138,45 @@ class LoadedRows:
 
     def __len__(self) -> int:
         return len(self.item_ids)
+
+
+@dataclass(frozen=True)
+class ItemState:
+    """An item's replication state: its live tag (None: no row), the record its content is
+    (None: an unsealed local change) and whether it was removed."""
+
+    tag: VersionTag | None
+    record_sha256: str | None
+    tombstoned: bool
+
+
+@dataclass(frozen=True)
+class ReplicaWrite:
+    """What merging one record does (see :meth:`Gallery.merge_replica`): ``kind`` 'row' (replace
+    the item's row; ``record_sha256`` None logs it as a local change to push), 'tombstone',
+    'pending' (keep ``sealed`` for a version not installed yet) or 'ignore'."""
+
+    kind: str
+    item_id: str
+    tag: VersionTag | None = None
+    embedding: np.ndarray | None = None
+    side_info: np.ndarray | None = None
+    label: str | None = None
+    vault_sha256: str | None = None
+    record_sha256: str | None = None
+    sequence: int = 0
+    sealed: bytes = b""
+
+
+@dataclass(frozen=True)
+class SealedChange:
+    """A change sealed for pushing: ``tag`` is the row state it was sealed from (None: tombstone)."""
+
+    change_id: int
+    item_id: str
+    tag: VersionTag | None
+    sealed: bytes
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -175,7 +242,7 @@ class Gallery:
             db.executemany("INSERT INTO meta VALUES (?, ?)", [
                 ("schema_version", str(SCHEMA_VERSION)), ("gallery_id", gallery_id.hex()),
                 ("key_check", base64.b64encode(check).decode()), ("query_version", "0"),
-                ("live_vectors", VECTOR_TABLES[0]),
+                ("live_vectors", VECTOR_TABLES[0]), ("replica_cursor", "0"),
             ])
         return cls(path, db, sealer, gallery_id)
 
@@ -192,7 +259,7 @@ class Gallery:
         except sqlite3.DatabaseError as exc:
             db.close()
             raise GalleryError(f"{path} is not an fctkit gallery or is damaged beyond its records ({exc})") from exc
-        if meta.get("schema_version") != str(SCHEMA_VERSION) or "gallery_id" not in meta:
+        if meta.get("schema_version") not in (str(SCHEMA_VERSION), "1") or "gallery_id" not in meta:
             db.close()
             raise GalleryError(f"{path}: unsupported gallery schema {meta.get('schema_version')!r} (this fctkit reads {SCHEMA_VERSION})")
         gallery_id = bytes.fromhex(meta["gallery_id"])
@@ -204,6 +271,8 @@ class Gallery:
             raise DeviceKeyError(
                 f"{path} was not sealed with this device key: use the gallery's own key file (nothing was changed)"
             ) from None
+        if meta["schema_version"] == "1":
+            _add_replication(db)
         return cls(path, db, sealer, gallery_id)
 
     def reader(self) -> Gallery:
@@ -295,8 +364,13 @@ class Gallery:
                 self._db.executemany("INSERT INTO items (row_id, item_id, origin_version, label) VALUES (?, ?, ?, ?)", items)
             except sqlite3.IntegrityError:
                 raise InputError("an item id is already in the gallery: item ids are unique (nothing was added)") from None
+            removed = self._tombstoned([row.item_id for row in rows])
+            if removed:
+                raise InputError(f"item id {removed[0]!r} was removed before: removed ids are never used again "
+                                 "(the removal replicates to the owner's devices); choose new ids (nothing was added)")
             self._db.executemany(f"INSERT INTO {live} VALUES (?, ?, ?, ?, ?)", vectors)
             self._db.executemany("INSERT INTO outbox VALUES (?, ?)", outbox)
+            self._log_changes([row.item_id for row in rows])
         return ids
 
     def _seal_vectors(self, row_id: int, item_id: str, tag: VersionTag, embedding: np.ndarray, side_info: np.ndarray) -> tuple[bytes, bytes]:
@@ -354,13 +428,44 @@ class Gallery:
         )
 
     def delete_rows(self, item_ids: Sequence[str]) -> int:
-        """Remove items (rows, vectors and queued uploads) in one transaction; returns the rows removed."""
+        """Remove items (rows, vectors and queued uploads) in one transaction, leaving a
+        tombstone (a change to push) for each; returns the rows removed."""
         with _transaction(self._db):
-            row_ids = [r[0] for i in item_ids for r in self._db.execute("SELECT row_id FROM items WHERE item_id = ?", (i,))]
+            present = [(r, i) for i in item_ids for r, in self._db.execute("SELECT row_id FROM items WHERE item_id = ?", (i,))]
+            for item_id in dict.fromkeys(i for _, i in present):
+                self._remove_item(item_id)
+            self._log_changes([i for _, i in present], tombstone=True)
+        return len(present)
+
+    def _remove_item(self, item_id: str, *, tombstone: bool = True) -> None:
+        """Inside a transaction: delete the item's row, vectors, queued upload and unsealed
+        change; with ``tombstone`` also its pending records, and remember the removal."""
+        row = self._db.execute("SELECT row_id FROM items WHERE item_id = ?", (item_id,)).fetchone()
+        if row is not None:
             for table in ("items", *VECTOR_TABLES):
-                self._db.executemany(f"DELETE FROM {table} WHERE row_id = ?", [(r,) for r in row_ids])
-            self._db.executemany("DELETE FROM outbox WHERE item_id = ?", [(i,) for i in item_ids])
-        return len(row_ids)
+                self._db.execute(f"DELETE FROM {table} WHERE row_id = ?", row)
+        self._db.execute("DELETE FROM outbox WHERE item_id = ?", (item_id,))
+        self._db.execute("DELETE FROM changes WHERE item_id = ? AND sealed IS NULL", (item_id,))
+        if tombstone:
+            self._db.execute("DELETE FROM pending_records WHERE item_id = ?", (item_id,))
+            self._db.execute("INSERT OR IGNORE INTO tombstones VALUES (?)", (item_id,))
+
+    def _log_changes(self, item_ids: Sequence[str], *, tombstone: bool = False) -> None:
+        """Inside a transaction: the items changed locally; one unsealed change per item (the
+        content is read when the change is sealed for pushing)."""
+        params = [(i,) for i in item_ids]
+        self._db.executemany("DELETE FROM changes WHERE item_id = ? AND sealed IS NULL", params)
+        self._db.executemany("INSERT INTO changes (item_id, tombstone) VALUES (?, ?)", [(i, int(tombstone)) for i in item_ids])
+        if not tombstone:
+            self._db.executemany("UPDATE items SET record_sha256 = NULL WHERE item_id = ?", params)
+
+    def _tombstoned(self, item_ids: Sequence[str]) -> list[str]:
+        found = []
+        for start in range(0, len(item_ids), _SQL_VARIABLES):
+            chunk = list(item_ids[start:start + _SQL_VARIABLES])
+            marks = ",".join("?" * len(chunk))
+            found += [r[0] for r in self._db.execute(f"SELECT item_id FROM tombstones WHERE item_id IN ({marks})", chunk)]
+        return found
 
     # -- upgrades --------------------------------------------------------------------------
 
@@ -407,6 +512,8 @@ class Gallery:
                 raise GalleryError("a row of this batch is already upgraded (staged); run the upgrade again") from None
             if written != len(params):
                 raise GalleryError(f"{len(params) - written} row(s) changed while being upgraded; run the upgrade again")
+            if not staged:  # in place: live rows changed (staged ones change at the switch)
+                self._log_changes([i for b in batches for i in b.item_ids])
 
     def switch_to(self, target_version: int, meta: dict[str, str | None]) -> None:
         """Commit a forward-mode upgrade in one transaction: the staged vector table becomes
@@ -416,6 +523,7 @@ class Gallery:
             if left:
                 raise GalleryError(f"{left} row(s) are not yet in v{target_version}'s space: finish the upgrade first")
             live, staged = self._tables()
+            self._log_changes([r[0] for r in self._db.execute(f"SELECT item_id FROM items JOIN {staged} USING (row_id)")])
             # rows already in the target space needed no transform: carried over unchanged
             self._db.execute(f"INSERT INTO {staged} SELECT * FROM {live} v WHERE NOT EXISTS "
                              f"(SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id)")
@@ -435,11 +543,156 @@ class Gallery:
             self._db.execute("UPDATE items SET vault_sha256 = ? WHERE item_id = ?", (sha256, item_id))
             self._db.execute("DELETE FROM outbox WHERE item_id = ?", (item_id,))
 
+    # -- replication -----------------------------------------------------------------------
+
+    @property
+    def replica_cursor(self) -> int:
+        """The owner's last sequence number merged into this gallery."""
+        return int(self.meta("replica_cursor", "0"))
+
+    def replication_counts(self) -> dict[str, int]:
+        """Changes not yet acknowledged by the server (unsealed + sealed) and pending records."""
+        one = lambda sql: self._db.execute(sql).fetchone()[0]  # noqa: E731
+        return {"cursor": self.replica_cursor, "unpushed": one("SELECT COUNT(*) FROM changes"),
+                "pending": one("SELECT COUNT(*) FROM pending_records"), "tombstones": one("SELECT COUNT(*) FROM tombstones")}
+
+    def unsealed_changes(self, limit: int) -> list[tuple[int, str, bool]]:
+        """(change id, item id, tombstone) of changes to seal, oldest first; an item whose
+        original still waits in the outbox is not pushed before the original is uploaded."""
+        return [(c, i, bool(t)) for c, i, t in self._db.execute(
+            "SELECT change_id, item_id, tombstone FROM changes c WHERE sealed IS NULL AND NOT EXISTS "
+            "(SELECT 1 FROM outbox o WHERE o.item_id = c.item_id) ORDER BY change_id LIMIT ?", (limit,))]
+
+    def load_items(self, item_ids: Sequence[str]) -> tuple[LoadedRows, dict[str, str | None]]:
+        """The live rows of ``item_ids`` (decrypted, with labels) and each one's vault SHA-256."""
+        found, shas = [], {}
+        with _read_snapshot(self._db):
+            live, _ = self._tables()
+            for start in range(0, len(item_ids), _SQL_VARIABLES):
+                chunk = list(item_ids[start:start + _SQL_VARIABLES])
+                marks = ",".join("?" * len(chunk))
+                found += self._db.execute(
+                    f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.embedding, v.side_info, i.label "
+                    f"FROM items i JOIN {live} v USING (row_id) WHERE i.item_id IN ({marks}) ORDER BY row_id", chunk).fetchall()
+                shas.update(self._db.execute(f"SELECT item_id, vault_sha256 FROM items WHERE item_id IN ({marks})", chunk))
+        return self._decrypt_rows(found, with_labels=True), shas
+
+    def store_sealed(self, changes: Sequence[SealedChange]) -> int:
+        """Keep the sealed records of changes (one transaction); a change whose row moved on
+        or is gone since it was read is dropped (a newer change stands for it). Returns the
+        changes stored."""
+        stored = 0
+        with _transaction(self._db):
+            live, _ = self._tables()
+            for change in changes:
+                tag = change.tag
+                if tag is not None and self._db.execute(
+                        f"SELECT 1 FROM items i JOIN {live} v USING (row_id) WHERE i.item_id = ? AND i.origin_version = ? "
+                        f"AND v.version = ? AND v.via = ?", (change.item_id, tag.origin_version, tag.version, tag.via)).fetchone() is None:
+                    # the row moved on or is gone since it was read: a newer change (or none) stands for it
+                    self._db.execute("DELETE FROM changes WHERE change_id = ? AND sealed IS NULL", (change.change_id,))
+                    continue
+                updated = self._db.execute(
+                    "UPDATE changes SET sealed = ?, version = ?, origin_version = ?, via = ? WHERE change_id = ? AND sealed IS NULL",
+                    (change.sealed, tag and tag.version, tag and tag.origin_version, tag and tag.via, change.change_id)).rowcount
+                if updated and tag is not None:
+                    self._db.execute("UPDATE items SET record_sha256 = ? WHERE item_id = ?", (change.sha256, change.item_id))
+                stored += updated
+        return stored
+
+    def sealed_changes(self, limit: int) -> list[tuple[int, str, int, int, str, bool, bytes]]:
+        """(change id, item id, version, origin version, via, tombstone, sealed) to push, oldest first."""
+        return [(c, i, v or 0, o or 0, via or "", bool(t), s) for c, i, v, o, via, t, s in self._db.execute(
+            "SELECT change_id, item_id, version, origin_version, via, tombstone, sealed FROM changes "
+            "WHERE sealed IS NOT NULL ORDER BY change_id LIMIT ?", (limit,))]
+
+    def mark_pushed(self, change_ids: Sequence[int]) -> None:
+        """The server acknowledged these changes: forget them (one transaction)."""
+        with _transaction(self._db):
+            self._db.executemany("DELETE FROM changes WHERE change_id = ?", [(c,) for c in change_ids])
+
+    def pending_records(self, up_to_version: int) -> list[tuple[int, str, int, int, str, bytes]]:
+        """(sequence, item id, version, origin version, via, sealed) of kept records whose version is at most ``up_to_version``."""
+        return list(self._db.execute("SELECT sequence, item_id, version, origin_version, via, sealed FROM pending_records "
+                                     "WHERE version <= ? ORDER BY sequence", (up_to_version,)))
+
+    def merge_replica(self, records: Sequence[Any], decide: Callable[[Any, ItemState], ReplicaWrite], *,
+                      cursor: int | None = None, done_pending: Sequence[int] = ()) -> dict[str, int]:
+        """Merge records in one transaction: ``decide(record, state)`` (state read inside the
+        transaction, and updated as the batch goes) says what each does; then the cursor is
+        set and the ``done_pending`` sequence numbers are dropped, so a crash leaves either
+        all of it or none. Returns how many writes of each kind were made."""
+        counts: dict[str, int] = {}
+        with _transaction(self._db):
+            if self.meta("upgrade") is not None:
+                raise GalleryError("an upgrade is in progress: finish it before merging replicated records")
+            live, _ = self._tables()
+            for record in records:
+                write = decide(record, self._item_state(live, record.item_id))
+                self._apply(live, write)
+                counts[write.kind] = counts.get(write.kind, 0) + 1
+            self._db.executemany("DELETE FROM pending_records WHERE sequence = ?", [(s,) for s in done_pending])
+            if cursor is not None:
+                self._set_meta({"replica_cursor": str(cursor)})
+        return counts
+
+    def _item_state(self, live: str, item_id: str) -> ItemState:
+        row = self._db.execute(f"SELECT i.origin_version, v.version, v.via, i.record_sha256 FROM items i "
+                               f"JOIN {live} v USING (row_id) WHERE i.item_id = ?", (item_id,)).fetchone()
+        tombstoned = self._db.execute("SELECT 1 FROM tombstones WHERE item_id = ?", (item_id,)).fetchone() is not None
+        if row is None:
+            return ItemState(None, None, tombstoned)
+        return ItemState(VersionTag(row[0], row[1], row[2]), row[3], tombstoned)
+
+    def _apply(self, live: str, write: ReplicaWrite) -> None:
+        if write.kind == "tombstone":
+            self._remove_item(write.item_id)
+        elif write.kind == "pending":
+            tag = write.tag
+            self._db.execute("INSERT OR IGNORE INTO pending_records VALUES (?, ?, ?, ?, ?, ?)",
+                             (write.sequence, write.item_id, tag.version, tag.origin_version, tag.via, write.sealed))
+        elif write.kind == "row":
+            self._remove_item(write.item_id, tombstone=False)
+            tag = write.tag
+            row_id = self._db.execute("SELECT COALESCE(MAX(row_id), 0) + 1 FROM items").fetchone()[0]
+            embedding, side_info = self._seal_vectors(row_id, write.item_id, tag, write.embedding, write.side_info)
+            label = None if write.label is None else self._sealer.seal(
+                write.label.encode("utf-8"), _aad(self.gallery_id, row_id, write.item_id, _label_tag(tag.origin_version), "label"))
+            self._db.execute("INSERT INTO items VALUES (?, ?, ?, ?, ?, ?)",
+                             (row_id, write.item_id, tag.origin_version, label, write.vault_sha256, write.record_sha256))
+            self._db.execute(f"INSERT INTO {live} VALUES (?, ?, ?, ?, ?)", (row_id, tag.version, tag.via, embedding, side_info))
+            if write.record_sha256 is None:
+                self._log_changes([write.item_id])
+        elif write.kind != "ignore":
+            raise GalleryError(f"unknown replica write {write.kind!r}")
+
+    def reset_replication(self) -> None:
+        """Start replicating afresh (the device joined another owner): cursor 0, no pending or
+        sealed records, every row a change to push again."""
+        with _transaction(self._db):
+            self._db.execute("DELETE FROM pending_records")
+            self._db.execute("DELETE FROM changes WHERE tombstone = 0")
+            self._db.execute("UPDATE changes SET sealed = NULL, version = NULL, origin_version = NULL, via = NULL")
+            self._log_changes([r[0] for r in self._db.execute("SELECT item_id FROM items")])
+            self._set_meta({"replica_cursor": "0"})
+
     def vault_sha256(self, item_id: str) -> str | None:
         row = self._db.execute("SELECT vault_sha256 FROM items WHERE item_id = ?", (item_id,)).fetchone()
         if row is None:
             raise InputError(f"item {item_id!r} is not in the gallery")
         return row[0]
+
+
+def _add_replication(db: sqlite3.Connection) -> None:
+    """Schema 1 -> 2 in one transaction: the replication tables, and a change for every row."""
+    with _transaction(db):
+        if db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] != "1":
+            return  # another process migrated it meanwhile
+        db.execute("ALTER TABLE items ADD COLUMN record_sha256 TEXT")
+        for statement in filter(str.strip, _REPLICATION_SCHEMA.split(";")):
+            db.execute(statement)
+        db.execute("INSERT INTO changes (item_id, tombstone) SELECT item_id, 0 FROM items ORDER BY row_id")
+        db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [("schema_version", str(SCHEMA_VERSION)), ("replica_cursor", "0")])
 
 
 def _stack(vectors: list[bytes]) -> np.ndarray:

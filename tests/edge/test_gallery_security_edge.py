@@ -125,19 +125,19 @@ def test_swapped_and_replayed_records_are_detected(make_device, tiny_bundles, im
 
 
 def test_vault_envelope_hides_the_image_and_binds_the_item(images):
-    device_key, gallery_id = Sealer(new_key()), os.urandom(16)
+    owner_key = Sealer(new_key())  # the data key is wrapped by the owner key (issue 7)
     image = (images(1, seed=3)[0] * 100).astype(np.int16)
-    blob = seal_image(device_key, gallery_id, "photo-1", image)
+    blob = seal_image(owner_key, "photo-1", image)
     assert image.tobytes() not in blob
-    np.testing.assert_array_equal(open_image(device_key, gallery_id, "photo-1", blob), image)
+    np.testing.assert_array_equal(open_image(owner_key, "photo-1", blob), image)
     with pytest.raises(CorruptRecordError):
-        open_image(device_key, gallery_id, "photo-2", blob)
+        open_image(owner_key, "photo-2", blob)
     with pytest.raises(CorruptRecordError):
-        open_image(Sealer(new_key()), gallery_id, "photo-1", blob)
+        open_image(Sealer(new_key()), "photo-1", blob)
     flipped = bytearray(blob)
     flipped[-5] ^= 0x80
     with pytest.raises(CorruptRecordError):
-        open_image(device_key, gallery_id, "photo-1", bytes(flipped))
+        open_image(owner_key, "photo-1", bytes(flipped))
 
 
 def _tampered_copy(source, dest, edit):

@@ -1,0 +1,138 @@
+"""Replicated gallery records: one row's state, sealed under the owner key.
+
+A record carries in plaintext what the server checks and orders by — item id, version tag
+(origin version, version, via) and a tombstone flag — and, sealed with AES-256-GCM under the
+owner key, the row's content::
+
+    FCTR1 | u16 len + vault blob SHA-256 (hex, may be empty) | u8 has label | u32 len + label
+          | u32 len + embedding (float32 LE) | side-info (float32 LE, the rest)
+
+The authenticated data binds the owner id, item id, version, origin version, via and the
+tombstone flag, so the server (or anyone) can neither read a record, nor edit it, nor
+re-label it into another version, item or owner. A tombstone seals an empty plaintext.
+
+**Merge order** (:func:`beats`): for one item id, a tombstone beats everything (a removed
+item id is never used again); then the higher version; at equal versions an image-embedded
+row ('native', or 'backward' in unified mode) beats an adapted one ('forward'); at equal
+rank the record whose sealed bytes have the smaller SHA-256 wins. Every device applies the
+same total order to the same records, so all devices of an owner converge to the same row
+whatever order they see the records in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from fctkit.errors import CorruptRecordError
+
+from .crypto import Sealer
+from .gallery import VersionTag
+
+MAGIC = b"FCTR1"
+_VIA_RANK = {"forward": 0, "native": 1, "backward": 1}
+
+
+@dataclass(frozen=True)
+class RowContent:
+    """What a record seals: the row's vectors, label and the vault blob of its original."""
+
+    embedding: np.ndarray
+    side_info: np.ndarray
+    label: str | None
+    vault_sha256: str | None
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    """A record's plaintext fields (``tag`` None for a tombstone) and the SHA-256 of its sealed bytes."""
+
+    item_id: str
+    tag: VersionTag | None
+    sha256: str
+
+    @property
+    def tombstone(self) -> bool:
+        return self.tag is None
+
+    @property
+    def rank(self) -> tuple[int, int, int]:
+        if self.tag is None:
+            return (1, 0, 0)
+        return (0, self.tag.version, _VIA_RANK[self.tag.via])
+
+
+def beats(incoming: RecordHeader, local_tag: VersionTag | None, local_sha256: str | None) -> bool:
+    """Whether ``incoming`` (not a tombstone's target) replaces a local row in state
+    ``local_tag`` (None: no row) whose content is the record ``local_sha256`` (None: a local
+    change not sealed yet, which an equal-rank record replaces: pushing it could only tie)."""
+    if local_tag is None:
+        return True  # no row here
+    local = RecordHeader("", local_tag, local_sha256 or "")
+    if incoming.rank != local.rank:
+        return incoming.rank > local.rank
+    return local_sha256 is None or incoming.sha256 < local_sha256
+
+
+def record_aad(owner_id: str, item_id: str, tag: VersionTag | None) -> bytes:
+    fields = [owner_id, item_id, True] if tag is None else [owner_id, item_id, False, tag.version, tag.origin_version, tag.via]
+    return b"fctkit-record/1|" + json.dumps(fields, separators=(",", ":")).encode("utf-8")
+
+
+def encode_content(content: RowContent) -> bytes:
+    sha = (content.vault_sha256 or "").encode("ascii")
+    label = b"" if content.label is None else content.label.encode("utf-8")
+    embedding = np.ascontiguousarray(content.embedding, dtype="<f4").tobytes()
+    side_info = np.ascontiguousarray(content.side_info, dtype="<f4").tobytes()
+    return b"".join((MAGIC, struct.pack(">H", len(sha)), sha, struct.pack(">BI", content.label is not None, len(label)),
+                     label, struct.pack(">I", len(embedding)), embedding, side_info))
+
+
+def decode_content(data: bytes, what: str) -> RowContent:
+    try:
+        if not data.startswith(MAGIC):
+            raise ValueError("no FCTR1 header")
+        position = len(MAGIC)
+        (sha_len,) = struct.unpack_from(">H", data, position)
+        position += 2
+        sha = data[position:position + sha_len].decode("ascii")
+        position += sha_len
+        has_label, label_len = struct.unpack_from(">BI", data, position)
+        position += 5
+        label = data[position:position + label_len].decode("utf-8") if has_label else None
+        position += label_len
+        (embedding_len,) = struct.unpack_from(">I", data, position)
+        position += 4
+        embedding = data[position:position + embedding_len]
+        side_info = data[position + embedding_len:]
+        if len(embedding) != embedding_len or embedding_len % 4 or len(side_info) % 4:
+            raise ValueError("truncated vectors")
+    except (ValueError, struct.error, UnicodeDecodeError) as exc:
+        raise CorruptRecordError(f"{what}: authenticated but malformed content ({exc})") from exc
+    return RowContent(np.frombuffer(embedding, "<f4").astype(np.float32), np.frombuffer(side_info, "<f4").astype(np.float32),
+                      label, sha or None)
+
+
+def seal_record(owner: Sealer, owner_id: str, item_id: str, tag: VersionTag | None, content: RowContent | None) -> bytes:
+    """The sealed bytes of a row state (``tag``/``content`` None: a tombstone)."""
+    return owner.seal(b"" if content is None else encode_content(content), record_aad(owner_id, item_id, tag))
+
+
+def open_record(owner: Sealer, owner_id: str, item_id: str, tag: VersionTag | None, sealed: bytes) -> RowContent | None:
+    """The content of a record (None for a tombstone); :class:`CorruptRecordError` when it was
+    altered, re-labelled, or sealed under another owner key."""
+    what = f"replica record of item {item_id!r} ({'tombstone' if tag is None else tag})"
+    try:
+        plaintext = owner.open(sealed, record_aad(owner_id, item_id, tag), what)
+    except CorruptRecordError as exc:
+        raise CorruptRecordError(f"{exc}; if every record fails, this device holds another owner's key: "
+                                 "import the owner's key (`fctkit device init --import-key`)") from None
+    return None if tag is None else decode_content(plaintext, what)
+
+
+def sealed_sha256(sealed: bytes) -> str:
+    return hashlib.sha256(sealed).hexdigest()

@@ -1,0 +1,236 @@
+"""Owners and encrypted gallery replication against a real server on loopback (tiny bundles).
+
+Two devices of one owner add items concurrently while one upgrades to v2: after syncing their
+decrypted galleries are identical; another owner's device is refused everything of the owner;
+a wiped device restores an identical gallery from the owner key alone; the server's disk holds
+no gallery vector; tombstones propagate; a retried push stores nothing twice; a record of a
+version not installed waits pending until the upgrade; a tampered record or a wrong owner key
+stops the pull with a clear error and nothing stored is lost."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+
+import numpy as np
+import pytest
+
+from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, publish
+
+from fctkit.edge_runtime import Device, DeviceSettings
+from fctkit.edge_runtime.replication import seal_changes
+from fctkit.errors import CorruptRecordError, DeviceKeyError, InputError, RpcStatusError
+from fctkit.protos import vault_pb2
+from fctkit.protos.client import FctkitClient
+
+
+@pytest.fixture
+def server(tmp_path, publisher_pub, tiny_bundles):
+    token = tmp_path / "admin.token"
+    token.write_text(ADMIN_TOKEN + "\n")
+    token.chmod(0o600)
+    process = ServerProcess(tmp_path / "data", publisher_pub, token).start()
+    publish(process, tiny_bundles[1], tmp_path)
+    yield process
+    if process.alive():
+        process.stop()
+
+
+def owner_code(server: ServerProcess, owner: str = "") -> str:
+    with FctkitClient(server.target, ADMIN_TOKEN) as admin:
+        return admin.create_enrolment_code(owner=owner).code
+
+
+def state(device: Device) -> dict[str, tuple]:
+    """The decrypted gallery by item id: (version tag, embedding bytes, side-info bytes, label)."""
+    rows = device.gallery.load()
+    assert not rows.corrupt
+    return {item: (str(tag), np.asarray(rows.embeddings[k], "<f4").tobytes(), np.asarray(rows.side_infos[k], "<f4").tobytes(),
+                   rows.labels[k]) for k, (item, tag) in enumerate(zip(rows.item_ids, rows.tags, strict=True))}
+
+
+@pytest.fixture
+def make_device(tmp_path, publisher_pub):
+    """``make_device(name, **init)``: a new device (``Device.init`` keywords, e.g. an owner key file)."""
+    opened: list[Device] = []
+
+    def make(name: str, **init) -> Device:
+        device = Device.init(tmp_path / name, publisher_key=publisher_pub, settings=DeviceSettings(batch_size=8), **init)
+        device.progress = False
+        opened.append(device)
+        return device
+
+    yield make
+    for device in opened:
+        device.close()
+
+
+def enrolled(make_device, server, name: str, owner: str, *, sync: bool = True, **init) -> Device:
+    device = make_device(name, **init)
+    device.enrol(server.target, owner_code(server, owner), device_name=name)
+    assert device.settings.owner_id == (owner or device.settings.owner_id)
+    if sync:
+        device.sync()
+    return device
+
+
+def converge(*devices: Device, rounds: int = 2) -> None:
+    for _ in range(rounds):
+        for device in devices:
+            device.sync()
+
+
+def test_two_devices_of_one_owner_converge_while_one_upgrades(server, tiny_bundles, make_device, images, tmp_path):
+    alice = enrolled(make_device, server, "alice-phone", "alice")
+    key_file = alice.export_owner_key(tmp_path / "alice.owner-key", "correct horse")
+    with pytest.raises(DeviceKeyError, match="wrong passphrase"):
+        Device.init(tmp_path / "thief", owner_key_file=key_file, owner_key_passphrase="guess")
+    tablet = enrolled(make_device, server, "alice-tablet", "alice", owner_key_file=key_file, owner_key_passphrase="correct horse")
+    errors: list[BaseException] = []
+
+    def adding(device: Device, prefix: str, seed: int, upgrade_midway: bool) -> None:
+        try:
+            for batch in range(4):
+                device.add(images(5, seed=seed + batch), item_ids=[f"{prefix}{batch}-{i}" for i in range(5)],
+                           labels=[f"{prefix}-label"] * 5)
+                if upgrade_midway and batch == 1:
+                    publish(server, tiny_bundles[2], tmp_path)
+                    assert device.sync().installed_after == 2  # the upgrade, while the other keeps adding
+                else:
+                    device.sync()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=adding, args=(alice, "a", 10, False)),
+               threading.Thread(target=adding, args=(tablet, "t", 50, True))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+    converge(alice, tablet)
+    expected = state(alice)
+    assert len(expected) == 40 and state(tablet) == expected
+    tags = {tag for tag, *_ in expected.values()}
+    assert "v1->v2 (forward)" in tags and tags <= {"v1->v2 (forward)", "v2"}  # adapted, or added after the upgrade
+    assert alice.status()["replica"]["unpushed"] == 0 and alice.status()["replica"]["pending"] == 0
+
+    # backfill on the tablet re-embeds originals the phone uploaded, then replicates them
+    adapted = [item for item, (tag, *_) in expected.items() if tag == "v1->v2 (forward)"]
+    assert any(item.startswith("a") for item in adapted)  # rows whose originals the phone uploaded
+    assert tablet.backfill(40, order="random").backfilled == len(adapted)
+    converge(tablet, alice)
+    assert state(alice) == state(tablet) and {tag for tag, *_ in state(alice).values()} == {"v2"}
+
+    # the server's disk holds no float32 vector of the gallery, only ciphertext
+    on_disk = b"".join(p.read_bytes() for p in server.data_dir.rglob("*") if p.is_file())
+    for _, embedding, side_info, _ in state(alice).values():
+        assert embedding not in on_disk and side_info not in on_disk
+
+    # another owner's device reaches nothing of alice's
+    mallory = enrolled(make_device, server, "mallory", "")
+    assert mallory.settings.owner_id != "alice" and len(mallory.gallery) == 0
+    sha256 = alice.gallery.vault_sha256("a0-0")
+    with mallory.client() as client:
+        assert client.list_blobs() == []
+        for attempt in (lambda: client.list_blobs(owner_id="alice"), lambda: client.read_blob(sha256),
+                        lambda: list(client.pull_records(owner_id="alice")), lambda: client.delete_blob(sha256)):
+            with pytest.raises(RpcStatusError) as refused:
+                attempt()
+            assert refused.value.code == "PERMISSION_DENIED"
+        assert [r for batch in client.pull_records() for r in batch.records] == []
+
+    # a wiped device: only the exported owner key, a new code for the owner, one sync
+    restored = enrolled(make_device, server, "alice-new-phone", "alice", owner_key_file=key_file,
+                        owner_key_passphrase="correct horse")
+    assert restored.version == 2 and state(restored) == state(alice)
+    assert restored.status()["replica"]["unpushed"] == 0  # nothing re-embedded, nothing to push back
+    np.testing.assert_array_equal(restored.fetch_original("t3-4"), images(5, seed=53)[4])
+
+
+def test_tombstones_propagate_and_removed_ids_stay_removed(server, make_device, images):
+    one, two = enrolled(make_device, server, "one", "bob"), None
+    one.add(images(6, seed=1), item_ids=[f"x{i}" for i in range(6)])
+    one.sync()
+    two = enrolled(make_device, server, "two", "bob", owner_key_file=_export(one), owner_key_passphrase="pw")
+    assert set(state(two)) == {f"x{i}" for i in range(6)}
+    assert two.remove(["x1", "x4"]) == 2
+    converge(two, one)
+    assert set(state(one)) == set(state(two)) == {"x0", "x2", "x3", "x5"}
+    with pytest.raises(InputError, match="never used again"):
+        one.add(images(1, seed=9), item_ids=["x1"])
+
+
+def _export(device: Device) -> str:
+    path = device.root.parent / f"{device.root.name}.owner-key"
+    if not path.exists():
+        device.export_owner_key(path, "pw")
+    return str(path)
+
+
+def _all_records(device: Device) -> list:
+    with device.client() as client:
+        return [r for batch in client.pull_records() for r in batch.records]
+
+
+def test_a_retried_push_never_duplicates(server, make_device, images):
+    device = enrolled(make_device, server, "retry", "carol")
+    device.add(images(7, seed=2), item_ids=[f"r{i}" for i in range(7)], upload=True)
+    assert seal_changes(device) == 7
+    batch = device.gallery.sealed_changes(100)
+    records = [vault_pb2.SealedRecord(change_id=c, item_id=i, version=v, origin_version=o, via=via, tombstone=t, sealed=s)
+               for c, i, v, o, via, t, s in batch]
+    with device.client() as client:
+        first = client.push_records(records)  # the acknowledgement is lost: the device never marks them pushed
+        again = client.push_records(records)
+    assert (first.stored, first.already_stored, again.stored, again.already_stored) == (7, 0, 0, 7)
+    assert again.last_sequence == first.last_sequence == 7
+    result = device.sync().replication  # the device's own retry
+    assert (result.pushed, result.already_stored, result.unpushed) == (0, 7, 0)
+    records = _all_records(device)
+    assert [r.sequence for r in records] == list(range(1, 8)) and len({r.item_id for r in records}) == 7
+
+
+def test_a_record_of_a_version_not_installed_waits_pending(server, tiny_bundles, make_device, images, tmp_path):
+    early = enrolled(make_device, server, "early", "dave")
+    late = enrolled(make_device, server, "late", "dave", owner_key_file=_export(early), owner_key_passphrase="pw")
+    late.add(images(4, seed=3), item_ids=[f"l{i}" for i in range(4)])
+    late.sync()
+    publish(server, tiny_bundles[2], tmp_path)
+    early.sync()  # v2: pulls late's v1 rows, moves them to v2 itself, pushes
+    early.add(images(3, seed=4), item_ids=[f"e{i}" for i in range(3)])
+    early.sync()
+    deferred = late.sync(upgrade=False)  # v2 downloaded, not installed: v2 records wait
+    assert late.version == 1 and deferred.replication.still_pending == 7
+    assert set(state(late)) == {f"l{i}" for i in range(4)}
+    assert {m.item_id for m in late.query(images(3, seed=4), k=10)[0]} <= {f"l{i}" for i in range(4)}
+    late.sync()  # the upgrade, then the pending records
+    assert late.status()["replica"]["pending"] == 0
+    converge(late, early)
+    assert state(late) == state(early) and len(state(late)) == 7
+
+
+def test_tampered_records_and_a_wrong_owner_key_lose_nothing(server, make_device, images):
+    source = enrolled(make_device, server, "source", "erin")
+    source.add(images(5, seed=5), item_ids=[f"s{i}" for i in range(5)])
+    source.sync()
+    stranger = enrolled(make_device, server, "stranger", "erin", sync=False)  # joined erin without importing her key
+    stranger.sync(replicate=False)
+    stranger.add(images(2, seed=6), item_ids=["own0", "own1"], upload=False)
+    before = state(stranger)
+    with pytest.raises(CorruptRecordError, match="another owner's key"):
+        stranger.sync()
+    assert state(stranger) == before and stranger.gallery.replica_cursor == 0
+
+    friend = enrolled(make_device, server, "friend", "erin", owner_key_file=_export(source), owner_key_passphrase="pw")
+    kept = state(friend)
+    source.add(images(1, seed=7), item_ids=["late"])
+    source.sync()
+    with sqlite3.connect(server.data_dir / "meta.sqlite3") as db:
+        sealed, sequence = db.execute("SELECT sealed, sequence FROM replica_records WHERE item_id = 'late'").fetchone()
+        tampered = bytearray(sealed)
+        tampered[-3] ^= 0x01
+        db.execute("UPDATE replica_records SET sealed = ? WHERE sequence = ? AND owner_id = 'erin'", (bytes(tampered), sequence))
+    with pytest.raises(CorruptRecordError, match="authentication failed"):
+        friend.sync()
+    assert state(friend) == kept and friend.gallery.replica_cursor == sequence - 1
