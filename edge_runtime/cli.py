@@ -19,6 +19,8 @@ _DIR = click.option("--dir", "root", type=click.Path(path_type=Path), default=la
                     show_default="$FCTKIT_DEVICE or ./device", help="The device directory.")
 _PASSPHRASE = click.option("--passphrase-env", metavar="VAR", default=None,
                            help="Environment variable holding the key file's passphrase.")
+_KEY_PASSPHRASE = click.option("--key-passphrase-env", metavar="VAR", default=None,
+                               help="Environment variable holding the exported owner key's passphrase (else prompted).")
 
 
 def _passphrase(var: str | None) -> str | None:
@@ -27,6 +29,13 @@ def _passphrase(var: str | None) -> str | None:
     if var not in os.environ:
         raise InputError(f"environment variable {var} is not set (it should hold the passphrase)")
     return os.environ[var]
+
+
+def _key_passphrase(var: str | None, *, confirm: bool) -> str:
+    """The exported owner key's passphrase: from the environment variable, else prompted."""
+    if var is not None:
+        return _passphrase(var)
+    return click.prompt("Owner key passphrase", hide_input=True, confirmation_prompt=confirm)
 
 
 def _open(root: Path, passphrase_env: str | None, quiet: bool = False) -> Device:
@@ -70,13 +79,33 @@ def device_command() -> None:
 @click.option("--batch-size", type=int, default=1024, show_default=True, help="Rows per ONNX Runtime call and per upgrade commit.")
 @click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime intra-op threads (0: its default).")
 @click.option("--search-backend", type=click.Choice(["auto", "numpy", "faiss"]), default="auto", show_default=True)
-def init_command(root, passphrase_env, publisher_key, providers, batch_size, threads, search_backend) -> None:
-    """Create a device: a new 0600 device key (passphrase-wrapped with --passphrase-env) and an empty gallery."""
+@click.option("--import-key", "import_key", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="The owner key exported by another device of the owner (`fctkit device export-key`): join it, or restore.")
+@_KEY_PASSPHRASE
+def init_command(root, passphrase_env, publisher_key, providers, batch_size, threads, search_backend, import_key,
+                 key_passphrase_env) -> None:
+    """Create a device: a new 0600 device key (passphrase-wrapped with --passphrase-env), an
+    owner key (new, or imported with --import-key) and an empty gallery."""
     settings = DeviceSettings(providers=tuple(p.strip() for p in providers.split(",") if p.strip()),
                               batch_size=batch_size, threads=threads, search_backend=search_backend)
     settings.engine  # validates the engine choices before anything is written
-    with Device.init(root, passphrase=_passphrase(passphrase_env), publisher_key=publisher_key, settings=settings) as device:
-        _echo({"device": str(device.root), "gallery_id": device.gallery.gallery_id.hex()})
+    owner_passphrase = _key_passphrase(key_passphrase_env, confirm=False) if import_key else None
+    with Device.init(root, passphrase=_passphrase(passphrase_env), publisher_key=publisher_key, settings=settings,
+                     owner_key_file=import_key, owner_key_passphrase=owner_passphrase) as device:
+        _echo({"device": str(device.root), "gallery_id": device.gallery.gallery_id.hex(), "owner_key_imported": bool(import_key)})
+
+
+@device_command.command("export-key")
+@_DIR
+@_PASSPHRASE
+@click.argument("out", type=click.Path(path_type=Path, dir_okay=False))
+@_KEY_PASSPHRASE
+def export_key_command(root, passphrase_env, out, key_passphrase_env) -> None:
+    """Write the owner key to OUT (new, 0600), wrapped by a passphrase (scrypt), for
+    `fctkit device init --import-key OUT` on the owner's other or replacement devices."""
+    with _open(root, passphrase_env) as device:
+        device.export_owner_key(out, _key_passphrase(key_passphrase_env, confirm=True))
+        _echo({"exported": str(out), "owner_id": device.settings.owner_id})
 
 
 @device_command.command("enrol")
@@ -89,7 +118,8 @@ def init_command(root, passphrase_env, publisher_key, providers, batch_size, thr
 def enrol_command(root, passphrase_env, server, code, name, tls_root) -> None:
     """Enrol with a server: get a device token and pin the publisher's key."""
     with _open(root, passphrase_env) as device:
-        _echo({"device_id": device.enrol(server, code, device_name=name, tls_root_certificates=tls_root)})
+        device_id = device.enrol(server, code, device_name=name, tls_root_certificates=tls_root)
+        _echo({"device_id": device_id, "owner_id": device.settings.owner_id})
 
 
 @device_command.command("add")
@@ -122,15 +152,27 @@ def query_command(root, passphrase_env, images, k) -> None:
 @_DIR
 @_PASSPHRASE
 @click.option("--no-upgrade", is_flag=True, help="Download and verify, but defer upgrading the gallery.")
+@click.option("--no-replicate", is_flag=True, help="Skip pulling and pushing the owner's gallery replica.")
 @click.option("--watch", is_flag=True, help="Then keep following the server and sync on every new version.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def sync_command(root, passphrase_env, no_upgrade, watch, quiet) -> None:
-    """Upload queued originals, then install or upgrade to the latest published version."""
+def sync_command(root, passphrase_env, no_upgrade, no_replicate, watch, quiet) -> None:
+    """Upload queued originals, install or upgrade to the latest published version, then pull
+    and push the owner's encrypted gallery replica."""
     with _open(root, passphrase_env, quiet) as device:
-        _echo(dataclasses.asdict(device.sync(upgrade=not no_upgrade)))
+        _echo(dataclasses.asdict(device.sync(upgrade=not no_upgrade, replicate=not no_replicate)))
         if watch:
             for result in device.watch(upgrade=not no_upgrade):
                 _echo(dataclasses.asdict(result))
+
+
+@device_command.command("remove")
+@_DIR
+@_PASSPHRASE
+@click.argument("item_ids", nargs=-1, required=True)
+def remove_command(root, passphrase_env, item_ids) -> None:
+    """Remove items; the removal reaches the owner's other devices as tombstones at the next sync."""
+    with _open(root, passphrase_env) as device:
+        _echo({"removed": device.remove(list(item_ids)), "rows": len(device.gallery)})
 
 
 @device_command.command("upgrade")
@@ -154,7 +196,8 @@ def upgrade_command(root, passphrase_env, bundle_dir, quiet) -> None:
 @_DIR
 @_PASSPHRASE
 def status_command(root, passphrase_env) -> None:
-    """The installed version, rows per space, queued uploads, any upgrade in progress."""
+    """The installed version, rows per space, queued uploads, any upgrade in progress, the
+    owner and the replica (cursor, pending records, unpushed changes)."""
     with _open(root, passphrase_env) as device:
         _echo(device.status())
 

@@ -234,3 +234,45 @@ def test_tampered_records_and_a_wrong_owner_key_lose_nothing(server, make_device
     with pytest.raises(CorruptRecordError, match="authentication failed"):
         friend.sync()
     assert state(friend) == kept and friend.gallery.replica_cursor == sequence - 1
+
+
+def test_cli_owner_key_export_import_restore_and_status(server, tmp_path, images, publisher_pub, monkeypatch):
+    import json
+
+    from click.testing import CliRunner
+
+    from tests.edge.test_device_server_edge import device_cli
+
+    from fctkit.cli import cli
+
+    def admin_code(owner: str) -> str:
+        result = CliRunner().invoke(cli, ["admin", "--server", server.target, "enrol-code", "--owner", owner],
+                                    env={"FCTKIT_ADMIN_TOKEN": ADMIN_TOKEN})
+        assert result.exit_code == 0, result.output
+        return result.output.splitlines()[0]
+
+    def run(*args: str) -> dict:
+        done = device_cli(*args)
+        assert done.returncode == 0, (args, done.stderr)
+        return json.loads(done.stdout) if done.stdout.strip().startswith("{") else {}
+
+    monkeypatch.setenv("FCTKIT_TEST_OWNER_PASS", "pass phrase")  # the subprocesses inherit it
+    first, second, key = tmp_path / "first", tmp_path / "second", tmp_path / "owner.key"
+    np.savez(tmp_path / "add.npz", images=images(3, seed=8), ids=np.array(["p0", "p1", "p2"]))
+    run("init", "--dir", str(first), "--publisher-key", str(publisher_pub))
+    assert run("enrol", "--dir", str(first), "--server", server.target, "--code", admin_code("frank"))["owner_id"] == "frank"
+    run("sync", "--dir", str(first), "--quiet")
+    run("add", "--dir", str(first), str(tmp_path / "add.npz"))
+    assert run("sync", "--dir", str(first), "--quiet")["replication"]["pushed"] == 3
+    run("export-key", "--dir", str(first), str(key), "--key-passphrase-env", "FCTKIT_TEST_OWNER_PASS")
+    assert json.loads(key.read_text())["kind"] == "owner" and "pass phrase" not in key.read_text()
+    run("init", "--dir", str(second), "--import-key", str(key), "--key-passphrase-env", "FCTKIT_TEST_OWNER_PASS")
+    run("enrol", "--dir", str(second), "--server", server.target, "--code", admin_code("frank"))
+    skipped = run("sync", "--dir", str(second), "--quiet", "--no-replicate")
+    assert skipped["replication"] is None
+    run("sync", "--dir", str(second), "--quiet")
+    status = run("status", "--dir", str(second))
+    assert status["owner_id"] == "frank" and status["rows"] == 3
+    assert status["replica"] == {"cursor": 3, "unpushed": 0, "pending": 0, "tombstones": 0}
+    assert run("remove", "--dir", str(second), "p1")["removed"] == 1
+    assert run("status", "--dir", str(second))["replica"]["unpushed"] == 1
