@@ -125,3 +125,28 @@ def train_command(config_path: Path | None, out_dir: Path, overrides: dict[str, 
     config = load_pipeline_config(config_path, overrides)
     result = run_pipeline(config, out_dir, log=lambda message: click.echo(f"[train] {message}", err=True))
     click.echo(result.report.to_markdown())
+
+
+@click.command("train-compatible")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="TOML config (see configs/digits-compatible.toml); unknown keys are errors. Omitted: digits defaults.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output folder: models/<upgrade|sequence>/<method>/v<k>.pt, report.md/json/png, results.json, gate.json, config.json.")
+@click.option("--set", "overrides", multiple=True, callback=_parse_overrides, metavar="KEY=VALUE",
+              help="Override a config value by dotted key, e.g. --set bt2.extra_dims=32 (repeatable).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None, help="Overrides the config's device.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def train_compatible_command(config_path: Path | None, out_dir: Path, overrides: dict[str, object], device: str | None,
+                             quiet: bool) -> None:
+    """Train new backbones to be compatible with the old one (BCT, BT², CoReS), next to
+    independent training and the FCT / λ-orth adapters; one upgrade and a multi-step sequence
+    with compatibility matrices (AC, AM); write the report."""
+    from .compatible import load_compatible_config, results_markdown, run_compatible
+
+    if device is not None:
+        overrides = {**overrides, "device": device}
+    if quiet:
+        overrides = {**overrides, "progress": False}
+    config = load_compatible_config(config_path, overrides)
+    result = run_compatible(config, out_dir, log=lambda message: click.echo(f"[train-compatible] {message}", err=True))
+    click.echo(results_markdown(result.upgrade, result.sequence))
