@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 SEAL_BATCH = 1024  # changes sealed per transaction
 PUSH_BATCH = 2048  # sealed records per PushRecords call (acknowledged together)
+PULL_BATCH = 1024  # pulled records merged per transaction (with the cursor)
 
 
 @dataclass
@@ -163,17 +164,17 @@ def push(device: Device, client, result: ReplicationResult, *, on_batch=None) ->
 
 
 def pull(device: Device, client, result: ReplicationResult, *, on_batch=None) -> None:
-    """Merge every record after the gallery's cursor, one transaction per received batch."""
+    """Merge every record after the gallery's cursor, one transaction per :data:`PULL_BATCH` records."""
     gallery = device.gallery
     for response in client.pull_records(after_sequence=gallery.replica_cursor):
-        if not response.records:
-            continue
-        opened = [_open(device, m.sequence, m.item_id, _tag_of(m), m.sealed) for m in response.records]
-        placed = _place(device, opened)
-        result.add(gallery.merge_replica(placed, _decide, cursor=response.records[-1].sequence))
-        result.pulled += len(placed)
-        if on_batch is not None:
-            on_batch("pull", len(placed))
+        for start in range(0, len(response.records), PULL_BATCH):
+            messages = response.records[start:start + PULL_BATCH]
+            opened = [_open(device, m.sequence, m.item_id, _tag_of(m), m.sealed) for m in messages]
+            placed = _place(device, opened)
+            result.add(gallery.merge_replica(placed, _decide, cursor=messages[-1].sequence))
+            result.pulled += len(placed)
+            if on_batch is not None:
+                on_batch("pull", len(placed))
 
 
 def apply_pending(device: Device) -> dict[str, int]:

@@ -1,0 +1,177 @@
+"""Crash safety of replication: a subprocess pushing (then one pulling) an owner's gallery is
+SIGKILLed at 20+ random moments (right after the server acknowledged a push and before the
+device recorded it, mid-commit, at random times); restarts finish the job, the server holds
+every record exactly once, and every device converges to the gallery of an uninterrupted run."""
+
+from __future__ import annotations
+
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, publish
+from tests.edge.test_replication_edge import owner_code, state
+
+from fctkit.edge_runtime import Device, DeviceSettings
+
+pytestmark = pytest.mark.slow
+ROWS, SMALL_BATCH, KILLS = 480, 12, 20
+
+# A device app's restart logic: open, sync (which replicates). Hooks print "acked" when the
+# server acknowledged a push (before the device records it) and "commit" as COMMIT is sent.
+WORKER = """
+import sys
+from fctkit.edge_runtime import Device, gallery, replication
+from fctkit.protos import client as client_module
+replication.SEAL_BATCH = replication.PUSH_BATCH = replication.PULL_BATCH = int(sys.argv[2])
+original_exit, original_push = gallery._transaction.__exit__, client_module.FctkitClient.push_records
+def exit_hook(self, exc_type, exc, tb):
+    if exc_type is None:
+        print("commit", flush=True)
+    return original_exit(self, exc_type, exc, tb)
+def push_hook(self, records):
+    response = original_push(self, records)
+    print("acked", flush=True)
+    return response
+gallery._transaction.__exit__ = exit_hook
+client_module.FctkitClient.push_records = push_hook
+device = Device.open(sys.argv[1])
+device.progress = False
+device.sync()
+print("done", flush=True)
+"""
+
+
+def _start(root: Path) -> tuple[subprocess.Popen, queue.Queue]:
+    process = subprocess.Popen([sys.executable, "-c", WORKER, str(root), str(SMALL_BATCH)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in process.stdout:
+            lines.put(line.strip())
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return process, lines
+
+
+def _kill_somewhere(root: Path, rng: random.Random, strategy: str) -> bool:
+    """Run the worker and SIGKILL it per ``strategy``; True if it died before finishing."""
+    process, lines = _start(root)
+    word = {"after-ack": "acked", "mid-commit": "commit"}.get(strategy)
+    if word is None:
+        time.sleep(rng.uniform(0.3, 1.5))
+    else:
+        target, seen = rng.randint(1, 3), 0
+        while seen < target:
+            line = lines.get(timeout=120)
+            if line is None or line == "done":
+                break
+            seen += line == word
+        time.sleep(rng.uniform(0.0, 0.003))
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    return process.returncode == -signal.SIGKILL
+
+
+def _finish(root: Path) -> None:
+    process, _ = _start(root)
+    assert process.wait(timeout=300) == 0, process.stderr.read()
+
+
+def _crash_until(current_root, seed: int, more_work) -> int:
+    """Kill workers on ``current_root()`` until KILLS kills landed; ``more_work()`` gives new
+    work whenever a worker finished the job between kills. Returns the kills."""
+    rng, kills, attempts = random.Random(seed), 0, 0
+    strategies = ["after-ack", "mid-commit", "random-time"]
+    while kills < KILLS and attempts < 120:
+        killed = _kill_somewhere(current_root(), rng, strategies[attempts % 3])
+        attempts += 1
+        kills += killed
+        if not killed:
+            more_work()
+    return kills
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, publisher_pub, tiny_bundles):
+    root = tmp_path_factory.mktemp("replica-crash-server")
+    token = root / "admin.token"
+    token.write_text(ADMIN_TOKEN + "\n")
+    token.chmod(0o600)
+    process = ServerProcess(root / "data", publisher_pub, token).start()
+    publish(process, tiny_bundles[1], root)
+    publish(process, tiny_bundles[2], root)
+    yield process
+    process.stop()
+
+
+def _device(root: Path, server, owner: str, publisher_pub: Path, **init) -> Device:
+    device = Device.init(root, publisher_key=publisher_pub, settings=DeviceSettings(batch_size=64), **init)
+    device.progress = False
+    device.enrol(server.target, owner_code(server, owner), device_name=root.name)
+    return device
+
+
+def _records(device: Device) -> list:
+    with device.client() as client:
+        return [r for batch in client.pull_records() for r in batch.records]
+
+
+def test_sigkilled_push_and_pull_converge(server, tmp_path, publisher_pub):
+    pictures = np.random.default_rng(0).standard_normal((ROWS * 2, 16)).astype(np.float32)
+    pusher = _device(tmp_path / "pusher", server, "crash-owner", publisher_pub)
+    pusher.sync(replicate=False)  # installs v2
+    added = [0]
+
+    def add_rows(count: int) -> None:
+        start = added[0]
+        with Device.open(pusher.root) as device:
+            device.add(pictures[start:start + count], item_ids=[f"p{i:04d}" for i in range(start, start + count)])
+        added[0] += count
+
+    add_rows(ROWS)
+    pusher.close()
+    assert _crash_until(lambda: pusher.root, 7, lambda: add_rows(40)) >= KILLS
+    _finish(pusher.root)
+
+    with Device.open(pusher.root) as pusher:
+        records = _records(pusher)
+        assert pusher.status()["replica"]["unpushed"] == 0
+        expected = state(pusher)
+        key_file = pusher.export_owner_key(tmp_path / "owner.key", "pw")
+    assert len(expected) == added[0]
+    # every change is on the server exactly once, in one gap-free sequence
+    assert [r.sequence for r in records] == list(range(1, added[0] + 1))
+    assert sorted(r.item_id for r in records) == sorted(expected)
+
+    reference = _device(tmp_path / "reference", server, "crash-owner", publisher_pub, owner_key_file=key_file, owner_key_passphrase="pw")
+    reference.sync()
+    assert state(reference) == expected
+    reference.close()
+
+    pullers: list[Path] = []
+
+    def new_puller() -> None:  # a puller that finished between kills is checked later; a fresh one goes on
+        device = _device(tmp_path / f"puller{len(pullers)}", server, "crash-owner", publisher_pub,
+                         owner_key_file=key_file, owner_key_passphrase="pw")
+        pullers.append(device.root)
+        device.close()
+
+    new_puller()
+    assert _crash_until(lambda: pullers[-1], 11, new_puller) >= KILLS
+    for root in pullers:
+        _finish(root)
+        with Device.open(root) as puller:
+            assert state(puller) == expected and puller.status()["replica"] == {
+                "cursor": added[0], "unpushed": 0, "pending": 0, "tombstones": 0}
+    assert len(_records(reference)) == added[0]  # the restarts pushed nothing back
