@@ -5,6 +5,9 @@ grpcio, cryptography; faiss optional).
 - :class:`Gallery` — the encrypted SQLite gallery (rows sealed with AES-256-GCM).
 - :class:`Engine` — a verified bundle's ONNX graphs on ONNX Runtime (TensorRT → CUDA → CPU).
 - :meth:`Device.backfill` — partial backfill from the vault (:mod:`.backfill`, :class:`BackfillResult`).
+- :meth:`Device.sync` / :meth:`Device.replicate` — the owner's encrypted gallery replica
+  (:mod:`.replication`, :class:`ReplicationResult`; records in :mod:`.records`);
+  :meth:`Device.export_owner_key` and ``Device.init(owner_key_file=...)`` share the owner key.
 - :class:`ExactIndex` — exact k-NN (numpy, or faiss when installed) with the bundle's distance.
 """
 
@@ -12,11 +15,12 @@ from .backfill import ORDERINGS, BackfillResult
 from .device import Device, DeviceSettings, Match, SyncResult
 from .engine import Engine, EngineConfig, select_providers
 from .gallery import Gallery, LoadedRows, NewRow, VersionTag
+from .replication import ReplicationResult
 from .search import ExactIndex, Neighbours
 from .upgrade import Hop, UpgradePlan, run_upgrade
 
 __all__ = [
     "Device", "DeviceSettings", "Match", "SyncResult", "Engine", "EngineConfig", "select_providers", "Gallery",
     "LoadedRows", "NewRow", "VersionTag", "ExactIndex", "Neighbours", "Hop", "UpgradePlan", "run_upgrade",
-    "BackfillResult", "ORDERINGS",
+    "BackfillResult", "ORDERINGS", "ReplicationResult",
 ]

@@ -276,3 +276,29 @@ def test_cli_owner_key_export_import_restore_and_status(server, tmp_path, images
     assert status["replica"] == {"cursor": 3, "unpushed": 0, "pending": 0, "tombstones": 0}
     assert run("remove", "--dir", str(second), "p1")["removed"] == 1
     assert run("status", "--dir", str(second))["replica"]["unpushed"] == 1
+
+
+def test_a_gallery_and_device_from_before_owners_are_migrated_and_replicate(server, tiny_bundles, make_device, images, tmp_path):
+    device = make_device("old")
+    device.upgrade(tiny_bundles[1])  # installed offline, rows added before any server
+    device.add(images(4, seed=12), item_ids=[f"old{i}" for i in range(4)], upload=False)
+    root = device.root
+    device.close()
+    # make it a schema-1 gallery in a device directory without an owner key
+    with sqlite3.connect(root / "gallery.sqlite") as db:
+        for table in ("changes", "tombstones", "pending_records"):
+            db.execute(f"DROP TABLE {table}")
+        db.execute("ALTER TABLE items DROP COLUMN record_sha256")
+        db.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+        db.execute("DELETE FROM meta WHERE key = 'replica_cursor'")
+    (root / "owner.key").unlink()
+    with Device.open(root) as device:
+        assert (root / "owner.key").exists() and device.gallery.meta("schema_version") == "2"
+        assert device.status()["replica"] == {"cursor": 0, "unpushed": 4, "pending": 0, "tombstones": 0}
+        device.progress = False
+        device.enrol(server.target, owner_code(server, "ivan"), device_name="old")
+        assert device.sync().replication.pushed == 4
+        expected = state(device)
+        key_file = device.export_owner_key(tmp_path / "ivan.key", "pw")
+    twin = enrolled(make_device, server, "twin", "ivan", owner_key_file=key_file, owner_key_passphrase="pw")
+    assert state(twin) == expected
