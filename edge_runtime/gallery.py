@@ -628,8 +628,9 @@ class Gallery:
                 raise GalleryError("an upgrade is in progress: finish it before merging replicated records")
             live, _ = self._tables()
             for record in records:
-                write = decide(record, self._item_state(live, record.item_id))
-                self._apply(live, write)
+                state = self._item_state(live, record.item_id)
+                write = decide(record, state)
+                self._apply(live, write, has_row=state.tag is not None)
                 counts[write.kind] = counts.get(write.kind, 0) + 1
             self._db.executemany("DELETE FROM pending_records WHERE sequence = ?", [(s,) for s in done_pending])
             if cursor is not None:
@@ -644,7 +645,7 @@ class Gallery:
             return ItemState(None, None, tombstoned)
         return ItemState(VersionTag(row[0], row[1], row[2]), row[3], tombstoned)
 
-    def _apply(self, live: str, write: ReplicaWrite) -> None:
+    def _apply(self, live: str, write: ReplicaWrite, *, has_row: bool) -> None:
         if write.kind == "tombstone":
             self._remove_item(write.item_id)
         elif write.kind == "pending":
@@ -652,7 +653,8 @@ class Gallery:
             self._db.execute("INSERT OR IGNORE INTO pending_records VALUES (?, ?, ?, ?, ?, ?)",
                              (write.sequence, write.item_id, tag.version, tag.origin_version, tag.via, write.sealed))
         elif write.kind == "row":
-            self._remove_item(write.item_id, tombstone=False)
+            if has_row:  # an item without a row has no upload or unsealed change either
+                self._remove_item(write.item_id, tombstone=False)
             tag = write.tag
             row_id = self._db.execute("SELECT COALESCE(MAX(row_id), 0) + 1 FROM items").fetchone()[0]
             embedding, side_info = self._seal_vectors(row_id, write.item_id, tag, write.embedding, write.side_info)
