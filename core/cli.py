@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "keys": ("fctkit.export.cli", "keys_command", "Generate the publisher's Ed25519 signing key pair."),
     "bundle": ("fctkit.export.cli", "bundle_command", "Build, verify and pack signed model bundles."),
     "export": ("fctkit.export.cli", "export_command", "Export a train run as signed, versioned bundles (v1, v2[, v3])."),
+    "export-compatible": ("fctkit.export.cli", "export_compatible_command", "Export a train-compatible run's BCT/BT²/CoReS models as signed bundles in mode \"compatible\"."),
     "eval": ("fctkit.trainer.cli", "eval_command", "Evaluate retrieval between query and gallery .npz embeddings."),
     "train": ("fctkit.trainer.cli", "train_command", "Train backbones, side-info and adapters from a TOML config; write a report."),
     "train-compatible": ("fctkit.trainer.cli", "train_compatible_command", "Train compatible new backbones (BCT, BT², CoReS) and compare them with FCT / λ-orth adapters."),

@@ -43,6 +43,7 @@ from fctkit.errors import BundleError, DeviceError, InputError, RpcStatusError
 from .crypto import Sealer, new_key, read_key_file, write_key_file
 from .backfill import BackfillResult, gallery_vectors, record_uncertainty, run_backfill
 from .replication import ReplicationResult, apply_pending, replicate
+from .compatible import comparable_dims, compatible_rows
 from .engine import PREFERENCE, Engine, EngineConfig
 from .gallery import Gallery, LoadedRows, NewRow, VersionTag, take_rows
 from .search import ExactIndex
@@ -347,6 +348,12 @@ class Device:
             if self.version != version:
                 continue
             manifest = self.engine(version).manifest
+            if manifest.mode == "compatible":  # older versions' rows as stored, on the common prefix
+                keep, vectors = compatible_rows([t.version for t in loaded.tags], loaded.embeddings,
+                                                comparable_dims(self._installed_manifest, version))
+                loaded = _subset(loaded, keep) if len(keep) != len(loaded) else loaded
+                self._index_cache = (key, ExactIndex(vectors, manifest.distance, self.settings.search_backend), loaded)
+                continue
             if manifest.mode != "unified":
                 keep = [i for i, t in enumerate(loaded.tags) if t.version == version]
                 if len(keep) != len(loaded):
@@ -358,6 +365,8 @@ class Device:
         """The ``k`` nearest gallery items of each query image (exact search)."""
         version, index, rows = self._searchable()
         vectors = self.query_vectors(images, version)
+        if len(index) and vectors.shape[1] > index.vectors.shape[1] and self.engine(version).manifest.mode == "compatible":
+            vectors = vectors[:, : index.vectors.shape[1]]  # the prefix older rows are compared on (BT²)
         found = index.search(vectors, k)
         return [
             [Match(rows.item_ids[j], float(d), rows.labels[j], str(rows.tags[j])) for j, d in zip(idx, dist, strict=True)]
@@ -415,6 +424,9 @@ class Device:
             result = replicate(self, client, on_batch=on_batch)
         self._index_cache = None
         return result
+
+    def _installed_manifest(self, version: int):
+        return self.engine(version).manifest if version in self.installed_versions() else None
 
     def installed_versions(self) -> list[int]:
         """The versions whose verified bundles are installed on this device."""
@@ -495,7 +507,8 @@ class Device:
         from fctkit.protos import fleet_pb2
 
         engines = {b: self.engine(b) for b in {h.bundle for h in plan.hops if h.forward is not None}}
-        left = self.gallery.remaining(plan.target) if plan.hops else 0
+        rewrite = any(h.forward is not None for h in plan.hops)  # identity hops only (compatible): rows stay untouched
+        left = self.gallery.remaining(plan.target) if rewrite else 0
         if client is not None:
             self._report(client, fleet_pb2.UPGRADE_STATE_UPGRADING, plan.target)
         last_report = [time.monotonic()]
@@ -508,7 +521,7 @@ class Device:
 
         with tqdm(total=left, desc=f"upgrade {hop_list(plan.hops)}", unit="row", disable=not self.progress or left == 0) as bar:
             done = run_upgrade(self.gallery, plan, engines, batch_size=self.settings.batch_size,
-                               on_batch=on_batch) if plan.hops else 0
+                               on_batch=on_batch) if rewrite else 0
         if plan.mode == "forward":
             self.gallery.switch_to(plan.target, {"upgrade": None})
         else:

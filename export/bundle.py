@@ -72,6 +72,7 @@ def build_bundle(
     private_key: Ed25519PrivateKey,
     force: bool = False,
     force_reason: str | None = None,
+    compatible_prefix_dim: int | None = None,
 ) -> VerifiedBundle:
     """Copy the ONNX files into a new bundle directory ``out_dir``, describe them in a
     manifest, sign it, and return the bundle verified as a device would verify it.
@@ -80,7 +81,10 @@ def build_bundle(
     trainer's report. Unless ECC is true for every forward/backward artifact this raises
     :class:`GateError`; ``force=True`` with a ``force_reason`` publishes anyway and records
     ``"forced": true`` and the reason in the signed manifest. ``out_dir`` appears only when
-    everything succeeded (written to a temporary directory, fsynced, renamed)."""
+    everything succeeded (written to a temporary directory, fsynced, renamed).
+
+    ``compatible_prefix_dim`` (mode ``compatible`` only) records how many leading dims of the
+    embedding the parent versions' rows are compared on (BT²'s old-compatible block)."""
     cases, ecc = _gate_tables(gate)
     if force and not (force_reason and force_reason.strip()):
         raise GateError("--force needs a reason (--reason '...'): the override is recorded in the signed manifest")
@@ -106,6 +110,7 @@ def build_bundle(
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             kit_version=__version__,
             publisher_key_id=public_key_id(private_key.public_key()),
+            compatible_prefix_dim=compatible_prefix_dim,
         )
         manifest_bytes = manifest.canonical_bytes()
         (staging / MANIFEST_FILE).write_bytes(manifest_bytes)

@@ -154,3 +154,32 @@ def export_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, ch
         click.echo(f"  ECC gate: {verdicts}")
         if m.gate["forced"]:
             click.echo(f"  WARNING gate overridden (forced, recorded in the manifest): {m.gate['force_reason']}")
+
+
+@click.command("export-compatible")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--key", "key_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="publisher private key (publisher.key)")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="folder for the bundles v<N>/ and their v<N>.tar archives")
+@click.option("--method", required=True, type=click.Choice(["bct", "bt2", "cores"]),
+              help="which compatible backbone of the run's one upgrade the bundles carry")
+@click.option("--first-version", default=1, show_default=True, type=click.IntRange(min=1),
+              help="version number of the first bundle; the second follows")
+@click.option("--fp16", is_flag=True, help="store the graphs' weights in float16 (inputs/outputs stay float32)")
+@click.option("--passphrase-file", type=click.Path(dir_okay=False, path_type=Path), help=_PASSPHRASE_HELP)
+def export_compatible_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, first_version: int, fp16: bool,
+                              passphrase_file: Path | None) -> None:
+    """Export a `fctkit train-compatible` RUN_DIR's old and new backbone of METHOD as signed
+    bundles in mode "compatible" (devices switch query models, the gallery stays as it is);
+    refused unless the run's ECC held for the method."""
+    from .compatible import export_compatible_release
+
+    private_key = load_private_key(key_path, read_passphrase(passphrase_file))
+    for bundle in export_compatible_release(run_dir, out_dir, private_key=private_key, method=method,
+                                            first_version=first_version, fp16=fp16):
+        m = bundle.manifest
+        parents = ", ".join(f"v{p}" for p in m.parents) or "none"
+        prefix = f", parents' rows compared on the first {m.compatible_dims} dims" if m.parents else ""
+        click.echo(f"bundle v{m.version} (parents {parents}, mode {m.mode}, {m.embedding_dim}-d{prefix}) -> {bundle.root}")
+        click.echo(f"  cases: " + ", ".join(f"{case} {metrics['top1']:.4f}" for case, metrics in m.gate["cases"].items()))

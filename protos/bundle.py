@@ -212,6 +212,8 @@ _MANIFEST_KEYS = (
     "format_version", "version", "parents", "mode", "distance", "normalize", "embedding_dim",
     "side_info_dim", "artifacts", "gate", "created_at", "kit_version", "publisher_key_id",
 )
+#: Keys a manifest may omit; absent keys are not written, so older manifests keep their bytes.
+_OPTIONAL_MANIFEST_KEYS = ("compatible_prefix_dim",)
 _GATE_KEYS = ("cases", "ecc", "forced", "force_reason")
 
 
@@ -232,6 +234,9 @@ class Manifest:
     created_at: str
     kit_version: str
     publisher_key_id: str
+    #: mode "compatible" only: how many leading dims of this version's embedding are comparable
+    #: with the parent versions' rows (BT²'s old-compatible block); None = all of them.
+    compatible_prefix_dim: int | None = None
 
     def __post_init__(self) -> None:
         _check_header(self)
@@ -257,7 +262,12 @@ class Manifest:
             "created_at": self.created_at,
             "kit_version": self.kit_version,
             "publisher_key_id": self.publisher_key_id,
-        }
+        } | ({} if self.compatible_prefix_dim is None else {"compatible_prefix_dim": self.compatible_prefix_dim})
+
+    @property
+    def compatible_dims(self) -> int:
+        """The leading dims of this version's embedding that parent versions' rows are compared on."""
+        return self.embedding_dim if self.compatible_prefix_dim is None else self.compatible_prefix_dim
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
@@ -269,6 +279,7 @@ class Manifest:
             raw = json.loads(data.decode("ascii"), parse_constant=_reject_constant)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise BundleFormatError(f"{MANIFEST_FILE} is not valid ASCII JSON: {exc}") from exc
+        optional = {k: raw.pop(k) for k in _OPTIONAL_MANIFEST_KEYS if isinstance(raw, dict) and k in raw}
         raw = _exact_keys(raw, _MANIFEST_KEYS, MANIFEST_FILE)
         where = MANIFEST_FILE
         manifest = cls(
@@ -285,6 +296,8 @@ class Manifest:
             created_at=_typed(raw["created_at"], str, f"{where}.created_at"),
             kit_version=_typed(raw["kit_version"], str, f"{where}.kit_version"),
             publisher_key_id=_typed(raw["publisher_key_id"], str, f"{where}.publisher_key_id"),
+            compatible_prefix_dim=(_typed(optional["compatible_prefix_dim"], int, f"{where}.compatible_prefix_dim")
+                                   if "compatible_prefix_dim" in optional else None),
         )
         if manifest.canonical_bytes() != data:
             raise BundleFormatError(
@@ -380,6 +393,12 @@ def _check_header(m: Manifest) -> None:
         raise BundleFormatError(f"{MANIFEST_FILE}: created_at {m.created_at!r} is not an ISO 8601 time") from exc
     if created.tzinfo is None:
         raise BundleFormatError(f"{MANIFEST_FILE}: created_at {m.created_at!r} has no time zone")
+    prefix = m.compatible_prefix_dim
+    if prefix is not None:
+        if m.mode != "compatible":
+            raise BundleFormatError(f"{MANIFEST_FILE}: compatible_prefix_dim is for mode 'compatible' only (mode is {m.mode!r})")
+        if not _is_int(prefix) or not 0 < prefix <= m.embedding_dim:
+            raise BundleFormatError(f"{MANIFEST_FILE}: compatible_prefix_dim must be an integer in 1..{m.embedding_dim} (the embedding_dim), got {prefix!r}")
 
 
 def _check_artifacts(m: Manifest) -> None:
