@@ -128,3 +128,34 @@ def test_device_upgrade_through_compatible_bundle_keeps_rows_and_queries_hold(
     hits = device.query(queries[:5], k=1)
     assert [h[0].item_id for h in hits] == [f"n{i}" for i in range(5)]
     assert device.status()["rows_by_space"] == {"v1": GALLERY, "v2": 5}
+
+
+def test_comparable_dims_follow_installed_compatible_parents():
+    from types import SimpleNamespace
+
+    from fctkit.edge_runtime.compatible import comparable_dims, compatible_rows
+    from fctkit.errors import GalleryError
+
+    def manifest(mode, parents, dim, prefix=None):
+        return SimpleNamespace(mode=mode, parents=parents, embedding_dim=dim, compatible_dims=prefix or dim)
+
+    installed = {1: manifest("compatible", (), 32), 2: manifest("compatible", (1,), 80, 32),
+                 3: manifest("compatible", (2,), 96, 80), 5: manifest("forward", (3,), 96)}
+    assert comparable_dims(installed.get, 3) == {3: 96, 2: 80, 1: 32}
+    assert comparable_dims(installed.get, 2) == {2: 80, 1: 32}
+    assert comparable_dims(installed.get, 5) == {5: 96}  # a forward bundle searches its own rows only
+    assert comparable_dims({3: installed[3], 1: installed[1]}.get, 3) == {3: 96}  # v2 not installed: the chain stops
+    with pytest.raises(GalleryError, match="not installed"):
+        comparable_dims(installed.get, 4)
+
+    ragged = np.empty(4, dtype=object)
+    ragged[:] = [np.arange(32.0), np.arange(80.0), np.arange(96.0), np.arange(96.0)]
+    keep, vectors = compatible_rows([1, 2, 3, 5], ragged, comparable_dims(installed.get, 3))
+    assert keep == [0, 1, 2] and vectors.shape == (3, 32)
+    np.testing.assert_array_equal(vectors[2], np.arange(32.0))
+    keep, vectors = compatible_rows([3, 3], np.ones((2, 96), np.float32), comparable_dims(installed.get, 3))
+    assert vectors.shape == (2, 96)  # only the query version's rows: all dims
+    short = np.empty(2, dtype=object)
+    short[:] = [np.arange(16.0), np.arange(80.0)]
+    with pytest.raises(GalleryError, match="fewer than the 32"):
+        compatible_rows([1, 2], short, comparable_dims(installed.get, 3))
