@@ -27,7 +27,9 @@ to independent training and the adapter methods (FCT, λ-orth) on the same data:
   unit-normalised, pairwise cosine −1/(K−1)); K covers the classes of all future versions, so
   the classes a version does not know yet are already reserved (their logits are negatives
   in its softmax). The classifier is a deterministic matrix, identical across upgrades (the
-  "same initialisation"); the backbone weights start from the version's seed. Checkpoints are
+  "same initialisation"). As in CoReS's sequential fine-tuning, each version starts from the
+  previous version's weights (``cores.warm_start``; every version then has ``old_backbone``'s
+  architecture, optionally a lower ``cores.finetune_lr``). Checkpoints are
   selected under ECC: after every epoch the model is evaluated on a held-out validation split
   of its training data; the chosen epoch is the best new/new among those whose new/old beats
   old/old against *every* previous version (when none does, the one with the largest
@@ -130,7 +132,9 @@ class CoReSConfig:
 
 @dataclasses.dataclass
 class CompatibleConfig:
-    """A `fctkit train-compatible` run (see the module docstring)."""
+    """A `fctkit train-compatible` run (see the module docstring). ``data`` is the pipeline's
+    section: ``name``, ``max_items`` and ``train_fraction`` apply; the classes each version sees
+    come from ``upgrade`` / ``sequence`` (not ``data.old_class_fraction``)."""
 
     seed: int = 0
     device: str = "auto"
