@@ -302,3 +302,25 @@ def test_a_gallery_and_device_from_before_owners_are_migrated_and_replicate(serv
         key_file = device.export_owner_key(tmp_path / "ivan.key", "pw")
     twin = enrolled(make_device, server, "twin", "ivan", owner_key_file=key_file, owner_key_passphrase="pw")
     assert state(twin) == expected
+
+
+def test_rows_of_an_older_version_are_moved_by_the_installed_adapters(server, tiny_bundles, make_device, images, tmp_path):
+    """A device that installed v3 directly pulls v1 rows: the direct 1->3 adapter of its bundle
+    moves them (as an upgrade would) and it pushes them; the v1 device, upgraded, adopts them."""
+    old = enrolled(make_device, server, "stays-at-v1", "judy")
+    old.add(images(5, seed=13), item_ids=[f"o{i}" for i in range(5)])
+    old.sync()
+    publish(server, tiny_bundles[2], tmp_path)
+    publish(server, tiny_bundles[3], tmp_path)
+    new = enrolled(make_device, server, "starts-at-v3", "judy", owner_key_file=_export(old), owner_key_passphrase="pw")
+    assert new.version == 3 and new.installed_versions() == [3]
+    assert {tag for tag, *_ in state(new).values()} == {"v1->v3 (forward)"}
+    moved = new.gallery.load()
+    engine = new.engine(3)
+    direct = next(a for a in engine.manifest.artifacts if a.role == "forward" and a.source_version == 1)
+    originals = old.gallery.load()
+    np.testing.assert_allclose(moved.embeddings, engine.run(direct, originals.embeddings, originals.side_infos), rtol=1e-5, atol=1e-6)
+    assert new.status()["replica"]["unpushed"] == 0  # pushed back by the restoring sync
+    assert old.sync().hops == "v1 -> v3"
+    converge(old, new)
+    assert state(old) == state(new)
