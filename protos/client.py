@@ -372,7 +372,10 @@ class FctkitClient:
 
     def push_records(self, records: Sequence[vault_pb2.SealedRecord]) -> vault_pb2.PushRecordsResponse:
         """Push sealed gallery records in messages within the wire limits; retried while the
-        server is UNAVAILABLE (safe: each record's change id makes a retry idempotent)."""
+        server is UNAVAILABLE (safe: each record's change id makes a retry idempotent). The
+        response lists each record's sequence number."""
+        if len(records) > limits.MAX_RECORDS_PER_PUSH:
+            raise InputError(f"{len(records)} records in one push; at most {limits.MAX_RECORDS_PER_PUSH} (push in parts)")
         messages = list(_record_batches(records))
 
         def attempt() -> vault_pb2.PushRecordsResponse:

@@ -38,3 +38,6 @@ MAX_RECORD_BYTES = 64 << 10
 
 MAX_RECORD_BATCH_BYTES = 1 << 20
 """Sealed bytes of the records in one PushRecords / PullRecords message (1 MiB)."""
+
+MAX_RECORDS_PER_PUSH = 65536
+"""Records in one PushRecords call (its response lists each one's sequence number)."""

@@ -158,14 +158,16 @@ class PushRecordsRequest(_message.Message):
     def __init__(self, records: _Optional[_Iterable[_Union[SealedRecord, _Mapping]]] = ...) -> None: ...
 
 class PushRecordsResponse(_message.Message):
-    __slots__ = ("stored", "already_stored", "last_sequence")
+    __slots__ = ("stored", "already_stored", "last_sequence", "sequences")
     STORED_FIELD_NUMBER: _ClassVar[int]
     ALREADY_STORED_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     stored: int
     already_stored: int
     last_sequence: int
-    def __init__(self, stored: _Optional[int] = ..., already_stored: _Optional[int] = ..., last_sequence: _Optional[int] = ...) -> None: ...
+    sequences: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stored: _Optional[int] = ..., already_stored: _Optional[int] = ..., last_sequence: _Optional[int] = ..., sequences: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullRecordsRequest(_message.Message):
     __slots__ = ("after_sequence", "owner_id")

@@ -91,15 +91,20 @@ class ReplicaHandlers:
     async def PushRecords(self, requests: AsyncIterator[vault_pb2.PushRecordsRequest], context):
         device_id, owner_id = current_device_id(), current_owner_id()
         stored = already = 0
+        sequences: list[int] = []
         _, last = self._storage.replica_usage(owner_id)
         async for request in requests:
             batch = _checked_batch(request)
+            if len(sequences) + len(batch) > limits.MAX_RECORDS_PER_PUSH:
+                raise invalid(f"a PushRecords call holds at most {limits.MAX_RECORDS_PER_PUSH} records; push the rest in "
+                              f"another call (the {len(sequences)} stored so far are kept)")
             if not batch:
                 continue
             self._check_replica_quota(owner_id, batch)
             outcome = self._storage.push_records(owner_id, device_id, batch, timestamp())
             stored, already, last = stored + outcome.stored, already + outcome.already_stored, outcome.last_sequence
-        return vault_pb2.PushRecordsResponse(stored=stored, already_stored=already, last_sequence=last)
+            sequences += outcome.sequences
+        return vault_pb2.PushRecordsResponse(stored=stored, already_stored=already, last_sequence=last, sequences=sequences)
 
     async def PullRecords(self, request: vault_pb2.PullRecordsRequest, context):
         owner_id = self._requested_owner(request.owner_id)

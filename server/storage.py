@@ -162,6 +162,7 @@ class PushOutcome:
     stored: int
     already_stored: int
     last_sequence: int
+    sequences: tuple[int, ...] = ()  # each record's, in push order
 
 
 @dataclass(frozen=True)
@@ -340,6 +341,7 @@ class SqliteStorage:
         """Store ``records`` in one transaction, each new one under the owner's next sequence
         number; a record whose (device, change id) is already stored is left as it is."""
         stored = added_bytes = 0
+        sequences = []
         with self._transaction():
             size, last = self.replica_usage(owner_id)
             for record in records:
@@ -349,11 +351,14 @@ class SqliteStorage:
                     (owner_id, last + 1, device_id, record.change_id, record.item_id, record.version,
                      record.origin_version, record.via, int(record.tombstone), record.sealed, now),
                 ).rowcount
-                stored += inserted
-                last += inserted
-                added_bytes += inserted * len(record.sealed)
+                if inserted:
+                    stored, last, added_bytes = stored + 1, last + 1, added_bytes + len(record.sealed)
+                    sequences.append(last)
+                else:
+                    sequences.append(self._db.execute("SELECT sequence FROM replica_records WHERE device_id=? AND change_id=?",
+                                                      (device_id, record.change_id)).fetchone()[0])
             self._db.execute("INSERT OR REPLACE INTO replica_owners VALUES (?, ?, ?)", (owner_id, last, size + added_bytes))
-        return PushOutcome(stored, len(records) - stored, last)
+        return PushOutcome(stored, len(records) - stored, last, tuple(sequences))
 
     def pull_records(self, owner_id: str, after_sequence: int, limit: int) -> list[ReplicaRecord]:
         rows = self._db.execute(

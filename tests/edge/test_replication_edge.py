@@ -184,7 +184,7 @@ def test_a_retried_push_never_duplicates(server, make_device, images):
         first = client.push_records(records)  # the acknowledgement is lost: the device never marks them pushed
         again = client.push_records(records)
     assert (first.stored, first.already_stored, again.stored, again.already_stored) == (7, 0, 0, 7)
-    assert again.last_sequence == first.last_sequence == 7
+    assert again.last_sequence == first.last_sequence == 7 and list(again.sequences) == list(first.sequences) == list(range(1, 8))
     result = device.sync().replication  # the device's own retry
     assert (result.pushed, result.already_stored, result.unpushed) == (0, 7, 0)
     records = _all_records(device)

@@ -64,6 +64,7 @@ def test_one_owner_shares_blobs_and_records_others_are_refused(server):
     retried = phone.push_records([_record(2, "b"), _record(3, "d")])
     assert (first.stored, first.last_sequence, second.last_sequence) == (2, 2, 3)
     assert (retried.stored, retried.already_stored, retried.last_sequence) == (1, 1, 4)
+    assert (list(first.sequences), list(second.sequences), list(retried.sequences)) == ([1, 2], [3], [2, 4])
     pulled = [r for batch in tablet.pull_records() for r in batch.records]
     assert [(r.sequence, r.item_id) for r in pulled] == [(1, "a"), (2, "b"), (3, "c"), (4, "d")]
     assert [r.item_id for batch in tablet.pull_records(after_sequence=2) for r in batch.records] == ["c", "d"]
@@ -116,3 +117,18 @@ def test_a_schema_1_database_gets_owners(tmp_path):
     assert owner == "own-dev-1" and storage.owner_blob(owner, sha256).device_id == "dev-1"
     assert storage.push_records(owner, "dev-1", [], "now").last_sequence == 0
     storage.close()
+
+
+def test_a_push_call_holds_at_most_65536_records(start_server):
+    from fctkit.errors import InputError
+    from fctkit.protos import limits
+
+    device, _ = _device(start_server())  # the default replica quota (1 GiB)
+    with pytest.raises(InputError, match="at most 65536"):
+        device.push_records([_record(1, size=28)] * (limits.MAX_RECORDS_PER_PUSH + 1))
+    requests = [vault_pb2.PushRecordsRequest(records=[_record(i, size=28) for i in range(k, k + 4096)])
+                for k in range(1, limits.MAX_RECORDS_PER_PUSH + 4097, 4096)]  # 16 full messages and one more
+    with pytest.raises(grpc.RpcError) as refused:
+        device.vault.PushRecords(iter(requests), metadata=device._metadata)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "65536" in refused.value.details()
+    assert len([r for b in device.pull_records() for r in b.records]) == limits.MAX_RECORDS_PER_PUSH  # the first 16 messages stay
