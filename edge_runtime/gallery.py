@@ -581,23 +581,22 @@ class Gallery:
         """Keep the sealed records of changes (one transaction); a change whose row moved on
         or is gone since it was read is dropped (a newer change stands for it). Returns the
         changes stored."""
-        stored = 0
+        rows = [c for c in changes if c.tag is not None]
         with _transaction(self._db):
             live, _ = self._tables()
-            for change in changes:
-                tag = change.tag
-                if tag is not None and self._db.execute(
-                        f"SELECT 1 FROM items i JOIN {live} v USING (row_id) WHERE i.item_id = ? AND i.origin_version = ? "
-                        f"AND v.version = ? AND v.via = ?", (change.item_id, tag.origin_version, tag.version, tag.via)).fetchone() is None:
-                    # the row moved on or is gone since it was read: a newer change (or none) stands for it
-                    self._db.execute("DELETE FROM changes WHERE change_id = ? AND sealed IS NULL", (change.change_id,))
-                    continue
-                updated = self._db.execute(
-                    "UPDATE changes SET sealed = ?, version = ?, origin_version = ?, via = ? WHERE change_id = ? AND sealed IS NULL",
-                    (change.sealed, tag and tag.version, tag and tag.origin_version, tag and tag.via, change.change_id)).rowcount
-                if updated and tag is not None:
-                    self._db.execute("UPDATE items SET record_sha256 = ? WHERE item_id = ?", (change.sha256, change.item_id))
-                stored += updated
+            stored = self._db.executemany("UPDATE changes SET sealed = ? WHERE change_id = ? AND sealed IS NULL",
+                                          [(c.sealed, c.change_id) for c in changes if c.tag is None]).rowcount
+            stored += self._db.executemany(  # guarded: the row still has the tag it was sealed from
+                f"UPDATE changes SET sealed = ?, version = ?, origin_version = ?, via = ? WHERE change_id = ? AND sealed IS NULL "
+                f"AND EXISTS (SELECT 1 FROM items i JOIN {live} v USING (row_id) WHERE i.item_id = ? AND i.origin_version = ? "
+                f"AND v.version = ? AND v.via = ?)",
+                [(c.sealed, c.tag.version, c.tag.origin_version, c.tag.via, c.change_id, c.item_id, c.tag.origin_version,
+                  c.tag.version, c.tag.via) for c in rows]).rowcount
+            self._db.executemany("UPDATE items SET record_sha256 = ? WHERE item_id = ? AND EXISTS "
+                                 "(SELECT 1 FROM changes WHERE change_id = ? AND sealed = ?)",
+                                 [(c.sha256, c.item_id, c.change_id, c.sealed) for c in rows])
+            # still unsealed: the row moved on or is gone since it was read; a newer change (or none) stands for it
+            self._db.executemany("DELETE FROM changes WHERE change_id = ? AND sealed IS NULL", [(c.change_id,) for c in changes])
         return stored
 
     def sealed_changes(self, limit: int) -> list[tuple[int, str, int, int, str, bool, bytes]]:
@@ -627,25 +626,39 @@ class Gallery:
             if self.meta("upgrade") is not None:
                 raise GalleryError("an upgrade is in progress: finish it before merging replicated records")
             live, _ = self._tables()
+            states = self._item_states(live, [r.item_id for r in records])
+            next_row_id = self._db.execute("SELECT COALESCE(MAX(row_id), 0) + 1 FROM items").fetchone()[0]
             for record in records:
-                state = self._item_state(live, record.item_id)
+                state = states[record.item_id]
                 write = decide(record, state)
-                self._apply(live, write, has_row=state.tag is not None)
+                if write.kind == "row":
+                    self._apply(live, write, has_row=state.tag is not None, row_id=next_row_id)
+                    next_row_id += 1
+                    states[record.item_id] = ItemState(write.tag, write.record_sha256, False)
+                else:
+                    self._apply(live, write, has_row=state.tag is not None)
+                    if write.kind == "tombstone":
+                        states[record.item_id] = ItemState(None, None, True)
                 counts[write.kind] = counts.get(write.kind, 0) + 1
             self._db.executemany("DELETE FROM pending_records WHERE sequence = ?", [(s,) for s in done_pending])
-            if cursor is not None:
+            if cursor is not None and cursor > self.replica_cursor:  # another process may have merged further
                 self._set_meta({"replica_cursor": str(cursor)})
         return counts
 
-    def _item_state(self, live: str, item_id: str) -> ItemState:
-        row = self._db.execute(f"SELECT i.origin_version, v.version, v.via, i.record_sha256 FROM items i "
-                               f"JOIN {live} v USING (row_id) WHERE i.item_id = ?", (item_id,)).fetchone()
-        tombstoned = self._db.execute("SELECT 1 FROM tombstones WHERE item_id = ?", (item_id,)).fetchone() is not None
-        if row is None:
-            return ItemState(None, None, tombstoned)
-        return ItemState(VersionTag(row[0], row[1], row[2]), row[3], tombstoned)
+    def _item_states(self, live: str, item_ids: Sequence[str]) -> dict[str, ItemState]:
+        """Each item's state (inside the caller's transaction)."""
+        unique = list(dict.fromkeys(item_ids))
+        removed = set(self._tombstoned(unique))
+        states = {i: ItemState(None, None, i in removed) for i in unique}
+        for start in range(0, len(unique), _SQL_VARIABLES):
+            chunk = unique[start:start + _SQL_VARIABLES]
+            query = (f"SELECT i.item_id, i.origin_version, v.version, v.via, i.record_sha256 FROM items i "
+                     f"JOIN {live} v USING (row_id) WHERE i.item_id IN ({','.join('?' * len(chunk))})")
+            for item_id, origin, version, via, sha in self._db.execute(query, chunk):
+                states[item_id] = ItemState(VersionTag(origin, version, via), sha, item_id in removed)
+        return states
 
-    def _apply(self, live: str, write: ReplicaWrite, *, has_row: bool) -> None:
+    def _apply(self, live: str, write: ReplicaWrite, *, has_row: bool, row_id: int = 0) -> None:
         if write.kind == "tombstone":
             self._remove_item(write.item_id)
         elif write.kind == "pending":
@@ -656,7 +669,6 @@ class Gallery:
             if has_row:  # an item without a row has no upload or unsealed change either
                 self._remove_item(write.item_id, tombstone=False)
             tag = write.tag
-            row_id = self._db.execute("SELECT COALESCE(MAX(row_id), 0) + 1 FROM items").fetchone()[0]
             embedding, side_info = self._seal_vectors(row_id, write.item_id, tag, write.embedding, write.side_info)
             label = None if write.label is None else self._sealer.seal(
                 write.label.encode("utf-8"), _aad(self.gallery_id, row_id, write.item_id, _label_tag(tag.origin_version), "label"))

@@ -213,6 +213,17 @@ class Storage(Protocol):
     def owner_vault_usage(self, owner_id: str) -> tuple[int, int]: ...
 
     def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str) -> PushOutcome: ...
+    def _stored_sequences(self, device_id: str, change_ids: Sequence[int]) -> dict[int, int]:
+        """change id -> sequence of the device's records already stored among ``change_ids``."""
+        found: dict[int, int] = {}
+        unique = list(dict.fromkeys(change_ids))
+        for start in range(0, len(unique), 500):
+            chunk = unique[start:start + 500]
+            found.update(self._db.execute(
+                f"SELECT change_id, sequence FROM replica_records WHERE device_id=? AND change_id IN ({','.join('?' * len(chunk))})",
+                (device_id, *chunk)))
+        return found
+
     def pull_records(self, owner_id: str, after_sequence: int, limit: int) -> list[ReplicaRecord]: ...
     def replica_usage(self, owner_id: str) -> tuple[int, int]: ...
 
@@ -340,25 +351,35 @@ class SqliteStorage:
     def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str) -> PushOutcome:
         """Store ``records`` in one transaction, each new one under the owner's next sequence
         number; a record whose (device, change id) is already stored is left as it is."""
-        stored = added_bytes = 0
-        sequences = []
         with self._transaction():
             size, last = self.replica_usage(owner_id)
+            assigned = self._stored_sequences(device_id, [r.change_id for r in records])
+            new_rows, sequences = [], []
             for record in records:
-                inserted = self._db.execute(
-                    "INSERT OR IGNORE INTO replica_records (owner_id, sequence, device_id, change_id, item_id, version, "
-                    "origin_version, via, tombstone, sealed, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (owner_id, last + 1, device_id, record.change_id, record.item_id, record.version,
-                     record.origin_version, record.via, int(record.tombstone), record.sealed, now),
-                ).rowcount
-                if inserted:
-                    stored, last, added_bytes = stored + 1, last + 1, added_bytes + len(record.sealed)
-                    sequences.append(last)
-                else:
-                    sequences.append(self._db.execute("SELECT sequence FROM replica_records WHERE device_id=? AND change_id=?",
-                                                      (device_id, record.change_id)).fetchone()[0])
-            self._db.execute("INSERT OR REPLACE INTO replica_owners VALUES (?, ?, ?)", (owner_id, last, size + added_bytes))
+                if record.change_id not in assigned:
+                    last += 1
+                    assigned[record.change_id] = last
+                    size += len(record.sealed)
+                    new_rows.append((owner_id, last, device_id, record.change_id, record.item_id, record.version,
+                                     record.origin_version, record.via, int(record.tombstone), record.sealed, now))
+                sequences.append(assigned[record.change_id])
+            self._db.executemany(
+                "INSERT INTO replica_records (owner_id, sequence, device_id, change_id, item_id, version, origin_version, "
+                "via, tombstone, sealed, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", new_rows)
+            self._db.execute("INSERT OR REPLACE INTO replica_owners VALUES (?, ?, ?)", (owner_id, last, size))
+        stored = len(new_rows)
         return PushOutcome(stored, len(records) - stored, last, tuple(sequences))
+
+    def _stored_sequences(self, device_id: str, change_ids: Sequence[int]) -> dict[int, int]:
+        """change id -> sequence of the device's records already stored among ``change_ids``."""
+        found: dict[int, int] = {}
+        unique = list(dict.fromkeys(change_ids))
+        for start in range(0, len(unique), 500):
+            chunk = unique[start:start + 500]
+            found.update(self._db.execute(
+                f"SELECT change_id, sequence FROM replica_records WHERE device_id=? AND change_id IN ({','.join('?' * len(chunk))})",
+                (device_id, *chunk)))
+        return found
 
     def pull_records(self, owner_id: str, after_sequence: int, limit: int) -> list[ReplicaRecord]:
         rows = self._db.execute(
