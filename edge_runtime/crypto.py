@@ -18,6 +18,7 @@ another row, another gallery or another field, or replayed from an older version
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import stat
@@ -75,6 +76,13 @@ class Sealer:
 
 def new_key() -> bytes:
     return AESGCM.generate_key(bit_length=256)
+
+
+def owner_key_id(key: bytes) -> str:
+    """The owner key's public fingerprint: SHA-256 of a domain tag and the key (reveals nothing
+    of a random 256-bit key). The server compares it at enrolment, so a device holding another
+    key than its owner's other devices is refused before it seals anything for them."""
+    return hashlib.sha256(b"fctkit-owner-key-id/1" + key).hexdigest()
 
 
 def _scrypt(passphrase: str, salt: bytes) -> bytes:

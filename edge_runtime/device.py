@@ -40,7 +40,7 @@ import numpy as np
 from fctkit.config import from_mapping, to_mapping
 from fctkit.errors import BundleError, DeviceError, InputError, RpcStatusError
 
-from .crypto import Sealer, new_key, read_key_file, write_key_file
+from .crypto import Sealer, new_key, owner_key_id, read_key_file, write_key_file
 from .backfill import BackfillResult, gallery_vectors, record_uncertainty, run_backfill
 from .replication import ReplicationResult, apply_pending, replicate
 from .compatible import comparable_dims, compatible_rows
@@ -180,13 +180,14 @@ class Device:
 
     def enrol(self, server: str, code: str, *, device_name: str = "", tls_root_certificates: str | None = None) -> str:
         """Trade an enrolment code for a device token and pin the publisher's key; returns the device id.
-        A device that already pins another publisher key refuses the server."""
+        A device that already pins another publisher key refuses the server; the server refuses
+        (FAILED_PRECONDITION) a device whose owner key is not its owner's other devices' key."""
         from fctkit.protos.bundle import load_public_key, public_key_id
         from fctkit.protos.client import FctkitClient
 
         roots = Path(tls_root_certificates).read_bytes() if tls_root_certificates else None
         with FctkitClient(server, root_certificates=roots) as client:
-            enrolment = client.enrol(code, device_name)
+            enrolment = client.enrol(code, device_name, owner_key_id=owner_key_id(self._owner_key))
         offered = load_public_key(enrolment.publisher_public_key)
         if (self.root / PUBLISHER_FILE).exists() and public_key_id(self.publisher_key) != public_key_id(offered):
             raise DeviceError("the server's publisher key differs from the one this device pins: refusing to enrol")
@@ -558,7 +559,8 @@ class Device:
             "device": str(self.root), "device_id": self.settings.device_id, "server": self.settings.server,
             "installed_version": self.version, "rows": len(self.gallery), "rows_by_space": self.gallery.tag_counts(),
             "queued_uploads": self.gallery.outbox_size(), "publisher_key_pinned": (self.root / PUBLISHER_FILE).exists(),
-            "owner_id": self.settings.owner_id, "replica": self.gallery.replication_counts(),
+            "owner_id": self.settings.owner_id, "owner_key_id": owner_key_id(self._owner_key),
+            "replica": self.gallery.replication_counts(),
         }
         if state is not None:
             result["upgrade"] = {"target": state["target"], "mode": state["mode"],

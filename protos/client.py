@@ -418,9 +418,11 @@ class FctkitClient:
         request = fleet_pb2.CreateEnrolmentCodeRequest(ttl_seconds=ttl_seconds, label=label, owner=owner)
         return self._unary(self.fleet.CreateEnrolmentCode, request)
 
-    def enrol(self, code: str, device_name: str = "") -> Enrolment:
-        """Trade an enrolment code for a device id and token (not retried: a code works once)."""
-        response = self._unary(self.fleet.Enrol, fleet_pb2.EnrolRequest(code=code, device_name=device_name), retry=False)
+    def enrol(self, code: str, device_name: str = "", owner_key_id: str = "") -> Enrolment:
+        """Trade an enrolment code for a device id and token (not retried: a code works once);
+        ``owner_key_id`` lets the server refuse a device whose owner key is not the owner's."""
+        request = fleet_pb2.EnrolRequest(code=code, device_name=device_name, owner_key_id=owner_key_id)
+        response = self._unary(self.fleet.Enrol, request, retry=False)
         return Enrolment(response.device_id, response.token, response.publisher_public_key, response.publisher_key_id,
                          response.owner_id)
 

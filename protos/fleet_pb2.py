@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66\x63tkit/v1/fleet.proto\x12\tfctkit.v1\"O\n\x1a\x43reateEnrolmentCodeRequest\x12\x13\n\x0bttl_seconds\x18\x01 \x01(\r\x12\r\n\x05label\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\"Q\n\x1b\x43reateEnrolmentCodeResponse\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x12\n\nexpires_at\x18\x02 \x01(\t\x12\x10\n\x08owner_id\x18\x03 \x01(\t\"1\n\x0c\x45nrolRequest\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\"{\n\rEnrolResponse\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x1c\n\x14publisher_public_key\x18\x03 \x01(\x0c\x12\x18\n\x10publisher_key_id\x18\x04 \x01(\t\x12\x10\n\x08owner_id\x18\x05 \x01(\t\"\xa0\x01\n\rReportRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x14\n\x0cgallery_size\x18\x02 \x01(\x04\x12.\n\rupgrade_state\x18\x03 \x01(\x0e\x32\x17.fctkit.v1.UpgradeState\x12\x16\n\x0etarget_version\x18\x04 \x01(\r\x12\x10\n\x08progress\x18\x05 \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"=\n\x0eReportResponse\x12\x13\n\x0brecorded_at\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\r\"\xb6\x02\n\nDeviceInfo\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05label\x18\x03 \x01(\t\x12\x13\n\x0b\x65nrolled_at\x18\x04 \x01(\t\x12\x16\n\x0elast_report_at\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\r\x12\x14\n\x0cgallery_size\x18\x07 \x01(\x04\x12.\n\rupgrade_state\x18\x08 \x01(\x0e\x32\x17.fctkit.v1.UpgradeState\x12\x16\n\x0etarget_version\x18\t \x01(\r\x12\x10\n\x08progress\x18\n \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x0b \x01(\t\x12\x13\n\x0bvault_bytes\x18\x0c \x01(\x04\x12\x13\n\x0bvault_blobs\x18\r \x01(\x04\x12\x10\n\x08owner_id\x18\x0e \x01(\t\";\n\x12ListDevicesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"V\n\x13ListDevicesResponse\x12&\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x15.fctkit.v1.DeviceInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*\xba\x01\n\x0cUpgradeState\x12\x1d\n\x19UPGRADE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12UPGRADE_STATE_IDLE\x10\x01\x12\x1d\n\x19UPGRADE_STATE_DOWNLOADING\x10\x02\x12\x1b\n\x17UPGRADE_STATE_UPGRADING\x10\x03\x12\x1d\n\x19UPGRADE_STATE_BACKFILLING\x10\x04\x12\x18\n\x14UPGRADE_STATE_FAILED\x10\x05\x32\xb6\x02\n\x05\x46leet\x12\x64\n\x13\x43reateEnrolmentCode\x12%.fctkit.v1.CreateEnrolmentCodeRequest\x1a&.fctkit.v1.CreateEnrolmentCodeResponse\x12:\n\x05\x45nrol\x12\x17.fctkit.v1.EnrolRequest\x1a\x18.fctkit.v1.EnrolResponse\x12=\n\x06Report\x12\x18.fctkit.v1.ReportRequest\x1a\x19.fctkit.v1.ReportResponse\x12L\n\x0bListDevices\x12\x1d.fctkit.v1.ListDevicesRequest\x1a\x1e.fctkit.v1.ListDevicesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66\x63tkit/v1/fleet.proto\x12\tfctkit.v1\"O\n\x1a\x43reateEnrolmentCodeRequest\x12\x13\n\x0bttl_seconds\x18\x01 \x01(\r\x12\r\n\x05label\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\"Q\n\x1b\x43reateEnrolmentCodeResponse\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x12\n\nexpires_at\x18\x02 \x01(\t\x12\x10\n\x08owner_id\x18\x03 \x01(\t\"G\n\x0c\x45nrolRequest\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x14\n\x0cowner_key_id\x18\x03 \x01(\t\"{\n\rEnrolResponse\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x1c\n\x14publisher_public_key\x18\x03 \x01(\x0c\x12\x18\n\x10publisher_key_id\x18\x04 \x01(\t\x12\x10\n\x08owner_id\x18\x05 \x01(\t\"\xa0\x01\n\rReportRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x14\n\x0cgallery_size\x18\x02 \x01(\x04\x12.\n\rupgrade_state\x18\x03 \x01(\x0e\x32\x17.fctkit.v1.UpgradeState\x12\x16\n\x0etarget_version\x18\x04 \x01(\r\x12\x10\n\x08progress\x18\x05 \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"=\n\x0eReportResponse\x12\x13\n\x0brecorded_at\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\r\"\xb6\x02\n\nDeviceInfo\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05label\x18\x03 \x01(\t\x12\x13\n\x0b\x65nrolled_at\x18\x04 \x01(\t\x12\x16\n\x0elast_report_at\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\r\x12\x14\n\x0cgallery_size\x18\x07 \x01(\x04\x12.\n\rupgrade_state\x18\x08 \x01(\x0e\x32\x17.fctkit.v1.UpgradeState\x12\x16\n\x0etarget_version\x18\t \x01(\r\x12\x10\n\x08progress\x18\n \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x0b \x01(\t\x12\x13\n\x0bvault_bytes\x18\x0c \x01(\x04\x12\x13\n\x0bvault_blobs\x18\r \x01(\x04\x12\x10\n\x08owner_id\x18\x0e \x01(\t\";\n\x12ListDevicesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"V\n\x13ListDevicesResponse\x12&\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x15.fctkit.v1.DeviceInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*\xba\x01\n\x0cUpgradeState\x12\x1d\n\x19UPGRADE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12UPGRADE_STATE_IDLE\x10\x01\x12\x1d\n\x19UPGRADE_STATE_DOWNLOADING\x10\x02\x12\x1b\n\x17UPGRADE_STATE_UPGRADING\x10\x03\x12\x1d\n\x19UPGRADE_STATE_BACKFILLING\x10\x04\x12\x18\n\x14UPGRADE_STATE_FAILED\x10\x05\x32\xb6\x02\n\x05\x46leet\x12\x64\n\x13\x43reateEnrolmentCode\x12%.fctkit.v1.CreateEnrolmentCodeRequest\x1a&.fctkit.v1.CreateEnrolmentCodeResponse\x12:\n\x05\x45nrol\x12\x17.fctkit.v1.EnrolRequest\x1a\x18.fctkit.v1.EnrolResponse\x12=\n\x06Report\x12\x18.fctkit.v1.ReportRequest\x1a\x19.fctkit.v1.ReportResponse\x12L\n\x0bListDevices\x12\x1d.fctkit.v1.ListDevicesRequest\x1a\x1e.fctkit.v1.ListDevicesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fctkit.v1.fleet_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_UPGRADESTATE']._serialized_start=1065
-  _globals['_UPGRADESTATE']._serialized_end=1251
+  _globals['_UPGRADESTATE']._serialized_start=1087
+  _globals['_UPGRADESTATE']._serialized_end=1273
   _globals['_CREATEENROLMENTCODEREQUEST']._serialized_start=36
   _globals['_CREATEENROLMENTCODEREQUEST']._serialized_end=115
   _globals['_CREATEENROLMENTCODERESPONSE']._serialized_start=117
   _globals['_CREATEENROLMENTCODERESPONSE']._serialized_end=198
   _globals['_ENROLREQUEST']._serialized_start=200
-  _globals['_ENROLREQUEST']._serialized_end=249
-  _globals['_ENROLRESPONSE']._serialized_start=251
-  _globals['_ENROLRESPONSE']._serialized_end=374
-  _globals['_REPORTREQUEST']._serialized_start=377
-  _globals['_REPORTREQUEST']._serialized_end=537
-  _globals['_REPORTRESPONSE']._serialized_start=539
-  _globals['_REPORTRESPONSE']._serialized_end=600
-  _globals['_DEVICEINFO']._serialized_start=603
-  _globals['_DEVICEINFO']._serialized_end=913
-  _globals['_LISTDEVICESREQUEST']._serialized_start=915
-  _globals['_LISTDEVICESREQUEST']._serialized_end=974
-  _globals['_LISTDEVICESRESPONSE']._serialized_start=976
-  _globals['_LISTDEVICESRESPONSE']._serialized_end=1062
-  _globals['_FLEET']._serialized_start=1254
-  _globals['_FLEET']._serialized_end=1564
+  _globals['_ENROLREQUEST']._serialized_end=271
+  _globals['_ENROLRESPONSE']._serialized_start=273
+  _globals['_ENROLRESPONSE']._serialized_end=396
+  _globals['_REPORTREQUEST']._serialized_start=399
+  _globals['_REPORTREQUEST']._serialized_end=559
+  _globals['_REPORTRESPONSE']._serialized_start=561
+  _globals['_REPORTRESPONSE']._serialized_end=622
+  _globals['_DEVICEINFO']._serialized_start=625
+  _globals['_DEVICEINFO']._serialized_end=935
+  _globals['_LISTDEVICESREQUEST']._serialized_start=937
+  _globals['_LISTDEVICESREQUEST']._serialized_end=996
+  _globals['_LISTDEVICESRESPONSE']._serialized_start=998
+  _globals['_LISTDEVICESRESPONSE']._serialized_end=1084
+  _globals['_FLEET']._serialized_start=1276
+  _globals['_FLEET']._serialized_end=1586
 # @@protoc_insertion_point(module_scope)

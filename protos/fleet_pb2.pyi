@@ -43,12 +43,14 @@ class CreateEnrolmentCodeResponse(_message.Message):
     def __init__(self, code: _Optional[str] = ..., expires_at: _Optional[str] = ..., owner_id: _Optional[str] = ...) -> None: ...
 
 class EnrolRequest(_message.Message):
-    __slots__ = ("code", "device_name")
+    __slots__ = ("code", "device_name", "owner_key_id")
     CODE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    OWNER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
     code: str
     device_name: str
-    def __init__(self, code: _Optional[str] = ..., device_name: _Optional[str] = ...) -> None: ...
+    owner_key_id: str
+    def __init__(self, code: _Optional[str] = ..., device_name: _Optional[str] = ..., owner_key_id: _Optional[str] = ...) -> None: ...
 
 class EnrolResponse(_message.Message):
     __slots__ = ("device_id", "token", "publisher_public_key", "publisher_key_id", "owner_id")

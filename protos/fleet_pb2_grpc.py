@@ -71,7 +71,8 @@ class FleetServicer:
     def Enrol(self, request, context):
         """No token needed: trade an unused, unexpired code for a device id and bearer token (shown
         once; the server keeps only its hash) and the publisher key to pin.
-        PERMISSION_DENIED for an unknown, used or expired code.
+        PERMISSION_DENIED for an unknown, used or expired code; FAILED_PRECONDITION (the code stays
+        usable) when the device's owner key id is not the one the owner's first device enrolled with.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

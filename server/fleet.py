@@ -17,8 +17,8 @@ from fctkit.errors import RpcStatusError
 from fctkit.protos import fleet_pb2, fleet_pb2_grpc, limits
 
 from .auth import current_device_id, hash_secret, new_device_token
-from .storage import DeviceRecord, DeviceReport, Storage
-from .validation import counter_field, invalid, page_size, text_field, timestamp
+from .storage import DeviceRecord, DeviceReport, OwnerKeyMismatch, Storage
+from .validation import counter_field, invalid, page_size, sha256_field, text_field, timestamp
 
 
 def new_enrolment_code() -> str:
@@ -67,7 +67,13 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
         name = text_field(request.device_name, "device_name") or "device"
         token = new_device_token()
         device_id = "dev-" + secrets.token_hex(8)
-        record = self._storage.enrol(hash_secret(code), timestamp(), device_id, name, hash_secret(token))
+        key_id = sha256_field(request.owner_key_id, "owner_key_id") if request.owner_key_id else ""
+        try:
+            record = self._storage.enrol(hash_secret(code), timestamp(), device_id, name, hash_secret(token), key_id)
+        except OwnerKeyMismatch as mismatch:
+            raise RpcStatusError("FAILED_PRECONDITION", f"this device holds another owner key than owner {mismatch}'s "
+                                 "devices: initialise it with their key (`fctkit device init --import-key`); "
+                                 "the code is still unused") from None
         if record is None:
             raise RpcStatusError("PERMISSION_DENIED", "unknown, used or expired enrolment code: ask an admin for a new one")
         return fleet_pb2.EnrolResponse(

@@ -105,6 +105,10 @@ CREATE TABLE IF NOT EXISTS replica_records (
     PRIMARY KEY (owner_id, sequence),
     UNIQUE (device_id, change_id)
 );
+CREATE TABLE IF NOT EXISTS owner_keys (
+    owner_id TEXT PRIMARY KEY,
+    key_id TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS replica_owners (
     owner_id TEXT PRIMARY KEY,
     last_sequence INTEGER NOT NULL,
@@ -141,6 +145,10 @@ class BlobRecord:
     item_id: str
     created_at: str
     owner_id: str | None = None  # None: the uploading device's owner
+
+
+class OwnerKeyMismatch(Exception):
+    """Enrolment refused: the device's owner key id differs from the owner's (the code stays unused)."""
 
 
 @dataclass(frozen=True)
@@ -229,7 +237,8 @@ class Storage(Protocol):
 
     def add_enrolment_code(self, code_hash: str, label: str, created_at: str, expires_at: str,
                            owner_id: str | None = None) -> None: ...
-    def enrol(self, code_hash: str, now: str, device_id: str, name: str, token_hash: str) -> DeviceRecord | None: ...
+    def enrol(self, code_hash: str, now: str, device_id: str, name: str, token_hash: str,
+              owner_key_id: str = "") -> DeviceRecord | None: ...
     def device_for_token(self, token_hash: str) -> str | None: ...
     def device_owner(self, device_id: str) -> str | None: ...
     def record_report(self, device_id: str, report: DeviceReport, now: str) -> None: ...
@@ -404,9 +413,11 @@ class SqliteStorage:
             (code_hash, label, created_at, expires_at, owner_id),
         )
 
-    def enrol(self, code_hash: str, now: str, device_id: str, name: str, token_hash: str) -> DeviceRecord | None:
+    def enrol(self, code_hash: str, now: str, device_id: str, name: str, token_hash: str,
+              owner_key_id: str = "") -> DeviceRecord | None:
         """Use up an unused, unexpired code and add the device, in one transaction; None when
-        the code is unknown, used or expired."""
+        the code is unknown, used or expired. ``owner_key_id`` (when given) must be the one the
+        owner's first device brought (:class:`OwnerKeyMismatch` otherwise, nothing changed)."""
         with self._transaction():
             row = self._db.execute(
                 "SELECT label, owner_id FROM enrolment_codes WHERE code_hash=? AND used_at IS NULL AND expires_at>?",
@@ -414,12 +425,18 @@ class SqliteStorage:
             ).fetchone()
             if row is None:
                 return None
+            owner_id = row[1] or "own-" + device_id
+            if owner_key_id:
+                known = self._db.execute("SELECT key_id FROM owner_keys WHERE owner_id=?", (owner_id,)).fetchone()
+                if known is not None and known[0] != owner_key_id:
+                    raise OwnerKeyMismatch(owner_id)
+                self._db.execute("INSERT OR IGNORE INTO owner_keys VALUES (?, ?)", (owner_id, owner_key_id))
             self._db.execute(
                 "UPDATE enrolment_codes SET used_at=?, device_id=? WHERE code_hash=?", (now, device_id, code_hash)
             )
             self._db.execute(
                 "INSERT INTO devices (device_id, token_hash, name, label, enrolled_at, owner_id) VALUES (?, ?, ?, ?, ?, ?)",
-                (device_id, token_hash, name, row[0], now, row[1] or "own-" + device_id),
+                (device_id, token_hash, name, row[0], now, owner_id),
             )
         return self._devices("WHERE d.device_id=?", (device_id,))[0]
 

@@ -211,21 +211,40 @@ def test_a_record_of_a_version_not_installed_waits_pending(server, tiny_bundles,
 
 
 def test_tampered_records_and_a_wrong_owner_key_lose_nothing(server, make_device, images):
+    from fctkit.edge_runtime.crypto import new_key, write_key_file
+
     source = enrolled(make_device, server, "source", "erin")
     source.add(images(5, seed=5), item_ids=[f"s{i}" for i in range(5)])
     source.sync()
-    stranger = enrolled(make_device, server, "stranger", "erin", sync=False)  # joined erin without importing her key
-    stranger.sync(replicate=False)
-    stranger.add(images(2, seed=6), item_ids=["own0", "own1"], upload=False)
-    before = state(stranger)
-    with pytest.raises(CorruptRecordError, match="another owner's key"):
-        stranger.sync()
-    assert state(stranger) == before and stranger.gallery.replica_cursor == 0
+    # a device with a key of its own is refused at enrolment; the code stays usable
+    code = owner_code(server, "erin")
+    stranger = make_device("stranger")
+    with pytest.raises(RpcStatusError) as refused:
+        stranger.enrol(server.target, code, device_name="stranger")
+    assert refused.value.code == "FAILED_PRECONDITION" and "--import-key" in refused.value.details
+    assert stranger.settings.owner_id is None and not (stranger.root / "token").exists()
+    friend = make_device("friend", owner_key_file=_export(source), owner_key_passphrase="pw")
+    friend.enrol(server.target, code, device_name="friend")
+    friend.sync()
+    assert friend.status()["owner_key_id"] == source.status()["owner_key_id"] and len(state(friend)) == 5
 
-    friend = enrolled(make_device, server, "friend", "erin", owner_key_file=_export(source), owner_key_passphrase="pw")
-    kept = state(friend)
+    # an owner key swapped after enrolment: the pull stops at the first record, nothing is lost
+    swapped = enrolled(make_device, server, "swapped", "erin", owner_key_file=_export(source), owner_key_passphrase="pw")
+    swapped.close()
+    (swapped.root / "owner.key").unlink()
+    write_key_file(swapped.root / "owner.key", new_key(), kind="owner")
+    swapped = Device.open(swapped.root)
+    swapped.add(images(2, seed=6), item_ids=["own0", "own1"], upload=False)
     source.add(images(1, seed=7), item_ids=["late"])
     source.sync()
+    before, cursor = state(swapped), swapped.gallery.replica_cursor
+    with pytest.raises(CorruptRecordError, match="another owner's key"):
+        swapped.sync()
+    assert state(swapped) == before and swapped.gallery.replica_cursor == cursor
+    swapped.close()
+
+    # a record tampered with on the server: authentication fails, the cursor stays before it
+    kept = state(friend)
     with sqlite3.connect(server.data_dir / "meta.sqlite3") as db:
         sealed, sequence = db.execute("SELECT sealed, sequence FROM replica_records WHERE item_id = 'late'").fetchone()
         tampered = bytearray(sealed)

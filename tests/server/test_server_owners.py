@@ -132,3 +132,14 @@ def test_a_push_call_holds_at_most_65536_records(start_server):
         device.vault.PushRecords(iter(requests), metadata=device._metadata)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "65536" in refused.value.details()
     assert len([r for b in device.pull_records() for r in b.records]) == limits.MAX_RECORDS_PER_PUSH  # the first 16 messages stay
+
+
+def test_enrolment_checks_the_owner_key_id(server):
+    with FctkitClient(server.target, ADMIN_TOKEN) as admin:
+        codes = [admin.create_enrolment_code(owner="kim").code for _ in range(3)]
+    anonymous = FctkitClient(server.target)
+    assert anonymous.enrol(codes[0], "first", owner_key_id="a" * 64).owner_id == "kim"  # the first device sets it
+    assert _code(lambda: anonymous.enrol(codes[1], "other key", owner_key_id="b" * 64)) == "FAILED_PRECONDITION"
+    assert _code(lambda: anonymous.enrol(codes[1], "bad id", owner_key_id="not-hex")) == "INVALID_ARGUMENT"
+    assert anonymous.enrol(codes[1], "same key", owner_key_id="a" * 64).owner_id == "kim"  # the refused code still works
+    assert anonymous.enrol(codes[2], "unchecked").owner_id == "kim"  # clients that send no id are not checked
