@@ -292,7 +292,8 @@ class Device:
 
     def remove(self, item_ids: Sequence[str]) -> int:
         """Remove items from the gallery (and their queued uploads); returns how many were
-        removed. The removal replicates as tombstones: the ids are never used again."""
+        removed. The removal replicates as tombstones (the ids are never used again); once the
+        server acknowledged them, the next sync deletes the items' originals from the vault."""
         return self.gallery.delete_rows(list(item_ids))
 
     def flush_outbox(self, *, attempts: int = 2) -> tuple[int, int]:

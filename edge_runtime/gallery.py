@@ -22,7 +22,9 @@ Replication (schema 2, :mod:`fctkit.edge_runtime.replication`)::
     changes          change_id INTEGER PRIMARY KEY AUTOINCREMENT   the outbox of rows to push; the
                      item_id, tombstone, then once sealed: version,  id is the push's idempotency key
                      origin_version, via, sealed (the owner-key record)
-    tombstones       item_id                     removed items (their ids are never used again)
+    tombstones       item_id, vault_sha256       removed items (their ids are never used again); for a
+                                                 removal made here, the original to delete from the
+                                                 vault once the tombstone is pushed
     pending_records  sequence, item_id, version, origin_version, via, sealed
                                                  pulled records of a version not installed yet
     meta.replica_cursor                          the owner's last sequence number merged
@@ -89,7 +91,7 @@ _REPLICATION_SCHEMA = """
 CREATE TABLE changes (change_id INTEGER PRIMARY KEY AUTOINCREMENT, item_id TEXT NOT NULL, tombstone INTEGER NOT NULL,
                       version INTEGER, origin_version INTEGER, via TEXT, sealed BLOB);
 CREATE INDEX changes_by_item ON changes (item_id);
-CREATE TABLE tombstones (item_id TEXT PRIMARY KEY);
+CREATE TABLE tombstones (item_id TEXT PRIMARY KEY, vault_sha256 TEXT);
 CREATE TABLE pending_records (sequence INTEGER PRIMARY KEY, item_id TEXT NOT NULL, version INTEGER NOT NULL,
                               origin_version INTEGER NOT NULL, via TEXT NOT NULL, sealed BLOB NOT NULL);
 """
@@ -433,22 +435,24 @@ class Gallery:
         with _transaction(self._db):
             present = [(r, i) for i in item_ids for r, in self._db.execute("SELECT row_id FROM items WHERE item_id = ?", (i,))]
             for item_id in dict.fromkeys(i for _, i in present):
-                self._remove_item(item_id)
+                self._remove_item(item_id, delete_original=True)
             self._log_changes([i for _, i in present], tombstone=True)
         return len(present)
 
-    def _remove_item(self, item_id: str, *, tombstone: bool = True) -> None:
+    def _remove_item(self, item_id: str, *, tombstone: bool = True, delete_original: bool = False) -> None:
         """Inside a transaction: delete the item's row, vectors, queued upload and unsealed
-        change; with ``tombstone`` also its pending records, and remember the removal."""
-        row = self._db.execute("SELECT row_id FROM items WHERE item_id = ?", (item_id,)).fetchone()
+        change; with ``tombstone`` also its pending records, and remember the removal (with
+        ``delete_original``, the vault original to delete once the removal is pushed)."""
+        row = self._db.execute("SELECT row_id, vault_sha256 FROM items WHERE item_id = ?", (item_id,)).fetchone()
         if row is not None:
             for table in ("items", *VECTOR_TABLES):
-                self._db.execute(f"DELETE FROM {table} WHERE row_id = ?", row)
+                self._db.execute(f"DELETE FROM {table} WHERE row_id = ?", row[:1])
         self._db.execute("DELETE FROM outbox WHERE item_id = ?", (item_id,))
         self._db.execute("DELETE FROM changes WHERE item_id = ? AND sealed IS NULL", (item_id,))
         if tombstone:
             self._db.execute("DELETE FROM pending_records WHERE item_id = ?", (item_id,))
-            self._db.execute("INSERT OR IGNORE INTO tombstones VALUES (?)", (item_id,))
+            original = row[1] if row is not None and delete_original else None
+            self._db.execute("INSERT OR IGNORE INTO tombstones VALUES (?, ?)", (item_id, original))
 
     def _log_changes(self, item_ids: Sequence[str], *, tombstone: bool = False) -> None:
         """Inside a transaction: the items changed locally; one unsealed change per item (the
@@ -609,6 +613,16 @@ class Gallery:
         """The server acknowledged these changes: forget them (one transaction)."""
         with _transaction(self._db):
             self._db.executemany("DELETE FROM changes WHERE change_id = ?", [(c,) for c in change_ids])
+
+    def originals_to_delete(self) -> list[tuple[str, str]]:
+        """(item id, vault SHA-256) of items removed here whose tombstone the server has acknowledged."""
+        return list(self._db.execute("SELECT item_id, vault_sha256 FROM tombstones t WHERE vault_sha256 IS NOT NULL "
+                                     "AND NOT EXISTS (SELECT 1 FROM changes c WHERE c.item_id = t.item_id)"))
+
+    def forget_original(self, item_id: str) -> None:
+        """The removed item's original is gone from the vault."""
+        with _transaction(self._db):
+            self._db.execute("UPDATE tombstones SET vault_sha256 = NULL WHERE item_id = ?", (item_id,))
 
     def pending_records(self, up_to_version: int) -> list[tuple[int, str, int, int, str, bytes]]:
         """(sequence, item id, version, origin version, via, sealed) of kept records whose version is at most ``up_to_version``."""

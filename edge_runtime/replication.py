@@ -22,7 +22,8 @@ advanced in one transaction. Merging follows :func:`fctkit.edge_runtime.records.
 * a record at a version the device has not installed (or cannot reach with its adapters) is
   kept *pending*, never compared in the wrong space, and applied when the device reaches
   that version (after an upgrade: :func:`apply_pending`);
-* a tombstone removes the item everywhere and for good.
+* a tombstone removes the item everywhere and for good; the device that removed the item
+  deletes its original from the vault once the server acknowledged the tombstone.
 
 Replication waits while an upgrade is in progress (``sync`` finishes the upgrade first).
 A device restored from the owner key alone (``init --import-key``, enrol into the owner,
@@ -63,6 +64,7 @@ class ReplicationResult:
     removed: int = 0
     pushed: int = 0
     already_stored: int = 0
+    originals_deleted: int = 0
     cursor: int = 0
     still_pending: int = 0
     unpushed: int = 0
@@ -157,7 +159,25 @@ def push(device: Device, client, result: ReplicationResult, *, on_batch=None) ->
             if on_batch is not None:
                 on_batch("push", len(batch))
         if not looked_at:
-            return
+            break
+    result.originals_deleted += delete_removed_originals(device, client)
+
+
+def delete_removed_originals(device: Device, client) -> int:
+    """Delete from the vault the originals of items removed here, once their tombstones are
+    acknowledged (the owner's other devices learn of the removal first). Returns how many."""
+    from fctkit.errors import RpcStatusError
+
+    deleted = 0
+    for item_id, sha256 in device.gallery.originals_to_delete():
+        try:
+            client.delete_blob(sha256)
+            deleted += 1
+        except RpcStatusError as exc:
+            if exc.code != "NOT_FOUND":  # already gone: nothing left to do
+                raise
+        device.gallery.forget_original(item_id)
+    return deleted
 
 
 # -- pull -----------------------------------------------------------------------------------

@@ -154,9 +154,13 @@ def test_tombstones_propagate_and_removed_ids_stay_removed(server, make_device, 
     one.sync()
     two = enrolled(make_device, server, "two", "bob", owner_key_file=_export(one), owner_key_passphrase="pw")
     assert set(state(two)) == {f"x{i}" for i in range(6)}
+    originals = {item: one.gallery.vault_sha256(item) for item in ("x1", "x4")}
     assert two.remove(["x1", "x4"]) == 2
+    assert two.sync().replication.originals_deleted == 2  # after the tombstones were acknowledged
     converge(two, one)
     assert set(state(one)) == set(state(two)) == {"x0", "x2", "x3", "x5"}
+    with one.client() as client:
+        assert not set(originals.values()) & {b.sha256 for b in client.list_blobs()} and len(client.list_blobs()) == 4
     with pytest.raises(InputError, match="never used again"):
         one.add(images(1, seed=9), item_ids=["x1"])
 
