@@ -69,7 +69,7 @@ from fctkit.errors import ConfigError, InputError
 from .adapters import FCTAdapter, FCTConfig
 from .backbones import Backbone, BackboneConfig, Encoder, extract_features, random_shift, save_backbone
 from .datasets import class_subset, validate_images, validate_labels
-from .evaluation import CompatibilityMatrix, RetrievalResult, compatibility_matrix
+from .evaluation import CompatibilityMatrix, RetrievalResult, compatibility_matrix, ecc
 from .fitting import History, fit, split_validation
 from .lambda_orth import LambdaOrthAdapter, LambdaOrthConfig, OrthogonalMap
 from .pipeline import DataConfig, EvaluationConfig, Evaluator, load_image_splits
@@ -522,11 +522,11 @@ class SequenceResult:
     dims: dict[str, list[int]]
     facts: dict[str, Any]
 
-    def ecc(self, method: str, i: int, j: int, known: bool = False) -> bool:
-        """ECC for query version i against gallery version j: C[i, j] > C[j, j] (``known``: on
-        the classes of version j only)."""
+    def ecc(self, method: str, i: int, j: int, known: bool = False, metric: str = "top1") -> bool:
+        """ECC for query version i against gallery version j: M(i, j) > M(j, j) (``known``: on
+        the classes of version j only; ``metric``: see :func:`~.evaluation.metric_value`)."""
         cases = (self.known if known else self.results)[method]
-        return cases[(i, j)].top1 > cases[(j, j)].top1
+        return ecc(cases[(i, j)], cases[(j, j)], metric)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -771,13 +771,16 @@ def results_markdown(upgrade: SequenceResult | None, sequence: SequenceResult | 
     if upgrade is not None:
         old_classes = upgrade.class_counts[0]
         lines += [f"## One upgrade: classes {old_classes} → {upgrade.class_counts[1]} (top-1)", "",
-                  "All evaluation classes; the last three columns on the old model's classes only.", "",
-                  "| method | old/old | new/old | new/new | ECC | dims (old → new) | old/old, old classes | new/old, old classes | ECC, old classes |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "All evaluation classes (ECC on top-1, and on mAP@1.0 with both mAPs); the last three columns "
+                  "on the old model's classes only.", "",
+                  "| method | old/old | new/old | new/new | ECC | mAP old/old → new/old, ECC | dims (old → new) "
+                  "| old/old, old classes | new/old, old classes | ECC, old classes |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for method, cases in upgrade.results.items():
             dims, known = upgrade.dims[method], upgrade.known[method]
             lines.append(f"| {METHOD_LABELS[method]} | {cases[(0, 0)].top1:.4f} | {cases[(1, 0)].top1:.4f} | "
-                         f"{cases[(1, 1)].top1:.4f} | {_yes(upgrade.ecc(method, 1, 0))} | {dims[0]} → {dims[1]} | "
+                         f"{cases[(1, 1)].top1:.4f} | {_yes(upgrade.ecc(method, 1, 0))} | {cases[(0, 0)].mean_ap:.4f} → "
+                         f"{cases[(1, 0)].mean_ap:.4f}, {_yes(upgrade.ecc(method, 1, 0, metric='mean_ap'))} | {dims[0]} → {dims[1]} | "
                          f"{known[(0, 0)].top1:.4f} | {known[(1, 0)].top1:.4f} | {_yes(upgrade.ecc(method, 1, 0, True))} |")
         lines.append("")
     if sequence is not None:
