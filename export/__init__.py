@@ -6,7 +6,9 @@ keys: :func:`generate_keys`, :func:`load_private_key`; ONNX: :func:`export_onnx`
 :func:`check_parity` (torch); TensorRT: :func:`build_engine`,
 :func:`tensorrt_unavailable_reason`; every bundle role from trainer objects:
 :func:`export_role` (torch); a whole `fctkit train` run as signed, versioned bundles:
-:func:`export_release` / :func:`build_release` (torch), :func:`plan_release`.
+:func:`export_release` / :func:`build_release` (torch), :func:`plan_release`; a
+`fctkit train-compatible` run's BCT/BT²/CoReS models as "compatible" bundles:
+:func:`export_compatible_release` (torch).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ _LAZY = {
     "plan_release": "release",
     "build_release": "release",
     "export_release": "release",
+    "export_compatible_release": "compatible",
     "build_engine": "tensorrt",
     "check_engine_parity": "tensorrt",
     "tensorrt_unavailable_reason": "tensorrt",
