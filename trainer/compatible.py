@@ -4,7 +4,9 @@ to independent training and the adapter methods (FCT, λ-orth) on the same data:
 
 - **BCT** (Shen et al., CVPR 2020): the new backbone is trained with cross-entropy on its
   classes plus the *influence loss*: its feature goes through the frozen classifier of the
-  previous version, cross-entropy on the items of the previous version's classes. The new
+  previous version, cross-entropy on the items of the previous version's classes and (with
+  ``bct.new_classes = "class-means"``, the default) on the new classes' items too, through
+  rows synthesised from the previous model's class means (the paper's §3.2). The new
   embedding has the previous one's dimension.
 - **BT²** (Zhou et al., ICCV 2023), Algorithm 1: from the trunk, a feature f (n dims, matched
   by cosine to an independently trained new model φ_new' of dim n, and classified with
@@ -103,6 +105,10 @@ class BCTConfig:
     # "ignore" applies it to the previous version's classes only.
     new_classes: Literal["class-means", "ignore"] = "class-means"
 
+    def __post_init__(self) -> None:
+        if self.influence_weight < 0:
+            raise ConfigError("bct.influence_weight must be >= 0")
+
 
 @dataclasses.dataclass
 class BT2Config:
@@ -116,6 +122,8 @@ class BT2Config:
     def __post_init__(self) -> None:
         if self.extra_dims < 1 or self.scale <= 0 or self.influence_temperature <= 0:
             raise ConfigError("bt2: extra_dims must be >= 1, scale and influence_temperature > 0")
+        if min(self.old_weight, self.new_weight, self.influence_weight) < 0:
+            raise ConfigError("bt2: old_weight, new_weight and influence_weight must be >= 0")
 
 
 @dataclasses.dataclass
@@ -128,6 +136,8 @@ class CoReSConfig:
     def __post_init__(self) -> None:
         if self.reserved_classes == 1 or self.reserved_classes < 0:
             raise ConfigError("cores.reserved_classes must be 0 (the dataset's classes) or >= 2")
+        if self.finetune_lr < 0:
+            raise ConfigError("cores.finetune_lr must be >= 0 (0: old_backbone's lr)")
 
 
 @dataclasses.dataclass
