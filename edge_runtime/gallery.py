@@ -454,14 +454,22 @@ class Gallery:
             original = row[1] if row is not None and delete_original else None
             self._db.execute("INSERT OR IGNORE INTO tombstones VALUES (?, ?)", (item_id, original))
 
-    def _log_changes(self, item_ids: Sequence[str], *, tombstone: bool = False) -> None:
-        """Inside a transaction: the items changed locally; one unsealed change per item (the
-        content is read when the change is sealed for pushing)."""
-        params = [(i,) for i in item_ids]
-        self._db.executemany("DELETE FROM changes WHERE item_id = ? AND sealed IS NULL", params)
-        self._db.executemany("INSERT INTO changes (item_id, tombstone) VALUES (?, ?)", [(i, int(tombstone)) for i in item_ids])
+    def _log_changes(self, item_ids: Sequence[str] = (), *, tombstone: bool = False, select_sql: str | None = None) -> None:
+        """Inside a transaction: the items changed locally (``item_ids``, or the rows of a
+        ``SELECT item_id ...`` query); one unsealed change per item (the content is read when
+        the change is sealed for pushing). Set-based: the upgrade's switch logs every row."""
+        self._db.execute("CREATE TEMP TABLE IF NOT EXISTS changed_items (item_id TEXT NOT NULL)")
+        self._db.execute("DELETE FROM temp.changed_items")
+        if select_sql is None:
+            self._db.executemany("INSERT INTO temp.changed_items VALUES (?)", [(i,) for i in item_ids])
+        else:
+            self._db.execute(f"INSERT INTO temp.changed_items {select_sql}")
+        changed = "SELECT item_id FROM temp.changed_items"
+        self._db.execute(f"DELETE FROM changes WHERE sealed IS NULL AND item_id IN ({changed})")
+        self._db.execute(f"INSERT INTO changes (item_id, tombstone) SELECT item_id, ? FROM temp.changed_items ORDER BY rowid",
+                         (int(tombstone),))
         if not tombstone:
-            self._db.executemany("UPDATE items SET record_sha256 = NULL WHERE item_id = ?", params)
+            self._db.execute(f"UPDATE items SET record_sha256 = NULL WHERE item_id IN ({changed})")
 
     def _tombstoned(self, item_ids: Sequence[str]) -> list[str]:
         found = []
@@ -527,7 +535,7 @@ class Gallery:
             if left:
                 raise GalleryError(f"{left} row(s) are not yet in v{target_version}'s space: finish the upgrade first")
             live, staged = self._tables()
-            self._log_changes([r[0] for r in self._db.execute(f"SELECT item_id FROM items JOIN {staged} USING (row_id)")])
+            self._log_changes(select_sql=f"SELECT item_id FROM items JOIN {staged} USING (row_id) ORDER BY row_id")
             # rows already in the target space needed no transform: carried over unchanged
             self._db.execute(f"INSERT INTO {staged} SELECT * FROM {live} v WHERE NOT EXISTS "
                              f"(SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id)")
