@@ -85,6 +85,19 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
 
 
+def load_config(cls: type[T], path: str | Path | None = None, overrides: typing.Mapping[str, Any] | None = None) -> T:
+    """A ``cls`` config from a TOML file (unknown keys are errors; no file: the defaults) with
+    dotted-key overrides applied on top, e.g. ``{"data.max_items": 2000}``."""
+    data = load_toml(path) if path is not None else {}
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return from_mapping(cls, data)
+
+
 def to_mapping(obj: Any) -> dict[str, Any]:
     """The inverse of :func:`from_mapping`, JSON/TOML friendly (paths become strings)."""
 

@@ -221,17 +221,6 @@ class Storage(Protocol):
     def owner_vault_usage(self, owner_id: str) -> tuple[int, int]: ...
 
     def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str) -> PushOutcome: ...
-    def _stored_sequences(self, device_id: str, change_ids: Sequence[int]) -> dict[int, int]:
-        """change id -> sequence of the device's records already stored among ``change_ids``."""
-        found: dict[int, int] = {}
-        unique = list(dict.fromkeys(change_ids))
-        for start in range(0, len(unique), 500):
-            chunk = unique[start:start + 500]
-            found.update(self._db.execute(
-                f"SELECT change_id, sequence FROM replica_records WHERE device_id=? AND change_id IN ({','.join('?' * len(chunk))})",
-                (device_id, *chunk)))
-        return found
-
     def pull_records(self, owner_id: str, after_sequence: int, limit: int) -> list[ReplicaRecord]: ...
     def replica_usage(self, owner_id: str) -> tuple[int, int]: ...
 

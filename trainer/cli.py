@@ -101,15 +101,35 @@ def _parse_overrides(_ctx: click.Context, _param: click.Parameter, values: tuple
     return overrides
 
 
+def _run_options(example_config: str, outputs: str, example_override: str):
+    """The options every config-driven training command takes: --config, --out, --set, --device, --quiet."""
+    options = [
+        click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     help=f"TOML config (see {example_config}); unknown keys are errors. Omitted: digits defaults."),
+        click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+                     help=f"Output folder: {outputs}."),
+        click.option("--set", "overrides", multiple=True, callback=_parse_overrides, metavar="KEY=VALUE",
+                     help=f"Override a config value by dotted key, e.g. --set {example_override} (repeatable)."),
+        click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None, help="Overrides the config's device."),
+        click.option("--quiet", is_flag=True, help="No progress bars."),
+    ]
+
+    def decorate(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def _with_run_settings(overrides: dict[str, object], device: str | None, quiet: bool) -> dict[str, object]:
+    """--device and --quiet as config overrides."""
+    return {**overrides, **({"device": device} if device is not None else {}), **({"progress": False} if quiet else {})}
+
+
 @click.command("train")
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="TOML config (see configs/digits.toml); unknown keys are errors. Omitted: digits defaults.")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Output folder: models/, adapters/, features/, report.md/json/png, gate.json, config.json.")
-@click.option("--set", "overrides", multiple=True, callback=_parse_overrides, metavar="KEY=VALUE",
-              help="Override a config value by dotted key, e.g. --set fct.train.epochs=5 (repeatable).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None, help="Overrides the config's device.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@_run_options("configs/digits.toml", "models/, adapters/, features/, report.md/json/png, gate.json, config.json",
+              "fct.train.epochs=5")
 def train_command(config_path: Path | None, out_dir: Path, overrides: dict[str, object], device: str | None, quiet: bool) -> None:
     """Train backbones, side-info and every adapter method; evaluate every case; write the report.
 
@@ -118,24 +138,15 @@ def train_command(config_path: Path | None, out_dir: Path, overrides: dict[str, 
     """
     from .pipeline import load_pipeline_config, run_pipeline
 
-    if device is not None:
-        overrides = {**overrides, "device": device}
-    if quiet:
-        overrides = {**overrides, "progress": False}
-    config = load_pipeline_config(config_path, overrides)
+    config = load_pipeline_config(config_path, _with_run_settings(overrides, device, quiet))
     result = run_pipeline(config, out_dir, log=lambda message: click.echo(f"[train] {message}", err=True))
     click.echo(result.report.to_markdown())
 
 
 @click.command("train-compatible")
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="TOML config (see configs/digits-compatible.toml); unknown keys are errors. Omitted: digits defaults.")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Output folder: models/<upgrade|sequence>/<method>/v<k>.pt, report.md/json/png, results.json, gate.json, config.json.")
-@click.option("--set", "overrides", multiple=True, callback=_parse_overrides, metavar="KEY=VALUE",
-              help="Override a config value by dotted key, e.g. --set bt2.extra_dims=32 (repeatable).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None, help="Overrides the config's device.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@_run_options("configs/digits-compatible.toml",
+              "models/<upgrade|sequence>/<method>/v<k>.pt, report.md/json/png, results.json, gate.json, config.json",
+              "bt2.extra_dims=32")
 def train_compatible_command(config_path: Path | None, out_dir: Path, overrides: dict[str, object], device: str | None,
                              quiet: bool) -> None:
     """Train new backbones to be compatible with the old one (BCT, BT², CoReS), next to
@@ -143,10 +154,6 @@ def train_compatible_command(config_path: Path | None, out_dir: Path, overrides:
     with compatibility matrices (AC, AM); write the report."""
     from .compatible import load_compatible_config, results_markdown, run_compatible
 
-    if device is not None:
-        overrides = {**overrides, "device": device}
-    if quiet:
-        overrides = {**overrides, "progress": False}
-    config = load_compatible_config(config_path, overrides)
+    config = load_compatible_config(config_path, _with_run_settings(overrides, device, quiet))
     result = run_compatible(config, out_dir, log=lambda message: click.echo(f"[train-compatible] {message}", err=True))
     click.echo(results_markdown(result.upgrade, result.sequence))

@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fctkit.config import from_mapping, load_toml, to_mapping
+from fctkit.config import from_mapping, load_config, to_mapping
 from fctkit.errors import ConfigError, InputError
 
 from .adapters import FCTAdapter, FCTConfig
@@ -181,14 +181,7 @@ class CompatibleConfig:
 
 def load_compatible_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> CompatibleConfig:
     """A config from a TOML file (unknown keys are errors) with optional dotted-key overrides."""
-    data = load_toml(path) if path is not None else {}
-    for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return from_mapping(CompatibleConfig, data)
+    return load_config(CompatibleConfig, path, overrides)
 
 
 # --- models --------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from fctkit.config import from_mapping, load_toml, to_mapping
+from fctkit.config import load_config, to_mapping
 from fctkit.errors import ConfigError
 
 from .adapter_base import Adapter
@@ -120,14 +120,7 @@ class PipelineConfig:
 
 def load_pipeline_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
     """A config from a TOML file (unknown keys are errors) with optional dotted-key overrides."""
-    data = load_toml(path) if path is not None else {}
-    for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return from_mapping(PipelineConfig, data)
+    return load_config(PipelineConfig, path, overrides)
 
 
 # --- stage 1: features -------------------------------------------------------------------

@@ -6,7 +6,7 @@ from typing import Literal
 
 import pytest
 
-from fctkit.config import from_mapping, load_toml, to_mapping
+from fctkit.config import from_mapping, load_config, load_toml, to_mapping
 from fctkit.errors import ConfigError, FctkitError
 
 
@@ -59,3 +59,13 @@ def test_config_error_is_a_kit_error(tmp_path):
         load_toml(bad)
     with pytest.raises(ConfigError, match="not found"):
         load_toml(tmp_path / "missing.toml")
+
+
+def test_load_config_applies_dotted_overrides_on_the_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('name = "file"\n[inner]\nwidth = 4\n')
+    cfg = load_config(Outer, path, {"inner.rate": 0.5, "mode": "unified"})
+    assert (cfg.name, cfg.mode, cfg.inner.width, cfg.inner.rate) == ("file", "unified", 4, 0.5)
+    assert load_config(Outer) == Outer()
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(Outer, path, {"inner.widht": 3})
