@@ -36,6 +36,17 @@ to independent training and the adapter methods (FCT, λ-orth) on the same data:
   of its training data; the chosen epoch is the best new/new among those whose new/old beats
   old/old against *every* previous version (when none does, the one with the largest
   smallest margin, and the run records that ECC did not hold on validation).
+  As in the paper, the classifier is the plain fixed linear map on *unnormalised* features
+  (zero bias, no scale or temperature), and version 1 already has every reserved vertex in its
+  softmax, so the future classes' vertices are negatives while it trains.
+  What this buys in the kit's protocol (measured, ``benchmarks/cores_variants.py``): on
+  digits the classes the old model knew stay where they were (a from-scratch v2 beats v1 on
+  them), but ECC on the evaluation of *all* classes fails for every variant tried (fine-tuning
+  or from scratch, K = 10 or 33, with or without the selection): v1 never saw the new classes
+  and maps their images next to the vertices of the classes it knows (the negatives push no
+  input anywhere), while v2 puts them at their own reserved vertices, so new-class queries
+  find next to nothing in the old gallery. Fine-tuning keeps them findable only while v2 has
+  barely moved, which is what the ECC selection then picks (new/new ≈ old/old).
 
 Protocol: a *sequence* of versions, each trained on the training split's items of the first
 ``n_k`` classes (``upgrade = [5, 10]``: one upgrade, the FCT protocol; ``sequence =
