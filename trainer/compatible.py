@@ -32,8 +32,9 @@ to independent training and the adapter methods (FCT, λ-orth) on the same data:
   "same initialisation"). As in CoReS's sequential fine-tuning, each version starts from the
   previous version's weights (``cores.warm_start``; every version then has ``old_backbone``'s
   architecture, optionally a lower ``cores.finetune_lr``). Checkpoints are
-  selected under ECC: after every epoch the model is evaluated on a held-out validation split
-  of its training data; the chosen epoch is the best new/new among those whose new/old beats
+  selected under ECC: after every epoch the model is evaluated on a validation split of the
+  training data that no CoReS version trains on (so old/old there is not measured on the
+  previous version's training images); the chosen epoch is the best new/new among those whose new/old beats
   old/old against *every* previous version (when none does, the one with the largest
   smallest margin, and the run records that ECC did not hold on validation).
   As in the paper, the classifier is the plain fixed linear map on *unnormalised* features
@@ -652,8 +653,10 @@ class SequenceRun:
         if self.counts[-1] > self.reserved:
             raise ConfigError(f"cores.reserved_classes = {self.reserved} leaves no room for the {self.counts[-1]} classes of the last version")
         choices = []
+        held_out = self._cores_validation_items()
         for k in range(len(self.counts)):
-            job = self.job(k, self._cores_backbone(k))
+            items = self.version_items[k]
+            job = self.job(k, self._cores_backbone(k), items[~np.isin(items, held_out)])
             if job.labels.max() >= self.reserved or job.labels.min() < 0:
                 raise InputError(f"CoReS needs class labels 0..{self.reserved - 1} (the simplex's vertices); got {job.labels.min()}..{job.labels.max()}")
             self.log(f"{self.name}: CoReS v{k + 1} (fixed {self.reserved}-vertex simplex, {self.reserved - 1} dims)")
@@ -663,17 +666,28 @@ class SequenceRun:
                 model.load_state_dict(models[-1].state_dict())
             selector = None
             if self.config.cores.ecc_selection:
-                train_pos, val_pos = split_validation(len(job.labels), job.backbone.val_fraction, job.seed)
-                val_images = job.images[val_pos]
-                selector = EccSelector(val_images, job.labels[val_pos], [extract_features(m, val_images) for m in models],
+                val_items = items[np.isin(items, held_out)]
+                val_images = self.images[val_items]
+                selector = EccSelector(val_images, self.labels[val_items], [extract_features(m, val_images) for m in models],
                                        self.config.evaluation)
-                job = dataclasses.replace(job, images=job.images[train_pos], labels=job.labels[train_pos])
             train_model(model, job, description=f"CoReS v{k + 1}", selector=selector)
             if selector is not None:
                 choices.append(selector.choice)
             models.append(model)
         self.facts["cores_checkpoints"] = choices
         return models
+
+    def _cores_validation_items(self) -> np.ndarray:
+        """The ECC selection's validation items: one split of the whole sequence's training items
+        that no CoReS version trains on, so that old/old on validation is not measured on
+        images the previous version was trained on (empty without the selection)."""
+        if not self.config.cores.ecc_selection:
+            return np.empty(0, dtype=self.version_items[-1].dtype)
+        fraction = self.config.old_backbone.val_fraction
+        if not 0 < fraction < 1:
+            raise ConfigError("cores.ecc_selection needs a validation split: set old_backbone.val_fraction in (0, 1)")
+        _, val_pos = split_validation(len(self.version_items[-1]), fraction, self.config.seed)
+        return self.version_items[-1][val_pos]
 
     def _cores_backbone(self, k: int) -> BackboneConfig | None:
         cores = self.config.cores
