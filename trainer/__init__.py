@@ -39,6 +39,7 @@ from .datasets import (
 _LAZY: dict[str, str] = {
     "BackboneConfig": "backbones",
     "Backbone": "backbones",
+    "CosineClassifier": "backbones",
     "train_backbone": "backbones",
     "extract_features": "backbones",
     "save_backbone": "backbones",

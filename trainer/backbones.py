@@ -7,6 +7,9 @@ The retrieval embedding (``Backbone.embed``, also ``forward`` so that ONNX expor
 module gives the embedding) is the feature *before* the classifier, as in the FCT paper.
 It is not L2-normalised unless ``BackboneConfig.normalize_embedding`` is set: adapters
 regress raw features, and the evaluation normalises (cosine) when asked to.
+``classifier = "cosine"`` trains with a normalised-softmax head instead of a linear one
+(logits = scale · cos(feature, class weight)), which puts the features' class structure on the
+unit sphere (the setting of the λ-orth paper).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from .fitting import History, TrainConfig, fit
 from .torch_utils import load_checkpoint, load_state, predict, resolve_device, save_checkpoint, set_seed
 
 Architecture = Literal["small", "wide"]
+ClassifierKind = Literal["linear", "cosine"]
 
 # Channels per stage as multiples of ``width``; the first conv of every stage after the first
 # has stride 2. "small" is the old model, "wide" the new one (wider and deeper).
@@ -47,6 +51,8 @@ class BackboneConfig:
     width: int = 16
     pool_grid: int = 2  # adaptive average pooling to pool_grid x pool_grid before the projection
     normalize_embedding: bool = False
+    classifier: ClassifierKind = "linear"
+    classifier_scale: float = 16.0  # logit scale of the cosine classifier (its softmax temperature is 1/scale)
     epochs: int = 40
     lr: float = 3e-3
     weight_decay: float = 5e-4
@@ -64,6 +70,10 @@ class BackboneConfig:
             raise ConfigError("embedding_dim, width and pool_grid must be >= 1")
         if self.shift_augment < 0:
             raise ConfigError("shift_augment must be >= 0")
+        if self.classifier not in ("linear", "cosine"):
+            raise ConfigError(f"classifier must be 'linear' or 'cosine', got {self.classifier!r}")
+        if self.classifier_scale <= 0:
+            raise ConfigError("classifier_scale must be > 0")
 
     def train_config(self, seed: int, device: str) -> TrainConfig:
         return TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, weight_decay=self.weight_decay,
@@ -109,6 +119,19 @@ class Encoder(nn.Module):
         return F.normalize(feature, dim=1) if self.normalize else feature
 
 
+class CosineClassifier(nn.Module):
+    """Normalised-softmax head: ``scale · cos(x, w_c)`` for every class weight ``w_c`` (no bias)."""
+
+    def __init__(self, dim: int, n_classes: int, scale: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_classes, dim))
+        nn.init.normal_(self.weight)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * F.normalize(x, dim=1) @ F.normalize(self.weight, dim=1).T
+
+
 class Backbone(nn.Module):
     """An embedding model with a classifier head over ``classes`` (the class values it was
     trained on). ``forward(x)`` = ``embed(x)``; ``classify(x)`` gives logits over ``classes``."""
@@ -121,7 +144,8 @@ class Backbone(nn.Module):
         self.classes = tuple(int(c) for c in classes)
         self.encoder = Encoder(config.architecture, config.width, config.embedding_dim, in_channels,
                                config.normalize_embedding, config.pool_grid)
-        self.classifier = nn.Linear(config.embedding_dim, len(self.classes))
+        self.classifier = (CosineClassifier(config.embedding_dim, len(self.classes), config.classifier_scale)
+                           if config.classifier == "cosine" else nn.Linear(config.embedding_dim, len(self.classes)))
         self.history: History | None = None  # set by train_backbone
 
     @property
