@@ -90,6 +90,15 @@ def status_error(error: grpc.RpcError) -> RpcStatusError:
     return RpcStatusError(code.name if code else "UNKNOWN", details or "")
 
 
+def _sleep_before_retry(error: grpc.RpcError, delays, retry_on: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)) -> None:
+    """A call failing with a retryable status waits for its next attempt; anything else (or no
+    attempts left) raises the kit's error for the status."""
+    delay = next(delays, None) if _code(error) in retry_on else None
+    if delay is None:
+        raise status_error(error) from None
+    time.sleep(delay)
+
+
 def _code(error: grpc.RpcError) -> grpc.StatusCode | None:
     return error.code() if hasattr(error, "code") else None
 
@@ -140,10 +149,7 @@ class FctkitClient:
             try:
                 return attempt()
             except grpc.RpcError as error:
-                delay = next(delays, None) if _code(error) in retry_on else None
-                if delay is None:
-                    raise status_error(error) from None
-                time.sleep(delay)
+                _sleep_before_retry(error, delays, retry_on)
 
     def _unary(self, method: Callable, request: Any, *, retry: bool = True) -> Any:
         def attempt():
@@ -181,10 +187,7 @@ class FctkitClient:
                     delays = self.retry.delays()  # progress resets the retry budget
                 break
             except grpc.RpcError as error:
-                delay = next(delays, None) if _code(error) == grpc.StatusCode.UNAVAILABLE else None
-                if delay is None:
-                    raise status_error(error) from None
-                time.sleep(delay)
+                _sleep_before_retry(error, delays)
             finally:
                 call.cancel()
         sha256, size = expected
@@ -294,10 +297,7 @@ class FctkitClient:
                         yield event.published
                 return
             except grpc.RpcError as error:
-                delay = next(delays, None) if _code(error) == grpc.StatusCode.UNAVAILABLE else None
-                if delay is None:
-                    raise status_error(error) from None
-                time.sleep(delay)
+                _sleep_before_retry(error, delays)
             finally:
                 call.cancel()
 
@@ -399,10 +399,7 @@ class FctkitClient:
                     yield batch
                 return
             except grpc.RpcError as error:
-                delay = next(delays, None) if _code(error) == grpc.StatusCode.UNAVAILABLE else None
-                if delay is None:
-                    raise status_error(error) from None
-                time.sleep(delay)
+                _sleep_before_retry(error, delays)
             finally:
                 call.cancel()
 
