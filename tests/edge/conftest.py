@@ -3,7 +3,10 @@ linear ONNX graphs), devices, and the server tests' real `fctkit serve` process.
 
 from __future__ import annotations
 
+import queue
+import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,7 +76,7 @@ def make_device(tmp_path, publisher_pub) -> Callable[..., Device]:
         device.close()
 
 
-__all__ = ["ADMIN_TOKEN", "ServerProcess", "make_tiny_bundle", "TINY_CHAIN"]
+__all__ = ["ADMIN_TOKEN", "ServerProcess", "make_tiny_bundle", "TINY_CHAIN", "enrolment_code", "publish", "start_worker"]
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +92,27 @@ def edge_server(tmp_path_factory, publisher_pub):
         server.stop()
 
 
-def enrolment_code(server: ServerProcess, label: str = "") -> str:
+def enrolment_code(server: ServerProcess, label: str = "", *, owner: str = "") -> str:
+    """A fresh enrolment code (for ``owner``'s devices; without one, a new owner of its own)."""
     from fctkit.protos.client import FctkitClient
 
     with FctkitClient(server.target, ADMIN_TOKEN) as admin:
-        return admin.create_enrolment_code(label=label).code
+        return admin.create_enrolment_code(label=label, owner=owner).code
+
+
+def start_worker(script: str, *args: str) -> tuple[subprocess.Popen, queue.Queue]:
+    """Run ``python -c script args...``; its stdout lines arrive on the queue (None at its end),
+    so a crash test can SIGKILL it right after a given line."""
+    process = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in process.stdout:
+            lines.put(line.strip())
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return process, lines
 
 
 def publish(server: ServerProcess, bundle_dir: Path, archive_dir: Path) -> None:

@@ -11,8 +11,8 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, publish
-from tests.edge.test_replication_crash_edge import _device, _kill_somewhere, _start
+from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, publish, start_worker
+from tests.edge.test_replication_crash_edge import _device, _kill_somewhere
 from tests.edge.test_replication_edge import state
 
 from fctkit.edge_runtime import Device
@@ -73,7 +73,7 @@ def test_sigkilled_backfill_resumes_replicates_and_converges(server, tiny_bundle
         attempts += 1
     assert kills >= KILLS
     monkeypatch.setattr(crash, "SMALL_BATCH", 0)  # finish the recorded plan (if any), start none
-    process, _ = _start(device.root)
+    process, _ = start_worker(crash.WORKER, str(device.root), str(crash.SMALL_BATCH))
     assert process.wait(timeout=300) == 0, process.stderr.read()
 
     with Device.open(device.root) as phone:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fctkit.edge_runtime import Engine, EngineConfig, Gallery, select_providers
+from fctkit.edge_runtime import Engine, EngineConfig, select_providers
 from fctkit.edge_runtime.upgrade import Hop, UpgradePlan, run_upgrade
 from fctkit.errors import ConfigError, DeviceError, InputError
 from fctkit.protos.bundle import verify_bundle

@@ -5,20 +5,16 @@ every record exactly once, and every device converges to the gallery of an unint
 
 from __future__ import annotations
 
-import queue
 import random
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, publish
-from tests.edge.test_replication_edge import owner_code, state
+from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, publish, start_worker
+from tests.edge.test_replication_edge import state
 
 from fctkit.edge_runtime import Device, DeviceSettings
 
@@ -50,23 +46,9 @@ print("done", flush=True)
 """
 
 
-def _start(root: Path) -> tuple[subprocess.Popen, queue.Queue]:
-    process = subprocess.Popen([sys.executable, "-c", WORKER, str(root), str(SMALL_BATCH)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue = queue.Queue()
-
-    def pump() -> None:
-        for line in process.stdout:
-            lines.put(line.strip())
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    return process, lines
-
-
 def _kill_somewhere(root: Path, rng: random.Random, strategy: str) -> bool:
     """Run the worker and SIGKILL it per ``strategy``; True if it died before finishing."""
-    process, lines = _start(root)
+    process, lines = start_worker(WORKER, str(root), str(SMALL_BATCH))
     word = {"after-ack": "acked", "mid-commit": "commit"}.get(strategy)
     if word is None:
         time.sleep(rng.uniform(0.3, 1.5))
@@ -84,7 +66,7 @@ def _kill_somewhere(root: Path, rng: random.Random, strategy: str) -> bool:
 
 
 def _finish(root: Path) -> None:
-    process, _ = _start(root)
+    process, _ = start_worker(WORKER, str(root), str(SMALL_BATCH))
     assert process.wait(timeout=300) == 0, process.stderr.read()
 
 
@@ -118,7 +100,7 @@ def server(tmp_path_factory, publisher_pub, tiny_bundles):
 def _device(root: Path, server, owner: str, publisher_pub: Path, **init) -> Device:
     device = Device.init(root, publisher_key=publisher_pub, settings=DeviceSettings(batch_size=64), **init)
     device.progress = False
-    device.enrol(server.target, owner_code(server, owner), device_name=root.name)
+    device.enrol(server.target, enrolment_code(server, owner=owner), device_name=root.name)
     return device
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, publish
-from tests.edge.test_replication_edge import owner_code, state
+from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, publish
+from tests.edge.test_replication_edge import state
 from tests.support.releases import digits_release
 
 from fctkit.edge_runtime import Device, DeviceSettings
@@ -37,7 +37,7 @@ def test_owner_devices_converge_restore_and_leave_no_vector_on_the_server(releas
     def device(name: str, **init) -> Device:
         made = Device.init(tmp_path / name, settings=DeviceSettings(batch_size=64), **init)
         made.progress = False
-        made.enrol(server.target, owner_code(server, "grace"), device_name=name)
+        made.enrol(server.target, enrolment_code(server, owner="grace"), device_name=name)
         opened.append(made)
         return made
 

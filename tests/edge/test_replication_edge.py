@@ -15,13 +15,12 @@ import threading
 import numpy as np
 import pytest
 
-from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, publish
+from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, publish
 
 from fctkit.edge_runtime import Device, DeviceSettings
 from fctkit.edge_runtime.replication import seal_changes
 from fctkit.errors import CorruptRecordError, DeviceKeyError, InputError, RpcStatusError
 from fctkit.protos import vault_pb2
-from fctkit.protos.client import FctkitClient
 
 
 @pytest.fixture
@@ -34,11 +33,6 @@ def server(tmp_path, publisher_pub, tiny_bundles):
     yield process
     if process.alive():
         process.stop()
-
-
-def owner_code(server: ServerProcess, owner: str = "") -> str:
-    with FctkitClient(server.target, ADMIN_TOKEN) as admin:
-        return admin.create_enrolment_code(owner=owner).code
 
 
 def state(device: Device) -> dict[str, tuple]:
@@ -67,7 +61,7 @@ def make_device(tmp_path, publisher_pub):
 
 def enrolled(make_device, server, name: str, owner: str, *, sync: bool = True, **init) -> Device:
     device = make_device(name, **init)
-    device.enrol(server.target, owner_code(server, owner), device_name=name)
+    device.enrol(server.target, enrolment_code(server, owner=owner), device_name=name)
     assert device.settings.owner_id == (owner or device.settings.owner_id)
     if sync:
         device.sync()
@@ -221,7 +215,7 @@ def test_tampered_records_and_a_wrong_owner_key_lose_nothing(server, make_device
     source.add(images(5, seed=5), item_ids=[f"s{i}" for i in range(5)])
     source.sync()
     # a device with a key of its own is refused at enrolment; the code stays usable
-    code = owner_code(server, "erin")
+    code = enrolment_code(server, owner="erin")
     stranger = make_device("stranger")
     with pytest.raises(RpcStatusError) as refused:
         stranger.enrol(server.target, code, device_name="stranger")
@@ -319,7 +313,7 @@ def test_a_gallery_and_device_from_before_owners_are_migrated_and_replicate(serv
         assert (root / "owner.key").exists() and device.gallery.meta("schema_version") == "2"
         assert device.status()["replica"] == {"cursor": 0, "unpushed": 4, "pending": 0, "tombstones": 0}
         device.progress = False
-        device.enrol(server.target, owner_code(server, "ivan"), device_name="old")
+        device.enrol(server.target, enrolment_code(server, owner="ivan"), device_name="old")
         assert device.sync().replication.pushed == 4
         expected = state(device)
         key_file = device.export_owner_key(tmp_path / "ivan.key", "pw")

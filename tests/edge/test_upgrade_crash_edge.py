@@ -8,14 +8,13 @@ import queue
 import random
 import shutil
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.edge.conftest import start_worker
 
 from fctkit.edge_runtime import Device, Gallery
 from fctkit.edge_runtime.crypto import read_key_file
@@ -45,20 +44,6 @@ print("done", device.version, flush=True)
 """
 
 
-def _start(root: Path, bundle: Path) -> tuple[subprocess.Popen, queue.Queue]:
-    process = subprocess.Popen([sys.executable, "-c", WORKER, str(root), str(bundle)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue = queue.Queue()
-
-    def pump() -> None:
-        for line in process.stdout:
-            lines.put(line.strip())
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    return process, lines
-
-
 def _wait_for(lines: queue.Queue, word: str, count: int) -> bool:
     """Wait until ``word`` has been printed ``count`` times; False if the worker ended first."""
     seen = 0
@@ -72,7 +57,7 @@ def _wait_for(lines: queue.Queue, word: str, count: int) -> bool:
 
 def _kill_somewhere(root: Path, bundle: Path, rng: random.Random, strategy: str) -> bool:
     """Start a worker and SIGKILL it per ``strategy``; True if it was killed before finishing."""
-    process, lines = _start(root, bundle)
+    process, lines = start_worker(WORKER, str(root), str(bundle))
     if strategy == "random-time":
         time.sleep(rng.uniform(0.0, 0.9))  # start-up takes ~0.5 s, a batch ~50 ms
     elif strategy == "mid-batch":
@@ -113,7 +98,7 @@ def test_sigkill_anywhere_then_restart_equals_uninterrupted(tmp_path, make_devic
 
     reference = tmp_path / "reference"
     shutil.copytree(source.root, reference)
-    process, lines = _start(reference, tiny_bundles[2])
+    process, lines = start_worker(WORKER, str(reference), str(tiny_bundles[2]))
     assert process.wait() == 0, process.stderr.read()
     expected = _decrypted(reference, key)
     assert {str(t) for t in expected.tags} == {"v1->v2 (forward)"}
@@ -134,7 +119,7 @@ def test_sigkill_anywhere_then_restart_equals_uninterrupted(tmp_path, make_devic
             kills += killed
             if not killed:
                 break
-        process, lines = _start(root, tiny_bundles[2])
+        process, lines = start_worker(WORKER, str(root), str(tiny_bundles[2]))
         assert process.wait() == 0, process.stderr.read()
         got = _decrypted(root, key)
         assert got.item_ids == expected.item_ids and got.tags == expected.tags

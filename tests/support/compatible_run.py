@@ -16,46 +16,27 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from tests.support.releases import _locked
+from tests.support.releases import build_once
 
 #: The digits config the tests train (with progress bars off, on the CPU).
 CONFIG_FILE = Path(__file__).resolve().parents[2] / "configs" / "digits-compatible.toml"
 OVERRIDES = {"progress": False, "device": "cpu"}
-_COMPLETE = "COMPLETE"
 
 
 def digits_compatible_run(tmp_dir: Path) -> Path:
     """The run folder (models/, gate.json, results.json, config.json, report.md)."""
-    folder = Path(tmp_dir) / f"digits-compatible-{_content_key()[:16]}"
-    with _locked(folder.with_name(folder.name + ".lock")):
-        if not (folder / _COMPLETE).is_file():
-            _build(folder)
+    key = _content_key()
+    folder = Path(tmp_dir) / f"digits-compatible-{key[:16]}"
+    build_once(folder, key, _build)
     return folder
 
 
-def _build(folder: Path) -> None:
-    import torch
-
+def _build(staging: Path) -> None:
     from fctkit.trainer.compatible import load_compatible_config, run_compatible
 
-    shutil.rmtree(folder, ignore_errors=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run_compatible(load_compatible_config(CONFIG_FILE, OVERRIDES), staging, log=lambda _: None)
-        (staging / _COMPLETE).write_text(_content_key() + "\n")
-        os.rename(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    finally:
-        torch.set_num_threads(threads)
+    run_compatible(load_compatible_config(CONFIG_FILE, OVERRIDES), staging, log=lambda _: None)
 
 
 def _content_key() -> str:

@@ -34,7 +34,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,40 +82,51 @@ _BUILT: dict[Path, Release] = {}
 
 def digits_release(tmp_dir: Path) -> Release:
     """The tiny digits chain release, built once per ``tmp_dir`` and content hash."""
-    folder = Path(tmp_dir) / f"digits-release-{_content_key()[:16]}"
+    key = _content_key()
+    folder = Path(tmp_dir) / f"digits-release-{key[:16]}"
     if folder not in _BUILT:
-        with _locked(folder.with_name(folder.name + ".lock")):
-            if not (folder / _COMPLETE).is_file():
-                _build(folder)
+        build_once(folder, key, _build)
         _BUILT[folder] = _load(folder)
     return _BUILT[folder]
 
 
-def _build(folder: Path) -> None:
+def build_once(folder: Path, content_key: str, build: Callable[[Path], None]) -> None:
+    """Make ``folder`` with ``build(staging)`` unless a complete build is already there.
+
+    Builders in other processes wait on a file lock; the build runs in a staging folder (one
+    torch thread: tiny models run several times faster on busy shared cores) that is renamed
+    into place with a completion marker, so an interrupted build leaves nothing half-made."""
     import torch
 
+    with _locked(folder.with_name(folder.name + ".lock")):
+        if (folder / _COMPLETE).is_file():
+            return
+        shutil.rmtree(folder, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            build(staging)
+            (staging / _COMPLETE).write_text(content_key + "\n")
+            os.rename(staging, folder)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        finally:
+            torch.set_num_threads(threads)
+
+
+def _build(staging: Path) -> None:
     from fctkit.config import from_mapping
     from fctkit.export.keys import generate_keys, load_private_key
     from fctkit.export.release import TrainedRun, build_release
     from fctkit.trainer.pipeline import PipelineConfig, run_pipeline
 
-    shutil.rmtree(folder, ignore_errors=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread is several times faster on busy shared cores
-    try:
-        run_pipeline(from_mapping(PipelineConfig, TINY_DIGITS_CONFIG), staging / "run", log=lambda _: None)
-        private_path, _ = generate_keys(staging / "keys")
-        build_release(staging / "run", staging / "bundles", private_key=load_private_key(private_path), chain=True)
-        run = TrainedRun.open(staging / "run")
-        np.savez(staging / "eval.npz", images=run.eval_images, **run.chain_features)
-        (staging / _COMPLETE).write_text(_content_key() + "\n")
-        os.rename(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    finally:
-        torch.set_num_threads(threads)
+    run_pipeline(from_mapping(PipelineConfig, TINY_DIGITS_CONFIG), staging / "run", log=lambda _: None)
+    private_path, _ = generate_keys(staging / "keys")
+    build_release(staging / "run", staging / "bundles", private_key=load_private_key(private_path), chain=True)
+    run = TrainedRun.open(staging / "run")
+    np.savez(staging / "eval.npz", images=run.eval_images, **run.chain_features)
 
 
 def _load(folder: Path) -> Release:
