@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,10 +113,12 @@ class _Phases:
 
 
 class DemoServer:
-    """`fctkit serve` in its own process group on a free loopback port."""
+    """`fctkit serve` in its own process group on a free loopback port (``extra_args`` are
+    appended to its command line, e.g. ``("--replica-quota-bytes", "1099511627776")``)."""
 
-    def __init__(self, data_dir: Path, publisher_pub: Path) -> None:
+    def __init__(self, data_dir: Path, publisher_pub: Path, extra_args: Sequence[str] = ()) -> None:
         self.data_dir = data_dir
+        self.extra_args = tuple(extra_args)
         self.token_file = data_dir.parent / "admin.token"
         self.log_path = data_dir.parent / "server.log"
         self.publisher_pub = publisher_pub
@@ -137,7 +139,7 @@ class DemoServer:
             fh.write(secrets.token_urlsafe(32) + "\n")
         command = [sys.executable, "-m", "fctkit.cli", "serve", "--data", str(self.data_dir), "--port", "0",
                    "--publisher-key", str(self.publisher_pub), "--admin-token-file", str(self.token_file),
-                   "--shutdown-grace", "2"]
+                   "--shutdown-grace", "2", *self.extra_args]
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL,
                                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
