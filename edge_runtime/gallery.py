@@ -466,7 +466,7 @@ class Gallery:
             self._db.execute(f"INSERT INTO temp.changed_items {select_sql}")
         changed = "SELECT item_id FROM temp.changed_items"
         self._db.execute(f"DELETE FROM changes WHERE sealed IS NULL AND item_id IN ({changed})")
-        self._db.execute(f"INSERT INTO changes (item_id, tombstone) SELECT item_id, ? FROM temp.changed_items ORDER BY rowid",
+        self._db.execute("INSERT INTO changes (item_id, tombstone) SELECT item_id, ? FROM temp.changed_items ORDER BY rowid",
                          (int(tombstone),))
         if not tombstone:
             self._db.execute(f"UPDATE items SET record_sha256 = NULL WHERE item_id IN ({changed})")

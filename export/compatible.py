@@ -31,7 +31,7 @@ from fctkit.errors import DataUnavailableError, GateError, InputError
 from fctkit.protos.bundle import VerifiedBundle, pack_bundle
 
 from .bundle import build_bundle
-from .release import _read_json
+from .release import _read_json, move_versions_into_place, refuse_existing_versions
 from .roles import export_role
 
 COMPATIBLE_METHODS = ("bct", "bt2", "cores")
@@ -65,6 +65,7 @@ def export_compatible_release(run_dir: str | os.PathLike, out_dir: str | os.Path
         (v1, (), models[0], {"cases": {"old/old": cases["old/old"]}, "ecc": {}}, None),
         (v2, (v1,), models[1], {"cases": cases, "ecc": {}}, old_dim if new_dim != old_dim else None),
     ]
+    refuse_existing_versions(out, [v1, v2])
     out.mkdir(parents=True, exist_ok=True)
     distance = config.evaluation.distance
     bundles = []
@@ -76,9 +77,7 @@ def export_compatible_release(run_dir: str | os.PathLike, out_dir: str | os.Path
                          normalize=distance == "cosine", artifacts=[exported.artifact], gate=version_gate,
                          private_key=private_key, compatible_prefix_dim=prefix)
             pack_bundle(scratch / f"v{version}", scratch / f"v{version}.tar")
-        for version, *_ in plans:
-            for name in (f"v{version}", f"v{version}.tar"):
-                os.rename(scratch / name, out / name)
+        move_versions_into_place(scratch, out, [v1, v2])
     from fctkit.protos.bundle import verify_bundle
 
     for version, *_ in plans:

@@ -269,10 +269,7 @@ def build_release(
     run = TrainedRun.open(run_dir)
     plans = plan_release(run, method=method, first_version=first_version, chain=chain)
     out_dir = Path(out_dir)
-    for plan in plans:
-        for target in (out_dir / f"v{plan.version}", out_dir / f"v{plan.version}.tar"):
-            if target.exists():
-                raise InputError(f"{target} already exists: choose an empty --out folder or remove it")
+    refuse_existing_versions(out_dir, [plan.version for plan in plans])
     _check_gates(plans, force)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -310,10 +307,23 @@ def _build_versions(run: TrainedRun, plans: Sequence[VersionPlan], out_dir: Path
                 )
                 pack_bundle(scratch / f"v{plan.version}", scratch / f"v{plan.version}.tar")
                 built.append((plan.version, exports))
-        for version, _ in built:
-            os.rename(scratch / f"v{version}", out_dir / f"v{version}")
-            os.rename(scratch / f"v{version}.tar", out_dir / f"v{version}.tar")
+        move_versions_into_place(scratch, out_dir, [version for version, _ in built])
     return built
+
+
+def refuse_existing_versions(out_dir: Path, versions: Sequence[int]) -> None:
+    """:class:`InputError` when ``out_dir`` already holds any of these versions' bundle or archive."""
+    for version in versions:
+        for target in (out_dir / f"v{version}", out_dir / f"v{version}.tar"):
+            if target.exists():
+                raise InputError(f"{target} already exists: choose an empty --out folder or remove it")
+
+
+def move_versions_into_place(scratch: Path, out_dir: Path, versions: Sequence[int]) -> None:
+    """Move each version's bundle folder and archive, built in ``scratch``, into ``out_dir``."""
+    for version in versions:
+        for name in (f"v{version}", f"v{version}.tar"):
+            os.rename(scratch / name, out_dir / name)
 
 
 def export_release(
