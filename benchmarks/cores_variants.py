@@ -2,9 +2,12 @@
 
     OMP_NUM_THREADS=1 python benchmarks/cores_variants.py                 # digits, 3 seeds, ~8 min
     OMP_NUM_THREADS=1 python benchmarks/cores_variants.py --config configs/fashion-mnist-compatible.toml --seeds 0
+    OMP_NUM_THREADS=1 python benchmarks/cores_variants.py --evaluation-classes held-out --upgrade 3 6   # CoReS's protocol
 
 Each variant is ``configs/digits-compatible.toml`` (or ``--config``) with CoReS overrides, run
-through :func:`run_compatible` with ``methods = ["cores"]`` and no adapters. Printed per variant
+through :func:`run_compatible` with one method (``cores`` or ``cores-hoc``) and no adapters;
+``--evaluation-classes held-out --upgrade 3 6`` evaluates on the classes neither version trains
+on (the open-set protocol of the CoReS authors' code) instead of all of the last version's. Printed per variant
 and seed: old/old, new/old, new/new (top-1, all evaluation classes), the ratio new/old ÷ old/old
 (ECC holds when it is > 1; the baseline is the variant's own old model, measured in the same run),
 ECC on the old model's classes, and new/old split by the query's class (the old model's classes
@@ -26,13 +29,16 @@ from fctkit.trainer.compatible import load_compatible_config, load_compatible_mo
 from fctkit.trainer.evaluation import evaluate_retrieval
 from fctkit.trainer.pipeline import load_image_splits
 
-VARIANTS: dict[str, dict[str, object]] = {
-    "fine-tune at the config's cores.finetune_lr (the default)": {},
-    "fine-tune at the backbone's lr": {"cores.finetune_lr": 0.0},
-    "from scratch (v2 = wide CNN, own seed)": {"cores.warm_start": False},
-    "from scratch, last epoch (no ECC selection)": {"cores.warm_start": False, "cores.ecc_selection": False},
-    "K = 10 (no spare vertices), fine-tune": {"cores.reserved_classes": 10},
-    "K = 10, from scratch": {"cores.reserved_classes": 10, "cores.warm_start": False},
+VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
+    "fine-tune at the config's cores.finetune_lr (the default)": ("cores", {}),
+    "fine-tune at the backbone's lr": ("cores", {"cores.finetune_lr": 0.0}),
+    "from scratch (v2 = wide CNN, own seed)": ("cores", {"cores.warm_start": False}),
+    "from scratch, last epoch (no ECC selection)": ("cores", {"cores.warm_start": False, "cores.ecc_selection": False}),
+    "K = 10 (no spare vertices), fine-tune": ("cores", {"cores.reserved_classes": 10}),
+    "K = 10, from scratch": ("cores", {"cores.reserved_classes": 10, "cores.warm_start": False}),
+    "fine-tune, last epoch (no ECC selection)": ("cores", {"cores.ecc_selection": False}),
+    "CoReS + HOC, fine-tune (the default selection)": ("cores-hoc", {}),
+    "CoReS + HOC, fine-tune, last epoch": ("cores-hoc", {"cores.ecc_selection": False}),
 }
 
 
@@ -42,30 +48,34 @@ def top1(query: np.ndarray, query_labels: np.ndarray, gallery: np.ndarray, galle
                               leave_one_out=leave_one_out).cmc[1]
 
 
-def measure(config_path: str, overrides: dict[str, object], seed: int, out: Path) -> dict[str, object]:
-    config = load_compatible_config(config_path, {"seed": seed, "sequence": [], "methods": ["cores"], "adapters": [],
+def measure(config_path: str, method: str, overrides: dict[str, object], seed: int, out: Path) -> dict[str, object]:
+    config = load_compatible_config(config_path, {"seed": seed, "sequence": [], "methods": [method], "adapters": [],
                                                   "progress": False, "device": "cpu", **overrides})
     run_compatible(config, out, log=lambda _: None)
     gate = json.loads((out / "gate.json").read_text())
     facts = json.loads((out / "results.json").read_text())["upgrade"]["facts"]
     splits = load_image_splits(config)
     old_classes = np.unique(splits.labels[splits.train])[: config.upgrade[0]]
-    images, labels = splits.images[splits.evaluation], splits.labels[splits.evaluation]
-    old, new = (extract_features(load_compatible_model(out / "models" / "upgrade" / "cores" / f"v{k}.pt"), images) for k in (1, 2))
+    trained = np.isin(splits.labels[splits.evaluation], np.unique(splits.labels[splits.train])[: config.upgrade[-1]])
+    evaluation = splits.evaluation[trained if config.evaluation_classes == "trained" else ~trained]
+    images, labels = splits.images[evaluation], splits.labels[evaluation]
+    old, new = (extract_features(load_compatible_model(out / "models" / "upgrade" / method / f"v{k}.pt"), images) for k in (1, 2))
     seen = np.isin(labels, old_classes)
-    cases = gate["cases"]["cores"]
+    cases = gate["cases"][method]
     row = {name: cases[name]["top1"] for name in ("old/old", "new/old", "new/new")}
-    known = json.loads((out / "results.json").read_text())["upgrade"]["cases_on_gallery_classes"]["cores"]
-    row["old classes: old/old"], row["old classes: new/old"] = known["v1/v1"]["cmc"]["1"], known["v2/v1"]["cmc"]["1"]
+    known = json.loads((out / "results.json").read_text())["upgrade"]["cases_on_gallery_classes"].get(method)
+    row["old classes: old/old"], row["old classes: new/old"] = (known["v1/v1"]["cmc"]["1"], known["v2/v1"]["cmc"]["1"]) if known else (None, None)
     # queries of one group against the whole old gallery; a query is left out of the gallery by position
     for group, mask in (("seen", seen), ("unseen", ~seen)):
         for case, query in (("old/old", old), ("new/old", new)):
             row[f"{case} {group} queries"] = _group_top1(query, old, labels, mask)
-    row["checkpoints"] = facts.get("cores_checkpoints")
+    row["checkpoints"] = facts.get(f"{method}_checkpoints")
     return row
 
 
-def _group_top1(query: np.ndarray, gallery: np.ndarray, labels: np.ndarray, mask: np.ndarray) -> float:
+def _group_top1(query: np.ndarray, gallery: np.ndarray, labels: np.ndarray, mask: np.ndarray) -> float | None:
+    if not mask.any():
+        return None
     q = query / np.linalg.norm(query, axis=1, keepdims=True)
     g = gallery / np.linalg.norm(gallery, axis=1, keepdims=True)
     rows = np.flatnonzero(mask)
@@ -80,9 +90,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--variants", nargs="+", default=None, help="indices into the variant list (default: all)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    parser.add_argument("--evaluation-classes", choices=["trained", "held-out"], default=None,
+                        help="evaluate on the last version's classes (the config's default) or on the classes no version trains on")
+    parser.add_argument("--upgrade", type=int, nargs=2, default=None, help="classes of v1 and v2 (default: the config's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     chosen = [list(VARIANTS)[int(i)] for i in args.variants] if args.variants else list(VARIANTS)
+    protocol = {key: value for key, value in (("evaluation_classes", args.evaluation_classes), ("upgrade", args.upgrade)) if value}
     figures: dict[str, dict[int, dict[str, object]]] = {}
     print("| variant | seed | old/old | new/old | ratio | new/new | ECC | old classes: old/old → new/old | "
           "seen-class queries: old/old → new/old | unseen-class queries: old/old → new/old |")
@@ -91,15 +105,22 @@ def main() -> None:
         figures[name] = {}
         for seed in args.seeds:
             with tempfile.TemporaryDirectory() as tmp:
-                row = measure(args.config, VARIANTS[name], seed, Path(tmp))
+                method, overrides = VARIANTS[name]
+                row = measure(args.config, method, {**overrides, **protocol}, seed, Path(tmp))
             figures[name][seed] = row
             print(f"| {name} | {seed} | {row['old/old']:.4f} | {row['new/old']:.4f} | {row['new/old'] / row['old/old']:.3f} | "
                   f"{row['new/new']:.4f} | {'yes' if row['new/old'] > row['old/old'] else 'no'} | "
-                  f"{row['old classes: old/old']:.4f} → {row['old classes: new/old']:.4f} | "
-                  f"{row['old/old seen queries']:.3f} → {row['new/old seen queries']:.3f} | "
-                  f"{row['old/old unseen queries']:.3f} → {row['new/old unseen queries']:.3f} |", flush=True)
+                  f"{_pair(row, 'old classes: old/old', 'old classes: new/old', 4)} | "
+                  f"{_pair(row, 'old/old seen queries', 'new/old seen queries', 3)} | "
+                  f"{_pair(row, 'old/old unseen queries', 'new/old unseen queries', 3)} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2, default=str) + "\n")
+
+
+def _pair(row: dict[str, object], before: str, after: str, digits: int) -> str:
+    if row[before] is None:
+        return "—"
+    return f"{row[before]:.{digits}f} → {row[after]:.{digits}f}"
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import click
 from fctkit.protos.bundle import VerifiedBundle, pack_bundle, unpack_bundle, verify_bundle
 
 from .keys import PASSPHRASE_ENV, generate_keys, load_private_key, public_key_id, read_passphrase
+from .compatible import COMPATIBLE_METHODS
 from .release import METHODS, build_release
 
 _PASSPHRASE_HELP = f"file holding the key passphrase (or set ${PASSPHRASE_ENV}); never a plain argument"
@@ -162,7 +163,7 @@ def export_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, ch
               help="publisher private key (publisher.key)")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="folder for the bundles v<N>/ and their v<N>.tar archives")
-@click.option("--method", required=True, type=click.Choice(["bct", "bt2", "cores"]),
+@click.option("--method", required=True, type=click.Choice(COMPATIBLE_METHODS),
               help="which compatible backbone of the run's one upgrade the bundles carry")
 @click.option("--first-version", default=1, show_default=True, type=click.IntRange(min=1),
               help="version number of the first bundle; the second follows")

@@ -34,7 +34,7 @@ from .bundle import build_bundle
 from .release import _read_json, move_versions_into_place, refuse_existing_versions
 from .roles import export_role
 
-COMPATIBLE_METHODS = ("bct", "bt2", "cores")
+COMPATIBLE_METHODS = ("bct", "bt2", "cores", "cores-hoc")
 PARITY_ROWS = 512  # held-out evaluation images each graph's parity check runs on
 
 

@@ -47,13 +47,20 @@ to independent training and the adapter methods (FCT, λ-orth) on the same data:
   and maps their images next to the vertices of the classes it knows (the negatives push no
   input anywhere), while v2 puts them at their own reserved vertices, so new-class queries
   find next to nothing in the old gallery. Fine-tuning keeps them findable only while v2 has
-  barely moved, which is what the ECC selection then picks (new/new ≈ old/old).
+  barely moved, which is what the ECC selection then picks (new/new ≈ old/old). The same holds
+  in the authors' own protocol (``evaluation_classes = "held-out"``): features of classes no
+  version trained on drift as v2 trains (new/old 0.38–0.58 vs old/old 0.81–0.88 at v2's last epoch).
+- **CoReS + HOC** (method ``cores-hoc``; Biondi et al., "Stationary Representations", CVPR
+  2024): CoReS's v1, and a v2 fine-tuned with ``(1 − w)``·CE through the fixed simplex +
+  ``w``·InfoNCE aligning v2's features with v1's (:func:`hoc_loss`), the authors' fix for
+  sequential fine-tuning. Measured: it keeps the old classes' queries findable, not the others.
 
 Protocol: a *sequence* of versions, each trained on the training split's items of the first
 ``n_k`` classes (``upgrade = [5, 10]``: one upgrade, the FCT protocol; ``sequence =
 [4, 6, 8, 10]``: three upgrades). Version 1 uses ``old_backbone``, later versions
 ``new_backbone``. Every method is evaluated on the evaluation split restricted to the last
-version's classes (query = gallery, leave-one-out): C[i, j] = M(query model i, gallery model
+version's classes (``evaluation_classes = "trained"``), or to the classes no version trains on
+(``"held-out"``, the open-set protocol of the CoReS authors' code), query = gallery, leave-one-out: C[i, j] = M(query model i, gallery model
 j) for j ≤ i, with AC and AM (:func:`~.evaluation.compatibility_matrix`); embeddings of
 different dims are compared on the shorter prefix (BT²'s old-compatible block). The adapter
 methods fill C[i, j] for i > j with their own transformation between the independently
@@ -91,15 +98,16 @@ from .report import Report
 from .side_info import SideInfoConfig, extract_side_info, train_side_info
 from .torch_utils import load_checkpoint, load_state, resolve_device, save_checkpoint, set_seed
 
-BackboneMethod = Literal["independent", "bct", "bt2", "cores"]
+BackboneMethod = Literal["independent", "bct", "bt2", "cores", "cores-hoc"]
 AdapterMethod = Literal["fct", "lambda-orth"]
-BACKBONE_METHODS: tuple[str, ...] = ("independent", "bct", "bt2", "cores")
+BACKBONE_METHODS: tuple[str, ...] = ("independent", "bct", "bt2", "cores", "cores-hoc")
 ADAPTER_METHODS: tuple[str, ...] = ("fct", "lambda-orth")
 METHOD_LABELS = {
     "independent": "independent (no adapter)",
     "bct": "BCT",
     "bt2": "BT²",
     "cores": "CoReS",
+    "cores-hoc": "CoReS + HOC",
     "fct": "FCT h(old, ψ)",
     "lambda-orth": "λ-orth B⊥(new)/old",
 }
@@ -144,12 +152,18 @@ class CoReSConfig:
     ecc_selection: bool = True  # pick the checkpoint under ECC on a validation split (else the last epoch)
     warm_start: bool = True  # each version starts from the previous one's weights (all use old_backbone's architecture)
     finetune_lr: float = 0.0  # learning rate of the warm-started versions; 0 = old_backbone's lr
+    # method "cores-hoc" only: loss = (1 − w)·CE + w·HOC, HOC the InfoNCE between the new and
+    # previous version's unit features with logits scaled by hoc_scale (the authors' w = 0.9, μ = 10)
+    hoc_weight: float = 0.9
+    hoc_scale: float = 10.0
 
     def __post_init__(self) -> None:
         if self.reserved_classes == 1 or self.reserved_classes < 0:
             raise ConfigError("cores.reserved_classes must be 0 (the dataset's classes) or >= 2")
         if self.finetune_lr < 0:
             raise ConfigError("cores.finetune_lr must be >= 0 (0: old_backbone's lr)")
+        if not 0 <= self.hoc_weight <= 1 or self.hoc_scale <= 0:
+            raise ConfigError("cores: hoc_weight must be in [0, 1] and hoc_scale > 0")
 
 
 @dataclasses.dataclass
@@ -164,6 +178,11 @@ class CompatibleConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     upgrade: tuple[int, ...] = (5, 10)  # classes seen by each version of the one-upgrade comparison
     sequence: tuple[int, ...] = ()  # multi-step sequence (e.g. [4, 6, 8, 10]); empty: skipped
+    # Which evaluation items every case is measured on: "trained", the last version's classes
+    # (the FCT / BCT protocol: v1 never saw some of them); "held-out", the classes no version
+    # trains on (the CoReS / CL²R open-set protocol, whose code trains on CIFAR-100 and
+    # evaluates on CIFAR-10), which needs the last version to leave some of the dataset's classes out.
+    evaluation_classes: Literal["trained", "held-out"] = "trained"
     methods: tuple[str, ...] = BACKBONE_METHODS
     adapters: tuple[str, ...] = ADAPTER_METHODS
     old_backbone: BackboneConfig = dataclasses.field(default_factory=lambda: BackboneConfig(architecture="small"))
@@ -189,6 +208,8 @@ class CompatibleConfig:
                 raise ConfigError(f"{name}: expected >= 2 strictly growing class counts (each >= 2), got {list(counts)}")
         if not self.upgrade and not self.sequence:
             raise ConfigError("nothing to run: set upgrade and/or sequence")
+        if self.evaluation_classes not in ("trained", "held-out"):
+            raise ConfigError(f"evaluation_classes: expected \"trained\" or \"held-out\", got {self.evaluation_classes!r}")
 
 
 def load_compatible_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> CompatibleConfig:
@@ -422,6 +443,28 @@ def bct_loss(previous: Backbone, weight: float, classifier: tuple[torch.Tensor, 
     return loss
 
 
+def hoc_loss(previous: Backbone, weight: float, scale: float) -> LossFn:
+    """CoReS + HOC (Biondi et al., "Stationary Representations", CVPR 2024, Eq. 3–4):
+    ``(1 − weight)``·cross-entropy through the fixed simplex + ``weight``·InfoNCE between the
+    previous version's and the new unit features of the batch — for each image, its previous
+    feature is the anchor, its new feature the positive and the new features of the *other
+    classes'* images the negatives (same-class pairs are left out), logits = ``scale``·cosine.
+    Unlike the authors' code, which zeroes the same-class logits, they are dropped from the softmax."""
+
+    def loss(net: Backbone, x: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        features = net.encoder.features(x)
+        cross_entropy = F.cross_entropy(net.classifier(features), targets)
+        with torch.no_grad():
+            anchors = F.normalize(previous.encoder.features(x), dim=1)
+        logits = scale * anchors @ F.normalize(features, dim=1).T
+        other_class = labels[:, None] != labels[None, :]
+        logits = logits.masked_fill(~(other_class | torch.eye(len(x), dtype=torch.bool, device=x.device)), float("-inf"))
+        contrastive = F.cross_entropy(logits, torch.arange(len(x), device=x.device))
+        return (1 - weight) * cross_entropy + weight * contrastive
+
+    return loss
+
+
 def synthesised_classifier(previous: Backbone, images: np.ndarray, labels: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``previous``'s frozen classifier extended to the classes of ``labels`` it does not know:
     their rows are the class means of ``previous``'s raw features, scaled to the mean norm of
@@ -527,7 +570,8 @@ Pairs = dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]  # (i, j) -> (query
 @dataclasses.dataclass
 class SequenceResult:
     """Per method: C[i, j] retrieval results on all evaluation classes and (``known``) on the
-    classes gallery version j was trained on, the compatibility matrix, embedding dims."""
+    classes gallery version j was trained on (empty when the evaluation classes are held out),
+    the compatibility matrix, embedding dims."""
 
     name: str
     class_counts: tuple[int, ...]
@@ -566,13 +610,21 @@ class SequenceRun:
         if self.counts[-1] > n_classes:
             raise ConfigError(f"{name}: {self.counts[-1]} classes asked for, the dataset has {n_classes}")
         self.images, self.labels = validate_images(images), validate_labels(labels)
-        self.train = train[np.isin(labels[train], np.unique(labels[train])[: self.counts[-1]])]
-        self.eval_index = evaluation[np.isin(labels[evaluation], np.unique(labels[train])[: self.counts[-1]])]
+        trained_classes = np.unique(labels[train])[: self.counts[-1]]
+        self.train = train[np.isin(labels[train], trained_classes)]
+        trained = np.isin(labels[evaluation], trained_classes)
+        self.held_out = config.evaluation_classes == "held-out"
+        self.eval_index = evaluation[~trained if self.held_out else trained]
+        if len(np.unique(labels[self.eval_index])) < 2:
+            raise ConfigError(f"{name}: evaluation_classes = {config.evaluation_classes!r} leaves fewer than 2 evaluation "
+                              f"classes (the last version trains on {self.counts[-1]} of {n_classes}); "
+                              "train the last version on fewer classes")
         self.version_items = [self.train[class_subset(labels[self.train], c)] for c in self.counts]
         self.reserved = config.cores.reserved_classes or n_classes
         self.out = out / "models" / name
         self.evaluate = Evaluator(labels[self.eval_index], config.evaluation)
         self.facts: dict[str, Any] = {}
+        self._cores_first: nn.Module | None = None  # CoReS's v1, shared by "cores" and "cores-hoc"
 
     # each version's job: its items, its backbone config and seed
     def job(self, k: int, backbone: BackboneConfig | None = None, items: np.ndarray | None = None) -> VersionTraining:
@@ -584,7 +636,7 @@ class SequenceRun:
         versions: dict[str, list[nn.Module]] = {"independent": self._independent()}
         for method in self.config.methods:
             if method != "independent":
-                versions[method] = getattr(self, f"_{method}")(versions["independent"])
+                versions[method] = getattr(self, f"_{method.replace('-', '_')}")(versions["independent"])
         pairs: dict[str, Pairs] = {}
         for method in self.config.methods:
             embeddings = [extract_features(m, self.images[self.eval_index]) for m in versions[method]]
@@ -594,7 +646,8 @@ class SequenceRun:
         for adapter in self.config.adapters:
             pairs[adapter] = self._adapter_pairs(adapter, versions["independent"])
         results = {m: {key: self.evaluate(q, g) for key, (q, g) in p.items()} for m, p in pairs.items()}
-        known = {m: {key: self._evaluate_known(key[1], q, g) for key, (q, g) in p.items()} for m, p in pairs.items()}
+        known = {} if self.held_out else {m: {key: self._evaluate_known(key[1], q, g) for key, (q, g) in p.items()}
+                                          for m, p in pairs.items()}
         dims = {m: [int(p[(k, k)][0].shape[1]) for k in range(len(self.counts))] for m, p in pairs.items()}
         matrices = {m: compatibility_matrix(lambda i, j, m=m: results[m][(i, j)].top1, len(self.counts)) for m in results}
         return SequenceResult(self.name, self.counts, results, known, matrices, dims, self.facts)
@@ -648,13 +701,21 @@ class SequenceRun:
             models.append(model)
         return models
 
-    def _cores(self, _independent: list[nn.Module]) -> list[nn.Module]:
+    def _cores_hoc(self, independent: list[nn.Module]) -> list[nn.Module]:
+        return self._cores(independent, hoc=True)
+
+    def _cores(self, _independent: list[nn.Module], hoc: bool = False) -> list[nn.Module]:
+        """CoReS's versions (with ``hoc``: CoReS + HOC from v2 on; v1, trained with the
+        cross-entropy alone, is the same model for both and trained once)."""
         models: list[nn.Module] = []
         if self.counts[-1] > self.reserved:
             raise ConfigError(f"cores.reserved_classes = {self.reserved} leaves no room for the {self.counts[-1]} classes of the last version")
         choices = []
         held_out = self._cores_validation_items()
         for k in range(len(self.counts)):
+            if k == 0 and self._cores_first is not None:
+                models.append(self._cores_first)
+                continue
             items = self.version_items[k]
             job = self.job(k, self._cores_backbone(k), items[~np.isin(items, held_out)])
             if job.labels.max() >= self.reserved or job.labels.min() < 0:
@@ -670,11 +731,15 @@ class SequenceRun:
                 val_images = self.images[val_items]
                 selector = EccSelector(val_images, self.labels[val_items], [extract_features(m, val_images) for m in models],
                                        self.config.evaluation)
-            train_model(model, job, description=f"CoReS v{k + 1}", selector=selector)
+            loss = cross_entropy
+            if hoc and models:
+                loss = hoc_loss(_frozen(models[-1], resolve_device(job.device)), self.config.cores.hoc_weight, self.config.cores.hoc_scale)
+            train_model(model, job, loss, description=f"CoReS{' + HOC' if hoc else ''} v{k + 1}", selector=selector)
             if selector is not None:
-                choices.append(selector.choice)
+                choices.append({"version": k + 1, **selector.choice})
             models.append(model)
-        self.facts["cores_checkpoints"] = choices
+        self._cores_first = models[0]
+        self.facts["cores-hoc_checkpoints" if hoc else "cores_checkpoints"] = choices
         return models
 
     def _cores_validation_items(self) -> np.ndarray:
@@ -759,7 +824,7 @@ def run_compatible(config: CompatibleConfig, out: str | Path, log: Callable[[str
     markdown = report.to_markdown() + "\n" + results_markdown(runs["upgrade"], runs["sequence"])
     files["markdown"].write_text(markdown, encoding="utf-8")
     files["results"] = _write_json(out / "results.json", {k: v.to_dict() for k, v in runs.items() if v is not None})
-    files["gate"] = _write_json(out / "gate.json", compatible_gate(runs["upgrade"])) if runs["upgrade"] else None
+    files["gate"] = _write_json(out / "gate.json", compatible_gate(runs["upgrade"], config.evaluation_classes)) if runs["upgrade"] else None
     files["config"] = _write_json(out / "config.json", to_mapping(config))
     files = {k: v for k, v in files.items() if v is not None}
     seconds = time.perf_counter() - start
@@ -781,9 +846,10 @@ def upgrade_report(config: CompatibleConfig, result: SequenceResult) -> Report:
     return report
 
 
-def compatible_gate(result: SequenceResult) -> dict[str, Any]:
-    """Per backbone method of the one upgrade: the cases and ECC a compatible bundle records."""
-    gate: dict[str, Any] = {"cases": {}, "ecc": {}, "dims": {}}
+def compatible_gate(result: SequenceResult, evaluation_classes: str) -> dict[str, Any]:
+    """Per backbone method of the one upgrade: the cases and ECC a compatible bundle records,
+    and which evaluation classes they were measured on."""
+    gate: dict[str, Any] = {"cases": {}, "ecc": {}, "dims": {}, "evaluation_classes": evaluation_classes}
     for method in result.results:
         cases = result.results[method]
         gate["cases"][method] = {name: _metrics(cases[key]) for name, key in (("old/old", (0, 0)), ("new/old", (1, 0)), ("new/new", (1, 1)))}
@@ -799,17 +865,22 @@ def results_markdown(upgrade: SequenceResult | None, sequence: SequenceResult | 
     if upgrade is not None:
         old_classes = upgrade.class_counts[0]
         lines += [f"## One upgrade: classes {old_classes} → {upgrade.class_counts[1]} (top-1)", "",
-                  "All evaluation classes (ECC on top-1, and on mAP@1.0 with both mAPs); the last three columns "
-                  "on the old model's classes only.", "",
+                  ("Evaluation classes held out from every version's training (the CoReS protocol)"
+                   if not upgrade.known else "All evaluation classes")
+                  + " (ECC on top-1, and on mAP@1.0 with both mAPs); the last three columns on the old model's classes only.", "",
                   "| method | old/old | new/old | new/new | ECC | mAP old/old → new/old, ECC | dims (old → new) "
                   "| old/old, old classes | new/old, old classes | ECC, old classes |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for method, cases in upgrade.results.items():
-            dims, known = upgrade.dims[method], upgrade.known[method]
+            dims = upgrade.dims[method]
+            on_old_classes = ["—"] * 3  # held-out evaluation classes: none of them is an old class
+            if upgrade.known:
+                known = upgrade.known[method]
+                on_old_classes = [f"{known[(0, 0)].top1:.4f}", f"{known[(1, 0)].top1:.4f}", _yes(upgrade.ecc(method, 1, 0, True))]
             lines.append(f"| {METHOD_LABELS[method]} | {cases[(0, 0)].top1:.4f} | {cases[(1, 0)].top1:.4f} | "
                          f"{cases[(1, 1)].top1:.4f} | {_yes(upgrade.ecc(method, 1, 0))} | {cases[(0, 0)].mean_ap:.4f} → "
                          f"{cases[(1, 0)].mean_ap:.4f}, {_yes(upgrade.ecc(method, 1, 0, metric='mean_ap'))} | {dims[0]} → {dims[1]} | "
-                         f"{known[(0, 0)].top1:.4f} | {known[(1, 0)].top1:.4f} | {_yes(upgrade.ecc(method, 1, 0, True))} |")
+                         + " | ".join(on_old_classes) + " |")
         lines.append("")
     if sequence is not None:
         counts = " → ".join(map(str, sequence.class_counts))

@@ -107,14 +107,19 @@ def test_ecc_holds_for_bct_and_bt2_on_digits(gate):
 @pytest.mark.slow  # trains configs/digits-compatible.toml once per session (~40 s CPU)
 def test_compatibility_results_are_consistent(compatible_run):
     results = json.loads((compatible_run / "results.json").read_text())["upgrade"]
-    for method in ("independent", "bct", "bt2", "cores", "fct", "lambda-orth"):
+    for method in ("independent", "bct", "bt2", "cores", "cores-hoc", "fct", "lambda-orth"):
         matrix = results["matrices"][method]["values"]
         cases = results["cases"][method]
         assert matrix[1][0] == pytest.approx(cases["v2/v1"]["cmc"]["1"])
         assert results["ecc"][method]["v2/v1"] == (matrix[1][0] > matrix[0][0])
         assert results["matrices"][method]["ac"] == float(matrix[1][0] > matrix[0][0])
-    # the old model is shared by independent, BCT, BT² and the adapters; CoReS trains its own
+    # the old model is shared by independent, BCT, BT² and the adapters; CoReS trains its own,
+    # which CoReS + HOC shares (its v2 differs)
     assert {results["matrices"][m]["values"][0][0] for m in ("independent", "bct", "bt2", "fct")} == {results["matrices"]["bct"]["values"][0][0]}
+    cores, hoc = results["matrices"]["cores"]["values"], results["matrices"]["cores-hoc"]["values"]
+    assert cores[0][0] == hoc[0][0] and cores[1] != hoc[1]
+    checkpoints = results["facts"]
+    assert [c["version"] for c in checkpoints["cores_checkpoints"]] == [1, 2] and [c["version"] for c in checkpoints["cores-hoc_checkpoints"]] == [2]
     assert "## One upgrade" in (compatible_run / "report.md").read_text()
 
 
