@@ -149,9 +149,10 @@ def train_command(config_path: Path | None, out_dir: Path, overrides: dict[str, 
               "bt2.extra_dims=32")
 def train_compatible_command(config_path: Path | None, out_dir: Path, overrides: dict[str, object], device: str | None,
                              quiet: bool) -> None:
-    """Train new backbones to be compatible with the old one (BCT, BT², CoReS), next to
-    independent training and the FCT / λ-orth adapters; one upgrade and a multi-step sequence
-    with compatibility matrices (AC, AM); write the report."""
+    """Train new backbones to be compatible with the old one (BCT, BT², CoReS, CoReS + HOC),
+    next to independent training and the FCT / λ-orth adapters; one upgrade and a multi-step
+    sequence with compatibility matrices (AC, AM), evaluated on the last version's classes or
+    (evaluation_classes = "held-out") on classes no version trains on; write the report."""
     from .compatible import load_compatible_config, results_markdown, run_compatible
 
     config = load_compatible_config(config_path, _with_run_settings(overrides, device, quiet))
