@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fctkit.config import from_mapping, to_mapping
+from fctkit.config import from_mapping
 from fctkit.errors import ConfigError, InputError
 
 from .datasets import validate_images, validate_labels
 from .fitting import History, TrainConfig, fit
-from .torch_utils import load_checkpoint, load_state, predict, resolve_device, save_checkpoint, set_seed
+from .torch_utils import load_model, predict, resolve_device, save_model, set_seed
 
 Architecture = Literal["small", "wide"]
 ClassifierKind = Literal["linear", "cosine"]
@@ -241,25 +241,16 @@ BACKBONE_FORMAT = "fctkit.backbone"
 
 def save_backbone(backbone: Backbone, path: str | Path) -> Path:
     """Save weights, config and class subset in one file (readable with ``weights_only`` loading)."""
-    return save_checkpoint(path, BACKBONE_FORMAT, backbone.state_dict(), {
-        "config": to_mapping(backbone.config),
-        "classes": list(backbone.classes),
-        "in_channels": backbone.in_channels,
-    })
+    return save_model(path, BACKBONE_FORMAT, backbone)
 
 
 def load_backbone(path: str | Path, device: str = "cpu") -> Backbone:
     """Load a backbone written by :func:`save_backbone` (in eval mode)."""
-    state, meta = load_checkpoint(path, BACKBONE_FORMAT)
-    backbone = backbone_from_meta(meta, str(path))
-    load_state(backbone, state, str(path))
-    return backbone.to(resolve_device(device)).eval()
+    return load_model(path, {BACKBONE_FORMAT: backbone_from_meta}, device)
 
 
 def backbone_from_meta(meta: dict[str, Any], where: str) -> Backbone:
-    try:
-        config = from_mapping(BackboneConfig, meta["config"], where=f"{where}: config")
-        return Backbone(config, tuple(meta["classes"]), int(meta["in_channels"]))
-    except (KeyError, TypeError) as exc:
-        raise InputError(f"{where}: incomplete backbone metadata ({exc}); re-save the model") from exc
+    """The untrained :class:`Backbone` a :func:`save_backbone` file's metadata describes."""
+    config = from_mapping(BackboneConfig, meta["config"], where=f"{where}: config")
+    return Backbone(config, tuple(meta["classes"]), int(meta["in_channels"]))
 

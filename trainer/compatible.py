@@ -96,7 +96,7 @@ from .lambda_orth import LambdaOrthAdapter, LambdaOrthConfig, OrthogonalMap
 from .pipeline import DataConfig, EvaluationConfig, Evaluator, load_image_splits
 from .report import Report
 from .side_info import SideInfoConfig, extract_side_info, train_side_info
-from .torch_utils import load_checkpoint, load_state, resolve_device, save_checkpoint, set_seed
+from .torch_utils import load_model, resolve_device, save_model, set_seed
 
 BackboneMethod = Literal["independent", "bct", "bt2", "cores", "cores-hoc"]
 AdapterMethod = Literal["fct", "lambda-orth"]
@@ -321,10 +321,7 @@ BT2_FORMAT = "fctkit.bt2_backbone"
 
 def save_bt2(model: BT2Backbone, path: str | Path) -> Path:
     """Save a BT² model (weights, config, classes, dims) in one file."""
-    return save_checkpoint(path, BT2_FORMAT, model.state_dict(), {
-        "config": to_mapping(model.config), "classes": list(model.classes), "in_channels": model.in_channels,
-        "old_dim": model.old_dim, "extra_dims": model.extra_dims, "scale": model.scale,
-    })
+    return save_model(path, BT2_FORMAT, model, old_dim=model.old_dim, extra_dims=model.extra_dims, scale=model.scale)
 
 
 def load_compatible_model(path: str | Path, device: str = "cpu") -> nn.Module:
@@ -332,22 +329,13 @@ def load_compatible_model(path: str | Path, device: str = "cpu") -> nn.Module:
     a :class:`BT2Backbone`, in eval mode."""
     from .backbones import BACKBONE_FORMAT, backbone_from_meta
 
-    try:
-        state, meta = load_checkpoint(path, BT2_FORMAT)
-    except InputError as bt2_error:
-        if "expected a 'fctkit.bt2_backbone'" not in str(bt2_error):
-            raise
-        state, meta = load_checkpoint(path, BACKBONE_FORMAT)
-        model: nn.Module = backbone_from_meta(meta, str(path))
-    else:
-        try:
-            config = from_mapping(BackboneConfig, meta["config"], where=f"{path}: config")
-            model = BT2Backbone(config, tuple(meta["classes"]), int(meta["in_channels"]), int(meta["old_dim"]),
-                                int(meta["extra_dims"]), float(meta["scale"]))
-        except (KeyError, TypeError) as exc:
-            raise InputError(f"{path}: incomplete BT² metadata ({exc}); re-save the model") from exc
-    load_state(model, state, str(path))
-    return model.to(resolve_device(device)).eval()
+    return load_model(path, {BT2_FORMAT: _bt2_from_meta, BACKBONE_FORMAT: backbone_from_meta}, device)
+
+
+def _bt2_from_meta(meta: dict[str, Any], where: str) -> BT2Backbone:
+    config = from_mapping(BackboneConfig, meta["config"], where=f"{where}: config")
+    return BT2Backbone(config, tuple(meta["classes"]), int(meta["in_channels"]), int(meta["old_dim"]),
+                       int(meta["extra_dims"]), float(meta["scale"]))
 
 
 def save_compatible_model(model: nn.Module, path: str | Path) -> Path:

@@ -23,14 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fctkit.config import from_mapping, to_mapping
+from fctkit.config import from_mapping
 from fctkit.errors import ConfigError, InputError
 
 from .backbones import Architecture, Backbone, BackboneConfig, Encoder, extract_features, train_backbone
 from .cka import linear_cka
 from .datasets import validate_images, validate_labels
 from .fitting import History, TrainConfig, fit
-from .torch_utils import load_checkpoint, load_state, resolve_device, save_checkpoint, set_seed
+from .torch_utils import load_model, save_model, set_seed
 
 __all__ = [
     "AugmentationConfig", "SideInfoConfig", "SideInfoModel", "augment", "nt_xent", "train_side_info",
@@ -236,20 +236,14 @@ SIDE_INFO_FORMAT = "fctkit.side_info"
 
 def save_side_info(model: SideInfoModel, path: str | Path) -> Path:
     """Save ψ's weights with its config (and, for ``alternate``, its class subset)."""
-    return save_checkpoint(path, SIDE_INFO_FORMAT, model.state_dict(), {
-        "config": to_mapping(model.config),
-        "classes": list(model.classes),
-        "in_channels": model.in_channels,
-    })
+    return save_model(path, SIDE_INFO_FORMAT, model)
 
 
 def load_side_info(path: str | Path, device: str = "cpu") -> SideInfoModel:
     """Load a side-info model written by :func:`save_side_info` (in eval mode)."""
-    state, meta = load_checkpoint(path, SIDE_INFO_FORMAT)
-    try:
-        config = from_mapping(SideInfoConfig, meta["config"], where=f"{path}: config")
-        model = SideInfoModel(config, int(meta["in_channels"]), tuple(meta["classes"]))
-    except (KeyError, TypeError) as exc:
-        raise InputError(f"{path}: incomplete side-info metadata ({exc}); re-save the model") from exc
-    load_state(model, state, str(path))
-    return model.to(resolve_device(device)).eval()
+    return load_model(path, {SIDE_INFO_FORMAT: _side_info_from_meta}, device)
+
+
+def _side_info_from_meta(meta: dict, where: str) -> SideInfoModel:
+    config = from_mapping(SideInfoConfig, meta["config"], where=f"{where}: config")
+    return SideInfoModel(config, int(meta["in_channels"]), tuple(meta["classes"]))

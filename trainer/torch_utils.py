@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -89,6 +90,11 @@ def save_checkpoint(path: str | Path, kind: str, state_dict: dict[str, torch.Ten
 
 def load_checkpoint(path: str | Path, kind: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Read a file written by :func:`save_checkpoint`; return ``(state_dict, meta)``."""
+    state, meta, _ = _read_checkpoint(path, (kind,))
+    return state, meta
+
+
+def _read_checkpoint(path: str | Path, kinds: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
     path = Path(path)
     if not path.is_file():
         raise DataUnavailableError(f"model file not found: {path}")
@@ -97,15 +103,39 @@ def load_checkpoint(path: str | Path, kind: str) -> tuple[dict[str, torch.Tensor
     except Exception as exc:  # torch raises many types for truncated/foreign files
         raise InputError(f"{path}: not a readable fctkit model file ({type(exc).__name__}: {exc}); "
                          f"the file is truncated or damaged, re-save it") from exc
-    if not isinstance(payload, dict) or payload.get("kind") != kind:
+    if not isinstance(payload, dict) or payload.get("kind") not in kinds:
         found = payload.get("kind") if isinstance(payload, dict) else type(payload).__name__
-        raise InputError(f"{path}: holds {found!r}, expected a {kind!r} file")
+        raise InputError(f"{path}: holds {found!r}, expected a {' or '.join(map(repr, kinds))} file")
     if payload.get("checkpoint_version") != CHECKPOINT_VERSION:
         raise InputError(f"{path}: checkpoint version {payload.get('checkpoint_version')!r} is not supported "
                          f"(this fctkit reads version {CHECKPOINT_VERSION})")
     if not isinstance(payload.get("state_dict"), dict) or not isinstance(payload.get("meta"), dict):
         raise InputError(f"{path}: incomplete model file (no weights or metadata); re-save it")
-    return payload["state_dict"], payload["meta"]
+    return payload["state_dict"], payload["meta"], payload["kind"]
+
+
+def save_model(path: str | Path, kind: str, model: torch.nn.Module, **extra: Any) -> Path:
+    """:func:`save_checkpoint` of a model that carries ``config``, ``classes`` and
+    ``in_channels`` (the metadata :func:`load_model`'s builders read), plus ``extra`` metadata."""
+    from fctkit.config import to_mapping
+
+    meta = {"config": to_mapping(model.config), "classes": list(model.classes), "in_channels": model.in_channels}
+    return save_checkpoint(path, kind, model.state_dict(), {**meta, **extra})
+
+
+ModelBuilder = Callable[[dict[str, Any], str], torch.nn.Module]
+
+
+def load_model(path: str | Path, builders: dict[str, ModelBuilder], device: str = "cpu") -> torch.nn.Module:
+    """Load a :func:`save_model` file of one of ``builders``' kinds, in eval mode on ``device``:
+    ``builders[kind](meta, where)`` makes the module (missing metadata is an :class:`InputError`)."""
+    state, meta, kind = _read_checkpoint(path, tuple(builders))
+    try:
+        model = builders[kind](meta, str(path))
+    except (KeyError, TypeError) as exc:
+        raise InputError(f"{path}: incomplete {kind} metadata ({exc}); re-save the model") from exc
+    load_state(model, state, str(path))
+    return model.to(resolve_device(device)).eval()
 
 
 def load_state(module: torch.nn.Module, state_dict: dict[str, torch.Tensor], where: str) -> None:
