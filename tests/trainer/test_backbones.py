@@ -129,6 +129,9 @@ def test_damaged_or_foreign_model_files(old_model, tmp_path):
     meta = {"config": dataclasses.asdict(old_model.config), "classes": list(old_model.classes), "in_channels": 1}
     with pytest.raises(InputError, match="do not fit"):
         load_backbone(save_checkpoint(tmp_path / "partial.pt", "fctkit.backbone", state, meta))
+    with pytest.raises(InputError, match="incomplete fctkit.backbone metadata"):
+        load_backbone(save_checkpoint(tmp_path / "no-classes.pt", "fctkit.backbone", old_model.state_dict(),
+                                      {k: v for k, v in meta.items() if k != "classes"}))
     meta["config"]["depth"] = 3
     with pytest.raises(ConfigError, match="unknown key"):
         load_backbone(save_checkpoint(tmp_path / "extra.pt", "fctkit.backbone", old_model.state_dict(), meta))
