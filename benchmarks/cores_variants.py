@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/cores_variants.py                 # digits, 3 seeds, ~8 min
     OMP_NUM_THREADS=1 python benchmarks/cores_variants.py --config configs/fashion-mnist-compatible.toml --seeds 0
     OMP_NUM_THREADS=1 python benchmarks/cores_variants.py --evaluation-classes held-out --upgrade 3 6   # CoReS's protocol
+    OMP_NUM_THREADS=1 python benchmarks/cores_variants.py --upgrade 10 10 --first-version-items 0.2   # data growth
 
 Each variant is ``configs/digits-compatible.toml`` (or ``--config``) with CoReS overrides, run
 through :func:`run_compatible` with one method (``cores`` or ``cores-hoc``) and no adapters;
@@ -39,6 +40,10 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "fine-tune, last epoch (no ECC selection)": ("cores", {"cores.ecc_selection": False}),
     "CoReS + HOC, fine-tune (the default selection)": ("cores-hoc", {}),
     "CoReS + HOC, fine-tune, last epoch": ("cores-hoc", {"cores.ecc_selection": False}),
+    "CoReS + HOC, K = 10 (no spare vertices), fine-tune": ("cores-hoc", {"cores.reserved_classes": 10}),
+    "CoReS + HOC, K = 10, fine-tune, last epoch": ("cores-hoc", {"cores.reserved_classes": 10, "cores.ecc_selection": False}),
+    "BCT (reference)": ("bct", {}),
+    "independent training (reference)": ("independent", {}),
 }
 
 
@@ -76,6 +81,8 @@ def measure(config_path: str, method: str, overrides: dict[str, object], seed: i
 def _group_top1(query: np.ndarray, gallery: np.ndarray, labels: np.ndarray, mask: np.ndarray) -> float | None:
     if not mask.any():
         return None
+    dims = min(query.shape[1], gallery.shape[1])  # different dims: compared on the shorter prefix, as the run does
+    query, gallery = query[:, :dims], gallery[:, :dims]
     q = query / np.linalg.norm(query, axis=1, keepdims=True)
     g = gallery / np.linalg.norm(gallery, axis=1, keepdims=True)
     rows = np.flatnonzero(mask)
@@ -93,10 +100,13 @@ def main() -> None:
     parser.add_argument("--evaluation-classes", choices=["trained", "held-out"], default=None,
                         help="evaluate on the last version's classes (the config's default) or on the classes no version trains on")
     parser.add_argument("--upgrade", type=int, nargs=2, default=None, help="classes of v1 and v2 (default: the config's)")
+    parser.add_argument("--first-version-items", type=float, default=None,
+                        help="fraction of its classes' training items v1 trains on (with --upgrade 10 10: a data-growth upgrade)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     chosen = [list(VARIANTS)[int(i)] for i in args.variants] if args.variants else list(VARIANTS)
-    protocol = {key: value for key, value in (("evaluation_classes", args.evaluation_classes), ("upgrade", args.upgrade)) if value}
+    protocol = {key: value for key, value in (("evaluation_classes", args.evaluation_classes), ("upgrade", args.upgrade),
+                                              ("first_version_items", args.first_version_items)) if value}
     figures: dict[str, dict[int, dict[str, object]]] = {}
     print("| variant | seed | old/old | new/old | ratio | new/new | ECC | old classes: old/old → new/old | "
           "seen-class queries: old/old → new/old | unseen-class queries: old/old → new/old |")

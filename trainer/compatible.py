@@ -53,16 +53,22 @@ to independent training and the adapter methods (FCT, λ-orth) on the same data:
 - **CoReS + HOC** (method ``cores-hoc``; Biondi et al., "Stationary Representations", CVPR
   2024): CoReS's v1, and a v2 fine-tuned with ``(1 − w)``·CE through the fixed simplex +
   ``w``·InfoNCE aligning v2's features with v1's (:func:`hoc_loss`), the authors' fix for
-  sequential fine-tuning. Measured: it keeps the old classes' queries findable, not the others.
+  sequential fine-tuning. Measured on digits: with a *full* simplex (K = the classes) it
+  satisfies ECC on a data-growth upgrade (``first_version_items``; 3 of 3 seeds, plain CoReS 1
+  of 3); with spare vertices its negatives push v2's features into the unused vertex directions,
+  away from v1's; on class growth it keeps the old classes' queries findable, not the others.
 
 Protocol: a *sequence* of versions, each trained on the training split's items of the first
 ``n_k`` classes (``upgrade = [5, 10]``: one upgrade, the FCT protocol; ``sequence =
 [4, 6, 8, 10]``: three upgrades). Version 1 uses ``old_backbone``, later versions
 ``new_backbone``. Every method is evaluated on the evaluation split restricted to the last
 version's classes (``evaluation_classes = "trained"``), or to the classes no version trains on
-(``"held-out"``, the open-set protocol of the CoReS authors' code), query = gallery, leave-one-out: C[i, j] = M(query model i, gallery model
-j) for j ≤ i, with AC and AM (:func:`~.evaluation.compatibility_matrix`); embeddings of
-different dims are compared on the shorter prefix (BT²'s old-compatible block). The adapter
+(``"held-out"``, the open-set protocol of the CoReS authors' code), query = gallery, leave-one-out.
+With ``first_version_items < 1`` version 1 sees only that fraction of its classes' items, and
+``upgrade = [10, 10]`` is a data-growth upgrade (same classes, more images). Results:
+C[i, j] = M(query model i, gallery model j) for j ≤ i, with AC and AM
+(:func:`~.evaluation.compatibility_matrix`); embeddings of different dims are compared on the
+shorter prefix (BT²'s old-compatible block). The adapter
 methods fill C[i, j] for i > j with their own transformation between the independently
 trained models (FCT: new/h(old, ψ), a direct h_{j→i} per pair, ψ = SimCLR on version 1's
 data; λ-orth: B(new)/old, the backward-compatible case), and C[i, i] with the independent
@@ -183,6 +189,10 @@ class CompatibleConfig:
     # trains on (the CoReS / CL²R open-set protocol, whose code trains on CIFAR-100 and
     # evaluates on CIFAR-10), which needs the last version to leave some of the dataset's classes out.
     evaluation_classes: Literal["trained", "held-out"] = "trained"
+    # Fraction of each class's training items version 1 trains on (a stratified subset drawn
+    # with the run's seed; later versions train on all). Below 1 the first step may keep the
+    # class count (upgrade = [10, 10]): a *data-growth* upgrade, same classes, more images.
+    first_version_items: float = 1.0
     methods: tuple[str, ...] = BACKBONE_METHODS
     adapters: tuple[str, ...] = ADAPTER_METHODS
     old_backbone: BackboneConfig = dataclasses.field(default_factory=lambda: BackboneConfig(architecture="small"))
@@ -202,10 +212,16 @@ class CompatibleConfig:
             unknown = sorted(set(getattr(self, name)) - set(allowed))
             if unknown:
                 raise ConfigError(f"{name}: unknown {', '.join(unknown)}; choose from {', '.join(allowed)}")
+        if not 0 < self.first_version_items <= 1:
+            raise ConfigError(f"first_version_items must be in (0, 1], got {self.first_version_items}")
         for name in ("upgrade", "sequence"):
-            counts = getattr(self, name)
-            if counts and (len(counts) < 2 or min(counts) < 2 or list(counts) != sorted(set(counts))):
-                raise ConfigError(f"{name}: expected >= 2 strictly growing class counts (each >= 2), got {list(counts)}")
+            counts = list(getattr(self, name))
+            if not counts:
+                continue
+            steps = counts[1:] if self.first_version_items < 1 and counts[:1] == counts[1:2] else counts
+            if len(counts) < 2 or min(counts) < 2 or steps != sorted(set(steps)):
+                raise ConfigError(f"{name}: expected >= 2 strictly growing class counts (each >= 2; the first two may be "
+                                  f"equal when first_version_items < 1), got {list(counts)}")
         if not self.upgrade and not self.sequence:
             raise ConfigError("nothing to run: set upgrade and/or sequence")
         if self.evaluation_classes not in ("trained", "held-out"):
@@ -607,11 +623,14 @@ class SequenceRun:
             raise ConfigError(f"{name}: evaluation_classes = {config.evaluation_classes!r} leaves fewer than 2 evaluation "
                               f"classes (the last version trains on {self.counts[-1]} of {n_classes}); "
                               "train the last version on fewer classes")
+        self.facts: dict[str, Any] = {}
         self.version_items = [self.train[class_subset(labels[self.train], c)] for c in self.counts]
+        if config.first_version_items < 1:
+            self.version_items[0] = stratified_subset(self.version_items[0], labels, config.first_version_items, config.seed)
+            self.facts["first_version_items"] = config.first_version_items
         self.reserved = config.cores.reserved_classes or n_classes
         self.out = out / "models" / name
         self.evaluate = Evaluator(labels[self.eval_index], config.evaluation)
-        self.facts: dict[str, Any] = {}
         self._cores_first: nn.Module | None = None  # CoReS's v1, shared by "cores" and "cores-hoc"
 
     # each version's job: its items, its backbone config and seed
@@ -852,7 +871,9 @@ def results_markdown(upgrade: SequenceResult | None, sequence: SequenceResult | 
     lines: list[str] = []
     if upgrade is not None:
         old_classes = upgrade.class_counts[0]
-        lines += [f"## One upgrade: classes {old_classes} → {upgrade.class_counts[1]} (top-1)", "",
+        fraction = upgrade.facts.get("first_version_items")
+        images = f", v1 on {fraction:.0%} of the training images" if fraction else ""
+        lines += [f"## One upgrade: classes {old_classes} → {upgrade.class_counts[1]}{images} (top-1)", "",
                   ("Evaluation classes held out from every version's training (the CoReS protocol)"
                    if not upgrade.known else "All evaluation classes")
                   + " (ECC on top-1, and on mAP@1.0 with both mAPs); the last three columns on the old model's classes only.", "",
@@ -896,6 +917,14 @@ def _quiet_progress(config: CompatibleConfig) -> None:
         section.progress = False
     for section in (config.fct, config.lambda_orth):
         section.train.progress = False
+
+
+def stratified_subset(items: np.ndarray, labels: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """``fraction`` of each class's ``items`` (at least 2 per class), drawn with ``seed``; sorted."""
+    rng = np.random.default_rng(seed)
+    kept = [rng.permutation(of_class)[: max(2, round(fraction * len(of_class)))]
+            for of_class in (items[labels[items] == c] for c in np.unique(labels[items]))]
+    return np.sort(np.concatenate(kept))
 
 
 def _write_json(path: Path, data: Any) -> Path:

@@ -9,7 +9,9 @@ processes like :func:`tests.support.releases.digits_release`::
         return digits_compatible_run(tmp_path_factory.getbasetemp())
 
 The run is ``configs/digits-compatible.toml``: one upgrade, classes 0–4 → 0–9, independent,
-BCT, BT², CoReS and the FCT / λ-orth adapters; one torch thread, about 40 s of CPU.
+BCT, BT², CoReS (+ HOC) and the FCT / λ-orth adapters; one torch thread, about 40 s of CPU.
+:func:`digits_data_growth_run` is ``configs/digits-data-growth.toml`` (v1 on a fifth of the
+images, v2 on all, same classes) with CoReS and CoReS + HOC only, about 20 s.
 """
 
 from __future__ import annotations
@@ -20,29 +22,39 @@ from pathlib import Path
 
 from tests.support.releases import build_once
 
-#: The digits config the tests train (with progress bars off, on the CPU).
-CONFIG_FILE = Path(__file__).resolve().parents[2] / "configs" / "digits-compatible.toml"
-OVERRIDES = {"progress": False, "device": "cpu"}
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+#: Every test run: progress bars off, on the CPU.
+RUN_SETTINGS = {"progress": False, "device": "cpu"}
 
 
 def digits_compatible_run(tmp_dir: Path) -> Path:
     """The run folder (models/, gate.json, results.json, config.json, report.md)."""
-    key = _content_key()
-    folder = Path(tmp_dir) / f"digits-compatible-{key[:16]}"
-    build_once(folder, key, _build)
+    return _run(tmp_dir, CONFIGS / "digits-compatible.toml", {})
+
+
+def digits_data_growth_run(tmp_dir: Path) -> Path:
+    """The data-growth run's folder (as :func:`digits_compatible_run`)."""
+    return _run(tmp_dir, CONFIGS / "digits-data-growth.toml", {"methods": ["independent", "cores", "cores-hoc"], "adapters": []})
+
+
+def _run(tmp_dir: Path, config_file: Path, overrides: dict) -> Path:
+    overrides = {**RUN_SETTINGS, **overrides}
+    key = _content_key(config_file, overrides)
+    folder = Path(tmp_dir) / f"{config_file.stem}-{key[:16]}"
+    build_once(folder, key, lambda staging: _build(config_file, overrides, staging))
     return folder
 
 
-def _build(staging: Path) -> None:
+def _build(config_file: Path, overrides: dict, staging: Path) -> None:
     from fctkit.trainer.compatible import load_compatible_config, run_compatible
 
-    run_compatible(load_compatible_config(CONFIG_FILE, OVERRIDES), staging, log=lambda _: None)
+    run_compatible(load_compatible_config(config_file, overrides), staging, log=lambda _: None)
 
 
-def _content_key() -> str:
+def _content_key(config_file: Path, overrides: dict) -> str:
     import fctkit.trainer
 
-    digest = hashlib.sha256(CONFIG_FILE.read_bytes() + json.dumps(OVERRIDES, sort_keys=True).encode())
+    digest = hashlib.sha256(config_file.read_bytes() + json.dumps(overrides, sort_keys=True).encode())
     digest.update(Path(__file__).read_bytes())
     for path in sorted(Path(fctkit.trainer.__file__).parent.glob("*.py")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())

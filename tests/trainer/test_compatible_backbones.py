@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.compatible_run import digits_compatible_run
+from tests.support.compatible_run import digits_compatible_run, digits_data_growth_run
 
 from fctkit.config import from_mapping
 from fctkit.errors import ConfigError, InputError
@@ -102,6 +102,25 @@ def test_ecc_holds_for_bct_and_bt2_on_digits(gate):
     # without compatible training, the new model's queries are useless against the old gallery
     independent = gate["cases"]["independent"]
     assert gate["ecc"]["independent"] is False and independent["new/old"]["top1"] < 0.5 * independent["old/old"]["top1"]
+
+
+@pytest.fixture(scope="session")
+def data_growth_gate(tmp_path_factory) -> dict:
+    return json.loads((digits_data_growth_run(tmp_path_factory.getbasetemp()) / "gate.json").read_text())
+
+
+@pytest.mark.slow  # trains configs/digits-data-growth.toml (CoReS runs only) once per session (~20 s CPU)
+def test_ecc_holds_for_cores_with_hoc_on_a_data_growth_upgrade(data_growth_gate):
+    """CoReS + HOC with a full simplex (K = the 10 classes): v2, fine-tuned from v1 on five
+    times v1's images, queries v1's gallery directly and does better than v1 itself."""
+    cases = data_growth_gate["cases"]["cores-hoc"]
+    assert data_growth_gate["ecc"]["cores-hoc"] is True, cases
+    assert cases["new/new"]["top1"] > cases["new/old"]["top1"] > cases["old/old"]["top1"]
+    assert data_growth_gate["dims"]["cores-hoc"] == [9, 9]  # K − 1
+    assert data_growth_gate["evaluation_classes"] == "trained"
+    # the same upgrade without compatible training: the new model cannot use the old gallery
+    independent = data_growth_gate["cases"]["independent"]
+    assert data_growth_gate["ecc"]["independent"] is False and independent["new/old"]["top1"] < 0.5 * independent["old/old"]["top1"]
 
 
 @pytest.mark.slow  # trains configs/digits-compatible.toml once per session (~40 s CPU)

@@ -77,3 +77,21 @@ def test_hoc_loss_matches_the_written_out_infonce_and_ignores_same_class_pairs()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in net.parameters())
     # weight 0: the plain CoReS cross-entropy through the fixed simplex
     torch.testing.assert_close(hoc_loss(previous, 0.0, 10.0)(net, x, labels, labels), F.cross_entropy(net.classify(x), labels))
+
+
+def test_first_version_items_makes_a_data_growth_upgrade(tmp_path):
+    with pytest.raises(ConfigError, match="strictly growing"):
+        from_mapping(CompatibleConfig, {"upgrade": [6, 6]})
+    with pytest.raises(ConfigError, match="first_version_items"):
+        from_mapping(CompatibleConfig, {"first_version_items": 0.0})
+    with pytest.raises(ConfigError, match="strictly growing"):  # only the first step may keep the classes
+        from_mapping(CompatibleConfig, {"first_version_items": 0.5, "sequence": [4, 6, 6]})
+    rng = np.random.default_rng(0)
+    labels = np.tile(np.arange(10), 20)
+    config = from_mapping(CompatibleConfig, {"upgrade": [10, 10], "first_version_items": 0.25, "evaluation_classes": "trained"})
+    run = SequenceRun(config, "upgrade", (10, 10), rng.normal(size=(200, 1, 8, 8)), labels, np.arange(150), np.arange(150, 200),
+                      10, tmp_path, log=lambda _: None)
+    first, second = run.version_items
+    assert set(first) < set(second) and set(second) == set(range(150))
+    assert all(np.sum(labels[first] == c) == round(0.25 * 15) for c in range(10))  # stratified
+    assert set(run.labels[run.eval_index]) == set(range(10))
