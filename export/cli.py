@@ -181,6 +181,6 @@ def export_compatible_command(run_dir: Path, key_path: Path, out_dir: Path, meth
                                             first_version=first_version, fp16=fp16):
         m = bundle.manifest
         parents = ", ".join(f"v{p}" for p in m.parents) or "none"
-        prefix = f", parents' rows compared on the first {m.compatible_dims} dims" if m.parents else ""
+        prefix = f", parents' rows compared on the first {m.compatible_dims} dims" if m.parents and m.compatible_dims < m.embedding_dim else ""
         click.echo(f"bundle v{m.version} (parents {parents}, mode {m.mode}, {m.embedding_dim}-d{prefix}) -> {bundle.root}")
         click.echo("  cases: " + ", ".join(f"{case} {metrics['top1']:.4f}" for case, metrics in m.gate["cases"].items()))
