@@ -251,8 +251,9 @@ def simplex_vertices(n_classes: int) -> np.ndarray:
 
 def cores_backbone(config: BackboneConfig, reserved_classes: int, in_channels: int) -> Backbone:
     """A :class:`Backbone` over classes ``0..K−1`` whose classifier is the fixed simplex
-    (no bias, not trained); its embedding has K − 1 dims."""
-    config = dataclasses.replace(config, embedding_dim=reserved_classes - 1)
+    (no bias, not trained); its embedding has K − 1 dims. The simplex *is* CoReS's classifier,
+    so ``config.classifier`` (e.g. "cosine") and ``embedding_dim`` are replaced."""
+    config = dataclasses.replace(config, embedding_dim=reserved_classes - 1, classifier="linear")
     backbone = Backbone(config, tuple(range(reserved_classes)), in_channels)
     with torch.no_grad():
         backbone.classifier.weight.copy_(torch.from_numpy(simplex_vertices(reserved_classes)))

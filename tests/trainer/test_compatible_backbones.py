@@ -54,6 +54,8 @@ def test_simplex_vertices_are_centred_unit_and_equiangular(classes):
 
 
 def test_cores_classifier_is_the_fixed_simplex_and_not_trained():
+    cosine_head = cores_backbone(BackboneConfig(embedding_dim=99, width=4, classifier="cosine"), 10, in_channels=1)
+    torch.testing.assert_close(cosine_head.classifier.weight.detach(), torch.from_numpy(simplex_vertices(10)))  # the simplex wins
     model = cores_backbone(BackboneConfig(embedding_dim=99, width=4), 10, in_channels=1)
     assert model.embedding_dim == 9 and model.classes == tuple(range(10))
     np.testing.assert_allclose(model.classifier.weight.detach().numpy(), simplex_vertices(10))
