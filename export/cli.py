@@ -16,6 +16,17 @@ from .compatible import COMPATIBLE_METHODS
 from .release import METHODS, build_release
 
 _PASSPHRASE_HELP = f"file holding the key passphrase (or set ${PASSPHRASE_ENV}); never a plain argument"
+_PASSPHRASE_FILE = click.option("--passphrase-file", type=click.Path(dir_okay=False, path_type=Path), help=_PASSPHRASE_HELP)
+
+# What every release export takes: the run, the signing key, where the bundles go, their numbering, fp16.
+_RUN_DIR = click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+_KEY = click.option("--key", "key_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                    help="publisher private key (publisher.key)")
+_OUT = click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+                    help="folder for the bundles v<N>/ and their v<N>.tar archives")
+_FIRST_VERSION = click.option("--first-version", default=1, show_default=True, type=click.IntRange(min=1),
+                              help="version number of the first bundle; the others follow")
+_FP16 = click.option("--fp16", is_flag=True, help="store the graphs' weights in float16 (inputs/outputs stay float32)")
 
 
 @click.group("keys")
@@ -26,7 +37,7 @@ def keys_command() -> None:
 @keys_command.command("generate")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="folder for publisher.key (mode 0600) and publisher.pub")
-@click.option("--passphrase-file", type=click.Path(dir_okay=False, path_type=Path), help=_PASSPHRASE_HELP)
+@_PASSPHRASE_FILE
 def generate_command(out_dir: Path, passphrase_file: Path | None) -> None:
     """Create a publisher key pair; devices pin publisher.pub."""
     passphrase = read_passphrase(passphrase_file)
@@ -43,10 +54,9 @@ def bundle_command() -> None:
 
 @bundle_command.command("build")
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--key", "key_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="publisher private key (publisher.key)")
+@_KEY
 @click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="new bundle folder (must not exist)")
-@click.option("--passphrase-file", type=click.Path(dir_okay=False, path_type=Path), help=_PASSPHRASE_HELP)
+@_PASSPHRASE_FILE
 @click.option("--archive", type=click.Path(dir_okay=False, path_type=Path), help="also pack the bundle into this .tar")
 @click.option("--force", is_flag=True, help="publish although the ECC gate fails (recorded in the signed manifest)")
 @click.option("--reason", help="why the gate is overridden; required with --force")
@@ -114,21 +124,18 @@ def _echo_summary(bundle: VerifiedBundle) -> None:
 
 
 @click.command("export")
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--key", "key_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="publisher private key (publisher.key)")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="folder for the bundles v<N>/ and their v<N>.tar archives")
+@_RUN_DIR
+@_KEY
+@_OUT
 @click.option("--method", default="fct", show_default=True,
               type=click.Choice(METHODS),
               help="which of the run's adapters v2 carries (λ-orth methods give unified-mode bundles)")
 @click.option("--chain", is_flag=True, help="export v1, v2, v3 from the run's chain models (h2, g2, h3 and direct h13)")
-@click.option("--first-version", default=1, show_default=True, type=click.IntRange(min=1),
-              help="version number of the first bundle; the others follow")
-@click.option("--fp16", is_flag=True, help="store the graphs' weights in float16 (inputs/outputs stay float32)")
+@_FIRST_VERSION
+@_FP16
 @click.option("--force", is_flag=True, help="publish although an ECC gate fails (recorded in the signed manifests)")
 @click.option("--reason", help="why the gate is overridden; required with --force")
-@click.option("--passphrase-file", type=click.Path(dir_okay=False, path_type=Path), help=_PASSPHRASE_HELP)
+@_PASSPHRASE_FILE
 @click.option("--progress/--no-progress", default=True, show_default=True, help="progress bar while exporting")
 def export_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, chain: bool, first_version: int,
                    fp16: bool, force: bool, reason: str | None, passphrase_file: Path | None, progress: bool) -> None:
@@ -158,17 +165,14 @@ def export_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, ch
 
 
 @click.command("export-compatible")
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--key", "key_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="publisher private key (publisher.key)")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="folder for the bundles v<N>/ and their v<N>.tar archives")
+@_RUN_DIR
+@_KEY
+@_OUT
 @click.option("--method", required=True, type=click.Choice(COMPATIBLE_METHODS),
               help="which compatible backbone of the run's one upgrade the bundles carry")
-@click.option("--first-version", default=1, show_default=True, type=click.IntRange(min=1),
-              help="version number of the first bundle; the second follows")
-@click.option("--fp16", is_flag=True, help="store the graphs' weights in float16 (inputs/outputs stay float32)")
-@click.option("--passphrase-file", type=click.Path(dir_okay=False, path_type=Path), help=_PASSPHRASE_HELP)
+@_FIRST_VERSION
+@_FP16
+@_PASSPHRASE_FILE
 def export_compatible_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, first_version: int, fp16: bool,
                               passphrase_file: Path | None) -> None:
     """Export a `fctkit train-compatible` RUN_DIR's old and new backbone of METHOD as signed
