@@ -2,33 +2,9 @@
 
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
 
 import click
-import numpy as np
-
-from fctkit.errors import DataUnavailableError, InputError
-
-
-def load_embeddings_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """Read ``embeddings`` (items x dims) and ``labels`` (items) from an .npz file."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataUnavailableError(f"{path}: no such file; give an .npz with arrays 'embeddings' and 'labels'")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            missing = [key for key in ("embeddings", "labels") if key not in data.files]
-            if missing:
-                raise InputError(
-                    f"{path}: missing array(s) {', '.join(missing)} (has: {', '.join(data.files) or 'none'}); "
-                    "save with np.savez(path, embeddings=X, labels=y)"
-                )
-            return data["embeddings"], data["labels"]
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
-        if isinstance(exc, InputError):
-            raise
-        raise InputError(f"{path}: not a readable .npz file ({exc}); it may be truncated or not saved by np.savez") from exc
 
 
 def _parse_topk(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[int, ...]:
@@ -67,11 +43,15 @@ def eval_command(
     from .evaluation import evaluate_retrieval
     from .report import Report
 
-    query, query_labels = load_embeddings_npz(query_path)
+    from .datasets import load_features
+
+    queries = load_features(query_path)
+    query, query_labels = queries.embeddings, queries.labels
     if gallery_path is None:
         gallery, gallery_labels, leave_one_out = query, query_labels, True
     else:
-        gallery, gallery_labels = load_embeddings_npz(gallery_path)
+        galleries = load_features(gallery_path)
+        gallery, gallery_labels = galleries.embeddings, galleries.labels
     result = evaluate_retrieval(
         query, query_labels, gallery, gallery_labels, distance=distance, topk=topk,
         leave_one_out=leave_one_out, chunk_size=chunk_size, progress=True,

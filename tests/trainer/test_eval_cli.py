@@ -62,12 +62,15 @@ def test_missing_file_and_missing_keys_and_truncated_file(sets):
     root, _ = sets
     runner = CliRunner()
     run = runner.invoke(cli, ["eval", "--query", str(root / "absent.npz")])
-    assert isinstance(run.exception, DataUnavailableError) and "no such file" in str(run.exception)
+    assert isinstance(run.exception, DataUnavailableError) and "not found" in str(run.exception)
 
     np.savez(root / "wrong.npz", features=np.zeros((3, 2)), labels=np.zeros(3))
     run = runner.invoke(cli, ["eval", "--query", str(root / "wrong.npz")])
     assert isinstance(run.exception, InputError)
-    assert "missing array(s) embeddings (has: features, labels)" in str(run.exception)
+    assert "unknown key(s) features" in str(run.exception)
+    np.savez(root / "no-labels.npz", embeddings=np.zeros((3, 2)))
+    run = runner.invoke(cli, ["eval", "--query", str(root / "no-labels.npz")])
+    assert isinstance(run.exception, InputError) and "missing key(s) labels" in str(run.exception)
 
     data = (root / "new.npz").read_bytes()
     (root / "cut.npz").write_bytes(data[: len(data) // 2])
@@ -76,7 +79,7 @@ def test_missing_file_and_missing_keys_and_truncated_file(sets):
 
     np.savez(root / "nan.npz", embeddings=np.full((3, 6), np.nan), labels=np.zeros(3, int))
     run = runner.invoke(cli, ["eval", "--query", str(root / "new.npz"), "--gallery", str(root / "nan.npz")])
-    assert isinstance(run.exception, InputError) and "NaN/inf" in str(run.exception)
+    assert isinstance(run.exception, InputError) and "nan.npz: embeddings: 3 row(s) hold NaN or inf" in str(run.exception)
 
 
 @pytest.mark.parametrize("topk", ["0", "1,x", ""])
@@ -92,4 +95,4 @@ def test_main_turns_kit_errors_into_one_line_and_exit_2(sets, capsys):
         main(["eval", "--query", str(root / "absent.npz")])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "absent.npz: no such file" in err and "Traceback" not in err
+    assert err.startswith("error: ") and "feature file not found" in err and "absent.npz" in err and "Traceback" not in err
