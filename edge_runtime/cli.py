@@ -178,17 +178,19 @@ def remove_command(root, passphrase_env, item_ids) -> None:
 @device_command.command("upgrade")
 @_DIR
 @_PASSPHRASE
-@click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), default=None,
-              help="Install this local bundle directory (verified) and upgrade to it.")
+@click.option("--bundle", "bundle_dirs", type=click.Path(path_type=Path), multiple=True,
+              help="Install this local bundle directory (verified) and upgrade to the newest one given; "
+                   "repeat it to bring intermediate versions for a chained path.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def upgrade_command(root, passphrase_env, bundle_dir, quiet) -> None:
-    """Resume an interrupted upgrade; else upgrade offline to --bundle (the first bundle of a
-    new device is just installed), or, on an enrolled device, to the server's latest version."""
+def upgrade_command(root, passphrase_env, bundle_dirs, quiet) -> None:
+    """Resume an interrupted upgrade; else upgrade offline to the newest --bundle along the
+    cheapest path the installed bundles offer (the first bundle of a new device is just
+    installed), or, on an enrolled device, to the server's latest version."""
     with _open(root, passphrase_env, quiet) as device:
-        if bundle_dir is None and device.gallery.upgrade_state is None and device.settings.server:
+        if not bundle_dirs and device.gallery.upgrade_state is None and device.settings.server:
             _echo(dataclasses.asdict(device.sync()))  # a deferred upgrade: plan it with the server now
             return
-        rows = device.upgrade(bundle_dir)
+        rows = device.upgrade(list(bundle_dirs) or None)
         _echo({"rows_upgraded": rows, "installed_version": device.version})
 
 

@@ -19,6 +19,11 @@ Typical use::
     device.add(images, labels=labels)  # embed locally, store sealed rows, upload sealed originals
     matches = device.query(images, k=5)
 
+Offline (no server): ``device.upgrade([v2_dir, v3_dir])`` installs the bundles and upgrades
+along the cheapest path they offer, as the server would plan it (:mod:`fctkit.protos.planner`).
+Either way the plan starts from every version the rows are in: after a "compatible" upgrade
+rows keep their older tag, and a later adapter takes them through the identity hop.
+
 Restoring a lost device: ``Device.init(new_dir, owner_key_file=exported, owner_key_passphrase=...)``,
 enrol with a code made for the same owner, ``sync()``: the gallery comes back from the replica.
 """
@@ -47,7 +52,7 @@ from .compatible import comparable_dims, compatible_rows
 from .engine import PREFERENCE, Engine, EngineConfig
 from .gallery import Gallery, LoadedRows, NewRow, VersionTag, take_rows
 from .search import ExactIndex
-from .upgrade import Hop, UpgradePlan, hop_list, run_upgrade
+from .upgrade import Hop, UpgradePlan, check_plan_dims, hop_list, run_upgrade
 from .vault_blob import open_image, seal_image
 
 REPORT_EVERY_S = 2.0  # upgrade progress reports to the fleet service, at most this often
@@ -401,8 +406,6 @@ class Device:
                 self.gallery.set_meta({"query_version": str(target)})
             else:
                 plan = self._plan(client, target)
-                for bundle in sorted({h.bundle for h in plan.hops} | {target}):
-                    self._download(client, bundle)
                 result.hops = hop_list(plan.hops)
                 if upgrade:
                     result.rows_upgraded += self.upgrade_with(plan, client)
@@ -450,44 +453,86 @@ class Device:
                     return
 
     def _plan(self, client, target: int) -> UpgradePlan:
+        """The server's plan to ``target`` from every version the gallery's rows are in."""
         self._download(client, target)
-        mode = self.engine(target).manifest.mode
-        try:
-            planned = client.plan_upgrade(self.version, target)
-        except RpcStatusError as exc:
-            if mode == "unified" and exc.code in ("NOT_FOUND", "FAILED_PRECONDITION"):
-                return UpgradePlan(target, mode, ())
-            raise
-        hops = tuple(
-            Hop(h.source_version, h.target_version, h.bundle_version,
-                None if h.identity else h.forward.name, h.side_forward.name if h.HasField("side_forward") else None)
-            for h in planned.hops
-        )
-        return UpgradePlan(target, mode, hops)
 
-    def upgrade(self, bundle_dir: str | os.PathLike | None = None) -> int:
-        """Offline: resume an interrupted upgrade, or install ``bundle_dir`` (verified) and
-        upgrade to it with its direct adapter from the installed version (a device with no
-        model yet just installs it). Returns the rows upgraded."""
+        def server_hops(source: int) -> list[Hop] | None:
+            try:
+                planned = client.plan_upgrade(source, target)
+            except RpcStatusError as exc:
+                if exc.code in ("NOT_FOUND", "FAILED_PRECONDITION"):
+                    return None
+                raise
+            return [Hop(h.source_version, h.target_version, h.bundle_version, None if h.identity else h.forward.name,
+                        h.side_forward.name if h.HasField("side_forward") else None) for h in planned.hops]
+
+        plan = self._plan_from_rows(target, server_hops, "the server publishes no adapter path")
+        for bundle in sorted({h.bundle for h in plan.hops}):
+            self._download(client, bundle)
+        check_plan_dims(plan, self._row_sources(target), self._installed_manifest)
+        return plan
+
+    def _local_plan(self, target: int) -> UpgradePlan:
+        """The plan to ``target`` over the installed bundles only (offline)."""
+        from fctkit.protos.planner import plan_upgrade
+
+        manifests = [self.engine(v).manifest for v in self.installed_versions()]
+
+        def local_hops(source: int) -> list[Hop] | None:
+            planned = plan_upgrade(manifests, source, target)
+            return None if planned is None else [
+                Hop(h.source_version, h.target_version, h.bundle_version, h.forward.name if h.forward else None,
+                    h.side_forward.name if h.side_forward else None) for h in planned]
+
+        installed = ", ".join(f"v{v}" for v in self.installed_versions())
+        plan = self._plan_from_rows(target, local_hops, f"the installed bundles ({installed}) hold no adapter path")
+        check_plan_dims(plan, self._row_sources(target), self._installed_manifest)
+        return plan
+
+    def _row_sources(self, target: int) -> list[int]:
+        """The versions an upgrade to ``target`` starts from: those of the rows not yet in its
+        space (after a "compatible" upgrade rows keep their older tag) and the installed
+        version (rows added while the upgrade runs)."""
+        return sorted(set(self.gallery.row_versions(target)) | {self.version})
+
+    def _plan_from_rows(self, target: int, find_hops, missing: str) -> UpgradePlan:
+        """One plan with a path from every source version (hops shared where paths meet).
+        In unified mode a source without a path keeps its rows (they stay comparable)."""
+        mode = self.engine(target).manifest.mode
+        by_source: dict[int, Hop] = {}
+        for source in self._row_sources(target):
+            if source == target or source in by_source:
+                continue
+            hops = find_hops(source)
+            if hops is None:
+                if mode == "unified":
+                    continue
+                raise DeviceError(f"no upgrade from v{source} to v{target}: {missing} from v{source} "
+                                  f"({self.gallery.remaining(target)} row(s) wait); publish or install one, or back-fill those rows")
+            for hop in hops:
+                by_source.setdefault(hop.source, hop)
+        return UpgradePlan(target, mode, tuple(sorted(by_source.values(), key=lambda h: (h.source, h.target))))
+
+    def upgrade(self, bundle_dirs: str | os.PathLike | Sequence[str | os.PathLike] | None = None) -> int:
+        """Offline: resume an interrupted upgrade, or install ``bundle_dirs`` (each verified, in
+        version order) and upgrade to the newest along the cheapest path the installed bundles
+        offer from every version the gallery's rows are in (direct adapters, hop by hop,
+        "compatible" identity hops). A device with no model yet just installs them. Returns the
+        rows upgraded."""
         state = self.gallery.upgrade_state
         done = self._run(UpgradePlan.from_state(state), None) if state is not None else 0
-        if bundle_dir is None:
+        if bundle_dirs is None:
             return done
-        target = self.install_bundle(bundle_dir)
+        if isinstance(bundle_dirs, (str, os.PathLike)):
+            bundle_dirs = [bundle_dirs]
+        targets = [self.install_bundle(d) for d in _by_version(bundle_dirs, self.publisher_key)]
+        if not targets:
+            return done
+        target = max(targets)
         if self.version == 0:
             self.gallery.set_meta({"query_version": str(target)})
             return done
-        manifest = self.engine(target).manifest
-        hops: tuple[Hop, ...] = ()
-        forwards = [a for a in manifest.artifacts if a.role == "forward" and a.source_version == self.version]
-        if forwards:
-            side = [a for a in manifest.artifacts if a.role == "side_forward" and a.source_version == self.version]
-            hops = (Hop(self.version, target, target, forwards[0].name, side[0].name if side else None),)
-        elif manifest.mode == "compatible" and self.version in manifest.parents:
-            hops = (Hop(self.version, target, target, None, None),)
-        elif manifest.mode != "unified":
-            raise DeviceError(f"bundle v{target} has no adapter from v{self.version}: sync from the server to plan a chained path")
-        return done + self.upgrade_with(UpgradePlan(target, manifest.mode, hops), None)
+        return done + self.upgrade_with(self._local_plan(target), None)
 
     def upgrade_with(self, plan: UpgradePlan, client) -> int:
         """Record ``plan`` in the gallery and run it (resuming is the same call with the stored plan)."""
@@ -570,6 +615,14 @@ class Device:
             engine = self.engine()
             result.update(mode=engine.manifest.mode, distance=engine.manifest.distance, provider=engine.provider)
         return result
+
+
+def _by_version(bundle_dirs: Sequence[str | os.PathLike], publisher_key) -> list[Path]:
+    """``bundle_dirs`` in version order (each verified under ``publisher_key`` to read it)."""
+    from fctkit.protos.bundle import verify_bundle
+
+    versions = {Path(d): verify_bundle(d, publisher_key).manifest.version for d in bundle_dirs}
+    return sorted(versions, key=versions.__getitem__)
 
 
 def _subset(rows: LoadedRows, keep: list[int]) -> LoadedRows:

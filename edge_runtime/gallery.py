@@ -494,6 +494,13 @@ class Gallery:
             ).fetchall()
         return self._decrypt_rows(rows, with_labels=False)
 
+    def row_versions(self, target_version: int) -> list[int]:
+        """The version tags of the rows not yet in ``target_version``'s space (staged rows count as done)."""
+        live, staged = self._tables()
+        query = (f"SELECT DISTINCT v.version FROM {live} v WHERE v.version != ? "
+                 f"AND NOT EXISTS (SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id) ORDER BY v.version")
+        return [row[0] for row in self._db.execute(query, (target_version,))]
+
     def remaining(self, target_version: int) -> int:
         live, staged = self._tables()
         query = (f"SELECT COUNT(*) FROM {live} v WHERE v.version != ? "

@@ -30,6 +30,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -73,6 +74,30 @@ class UpgradePlan:
             path.append(by_source[version])
             version = by_source[version].target
         return path
+
+
+def check_plan_dims(plan: UpgradePlan, sources: Sequence[int], manifest_of: Callable[[int], Any]) -> None:
+    """Refuse, before any row is touched, a plan whose path from one of ``sources`` feeds an
+    adapter vectors of the wrong length: after a "compatible" identity hop rows keep their
+    version's dims, so a later adapter trained on the new version's longer embeddings (BT²)
+    cannot take them. ``manifest_of(v)`` is version v's manifest, None when it is not on the
+    device (rows replicated from a version this device never installed: their dims are then
+    checked by the engine when the batch runs)."""
+    covered = {h.source for h in plan.hops}
+    for source in sources:
+        if source == plan.target or manifest_of(source) is None or (plan.mode == "unified" and source not in covered):
+            continue  # unified mode: rows without an F stay as they are
+        dims = manifest_of(source).embedding_dim
+        for hop in plan.path_from(source):
+            if hop.forward is None:
+                continue
+            forward = _artifact(manifest_of(hop.bundle), hop.forward)
+            wanted = forward.inputs[0].shape[-1]
+            if wanted != dims:
+                raise GalleryError(f"rows of v{source} are {dims}-d, but the adapter v{hop.source}->v{hop.target} on their "
+                                   f"path to v{plan.target} takes {wanted}-d embeddings (v{hop.source}'s own); publish an "
+                                   f"adapter from v{source}, or back-fill those rows with v{plan.target}'s model")
+            dims = forward.outputs[0].shape[-1]
 
 
 def transform_rows(plan: UpgradePlan, engines: Mapping[int, Engine], tag: VersionTag,

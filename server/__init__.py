@@ -7,7 +7,7 @@ Run it with ``fctkit serve`` (see :mod:`fctkit.server.cli`) or in-process::
 """
 
 from fctkit.server.app import FctkitServer, ServerConfig, serve
-from fctkit.server.planner import PlannedHop, plan_upgrade
+from fctkit.protos.planner import PlannedHop, plan_upgrade
 from fctkit.server.storage import SqliteStorage, Storage
 
 __all__ = ["FctkitServer", "ServerConfig", "serve", "PlannedHop", "plan_upgrade", "SqliteStorage", "Storage"]

@@ -21,7 +21,7 @@ from fctkit.errors import BundleError, ConfigError, RpcStatusError
 from fctkit.protos import limits, registry_pb2, registry_pb2_grpc
 from fctkit.protos.bundle import Artifact, Manifest, unpack_bundle, verify_bundle, verify_manifest
 
-from .planner import PlannedHop, plan_upgrade
+from fctkit.protos.planner import PlannedHop, plan_upgrade
 from .storage import Storage, VersionRecord
 from .streams import check_offset, file_chunks, read_header, receive_chunks
 from .validation import chunk_size, invalid, page_size, sha256_field, timestamp, version_field

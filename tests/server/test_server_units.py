@@ -12,7 +12,7 @@ from fctkit.errors import ConfigError, InputError
 from fctkit.protos.bundle import MANIFEST_FILE, Manifest
 from fctkit.protos.client import RetryPolicy
 from fctkit.server.content_store import ContentStore
-from fctkit.server.planner import plan_upgrade
+from fctkit.protos.planner import plan_upgrade
 from fctkit.server.storage import BlobRecord, DeviceReport, SqliteStorage, VersionRecord
 
 

@@ -6,7 +6,8 @@ Each published bundle contributes edges into its own version: one per ``forward`
 for a bundle in ``compatible`` mode (a backbone trained to be compatible, nothing to run),
 an identity edge from each parent. A path is cheapest by (number of hops, bytes to download),
 ties broken by the lower versions along the way, so a direct 1->3 adapter beats 1->2->3 and
-the same inputs always give the same plan.
+the same inputs always give the same plan. The server plans over its catalogue; a device
+offline over the bundles it has installed.
 """
 
 from __future__ import annotations
