@@ -33,6 +33,7 @@ from fctkit.protos.bundle import (
     artifact_name,
     file_sha256,
     gate_failures,
+    gated_artifacts,
     public_key_id,
     staged_directory,
     verify_bundle,
@@ -78,7 +79,8 @@ def build_bundle(
     manifest, sign it, and return the bundle verified as a device would verify it.
 
     ``gate`` is ``{"cases": {case: {metric: value}}, "ecc": {artifact name: bool}}`` from the
-    trainer's report. Unless ECC is true for every forward/backward artifact this raises
+    trainer's report. Unless ECC is true for every gated artifact (forward/backward adapters;
+    a compatible bundle's embed graph when it has parents) this raises
     :class:`GateError`; ``force=True`` with a ``force_reason`` publishes anyway and records
     ``"forced": true`` and the reason in the signed manifest. ``out_dir`` appears only when
     everything succeeded (written to a temporary directory, fsynced, renamed).
@@ -90,7 +92,7 @@ def build_bundle(
         raise GateError("--force needs a reason (--reason '...'): the override is recorded in the signed manifest")
     with staged_directory(out_dir) as staging:
         described = tuple(_copy_and_describe(source, staging) for source in artifacts)
-        failures = gate_failures(described, ecc)
+        failures = gate_failures(gated_artifacts(described, mode, parents), ecc)
         if failures and not force:
             raise GateError(
                 f"publishing refused: ECC (M(new, h(old)) > M(old, old)) is not recorded as holding for "

@@ -27,6 +27,8 @@ _OUT = click.option("--out", "out_dir", required=True, type=click.Path(file_okay
 _FIRST_VERSION = click.option("--first-version", default=1, show_default=True, type=click.IntRange(min=1),
                               help="version number of the first bundle; the others follow")
 _FP16 = click.option("--fp16", is_flag=True, help="store the graphs' weights in float16 (inputs/outputs stay float32)")
+_FORCE = click.option("--force", is_flag=True, help="publish although an ECC gate fails (recorded in the signed manifests)")
+_REASON = click.option("--reason", help="why the gate is overridden; required with --force")
 
 
 @click.group("keys")
@@ -133,8 +135,8 @@ def _echo_summary(bundle: VerifiedBundle) -> None:
 @click.option("--chain", is_flag=True, help="export v1, v2, v3 from the run's chain models (h2, g2, h3 and direct h13)")
 @_FIRST_VERSION
 @_FP16
-@click.option("--force", is_flag=True, help="publish although an ECC gate fails (recorded in the signed manifests)")
-@click.option("--reason", help="why the gate is overridden; required with --force")
+@_FORCE
+@_REASON
 @_PASSPHRASE_FILE
 @click.option("--progress/--no-progress", default=True, show_default=True, help="progress bar while exporting")
 def export_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, chain: bool, first_version: int,
@@ -172,19 +174,23 @@ def export_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, ch
               help="which compatible backbone of the run's one upgrade the bundles carry")
 @_FIRST_VERSION
 @_FP16
+@_FORCE
+@_REASON
 @_PASSPHRASE_FILE
 def export_compatible_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, first_version: int, fp16: bool,
-                              passphrase_file: Path | None) -> None:
+                              force: bool, reason: str | None, passphrase_file: Path | None) -> None:
     """Export a `fctkit train-compatible` RUN_DIR's old and new backbone of METHOD as signed
     bundles in mode "compatible" (devices switch query models, the gallery stays as it is);
-    refused unless the run's ECC held for the method."""
+    refused unless the run's ECC held for the method (or --force with a --reason, recorded in v2's manifest)."""
     from .compatible import export_compatible_release
 
     private_key = load_private_key(key_path, read_passphrase(passphrase_file))
     for bundle in export_compatible_release(run_dir, out_dir, private_key=private_key, method=method,
-                                            first_version=first_version, fp16=fp16):
+                                            first_version=first_version, fp16=fp16, force=force, force_reason=reason):
         m = bundle.manifest
         parents = ", ".join(f"v{p}" for p in m.parents) or "none"
         prefix = f", parents' rows compared on the first {m.compatible_dims} dims" if m.parents and m.compatible_dims < m.embedding_dim else ""
         click.echo(f"bundle v{m.version} (parents {parents}, mode {m.mode}, {m.embedding_dim}-d{prefix}) -> {bundle.root}")
         click.echo("  cases: " + ", ".join(f"{case} {metrics['top1']:.4f}" for case, metrics in m.gate["cases"].items()))
+        if m.gate["forced"]:
+            click.echo(f"  WARNING gate overridden (forced, recorded in the manifest): {m.gate['force_reason']}")

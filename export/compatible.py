@@ -12,9 +12,10 @@ v2          ``embed`` = the method's new version (mode ``compatible``, parent v1
             the first that many dims of v2's embedding
 ==========  ==================================================================================
 
-Each gate records old/old, new/old and new/new of the run's one-upgrade evaluation. There is
-no transformation whose ECC the bundle format could gate, so this module is the gate:
-publishing is refused unless the run's ECC (new/old > old/old) held for the method.
+Each gate records old/old, new/old and new/new of the run's one-upgrade evaluation, and v2's
+records the run's ECC verdict (new/old > old/old) for its ``embed`` graph, which the bundle
+format gates like an adapter: publishing is refused when it failed, unless ``force`` with a
+reason, which the signed manifest then records.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fctkit.errors import DataUnavailableError, GateError, InputError
-from fctkit.protos.bundle import VerifiedBundle, pack_bundle
+from fctkit.protos.bundle import VerifiedBundle, artifact_name, pack_bundle
 
 from .bundle import build_bundle
 from .release import _read_json, move_versions_into_place, refuse_existing_versions
@@ -40,7 +41,7 @@ PARITY_ROWS = 512  # held-out evaluation images each graph's parity check runs o
 
 def export_compatible_release(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                               private_key: Ed25519PrivateKey, method: str, first_version: int = 1,
-                              fp16: bool = False) -> list[VerifiedBundle]:
+                              fp16: bool = False, force: bool = False, force_reason: str | None = None) -> list[VerifiedBundle]:
     """Export the run's one-upgrade models of ``method`` as bundles ``v{first_version}`` and
     ``v{first_version + 1}`` (directories and ``.tar`` archives) in ``out_dir``; returns them
     verified as a device verifies them. Nothing is left in ``out_dir`` when it fails."""
@@ -52,10 +53,12 @@ def export_compatible_release(run_dir: str | os.PathLike, out_dir: str | os.Path
     config, gate = _run_files(run)
     if method not in gate["ecc"]:
         raise InputError(f"{run} did not train {method!r} (it trained: {', '.join(sorted(gate['ecc']))}); add it to `methods`")
-    if gate["ecc"][method] is not True:
+    holds = gate["ecc"][method] is True
+    if not holds and not force:
         cases = gate["cases"][method]
         raise GateError(f"publishing refused: ECC does not hold for {method} in {run} (new/old {cases['new/old']['top1']:.4f} "
-                        f"<= old/old {cases['old/old']['top1']:.4f}): its queries would degrade the devices' galleries")
+                        f"<= old/old {cases['old/old']['top1']:.4f}): its queries would degrade the devices' galleries; "
+                        "pass --force --reason '...' to publish anyway on the record")
     models = [_load(run / "models" / "upgrade" / method / f"v{k}.pt") for k in (1, 2)]
     images = _parity_images(config)
     old_dim, new_dim = gate["dims"][method]
@@ -63,7 +66,7 @@ def export_compatible_release(run_dir: str | os.PathLike, out_dir: str | os.Path
     cases = gate["cases"][method]
     plans = [
         (v1, (), models[0], {"cases": {"old/old": cases["old/old"]}, "ecc": {}}, None),
-        (v2, (v1,), models[1], {"cases": cases, "ecc": {}}, old_dim if new_dim != old_dim else None),
+        (v2, (v1,), models[1], {"cases": cases, "ecc": {artifact_name("embed"): holds}}, old_dim if new_dim != old_dim else None),
     ]
     refuse_existing_versions(out, [v1, v2])
     out.mkdir(parents=True, exist_ok=True)
@@ -75,7 +78,7 @@ def export_compatible_release(run_dir: str | os.PathLike, out_dir: str | os.Path
             exported = export_role("embed", model, scratch / f"embed-v{version}.onnx", [images], fp16=fp16)
             build_bundle(scratch / f"v{version}", version=version, parents=parents, mode="compatible", distance=distance,
                          normalize=distance == "cosine", artifacts=[exported.artifact], gate=version_gate,
-                         private_key=private_key, compatible_prefix_dim=prefix)
+                         private_key=private_key, force=force, force_reason=force_reason, compatible_prefix_dim=prefix)
             pack_bundle(scratch / f"v{version}", scratch / f"v{version}.tar")
         move_versions_into_place(scratch, out, [v1, v2])
     from fctkit.protos.bundle import verify_bundle

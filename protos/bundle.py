@@ -241,7 +241,7 @@ class Manifest:
     def __post_init__(self) -> None:
         _check_header(self)
         _check_artifacts(self)
-        _check_gate(self.gate, self.artifacts)
+        _check_gate(self.gate, gated_artifacts(self.artifacts, self.mode, self.parents))
 
     def canonical_bytes(self) -> bytes:
         """The exact bytes that are signed and stored as ``manifest.json``."""
@@ -456,12 +456,19 @@ def _require_dim(spec: TensorSpec, expected: int, where: str, field: str) -> Non
         raise BundleFormatError(f"{where} {spec.name!r} has shape {spec.shape}, but the manifest's {field} is {expected}")
 
 
-def gate_failures(artifacts: Sequence[Artifact], ecc: Mapping[str, Any]) -> list[str]:
-    """Names of forward/backward artifacts for which ECC is not recorded as holding."""
-    return [a.name for a in artifacts if a.role in GATED_ROLES and ecc.get(a.name) is not True]
+def gated_artifacts(artifacts: Sequence[Artifact], mode: str, parents: Sequence[int]) -> list[Artifact]:
+    """The artifacts whose ECC verdict the gate records: every forward/backward adapter and, in
+    a "compatible" bundle with parents, its embed graph (the new backbone, whose queries meet
+    the parents' rows as they are)."""
+    return [a for a in artifacts if a.role in GATED_ROLES or (mode == "compatible" and parents and a.role == "embed")]
 
 
-def _check_gate(gate: Any, artifacts: tuple[Artifact, ...]) -> None:
+def gate_failures(gated: Sequence[Artifact], ecc: Mapping[str, Any]) -> list[str]:
+    """Names of the ``gated`` artifacts (:func:`gated_artifacts`) for which ECC is not recorded as holding."""
+    return [a.name for a in gated if ecc.get(a.name) is not True]
+
+
+def _check_gate(gate: Any, gated_list: list[Artifact]) -> None:
     gate = _exact_keys(gate, _GATE_KEYS, f"{MANIFEST_FILE}.gate")
     cases = _typed(gate["cases"], dict, "gate.cases")
     for case, metrics in cases.items():
@@ -469,12 +476,12 @@ def _check_gate(gate: Any, artifacts: tuple[Artifact, ...]) -> None:
             if not isinstance(metric, str) or not _is_number(value):
                 raise BundleFormatError(f"gate.cases[{case!r}][{metric!r}]: expected a finite number, got {value!r}")
     ecc = _typed(gate["ecc"], dict, "gate.ecc")
-    gated = {a.name for a in artifacts if a.role in GATED_ROLES}
+    gated = {a.name for a in gated_list}
     for name, holds in ecc.items():
         if name not in gated:
             raise BundleFormatError(
-                f"gate.ecc names {name!r}, which is not a forward/backward artifact of this bundle "
-                f"(those are: {', '.join(sorted(gated)) or 'none'})"
+                f"gate.ecc names {name!r}, which is not a gated artifact of this bundle (forward/backward adapters, "
+                f"and a compatible bundle's embed graph; here: {', '.join(sorted(gated)) or 'none'})"
             )
         if not isinstance(holds, bool):
             raise BundleFormatError(f"gate.ecc[{name!r}]: expected true or false, got {holds!r}")
@@ -482,7 +489,7 @@ def _check_gate(gate: Any, artifacts: tuple[Artifact, ...]) -> None:
     reason = gate["force_reason"]
     if forced != (isinstance(reason, str) and bool(reason.strip())):
         raise BundleFormatError("gate: force_reason must be a non-empty string exactly when forced is true")
-    failures = gate_failures(artifacts, ecc)
+    failures = gate_failures(gated_list, ecc)
     if failures and not forced:
         raise BundleFormatError(
             f"gate: ECC does not hold for {', '.join(failures)} and no override is recorded: such a bundle must not be published"
@@ -835,6 +842,6 @@ def _is_number(value: Any) -> bool:
 __all__ = [
     "MANIFEST_FILE", "SIGNATURE_FILE", "FORMAT_VERSION", "SIGNATURE_SIZE", "Role", "Mode", "Distance",
     "ROLES", "MODES", "DISTANCES", "TRANSFORM_ROLES", "GATED_ROLES", "TensorSpec", "Artifact", "Manifest",
-    "VerifiedBundle", "artifact_name", "gate_failures", "load_public_key", "public_key_id", "verify_manifest",
+    "VerifiedBundle", "artifact_name", "gate_failures", "gated_artifacts", "load_public_key", "public_key_id", "verify_manifest",
     "verify_bundle", "check_version_is_newer", "file_sha256", "fsync_dir", "staged_directory", "pack_bundle", "unpack_bundle",
 ]

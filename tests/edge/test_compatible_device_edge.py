@@ -5,6 +5,7 @@ old-compatible prefix against the old rows, get better or hold."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sqlite3
@@ -16,7 +17,7 @@ import torch
 from tests.edge.conftest import enrolment_code, publish
 from tests.support.compatible_run import digits_compatible_run
 
-from fctkit.errors import GateError, SignatureError
+from fctkit.errors import BundleFormatError, GateError, SignatureError
 from fctkit.export.compatible import export_compatible_release
 from fctkit.protos.bundle import MANIFEST_FILE, Manifest, verify_bundle
 from fctkit.trainer.backbones import extract_features
@@ -89,6 +90,25 @@ def test_export_refuses_a_method_whose_ecc_failed(compatible_run, publisher_key,
     with pytest.raises(GateError, match="ECC does not hold for bct"):
         export_compatible_release(run, tmp_path / "out", private_key=publisher_key, method="bct")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    with pytest.raises(GateError, match="needs a reason"):
+        export_compatible_release(run, tmp_path / "out", private_key=publisher_key, method="bct", force=True)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    # forced with a reason: published, and the override is in v2's signed manifest
+    v1, v2 = export_compatible_release(run, tmp_path / "out", private_key=publisher_key, method="bct", force=True,
+                                       force_reason="pilot devices only")
+    assert v2.manifest.gate["ecc"] == {"embed": False} and v2.manifest.gate["forced"] is True
+    assert v2.manifest.gate["force_reason"] == "pilot devices only" and v1.manifest.gate["forced"] is False
+
+
+@pytest.mark.slow  # trains configs/digits-compatible.toml once per session (~40 s CPU)
+def test_a_compatible_bundle_must_record_its_embed_gate(bt2_release, publisher_key, tmp_path):
+    """The bundle format gates a compatible version's embed graph like an adapter: a v2 that
+    records no ECC verdict for it (or a failed one without the override) is not a valid bundle."""
+    v2 = bt2_release[1].manifest
+    assert v2.gate["ecc"] == {"embed": True} and bt2_release[0].manifest.gate["ecc"] == {}
+    for ecc in ({}, {"embed": False}):
+        with pytest.raises(BundleFormatError, match="ECC does not hold for embed"):
+            dataclasses.replace(v2, gate={**v2.gate, "ecc": ecc})
 
 
 @pytest.mark.slow
