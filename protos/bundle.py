@@ -60,7 +60,8 @@ MODES: tuple[str, ...] = get_args(Mode)
 DISTANCES: tuple[str, ...] = get_args(Distance)
 #: Roles that map one version's space to another's; they carry source/target versions.
 TRANSFORM_ROLES = ("forward", "side_forward", "backward", "uncertainty")
-#: Roles whose empirical compatibility criterion (ECC) gates publishing.
+#: Roles whose empirical compatibility criterion (ECC) gates publishing (and, in a "compatible"
+#: bundle with parents, its embed graph: see gated_artifacts).
 GATED_ROLES = ("forward", "backward")
 DTYPES = ("float32", "float16", "float64", "int64", "int32", "int8", "uint8", "bool")
 PRECISIONS = ("fp32", "fp16")
