@@ -41,6 +41,8 @@ def publisher_pub(tmp_path_factory, publisher_key) -> Path:
 def make_tiny_bundle(out: Path, key: Ed25519PrivateKey, version: int, hops: tuple[tuple[int, int], ...], *, mode: str = "forward") -> Path:
     sources = _sources(out.parent / f"{out.name}-src", version, hops, IMAGE_DIM)
     ecc = {s.artifact_name: True for s in sources if s.role == "forward"}
+    if mode == "compatible" and version > 1:
+        ecc["embed"] = True  # a compatible version's new backbone is gated like an adapter
     return build_bundle(
         out, version=version, parents=(version - 1,) if version > 1 else (), mode=mode, distance="cosine",
         normalize=True, artifacts=sources, gate={"cases": {}, "ecc": ecc}, private_key=key,

@@ -30,7 +30,8 @@ def _manifest(template: Manifest, version: int, hops: dict[tuple[int, int], int]
                                  source_version=source, target_version=target, size=size))
         artifacts.append(replace(side, name=f"side_forward_{source}_to_{target}", file=f"g{source}.onnx",
                                  source_version=source, target_version=target))
-    gate = {"cases": {}, "ecc": {f"forward_{s}_to_{t}": True for s, t in hops}, "forced": False, "force_reason": None}
+    ecc = {f"forward_{s}_to_{t}": True for s, t in hops} | ({"embed": True} if mode == "compatible" and parents else {})
+    gate = {"cases": {}, "ecc": ecc, "forced": False, "force_reason": None}
     return replace(template, version=version, parents=tuple(parents), mode=mode, artifacts=tuple(artifacts), gate=gate)
 
 
@@ -64,7 +65,7 @@ def test_plans_prefer_fewer_hops_then_fewer_bytes(template):
 
 
 def test_compatible_bundles_plan_identity_hops(template):
-    m2 = replace(_manifest(template, 2, {}, parents=(1,)), mode="compatible")
+    m2 = _manifest(template, 2, {}, parents=(1,), mode="compatible")
     m3 = _manifest(template, 3, {(2, 3): 100}, parents=(2,))
     hops = plan_upgrade([_manifest(template, 1, {}), m2, m3], 1, 3)
     assert _route(hops) == [(1, 2), (2, 3)]
