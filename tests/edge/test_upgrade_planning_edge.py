@@ -95,3 +95,24 @@ def test_plans_feeding_an_adapter_the_wrong_length_are_refused():
     direct = UpgradePlan(3, "forward", (Hop(1, 3, 3, "forward_1_to_3", None), Hop(2, 3, 3, "forward_2_to_3", None)))
     check_plan_dims(direct, [1, 2], manifests.get)
     check_plan_dims(via_identity, [1, 2], {2: manifests[2], 3: manifests[3]}.get)  # v1 not installed: left to the engine
+
+
+def test_cli_offline_upgrade_takes_several_bundles(tmp_path, no_direct_chain, publisher_pub, images):
+    from tests.edge.test_device_server_edge import device_cli
+
+    root = tmp_path / "offline-cli"
+    np.savez(tmp_path / "add.npz", images=images(4, seed=8), ids=np.array([f"o{i}" for i in range(4)]))
+    steps = [
+        ("init", "--dir", str(root), "--publisher-key", str(publisher_pub)),
+        ("upgrade", "--dir", str(root), "--bundle", str(no_direct_chain[1]), "--quiet"),
+        ("add", "--dir", str(root), str(tmp_path / "add.npz")),
+        ("upgrade", "--dir", str(root), "--bundle", str(no_direct_chain[3]), "--bundle", str(no_direct_chain[2]), "--quiet"),
+        ("status", "--dir", str(root)),
+    ]
+    outputs = []
+    for step in steps:
+        proc = device_cli(*step)
+        assert proc.returncode == 0, (step, proc.stderr)
+        outputs.append(proc.stdout)
+    assert '"rows_upgraded": 4' in outputs[3] and '"installed_version": 3' in outputs[3]
+    assert '"v1->v3 (forward)": 4' in outputs[4]
