@@ -38,6 +38,24 @@ def publisher_pub(tmp_path_factory, publisher_key) -> Path:
     return save_public_key(publisher_key.public_key(), tmp_path_factory.mktemp("keys") / "publisher.pub")
 
 
+def device_cli(*args: str) -> subprocess.CompletedProcess:
+    """`fctkit device ARGS` in a fresh interpreter where importing torch fails."""
+    from tests.foundation.test_packaging import BLOCK_TORCH
+
+    code = BLOCK_TORCH + "from fctkit.cli import main\nmain(sys.argv[1:])\nassert 'torch' not in sys.modules\n"
+    return subprocess.run([sys.executable, "-c", code, "device", *args], capture_output=True, text=True)
+
+
+def device_cli_steps(steps: list[tuple[str, ...]]) -> list[str]:
+    """Run each `fctkit device` step (torch blocked); every one must succeed; their stdouts."""
+    outputs = []
+    for step in steps:
+        proc = device_cli(*step)
+        assert proc.returncode == 0, (step, proc.stderr)
+        outputs.append(proc.stdout)
+    return outputs
+
+
 def make_tiny_bundle(out: Path, key: Ed25519PrivateKey, version: int, hops: tuple[tuple[int, int], ...], *, mode: str = "forward") -> Path:
     sources = _sources(out.parent / f"{out.name}-src", version, hops, IMAGE_DIM)
     ecc = {s.artifact_name: True for s in sources if s.role == "forward"}
@@ -78,7 +96,7 @@ def make_device(tmp_path, publisher_pub) -> Callable[..., Device]:
         device.close()
 
 
-__all__ = ["ADMIN_TOKEN", "ServerProcess", "make_tiny_bundle", "TINY_CHAIN", "enrolment_code", "publish", "start_worker"]
+__all__ = ["ADMIN_TOKEN", "ServerProcess", "device_cli", "device_cli_steps", "make_tiny_bundle", "TINY_CHAIN", "enrolment_code", "publish", "start_worker"]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, publish
-from tests.edge.test_device_server_edge import device_cli
+from tests.edge.conftest import device_cli
 from tests.support.releases import digits_release
 
 from fctkit.edge_runtime import Device, DeviceSettings

@@ -5,23 +5,14 @@ outbox, and fleet reports."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.edge.conftest import ADMIN_TOKEN, enrolment_code, publish
-from tests.foundation.test_packaging import BLOCK_TORCH
+from tests.edge.conftest import ADMIN_TOKEN, device_cli, device_cli_steps, enrolment_code, publish
 
 from fctkit.edge_runtime import Device
 from fctkit.protos.client import FctkitClient
-
-
-def device_cli(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    """`fctkit device ARGS` in a fresh interpreter where importing torch fails."""
-    code = BLOCK_TORCH + "from fctkit.cli import main\nmain(sys.argv[1:])\nassert 'torch' not in sys.modules\n"
-    return subprocess.run([sys.executable, "-c", code, "device", *args], capture_output=True, text=True)
 
 
 def _all_server_bytes(server) -> bytes:
@@ -47,11 +38,7 @@ def test_cli_device_without_torch(published_v1, tmp_path, images):
         ("query", "--dir", str(root), str(tmp_path / "q.npy"), "-k", "1"),
         ("status", "--dir", str(root)),
     ]
-    outputs = []
-    for step in steps:
-        proc = device_cli(*step)
-        assert proc.returncode == 0, (step, proc.stderr)
-        outputs.append(proc.stdout)
+    outputs = device_cli_steps(steps)
     assert json.loads(outputs[2])["installed_after"] == 1
     assert json.loads(outputs[3]) == {"added": 6, "rows": 6, "queued_uploads": 0}
     assert [json.loads(line)[0]["item_id"] for line in outputs[4].splitlines()] == ["c0", "c1"]

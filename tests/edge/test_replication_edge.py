@@ -258,7 +258,7 @@ def test_cli_owner_key_export_import_restore_and_status(server, tmp_path, images
 
     from click.testing import CliRunner
 
-    from tests.edge.test_device_server_edge import device_cli
+    from tests.edge.conftest import device_cli
 
     from fctkit.cli import cli
 

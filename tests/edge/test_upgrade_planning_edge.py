@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from tests.edge.conftest import make_tiny_bundle
+from tests.edge.conftest import device_cli_steps, make_tiny_bundle
 
 from fctkit.errors import DeviceError, GalleryError
 from fctkit.edge_runtime.upgrade import Hop, UpgradePlan, check_plan_dims
@@ -98,8 +98,6 @@ def test_plans_feeding_an_adapter_the_wrong_length_are_refused():
 
 
 def test_cli_offline_upgrade_takes_several_bundles(tmp_path, no_direct_chain, publisher_pub, images):
-    from tests.edge.test_device_server_edge import device_cli
-
     root = tmp_path / "offline-cli"
     np.savez(tmp_path / "add.npz", images=images(4, seed=8), ids=np.array([f"o{i}" for i in range(4)]))
     steps = [
@@ -109,10 +107,6 @@ def test_cli_offline_upgrade_takes_several_bundles(tmp_path, no_direct_chain, pu
         ("upgrade", "--dir", str(root), "--bundle", str(no_direct_chain[3]), "--bundle", str(no_direct_chain[2]), "--quiet"),
         ("status", "--dir", str(root)),
     ]
-    outputs = []
-    for step in steps:
-        proc = device_cli(*step)
-        assert proc.returncode == 0, (step, proc.stderr)
-        outputs.append(proc.stdout)
+    outputs = device_cli_steps(steps)
     assert '"rows_upgraded": 4' in outputs[3] and '"installed_version": 3' in outputs[3]
     assert '"v1->v3 (forward)": 4' in outputs[4]
