@@ -472,20 +472,21 @@ class Device:
         check_plan_dims(plan, self._row_sources(target), self._installed_manifest)
         return plan
 
-    def _local_plan(self, target: int) -> UpgradePlan:
-        """The plan to ``target`` over the installed bundles only (offline)."""
+    def installed_hops(self, source: int, target: int) -> list[Hop] | None:
+        """The cheapest hops from ``source`` to ``target`` over the installed bundles, planned as
+        the server plans (:func:`fctkit.protos.planner.plan_upgrade`); None when none connects."""
         from fctkit.protos.planner import plan_upgrade
 
-        manifests = [self.engine(v).manifest for v in self.installed_versions()]
+        planned = plan_upgrade([self.engine(v).manifest for v in self.installed_versions()], source, target)
+        return None if planned is None else [
+            Hop(h.source_version, h.target_version, h.bundle_version, h.forward.name if h.forward else None,
+                h.side_forward.name if h.side_forward else None) for h in planned]
 
-        def local_hops(source: int) -> list[Hop] | None:
-            planned = plan_upgrade(manifests, source, target)
-            return None if planned is None else [
-                Hop(h.source_version, h.target_version, h.bundle_version, h.forward.name if h.forward else None,
-                    h.side_forward.name if h.side_forward else None) for h in planned]
-
+    def _local_plan(self, target: int) -> UpgradePlan:
+        """The plan to ``target`` over the installed bundles only (offline)."""
         installed = ", ".join(f"v{v}" for v in self.installed_versions())
-        plan = self._plan_from_rows(target, local_hops, f"the installed bundles ({installed}) hold no adapter path")
+        plan = self._plan_from_rows(target, lambda source: self.installed_hops(source, target),
+                                    f"the installed bundles ({installed}) hold no adapter path")
         check_plan_dims(plan, self._row_sources(target), self._installed_manifest)
         return plan
 

@@ -43,7 +43,7 @@ from fctkit.errors import DeviceError, GalleryError
 
 from .gallery import ItemState, ReplicaWrite, SealedChange, VersionTag
 from .records import RecordHeader, RowContent, beats, open_record, seal_record, sealed_sha256
-from .upgrade import Hop, UpgradePlan, transform_rows
+from .upgrade import UpgradePlan, transform_rows
 
 if TYPE_CHECKING:
     from .device import Device
@@ -273,26 +273,7 @@ def _decide(record: Incoming, state: ItemState) -> ReplicaWrite:
 
 
 def local_plan(device: Device, source: int, target: int) -> UpgradePlan | None:
-    """Hops from ``source`` to ``target`` through the installed bundles' adapters (the
-    farthest reachable version first, so a direct adapter wins), or None when none connects."""
-    installed = sorted(v for v in device.installed_versions() if source < v <= target)
-    hops, at = [], source
-    while at != target:
-        hop = None
-        for version in reversed(installed):
-            if version <= at:
-                break
-            manifest = device.engine(version).manifest
-            forward = [a for a in manifest.artifacts if a.role == "forward" and a.source_version == at]
-            if forward:
-                side = [a for a in manifest.artifacts if a.role == "side_forward" and a.source_version == at]
-                hop = Hop(at, version, version, forward[0].name, side[0].name if side else None)
-                break
-            if manifest.mode == "compatible" and at in manifest.parents:
-                hop = Hop(at, version, version, None, None)
-                break
-        if hop is None:
-            return None
-        hops.append(hop)
-        at = hop.target
-    return UpgradePlan(target, device.engine(target).manifest.mode, tuple(hops))
+    """Hops from ``source`` to ``target`` through the installed bundles (as an offline upgrade
+    plans them), or None when none connects."""
+    hops = device.installed_hops(source, target)
+    return None if hops is None else UpgradePlan(target, device.engine(target).manifest.mode, tuple(hops))
