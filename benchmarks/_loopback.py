@@ -1,9 +1,10 @@
 """Shared by the edge benchmarks: the demo's real ``fctkit serve`` subprocess on loopback
 (:class:`fctkit.demo.DemoServer`) with its own data directory and a fresh publisher key, plus
-helpers for enrolment codes and publishing."""
+helpers for enrolment codes and publishing, and the benchmarks' report step."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -41,3 +42,12 @@ class LoopbackServer(DemoServer):
         archive = pack_bundle(bundle_dir, self.work / f"{Path(bundle_dir).name}-{os.getpid()}.tar")
         with self.admin() as admin:
             admin.publish_bundle(archive)
+
+
+def report(result: dict, table: str, markdown: Path | None) -> None:
+    """Print the measured figures (JSON) and their table; also append the table to ``markdown``."""
+    print(json.dumps(result, indent=2))
+    print(table)
+    if markdown:
+        with markdown.open("a") as fh:
+            fh.write(table + "\n")

@@ -21,7 +21,6 @@ ResNet-50 per image on the same machine). CPU timings vary with load: read the r
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _loopback import LoopbackServer  # noqa: E402
+from _loopback import LoopbackServer, report  # noqa: E402
 from edge_upgrade import D_NEW, D_OLD, D_SIDE, fct_graph, linear_graph  # noqa: E402
 
 from fctkit.edge_runtime import Device, DeviceSettings  # noqa: E402
@@ -108,12 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fctkit-backfill-bench-") as tmp:
         result = measure(args.rows, args.batch, Path(tmp))
-    print(json.dumps(result, indent=2))
-    table = markdown(result)
-    print(table)
-    if args.markdown:
-        with args.markdown.open("a") as fh:
-            fh.write(table + "\n")
+    report(result, markdown(result), args.markdown)
     return 0
 
 

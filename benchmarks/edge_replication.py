@@ -24,7 +24,6 @@ moving the bytes. CPU timings vary with load on shared machines: read the ratios
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from tqdm import tqdm
 from fctkit.edge_runtime import Device, DeviceSettings, NewRow, VersionTag
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _loopback import LoopbackServer  # noqa: E402
+from _loopback import LoopbackServer, report  # noqa: E402
 
 DIM = 128
 MESSAGE_BYTES = 1 << 20
@@ -163,12 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fctkit-replication-bench-") as tmp:
         result = measure(args.rows, Path(tmp))
-    print(json.dumps(result, indent=2))
-    table = markdown(result)
-    print(table)
-    if args.markdown:
-        with args.markdown.open("a") as fh:
-            fh.write(table + "\n")
+    report(result, markdown(result), args.markdown)
     return 0
 
 
