@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.server.conftest import ADMIN_TOKEN, IMAGE_DIM, ServerProcess, _sources  # noqa: E402
+from tests.server.conftest import ADMIN_TOKEN, IMAGE_DIM, ServerProcess, _sources, admin_token_file  # noqa: E402,F401 (a fixture)
 
 from fctkit.edge_runtime import Device, DeviceSettings  # noqa: E402
 from fctkit.export.bundle import build_bundle  # noqa: E402
@@ -82,11 +82,14 @@ def images() -> Callable[[int, int], np.ndarray]:
 
 @pytest.fixture
 def make_device(tmp_path, publisher_pub) -> Callable[..., Device]:
-    """``make_device(name, passphrase=None, **settings)``: a new device pinning the test publisher key."""
+    """``make_device(name, passphrase=None, owner_key_file=None, owner_key_passphrase=None, **settings)``:
+    a new device pinning the test publisher key (``settings``: :class:`DeviceSettings` fields)."""
     opened: list[Device] = []
 
-    def make(name: str = "dev", passphrase: str | None = None, **settings) -> Device:
-        device = Device.init(tmp_path / name, passphrase=passphrase, publisher_key=publisher_pub, settings=DeviceSettings(**settings))
+    def make(name: str = "dev", passphrase: str | None = None, *, owner_key_file: Path | None = None,
+             owner_key_passphrase: str | None = None, **settings) -> Device:
+        device = Device.init(tmp_path / name, passphrase=passphrase, publisher_key=publisher_pub, settings=DeviceSettings(**settings),
+                             owner_key_file=owner_key_file, owner_key_passphrase=owner_key_passphrase)
         device.progress = False
         opened.append(device)
         return device
@@ -100,13 +103,9 @@ __all__ = ["ADMIN_TOKEN", "ServerProcess", "device_cli", "device_cli_steps", "ma
 
 
 @pytest.fixture(scope="module")
-def edge_server(tmp_path_factory, publisher_pub):
+def edge_server(tmp_path_factory, publisher_pub, admin_token_file):
     """A real `fctkit serve` on loopback pinning the edge tests' publisher key."""
-    root = tmp_path_factory.mktemp("edge-server")
-    token = root / "admin.token"
-    token.write_text(ADMIN_TOKEN + "\n")
-    token.chmod(0o600)
-    server = ServerProcess(root / "data", publisher_pub, token).start()
+    server = ServerProcess(tmp_path_factory.mktemp("edge-server") / "data", publisher_pub, admin_token_file).start()
     yield server
     if server.alive():
         server.stop()

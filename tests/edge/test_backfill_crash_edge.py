@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, publish, start_worker
+from tests.edge.conftest import publish, start_worker
 from tests.edge.test_replication_crash_edge import _device, _kill_somewhere
 from tests.edge.test_replication_edge import state
 
@@ -38,26 +38,15 @@ print("done", flush=True)
 """
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, publisher_pub):
-    root = tmp_path_factory.mktemp("backfill-crash-server")
-    token = root / "admin.token"
-    token.write_text(ADMIN_TOKEN + "\n")
-    token.chmod(0o600)
-    process = ServerProcess(root / "data", publisher_pub, token).start()
-    yield process
-    process.stop()
-
-
-def test_sigkilled_backfill_resumes_replicates_and_converges(server, tiny_bundles, tmp_path, publisher_pub, monkeypatch):
+def test_sigkilled_backfill_resumes_replicates_and_converges(edge_server, tiny_bundles, tmp_path, publisher_pub, monkeypatch):
     import tests.edge.test_replication_crash_edge as crash
 
-    publish(server, tiny_bundles[1], tmp_path)
-    device = _device(tmp_path / "phone", server, "bf-owner", publisher_pub)
+    publish(edge_server, tiny_bundles[1], tmp_path)
+    device = _device(tmp_path / "phone", edge_server, "bf-owner", publisher_pub)
     device.sync()
     pictures = np.random.default_rng(1).standard_normal((ROWS, 16)).astype(np.float32)
     device.add(pictures, item_ids=[f"b{i:04d}" for i in range(ROWS)])
-    publish(server, tiny_bundles[2], tmp_path)
+    publish(edge_server, tiny_bundles[2], tmp_path)
     device.sync()
     assert device.status()["rows_by_space"] == {"v1->v2 (forward)": ROWS}
     device.close()
@@ -92,7 +81,7 @@ def test_sigkilled_backfill_resumes_replicates_and_converges(server, tiny_bundle
         np.testing.assert_allclose(np.frombuffer(got[item][1], "<f4"), np.frombuffer(embedding, "<f4"), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(np.frombuffer(got[item][2], "<f4"), np.frombuffer(side_info, "<f4"), rtol=1e-5, atol=1e-6)
 
-    tablet = _device(tmp_path / "tablet", server, "bf-owner", publisher_pub, owner_key_file=key_file, owner_key_passphrase="pw")
+    tablet = _device(tmp_path / "tablet", edge_server, "bf-owner", publisher_pub, owner_key_file=key_file, owner_key_passphrase="pw")
     tablet.sync()
     assert state(tablet) == got
     tablet.close()

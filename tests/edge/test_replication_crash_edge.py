@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, publish, start_worker
+from tests.edge.conftest import ServerProcess, enrolment_code, publish, start_worker
 from tests.edge.test_replication_edge import state
 
 from fctkit.edge_runtime import Device, DeviceSettings
@@ -85,12 +85,9 @@ def _crash_until(current_root, seed: int, more_work) -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, publisher_pub, tiny_bundles):
+def server(tmp_path_factory, publisher_pub, admin_token_file, tiny_bundles):
     root = tmp_path_factory.mktemp("replica-crash-server")
-    token = root / "admin.token"
-    token.write_text(ADMIN_TOKEN + "\n")
-    token.chmod(0o600)
-    process = ServerProcess(root / "data", publisher_pub, token).start()
+    process = ServerProcess(root / "data", publisher_pub, admin_token_file).start()
     publish(process, tiny_bundles[1], root)
     publish(process, tiny_bundles[2], root)
     yield process

@@ -9,6 +9,7 @@ stops the pull with a clear error and nothing stored is lost."""
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 import threading
 
@@ -17,18 +18,15 @@ import pytest
 
 from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, publish
 
-from fctkit.edge_runtime import Device, DeviceSettings
+from fctkit.edge_runtime import Device
 from fctkit.edge_runtime.replication import seal_changes
 from fctkit.errors import CorruptRecordError, DeviceKeyError, InputError, RpcStatusError
 from fctkit.protos import vault_pb2
 
 
 @pytest.fixture
-def server(tmp_path, publisher_pub, tiny_bundles):
-    token = tmp_path / "admin.token"
-    token.write_text(ADMIN_TOKEN + "\n")
-    token.chmod(0o600)
-    process = ServerProcess(tmp_path / "data", publisher_pub, token).start()
+def server(tmp_path, publisher_pub, admin_token_file, tiny_bundles):
+    process = ServerProcess(tmp_path / "data", publisher_pub, admin_token_file).start()
     publish(process, tiny_bundles[1], tmp_path)
     yield process
     if process.alive():
@@ -44,19 +42,9 @@ def state(device: Device) -> dict[str, tuple]:
 
 
 @pytest.fixture
-def make_device(tmp_path, publisher_pub):
-    """``make_device(name, **init)``: a new device (``Device.init`` keywords, e.g. an owner key file)."""
-    opened: list[Device] = []
-
-    def make(name: str, **init) -> Device:
-        device = Device.init(tmp_path / name, publisher_key=publisher_pub, settings=DeviceSettings(batch_size=8), **init)
-        device.progress = False
-        opened.append(device)
-        return device
-
-    yield make
-    for device in opened:
-        device.close()
+def make_device(make_device):
+    """The edge conftest's ``make_device`` with 8-row batches (upgrades and merges span batches)."""
+    return functools.partial(make_device, batch_size=8)
 
 
 def enrolled(make_device, server, name: str, owner: str, *, sync: bool = True, **init) -> Device:
