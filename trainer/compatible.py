@@ -95,7 +95,7 @@ from fctkit.errors import ConfigError, InputError
 
 from .adapters import FCTAdapter, FCTConfig
 from .backbones import Backbone, BackboneConfig, Encoder, extract_features, random_shift, save_backbone
-from .datasets import class_subset, validate_images, validate_labels
+from .datasets import class_subset, make_splits, validate_images, validate_labels
 from .evaluation import CompatibilityMatrix, RetrievalResult, compatibility_matrix, ecc
 from .fitting import History, fit, split_validation
 from .lambda_orth import LambdaOrthAdapter, LambdaOrthConfig, OrthogonalMap
@@ -627,12 +627,21 @@ class SequenceRun:
         self.facts: dict[str, Any] = {}
         self.version_items = [self.train[class_subset(labels[self.train], c)] for c in self.counts]
         if config.first_version_items < 1:
-            self.version_items[0] = stratified_subset(self.version_items[0], labels, config.first_version_items, config.seed)
+            self.version_items[0] = self._first_version_subset(config.first_version_items)
             self.facts["first_version_items"] = config.first_version_items
         self.reserved = config.cores.reserved_classes or n_classes
         self.out = out / "models" / name
         self.evaluate = Evaluator(labels[self.eval_index], config.evaluation)
         self._cores_first: nn.Module | None = None  # CoReS's v1, shared by "cores" and "cores-hoc"
+
+    def _first_version_subset(self, fraction: float) -> np.ndarray:
+        """``fraction`` of each class's items of version 1, the stratified draw of :func:`make_splits`."""
+        items = self.version_items[0]
+        kept = items[make_splits(self.labels[items], self.config.seed, train_fraction=fraction, query_fraction=0.0).train]
+        classes, counts = np.unique(self.labels[kept], return_counts=True)
+        if len(classes) < len(np.unique(self.labels[items])) or counts.min() < 2:
+            raise ConfigError(f"first_version_items = {fraction} leaves version 1 fewer than 2 images of some class; raise it")
+        return kept
 
     # each version's job: its items, its backbone config and seed
     def job(self, k: int, backbone: BackboneConfig | None = None, items: np.ndarray | None = None) -> VersionTraining:
@@ -918,14 +927,6 @@ def _quiet_progress(config: CompatibleConfig) -> None:
         section.progress = False
     for section in (config.fct, config.lambda_orth):
         section.train.progress = False
-
-
-def stratified_subset(items: np.ndarray, labels: np.ndarray, fraction: float, seed: int) -> np.ndarray:
-    """``fraction`` of each class's ``items`` (at least 2 per class), drawn with ``seed``; sorted."""
-    rng = np.random.default_rng(seed)
-    kept = [rng.permutation(of_class)[: max(2, round(fraction * len(of_class)))]
-            for of_class in (items[labels[items] == c] for c in np.unique(labels[items]))]
-    return np.sort(np.concatenate(kept))
 
 
 def _write_json(path: Path, data: Any) -> Path:

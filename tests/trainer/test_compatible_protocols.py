@@ -95,3 +95,11 @@ def test_first_version_items_makes_a_data_growth_upgrade(tmp_path):
     assert set(first) < set(second) and set(second) == set(range(150))
     assert all(np.sum(labels[first] == c) == round(0.25 * 15) for c in range(10))  # stratified
     assert set(run.labels[run.eval_index]) == set(range(10))
+
+
+def test_first_version_items_too_small_for_a_class_is_a_config_error(tmp_path):
+    labels = np.tile(np.arange(10), 20)
+    config = from_mapping(CompatibleConfig, {"upgrade": [10, 10], "first_version_items": 0.05})
+    with pytest.raises(ConfigError, match="fewer than 2 images of some class"):
+        SequenceRun(config, "upgrade", (10, 10), np.zeros((200, 1, 8, 8)), labels, np.arange(150), np.arange(150, 200),
+                    10, tmp_path, log=lambda _: None)
