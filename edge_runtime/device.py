@@ -466,11 +466,11 @@ class Device:
             return [Hop(h.source_version, h.target_version, h.bundle_version, None if h.identity else h.forward.name,
                         h.side_forward.name if h.HasField("side_forward") else None) for h in planned.hops]
 
-        plan = self._plan_from_rows(target, server_hops, "the server publishes no adapter path")
-        for bundle in sorted({h.bundle for h in plan.hops}):
-            self._download(client, bundle)
-        check_plan_dims(plan, self._row_sources(target), self._installed_manifest)
-        return plan
+        def download(bundles: set[int]) -> None:
+            for bundle in sorted(bundles):
+                self._download(client, bundle)
+
+        return self._plan_from_rows(target, server_hops, "the server publishes no adapter path", fetch=download)
 
     def installed_hops(self, source: int, target: int) -> list[Hop] | None:
         """The cheapest hops from ``source`` to ``target`` over the installed bundles, planned as
@@ -485,10 +485,8 @@ class Device:
     def _local_plan(self, target: int) -> UpgradePlan:
         """The plan to ``target`` over the installed bundles only (offline)."""
         installed = ", ".join(f"v{v}" for v in self.installed_versions())
-        plan = self._plan_from_rows(target, lambda source: self.installed_hops(source, target),
+        return self._plan_from_rows(target, lambda source: self.installed_hops(source, target),
                                     f"the installed bundles ({installed}) hold no adapter path")
-        check_plan_dims(plan, self._row_sources(target), self._installed_manifest)
-        return plan
 
     def _row_sources(self, target: int) -> list[int]:
         """The versions an upgrade to ``target`` starts from: those of the rows not yet in its
@@ -496,12 +494,14 @@ class Device:
         version (rows added while the upgrade runs)."""
         return sorted(set(self.gallery.row_versions(target)) | {self.version})
 
-    def _plan_from_rows(self, target: int, find_hops, missing: str) -> UpgradePlan:
-        """One plan with a path from every source version (hops shared where paths meet).
+    def _plan_from_rows(self, target: int, find_hops, missing: str, fetch=None) -> UpgradePlan:
+        """One plan with a path from every source version (hops shared where paths meet),
+        checked by :func:`check_plan_dims` once ``fetch(bundles)`` has brought the hops' bundles.
         In unified mode a source without a path keeps its rows (they stay comparable)."""
         mode = self.engine(target).manifest.mode
+        sources = self._row_sources(target)
         by_source: dict[int, Hop] = {}
-        for source in self._row_sources(target):
+        for source in sources:
             if source == target or source in by_source:
                 continue
             hops = find_hops(source)
@@ -512,7 +512,11 @@ class Device:
                                   f"({self.gallery.remaining(target)} row(s) wait); publish or install one, or back-fill those rows")
             for hop in hops:
                 by_source.setdefault(hop.source, hop)
-        return UpgradePlan(target, mode, tuple(sorted(by_source.values(), key=lambda h: (h.source, h.target))))
+        plan = UpgradePlan(target, mode, tuple(sorted(by_source.values(), key=lambda h: (h.source, h.target))))
+        if fetch is not None:
+            fetch({h.bundle for h in plan.hops})
+        check_plan_dims(plan, sources, self._installed_manifest)
+        return plan
 
     def upgrade(self, bundle_dirs: str | os.PathLike | Sequence[str | os.PathLike] | None = None) -> int:
         """Offline: resume an interrupted upgrade, or install ``bundle_dirs`` (each verified, in

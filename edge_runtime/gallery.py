@@ -488,8 +488,8 @@ class Gallery:
             live, staged = self._tables()
             rows = self._db.execute(
                 f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.embedding, v.side_info, NULL "
-                f"FROM {live} v JOIN items i USING (row_id) WHERE v.version != ? AND v.row_id > ? "
-                f"AND NOT EXISTS (SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id) ORDER BY v.row_id LIMIT ?",
+                f"FROM {live} v JOIN items i USING (row_id) WHERE {_not_yet_in(staged)} AND v.row_id > ? "
+                f"ORDER BY v.row_id LIMIT ?",
                 (target_version, after_row_id, limit),
             ).fetchall()
         return self._decrypt_rows(rows, with_labels=False)
@@ -497,14 +497,12 @@ class Gallery:
     def row_versions(self, target_version: int) -> list[int]:
         """The version tags of the rows not yet in ``target_version``'s space (staged rows count as done)."""
         live, staged = self._tables()
-        query = (f"SELECT DISTINCT v.version FROM {live} v WHERE v.version != ? "
-                 f"AND NOT EXISTS (SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id) ORDER BY v.version")
+        query = f"SELECT DISTINCT v.version FROM {live} v WHERE {_not_yet_in(staged)} ORDER BY v.version"
         return [row[0] for row in self._db.execute(query, (target_version,))]
 
     def remaining(self, target_version: int) -> int:
         live, staged = self._tables()
-        query = (f"SELECT COUNT(*) FROM {live} v WHERE v.version != ? "
-                 f"AND NOT EXISTS (SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id)")
+        query = f"SELECT COUNT(*) FROM {live} v WHERE {_not_yet_in(staged)}"
         return self._db.execute(query, (target_version,)).fetchone()[0]
 
     def write_upgrades(self, batches: Sequence[UpgradedRows], *, staged: bool) -> None:
@@ -748,6 +746,12 @@ def _stack(vectors: list[bytes]) -> np.ndarray:
     ragged = np.empty(len(vectors), dtype=object)
     ragged[:] = [np.frombuffer(v, dtype="<f4") for v in vectors]
     return ragged
+
+
+def _not_yet_in(staged: str) -> str:
+    """SQL condition on a live vector row ``v``: not in the target version's space (its one
+    parameter) and not staged there yet (``staged``: the staged vector table)."""
+    return f"v.version != ? AND NOT EXISTS (SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id)"
 
 
 def take_rows(vectors: np.ndarray, rows: Sequence[int]) -> np.ndarray:
