@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from fctkit.trainer.backbones import extract_features
-from fctkit.trainer.compatible import load_compatible_config, load_compatible_model, run_compatible
+from fctkit.trainer.compatible import evaluation_items, load_compatible_config, load_compatible_model, run_compatible
 from fctkit.trainer.evaluation import evaluate_retrieval
 from fctkit.trainer.pipeline import load_image_splits
 
@@ -58,23 +58,22 @@ def measure(config_path: str, method: str, overrides: dict[str, object], seed: i
                                                   "progress": False, "device": "cpu", **overrides})
     run_compatible(config, out, log=lambda _: None)
     gate = json.loads((out / "gate.json").read_text())
-    facts = json.loads((out / "results.json").read_text())["upgrade"]["facts"]
+    results = json.loads((out / "results.json").read_text())["upgrade"]
     splits = load_image_splits(config)
     old_classes = np.unique(splits.labels[splits.train])[: config.upgrade[0]]
-    trained = np.isin(splits.labels[splits.evaluation], np.unique(splits.labels[splits.train])[: config.upgrade[-1]])
-    evaluation = splits.evaluation[trained if config.evaluation_classes == "trained" else ~trained]
+    evaluation = evaluation_items(splits.labels, splits.train, splits.evaluation, config.upgrade[-1], config.evaluation_classes)
     images, labels = splits.images[evaluation], splits.labels[evaluation]
     old, new = (extract_features(load_compatible_model(out / "models" / "upgrade" / method / f"v{k}.pt"), images) for k in (1, 2))
     seen = np.isin(labels, old_classes)
     cases = gate["cases"][method]
     row = {name: cases[name]["top1"] for name in ("old/old", "new/old", "new/new")}
-    known = json.loads((out / "results.json").read_text())["upgrade"]["cases_on_gallery_classes"].get(method)
+    known = results["cases_on_gallery_classes"].get(method)
     row["old classes: old/old"], row["old classes: new/old"] = (known["v1/v1"]["cmc"]["1"], known["v2/v1"]["cmc"]["1"]) if known else (None, None)
     # queries of one group against the whole old gallery; a query is left out of the gallery by position
     for group, mask in (("seen", seen), ("unseen", ~seen)):
         for case, query in (("old/old", old), ("new/old", new)):
             row[f"{case} {group} queries"] = _group_top1(query, old, labels, mask)
-    row["checkpoints"] = facts.get(f"{method}_checkpoints")
+    row["checkpoints"] = results["facts"].get(f"{method}_checkpoints")
     return row
 
 

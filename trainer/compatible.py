@@ -605,6 +605,15 @@ class SequenceResult:
         }
 
 
+def evaluation_items(labels: np.ndarray, train: np.ndarray, evaluation: np.ndarray, last_classes: int,
+                     evaluation_classes: str) -> np.ndarray:
+    """The ``evaluation`` items every case is measured on: those of the first ``last_classes``
+    training classes ("trained") or of the other classes ("held-out"; see
+    :attr:`CompatibleConfig.evaluation_classes`)."""
+    trained = np.isin(labels[evaluation], np.unique(labels[train])[:last_classes])
+    return evaluation[~trained if evaluation_classes == "held-out" else trained]
+
+
 class SequenceRun:
     """Trains every method's versions over one class sequence and evaluates them."""
 
@@ -615,11 +624,9 @@ class SequenceRun:
         if self.counts[-1] > n_classes:
             raise ConfigError(f"{name}: {self.counts[-1]} classes asked for, the dataset has {n_classes}")
         self.images, self.labels = validate_images(images), validate_labels(labels)
-        trained_classes = np.unique(labels[train])[: self.counts[-1]]
-        self.train = train[np.isin(labels[train], trained_classes)]
-        trained = np.isin(labels[evaluation], trained_classes)
+        self.train = train[np.isin(labels[train], np.unique(labels[train])[: self.counts[-1]])]
         self.held_out = config.evaluation_classes == "held-out"
-        self.eval_index = evaluation[~trained if self.held_out else trained]
+        self.eval_index = evaluation_items(labels, train, evaluation, self.counts[-1], config.evaluation_classes)
         if len(np.unique(labels[self.eval_index])) < 2:
             raise ConfigError(f"{name}: evaluation_classes = {config.evaluation_classes!r} leaves fewer than 2 evaluation "
                               f"classes (the last version trains on {self.counts[-1]} of {n_classes}); "
@@ -942,5 +949,5 @@ def orthogonality_errors(model: BT2Backbone) -> tuple[float, float]:
 __all__ = [
     "BCTConfig", "BT2Config", "CoReSConfig", "CompatibleConfig", "BT2Backbone", "EccSelector", "SequenceResult",
     "CompatibleResult", "simplex_vertices", "cores_backbone", "load_compatible_config", "load_compatible_model",
-    "save_compatible_model", "run_compatible", "train_model",
+    "save_compatible_model", "run_compatible", "train_model", "evaluation_items", "hoc_loss",
 ]
