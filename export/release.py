@@ -38,7 +38,8 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fctkit.errors import DataUnavailableError, GateError, InputError
-from fctkit.protos.bundle import GATED_ROLES, Mode, Role, VerifiedBundle, artifact_name, pack_bundle, verify_bundle
+from fctkit.protos.bundle import (GATED_ROLES, Mode, Role, VerifiedBundle, artifact_name, gate_failures, gated_artifacts,
+                                  pack_bundle, verify_bundle)
 
 from .bundle import build_bundle
 from .roles import RoleExport, export_role
@@ -383,10 +384,8 @@ class _Exporter:
 
 def _check_gates(plans: Sequence[VersionPlan], force: bool) -> None:
     """Refuse before exporting anything when a version's ECC gate fails and ``force`` is not set."""
-    failing = [
-        f"v{plan.version} {role.name}" for plan in plans for role in plan.roles
-        if role.role in GATED_ROLES and plan.gate["ecc"].get(role.name) is not True
-    ]
+    failing = [f"v{plan.version} {name}" for plan in plans
+               for name in gate_failures(gated_artifacts(plan.roles, plan.mode, plan.parents), plan.gate["ecc"])]
     if failing and not force:
         raise GateError(
             f"publishing refused: the run's ECC (M(new, h(old)) > M(old, old)) does not hold for {', '.join(failing)}; "

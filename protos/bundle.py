@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -452,19 +452,23 @@ def _check_artifacts(m: Manifest) -> None:
             raise BundleFormatError(f"{where}: there is no forward artifact from v{a.source_version} for it to qualify")
 
 
+_Named = TypeVar("_Named")  # an artifact or a plan of one: has ``role`` and ``name``
+
+
 def _require_dim(spec: TensorSpec, expected: int, where: str, field: str) -> None:
     if len(spec.shape) != 2 or spec.feature_dim != expected:
         raise BundleFormatError(f"{where} {spec.name!r} has shape {spec.shape}, but the manifest's {field} is {expected}")
 
 
-def gated_artifacts(artifacts: Sequence[Artifact], mode: str, parents: Sequence[int]) -> list[Artifact]:
+def gated_artifacts(artifacts: Sequence[_Named], mode: str, parents: Sequence[int]) -> list[_Named]:
     """The artifacts whose ECC verdict the gate records: every forward/backward adapter and, in
     a "compatible" bundle with parents, its embed graph (the new backbone, whose queries meet
-    the parents' rows as they are)."""
+    the parents' rows as they are). ``artifacts``: anything with ``role`` and ``name`` (a
+    manifest's artifacts, or an export's plan of them before anything is exported)."""
     return [a for a in artifacts if a.role in GATED_ROLES or (mode == "compatible" and parents and a.role == "embed")]
 
 
-def gate_failures(gated: Sequence[Artifact], ecc: Mapping[str, Any]) -> list[str]:
+def gate_failures(gated: Sequence[_Named], ecc: Mapping[str, Any]) -> list[str]:
     """Names of the ``gated`` artifacts (:func:`gated_artifacts`) for which ECC is not recorded as holding."""
     return [a.name for a in gated if ecc.get(a.name) is not True]
 
