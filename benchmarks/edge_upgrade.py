@@ -13,7 +13,11 @@ is built (not timed), then:
 * upgrade: ``Device.upgrade(bundle)`` end to end — bundle verification, then per batch
   decrypt + transform + seal + one SQLite commit, then the switch commit.
 
-The ratio upgrade/bare is the target ≥ 0.6. Re-embedding: a ResNet-50 with a 128-d head
+The ratio upgrade/bare is the target ≥ 0.6. Two floors put it in context: the *sealed-store*
+floor (the per-row sealing and SQLite writes of a one-record-per-vector store, nothing else)
+and the *bulk* floor (AES-GCM in 1 MiB records + one fsync'd sequential write: what any
+encrypted durable store pays, whatever its layout); bare / (bare + bulk floor) is the best
+ratio any encrypted, durable upgrade could reach on this machine. Re-embedding: a ResNet-50 with a 128-d head
 (the FCT paper's backbone, 224x224 images, random weights: cost does not depend on them)
 exported to ONNX, per image on the same machine; the ratio is re-embed time per row over
 FCT upgrade time per row (target ≥ 100). Torch is needed only to export the ResNet-50
@@ -23,6 +27,7 @@ FCT upgrade time per row (target ≥ 100). Torch is needed only to export the Re
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sqlite3
 import statistics
@@ -32,6 +37,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from tqdm import tqdm
 
 from fctkit.edge_runtime import Device, DeviceSettings, NewRow, VersionTag
@@ -173,6 +179,29 @@ def sealed_store_floor_seconds(embeddings: np.ndarray, side_infos: np.ndarray, f
     return seconds
 
 
+def bulk_floor_seconds(embeddings: np.ndarray, folder: Path, chunk_bytes: int = 1 << 20) -> float:
+    """The least work *any* encrypted durable store must do to replace N embeddings, whatever its
+    record layout: open the old vectors and seal the new ones with AES-256-GCM in 1 MiB records
+    (one call per MiB, so no per-row cost at all), then write the new ciphertext sequentially to
+    one file and fsync it. Only the embeddings count (ψ unchanged, no index, no metadata)."""
+    aesgcm = AESGCM(bytes(32))
+    plain = embeddings.tobytes()
+    chunks = [plain[i:i + chunk_bytes] for i in range(0, len(plain), chunk_bytes)]
+    nonces = [i.to_bytes(12, "big") for i in range(len(chunks))]
+    sealed_old = [aesgcm.encrypt(n, c, b"old") for n, c in zip(nonces, chunks)]
+    path = folder / "bulk-floor.bin"
+    start = time.perf_counter()
+    opened = [aesgcm.decrypt(n, c, b"old") for n, c in zip(nonces, sealed_old)]
+    with path.open("wb") as out:
+        for n, c in zip(nonces, opened):
+            out.write(aesgcm.encrypt(n, c, b"new"))
+        out.flush()
+        os.fsync(out.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return seconds
+
+
 def measure_adapter(adapter: str, rows: int, batch: int, threads: int, work: Path, key, pub: Path) -> dict:
     v1, v2 = build_bundles(work / f"{adapter}-bundles", adapter, key)
     device = Device.init(work / f"{adapter}-device", publisher_key=pub, settings=DeviceSettings(batch_size=batch, threads=threads))
@@ -184,6 +213,7 @@ def measure_adapter(adapter: str, rows: int, batch: int, threads: int, work: Pat
     model = work / f"{adapter}-bundles" / "h.onnx"
     bare = [bare_transform_seconds(model, inputs, batch, threads)]
     floor_s = sealed_store_floor_seconds(loaded.embeddings, loaded.side_infos, work)
+    bulk_floor_s = bulk_floor_seconds(loaded.embeddings, work)
     del loaded, inputs
     start = time.perf_counter()
     upgraded = device.upgrade(v2)
@@ -197,7 +227,8 @@ def measure_adapter(adapter: str, rows: int, batch: int, threads: int, work: Pat
     bare_s = statistics.mean(bare)
     return {"adapter": adapter, "rows": rows, "fill_s": fill_s, "bare_s": bare_s, "bare_runs_s": bare, "upgrade_s": upgrade_s,
             "bare_rows_per_s": rows / bare_s, "upgrade_rows_per_s": rows / upgrade_s, "ratio": bare_s / upgrade_s,
-            "floor_s": floor_s, "ceiling_ratio": (bare_s + floor_s) / upgrade_s}
+            "floor_s": floor_s, "ceiling_ratio": (bare_s + floor_s) / upgrade_s,
+            "bulk_floor_s": bulk_floor_s, "best_possible_ratio": bare_s / (bare_s + bulk_floor_s)}
 
 
 def resnet50(embedding_dim: int = 128):
@@ -253,12 +284,13 @@ def markdown(results: list[dict], reembed_s: float | None, args: argparse.Namesp
         f"Rows: {args.rows:,}, batch {args.batch}, ONNX Runtime threads {args.threads or 'default'}, CPU provider.",
         "",
         "| adapter | bare ORT rows/s | device upgrade rows/s | upgrade / bare (target ≥ 0.6) | sealed-store floor rows/s "
-        "| upgrade / (bare + floor) | gallery fill s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| upgrade / (bare + floor) | bulk floor rows/s | best possible upgrade / bare | gallery fill s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(f"| {r['adapter']} | {r['bare_rows_per_s']:,.0f} | {r['upgrade_rows_per_s']:,.0f} | {r['ratio']:.2f} "
-                     f"| {r['rows'] / r['floor_s']:,.0f} | {r['ceiling_ratio']:.2f} | {r['fill_s']:.0f} |")
+                     f"| {r['rows'] / r['floor_s']:,.0f} | {r['ceiling_ratio']:.2f} | {r['rows'] / r['bulk_floor_s']:,.0f} "
+                     f"| {r['best_possible_ratio']:.2f} | {r['fill_s']:.0f} |")
     if reembed_s is not None:
         fct = next(r for r in results if r["adapter"] == "fct")
         per_row = fct["upgrade_s"] / fct["rows"]
@@ -290,7 +322,8 @@ def main(argv: list[str] | None = None) -> None:
         for adapter in args.adapters.split(","):
             result = measure_adapter(adapter, args.rows, args.batch, args.threads, work, key, pub)
             print(f"{adapter}: bare {result['bare_rows_per_s']:,.0f} rows/s, upgrade {result['upgrade_rows_per_s']:,.0f} rows/s, "
-                  f"ratio {result['ratio']:.2f}, vs bare + sealed-store floor {result['ceiling_ratio']:.2f} (bare runs {', '.join(f'{s:.1f}' for s in result['bare_runs_s'])} s)", flush=True)
+                  f"ratio {result['ratio']:.2f}, vs bare + sealed-store floor {result['ceiling_ratio']:.2f}, "
+                  f"best possible for any encrypted durable store {result['best_possible_ratio']:.2f} (bare runs {', '.join(f'{s:.1f}' for s in result['bare_runs_s'])} s)", flush=True)
             results.append(result)
         reembed = None if args.skip_reembed else reembed_seconds_per_row(work, args.reembed_images, args.threads)
         text = markdown(results, reembed, args)

@@ -1,0 +1,42 @@
+"""The edge upgrade benchmark runs end to end at a tiny size and reports every column its
+BENCHMARKS.md table has (no timing is asserted: figures belong to the benchmark's own runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "edge_upgrade.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("edge_upgrade_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_small_run_reports_ratios_and_both_floors(bench, tmp_path: Path) -> None:
+    table = tmp_path / "edge.md"
+    bench.main(["--rows", "3000", "--batch", "512", "--threads", "1", "--skip-reembed", "--markdown", str(table)])
+    lines = table.read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| adapter"))
+    assert "bulk floor rows/s" in header and "best possible upgrade / bare" in header
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines
+            if line.startswith("| fct") or line.startswith("| linear")}
+    assert set(rows) == {"fct", "linear"}
+    for cells in rows.values():
+        assert len(cells) == 8 and all(re.fullmatch(r"[\d,.]+", c) for c in cells)
+        assert 0 < float(cells[6]) <= 1  # bare / (bare + bulk floor) is a fraction by construction
+
+
+def test_bulk_floor_leaves_nothing_behind(bench, tmp_path: Path) -> None:
+    import numpy as np
+
+    seconds = bench.bulk_floor_seconds(np.ones((5000, 128), dtype=np.float32), tmp_path, chunk_bytes=64 << 10)
+    assert seconds > 0 and list(tmp_path.iterdir()) == []
