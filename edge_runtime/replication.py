@@ -25,6 +25,13 @@ advanced in one transaction. Merging follows :func:`fctkit.edge_runtime.records.
 * a tombstone removes the item everywhere and for good; the device that removed the item
   deletes its original from the vault once the server acknowledged the tombstone.
 
+The server compacts the replica (``fctkit.server.storage.compact_replica``): it drops records
+that lose, in this same order, to a tombstone of the item, to another record of the item at
+the same version, or to a record at the version every device of the owner reports. A device
+at that version ends with the row it would have had; a device further ahead that moves old
+records with its adapters may move a different one of equal rank first, and converges with
+the others as before, through the records it pushes back.
+
 Replication waits while an upgrade is in progress (``sync`` finishes the upgrade first).
 A device restored from the owner key alone (``init --import-key``, enrol into the owner,
 ``sync``) rebuilds its gallery from these records: rows at the installed version are the

@@ -23,12 +23,16 @@ becomes the only device of an owner of its own.
 
 Replica records (``replica_records``) get a per-owner sequence number, assigned in the
 transaction that stores them; ``(device_id, change_id)`` is unique, so a retried push finds
-its records already stored and never duplicates them.
+its records already stored and never duplicates them. A record that loses to another live
+record of its item on every device that could still pull it is *superseded*: its sealed bytes
+are dropped (and leave the owner's quota), its row stays for that idempotency check, and pulls
+skip it (:func:`compact_replica`; schema 2 databases are migrated and compacted in place).
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import sqlite3
@@ -41,7 +45,7 @@ from fctkit.errors import ConfigError
 
 from .content_store import ContentStore
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (
     version INTEGER PRIMARY KEY,
@@ -102,9 +106,12 @@ CREATE TABLE IF NOT EXISTS replica_records (
     tombstone INTEGER NOT NULL,
     sealed BLOB NOT NULL,
     created_at TEXT NOT NULL,
+    sealed_sha256 TEXT NOT NULL DEFAULT '',
+    superseded INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (owner_id, sequence),
     UNIQUE (device_id, change_id)
 );
+CREATE INDEX IF NOT EXISTS replica_live_by_item ON replica_records (owner_id, item_id, version) WHERE superseded = 0;
 CREATE TABLE IF NOT EXISTS owner_keys (
     owner_id TEXT PRIMARY KEY,
     key_id TEXT NOT NULL
@@ -134,7 +141,74 @@ def _add_owners(db: sqlite3.Connection) -> None:
                "WHERE owner_id IS NULL")
 
 
-_MIGRATIONS = {1: _add_owners}  # schema found -> the step to the next one
+def _add_replica_compaction(db: sqlite3.Connection) -> None:
+    """Schema 2 -> 3: replica records know their sealed bytes' SHA-256 and whether they are
+    superseded; every owner's replica is compacted once."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(replica_records)")}
+    if not columns:
+        return  # schema 1 had no replica: the table is created as it is now
+    if "sealed_sha256" not in columns:
+        db.execute("ALTER TABLE replica_records ADD COLUMN sealed_sha256 TEXT NOT NULL DEFAULT ''")
+    if "superseded" not in columns:
+        db.execute("ALTER TABLE replica_records ADD COLUMN superseded INTEGER NOT NULL DEFAULT 0")
+    db.create_function("fctkit_sha256", 1, lambda sealed: hashlib.sha256(sealed).hexdigest(), deterministic=True)
+    db.execute("UPDATE replica_records SET sealed_sha256 = fctkit_sha256(sealed) WHERE sealed_sha256 = ''")
+    db.execute("CREATE INDEX IF NOT EXISTS replica_live_by_item ON replica_records (owner_id, item_id, version) "
+               "WHERE superseded = 0")
+    for (owner_id,) in db.execute("SELECT owner_id FROM replica_owners").fetchall():
+        compact_replica(db, owner_id)
+
+
+_MIGRATIONS = {1: _add_owners, 2: _add_replica_compaction}  # schema found -> the step to the next one
+
+
+# A live record is superseded when another live record of the same item wins over it on every
+# device that could still pull it (the devices' merge order, fctkit.edge_runtime.records.beats):
+# a tombstone (the earliest one of an item stays); at the same version a higher-ranked via
+# ('native'/'backward' over 'forward'), then the smaller SHA-256 of the sealed bytes (the earlier
+# of two identical ones); or a record
+# at a higher version when every device of the owner is at exactly that version (:common_version;
+# a device further on may have skipped it and so could not place the record, only the older one).
+_SUPERSEDED = """
+SELECT r.sequence, length(r.sealed) FROM replica_records r
+WHERE r.owner_id = :owner AND r.superseded = 0 {items} AND EXISTS (
+    SELECT 1 FROM replica_records w
+    WHERE w.owner_id = r.owner_id AND w.item_id = r.item_id AND w.superseded = 0 AND w.sequence != r.sequence AND (
+        (w.tombstone = 1 AND (r.tombstone = 0 OR w.sequence < r.sequence))
+        OR (w.tombstone = 0 AND r.tombstone = 0 AND (
+            w.version > r.version AND w.version = :common_version
+            OR w.version = r.version AND ((w.via != 'forward') > (r.via != 'forward')
+                OR (w.via != 'forward') = (r.via != 'forward') AND (w.sealed_sha256, w.sequence) < (r.sealed_sha256, r.sequence))))))
+"""
+
+
+def common_version(db: sqlite3.Connection, owner_id: str | None) -> int:
+    """The version every device of the owner reports, or 0 while they differ."""
+    lowest, highest = db.execute("SELECT MIN(version), MAX(version) FROM devices WHERE owner_id=?", (owner_id,)).fetchone()
+    return lowest if lowest == highest and lowest else 0
+
+
+def compact_replica(db: sqlite3.Connection, owner_id: str, items: Sequence[str] | None = None) -> int:
+    """Mark the owner's superseded records (all of them, or those of ``items``) and drop their
+    sealed bytes; returns how many. Their rows stay (empty), so a retried push of one is still
+    answered with the sequence number it got. Runs inside the caller's transaction."""
+    params = {"owner": owner_id, "common_version": common_version(db, owner_id)}
+    found: list[tuple[int, int]] = []
+    if items is None:
+        found = db.execute(_SUPERSEDED.format(items=""), params).fetchall()
+    else:
+        unique = list(dict.fromkeys(items))
+        for start in range(0, len(unique), 500):
+            chunk = unique[start:start + 500]
+            marks = ",".join(f":i{k}" for k in range(len(chunk)))
+            found += db.execute(_SUPERSEDED.format(items=f"AND r.item_id IN ({marks})"),
+                                {**params, **{f"i{k}": item for k, item in enumerate(chunk)}}).fetchall()
+    if found:
+        db.executemany("UPDATE replica_records SET superseded = 1, sealed = X'' WHERE owner_id=? AND sequence=?",
+                       [(owner_id, sequence) for sequence, _ in found])
+        db.execute("UPDATE replica_owners SET sealed_bytes = sealed_bytes - ? WHERE owner_id=?",
+                   (sum(size for _, size in found), owner_id))
+    return len(found)
 
 
 @dataclass(frozen=True)
@@ -230,7 +304,8 @@ class Storage(Protocol):
               owner_key_id: str = "") -> DeviceRecord | None: ...
     def device_for_token(self, token_hash: str) -> str | None: ...
     def device_owner(self, device_id: str) -> str | None: ...
-    def record_report(self, device_id: str, report: DeviceReport, now: str) -> None: ...
+    def record_report(self, device_id: str, report: DeviceReport, now: str) -> bool: ...
+    def compact_replica_page(self, owner_id: str, after_item: str, limit: int) -> str | None: ...
     def list_devices(self, after_seq: int, limit: int) -> list[DeviceRecord]: ...
 
     def counts(self) -> dict[str, int]: ...
@@ -359,12 +434,14 @@ class SqliteStorage:
                     assigned[record.change_id] = last
                     size += len(record.sealed)
                     new_rows.append((owner_id, last, device_id, record.change_id, record.item_id, record.version,
-                                     record.origin_version, record.via, int(record.tombstone), record.sealed, now))
+                                     record.origin_version, record.via, int(record.tombstone), record.sealed, now,
+                                     hashlib.sha256(record.sealed).hexdigest()))
                 sequences.append(assigned[record.change_id])
             self._db.executemany(
                 "INSERT INTO replica_records (owner_id, sequence, device_id, change_id, item_id, version, origin_version, "
-                "via, tombstone, sealed, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", new_rows)
+                "via, tombstone, sealed, created_at, sealed_sha256) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", new_rows)
             self._db.execute("INSERT OR REPLACE INTO replica_owners VALUES (?, ?, ?)", (owner_id, last, size))
+            compact_replica(self._db, owner_id, [row[4] for row in new_rows])
         stored = len(new_rows)
         return PushOutcome(stored, len(records) - stored, last, tuple(sequences))
 
@@ -382,7 +459,7 @@ class SqliteStorage:
     def pull_records(self, owner_id: str, after_sequence: int, limit: int) -> list[ReplicaRecord]:
         rows = self._db.execute(
             "SELECT change_id, item_id, version, origin_version, via, tombstone, sealed, sequence FROM replica_records "
-            "WHERE owner_id=? AND sequence>? ORDER BY sequence LIMIT ?",
+            "WHERE owner_id=? AND sequence>? AND superseded=0 ORDER BY sequence LIMIT ?",
             (owner_id, after_sequence, limit),
         )
         return [ReplicaRecord(c, i, v, o, via, bool(t), bytes(s), seq) for c, i, v, o, via, t, s, seq in rows]
@@ -437,13 +514,30 @@ class SqliteStorage:
         row = self._db.execute("SELECT owner_id FROM devices WHERE device_id=?", (device_id,)).fetchone()
         return row[0] if row else None
 
-    def record_report(self, device_id: str, report: DeviceReport, now: str) -> None:
-        self._db.execute(
-            "UPDATE devices SET last_report_at=?, version=?, gallery_size=?, upgrade_state=?, target_version=?, "
-            "progress=?, detail=? WHERE device_id=?",
-            (now, report.version, report.gallery_size, report.upgrade_state, report.target_version,
-             report.progress, report.detail, device_id),
-        )
+    def record_report(self, device_id: str, report: DeviceReport, now: str) -> bool:
+        """Store the device's report. True when every device of its owner has now reached the
+        same version: records at older versions may have become superseded (:meth:`compact_replica_page`)."""
+        with self._transaction():
+            owner_id = self.device_owner(device_id)
+            before = common_version(self._db, owner_id)
+            self._db.execute(
+                "UPDATE devices SET last_report_at=?, version=?, gallery_size=?, upgrade_state=?, target_version=?, "
+                "progress=?, detail=? WHERE device_id=?",
+                (now, report.version, report.gallery_size, report.upgrade_state, report.target_version,
+                 report.progress, report.detail, device_id),
+            )
+            return owner_id is not None and common_version(self._db, owner_id) not in (0, before)
+
+    def compact_replica_page(self, owner_id: str, after_item: str, limit: int) -> str | None:
+        """Compact the records of the owner's next ``limit`` item ids after ``after_item`` (in
+        one transaction); the last item id done, or None when there were none left."""
+        with self._transaction():
+            items = [row[0] for row in self._db.execute(
+                "SELECT DISTINCT item_id FROM replica_records WHERE owner_id=? AND superseded=0 AND item_id>? "
+                "ORDER BY item_id LIMIT ?", (owner_id, after_item, limit))]
+            if items:
+                compact_replica(self._db, owner_id, items)
+        return items[-1] if items else None
 
     def list_devices(self, after_seq: int, limit: int) -> list[DeviceRecord]:
         return self._devices("WHERE d.seq>? ORDER BY d.seq LIMIT ?", (after_seq, limit))

@@ -2,7 +2,8 @@
 
 Two devices of one owner add items concurrently while one upgrades to v2: after syncing their
 decrypted galleries are identical; another owner's device is refused everything of the owner;
-a wiped device restores an identical gallery from the owner key alone; the server's disk holds
+a wiped device restores an identical gallery from the owner key alone (after the server
+compacted the superseded records away); the server's disk holds
 no gallery vector; tombstones propagate; a retried push stores nothing twice; a record of a
 version not installed waits pending until the upgrade; a tampered record or a wrong owner key
 stops the pull with a clear error and nothing stored is lost."""
@@ -103,6 +104,9 @@ def test_two_devices_of_one_owner_converge_while_one_upgrades(server, tiny_bundl
     assert tablet.backfill(40, order="random").backfilled == len(adapted)
     converge(tablet, alice)
     assert state(alice) == state(tablet) and {tag for tag, *_ in state(alice).values()} == {"v2"}
+    with alice.client() as client:  # both devices report v2: the server keeps one record per item
+        live = [r for batch in client.pull_records() for r in batch.records]
+    assert len(live) == 40 and {(r.version, r.via) for r in live} == {(2, "native")}
 
     # the server's disk holds no float32 vector of the gallery, only ciphertext
     on_disk = b"".join(p.read_bytes() for p in server.data_dir.rglob("*") if p.is_file())

@@ -1,7 +1,8 @@
 """Owners and the replica RPCs on a real server: devices of one owner share blobs and records,
 other owners get PERMISSION_DENIED; PushRecords assigns gap-free per-owner sequence numbers,
 stores a retried push once, refuses malformed records (INVALID_ARGUMENT) and a full replica
-quota (RESOURCE_EXHAUSTED); a schema-1 database (before owners) is migrated in place."""
+quota (RESOURCE_EXHAUSTED); a schema-1 database (before owners) is migrated in place.
+Superseded records are compacted away (test_replica_compaction.py)."""
 
 from __future__ import annotations
 
@@ -87,8 +88,8 @@ def test_malformed_records_are_invalid_argument(server, bad):
 
 def test_replica_quota_is_resource_exhausted_and_stores_nothing_of_the_batch(server):
     device, _ = _device(server)
-    assert device.push_records([_record(i, size=1000) for i in range(1, 4)]).stored == 3
-    assert _code(lambda: device.push_records([_record(i, size=1000) for i in range(4, 6)])) == "RESOURCE_EXHAUSTED"
+    assert device.push_records([_record(i, f"item-{i}", size=1000) for i in range(1, 4)]).stored == 3
+    assert _code(lambda: device.push_records([_record(i, f"item-{i}", size=1000) for i in range(4, 6)])) == "RESOURCE_EXHAUSTED"
     assert [r.change_id for b in device.pull_records() for r in b.records] == [1, 2, 3]
     too_many = [vault_pb2.PushRecordsRequest(records=[_record(i, size=100) for i in range(10, 4107)])]
     with pytest.raises(grpc.RpcError) as refused:
@@ -126,7 +127,7 @@ def test_a_push_call_holds_at_most_65536_records(start_server):
     device, _ = _device(start_server())  # the default replica quota (1 GiB)
     with pytest.raises(InputError, match="at most 65536"):
         device.push_records([_record(1, size=28)] * (limits.MAX_RECORDS_PER_PUSH + 1))
-    requests = [vault_pb2.PushRecordsRequest(records=[_record(i, size=28) for i in range(k, k + 4096)])
+    requests = [vault_pb2.PushRecordsRequest(records=[_record(i, f"item-{i}", size=28) for i in range(k, k + 4096)])
                 for k in range(1, limits.MAX_RECORDS_PER_PUSH + 4097, 4096)]  # 16 full messages and one more
     with pytest.raises(grpc.RpcError) as refused:
         device.vault.PushRecords(iter(requests), metadata=device._metadata)

@@ -1,0 +1,126 @@
+"""Replica compaction on a real server: a record that loses to another live record of the same
+item on every device that could still pull it (the devices' merge order) gives its bytes back
+to the owner's quota and is no longer pulled, while a retried push of it is still answered
+with its sequence number. Records at an older version go only once every device of the owner
+reports the newer one. A schema-2 database is migrated and compacted in place."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import sqlite3
+
+from fctkit.protos import fleet_pb2, vault_pb2
+from fctkit.protos.client import FctkitClient
+from fctkit.server.storage import ReplicaRecord, SqliteStorage
+
+from .conftest import ADMIN_TOKEN
+
+IDLE = fleet_pb2.UPGRADE_STATE_IDLE
+
+
+def _devices(server, count: int) -> list[FctkitClient]:
+    with FctkitClient(server.target, ADMIN_TOKEN) as admin:
+        owner = admin.create_enrolment_code().owner_id
+        codes = [admin.create_enrolment_code(owner=owner).code for _ in range(count)]
+    return [FctkitClient(server.target, FctkitClient(server.target).enrol(code, f"device-{k}").token)
+            for k, code in enumerate(codes)]
+
+
+def _record(change_id: int, item: str, version: int = 1, via: str = "native", fill: int = 0, size: int = 100,
+            tombstone: bool = False) -> vault_pb2.SealedRecord:
+    if tombstone:
+        return vault_pb2.SealedRecord(change_id=change_id, item_id=item, tombstone=True, sealed=bytes([fill]) * size)
+    return vault_pb2.SealedRecord(change_id=change_id, item_id=item, version=version, origin_version=1, via=via,
+                                  sealed=bytes([fill]) * size)
+
+
+def _sha(record: vault_pb2.SealedRecord) -> str:
+    return hashlib.sha256(record.sealed).hexdigest()
+
+
+def _live(device: FctkitClient) -> list[tuple[int, str, int, str, bool]]:
+    return [(r.sequence, r.item_id, r.version, r.via, r.tombstone) for b in device.pull_records() for r in b.records]
+
+
+def test_same_version_records_keep_only_the_one_every_device_would_keep(start_server):
+    phone, tablet = _devices(start_server(), 2)
+    low, high = sorted([_record(2, "x", fill=1), _record(3, "x", fill=2)], key=_sha)  # both native at v1
+    phone.push_records([_record(1, "x", via="forward", fill=9), high, low])
+    assert _live(tablet) == [(3, "x", 1, "native", False)]  # native beats forward; then the smaller SHA-256
+    assert [r.sealed for b in tablet.pull_records() for r in b.records] == [low.sealed]
+    retried = phone.push_records([_record(1, "x", via="forward", fill=9)])  # superseded, but it was stored once
+    assert (retried.stored, retried.already_stored, list(retried.sequences)) == (0, 1, [1])
+    tablet.push_records([_record(1, "x", via="forward", fill=7)])  # loses on arrival
+    tablet.push_records([_record(2, "x", fill=low.sealed[0])])  # the same bytes again: the first copy stays
+    assert _live(phone) == [(3, "x", 1, "native", False)]
+
+
+def test_a_tombstone_supersedes_every_other_record_of_its_item(start_server):
+    phone, tablet = _devices(start_server(), 2)
+    phone.push_records([_record(1, "x"), _record(2, "y"), _record(3, "x", version=2, fill=3)])
+    tablet.push_records([_record(1, "x", tombstone=True, size=28), _record(2, "x", tombstone=True, size=28)])
+    phone.push_records([_record(4, "x", version=3, fill=4)])  # a removed item id is never used again
+    assert _live(phone) == [(2, "y", 1, "native", False), (4, "x", 0, "", True)]
+
+
+def test_older_versions_go_once_every_device_reports_the_newer_one(start_server):
+    phone, tablet = _devices(start_server(), 2)
+    phone.push_records([_record(1, "x", fill=1), _record(2, "y", fill=2)])
+    phone.report(2, 2, IDLE)
+    tablet.report(1, 2, IDLE)
+    phone.push_records([_record(3, "x", version=2, via="forward", fill=3)])
+    assert [s for s, *_ in _live(tablet)] == [1, 2, 3]  # the tablet, still at v1, needs x at v1
+    tablet.report(1, 2, fleet_pb2.UPGRADE_STATE_UPGRADING, target_version=2)  # upgrading: still v1
+    assert [s for s, *_ in _live(tablet)] == [1, 2, 3]
+    tablet.report(2, 2, IDLE)
+    assert _live(phone) == [(2, "y", 1, "native", False), (3, "x", 2, "forward", False)]
+    phone.report(3, 2, IDLE)  # devices differ again: nothing more goes, nothing comes back
+    phone.push_records([_record(4, "y", version=3, fill=4)])
+    assert [s for s, *_ in _live(tablet)] == [2, 3, 4]
+
+
+def test_compaction_gives_the_bytes_back_to_the_quota(start_server):
+    phone, = _devices(start_server("--replica-quota-bytes", "2500"), 1)
+    for change_id in range(1, 30):  # the same item re-pushed 29 times: one record's bytes stay
+        phone.push_records([_record(change_id, "x", fill=change_id, size=1000)])
+    assert len(_live(phone)) == 1
+
+
+def test_a_schema_2_database_is_migrated_and_compacted(tmp_path):
+    storage = SqliteStorage(tmp_path / "data")
+    storage.add_enrolment_code("code", "", "2026-01-01T00:00:00.000000Z", "2099-01-01T00:00:00.000000Z")
+    storage.enrol("code", "2026-01-01T00:00:00.000000Z", "dev-1", "old", "token-hash")
+    owner = storage.device_owner("dev-1")
+    storage.push_records(owner, "dev-1", [ReplicaRecord(1, "x", 1, 1, "native", False, b"a" * 100)], "now")
+    storage.close()
+    with sqlite3.connect(tmp_path / "data" / "meta.sqlite3") as db:  # back to what schema 2 held
+        db.execute("DROP INDEX replica_live_by_item")
+        db.execute("ALTER TABLE replica_records DROP COLUMN sealed_sha256")
+        db.execute("ALTER TABLE replica_records DROP COLUMN superseded")
+        db.execute("INSERT INTO replica_records VALUES (?, 2, 'dev-1', 2, 'x', 1, 1, 'forward', 0, ?, 'now')", (owner, b"b" * 100))
+        db.execute("UPDATE replica_owners SET last_sequence = 2, sealed_bytes = 200")
+        db.execute("PRAGMA user_version=2")
+    storage = SqliteStorage(tmp_path / "data")
+    assert storage.replica_usage(owner) == (100, 2)
+    assert [(r.sequence, r.via) for r in storage.pull_records(owner, 0, 10)] == [(1, "native")]
+    again = storage.push_records(owner, "dev-1", [ReplicaRecord(2, "x", 1, 1, "forward", False, b"b" * 100)], "now")
+    assert (again.stored, again.sequences) == (0, (2,))
+    storage.close()
+
+
+def test_a_large_replica_is_swept_page_by_page_in_the_background(start_server):
+    from fctkit.server.fleet import COMPACTION_PAGE_ITEMS
+
+    phone, tablet = _devices(start_server(), 2)
+    items = 2 * COMPACTION_PAGE_ITEMS + 500
+    for version in (1, 2):
+        records = [_record(version * items + k, f"item-{k:05d}", version=version, size=28) for k in range(items)]
+        for start in range(0, items, 4096):
+            phone.push_records(records[start:start + 4096])
+    phone.report(2, items, IDLE)
+    tablet.report(2, items, IDLE)  # the first page now, two more in the background
+    deadline = time.monotonic() + 60
+    while len(live := _live(tablet)) > items and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(live) == items and {version for _, _, version, *_ in live} == {2}
