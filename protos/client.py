@@ -437,6 +437,10 @@ class FctkitClient:
         """Admin: every enrolled device (all pages)."""
         return self._all_pages(self.fleet.ListDevices, fleet_pb2.ListDevicesRequest, "devices")
 
+    def revoke_device(self, device_id: str) -> fleet_pb2.RevokeDeviceResponse:
+        """Admin: revoke a device; its token stops working at once (see the Fleet service)."""
+        return self._unary(self.fleet.RevokeDevice, fleet_pb2.RevokeDeviceRequest(device_id=device_id))
+
     def _all_pages(self, method: Any, request_type: Any, items: str) -> list:
         """Follow ``next_page_token`` until the last page; return every page's ``items``."""
         found: list = []

@@ -91,7 +91,7 @@ class ReportResponse(_message.Message):
     def __init__(self, recorded_at: _Optional[str] = ..., latest_version: _Optional[int] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
-    __slots__ = ("device_id", "name", "label", "enrolled_at", "last_report_at", "version", "gallery_size", "upgrade_state", "target_version", "progress", "detail", "vault_bytes", "vault_blobs", "owner_id")
+    __slots__ = ("device_id", "name", "label", "enrolled_at", "last_report_at", "version", "gallery_size", "upgrade_state", "target_version", "progress", "detail", "vault_bytes", "vault_blobs", "owner_id", "revoked_at")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class DeviceInfo(_message.Message):
     VAULT_BYTES_FIELD_NUMBER: _ClassVar[int]
     VAULT_BLOBS_FIELD_NUMBER: _ClassVar[int]
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     name: str
     label: str
@@ -120,7 +121,8 @@ class DeviceInfo(_message.Message):
     vault_bytes: int
     vault_blobs: int
     owner_id: str
-    def __init__(self, device_id: _Optional[str] = ..., name: _Optional[str] = ..., label: _Optional[str] = ..., enrolled_at: _Optional[str] = ..., last_report_at: _Optional[str] = ..., version: _Optional[int] = ..., gallery_size: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., target_version: _Optional[int] = ..., progress: _Optional[float] = ..., detail: _Optional[str] = ..., vault_bytes: _Optional[int] = ..., vault_blobs: _Optional[int] = ..., owner_id: _Optional[str] = ...) -> None: ...
+    revoked_at: str
+    def __init__(self, device_id: _Optional[str] = ..., name: _Optional[str] = ..., label: _Optional[str] = ..., enrolled_at: _Optional[str] = ..., last_report_at: _Optional[str] = ..., version: _Optional[int] = ..., gallery_size: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., target_version: _Optional[int] = ..., progress: _Optional[float] = ..., detail: _Optional[str] = ..., vault_bytes: _Optional[int] = ..., vault_blobs: _Optional[int] = ..., owner_id: _Optional[str] = ..., revoked_at: _Optional[str] = ...) -> None: ...
 
 class ListDevicesRequest(_message.Message):
     __slots__ = ("page_size", "page_token")
@@ -137,3 +139,15 @@ class ListDevicesResponse(_message.Message):
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
     next_page_token: str
     def __init__(self, devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class RevokeDeviceRequest(_message.Message):
+    __slots__ = ("device_id",)
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    def __init__(self, device_id: _Optional[str] = ...) -> None: ...
+
+class RevokeDeviceResponse(_message.Message):
+    __slots__ = ("revoked_at",)
+    REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
+    revoked_at: str
+    def __init__(self, revoked_at: _Optional[str] = ...) -> None: ...

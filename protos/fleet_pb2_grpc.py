@@ -55,6 +55,11 @@ class FleetStub:
                 request_serializer=fctkit_dot_v1_dot_fleet__pb2.ListDevicesRequest.SerializeToString,
                 response_deserializer=fctkit_dot_v1_dot_fleet__pb2.ListDevicesResponse.FromString,
                 _registered_method=True)
+        self.RevokeDevice = channel.unary_unary(
+                '/fctkit.v1.Fleet/RevokeDevice',
+                request_serializer=fctkit_dot_v1_dot_fleet__pb2.RevokeDeviceRequest.SerializeToString,
+                response_deserializer=fctkit_dot_v1_dot_fleet__pb2.RevokeDeviceResponse.FromString,
+                _registered_method=True)
 
 
 class FleetServicer:
@@ -92,6 +97,15 @@ class FleetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RevokeDevice(self, request, context):
+        """Admin only: revoke a lost, stolen or retired device. Its token stops working at once
+        (UNAUTHENTICATED) and it no longer counts among its owner's devices; the owner's blobs and
+        records stay. NOT_FOUND for an unknown device id; revoking a revoked device changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FleetServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +128,11 @@ def add_FleetServicer_to_server(servicer, server):
                     servicer.ListDevices,
                     request_deserializer=fctkit_dot_v1_dot_fleet__pb2.ListDevicesRequest.FromString,
                     response_serializer=fctkit_dot_v1_dot_fleet__pb2.ListDevicesResponse.SerializeToString,
+            ),
+            'RevokeDevice': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeDevice,
+                    request_deserializer=fctkit_dot_v1_dot_fleet__pb2.RevokeDeviceRequest.FromString,
+                    response_serializer=fctkit_dot_v1_dot_fleet__pb2.RevokeDeviceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +244,33 @@ class Fleet:
             '/fctkit.v1.Fleet/ListDevices',
             fctkit_dot_v1_dot_fleet__pb2.ListDevicesRequest.SerializeToString,
             fctkit_dot_v1_dot_fleet__pb2.ListDevicesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeDevice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fctkit.v1.Fleet/RevokeDevice',
+            fctkit_dot_v1_dot_fleet__pb2.RevokeDeviceRequest.SerializeToString,
+            fctkit_dot_v1_dot_fleet__pb2.RevokeDeviceResponse.FromString,
             options,
             channel_credentials,
             insecure,

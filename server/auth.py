@@ -50,6 +50,7 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     "/fctkit.v1.Fleet/Enrol": PUBLIC,
     "/fctkit.v1.Fleet/Report": DEVICE,
     "/fctkit.v1.Fleet/ListDevices": ADMIN,
+    "/fctkit.v1.Fleet/RevokeDevice": ADMIN,
 }
 SERVICE_MODULES = (registry_pb2, vault_pb2, fleet_pb2)
 MIN_ADMIN_TOKEN_CHARS = 32
@@ -145,7 +146,8 @@ class Authenticator:
             return Principal("admin")
         device_id = self._device_for_token_hash(token_hash)
         if device_id is None:
-            raise RpcStatusError("UNAUTHENTICATED", "unknown token: enrol the device again or check the admin token")
+            raise RpcStatusError("UNAUTHENTICATED", "unknown or revoked token: enrol the device again (with a new "
+                                 "enrolment code) or check the admin token")
         return Principal("device", device_id, self._device_owner(device_id))
 
 

@@ -131,8 +131,21 @@ def list_devices_command(connect, as_json: bool) -> None:
     """Every enrolled device with its version, gallery size and upgrade state."""
     with connect() as client:
         rows = [_as_dict(d) for d in client.list_devices()]
-    columns = ("device_id", "owner_id", "name", "version", "gallery_size", "upgrade_state", "last_report_at", "vault_bytes")
+    columns = ("device_id", "owner_id", "name", "version", "gallery_size", "upgrade_state", "last_report_at", "vault_bytes",
+               "revoked_at")
     _emit(rows, as_json, columns)
+
+
+@admin_command.command("revoke-device")
+@click.argument("device_id")
+@click.pass_obj
+def revoke_device_command(connect, device_id: str) -> None:
+    """Revoke DEVICE_ID (lost, stolen or retired): its token stops working at once and it no
+    longer counts among its owner's devices. The owner's blobs and gallery records stay; the
+    device can come back only by enrolling again with a new code."""
+    with connect() as client:
+        response = client.revoke_device(device_id)
+    click.echo(f"revoked {device_id} at {response.revoked_at}")
 
 
 @admin_command.command("list-versions")

@@ -1,4 +1,5 @@
-"""The Fleet service: one-time enrolment codes, device enrolment, device reports, fleet listing.
+"""The Fleet service: one-time enrolment codes, device enrolment, device reports, fleet listing,
+device revocation.
 
 Codes and device tokens are random (>= 120 bits) and kept only as SHA-256 hashes; a code
 works once and until it expires. Each code names the owner its device joins (the admin's
@@ -43,6 +44,7 @@ def device_info(record: DeviceRecord) -> fleet_pb2.DeviceInfo:
         last_report_at=record.last_report_at or "", version=report.version, gallery_size=report.gallery_size,
         upgrade_state=report.upgrade_state, target_version=report.target_version, progress=report.progress,
         detail=report.detail, vault_bytes=record.vault_bytes, vault_blobs=record.vault_blobs, owner_id=record.owner_id,
+        revoked_at=record.revoked_at or "",
     )
 
 
@@ -105,6 +107,18 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
         if self._storage.record_report(device_id, report, now):
             self._compact_replica(current_owner_id())
         return fleet_pb2.ReportResponse(recorded_at=now, latest_version=self._latest_version())
+
+    async def RevokeDevice(self, request, context):
+        device_id = text_field(request.device_id, "device_id").strip()
+        if not device_id:
+            raise invalid("device_id is empty: name the device to revoke (fctkit admin list-devices)")
+        outcome = self._storage.revoke_device(device_id, timestamp())
+        if outcome is None:
+            raise RpcStatusError("NOT_FOUND", f"no device {device_id!r}: see fctkit admin list-devices")
+        revoked_at, compaction_due = outcome
+        if compaction_due:
+            self._compact_replica(self._storage.device_owner(device_id))
+        return fleet_pb2.RevokeDeviceResponse(revoked_at=revoked_at)
 
     def _compact_replica(self, owner_id: str) -> None:
         """Sweep the owner's replica for records every device has outgrown: the first page now (a

@@ -45,7 +45,7 @@ from fctkit.errors import ConfigError
 
 from .content_store import ContentStore
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (
     version INTEGER PRIMARY KEY,
@@ -81,7 +81,8 @@ CREATE TABLE IF NOT EXISTS devices (
     upgrade_state INTEGER NOT NULL DEFAULT 0,
     target_version INTEGER NOT NULL DEFAULT 0,
     progress REAL NOT NULL DEFAULT 0,
-    detail TEXT NOT NULL DEFAULT ''
+    detail TEXT NOT NULL DEFAULT '',
+    revoked_at TEXT
 );
 CREATE TABLE IF NOT EXISTS blobs (
     device_id TEXT NOT NULL REFERENCES devices(device_id),
@@ -159,7 +160,13 @@ def _add_replica_compaction(db: sqlite3.Connection) -> None:
         compact_replica(db, owner_id)
 
 
-_MIGRATIONS = {1: _add_owners, 2: _add_replica_compaction}  # schema found -> the step to the next one
+def _add_revocation(db: sqlite3.Connection) -> None:
+    """Schema 3 -> 4: devices can be revoked."""
+    if "revoked_at" not in {row[1] for row in db.execute("PRAGMA table_info(devices)")}:
+        db.execute("ALTER TABLE devices ADD COLUMN revoked_at TEXT")
+
+
+_MIGRATIONS = {1: _add_owners, 2: _add_replica_compaction, 3: _add_revocation}  # schema found -> the step to the next one
 
 
 # A live record is superseded when another live record of the same item wins over it on every
@@ -183,8 +190,9 @@ WHERE r.owner_id = :owner AND r.superseded = 0 {items} AND EXISTS (
 
 
 def common_version(db: sqlite3.Connection, owner_id: str | None) -> int:
-    """The version every device of the owner reports, or 0 while they differ."""
-    lowest, highest = db.execute("SELECT MIN(version), MAX(version) FROM devices WHERE owner_id=?", (owner_id,)).fetchone()
+    """The version every (unrevoked) device of the owner reports, or 0 while they differ."""
+    lowest, highest = db.execute("SELECT MIN(version), MAX(version) FROM devices WHERE owner_id=? AND revoked_at IS NULL",
+                                 (owner_id,)).fetchone()
     return lowest if lowest == highest and lowest else 0
 
 
@@ -269,6 +277,7 @@ class DeviceRecord:
     vault_bytes: int
     vault_blobs: int
     owner_id: str = ""
+    revoked_at: str | None = None
 
 
 class Storage(Protocol):
@@ -305,6 +314,7 @@ class Storage(Protocol):
     def device_for_token(self, token_hash: str) -> str | None: ...
     def device_owner(self, device_id: str) -> str | None: ...
     def record_report(self, device_id: str, report: DeviceReport, now: str) -> bool: ...
+    def revoke_device(self, device_id: str, now: str) -> tuple[str, bool] | None: ...
     def compact_replica_page(self, owner_id: str, after_item: str, limit: int) -> str | None: ...
     def list_devices(self, after_seq: int, limit: int) -> list[DeviceRecord]: ...
 
@@ -507,7 +517,7 @@ class SqliteStorage:
         return self._devices("WHERE d.device_id=?", (device_id,))[0]
 
     def device_for_token(self, token_hash: str) -> str | None:
-        row = self._db.execute("SELECT device_id FROM devices WHERE token_hash=?", (token_hash,)).fetchone()
+        row = self._db.execute("SELECT device_id FROM devices WHERE token_hash=? AND revoked_at IS NULL", (token_hash,)).fetchone()
         return row[0] if row else None
 
     def device_owner(self, device_id: str) -> str | None:
@@ -518,15 +528,32 @@ class SqliteStorage:
         """Store the device's report. True when every device of its owner has now reached the
         same version: records at older versions may have become superseded (:meth:`compact_replica_page`)."""
         with self._transaction():
-            owner_id = self.device_owner(device_id)
-            before = common_version(self._db, owner_id)
-            self._db.execute(
+            return self._update_device(
+                self.device_owner(device_id),
                 "UPDATE devices SET last_report_at=?, version=?, gallery_size=?, upgrade_state=?, target_version=?, "
                 "progress=?, detail=? WHERE device_id=?",
                 (now, report.version, report.gallery_size, report.upgrade_state, report.target_version,
                  report.progress, report.detail, device_id),
             )
-            return owner_id is not None and common_version(self._db, owner_id) not in (0, before)
+
+    def revoke_device(self, device_id: str, now: str) -> tuple[str, bool] | None:
+        """Revoke the device (its token stops working); None for an unknown device. Returns when
+        it was revoked (the first time) and whether its owner's devices now share a version."""
+        with self._transaction():
+            row = self._db.execute("SELECT owner_id, revoked_at FROM devices WHERE device_id=?", (device_id,)).fetchone()
+            if row is None:
+                return None
+            owner_id, revoked_at = row
+            if revoked_at is not None:
+                return revoked_at, False
+            return now, self._update_device(owner_id, "UPDATE devices SET revoked_at=? WHERE device_id=?", (now, device_id))
+
+    def _update_device(self, owner_id: str | None, statement: str, params: tuple) -> bool:
+        """Run ``statement`` on a device of ``owner_id``; whether the owner's devices now share a
+        version they did not share before (a replica compaction is due)."""
+        before = common_version(self._db, owner_id)
+        self._db.execute(statement, params)
+        return owner_id is not None and common_version(self._db, owner_id) not in (0, before)
 
     def compact_replica_page(self, owner_id: str, after_item: str, limit: int) -> str | None:
         """Compact the records of the owner's next ``limit`` item ids after ``after_item`` (in
@@ -547,13 +574,13 @@ class SqliteStorage:
             "SELECT d.seq, d.device_id, d.name, d.label, d.enrolled_at, d.last_report_at, d.version, d.gallery_size, "
             "d.upgrade_state, d.target_version, d.progress, d.detail, "
             "(SELECT COALESCE(SUM(size), 0) FROM blobs b WHERE b.device_id=d.device_id), "
-            "(SELECT COUNT(*) FROM blobs b WHERE b.device_id=d.device_id), d.owner_id "
+            "(SELECT COUNT(*) FROM blobs b WHERE b.device_id=d.device_id), d.owner_id, d.revoked_at "
             f"FROM devices d {where}",
             params,
         )
         return [
-            DeviceRecord(seq, dev, name, label, enrolled, last, DeviceReport(*report), int(vb), int(vn), owner or "")
-            for seq, dev, name, label, enrolled, last, *report, vb, vn, owner in rows
+            DeviceRecord(seq, dev, name, label, enrolled, last, DeviceReport(*report), int(vb), int(vn), owner or "", revoked)
+            for seq, dev, name, label, enrolled, last, *report, vb, vn, owner, revoked in rows
         ]
 
     # -- housekeeping -----------------------------------------------------------------------

@@ -181,6 +181,26 @@ def test_a_retried_push_never_duplicates(server, make_device, images):
     assert [r.sequence for r in records] == list(range(1, 8)) and len({r.item_id for r in records}) == 7
 
 
+def test_a_revoked_device_keeps_its_gallery_and_comes_back_with_a_new_code(server, make_device, images):
+    from fctkit.protos.client import FctkitClient
+
+    phone = enrolled(make_device, server, "phone", "erin")
+    phone.add(images(5, seed=7), item_ids=[f"p{i}" for i in range(5)])
+    phone.sync()
+    before = state(phone)
+    with FctkitClient(server.target, ADMIN_TOKEN) as admin:
+        admin.revoke_device(phone.settings.device_id)
+    with pytest.raises(RpcStatusError, match="revoked"):
+        phone.add(images(2, seed=8), item_ids=["q0", "q1"])  # stored and queued; only the upload is refused
+    with pytest.raises(RpcStatusError, match="revoked") as refused:
+        phone.sync()
+    assert refused.value.code == "UNAUTHENTICATED" and set(state(phone)) == {*before, "q0", "q1"}  # nothing lost
+    assert phone.gallery.outbox_size() == 2
+    phone.enrol(server.target, enrolment_code(server, owner="erin"), device_name="phone")
+    phone.sync()  # the change made while revoked goes out under the new token
+    assert {r.item_id for r in _all_records(phone)} == {*before, "q0", "q1"}
+
+
 def test_a_record_of_a_version_not_installed_waits_pending(server, tiny_bundles, make_device, images, tmp_path):
     early = enrolled(make_device, server, "early", "dave")
     late = enrolled(make_device, server, "late", "dave", owner_key_file=_export(early), owner_key_passphrase="pw")

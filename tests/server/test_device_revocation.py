@@ -1,0 +1,91 @@
+"""Revoking a device on a real server: its token is refused at once on every service, the
+owner's other devices and everything the owner stored are untouched, the admin list and CLI
+show it, it no longer holds back its owner's replica compaction, and a schema-3 database gets
+the column in place."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+from click.testing import CliRunner
+
+from fctkit.cli import cli
+from fctkit.errors import RpcStatusError
+from fctkit.protos import fleet_pb2, vault_pb2
+from fctkit.protos.client import FctkitClient
+from fctkit.server.storage import SqliteStorage
+
+from .conftest import ADMIN_TOKEN
+
+IDLE = fleet_pb2.UPGRADE_STATE_IDLE
+
+
+def _code(call) -> str:
+    with pytest.raises(RpcStatusError) as caught:
+        call()
+    return caught.value.code
+
+
+def _enrol(server, owner: str, name: str) -> tuple[FctkitClient, str]:
+    with FctkitClient(server.target, ADMIN_TOKEN) as admin:
+        code = admin.create_enrolment_code(owner=owner).code
+    enrolment = FctkitClient(server.target).enrol(code, name)
+    return FctkitClient(server.target, enrolment.token), enrolment.device_id
+
+
+def _record(change_id: int, item: str, version: int) -> vault_pb2.SealedRecord:
+    return vault_pb2.SealedRecord(change_id=change_id, item_id=item, version=version, origin_version=1, via="native",
+                                  sealed=bytes([change_id]) * 40)
+
+
+def test_a_revoked_device_is_locked_out_and_its_owner_keeps_everything(start_server):
+    server = start_server()
+    phone, phone_id = _enrol(server, "rita", "phone")
+    lost, lost_id = _enrol(server, "rita", "lost-phone")
+    sha256 = lost.upload_blob(b"sealed original" * 10, "x").sha256
+    lost.push_records([_record(1, "x", 1)])
+    phone.report(2, 1, IDLE)
+    lost.report(1, 1, IDLE)
+    phone.push_records([_record(2, "x", 2)])
+    with FctkitClient(server.target, ADMIN_TOKEN) as admin:
+        assert _code(lambda: admin.revoke_device("dev-nope")) == "NOT_FOUND"
+        assert _code(lambda: admin.revoke_device("")) == "INVALID_ARGUMENT"
+        assert _code(lambda: phone.revoke_device(lost_id)) == "PERMISSION_DENIED"
+        revoked_at = admin.revoke_device(lost_id).revoked_at
+        assert revoked_at and admin.revoke_device(lost_id).revoked_at == revoked_at  # once
+        listed = {d.device_id: d.revoked_at for d in admin.list_devices()}
+    assert listed[lost_id] == revoked_at and listed[phone_id] == ""
+    for call in (lambda: lost.list_versions(), lambda: lost.read_blob(sha256), lambda: lost.report(1, 1, IDLE),
+                 lambda: list(lost.pull_records()), lambda: lost.push_records([_record(3, "y", 1)])):
+        assert _code(call) == "UNAUTHENTICATED"
+    assert phone.read_blob(sha256) == b"sealed original" * 10  # the owner's, whoever uploaded it
+    # the lost phone stayed at v1; revoked, it no longer holds the v1 record of x alive
+    assert [(r.item_id, r.version) for b in phone.pull_records() for r in b.records] == [("x", 2)]
+
+
+def test_admin_cli_revokes_and_lists(start_server, admin_token_file):
+    server = start_server()
+    _, device_id = _enrol(server, "", "tablet")
+    base = ["admin", "--server", server.target, "--admin-token-file", str(admin_token_file)]
+    result = CliRunner().invoke(cli, [*base, "revoke-device", device_id])
+    assert result.exit_code == 0 and result.output.startswith(f"revoked {device_id} at 20"), result.output
+    result = CliRunner().invoke(cli, [*base, "list-devices"])
+    assert "revoked_at" in result.output.splitlines()[0] and device_id in result.output
+    result = CliRunner().invoke(cli, [*base, "revoke-device", "dev-unknown"])
+    assert result.exit_code != 0 and "list-devices" in str(result.exception) + result.output
+
+
+def test_a_schema_3_database_gets_revocation(tmp_path):
+    storage = SqliteStorage(tmp_path / "data")
+    storage.add_enrolment_code("code", "", "2026-01-01T00:00:00.000000Z", "2099-01-01T00:00:00.000000Z")
+    storage.enrol("code", "2026-01-01T00:00:00.000000Z", "dev-1", "old", "token-hash")
+    storage.close()
+    with sqlite3.connect(tmp_path / "data" / "meta.sqlite3") as db:
+        db.execute("ALTER TABLE devices DROP COLUMN revoked_at")
+        db.execute("PRAGMA user_version=3")
+    storage = SqliteStorage(tmp_path / "data")
+    assert storage.device_for_token("token-hash") == "dev-1"
+    assert storage.revoke_device("dev-1", "now") == ("now", False)
+    assert storage.device_for_token("token-hash") is None and storage.list_devices(0, 10)[0].revoked_at == "now"
+    storage.close()
