@@ -17,7 +17,7 @@ PROTO_ROOT = generate.PROTO_ROOT
 EXPECTED_RPCS = {
     "Registry": ["ListVersions", "GetManifest", "PlanUpgrade", "DownloadArtifact", "WatchVersions", "PublishBundle"],
     "Vault": ["Upload", "Download", "Stat", "List", "Delete", "PushRecords", "PullRecords"],
-    "Fleet": ["CreateEnrolmentCode", "Enrol", "Report", "ListDevices"],
+    "Fleet": ["CreateEnrolmentCode", "Enrol", "Report", "ListDevices", "RevokeDevice"],
 }
 
 
