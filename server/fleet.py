@@ -19,7 +19,7 @@ from collections.abc import Callable
 from fctkit.errors import RpcStatusError
 from fctkit.protos import fleet_pb2, fleet_pb2_grpc, limits
 
-from .auth import current_device_id, current_owner_id, hash_secret, new_device_token
+from .auth import current_device_id, hash_secret, new_device_token
 from .jsonlog import log_event
 from .storage import DeviceRecord, DeviceReport, OwnerKeyMismatch, Storage
 from .validation import counter_field, invalid, page_size, sha256_field, text_field, timestamp
@@ -104,8 +104,8 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
             detail=text_field(request.detail, "detail", limits.MAX_DETAIL_CHARS),
         )
         now = timestamp()
-        if self._storage.record_report(device_id, report, now):
-            self._compact_replica(current_owner_id())
+        if owner_id := self._storage.record_report(device_id, report, now):
+            self._compact_replica(owner_id)
         return fleet_pb2.ReportResponse(recorded_at=now, latest_version=self._latest_version())
 
     async def RevokeDevice(self, request, context):
@@ -115,9 +115,9 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
         outcome = self._storage.revoke_device(device_id, timestamp())
         if outcome is None:
             raise RpcStatusError("NOT_FOUND", f"no device {device_id!r}: see fctkit admin list-devices")
-        revoked_at, compaction_due = outcome
-        if compaction_due:
-            self._compact_replica(self._storage.device_owner(device_id))
+        revoked_at, owner_id = outcome
+        if owner_id:
+            self._compact_replica(owner_id)
         return fleet_pb2.RevokeDeviceResponse(revoked_at=revoked_at)
 
     def _compact_replica(self, owner_id: str) -> None:

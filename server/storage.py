@@ -46,6 +46,8 @@ from fctkit.errors import ConfigError
 from .content_store import ContentStore
 
 SCHEMA_VERSION = 4
+_REPLICA_LIVE_INDEX = ("CREATE INDEX IF NOT EXISTS replica_live_by_item ON replica_records (owner_id, item_id, version) "
+                       "WHERE superseded = 0")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (
     version INTEGER PRIMARY KEY,
@@ -112,7 +114,6 @@ CREATE TABLE IF NOT EXISTS replica_records (
     PRIMARY KEY (owner_id, sequence),
     UNIQUE (device_id, change_id)
 );
-CREATE INDEX IF NOT EXISTS replica_live_by_item ON replica_records (owner_id, item_id, version) WHERE superseded = 0;
 CREATE TABLE IF NOT EXISTS owner_keys (
     owner_id TEXT PRIMARY KEY,
     key_id TEXT NOT NULL
@@ -122,7 +123,7 @@ CREATE TABLE IF NOT EXISTS replica_owners (
     last_sequence INTEGER NOT NULL,
     sealed_bytes INTEGER NOT NULL
 );
-"""
+""" + _REPLICA_LIVE_INDEX + ";\n"
 
 
 @dataclass(frozen=True)
@@ -154,8 +155,7 @@ def _add_replica_compaction(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE replica_records ADD COLUMN superseded INTEGER NOT NULL DEFAULT 0")
     db.create_function("fctkit_sha256", 1, lambda sealed: hashlib.sha256(sealed).hexdigest(), deterministic=True)
     db.execute("UPDATE replica_records SET sealed_sha256 = fctkit_sha256(sealed) WHERE sealed_sha256 = ''")
-    db.execute("CREATE INDEX IF NOT EXISTS replica_live_by_item ON replica_records (owner_id, item_id, version) "
-               "WHERE superseded = 0")
+    db.execute(_REPLICA_LIVE_INDEX)  # before the compaction below, which looks records up by item
     for (owner_id,) in db.execute("SELECT owner_id FROM replica_owners").fetchall():
         compact_replica(db, owner_id)
 
@@ -173,9 +173,9 @@ _MIGRATIONS = {1: _add_owners, 2: _add_replica_compaction, 3: _add_revocation}  
 # device that could still pull it (the devices' merge order, fctkit.edge_runtime.records.beats):
 # a tombstone (the earliest one of an item stays); at the same version a higher-ranked via
 # ('native'/'backward' over 'forward'), then the smaller SHA-256 of the sealed bytes (the earlier
-# of two identical ones); or a record
-# at a higher version when every device of the owner is at exactly that version (:common_version;
-# a device further on may have skipped it and so could not place the record, only the older one).
+# of two identical ones); or a record at a higher version when every device of the owner is at
+# exactly that version (:common_version; a device further on may have skipped it and so could not
+# place the record, only the older one).
 _SUPERSEDED = """
 SELECT r.sequence, length(r.sealed) FROM replica_records r
 WHERE r.owner_id = :owner AND r.superseded = 0 {items} AND EXISTS (
@@ -187,6 +187,13 @@ WHERE r.owner_id = :owner AND r.superseded = 0 {items} AND EXISTS (
             OR w.version = r.version AND ((w.via != 'forward') > (r.via != 'forward')
                 OR (w.via != 'forward') = (r.via != 'forward') AND (w.sealed_sha256, w.sequence) < (r.sealed_sha256, r.sequence))))))
 """
+
+
+def _unique_chunks(values: Sequence, size: int = 500) -> list[list]:
+    """``values`` without repeats, in order, cut into lists of at most ``size`` (SQLite's limit
+    on the ``?`` of one ``IN (...)`` is what keeps them short)."""
+    unique = list(dict.fromkeys(values))
+    return [unique[start:start + size] for start in range(0, len(unique), size)]
 
 
 def common_version(db: sqlite3.Connection, owner_id: str | None) -> int:
@@ -205,9 +212,7 @@ def compact_replica(db: sqlite3.Connection, owner_id: str, items: Sequence[str] 
     if items is None:
         found = db.execute(_SUPERSEDED.format(items=""), params).fetchall()
     else:
-        unique = list(dict.fromkeys(items))
-        for start in range(0, len(unique), 500):
-            chunk = unique[start:start + 500]
+        for chunk in _unique_chunks(items):
             marks = ",".join(f":i{k}" for k in range(len(chunk)))
             found += db.execute(_SUPERSEDED.format(items=f"AND r.item_id IN ({marks})"),
                                 {**params, **{f"i{k}": item for k, item in enumerate(chunk)}}).fetchall()
@@ -313,8 +318,8 @@ class Storage(Protocol):
               owner_key_id: str = "") -> DeviceRecord | None: ...
     def device_for_token(self, token_hash: str) -> str | None: ...
     def device_owner(self, device_id: str) -> str | None: ...
-    def record_report(self, device_id: str, report: DeviceReport, now: str) -> bool: ...
-    def revoke_device(self, device_id: str, now: str) -> tuple[str, bool] | None: ...
+    def record_report(self, device_id: str, report: DeviceReport, now: str) -> str | None: ...
+    def revoke_device(self, device_id: str, now: str) -> tuple[str, str | None] | None: ...
     def compact_replica_page(self, owner_id: str, after_item: str, limit: int) -> str | None: ...
     def list_devices(self, after_seq: int, limit: int) -> list[DeviceRecord]: ...
 
@@ -458,9 +463,7 @@ class SqliteStorage:
     def _stored_sequences(self, device_id: str, change_ids: Sequence[int]) -> dict[int, int]:
         """change id -> sequence of the device's records already stored among ``change_ids``."""
         found: dict[int, int] = {}
-        unique = list(dict.fromkeys(change_ids))
-        for start in range(0, len(unique), 500):
-            chunk = unique[start:start + 500]
+        for chunk in _unique_chunks(change_ids):
             found.update(self._db.execute(
                 f"SELECT change_id, sequence FROM replica_records WHERE device_id=? AND change_id IN ({','.join('?' * len(chunk))})",
                 (device_id, *chunk)))
@@ -524,9 +527,10 @@ class SqliteStorage:
         row = self._db.execute("SELECT owner_id FROM devices WHERE device_id=?", (device_id,)).fetchone()
         return row[0] if row else None
 
-    def record_report(self, device_id: str, report: DeviceReport, now: str) -> bool:
-        """Store the device's report. True when every device of its owner has now reached the
-        same version: records at older versions may have become superseded (:meth:`compact_replica_page`)."""
+    def record_report(self, device_id: str, report: DeviceReport, now: str) -> str | None:
+        """Store the device's report. Returns its owner when every device of the owner has now
+        reached the same version: records at older versions may have become superseded
+        (:meth:`compact_replica_page`); None otherwise."""
         with self._transaction():
             return self._update_device(
                 self.device_owner(device_id),
@@ -536,24 +540,25 @@ class SqliteStorage:
                  report.progress, report.detail, device_id),
             )
 
-    def revoke_device(self, device_id: str, now: str) -> tuple[str, bool] | None:
+    def revoke_device(self, device_id: str, now: str) -> tuple[str, str | None] | None:
         """Revoke the device (its token stops working); None for an unknown device. Returns when
-        it was revoked (the first time) and whether its owner's devices now share a version."""
+        it was revoked (the first time) and its owner if the owner's remaining devices now share
+        a version (a replica compaction is due), else None."""
         with self._transaction():
             row = self._db.execute("SELECT owner_id, revoked_at FROM devices WHERE device_id=?", (device_id,)).fetchone()
             if row is None:
                 return None
             owner_id, revoked_at = row
             if revoked_at is not None:
-                return revoked_at, False
+                return revoked_at, None
             return now, self._update_device(owner_id, "UPDATE devices SET revoked_at=? WHERE device_id=?", (now, device_id))
 
-    def _update_device(self, owner_id: str | None, statement: str, params: tuple) -> bool:
-        """Run ``statement`` on a device of ``owner_id``; whether the owner's devices now share a
-        version they did not share before (a replica compaction is due)."""
+    def _update_device(self, owner_id: str | None, statement: str, params: tuple) -> str | None:
+        """Run ``statement`` on a device of ``owner_id``; the owner if its devices now share a
+        version they did not share before (a replica compaction is due), else None."""
         before = common_version(self._db, owner_id)
         self._db.execute(statement, params)
-        return owner_id is not None and common_version(self._db, owner_id) not in (0, before)
+        return owner_id if owner_id is not None and common_version(self._db, owner_id) not in (0, before) else None
 
     def compact_replica_page(self, owner_id: str, after_item: str, limit: int) -> str | None:
         """Compact the records of the owner's next ``limit`` item ids after ``after_item`` (in

@@ -16,13 +16,32 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from fctkit.errors import RpcStatusError
 from fctkit.export.bundle import ArtifactSource, build_bundle
 from fctkit.export.keys import save_public_key
 from fctkit.protos.bundle import pack_bundle
+from fctkit.protos.client import Enrolment, FctkitClient
 
 EMBED_DIM, SIDE_DIM, IMAGE_DIM = 8, 4, 16
 BIG_IMAGE_DIM = 80_000  # v1's embed graph: 80,000 x 8 float32 weights, about 2.5 MB
 ADMIN_TOKEN = "fcta_test-admin-token-0123456789abcdef0123456789"
+
+
+def status_code(call: Callable[[], object]) -> str:
+    """The gRPC status code (name) of ``call``, which must fail with the kit's RpcStatusError."""
+    with pytest.raises(RpcStatusError) as caught:
+        call()
+    return caught.value.code
+
+
+def enrolled_client(server, owner: str = "", name: str = "device", **options) -> tuple[FctkitClient, Enrolment]:
+    """Enrol a device named ``name`` into ``owner`` (empty: a new owner of its own) with a fresh
+    admin code; a client holding its token (``options`` for FctkitClient) and the enrolment."""
+    with FctkitClient(server.target, ADMIN_TOKEN) as admin:
+        code = admin.create_enrolment_code(label=f"for {name}", owner=owner).code
+    with FctkitClient(server.target) as anonymous:
+        enrolment = anonymous.enrol(code, name)
+    return FctkitClient(server.target, enrolment.token, **options), enrolment
 
 
 def linear_onnx(path: Path, inputs: dict[str, int], out_dim: int, *, seed: int, output: str) -> Path:

@@ -7,31 +7,21 @@ from __future__ import annotations
 
 import sqlite3
 
-import pytest
 from click.testing import CliRunner
 
 from fctkit.cli import cli
-from fctkit.errors import RpcStatusError
 from fctkit.protos import fleet_pb2, vault_pb2
 from fctkit.protos.client import FctkitClient
 from fctkit.server.storage import SqliteStorage
 
-from .conftest import ADMIN_TOKEN
+from .conftest import ADMIN_TOKEN, enrolled_client, status_code
 
 IDLE = fleet_pb2.UPGRADE_STATE_IDLE
 
 
-def _code(call) -> str:
-    with pytest.raises(RpcStatusError) as caught:
-        call()
-    return caught.value.code
-
-
 def _enrol(server, owner: str, name: str) -> tuple[FctkitClient, str]:
-    with FctkitClient(server.target, ADMIN_TOKEN) as admin:
-        code = admin.create_enrolment_code(owner=owner).code
-    enrolment = FctkitClient(server.target).enrol(code, name)
-    return FctkitClient(server.target, enrolment.token), enrolment.device_id
+    client, enrolment = enrolled_client(server, owner, name)
+    return client, enrolment.device_id
 
 
 def _record(change_id: int, item: str, version: int) -> vault_pb2.SealedRecord:
@@ -49,16 +39,16 @@ def test_a_revoked_device_is_locked_out_and_its_owner_keeps_everything(start_ser
     lost.report(1, 1, IDLE)
     phone.push_records([_record(2, "x", 2)])
     with FctkitClient(server.target, ADMIN_TOKEN) as admin:
-        assert _code(lambda: admin.revoke_device("dev-nope")) == "NOT_FOUND"
-        assert _code(lambda: admin.revoke_device("")) == "INVALID_ARGUMENT"
-        assert _code(lambda: phone.revoke_device(lost_id)) == "PERMISSION_DENIED"
+        assert status_code(lambda: admin.revoke_device("dev-nope")) == "NOT_FOUND"
+        assert status_code(lambda: admin.revoke_device("")) == "INVALID_ARGUMENT"
+        assert status_code(lambda: phone.revoke_device(lost_id)) == "PERMISSION_DENIED"
         revoked_at = admin.revoke_device(lost_id).revoked_at
         assert revoked_at and admin.revoke_device(lost_id).revoked_at == revoked_at  # once
         listed = {d.device_id: d.revoked_at for d in admin.list_devices()}
     assert listed[lost_id] == revoked_at and listed[phone_id] == ""
     for call in (lambda: lost.list_versions(), lambda: lost.read_blob(sha256), lambda: lost.report(1, 1, IDLE),
                  lambda: list(lost.pull_records()), lambda: lost.push_records([_record(3, "y", 1)])):
-        assert _code(call) == "UNAUTHENTICATED"
+        assert status_code(call) == "UNAUTHENTICATED"
     assert phone.read_blob(sha256) == b"sealed original" * 10  # the owner's, whoever uploaded it
     # the lost phone stayed at v1; revoked, it no longer holds the v1 record of x alive
     assert [(r.item_id, r.version) for b in phone.pull_records() for r in b.records] == [("x", 2)]
@@ -86,6 +76,6 @@ def test_a_schema_3_database_gets_revocation(tmp_path):
         db.execute("PRAGMA user_version=3")
     storage = SqliteStorage(tmp_path / "data")
     assert storage.device_for_token("token-hash") == "dev-1"
-    assert storage.revoke_device("dev-1", "now") == ("now", False)
+    assert storage.revoke_device("dev-1", "now") == ("now", None)  # no other device: no compaction due
     assert storage.device_for_token("token-hash") is None and storage.list_devices(0, 10)[0].revoked_at == "now"
     storage.close()

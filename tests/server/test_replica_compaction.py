@@ -14,17 +14,15 @@ from fctkit.protos import fleet_pb2, vault_pb2
 from fctkit.protos.client import FctkitClient
 from fctkit.server.storage import ReplicaRecord, SqliteStorage
 
-from .conftest import ADMIN_TOKEN
+from .conftest import enrolled_client
 
 IDLE = fleet_pb2.UPGRADE_STATE_IDLE
 
 
 def _devices(server, count: int) -> list[FctkitClient]:
-    with FctkitClient(server.target, ADMIN_TOKEN) as admin:
-        owner = admin.create_enrolment_code().owner_id
-        codes = [admin.create_enrolment_code(owner=owner).code for _ in range(count)]
-    return [FctkitClient(server.target, FctkitClient(server.target).enrol(code, f"device-{k}").token)
-            for k, code in enumerate(codes)]
+    """``count`` devices of one new owner."""
+    first, enrolment = enrolled_client(server, name="device-0")
+    return [first, *(enrolled_client(server, enrolment.owner_id, f"device-{k}")[0] for k in range(1, count))]
 
 
 def _record(change_id: int, item: str, version: int = 1, via: str = "native", fill: int = 0, size: int = 100,

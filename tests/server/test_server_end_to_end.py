@@ -14,13 +14,13 @@ from click.testing import CliRunner
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fctkit.cli import cli
-from fctkit.errors import HashMismatchError, RollbackError, RpcStatusError, SignatureError
+from fctkit.errors import HashMismatchError, RollbackError, SignatureError
 from fctkit.protos import fleet_pb2, limits, registry_pb2, registry_pb2_grpc, vault_pb2, vault_pb2_grpc
 from fctkit.protos.bundle import MANIFEST_FILE, SIGNATURE_FILE, Manifest, pack_bundle, verify_manifest
 from fctkit.protos.client import FctkitClient
 from fctkit.protos.common_pb2 import Chunk
 
-from .conftest import ADMIN_TOKEN
+from .conftest import ADMIN_TOKEN, enrolled_client, status_code
 
 QUOTA = 4_000_000
 MAX_BLOB = 3_500_000
@@ -42,29 +42,20 @@ def admin(server):
         yield client
 
 
-def _enrol(server, admin, name: str) -> FctkitClient:
-    code = admin.create_enrolment_code(label=f"for {name}").code
-    with FctkitClient(server.target) as anonymous:
-        enrolment = anonymous.enrol(code, name)
-    return FctkitClient(server.target, enrolment.token, chunk_size=256 * 1024)
+def _enrol(server, name: str) -> FctkitClient:
+    return enrolled_client(server, name=name, chunk_size=256 * 1024)[0]
 
 
 @pytest.fixture(scope="module")
-def device(server, admin):
-    with _enrol(server, admin, "camera-a") as client:
+def device(server):
+    with _enrol(server, "camera-a") as client:
         yield client
 
 
 @pytest.fixture(scope="module")
-def other_device(server, admin):
-    with _enrol(server, admin, "camera-b") as client:
+def other_device(server):
+    with _enrol(server, "camera-b") as client:
         yield client
-
-
-def _code(call) -> str:
-    with pytest.raises(RpcStatusError) as caught:
-        call()
-    return caught.value.code
 
 
 def _raw_code(call) -> grpc.StatusCode:
@@ -105,11 +96,11 @@ def test_missing_or_garbage_tokens_are_unauthenticated(server, token):
 
 
 def test_roles_device_cannot_publish_or_list_devices_and_admin_has_no_vault(device, admin, archives):
-    assert _code(lambda: device.publish_bundle(archives[4])) == "PERMISSION_DENIED"
-    assert _code(device.list_devices) == "PERMISSION_DENIED"
-    assert _code(lambda: device.create_enrolment_code()) == "PERMISSION_DENIED"
-    assert _code(admin.list_blobs) == "PERMISSION_DENIED"
-    assert _code(lambda: admin.report(1, 1, fleet_pb2.UPGRADE_STATE_IDLE)) == "PERMISSION_DENIED"
+    assert status_code(lambda: device.publish_bundle(archives[4])) == "PERMISSION_DENIED"
+    assert status_code(device.list_devices) == "PERMISSION_DENIED"
+    assert status_code(lambda: device.create_enrolment_code()) == "PERMISSION_DENIED"
+    assert status_code(admin.list_blobs) == "PERMISSION_DENIED"
+    assert status_code(lambda: admin.report(1, 1, fleet_pb2.UPGRADE_STATE_IDLE)) == "PERMISSION_DENIED"
 
 
 # -- registry --------------------------------------------------------------------------------
@@ -131,14 +122,14 @@ def test_versions_and_manifests_are_exactly_as_published(device, bundles, publis
 
 
 def test_unknown_versions_and_artifacts_are_not_found(device):
-    assert _code(lambda: device.get_manifest(99)) == "NOT_FOUND"
-    assert _code(lambda: device.plan_upgrade(99, 4)) == "NOT_FOUND"
-    assert _code(lambda: device.plan_upgrade(1, 99)) == "NOT_FOUND"
-    assert _code(lambda: device.read_blob("0" * 64)) == "NOT_FOUND"
+    assert status_code(lambda: device.get_manifest(99)) == "NOT_FOUND"
+    assert status_code(lambda: device.plan_upgrade(99, 4)) == "NOT_FOUND"
+    assert status_code(lambda: device.plan_upgrade(1, 99)) == "NOT_FOUND"
+    assert status_code(lambda: device.read_blob("0" * 64)) == "NOT_FOUND"
     with open("/dev/null", "wb") as sink:
-        assert _code(lambda: device.fetch_artifact(99, "embed", sink)) == "NOT_FOUND"
-        assert _code(lambda: device.fetch_artifact(1, "forward_9_to_10", sink)) == "NOT_FOUND"
-    assert _code(lambda: device.get_manifest(0)) == "INVALID_ARGUMENT"
+        assert status_code(lambda: device.fetch_artifact(99, "embed", sink)) == "NOT_FOUND"
+        assert status_code(lambda: device.fetch_artifact(1, "forward_9_to_10", sink)) == "NOT_FOUND"
+    assert status_code(lambda: device.get_manifest(0)) == "INVALID_ARGUMENT"
 
 
 def _hops(plan) -> list[tuple[int, int, str, str]]:
@@ -156,7 +147,7 @@ def test_plans_go_hop_by_hop_or_take_a_published_direct_adapter(device):
     assert _hops(device.plan_upgrade(2, 4)) == [
         (2, 3, "forward_2_to_3", "side_forward_2_to_3"), (3, 4, "forward_3_to_4", "side_forward_3_to_4")]
     assert device.plan_upgrade(3, 3).hops == []
-    assert _code(lambda: device.plan_upgrade(3, 1)) == "NOT_FOUND"  # no adapters lead backwards
+    assert status_code(lambda: device.plan_upgrade(3, 1)) == "NOT_FOUND"  # no adapters lead backwards
 
 
 def test_interrupted_artifact_download_resumes_from_its_offset(device, bundles, tmp_path):
@@ -239,7 +230,7 @@ def edit_manifest(root):
 def test_tampered_or_incomplete_bundles_are_refused_and_never_listed(admin, server, bundles, archives, tmp_path):
     before = [v.version for v in admin.list_versions()]
     for edit in (flip_artifact_byte, edit_manifest):
-        assert _code(lambda: admin.publish_bundle(_tampered(bundles[5], tmp_path, edit))) == "INVALID_ARGUMENT"
+        assert status_code(lambda: admin.publish_bundle(_tampered(bundles[5], tmp_path, edit))) == "INVALID_ARGUMENT"
     archive = archives[5].read_bytes()
     header = registry_pb2.PublishHeader(archive_size=len(archive), archive_sha256=hashlib.sha256(archive).hexdigest())
 
@@ -253,8 +244,8 @@ def test_tampered_or_incomplete_bundles_are_refused_and_never_listed(admin, serv
     assert _raw_code(lambda: publish([half, gap])) == grpc.StatusCode.INVALID_ARGUMENT  # not contiguous
     oversized = Chunk(offset=0, data=archive[: limits.MAX_CHUNK_BYTES + 1].ljust(limits.MAX_CHUNK_BYTES + 1, b"\0"))
     assert _raw_code(lambda: publish([oversized])) == grpc.StatusCode.INVALID_ARGUMENT
-    assert _code(lambda: admin.publish_bundle(archives[4])) == "ALREADY_EXISTS"
-    assert _code(lambda: admin.publish_bundle(archives[2])) == "FAILED_PRECONDITION"
+    assert status_code(lambda: admin.publish_bundle(archives[4])) == "ALREADY_EXISTS"
+    assert status_code(lambda: admin.publish_bundle(archives[2])) == "FAILED_PRECONDITION"
     assert [v.version for v in admin.list_versions()] == before
     assert not list((server.data_dir / "tmp").glob("publish-*"))
 
@@ -304,7 +295,7 @@ def test_vault_upload_list_download_delete(server, device):
     assert device.stat_blob(transfer.sha256).state == vault_pb2.BLOB_STATE_STORED
     assert device.delete_blob(transfer.sha256) == sum(b.size for b in listed.values()) - len(ciphertext)
     assert transfer.sha256 not in {b.sha256 for b in device.list_blobs()}
-    assert _code(lambda: device.delete_blob(transfer.sha256)) == "NOT_FOUND"
+    assert status_code(lambda: device.delete_blob(transfer.sha256)) == "NOT_FOUND"
 
 
 def _upload_messages(data: bytes, *, size: int | None = None, sha256: str | None = None, offset: int = 0, upto: int | None = None):
@@ -347,17 +338,17 @@ def test_vault_refuses_bad_uploads(device):
 def test_a_device_cannot_reach_another_devices_blob(device, other_device):
     secret = b"encrypted image of device a" * 100
     sha256 = device.upload_blob(secret).sha256
-    assert _code(lambda: other_device.read_blob(sha256)) == "PERMISSION_DENIED"
-    assert _code(lambda: other_device.delete_blob(sha256)) == "PERMISSION_DENIED"
-    assert _code(lambda: other_device.stat_blob(sha256)) == "PERMISSION_DENIED"
+    assert status_code(lambda: other_device.read_blob(sha256)) == "PERMISSION_DENIED"
+    assert status_code(lambda: other_device.delete_blob(sha256)) == "PERMISSION_DENIED"
+    assert status_code(lambda: other_device.stat_blob(sha256)) == "PERMISSION_DENIED"
     assert sha256 not in {b.sha256 for b in other_device.list_blobs()}
     assert device.read_blob(sha256) == secret
 
 
 def test_quota_exceeded_is_resource_exhausted(server, admin):
-    with _enrol(server, admin, "camera-quota") as client:
+    with _enrol(server, "camera-quota") as client:
         first = client.upload_blob(b"\1" * 3_000_000)
-        assert _code(lambda: client.upload_blob(b"\2" * 1_500_000)) == "RESOURCE_EXHAUSTED"
+        assert status_code(lambda: client.upload_blob(b"\2" * 1_500_000)) == "RESOURCE_EXHAUSTED"
         client.delete_blob(first.sha256)
         assert client.upload_blob(b"\2" * 1_500_000).size == 1_500_000
         listing = client.vault.List(vault_pb2.ListBlobsRequest(), metadata=client._metadata)
@@ -375,10 +366,10 @@ def test_enrolment_codes_work_once_and_only_hashes_are_stored(server, admin, pub
     enrolment = anonymous.enrol(code.lower(), "camera-c")  # codes are case- and dash-insensitive
     raw = publisher_key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     assert enrolment.publisher_public_key == raw and enrolment.device_id.startswith("dev-")
-    assert _code(lambda: anonymous.enrol(code, "again")) == "PERMISSION_DENIED"
-    assert _code(lambda: anonymous.enrol("AAAA-BBBB-CCCC", "guess")) == "PERMISSION_DENIED"
-    assert _code(lambda: anonymous.enrol("", "empty")) == "INVALID_ARGUMENT"
-    assert _code(lambda: admin.create_enrolment_code(ttl_seconds=limits.MAX_ENROLMENT_TTL_S + 1)) == "INVALID_ARGUMENT"
+    assert status_code(lambda: anonymous.enrol(code, "again")) == "PERMISSION_DENIED"
+    assert status_code(lambda: anonymous.enrol("AAAA-BBBB-CCCC", "guess")) == "PERMISSION_DENIED"
+    assert status_code(lambda: anonymous.enrol("", "empty")) == "INVALID_ARGUMENT"
+    assert status_code(lambda: admin.create_enrolment_code(ttl_seconds=limits.MAX_ENROLMENT_TTL_S + 1)) == "INVALID_ARGUMENT"
     stored = b"".join(p.read_bytes() for p in server.data_dir.glob("meta.sqlite3*"))
     for secret in (enrolment.token, code, code.replace("-", ""), ADMIN_TOKEN):
         assert secret.encode() not in stored
@@ -397,10 +388,10 @@ def test_reports_reach_the_fleet_list_and_bad_reports_are_refused(device, admin)
         2, 1234, fleet_pb2.UPGRADE_STATE_UPGRADING, 4, 0.25)
     assert mine[0].last_report_at == response.recorded_at and mine[0].label == "for camera-a"
     for bad in (dict(progress=float("nan")), dict(progress=1.5), dict(detail="x" * (limits.MAX_DETAIL_CHARS + 1))):
-        assert _code(lambda: device.report(2, 1, fleet_pb2.UPGRADE_STATE_IDLE, **bad)) == "INVALID_ARGUMENT"
-    assert _code(lambda: device.report(2, 1, fleet_pb2.UPGRADE_STATE_UNSPECIFIED)) == "INVALID_ARGUMENT"
-    assert _code(lambda: device.report(2, 1, 77)) == "INVALID_ARGUMENT"
-    assert _code(lambda: device.report(2, 2**63, fleet_pb2.UPGRADE_STATE_IDLE)) == "INVALID_ARGUMENT"
+        assert status_code(lambda: device.report(2, 1, fleet_pb2.UPGRADE_STATE_IDLE, **bad)) == "INVALID_ARGUMENT"
+    assert status_code(lambda: device.report(2, 1, fleet_pb2.UPGRADE_STATE_UNSPECIFIED)) == "INVALID_ARGUMENT"
+    assert status_code(lambda: device.report(2, 1, 77)) == "INVALID_ARGUMENT"
+    assert status_code(lambda: device.report(2, 2**63, fleet_pb2.UPGRADE_STATE_IDLE)) == "INVALID_ARGUMENT"
 
 
 def test_list_devices_pages(admin):
@@ -408,8 +399,8 @@ def test_list_devices_pages(admin):
     second = admin.fleet.ListDevices(fleet_pb2.ListDevicesRequest(page_size=1, page_token=first.next_page_token), metadata=admin._metadata)
     assert first.next_page_token and first.devices[0].device_id != second.devices[0].device_id
     assert [d.device_id for d in admin.list_devices()][:2] == [first.devices[0].device_id, second.devices[0].device_id]
-    assert _code(lambda: admin._unary(admin.fleet.ListDevices, fleet_pb2.ListDevicesRequest(page_token="x"))) == "INVALID_ARGUMENT"
-    assert _code(lambda: admin._unary(admin.fleet.ListDevices, fleet_pb2.ListDevicesRequest(page_size=limits.MAX_DEVICES_PAGE + 1))) == "INVALID_ARGUMENT"
+    assert status_code(lambda: admin._unary(admin.fleet.ListDevices, fleet_pb2.ListDevicesRequest(page_token="x"))) == "INVALID_ARGUMENT"
+    assert status_code(lambda: admin._unary(admin.fleet.ListDevices, fleet_pb2.ListDevicesRequest(page_size=limits.MAX_DEVICES_PAGE + 1))) == "INVALID_ARGUMENT"
 
 
 # -- admin CLI and log -----------------------------------------------------------------------

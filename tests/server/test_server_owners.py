@@ -12,12 +12,11 @@ import sqlite3
 import grpc
 import pytest
 
-from fctkit.errors import RpcStatusError
 from fctkit.protos import vault_pb2
 from fctkit.protos.client import FctkitClient
 from fctkit.server.storage import BlobRecord, SqliteStorage
 
-from .conftest import ADMIN_TOKEN
+from .conftest import ADMIN_TOKEN, status_code
 
 QUOTA = 4000
 
@@ -41,12 +40,6 @@ def _record(change_id: int, item: str = "item", size: int = 100, **fields) -> va
     return vault_pb2.SealedRecord(change_id=change_id, item_id=item, **values)
 
 
-def _code(call) -> str:
-    with pytest.raises(RpcStatusError) as caught:
-        call()
-    return caught.value.code
-
-
 def test_one_owner_shares_blobs_and_records_others_are_refused(server):
     phone, owner = _device(server, "heidi")
     tablet, _ = _device(server, "heidi")
@@ -57,7 +50,7 @@ def test_one_owner_shares_blobs_and_records_others_are_refused(server):
     assert [b.sha256 for b in tablet.list_blobs()] == [sha256]
     for call in (lambda: stranger.read_blob(sha256), lambda: stranger.stat_blob(sha256), lambda: stranger.delete_blob(sha256),
                  lambda: stranger.list_blobs(owner_id="heidi"), lambda: list(stranger.pull_records(owner_id="heidi"))):
-        assert _code(call) == "PERMISSION_DENIED"
+        assert status_code(call) == "PERMISSION_DENIED"
     assert stranger.list_blobs() == [] and list(stranger.pull_records()) == []
 
     first = phone.push_records([_record(1, "a"), _record(2, "b")])
@@ -82,14 +75,14 @@ def test_malformed_records_are_invalid_argument(server, bad):
     record = _record(5)
     for name, value in bad.items():
         setattr(record, name, value)
-    assert _code(lambda: device.push_records([record])) == "INVALID_ARGUMENT"
+    assert status_code(lambda: device.push_records([record])) == "INVALID_ARGUMENT"
     assert list(device.pull_records()) == []
 
 
 def test_replica_quota_is_resource_exhausted_and_stores_nothing_of_the_batch(server):
     device, _ = _device(server)
     assert device.push_records([_record(i, f"item-{i}", size=1000) for i in range(1, 4)]).stored == 3
-    assert _code(lambda: device.push_records([_record(i, f"item-{i}", size=1000) for i in range(4, 6)])) == "RESOURCE_EXHAUSTED"
+    assert status_code(lambda: device.push_records([_record(i, f"item-{i}", size=1000) for i in range(4, 6)])) == "RESOURCE_EXHAUSTED"
     assert [r.change_id for b in device.pull_records() for r in b.records] == [1, 2, 3]
     too_many = [vault_pb2.PushRecordsRequest(records=[_record(i, size=100) for i in range(10, 4107)])]
     with pytest.raises(grpc.RpcError) as refused:
@@ -140,7 +133,7 @@ def test_enrolment_checks_the_owner_key_id(server):
         codes = [admin.create_enrolment_code(owner="kim").code for _ in range(3)]
     anonymous = FctkitClient(server.target)
     assert anonymous.enrol(codes[0], "first", owner_key_id="a" * 64).owner_id == "kim"  # the first device sets it
-    assert _code(lambda: anonymous.enrol(codes[1], "other key", owner_key_id="b" * 64)) == "FAILED_PRECONDITION"
-    assert _code(lambda: anonymous.enrol(codes[1], "bad id", owner_key_id="not-hex")) == "INVALID_ARGUMENT"
+    assert status_code(lambda: anonymous.enrol(codes[1], "other key", owner_key_id="b" * 64)) == "FAILED_PRECONDITION"
+    assert status_code(lambda: anonymous.enrol(codes[1], "bad id", owner_key_id="not-hex")) == "INVALID_ARGUMENT"
     assert anonymous.enrol(codes[1], "same key", owner_key_id="a" * 64).owner_id == "kim"  # the refused code still works
     assert anonymous.enrol(codes[2], "unchecked").owner_id == "kim"  # clients that send no id are not checked
