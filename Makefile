@@ -6,6 +6,11 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 EXTRAS ?= cpu,train,dev,faiss
+# constraints.txt pins torch==2.13.0. Where pip finds no CPU wheel of it (our machines keep one
+# locally), PyPI's Linux torch pulls several GB of CUDA libraries; PyTorch's CPU wheel index has
+# torch 2.13.0+cpu, which pip prefers once it sees it:
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed-$(shell echo $(EXTRAS) | tr ',' '-')
 
 .PHONY: demo test install protos bench clean
@@ -13,7 +18,10 @@ STAMP  := $(VENV)/.installed-$(shell echo $(EXTRAS) | tr ',' '-')
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt -e ".[$(EXTRAS)]"
+	$(PIP) install -q -c constraints.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -e ".[$(EXTRAS)]"
+	@$(BIN)/python -c "import sys; from importlib.util import find_spec; \
+		sys.exit(find_spec('torch') is not None and __import__('torch').version.cuda is not None)" || \
+		echo "note: this torch is a CUDA build (GBs, unused by the kit); for the CPU wheel: rm -rf $(VENV); make test TORCH_INDEX=https://download.pytorch.org/whl/cpu" >&2
 	touch $@
 
 install: $(STAMP)

@@ -91,22 +91,64 @@ class DemoResult:
     seconds: float
 
 
+class _Interrupts:
+    """SIGINT (Ctrl-C) and SIGTERM raise KeyboardInterrupt, so ``finally`` stops the server,
+    and are remembered: :meth:`check` raises again. A signal that lands while a library's
+    finalizer runs (gRPC channels have ``__del__``) only prints "Exception ignored" and the
+    run would go on; every phase boundary and every device's step checks, so the demo stops
+    at the latest there and exits 130 whatever phase the signal hit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def check(self) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt(f"signal {self.received}")
+
+    @contextmanager
+    def installed(self) -> Iterator[_Interrupts]:
+        """The handlers for the duration (outside the main thread: signals are left alone)."""
+        try:
+            previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        except ValueError:
+            yield self
+            return
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 @dataclass
 class _Phases:
-    """Wall time of each phase, printed as it ends."""
+    """Wall time of each phase, printed as it ends; a remembered interrupt stops the run at
+    each phase's start and end (and at each :meth:`step`)."""
 
     log: Callable[[str], None]
+    interrupts: _Interrupts = field(default_factory=_Interrupts)
     seconds: dict[str, float] = field(default_factory=dict)
     count: int = 0
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        self.step()
         self.count += 1
         self.log(f"[{self.count}] {name} ...")
         start = time.perf_counter()
         yield
         self.seconds[name] = time.perf_counter() - start
         self.log(f"[{self.count}] {name}: {self.seconds[name]:.1f} s")
+        self.step()
+
+    def step(self) -> None:
+        self.interrupts.check()
 
 
 # --------------------------------------------------------------------------- the server
@@ -177,23 +219,6 @@ class DemoServer:
         return FctkitClient(self.target, self.admin_token)
 
 
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt (so `finally` stops the server), restored afterwards."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 # --------------------------------------------------------------------------- the run
 
 
@@ -203,7 +228,7 @@ def run_demo(options: DemoOptions, log: Callable[[str], None] = print) -> DemoRe
     out = _fresh_out(options.out)
     phases = _Phases(log)
     server: DemoServer | None = None
-    with _sigterm_as_interrupt():
+    with phases.interrupts.installed():
         try:
             with phases("publisher key"):
                 from fctkit.export.keys import generate_keys, load_private_key
@@ -225,6 +250,7 @@ def run_demo(options: DemoOptions, log: Callable[[str], None] = print) -> DemoRe
         finally:
             if server is not None:
                 server.stop()
+        phases.step()
     report["phases_s"] = {k: round(v, 3) for k, v in phases.seconds.items()}
     report["seconds"] = round(time.perf_counter() - start, 2)
     files = _write_report(report, out)
@@ -299,6 +325,7 @@ def _fleet_story(options: DemoOptions, out: Path, server: DemoServer, archives: 
             admin.publish_bundle(archives[0])
     with phases(f"enrol {options.devices} devices; each installs v1 and adds its share (sealed uploads)"):
         for i, rows in enumerate(shares):
+            phases.step()
             name = f"device-{i + 1}"
             device = Device.init(out / "devices" / name, settings=DeviceSettings(batch_size=256))
             device.progress = options.progress
@@ -321,6 +348,7 @@ def _fleet_story(options: DemoOptions, out: Path, server: DemoServer, archives: 
     upgrade_rows = 0
     with phases("devices sync v2 and upgrade their galleries in place (adapter h on device)"):
         for member in fleet:
+            phases.step()
             result = member.device.sync(upgrade=False)  # download + verify; the upgrade is timed on its own
             measures[member.name]["cases"]["new/old"] = _vectors(member, images, lambda d, x: d.engine(2).embed(x))
             started = time.perf_counter()
@@ -332,6 +360,7 @@ def _fleet_story(options: DemoOptions, out: Path, server: DemoServer, archives: 
             log(f"    {member.name}: {result.hops} planned, {upgraded} rows upgraded, now v{member.device.version}")
     with phases("devices push their upgraded rows to their owner's sealed replica"):
         for member in fleet:
+            phases.step()
             member.device.sync()
     for member in fleet:
         measures[member.name]["cases"]["new/h(old)"] = _vectors(member, images, lambda d, x: d.query_vectors(x))

@@ -5,18 +5,25 @@ files exist, and the server subprocess is gone afterwards."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from fctkit.demo import CASES, DemoOptions, run_demo
+from tests.support.seeds import seed
+
+from fctkit.demo import CASES, DemoOptions, _Phases, run_demo
 
 pytestmark = pytest.mark.slow
 
 
 def test_demo_on_digits_with_two_devices(tmp_path):
     lines: list[str] = []
-    result = run_demo(DemoOptions(devices=2, out=tmp_path / "demo", progress=False), log=lines.append)
+    result = run_demo(DemoOptions(devices=2, out=tmp_path / "demo", seed=seed(), progress=False), log=lines.append)
     report = result.report
 
     overall = report["overall"]
@@ -51,30 +58,63 @@ def test_demo_on_digits_with_two_devices(tmp_path):
     assert any("new/h(old)" in line for line in lines)
 
 
-def test_ctrl_c_leaves_no_server_running(tmp_path):
-    """SIGINT (Ctrl-C) once the server is up: the demo exits 130 and its server is gone."""
-    import os
-    import re
-    import signal
-    import subprocess
-    import sys
+#: Where the Ctrl-C tests interrupt: a line the demo prints (a regular expression).
+INTERRUPT_MOMENTS = {
+    "training": r"\] train v1 .*\.\.\.$",
+    "server up": r"server pid \d+ listening",
+    "upgrade": r"\] devices sync v2 .*\.\.\.$",
+    "backfill": r"\] device-1 backfills .*\.\.\.$",
+}
 
+
+@pytest.mark.parametrize("moment", list(INTERRUPT_MOMENTS))
+def test_ctrl_c_stops_the_demo_in_any_phase_and_leaves_no_server_running(tmp_path, moment):
+    """SIGINT (Ctrl-C) in each phase: the demo exits 130 and the server it started is gone."""
     process = subprocess.Popen([sys.executable, "-m", "fctkit.cli", "demo", "--devices", "1", "--quiet", "--out", str(tmp_path / "demo")],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    server_pid = None
+    server_pid, seen = None, []
     for line in process.stdout:
+        seen.append(line)
         found = re.search(r"server pid (\d+) listening", line)
-        if found:
-            server_pid = int(found.group(1))
+        server_pid = int(found.group(1)) if found else server_pid
+        if re.search(INTERRUPT_MOMENTS[moment], line.rstrip()):
             break
-    assert server_pid is not None, "the demo never started its server"
-    assert Path(f"/proc/{server_pid}").exists()
+    else:
+        pytest.fail(f"the demo ended before {moment!r}: {''.join(seen[-5:])}")
     process.send_signal(signal.SIGINT)
-    process.stdout.read()
-    assert process.wait(60) == 130
+    rest = process.stdout.read()
+    assert process.wait(60) == 130, rest[-2000:]
+    assert "interrupted" in rest
+    if server_pid is not None:
+        assert not _alive(server_pid), f"server {server_pid} is still running after Ctrl-C"
+
+
+def _alive(pid: int) -> bool:
     try:
-        os.kill(server_pid, 0)
-        reaped = False
+        os.kill(pid, 0)
     except ProcessLookupError:
-        reaped = True
-    assert reaped, f"server {server_pid} is still running after Ctrl-C"
+        return False
+    return True
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped exception itself
+def test_an_interrupt_python_drops_in_a_finalizer_still_stops_the_demo():
+    """Python drops an exception raised inside ``__del__`` ("Exception ignored in ..."): a
+    Ctrl-C that lands while a finalizer runs must still stop the run at the phase's end."""
+    lines: list[str] = []
+    phases = _Phases(lines.append)
+
+    class Finalized:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs here, in the finalizer
+
+    carried_on = False
+    previous = signal.getsignal(signal.SIGINT)
+    with phases.interrupts.installed(), pytest.raises(KeyboardInterrupt):
+        with phases("one"):
+            Finalized()  # collected at once; its KeyboardInterrupt is dropped by Python
+            carried_on = True
+        lines.append("not reached")
+    assert carried_on and lines == ["[1] one ...", lines[1]] and lines[1].startswith("[1] one: ")
+    assert phases.interrupts.received == signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is previous  # the handlers are put back

@@ -93,3 +93,13 @@ def test_wheel_has_only_the_fctkit_namespace_and_installs_without_torch(tmp_path
     assert proc.returncode == 0, proc.stderr
     proc = subprocess.run([str(venv / "bin" / "fctkit"), "--version"], capture_output=True, text=True, env=env)
     assert proc.returncode == 0 and "fctkit" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("torch_index", ["", "https://download.pytorch.org/whl/cpu"])
+def test_make_passes_the_documented_torch_index_to_pip(torch_index):
+    """`make test TORCH_INDEX=…` (README) reaches the install command; without it pip keeps its own indexes."""
+    dry_run = subprocess.run(["make", "-n", "-B", "install", f"TORCH_INDEX={torch_index}"], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout
+    install = next(line for line in dry_run.splitlines() if "-c constraints.txt" in line)
+    assert ("--extra-index-url" in install) == bool(torch_index)
+    assert not torch_index or f"--extra-index-url {torch_index} " in install

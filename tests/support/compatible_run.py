@@ -21,10 +21,11 @@ import json
 from pathlib import Path
 
 from tests.support.releases import build_once
+from tests.support.seeds import TEST_SEED
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-#: Every test run: progress bars off, on the CPU.
-RUN_SETTINGS = {"progress": False, "device": "cpu"}
+#: Every test run: progress bars off, on the CPU, the suite's seed.
+RUN_SETTINGS = {"progress": False, "device": "cpu", "seed": TEST_SEED}
 
 
 def digits_compatible_run(tmp_dir: Path) -> Path:

@@ -40,11 +40,13 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.support.seeds import TEST_SEED
+
 _ADAPTER_TRAINING = {"epochs": 40, "batch_size": 64, "lr": 3e-3, "warmup_epochs": 2, "progress": False}
 
 #: The tiny digits run behind the test release (a `fctkit train` config as a mapping).
 TINY_DIGITS_CONFIG: dict = {
-    "seed": 0,
+    "seed": TEST_SEED,
     "device": "cpu",
     "progress": False,
     # lambda-orth (strict B⊥) fails its ECC at these sizes: the release tests use it as a real failing gate.

@@ -7,6 +7,8 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
+from tests.support.seeds import seed as suite_seed
+
 from fctkit.errors import ConfigError, DataUnavailableError, InputError
 from fctkit.trainer.adapter_base import Adapter, adapter_kinds, load_adapter
 from fctkit.trainer.adapters import FastFillAdapter, FCTAdapter
@@ -16,8 +18,8 @@ from fctkit.trainer.lambda_orth import LambdaOrthAdapter
 from fctkit.trainer.losses import heteroscedastic_mse
 
 
-def small_config(side_info: bool = True, epochs: int = 15, seed: int = 0, mixer_width: int = 128, **extra) -> dict:
-    train = {"epochs": epochs, "batch_size": 64, "warmup_epochs": 1, "lr": 1e-3, "seed": seed, "device": "cpu", "progress": False}
+def small_config(side_info: bool = True, epochs: int = 15, seed: int | None = None, mixer_width: int = 128, **extra) -> dict:
+    train = {"epochs": epochs, "batch_size": 64, "warmup_epochs": 1, "lr": 1e-3, "seed": suite_seed() if seed is None else seed, "device": "cpu", "progress": False}
     return {"side_info": side_info, "branch_width": 64, "mixer_width": mixer_width, "train": train, **extra}
 
 

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.seeds import seed
+
 from fctkit.config import from_mapping
 from fctkit.errors import ConfigError, DataUnavailableError, InputError
 from fctkit.trainer.backbones import (
@@ -30,7 +32,7 @@ NEW = BackboneConfig(architecture="wide", embedding_dim=64, progress=False)
 @pytest.fixture(scope="module")
 def data():
     digits = load_dataset("digits")
-    splits = make_splits(digits.labels, seed=0)
+    splits = make_splits(digits.labels, seed=seed())
     train = digits.subset(splits.train)
     return {
         "train": train,
@@ -42,12 +44,12 @@ def data():
 
 @pytest.fixture(scope="module")
 def old_model(data):
-    return train_backbone(data["old_train"].images, data["old_train"].labels, OLD, seed=0, device="cpu")
+    return train_backbone(data["old_train"].images, data["old_train"].labels, OLD, seed=seed(), device="cpu")
 
 
 @pytest.fixture(scope="module")
 def new_model(data):
-    return train_backbone(data["train"].images, data["train"].labels, NEW, seed=0, device="cpu")
+    return train_backbone(data["train"].images, data["train"].labels, NEW, seed=seed(), device="cpu")
 
 
 def _top1(model, query, gallery) -> float:

@@ -112,17 +112,23 @@ def data_growth_gate(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow  # trains configs/digits-data-growth.toml (CoReS runs only) once per session (~20 s CPU)
-def test_ecc_holds_for_cores_with_hoc_on_a_data_growth_upgrade(data_growth_gate):
+def test_cores_with_hoc_keeps_the_old_gallery_usable_on_a_data_growth_upgrade(data_growth_gate):
     """CoReS + HOC with a full simplex (K = the 10 classes): v2, fine-tuned from v1 on five
-    times v1's images, queries v1's gallery directly and does better than v1 itself."""
-    cases = data_growth_gate["cases"]["cores-hoc"]
-    assert data_growth_gate["ecc"]["cores-hoc"] is True, cases
-    assert cases["new/new"]["top1"] > cases["new/old"]["top1"] > cases["old/old"]["top1"]
+    times v1's images, queries v1's gallery directly; an independently trained v2 cannot.
+
+    What the method gives on this tiny upgrade, measured over seeds 0-15 (BENCHMARKS.md, "Data
+    growth"): new/old 0.61-1.03 of old/old (median 1.00), at least 3.2x the independent v2's
+    new/old, which stays under 0.3 of its old/old. ECC itself (new/old > old/old) holds in
+    about half the seeds, so it is reported there, not asserted here."""
+    hoc = data_growth_gate["cases"]["cores-hoc"]
+    independent = data_growth_gate["cases"]["independent"]
     assert data_growth_gate["dims"]["cores-hoc"] == [9, 9]  # K − 1
     assert data_growth_gate["evaluation_classes"] == "trained"
+    assert hoc["new/old"]["top1"] > 0.5 * hoc["old/old"]["top1"], hoc
+    assert hoc["new/old"]["top1"] > 2 * independent["new/old"]["top1"], (hoc, independent)
     # the same upgrade without compatible training: the new model cannot use the old gallery
-    independent = data_growth_gate["cases"]["independent"]
     assert data_growth_gate["ecc"]["independent"] is False and independent["new/old"]["top1"] < 0.5 * independent["old/old"]["top1"]
+    assert data_growth_gate["ecc"]["cores-hoc"] == (hoc["new/old"]["top1"] > hoc["old/old"]["top1"])
 
 
 @pytest.mark.slow  # trains configs/digits-compatible.toml once per session (~40 s CPU)

@@ -8,14 +8,16 @@ import pytest
 import torch
 from scipy.stats import special_ortho_group
 
+from tests.support.seeds import seed as suite_seed
+
 from fctkit.errors import ConfigError, InputError
 from fctkit.trainer.evaluation import evaluate_retrieval
 from fctkit.trainer.lambda_orth import LambdaOrthAdapter, LambdaOrthConfig, OrthogonalMap, rotation_between
 from fctkit.trainer.losses import orthogonality_error, orthogonality_penalty, supervised_contrastive
 
 
-def train_config(epochs: int = 20, lr: float = 0.1, seed: int = 0) -> dict:
-    return {"epochs": epochs, "batch_size": 64, "warmup_epochs": 1, "lr": lr, "seed": seed, "device": "cpu", "progress": False}
+def train_config(epochs: int = 20, lr: float = 0.1, seed: int | None = None) -> dict:
+    return {"epochs": epochs, "batch_size": 64, "warmup_epochs": 1, "lr": lr, "seed": suite_seed() if seed is None else seed, "device": "cpu", "progress": False}
 
 
 def unit_rows(x: np.ndarray) -> np.ndarray:

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from tests.support.seeds import seed
+
 from fctkit.cli import cli
 from fctkit.errors import ConfigError
 from fctkit.trainer.pipeline import load_pipeline_config, run_pipeline
@@ -19,7 +21,7 @@ DIGITS = REPO / "configs" / "digits.toml"
 
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
-    config = load_pipeline_config(DIGITS, {"progress": False, "device": "cpu"})
+    config = load_pipeline_config(DIGITS, {"progress": False, "device": "cpu", "seed": seed()})
     out = tmp_path_factory.mktemp("digits-run")
     return run_pipeline(config, out, log=lambda _: None), out
 

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.seeds import seed
+
 from fctkit.config import from_mapping
 from fctkit.errors import ConfigError, InputError
 from fctkit.trainer.backbones import BackboneConfig, save_backbone, train_backbone
@@ -33,14 +35,14 @@ SIMCLR = SideInfoConfig(kind="simclr", dim=32, progress=False)
 def old_data():
     """The old model's world: training images of classes 0-4, plus held-out query/gallery of them."""
     digits = load_dataset("digits")
-    splits = make_splits(digits.labels, seed=0)
+    splits = make_splits(digits.labels, seed=seed())
     parts = {name: digits.subset(getattr(splits, name)) for name in ("train", "query", "gallery")}
     return {name: part.subset(old_class_subset(part.labels)) for name, part in parts.items()}
 
 
 @pytest.fixture(scope="module")
 def simclr(old_data):
-    return train_side_info(old_data["train"].images, None, SIMCLR, seed=0, device="cpu")
+    return train_side_info(old_data["train"].images, None, SIMCLR, seed=seed(), device="cpu")
 
 
 def _knn(model, data):
@@ -95,7 +97,7 @@ def test_alternate_is_a_second_old_model(old_data, simclr, tmp_path):
     config = SideInfoConfig(kind="alternate", dim=32, progress=False, epochs=40, batch_size=64, patience=10)
     with pytest.raises(InputError, match="needs the old labels"):
         train_side_info(old_data["train"].images, None, config)
-    alternate = train_side_info(old_data["train"].images, old_data["train"].labels, config, seed=1, device="cpu")
+    alternate = train_side_info(old_data["train"].images, old_data["train"].labels, config, seed=seed(1), device="cpu")
     assert alternate.classes == (0, 1, 2, 3, 4)
     assert _knn_top1(alternate, old_data) > 0.95  # measured 0.994: a supervised old model
     loaded = load_side_info(save_side_info(alternate, tmp_path / "alt.pt"))
@@ -104,7 +106,7 @@ def test_alternate_is_a_second_old_model(old_data, simclr, tmp_path):
 
     # FCT Table 6: ψ from SimCLR shares less with φ_old than a second supervised old model does.
     old = train_backbone(old_data["train"].images, old_data["train"].labels,
-                         BackboneConfig(embedding_dim=32, progress=False), seed=0, device="cpu")
+                         BackboneConfig(embedding_dim=32, progress=False), seed=seed(), device="cpu")
     phi_old = extract_side_info(old, images)
     cka_alternate = linear_cka(phi_old, extract_side_info(alternate, images))
     cka_simclr = linear_cka(phi_old, extract_side_info(simclr, images))
