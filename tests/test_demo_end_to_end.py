@@ -1,5 +1,5 @@
 """`fctkit demo` end to end on digits with 2 devices: the table's facts hold (ECC, every
-device upgraded to v2 with adapted rows, the backfill kept or improved top-1), the report
+device upgraded to v2 with adapted rows, a partly backfilled gallery still beats old/old), the report
 files exist, and the server subprocess is gone afterwards."""
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ def test_demo_on_digits_with_two_devices(tmp_path):
     rows = report["backfill"]["rows"]
     assert rows == round(0.3 * backfilled["rows"]) and report["backfill"]["bytes_downloaded"] > 0
     assert backfilled["rows_by_space"] == {"v1->v2 (forward)": backfilled["rows"] - rows, "v2": rows}
-    assert backfilled["cases"]["after backfill"]["top1"] >= backfilled["cases"]["new/h(old)"]["top1"]
+    # a mixed gallery (30% re-embedded, the rest adapted) still beats not upgrading; it need not beat
+    # the adapted one: on class-level digits h(old) can score above φ_new itself (seed 1: 0.969 vs 0.975)
+    assert backfilled["cases"]["after backfill"]["top1"] > backfilled["cases"]["old/old"]["top1"]
     untouched = report["per_device"]["device-2"]["cases"]
     assert untouched["after backfill"] == untouched["new/h(old)"]
 
@@ -115,6 +117,6 @@ def test_an_interrupt_python_drops_in_a_finalizer_still_stops_the_demo():
             Finalized()  # collected at once; its KeyboardInterrupt is dropped by Python
             carried_on = True
         lines.append("not reached")
-    assert carried_on and lines == ["[1] one ...", lines[1]] and lines[1].startswith("[1] one: ")
+    assert carried_on and len(lines) == 2 and lines[0] == "[1] one ..." and lines[1].startswith("[1] one: ")
     assert phases.interrupts.received == signal.SIGINT
     assert signal.getsignal(signal.SIGINT) is previous  # the handlers are put back

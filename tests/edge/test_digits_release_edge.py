@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, publish
-from tests.support.releases import digits_release
+from tests.support.releases import UNIFIED_METHOD, digits_release, unified_override
 
 from fctkit.edge_runtime import Device, DeviceSettings
 from fctkit.protos.client import FctkitClient
@@ -113,8 +113,9 @@ def test_unified_lambda_orth_release_answers_b_new_against_f_old(release, tmp_pa
     from fctkit.export.keys import load_private_key
     from fctkit.export.release import build_release
 
-    method = "lambda-orth-relaxed"
-    build_release(release.run_dir, tmp_path / "unified", private_key=load_private_key(release.private_key_path), method=method)
+    method = UNIFIED_METHOD
+    build_release(release.run_dir, tmp_path / "unified", private_key=load_private_key(release.private_key_path), method=method,
+                  **unified_override(release.run_dir))
     images, labels = release.eval_features["images"], release.eval_features["labels"]
     device = Device.init(tmp_path / "device", publisher_key=release.public_key_path, settings=DeviceSettings(batch_size=128))
     device.progress = False

@@ -22,7 +22,7 @@ from fctkit.export.onnx_export import run_onnx
 from fctkit.export.release import TrainedRun, export_release, plan_release
 from fctkit.protos.bundle import VerifiedBundle, unpack_bundle, verify_bundle
 from fctkit.trainer.evaluation import evaluate_retrieval
-from tests.support.releases import digits_release
+from tests.support.releases import UNIFIED_METHOD, digits_release, unified_override
 
 pytestmark = pytest.mark.slow  # shares a tiny training run (tens of seconds) and exports real graphs
 
@@ -89,19 +89,22 @@ def test_forward_release_reproduces_the_runs_figures(release, run, private_key, 
 
 
 def test_unified_fp16_release_carries_forward_and_backward(release, run, private_key, tmp_path):
-    v1, v2 = export_release(release.run_dir, tmp_path, private_key=private_key, method="lambda-orth-relaxed",
-                            first_version=4, fp16=True)
+    override = unified_override(release.run_dir)
+    v1, v2 = export_release(release.run_dir, tmp_path, private_key=private_key, method=UNIFIED_METHOD,
+                            first_version=4, fp16=True, **override)
     assert {a.precision for b in (v1, v2) for a in b.manifest.artifacts} == {"fp16"}
     assert (v1.manifest.version, v2.manifest.version, v2.manifest.parents) == (4, 5, (4,))
     assert {v1.manifest.mode, v2.manifest.mode} == {"unified"}
     assert hops(v2) == {("embed", None, None), ("side_info", None, None), ("forward", 4, 5), ("backward", 5, 4)}
-    assert v2.manifest.gate["ecc"] == {"forward_4_to_5": True, "backward_5_to_4": True}
+    passed = run.gate["ecc"][UNIFIED_METHOD]
+    assert v2.manifest.gate["ecc"] == {"forward_4_to_5": passed, "backward_5_to_4": passed}
+    assert v2.manifest.gate["forced"] is bool(override)
     check_graphs_load(v2)
 
     features = run.eval_features
     unified_new = onnx(v2, "backward_5_to_4", features["new"])
     unified_old = onnx(v2, "forward_4_to_5", features["old"])
-    expected = run.gate["cases"]["lambda-orth-relaxed"]["top1"]
+    expected = run.gate["cases"][UNIFIED_METHOD]["top1"]
     assert v2.manifest.gate["cases"]["B(new)/F(old)"]["top1"] == pytest.approx(expected)
     assert top1(unified_new, unified_old, features["labels"]) == pytest.approx(expected, abs=5e-3)  # fp16: 0.5 point
 

@@ -14,8 +14,9 @@ torch thread: tens of seconds on 2 shared cores), exports the chain release with
 :func:`fctkit.export.release.build_release` and caches the result under ``tmp_dir`` in a
 folder named by a hash of its content (the config and the trainer/export/format sources),
 so every module that passes the same ``tmp_dir`` shares one build, also across processes
-(a file lock serialises concurrent builders). The tiny run passes its per-hop ECC gates;
-the bundles are genuine, not forced.
+(a file lock serialises concurrent builders). The tiny run passes its FCT gates, every chain
+hop's included, with margin in seeds 0-7 (``FCTKIT_TEST_SEED``): the bundles are genuine, not
+forced. Its λ-orth (relaxed) gate does not hold in every seed: see :func:`unified_override`.
 
 The bundles: v1 (embed φ1, side_info ψ1), v2 (embed φ2, side_info ψ2, forward h2 1→2,
 side_forward g2 1→2), v3 (embed φ3, side_info ψ3, forward h3 2→3, forward h13 1→3), all in
@@ -49,10 +50,11 @@ TINY_DIGITS_CONFIG: dict = {
     "seed": TEST_SEED,
     "device": "cpu",
     "progress": False,
-    # lambda-orth (strict B⊥) fails its ECC at these sizes: the release tests use it as a real failing gate.
     "methods": ["fct", "fastfill", "lambda-orth", "lambda-orth-relaxed"],
-    "old_backbone": {"architecture": "small", "embedding_dim": 16, "width": 4, "epochs": 15},
-    "new_backbone": {"architecture": "wide", "embedding_dim": 24, "width": 4, "epochs": 15},
+    # 25 epochs, not 15: with 15 the chain's first hop (4 -> 7 classes) held ECC by -0.013 ... +0.058
+    # over seeds 0-7 (failing seed 1); with 25 by +0.025 ... +0.128 (seeds 0-7; BENCHMARKS.md)
+    "old_backbone": {"architecture": "small", "embedding_dim": 16, "width": 4, "epochs": 25},
+    "new_backbone": {"architecture": "wide", "embedding_dim": 24, "width": 4, "epochs": 25},
     "side_info": {"kind": "simclr", "dim": 8, "width": 4, "projection_dim": 16, "epochs": 15},
     "fct": {"branch_width": 32, "mixer_width": 64, "train": _ADAPTER_TRAINING},
     "fastfill": {"branch_width": 32, "mixer_width": 64, "train": _ADAPTER_TRAINING},
@@ -62,6 +64,10 @@ TINY_DIGITS_CONFIG: dict = {
     "chain": {"enabled": True, "classes": [4, 7, 10]},
 }
 VERSIONS = (1, 2, 3)
+#: λ-orth (relaxed)'s ECC on the tiny run depends on the seed: it fails where the tiny v1 is
+#: strong (seed 3: B_λ(new)/F(old) 0.846 vs old/old 0.862), so tests of the unified release's
+#: mechanics export it with the override on the record when the run's gate fails.
+UNIFIED_METHOD = "lambda-orth-relaxed"
 _COMPLETE = "COMPLETE"
 
 
@@ -90,6 +96,14 @@ def digits_release(tmp_dir: Path) -> Release:
         build_once(folder, key, _build)
         _BUILT[folder] = _load(folder)
     return _BUILT[folder]
+
+
+def unified_override(run_dir: Path) -> dict:
+    """``force`` / ``force_reason`` for exporting the run's :data:`UNIFIED_METHOD`: none when its
+    ECC gate passed."""
+    if json.loads((Path(run_dir) / "gate.json").read_text())["ecc"][UNIFIED_METHOD]:
+        return {}
+    return {"force": True, "force_reason": f"tests: the tiny run's {UNIFIED_METHOD} ECC depends on the seed"}
 
 
 def build_once(folder: Path, content_key: str, build: Callable[[Path], None]) -> None:

@@ -95,14 +95,21 @@ def test_trained_bt2_bases_stay_orthogonal_and_old_block_is_a_prefix(compatible_
 
 
 @pytest.mark.slow  # trains configs/digits-compatible.toml once per session (~40 s CPU)
-def test_ecc_holds_for_bct_and_bt2_on_digits(gate):
-    for method in ("bct", "bt2"):
-        cases = gate["cases"][method]
-        assert gate["ecc"][method] is True, (method, cases)
-        assert cases["new/old"]["top1"] > cases["old/old"]["top1"]
-        assert cases["new/new"]["top1"] > cases["old/old"]["top1"]
-    # without compatible training, the new model's queries are useless against the old gallery
+def test_bct_and_bt2_keep_the_old_gallery_usable_on_digits(gate):
+    """BCT's and BT²'s v2 query v1's gallery with no transformation; an independent v2 cannot.
+
+    Over seeds 0-7 (BENCHMARKS.md, "Compatible backbones over seeds"): new/old 0.80-1.12 of
+    old/old for BCT and 0.98-1.03 for BT² (whose old block is a rotation of v1's space); the
+    independent v2's new/old at most 0.25 of its old/old. ECC itself holds in 5 of 8 seeds for
+    BCT and 6 of 8 for BT², so it is reported there, not asserted here."""
     independent = gate["cases"]["independent"]
+    for method, floor in (("bct", 0.6), ("bt2", 0.9)):
+        cases = gate["cases"][method]
+        assert cases["new/old"]["top1"] > floor * cases["old/old"]["top1"], (method, cases)
+        assert cases["new/old"]["top1"] > 2 * independent["new/old"]["top1"], (method, cases, independent)
+        assert cases["new/new"]["top1"] > cases["old/old"]["top1"] + 0.05, (method, cases)
+        assert gate["ecc"][method] == (cases["new/old"]["top1"] > cases["old/old"]["top1"])
+    # without compatible training, the new model's queries are useless against the old gallery
     assert gate["ecc"]["independent"] is False and independent["new/old"]["top1"] < 0.5 * independent["old/old"]["top1"]
 
 
