@@ -63,9 +63,10 @@ def test_demo_on_digits_with_two_devices(tmp_path):
 #: Where the Ctrl-C tests interrupt: a line the demo prints (a regular expression). Each is
 #: followed by seconds of work (three devices enrol one by one), so the signal lands while the
 #: demo runs even on a loaded machine: a demo that has already finished exits 0 whatever it does.
+SERVER_UP = r"server pid (\d+) listening"
 INTERRUPT_MOMENTS = {
     "training": r"\] train v1 .*\.\.\.$",
-    "server up": r"server pid \d+ listening",
+    "server up": SERVER_UP,
     "devices enrolling": r"\] enrol 3 devices.*\.\.\.$",
 }
 
@@ -78,7 +79,7 @@ def test_ctrl_c_stops_the_demo_in_any_phase_and_leaves_no_server_running(tmp_pat
     server_pid, seen = None, []
     for line in process.stdout:
         seen.append(line)
-        found = re.search(r"server pid (\d+) listening", line)
+        found = re.search(SERVER_UP, line)
         server_pid = int(found.group(1)) if found else server_pid
         if re.search(INTERRUPT_MOMENTS[moment], line.rstrip()):
             break
