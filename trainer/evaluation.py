@@ -1,4 +1,9 @@
-"""Retrieval evaluation: CMC top-k and mAP@1.0, chunked, exact and deterministic (numpy only).
+"""Retrieval evaluation: CMC top-k, mAP@1.0 and the IR metrics R@k, MRR and nDCG@10, chunked,
+exact and deterministic (numpy only).
+
+Relevance is given either by class labels (class-level retrieval: every gallery item of the
+query's class is a positive) or by explicit positives per query (:class:`Positives`:
+instance-level retrieval, one or many positives, optionally graded).
 
 Ranking semantics (used everywhere in the kit):
 
@@ -8,6 +13,11 @@ Ranking semantics (used everywhere in the kit):
 * CMC@k: the fraction of evaluated queries with an item of their class among the first k.
 * AP of a query: ``mean_i(i / rank_i)`` over its positives, ``rank_i`` the 1-based rank of
   the i-th positive in that order; mAP@1.0 is the mean over evaluated queries.
+* R@k (recall at k, the IR definition): the fraction of a query's positives among its first
+  k, averaged over queries. With one positive per query it equals CMC@k (hit rate).
+* MRR: the mean over queries of ``1 / rank`` of the first positive.
+* nDCG@10: ``DCG@10 / IDCG@10`` with linear gains (the positive's grade, 1 when ungraded) and
+  discount ``1 / log2(rank + 1)``, as trec_eval's ``ndcg_cut_10``.
 
 How distances are compared: a float64 matrix product gives fast keys for a chunk of
 queries against the whole gallery, accurate to a proven per-query tolerance (~1e-13
@@ -65,6 +75,10 @@ class RetrievalResult:
     n_skipped: int
     cmc_curve: tuple[float, ...] = ()
     distance: str = "l2"
+    recall: dict[int, float] = field(default_factory=dict)
+    mrr: float = math.nan
+    ndcg10: float = math.nan
+    relevance: str = "class"  # "class" (by labels) or "explicit" (positives per query)
 
     @property
     def top1(self) -> float:
@@ -80,6 +94,10 @@ class RetrievalResult:
             "n_skipped": self.n_skipped,
             "cmc_curve": list(self.cmc_curve),
             "distance": self.distance,
+            "recall": {str(k): v for k, v in sorted(self.recall.items())},
+            "mrr": None if math.isnan(self.mrr) else self.mrr,
+            "ndcg10": None if math.isnan(self.ndcg10) else self.ndcg10,
+            "relevance": self.relevance,
         }
 
     @classmethod
@@ -92,6 +110,10 @@ class RetrievalResult:
                 n_skipped=int(data["n_skipped"]),
                 cmc_curve=tuple(float(v) for v in data.get("cmc_curve", ())),
                 distance=str(data.get("distance", "l2")),
+                recall={int(k): float(v) for k, v in data.get("recall", {}).items()},
+                mrr=_float_or_nan(data.get("mrr")),
+                ndcg10=_float_or_nan(data.get("ndcg10")),
+                relevance=str(data.get("relevance", "class")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InputError(f"not a retrieval result: {exc!r} in {data!r}") from exc
@@ -101,24 +123,100 @@ class RetrievalResult:
 class QueryRanks:
     """Per-query ranking facts, the raw material of every metric.
 
-    ``first_positive_rank[i]`` is the 1-based rank of query i's nearest same-class item and
-    ``average_precision[i]`` its AP; both are 0 / nan for skipped queries (``n_positives`` 0).
+    ``first_positive_rank[i]`` is the 1-based rank of query i's nearest positive,
+    ``average_precision[i]`` its AP, ``found_at[i, c]`` how many of its positives rank within
+    ``cutoffs[c]`` and ``ndcg10[i]`` its nDCG@10; all are 0 / nan for skipped queries
+    (``n_positives`` 0).
     """
 
     first_positive_rank: np.ndarray
     average_precision: np.ndarray
     n_positives: np.ndarray = field(repr=False)
+    cutoffs: tuple[int, ...] = ()
+    found_at: np.ndarray | None = field(default=None, repr=False)
+    ndcg10: np.ndarray | None = field(default=None, repr=False)
+    relevance: str = "class"
 
     @property
     def evaluated(self) -> np.ndarray:
         return self.n_positives > 0
 
 
+@dataclass(frozen=True)
+class Positives:
+    """Explicit relevance: the positives of each query as gallery row indices, with grades.
+
+    Stored compressed by query (CSR): query i's positives are ``indices[indptr[i]:indptr[i+1]]``
+    with grades ``grades[...]`` (all > 0; 1.0 when ungraded). Build with :meth:`from_lists`
+    or :meth:`from_pairs`.
+    """
+
+    indptr: np.ndarray
+    indices: np.ndarray
+    grades: np.ndarray
+    n_gallery: int
+
+    @property
+    def n_queries(self) -> int:
+        return len(self.indptr) - 1
+
+    def of(self, query: int) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = self.indptr[query], self.indptr[query + 1]
+        return self.indices[lo:hi], self.grades[lo:hi]
+
+    @property
+    def graded(self) -> bool:
+        return bool(np.any(self.grades != 1.0))
+
+    @classmethod
+    def from_lists(cls, positives: Sequence[Sequence[int]], n_gallery: int,
+                   grades: Sequence[Sequence[float]] | None = None) -> Positives:
+        """``positives[i]`` lists query i's gallery rows (``grades[i]`` their grades, if any)."""
+        query = np.repeat(np.arange(len(positives)), [len(p) for p in positives])
+        flat = np.asarray([g for p in positives for g in p], dtype=np.int64)
+        flat_grades = None if grades is None else np.asarray([x for gs in grades for x in gs], dtype=np.float64)
+        return cls.from_pairs(query, flat, len(positives), n_gallery, flat_grades)
+
+    @classmethod
+    def from_pairs(cls, query: np.ndarray, gallery: np.ndarray, n_queries: int, n_gallery: int,
+                   grades: np.ndarray | None = None) -> Positives:
+        """Positives from aligned (query row, gallery row[, grade]) pairs, in any order."""
+        query = np.asarray(query).reshape(-1)
+        gallery = np.asarray(gallery).reshape(-1)
+        if query.dtype.kind not in "iu" or gallery.dtype.kind not in "iu" or len(query) != len(gallery):
+            raise InputError("positives: query and gallery rows must be aligned integer arrays")
+        if len(query) and (query.min() < 0 or query.max() >= n_queries):
+            raise InputError(f"positives: a query row is outside 0..{n_queries - 1}")
+        if len(gallery) and (gallery.min() < 0 or gallery.max() >= n_gallery):
+            raise InputError(f"positives: a gallery row is outside 0..{n_gallery - 1}")
+        grades = np.ones(len(query)) if grades is None else np.asarray(grades, dtype=np.float64).reshape(-1)
+        if len(grades) != len(query):
+            raise InputError(f"positives: {len(grades)} grades for {len(query)} pairs")
+        if not np.all(np.isfinite(grades)) or np.any(grades <= 0):
+            raise InputError("positives: grades must be finite and > 0 (list only relevant items)")
+        order = np.lexsort((gallery, query))
+        query, gallery, grades = query[order], gallery[order], grades[order]
+        if np.any((np.diff(query) == 0) & (np.diff(gallery) == 0)):
+            raise InputError("positives: a (query, gallery item) pair is listed twice")
+        indptr = np.concatenate([[0], np.cumsum(np.bincount(query, minlength=n_queries))]).astype(np.int64)
+        return cls(indptr, gallery.astype(np.int64), grades, int(n_gallery))
+
+
 def metric_value(result: RetrievalResult, metric: str) -> float:
-    """The value of ``metric`` in ``result``: ``top1``, ``topK`` (any k in its CMC) or ``mean_ap``."""
-    k = _metric_k(metric)
-    if k is None:
+    """The value of ``metric`` in ``result``: ``top1``, ``topK`` (any k in its CMC), ``mean_ap``,
+    ``recall@K``, ``mrr`` or ``ndcg@10``."""
+    kind, k = parse_metric(metric)
+    if kind == "mean_ap":
         return result.mean_ap
+    if kind in ("mrr", "ndcg@10"):
+        value = result.mrr if kind == "mrr" else result.ndcg10
+        if math.isnan(value):
+            raise InputError(f"metric {metric!r}: this result was computed without it (an older report)")
+        return value
+    if kind == "recall":
+        if k in result.recall:
+            return result.recall[k]
+        raise InputError(f"metric {metric!r}: this result has R@k only for k in {sorted(result.recall)}")
     if k in result.cmc:
         return result.cmc[k]
     if k <= len(result.cmc_curve):
@@ -126,21 +224,34 @@ def metric_value(result: RetrievalResult, metric: str) -> float:
     raise InputError(f"metric {metric!r}: this result has CMC only for k in {sorted(result.cmc)}")
 
 
+METRIC_NAMES = "'top1', 'top5', ... (CMC), 'recall@1', 'recall@10', ... (R@k), 'mrr', 'ndcg@10' or 'mean_ap'"
+
+
+def parse_metric(metric: str) -> tuple[str, int | None]:
+    """``("top", k)``, ``("recall", k)``, ``("mrr", None)``, ``("ndcg@10", None)`` or
+    ``("mean_ap", None)``; anything else is an :class:`InputError`."""
+    if metric in ("mean_ap", "mrr", "ndcg@10"):
+        return metric, None
+    if isinstance(metric, str):
+        for prefix, kind in (("top", "top"), ("recall@", "recall")):
+            rest = metric[len(prefix):]
+            if metric.startswith(prefix) and rest.isdigit() and int(rest) >= 1:
+                return kind, int(rest)
+    raise InputError(f"unknown metric {metric!r}: use {METRIC_NAMES}")
+
+
 def _metric_k(metric: str) -> int | None:
-    """k of a ``topK`` metric, None for ``mean_ap``; anything else is an error."""
-    if metric == "mean_ap":
-        return None
-    if isinstance(metric, str) and metric.startswith("top") and metric[3:].isdigit() and int(metric[3:]) >= 1:
-        return int(metric[3:])
-    raise InputError(f"unknown metric {metric!r}: use 'top1', 'top5', ... (k >= 1) or 'mean_ap'")
+    """k of a ``topK`` or ``recall@K`` metric, None for the others."""
+    return parse_metric(metric)[1]
 
 
 def evaluate_retrieval(
     query: np.ndarray,
-    query_labels: np.ndarray,
+    query_labels: np.ndarray | None,
     gallery: np.ndarray,
-    gallery_labels: np.ndarray,
+    gallery_labels: np.ndarray | None,
     *,
+    positives: Positives | None = None,
     distance: Distance = "l2",
     topk: Sequence[int] = (1, 5),
     leave_one_out: bool = False,
@@ -148,20 +259,26 @@ def evaluate_retrieval(
     workers: int | None = None,
     progress: bool = False,
 ) -> RetrievalResult:
-    """CMC@k for every k in ``topk`` (k = 1 always included) and mAP@1.0.
+    """CMC@k for every k in ``topk`` (k = 1 always included), mAP@1.0, R@k (k in ``topk`` and
+    1, 5, 10), MRR and nDCG@10.
 
+    Relevance: the labels (same class = positive), or ``positives`` (then both labels are None).
     ``leave_one_out=True`` says query i and gallery i are the same item (possibly embedded
     by different models): the sets must have the same length and labels, and query i never
-    sees gallery i. Queries without any same-class gallery item are skipped and counted.
+    sees gallery i. Queries without any positive in the gallery are skipped and counted.
     ``workers`` threads rank the rows of a chunk (default: up to 4 CPUs); results do not
     depend on it. Raises :class:`InputError` on bad input or when no query can be evaluated.
     """
     ks = _check_topk(topk)
     ranks = rank_queries(
-        query, query_labels, gallery, gallery_labels, distance=distance,
+        query, query_labels, gallery, gallery_labels, positives=positives, distance=distance,
         leave_one_out=leave_one_out, chunk_size=chunk_size, workers=workers, progress=progress,
+        cutoffs=tuple(sorted({*ks, *RECALL_CUTOFFS})),
     )
     return summarize(ranks, ks, distance=distance)
+
+
+RECALL_CUTOFFS = (1, 5, 10)
 
 
 def summarize(ranks: QueryRanks, topk: Sequence[int] = (1, 5), *, distance: str = "l2") -> RetrievalResult:
@@ -171,65 +288,77 @@ def summarize(ranks: QueryRanks, topk: Sequence[int] = (1, 5), *, distance: str 
     n = int(np.count_nonzero(evaluated))
     if n == 0:
         raise InputError(
-            "no query has a same-class item in the gallery (after leave-one-out): nothing to "
-            "evaluate; check that query and gallery labels use the same classes"
+            "no query has a positive in the gallery (after leave-one-out): nothing to evaluate; "
+            "check that query and gallery labels use the same classes, or that every query lists a positive"
         )
     first = ranks.first_positive_rank[evaluated]
     k_max = max(ks)
     hits = np.bincount(np.minimum(first, k_max + 1), minlength=k_max + 2)[1 : k_max + 1]
     curve = tuple(float(c) / n for c in np.cumsum(hits))
+    mean = lambda values: math.fsum(values[evaluated].tolist()) / n  # noqa: E731
+    recall = {}
+    if ranks.found_at is not None:
+        share = ranks.found_at / np.maximum(ranks.n_positives, 1)[:, None]
+        recall = {k: mean(share[:, c]) for c, k in enumerate(ranks.cutoffs)}
     return RetrievalResult(
         cmc={k: curve[k - 1] for k in ks},
-        mean_ap=math.fsum(ranks.average_precision[evaluated].tolist()) / n,
+        mean_ap=mean(ranks.average_precision),
         n_queries=n,
         n_skipped=int(evaluated.size - n),
         cmc_curve=curve,
         distance=distance,
+        recall=recall,
+        mrr=mean(1.0 / np.maximum(ranks.first_positive_rank, 1)),
+        ndcg10=mean(ranks.ndcg10) if ranks.ndcg10 is not None else math.nan,
+        relevance=ranks.relevance,
     )
 
 
 def rank_queries(
     query: np.ndarray,
-    query_labels: np.ndarray,
+    query_labels: np.ndarray | None,
     gallery: np.ndarray,
-    gallery_labels: np.ndarray,
+    gallery_labels: np.ndarray | None,
     *,
+    positives: Positives | None = None,
     distance: Distance = "l2",
     leave_one_out: bool = False,
     chunk_size: int = 1024,
     workers: int | None = None,
     progress: bool = False,
+    cutoffs: Sequence[int] = RECALL_CUTOFFS,
 ) -> QueryRanks:
-    """Per-query first-positive rank and AP (see the module docstring for the ranking)."""
+    """Per-query first-positive rank, AP, positives found within each cutoff and nDCG@10 (see
+    the module docstring for the ranking)."""
     q, g = _prepare_embeddings(query, gallery, distance)
-    q_codes, g_codes = _encode_labels(query_labels, gallery_labels, len(q), len(g))
-    if leave_one_out and (len(q) != len(g) or not np.array_equal(q_codes, g_codes)):
-        raise InputError(
-            "leave_one_out needs query and gallery to be the same items in the same order "
-            f"(same length and labels); got {len(q)} queries and {len(g)} gallery items"
-            + ("" if len(q) != len(g) else " with different labels")
-        )
+    relevance_of = _relevance(query_labels, gallery_labels, positives, len(q), len(g), leave_one_out)
+    cutoffs = _check_topk(cutoffs)
     chunk_size = _check_positive_int(chunk_size, "chunk_size")
     n_workers = _check_positive_int(workers, "workers") if workers is not None else min(4, os.cpu_count() or 1)
-    positives = _positives_by_class(g_codes)
     keys = _RankingKeys(q, g, distance, min(chunk_size, len(q)))
 
     first = np.zeros(len(q), dtype=np.int64)
     ap = np.full(len(q), np.nan)
     n_pos = np.zeros(len(q), dtype=np.int64)
+    found = np.zeros((len(q), len(cutoffs)), dtype=np.int64)
+    ndcg = np.full(len(q), np.nan)
+    cutoff_array = np.asarray(cutoffs)
 
     def rank_rows(rows: range, block: np.ndarray, start: int) -> None:
         for i in rows:
-            pos = positives.get(int(q_codes[i]), _EMPTY)
+            pos, grades = relevance_of(i)
             row = block[i - start]
             if leave_one_out:
-                pos = pos[pos != i]
+                keep = pos != i
+                pos, grades = pos[keep], grades[keep]
                 row[i] = np.inf
             if pos.size:
-                ranks = _positive_ranks(row, pos, keys.tolerance[i], lambda idx: keys.canonical(i, idx))
+                ranks, order = _positive_ranks(row, pos, keys.tolerance[i], lambda idx: keys.canonical(i, idx))
                 first[i] = ranks[0]
                 ap[i] = float(np.mean(np.arange(1, ranks.size + 1) / ranks))
                 n_pos[i] = ranks.size
+                found[i] = np.searchsorted(ranks, cutoff_array, side="right")
+                ndcg[i] = _ndcg_at_10(ranks, grades[order], grades)
 
     with ThreadPoolExecutor(n_workers) as pool:
         starts = range(0, len(q), chunk_size)
@@ -237,7 +366,46 @@ def rank_queries(
             stop = min(start + chunk_size, len(q))
             block = keys.chunk(start, stop)
             list(pool.map(lambda rows: rank_rows(rows, block, start), _split(range(start, stop), n_workers)))
-    return QueryRanks(first_positive_rank=first, average_precision=ap, n_positives=n_pos)
+    return QueryRanks(first_positive_rank=first, average_precision=ap, n_positives=n_pos, cutoffs=cutoffs,
+                      found_at=found, ndcg10=ndcg, relevance="class" if positives is None else "explicit")
+
+
+_DISCOUNT_10 = 1.0 / np.log2(np.arange(2, 12))
+
+
+def _ndcg_at_10(ranks: np.ndarray, gains_in_rank_order: np.ndarray, all_gains: np.ndarray) -> float:
+    within = ranks <= 10
+    dcg = float(np.sum(gains_in_rank_order[within] / np.log2(ranks[within] + 1)))
+    ideal = np.sort(all_gains)[::-1][:10]
+    return dcg / float(np.sum(ideal * _DISCOUNT_10[: ideal.size]))
+
+
+def _relevance(
+    query_labels: np.ndarray | None, gallery_labels: np.ndarray | None, positives: Positives | None,
+    n_q: int, n_g: int, leave_one_out: bool,
+) -> Callable[[int], tuple[np.ndarray, np.ndarray]]:
+    """``relevance_of(i) -> (positive gallery rows, their grades)`` from labels or explicit positives."""
+    if positives is not None:
+        if query_labels is not None or gallery_labels is not None:
+            raise InputError("give relevance either as labels or as positives=, not both")
+        if positives.n_queries != n_q or positives.n_gallery != n_g:
+            raise InputError(f"positives describe {positives.n_queries} queries x {positives.n_gallery} gallery items; "
+                             f"the embeddings are {n_q} x {n_g}")
+        if leave_one_out and n_q != n_g:
+            raise InputError(f"leave_one_out needs query and gallery to be the same items; got {n_q} and {n_g}")
+        return positives.of
+    if query_labels is None or gallery_labels is None:
+        raise InputError("no relevance given: pass query and gallery labels, or positives=")
+    q_codes, g_codes = _encode_labels(query_labels, gallery_labels, n_q, n_g)
+    if leave_one_out and (n_q != n_g or not np.array_equal(q_codes, g_codes)):
+        raise InputError(
+            "leave_one_out needs query and gallery to be the same items in the same order "
+            f"(same length and labels); got {n_q} queries and {n_g} gallery items"
+            + ("" if n_q != n_g else " with different labels")
+        )
+    by_class = _positives_by_class(g_codes)
+    ones = {c: np.ones(len(idx)) for c, idx in by_class.items()}
+    return lambda i: (by_class.get(int(q_codes[i]), _EMPTY), ones.get(int(q_codes[i]), _EMPTY_GRADES))
 
 
 def pairwise_distances(query: np.ndarray, gallery: np.ndarray, distance: Distance = "l2") -> np.ndarray:
@@ -254,6 +422,7 @@ def pairwise_distances(query: np.ndarray, gallery: np.ndarray, distance: Distanc
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY_GRADES = np.zeros(0)
 
 
 def _positives_by_class(codes: np.ndarray) -> dict[int, np.ndarray]:
@@ -265,8 +434,9 @@ def _positives_by_class(codes: np.ndarray) -> dict[int, np.ndarray]:
 
 def _positive_ranks(
     row: np.ndarray, pos: np.ndarray, tolerance: float, canonical: Callable[[np.ndarray], np.ndarray]
-) -> np.ndarray:
-    """Sorted 1-based ranks of the gallery items ``pos`` in the order (distance, gallery index).
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted 1-based ranks of the gallery items ``pos`` in the order (distance, gallery index),
+    and the permutation of ``pos`` they belong to (``pos[order[j]]`` has rank ``ranks[j]``).
 
     ``row`` holds fast keys accurate to ``tolerance``: items whose key is below a positive's
     by more than that precede it for certain. Only items no farther than the farthest
@@ -274,7 +444,8 @@ def _positive_ranks(
     within the tolerance of a positive (exact or near ties, rare) are compared by their
     ``canonical`` keys, then by gallery index.
     """
-    pos = pos[np.argsort(row[pos], kind="stable")]
+    order = np.argsort(row[pos], kind="stable")
+    pos = pos[order]
     d_pos = row[pos]
     limit = d_pos[-1] + tolerance
     candidates = np.compress(row <= limit, row)  # several times faster than row[mask] here
@@ -291,8 +462,9 @@ def _positive_ranks(
             keys = canonical(band)
             own = keys[band == pos[j]][0]
             ranks[j] += np.count_nonzero((keys < own) | ((keys == own) & (band < pos[j])))
-        ranks.sort()
-    return ranks
+        resort = np.argsort(ranks, kind="stable")
+        ranks, order = ranks[resort], order[resort]
+    return ranks, order
 
 
 class _RankingKeys:
@@ -412,6 +584,10 @@ def _as_labels(labels: np.ndarray, name: str, n: int) -> np.ndarray:
 
 def _label_kind(labels: np.ndarray) -> str:
     return {"U": "text", "S": "bytes"}.get(labels.dtype.kind, "numbers")
+
+
+def _float_or_nan(value: object) -> float:
+    return math.nan if value is None else float(value)
 
 
 def _check_topk(topk: Sequence[int]) -> tuple[int, ...]:

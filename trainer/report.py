@@ -131,6 +131,10 @@ class Report:
         """Every k that some case reports, sorted."""
         return sorted({k for case in self.cases.values() for k in case.result.cmc})
 
+    def instance_level(self) -> bool:
+        """Whether some case judged relevance by explicit positives (then R@k, MRR, nDCG@10 are shown)."""
+        return any(case.result.relevance == "explicit" for case in self.cases.values())
+
     def to_markdown(self) -> str:
         parts = [f"# {self.title}"]
         if self.cases:
@@ -150,7 +154,10 @@ class Report:
     def _cases_markdown(self) -> str:
         ks = self.topk()
         extra_keys = list(dict.fromkeys(k for c in self.cases.values() for k in c.extra))
-        header = ["case", *(f"top-{k}" for k in ks), "mAP@1.0", "queries", "skipped", *map(_cell, extra_keys)]
+        ir = self.instance_level()
+        ir_metrics = [f"recall@{k}" for k in (1, 5, 10)] + ["mrr", "ndcg@10"] if ir else []
+        header = ["case", *(f"top-{k}" for k in ks), "mAP@1.0", *(_IR_HEADERS[m] for m in ir_metrics),
+                  "queries", "skipped", *map(_cell, extra_keys)]
         lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
         for case in self.cases.values():
             cells = [case.name]
@@ -158,10 +165,12 @@ class Report:
                 ours = case.result.cmc.get(k)
                 cells.append("–" if ours is None else _with_reference(ours, case.reference.get(f"top{k}")))
             cells.append(_with_reference(case.result.mean_ap, case.reference.get("mean_ap")))
+            cells += [_ir_cell(case, metric) for metric in ir_metrics]
             cells += [str(case.result.n_queries), str(case.result.n_skipped)]
             cells += [_cell(_format_fact(case.extra.get(key, ""))) for key in extra_keys]
             lines.append("| " + " | ".join(cells) + " |")
-        unshown = sorted({m for c in self.cases.values() for m in c.reference} - {f"top{k}" for k in ks} - {"mean_ap"})
+        unshown = sorted({m for c in self.cases.values() for m in c.reference}
+                         - {f"top{k}" for k in ks} - {"mean_ap"} - set(ir_metrics))
         if unshown:
             lines.append(f"\nReferences for metrics not evaluated here: {', '.join(unshown)}.")
         if any(c.reference for c in self.cases.values()):
@@ -238,7 +247,8 @@ class Report:
         for case in self.cases.values():
             ks, values = _cmc_points(case.result)
             cmc_ax.plot(ks, values, marker="o", label=case.name)
-        cmc_ax.set(xlabel="k", ylabel="CMC@k (fraction of queries)", title="CMC", ylim=(0, 1.02))
+        hit = "a positive" if self.instance_level() else "an item of their class"
+        cmc_ax.set(xlabel="k", ylabel=f"CMC@k: queries with {hit} in the top k", title="CMC", ylim=(0, 1.02))
         if self.cases:
             cmc_ax.legend(fontsize="small")
             cmc_ax.xaxis.get_major_locator().set_params(integer=True)
@@ -261,6 +271,16 @@ def _cmc_points(result: RetrievalResult) -> tuple[list[int], list[float]]:
         return list(range(1, len(result.cmc_curve) + 1)), list(result.cmc_curve)
     ks = sorted(result.cmc)
     return ks, [result.cmc[k] for k in ks]
+
+
+_IR_HEADERS = {"recall@1": "R@1", "recall@5": "R@5", "recall@10": "R@10", "mrr": "MRR", "ndcg@10": "nDCG@10"}
+
+
+def _ir_cell(case: Case, metric: str) -> str:
+    try:
+        return _with_reference(metric_value(case.result, metric), case.reference.get(metric))
+    except InputError:
+        return "–"
 
 
 def _with_reference(ours: float, reference: float | None) -> str:

@@ -100,7 +100,7 @@ def test_leave_one_out_works_across_models_of_the_same_items():
 
 
 def test_no_evaluable_query_is_an_error():
-    with pytest.raises(InputError, match="no query has a same-class item"):
+    with pytest.raises(InputError, match="no query has a positive"):
         evaluate_retrieval(line(0, 1), np.array([0, 1]), line(0, 1), np.array([0, 1]), leave_one_out=True)
 
 
