@@ -33,7 +33,7 @@ def from_mapping(cls: type[T], data: typing.Mapping[str, Any], where: str = "") 
         )
     hints = typing.get_type_hints(cls)
     kwargs = {
-        name: _coerce(hints[name], value, f"{where}.{name}" if where else name)
+        name: _coerce(hints[name], _over_default(fields[name], value), f"{where}.{name}" if where else name)
         for name, value in data.items()
     }
     try:
@@ -44,10 +44,31 @@ def from_mapping(cls: type[T], data: typing.Mapping[str, Any], where: str = "") 
         raise ConfigError(f"{where or cls.__name__}: {exc}") from exc
 
 
+def _over_default(field: dataclasses.Field, value: Any) -> Any:
+    """A partial table for a nested config applies on top of that field's *own* default (a
+    method's tuned training settings, say), not on top of the nested class's bare defaults."""
+    if field.default_factory is dataclasses.MISSING or not isinstance(value, typing.Mapping):
+        return value
+    default = field.default_factory()
+    if not dataclasses.is_dataclass(default):
+        return value
+    return _merged({f.name: getattr(default, f.name) for f in dataclasses.fields(default) if f.init}, value)
+
+
+def _merged(base: dict[str, Any], update: typing.Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        current = merged.get(key)
+        if dataclasses.is_dataclass(current) and isinstance(value, typing.Mapping):
+            value = _merged({f.name: getattr(current, f.name) for f in dataclasses.fields(current) if f.init}, value)
+        merged[key] = value
+    return merged
+
+
 def _coerce(hint: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
-        return from_mapping(hint, value, where)
+        return value if isinstance(value, hint) else from_mapping(hint, value, where)
     if origin is typing.Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:

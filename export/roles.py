@@ -6,8 +6,8 @@ role           trainer object                              graph inputs        o
 embed          ``Backbone`` (any embedding ``nn.Module``)  ``image``           ``embedding``
 side_info      ``SideInfoModel``                           ``image``           ``side_info``
 forward        ``FCTAdapter``/``FastFillAdapter`` h,        ``old`` [, ``side``] ``embedding``
-               ``ClosedFormAdapter``, ``LambdaOrthAdapter``
-               F
+               ``ResidualAdapter``, ``ClosedFormAdapter``,
+               ``LambdaOrthAdapter`` F
 side_forward   ``FCTAdapter`` g (``d_out`` = new ψ dim)     ``old`` [, ``side``] ``side_info``
 backward       ``LambdaOrthAdapter`` B (materialised)       ``new``             ``embedding``
 uncertainty    ``FastFillAdapter`` σ                       ``old`` [, ``side``] ``sigma`` (N,)
@@ -88,6 +88,8 @@ def role_module(role: str, trained: Any) -> tuple[Any, tuple[str, ...]]:
         return trained, ("image",)
     if role in ("forward", "side_forward") and kind in ("fct", "fastfill"):
         return trained, tuple(trained.input_names)
+    if role == "forward" and kind == "residual":
+        return trained, tuple(trained.input_names)
     if role == "forward" and kind == "closed_form":
         return trained.as_linear(), ("old",)
     if role == "forward" and kind == "lambda_orth":
@@ -97,7 +99,7 @@ def role_module(role: str, trained: Any) -> tuple[Any, tuple[str, ...]]:
     if role == "uncertainty" and kind == "fastfill":
         return trained.uncertainty_module(), tuple(trained.input_names)
     raise InputError(
-        f"a {type(trained).__name__} (kind {kind!r}) cannot be exported as role {role!r}: forward takes FCT/FastFill/"
+        f"a {type(trained).__name__} (kind {kind!r}) cannot be exported as role {role!r}: forward takes FCT/FastFill/residual/"
         "closed-form/λ-orth adapters, side_forward FCT/FastFill, backward λ-orth, uncertainty FastFill"
     )
 

@@ -8,6 +8,7 @@ from .evaluation import (
     BackfillCurve,
     CompatibilityMatrix,
     Distance,
+    Positives,
     QueryRanks,
     RetrievalResult,
     backfill_curve,
@@ -22,6 +23,8 @@ from .evaluation import (
 from .report import Case, Report, Verdict
 from .cka import linear_cka
 from .backfill import ORDERING_KINDS, backfill_order
+from .tasks import RetrievalTask, TaskSet, TaskSplit, load_task, save_task
+from .synthetic import synthetic_instance_task
 from .datasets import (
     FeatureSet,
     ImageDataset,
@@ -61,6 +64,9 @@ _LAZY: dict[str, str] = {
     "LambdaOrthConfig": "lambda_orth",
     "ClosedFormAdapter": "closed_form",
     "ClosedFormConfig": "closed_form",
+    "ResidualAdapter": "residual",
+    "ResidualConfig": "residual",
+    "ObjectiveConfig": "losses",
     "CompatibleConfig": "compatible",
     "BCTConfig": "compatible",
     "BT2Config": "compatible",
@@ -89,6 +95,13 @@ __all__ = [
     *_LAZY,
     "FeatureSet",
     "ImageDataset",
+    "Positives",
+    "RetrievalTask",
+    "TaskSet",
+    "TaskSplit",
+    "load_task",
+    "save_task",
+    "synthetic_instance_task",
     "Splits",
     "class_subset",
     "load_dataset",

@@ -32,7 +32,7 @@ from .adapter_base import Adapter, config_of
 from .datasets import validate_labels
 from .feature_checks import check_features
 from .fitting import History, TrainConfig, fit
-from .losses import heteroscedastic_mse, mse_loss
+from .losses import ObjectiveConfig, heteroscedastic_mse, objective_loss
 
 EpochHook = Callable[[nn.Module, int], None]
 
@@ -43,6 +43,7 @@ class FCTConfig:
     mixer_width: int = 2048
     side_info: bool = True  # False: the model has only the old branch; a given side array is ignored
     freeze_bn_from: float = 0.5  # fraction of the epochs after which BatchNorm statistics stop updating
+    objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)  # FastFill: always its own loss
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
@@ -57,6 +58,11 @@ class FastFillConfig(FCTConfig):
     # Weight of the cross-entropy of the new model's frozen classifier on h(old); used only when
     # fit() is given a classifier and labels.
     discriminative_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.objective.kind != "mse":
+            raise ConfigError("FastFill trains with its own heteroscedastic loss: leave fastfill.objective at 'mse'")
 
 
 def _projection(d_in: int, width: int) -> nn.Sequential:
@@ -145,14 +151,21 @@ class FCTAdapter(Adapter):
         *,
         on_epoch_start: EpochHook | None = None,
     ) -> tuple[FCTAdapter, History]:
-        """Fit h(old, side) → target (φ_new for h, ψ_new for g) with MSE.
+        """Fit h(old, side) → target (φ_new for h, ψ_new for g) with ``config.objective``
+        (MSE by default, as in the FCT paper; InfoNCE for instance-level tasks).
 
         ``config.side_info=True`` needs ``side``; with ``False`` any ``side`` is ignored.
         ``on_epoch_start(model, epoch)`` runs after the adapter's own epoch hook (e.g. to log).
         """
         config = config_of(cls.config_class, config)
         model, arrays = cls._prepare(old, target, side, config)
-        return model, model._train(arrays, model.loss, on_epoch_start)
+        compare = objective_loss(config.objective)
+
+        def loss(model: FCTAdapter, *batch: torch.Tensor) -> torch.Tensor:
+            *inputs, target = batch
+            return compare(model(*inputs), target)
+
+        return model, model._train(arrays, loss, on_epoch_start)
 
     @classmethod
     def _prepare(cls, old: Any, target: Any, side: Any, config: FCTConfig) -> tuple[FCTAdapter, list[np.ndarray]]:
@@ -184,11 +197,6 @@ class FCTAdapter(Adapter):
         history = fit(self, arrays, loss_fn, train_config, description=f"fit {self.kind}", on_epoch_start=epoch_hook)
         self.metrics["best_val_loss"] = min(history.val_loss) if history.val_loss else history.train_loss[-1]
         return history
-
-    @staticmethod
-    def loss(model: FCTAdapter, *batch: torch.Tensor) -> torch.Tensor:
-        *inputs, target = batch
-        return mse_loss(model(*inputs), target)
 
 
 class FastFillAdapter(FCTAdapter):

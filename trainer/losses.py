@@ -1,4 +1,5 @@
-"""Losses of the adapter methods: MSE (FCT), heteroscedastic MSE (FastFill), the supervised
+"""Losses of the adapter methods: MSE (FCT), heteroscedastic MSE (FastFill), InfoNCE and
+MSE + InfoNCE (objectives that keep item identity, for instance-level tasks), the supervised
 multi-positive contrastive loss and the gated orthogonality penalty (λ-orthogonality).
 
 All reductions are means over the batch so that the loss scale does not depend on the batch size.
@@ -6,8 +7,14 @@ All reductions are means over the batch so that the loss scale does not depend o
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
+
+from fctkit.errors import ConfigError
 
 
 def mse_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -89,3 +96,42 @@ def orthogonality_penalty(weight: torch.Tensor, lam: float, alpha: float) -> tor
     """
     error = orthogonality_error(weight)
     return torch.sigmoid(alpha * (error - lam)) * error
+
+
+def info_nce(prediction: torch.Tensor, target: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Symmetric InfoNCE with in-batch negatives: row i of ``prediction`` must be nearer (in
+    cosine) to target row i than to every other target row of the batch, and vice versa."""
+    return supervised_contrastive(prediction, target, None, temperature)
+
+
+ObjectiveKind = Literal["mse", "infonce", "mse+infonce"]
+
+
+@dataclasses.dataclass
+class ObjectiveConfig:
+    """What an adapter's output is trained to match.
+
+    ``mse``: the target embedding itself (the conditional mean; right for class-level search).
+    ``infonce``: the target's *identity* among the batch (right for instance-level search).
+    ``mse+infonce``: both, ``mse + infonce_weight · infonce``.
+    """
+
+    kind: ObjectiveKind = "mse"
+    temperature: float = 0.05
+    infonce_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("mse", "infonce", "mse+infonce"):
+            raise ConfigError(f"objective.kind must be 'mse', 'infonce' or 'mse+infonce', got {self.kind!r}")
+        if self.temperature <= 0 or self.infonce_weight < 0:
+            raise ConfigError("objective.temperature must be > 0 and objective.infonce_weight >= 0")
+
+
+def objective_loss(config: ObjectiveConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``loss(prediction, target)`` for ``config``."""
+    if config.kind == "mse":
+        return mse_loss
+    if config.kind == "infonce":
+        return lambda prediction, target: info_nce(prediction, target, config.temperature)
+    return lambda prediction, target: (mse_loss(prediction, target)
+                                       + config.infonce_weight * info_nce(prediction, target, config.temperature))
