@@ -278,7 +278,7 @@ def linear_side_info_ablation(args: argparse.Namespace, out: Path) -> dict:
     features = out / "features"
     old, new = load_features(features / "old.npz"), load_features(features / "new.npz")
     split = make_splits(old.labels, args.split_seed, train_fraction=args.train_fraction, query_fraction=0.0)
-    evaluate = Evaluator(old.labels[split.gallery], EvaluationConfig(distance="cosine"))
+    evaluate = Evaluator.labelled(old.labels[split.gallery], EvaluationConfig(distance="cosine"))
     lines = [f"| ridge least-squares h (ridge {ABLATION_RIDGE:g}) input | new/h(old) top-1 | top-5 | mAP |", "|---|---|---|---|"]
     rows = []
     for side in ("none", "lexical", "old-pca"):

@@ -61,8 +61,8 @@ class FastFillConfig(FCTConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.objective.kind != "mse":
-            raise ConfigError("FastFill trains with its own heteroscedastic loss: leave fastfill.objective at 'mse'")
+        if self.objective.kind not in ("auto", "mse"):
+            raise ConfigError("FastFill trains with its own heteroscedastic loss: leave fastfill.objective.kind at 'auto'")
 
 
 def _projection(d_in: int, width: int) -> nn.Sequential:

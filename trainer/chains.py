@@ -71,7 +71,7 @@ def run_chain(config: PipelineConfig, out: Path, report: Report, log: Callable[[
              **{f"v{v}_{kind}": getattr(f, kind) for v, f in enumerate(versions_eval, start=1) for kind in ("embedding", "side")})
     hop_by_hop = h3.transform(h2.transform(e1.embedding, e1.side), g2.transform(e1.embedding, e1.side))
     direct = h13.transform(e1.embedding, e1.side)
-    evaluate = Evaluator(data.labels[data.evaluation], config.evaluation)
+    evaluate = Evaluator.labelled(data.labels[data.evaluation], config.evaluation)
     cases = {
         "v1/v1 [chain]": evaluate(e1.embedding, e1.embedding),
         "v2/v2 [chain]": evaluate(e2.embedding, e2.embedding),

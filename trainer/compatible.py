@@ -536,7 +536,7 @@ class EccSelector:
     def __init__(self, images: np.ndarray, labels: np.ndarray, previous: list[np.ndarray],
                  evaluation: EvaluationConfig) -> None:
         self.images = images
-        self.evaluate = Evaluator(labels, evaluation)
+        self.evaluate = Evaluator.labelled(labels, evaluation)
         self.previous = previous  # earlier versions' embeddings of these validation images
         self.previous_self = [self.evaluate(p, p).top1 for p in previous]
         self.log: list[dict[str, Any]] = []
@@ -638,7 +638,7 @@ class SequenceRun:
             self.facts["first_version_items"] = config.first_version_items
         self.reserved = config.cores.reserved_classes or n_classes
         self.out = out / "models" / name
-        self.evaluate = Evaluator(labels[self.eval_index], config.evaluation)
+        self.evaluate = Evaluator.labelled(labels[self.eval_index], config.evaluation)
         self._cores_first: nn.Module | None = None  # CoReS's v1, shared by "cores" and "cores-hoc"
 
     def _first_version_subset(self, fraction: float) -> np.ndarray:
@@ -679,7 +679,7 @@ class SequenceRun:
     def _evaluate_known(self, j: int, query: np.ndarray, gallery: np.ndarray) -> RetrievalResult:
         """The case on the evaluation items of the classes gallery version j was trained on."""
         mask = np.isin(self.labels[self.eval_index], np.unique(self.labels[self.version_items[j]]))
-        return Evaluator(self.labels[self.eval_index][mask], self.config.evaluation)(query[mask], gallery[mask])
+        return Evaluator.labelled(self.labels[self.eval_index][mask], self.config.evaluation)(query[mask], gallery[mask])
 
     def _independent(self) -> list[nn.Module]:
         models = []

@@ -707,12 +707,13 @@ class BackfillCurve:
 
 def backfill_curve(
     query: np.ndarray,
-    query_labels: np.ndarray,
+    query_labels: np.ndarray | None,
     adapted_gallery: np.ndarray,
     backfilled_gallery: np.ndarray,
-    gallery_labels: np.ndarray,
+    gallery_labels: np.ndarray | None,
     order: np.ndarray,
     *,
+    positives: Positives | None = None,
     steps: int = 10,
     distance: Distance = "l2",
     metric: str = "top1",
@@ -746,7 +747,7 @@ def backfill_curve(
         chosen = perm[: int(round(t * n))]
         gallery[chosen] = backfilled[chosen]
         result = evaluate_retrieval(
-            query, query_labels, gallery, gallery_labels, distance=distance, topk=(k or 1,),
+            query, query_labels, gallery, gallery_labels, positives=positives, distance=distance, topk=(k or 1,),
             leave_one_out=leave_one_out, chunk_size=chunk_size, workers=workers,
         )
         values[s] = metric_value(result, metric)

@@ -104,7 +104,7 @@ def info_nce(prediction: torch.Tensor, target: torch.Tensor, temperature: float)
     return supervised_contrastive(prediction, target, None, temperature)
 
 
-ObjectiveKind = Literal["mse", "infonce", "mse+infonce"]
+ObjectiveKind = Literal["auto", "mse", "infonce", "mse+infonce"]
 
 
 @dataclasses.dataclass
@@ -113,25 +113,33 @@ class ObjectiveConfig:
 
     ``mse``: the target embedding itself (the conditional mean; right for class-level search).
     ``infonce``: the target's *identity* among the batch (right for instance-level search).
-    ``mse+infonce``: both, ``mse + infonce_weight · infonce``.
+    ``mse+infonce``: both, ``mse / mean(target²) + infonce_weight · infonce``.
+    ``auto``: ``fctkit train`` picks MSE for class-level data and InfoNCE for an
+    instance-level task; fitted directly, it means MSE.
     """
 
-    kind: ObjectiveKind = "mse"
+    kind: ObjectiveKind = "auto"
     temperature: float = 0.05
-    infonce_weight: float = 1.0
+    infonce_weight: float = 10.0  # measured: 1 lets the (relative) MSE term dominate and lose identity
 
     def __post_init__(self) -> None:
-        if self.kind not in ("mse", "infonce", "mse+infonce"):
-            raise ConfigError(f"objective.kind must be 'mse', 'infonce' or 'mse+infonce', got {self.kind!r}")
+        if self.kind not in ("auto", "mse", "infonce", "mse+infonce"):
+            raise ConfigError(f"objective.kind must be 'auto', 'mse', 'infonce' or 'mse+infonce', got {self.kind!r}")
         if self.temperature <= 0 or self.infonce_weight < 0:
             raise ConfigError("objective.temperature must be > 0 and objective.infonce_weight >= 0")
 
 
 def objective_loss(config: ObjectiveConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``loss(prediction, target)`` for ``config``."""
-    if config.kind == "mse":
+    if config.kind in ("auto", "mse"):
         return mse_loss
     if config.kind == "infonce":
         return lambda prediction, target: info_nce(prediction, target, config.temperature)
-    return lambda prediction, target: (mse_loss(prediction, target)
+    return lambda prediction, target: (relative_mse(prediction, target)
                                        + config.infonce_weight * info_nce(prediction, target, config.temperature))
+
+
+def relative_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """MSE divided by the batch's mean squared target: scale-free, so that it weighs against
+    InfoNCE (itself scale-free) the same way whatever the embedding's norm."""
+    return mse_loss(prediction, target) / target.detach().pow(2).mean().clamp_min(1e-12)

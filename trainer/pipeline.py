@@ -3,10 +3,13 @@
 1. **features** — for image data, train the old backbone on the old classes, the new backbone
    on all classes and the side-info model ψ on the old data (no labels); extract φ_old, ψ,
    φ_new for the training split and the evaluation split. For pre-extracted features, load
-   the ``.npz`` files and split them.
-2. **adapters** — fit every enabled method on the training split's features.
+   the ``.npz`` files and split them. For a retrieval task (:mod:`.tasks`), read its splits.
+2. **adapters** — fit every enabled method on the training split's features; on a task, first
+   choose each method's settings on held-out training data by the task's primary metric
+   (:mod:`.selection`).
 3. **evaluation** — every case of the papers' tables on the evaluation split (query = gallery,
-   leave-one-out), the ECC verdicts, CKA(φ_old, ψ), backfill curves per ordering with M̃.
+   leave-one-out; a task's own queries, gallery and relevance), the ECC verdicts on the
+   primary metric, CKA(φ_old, ψ), backfill curves per ordering with M̃.
 4. **chain** (image data, optional) — v1 → v2 → v3 hop by hop and direct (FCT Table 5).
 5. **outputs** — models, adapters, evaluation features, ``report.{md,json,png}`` and
    ``gate.json`` (the gate results that `fctkit bundle build` records in a manifest).
@@ -33,22 +36,30 @@ from .backfill import backfill_order
 from .cka import linear_cka
 from .closed_form import ClosedFormAdapter, ClosedFormConfig
 from .datasets import load_dataset, load_feature_versions, make_splits, old_class_subset
-from .evaluation import Distance, RetrievalResult, backfill_curve, ecc, evaluate_retrieval
+from .evaluation import Distance, RetrievalResult, backfill_curve, ecc, evaluate_retrieval, metric_value
 from .lambda_orth import LambdaOrthAdapter, LambdaOrthConfig
+from .losses import ObjectiveConfig
 from .report import Report
+from .residual import ResidualAdapter, ResidualConfig
+from .selection import SelectionConfig, coordinate_search, holdout_split, knobs_for
 from .side_info import SideInfoConfig, extract_side_info, save_side_info, train_side_info
+from .tasks import RetrievalTask, TaskSplit, load_task
 
-ForwardMethod = Literal["fct", "fct-no-side-info", "fastfill", "least-squares", "procrustes"]
+ForwardMethod = Literal["fct", "fct-no-side-info", "fastfill", "residual", "least-squares", "procrustes"]
 UnifiedMethod = Literal["lambda-orth", "lambda-orth-relaxed"]
 METHOD_LABELS = {
     "fct": "FCT, side-info ψ",
     "fct-no-side-info": "FCT, no side-info",
     "fastfill": "FastFill, side-info ψ",
+    "residual": "residual adapter",
     "least-squares": "least squares",
     "procrustes": "Procrustes",
     "lambda-orth": "λ-orth, B⊥",
     "lambda-orth-relaxed": "λ-orth, B_λ",
 }
+# What `methods = []` (the default) means: every method for class-level data; for an
+# instance-level task the identity-keeping ones (InfoNCE) next to the closed-form baseline.
+INSTANCE_METHODS = ("residual", "fct", "least-squares", "lambda-orth")
 
 
 # --- configuration -----------------------------------------------------------------------
@@ -58,17 +69,20 @@ METHOD_LABELS = {
 class DataConfig:
     """``digits`` / ``fashion-mnist`` (images) or ``features`` (your own .npz per version)."""
 
-    name: Literal["digits", "fashion-mnist", "features"] = "digits"
+    name: Literal["digits", "fashion-mnist", "features", "task"] = "digits"
     old_class_fraction: float = 0.5  # FCT protocol: the old model sees only the first half of the classes
     train_fraction: float = 0.6  # the rest is the evaluation set (query = gallery, leave-one-out)
     max_items: int = 0  # 0 = all; otherwise a stratified subsample (e.g. to keep fashion-mnist runs short)
     old_features: str = ""  # features mode: .npz with `embeddings`, `labels` (and optional `side_info`)
     new_features: str = ""
     side_features: str = ""  # features mode: optional .npz with ψ; else `side_info` inside old_features, else none
+    task: str = ""  # task mode: a retrieval task file (fctkit-task/1 .npz; see the README)
 
     def __post_init__(self) -> None:
         if self.name == "features" and not (self.old_features and self.new_features):
             raise ConfigError("data.name = 'features' needs data.old_features and data.new_features (.npz paths)")
+        if (self.name == "task") != bool(self.task):
+            raise ConfigError("data.name = 'task' needs data.task (a task .npz path), and data.task needs data.name = 'task'")
         if not 0 < self.old_class_fraction <= 1 or not 0 < self.train_fraction < 1:
             raise ConfigError("data.old_class_fraction must be in (0, 1] and data.train_fraction in (0, 1)")
 
@@ -101,8 +115,10 @@ class PipelineConfig:
     old_backbone: BackboneConfig = dataclasses.field(default_factory=lambda: BackboneConfig(architecture="small"))
     new_backbone: BackboneConfig = dataclasses.field(default_factory=lambda: BackboneConfig(architecture="wide", embedding_dim=64))
     side_info: SideInfoConfig = dataclasses.field(default_factory=SideInfoConfig)
-    methods: tuple[str, ...] = tuple(METHOD_LABELS)
+    methods: tuple[str, ...] = ()  # () = the defaults for the data: all methods, or INSTANCE_METHODS for an instance-level task
     fct: FCTConfig = dataclasses.field(default_factory=FCTConfig)
+    residual: ResidualConfig = dataclasses.field(default_factory=ResidualConfig)
+    selection: SelectionConfig = dataclasses.field(default_factory=SelectionConfig)
     fastfill: FastFillConfig = dataclasses.field(default_factory=FastFillConfig)
     lambda_orth: LambdaOrthConfig = dataclasses.field(default_factory=LambdaOrthConfig)
     lambda_orth_relaxed: LambdaOrthConfig = dataclasses.field(default_factory=lambda: LambdaOrthConfig(backward="lambda"))
@@ -114,8 +130,8 @@ class PipelineConfig:
         unknown = sorted(set(self.methods) - set(METHOD_LABELS))
         if unknown:
             raise ConfigError(f"methods: unknown {', '.join(unknown)}; choose from {', '.join(METHOD_LABELS)}")
-        if self.chain.enabled and self.data.name == "features":
-            raise ConfigError("chain needs image data (it trains v1/v2/v3 backbones); disable chain for features")
+        if self.chain.enabled and self.data.name in ("features", "task"):
+            raise ConfigError("chain needs image data (it trains v1/v2/v3 backbones); disable chain for features and tasks")
 
 
 def load_pipeline_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
@@ -128,15 +144,39 @@ def load_pipeline_config(path: str | Path | None = None, overrides: dict[str, An
 
 @dataclasses.dataclass
 class Features:
-    """φ_old, ψ (possibly (N, 0)), φ_new and labels, for one split."""
+    """φ_old, ψ (possibly (N, 0)), φ_new and labels (None in an instance-level task), for one set."""
 
     old: np.ndarray
     side: np.ndarray
     new: np.ndarray
-    labels: np.ndarray
+    labels: np.ndarray | None
 
     def subset(self, index: np.ndarray) -> Features:
-        return Features(self.old[index], self.side[index], self.new[index], self.labels[index])
+        labels = None if self.labels is None else self.labels[index]
+        return Features(self.old[index], self.side[index], self.new[index], labels)
+
+
+@dataclasses.dataclass
+class EvalSet:
+    """What the report judges: queries and gallery (the same items, leave-one-out, for image
+    and features data; a task's own sets) and the relevance between them."""
+
+    queries: Features
+    gallery: Features
+    relevance: dict[str, Any]
+    leave_one_out: bool
+
+    @classmethod
+    def labelled(cls, features: Features) -> EvalSet:
+        return cls(features, features, {"query_labels": features.labels, "gallery_labels": features.labels}, True)
+
+    @classmethod
+    def of_task(cls, split: TaskSplit) -> EvalSet:
+        return cls(task_features(split.query), task_features(split.gallery), split.relevance(), False)
+
+
+def task_features(items: Any) -> Features:
+    return Features(items.old, items.side, items.new, items.labels)
 
 
 @dataclasses.dataclass
@@ -200,6 +240,10 @@ def npz_features(config: PipelineConfig) -> tuple[Features, Features]:
     return everything.subset(index[splits.train]), everything.subset(index[splits.gallery])
 
 
+def load_run_task(config: PipelineConfig) -> RetrievalTask | None:
+    return load_task(config.data.task) if config.data.name == "task" else None
+
+
 def _subsample(items: np.ndarray, labels: np.ndarray, max_items: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     if not max_items or max_items >= len(labels):
         return items, labels
@@ -210,26 +254,81 @@ def _subsample(items: np.ndarray, labels: np.ndarray, max_items: int, seed: int)
 # --- stage 2: adapters -------------------------------------------------------------------
 
 
-def fit_adapters(config: PipelineConfig, train: Features, log: Callable[[str], None]) -> dict[str, Adapter]:
-    """Every enabled method, fitted on the training split (all classes, like FCT)."""
+def run_methods(config: PipelineConfig, task: RetrievalTask | None) -> tuple[str, ...]:
+    if config.methods:
+        return config.methods
+    return INSTANCE_METHODS if task is not None and task.level == "instance" else tuple(METHOD_LABELS)
+
+
+def method_config(config: PipelineConfig, method: str, has_side: bool, level: str) -> Any:
+    """The method's config as the run fits it: seeded by the run, side-info when the data has
+    it, and the objective ``auto`` resolved (MSE for class level, InfoNCE for instance level)."""
+    if method in ("least-squares", "procrustes"):
+        return ClosedFormConfig(method=method.replace("-", "_"))
+    section = {"fct": config.fct, "fct-no-side-info": config.fct, "fastfill": config.fastfill, "residual": config.residual,
+               "lambda-orth": config.lambda_orth, "lambda-orth-relaxed": config.lambda_orth_relaxed}[method]
+    section = run_seeded(config, section)
+    if method in ("fct", "fct-no-side-info", "fastfill", "residual"):
+        section = dataclasses.replace(section, side_info=has_side and method != "fct-no-side-info")
+    if method in ("fct", "fct-no-side-info") and section.objective.kind == "auto":
+        section = dataclasses.replace(section, objective=dataclasses.replace(
+            section.objective, kind="infonce" if level == "instance" else "mse"))
+    return section
+
+
+def fit_method(method: str, section: Any, train: Features) -> Adapter:
+    """Fit one method on aligned training features (old, side → new)."""
+    side = train.side if getattr(section, "side_info", False) and train.side.shape[1] else None
+    if method in ("fct", "fct-no-side-info"):
+        return FCTAdapter.fit(train.old, train.new, side, section)[0]
+    if method == "fastfill":
+        return FastFillAdapter.fit(train.old, train.new, side, section)[0]
+    if method == "residual":
+        return ResidualAdapter.fit(train.old, train.new, side, section)[0]
+    if method in ("least-squares", "procrustes"):
+        return ClosedFormAdapter.fit(train.old, train.new, section)[0]
+    return LambdaOrthAdapter.fit(train.old, train.new, train.labels, section)[0]
+
+
+def fit_adapters(config: PipelineConfig, train: Features, log: Callable[[str], None],
+                 task: RetrievalTask | None = None, report: Report | None = None) -> dict[str, Adapter]:
+    """Every enabled method, fitted on the training split (all classes, like FCT); on a task,
+    with the settings chosen on held-out training data (recorded as report facts)."""
     fitted: dict[str, Adapter] = {}
-    has_side = train.side.shape[1] > 0
-    for method in config.methods:
+    level = task.level if task is not None else "class"
+    for method in run_methods(config, task):
+        section = method_config(config, method, train.side.shape[1] > 0, level)
+        knobs = knobs_for(method, section, config.selection)
+        if task is not None and config.selection.enabled and knobs:
+            log(f"choosing settings of {METHOD_LABELS[method]} on held-out training data ({task.primary_metric})")
+            section = select_settings(config, method, section, knobs, task, report)
         log(f"fitting {METHOD_LABELS[method]}")
-        if method in ("fct", "fct-no-side-info"):
-            use_side = has_side and method == "fct"
-            fct_config = dataclasses.replace(run_seeded(config, config.fct), side_info=use_side)
-            fitted[method], _ = FCTAdapter.fit(train.old, train.new, train.side if use_side else None, fct_config)
-        elif method == "fastfill":
-            ff_config = dataclasses.replace(run_seeded(config, config.fastfill), side_info=has_side)
-            fitted[method], _ = FastFillAdapter.fit(train.old, train.new, train.side if has_side else None, ff_config)
-        elif method in ("least-squares", "procrustes"):
-            cf_config = ClosedFormConfig(method=method.replace("-", "_"))
-            fitted[method], _ = ClosedFormAdapter.fit(train.old, train.new, cf_config)
-        else:
-            lo_config = config.lambda_orth if method == "lambda-orth" else config.lambda_orth_relaxed
-            fitted[method], _ = LambdaOrthAdapter.fit(train.old, train.new, train.labels, run_seeded(config, lo_config))
+        fitted[method] = fit_method(method, section, train)
     return fitted
+
+
+def select_settings(config: PipelineConfig, method: str, section: Any, knobs: list, task: RetrievalTask,
+                    report: Report | None) -> Any:
+    fit_rows, held_out = holdout_split(task.train, config.selection.holdout_fraction, config.seed)
+    fit_part = task_features(task.train.gallery).subset(fit_rows)
+    judge = EvalSet.of_task(held_out)
+    evaluate = Evaluator(config.evaluation, judge)
+
+    def score(candidate: Any) -> float:
+        adapter = fit_method(method, _quiet(candidate), fit_part)
+        query, gallery = adapted_retrieval(adapter, judge)
+        return metric_value(evaluate(query, gallery), task.primary_metric)
+
+    chosen = coordinate_search(section, knobs, score)
+    if report is not None:
+        settings = ", ".join(f"{path} = {value}" for path, value in chosen.chosen.items())
+        report.add_fact(f"selected [{METHOD_LABELS[method]}]",
+                        f"{settings} ({task.primary_metric} {chosen.score:.4f} on held-out training data, {chosen.tried} fits)")
+    return chosen.config
+
+
+def _quiet(section: Any) -> Any:
+    return dataclasses.replace(section, train=dataclasses.replace(section.train, progress=False)) if hasattr(section, "train") else section
 
 
 def run_seeded(config: PipelineConfig, section: Any) -> Any:
@@ -240,9 +339,17 @@ def run_seeded(config: PipelineConfig, section: Any) -> Any:
 
 def forward_transform(adapter: Adapter, features: Features) -> np.ndarray:
     """h(φ_old[, ψ]) for the forward-mode adapters."""
-    if isinstance(adapter, FCTAdapter):
+    if isinstance(adapter, (FCTAdapter, ResidualAdapter)):
         return adapter.transform(features.old, features.side if adapter.d_side else None)
     return adapter.transform(features.old)
+
+
+def adapted_retrieval(adapter: Adapter, data: EvalSet) -> tuple[np.ndarray, np.ndarray]:
+    """(queries, gallery) of the case a device runs after the upgrade: new/h(old) in forward
+    mode, B(new)/F(old) in unified mode."""
+    if isinstance(adapter, LambdaOrthAdapter):
+        return adapter.transform_new(data.queries.new), adapter.transform(data.gallery.old)
+    return data.queries.new, forward_transform(adapter, data.gallery)
 
 
 # --- stage 3: evaluation -----------------------------------------------------------------
@@ -250,64 +357,78 @@ def forward_transform(adapter: Adapter, features: Features) -> np.ndarray:
 
 @dataclasses.dataclass
 class Evaluator:
-    """Evaluates query/gallery pairs on one labelled set with leave-one-out."""
+    """Evaluates query/gallery embeddings of one :class:`EvalSet` with its relevance."""
 
-    labels: np.ndarray
     config: EvaluationConfig
+    data: EvalSet
 
     def __call__(self, query: np.ndarray, gallery: np.ndarray) -> RetrievalResult:
         n = min(query.shape[1], gallery.shape[1])  # differing dims: compare the first n (λ-orth truncation)
         return evaluate_retrieval(
-            query[:, :n], self.labels, gallery[:, :n], self.labels, distance=self.config.distance,
-            topk=self.config.topk, leave_one_out=True, chunk_size=self.config.chunk_size,
+            query[:, :n], gallery=gallery[:, :n], **self.data.relevance, distance=self.config.distance,
+            topk=self.config.topk, leave_one_out=self.data.leave_one_out, chunk_size=self.config.chunk_size,
         )
 
+    @classmethod
+    def labelled(cls, labels: np.ndarray, config: EvaluationConfig) -> Evaluator:
+        """Query = gallery = one labelled set, leave-one-out (the papers' protocol)."""
+        items = np.zeros((len(labels), 0), np.float32)
+        return cls(config, EvalSet.labelled(Features(items, items, items, labels)))
 
-def evaluate_methods(config: PipelineConfig, features: Features, adapters: dict[str, Adapter], report: Report) -> dict[str, Any]:
-    """Add every case and verdict to ``report``; return the gate (cases + ECC per method)."""
-    evaluate = Evaluator(features.labels, config.evaluation)
-    old_old = evaluate(features.old, features.old)
-    new_new = evaluate(features.new, features.new)
+
+def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, Adapter], report: Report,
+                     metric: str = "top1") -> dict[str, Any]:
+    """Add every case and verdict to ``report``; return the gate (cases + ECC per method, judged
+    on ``metric``, the task's primary metric)."""
+    evaluate = Evaluator(config.evaluation, data)
+    queries, gallery = data.queries, data.gallery
+    old_old = evaluate(queries.old, gallery.old)
+    new_new = evaluate(queries.new, gallery.new)
     report.add_case("old/old", old_old)
     report.add_case("new/new", new_new)
-    report.add_case("new/old", evaluate(features.new, features.old), note="no adapter")
-    gate: dict[str, Any] = {"cases": {}, "ecc": {}}
+    report.add_case("new/old", evaluate(queries.new, gallery.old), note="no adapter")
+    gate: dict[str, Any] = {"cases": {}, "ecc": {}, "metric": metric}
+    baseline, ceiling = metric_value(old_old, metric), metric_value(new_new, metric)
 
     for method, adapter in adapters.items():
         label = METHOD_LABELS[method]
         if isinstance(adapter, LambdaOrthAdapter):
-            cases = _unified_cases(adapter, features, evaluate, report, label)
+            cases = _unified_cases(adapter, data, evaluate, report, label)
             adapted = cases["B(new)/F(old)"]
-            report.add_verdict(f"backward compatible [{label}]", cases["B(new)/old"].top1 >= old_old.top1,
-                               f"B(new)/old {cases['B(new)/old'].top1:.4f} vs old/old {old_old.top1:.4f}")
+            backward = metric_value(cases["B(new)/old"], metric)
+            report.add_verdict(f"backward compatible [{label}]", backward >= baseline,
+                               f"B(new)/old {metric} {backward:.4f} vs old/old {baseline:.4f}")
         else:
-            adapted_gallery = forward_transform(adapter, features)
-            adapted = evaluate(features.new, adapted_gallery)
+            adapted_gallery = forward_transform(adapter, gallery)
+            adapted = evaluate(queries.new, adapted_gallery)
             report.add_case(f"new/h(old) [{label}]", adapted, method=method)
-            if method == "fct":
+            if method == "fct" and data.leave_one_out:
                 report.add_case(f"h(old)/h(old) [{label}]", evaluate(adapted_gallery, adapted_gallery), method=method)
-        passed = ecc(adapted, old_old)
-        report.add_verdict(f"ECC [{label}]", passed, f"top-1 {adapted.top1:.4f} vs old/old {old_old.top1:.4f}; "
-                           f"{adapted.top1 / max(new_new.top1, 1e-12):.3f} of new/new")
+        passed = ecc(adapted, old_old, metric)
+        value = metric_value(adapted, metric)
+        report.add_verdict(f"ECC [{label}]" if metric == "top1" else f"ECC ({metric}) [{label}]", passed, f"{metric} {value:.4f} vs old/old {baseline:.4f}; "
+                           f"{value / max(ceiling, 1e-12):.3f} of new/new")
+        if adapted.relevance == "explicit" and metric != "recall@10":
+            report.add_verdict(f"ECC (recall@10) [{label}]", ecc(adapted, old_old, "recall@10"),
+                               f"recall@10 {adapted.recall[10]:.4f} vs old/old {old_old.recall[10]:.4f}")
         gate["ecc"][method] = passed
         gate["cases"][method] = _metrics(adapted)
     gate["cases"]["old/old"] = _metrics(old_old)
     gate["cases"]["new/new"] = _metrics(new_new)
-    if features.side.shape[1]:
-        report.add_fact("CKA(φ_old, ψ)", round(linear_cka(features.old, features.side), 4))
+    if gallery.side.shape[1]:
+        report.add_fact("CKA(φ_old, ψ)", round(linear_cka(gallery.old, gallery.side), 4))
     return gate
 
 
-def _unified_cases(adapter: LambdaOrthAdapter, features: Features, evaluate: Evaluator, report: Report, label: str) -> dict[str, RetrievalResult]:
-    """λ-orth cases in the unified space: queries B(φ_new); gallery φ_old, F(φ_old) or B(φ_new)."""
-    backward_new = adapter.transform_new(features.new)
-    forward_old = adapter.transform(features.old)
-    old_rows = adapter.unified_old(features.old)
+def _unified_cases(adapter: LambdaOrthAdapter, data: EvalSet, evaluate: Evaluator, report: Report, label: str) -> dict[str, RetrievalResult]:
+    """λ-orth cases in the unified space: queries B(φ_new) (F(φ_old) for old queries); gallery
+    φ_old, F(φ_old) or B(φ_new)."""
+    backward_new = adapter.transform_new(data.queries.new)
     cases = {
-        "B(new)/old": evaluate(backward_new, old_rows),
-        "B(new)/F(old)": evaluate(backward_new, forward_old),
-        "F(old)/old": evaluate(forward_old, old_rows),
-        "B(new)/B(new)": evaluate(backward_new, backward_new),
+        "B(new)/old": evaluate(backward_new, adapter.unified_old(data.gallery.old)),
+        "B(new)/F(old)": evaluate(backward_new, adapter.transform(data.gallery.old)),
+        "F(old)/old": evaluate(adapter.transform(data.queries.old), adapter.unified_old(data.gallery.old)),
+        "B(new)/B(new)": evaluate(backward_new, adapter.transform_new(data.gallery.new)),
     }
     for name, result in cases.items():
         report.add_case(f"{name} [{label}]", result, method=label)
@@ -316,24 +437,31 @@ def _unified_cases(adapter: LambdaOrthAdapter, features: Features, evaluate: Eva
 
 
 def _metrics(result: RetrievalResult) -> dict[str, float]:
-    return {f"top{k}": v for k, v in result.cmc.items()} | {"mAP": result.mean_ap}
+    metrics = {f"top{k}": v for k, v in result.cmc.items()} | {"mAP": result.mean_ap}
+    if result.relevance == "explicit":
+        metrics |= {f"recall@{k}": v for k, v in result.recall.items()} | {"mrr": result.mrr, "ndcg@10": result.ndcg10}
+    return metrics
 
 
-def evaluate_backfill(config: PipelineConfig, features: Features, adapters: dict[str, Adapter], report: Report) -> dict[str, float]:
+def evaluate_backfill(config: PipelineConfig, data: EvalSet, adapters: dict[str, Adapter], report: Report,
+                      metric: str = "top1") -> dict[str, float]:
     """Backfill curves in forward mode: the gallery starts as h(old) and rows turn into φ_new
-    in each ordering's order. Uses FastFill's h when fitted (so σ orders its own rows), else FCT's."""
-    adapter = adapters.get("fastfill") or adapters.get("fct") or adapters.get("fct-no-side-info")
+    in each ordering's order. Uses FastFill's h when fitted (so σ orders its own rows), else
+    FCT's, else the residual adapter's. Orderings by class mean need class labels."""
+    adapter = next((adapters[m] for m in ("fastfill", "fct", "fct-no-side-info", "residual") if m in adapters), None)
     if adapter is None or not config.backfill.orderings:
         return {}
-    adapted = forward_transform(adapter, features)
-    sigma = adapter.uncertainty(features.old, features.side if adapter.d_side else None) if isinstance(adapter, FastFillAdapter) else None
+    gallery = data.gallery
+    adapted = forward_transform(adapter, gallery)
+    sigma = adapter.uncertainty(gallery.old, gallery.side if adapter.d_side else None) if isinstance(adapter, FastFillAdapter) else None
     areas: dict[str, float] = {}
     for kind in config.backfill.orderings:
-        if kind == "uncertainty" and sigma is None:
+        if (kind == "uncertainty" and sigma is None) or (kind.startswith("class-mean") and gallery.labels is None):
             continue
-        order = backfill_order(kind, adapted, None if kind == "kmeans" else features.labels, sigma, seed=config.seed)
-        curve = backfill_curve(features.new, features.labels, adapted, features.new, features.labels, order,
-                               steps=config.backfill.steps, distance=config.evaluation.distance, leave_one_out=True)
+        order = backfill_order(kind, adapted, None if kind == "kmeans" else gallery.labels, sigma, seed=config.seed)
+        curve = backfill_curve(query=data.queries.new, adapted_gallery=adapted, backfilled_gallery=gallery.new, order=order,
+                               **data.relevance, steps=config.backfill.steps, distance=config.evaluation.distance,
+                               leave_one_out=data.leave_one_out, metric=metric)
         report.add_backfill_curve(kind, curve)
         areas[kind] = curve.area
     return areas
@@ -348,7 +476,7 @@ class PipelineResult:
     gate: dict[str, Any]
     adapters: dict[str, Adapter]
     train: Features
-    evaluation: Features
+    evaluation: EvalSet
     files: dict[str, Path]
     seconds: float
 
@@ -357,36 +485,44 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
     """Run every stage and write the outputs to ``out`` (created)."""
     start = time.perf_counter()
     out = Path(out)
+    task = load_run_task(config)  # a bad task file fails here, before anything is written
     (out / "adapters").mkdir(parents=True, exist_ok=True)
     (out / "features").mkdir(exist_ok=True)
     _quiet_progress(config)
 
-    if config.data.name == "features":
+    report = Report(f"fctkit train: {task.name if task is not None else config.data.name}")
+    if task is not None:
+        train, data = task_features(task.train.gallery), EvalSet.of_task(task.evaluation)
+        report.add_fact("task", f"{task.name}: {task.level}-level, {len(task.evaluation.query)} evaluation queries x "
+                                f"{len(task.evaluation.gallery)} gallery items, primary metric {task.primary_metric}")
+    elif config.data.name == "features":
         train, evaluation = npz_features(config)
+        data = EvalSet.labelled(evaluation)
     else:
         train, evaluation = image_features(config, out, log)
-    adapters = fit_adapters(config, train, log)
+        data = EvalSet.labelled(evaluation)
+    adapters = fit_adapters(config, train, log, task, report)
     for method, adapter in adapters.items():
         adapter.save(out / "adapters" / f"{method}.pt")
 
     log("evaluating")
-    report = Report(f"fctkit train: {config.data.name}")
-    gate = evaluate_methods(config, evaluation, adapters, report)
-    gate["backfill_area"] = evaluate_backfill(config, evaluation, adapters, report)
+    gate = evaluate_methods(config, data, adapters, report, task.primary_metric if task is not None else "top1")
+    gate["backfill_area"] = evaluate_backfill(config, data, adapters, report, gate["metric"])
     if config.chain.enabled:
         from .chains import run_chain
 
         log(f"chain over classes {config.chain.classes}")
         gate["chain"] = run_chain(config, out, report, log)
 
-    for split, features in (("eval", evaluation),):
-        np.savez(out / "features" / f"{split}.npz", old=features.old, side=features.side, new=features.new, labels=features.labels)
+    gallery = data.gallery
+    labels = {} if gallery.labels is None else {"labels": gallery.labels}
+    np.savez(out / "features" / "eval.npz", old=gallery.old, side=gallery.side, new=gallery.new, **labels)
     files = report.save(out)
     files["gate"] = _write_json(out / "gate.json", gate)
     files["config"] = _write_json(out / "config.json", to_mapping(config))
     seconds = time.perf_counter() - start
     log(f"done in {seconds:.1f} s; report in {files['markdown'] if 'markdown' in files else out}")
-    return PipelineResult(report, gate, adapters, train, evaluation, files, seconds)
+    return PipelineResult(report, gate, adapters, train, data, files, seconds)
 
 
 def _quiet_progress(config: PipelineConfig) -> None:
@@ -394,7 +530,7 @@ def _quiet_progress(config: PipelineConfig) -> None:
         return
     for section in (config.old_backbone, config.new_backbone, config.side_info):
         section.progress = False
-    for section in (config.fct, config.fastfill, config.lambda_orth, config.lambda_orth_relaxed):
+    for section in (config.fct, config.fastfill, config.residual, config.lambda_orth, config.lambda_orth_relaxed):
         section.train.progress = False
 
 

@@ -44,7 +44,7 @@ class ResidualConfig:
     side_info: bool = True  # False: the input is φ_old alone; a given side array is ignored
     ridge: float = 1e-3  # ridge of the least-squares start, relative to the mean squared input norm
     objective: ObjectiveConfig = dataclasses.field(default_factory=lambda: ObjectiveConfig(kind="infonce"))
-    train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(epochs=40, lr=1e-3, weight_decay=1e-4,
+    train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(epochs=40, lr=3e-3, weight_decay=1e-4,
                                                                                 warmup_epochs=2, patience=8))
 
     def __post_init__(self) -> None:

@@ -1,0 +1,112 @@
+"""`fctkit train` on a retrieval task: the task's own queries and relevance, settings chosen on
+held-out training data, ECC judged on the task's primary metric."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from fctkit.cli import cli
+from fctkit.errors import ConfigError, InputError
+from fctkit.trainer import save_task, synthetic_instance_task
+from fctkit.trainer.pipeline import load_pipeline_config, run_pipeline
+from tests.support.seeds import seed
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL_SEARCH = {"selection.temperatures": [0.05, 0.1], "selection.learning_rates": [1e-3, 3e-3],
+                "selection.widths": [256], "selection.weight_decays": [1e-4]}
+
+
+@pytest.fixture(scope="module")
+def task_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("task-run")
+    task = save_task(out / "task.npz", synthetic_instance_task(n_train=2000, n_eval=800, seed=seed()))
+    config = load_pipeline_config(None, {"seed": seed(), "data.name": "task", "data.task": str(task), "progress": False,
+                                         "device": "cpu", "evaluation.distance": "cosine",
+                                         "methods": ["residual", "least-squares"], **SMALL_SEARCH})
+    return run_pipeline(config, out / "run", log=lambda _: None)
+
+
+def test_the_mse_baseline_fails_ecc_on_recall_at_1_and_the_contrastive_adapter_holds_it(task_run):
+    gate = task_run.gate
+    assert gate["metric"] == "recall@1"
+    assert gate["ecc"] == {"residual": True, "least-squares": False}
+    cases = gate["cases"]
+    assert cases["residual"]["recall@1"] > cases["old/old"]["recall@1"] > cases["least-squares"]["recall@1"]
+    assert cases["residual"]["recall@10"] > cases["old/old"]["recall@10"]
+    assert {"recall@5", "mrr", "ndcg@10", "mAP"} <= set(cases["old/old"])
+
+
+def test_the_report_shows_instance_metrics_and_the_settings_chosen_on_training_data(task_run):
+    markdown = task_run.files["markdown"].read_text()
+    assert "| case | top-1 | top-5 | mAP@1.0 | R@1 | R@5 | R@10 | MRR | nDCG@10 |" in markdown
+    assert "ECC (recall@1) [residual adapter] | PASS" in markdown
+    assert "ECC (recall@1) [least squares] | FAIL" in markdown
+    selected = task_run.report.facts["selected [residual adapter]"]
+    assert "on held-out training data" in selected and "objective.temperature" in selected
+    report = json.loads(task_run.files["json"].read_text())
+    residual = next(c for c in report["cases"] if c["name"] == "new/h(old) [residual adapter]")
+    assert residual["result"]["relevance"] == "explicit" and residual["result"]["mrr"] > 0
+
+
+def test_selection_never_reads_the_evaluation_split(tmp_path, monkeypatch):
+    # Poison the evaluation split's *gallery* vectors: if selection looked at them the
+    # chosen settings would change; they must be identical to a run on a clean task.
+    from fctkit.trainer import pipeline
+
+    task = synthetic_instance_task(n_train=600, n_eval=200, seed=seed())
+    seen: list[int] = []
+    original = pipeline.coordinate_search
+
+    def spy(config, knobs, score):
+        result = original(config, knobs, score)
+        seen.append(result.tried)
+        return result
+
+    monkeypatch.setattr(pipeline, "coordinate_search", spy)
+    chosen = []
+    for poison in (False, True):
+        evaluation = task.evaluation
+        if poison:
+            gallery = evaluation.gallery.__class__(evaluation.gallery.ids, -evaluation.gallery.old, -evaluation.gallery.new,
+                                                   evaluation.gallery.side)
+            evaluation = evaluation.__class__(evaluation.query, gallery, evaluation.positives)
+        path = save_task(tmp_path / f"task-{poison}.npz", task.__class__(task.name, task.level, task.primary_metric,
+                                                                         task.train, evaluation))
+        config = load_pipeline_config(None, {"data.name": "task", "data.task": str(path), "progress": False, "device": "cpu",
+                                             "methods": ["residual"], "residual.train.epochs": 5, "backfill.orderings": [],
+                                             **SMALL_SEARCH})
+        run = run_pipeline(config, tmp_path / f"run-{poison}", log=lambda _: None)
+        chosen.append(run.report.facts["selected [residual adapter]"])
+    assert chosen[0] == chosen[1] and seen == [seen[0], seen[0]] and seen[0] > 1
+
+
+def test_the_example_config_names_a_task_and_defaults_to_the_instance_methods():
+    config = load_pipeline_config(REPO / "configs" / "synthetic-instance.toml")
+    assert config.data.name == "task" and config.methods == ()
+    from fctkit.trainer.pipeline import INSTANCE_METHODS, load_run_task, run_methods
+
+    task = load_run_task(load_pipeline_config(None, {"data.name": "task", "data.task": str(REPO / config.data.task)}))
+    assert run_methods(config, task) == INSTANCE_METHODS
+
+
+def test_a_bad_task_file_fails_before_anything_is_written(tmp_path):
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, format=np.array("fctkit-task/1"), level=np.array("instance"))
+    result = CliRunner().invoke(cli, ["train", "--out", str(tmp_path / "out"), "--set", "data.name=task",
+                                      "--set", f"data.task={bad}"])
+    assert isinstance(result.exception, InputError) and "missing key 'train.query.ids'" in str(result.exception)
+    assert not (tmp_path / "out").exists()
+
+
+def test_task_settings_are_checked():
+    with pytest.raises(ConfigError, match="data.name = 'task' needs data.task"):
+        load_pipeline_config(None, {"data.name": "task"})
+    with pytest.raises(ConfigError, match="FastFill trains with its own"):
+        load_pipeline_config(None, {"fastfill.objective.kind": "infonce"})
+    with pytest.raises(ConfigError, match="triplet"):
+        load_pipeline_config(None, {"residual.objective.kind": "triplet"})

@@ -1,0 +1,116 @@
+"""Hyper-parameter selection on held-out *training* data, by the task's primary metric.
+
+The training split is cut in two by gallery item: adapters are fitted on one part and judged
+on the other (its gallery items, and the training queries whose positives lie there). The
+evaluation split is never read. The search is coordinate-wise: start from the configured
+values, then try each knob's values in turn, keeping a change only when it scores higher;
+epochs are chosen inside each fit by early stopping on held-out pairs (``train.patience``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from fctkit.errors import ConfigError, InputError
+
+from .tasks import TaskSplit
+
+
+@dataclasses.dataclass
+class SelectionConfig:
+    enabled: bool = True  # task runs: choose each trainable method's settings on held-out training data
+    holdout_fraction: float = 0.2  # share of the training gallery (and its queries) held out to judge
+    temperatures: tuple[float, ...] = (0.02, 0.05, 0.1)
+    learning_rates: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
+    widths: tuple[int, ...] = (256, 1024)  # residual MLP width; FCT mixer width
+    weight_decays: tuple[float, ...] = (0.0, 1e-4, 1e-3)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.holdout_fraction < 1:
+            raise ConfigError("selection.holdout_fraction must be in (0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One hyper-parameter: a dotted path into a method's config and the values to try."""
+
+    path: str
+    values: tuple[Any, ...]
+
+
+def knobs_for(method: str, config: Any, selection: SelectionConfig) -> list[Knob]:
+    """The knobs searched for ``method`` (none for closed-form methods)."""
+    if method == "residual":
+        knobs = [Knob("objective.temperature", selection.temperatures), Knob("train.lr", selection.learning_rates)]
+        if config.form == "mlp":
+            knobs.append(Knob("width", selection.widths))
+        return knobs + [Knob("train.weight_decay", selection.weight_decays)]
+    if method in ("fct", "fct-no-side-info"):
+        knobs = [Knob("objective.temperature", selection.temperatures)] if config.objective.kind != "mse" else []
+        return knobs + [Knob("train.lr", selection.learning_rates), Knob("mixer_width", selection.widths),
+                        Knob("train.weight_decay", selection.weight_decays)]
+    if method in ("lambda-orth", "lambda-orth-relaxed"):
+        return [Knob("tau", selection.temperatures), Knob("train.lr", selection.learning_rates)]
+    return []
+
+
+def with_value(config: Any, path: str, value: Any) -> Any:
+    """A copy of the dataclass ``config`` with the dotted ``path`` set to ``value``."""
+    head, _, rest = path.partition(".")
+    if rest:
+        return dataclasses.replace(config, **{head: with_value(getattr(config, head), rest, value)})
+    return dataclasses.replace(config, **{head: value})
+
+
+def value_at(config: Any, path: str) -> Any:
+    for part in path.split("."):
+        config = getattr(config, part)
+    return config
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    config: Any
+    score: float
+    tried: int
+    chosen: dict[str, Any]
+
+
+def coordinate_search(config: Any, knobs: Sequence[Knob], score: Callable[[Any], float]) -> Selection:
+    """Best config found by trying each knob's values in turn (see the module docstring)."""
+    best, best_score, tried = config, score(config), 1
+    for knob in knobs:
+        for value in knob.values:
+            if value == value_at(best, knob.path):
+                continue
+            candidate = with_value(best, knob.path, value)
+            candidate_score = score(candidate)
+            tried += 1
+            if candidate_score > best_score:
+                best, best_score = candidate, candidate_score
+    return Selection(best, best_score, tried, {k.path: value_at(best, k.path) for k in knobs})
+
+
+def holdout_split(split: TaskSplit, fraction: float, seed: int) -> tuple[np.ndarray, TaskSplit]:
+    """``(fit rows, held-out split)``: the gallery rows to fit on, and the held-out gallery rows
+    with the training queries that have a positive among them."""
+    n = len(split.gallery)
+    held = np.sort(np.random.default_rng(seed).permutation(n)[: max(1, int(round(n * fraction)))])
+    fit_rows = np.setdiff1d(np.arange(n), held)
+    if len(fit_rows) < 2:
+        raise InputError(f"the training split has {n} gallery items: too few to hold some out for selection; "
+                         f"add training data or set selection.enabled = false")
+    if split.positives is not None:
+        has_positive = np.isin(split.positives.indices, held)
+        owners = np.repeat(np.arange(len(split.query)), np.diff(split.positives.indptr))
+        queries = np.unique(owners[has_positive])
+    else:
+        queries = np.flatnonzero(np.isin(split.query.labels, split.gallery.labels[held]))
+    if len(queries) == 0:
+        raise InputError("no training query has a positive among the held-out gallery items; "
+                         "raise selection.holdout_fraction or set selection.enabled = false")
+    return fit_rows, split.subset(queries, held)
