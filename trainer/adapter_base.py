@@ -23,7 +23,7 @@ from .torch_utils import load_checkpoint, load_state, predict, save_checkpoint
 
 CHECKPOINT_KIND = "fctkit.adapter"
 # Modules that define adapter kinds; imported by load_adapter so that every kind is registered.
-_ADAPTER_MODULES = ("adapters", "lambda_orth", "closed_form", "residual")
+_ADAPTER_MODULES = ("adapters", "lambda_orth", "closed_form", "residual", "query_map")
 _REGISTRY: dict[str, type[Adapter]] = {}
 
 

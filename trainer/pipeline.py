@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import time
@@ -38,7 +39,7 @@ from .closed_form import ClosedFormAdapter, ClosedFormConfig
 from .datasets import load_dataset, load_feature_versions, make_splits, old_class_subset
 from .evaluation import Distance, RetrievalResult, backfill_curve, ecc, evaluate_retrieval, metric_value
 from .lambda_orth import LambdaOrthAdapter, LambdaOrthConfig
-from .losses import ObjectiveConfig
+from .query_map import QueryMap, QueryMapConfig, fit_jointly
 from .report import Report
 from .residual import ResidualAdapter, ResidualConfig
 from .selection import SelectionConfig, coordinate_search, holdout_split, knobs_for
@@ -119,6 +120,7 @@ class PipelineConfig:
     fct: FCTConfig = dataclasses.field(default_factory=FCTConfig)
     residual: ResidualConfig = dataclasses.field(default_factory=ResidualConfig)
     selection: SelectionConfig = dataclasses.field(default_factory=SelectionConfig)
+    query_map: QueryMapConfig = dataclasses.field(default_factory=QueryMapConfig)
     fastfill: FastFillConfig = dataclasses.field(default_factory=FastFillConfig)
     lambda_orth: LambdaOrthConfig = dataclasses.field(default_factory=LambdaOrthConfig)
     lambda_orth_relaxed: LambdaOrthConfig = dataclasses.field(default_factory=lambda: LambdaOrthConfig(backward="lambda"))
@@ -130,6 +132,8 @@ class PipelineConfig:
         unknown = sorted(set(self.methods) - set(METHOD_LABELS))
         if unknown:
             raise ConfigError(f"methods: unknown {', '.join(unknown)}; choose from {', '.join(METHOD_LABELS)}")
+        if self.query_map.enabled and self.data.name != "task":
+            raise ConfigError("query_map needs a retrieval task (data.name = 'task'): it learns from the task's positives")
         if self.chain.enabled and self.data.name in ("features", "task"):
             raise ConfigError("chain needs image data (it trains v1/v2/v3 backbones); disable chain for features and tasks")
 
@@ -304,7 +308,39 @@ def fit_adapters(config: PipelineConfig, train: Features, log: Callable[[str], N
             section = select_settings(config, method, section, knobs, task, report)
         log(f"fitting {METHOD_LABELS[method]}")
         fitted[method] = fit_method(method, section, train)
+        if task is not None and config.query_map.enabled and method in QUERY_MAP_METHODS:
+            log(f"fitting a query map jointly with {METHOD_LABELS[method]}")
+            fitted[f"{method}+query-map"] = fit_with_query_map(config, copy.deepcopy(fitted[method]), task.train)
     return fitted
+
+
+QUERY_MAP_METHODS = ("residual", "fct", "fct-no-side-info")
+
+
+@dataclasses.dataclass
+class WithQueryMap:
+    """A gallery-side adapter h and the query map Q trained with it: queries are Q(φ_new)."""
+
+    adapter: Adapter
+    query_map: QueryMap
+
+    def save(self, path: Path) -> None:
+        self.adapter.save(path)
+        self.query_map.save(path.with_name(path.stem + ".query_map.pt"))
+
+
+def fit_with_query_map(config: PipelineConfig, adapter: Adapter, train: TaskSplit) -> WithQueryMap:
+    """Continue training ``adapter`` jointly with a new query map on the training positives."""
+    positives = train.positives
+    if positives is None:
+        raise ConfigError("query_map needs an instance-level task (explicit positives per query)")
+    queries = np.repeat(np.arange(len(train.query)), np.diff(positives.indptr))
+    items = positives.indices
+    gallery = train.gallery
+    query_map, _ = fit_jointly(adapter, train.query.new[queries], gallery.old[items],
+                               gallery.side[items] if gallery.side.shape[1] else None, gallery.new[items],
+                               run_seeded(config, config.query_map))
+    return WithQueryMap(adapter, query_map)
 
 
 def select_settings(config: PipelineConfig, method: str, section: Any, knobs: list, task: RetrievalTask,
@@ -344,11 +380,13 @@ def forward_transform(adapter: Adapter, features: Features) -> np.ndarray:
     return adapter.transform(features.old)
 
 
-def adapted_retrieval(adapter: Adapter, data: EvalSet) -> tuple[np.ndarray, np.ndarray]:
+def adapted_retrieval(adapter: Adapter | WithQueryMap, data: EvalSet) -> tuple[np.ndarray, np.ndarray]:
     """(queries, gallery) of the case a device runs after the upgrade: new/h(old) in forward
-    mode, B(new)/F(old) in unified mode."""
+    mode, Q(new)/h(old) with a query map, B(new)/F(old) in unified mode."""
     if isinstance(adapter, LambdaOrthAdapter):
         return adapter.transform_new(data.queries.new), adapter.transform(data.gallery.old)
+    if isinstance(adapter, WithQueryMap):
+        return adapter.query_map.transform(data.queries.new), forward_transform(adapter.adapter, data.gallery)
     return data.queries.new, forward_transform(adapter, data.gallery)
 
 
@@ -391,8 +429,13 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
     baseline, ceiling = metric_value(old_old, metric), metric_value(new_new, metric)
 
     for method, adapter in adapters.items():
-        label = METHOD_LABELS[method]
-        if isinstance(adapter, LambdaOrthAdapter):
+        label = method_label(method)
+        if isinstance(adapter, WithQueryMap):
+            queries_mapped, adapted_gallery = adapted_retrieval(adapter, data)
+            adapted = evaluate(queries_mapped, adapted_gallery)
+            report.add_case(f"Q(new)/h(old) [{label}]", adapted, method=method)
+            report.add_case(f"Q(new)/new [{label}]", evaluate(queries_mapped, gallery.new), method=method)
+        elif isinstance(adapter, LambdaOrthAdapter):
             cases = _unified_cases(adapter, data, evaluate, report, label)
             adapted = cases["B(new)/F(old)"]
             backward = metric_value(cases["B(new)/old"], metric)
@@ -418,6 +461,11 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
     if gallery.side.shape[1]:
         report.add_fact("CKA(φ_old, ψ)", round(linear_cka(gallery.old, gallery.side), 4))
     return gate
+
+
+def method_label(method: str) -> str:
+    base, _, extra = method.partition("+")
+    return METHOD_LABELS[base] + (" + query map" if extra else "")
 
 
 def _unified_cases(adapter: LambdaOrthAdapter, data: EvalSet, evaluate: Evaluator, report: Report, label: str) -> dict[str, RetrievalResult]:

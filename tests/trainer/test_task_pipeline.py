@@ -106,6 +106,8 @@ def test_a_bad_task_file_fails_before_anything_is_written(tmp_path):
 def test_task_settings_are_checked():
     with pytest.raises(ConfigError, match="data.name = 'task' needs data.task"):
         load_pipeline_config(None, {"data.name": "task"})
+    with pytest.raises(ConfigError, match="query_map needs a retrieval task"):
+        load_pipeline_config(None, {"query_map.enabled": True})
     with pytest.raises(ConfigError, match="FastFill trains with its own"):
         load_pipeline_config(None, {"fastfill.objective.kind": "infonce"})
     with pytest.raises(ConfigError, match="triplet"):

@@ -1,0 +1,118 @@
+"""A query-side map Q(φ_new(query)), trained jointly with a gallery-side adapter h.
+
+After an upgrade the device embeds queries with the new model and searches rows h(φ_old)
+(and, once backfilled, φ_new). A small map on the query side lets both sides move towards
+each other instead of asking h alone to reach φ_new. Q starts as the identity (a residual
+MLP whose last layer is zero) and is trained on the task's training positives, together with
+h, by three InfoNCE terms over a batch of (query, positive item) pairs::
+
+    L = InfoNCE(h(φ_old(g)), φ_new(g))                     # h stays compatible with φ_new rows
+      + w · [InfoNCE(Q(φ_new(q)), h(φ_old(g)))              # queries find adapted rows
+             + InfoNCE(Q(φ_new(q)), φ_new(g))]              # and backfilled rows
+
+So the same Q serves a gallery of adapted rows, of backfilled rows, or a mix. It is a bundle
+role of its own (``query_map``), run on the device before search. Because Q learns from the
+task's own positives it is task supervision as much as compatibility: the report shows it as
+its own case next to the gallery-side adapter alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fctkit.errors import ConfigError, InputError
+
+from .adapter_base import Adapter, config_of
+from .feature_checks import check_features
+from .fitting import History, TrainConfig, fit
+from .losses import info_nce
+
+
+@dataclasses.dataclass
+class QueryMapConfig:
+    enabled: bool = False  # `fctkit train`: also fit each forward method's adapter jointly with a query map
+    width: int = 256
+    task_weight: float = 1.0  # w: the query terms against h's own compatibility term
+    temperature: float = 0.05
+    train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(epochs=30, lr=1e-3, weight_decay=1e-4,
+                                                                                warmup_epochs=2, patience=6))
+
+    def __post_init__(self) -> None:
+        if self.width < 1 or self.task_weight < 0 or self.temperature <= 0:
+            raise ConfigError("query_map: width must be >= 1, task_weight >= 0 and temperature > 0")
+
+
+class QueryMap(Adapter):
+    """Q(q) = q + Lin(w→d)(GELU(Lin(d→w) q)), the identity at the start."""
+
+    kind = "query_map"
+    config_class = QueryMapConfig
+
+    def __init__(self, config: QueryMapConfig, d_new: int) -> None:
+        super().__init__(config)
+        if d_new < 1:
+            raise InputError(f"query map dim must be positive, got {d_new}")
+        self.d_new = d_new
+        self.residual = nn.Sequential(nn.Linear(d_new, config.width), nn.GELU(), nn.Linear(config.width, d_new))
+        nn.init.zeros_(self.residual[-1].weight)
+        nn.init.zeros_(self.residual[-1].bias)
+
+    def dims(self) -> dict[str, int]:
+        return {"d_new": self.d_new}
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return ("new",)
+
+    def forward(self, new: torch.Tensor) -> torch.Tensor:
+        return new + self.residual(new)
+
+    def transform(self, new: np.ndarray) -> np.ndarray:
+        return self._run(self, check_features("new", new, dim=self.d_new))
+
+
+class _Joint(nn.Module):
+    def __init__(self, adapter: nn.Module, query_map: QueryMap) -> None:
+        super().__init__()
+        self.adapter, self.query_map = adapter, query_map
+
+
+def fit_jointly(
+    adapter: Adapter,
+    query_new: np.ndarray,
+    gallery_old: np.ndarray,
+    gallery_side: np.ndarray | None,
+    gallery_new: np.ndarray,
+    config: QueryMapConfig | dict[str, Any] | None = None,
+) -> tuple[QueryMap, History]:
+    """Train a new query map and (further) ``adapter`` together on aligned positive pairs: row i
+    of ``query_new`` is a training query, row i of the gallery arrays one of its positives.
+
+    ``adapter`` must take ``(old[, side])`` like the forward adapters; it is trained in place."""
+    config = config_of(QueryMapConfig, config)
+    query_new = check_features("query_new", query_new)
+    rows = len(query_new)
+    arrays = [query_new, check_features("gallery_old", gallery_old, rows=rows)]
+    if getattr(adapter, "d_side", 0):
+        arrays.append(check_features("gallery_side", gallery_side, rows=rows))
+    arrays.append(check_features("gallery_new", gallery_new, rows=rows, dim=query_new.shape[1]))
+    torch.manual_seed(config.train.seed)
+    query_map = QueryMap(config, d_new=query_new.shape[1])
+    joint = _Joint(adapter, query_map)
+    tau, weight = config.temperature, config.task_weight
+
+    def loss(model: _Joint, query: torch.Tensor, *gallery: torch.Tensor) -> torch.Tensor:
+        *inputs, target = gallery
+        adapted = model.adapter(*inputs)
+        mapped = model.query_map(query)
+        return info_nce(adapted, target, tau) + weight * (info_nce(mapped, adapted, tau) + info_nce(mapped, target, tau))
+
+    history = fit(joint, arrays, loss, config.train, description="fit query map + adapter")
+    adapter.eval()
+    query_map.metrics["best_val_loss"] = min(history.val_loss) if history.val_loss else history.train_loss[-1]
+    return query_map.eval(), history
