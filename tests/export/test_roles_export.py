@@ -24,6 +24,7 @@ from fctkit.trainer.backbones import BackboneConfig, extract_features, train_bac
 from fctkit.trainer.closed_form import ClosedFormAdapter  # noqa: E402
 from fctkit.trainer.fitting import TrainConfig  # noqa: E402
 from fctkit.trainer.lambda_orth import LambdaOrthAdapter, LambdaOrthConfig  # noqa: E402
+from fctkit.trainer.residual import ResidualAdapter  # noqa: E402
 from fctkit.trainer.side_info import SideInfoConfig, train_side_info  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -61,6 +62,7 @@ def digits():
         "fastfill": FastFillAdapter.fit(f_old, f_new, f_side, FastFillConfig(**widths))[0],
         "lambda": LambdaOrthAdapter.fit(f_old, f_new, train.labels, LambdaOrthConfig(forward="mlp", hidden_width=32, train=adapter_train))[0],
         "closed": ClosedFormAdapter.fit(f_old, f_new)[0],
+        "residual": ResidualAdapter.fit(f_old, f_new, f_side, {"form": "mlp", "width": 32, "train": dataclasses.asdict(adapter_train)})[0],
     }
     q_old, q_new, q_side = (extract_features(models[k], query.images) for k in ("old", "new", "side"))
     real = {"images": [query.images], "old+side": [q_old, q_side], "old": [q_old], "new": [q_new]}
@@ -79,6 +81,7 @@ CASES = {
     "forward_lambda_orth": ("forward", "lambda", "old", 1, 2),
     "backward_lambda_orth": ("backward", "lambda", "new", 2, 1),
     "forward_closed_form": ("forward", "closed", "old", 1, 2),
+    "forward_residual": ("forward", "residual", "old+side", 1, 2),
 }
 
 

@@ -15,6 +15,8 @@ from fctkit.trainer.adapters import FastFillAdapter, FCTAdapter
 from fctkit.trainer.closed_form import ClosedFormAdapter
 from fctkit.trainer.evaluation import evaluate_retrieval
 from fctkit.trainer.lambda_orth import LambdaOrthAdapter
+from fctkit.trainer.query_map import QueryMap, fit_jointly
+from fctkit.trainer.residual import ResidualAdapter
 from fctkit.trainer.losses import heteroscedastic_mse
 
 
@@ -172,6 +174,10 @@ def fitted_adapters() -> dict[str, Adapter]:
         "lambda-orth-lambda": LambdaOrthAdapter.fit(old, new, None, {"backward": "lambda", "lam": 0.0, "train": lambda_train})[0],
         "closed-form-ls": ClosedFormAdapter.fit(old, new, {"ridge": 0.1})[0],
         "closed-form-procrustes": ClosedFormAdapter.fit(old, new, {"method": "procrustes"})[0],
+        **{f"residual-{form}": ResidualAdapter.fit(old, new, side, {"form": form, "width": 16, "rank": 4, "train": lambda_train})[0]
+           for form in ("linear", "low_rank", "mlp")},
+        "query-map": fit_jointly(ResidualAdapter.fit(old, new, None, {"side_info": False, "train": lambda_train})[0],
+                                 new, old, None, new, {"width": 8, "train": lambda_train})[0],
     }
 
 
@@ -182,6 +188,10 @@ def outputs_of(adapter: Adapter, data: dict[str, np.ndarray]) -> list[np.ndarray
         return [adapter.transform(data["old"], data["side"])]
     if isinstance(adapter, LambdaOrthAdapter):
         return [adapter.transform(data["old"]), adapter.transform_new(data["new"])]
+    if isinstance(adapter, ResidualAdapter):
+        return [adapter.transform(data["old"], data["side"] if adapter.d_side else None)]
+    if isinstance(adapter, QueryMap):
+        return [adapter.transform(data["new"])]
     return [adapter.transform(data["old"])]
 
 
