@@ -108,6 +108,19 @@ class ChainConfig:
 
 
 @dataclasses.dataclass
+class TransitionConfig:
+    """Transition scoring: while a device still holds the old model and its rows' old vectors,
+    it may rank by ``w·cos_old + (1 − w)·cos_adapted``; ``w`` is chosen on held-out training data."""
+
+    enabled: bool = False
+    weights: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+    def __post_init__(self) -> None:
+        if not self.weights or any(not 0.0 <= w <= 1.0 for w in self.weights):
+            raise ConfigError("transition.weights must be fractions in [0, 1]")
+
+
+@dataclasses.dataclass
 class PipelineConfig:
     seed: int = 0
     device: str = "auto"
@@ -121,6 +134,7 @@ class PipelineConfig:
     residual: ResidualConfig = dataclasses.field(default_factory=ResidualConfig)
     selection: SelectionConfig = dataclasses.field(default_factory=SelectionConfig)
     query_map: QueryMapConfig = dataclasses.field(default_factory=QueryMapConfig)
+    transition: TransitionConfig = dataclasses.field(default_factory=TransitionConfig)
     fastfill: FastFillConfig = dataclasses.field(default_factory=FastFillConfig)
     lambda_orth: LambdaOrthConfig = dataclasses.field(default_factory=LambdaOrthConfig)
     lambda_orth_relaxed: LambdaOrthConfig = dataclasses.field(default_factory=lambda: LambdaOrthConfig(backward="lambda"))
@@ -132,6 +146,9 @@ class PipelineConfig:
         unknown = sorted(set(self.methods) - set(METHOD_LABELS))
         if unknown:
             raise ConfigError(f"methods: unknown {', '.join(unknown)}; choose from {', '.join(METHOD_LABELS)}")
+        if self.transition.enabled and (self.data.name != "task" or self.evaluation.distance != "cosine"):
+            raise ConfigError("transition scoring fuses cosine scores of a retrieval task: set data.name = 'task' "
+                              "and evaluation.distance = 'cosine'")
         if self.query_map.enabled and self.data.name != "task":
             raise ConfigError("query_map needs a retrieval task (data.name = 'task'): it learns from the task's positives")
         if self.chain.enabled and self.data.name in ("features", "task"):
@@ -311,7 +328,53 @@ def fit_adapters(config: PipelineConfig, train: Features, log: Callable[[str], N
         if task is not None and config.query_map.enabled and method in QUERY_MAP_METHODS:
             log(f"fitting a query map jointly with {METHOD_LABELS[method]}")
             fitted[f"{method}+query-map"] = fit_with_query_map(config, copy.deepcopy(fitted[method]), task.train)
+        if task is not None and config.transition.enabled:
+            for variant in [v for v in (method, f"{method}+query-map") if v in fitted]:
+                log(f"choosing the transition weight of {method_label(variant)} on held-out training data")
+                fitted[f"{variant}+transition"] = choose_transition(config, method, section, task, fitted[variant], report)
     return fitted
+
+
+@dataclasses.dataclass
+class Transition:
+    """Transition scoring with ``base``: rank by ``weight·cos_old + (1 − weight)·cos_adapted``."""
+
+    base: Adapter | WithQueryMap
+    weight: float
+
+
+def fused_retrieval(adapter: Adapter | WithQueryMap, data: EvalSet, weight: float) -> tuple[np.ndarray, np.ndarray]:
+    """(queries, gallery) whose cosine is ``w·cos(q_old, g_old) + (1 − w)·cos(q_adapted, g_adapted)``:
+    each side is the concatenation of its two unit vectors scaled by √w and √(1 − w)."""
+    query, gallery = adapted_retrieval(adapter, data)
+
+    def joined(old: np.ndarray, adapted: np.ndarray) -> np.ndarray:
+        return np.hstack([np.sqrt(weight) * _unit(old), np.sqrt(1.0 - weight) * _unit(adapted)])
+
+    return joined(data.queries.old, query), joined(data.gallery.old, gallery)
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+def choose_transition(config: PipelineConfig, method: str, section: Any, task: RetrievalTask,
+                      final: Adapter | WithQueryMap, report: Report | None) -> Transition:
+    """The weight with the best primary metric on held-out training data, for an adapter (and
+    query map) fitted on the rest of the training split the way ``final`` was fitted on all of it."""
+    holdout = holdout_split(task.train, config.selection.holdout_fraction, config.seed)
+    adapter: Adapter | WithQueryMap = fit_method(method, _quiet(section), task_features(holdout.fit.gallery))
+    if isinstance(final, WithQueryMap):
+        adapter = fit_with_query_map(config, adapter, holdout.fit)
+    judge = EvalSet.of_task(holdout.held_out)
+    evaluate = Evaluator(config.evaluation, judge)
+    scores = {w: metric_value(evaluate(*fused_retrieval(adapter, judge, w)), task.primary_metric) for w in config.transition.weights}
+    weight = max(config.transition.weights, key=lambda w: (scores[w], -w))
+    if report is not None:
+        report.add_fact(f"transition weight [{method_label(method) + (' + query map' if isinstance(final, WithQueryMap) else '')}]",
+                        f"w = {weight} ({task.primary_metric} {scores[weight]:.4f} on held-out training data; "
+                        f"w = 0: {scores.get(0.0, float('nan')):.4f})")
+    return Transition(final, weight)
 
 
 QUERY_MAP_METHODS = ("residual", "fct", "fct-no-side-info")
@@ -345,9 +408,9 @@ def fit_with_query_map(config: PipelineConfig, adapter: Adapter, train: TaskSpli
 
 def select_settings(config: PipelineConfig, method: str, section: Any, knobs: list, task: RetrievalTask,
                     report: Report | None) -> Any:
-    fit_rows, held_out = holdout_split(task.train, config.selection.holdout_fraction, config.seed)
-    fit_part = task_features(task.train.gallery).subset(fit_rows)
-    judge = EvalSet.of_task(held_out)
+    holdout = holdout_split(task.train, config.selection.holdout_fraction, config.seed)
+    fit_part = task_features(holdout.fit.gallery)
+    judge = EvalSet.of_task(holdout.held_out)
     evaluate = Evaluator(config.evaluation, judge)
 
     def score(candidate: Any) -> float:
@@ -358,7 +421,7 @@ def select_settings(config: PipelineConfig, method: str, section: Any, knobs: li
     chosen = coordinate_search(section, knobs, score)
     if report is not None:
         settings = ", ".join(f"{path} = {value}" for path, value in chosen.chosen.items())
-        report.add_fact(f"selected [{METHOD_LABELS[method]}]",
+        report.add_fact(f"selected [{method_label(method)}]",
                         f"{settings} ({task.primary_metric} {chosen.score:.4f} on held-out training data, {chosen.tried} fits)")
     return chosen.config
 
@@ -430,7 +493,11 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
 
     for method, adapter in adapters.items():
         label = method_label(method)
-        if isinstance(adapter, WithQueryMap):
+        if isinstance(adapter, Transition):
+            adapted = evaluate(*fused_retrieval(adapter.base, data, adapter.weight))
+            report.add_case(f"fused old + adapted, w {adapter.weight} [{label}]", adapted, method=method)
+            gate.setdefault("transition_weight", {})[method] = adapter.weight
+        elif isinstance(adapter, WithQueryMap):
             queries_mapped, adapted_gallery = adapted_retrieval(adapter, data)
             adapted = evaluate(queries_mapped, adapted_gallery)
             report.add_case(f"Q(new)/h(old) [{label}]", adapted, method=method)
@@ -464,8 +531,9 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
 
 
 def method_label(method: str) -> str:
-    base, _, extra = method.partition("+")
-    return METHOD_LABELS[base] + (" + query map" if extra else "")
+    base, *extras = method.split("+")
+    names = {"query-map": " + query map", "transition": " + transition scoring"}
+    return METHOD_LABELS[base] + "".join(names[e] for e in extras)
 
 
 def _unified_cases(adapter: LambdaOrthAdapter, data: EvalSet, evaluate: Evaluator, report: Report, label: str) -> dict[str, RetrievalResult]:
@@ -551,7 +619,8 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
         data = EvalSet.labelled(evaluation)
     adapters = fit_adapters(config, train, log, task, report)
     for method, adapter in adapters.items():
-        adapter.save(out / "adapters" / f"{method}.pt")
+        if not isinstance(adapter, Transition):  # its weight is in gate.json; its adapters are saved under their own names
+            adapter.save(out / "adapters" / f"{method}.pt")
 
     log("evaluating")
     gate = evaluate_methods(config, data, adapters, report, task.primary_metric if task is not None else "top1")

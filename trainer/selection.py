@@ -95,9 +95,19 @@ def coordinate_search(config: Any, knobs: Sequence[Knob], score: Callable[[Any],
     return Selection(best, best_score, tried, {k.path: value_at(best, k.path) for k in knobs})
 
 
-def holdout_split(split: TaskSplit, fraction: float, seed: int) -> tuple[np.ndarray, TaskSplit]:
-    """``(fit rows, held-out split)``: the gallery rows to fit on, and the held-out gallery rows
-    with the training queries that have a positive among them."""
+@dataclasses.dataclass(frozen=True)
+class Holdout:
+    """The training split cut in two: ``fit`` (gallery rows ``fit_rows`` and the queries whose
+    positives all lie there) and ``held_out`` (the other gallery rows and the queries with a
+    positive among them)."""
+
+    fit_rows: np.ndarray
+    fit: TaskSplit
+    held_out: TaskSplit
+
+
+def holdout_split(split: TaskSplit, fraction: float, seed: int) -> Holdout:
+    """Cut ``split`` by gallery item (see :class:`Holdout`); deterministic from ``seed``."""
     n = len(split.gallery)
     held = np.sort(np.random.default_rng(seed).permutation(n)[: max(1, int(round(n * fraction)))])
     fit_rows = np.setdiff1d(np.arange(n), held)
@@ -105,12 +115,14 @@ def holdout_split(split: TaskSplit, fraction: float, seed: int) -> tuple[np.ndar
         raise InputError(f"the training split has {n} gallery items: too few to hold some out for selection; "
                          f"add training data or set selection.enabled = false")
     if split.positives is not None:
-        has_positive = np.isin(split.positives.indices, held)
         owners = np.repeat(np.arange(len(split.query)), np.diff(split.positives.indptr))
-        queries = np.unique(owners[has_positive])
+        touching = np.isin(split.positives.indices, held)
+        held_queries = np.unique(owners[touching])
+        fit_queries = np.setdiff1d(np.arange(len(split.query)), held_queries)
     else:
-        queries = np.flatnonzero(np.isin(split.query.labels, split.gallery.labels[held]))
-    if len(queries) == 0:
+        held_queries = np.flatnonzero(np.isin(split.query.labels, split.gallery.labels[held]))
+        fit_queries = np.flatnonzero(np.isin(split.query.labels, split.gallery.labels[fit_rows]))
+    if len(held_queries) == 0:
         raise InputError("no training query has a positive among the held-out gallery items; "
                          "raise selection.holdout_fraction or set selection.enabled = false")
-    return fit_rows, split.subset(queries, held)
+    return Holdout(fit_rows, split.subset(fit_queries, fit_rows), split.subset(held_queries, held))

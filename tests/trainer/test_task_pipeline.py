@@ -27,18 +27,30 @@ def task_run(tmp_path_factory):
     task = save_task(out / "task.npz", synthetic_instance_task(n_train=2000, n_eval=800, seed=seed()))
     config = load_pipeline_config(None, {"seed": seed(), "data.name": "task", "data.task": str(task), "progress": False,
                                          "device": "cpu", "evaluation.distance": "cosine",
-                                         "methods": ["residual", "least-squares"], **SMALL_SEARCH})
+                                         "methods": ["residual", "least-squares"], "transition.enabled": True, **SMALL_SEARCH})
     return run_pipeline(config, out / "run", log=lambda _: None)
 
 
 def test_the_mse_baseline_fails_ecc_on_recall_at_1_and_the_contrastive_adapter_holds_it(task_run):
     gate = task_run.gate
     assert gate["metric"] == "recall@1"
-    assert gate["ecc"] == {"residual": True, "least-squares": False}
+    assert (gate["ecc"]["residual"], gate["ecc"]["least-squares"]) == (True, False)
     cases = gate["cases"]
     assert cases["residual"]["recall@1"] > cases["old/old"]["recall@1"] > cases["least-squares"]["recall@1"]
     assert cases["residual"]["recall@10"] > cases["old/old"]["recall@10"]
     assert {"recall@5", "mrr", "ndcg@10", "mAP"} <= set(cases["old/old"])
+
+
+def test_transition_scoring_is_judged_with_a_weight_chosen_on_training_data(task_run):
+    gate = task_run.gate
+    weights = gate["transition_weight"]
+    assert set(weights) == {"residual+transition", "least-squares+transition"}
+    assert weights["least-squares+transition"] > 0  # the old space rescues the failing baseline
+    # Fusing with the old space never loses to the adapter alone by much, and lifts the baseline over old/old.
+    cases = gate["cases"]
+    assert cases["residual+transition"]["recall@1"] > cases["residual"]["recall@1"] - 0.02
+    assert gate["ecc"]["least-squares+transition"] is True
+    assert "transition weight [least squares]" in task_run.report.facts
 
 
 def test_the_report_shows_instance_metrics_and_the_settings_chosen_on_training_data(task_run):
@@ -106,6 +118,8 @@ def test_a_bad_task_file_fails_before_anything_is_written(tmp_path):
 def test_task_settings_are_checked():
     with pytest.raises(ConfigError, match="data.name = 'task' needs data.task"):
         load_pipeline_config(None, {"data.name": "task"})
+    with pytest.raises(ConfigError, match="transition scoring fuses cosine scores"):
+        load_pipeline_config(None, {"data.name": "task", "data.task": "t.npz", "transition.enabled": True})
     with pytest.raises(ConfigError, match="query_map needs a retrieval task"):
         load_pipeline_config(None, {"query_map.enabled": True})
     with pytest.raises(ConfigError, match="FastFill trains with its own"):
