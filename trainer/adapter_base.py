@@ -19,6 +19,7 @@ import torch
 from fctkit.config import from_mapping, to_mapping
 from fctkit.errors import ConfigError, InputError
 
+from .feature_checks import check_features
 from .torch_utils import load_checkpoint, load_state, predict, save_checkpoint
 
 CHECKPOINT_KIND = "fctkit.adapter"
@@ -80,6 +81,53 @@ class Adapter(torch.nn.Module):
         if cls is not Adapter and not isinstance(adapter, cls):
             raise InputError(f"{path}: holds a {adapter.kind!r} adapter, not a {cls.kind!r} one; use fctkit.trainer.load_adapter")
         return adapter
+
+
+class OldSideAdapter(Adapter):
+    """An adapter h(φ_old[, ψ]) → d_out: side-info ψ is an input only when ``d_side > 0``.
+
+    Its forward signature (also the ONNX one) is ``forward(old[, side])`` with inputs named by
+    :attr:`input_names`; a ``side`` argument to a model without side-info is accepted only when
+    it is ``None`` or has 0 columns.
+    """
+
+    def __init__(self, config: Any, d_old: int, d_side: int, d_out: int) -> None:
+        super().__init__(config)
+        if d_old < 1 or d_out < 1 or d_side < 0:
+            raise InputError(f"adapter dims must be positive (d_side may be 0): d_old={d_old}, d_side={d_side}, d_out={d_out}")
+        self.d_old, self.d_side, self.d_out = d_old, d_side, d_out
+
+    def dims(self) -> dict[str, int]:
+        return {"d_old": self.d_old, "d_side": self.d_side, "d_out": self.d_out}
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """Names (and order) of the forward inputs: ``("old", "side")`` or ``("old",)``."""
+        return ("old", "side") if self.d_side else ("old",)
+
+    @property
+    def input_dims(self) -> dict[str, int]:
+        return {"old": self.d_old, "side": self.d_side} if self.d_side else {"old": self.d_old}
+
+    def _side_or_none(self, side: torch.Tensor | None) -> torch.Tensor | None:
+        """``side`` when this model takes side-info (then it is required), else None."""
+        if self.d_side:
+            if side is None:
+                raise InputError("this adapter was fitted with side-info: pass the side tensor too")
+            return side
+        if side is not None and side.shape[-1] != 0:
+            raise InputError("this adapter has no side-info input: call it with the old embedding only")
+        return None
+
+    def transform(self, old: np.ndarray, side: np.ndarray | None = None) -> np.ndarray:
+        """Map old embeddings (and side-info) into the target space: numpy in, numpy out."""
+        return self._run(self, *self._checked_inputs(old, side))
+
+    def _checked_inputs(self, old: Any, side: Any) -> list[np.ndarray]:
+        old = check_features("old", old, dim=self.d_old)
+        if not self.d_side:
+            return [old]
+        return [old, check_features("side", side, dim=self.d_side, rows=len(old))]
 
 
 def adapter_kinds() -> dict[str, type[Adapter]]:

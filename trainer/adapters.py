@@ -28,7 +28,7 @@ from torch import nn
 
 from fctkit.errors import ConfigError, InputError
 
-from .adapter_base import Adapter, config_of
+from .adapter_base import OldSideAdapter, config_of
 from .datasets import validate_labels
 from .feature_checks import check_features
 from .fitting import History, TrainConfig, fit
@@ -72,17 +72,14 @@ def _projection(d_in: int, width: int) -> nn.Sequential:
     )
 
 
-class FCTAdapter(Adapter):
+class FCTAdapter(OldSideAdapter):
     """h(φ_old, ψ) → φ_new (or g → ψ_new), trained with MSE; see the module docstring."""
 
     kind = "fct"
     config_class = FCTConfig
 
     def __init__(self, config: FCTConfig, d_old: int, d_side: int, d_out: int) -> None:
-        super().__init__(config)
-        if d_old < 1 or d_out < 1 or d_side < 0:
-            raise InputError(f"adapter dims must be positive (d_side may be 0): d_old={d_old}, d_side={d_side}, d_out={d_out}")
-        self.d_old, self.d_side, self.d_out = d_old, d_side, d_out
+        super().__init__(config, d_old, d_side, d_out)
         width = config.branch_width
         self.old_branch = _projection(d_old, width)
         self.side_branch = _projection(d_side, width) if d_side else None
@@ -94,27 +91,12 @@ class FCTAdapter(Adapter):
         self.head = nn.Linear(config.mixer_width, d_out)
         self.batchnorm_frozen = False
 
-    def dims(self) -> dict[str, int]:
-        return {"d_old": self.d_old, "d_side": self.d_side, "d_out": self.d_out}
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        """Names (and order) of the forward inputs: ``("old", "side")`` or ``("old",)``."""
-        return ("old", "side") if self.d_side else ("old",)
-
-    @property
-    def input_dims(self) -> dict[str, int]:
-        return {"old": self.d_old, "side": self.d_side} if self.d_side else {"old": self.d_old}
-
     def features(self, old: torch.Tensor, side: torch.Tensor | None = None) -> torch.Tensor:
         """The shared trunk: branches, concat and the mixer's hidden layers (width w_m)."""
         hidden = self.old_branch(old)
+        side = self._side_or_none(side)
         if self.side_branch is not None:
-            if side is None:
-                raise InputError("this adapter was fitted with side-info: pass the side tensor too")
             hidden = torch.cat([hidden, self.side_branch(side)], dim=1)
-        elif side is not None and side.shape[-1] != 0:
-            raise InputError("this adapter has no side-info branch: call it with the old embedding only")
         return self.mixer(hidden)
 
     def forward(self, old: torch.Tensor, side: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,17 +109,6 @@ class FCTAdapter(Adapter):
                 if isinstance(module, nn.BatchNorm1d):
                     module.eval()
         return self
-
-    def transform(self, old: np.ndarray, side: np.ndarray | None = None) -> np.ndarray:
-        """Map old embeddings (and side-info) into the target space: numpy in, numpy out."""
-        inputs = self._checked_inputs(old, side)
-        return self._run(self, *inputs)
-
-    def _checked_inputs(self, old: Any, side: Any) -> list[np.ndarray]:
-        old = check_features("old", old, dim=self.d_old)
-        if not self.d_side:
-            return [old]
-        return [old, check_features("side", side, dim=self.d_side, rows=len(old))]
 
     # --- training -------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from fctkit.errors import ConfigError, InputError
 
-from .adapter_base import Adapter, config_of
+from .adapter_base import OldSideAdapter, config_of
 from .closed_form import least_squares_map
 from .feature_checks import check_features
 from .fitting import History, TrainConfig, fit
@@ -54,17 +54,14 @@ class ResidualConfig:
             raise ConfigError("width and rank must be >= 1 and ridge >= 0")
 
 
-class ResidualAdapter(Adapter):
+class ResidualAdapter(OldSideAdapter):
     """h([φ_old, ψ]) = least-squares start + a residual (see the module docstring)."""
 
     kind = "residual"
     config_class = ResidualConfig
 
     def __init__(self, config: ResidualConfig, d_old: int, d_side: int, d_out: int) -> None:
-        super().__init__(config)
-        if d_old < 1 or d_out < 1 or d_side < 0:
-            raise InputError(f"adapter dims must be positive (d_side may be 0): d_old={d_old}, d_side={d_side}, d_out={d_out}")
-        self.d_old, self.d_side, self.d_out = d_old, d_side, d_out
+        super().__init__(config, d_old, d_side, d_out)
         d_in = d_old + d_side
         self.base = nn.Linear(d_in, d_out)
         self.residual: nn.Module | None = None
@@ -76,32 +73,11 @@ class ResidualAdapter(Adapter):
         if self.residual is not None:
             nn.init.zeros_(self.residual[-1].weight)
 
-    def dims(self) -> dict[str, int]:
-        return {"d_old": self.d_old, "d_side": self.d_side, "d_out": self.d_out}
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return ("old", "side") if self.d_side else ("old",)
-
-    @property
-    def input_dims(self) -> dict[str, int]:
-        return {"old": self.d_old, "side": self.d_side} if self.d_side else {"old": self.d_old}
-
     def forward(self, old: torch.Tensor, side: torch.Tensor | None = None) -> torch.Tensor:
-        if self.d_side:
-            if side is None:
-                raise InputError("this adapter was fitted with side-info: pass the side tensor too")
-            old = torch.cat([old, side], dim=1)
-        elif side is not None and side.shape[-1] != 0:
-            raise InputError("this adapter has no side-info input: call it with the old embedding only")
-        out = self.base(old)
-        return out if self.residual is None else out + self.residual(old)
-
-    def transform(self, old: np.ndarray, side: np.ndarray | None = None) -> np.ndarray:
-        inputs = [check_features("old", old, dim=self.d_old)]
-        if self.d_side:
-            inputs.append(check_features("side", side, dim=self.d_side, rows=len(inputs[0])))
-        return self._run(self, *inputs)
+        side = self._side_or_none(side)
+        x = old if side is None else torch.cat([old, side], dim=1)
+        out = self.base(x)
+        return out if self.residual is None else out + self.residual(x)
 
     @classmethod
     def fit(

@@ -83,7 +83,7 @@ def test_without_side_info_the_model_has_only_the_old_branch():
     assert adapter.input_names == ("old",) and adapter.input_dims == {"old": 16}
     assert adapter.mixer[0].in_features == 64  # branch width, not 2x
     np.testing.assert_array_equal(adapter.transform(data["old"]), adapter.transform(data["old"], data["side"]))
-    with pytest.raises(InputError, match="no side-info branch"):
+    with pytest.raises(InputError, match="no side-info input"):
         adapter(torch.zeros(2, 16), torch.zeros(2, 8))
     assert adapter(torch.zeros(2, 16), torch.zeros(2, 0)).shape == (2, 24)
     with_side, _ = FCTAdapter.fit(data["old"], data["new"], data["side"], small_config(epochs=1))
