@@ -333,11 +333,12 @@ class Device:
         return open_image(self.owner_sealer, item_id, blob, device=self._sealer, gallery_id=self.gallery.gallery_id)
 
     def query_vectors(self, images: np.ndarray, version: int | None = None) -> np.ndarray:
-        """Query images in the query space of ``version`` (default: installed): φ_v, or B(φ_v) in unified mode."""
+        """Query images in the query space of ``version`` (default: installed): φ_v, Q(φ_v) when the
+        bundle has a query map, or B(φ_v) in unified mode."""
         engine = self.engine(version)
         vectors = engine.embed(np.asarray(images))
-        backward = engine.unified_backward()
-        return vectors if backward is None else engine.run(backward, vectors)
+        mapping = engine.unified_backward() or engine.query_map()
+        return vectors if mapping is None else engine.run(mapping, vectors)
 
     def searchable(self) -> tuple[ExactIndex, LoadedRows]:
         """The decrypted rows comparable with queries (cached until the gallery changes)."""

@@ -116,6 +116,11 @@ class Engine:
     def embed(self, images: np.ndarray) -> np.ndarray:
         return self.run(self.manifest.artifact("embed"), images)
 
+    def query_map(self) -> Artifact | None:
+        """The map Q a query embedding goes through before search (forward mode), if the bundle has one."""
+        maps = [a for a in self.manifest.artifacts if a.role == "query_map"]
+        return maps[0] if maps else None
+
     def side_info(self, images: np.ndarray) -> np.ndarray:
         """ψ(images), or zero-width vectors when the bundle has no side-info model."""
         if self.manifest.side_info_dim == 0:

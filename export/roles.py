@@ -11,6 +11,7 @@ forward        ``FCTAdapter``/``FastFillAdapter`` h,        ``old`` [, ``side``]
 side_forward   ``FCTAdapter`` g (``d_out`` = new ψ dim)     ``old`` [, ``side``] ``side_info``
 backward       ``LambdaOrthAdapter`` B (materialised)       ``new``             ``embedding``
 uncertainty    ``FastFillAdapter`` σ                       ``old`` [, ``side``] ``sigma`` (N,)
+query_map      ``QueryMap`` Q (the version's own queries)  ``new``             ``embedding``
 =============  ==========================================  ==================  ============
 
 Inputs come first the embedding (or image), then the side-info; the manifest records the
@@ -42,6 +43,7 @@ OUTPUT_NAMES: dict[str, str] = {
     "side_forward": "side_info",
     "backward": "embedding",
     "uncertainty": "sigma",
+    "query_map": "embedding",
 }
 
 
@@ -98,9 +100,11 @@ def role_module(role: str, trained: Any) -> tuple[Any, tuple[str, ...]]:
         return trained.materialized_backward(), ("new",)
     if role == "uncertainty" and kind == "fastfill":
         return trained.uncertainty_module(), tuple(trained.input_names)
+    if role == "query_map" and kind == "query_map":
+        return trained, ("new",)
     raise InputError(
         f"a {type(trained).__name__} (kind {kind!r}) cannot be exported as role {role!r}: forward takes FCT/FastFill/residual/"
-        "closed-form/λ-orth adapters, side_forward FCT/FastFill, backward λ-orth, uncertainty FastFill"
+        "closed-form/λ-orth adapters, side_forward FCT/FastFill, backward λ-orth, uncertainty FastFill, query_map QueryMap"
     )
 
 

@@ -52,7 +52,7 @@ SIGNATURE_FILE = "manifest.sig"
 FORMAT_VERSION = 1
 SIGNATURE_SIZE = 64
 
-Role = Literal["embed", "side_info", "forward", "side_forward", "backward", "uncertainty"]
+Role = Literal["embed", "side_info", "forward", "side_forward", "backward", "uncertainty", "query_map"]
 Mode = Literal["forward", "unified", "compatible"]
 Distance = Literal["l2", "cosine"]
 ROLES: tuple[str, ...] = get_args(Role)
@@ -415,10 +415,17 @@ def _check_artifacts(m: Manifest) -> None:
         raise BundleFormatError(f"{MANIFEST_FILE}: two artifacts share a role and source/target versions")
     embeds = [a for a in arts if a.role == "embed"]
     side_infos = [a for a in arts if a.role == "side_info"]
+    query_maps = [a for a in arts if a.role == "query_map"]
     if len(embeds) != 1:
         raise BundleFormatError(f"bundle v{m.version}: needs exactly one embed artifact (the model devices embed with), has {len(embeds)}")
-    if len(side_infos) > 1:
-        raise BundleFormatError(f"bundle v{m.version}: has {len(side_infos)} side_info artifacts, at most one is allowed")
+    if len(side_infos) > 1 or len(query_maps) > 1:
+        raise BundleFormatError(f"bundle v{m.version}: has {len(side_infos)} side_info and {len(query_maps)} query_map "
+                                f"artifacts, at most one of each is allowed")
+    for query_map in query_maps:  # the new model's query embedding -> the vector searched with
+        if m.mode != "forward":
+            raise BundleFormatError(f"bundle v{m.version}: a query_map artifact belongs to a forward-mode bundle, not {m.mode!r}")
+        _require_dim(query_map.inputs[0], m.embedding_dim, f"query_map artifact {query_map.name!r} input", "embedding_dim")
+        _require_dim(query_map.outputs[0], m.embedding_dim, f"query_map artifact {query_map.name!r} output", "embedding_dim")
     _require_dim(embeds[0].outputs[0], m.embedding_dim, f"embed artifact {embeds[0].name!r} output", "embedding_dim")
     expected_side = side_infos[0].outputs[0].feature_dim if side_infos else 0
     if m.side_info_dim != expected_side:

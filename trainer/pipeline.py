@@ -42,7 +42,8 @@ from .lambda_orth import LambdaOrthAdapter, LambdaOrthConfig
 from .query_map import QueryMap, QueryMapConfig, fit_jointly
 from .report import Report
 from .residual import ResidualAdapter, ResidualConfig
-from .selection import SelectionConfig, coordinate_search, holdout_split, knobs_for
+from .hubness import hubness_offsets, offset_vectors
+from .selection import Holdout, SelectionConfig, coordinate_search, holdout_split, knobs_for
 from .side_info import SideInfoConfig, extract_side_info, save_side_info, train_side_info
 from .tasks import RetrievalTask, TaskSplit, load_task
 
@@ -121,6 +122,20 @@ class TransitionConfig:
 
 
 @dataclasses.dataclass
+class HubnessConfig:
+    """A per-item hubness offset r(g) (CSLS-style, :mod:`.hubness`): rank by cos − β·r, with r
+    from the task's training queries and β chosen on held-out training data."""
+
+    enabled: bool = False
+    k: int = 10
+    betas: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 1.5, 2.0)
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or not self.betas or any(b < 0 for b in self.betas):
+            raise ConfigError("hubness.k must be >= 1 and hubness.betas non-empty and >= 0")
+
+
+@dataclasses.dataclass
 class PipelineConfig:
     seed: int = 0
     device: str = "auto"
@@ -135,6 +150,7 @@ class PipelineConfig:
     selection: SelectionConfig = dataclasses.field(default_factory=SelectionConfig)
     query_map: QueryMapConfig = dataclasses.field(default_factory=QueryMapConfig)
     transition: TransitionConfig = dataclasses.field(default_factory=TransitionConfig)
+    hubness: HubnessConfig = dataclasses.field(default_factory=HubnessConfig)
     fastfill: FastFillConfig = dataclasses.field(default_factory=FastFillConfig)
     lambda_orth: LambdaOrthConfig = dataclasses.field(default_factory=LambdaOrthConfig)
     lambda_orth_relaxed: LambdaOrthConfig = dataclasses.field(default_factory=lambda: LambdaOrthConfig(backward="lambda"))
@@ -146,9 +162,10 @@ class PipelineConfig:
         unknown = sorted(set(self.methods) - set(METHOD_LABELS))
         if unknown:
             raise ConfigError(f"methods: unknown {', '.join(unknown)}; choose from {', '.join(METHOD_LABELS)}")
-        if self.transition.enabled and (self.data.name != "task" or self.evaluation.distance != "cosine"):
-            raise ConfigError("transition scoring fuses cosine scores of a retrieval task: set data.name = 'task' "
-                              "and evaluation.distance = 'cosine'")
+        for name in ("transition", "hubness"):
+            if getattr(self, name).enabled and (self.data.name != "task" or self.evaluation.distance != "cosine"):
+                raise ConfigError(f"{name} works on cosine scores of a retrieval task: set data.name = 'task' "
+                                  "and evaluation.distance = 'cosine'")
         if self.query_map.enabled and self.data.name != "task":
             raise ConfigError("query_map needs a retrieval task (data.name = 'task'): it learns from the task's positives")
         if self.chain.enabled and self.data.name in ("features", "task"):
@@ -328,11 +345,70 @@ def fit_adapters(config: PipelineConfig, train: Features, log: Callable[[str], N
         if task is not None and config.query_map.enabled and method in QUERY_MAP_METHODS:
             log(f"fitting a query map jointly with {METHOD_LABELS[method]}")
             fitted[f"{method}+query-map"] = fit_with_query_map(config, copy.deepcopy(fitted[method]), task.train)
-        if task is not None and config.transition.enabled:
-            for variant in [v for v in (method, f"{method}+query-map") if v in fitted]:
-                log(f"choosing the transition weight of {method_label(variant)} on held-out training data")
-                fitted[f"{variant}+transition"] = choose_transition(config, method, section, task, fitted[variant], report)
+        for variant in [v for v in (method, f"{method}+query-map") if v in fitted and task is not None]:
+            if config.transition.enabled or config.hubness.enabled:
+                log(f"choosing the transition weight / hubness offset of {method_label(variant)} on held-out training data")
+                refit = fit_on_holdout(config, method, section, task, fitted[variant])
+            if config.transition.enabled:
+                fitted[f"{variant}+transition"] = choose_transition(config, task, variant, fitted[variant], refit, report)
+            if config.hubness.enabled:
+                fitted[f"{variant}+hubness"] = choose_hubness(config, task, variant, fitted[variant], refit, report)
     return fitted
+
+
+@dataclasses.dataclass
+class HeldOutFit:
+    """An adapter (and query map) fitted on part of the training split the way the final one
+    was fitted on all of it, and the held-out rest to choose scoring settings on."""
+
+    adapter: Adapter | WithQueryMap
+    holdout: Holdout
+
+
+def fit_on_holdout(config: PipelineConfig, method: str, section: Any, task: RetrievalTask,
+                   final: Adapter | WithQueryMap) -> HeldOutFit:
+    holdout = holdout_split(task.train, config.selection.holdout_fraction, config.seed)
+    adapter: Adapter | WithQueryMap = fit_method(method, _quiet(section), task_features(holdout.fit.gallery))
+    if isinstance(final, WithQueryMap):
+        adapter = fit_with_query_map(config, adapter, holdout.fit)
+    return HeldOutFit(adapter, holdout)
+
+
+@dataclasses.dataclass
+class Hubness:
+    """``base`` searched with a per-item hubness offset: rank by cos − beta·r(g), r from
+    ``reference`` (the training queries, embedded as the device embeds queries)."""
+
+    base: Adapter | WithQueryMap
+    beta: float
+    reference: np.ndarray
+    k: int
+
+
+def device_queries(adapter: Adapter | WithQueryMap, new_queries: np.ndarray) -> np.ndarray:
+    """Queries as a device searches with them: Q(φ_new) with a query map, else φ_new."""
+    return adapter.query_map.transform(new_queries) if isinstance(adapter, WithQueryMap) else new_queries
+
+
+def hubness_retrieval(hub: Hubness, data: EvalSet) -> tuple[np.ndarray, np.ndarray]:
+    """(queries, rows) whose L2 ranking is cos − β·r (see :func:`.hubness.offset_vectors`)."""
+    query, gallery = adapted_retrieval(hub.base, data)
+    return offset_vectors(query, gallery, hubness_offsets(gallery, hub.reference, hub.k), hub.beta)
+
+
+def choose_hubness(config: PipelineConfig, task: RetrievalTask, variant: str, final: Adapter | WithQueryMap,
+                   refit: HeldOutFit, report: Report | None) -> Hubness:
+    """β with the best primary metric on held-out training data (offsets from the fit part's queries)."""
+    judge = EvalSet.of_task(refit.holdout.held_out)
+    evaluate = Evaluator(dataclasses.replace(config.evaluation, distance="l2"), judge)
+    reference = device_queries(refit.adapter, refit.holdout.fit.query.new)
+    scores = {beta: metric_value(evaluate(*hubness_retrieval(Hubness(refit.adapter, beta, reference, config.hubness.k), judge)),
+                                 task.primary_metric) for beta in config.hubness.betas}
+    beta = max(config.hubness.betas, key=lambda b: (scores[b], -b))
+    if report is not None:
+        report.add_fact(f"hubness β [{method_label(variant)}]", f"β = {beta} ({task.primary_metric} {scores[beta]:.4f} on "
+                        f"held-out training data; β = 0: {scores.get(0.0, float('nan')):.4f}), k = {config.hubness.k}")
+    return Hubness(final, beta, device_queries(final, task.train.query.new), config.hubness.k)
 
 
 @dataclasses.dataclass
@@ -358,20 +434,16 @@ def _unit(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
-def choose_transition(config: PipelineConfig, method: str, section: Any, task: RetrievalTask,
-                      final: Adapter | WithQueryMap, report: Report | None) -> Transition:
-    """The weight with the best primary metric on held-out training data, for an adapter (and
-    query map) fitted on the rest of the training split the way ``final`` was fitted on all of it."""
-    holdout = holdout_split(task.train, config.selection.holdout_fraction, config.seed)
-    adapter: Adapter | WithQueryMap = fit_method(method, _quiet(section), task_features(holdout.fit.gallery))
-    if isinstance(final, WithQueryMap):
-        adapter = fit_with_query_map(config, adapter, holdout.fit)
-    judge = EvalSet.of_task(holdout.held_out)
+def choose_transition(config: PipelineConfig, task: RetrievalTask, variant: str, final: Adapter | WithQueryMap,
+                      refit: HeldOutFit, report: Report | None) -> Transition:
+    """The weight with the best primary metric on held-out training data."""
+    judge = EvalSet.of_task(refit.holdout.held_out)
     evaluate = Evaluator(config.evaluation, judge)
-    scores = {w: metric_value(evaluate(*fused_retrieval(adapter, judge, w)), task.primary_metric) for w in config.transition.weights}
+    scores = {w: metric_value(evaluate(*fused_retrieval(refit.adapter, judge, w)), task.primary_metric)
+              for w in config.transition.weights}
     weight = max(config.transition.weights, key=lambda w: (scores[w], -w))
     if report is not None:
-        report.add_fact(f"transition weight [{method_label(method) + (' + query map' if isinstance(final, WithQueryMap) else '')}]",
+        report.add_fact(f"transition weight [{method_label(variant)}]",
                         f"w = {weight} ({task.primary_metric} {scores[weight]:.4f} on held-out training data; "
                         f"w = 0: {scores.get(0.0, float('nan')):.4f})")
     return Transition(final, weight)
@@ -493,7 +565,11 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
 
     for method, adapter in adapters.items():
         label = method_label(method)
-        if isinstance(adapter, Transition):
+        if isinstance(adapter, Hubness):
+            adapted = Evaluator(dataclasses.replace(config.evaluation, distance="l2"), data)(*hubness_retrieval(adapter, data))
+            report.add_case(f"{_searched_as(adapter.base)} − β·r, β {adapter.beta} [{label}]", adapted, method=method)
+            gate.setdefault("hubness_beta", {})[method] = adapter.beta
+        elif isinstance(adapter, Transition):
             adapted = evaluate(*fused_retrieval(adapter.base, data, adapter.weight))
             report.add_case(f"fused old + adapted, w {adapter.weight} [{label}]", adapted, method=method)
             gate.setdefault("transition_weight", {})[method] = adapter.weight
@@ -530,9 +606,13 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
     return gate
 
 
+def _searched_as(adapter: Adapter | WithQueryMap) -> str:
+    return "cos(Q(new), h(old))" if isinstance(adapter, WithQueryMap) else "cos(new, h(old))"
+
+
 def method_label(method: str) -> str:
     base, *extras = method.split("+")
-    names = {"query-map": " + query map", "transition": " + transition scoring"}
+    names = {"query-map": " + query map", "transition": " + transition scoring", "hubness": " + hubness offset"}
     return METHOD_LABELS[base] + "".join(names[e] for e in extras)
 
 
@@ -563,10 +643,13 @@ def evaluate_backfill(config: PipelineConfig, data: EvalSet, adapters: dict[str,
                       metric: str = "top1") -> dict[str, float]:
     """Backfill curves in forward mode: the gallery starts as h(old) and rows turn into φ_new
     in each ordering's order. Uses FastFill's h when fitted (so σ orders its own rows), else
-    FCT's, else the residual adapter's. Orderings by class mean need class labels."""
-    adapter = next((adapters[m] for m in ("fastfill", "fct", "fct-no-side-info", "residual") if m in adapters), None)
-    if adapter is None or not config.backfill.orderings:
+    FCT's, else the residual adapter's. Orderings by class mean need class labels. With a
+    hubness offset for that adapter, each curve is drawn once more with the offset on every row
+    (adapted and backfilled rows alike, from the same reference queries)."""
+    name = next((m for m in ("fastfill", "fct", "fct-no-side-info", "residual") if m in adapters), None)
+    if name is None or not config.backfill.orderings:
         return {}
+    adapter = adapters[name]
     gallery = data.gallery
     adapted = forward_transform(adapter, gallery)
     sigma = adapter.uncertainty(gallery.old, gallery.side if adapter.d_side else None) if isinstance(adapter, FastFillAdapter) else None
@@ -575,12 +658,26 @@ def evaluate_backfill(config: PipelineConfig, data: EvalSet, adapters: dict[str,
         if (kind == "uncertainty" and sigma is None) or (kind.startswith("class-mean") and gallery.labels is None):
             continue
         order = backfill_order(kind, adapted, None if kind == "kmeans" else gallery.labels, sigma, seed=config.seed)
-        curve = backfill_curve(query=data.queries.new, adapted_gallery=adapted, backfilled_gallery=gallery.new, order=order,
-                               **data.relevance, steps=config.backfill.steps, distance=config.evaluation.distance,
-                               leave_one_out=data.leave_one_out, metric=metric)
-        report.add_backfill_curve(kind, curve)
-        areas[kind] = curve.area
+        searches = {kind: (data.queries.new, adapted, gallery.new, config.evaluation.distance)}
+        if f"{name}+hubness" in adapters:
+            searches[f"{kind} + hubness offset"] = (*_offset_galleries(adapters[f"{name}+hubness"], data.queries.new,
+                                                                       adapted, gallery.new), "l2")
+        for label, (queries, adapted_rows, backfilled_rows, distance) in searches.items():
+            curve = backfill_curve(query=queries, adapted_gallery=adapted_rows, backfilled_gallery=backfilled_rows, order=order,
+                                   **data.relevance, steps=config.backfill.steps, distance=distance,
+                                   leave_one_out=data.leave_one_out, metric=metric)
+            report.add_backfill_curve(label, curve)
+            areas[label] = curve.area
     return areas
+
+
+def _offset_galleries(hub: Hubness, queries: np.ndarray, adapted: np.ndarray,
+                      backfilled: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Queries, adapted rows and backfilled rows with hubness offsets on a common floor."""
+    offsets = [hubness_offsets(rows, hub.reference, hub.k) for rows in (adapted, backfilled)]
+    floor = min(o.min() for o in offsets)
+    query, adapted_rows = offset_vectors(queries, adapted, offsets[0], hub.beta, floor)
+    return query, adapted_rows, offset_vectors(queries, backfilled, offsets[1], hub.beta, floor)[1]
 
 
 # --- the run -----------------------------------------------------------------------------
@@ -619,7 +716,7 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
         data = EvalSet.labelled(evaluation)
     adapters = fit_adapters(config, train, log, task, report)
     for method, adapter in adapters.items():
-        if not isinstance(adapter, Transition):  # its weight is in gate.json; its adapters are saved under their own names
+        if not isinstance(adapter, (Transition, Hubness)):  # their settings are in gate.json; adapters saved under their own names
             adapter.save(out / "adapters" / f"{method}.pt")
 
     log("evaluating")

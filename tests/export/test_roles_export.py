@@ -24,6 +24,7 @@ from fctkit.trainer.backbones import BackboneConfig, extract_features, train_bac
 from fctkit.trainer.closed_form import ClosedFormAdapter  # noqa: E402
 from fctkit.trainer.fitting import TrainConfig  # noqa: E402
 from fctkit.trainer.lambda_orth import LambdaOrthAdapter, LambdaOrthConfig  # noqa: E402
+from fctkit.trainer.query_map import fit_jointly  # noqa: E402
 from fctkit.trainer.residual import ResidualAdapter  # noqa: E402
 from fctkit.trainer.side_info import SideInfoConfig, train_side_info  # noqa: E402
 
@@ -64,6 +65,8 @@ def digits():
         "closed": ClosedFormAdapter.fit(f_old, f_new)[0],
         "residual": ResidualAdapter.fit(f_old, f_new, f_side, {"form": "mlp", "width": 32, "train": dataclasses.asdict(adapter_train)})[0],
     }
+    joint = ResidualAdapter.fit(f_old, f_new, f_side, {"form": "linear", "train": dataclasses.asdict(adapter_train)})[0]
+    models["query_map"] = fit_jointly(joint, f_new, f_old, f_side, f_new, {"width": 16, "train": dataclasses.asdict(adapter_train)})[0]
     q_old, q_new, q_side = (extract_features(models[k], query.images) for k in ("old", "new", "side"))
     real = {"images": [query.images], "old+side": [q_old, q_side], "old": [q_old], "new": [q_new]}
     return Digits(models, query.images, query.labels, gallery.images, gallery.labels, real)
@@ -82,6 +85,7 @@ CASES = {
     "backward_lambda_orth": ("backward", "lambda", "new", 2, 1),
     "forward_closed_form": ("forward", "closed", "old", 1, 2),
     "forward_residual": ("forward", "residual", "old+side", 1, 2),
+    "query_map": ("query_map", "query_map", "new", None, None),
 }
 
 
@@ -113,6 +117,7 @@ def test_every_role_exports_with_parity_on_real_digits(exports, digits, key):
         "side_forward": lambda m, x: m.transform(*x),
         "backward": lambda m, x: m.transform_new(*x),
         "uncertainty": lambda m, x: m.uncertainty(*x),
+        "query_map": lambda m, x: m.transform(*x),
     }[role](digits.models[model], digits.real[real])
     np.testing.assert_allclose(onnx_out, expected, atol=FP32_TOLERANCE)
 
