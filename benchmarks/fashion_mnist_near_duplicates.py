@@ -56,6 +56,8 @@ from pathlib import Path
 import numpy as np
 
 from debian_data import BenchmarkSetupError, ensure_debian_package
+from fashion_mnist import fashion_mnist_present
+from instance_tasks import task_baselines
 from fctkit.errors import FctkitError, InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,16 +81,6 @@ def log(message: str) -> None:
 
 
 # --- data --------------------------------------------------------------------------------------
-
-
-def fashion_mnist_present() -> bool:
-    from fctkit.trainer.datasets import find_fashion_mnist
-
-    try:
-        find_fashion_mnist()
-    except FctkitError:
-        return False
-    return True
 
 
 def ensure_fashion_mnist() -> None:
@@ -277,19 +269,6 @@ def build_task(args: argparse.Namespace):
     return task, facts
 
 
-def baselines(task) -> dict:
-    """old/old and new/new on the evaluation split (cosine; R@1, R@5, R@10, MRR)."""
-    from fctkit.trainer.evaluation import evaluate_retrieval
-
-    split = task.evaluation
-    result = {}
-    for case, field in (("old/old", "old"), ("new/new", "new")):
-        r = evaluate_retrieval(getattr(split.query, field), None, getattr(split.gallery, field), None,
-                               positives=split.positives, distance="cosine", topk=(1, 5, 10))
-        result[case] = {"R@1": r.recall[1], "R@5": r.recall[5], "R@10": r.recall[10], "MRR": r.mrr}
-    return result
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/bench/fmnist-neardup"))
@@ -309,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         task, facts = build_task(args)
         path = save_task(args.out / f"{TASK_NAME}-seed{args.seed}.npz", task)
         log(f"wrote {path}; evaluating the baselines")
-        facts["baselines (eval)"] = baselines(task)
+        facts["baselines (eval)"] = task_baselines(task)
     except FctkitError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -27,6 +27,19 @@ from fctkit.trainer.pipeline import load_pipeline_config, run_pipeline
 DEFAULT_METHODS = ("residual", "least-squares", "procrustes")
 
 
+def task_baselines(task) -> dict:
+    """old/old and new/new on a task's evaluation split (cosine; R@1, R@5, R@10, MRR)."""
+    from fctkit.trainer.evaluation import evaluate_retrieval
+
+    split = task.evaluation
+    result = {}
+    for case, field in (("old/old", "old"), ("new/new", "new")):
+        r = evaluate_retrieval(getattr(split.query, field), None, getattr(split.gallery, field), None,
+                               positives=split.positives, distance="cosine", topk=(1, 5, 10))
+        result[case] = {"R@1": r.recall[1], "R@5": r.recall[5], "R@10": r.recall[10], "MRR": r.mrr}
+    return result
+
+
 def run_seed(task: Path, out: Path, seed: int, methods: list[str], query_map: bool, extra: dict) -> dict:
     overrides = {"seed": seed, "data.name": "task", "data.task": str(task), "methods": methods, "progress": False,
                  "evaluation.distance": "cosine", "evaluation.topk": [1, 5, 10], "query_map.enabled": query_map,

@@ -53,6 +53,7 @@ import numpy as np
 
 from debian_data import BenchmarkSetupError
 from fctkit.errors import FctkitError
+from instance_tasks import task_baselines
 from text_wordnet import PARTS_OF_SPEECH, WORDNET_DIR, ensure_wordnet, new_model_dir, old_model_dir, parse_data_line
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -240,19 +241,6 @@ def build_task(args: argparse.Namespace) -> tuple[object, dict]:
     return task, facts
 
 
-def baselines(task) -> dict:
-    """old/old and new/new on the evaluation split (cosine; R@1, R@5, R@10, MRR)."""
-    from fctkit.trainer.evaluation import evaluate_retrieval
-
-    split = task.evaluation
-    result = {}
-    for case, field in (("old/old", "old"), ("new/new", "new")):
-        r = evaluate_retrieval(getattr(split.query, field), None, getattr(split.gallery, field), None,
-                               positives=split.positives, distance="cosine", topk=(1, 5, 10))
-        result[case] = {"R@1": r.recall[1], "R@5": r.recall[5], "R@10": r.recall[10], "MRR": r.mrr}
-    return result
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/bench/wordnet-lemma"))
@@ -269,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
 
         task, facts = build_task(args)
         path = save_task(args.out / f"{TASK_NAME}-seed{args.seed}.npz", task)
-        facts["baselines (eval)"] = baselines(task)
+        facts["baselines (eval)"] = task_baselines(task)
     except FctkitError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -643,10 +643,10 @@ def evaluate_backfill(config: PipelineConfig, data: EvalSet, adapters: dict[str,
                       metric: str = "top1") -> dict[str, float]:
     """Backfill curves in forward mode: the gallery starts as h(old) and rows turn into φ_new
     in each ordering's order. Uses FastFill's h when fitted (so σ orders its own rows), else
-    FCT's, else the residual adapter's. Orderings by class mean need class labels. With a
+    the residual adapter's, else FCT's. Orderings by class mean need class labels. With a
     hubness offset for that adapter, each curve is drawn once more with the offset on every row
     (adapted and backfilled rows alike, from the same reference queries)."""
-    name = next((m for m in ("fastfill", "fct", "fct-no-side-info", "residual") if m in adapters), None)
+    name = next((m for m in ("fastfill", "residual", "fct", "fct-no-side-info") if m in adapters), None)
     if name is None or not config.backfill.orderings:
         return {}
     adapter = adapters[name]
