@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -45,10 +46,19 @@ def run_seed(task: Path, out: Path, seed: int, methods: list[str], query_map: bo
                  "evaluation.distance": "cosine", "evaluation.topk": [1, 5, 10], "query_map.enabled": query_map,
                  "backfill.orderings": ["random"], **extra}
     start = time.perf_counter()
-    result = run_pipeline(load_pipeline_config(None, overrides), out / f"seed{seed}", log=lambda m: print(f"  [{seed}] {m}", flush=True))
-    cases = {c.name: c.result for c in result.report.cases.values()}
-    return {"seconds": time.perf_counter() - start, "facts": result.report.facts,
-            "cases": {name: {"recall@1": r.recall[1], "recall@10": r.recall[10], "mrr": r.mrr} for name, r in cases.items()}}
+    run_pipeline(load_pipeline_config(None, overrides), out / f"seed{seed}", log=lambda m: print(f"  [{seed}] {m}", flush=True))
+    return read_run(out / f"seed{seed}") | {"seconds": time.perf_counter() - start}
+
+
+def read_run(folder: Path) -> dict:
+    """A finished run's facts and, per case, R@1, R@10 and MRR (from its report.json)."""
+    report = json.loads((folder / "report.json").read_text())
+    cases = {}
+    for case in report["cases"]:
+        name = re.sub(r", (w|β) [0-9.]+ \[", " [", case["name"])  # reports before the weight moved to a column
+        result = case["result"]
+        cases[name] = {"recall@1": result["recall"]["1"], "recall@10": result["recall"]["10"], "mrr": result["mrr"]}
+    return {"facts": report["facts"], "cases": cases}
 
 
 def summarise(runs: dict[int, dict]) -> dict:
@@ -85,12 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS))
     parser.add_argument("--no-query-map", action="store_true", help="skip the jointly trained query map")
+    parser.add_argument("--summarise-only", action="store_true", help="read <out>/seed*/report.json of finished runs; train nothing")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=JSON",
                         help="extra pipeline override, e.g. --set 'selection.widths=[512]'")
     args = parser.parse_args(argv)
     extra = {key: json.loads(value) for key, _, value in (item.partition("=") for item in args.overrides)}
     runs = {}
     for seed in args.seeds:
+        if args.summarise_only:
+            runs[seed] = read_run(args.out / f"seed{seed}")
+            continue
         print(f"seed {seed}", flush=True)
         runs[seed] = run_seed(args.task, args.out, seed, args.methods, not args.no_query_map, extra)
         print(f"  {runs[seed]['seconds']:.0f} s", flush=True)

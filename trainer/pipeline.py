@@ -567,11 +567,12 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
         label = method_label(method)
         if isinstance(adapter, Hubness):
             adapted = Evaluator(dataclasses.replace(config.evaluation, distance="l2"), data)(*hubness_retrieval(adapter, data))
-            report.add_case(f"{_searched_as(adapter.base)} − β·r, β {adapter.beta} [{label}]", adapted, method=method)
+            report.add_case(f"{_searched_as(adapter.base)} − β·r [{label}]", adapted, method=method, beta=adapter.beta)
             gate.setdefault("hubness_beta", {})[method] = adapter.beta
         elif isinstance(adapter, Transition):
             adapted = evaluate(*fused_retrieval(adapter.base, data, adapter.weight))
-            report.add_case(f"fused old + adapted, w {adapter.weight} [{label}]", adapted, method=method)
+            report.add_case(f"w·cos(old, old) + (1−w)·{_searched_as(adapter.base)} [{label}]", adapted, method=method,
+                            weight=adapter.weight)
             gate.setdefault("transition_weight", {})[method] = adapter.weight
         elif isinstance(adapter, WithQueryMap):
             queries_mapped, adapted_gallery = adapted_retrieval(adapter, data)
