@@ -273,7 +273,7 @@ def linear_side_info_ablation(args: argparse.Namespace, out: Path) -> dict:
     information a map from φ_old alone lacks? (A PCA of φ_old cannot, by construction.)"""
     from fctkit.trainer.closed_form import ClosedFormAdapter, ClosedFormConfig
     from fctkit.trainer.datasets import load_features, make_splits
-    from fctkit.trainer.pipeline import EvaluationConfig, Evaluator
+    from fctkit.trainer.searches import EvaluationConfig, Evaluator
 
     features = out / "features"
     old, new = load_features(features / "old.npz"), load_features(features / "new.npz")

@@ -23,7 +23,9 @@ from .adapters import FCTAdapter
 from .backbones import extract_features, save_backbone, train_backbone
 from .datasets import class_subset
 from .evaluation import ecc
+from .methods import run_seeded
 from .report import Report
+from .searches import Evaluator, gate_metrics
 from .side_info import extract_side_info, save_side_info, train_side_info
 
 if TYPE_CHECKING:
@@ -37,7 +39,7 @@ class VersionFeatures:
 
 
 def run_chain(config: PipelineConfig, out: Path, report: Report, log: Callable[[str], None]) -> dict[str, float]:
-    from .pipeline import Evaluator, _metrics, load_image_splits, run_seeded
+    from .pipeline import load_image_splits
 
     data = load_image_splits(config)
     train_labels = data.labels[data.train]
@@ -95,7 +97,7 @@ def run_chain(config: PipelineConfig, out: Path, report: Report, log: Callable[[
         "chain_h3": ecc(cases["v3/h3(v2) [chain]"], cases["v2/v2 [chain]"]),
         "chain_h13": ecc(one, cases["v1/v1 [chain]"]),
     }
-    return {"hop_by_hop": _metrics(hop), "direct": _metrics(one), "v1/v1": _metrics(cases["v1/v1 [chain]"]),
-            "v2/v2": _metrics(cases["v2/v2 [chain]"]), "v3/v3": _metrics(cases["v3/v3 [chain]"]),
-            "v2/h2(v1)": _metrics(cases["v2/h2(v1) [chain]"]), "v3/h3(v2)": _metrics(cases["v3/h3(v2) [chain]"]),
+    return {"hop_by_hop": gate_metrics(hop), "direct": gate_metrics(one), "v1/v1": gate_metrics(cases["v1/v1 [chain]"]),
+            "v2/v2": gate_metrics(cases["v2/v2 [chain]"]), "v3/v3": gate_metrics(cases["v3/v3 [chain]"]),
+            "v2/h2(v1)": gate_metrics(cases["v2/h2(v1) [chain]"]), "v3/h3(v2)": gate_metrics(cases["v3/h3(v2) [chain]"]),
             "ecc": hop_ecc}

@@ -99,7 +99,8 @@ from .datasets import class_subset, make_splits, validate_images, validate_label
 from .evaluation import CompatibilityMatrix, RetrievalResult, compatibility_matrix, ecc
 from .fitting import History, fit, split_validation
 from .lambda_orth import LambdaOrthAdapter, LambdaOrthConfig, OrthogonalMap
-from .pipeline import DataConfig, EvaluationConfig, Evaluator, load_image_splits
+from .pipeline import DataConfig, load_image_splits
+from .searches import EvaluationConfig, Evaluator
 from .report import Report
 from .side_info import SideInfoConfig, extract_side_info, train_side_info
 from .torch_utils import load_model, resolve_device, save_model, set_seed

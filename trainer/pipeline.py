@@ -13,6 +13,10 @@
 4. **chain** (image data, optional) — v1 → v2 → v3 hop by hop and direct (FCT Table 5).
 5. **outputs** — models, adapters, evaluation features, ``report.{md,json,png}`` and
    ``gate.json`` (the gate results that `fctkit bundle build` records in a manifest).
+
+The pieces live beside it: :mod:`.methods` (the methods and how each is fitted),
+:mod:`.searches` (what a device searches with, as arrays the evaluation ranks) and
+:mod:`.tuning` (choices made on held-out training data).
 """
 
 from __future__ import annotations
@@ -31,37 +35,29 @@ from fctkit.config import load_config, to_mapping
 from fctkit.errors import ConfigError
 
 from .adapter_base import Adapter
-from .adapters import FastFillAdapter, FastFillConfig, FCTAdapter, FCTConfig
+from .adapters import FastFillAdapter, FastFillConfig, FCTConfig
 from .backbones import BackboneConfig, extract_features, save_backbone, train_backbone
 from .backfill import backfill_order
 from .cka import linear_cka
-from .closed_form import ClosedFormAdapter, ClosedFormConfig
 from .datasets import load_dataset, load_feature_versions, make_splits, old_class_subset
-from .evaluation import Distance, RetrievalResult, backfill_curve, ecc, evaluate_retrieval, metric_value
+from .evaluation import RetrievalResult, backfill_curve, ecc, metric_value
 from .lambda_orth import LambdaOrthAdapter, LambdaOrthConfig
-from .query_map import QueryMap, QueryMapConfig, fit_jointly
+from .methods import METHOD_LABELS, QUERY_MAP_METHODS, fit_method, method_config, method_label, run_methods
+from .query_map import QueryMapConfig
 from .report import Report
-from .residual import ResidualAdapter, ResidualConfig
-from .hubness import hubness_offsets, offset_vectors
-from .selection import Holdout, SelectionConfig, coordinate_search, holdout_split, knobs_for
+from .residual import ResidualConfig
+from .searches import (EvalSet, EvaluationConfig, Evaluator, Features, Hubness, Transition, WithQueryMap, offset_galleries,
+                       searched_as, adapted_retrieval, forward_transform, fused_retrieval, gate_metrics, hubness_retrieval,
+                       task_features)
+from .selection import SelectionConfig, knobs_for
 from .side_info import SideInfoConfig, extract_side_info, save_side_info, train_side_info
-from .tasks import RetrievalTask, TaskSplit, load_task
+from .tasks import RetrievalTask, load_task
+from .tuning import choose_hubness, choose_transition, fit_on_holdout, fit_with_query_map, select_settings
 
 ForwardMethod = Literal["fct", "fct-no-side-info", "fastfill", "residual", "least-squares", "procrustes"]
 UnifiedMethod = Literal["lambda-orth", "lambda-orth-relaxed"]
-METHOD_LABELS = {
-    "fct": "FCT, side-info ψ",
-    "fct-no-side-info": "FCT, no side-info",
-    "fastfill": "FastFill, side-info ψ",
-    "residual": "residual adapter",
-    "least-squares": "least squares",
-    "procrustes": "Procrustes",
-    "lambda-orth": "λ-orth, B⊥",
-    "lambda-orth-relaxed": "λ-orth, B_λ",
-}
 # What `methods = []` (the default) means: every method for class-level data; for an
 # instance-level task the identity-keeping ones (InfoNCE) next to the closed-form baseline.
-INSTANCE_METHODS = ("residual", "fct", "least-squares", "lambda-orth")
 
 
 # --- configuration -----------------------------------------------------------------------
@@ -87,13 +83,6 @@ class DataConfig:
             raise ConfigError("data.name = 'task' needs data.task (a task .npz path), and data.task needs data.name = 'task'")
         if not 0 < self.old_class_fraction <= 1 or not 0 < self.train_fraction < 1:
             raise ConfigError("data.old_class_fraction must be in (0, 1] and data.train_fraction in (0, 1)")
-
-
-@dataclasses.dataclass
-class EvaluationConfig:
-    distance: Distance = "l2"
-    topk: tuple[int, ...] = (1, 5)
-    chunk_size: int = 1024
 
 
 @dataclasses.dataclass
@@ -181,43 +170,6 @@ def load_pipeline_config(path: str | Path | None = None, overrides: dict[str, An
 
 
 @dataclasses.dataclass
-class Features:
-    """φ_old, ψ (possibly (N, 0)), φ_new and labels (None in an instance-level task), for one set."""
-
-    old: np.ndarray
-    side: np.ndarray
-    new: np.ndarray
-    labels: np.ndarray | None
-
-    def subset(self, index: np.ndarray) -> Features:
-        labels = None if self.labels is None else self.labels[index]
-        return Features(self.old[index], self.side[index], self.new[index], labels)
-
-
-@dataclasses.dataclass
-class EvalSet:
-    """What the report judges: queries and gallery (the same items, leave-one-out, for image
-    and features data; a task's own sets) and the relevance between them."""
-
-    queries: Features
-    gallery: Features
-    relevance: dict[str, Any]
-    leave_one_out: bool
-
-    @classmethod
-    def labelled(cls, features: Features) -> EvalSet:
-        return cls(features, features, {"query_labels": features.labels, "gallery_labels": features.labels}, True)
-
-    @classmethod
-    def of_task(cls, split: TaskSplit) -> EvalSet:
-        return cls(task_features(split.query), task_features(split.gallery), split.relevance(), False)
-
-
-def task_features(items: Any) -> Features:
-    return Features(items.old, items.side, items.new, items.labels)
-
-
-@dataclasses.dataclass
 class ImageSplits:
     images: np.ndarray
     labels: np.ndarray
@@ -292,42 +244,6 @@ def _subsample(items: np.ndarray, labels: np.ndarray, max_items: int, seed: int)
 # --- stage 2: adapters -------------------------------------------------------------------
 
 
-def run_methods(config: PipelineConfig, task: RetrievalTask | None) -> tuple[str, ...]:
-    if config.methods:
-        return config.methods
-    return INSTANCE_METHODS if task is not None and task.level == "instance" else tuple(METHOD_LABELS)
-
-
-def method_config(config: PipelineConfig, method: str, has_side: bool, level: str) -> Any:
-    """The method's config as the run fits it: seeded by the run, side-info when the data has
-    it, and the objective ``auto`` resolved (MSE for class level, InfoNCE for instance level)."""
-    if method in ("least-squares", "procrustes"):
-        return ClosedFormConfig(method=method.replace("-", "_"))
-    section = {"fct": config.fct, "fct-no-side-info": config.fct, "fastfill": config.fastfill, "residual": config.residual,
-               "lambda-orth": config.lambda_orth, "lambda-orth-relaxed": config.lambda_orth_relaxed}[method]
-    section = run_seeded(config, section)
-    if method in ("fct", "fct-no-side-info", "fastfill", "residual"):
-        section = dataclasses.replace(section, side_info=has_side and method != "fct-no-side-info")
-    if method in ("fct", "fct-no-side-info") and section.objective.kind == "auto":
-        section = dataclasses.replace(section, objective=dataclasses.replace(
-            section.objective, kind="infonce" if level == "instance" else "mse"))
-    return section
-
-
-def fit_method(method: str, section: Any, train: Features) -> Adapter:
-    """Fit one method on aligned training features (old, side → new)."""
-    side = train.side if getattr(section, "side_info", False) and train.side.shape[1] else None
-    if method in ("fct", "fct-no-side-info"):
-        return FCTAdapter.fit(train.old, train.new, side, section)[0]
-    if method == "fastfill":
-        return FastFillAdapter.fit(train.old, train.new, side, section)[0]
-    if method == "residual":
-        return ResidualAdapter.fit(train.old, train.new, side, section)[0]
-    if method in ("least-squares", "procrustes"):
-        return ClosedFormAdapter.fit(train.old, train.new, section)[0]
-    return LambdaOrthAdapter.fit(train.old, train.new, train.labels, section)[0]
-
-
 def fit_adapters(config: PipelineConfig, train: Features, log: Callable[[str], None],
                  task: RetrievalTask | None = None, report: Report | None = None) -> dict[str, Adapter]:
     """Every enabled method, fitted on the training split (all classes, like FCT); on a task,
@@ -356,197 +272,7 @@ def fit_adapters(config: PipelineConfig, train: Features, log: Callable[[str], N
     return fitted
 
 
-@dataclasses.dataclass
-class HeldOutFit:
-    """An adapter (and query map) fitted on part of the training split the way the final one
-    was fitted on all of it, and the held-out rest to choose scoring settings on."""
-
-    adapter: Adapter | WithQueryMap
-    holdout: Holdout
-
-
-def fit_on_holdout(config: PipelineConfig, method: str, section: Any, task: RetrievalTask,
-                   final: Adapter | WithQueryMap) -> HeldOutFit:
-    holdout = holdout_split(task.train, config.selection.holdout_fraction, config.seed)
-    adapter: Adapter | WithQueryMap = fit_method(method, _quiet(section), task_features(holdout.fit.gallery))
-    if isinstance(final, WithQueryMap):
-        adapter = fit_with_query_map(config, adapter, holdout.fit)
-    return HeldOutFit(adapter, holdout)
-
-
-@dataclasses.dataclass
-class Hubness:
-    """``base`` searched with a per-item hubness offset: rank by cos − beta·r(g), r from
-    ``reference`` (the training queries, embedded as the device embeds queries)."""
-
-    base: Adapter | WithQueryMap
-    beta: float
-    reference: np.ndarray
-    k: int
-
-
-def device_queries(adapter: Adapter | WithQueryMap, new_queries: np.ndarray) -> np.ndarray:
-    """Queries as a device searches with them: Q(φ_new) with a query map, else φ_new."""
-    return adapter.query_map.transform(new_queries) if isinstance(adapter, WithQueryMap) else new_queries
-
-
-def hubness_retrieval(hub: Hubness, data: EvalSet) -> tuple[np.ndarray, np.ndarray]:
-    """(queries, rows) whose L2 ranking is cos − β·r (see :func:`.hubness.offset_vectors`)."""
-    query, gallery = adapted_retrieval(hub.base, data)
-    return offset_vectors(query, gallery, hubness_offsets(gallery, hub.reference, hub.k), hub.beta)
-
-
-def choose_hubness(config: PipelineConfig, task: RetrievalTask, variant: str, final: Adapter | WithQueryMap,
-                   refit: HeldOutFit, report: Report | None) -> Hubness:
-    """β with the best primary metric on held-out training data (offsets from the fit part's queries)."""
-    judge = EvalSet.of_task(refit.holdout.held_out)
-    evaluate = Evaluator(dataclasses.replace(config.evaluation, distance="l2"), judge)
-    reference = device_queries(refit.adapter, refit.holdout.fit.query.new)
-    scores = {beta: metric_value(evaluate(*hubness_retrieval(Hubness(refit.adapter, beta, reference, config.hubness.k), judge)),
-                                 task.primary_metric) for beta in config.hubness.betas}
-    beta = max(config.hubness.betas, key=lambda b: (scores[b], -b))
-    if report is not None:
-        report.add_fact(f"hubness β [{method_label(variant)}]", f"β = {beta} ({task.primary_metric} {scores[beta]:.4f} on "
-                        f"held-out training data; β = 0: {scores.get(0.0, float('nan')):.4f}), k = {config.hubness.k}")
-    return Hubness(final, beta, device_queries(final, task.train.query.new), config.hubness.k)
-
-
-@dataclasses.dataclass
-class Transition:
-    """Transition scoring with ``base``: rank by ``weight·cos_old + (1 − weight)·cos_adapted``."""
-
-    base: Adapter | WithQueryMap
-    weight: float
-
-
-def fused_retrieval(adapter: Adapter | WithQueryMap, data: EvalSet, weight: float) -> tuple[np.ndarray, np.ndarray]:
-    """(queries, gallery) whose cosine is ``w·cos(q_old, g_old) + (1 − w)·cos(q_adapted, g_adapted)``:
-    each side is the concatenation of its two unit vectors scaled by √w and √(1 − w)."""
-    query, gallery = adapted_retrieval(adapter, data)
-
-    def joined(old: np.ndarray, adapted: np.ndarray) -> np.ndarray:
-        return np.hstack([np.sqrt(weight) * _unit(old), np.sqrt(1.0 - weight) * _unit(adapted)])
-
-    return joined(data.queries.old, query), joined(data.gallery.old, gallery)
-
-
-def _unit(x: np.ndarray) -> np.ndarray:
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-
-
-def choose_transition(config: PipelineConfig, task: RetrievalTask, variant: str, final: Adapter | WithQueryMap,
-                      refit: HeldOutFit, report: Report | None) -> Transition:
-    """The weight with the best primary metric on held-out training data."""
-    judge = EvalSet.of_task(refit.holdout.held_out)
-    evaluate = Evaluator(config.evaluation, judge)
-    scores = {w: metric_value(evaluate(*fused_retrieval(refit.adapter, judge, w)), task.primary_metric)
-              for w in config.transition.weights}
-    weight = max(config.transition.weights, key=lambda w: (scores[w], -w))
-    if report is not None:
-        report.add_fact(f"transition weight [{method_label(variant)}]",
-                        f"w = {weight} ({task.primary_metric} {scores[weight]:.4f} on held-out training data; "
-                        f"w = 0: {scores.get(0.0, float('nan')):.4f})")
-    return Transition(final, weight)
-
-
-QUERY_MAP_METHODS = ("residual", "fct", "fct-no-side-info")
-
-
-@dataclasses.dataclass
-class WithQueryMap:
-    """A gallery-side adapter h and the query map Q trained with it: queries are Q(φ_new)."""
-
-    adapter: Adapter
-    query_map: QueryMap
-
-    def save(self, path: Path) -> None:
-        self.adapter.save(path)
-        self.query_map.save(path.with_name(path.stem + ".query_map.pt"))
-
-
-def fit_with_query_map(config: PipelineConfig, adapter: Adapter, train: TaskSplit) -> WithQueryMap:
-    """Continue training ``adapter`` jointly with a new query map on the training positives."""
-    positives = train.positives
-    if positives is None:
-        raise ConfigError("query_map needs an instance-level task (explicit positives per query)")
-    queries = np.repeat(np.arange(len(train.query)), np.diff(positives.indptr))
-    items = positives.indices
-    gallery = train.gallery
-    query_map, _ = fit_jointly(adapter, train.query.new[queries], gallery.old[items],
-                               gallery.side[items] if gallery.side.shape[1] else None, gallery.new[items],
-                               run_seeded(config, config.query_map))
-    return WithQueryMap(adapter, query_map)
-
-
-def select_settings(config: PipelineConfig, method: str, section: Any, knobs: list, task: RetrievalTask,
-                    report: Report | None) -> Any:
-    holdout = holdout_split(task.train, config.selection.holdout_fraction, config.seed)
-    fit_part = task_features(holdout.fit.gallery)
-    judge = EvalSet.of_task(holdout.held_out)
-    evaluate = Evaluator(config.evaluation, judge)
-
-    def score(candidate: Any) -> float:
-        adapter = fit_method(method, _quiet(candidate), fit_part)
-        query, gallery = adapted_retrieval(adapter, judge)
-        return metric_value(evaluate(query, gallery), task.primary_metric)
-
-    chosen = coordinate_search(section, knobs, score)
-    if report is not None:
-        settings = ", ".join(f"{path} = {value}" for path, value in chosen.chosen.items())
-        report.add_fact(f"selected [{method_label(method)}]",
-                        f"{settings} ({task.primary_metric} {chosen.score:.4f} on held-out training data, {chosen.tried} fits)")
-    return chosen.config
-
-
-def _quiet(section: Any) -> Any:
-    return dataclasses.replace(section, train=dataclasses.replace(section.train, progress=False)) if hasattr(section, "train") else section
-
-
-def run_seeded(config: PipelineConfig, section: Any) -> Any:
-    """A method's config whose training seed is offset by the run's ``seed``, so that changing
-    the run's seed changes every stage (a method's own ``train.seed`` stays an offset)."""
-    return dataclasses.replace(section, train=dataclasses.replace(section.train, seed=section.train.seed + config.seed))
-
-
-def forward_transform(adapter: Adapter, features: Features) -> np.ndarray:
-    """h(φ_old[, ψ]) for the forward-mode adapters."""
-    if isinstance(adapter, (FCTAdapter, ResidualAdapter)):
-        return adapter.transform(features.old, features.side if adapter.d_side else None)
-    return adapter.transform(features.old)
-
-
-def adapted_retrieval(adapter: Adapter | WithQueryMap, data: EvalSet) -> tuple[np.ndarray, np.ndarray]:
-    """(queries, gallery) of the case a device runs after the upgrade: new/h(old) in forward
-    mode, Q(new)/h(old) with a query map, B(new)/F(old) in unified mode."""
-    if isinstance(adapter, LambdaOrthAdapter):
-        return adapter.transform_new(data.queries.new), adapter.transform(data.gallery.old)
-    if isinstance(adapter, WithQueryMap):
-        return adapter.query_map.transform(data.queries.new), forward_transform(adapter.adapter, data.gallery)
-    return data.queries.new, forward_transform(adapter, data.gallery)
-
-
 # --- stage 3: evaluation -----------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Evaluator:
-    """Evaluates query/gallery embeddings of one :class:`EvalSet` with its relevance."""
-
-    config: EvaluationConfig
-    data: EvalSet
-
-    def __call__(self, query: np.ndarray, gallery: np.ndarray) -> RetrievalResult:
-        n = min(query.shape[1], gallery.shape[1])  # differing dims: compare the first n (λ-orth truncation)
-        return evaluate_retrieval(
-            query[:, :n], gallery=gallery[:, :n], **self.data.relevance, distance=self.config.distance,
-            topk=self.config.topk, leave_one_out=self.data.leave_one_out, chunk_size=self.config.chunk_size,
-        )
-
-    @classmethod
-    def labelled(cls, labels: np.ndarray, config: EvaluationConfig) -> Evaluator:
-        """Query = gallery = one labelled set, leave-one-out (the papers' protocol)."""
-        items = np.zeros((len(labels), 0), np.float32)
-        return cls(config, EvalSet.labelled(Features(items, items, items, labels)))
 
 
 def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, Adapter], report: Report,
@@ -567,11 +293,11 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
         label = method_label(method)
         if isinstance(adapter, Hubness):
             adapted = Evaluator(dataclasses.replace(config.evaluation, distance="l2"), data)(*hubness_retrieval(adapter, data))
-            report.add_case(f"{_searched_as(adapter.base)} − β·r [{label}]", adapted, method=method, beta=adapter.beta)
+            report.add_case(f"{searched_as(adapter.base)} − β·r [{label}]", adapted, method=method, beta=adapter.beta)
             gate.setdefault("hubness_beta", {})[method] = adapter.beta
         elif isinstance(adapter, Transition):
             adapted = evaluate(*fused_retrieval(adapter.base, data, adapter.weight))
-            report.add_case(f"w·cos(old, old) + (1−w)·{_searched_as(adapter.base)} [{label}]", adapted, method=method,
+            report.add_case(f"w·cos(old, old) + (1−w)·{searched_as(adapter.base)} [{label}]", adapted, method=method,
                             weight=adapter.weight)
             gate.setdefault("transition_weight", {})[method] = adapter.weight
         elif isinstance(adapter, WithQueryMap):
@@ -599,22 +325,12 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
             report.add_verdict(f"ECC (recall@10) [{label}]", ecc(adapted, old_old, "recall@10"),
                                f"recall@10 {adapted.recall[10]:.4f} vs old/old {old_old.recall[10]:.4f}")
         gate["ecc"][method] = passed
-        gate["cases"][method] = _metrics(adapted)
-    gate["cases"]["old/old"] = _metrics(old_old)
-    gate["cases"]["new/new"] = _metrics(new_new)
+        gate["cases"][method] = gate_metrics(adapted)
+    gate["cases"]["old/old"] = gate_metrics(old_old)
+    gate["cases"]["new/new"] = gate_metrics(new_new)
     if gallery.side.shape[1]:
         report.add_fact("CKA(φ_old, ψ)", round(linear_cka(gallery.old, gallery.side), 4))
     return gate
-
-
-def _searched_as(adapter: Adapter | WithQueryMap) -> str:
-    return "cos(Q(new), h(old))" if isinstance(adapter, WithQueryMap) else "cos(new, h(old))"
-
-
-def method_label(method: str) -> str:
-    base, *extras = method.split("+")
-    names = {"query-map": " + query map", "transition": " + transition scoring", "hubness": " + hubness offset"}
-    return METHOD_LABELS[base] + "".join(names[e] for e in extras)
 
 
 def _unified_cases(adapter: LambdaOrthAdapter, data: EvalSet, evaluate: Evaluator, report: Report, label: str) -> dict[str, RetrievalResult]:
@@ -631,13 +347,6 @@ def _unified_cases(adapter: LambdaOrthAdapter, data: EvalSet, evaluate: Evaluato
         report.add_case(f"{name} [{label}]", result, method=label)
     report.add_fact(f"‖WWᵀ−I‖_F [{label}]", round(adapter.orthogonality_error(), 6))
     return cases
-
-
-def _metrics(result: RetrievalResult) -> dict[str, float]:
-    metrics = {f"top{k}": v for k, v in result.cmc.items()} | {"mAP": result.mean_ap}
-    if result.relevance == "explicit":
-        metrics |= {f"recall@{k}": v for k, v in result.recall.items()} | {"mrr": result.mrr, "ndcg@10": result.ndcg10}
-    return metrics
 
 
 def evaluate_backfill(config: PipelineConfig, data: EvalSet, adapters: dict[str, Adapter], report: Report,
@@ -661,7 +370,7 @@ def evaluate_backfill(config: PipelineConfig, data: EvalSet, adapters: dict[str,
         order = backfill_order(kind, adapted, None if kind == "kmeans" else gallery.labels, sigma, seed=config.seed)
         searches = {kind: (data.queries.new, adapted, gallery.new, config.evaluation.distance)}
         if f"{name}+hubness" in adapters:
-            searches[f"{kind} + hubness offset"] = (*_offset_galleries(adapters[f"{name}+hubness"], data.queries.new,
+            searches[f"{kind} + hubness offset"] = (*offset_galleries(adapters[f"{name}+hubness"], data.queries.new,
                                                                        adapted, gallery.new), "l2")
         for label, (queries, adapted_rows, backfilled_rows, distance) in searches.items():
             curve = backfill_curve(query=queries, adapted_gallery=adapted_rows, backfilled_gallery=backfilled_rows, order=order,
@@ -670,15 +379,6 @@ def evaluate_backfill(config: PipelineConfig, data: EvalSet, adapters: dict[str,
             report.add_backfill_curve(label, curve)
             areas[label] = curve.area
     return areas
-
-
-def _offset_galleries(hub: Hubness, queries: np.ndarray, adapted: np.ndarray,
-                      backfilled: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Queries, adapted rows and backfilled rows with hubness offsets on a common floor."""
-    offsets = [hubness_offsets(rows, hub.reference, hub.k) for rows in (adapted, backfilled)]
-    floor = min(o.min() for o in offsets)
-    query, adapted_rows = offset_vectors(queries, adapted, offsets[0], hub.beta, floor)
-    return query, adapted_rows, offset_vectors(queries, backfilled, offsets[1], hub.beta, floor)[1]
 
 
 # --- the run -----------------------------------------------------------------------------

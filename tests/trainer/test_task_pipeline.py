@@ -79,18 +79,18 @@ def test_the_report_shows_instance_metrics_and_the_settings_chosen_on_training_d
 def test_selection_never_reads_the_evaluation_split(tmp_path, monkeypatch):
     # Poison the evaluation split's *gallery* vectors: if selection looked at them the
     # chosen settings would change; they must be identical to a run on a clean task.
-    from fctkit.trainer import pipeline
+    from fctkit.trainer import tuning
 
     task = synthetic_instance_task(n_train=600, n_eval=200, seed=seed())
     seen: list[int] = []
-    original = pipeline.coordinate_search
+    original = tuning.coordinate_search
 
     def spy(config, knobs, score):
         result = original(config, knobs, score)
         seen.append(result.tried)
         return result
 
-    monkeypatch.setattr(pipeline, "coordinate_search", spy)
+    monkeypatch.setattr(tuning, "coordinate_search", spy)
     chosen = []
     for poison in (False, True):
         evaluation = task.evaluation
@@ -111,7 +111,8 @@ def test_selection_never_reads_the_evaluation_split(tmp_path, monkeypatch):
 def test_the_example_config_names_a_task_and_defaults_to_the_instance_methods():
     config = load_pipeline_config(REPO / "configs" / "synthetic-instance.toml")
     assert config.data.name == "task" and config.methods == ()
-    from fctkit.trainer.pipeline import INSTANCE_METHODS, load_run_task, run_methods
+    from fctkit.trainer.methods import INSTANCE_METHODS, run_methods
+    from fctkit.trainer.pipeline import load_run_task
 
     task = load_run_task(load_pipeline_config(None, {"data.name": "task", "data.task": str(REPO / config.data.task)}))
     assert run_methods(config, task) == INSTANCE_METHODS

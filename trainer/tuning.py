@@ -1,0 +1,108 @@
+"""Choices a run makes on held-out *training* data (never on the evaluation split): each
+method's settings (:func:`select_settings`), the transition weight and the hubness β; and the
+query map trained jointly with an adapter on the task's positives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fctkit.errors import ConfigError
+
+from .adapter_base import Adapter
+from .evaluation import metric_value
+from .methods import quiet_training, fit_method, method_label, run_seeded
+from .query_map import fit_jointly
+from .report import Report
+from .searches import (EvalSet, Evaluator, Hubness, Transition, WithQueryMap, adapted_retrieval, device_queries,
+                       fused_retrieval, hubness_retrieval, task_features)
+from .selection import Holdout, coordinate_search, holdout_split
+from .tasks import RetrievalTask, TaskSplit
+
+if TYPE_CHECKING:
+    from .pipeline import PipelineConfig
+
+
+def select_settings(config: PipelineConfig, method: str, section: Any, knobs: list, task: RetrievalTask,
+                    report: Report | None) -> Any:
+    holdout = holdout_split(task.train, config.selection.holdout_fraction, config.seed)
+    fit_part = task_features(holdout.fit.gallery)
+    judge = EvalSet.of_task(holdout.held_out)
+    evaluate = Evaluator(config.evaluation, judge)
+
+    def score(candidate: Any) -> float:
+        adapter = fit_method(method, quiet_training(candidate), fit_part)
+        query, gallery = adapted_retrieval(adapter, judge)
+        return metric_value(evaluate(query, gallery), task.primary_metric)
+
+    chosen = coordinate_search(section, knobs, score)
+    if report is not None:
+        settings = ", ".join(f"{path} = {value}" for path, value in chosen.chosen.items())
+        report.add_fact(f"selected [{method_label(method)}]",
+                        f"{settings} ({task.primary_metric} {chosen.score:.4f} on held-out training data, {chosen.tried} fits)")
+    return chosen.config
+
+
+@dataclasses.dataclass
+class HeldOutFit:
+    """An adapter (and query map) fitted on part of the training split the way the final one
+    was fitted on all of it, and the held-out rest to choose scoring settings on."""
+
+    adapter: Adapter | WithQueryMap
+    holdout: Holdout
+
+
+def fit_on_holdout(config: PipelineConfig, method: str, section: Any, task: RetrievalTask,
+                   final: Adapter | WithQueryMap) -> HeldOutFit:
+    holdout = holdout_split(task.train, config.selection.holdout_fraction, config.seed)
+    adapter: Adapter | WithQueryMap = fit_method(method, quiet_training(section), task_features(holdout.fit.gallery))
+    if isinstance(final, WithQueryMap):
+        adapter = fit_with_query_map(config, adapter, holdout.fit)
+    return HeldOutFit(adapter, holdout)
+
+
+def fit_with_query_map(config: PipelineConfig, adapter: Adapter, train: TaskSplit) -> WithQueryMap:
+    """Continue training ``adapter`` jointly with a new query map on the training positives."""
+    positives = train.positives
+    if positives is None:
+        raise ConfigError("query_map needs an instance-level task (explicit positives per query)")
+    queries = np.repeat(np.arange(len(train.query)), np.diff(positives.indptr))
+    items = positives.indices
+    gallery = train.gallery
+    query_map, _ = fit_jointly(adapter, train.query.new[queries], gallery.old[items],
+                               gallery.side[items] if gallery.side.shape[1] else None, gallery.new[items],
+                               run_seeded(config, config.query_map))
+    return WithQueryMap(adapter, query_map)
+
+
+def choose_transition(config: PipelineConfig, task: RetrievalTask, variant: str, final: Adapter | WithQueryMap,
+                      refit: HeldOutFit, report: Report | None) -> Transition:
+    """The weight with the best primary metric on held-out training data."""
+    judge = EvalSet.of_task(refit.holdout.held_out)
+    evaluate = Evaluator(config.evaluation, judge)
+    scores = {w: metric_value(evaluate(*fused_retrieval(refit.adapter, judge, w)), task.primary_metric)
+              for w in config.transition.weights}
+    weight = max(config.transition.weights, key=lambda w: (scores[w], -w))
+    if report is not None:
+        report.add_fact(f"transition weight [{method_label(variant)}]",
+                        f"w = {weight} ({task.primary_metric} {scores[weight]:.4f} on held-out training data; "
+                        f"w = 0: {scores.get(0.0, float('nan')):.4f})")
+    return Transition(final, weight)
+
+
+def choose_hubness(config: PipelineConfig, task: RetrievalTask, variant: str, final: Adapter | WithQueryMap,
+                   refit: HeldOutFit, report: Report | None) -> Hubness:
+    """β with the best primary metric on held-out training data (offsets from the fit part's queries)."""
+    judge = EvalSet.of_task(refit.holdout.held_out)
+    evaluate = Evaluator(dataclasses.replace(config.evaluation, distance="l2"), judge)
+    reference = device_queries(refit.adapter, refit.holdout.fit.query.new)
+    scores = {beta: metric_value(evaluate(*hubness_retrieval(Hubness(refit.adapter, beta, reference, config.hubness.k), judge)),
+                                 task.primary_metric) for beta in config.hubness.betas}
+    beta = max(config.hubness.betas, key=lambda b: (scores[b], -b))
+    if report is not None:
+        report.add_fact(f"hubness β [{method_label(variant)}]", f"β = {beta} ({task.primary_metric} {scores[beta]:.4f} on "
+                        f"held-out training data; β = 0: {scores.get(0.0, float('nan')):.4f}), k = {config.hubness.k}")
+    return Hubness(final, beta, device_queries(final, task.train.query.new), config.hubness.k)
