@@ -57,7 +57,7 @@ import numpy as np
 
 from debian_data import BenchmarkSetupError, ensure_debian_package
 from fashion_mnist import fashion_mnist_present
-from instance_tasks import task_baselines
+from instance_tasks import save_built_task
 from fctkit.errors import FctkitError, InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -282,26 +282,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--eval-queries and --train-items must be at least 1, --epochs-scale above 0")
     started = time.perf_counter()
     try:
-        from fctkit.trainer.tasks import save_task
-
         ensure_fashion_mnist()
         task, facts = build_task(args)
-        path = save_task(args.out / f"{TASK_NAME}-seed{args.seed}.npz", task)
-        log(f"wrote {path}; evaluating the baselines")
-        facts["baselines (eval)"] = task_baselines(task)
+        dims = facts["dims"]
+        print(f"eval {facts['eval']['queries']} queries / {facts['eval']['gallery']} gallery, "
+              f"train {facts['train']['queries']} / {facts['train']['gallery']}; "
+              f"dims old {dims['old']}, new {dims['new']}, side {dims['side']} (gallery only)")
+        save_built_task(args.out / f"{TASK_NAME}-seed{args.seed}.npz", task, facts, started)
     except FctkitError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    facts["wall time (s)"] = round(time.perf_counter() - started, 1)
-    path.with_suffix(".summary.json").write_text(json.dumps(facts, indent=2) + "\n")
-    dims = facts["dims"]
-    print(f"\nwrote {path}")
-    print(f"eval {facts['eval']['queries']} queries / {facts['eval']['gallery']} gallery, "
-          f"train {facts['train']['queries']} / {facts['train']['gallery']}; "
-          f"dims old {dims['old']}, new {dims['new']}, side {dims['side']} (gallery only)")
-    for case, metrics in facts["baselines (eval)"].items():
-        print(f"{case}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-    print(f"wall time {facts['wall time (s)']} s")
     return 0
 
 

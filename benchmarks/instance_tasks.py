@@ -41,6 +41,22 @@ def task_baselines(task) -> dict:
     return result
 
 
+def save_built_task(path: Path, task, facts: dict, started: float) -> Path:
+    """Save a task a builder made, with its baselines, and write ``<path>.summary.json``
+    (``facts`` + baselines + wall time); print the baselines."""
+    from fctkit.trainer.tasks import save_task
+
+    path = save_task(path, task)
+    facts["baselines (eval)"] = task_baselines(task)
+    facts["wall time (s)"] = round(time.perf_counter() - started, 1)
+    path.with_suffix(".summary.json").write_text(json.dumps(facts, indent=2) + "\n")
+    print(f"\nwrote {path}")
+    for case, metrics in facts["baselines (eval)"].items():
+        print(f"{case}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    print(f"wall time {facts['wall time (s)']} s")
+    return path
+
+
 def run_seed(task: Path, out: Path, seed: int, methods: list[str], query_map: bool, extra: dict) -> dict:
     overrides = {"seed": seed, "data.name": "task", "data.task": str(task), "methods": methods, "progress": False,
                  "evaluation.distance": "cosine", "evaluation.topk": [1, 5, 10], "query_map.enabled": query_map,

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import json
 import os
 import re
 import sys
@@ -53,7 +52,7 @@ import numpy as np
 
 from debian_data import BenchmarkSetupError
 from fctkit.errors import FctkitError
-from instance_tasks import task_baselines
+from instance_tasks import save_built_task
 from text_wordnet import PARTS_OF_SPEECH, WORDNET_DIR, ensure_wordnet, new_model_dir, old_model_dir, parse_data_line
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -253,23 +252,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--eval-queries, --train-queries and --batch-size must be at least 1")
     started = time.perf_counter()
     try:
-        from fctkit.trainer.tasks import save_task
-
         task, facts = build_task(args)
-        path = save_task(args.out / f"{TASK_NAME}-seed{args.seed}.npz", task)
-        facts["baselines (eval)"] = task_baselines(task)
+        dims = facts["dims"]
+        print(f"eval {facts['eval']} queries / {facts['eval']} gallery, train {facts['train']} / {facts['train']}; "
+              f"dims old {dims['old']}, new {dims['new']}, side {dims['side']} (gallery only)")
+        save_built_task(args.out / f"{TASK_NAME}-seed{args.seed}.npz", task, facts, started)
     except FctkitError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    facts["wall time (s)"] = round(time.perf_counter() - started, 1)
-    path.with_suffix(".summary.json").write_text(json.dumps(facts, indent=2) + "\n")
-    dims = facts["dims"]
-    print(f"\nwrote {path}")
-    print(f"eval {facts['eval']} queries / {facts['eval']} gallery, train {facts['train']} / {facts['train']}; "
-          f"dims old {dims['old']}, new {dims['new']}, side {dims['side']} (gallery only)")
-    for case, metrics in facts["baselines (eval)"].items():
-        print(f"{case}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-    print(f"wall time {facts['wall time (s)']} s")
     return 0
 
 
