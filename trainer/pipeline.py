@@ -49,10 +49,10 @@ from .residual import ResidualConfig
 from .searches import (EvalSet, EvaluationConfig, Evaluator, Features, Hubness, Transition, WithQueryMap, offset_galleries,
                        searched_as, adapted_retrieval, forward_transform, fused_retrieval, gate_metrics, hubness_retrieval,
                        task_features)
-from .selection import SelectionConfig, knobs_for
+from .selection import SelectionConfig, holdout_split, knobs_for
 from .side_info import SideInfoConfig, extract_side_info, save_side_info, train_side_info
 from .tasks import RetrievalTask, load_task
-from .tuning import choose_hubness, choose_transition, fit_on_holdout, fit_with_query_map, select_settings
+from .tuning import choose_hubness, choose_transition, fit_on_fit_part, fit_on_holdout, fit_with_query_map, select_settings
 
 ForwardMethod = Literal["fct", "fct-no-side-info", "fastfill", "residual", "least-squares", "procrustes"]
 UnifiedMethod = Literal["lambda-orth", "lambda-orth-relaxed"]
@@ -250,21 +250,29 @@ def fit_adapters(config: PipelineConfig, train: Features, log: Callable[[str], N
     with the settings chosen on held-out training data (recorded as report facts)."""
     fitted: dict[str, Adapter] = {}
     level = task.level if task is not None else "class"
+    scoring = config.transition.enabled or config.hubness.enabled
+    # One cut of the training split serves every choice on held-out data (same seed, same cut).
+    holdout = (holdout_split(task.train, config.selection.holdout_fraction, config.seed)
+               if task is not None and (config.selection.enabled or scoring) else None)
     for method in run_methods(config, task):
         section = method_config(config, method, train.side.shape[1] > 0, level)
         knobs = knobs_for(method, section, config.selection)
+        fit_part_adapter = None  # the method fitted on the holdout's fit part, once
         if task is not None and config.selection.enabled and knobs:
             log(f"choosing settings of {METHOD_LABELS[method]} on held-out training data ({task.primary_metric})")
-            section = select_settings(config, method, section, knobs, task, report)
+            section, fit_part_adapter = select_settings(config, method, section, knobs, task, holdout, report)
         log(f"fitting {METHOD_LABELS[method]}")
         fitted[method] = fit_method(method, section, train)
         if task is not None and config.query_map.enabled and method in QUERY_MAP_METHODS:
             log(f"fitting a query map jointly with {METHOD_LABELS[method]}")
             fitted[f"{method}+query-map"] = fit_with_query_map(config, copy.deepcopy(fitted[method]), task.train)
-        for variant in [v for v in (method, f"{method}+query-map") if v in fitted and task is not None]:
-            if config.transition.enabled or config.hubness.enabled:
-                log(f"choosing the transition weight / hubness offset of {method_label(variant)} on held-out training data")
-                refit = fit_on_holdout(config, method, section, task, fitted[variant])
+        if task is None or not scoring:
+            continue
+        if fit_part_adapter is None:
+            fit_part_adapter = fit_on_fit_part(method, section, holdout)
+        for variant in [v for v in (method, f"{method}+query-map") if v in fitted]:
+            log(f"choosing the transition weight / hubness offset of {method_label(variant)} on held-out training data")
+            refit = fit_on_holdout(config, fit_part_adapter, holdout, fitted[variant])
             if config.transition.enabled:
                 fitted[f"{variant}+transition"] = choose_transition(config, task, variant, fitted[variant], refit, report)
             if config.hubness.enabled:

@@ -15,13 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from .adapter_base import Adapter
-from .adapters import FCTAdapter
+from .adapter_base import Adapter, OldSideAdapter
 from .evaluation import Distance, RetrievalResult, evaluate_retrieval
 from .hubness import hubness_offsets, offset_vectors
 from .lambda_orth import LambdaOrthAdapter
 from .query_map import QueryMap
-from .residual import ResidualAdapter
 from .tasks import TaskSplit
 
 
@@ -102,7 +100,7 @@ class Hubness:
 
 def forward_transform(adapter: Adapter, features: Features) -> np.ndarray:
     """h(φ_old[, ψ]) for the forward-mode adapters."""
-    if isinstance(adapter, (FCTAdapter, ResidualAdapter)):
+    if isinstance(adapter, OldSideAdapter):
         return adapter.transform(features.old, features.side if adapter.d_side else None)
     return adapter.transform(features.old)
 

@@ -78,21 +78,23 @@ class Selection:
     score: float
     tried: int
     chosen: dict[str, Any]
+    outcome: Any = None  # what ``score`` made for the best config (e.g. the adapter it fitted)
 
 
-def coordinate_search(config: Any, knobs: Sequence[Knob], score: Callable[[Any], float]) -> Selection:
-    """Best config found by trying each knob's values in turn (see the module docstring)."""
-    best, best_score, tried = config, score(config), 1
+def coordinate_search(config: Any, knobs: Sequence[Knob], score: Callable[[Any], tuple[float, Any]]) -> Selection:
+    """Best config found by trying each knob's values in turn (see the module docstring).
+    ``score(config)`` returns the score and what it made to get it; the best one's is kept."""
+    best, (best_score, best_outcome), tried = config, score(config), 1
     for knob in knobs:
         for value in knob.values:
             if value == value_at(best, knob.path):
                 continue
             candidate = with_value(best, knob.path, value)
-            candidate_score = score(candidate)
+            candidate_score, outcome = score(candidate)
             tried += 1
             if candidate_score > best_score:
-                best, best_score = candidate, candidate_score
-    return Selection(best, best_score, tried, {k.path: value_at(best, k.path) for k in knobs})
+                best, best_score, best_outcome = candidate, candidate_score, outcome
+    return Selection(best, best_score, tried, {k.path: value_at(best, k.path) for k in knobs}, best_outcome)
 
 
 @dataclasses.dataclass(frozen=True)

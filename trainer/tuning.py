@@ -5,6 +5,7 @@ query map trained jointly with an adapter on the task's positives.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from .query_map import fit_jointly
 from .report import Report
 from .searches import (EvalSet, Evaluator, Hubness, Transition, WithQueryMap, adapted_retrieval, device_queries,
                        fused_retrieval, hubness_retrieval, task_features)
-from .selection import Holdout, coordinate_search, holdout_split
+from .selection import Holdout, coordinate_search
 from .tasks import RetrievalTask, TaskSplit
 
 if TYPE_CHECKING:
@@ -27,23 +28,28 @@ if TYPE_CHECKING:
 
 
 def select_settings(config: PipelineConfig, method: str, section: Any, knobs: list, task: RetrievalTask,
-                    report: Report | None) -> Any:
-    holdout = holdout_split(task.train, config.selection.holdout_fraction, config.seed)
+                    holdout: Holdout, report: Report | None) -> tuple[Any, Adapter]:
+    """The best settings on ``holdout``, and the adapter they fitted on its fit part."""
     fit_part = task_features(holdout.fit.gallery)
     judge = EvalSet.of_task(holdout.held_out)
     evaluate = Evaluator(config.evaluation, judge)
 
-    def score(candidate: Any) -> float:
+    def score(candidate: Any) -> tuple[float, Adapter]:
         adapter = fit_method(method, quiet_training(candidate), fit_part)
         query, gallery = adapted_retrieval(adapter, judge)
-        return metric_value(evaluate(query, gallery), task.primary_metric)
+        return metric_value(evaluate(query, gallery), task.primary_metric), adapter
 
     chosen = coordinate_search(section, knobs, score)
     if report is not None:
         settings = ", ".join(f"{path} = {value}" for path, value in chosen.chosen.items())
         report.add_fact(f"selected [{method_label(method)}]",
                         f"{settings} ({task.primary_metric} {chosen.score:.4f} on held-out training data, {chosen.tried} fits)")
-    return chosen.config
+    return chosen.config, chosen.outcome
+
+
+def fit_on_fit_part(method: str, section: Any, holdout: Holdout) -> Adapter:
+    """``method`` fitted with ``section`` on the fit part of ``holdout``."""
+    return fit_method(method, quiet_training(section), task_features(holdout.fit.gallery))
 
 
 @dataclasses.dataclass
@@ -55,10 +61,11 @@ class HeldOutFit:
     holdout: Holdout
 
 
-def fit_on_holdout(config: PipelineConfig, method: str, section: Any, task: RetrievalTask,
+def fit_on_holdout(config: PipelineConfig, fit_part_adapter: Adapter, holdout: Holdout,
                    final: Adapter | WithQueryMap) -> HeldOutFit:
-    holdout = holdout_split(task.train, config.selection.holdout_fraction, config.seed)
-    adapter: Adapter | WithQueryMap = fit_method(method, quiet_training(section), task_features(holdout.fit.gallery))
+    """Like ``final``, but from ``fit_part_adapter`` (the method fitted on the fit part): a copy
+    of it, trained on with a query map when ``final`` has one."""
+    adapter: Adapter | WithQueryMap = copy.deepcopy(fit_part_adapter)
     if isinstance(final, WithQueryMap):
         adapter = fit_with_query_map(config, adapter, holdout.fit)
     return HeldOutFit(adapter, holdout)
