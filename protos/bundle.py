@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -46,6 +45,8 @@ from fctkit.errors import (
     RollbackError,
     SignatureError,
 )
+
+from .strict_json import canonical_json, exact_keys, is_int, is_number, optional_int, reject_constant, typed
 
 MANIFEST_FILE = "manifest.json"
 SIGNATURE_FILE = "manifest.sig"
@@ -102,7 +103,7 @@ class TensorSpec:
             raise BundleFormatError(f"{where}: the shape must be a non-empty tuple, got {self.shape!r}")
         if self.shape[0] is not None:
             raise BundleFormatError(f"{where}: the first axis must be the dynamic batch axis (None), got {self.shape!r}")
-        if not all(_is_int(d) and d > 0 for d in self.shape[1:]):
+        if not all(is_int(d) and d > 0 for d in self.shape[1:]):
             raise BundleFormatError(f"{where}: every axis after the batch must be a positive integer, got {self.shape!r}")
         if self.dtype not in DTYPES:
             raise BundleFormatError(f"{where}: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
@@ -117,15 +118,15 @@ class TensorSpec:
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> TensorSpec:
-        data = _exact_keys(data, ("name", "shape", "dtype"), where)
-        shape = _typed(data["shape"], list, f"{where}.shape")
+        data = exact_keys(data, ("name", "shape", "dtype"), where)
+        shape = typed(data["shape"], list, f"{where}.shape")
         for i, dim in enumerate(shape):
-            if dim is not None and not _is_int(dim):
+            if dim is not None and not is_int(dim):
                 raise BundleFormatError(f"{where}.shape[{i}]: expected an integer or null, got {dim!r}")
         return cls(
-            name=_typed(data["name"], str, f"{where}.name"),
+            name=typed(data["name"], str, f"{where}.name"),
             shape=tuple(shape),
-            dtype=_typed(data["dtype"], str, f"{where}.dtype"),
+            dtype=typed(data["dtype"], str, f"{where}.dtype"),
         )
 
 
@@ -157,7 +158,7 @@ class Artifact:
             )
         if not isinstance(self.sha256, str) or not _HEX64.fullmatch(self.sha256):
             raise BundleFormatError(f"{where}: sha256 must be 64 lowercase hex digits")
-        if not _is_int(self.size) or self.size <= 0:
+        if not is_int(self.size) or self.size <= 0:
             raise BundleFormatError(f"{where}: size must be a positive integer, got {self.size!r}")
         for kind, specs in (("inputs", self.inputs), ("outputs", self.outputs)):
             if not isinstance(specs, tuple) or not specs or not all(isinstance(s, TensorSpec) for s in specs):
@@ -170,7 +171,7 @@ class Artifact:
         for field in ("source_version", "target_version"):
             value = getattr(self, field)
             if self.role in TRANSFORM_ROLES:
-                if not _is_int(value) or value <= 0:
+                if not is_int(value) or value <= 0:
                     raise BundleFormatError(f"{where}: a {self.role} artifact needs a positive integer {field}")
             elif value is not None:
                 raise BundleFormatError(f"{where}: a {self.role} artifact has no {field} (got {value!r})")
@@ -194,18 +195,18 @@ class Artifact:
     @classmethod
     def from_json(cls, data: Any, where: str) -> Artifact:
         keys = ("name", "role", "file", "sha256", "size", "inputs", "outputs", "source_version", "target_version", "precision")
-        data = _exact_keys(data, keys, where)
+        data = exact_keys(data, keys, where)
         return cls(
-            name=_typed(data["name"], str, f"{where}.name"),
-            role=_typed(data["role"], str, f"{where}.role"),  # type: ignore[arg-type]
-            file=_typed(data["file"], str, f"{where}.file"),
-            sha256=_typed(data["sha256"], str, f"{where}.sha256"),
-            size=_typed(data["size"], int, f"{where}.size"),
-            inputs=tuple(TensorSpec.from_json(s, f"{where}.inputs[{i}]") for i, s in enumerate(_typed(data["inputs"], list, f"{where}.inputs"))),
-            outputs=tuple(TensorSpec.from_json(s, f"{where}.outputs[{i}]") for i, s in enumerate(_typed(data["outputs"], list, f"{where}.outputs"))),
-            source_version=_optional_int(data["source_version"], f"{where}.source_version"),
-            target_version=_optional_int(data["target_version"], f"{where}.target_version"),
-            precision=_typed(data["precision"], str, f"{where}.precision"),
+            name=typed(data["name"], str, f"{where}.name"),
+            role=typed(data["role"], str, f"{where}.role"),  # type: ignore[arg-type]
+            file=typed(data["file"], str, f"{where}.file"),
+            sha256=typed(data["sha256"], str, f"{where}.sha256"),
+            size=typed(data["size"], int, f"{where}.size"),
+            inputs=tuple(TensorSpec.from_json(s, f"{where}.inputs[{i}]") for i, s in enumerate(typed(data["inputs"], list, f"{where}.inputs"))),
+            outputs=tuple(TensorSpec.from_json(s, f"{where}.outputs[{i}]") for i, s in enumerate(typed(data["outputs"], list, f"{where}.outputs"))),
+            source_version=optional_int(data["source_version"], f"{where}.source_version"),
+            target_version=optional_int(data["target_version"], f"{where}.target_version"),
+            precision=typed(data["precision"], str, f"{where}.precision"),
         )
 
 
@@ -246,7 +247,7 @@ class Manifest:
 
     def canonical_bytes(self) -> bytes:
         """The exact bytes that are signed and stored as ``manifest.json``."""
-        return _canonical_json(self.to_json())
+        return canonical_json(self.to_json())
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -277,27 +278,27 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise BundleFormatError(f"{MANIFEST_FILE} is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
         try:
-            raw = json.loads(data.decode("ascii"), parse_constant=_reject_constant)
+            raw = json.loads(data.decode("ascii"), parse_constant=reject_constant)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise BundleFormatError(f"{MANIFEST_FILE} is not valid ASCII JSON: {exc}") from exc
         optional = {k: raw.pop(k) for k in _OPTIONAL_MANIFEST_KEYS if isinstance(raw, dict) and k in raw}
-        raw = _exact_keys(raw, _MANIFEST_KEYS, MANIFEST_FILE)
+        raw = exact_keys(raw, _MANIFEST_KEYS, MANIFEST_FILE)
         where = MANIFEST_FILE
         manifest = cls(
-            format_version=_typed(raw["format_version"], int, f"{where}.format_version"),
-            version=_typed(raw["version"], int, f"{where}.version"),
-            parents=tuple(_typed(p, int, f"{where}.parents[{i}]") for i, p in enumerate(_typed(raw["parents"], list, f"{where}.parents"))),
-            mode=_typed(raw["mode"], str, f"{where}.mode"),  # type: ignore[arg-type]
-            distance=_typed(raw["distance"], str, f"{where}.distance"),  # type: ignore[arg-type]
-            normalize=_typed(raw["normalize"], bool, f"{where}.normalize"),
-            embedding_dim=_typed(raw["embedding_dim"], int, f"{where}.embedding_dim"),
-            side_info_dim=_typed(raw["side_info_dim"], int, f"{where}.side_info_dim"),
-            artifacts=tuple(Artifact.from_json(a, f"{where}.artifacts[{i}]") for i, a in enumerate(_typed(raw["artifacts"], list, f"{where}.artifacts"))),
-            gate=_typed(raw["gate"], dict, f"{where}.gate"),
-            created_at=_typed(raw["created_at"], str, f"{where}.created_at"),
-            kit_version=_typed(raw["kit_version"], str, f"{where}.kit_version"),
-            publisher_key_id=_typed(raw["publisher_key_id"], str, f"{where}.publisher_key_id"),
-            compatible_prefix_dim=(_typed(optional["compatible_prefix_dim"], int, f"{where}.compatible_prefix_dim")
+            format_version=typed(raw["format_version"], int, f"{where}.format_version"),
+            version=typed(raw["version"], int, f"{where}.version"),
+            parents=tuple(typed(p, int, f"{where}.parents[{i}]") for i, p in enumerate(typed(raw["parents"], list, f"{where}.parents"))),
+            mode=typed(raw["mode"], str, f"{where}.mode"),  # type: ignore[arg-type]
+            distance=typed(raw["distance"], str, f"{where}.distance"),  # type: ignore[arg-type]
+            normalize=typed(raw["normalize"], bool, f"{where}.normalize"),
+            embedding_dim=typed(raw["embedding_dim"], int, f"{where}.embedding_dim"),
+            side_info_dim=typed(raw["side_info_dim"], int, f"{where}.side_info_dim"),
+            artifacts=tuple(Artifact.from_json(a, f"{where}.artifacts[{i}]") for i, a in enumerate(typed(raw["artifacts"], list, f"{where}.artifacts"))),
+            gate=typed(raw["gate"], dict, f"{where}.gate"),
+            created_at=typed(raw["created_at"], str, f"{where}.created_at"),
+            kit_version=typed(raw["kit_version"], str, f"{where}.kit_version"),
+            publisher_key_id=typed(raw["publisher_key_id"], str, f"{where}.publisher_key_id"),
+            compatible_prefix_dim=(typed(optional["compatible_prefix_dim"], int, f"{where}.compatible_prefix_dim")
                                    if "compatible_prefix_dim" in optional else None),
         )
         if manifest.canonical_bytes() != data:
@@ -363,14 +364,14 @@ class VerifiedBundle:
 
 
 def _check_header(m: Manifest) -> None:
-    if not _is_int(m.format_version) or m.format_version != FORMAT_VERSION:
+    if not is_int(m.format_version) or m.format_version != FORMAT_VERSION:
         raise BundleFormatError(
             f"{MANIFEST_FILE}: format_version {m.format_version!r} is not supported (this fctkit reads "
             f"{FORMAT_VERSION}); upgrade fctkit on this device"
         )
-    if not _is_int(m.version) or m.version <= 0:
+    if not is_int(m.version) or m.version <= 0:
         raise BundleFormatError(f"{MANIFEST_FILE}: version must be a positive integer, got {m.version!r}")
-    if not isinstance(m.parents, tuple) or not all(_is_int(p) and 0 < p < m.version for p in m.parents):
+    if not isinstance(m.parents, tuple) or not all(is_int(p) and 0 < p < m.version for p in m.parents):
         raise BundleFormatError(f"{MANIFEST_FILE}: parents must be positive integers lower than version {m.version}, got {m.parents!r}")
     if len(set(m.parents)) != len(m.parents):
         raise BundleFormatError(f"{MANIFEST_FILE}: duplicate parent versions {m.parents!r}")
@@ -380,9 +381,9 @@ def _check_header(m: Manifest) -> None:
         raise BundleFormatError(f"{MANIFEST_FILE}: distance {m.distance!r} is not one of {', '.join(DISTANCES)}")
     if not isinstance(m.normalize, bool):
         raise BundleFormatError(f"{MANIFEST_FILE}: normalize must be true or false")
-    if not _is_int(m.embedding_dim) or m.embedding_dim <= 0:
+    if not is_int(m.embedding_dim) or m.embedding_dim <= 0:
         raise BundleFormatError(f"{MANIFEST_FILE}: embedding_dim must be a positive integer")
-    if not _is_int(m.side_info_dim) or m.side_info_dim < 0:
+    if not is_int(m.side_info_dim) or m.side_info_dim < 0:
         raise BundleFormatError(f"{MANIFEST_FILE}: side_info_dim must be a non-negative integer")
     if not isinstance(m.publisher_key_id, str) or not _HEX64.fullmatch(m.publisher_key_id):
         raise BundleFormatError(f"{MANIFEST_FILE}: publisher_key_id must be 64 lowercase hex digits")
@@ -398,7 +399,7 @@ def _check_header(m: Manifest) -> None:
     if prefix is not None:
         if m.mode != "compatible":
             raise BundleFormatError(f"{MANIFEST_FILE}: compatible_prefix_dim is for mode 'compatible' only (mode is {m.mode!r})")
-        if not _is_int(prefix) or not 0 < prefix <= m.embedding_dim:
+        if not is_int(prefix) or not 0 < prefix <= m.embedding_dim:
             raise BundleFormatError(f"{MANIFEST_FILE}: compatible_prefix_dim must be an integer in 1..{m.embedding_dim} (the embedding_dim), got {prefix!r}")
 
 
@@ -481,13 +482,13 @@ def gate_failures(gated: Sequence[_Named], ecc: Mapping[str, Any]) -> list[str]:
 
 
 def _check_gate(gate: Any, gated_list: list[Artifact]) -> None:
-    gate = _exact_keys(gate, _GATE_KEYS, f"{MANIFEST_FILE}.gate")
-    cases = _typed(gate["cases"], dict, "gate.cases")
+    gate = exact_keys(gate, _GATE_KEYS, f"{MANIFEST_FILE}.gate")
+    cases = typed(gate["cases"], dict, "gate.cases")
     for case, metrics in cases.items():
-        for metric, value in _typed(metrics, dict, f"gate.cases[{case!r}]").items():
-            if not isinstance(metric, str) or not _is_number(value):
+        for metric, value in typed(metrics, dict, f"gate.cases[{case!r}]").items():
+            if not isinstance(metric, str) or not is_number(value):
                 raise BundleFormatError(f"gate.cases[{case!r}][{metric!r}]: expected a finite number, got {value!r}")
-    ecc = _typed(gate["ecc"], dict, "gate.ecc")
+    ecc = typed(gate["ecc"], dict, "gate.ecc")
     gated = {a.name for a in gated_list}
     for name, holds in ecc.items():
         if name not in gated:
@@ -497,7 +498,7 @@ def _check_gate(gate: Any, gated_list: list[Artifact]) -> None:
             )
         if not isinstance(holds, bool):
             raise BundleFormatError(f"gate.ecc[{name!r}]: expected true or false, got {holds!r}")
-    forced = _typed(gate["forced"], bool, "gate.forced")
+    forced = typed(gate["forced"], bool, "gate.forced")
     reason = gate["force_reason"]
     if forced != (isinstance(reason, str) and bool(reason.strip())):
         raise BundleFormatError("gate: force_reason must be a non-empty string exactly when forced is true")
@@ -800,55 +801,6 @@ def _check_member(member: tarfile.TarInfo, seen: set[str], max_members: int, max
     if member.size > limit:
         raise BundleFormatError(f"{archive}: member {member.name!r} is {member.size} bytes, more than the {limit} allowed")
     seen.add(member.name)
-
-
-# --------------------------------------------------------------------------- strict JSON helpers
-
-
-def _canonical_json(value: Any) -> bytes:
-    try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
-    except (TypeError, ValueError) as exc:
-        raise BundleFormatError(f"the manifest holds a value JSON cannot represent exactly: {exc}") from exc
-
-
-def _reject_constant(name: str) -> Any:
-    raise BundleFormatError(f"{MANIFEST_FILE} holds {name}, which is not valid JSON")
-
-
-def _exact_keys(data: Any, keys: Sequence[str], where: str) -> dict:
-    if not isinstance(data, dict):
-        raise BundleFormatError(f"{where}: expected an object, got {type(data).__name__}")
-    missing, unknown = sorted(set(keys) - set(data)), sorted(set(data) - set(keys))
-    if missing or unknown:
-        raise BundleFormatError(
-            f"{where}: " + "; ".join(
-                part for part in (
-                    f"missing key(s) {', '.join(missing)}" if missing else "",
-                    f"unknown key(s) {', '.join(unknown)}" if unknown else "",
-                ) if part
-            )
-        )
-    return data
-
-
-def _typed(value: Any, kind: type, where: str) -> Any:
-    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-    if not ok:
-        raise BundleFormatError(f"{where}: expected {kind.__name__}, got {type(value).__name__} {value!r:.60}")
-    return value
-
-
-def _optional_int(value: Any, where: str) -> int | None:
-    return None if value is None else _typed(value, int, where)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
 __all__ = [
