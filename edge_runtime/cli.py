@@ -175,6 +175,18 @@ def remove_command(root, passphrase_env, item_ids) -> None:
         _echo({"removed": device.remove(list(item_ids)), "rows": len(device.gallery)})
 
 
+@device_command.command("end-transition")
+@_DIR
+@_PASSPHRASE
+def end_transition_command(root, passphrase_env) -> None:
+    """End transition scoring now. While a bundle's transition lasts, queries are embedded by
+    the previous and the new model and ranked by both scores (the weight is signed in the
+    manifest); ending it deletes the rows' previous embeddings and searches the adapted rows
+    alone. It also ends by itself after a full backfill or the manifest's max_days."""
+    with _open(root, passphrase_env) as device:
+        _echo({"ended": device.end_transition()})
+
+
 @device_command.command("upgrade")
 @_DIR
 @_PASSPHRASE

@@ -51,6 +51,15 @@ from .replication import ReplicationResult, apply_pending, replicate
 from .compatible import comparable_dims, compatible_rows
 from .engine import PREFERENCE, Engine, EngineConfig
 from .gallery import Gallery, LoadedRows, NewRow, VersionTag, take_rows
+from .scoring import (
+    Scoring,
+    TransitionState,
+    prepared_queries,
+    scoring_of,
+    searched_rows,
+    store_hubness_offsets,
+    transition_for,
+)
 from .search import ExactIndex
 from .upgrade import Hop, UpgradePlan, check_plan_dims, hop_list, run_upgrade
 from .vault_blob import open_image, seal_image
@@ -111,7 +120,7 @@ class Device:
         self._owner_key = owner_key
         self.gallery = Gallery.open(root / GALLERY_FILE, key)
         self._engines: dict[int, Engine] = {}
-        self._index_cache: tuple[tuple, ExactIndex, LoadedRows] | None = None
+        self._index_cache: tuple[tuple, ExactIndex, LoadedRows, Scoring] | None = None
         self.progress = True
 
     # -- creation ---------------------------------------------------------------------------
@@ -290,7 +299,13 @@ class Device:
         tag = VersionTag(self.version, self.version, via)
         rows = [NewRow(i, e, s, None if lab is None else str(lab)) for i, e, s, lab in zip(item_ids, embeddings, side_infos, labels, strict=True)]
         outbox = [(i, seal_image(self.owner_sealer, i, image)) for i, image in zip(item_ids, images, strict=True)]
-        self.gallery.add_rows(rows, tag, outbox, query_version=engine.manifest.version)
+        transition = self.transition
+        previous = None
+        if transition is not None and transition.version == self.version:  # kept for transition scoring
+            u = transition.previous_version
+            previous = (VersionTag(u, u, "native"), self.engine(u).embed(images))
+        self.gallery.add_rows(rows, tag, outbox, query_version=engine.manifest.version, previous=previous)
+        store_hubness_offsets(self.gallery, engine)
         if upload and self.settings.server:
             self.flush_outbox()
         return item_ids
@@ -341,17 +356,22 @@ class Device:
         return vectors if mapping is None else engine.run(mapping, vectors)
 
     def searchable(self) -> tuple[ExactIndex, LoadedRows]:
-        """The decrypted rows comparable with queries (cached until the gallery changes)."""
-        return self._searchable()[1:]
+        """The decrypted rows comparable with queries (cached until the gallery changes); with
+        transition scoring or hubness offsets the index holds the prepared vectors (:mod:`.scoring`)."""
+        return self._searchable()[1:3]
 
-    def _searchable(self) -> tuple[int, ExactIndex, LoadedRows]:
-        """The installed version and its searchable rows, loaded again if an upgrade switched
-        versions between reading the version and loading the rows."""
+    def _searchable(self) -> tuple[int, ExactIndex, LoadedRows, Scoring]:
+        """The installed version, its searchable rows and how they are scored, loaded again if
+        an upgrade switched versions between reading the version and loading the rows."""
         while True:
             version = self.version
+            transition = self.transition
+            if transition is not None and transition.expired():
+                self.end_transition()  # the manifest's time limit
+                continue
             key = (version, *self.gallery.change_marker())
             if self._index_cache is not None and self._index_cache[0] == key:
-                return version, self._index_cache[1], self._index_cache[2]
+                return (version, *self._index_cache[1:])
             loaded = self.gallery.load()
             if self.version != version:
                 continue
@@ -360,19 +380,30 @@ class Device:
                 keep, vectors = compatible_rows([t.version for t in loaded.tags], loaded.embeddings,
                                                 comparable_dims(self._installed_manifest, version))
                 loaded = _subset(loaded, keep) if len(keep) != len(loaded) else loaded
-                self._index_cache = (key, ExactIndex(vectors, manifest.distance, self.settings.search_backend), loaded)
+                self._index_cache = (key, ExactIndex(vectors, manifest.distance, self.settings.search_backend), loaded, Scoring())
                 continue
             if manifest.mode != "unified":
                 keep = [i for i, t in enumerate(loaded.tags) if t.version == version]
                 if len(keep) != len(loaded):
                     loaded = _subset(loaded, keep)
-            vectors = take_rows(loaded.embeddings, range(len(loaded))) if len(loaded) else np.zeros((0, 1), np.float32)
-            self._index_cache = (key, ExactIndex(vectors, manifest.distance, self.settings.search_backend), loaded)
+            scoring = scoring_of(manifest, transition)
+            if scoring.kind != "plain" and len(loaded):
+                previous_dim = self.engine(scoring.previous_version).manifest.embedding_dim if scoring.previous_version else 0
+                vectors, distance = searched_rows(self.gallery, loaded, scoring, self.engine(version), previous_dim), "inner"
+            else:
+                vectors = take_rows(loaded.embeddings, range(len(loaded))) if len(loaded) else np.zeros((0, 1), np.float32)
+                distance = manifest.distance
+            self._index_cache = (key, ExactIndex(vectors, distance, self.settings.search_backend), loaded, scoring)
 
     def query(self, images: np.ndarray, k: int = 5) -> list[list[Match]]:
-        """The ``k`` nearest gallery items of each query image (exact search)."""
-        version, index, rows = self._searchable()
+        """The ``k`` nearest gallery items of each query image (exact search; during a transition
+        the query is embedded by both versions' models and scored as :mod:`.scoring` says)."""
+        version, index, rows, scoring = self._searchable()
         vectors = self.query_vectors(images, version)
+        if scoring.kind == "transition" and len(index):
+            vectors = prepared_queries(scoring, vectors, self.query_vectors(images, scoring.previous_version))
+        elif scoring.kind == "hubness" and len(index):
+            vectors = prepared_queries(scoring, vectors)
         if len(index) and vectors.shape[1] > index.vectors.shape[1] and self.engine(version).manifest.mode == "compatible":
             vectors = vectors[:, : index.vectors.shape[1]]  # the prefix older rows are compared on (BT²)
         found = index.search(vectors, k)
@@ -422,14 +453,20 @@ class Device:
             result.notes.append("not replicated: enrolled before owners existed; enrol again to join an owner")
             return
         result.replication = replicate(self, client)
-        self._index_cache = None
+        self._rows_arrived()
 
     def replicate(self, *, on_batch=None) -> ReplicationResult:
         """Pull and push the owner's gallery replica (see :mod:`fctkit.edge_runtime.replication`)."""
         with self.client() as client:
             result = replicate(self, client, on_batch=on_batch)
-        self._index_cache = None
+        self._rows_arrived()
         return result
+
+    def _rows_arrived(self) -> None:
+        """Rows came from the owner's replica: searches reload, and they get their hubness offsets."""
+        self._index_cache = None
+        if self.version:
+            store_hubness_offsets(self.gallery, self.engine())
 
     def _installed_manifest(self, version: int):
         return self.engine(version).manifest if version in self.installed_versions() else None
@@ -576,10 +613,13 @@ class Device:
             done = run_upgrade(self.gallery, plan, engines, batch_size=self.settings.batch_size,
                                on_batch=on_batch) if rewrite else 0
         if plan.mode == "forward":
-            self.gallery.switch_to(plan.target, {"upgrade": None})
+            transition = transition_for(self.engine(plan.target).manifest, self._installed_manifest(self.version), self.version)
+            self.gallery.switch_to(plan.target, {"upgrade": None, "transition": transition and transition.to_json()},
+                                   keep_previous=transition and transition.previous_version)
         else:
-            self.gallery.set_meta({"upgrade": None, "query_version": str(plan.target)})
+            self.gallery.drop_extras("previous_embedding", {"upgrade": None, "query_version": str(plan.target), "transition": None})
         apply_pending(self)  # replicated records that waited for this version
+        store_hubness_offsets(self.gallery, self.engine())
         self._index_cache = None
         return done
 
@@ -600,8 +640,33 @@ class Device:
         class-mean-l2, class-mean-cosine, kmeans (default: uncertainty when the bundle has
         σ, else class-mean-l2), within ``budget`` rows and/or ``budget_bytes`` of vault
         downloads. Resumes an interrupted backfill first."""
-        return run_backfill(self, budget=budget, budget_bytes=budget_bytes, order=order, seed=seed,
-                            batch_size=batch_size, on_batch=on_batch)
+        result = run_backfill(self, budget=budget, budget_bytes=budget_bytes, order=order, seed=seed,
+                              batch_size=batch_size, on_batch=on_batch)
+        store_hubness_offsets(self.gallery, self.engine())
+        if self.transition is not None and self.gallery.not_native(self.version) == 0:
+            self.end_transition()  # every row is the new model's own now: nothing left to bridge
+        return result
+
+    # -- transition scoring ------------------------------------------------------------------
+
+    @property
+    def transition(self) -> TransitionState | None:
+        """The transition in progress (see :mod:`.scoring`), or None."""
+        return TransitionState.from_json(self.gallery.meta("transition"))
+
+    def end_transition(self) -> bool:
+        """End transition scoring: the rows' previous embeddings are deleted from the gallery (one
+        transaction) and the previous version's graph is unloaded; queries then use the adapted
+        rows alone. The previous bundle stays installed (older replicated rows may need its
+        adapters). Returns whether a transition was in progress."""
+        transition = self.transition
+        if transition is None:
+            return False
+        self.gallery.drop_extras("previous_embedding", {"transition": None})
+        if transition.previous_version != self.version:
+            self._engines.pop(transition.previous_version, None)
+        self._index_cache = None
+        return True
 
     # -- status -----------------------------------------------------------------------------
 
@@ -619,7 +684,13 @@ class Device:
                                  "rows_left": self.gallery.remaining(state["target"]) if state["hops"] else 0}
         if self.version:
             engine = self.engine()
-            result.update(mode=engine.manifest.mode, distance=engine.manifest.distance, provider=engine.provider)
+            result.update(mode=engine.manifest.mode, distance=engine.manifest.distance, provider=engine.provider,
+                          scoring=scoring_of(engine.manifest, self.transition).kind)
+        transition = self.transition
+        if transition is not None:
+            result["transition"] = {"from_version": transition.previous_version, "weight": transition.weight,
+                                    "rows_with_previous": self.gallery.count_extras("previous_embedding"),
+                                    "max_days": transition.max_days}
         return result
 
 

@@ -65,7 +65,7 @@ from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryError, Inpu
 
 from .crypto import Sealer
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 VIAS = ("native", "forward", "backward")
 VECTOR_TABLES = ("vectors_0", "vectors_1")
 PAGE_SIZE = 16384  # a row's two sealed 128-d vectors are ~1.1 KB: several rows per page
@@ -95,7 +95,15 @@ CREATE TABLE tombstones (item_id TEXT PRIMARY KEY, vault_sha256 TEXT);
 CREATE TABLE pending_records (sequence INTEGER PRIMARY KEY, item_id TEXT NOT NULL, version INTEGER NOT NULL,
                               origin_version INTEGER NOT NULL, via TEXT NOT NULL, sealed BLOB NOT NULL);
 """
-_SCHEMA += _REPLICATION_SCHEMA
+_EXTRAS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS row_extras (row_id INTEGER NOT NULL, field TEXT NOT NULL, origin_version INTEGER NOT NULL,
+                         version INTEGER NOT NULL, via TEXT NOT NULL, sealed BLOB NOT NULL, PRIMARY KEY (row_id, field));
+"""
+_SCHEMA += _REPLICATION_SCHEMA + _EXTRAS_SCHEMA
+#: per-row extras (schema 3): the row's embedding in the previous version's space while a
+#: transition lasts (sealed as that tag's "embedding", so it is the very record the row had),
+#: and the row's hubness offset in its current space
+EXTRA_FIELDS = {"previous_embedding": "embedding", "hubness_offset": "hubness_offset"}
 _SQL_VARIABLES = 500  # item ids per `IN (...)` query
 
 @dataclass(frozen=True)
@@ -261,7 +269,7 @@ class Gallery:
         except sqlite3.DatabaseError as exc:
             db.close()
             raise GalleryError(f"{path} is not an fctkit gallery or is damaged beyond its records ({exc})") from exc
-        if meta.get("schema_version") not in (str(SCHEMA_VERSION), "1") or "gallery_id" not in meta:
+        if meta.get("schema_version") not in ("1", "2", str(SCHEMA_VERSION)) or "gallery_id" not in meta:
             db.close()
             raise GalleryError(f"{path}: unsupported gallery schema {meta.get('schema_version')!r} (this fctkit reads {SCHEMA_VERSION})")
         gallery_id = bytes.fromhex(meta["gallery_id"])
@@ -275,6 +283,8 @@ class Gallery:
             ) from None
         if meta["schema_version"] == "1":
             _add_replication(db)
+        if meta["schema_version"] in ("1", "2"):
+            _add_row_extras(db)
         return cls(path, db, sealer, gallery_id)
 
     def reader(self) -> Gallery:
@@ -344,10 +354,11 @@ class Gallery:
     # -- rows ------------------------------------------------------------------------------
 
     def add_rows(self, rows: Sequence[NewRow], tag: VersionTag, outbox: Sequence[tuple[str, bytes]] = (), *,
-                 query_version: int | None = None) -> list[int]:
+                 query_version: int | None = None, previous: tuple[VersionTag, np.ndarray] | None = None) -> list[int]:
         """Insert rows (and their queued vault uploads) in one transaction; returns the row ids.
         An item id already in the gallery is an error, and so is a ``query_version`` that is no
-        longer the gallery's (another process switched it meanwhile): nothing is written."""
+        longer the gallery's (another process switched it meanwhile): nothing is written.
+        ``previous``: the rows' embeddings in the previous version's space (a transition)."""
         with _transaction(self._db):
             if query_version is not None and self.query_version != query_version:
                 raise GalleryError(
@@ -373,6 +384,8 @@ class Gallery:
             self._db.executemany(f"INSERT INTO {live} VALUES (?, ?, ?, ?, ?)", vectors)
             self._db.executemany("INSERT INTO outbox VALUES (?, ?)", outbox)
             self._log_changes([row.item_id for row in rows])
+            if previous is not None:
+                self._insert_extras("previous_embedding", ids, [row.item_id for row in rows], previous[0], previous[1])
         return ids
 
     def _seal_vectors(self, row_id: int, item_id: str, tag: VersionTag, embedding: np.ndarray, side_info: np.ndarray) -> tuple[bytes, bytes]:
@@ -401,7 +414,12 @@ class Gallery:
                 f"FROM items i JOIN {live} v USING (row_id) ORDER BY row_id")
             return self._decrypt_rows(cursor, with_labels=with_labels)
 
-    def _decrypt_rows(self, cursor: Iterable[tuple], *, with_labels: bool) -> LoadedRows:
+    def _decrypt_rows(self, cursor: Iterable[tuple], *, with_labels: bool,
+                      fields: tuple[str, str | None] = ("embedding", "side_info")) -> LoadedRows:
+        """Open the (row id, item id, origin, version, via, first, second, label) records of
+        ``cursor``; ``fields`` names the AAD fields of the first and second sealed values (the
+        second None: there is none)."""
+        first_field, second_field = fields
         row_ids, item_ids, tags, embeddings, side_infos, labels, corrupt = [], [], [], [], [], [], []
         gid, open_ = self.gallery_id, self._sealer.open
         known_tags: dict[tuple, VersionTag] = {}
@@ -410,8 +428,8 @@ class Gallery:
             if tag is None:
                 tag = known_tags[(origin, version, via)] = VersionTag(origin, version, via)
             try:
-                e = open_(emb, _aad(gid, row_id, item_id, tag, "embedding"), f"row {row_id} embedding")
-                s = open_(side, _aad(gid, row_id, item_id, tag, "side_info"), f"row {row_id} side_info")
+                e = open_(emb, _aad(gid, row_id, item_id, tag, first_field), f"row {row_id} {first_field}")
+                s = b"" if second_field is None else open_(side, _aad(gid, row_id, item_id, tag, second_field), f"row {row_id} {second_field}")
                 text = None
                 if with_labels and label is not None:
                     text = open_(label, _aad(gid, row_id, item_id, _label_tag(origin), "label"), f"row {row_id} label").decode("utf-8")
@@ -429,6 +447,64 @@ class Gallery:
             embeddings=_stack(embeddings), side_infos=_stack(side_infos), labels=labels, corrupt=corrupt,
         )
 
+    # -- per-row extras (see EXTRA_FIELDS) ----------------------------------------------------
+
+    def put_extras(self, field_name: str, rows: LoadedRows, values: np.ndarray) -> int:
+        """Store one extra per row of ``rows`` (one transaction), each bound to the row's tag
+        and kept only while the row still has that live tag; returns how many were stored."""
+        with _transaction(self._db):
+            live, _ = self._tables()
+            written = 0
+            for tag in set(rows.tags):
+                picked = [i for i, t in enumerate(rows.tags) if t == tag]
+                written += self._insert_extras(field_name, [int(rows.row_ids[i]) for i in picked],
+                                               [rows.item_ids[i] for i in picked], tag, np.asarray(values)[picked], live=live)
+        return written
+
+    def _insert_extras(self, field_name: str, row_ids: Sequence[int], item_ids: Sequence[str], tag: VersionTag,
+                       values: np.ndarray, *, live: str | None = None) -> int:
+        """Inside a transaction: seal and store extras; with ``live``, only for rows whose live vectors have ``tag``."""
+        block = np.ascontiguousarray(values, dtype="<f4").reshape(len(row_ids), -1)
+        width = block.shape[1] * 4
+        raw = block.tobytes()
+        aads = [_aad(self.gallery_id, r, i, tag, EXTRA_FIELDS[field_name]) for r, i in zip(row_ids, item_ids, strict=True)]
+        sealed = self._sealer.seal_many([raw[k * width:(k + 1) * width] for k in range(len(row_ids))], aads)
+        guard = "" if live is None else f" AND EXISTS (SELECT 1 FROM {live} v WHERE v.row_id = ? AND v.version = ? AND v.via = ?)"
+        params = [(r, field_name, tag.origin_version, tag.version, tag.via, blob, r) + (() if live is None else (r, tag.version, tag.via))
+                  for r, blob in zip(row_ids, sealed, strict=True)]
+        return self._db.executemany(f"INSERT OR REPLACE INTO row_extras SELECT ?, ?, ?, ?, ?, ? "
+                                    f"WHERE EXISTS (SELECT 1 FROM items WHERE row_id = ?){guard}", params).rowcount
+
+    def load_extras(self, field_name: str) -> LoadedRows:
+        """The stored extras of ``field_name``, decrypted: ``embeddings`` holds the values and
+        ``tags`` the tag each was bound to; extras that fail to open are in ``corrupt``."""
+        with _read_snapshot(self._db):
+            cursor = self._db.execute(
+                "SELECT row_id, i.item_id, e.origin_version, e.version, e.via, e.sealed, NULL, NULL "
+                "FROM row_extras e JOIN items i USING (row_id) WHERE e.field = ? ORDER BY row_id", (field_name,))
+            return self._decrypt_rows(cursor, with_labels=False, fields=(EXTRA_FIELDS[field_name], None))
+
+    def rows_missing_extra(self, field_name: str, version: int) -> LoadedRows:
+        """The live rows in ``version``'s space without a ``field_name`` extra for their current tag, decrypted."""
+        with _read_snapshot(self._db):
+            live, _ = self._tables()
+            cursor = self._db.execute(
+                f"SELECT v.row_id, i.item_id, i.origin_version, v.version, v.via, v.embedding, v.side_info, NULL "
+                f"FROM {live} v JOIN items i USING (row_id) LEFT JOIN row_extras e ON e.row_id = v.row_id AND e.field = ? "
+                f"WHERE v.version = ? AND (e.row_id IS NULL OR e.origin_version != i.origin_version OR e.version != v.version "
+                f"OR e.via != v.via) ORDER BY v.row_id", (field_name, version))
+            return self._decrypt_rows(cursor, with_labels=False)
+
+    def drop_extras(self, field_name: str, meta: dict[str, str | None] | None = None) -> int:
+        """Delete every ``field_name`` extra and set ``meta``, in one transaction; returns the extras deleted."""
+        with _transaction(self._db):
+            dropped = self._db.execute("DELETE FROM row_extras WHERE field = ?", (field_name,)).rowcount
+            self._set_meta(meta or {})
+        return dropped
+
+    def count_extras(self, field_name: str) -> int:
+        return self._db.execute("SELECT COUNT(*) FROM row_extras WHERE field = ?", (field_name,)).fetchone()[0]
+
     def delete_rows(self, item_ids: Sequence[str]) -> int:
         """Remove items (rows, vectors and queued uploads) in one transaction, leaving a
         tombstone (a change to push) for each; returns the rows removed."""
@@ -445,7 +521,7 @@ class Gallery:
         ``delete_original``, the vault original to delete once the removal is pushed)."""
         row = self._db.execute("SELECT row_id, vault_sha256 FROM items WHERE item_id = ?", (item_id,)).fetchone()
         if row is not None:
-            for table in ("items", *VECTOR_TABLES):
+            for table in ("items", *VECTOR_TABLES, "row_extras"):
                 self._db.execute(f"DELETE FROM {table} WHERE row_id = ?", row[:1])
         self._db.execute("DELETE FROM outbox WHERE item_id = ?", (item_id,))
         self._db.execute("DELETE FROM changes WHERE item_id = ? AND sealed IS NULL", (item_id,))
@@ -505,6 +581,11 @@ class Gallery:
         query = f"SELECT COUNT(*) FROM {live} v WHERE {_not_yet_in(staged)}"
         return self._db.execute(query, (target_version,)).fetchone()[0]
 
+    def not_native(self, version: int) -> int:
+        """Live rows that are not ``version``'s own embeddings (adapted, or in another space)."""
+        live, _ = self._tables()
+        return self._db.execute(f"SELECT COUNT(*) FROM {live} WHERE NOT (version = ? AND via = 'native')", (version,)).fetchone()[0]
+
     def write_upgrades(self, batches: Sequence[UpgradedRows], *, staged: bool) -> None:
         """Write upgraded rows in one transaction, each guarded by the tag it was computed
         from (a row changed or staged since makes the whole transaction roll back).
@@ -532,9 +613,11 @@ class Gallery:
             if not staged:  # in place: live rows changed (staged ones change at the switch)
                 self._log_changes([i for b in batches for i in b.item_ids])
 
-    def switch_to(self, target_version: int, meta: dict[str, str | None]) -> None:
+    def switch_to(self, target_version: int, meta: dict[str, str | None], *, keep_previous: int | None = None) -> None:
         """Commit a forward-mode upgrade in one transaction: the staged vector table becomes
-        live and the query version is set; refused while any row is not yet in the target space."""
+        live and the query version is set; refused while any row is not yet in the target space.
+        Earlier previous-space embeddings are dropped; ``keep_previous``: the live rows in that
+        version's space keep their embedding as ``previous_embedding`` (a transition begins)."""
         with _transaction(self._db):
             left = self.remaining(target_version)
             if left:
@@ -544,6 +627,10 @@ class Gallery:
             # rows already in the target space needed no transform: carried over unchanged
             self._db.execute(f"INSERT INTO {staged} SELECT * FROM {live} v WHERE NOT EXISTS "
                              f"(SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id)")
+            self._db.execute("DELETE FROM row_extras WHERE field = 'previous_embedding'")
+            if keep_previous is not None:  # the sealed records move as they are: their AAD names their tag, not a table
+                self._db.execute(f"INSERT INTO row_extras SELECT v.row_id, 'previous_embedding', i.origin_version, v.version, "
+                                 f"v.via, v.embedding FROM {live} v JOIN items i USING (row_id) WHERE v.version = ?", (keep_previous,))
             self._db.execute(f"DELETE FROM {live}")
             self._set_meta({**meta, "query_version": str(target_version), "live_vectors": staged})
 
@@ -733,7 +820,16 @@ def _add_replication(db: sqlite3.Connection) -> None:
         for statement in filter(str.strip, _REPLICATION_SCHEMA.split(";")):
             db.execute(statement)
         db.execute("INSERT INTO changes (item_id, tombstone) SELECT item_id, 0 FROM items ORDER BY row_id")
-        db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [("schema_version", str(SCHEMA_VERSION)), ("replica_cursor", "0")])
+        db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [("schema_version", "2"), ("replica_cursor", "0")])
+
+
+def _add_row_extras(db: sqlite3.Connection) -> None:
+    """Schema 2 -> 3 in one transaction: the (empty) per-row extras table."""
+    with _transaction(db):
+        if db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] != "2":
+            return  # another process migrated it meanwhile
+        db.execute(_EXTRAS_SCHEMA)
+        db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
 
 
 def _stack(vectors: list[bytes]) -> np.ndarray:

@@ -1,6 +1,8 @@
 """Exact k-nearest-neighbour search over a decrypted gallery, with the bundle's distance.
 
-Cosine ranks by inner product of L2-normalised vectors, L2 by squared Euclidean distance.
+Cosine ranks by inner product of L2-normalised vectors, L2 by squared Euclidean distance,
+"inner" by the inner product of the vectors as given (distance ``1 − q·g``): the device's
+prepared vectors for transition scoring and hubness offsets (:mod:`.scoring`).
 Ties are broken by gallery position, so the same inputs always give the same ranking.
 faiss (IndexFlatIP / IndexFlatL2, also exact) is used when installed and asked for.
 """
@@ -39,8 +41,8 @@ class ExactIndex:
     """The gallery vectors, prepared once; :meth:`search` answers batches of queries."""
 
     def __init__(self, vectors: np.ndarray, distance: str, backend: str = "auto") -> None:
-        if distance not in ("cosine", "l2"):
-            raise InputError(f"distance {distance!r} is not cosine or l2")
+        if distance not in ("cosine", "l2", "inner"):
+            raise InputError(f"distance {distance!r} is not cosine, l2 or inner")
         if backend not in BACKENDS:
             raise InputError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
@@ -53,7 +55,7 @@ class ExactIndex:
         if self.backend == "faiss" and len(vectors):
             import faiss
 
-            index = faiss.IndexFlatIP(vectors.shape[1]) if distance == "cosine" else faiss.IndexFlatL2(vectors.shape[1])
+            index = faiss.IndexFlatL2(vectors.shape[1]) if distance == "l2" else faiss.IndexFlatIP(vectors.shape[1])
             index.add(self.vectors)
             self._faiss_index = index
         self._squared_norms = (self.vectors ** 2).sum(axis=1) if distance == "l2" else None
@@ -77,12 +79,12 @@ class ExactIndex:
             queries = normalise(queries)
         if self._faiss_index is not None:
             scores, indices = self._faiss_index.search(queries, k)
-            distances = 1.0 - scores if self.distance == "cosine" else scores
+            distances = scores if self.distance == "l2" else 1.0 - scores
             return _tie_ordered(indices.astype(np.int64), distances.astype(np.float32))
         return self._numpy_search(queries, k)
 
     def _numpy_search(self, queries: np.ndarray, k: int) -> Neighbours:
-        if self.distance == "cosine":
+        if self.distance != "l2":
             distances = 1.0 - queries @ self.vectors.T
         else:
             distances = (queries ** 2).sum(axis=1, keepdims=True) - 2.0 * (queries @ self.vectors.T) + self._squared_norms

@@ -3,7 +3,7 @@
 Importing this package needs neither torch nor onnx: the names below load their modules on
 first use. Bundles: :func:`build_bundle` (the publishing gate), :func:`check_graphs_load`;
 keys: :func:`generate_keys`, :func:`load_private_key`; ONNX: :func:`export_onnx`,
-:func:`check_parity` (torch); TensorRT: :func:`build_engine`,
+:func:`check_parity` (torch); the hubness-offset graph of a bundle: :func:`hubness_onnx` (onnx); TensorRT: :func:`build_engine`,
 :func:`tensorrt_unavailable_reason`; every bundle role from trainer objects:
 :func:`export_role` (torch); a whole `fctkit train` run as signed, versioned bundles:
 :func:`export_release` / :func:`build_release` (torch), :func:`plan_release`; a
@@ -24,6 +24,7 @@ _LAZY = {
     "build_bundle": "bundle",
     "check_graphs_load": "bundle",
     "load_bundle_spec": "bundle",
+    "hubness_onnx": "hubness_graph",
     "generate_keys": "keys",
     "load_private_key": "keys",
     "save_private_key": "keys",

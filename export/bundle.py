@@ -38,6 +38,7 @@ from fctkit.protos.bundle import (
     staged_directory,
     verify_bundle,
 )
+from fctkit.protos.search_policy import HubnessPolicy, TransitionPolicy
 
 from .onnx_graph import graph_io_specs, graph_precision, load_onnx_model
 
@@ -74,6 +75,8 @@ def build_bundle(
     force: bool = False,
     force_reason: str | None = None,
     compatible_prefix_dim: int | None = None,
+    transition: TransitionPolicy | None = None,
+    hubness: HubnessPolicy | None = None,
 ) -> VerifiedBundle:
     """Copy the ONNX files into a new bundle directory ``out_dir``, describe them in a
     manifest, sign it, and return the bundle verified as a device would verify it.
@@ -86,7 +89,11 @@ def build_bundle(
     everything succeeded (written to a temporary directory, fsynced, renamed).
 
     ``compatible_prefix_dim`` (mode ``compatible`` only) records how many leading dims of the
-    embedding the parent versions' rows are compared on (BT²'s old-compatible block)."""
+    embedding the parent versions' rows are compared on (BT²'s old-compatible block).
+
+    ``transition`` / ``hubness`` declare how devices score queries during and after the
+    upgrade (:mod:`fctkit.protos.search_policy`); a hubness declaration needs the bundle's
+    ``hubness`` graph (:func:`fctkit.export.hubness_onnx`)."""
     cases, ecc = _gate_tables(gate)
     if force and not (force_reason and force_reason.strip()):
         raise GateError("--force needs a reason (--reason '...'): the override is recorded in the signed manifest")
@@ -113,6 +120,8 @@ def build_bundle(
             kit_version=__version__,
             publisher_key_id=public_key_id(private_key.public_key()),
             compatible_prefix_dim=compatible_prefix_dim,
+            transition=transition,
+            hubness=hubness,
         )
         manifest_bytes = manifest.canonical_bytes()
         (staging / MANIFEST_FILE).write_bytes(manifest_bytes)

@@ -46,6 +46,7 @@ from fctkit.errors import (
     SignatureError,
 )
 
+from .search_policy import HubnessPolicy, TransitionPolicy, check_search_policies
 from .strict_json import canonical_json, exact_keys, is_int, is_number, optional_int, reject_constant, typed
 
 MANIFEST_FILE = "manifest.json"
@@ -53,7 +54,7 @@ SIGNATURE_FILE = "manifest.sig"
 FORMAT_VERSION = 1
 SIGNATURE_SIZE = 64
 
-Role = Literal["embed", "side_info", "forward", "side_forward", "backward", "uncertainty", "query_map"]
+Role = Literal["embed", "side_info", "forward", "side_forward", "backward", "uncertainty", "query_map", "hubness"]
 Mode = Literal["forward", "unified", "compatible"]
 Distance = Literal["l2", "cosine"]
 ROLES: tuple[str, ...] = get_args(Role)
@@ -215,7 +216,7 @@ _MANIFEST_KEYS = (
     "side_info_dim", "artifacts", "gate", "created_at", "kit_version", "publisher_key_id",
 )
 #: Keys a manifest may omit; absent keys are not written, so older manifests keep their bytes.
-_OPTIONAL_MANIFEST_KEYS = ("compatible_prefix_dim",)
+_OPTIONAL_MANIFEST_KEYS = ("compatible_prefix_dim", "transition", "hubness")
 _GATE_KEYS = ("cases", "ecc", "forced", "force_reason")
 
 
@@ -239,10 +240,14 @@ class Manifest:
     #: mode "compatible" only: how many leading dims of this version's embedding are comparable
     #: with the parent versions' rows (BT²'s old-compatible block); None = all of them.
     compatible_prefix_dim: int | None = None
+    #: how a device scores queries beyond plain nearest neighbours (see fctkit.protos.search_policy)
+    transition: TransitionPolicy | None = None
+    hubness: HubnessPolicy | None = None
 
     def __post_init__(self) -> None:
         _check_header(self)
         _check_artifacts(self)
+        check_search_policies(self)
         _check_gate(self.gate, gated_artifacts(self.artifacts, self.mode, self.parents))
 
     def canonical_bytes(self) -> bytes:
@@ -264,7 +269,9 @@ class Manifest:
             "created_at": self.created_at,
             "kit_version": self.kit_version,
             "publisher_key_id": self.publisher_key_id,
-        } | ({} if self.compatible_prefix_dim is None else {"compatible_prefix_dim": self.compatible_prefix_dim})
+        } | {key: value for key, value in (("compatible_prefix_dim", self.compatible_prefix_dim),
+                                          ("transition", self.transition and self.transition.to_json()),
+                                          ("hubness", self.hubness and self.hubness.to_json())) if value is not None}
 
     @property
     def compatible_dims(self) -> int:
@@ -300,6 +307,8 @@ class Manifest:
             publisher_key_id=typed(raw["publisher_key_id"], str, f"{where}.publisher_key_id"),
             compatible_prefix_dim=(typed(optional["compatible_prefix_dim"], int, f"{where}.compatible_prefix_dim")
                                    if "compatible_prefix_dim" in optional else None),
+            transition=TransitionPolicy.from_json(optional["transition"], f"{where}.transition") if "transition" in optional else None,
+            hubness=HubnessPolicy.from_json(optional["hubness"], f"{where}.hubness") if "hubness" in optional else None,
         )
         if manifest.canonical_bytes() != data:
             raise BundleFormatError(

@@ -315,14 +315,14 @@ def test_a_gallery_and_device_from_before_owners_are_migrated_and_replicate(serv
     device.close()
     # make it a schema-1 gallery in a device directory without an owner key
     with sqlite3.connect(root / "gallery.sqlite") as db:
-        for table in ("changes", "tombstones", "pending_records"):
+        for table in ("changes", "tombstones", "pending_records", "row_extras"):
             db.execute(f"DROP TABLE {table}")
         db.execute("ALTER TABLE items DROP COLUMN record_sha256")
         db.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
         db.execute("DELETE FROM meta WHERE key = 'replica_cursor'")
     (root / "owner.key").unlink()
     with Device.open(root) as device:
-        assert (root / "owner.key").exists() and device.gallery.meta("schema_version") == "2"
+        assert (root / "owner.key").exists() and device.gallery.meta("schema_version") == "3"
         assert device.status()["replica"] == {"cursor": 0, "unpushed": 4, "pending": 0, "tombstones": 0}
         device.progress = False
         device.enrol(server.target, enrolment_code(server, owner="ivan"), device_name="old")

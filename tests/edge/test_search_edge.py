@@ -49,5 +49,5 @@ def test_bad_queries_are_refused():
         index.search(np.full((1, 4), np.nan, np.float32), 1)
     with pytest.raises(InputError, match="k must be"):
         index.search(np.ones((1, 4), np.float32), 0)
-    with pytest.raises(InputError, match="not cosine or l2"):
+    with pytest.raises(InputError, match="not cosine, l2 or inner"):
         ExactIndex(np.ones((3, 4), np.float32), "dot")
