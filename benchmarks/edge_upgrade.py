@@ -104,7 +104,9 @@ def linear_graph(path: Path, inputs: dict[str, int], out_dim: int, output: str, 
     return _save(path, nodes, inputs, output, out_dim, weights)
 
 
-def build_bundles(folder: Path, adapter: str, key) -> tuple[Path, Path]:
+def build_bundles(folder: Path, adapter: str, key, *, v2_extra: tuple = (), **v2_declarations) -> tuple[Path, Path]:
+    """Bundles v1 and v2 (forward 1 -> 2 by ``adapter``); ``v2_extra`` artifact sources and
+    ``v2_declarations`` (transition=, hubness=) go into v2."""
     from fctkit.export.bundle import ArtifactSource, build_bundle
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -118,9 +120,9 @@ def build_bundles(folder: Path, adapter: str, key) -> tuple[Path, Path]:
     h = fct_graph(folder / "h.onnx", 7) if adapter == "fct" else linear_graph(folder / "h.onnx", {"old": D_OLD}, D_NEW, "embedding", 7)
     common = dict(mode="forward", distance="cosine", normalize=True, private_key=key)
     v1 = build_bundle(folder / "v1", version=1, parents=(), artifacts=base(1), gate={"cases": {}, "ecc": {}}, **common).root
-    sources = [*base(2), ArtifactSource(h, "forward", 1, 2)]
+    sources = [*base(2), ArtifactSource(h, "forward", 1, 2), *v2_extra]
     v2 = build_bundle(folder / "v2", version=2, parents=(1,), artifacts=sources,
-                      gate={"cases": {}, "ecc": {"forward_1_to_2": True}}, **common).root
+                      gate={"cases": {}, "ecc": {"forward_1_to_2": True}}, **common, **v2_declarations).root
     return v1, v2
 
 

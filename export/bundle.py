@@ -77,6 +77,7 @@ def build_bundle(
     compatible_prefix_dim: int | None = None,
     transition: TransitionPolicy | None = None,
     hubness: HubnessPolicy | None = None,
+    parity: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> VerifiedBundle:
     """Copy the ONNX files into a new bundle directory ``out_dir``, describe them in a
     manifest, sign it, and return the bundle verified as a device would verify it.
@@ -93,7 +94,8 @@ def build_bundle(
 
     ``transition`` / ``hubness`` declare how devices score queries during and after the
     upgrade (:mod:`fctkit.protos.search_policy`); a hubness declaration needs the bundle's
-    ``hubness`` graph (:func:`fctkit.export.hubness_onnx`)."""
+    ``hubness`` graph (:func:`fctkit.export.hubness_onnx`). ``parity``: per artifact name,
+    the export's parity check (max_abs_error, tolerance, against), recorded in the manifest."""
     cases, ecc = _gate_tables(gate)
     if force and not (force_reason and force_reason.strip()):
         raise GateError("--force needs a reason (--reason '...'): the override is recorded in the signed manifest")
@@ -122,6 +124,7 @@ def build_bundle(
             compatible_prefix_dim=compatible_prefix_dim,
             transition=transition,
             hubness=hubness,
+            parity=None if parity is None else json.loads(json.dumps({k: dict(v) for k, v in parity.items()})),
         )
         manifest_bytes = manifest.canonical_bytes()
         (staging / MANIFEST_FILE).write_bytes(manifest_bytes)

@@ -13,6 +13,7 @@ from fctkit.protos.bundle import VerifiedBundle, pack_bundle, unpack_bundle, ver
 
 from .keys import PASSPHRASE_ENV, generate_keys, load_private_key, public_key_id, read_passphrase
 from .compatible import COMPATIBLE_METHODS
+from .features_release import UserGraphs
 from .release import METHODS, build_release
 
 _PASSPHRASE_HELP = f"file holding the key passphrase (or set ${PASSPHRASE_ENV}); never a plain argument"
@@ -125,13 +126,29 @@ def _echo_summary(bundle: VerifiedBundle) -> None:
         click.echo(f"WARNING gate overridden (forced): {m.gate['force_reason']}")
 
 
+_GRAPH = dict(type=click.Path(exists=True, dir_okay=False, path_type=Path))
+
+
 @click.command("export")
 @_RUN_DIR
 @_KEY
 @_OUT
 @click.option("--method", default="fct", show_default=True,
-              type=click.Choice(METHODS),
-              help="which of the run's adapters v2 carries (λ-orth methods give unified-mode bundles)")
+              help=f"which of the run's adapters v2 carries: for a run on images one of {', '.join(METHODS)} (λ-orth "
+                   "methods give unified-mode bundles); for a features-mode run any variant in its gate.json, e.g. "
+                   "residual, residual+query-map, residual+query-map+transition, residual+hubness — the gate then "
+                   "checks ECC, on the task's primary metric, of exactly what devices will run")
+@click.option("--old-graph", **_GRAPH, help="features-mode runs: ONNX graph of the old model (v1's embed role), one float input")
+@click.option("--new-graph", **_GRAPH, help="features-mode runs: ONNX graph of the new model (v2's embed role)")
+@click.option("--side-info-graph", **_GRAPH, help="features-mode runs whose features have side-info: the side-info model's graph")
+@click.option("--sample", **_GRAPH, help="features-mode runs: .npz of items' graph inputs ('input', or 'old_input'/"
+              "'new_input'/'side_input') and the features your pipeline computed for them ('old', 'new', 'side'); each "
+              "graph must reproduce them (parity, recorded in the manifest)")
+@click.option("--parity-tolerance", default=1e-3, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="largest absolute difference allowed between a graph's outputs and the sample's features")
+@click.option("--transition-days", default=30.0, show_default=True, type=click.FloatRange(min=0),
+              help="+transition variants: devices end transition scoring this many days after upgrading at the latest "
+                   "(0: only after a full backfill or `fctkit device end-transition`)")
 @click.option("--chain", is_flag=True, help="export v1, v2, v3 from the run's chain models (h2, g2, h3 and direct h13)")
 @_FIRST_VERSION
 @_FP16
@@ -139,14 +156,25 @@ def _echo_summary(bundle: VerifiedBundle) -> None:
 @_REASON
 @_PASSPHRASE_FILE
 @click.option("--progress/--no-progress", default=True, show_default=True, help="progress bar while exporting")
-def export_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, chain: bool, first_version: int,
-                   fp16: bool, force: bool, reason: str | None, passphrase_file: Path | None, progress: bool) -> None:
+def export_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, old_graph: Path | None, new_graph: Path | None,
+                   side_info_graph: Path | None, sample: Path | None, parity_tolerance: float, transition_days: float,
+                   chain: bool, first_version: int, fp16: bool, force: bool, reason: str | None, passphrase_file: Path | None,
+                   progress: bool) -> None:
     """Export a `fctkit train` RUN_DIR as signed, versioned bundles ready for `fctkit admin publish`:
     every role exported to ONNX and parity-checked on the run's evaluation data, gated by the
-    run's ECC verdicts."""
+    run's ECC verdicts. A run on features (a retrieval task, a features file) carries your own
+    models: give --old-graph, --new-graph (--side-info-graph) and --sample."""
+    graphs = None
+    named = {"--old-graph": old_graph, "--new-graph": new_graph, "--sample": sample}
+    if any(v is not None for v in (*named.values(), side_info_graph)):
+        missing = [name for name, value in named.items() if value is None]
+        if missing:
+            raise click.UsageError(f"a features-mode export needs {', '.join(missing)} as well")
+        graphs = UserGraphs(old_graph, new_graph, sample, side_info_graph, parity_tolerance)
     private_key = load_private_key(key_path, read_passphrase(passphrase_file))
     released = build_release(run_dir, out_dir, private_key=private_key, method=method, first_version=first_version,
-                             chain=chain, fp16=fp16, force=force, force_reason=reason, progress=progress)
+                             chain=chain, fp16=fp16, force=force, force_reason=reason, progress=progress, graphs=graphs,
+                             transition_days=transition_days)
     seen: dict[str, int] = {}
     for item in released:
         m = item.bundle.manifest
@@ -162,6 +190,11 @@ def export_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, ch
                        f"{export.parity.max_abs_error:>18.2e}  {plan.source}{shared}")
         verdicts = ", ".join(f"{name} {'holds' if ok else 'FAILS'}" for name, ok in m.gate["ecc"].items()) or "no adapters to gate"
         click.echo(f"  ECC gate: {verdicts}")
+        if m.transition is not None:
+            click.echo(f"  transition scoring from v{m.transition.previous_version}: weight {m.transition.weight:g}, "
+                       f"at most {m.transition.max_days:g} days (0: until a full backfill or an explicit end)")
+        if m.hubness is not None:
+            click.echo(f"  hubness offsets: β = {m.hubness.beta:g}")
         if m.gate["forced"]:
             click.echo(f"  WARNING gate overridden (forced, recorded in the manifest): {m.gate['force_reason']}")
 

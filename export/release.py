@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -42,6 +42,7 @@ from fctkit.protos.bundle import (GATED_ROLES, Mode, Role, VerifiedBundle, artif
                                   pack_bundle, verify_bundle)
 
 from .bundle import build_bundle
+from .features_release import UserGraphs, Variant, check_user_graphs, declarations, hubness_role
 from .roles import RoleExport, export_role
 
 FORWARD_METHODS = ("fct", "fct-no-side-info", "fastfill", "least-squares", "procrustes")
@@ -85,13 +86,18 @@ class TrainedRun:
         return _read_json(self.root / "gate.json")
 
     @property
+    def features_mode(self) -> bool:
+        """Trained on pre-extracted features (a task or a features file): no backbones of its own."""
+        return self.config.data.name in ("features", "task")
+
+    @property
     def distance(self) -> str:
         return self.config.evaluation.distance
 
     @cached_property
     def eval_features(self) -> dict[str, np.ndarray]:
-        """``old``, ``side``, ``new``, ``labels`` of the evaluation split."""
-        return _read_npz(self.root / "features" / "eval.npz", ("old", "side", "new", "labels"))
+        """``old``, ``side``, ``new`` and (class-level runs) ``labels`` of the evaluation gallery."""
+        return _read_npz(self.root / "features" / "eval.npz", ("old", "side", "new"), optional=("labels",))
 
     @cached_property
     def chain_features(self) -> dict[str, np.ndarray]:
@@ -157,13 +163,21 @@ class VersionPlan:
     mode: Mode
     roles: tuple[RolePlan, ...]
     gate: dict = field(default_factory=dict)
+    declarations: dict = field(default_factory=dict)  # transition= / hubness= (fctkit.protos.search_policy)
 
 
-def plan_release(run: TrainedRun, *, method: str = "fct", first_version: int = 1, chain: bool = False) -> list[VersionPlan]:
-    """The versions, roles and gates of a release, without exporting anything."""
+def plan_release(run: TrainedRun, *, method: str = "fct", first_version: int = 1, chain: bool = False,
+                 transition_days: float = 30.0) -> list[VersionPlan]:
+    """The versions, roles and gates of a release, without exporting anything. For a
+    features-mode run ``method`` is a variant the run trained (``residual+query-map+transition``…;
+    :mod:`.features_release`) and its embed graphs are the team's own."""
     if first_version < 1:
         raise InputError(f"first_version must be >= 1, got {first_version}")
     try:
+        if run.features_mode:
+            if chain:
+                raise InputError("chain releases need a run on image data; a features-mode run has one upgrade")
+            return _features_plan(run, method, first_version, transition_days)
         return _chain_plan(run, method, first_version) if chain else _two_version_plan(run, method, first_version)
     except (KeyError, TypeError) as exc:
         raise InputError(
@@ -199,6 +213,30 @@ def _two_version_plan(run: TrainedRun, method: str, v1: int) -> list[VersionPlan
         VersionPlan(v2, (v1,), mode, (RolePlan("embed", "models/new_backbone.pt", ("images",)), *side, *transforms),
                     {"cases": {"old/old": cases["old/old"], "new/new": cases["new/new"], ADAPTED_CASE[mode]: cases[method]},
                      "ecc": gated}),
+    ]
+
+
+def _features_plan(run: TrainedRun, key: str, v1: int, transition_days: float) -> list[VersionPlan]:
+    gate = run.gate
+    variant = Variant.parse(key, gate["ecc"])
+    v2 = v1 + 1
+    mode: Mode = "unified" if variant.method in UNIFIED_METHODS else "forward"
+    side = (RolePlan("side_info", "graph:side_info", ()),) if run.eval_features["side"].shape[1] > 0 else ()
+    inputs = tuple(getattr(run.load(variant.adapter_file), "input_names", ("old",)))
+    transforms = [RolePlan("forward", variant.adapter_file, inputs, v1, v2)]
+    if mode == "unified":
+        transforms.append(RolePlan("backward", variant.adapter_file, ("new",), v2, v1))
+    if variant.query_map:
+        transforms.append(RolePlan("query_map", f"adapters/{variant.method}+query-map.query_map.pt", ("new",)))
+    if variant.scoring == "hubness":
+        transforms.append(RolePlan("hubness", f"adapters/{key}.reference.npy", ()))  # the graph holds these queries
+    cases = gate["cases"]
+    gated = {p.name: gate["ecc"][key] is True for p in transforms if p.role in GATED_ROLES}
+    return [
+        VersionPlan(v1, (), mode, (RolePlan("embed", "graph:old", ()), *side), {"cases": {"old/old": cases["old/old"]}, "ecc": {}}),
+        VersionPlan(v2, (v1,), mode, (RolePlan("embed", "graph:new", ()), *side, *transforms),
+                    {"cases": {"old/old": cases["old/old"], "new/new": cases["new/new"], variant.case: cases[key]}, "ecc": gated},
+                    declarations(variant, gate, v1, transition_days)),
     ]
 
 
@@ -258,8 +296,14 @@ def build_release(
     force: bool = False,
     force_reason: str | None = None,
     progress: bool = False,
+    graphs: UserGraphs | None = None,
+    transition_days: float = 30.0,
 ) -> list[ReleasedBundle]:
     """Export and sign every version of the release into ``out_dir/v{N}/`` and ``out_dir/v{N}.tar``.
+
+    A features-mode run needs ``graphs`` (the team's embed graphs and the sample that checks
+    them, before anything is exported); ``transition_days``: how long a declared transition
+    lasts on a device at most (0: until a full backfill or an explicit end).
 
     A role exported from the same saved file (ψ shared by v1 and v2) is exported once and the
     same ONNX bytes go into every bundle that lists it. Raises :class:`GateError` before
@@ -268,14 +312,15 @@ def build_release(
     if force and not (force_reason and force_reason.strip()):
         raise GateError("--force needs a reason (--reason '...'): the override is recorded in the signed manifest")
     run = TrainedRun.open(run_dir)
-    plans = plan_release(run, method=method, first_version=first_version, chain=chain)
+    plans = plan_release(run, method=method, first_version=first_version, chain=chain, transition_days=transition_days)
     out_dir = Path(out_dir)
     refuse_existing_versions(out_dir, [plan.version for plan in plans])
     _check_gates(plans, force)
+    ready = _ready_graphs(run, plans, graphs)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        built = _build_versions(run, plans, out_dir, private_key, chain, fp16, force, force_reason, progress)
+        built = _build_versions(run, plans, out_dir, private_key, chain, fp16, force, force_reason, progress, ready)
     except BaseException:
         if created and not any(out_dir.iterdir()):
             out_dir.rmdir()
@@ -288,15 +333,15 @@ def build_release(
 
 
 def _build_versions(run: TrainedRun, plans: Sequence[VersionPlan], out_dir: Path, private_key: Ed25519PrivateKey,
-                    chain: bool, fp16: bool, force: bool, force_reason: str | None,
-                    progress: bool) -> list[tuple[int, tuple[tuple[RolePlan, RoleExport], ...]]]:
+                    chain: bool, fp16: bool, force: bool, force_reason: str | None, progress: bool,
+                    ready: dict[str, Callable[[Path], RoleExport]]) -> list[tuple[int, tuple[tuple[RolePlan, RoleExport], ...]]]:
     real = _RealInputs(run, chain)
     built = []
     # Everything is built in a scratch folder and moved into place at the end: a refused or
     # failed release leaves no partial versions behind.
     with tempfile.TemporaryDirectory(prefix=".release-", dir=out_dir) as scratch:
         scratch = Path(scratch)
-        export = _Exporter(run, real, scratch / "onnx", fp16, _progress_bar(sum(len(p.roles) for p in plans), progress))
+        export = _Exporter(run, real, scratch / "onnx", fp16, _progress_bar(sum(len(p.roles) for p in plans), progress), ready)
         with export.bar:
             for plan in plans:
                 exports = tuple((role, export(role)) for role in plan.roles)
@@ -304,7 +349,9 @@ def _build_versions(run: TrainedRun, plans: Sequence[VersionPlan], out_dir: Path
                     scratch / f"v{plan.version}", version=plan.version, parents=plan.parents, mode=plan.mode,
                     distance=run.distance, normalize=run.distance == "cosine",
                     artifacts=[e.artifact for _, e in exports], gate=plan.gate, private_key=private_key,
-                    force=force, force_reason=force_reason,
+                    force=force, force_reason=force_reason, **plan.declarations,
+                    parity={role.name: {"max_abs_error": e.parity.max_abs_error, "tolerance": e.parity.tolerance,
+                                        "against": e.parity.against} for role, e in exports},
                 )
                 pack_bundle(scratch / f"v{plan.version}", scratch / f"v{plan.version}.tar")
                 built.append((plan.version, exports))
@@ -365,12 +412,16 @@ class _Exporter:
     folder: Path
     fp16: bool
     bar: Any
+    ready: dict[str, Callable[[Path], RoleExport]] = field(default_factory=dict)  # graphs not exported from torch
     done: dict[tuple, RoleExport] = field(default_factory=dict)
 
     def __call__(self, plan: RolePlan) -> RoleExport:
         key = (plan.source, plan.role, plan.source_version, plan.target_version)
         if plan.role in ("embed", "side_info"):
             key = (plan.source, plan.role)  # one graph per model, whichever versions list it
+        if key not in self.done and plan.source in self.ready:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.done[key] = self.ready[plan.source](self.folder)
         if key not in self.done:
             path = self.folder / f"{len(self.done):02d}-{plan.name}.onnx"
             self.bar.set_description(f"export {plan.name} from {plan.source}")
@@ -380,6 +431,29 @@ class _Exporter:
             )
         self.bar.update(1)
         return self.done[key]
+
+
+def _ready_graphs(run: TrainedRun, plans: Sequence[VersionPlan], graphs: UserGraphs | None) -> dict[str, Callable[[Path], RoleExport]]:
+    """The graphs a features-mode release takes as they are (the team's, checked now, before
+    anything is exported) or builds without torch (the hubness graph)."""
+    if not run.features_mode:
+        if graphs is not None:
+            raise InputError(f"{run.root} was trained on images: its bundles carry the run's own backbones; drop the graph options")
+        return {}
+    if graphs is None:
+        raise InputError(f"{run.root} was trained on pre-extracted features: name the embed graphs of the models they came "
+                         "from (--old-graph, --new-graph, --side-info-graph when the features have side-info) and a --sample "
+                         "that checks them")
+    has_side = run.eval_features["side"].shape[1] > 0
+    if has_side != (graphs.side_info is not None):
+        raise InputError("the run's features have side-info: name its graph with --side-info-graph" if has_side else
+                         "the run's features have no side-info: drop --side-info-graph")
+    checked = check_user_graphs(graphs, run.eval_features)
+    ready: dict[str, Callable[[Path], RoleExport]] = {source: (lambda _folder, e=export: e) for source, export in checked.items()}
+    for role in (r for plan in plans for r in plan.roles if r.role == "hubness"):
+        reference = np.load(run.root / role.source, allow_pickle=False)
+        ready[role.source] = hubness_role(reference, int(run.gate["hubness_k"]), run.eval_features["new"][:1000])
+    return ready
 
 
 def _check_gates(plans: Sequence[VersionPlan], force: bool) -> None:
@@ -412,7 +486,7 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _read_npz(path: Path, keys: Sequence[str]) -> dict[str, np.ndarray]:
+def _read_npz(path: Path, keys: Sequence[str], optional: Sequence[str] = ()) -> dict[str, np.ndarray]:
     if not path.is_file():
         raise DataUnavailableError(f"{path} is missing: train the run again (with `[chain] enabled = true` for chain features)")
     try:
@@ -420,7 +494,7 @@ def _read_npz(path: Path, keys: Sequence[str]) -> dict[str, np.ndarray]:
             missing = sorted(set(keys) - set(data.files))
             if missing:
                 raise InputError(f"{path} lacks {', '.join(missing)}; train the run again with this fctkit version")
-            return {k: np.asarray(data[k]) for k in keys}
+            return {k: np.asarray(data[k]) for k in (*keys, *(k for k in optional if k in data.files))}
     except (OSError, ValueError) as exc:
         raise InputError(f"cannot read {path}: {exc}; the run folder is damaged, train again") from exc
 

@@ -216,7 +216,7 @@ _MANIFEST_KEYS = (
     "side_info_dim", "artifacts", "gate", "created_at", "kit_version", "publisher_key_id",
 )
 #: Keys a manifest may omit; absent keys are not written, so older manifests keep their bytes.
-_OPTIONAL_MANIFEST_KEYS = ("compatible_prefix_dim", "transition", "hubness")
+_OPTIONAL_MANIFEST_KEYS = ("compatible_prefix_dim", "transition", "hubness", "parity")
 _GATE_KEYS = ("cases", "ecc", "forced", "force_reason")
 
 
@@ -243,11 +243,15 @@ class Manifest:
     #: how a device scores queries beyond plain nearest neighbours (see fctkit.protos.search_policy)
     transition: TransitionPolicy | None = None
     hubness: HubnessPolicy | None = None
+    #: artifact name -> {"max_abs_error", "tolerance", "against"}: how closely each graph reproduced
+    #: its reference at export (torch, the team's own features, numpy)
+    parity: dict | None = None
 
     def __post_init__(self) -> None:
         _check_header(self)
         _check_artifacts(self)
         check_search_policies(self)
+        _check_parity(self)
         _check_gate(self.gate, gated_artifacts(self.artifacts, self.mode, self.parents))
 
     def canonical_bytes(self) -> bytes:
@@ -271,7 +275,8 @@ class Manifest:
             "publisher_key_id": self.publisher_key_id,
         } | {key: value for key, value in (("compatible_prefix_dim", self.compatible_prefix_dim),
                                           ("transition", self.transition and self.transition.to_json()),
-                                          ("hubness", self.hubness and self.hubness.to_json())) if value is not None}
+                                          ("hubness", self.hubness and self.hubness.to_json()),
+                                          ("parity", self.parity)) if value is not None}
 
     @property
     def compatible_dims(self) -> int:
@@ -309,6 +314,7 @@ class Manifest:
                                    if "compatible_prefix_dim" in optional else None),
             transition=TransitionPolicy.from_json(optional["transition"], f"{where}.transition") if "transition" in optional else None,
             hubness=HubnessPolicy.from_json(optional["hubness"], f"{where}.hubness") if "hubness" in optional else None,
+            parity=typed(optional["parity"], dict, f"{where}.parity") if "parity" in optional else None,
         )
         if manifest.canonical_bytes() != data:
             raise BundleFormatError(
@@ -467,6 +473,20 @@ def _check_artifacts(m: Manifest) -> None:
             _require_dim(a.inputs[0], m.embedding_dim, f"{where} input", "embedding_dim")
         if a.role == "uncertainty" and a.source_version not in forward_sources:
             raise BundleFormatError(f"{where}: there is no forward artifact from v{a.source_version} for it to qualify")
+
+
+def _check_parity(m: Manifest) -> None:
+    if m.parity is None:
+        return
+    names = {a.name for a in m.artifacts}
+    for name, entry in typed(m.parity, dict, "manifest parity").items():
+        where = f"{MANIFEST_FILE}.parity[{name!r}]"
+        if name not in names:
+            raise BundleFormatError(f"{where}: names no artifact of this bundle")
+        entry = exact_keys(entry, ("max_abs_error", "tolerance", "against"), where)
+        if not (is_number(entry["max_abs_error"]) and entry["max_abs_error"] >= 0 and is_number(entry["tolerance"])
+                and entry["tolerance"] > 0 and isinstance(entry["against"], str) and entry["against"]):
+            raise BundleFormatError(f"{where}: expected max_abs_error >= 0, tolerance > 0 and a non-empty 'against', got {entry}")
 
 
 _Named = TypeVar("_Named")  # an artifact or a plan of one: has ``role`` and ``name``

@@ -303,6 +303,7 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
             adapted = Evaluator(dataclasses.replace(config.evaluation, distance="l2"), data)(*hubness_retrieval(adapter, data))
             report.add_case(f"{searched_as(adapter.base)} − β·r [{label}]", adapted, method=method, beta=adapter.beta)
             gate.setdefault("hubness_beta", {})[method] = adapter.beta
+            gate["hubness_k"] = adapter.k
         elif isinstance(adapter, Transition):
             adapted = evaluate(*fused_retrieval(adapter.base, data, adapter.weight))
             report.add_case(f"w·cos(old, old) + (1−w)·{searched_as(adapter.base)} [{label}]", adapted, method=method,
@@ -425,7 +426,9 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
         data = EvalSet.labelled(evaluation)
     adapters = fit_adapters(config, train, log, task, report)
     for method, adapter in adapters.items():
-        if not isinstance(adapter, (Transition, Hubness)):  # their settings are in gate.json; adapters saved under their own names
+        if isinstance(adapter, Hubness):  # β goes to gate.json; the reference queries are what a bundle's hubness graph holds
+            np.save(out / "adapters" / f"{method}.reference.npy", adapter.reference.astype(np.float32))
+        elif not isinstance(adapter, Transition):  # its weight is in gate.json; its adapter is saved under its own name
             adapter.save(out / "adapters" / f"{method}.pt")
 
     log("evaluating")
@@ -453,7 +456,7 @@ def _quiet_progress(config: PipelineConfig) -> None:
         return
     for section in (config.old_backbone, config.new_backbone, config.side_info):
         section.progress = False
-    for section in (config.fct, config.fastfill, config.residual, config.lambda_orth, config.lambda_orth_relaxed):
+    for section in (config.fct, config.fastfill, config.residual, config.lambda_orth, config.lambda_orth_relaxed, config.query_map):
         section.train.progress = False
 
 
