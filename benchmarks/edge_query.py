@@ -19,9 +19,7 @@ thread wake-ups; ``Device.query`` uses faiss when installed, so it follows the s
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +29,7 @@ from fctkit.edge_runtime import Device, DeviceSettings, ExactIndex
 from fctkit.edge_runtime.search import normalise
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from edge_upgrade import D_OLD, IMAGE_DIM, build_bundles, fill  # noqa: E402
+from edge_upgrade import D_OLD, IMAGE_DIM, bench_workspace, build_bundles, emit, fill  # noqa: E402
 
 
 def latencies(fn, queries: np.ndarray) -> np.ndarray:
@@ -51,14 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args(argv)
     import faiss
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from fctkit.export.keys import save_public_key
-
-    work = Path(tempfile.mkdtemp(prefix="fctkit-edge-query-"))
-    try:
-        key = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
-        pub = save_public_key(key.public_key(), work / "publisher.pub")
+    with bench_workspace("fctkit-edge-query-") as (work, key, pub):
         v1, _ = build_bundles(work / "bundles", "linear", key)
         device = Device.init(work / "device", publisher_key=pub, settings=DeviceSettings(batch_size=1024))
         device.progress = False
@@ -96,13 +88,8 @@ def main(argv: list[str] | None = None) -> None:
             for name, times in cases.items():
                 p50, p99 = np.percentile(times, 50), np.percentile(times, 99)
                 lines.append(f"| {threads} | {name} | {p50 * 1e3:.2f} | {p99 * 1e3:.2f} | {p50 / base:.2f} |")
-        text = "\n".join(lines) + "\n"
-        print(text)
-        if args.markdown:
-            args.markdown.write_text(text)
+        emit("\n".join(lines) + "\n", args.markdown)
         device.close()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,8 @@ read the ratios.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sqlite3
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +33,7 @@ from fctkit.edge_runtime import Device, DeviceSettings
 
 sys.path.insert(0, str(Path(__file__).parent))
 from edge_query import latencies  # noqa: E402
-from edge_upgrade import D_NEW, IMAGE_DIM, build_bundles, fill  # noqa: E402
+from edge_upgrade import D_NEW, IMAGE_DIM, bench_workspace, build_bundles, emit, fill  # noqa: E402
 
 WEIGHT, BETA, REFERENCES, K = 0.5, 0.5, 1000, 10
 
@@ -77,17 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args(argv)
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
     from fctkit.export.bundle import ArtifactSource
     from fctkit.export.hubness_graph import hubness_onnx
-    from fctkit.export.keys import save_public_key
     from fctkit.protos.search_policy import HubnessPolicy, TransitionPolicy
 
-    work = Path(tempfile.mkdtemp(prefix="fctkit-edge-transition-"))
-    try:
-        key = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
-        pub = save_public_key(key.public_key(), work / "publisher.pub")
+    with bench_workspace("fctkit-edge-transition-") as (work, key, pub):
         v1, v2_transition = build_bundles(work / "transition", "linear", key, transition=TransitionPolicy(1, WEIGHT))
         reference = np.random.default_rng(5).standard_normal((REFERENCES, D_NEW))
         graph = hubness_onnx(reference, K, work / "hubness.onnx")
@@ -116,12 +108,7 @@ def main(argv: list[str] | None = None) -> None:
             lines.append(f"| {name} | {case['p50'] * 1e3:.2f} | {case['p99'] * 1e3:.2f} | {case['p50'] / plain['p50']:.2f} | "
                          f"{case['first']:.2f} | {case['first'] / plain['first']:.2f} | {case['held'] / 2**20:.1f} | "
                          f"{case['held'] / plain['held']:.2f} | {case['file'] / 2**20:.1f} | {case['file'] / plain['file']:.2f} |")
-        text = "\n".join(lines) + "\n"
-        print(text)
-        if args.markdown:
-            args.markdown.write_text(text)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        emit("\n".join(lines) + "\n", args.markdown)
 
 
 if __name__ == "__main__":

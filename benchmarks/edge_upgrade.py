@@ -27,6 +27,7 @@ FCT upgrade time per row (target ≥ 100). Torch is needed only to export the Re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sqlite3
@@ -302,6 +303,28 @@ def markdown(results: list[dict], reembed_s: float | None, args: argparse.Namesp
     return "\n".join(lines) + "\n"
 
 
+@contextlib.contextmanager
+def bench_workspace(prefix: str):
+    """A scratch folder, a fixed publisher key and its public key file; removed afterwards."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from fctkit.export.keys import save_public_key
+
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        key = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+        yield work, key, save_public_key(key.public_key(), work / "publisher.pub")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def emit(text: str, markdown_path: Path | None) -> None:
+    """Print a result table, and write it to ``markdown_path`` when given."""
+    print(text)
+    if markdown_path:
+        markdown_path.write_text(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -312,14 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-reembed", action="store_true")
     parser.add_argument("--markdown", type=Path, help="Also write the table to this file.")
     args = parser.parse_args(argv)
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    from fctkit.export.keys import save_public_key
-
-    work = Path(tempfile.mkdtemp(prefix="fctkit-edge-upgrade-"))
-    try:
-        key = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
-        pub = save_public_key(key.public_key(), work / "publisher.pub")
+    with bench_workspace("fctkit-edge-upgrade-") as (work, key, pub):
         results = []
         for adapter in args.adapters.split(","):
             result = measure_adapter(adapter, args.rows, args.batch, args.threads, work, key, pub)
@@ -328,12 +344,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"best possible for any encrypted durable store {result['best_possible_ratio']:.2f} (bare runs {', '.join(f'{s:.1f}' for s in result['bare_runs_s'])} s)", flush=True)
             results.append(result)
         reembed = None if args.skip_reembed else reembed_seconds_per_row(work, args.reembed_images, args.threads)
-        text = markdown(results, reembed, args)
-        print(text)
-        if args.markdown:
-            args.markdown.write_text(text)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        emit(markdown(results, reembed, args), args.markdown)
 
 
 if __name__ == "__main__":
