@@ -240,6 +240,12 @@ def parse_metric(metric: str) -> tuple[str, int | None]:
     raise InputError(f"unknown metric {metric!r}: use {METRIC_NAMES}")
 
 
+def metric_label(metric: str) -> str:
+    """How reports write a metric: top-1, R@10, MRR, nDCG@10, mAP."""
+    kind, k = parse_metric(metric)
+    return {"top": f"top-{k}", "recall": f"R@{k}", "mrr": "MRR", "ndcg@10": "nDCG@10", "mean_ap": "mAP"}[kind]
+
+
 def _metric_k(metric: str) -> int | None:
     """k of a ``topK`` or ``recall@K`` metric, None for the others."""
     return parse_metric(metric)[1]

@@ -40,7 +40,7 @@ from .backbones import BackboneConfig, extract_features, save_backbone, train_ba
 from .backfill import backfill_order
 from .cka import linear_cka
 from .datasets import load_dataset, load_feature_versions, make_splits, old_class_subset
-from .evaluation import RetrievalResult, backfill_curve, ecc, metric_value
+from .evaluation import RetrievalResult, backfill_curve, ecc, metric_label, metric_value
 from .lambda_orth import LambdaOrthAdapter, LambdaOrthConfig
 from .methods import METHOD_LABELS, QUERY_MAP_METHODS, fit_method, method_config, method_label, run_methods
 from .query_map import QueryMapConfig
@@ -319,7 +319,7 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
             adapted = cases["B(new)/F(old)"]
             backward = metric_value(cases["B(new)/old"], metric)
             report.add_verdict(f"backward compatible [{label}]", backward >= baseline,
-                               f"B(new)/old {metric} {backward:.4f} vs old/old {baseline:.4f}")
+                               f"B(new)/old {metric_label(metric)} {backward:.4f} vs old/old {baseline:.4f}")
         else:
             adapted_gallery = forward_transform(adapter, gallery)
             adapted = evaluate(queries.new, adapted_gallery)
@@ -328,11 +328,12 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
                 report.add_case(f"h(old)/h(old) [{label}]", evaluate(adapted_gallery, adapted_gallery), method=method)
         passed = ecc(adapted, old_old, metric)
         value = metric_value(adapted, metric)
-        report.add_verdict(f"ECC [{label}]" if metric == "top1" else f"ECC ({metric}) [{label}]", passed, f"{metric} {value:.4f} vs old/old {baseline:.4f}; "
+        report.add_verdict(f"ECC [{label}]" if metric == "top1" else f"ECC ({metric}) [{label}]", passed,
+                           f"{metric_label(metric)} {value:.4f} vs old/old {baseline:.4f}; "
                            f"{value / max(ceiling, 1e-12):.3f} of new/new")
         if adapted.relevance == "explicit" and metric != "recall@10":
             report.add_verdict(f"ECC (recall@10) [{label}]", ecc(adapted, old_old, "recall@10"),
-                               f"recall@10 {adapted.recall[10]:.4f} vs old/old {old_old.recall[10]:.4f}")
+                               f"R@10 {adapted.recall[10]:.4f} vs old/old {old_old.recall[10]:.4f}")
         gate["ecc"][method] = passed
         gate["cases"][method] = gate_metrics(adapted)
     gate["cases"]["old/old"] = gate_metrics(old_old)
