@@ -23,7 +23,7 @@ from fctkit.protos.bundle import Artifact, Manifest, unpack_bundle, verify_bundl
 
 from fctkit.protos.planner import PlannedHop, plan_upgrade
 from .storage import Storage, VersionRecord
-from .streams import check_offset, file_chunks, read_header, receive_chunks
+from .streams import check_offset, file_chunks, open_stored, read_header, receive_chunks
 from .validation import chunk_size, invalid, page_size, sha256_field, timestamp, version_field
 
 
@@ -158,12 +158,13 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         artifact = published.artifact(request.artifact_name)
         size = chunk_size(request.chunk_size)
         offset = check_offset(request.offset, artifact.size)
-        yield registry_pb2.DownloadArtifactResponse(
-            header=registry_pb2.ArtifactHeader(version=published.version, artifact=artifact_info(artifact), offset=offset)
-        )
-        path = self._storage.artifacts.path(artifact.sha256)
-        for response in file_chunks(path, offset, artifact.size, size, registry_pb2.DownloadArtifactResponse):
-            yield response
+        missing = RpcStatusError("DATA_LOSS", f"artifact {artifact.name} of v{published.version} is missing from the server's data directory")
+        with open_stored(self._storage.artifacts.path(artifact.sha256), missing) as stored:
+            yield registry_pb2.DownloadArtifactResponse(
+                header=registry_pb2.ArtifactHeader(version=published.version, artifact=artifact_info(artifact), offset=offset)
+            )
+            for response in file_chunks(stored, offset, artifact.size, size, registry_pb2.DownloadArtifactResponse):
+                yield response
 
     async def WatchVersions(self, request, context):
         sent = request.after_version

@@ -47,20 +47,30 @@ async def receive_chunks(requests: AsyncIterator[Any], sink: BinaryIO, *, positi
     return position
 
 
-def file_chunks(path: Path, offset: int, end: int, chunk_size: int, response_type: type) -> Iterator[Any]:
-    """``response_type(chunk=...)`` messages carrying ``path`` from ``offset`` to ``end``.
+def open_stored(path: Path, missing: RpcStatusError) -> BinaryIO:
+    """Open a stored file *before* a download's header is sent, so that a delete racing the
+    download cannot pull the file away mid-stream (an open file stays readable on POSIX);
+    ``missing`` is raised when it is already gone."""
+    try:
+        return path.open("rb")
+    except FileNotFoundError:
+        raise missing from None
+
+
+def file_chunks(source: BinaryIO, offset: int, end: int, chunk_size: int, response_type: type) -> Iterator[Any]:
+    """``response_type(chunk=...)`` messages carrying the open file ``source`` from ``offset``
+    to ``end`` (the caller closes it).
 
     The data goes straight into the response (a nested Chunk passed to the constructor would
     be copied once more: a megabyte per message)."""
-    with path.open("rb") as fh:
-        fh.seek(offset)
-        position = offset
-        while position < end:
-            data = fh.read(min(chunk_size, end - position))
-            if not data:
-                raise RpcStatusError("DATA_LOSS", f"stored file {path.name} is shorter than recorded; the server's data directory is damaged")
-            yield response_type(chunk={"offset": position, "data": data})
-            position += len(data)
+    source.seek(offset)
+    position = offset
+    while position < end:
+        data = source.read(min(chunk_size, end - position))
+        if not data:
+            raise RpcStatusError("DATA_LOSS", f"stored file {Path(source.name).name} is shorter than recorded; the server's data directory is damaged")
+        yield response_type(chunk={"offset": position, "data": data})
+        position += len(data)
 
 
 def check_offset(offset: int, size: int) -> int:

@@ -20,7 +20,7 @@ from fctkit.protos.bundle import file_sha256
 from .auth import current_device_id, current_owner_id
 from .replica import ReplicaHandlers
 from .storage import BlobRecord, Storage
-from .streams import check_offset, file_chunks, read_header, receive_chunks
+from .streams import check_offset, file_chunks, open_stored, read_header, receive_chunks
 from .validation import chunk_size, invalid, page_size, sha256_field, text_field, timestamp
 
 
@@ -118,10 +118,11 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
         if record is None:
             raise RpcStatusError("NOT_FOUND", f"no blob {sha256} in this owner's vault")
         offset = check_offset(request.offset, record.size)
-        yield vault_pb2.DownloadBlobResponse(header=_blob_info(record))
-        path = self._storage.blobs.path(sha256)
-        for response in file_chunks(path, offset, record.size, size, vault_pb2.DownloadBlobResponse):
-            yield response
+        deleted = RpcStatusError("NOT_FOUND", f"blob {sha256} was deleted from this owner's vault")
+        with open_stored(self._storage.blobs.path(sha256), deleted) as stored:
+            yield vault_pb2.DownloadBlobResponse(header=_blob_info(record))
+            for response in file_chunks(stored, offset, record.size, size, vault_pb2.DownloadBlobResponse):
+                yield response
 
     async def Stat(self, request, context):
         device_id, owner_id = current_device_id(), current_owner_id()
