@@ -43,7 +43,7 @@ class ServerConfig:
     replica_quota_bytes: int = 1 << 30
     max_blob_bytes: int = 64 << 20
     max_bundle_bytes: int = 4 << 30
-    max_partial_uploads: int = 4
+    partial_upload_ttl_s: float = 86400.0
     watch_keepalive_s: float = 15.0
     shutdown_grace_s: float = 10.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -53,7 +53,7 @@ class ServerConfig:
             raise ConfigError(f"port {self.port} is not 0..65535 (0 picks a free port)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
-        for name in ("quota_bytes", "replica_quota_bytes", "max_blob_bytes", "max_bundle_bytes", "max_partial_uploads"):
+        for name in ("quota_bytes", "replica_quota_bytes", "max_blob_bytes", "max_bundle_bytes", "partial_upload_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if self.watch_keepalive_s <= 0 or self.shutdown_grace_s < 0:
@@ -94,11 +94,11 @@ class FctkitServer:
                             max_bundle_bytes=config.max_bundle_bytes, keepalive_s=config.watch_keepalive_s),
             self._server,
         )
-        vault_pb2_grpc.add_VaultServicer_to_server(
-            VaultService(self._storage, quota_bytes=config.quota_bytes, max_blob_bytes=config.max_blob_bytes,
-                         max_partial_uploads=config.max_partial_uploads, replica_quota_bytes=config.replica_quota_bytes),
-            self._server,
-        )
+        self._vault = VaultService(self._storage, quota_bytes=config.quota_bytes, max_blob_bytes=config.max_blob_bytes,
+                                   partial_upload_ttl_s=config.partial_upload_ttl_s,
+                                   replica_quota_bytes=config.replica_quota_bytes)
+        vault_pb2_grpc.add_VaultServicer_to_server(self._vault, self._server)
+        self._sweeper: asyncio.Task | None = None
         fleet_pb2_grpc.add_FleetServicer_to_server(
             FleetService(self._storage, publisher_public_key=raw_key, publisher_key_id=public_key_id(public_key),
                          latest_version=lambda: self._catalog.latest),
@@ -131,6 +131,7 @@ class FctkitServer:
         except RuntimeError as exc:  # grpc raises RuntimeError when binding fails
             raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {exc}") from exc
         await self._server.start()
+        self._sweeper = asyncio.create_task(self._sweep_uploads())
         for name in ["", *self.service_names()]:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log_event(
@@ -142,10 +143,21 @@ class FctkitServer:
     async def stop(self) -> None:
         log_event("shutting down", grace_s=self.config.shutdown_grace_s)
         await self._health.enter_graceful_shutdown()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         self._catalog.close()
         await self._server.stop(self.config.shutdown_grace_s)
         self._storage.close()
         log_event("stopped")
+
+    async def _sweep_uploads(self) -> None:
+        """Expire idle unfinished uploads, at start and then every TTL/4 (at most every minute)."""
+        interval = min(self.config.partial_upload_ttl_s / 4, 60.0)
+        while True:
+            removed = self._vault.sweep_uploads()
+            if removed:
+                log_event("unfinished uploads removed", files=removed)
+            await asyncio.sleep(interval)
 
     async def wait_for_termination(self) -> None:
         await self._server.wait_for_termination()

@@ -33,6 +33,9 @@ _EXISTING = click.Path(path_type=Path, exists=True, dir_okay=False)
 @click.option("--replica-quota-bytes", type=int, default=1 << 30, show_default=True, help="Sealed gallery-record bytes each owner may store.")
 @click.option("--max-blob-bytes", type=int, default=64 << 20, show_default=True, help="Largest vault blob.")
 @click.option("--max-bundle-bytes", type=int, default=4 << 30, show_default=True, help="Largest bundle archive accepted for publishing.")
+@click.option("--partial-upload-ttl", "partial_upload_ttl_s", type=float, default=86400.0, show_default=True,
+              help="Seconds an unfinished vault upload may stay idle before its bytes are given back (they count "
+                   "against the owner's quota until then).")
 @click.option("--watch-keepalive", "watch_keepalive_s", type=float, default=15.0, show_default=True, help="Seconds between keep-alives on idle WatchVersions streams.")
 @click.option("--shutdown-grace", "shutdown_grace_s", type=float, default=10.0, show_default=True, help="Seconds in-flight calls get to finish on SIGTERM/SIGINT.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)

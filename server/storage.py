@@ -36,16 +36,18 @@ import hashlib
 import os
 import shutil
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from fctkit.errors import ConfigError
 
+from . import upload_sessions
 from .content_store import ContentStore
+from .upload_sessions import Reservation
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 _REPLICA_LIVE_INDEX = ("CREATE INDEX IF NOT EXISTS replica_live_by_item ON replica_records (owner_id, item_id, version) "
                        "WHERE superseded = 0")
 _SCHEMA = """
@@ -166,7 +168,14 @@ def _add_revocation(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE devices ADD COLUMN revoked_at TEXT")
 
 
-_MIGRATIONS = {1: _add_owners, 2: _add_replica_compaction, 3: _add_revocation}  # schema found -> the step to the next one
+def _one_blob_per_owner(db: sqlite3.Connection) -> None:
+    """Schema 4 -> 5: one blob record per owner and SHA-256 (two devices of one owner that
+    uploaded the same blob had two records, charged twice); the uploads table comes with
+    the schema (:mod:`.upload_sessions`)."""
+    db.execute("DELETE FROM blobs WHERE rowid NOT IN (SELECT MIN(rowid) FROM blobs GROUP BY owner_id, sha256)")
+
+
+_MIGRATIONS = {1: _add_owners, 2: _add_replica_compaction, 3: _add_revocation, 4: _one_blob_per_owner}  # schema found -> the step to the next one
 
 
 # A live record is superseded when another live record of the same item wins over it on every
@@ -307,6 +316,12 @@ class Storage(Protocol):
     def list_owner_blobs(self, owner_id: str, after_sha256: str, limit: int) -> list[BlobRecord]: ...
     def delete_owner_blob(self, owner_id: str, sha256: str) -> bool: ...
     def owner_vault_usage(self, owner_id: str) -> tuple[int, int]: ...
+    def reserve_upload(self, owner_id: str, device_id: str, sha256: str, size: int, now: float, quota: int) -> Reservation: ...
+    def finish_upload(self, record: BlobRecord, source: Path) -> None: ...
+    def release_upload(self, owner_id: str, sha256: str) -> None: ...
+    def touch_upload(self, owner_id: str, sha256: str, now: float) -> None: ...
+    def expire_uploads(self, idle_since: float, in_progress: Collection[tuple[str, str]]) -> list[tuple[str, str]]: ...
+    def reserved_uploads(self) -> set[tuple[str, str]]: ...
 
     def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str) -> PushOutcome: ...
     def pull_records(self, owner_id: str, after_sequence: int, limit: int) -> list[ReplicaRecord]: ...
@@ -389,6 +404,31 @@ class SqliteStorage:
             "INSERT OR IGNORE INTO blobs (device_id, sha256, size, item_id, created_at, owner_id) VALUES (?, ?, ?, ?, ?, ?)",
             (record.device_id, record.sha256, record.size, record.item_id, record.created_at, owner_id),
         )
+
+    # -- uploads in progress (fctkit.server.upload_sessions) ----------------------------------
+
+    def reserve_upload(self, owner_id: str, device_id: str, sha256: str, size: int, now: float, quota: int) -> Reservation:
+        with self._transaction():
+            return upload_sessions.reserve(self._db, owner_id, device_id, sha256, size, now, quota)
+
+    def finish_upload(self, record: BlobRecord, source: Path) -> None:
+        """Store the finished upload's blob and end its reservation, in one transaction."""
+        with self._transaction():
+            self.add_blob(record, source)
+            upload_sessions.release(self._db, record.owner_id, record.sha256)
+
+    def release_upload(self, owner_id: str, sha256: str) -> None:
+        upload_sessions.release(self._db, owner_id, sha256)
+
+    def touch_upload(self, owner_id: str, sha256: str, now: float) -> None:
+        upload_sessions.touch(self._db, owner_id, sha256, now)
+
+    def expire_uploads(self, idle_since: float, in_progress: Collection[tuple[str, str]]) -> list[tuple[str, str]]:
+        with self._transaction():
+            return upload_sessions.expire(self._db, idle_since, in_progress)
+
+    def reserved_uploads(self) -> set[tuple[str, str]]:
+        return upload_sessions.reserved_keys(self._db)
 
     def list_blobs(self, device_id: str, after_sha256: str, limit: int) -> list[BlobRecord]:
         return self._blobs("device_id", device_id, "sha256>?", (after_sha256,), limit)
@@ -551,6 +591,7 @@ class SqliteStorage:
             owner_id, revoked_at = row
             if revoked_at is not None:
                 return revoked_at, None
+            self._db.execute("DELETE FROM uploads WHERE device_id=?", (device_id,))  # its partial files go at the next sweep
             return now, self._update_device(owner_id, "UPDATE devices SET revoked_at=? WHERE device_id=?", (now, device_id))
 
     def _update_device(self, owner_id: str | None, statement: str, params: tuple) -> str | None:
@@ -637,7 +678,7 @@ def _open_database(path: Path) -> sqlite3.Connection:
         with _Transaction(db):
             for step in range(found, SCHEMA_VERSION) if found else ():
                 _MIGRATIONS[step](db)
-            for statement in filter(str.strip, _SCHEMA.split(";")):
+            for statement in filter(str.strip, (_SCHEMA + upload_sessions.UPLOADS_SCHEMA).split(";")):
                 db.execute(statement)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     except sqlite3.DatabaseError as exc:

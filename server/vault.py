@@ -2,15 +2,23 @@
 
 The server stores exactly the bytes it receives (ciphertext; it never sees a key), names them
 by SHA-256 and lets a device reach only its owner's (any device of the owner reaches every
-blob of the owner; the uploading device is recorded for audit). The quota is per owner. The
-replica RPCs live in :mod:`fctkit.server.replica`. Interrupted uploads stay under
-``tmp/uploads/<device>/<sha256>.part`` and can be resumed (Stat tells how much arrived); a
-device keeps at most ``max_partial_uploads`` of them, the oldest giving way.
+blob of the owner; the uploading device is recorded for audit). A blob is stored once per
+owner, whichever devices upload it, and any device of the owner may delete it. The quota is
+per owner and counts unfinished uploads at their announced size (:mod:`.upload_sessions`).
+The replica RPCs live in :mod:`fctkit.server.replica`.
+
+An interrupted upload stays under ``tmp/uploads/<owner>/<sha256>.part`` and can be resumed by
+any device of the owner (Stat tells how much arrived) until it has been idle for the server's
+``partial_upload_ttl_s``; then :meth:`VaultService.sweep_uploads` gives its bytes back. An
+upload in progress is never removed; a second upload of the same blob by the same owner while
+one runs gets ABORTED (retryable).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import time
 from pathlib import Path
 
 from fctkit.errors import RpcStatusError
@@ -29,17 +37,34 @@ def _blob_info(record: BlobRecord) -> vault_pb2.BlobInfo:
 
 
 class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
-    def __init__(self, storage: Storage, *, quota_bytes: int, max_blob_bytes: int, max_partial_uploads: int = 4,
+    def __init__(self, storage: Storage, *, quota_bytes: int, max_blob_bytes: int, partial_upload_ttl_s: float = 86400.0,
                  replica_quota_bytes: int = 1 << 30) -> None:
         self._storage = storage
         self._replica_quota = replica_quota_bytes
         self._quota = quota_bytes
         self._max_blob = max_blob_bytes
-        self._max_partials = max_partial_uploads
-        self._uploading: set[tuple[str, str]] = set()
+        self._partial_ttl = partial_upload_ttl_s
+        self._uploading: set[tuple[str, str]] = set()  # (owner id, SHA-256) of uploads being received now
 
-    def _partial_path(self, device_id: str, sha256: str) -> Path:
-        return self._storage.tmp_dir / "uploads" / device_id / f"{sha256}.part"
+    def _partial_path(self, owner_id: str, sha256: str) -> Path:
+        return self._uploads_dir / _owner_folder(owner_id) / f"{sha256}.part"
+
+    @property
+    def _uploads_dir(self) -> Path:
+        return self._storage.tmp_dir / "uploads"
+
+    def sweep_uploads(self, now: float | None = None) -> int:
+        """End the reservations of uploads idle longer than the TTL and remove every partial file
+        without a reservation (expired, deleted, or begun by a revoked device); returns the files removed."""
+        now = time.time() if now is None else now
+        self._storage.expire_uploads(now - self._partial_ttl, set(self._uploading))
+        kept = {(_owner_folder(owner), sha256) for owner, sha256 in self._storage.reserved_uploads() | self._uploading}
+        removed = 0
+        for partial in self._uploads_dir.glob("*/*.part") if self._uploads_dir.is_dir() else ():
+            if (partial.parent.name, partial.stem) not in kept:
+                partial.unlink(missing_ok=True)
+                removed += 1
+        return removed
 
     def _own_blob(self, owner_id: str, sha256: str) -> BlobRecord | None:
         """The owner's blob, None when nobody stores it; PERMISSION_DENIED when only other owners do."""
@@ -48,21 +73,15 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
             raise RpcStatusError("PERMISSION_DENIED", "this blob belongs to another owner")
         return record
 
-    def _check_quota(self, owner_id: str, extra: int) -> int:
-        used, _ = self._storage.owner_vault_usage(owner_id)
-        if used + extra > self._quota:
+    def _reserve(self, owner_id: str, device_id: str, sha256: str, size: int) -> None:
+        reservation = self._storage.reserve_upload(owner_id, device_id, sha256, size, time.time(), self._quota)
+        if not reservation.fits:
             raise RpcStatusError(
                 "RESOURCE_EXHAUSTED",
-                f"vault quota exceeded: {used} bytes stored + {extra} new > {self._quota}; delete blobs first",
+                f"vault quota exceeded: {reservation.stored} bytes stored + {reservation.reserved} held by unfinished "
+                f"uploads + {size} new > {self._quota}; delete blobs, or finish or delete unfinished uploads (they "
+                f"also expire after {self._partial_ttl:g} s idle)",
             )
-        return used
-
-    def _make_room_for_partial(self, device_id: str, keep: Path) -> None:
-        folder = keep.parent
-        folder.mkdir(parents=True, exist_ok=True)
-        others = sorted((p for p in folder.glob("*.part") if p != keep), key=lambda p: p.stat().st_mtime)
-        for stale in others[: max(0, len(others) - self._max_partials + 1)]:
-            stale.unlink(missing_ok=True)
 
     async def Upload(self, requests, context):
         device_id, owner_id = current_device_id(), current_owner_id()
@@ -75,22 +94,24 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
         if existing is not None:
             used, _ = self._storage.owner_vault_usage(owner_id)
             return vault_pb2.UploadBlobResponse(blob=_blob_info(existing), already_stored=True, used_bytes=used, quota_bytes=self._quota)
-        self._check_quota(owner_id, header.size)
-        key = (device_id, sha256)
+        key = (owner_id, sha256)
         if key in self._uploading:
-            raise RpcStatusError("ABORTED", "an upload of this blob is already in progress; retry when it ends")
+            raise RpcStatusError("ABORTED", "an upload of this blob is in progress (from this or another device of the "
+                                            "owner); retry when it ends")
+        self._reserve(owner_id, device_id, sha256, header.size)
         self._uploading.add(key)
         try:
             return await self._receive(requests, device_id, owner_id, header, sha256, item_id)
         finally:
             self._uploading.discard(key)
+            self._storage.touch_upload(owner_id, sha256, time.time())  # the TTL counts from the last activity
 
     async def _receive(self, requests, device_id: str, owner_id: str, header, sha256: str, item_id: str):
-        partial = self._partial_path(device_id, sha256)
+        partial = self._partial_path(owner_id, sha256)
         held = partial.stat().st_size if partial.exists() else 0
         if header.offset > held:
             raise RpcStatusError("FAILED_PRECONDITION", f"the server holds {held} bytes of this blob; resume from offset {held}")
-        self._make_room_for_partial(device_id, partial)
+        partial.parent.mkdir(parents=True, exist_ok=True)
         with partial.open("r+b" if partial.exists() else "wb") as sink:
             sink.truncate(header.offset)
             sink.seek(header.offset)
@@ -100,15 +121,12 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
         digest, _ = await asyncio.to_thread(file_sha256, partial)
         if digest != sha256:
             partial.unlink(missing_ok=True)
+            self._storage.release_upload(owner_id, sha256)
             raise invalid(f"the received bytes hash to {digest}, not the announced {sha256}; upload again from offset 0")
-        try:
-            used = self._check_quota(owner_id, header.size)
-        except RpcStatusError:
-            partial.unlink(missing_ok=True)
-            raise
         record = BlobRecord(device_id, sha256, header.size, item_id, timestamp(), owner_id)
-        self._storage.add_blob(record, partial)
-        return vault_pb2.UploadBlobResponse(blob=_blob_info(record), used_bytes=used + header.size, quota_bytes=self._quota)
+        self._storage.finish_upload(record, partial)
+        used, _ = self._storage.owner_vault_usage(owner_id)
+        return vault_pb2.UploadBlobResponse(blob=_blob_info(record), used_bytes=used, quota_bytes=self._quota)
 
     async def Download(self, request, context):
         owner_id = current_owner_id()
@@ -125,12 +143,12 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
                 yield response
 
     async def Stat(self, request, context):
-        device_id, owner_id = current_device_id(), current_owner_id()
+        owner_id = current_owner_id()
         sha256 = sha256_field(request.sha256, "sha256")
         record = self._own_blob(owner_id, sha256)
         if record is not None:
             return vault_pb2.StatBlobResponse(state=vault_pb2.BLOB_STATE_STORED, received=record.size, blob=_blob_info(record))
-        partial = self._partial_path(device_id, sha256)
+        partial = self._partial_path(owner_id, sha256)
         if partial.exists():
             return vault_pb2.StatBlobResponse(state=vault_pb2.BLOB_STATE_PARTIAL, received=partial.stat().st_size)
         return vault_pb2.StatBlobResponse(state=vault_pb2.BLOB_STATE_ABSENT)
@@ -150,13 +168,14 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
         )
 
     async def Delete(self, request, context):
-        device_id, owner_id = current_device_id(), current_owner_id()
+        owner_id = current_owner_id()
         sha256 = sha256_field(request.sha256, "sha256")
         record = self._storage.owner_blob(owner_id, sha256)
-        partial = self._partial_path(device_id, sha256)
-        removed_partial = partial.exists() and (device_id, sha256) not in self._uploading
+        partial = self._partial_path(owner_id, sha256)
+        removed_partial = partial.exists() and (owner_id, sha256) not in self._uploading
         if removed_partial:
             partial.unlink(missing_ok=True)
+            self._storage.release_upload(owner_id, sha256)
         if record is not None:
             self._storage.delete_owner_blob(owner_id, sha256)
         elif not removed_partial:
@@ -164,3 +183,8 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
             raise RpcStatusError("NOT_FOUND", f"no blob {sha256} in this owner's vault")
         used, _ = self._storage.owner_vault_usage(owner_id)
         return vault_pb2.DeleteBlobResponse(used_bytes=used)
+
+
+def _owner_folder(owner_id: str) -> str:
+    """The folder of an owner's partial uploads: a digest, so any owner id is a safe name."""
+    return hashlib.sha256(owner_id.encode("utf-8")).hexdigest()[:32]
