@@ -20,6 +20,7 @@ from fctkit.errors import ConfigError
 from fctkit.protos import fleet_pb2_grpc, limits, registry_pb2_grpc, vault_pb2_grpc
 from fctkit.protos.bundle import load_public_key, public_key_id
 
+from .revocation import OpenStreams
 from .auth import SERVICE_MODULES, AuthInterceptor, Authenticator, load_or_create_admin_token
 from .fleet import FleetService
 from .jsonlog import configure_logging, log_event
@@ -79,9 +80,10 @@ class FctkitServer:
         self._catalog = Catalog.load(self._storage, public_key)
         admin_token, self.admin_token_path = load_or_create_admin_token(config.admin_token_file, config.data_dir)
         authenticator = Authenticator(admin_token, self._storage.device_for_token, self._storage.device_owner)
+        open_streams = OpenStreams()  # a revoked device's open streams end at once
         self._health = health.aio.HealthServicer()
         self._server = grpc.aio.server(
-            interceptors=[AuthInterceptor(authenticator)],
+            interceptors=[AuthInterceptor(authenticator, open_streams)],
             options=[
                 ("grpc.max_receive_message_length", limits.MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", limits.MAX_MESSAGE_BYTES),
@@ -101,7 +103,7 @@ class FctkitServer:
         self._sweeper: asyncio.Task | None = None
         fleet_pb2_grpc.add_FleetServicer_to_server(
             FleetService(self._storage, publisher_public_key=raw_key, publisher_key_id=public_key_id(public_key),
-                         latest_version=lambda: self._catalog.latest),
+                         latest_version=lambda: self._catalog.latest, open_streams=open_streams),
             self._server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -24,6 +24,7 @@ import grpc
 from fctkit.errors import ConfigError, RpcStatusError
 from fctkit.protos import fleet_pb2, registry_pb2, vault_pb2
 
+from .revocation import OpenStreams
 from .rpc import CALLER, wrap_handler
 
 Role = Literal["admin", "device"]
@@ -156,11 +157,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     reflection) pass through untouched. Every fctkit RPC is also wrapped by
     :func:`fctkit.server.rpc.wrap_handler` (malformed requests, error mapping, access log)."""
 
-    def __init__(self, authenticator: Authenticator) -> None:
+    def __init__(self, authenticator: Authenticator, streams: OpenStreams | None = None) -> None:
         missing = protocol_methods() - set(METHOD_ROLES)
         if missing:
             raise ConfigError(f"RPCs without an access rule: {', '.join(sorted(missing))}")
         self._authenticator = authenticator
+        self._streams = streams or OpenStreams()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -179,4 +181,4 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 )
             return principal
 
-        return wrap_handler(handler, handler_call_details.method, authorize)
+        return wrap_handler(handler, handler_call_details.method, authorize, self._streams)

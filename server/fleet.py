@@ -21,6 +21,7 @@ from fctkit.protos import fleet_pb2, fleet_pb2_grpc, limits
 
 from .auth import current_device_id, hash_secret, new_device_token
 from .jsonlog import log_event
+from .revocation import OpenStreams
 from .storage import DeviceRecord, DeviceReport, OwnerKeyMismatch, Storage
 from .validation import counter_field, invalid, page_size, sha256_field, text_field, timestamp
 
@@ -50,8 +51,9 @@ def device_info(record: DeviceRecord) -> fleet_pb2.DeviceInfo:
 
 class FleetService(fleet_pb2_grpc.FleetServicer):
     def __init__(self, storage: Storage, *, publisher_public_key: bytes, publisher_key_id: str,
-                 latest_version: Callable[[], int]) -> None:
+                 latest_version: Callable[[], int], open_streams: OpenStreams | None = None) -> None:
         self._storage = storage
+        self._open_streams = open_streams or OpenStreams()
         self._publisher_key = publisher_public_key
         self._publisher_key_id = publisher_key_id
         self._latest_version = latest_version
@@ -116,6 +118,9 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
         if outcome is None:
             raise RpcStatusError("NOT_FOUND", f"no device {device_id!r}: see fctkit admin list-devices")
         revoked_at, owner_id = outcome
+        ended = await self._open_streams.end(device_id)  # its Watch, downloads and uploads end now
+        if ended:
+            log_event("revoked device's streams ended", device_id=device_id, streams=ended)
         if owner_id:
             self._compact_replica(owner_id)
         return fleet_pb2.RevokeDeviceResponse(revoked_at=revoked_at)

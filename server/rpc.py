@@ -23,6 +23,7 @@ import grpc
 from fctkit.errors import ConfigError, InputError, RpcStatusError
 
 from .jsonlog import log_event
+from .revocation import OpenStreams
 
 _MALFORMED = object()
 
@@ -55,13 +56,12 @@ async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 
 @contextlib.asynccontextmanager
-async def _served(method: str, context: grpc.aio.ServicerContext, authorize: Callable) -> AsyncIterator[None]:
+async def _served(method: str, context: grpc.aio.ServicerContext, authorize: Callable) -> AsyncIterator[Any]:
     started = time.perf_counter()
     code, fields = "OK", {}
     peer = context.peer()  # read it now: asking a cancelled call's context for it crashes grpc (SIGSEGV)
     try:
-        authorize(context)
-        yield
+        yield authorize(context)
     except grpc.aio.AbortError:
         code = "ABORTED_BY_HANDLER"
         raise
@@ -95,8 +95,12 @@ def _status_of(exc: Exception, fields: dict[str, Any]) -> tuple[str, str]:
     return "INTERNAL", f"internal server error (incident {incident} in the server log)"
 
 
-def wrap_handler(handler: grpc.RpcMethodHandler, method: str, authorize: Callable) -> grpc.RpcMethodHandler:
-    """``handler`` with decoding checks, ``authorize(context)``, error mapping and access log."""
+def wrap_handler(handler: grpc.RpcMethodHandler, method: str, authorize: Callable,
+                 streams: OpenStreams | None = None) -> grpc.RpcMethodHandler:
+    """``handler`` with decoding checks, ``authorize(context)`` (returns the caller), error
+    mapping and access log; a device's streaming calls are tracked in ``streams`` so that
+    revoking the device ends them."""
+    streams = streams or OpenStreams()
     decode, encode = _tolerant(handler.request_deserializer), handler.response_serializer
     if handler.unary_unary:
         inner_uu = handler.unary_unary
@@ -110,18 +114,20 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, authorize: Callabl
         inner_su = handler.stream_unary
 
         async def stream_unary(requests, context):
-            async with _served(method, context, authorize):
-                return await inner_su(_checked_stream(requests), context)
+            async with _served(method, context, authorize) as caller:
+                with streams.tracked(getattr(caller, "device_id", None), context):
+                    return await inner_su(_checked_stream(requests), context)
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, decode, encode)
     inner_stream = handler.unary_stream or handler.stream_stream
     streaming_requests = handler.stream_stream is not None
 
     async def streaming(request_or_requests, context):
-        async with _served(method, context, authorize):
-            first = _checked_stream(request_or_requests) if streaming_requests else _checked(request_or_requests)
-            async for response in inner_stream(first, context):
-                yield response
+        async with _served(method, context, authorize) as caller:
+            with streams.tracked(getattr(caller, "device_id", None), context):
+                first = _checked_stream(request_or_requests) if streaming_requests else _checked(request_or_requests)
+                async for response in inner_stream(first, context):
+                    yield response
 
     make = grpc.stream_stream_rpc_method_handler if streaming_requests else grpc.unary_stream_rpc_method_handler
     return make(streaming, decode, encode)
