@@ -118,7 +118,7 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
         if outcome is None:
             raise RpcStatusError("NOT_FOUND", f"no device {device_id!r}: see fctkit admin list-devices")
         revoked_at, owner_id = outcome
-        ended = await self._open_streams.end(device_id)  # its Watch, downloads and uploads end now
+        ended = self._open_streams.end(device_id)  # its Watch, downloads and uploads end now
         if ended:
             log_event("revoked device's streams ended", device_id=device_id, streams=ended)
         if owner_id:

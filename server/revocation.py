@@ -10,6 +10,7 @@ stream's authorization and its tracking: tracking refuses a revoked device.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator
 
@@ -26,6 +27,7 @@ class OpenStreams:
     def __init__(self) -> None:
         self._calls: dict[str, set[grpc.aio.ServicerContext]] = {}
         self._revoked: set[str] = set()
+        self._aborting: set[asyncio.Task] = set()  # kept referenced until done
 
     @contextlib.contextmanager
     def tracked(self, device_id: str | None, context: grpc.aio.ServicerContext) -> Iterator[None]:
@@ -43,12 +45,19 @@ class OpenStreams:
             if not calls:
                 self._calls.pop(device_id, None)
 
-    async def end(self, device_id: str) -> int:
-        """Refuse the device's streams from now on and abort those open; returns how many."""
+    def end(self, device_id: str) -> int:
+        """Refuse the device's streams from now on and abort those open, each in a task of its own
+        (an abort may wait while the peer's flow-control window is full: no stream waits for
+        another, and neither does the revoking call); returns how many."""
         self._revoked.add(device_id)
-        ended = 0
-        for context in list(self._calls.get(device_id, ())):
-            with contextlib.suppress(grpc.aio.AbortError, RuntimeError):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, REVOKED)
-            ended += 1
-        return ended
+        calls = list(self._calls.get(device_id, ()))
+        for context in calls:
+            task = asyncio.get_running_loop().create_task(_abort(context))
+            self._aborting.add(task)
+            task.add_done_callback(self._aborting.discard)
+        return len(calls)
+
+
+async def _abort(context: grpc.aio.ServicerContext) -> None:
+    with contextlib.suppress(grpc.aio.AbortError, RuntimeError):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, REVOKED)
