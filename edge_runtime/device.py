@@ -44,6 +44,7 @@ import numpy as np
 
 from fctkit.config import from_mapping, to_mapping
 from fctkit.errors import BundleError, DeviceError, InputError, RpcStatusError
+from fctkit.private_files import make_private
 
 from .crypto import Sealer, new_key, owner_key_id, read_key_file, write_key_file
 from .backfill import BackfillResult, gallery_vectors, record_uncertainty, run_backfill
@@ -113,6 +114,7 @@ class Device:
 
     def __init__(self, root: Path, key: bytes, settings: DeviceSettings, owner_key: bytes) -> None:
         self.root = root
+        make_private(root)  # owner-only: directories 0700, files 0600, whatever the umask or earlier modes
         self.settings = settings
         self._key = key
         self._sealer = Sealer(key)
@@ -262,6 +264,7 @@ class Device:
             staging = dest.with_name(dest.name + ".partial")
             shutil.rmtree(staging, ignore_errors=True)
             shutil.copytree(verified.root, staging)
+            make_private(staging)
             verify_bundle(staging, self.publisher_key)
             os.rename(staging, dest)
         return version
@@ -275,6 +278,7 @@ class Device:
             return
         staging = self.root / "downloads" / f"v{version}"
         client.download_bundle(version, staging, self.publisher_key, installed_version=self.version or None)
+        make_private(staging)
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.rename(staging, dest)
 

@@ -20,11 +20,13 @@ from fctkit.errors import ConfigError
 from fctkit.protos import fleet_pb2_grpc, limits, registry_pb2_grpc, vault_pb2_grpc
 from fctkit.protos.bundle import load_public_key, public_key_id
 
-from .revocation import OpenStreams
+from fctkit.private_files import make_private, private_umask
+
 from .auth import SERVICE_MODULES, AuthInterceptor, Authenticator, load_or_create_admin_token
 from .fleet import FleetService
 from .jsonlog import configure_logging, log_event
 from .registry import Catalog, RegistryService
+from .revocation import OpenStreams
 from .storage import SqliteStorage
 from .vault import VaultService
 
@@ -166,8 +168,14 @@ class FctkitServer:
 
 
 async def serve(config: ServerConfig) -> None:
-    """Run until SIGINT or SIGTERM, then shut down gracefully."""
+    """Run until SIGINT or SIGTERM, then shut down gracefully. The process runs under umask
+    077 and the data directory is made owner-only first (directories 0700, files 0600)."""
     configure_logging(config.log_level)
+    private_umask()
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    fixed = make_private(config.data_dir)
+    if fixed:
+        log_event("data directory made owner-only", data_dir=str(config.data_dir), modes_changed=fixed)
     server = FctkitServer(config)
     await server.start()
     stop_requested = asyncio.Event()
