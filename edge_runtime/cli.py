@@ -112,7 +112,7 @@ def export_key_command(root, passphrase_env, out, key_passphrase_env) -> None:
 @_DIR
 @_PASSPHRASE
 @click.option("--server", required=True, help="host:port of the fctkit server.")
-@click.option("--code", required=True, help="The enrolment code an admin created (`fctkit admin enrolment-code`).")
+@click.option("--code", required=True, help="The enrolment code an admin created (`fctkit admin enrol-code`).")
 @click.option("--name", default="", help="A name for this device in the fleet.")
 @click.option("--tls-root", type=click.Path(exists=True, dir_okay=False), default=None, help="CA certificate for TLS.")
 def enrol_command(root, passphrase_env, server, code, name, tls_root) -> None:

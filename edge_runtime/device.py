@@ -156,7 +156,7 @@ class Device:
     def open(cls, root: str | os.PathLike, *, passphrase: str | None = None) -> Device:
         root = Path(root)
         if not (root / SETTINGS_FILE).is_file():
-            raise DeviceError(f"{root} is not a device directory: run `fctkit device init {root}` first")
+            raise DeviceError(f"{root} is not a device directory: run `fctkit device init --dir {root}` first")
         settings = from_mapping(DeviceSettings, json.loads((root / SETTINGS_FILE).read_text()), SETTINGS_FILE)
         key = read_key_file(root / KEY_FILE, passphrase)
         if not (root / OWNER_KEY_FILE).exists():  # a device from before owners: it starts an owner key of its own

@@ -1,0 +1,71 @@
+"""Every `fctkit …` command the kit's messages and docstrings suggest exists, with the flags
+they name (issue 19 part 5): the hints are collected from the source and resolved against the
+real click command tree."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import click
+import pytest
+
+from fctkit.cli import cli
+
+REPO = Path(__file__).resolve().parents[2]
+PARTS = ("core", "trainer", "export", "protos", "server", "edge_runtime")
+HINT = re.compile(r"`(fctkit [^`]+)`|\((fctkit [a-z][^)]*)\)")
+PLACEHOLDER = re.compile(r"^([A-Z][A-Z_:]*|\{[^}]*\}|\.\.\.|…|\[.*|<.*)$")
+
+
+def suggested_commands() -> list[tuple[str, str]]:
+    found = []
+    for part in PARTS:
+        for path in sorted((REPO / part).rglob("*.py")):
+            for match in HINT.finditer(path.read_text()):
+                found.append((str(path.relative_to(REPO)), match.group(1) or match.group(2)))
+    return found
+
+
+def resolve(command_line: str) -> str | None:
+    """None when ``command_line`` names existing commands and flags, else what is wrong."""
+    tokens = command_line.split()[1:]
+    command: click.Command = cli
+    context = click.Context(cli)
+    while tokens and isinstance(command, click.Group) and not tokens[0].startswith("-"):
+        if PLACEHOLDER.match(tokens[0]):
+            return None  # `fctkit COMMAND --help`: any command
+        sub = command.get_command(context, tokens[0])  # the root group loads its commands lazily
+        if sub is None:
+            return f"{command.name} has no command {tokens[0]!r} (it has: {', '.join(command.list_commands(context))})"
+        command, tokens = sub, tokens[1:]
+    options = {name: param for param in command.params if isinstance(param, click.Option)
+               for name in [*param.opts, *param.secondary_opts]}
+    arguments = [param for param in command.params if isinstance(param, click.Argument)]
+    positional, unknown = 0, []
+    while tokens:
+        token, tokens = tokens[0], tokens[1:]
+        if token.startswith("-"):
+            name = token.split("=")[0]
+            if name == "--help":
+                continue
+            if name not in options:
+                unknown.append(name)
+            elif not options[name].is_flag and "=" not in token and tokens:
+                tokens = tokens[1:]  # the option's value
+        elif token not in ("...", "…"):
+            positional += 1
+    if unknown:
+        return f"{command.name} has no option(s) {unknown}"
+    if positional > len(arguments) and not any(a.nargs == -1 for a in arguments):
+        return f"{command.name} takes {len(arguments)} positional argument(s), the hint gives {positional}"
+    return None
+
+
+def test_hints_are_found():
+    assert len(suggested_commands()) > 20
+
+
+@pytest.mark.parametrize("where, command_line", suggested_commands())
+def test_each_suggested_command_exists(where, command_line):
+    assert resolve(command_line) is None, f"{where}: `{command_line}`: {resolve(command_line)}"
