@@ -114,7 +114,9 @@ def export_key_command(root, passphrase_env, out, key_passphrase_env) -> None:
 @click.option("--server", required=True, help="host:port of the fctkit server.")
 @click.option("--code", required=True, help="The enrolment code an admin created (`fctkit admin enrol-code`).")
 @click.option("--name", default="", help="A name for this device in the fleet.")
-@click.option("--tls-root", type=click.Path(exists=True, dir_okay=False), default=None, help="CA certificate for TLS.")
+@click.option("--tls-ca", "--tls-root", "tls_root", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM CA certificate to trust: connect with TLS (the same flag as `fctkit admin --tls-ca`; "
+                   "--tls-root is its older name).")
 def enrol_command(root, passphrase_env, server, code, name, tls_root) -> None:
     """Enrol with a server: get a device token and pin the publisher's key."""
     with _open(root, passphrase_env) as device:

@@ -69,3 +69,21 @@ def test_hints_are_found():
 @pytest.mark.parametrize("where, command_line", suggested_commands())
 def test_each_suggested_command_exists(where, command_line):
     assert resolve(command_line) is None, f"{where}: `{command_line}`: {resolve(command_line)}"
+
+
+def all_commands(command: click.Command, context: click.Context, path: str = "fctkit"):
+    yield path, command
+    if isinstance(command, click.Group):
+        for name in command.list_commands(context):
+            yield from all_commands(command.get_command(context, name), context, f"{path} {name}")
+
+
+def test_every_command_that_connects_names_its_tls_ca_the_same_way():
+    connecting = {}
+    for path, command in all_commands(cli, click.Context(cli)):
+        names = {name for param in command.params for name in getattr(param, "opts", [])}
+        if "--server" in names:
+            connecting[path] = "--tls-ca" in names
+    assert connecting and all(connecting.values()), connecting
+    serve = {name for param in cli.get_command(click.Context(cli), "serve").params for name in getattr(param, "opts", [])}
+    assert {"--tls-cert", "--tls-key"} <= serve
