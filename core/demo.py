@@ -526,13 +526,16 @@ def _write_report(report: dict[str, Any], out: Path) -> dict[str, Path]:
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    figure = _figure(report)
+    figure.savefig(path, dpi=110)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def _figure(report: dict[str, Any]) -> Any:
+    from matplotlib.figure import Figure
 
     columns = [*report["per_device"], "overall"]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    figure = Figure(figsize=(13, 4.5))
+    left, right = figure.subplots(1, 2, gridspec_kw={"width_ratios": [2, 1]})
     width = 0.8 / len(CASES)
     for k, case in enumerate(CASES):
         values = [report["per_device"][c]["cases"][case]["top1"] for c in columns[:-1]] + [report["overall"][case]["top1"]]
@@ -541,7 +544,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     left.set_ylabel("top-1 (leave-one-out)")
     left.set_ylim(0, 1.05)
     left.set_title(f"model update v1 -> v2 on {report['data']} ({report['method']})")
-    left.legend(fontsize=8, loc="lower right")
+    # below the axes, in one row: inside, it covered the bars of the last group
+    left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(CASES), frameon=False)
     c = report["cost"]
     bars = {"in-place upgrade\n(all devices)": c["upgrade_s"],
             f"partial backfill\n({report['backfill']['rows']} rows)": report["backfill"]["seconds"],
@@ -550,8 +554,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     right.set_ylabel("seconds")
     right.set_title("device-side cost")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    return figure
 
 
 # --------------------------------------------------------------------------- the command

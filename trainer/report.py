@@ -236,21 +236,30 @@ class Report:
 
     def plot(self, path: str | Path) -> Path:
         """Draw CMC@k curves of every case (and backfill curves when present) into a PNG."""
+        path = Path(path)
+        self.figure().savefig(path, dpi=100, format="png")
+        return path
+
+    def figure(self) -> Any:
+        """The report's matplotlib Figure (see :meth:`plot`)."""
         require("matplotlib", "report")
         from matplotlib.figure import Figure
 
         n_panels = 2 if self.backfill_curves else 1
-        fig = Figure(figsize=(6 * n_panels, 4.5), layout="constrained")
+        # legends sit below their panels (inside they covered the curves); the figure grows with them
+        rows = max(len(self.cases), len(self.backfill_curves))
+        fig = Figure(figsize=(6 * n_panels, 4.5 + 0.12 * rows), layout="constrained")
         axes = fig.subplots(1, n_panels, squeeze=False)[0]
         fig.suptitle(self.title)
         cmc_ax = axes[0]
-        for case in self.cases.values():
+        for i, case in enumerate(self.cases.values()):
             ks, values = _cmc_points(case.result)
-            cmc_ax.plot(ks, values, marker="o", label=case.name)
+            # ten colours cycle: the line style tells the 11th case from the 1st
+            cmc_ax.plot(ks, values, marker="o", linestyle=("-", "--", ":")[i // 10 % 3], label=case.name)
         hit = "a positive" if self.instance_level() else "an item of their class"
         cmc_ax.set(xlabel="k", ylabel=f"CMC@k: queries with {hit} in the top k", title="CMC", ylim=(0, 1.02))
         if self.cases:
-            cmc_ax.legend(fontsize="small")
+            cmc_ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
             cmc_ax.xaxis.get_major_locator().set_params(integer=True)
         else:
             cmc_ax.text(0.5, 0.5, "no retrieval cases", ha="center", va="center", transform=cmc_ax.transAxes)
@@ -260,10 +269,8 @@ class Report:
                 bf_ax.plot(curve.fractions, curve.values, marker=".", label=f"{name} (M~ {curve.area:.3f})")
             metrics = ", ".join(dict.fromkeys(c.metric for c in self.backfill_curves.values()))
             bf_ax.set(xlabel="fraction of gallery backfilled", ylabel=metrics, title="Backfill", xlim=(0, 1))
-            bf_ax.legend(fontsize="small")
-        path = Path(path)
-        fig.savefig(path, dpi=100, format="png")
-        return path
+            bf_ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
+        return fig
 
 
 def _cmc_points(result: RetrievalResult) -> tuple[list[int], list[float]]:
