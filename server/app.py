@@ -63,6 +63,23 @@ class ServerConfig:
             raise ConfigError("watch_keepalive_s must be positive and shutdown_grace_s not negative")
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _enable_reflection(service_names: list[str], server: grpc.aio.Server) -> None:
+    """Server reflection as grpc.reflection.v1alpha (grpcio-reflection) and as v1, which current
+    tools (grpcurl, Postman) ask for first. The v1 messages are the v1alpha ones under a new
+    package name, identical on the wire, so the same servicer answers both."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    reflection.enable_server_reflection(service_names, server)
+    servicer = reflection.aio.ReflectionServicer(service_names)
+    method = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": method}),))
+
+
 def _read(path: Path, what: str) -> bytes:
     try:
         return Path(path).read_bytes()
@@ -109,7 +126,7 @@ class FctkitServer:
             self._server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection([*self.service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
+        _enable_reflection([*self.service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1], self._server)
         log_event("storage opened", data_dir=str(config.data_dir), garbage_removed=removed, **self._storage.counts())
 
     @staticmethod

@@ -81,6 +81,23 @@ def test_health_is_serving_and_reflection_lists_the_three_services(server):
         assert described.name == "fctkit/v1/registry.proto" and "fctkit/v1/common.proto" in described.dependency
 
 
+
+def test_reflection_is_served_as_v1_too(server):
+    """grpcurl and other current tools ask grpc.reflection.v1 first (same messages as v1alpha on the wire)."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    with grpc.insecure_channel(server.target) as channel:
+        info = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                     request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                     response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                    reflection_pb2.ServerReflectionRequest(file_containing_symbol="fctkit.v1.Vault")]
+        listed, described = list(info(iter(requests)))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"fctkit.v1.Registry", "fctkit.v1.Vault", "fctkit.v1.Fleet", "grpc.reflection.v1.ServerReflection"} <= names
+    assert described.file_descriptor_response.file_descriptor_proto  # the vault.proto descriptor
+
+
 @pytest.mark.parametrize("token", [None, "garbage", "Basic abc", "Bearer "])
 def test_missing_or_garbage_tokens_are_unauthenticated(server, token):
     metadata = () if token is None else (("authorization", token if " " in token else f"Bearer {token}"),)
