@@ -31,8 +31,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/fctkit demo $(ARGS)
 
-test: $(STAMP)
+# The Node conformance client's packages (@grpc/grpc-js, @grpc/proto-loader) from the npm registry.
+CONFORMANCE := tests/conformance/node_modules/.package-lock.json
+$(CONFORMANCE): tests/conformance/package.json tests/conformance/package-lock.json
+	npm ci --prefix tests/conformance --no-audit --no-fund --loglevel=error
+
+test: $(STAMP) $(CONFORMANCE)
 	$(BIN)/python -m pytest $(ARGS)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache tests/conformance/node_modules
