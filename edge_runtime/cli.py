@@ -193,8 +193,8 @@ def end_transition_command(root, passphrase_env) -> None:
 @_DIR
 @_PASSPHRASE
 @click.option("--bundle", "bundle_dirs", type=click.Path(path_type=Path), multiple=True,
-              help="Install this local bundle directory (verified) and upgrade to the newest one given; "
-                   "repeat it to bring intermediate versions for a chained path.")
+              help="Install this local bundle (a folder or its .tar archive; verified) and upgrade to the newest "
+                   "one given; repeat it to bring intermediate versions for a chained path.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def upgrade_command(root, passphrase_env, bundle_dirs, quiet) -> None:
     """Resume an interrupted upgrade; else upgrade offline to the newest --bundle along the

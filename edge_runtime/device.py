@@ -30,9 +30,11 @@ enrol with a code made for the same owner, ``sync()``: the gallery comes back fr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -254,12 +256,17 @@ class Device:
 
     def install_bundle(self, source: str | os.PathLike) -> int:
         """Verify a local bundle directory under the pinned key (signature, hashes, newer than
-        the installed version) and copy it in; returns its version. The gallery is not touched."""
-        from fctkit.protos.bundle import verify_bundle
+        the installed version) and copy it in; returns its version. The gallery is not touched.
+        The very bundle already installed (the same signed manifest) is accepted again as it
+        is, so repeating a command after a crash finishes the job instead of refusing a replay."""
+        from fctkit.protos.bundle import check_version_is_newer, verify_bundle
 
-        verified = verify_bundle(source, self.publisher_key, installed_version=self.version or None)
+        verified = verify_bundle(source, self.publisher_key)
         version = verified.manifest.version
         dest = self._bundle_dir(version)
+        if self._installed_manifest_bytes(version) == verified.manifest_bytes:
+            return version
+        check_version_is_newer(version, self.version or None)
         if not dest.exists():
             staging = dest.with_name(dest.name + ".partial")
             shutil.rmtree(staging, ignore_errors=True)
@@ -268,6 +275,17 @@ class Device:
             verify_bundle(staging, self.publisher_key)
             os.rename(staging, dest)
         return version
+
+    def _installed_manifest_bytes(self, version: int) -> bytes | None:
+        path = self._bundle_dir(version) / "manifest.json"
+        return path.read_bytes() if path.is_file() else None
+
+    def pending_versions(self) -> list[int]:
+        """Installed versions newer than the one answering queries and no upgrade under way: a
+        bundle installed by an upgrade that stopped before it began (`fctkit device upgrade` applies it)."""
+        if self.gallery.upgrade_state is not None:
+            return []
+        return [v for v in self.installed_versions() if v > self.version]
 
     def _download(self, client, version: int) -> None:
         from fctkit.protos.bundle import verify_bundle
@@ -569,12 +587,14 @@ class Device:
         state = self.gallery.upgrade_state
         done = self._run(UpgradePlan.from_state(state), None) if state is not None else 0
         if bundle_dirs is None:
-            return done
-        if isinstance(bundle_dirs, (str, os.PathLike)):
-            bundle_dirs = [bundle_dirs]
-        targets = [self.install_bundle(d) for d in _by_version(bundle_dirs, self.publisher_key)]
-        if not targets:
-            return done
+            targets = self.pending_versions()  # installed, never applied (a crash between the two)
+        else:
+            if isinstance(bundle_dirs, (str, os.PathLike)):
+                bundle_dirs = [bundle_dirs]
+            with _unpacked(bundle_dirs) as folders:
+                targets = [self.install_bundle(d) for d in _by_version(folders, self.publisher_key)]
+        if not targets or max(targets) <= self.version:
+            return done  # nothing newer: already applied (the same command run again after a crash)
         target = max(targets)
         if self.version == 0:
             self.gallery.set_meta({"query_version": str(target)})
@@ -686,6 +706,9 @@ class Device:
         if state is not None:
             result["upgrade"] = {"target": state["target"], "mode": state["mode"],
                                  "rows_left": self.gallery.remaining(state["target"]) if state["hops"] else 0}
+        pending = self.pending_versions()
+        if pending:
+            result["installed_not_applied"] = {"versions": pending, "next": "run `fctkit device upgrade --dir DIR` to apply"}
         if self.version:
             engine = self.engine()
             result.update(mode=engine.manifest.mode, distance=engine.manifest.distance, provider=engine.provider,
@@ -696,6 +719,16 @@ class Device:
                                     "rows_with_previous": self.gallery.count_extras("previous_embedding"),
                                     "max_days": transition.max_days}
         return result
+
+
+@contextlib.contextmanager
+def _unpacked(bundles: Sequence[str | os.PathLike]):
+    """The bundles as folders: a ``.tar`` archive (as `fctkit export` writes and the server
+    serves) is unpacked, safely, into a temporary folder that goes afterwards."""
+    from fctkit.protos.bundle import unpack_bundle
+
+    with tempfile.TemporaryDirectory(prefix="fctkit-bundles-") as scratch:
+        yield [unpack_bundle(b, Path(scratch) / f"{i}") if Path(b).is_file() else Path(b) for i, b in enumerate(bundles)]
 
 
 def _by_version(bundle_dirs: Sequence[str | os.PathLike], publisher_key) -> list[Path]:

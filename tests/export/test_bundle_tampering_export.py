@@ -138,6 +138,16 @@ def test_a_bundle_signed_with_another_key_is_refused(tmp_path, publisher_key, ot
         verify_bundle(foreign.root, publisher_key.public_key())
 
 
+def test_a_flipped_byte_in_the_publisher_key_id_is_damage_not_another_publisher(bundle, publisher_key):
+    """It used to read "signed by ff239551…, but this device pins ff239551…" (the same prefixes)."""
+    path = bundle.root / MANIFEST_FILE
+    data = path.read_bytes()
+    at = data.index(public_key_id(publisher_key.public_key()).encode()) + 40
+    path.write_bytes(data[:at] + (b"0" if data[at:at + 1] != b"0" else b"1") + data[at + 1:])
+    with pytest.raises(SignatureError, match="the manifest or the signature was modified"):
+        verify_bundle(bundle.root, publisher_key.public_key())
+
+
 def test_a_genuine_manifest_resigned_with_another_key_is_refused(bundle, publisher_key, other_key):
     manifest_bytes = (bundle.root / MANIFEST_FILE).read_bytes()
     (bundle.root / SIGNATURE_FILE).write_bytes(other_key.sign(manifest_bytes))
