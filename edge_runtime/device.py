@@ -257,15 +257,16 @@ class Device:
     def install_bundle(self, source: str | os.PathLike) -> int:
         """Verify a local bundle directory under the pinned key (signature, hashes, newer than
         the installed version) and copy it in; returns its version. The gallery is not touched.
-        The very bundle already installed (the same signed manifest) is accepted again as it
-        is, so repeating a command after a crash finishes the job instead of refusing a replay."""
+        The very bundle already installed (the same signed manifest) of the current or a pending
+        version is accepted again as it is, so repeating a command after a crash finishes the job
+        instead of refusing a replay; an older version stays a rollback."""
         from fctkit.protos.bundle import check_version_is_newer, verify_bundle
 
         verified = verify_bundle(source, self.publisher_key)
         version = verified.manifest.version
         dest = self._bundle_dir(version)
-        if self._installed_manifest_bytes(version) == verified.manifest_bytes:
-            return version
+        if version >= self.version and self._installed_manifest_bytes(version) == verified.manifest_bytes:
+            return version  # the installed one again (a repeated command), never an older one
         check_version_is_newer(version, self.version or None)
         if not dest.exists():
             staging = dest.with_name(dest.name + ".partial")

@@ -404,7 +404,7 @@ class FctkitClient:
                 call.cancel()
 
     def delete_blob(self, sha256: str) -> int:
-        """Delete a blob; returns the bytes the device still stores."""
+        """Delete a blob; returns the bytes its owner still stores."""
         return self._unary(self.vault.Delete, vault_pb2.DeleteBlobRequest(sha256=sha256)).used_bytes
 
     # -- fleet ------------------------------------------------------------------------------

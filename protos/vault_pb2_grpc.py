@@ -86,7 +86,7 @@ class VaultServicer:
 
     def Upload(self, request_iterator, context):
         """A header, then contiguous chunks from header.offset. The server checks the SHA-256 and
-        size, then stores the blob. RESOURCE_EXHAUSTED when the device's quota would be exceeded.
+        size, then stores the blob. RESOURCE_EXHAUSTED when the owner's quota (stored blobs plus unfinished uploads) would be exceeded.
         Resume an interrupted upload: ask Stat how much arrived, send from there.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

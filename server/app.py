@@ -69,7 +69,8 @@ REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 def _enable_reflection(service_names: list[str], server: grpc.aio.Server) -> None:
     """Server reflection as grpc.reflection.v1alpha (grpcio-reflection) and as v1, which current
     tools (grpcurl, Postman) ask for first. The v1 messages are the v1alpha ones under a new
-    package name, identical on the wire, so the same servicer answers both."""
+    package name, identical on the wire, so the same servicer answers both. Only v1alpha is listed:
+    grpcio-reflection ships no v1 descriptor to describe v1 with."""
     from grpc_reflection.v1alpha import reflection_pb2
 
     reflection.enable_server_reflection(service_names, server)
@@ -126,7 +127,7 @@ class FctkitServer:
             self._server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        _enable_reflection([*self.service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1], self._server)
+        _enable_reflection([*self.service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
         log_event("storage opened", data_dir=str(config.data_dir), garbage_removed=removed, **self._storage.counts())
 
     @staticmethod

@@ -98,6 +98,10 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
         if key in self._uploading:
             raise RpcStatusError("ABORTED", "an upload of this blob is in progress (from this or another device of the "
                                             "owner); retry when it ends")
+        partial = self._partial_path(owner_id, sha256)
+        held = partial.stat().st_size if partial.exists() else 0
+        if header.offset > held:  # checked before reserving: a refused call holds no quota
+            raise RpcStatusError("FAILED_PRECONDITION", f"the server holds {held} bytes of this blob; resume from offset {held}")
         self._reserve(owner_id, device_id, sha256, header.size)
         self._uploading.add(key)
         try:
@@ -108,9 +112,6 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
 
     async def _receive(self, requests, device_id: str, owner_id: str, header, sha256: str, item_id: str):
         partial = self._partial_path(owner_id, sha256)
-        held = partial.stat().st_size if partial.exists() else 0
-        if header.offset > held:
-            raise RpcStatusError("FAILED_PRECONDITION", f"the server holds {held} bytes of this blob; resume from offset {held}")
         partial.parent.mkdir(parents=True, exist_ok=True)
         with partial.open("r+b" if partial.exists() else "wb") as sink:
             sink.truncate(header.offset)

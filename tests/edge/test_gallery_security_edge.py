@@ -165,7 +165,7 @@ def test_bad_bundles_are_refused_and_the_gallery_is_untouched(make_device, tiny_
         device.upgrade(bad_hash)
     with pytest.raises(RollbackError, match="rollback"):
         device.upgrade(tiny_bundles[1])
-    with pytest.raises(RollbackError, match="replay"):
-        device.upgrade(tiny_bundles[2])
+    assert device.upgrade(tiny_bundles[2]) == 0  # the installed v2 again: a repeated command, nothing to do
+    # (another bundle under v2's number is a replay: tests/edge/test_upgrade_resume_edge.py)
     assert _raw_rows(path) == before and device.version == 2
     assert not (device.root / "bundles" / "v3").exists()

@@ -94,7 +94,7 @@ def test_reflection_is_served_as_v1_too(server):
                     reflection_pb2.ServerReflectionRequest(file_containing_symbol="fctkit.v1.Vault")]
         listed, described = list(info(iter(requests)))
     names = {s.name for s in listed.list_services_response.service}
-    assert {"fctkit.v1.Registry", "fctkit.v1.Vault", "fctkit.v1.Fleet", "grpc.reflection.v1.ServerReflection"} <= names
+    assert {"fctkit.v1.Registry", "fctkit.v1.Vault", "fctkit.v1.Fleet", "grpc.reflection.v1alpha.ServerReflection"} <= names
     assert described.file_descriptor_response.file_descriptor_proto  # the vault.proto descriptor
 
 

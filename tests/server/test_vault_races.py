@@ -165,3 +165,19 @@ def test_duplicate_blob_records_of_one_owner_are_merged_on_upgrade(tmp_path):
     storage = SqliteStorage(tmp_path / "data")
     assert storage.owner_vault_usage("own-shared") == (5, 1)
     storage.close()
+
+
+def test_a_refused_resume_holds_no_quota(vault):
+    """An Upload resuming past what the server holds is FAILED_PRECONDITION and reserves nothing."""
+    service, storage, owner = vault
+
+    async def resume_from_nowhere():
+        async def requests():
+            header = vault_pb2.UploadHeader(sha256="ab" * 32, size=1000, item_id="i", offset=500)
+            yield vault_pb2.UploadBlobRequest(header=header)
+
+        return await service.Upload(requests(), None)
+
+    with pytest.raises(RpcStatusError) as caught:
+        asyncio.run(resume_from_nowhere())
+    assert caught.value.code == "FAILED_PRECONDITION" and storage.reserved_uploads() == set()
