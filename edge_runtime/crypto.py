@@ -116,6 +116,7 @@ def write_key_file(path: str | os.PathLike, key: bytes, passphrase: str | None =
         }
     if kind != "device":
         body["kind"] = kind  # device key files predate the field: absent means device
+    body["check"] = _key_check(kind, key)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
@@ -162,4 +163,12 @@ def read_key_file(path: str | os.PathLike, passphrase: str | None = None, *, kin
         raise DeviceKeyError(f"{path} is not a valid fctkit key file ({exc})") from exc
     if len(key) != KEY_BYTES:
         raise DeviceKeyError(f"{path}: the key is {len(key)} bytes, expected {KEY_BYTES}")
+    if "check" in body and body["check"] != _key_check(kind, key):  # files from before the check have none
+        raise DeviceKeyError(f"{path} is damaged: its {kind} key fails the file's checksum (a changed character?); "
+                             f"restore the file from a backup or an exported key (nothing was changed)")
     return key
+
+
+def _key_check(kind: str, key: bytes) -> str:
+    """A checksum of a key file's key: a damaged file is told apart from another key."""
+    return hashlib.sha256(b"fctkit-key-file-check/1|" + kind.encode() + b"|" + key).hexdigest()[:16]

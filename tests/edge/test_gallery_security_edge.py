@@ -169,3 +169,20 @@ def test_bad_bundles_are_refused_and_the_gallery_is_untouched(make_device, tiny_
     # (another bundle under v2's number is a replay: tests/edge/test_upgrade_resume_edge.py)
     assert _raw_rows(path) == before and device.version == 2
     assert not (device.root / "bundles" / "v3").exists()
+
+
+def test_a_key_file_with_one_changed_character_is_refused_as_damaged(tmp_path):
+    """It used to be accepted as another key (1,000 of 1,000 queued originals failed later)."""
+    import base64
+    import json
+
+    for kind, passphrase in (("owner", None), ("device", None), ("owner", "secret words")):
+        path = write_key_file(tmp_path / f"{kind}-{bool(passphrase)}.key", new_key(), passphrase, kind=kind)
+        body = json.loads(path.read_text())
+        field = "key" if passphrase is None else "wrapped_key"
+        raw = bytearray(base64.b64decode(body[field]))
+        raw[3] ^= 0x20
+        body[field] = base64.b64encode(bytes(raw)).decode()
+        path.write_text(json.dumps(body))
+        with pytest.raises(DeviceKeyError, match="damaged|modified"):
+            read_key_file(path, passphrase, kind=kind)
