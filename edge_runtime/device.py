@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from fctkit.config import from_mapping, to_mapping
-from fctkit.errors import BundleError, DeviceError, InputError, RpcStatusError
+from fctkit.errors import BundleError, ConfigError, DeviceError, InputError, RpcStatusError
 from fctkit.private_files import make_private
 
 from .crypto import Sealer, new_key, owner_key_id, read_key_file, write_key_file
@@ -159,7 +159,7 @@ class Device:
         root = Path(root)
         if not (root / SETTINGS_FILE).is_file():
             raise DeviceError(f"{root} is not a device directory: run `fctkit device init --dir {root}` first")
-        settings = from_mapping(DeviceSettings, json.loads((root / SETTINGS_FILE).read_text()), SETTINGS_FILE)
+        settings = _read_settings(root / SETTINGS_FILE)
         key = read_key_file(root / KEY_FILE, passphrase)
         if not (root / OWNER_KEY_FILE).exists():  # a device from before owners: it starts an owner key of its own
             write_key_file(root / OWNER_KEY_FILE, new_key(), passphrase, kind="owner")
@@ -746,6 +746,24 @@ def _subset(rows: LoadedRows, keep: list[int]) -> LoadedRows:
         embeddings=take_rows(rows.embeddings, keep), side_infos=rows.side_infos[keep], labels=[rows.labels[i] for i in keep],
         corrupt=rows.corrupt,
     )
+
+
+def _read_settings(path: Path) -> DeviceSettings:
+    """``device.json``, validated; a damaged file is a :class:`DeviceError` that says what to do."""
+    try:
+        settings = from_mapping(DeviceSettings, json.loads(path.read_bytes().decode("utf-8")), SETTINGS_FILE)
+        EngineConfig(tuple(settings.providers), settings.batch_size, settings.threads)  # checks providers and sizes
+        if not isinstance(settings.providers, (list, tuple)) or not all(isinstance(p, str) for p in settings.providers):
+            raise ConfigError("providers must be a list of names")
+        for name in ("server", "device_id", "owner_id", "tls_root_certificates"):
+            if not isinstance(getattr(settings, name), (str, type(None))):
+                raise ConfigError(f"{name} must be a string or null")
+        if not isinstance(settings.device_name, str) or settings.search_backend not in ("auto", "numpy", "faiss"):
+            raise ConfigError("device_name must be a string and search_backend one of auto, numpy, faiss")
+    except (ValueError, TypeError, ConfigError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise DeviceError(f"{path} is damaged ({exc}); restore it, or edit it back to valid settings "
+                          f"(the keys and the gallery were not touched)") from None
+    return settings
 
 
 def _write_private(path: Path, data: bytes, *, replace_existing: bool = True) -> None:

@@ -186,3 +186,30 @@ def test_a_key_file_with_one_changed_character_is_refused_as_damaged(tmp_path):
         path.write_text(json.dumps(body))
         with pytest.raises(DeviceKeyError, match="damaged|modified"):
             read_key_file(path, passphrase, kind=kind)
+
+
+def test_random_flips_in_device_json_give_a_clear_error_never_a_traceback(make_device, tiny_bundles, tmp_path):
+    """28 of 34 flips used to end in a traceback."""
+    import random
+
+    from fctkit.errors import DeviceError
+
+    device = make_device("flips", device_name="kitchen", server="127.0.0.1:50051")
+    device.upgrade(tiny_bundles[1])
+    root = device.root
+    device.close()
+    pristine = (root / "device.json").read_bytes()
+    rng, outcomes = random.Random(7), {"opened": 0, "refused": 0}
+    for _ in range(200):
+        data = bytearray(pristine)
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        (root / "device.json").write_bytes(bytes(data))
+        try:
+            Device.open(root).close()
+            outcomes["opened"] += 1
+        except DeviceError as error:
+            assert "device.json is damaged" in str(error)
+            outcomes["refused"] += 1
+    (root / "device.json").write_bytes(pristine)
+    Device.open(root).close()
+    assert outcomes["refused"] > 100, outcomes  # every other exception would have failed the test
