@@ -203,7 +203,8 @@ class UpgradedRows:
 
 def _aad(gallery_id: bytes, row_id: int, item_id: str, tag: VersionTag, field_name: str) -> bytes:
     return b"fctkit-gallery/1|%s|%d|%s|%d|%d|%s|%s" % (
-        gallery_id, row_id, item_id.encode("utf-8"), tag.origin_version, tag.version, tag.via.encode(), field_name.encode())
+        gallery_id, row_id, item_id.encode("utf-8", "surrogateescape"), tag.origin_version, tag.version, tag.via.encode(),
+        field_name.encode())
 
 
 def _label_tag(origin_version: int) -> VersionTag:
@@ -228,6 +229,9 @@ class Gallery:
     @staticmethod
     def _connect(path: Path, *, new: bool = False) -> sqlite3.Connection:
         db = sqlite3.connect(path, isolation_level=None, timeout=60.0, check_same_thread=False)
+        # plaintext columns are read back byte for byte: a damaged one is a row that fails its
+        # authentication (reported as corrupt), not a decoding error that stops every query
+        db.text_factory = lambda data: data.decode("utf-8", "surrogateescape")
         if new:
             db.execute(f"PRAGMA page_size={PAGE_SIZE}")
         db.execute("PRAGMA journal_mode=WAL")
@@ -349,7 +353,7 @@ class Gallery:
             query = (f"SELECT i.origin_version, COALESCE(s.version, v.version), COALESCE(s.via, v.via), COUNT(*) "
                      f"FROM items i JOIN {live} v USING (row_id) LEFT JOIN {staged} s USING (row_id) GROUP BY 1, 2, 3")
             rows = self._db.execute(query).fetchall()
-        return {str(VersionTag(o, v, via)): n for o, v, via, n in rows}
+        return {_tag_name(o, v, via): n for o, v, via, n in rows}
 
     # -- rows ------------------------------------------------------------------------------
 
@@ -425,15 +429,15 @@ class Gallery:
         known_tags: dict[tuple, VersionTag] = {}
         for row_id, item_id, origin, version, via, emb, side, label in cursor:
             tag = known_tags.get((origin, version, via))
-            if tag is None:
-                tag = known_tags[(origin, version, via)] = VersionTag(origin, version, via)
             try:
+                if tag is None:
+                    tag = known_tags[(origin, version, via)] = VersionTag(origin, version, via)
                 e = open_(emb, _aad(gid, row_id, item_id, tag, first_field), f"row {row_id} {first_field}")
                 s = b"" if second_field is None else open_(side, _aad(gid, row_id, item_id, tag, second_field), f"row {row_id} {second_field}")
                 text = None
                 if with_labels and label is not None:
                     text = open_(label, _aad(gid, row_id, item_id, _label_tag(origin), "label"), f"row {row_id} label").decode("utf-8")
-            except CorruptRecordError as exc:
+            except (CorruptRecordError, GalleryError, TypeError) as exc:  # a damaged record or version tag
                 corrupt.append((row_id, item_id, str(exc)))
                 continue
             row_ids.append(row_id)
@@ -830,6 +834,13 @@ def _add_row_extras(db: sqlite3.Connection) -> None:
             return  # another process migrated it meanwhile
         db.execute(_EXTRAS_SCHEMA)
         db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+
+
+def _tag_name(origin: int, version: int, via: str) -> str:
+    try:
+        return str(VersionTag(origin, version, via))
+    except (GalleryError, TypeError):
+        return f"damaged tag (origin {origin!r}, version {version!r}, via {via!r})"
 
 
 def _stack(vectors: list[bytes]) -> np.ndarray:

@@ -213,3 +213,19 @@ def test_random_flips_in_device_json_give_a_clear_error_never_a_traceback(make_d
     (root / "device.json").write_bytes(pristine)
     Device.open(root).close()
     assert outcomes["refused"] > 100, outcomes  # every other exception would have failed the test
+
+
+def test_invalid_utf8_in_plaintext_columns_is_a_damaged_row_not_a_traceback(make_device, tiny_bundles, images):
+    """One invalid byte in an item id or a version tag used to kill query and status."""
+    device = _filled(make_device, tiny_bundles, images)
+    total = len(device.gallery)
+    with sqlite3.connect(device.gallery.path) as db:
+        first, second = [r[0] for r in db.execute("SELECT row_id FROM items ORDER BY row_id LIMIT 2")]
+        db.execute("UPDATE items SET item_id = CAST(x'6974656dff' AS TEXT) WHERE row_id = ?", (first,))
+        live = db.execute("SELECT value FROM meta WHERE key = 'live_vectors'").fetchone()[0]
+        db.execute(f"UPDATE {live} SET via = CAST(x'6e6174ff' AS TEXT) WHERE row_id = ?", (second,))
+    device._index_cache = None
+    loaded = device.gallery.load()
+    assert {row_id for row_id, _, _ in loaded.corrupt} == {first, second} and len(loaded) == total - 2
+    assert len(device.query(images(2, seed=5), k=3)) == 2
+    assert any(name.startswith("damaged tag") for name in device.status()["rows_by_space"])
