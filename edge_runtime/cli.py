@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 import click
@@ -14,6 +15,8 @@ from fctkit.errors import InputError
 
 from .device import Device, DeviceSettings
 from .engine import PREFERENCE
+
+DAMAGED_EXIT = 3  # answers were given, but damaged rows were left out (see `fctkit device check`)
 
 _DIR = click.option("--dir", "root", type=click.Path(path_type=Path), default=lambda: os.environ.get("FCTKIT_DEVICE", "device"),
                     show_default="$FCTKIT_DEVICE or ./device", help="The device directory.")
@@ -148,6 +151,24 @@ def query_command(root, passphrase_env, images, k) -> None:
     with _open(root, passphrase_env) as device:
         for matches in device.query(pictures, k=k):
             click.echo(json.dumps([dataclasses.asdict(m) for m in matches]))
+        damaged = device.damaged_rows()
+    if damaged:  # never a silently shorter answer
+        click.echo(f"warning: {len(damaged)} damaged row(s) were left out of these answers (first: row {damaged[0][0]}, "
+                   f"{damaged[0][2]}); run `fctkit device check --dir DIR`", err=True)
+        sys.exit(DAMAGED_EXIT)
+
+
+@device_command.command("check")
+@_DIR
+@_PASSPHRASE
+def check_command(root, passphrase_env) -> None:
+    """Open every row, per-row extra and queued original and report what is damaged, all at
+    once (JSON). Exits 0 when everything opened, 3 when something is damaged."""
+    with _open(root, passphrase_env) as device:
+        report = device.check()
+    _echo(report)
+    if report["damaged"]:
+        sys.exit(DAMAGED_EXIT)
 
 
 @device_command.command("sync")

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from fctkit.config import from_mapping, to_mapping
-from fctkit.errors import BundleError, ConfigError, DeviceError, InputError, RpcStatusError
+from fctkit.errors import BundleError, ConfigError, DeviceError, FctkitError, InputError, RpcStatusError
 from fctkit.private_files import make_private
 
 from .crypto import Sealer, new_key, owner_key_id, read_key_file, write_key_file
@@ -692,6 +692,31 @@ class Device:
             self._engines.pop(transition.previous_version, None)
         self._index_cache = None
         return True
+
+    # -- damage ----------------------------------------------------------------------------
+
+    def damaged_rows(self) -> list[tuple[int, str, str]]:
+        """(row id, item id, reason) of the rows left out of searches because they fail to open."""
+        return list(self._searchable()[2].corrupt)
+
+    def check(self) -> dict[str, Any]:
+        """Open everything the device keeps and report what is damaged, all at once: rows that fail
+        their authentication, per-row extras (previous embeddings, hubness offsets) and queued
+        originals; ``damaged`` is their total (0: all clean)."""
+        rows = self.gallery.load()
+        extras = {name: [(r, i, why) for r, i, why in self.gallery.load_extras(name).corrupt]
+                  for name in ("previous_embedding", "hubness_offset")}
+        originals = []
+        for item_id, blob in self.gallery.outbox():
+            try:
+                open_image(self.owner_sealer, item_id, blob, device=self._sealer, gallery_id=self.gallery.gallery_id)
+            except FctkitError as exc:
+                originals.append((item_id, str(exc)))
+        report = {"rows": len(rows) + len(rows.corrupt), "damaged_rows": [list(r) for r in rows.corrupt],
+                  "damaged_extras": {k: [list(r) for r in v] for k, v in extras.items() if v},
+                  "damaged_queued_originals": [list(o) for o in originals]}
+        report["damaged"] = len(rows.corrupt) + sum(map(len, extras.values())) + len(originals)
+        return report
 
     # -- status -----------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sqlite3
@@ -229,3 +230,29 @@ def test_invalid_utf8_in_plaintext_columns_is_a_damaged_row_not_a_traceback(make
     assert {row_id for row_id, _, _ in loaded.corrupt} == {first, second} and len(loaded) == total - 2
     assert len(device.query(images(2, seed=5), k=3)) == 2
     assert any(name.startswith("damaged tag") for name in device.status()["rows_by_space"])
+
+
+def test_damage_is_reported_by_query_and_all_at_once_by_check(make_device, tiny_bundles, images, tmp_path):
+    """Damaged rows used to drop silently out of answers (exit 0) and be reported one per upgrade attempt."""
+    from tests.edge.conftest import device_cli
+
+    device = _filled(make_device, tiny_bundles, images)
+    root = str(device.root)
+    clean = device.check()
+    assert clean["damaged"] == 0 and clean["rows"] == 20
+    with sqlite3.connect(device.gallery.path) as db:
+        live = db.execute("SELECT value FROM meta WHERE key = 'live_vectors'").fetchone()[0]
+        db.execute(f"UPDATE {live} SET embedding = CAST(substr(embedding, 1, 30) || x'00' || substr(embedding, 32) AS BLOB) "
+                   f"WHERE row_id IN (2, 5, 9)")
+        db.execute("UPDATE outbox SET blob = CAST(substr(blob, 1, 40) || x'00' || substr(blob, 42) AS BLOB) "
+                   "WHERE item_id = 'item03'")
+    device.close()
+    np.savez(tmp_path / "q.npz", images=images(2, seed=4))
+    query = device_cli("query", "--dir", root, str(tmp_path / "q.npz"))
+    assert query.returncode == 3 and len(query.stdout.splitlines()) == 2  # the answers, then the warning
+    assert "3 damaged row(s) were left out" in query.stderr and "Traceback" not in query.stderr
+    check = device_cli("check", "--dir", root)
+    report = json.loads(check.stdout)
+    assert check.returncode == 3 and report["damaged"] == 4
+    assert sorted(r[0] for r in report["damaged_rows"]) == [2, 5, 9]
+    assert [o[0] for o in report["damaged_queued_originals"]] == ["item03"]
