@@ -246,9 +246,13 @@ class Report:
         from matplotlib.figure import Figure
 
         n_panels = 2 if self.backfill_curves else 1
-        # legends sit below their panels (inside they covered the curves); the figure grows with them
-        rows = max(len(self.cases), len(self.backfill_curves))
-        fig = Figure(figsize=(6 * n_panels, 4.5 + 0.12 * rows), layout="constrained")
+        # legends sit below their panels (inside they covered the curves): the figure grows with
+        # them, one legend column where the case names are long
+        longest = max((len(c.name) for c in self.cases.values()), default=0)
+        columns = 2 if longest <= 45 else 1
+        rows = max(math.ceil(len(self.cases) / columns), math.ceil(len(self.backfill_curves) / 2))
+        width = max(6.0, 0.075 * longest * columns + 1.0)
+        fig = Figure(figsize=(width * n_panels, 4.5 + 0.22 * rows), layout="constrained")
         axes = fig.subplots(1, n_panels, squeeze=False)[0]
         fig.suptitle(self.title)
         cmc_ax = axes[0]
@@ -259,7 +263,7 @@ class Report:
         hit = "a positive" if self.instance_level() else "an item of their class"
         cmc_ax.set(xlabel="k", ylabel=f"CMC@k: queries with {hit} in the top k", title="CMC", ylim=(0, 1.02))
         if self.cases:
-            cmc_ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
+            cmc_ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=columns, frameon=False)
             cmc_ax.xaxis.get_major_locator().set_params(integer=True)
         else:
             cmc_ax.text(0.5, 0.5, "no retrieval cases", ha="center", va="center", transform=cmc_ax.transAxes)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from tests.support.seeds import seed
+from tests.support.task_runs import synthetic_task_run
 
 from fctkit.cli import cli
 from fctkit.edge_runtime import Device
@@ -25,8 +25,7 @@ from fctkit.errors import ExportError, GateError, InputError
 from fctkit.export import build_release
 from fctkit.export.features_release import UserGraphs
 from fctkit.export.keys import generate_keys, load_private_key
-from fctkit.trainer import load_task, save_task, synthetic_instance_task
-from fctkit.trainer.pipeline import load_pipeline_config, run_pipeline
+from fctkit.trainer import load_task
 from fctkit.trainer.synthetic import D_NEW, D_OLD
 
 SEARCH = {"selection.temperatures": [0.05, 0.1], "selection.learning_rates": [3e-3], "selection.widths": [256],
@@ -64,12 +63,8 @@ OLD, NEW = slice(0, D_OLD), slice(D_OLD, D_OLD + D_NEW)
 @pytest.fixture(scope="module")
 def task_release(tmp_path_factory):
     root = tmp_path_factory.mktemp("features-release")
-    task = save_task(root / "task.npz", synthetic_instance_task(n_train=1200, n_eval=500, seed=seed()))
-    config = load_pipeline_config(None, {"seed": seed(), "data.name": "task", "data.task": str(task), "progress": False,
-                                         "device": "cpu", "evaluation.distance": "cosine",
-                                         "methods": ["residual", "least-squares"], "transition.enabled": True,
-                                         "hubness.enabled": True, "query_map.enabled": True, **SEARCH})
-    run = run_pipeline(config, root / "run", log=lambda _: None)
+    run = synthetic_task_run(root, n_train=1200, n_eval=500, **{"query_map.enabled": True}, **SEARCH)
+    task = root / "task.npz"
     gallery = load_task(task).evaluation.gallery
     items = np.hstack([gallery.old, gallery.new])
     np.savez(root / "sample.npz", input=items[:64], old=gallery.old[:64], new=gallery.new[:64])

@@ -15,6 +15,7 @@ from fctkit.errors import ConfigError, InputError
 from fctkit.trainer import save_task, synthetic_instance_task
 from fctkit.trainer.pipeline import load_pipeline_config, run_pipeline
 from tests.support.seeds import seed
+from tests.support.task_runs import synthetic_task_run
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL_SEARCH = {"selection.temperatures": [0.05, 0.1], "selection.learning_rates": [1e-3, 3e-3],
@@ -23,13 +24,7 @@ SMALL_SEARCH = {"selection.temperatures": [0.05, 0.1], "selection.learning_rates
 
 @pytest.fixture(scope="module")
 def task_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("task-run")
-    task = save_task(out / "task.npz", synthetic_instance_task(n_train=2000, n_eval=800, seed=seed()))
-    config = load_pipeline_config(None, {"seed": seed(), "data.name": "task", "data.task": str(task), "progress": False,
-                                         "device": "cpu", "evaluation.distance": "cosine",
-                                         "methods": ["residual", "least-squares"], "transition.enabled": True,
-                                         "hubness.enabled": True, **SMALL_SEARCH})
-    return run_pipeline(config, out / "run", log=lambda _: None)
+    return synthetic_task_run(tmp_path_factory.mktemp("task-run"), n_train=2000, n_eval=800, **SMALL_SEARCH)
 
 
 def test_the_mse_baseline_fails_ecc_on_recall_at_1_and_the_contrastive_adapter_holds_it(task_run):
