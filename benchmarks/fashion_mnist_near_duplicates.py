@@ -57,8 +57,8 @@ import numpy as np
 
 from debian_data import BenchmarkSetupError, ensure_debian_package
 from fashion_mnist import fashion_mnist_present
-from instance_tasks import save_built_task
-from fctkit.errors import FctkitError, InputError
+from instance_tasks import build_and_save
+from fctkit.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "fashion-mnist.toml"
@@ -280,19 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.eval_queries < 1 or args.train_items < 1 or args.epochs_scale <= 0:
         parser.error("--eval-queries and --train-items must be at least 1, --epochs-scale above 0")
-    started = time.perf_counter()
-    try:
+
+    def build():
         ensure_fashion_mnist()
-        task, facts = build_task(args)
-        dims = facts["dims"]
-        print(f"eval {facts['eval']['queries']} queries / {facts['eval']['gallery']} gallery, "
-              f"train {facts['train']['queries']} / {facts['train']['gallery']}; "
-              f"dims old {dims['old']}, new {dims['new']}, side {dims['side']} (gallery only)")
-        save_built_task(args.out / f"{TASK_NAME}-seed{args.seed}.npz", task, facts, started)
-    except FctkitError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+        return build_task(args)
+
+    return build_and_save(build, args.out / f"{TASK_NAME}-seed{args.seed}.npz")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from fctkit.trainer.pipeline import load_pipeline_config, run_pipeline
@@ -41,11 +42,30 @@ def task_baselines(task) -> dict:
     return result
 
 
+def build_and_save(build: Callable[[], tuple], path: Path) -> int:
+    """A task builder's main step: run ``build()`` (task, facts) and :func:`save_built_task` its
+    result; a kit error prints one line and gives exit status 2."""
+    from fctkit.errors import FctkitError
+
+    started = time.perf_counter()
+    try:
+        task, facts = build()
+        save_built_task(path, task, facts, started)
+    except FctkitError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def save_built_task(path: Path, task, facts: dict, started: float) -> Path:
     """Save a task a builder made, with its baselines, and write ``<path>.summary.json``
-    (``facts`` + baselines + wall time); print the baselines."""
+    (``facts`` + baselines + wall time); print its sizes, dims and baselines."""
     from fctkit.trainer.tasks import save_task
 
+    for name, split in (("eval", task.evaluation), ("train", task.train)):
+        print(f"{name}: {len(split.query)} queries / {len(split.gallery)} gallery items", end="; " if name == "eval" else "\n")
+    gallery = task.evaluation.gallery
+    print(f"dims old {gallery.old.shape[1]}, new {gallery.new.shape[1]}, side {gallery.side.shape[1]} (gallery only)")
     path = save_task(path, task)
     facts["baselines (eval)"] = task_baselines(task)
     facts["wall time (s)"] = round(time.perf_counter() - started, 1)

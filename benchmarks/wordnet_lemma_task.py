@@ -51,8 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from debian_data import BenchmarkSetupError
-from fctkit.errors import FctkitError
-from instance_tasks import save_built_task
+from instance_tasks import build_and_save
 from text_wordnet import PARTS_OF_SPEECH, WORDNET_DIR, ensure_wordnet, new_model_dir, old_model_dir, parse_data_line
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -250,17 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.eval_queries < 1 or args.train_queries < 1 or args.batch_size < 1:
         parser.error("--eval-queries, --train-queries and --batch-size must be at least 1")
-    started = time.perf_counter()
-    try:
-        task, facts = build_task(args)
-        dims = facts["dims"]
-        print(f"eval {facts['eval']} queries / {facts['eval']} gallery, train {facts['train']} / {facts['train']}; "
-              f"dims old {dims['old']}, new {dims['new']}, side {dims['side']} (gallery only)")
-        save_built_task(args.out / f"{TASK_NAME}-seed{args.seed}.npz", task, facts, started)
-    except FctkitError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return build_and_save(lambda: build_task(args), args.out / f"{TASK_NAME}-seed{args.seed}.npz")
 
 
 if __name__ == "__main__":

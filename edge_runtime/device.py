@@ -709,7 +709,7 @@ class Device:
         originals = []
         for item_id, blob in self.gallery.outbox():
             try:
-                open_image(self.owner_sealer, item_id, blob, device=self._sealer, gallery_id=self.gallery.gallery_id)
+                self.open_original(item_id, blob)
             except FctkitError as exc:
                 originals.append((item_id, str(exc)))
         report = {"rows": len(rows) + len(rows.corrupt), "damaged_rows": [list(r) for r in rows.corrupt],

@@ -105,13 +105,12 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
         self._reserve(owner_id, device_id, sha256, header.size)
         self._uploading.add(key)
         try:
-            return await self._receive(requests, device_id, owner_id, header, sha256, item_id)
+            return await self._receive(requests, partial, device_id, owner_id, header, sha256, item_id)
         finally:
             self._uploading.discard(key)
             self._storage.touch_upload(owner_id, sha256, time.time())  # the TTL counts from the last activity
 
-    async def _receive(self, requests, device_id: str, owner_id: str, header, sha256: str, item_id: str):
-        partial = self._partial_path(owner_id, sha256)
+    async def _receive(self, requests, partial: Path, device_id: str, owner_id: str, header, sha256: str, item_id: str):
         partial.parent.mkdir(parents=True, exist_ok=True)
         with partial.open("r+b" if partial.exists() else "wb") as sink:
             sink.truncate(header.offset)
