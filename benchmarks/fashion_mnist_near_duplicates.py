@@ -30,8 +30,9 @@ epochs for quick runs), trained on the 60,000 train images as ``fctkit train`` d
   new: wider CNN (64-d) on all train images of all 10 classes, seed ``s + 1``;
   ψ:   SimCLR (16-d) on the old-class train images, no labels, seed ``s + 2`` — gallery items only.
 They are saved under ``<out>/models/`` (``old_backbone.pt``, ``new_backbone.pt``,
-``side_info.pt``, ``models.json``); ``--reuse-models`` loads them instead of training (the
-seed and epochs scale must match those recorded in ``models.json``).
+``side_info.pt``, ``models.json``), each as soon as it is trained, so an interrupted build
+resumes with the models it already has; ``--reuse-models`` requires all three (the seed and
+epochs scale must match those recorded in ``models.json``).
 
 Augmentation (numpy + scipy.ndimage only, deterministic from the seed; :func:`augment`):
 a random shift by up to ±3 pixels in each direction (zero padding, cropped back to 28×28), a
@@ -151,31 +152,69 @@ class Models:
     side_kind: str
 
 
-def train_models(config, train_images: np.ndarray, train_labels: np.ndarray, seed: int, scale: float, models_dir: Path) -> Models:
-    from fctkit.trainer.backbones import save_backbone, train_backbone
-    from fctkit.trainer.datasets import old_class_subset
-    from fctkit.trainer.side_info import save_side_info, train_side_info
+MODEL_FILES = {"old": "old_backbone.pt", "new": "new_backbone.pt", "side": "side_info.pt"}
 
+
+def models_meta(config, seed: int, scale: float) -> dict:
+    old_cfg, new_cfg, side_cfg = (scaled(s, scale) for s in (config.old_backbone, config.new_backbone, config.side_info))
+    return {"seed": seed, "epochs_scale": scale, "config": str(CONFIG.relative_to(REPO)),
+            "old_class_fraction": config.data.old_class_fraction,
+            "epochs": {"old": old_cfg.epochs, "new": new_cfg.epochs, "side": side_cfg.epochs}}
+
+
+def check_models_meta(models_dir: Path, meta: dict) -> None:
+    """models.json is written before the first model is trained; a directory holding models of
+    another seed or epochs scale is refused rather than mixed with new ones."""
+    path = models_dir / "models.json"
+    if not path.is_file():
+        models_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(meta, indent=2) + "\n")
+        return
+    found = json.loads(path.read_text())
+    if (found.get("seed"), found.get("epochs_scale")) != (meta["seed"], meta["epochs_scale"]):
+        raise InputError(f"the models in {models_dir} were trained with seed {found.get('seed')} and epochs scale "
+                         f"{found.get('epochs_scale')}, not seed {meta['seed']} and scale {meta['epochs_scale']}; "
+                         f"pass those or use another --out")
+
+
+def train_models(config, train_images: np.ndarray, train_labels: np.ndarray, seed: int, scale: float, models_dir: Path) -> Models:
+    """Train the three models, saving each as soon as it is trained; a model already saved in
+    ``models_dir`` (by an earlier, interrupted run with the same seed and scale) is loaded instead,
+    so a killed build resumes where it stopped."""
+    from fctkit.trainer.backbones import load_backbone, save_backbone, train_backbone
+    from fctkit.trainer.datasets import old_class_subset
+    from fctkit.trainer.side_info import load_side_info, save_side_info, train_side_info
+    from fctkit.trainer.torch_utils import resolve_device
+
+    check_models_meta(models_dir, models_meta(config, seed, scale))
+    device = str(resolve_device(config.device))
     old_cfg, new_cfg, side_cfg = (scaled(s, scale) for s in (config.old_backbone, config.new_backbone, config.side_info))
     old_items = old_class_subset(train_labels, config.data.old_class_fraction)
     old_classes = sorted(set(train_labels[old_items].tolist()))
-    log(f"old backbone ({old_cfg.architecture}, {old_cfg.embedding_dim}-d, {old_cfg.epochs} epochs) on "
-        f"{len(old_items)} train images of classes {old_classes}")
-    old = train_backbone(train_images[old_items], train_labels[old_items], old_cfg, seed, config.device)
-    log(f"new backbone ({new_cfg.architecture}, {new_cfg.embedding_dim}-d, {new_cfg.epochs} epochs) on "
-        f"{len(train_images)} train images of all {len(np.unique(train_labels))} classes")
-    new = train_backbone(train_images, train_labels, new_cfg, seed + 1, config.device)
-    log(f"side-info model ψ ({side_cfg.kind}, {side_cfg.dim}-d, {side_cfg.epochs} epochs) on the old-class train images")
-    side = train_side_info(train_images[old_items], train_labels[old_items], side_cfg, seed + 2, config.device)
 
-    save_backbone(old, models_dir / "old_backbone.pt")
-    save_backbone(new, models_dir / "new_backbone.pt")
-    save_side_info(side, models_dir / "side_info.pt")
-    meta = {"seed": seed, "epochs_scale": scale, "config": str(CONFIG.relative_to(REPO)),
-            "old_class_fraction": config.data.old_class_fraction, "old_classes": old_classes,
-            "epochs": {"old": old_cfg.epochs, "new": new_cfg.epochs, "side": side_cfg.epochs}}
-    (models_dir / "models.json").write_text(json.dumps(meta, indent=2) + "\n")
-    log(f"saved models to {models_dir}")
+    def trained(role: str, what: str, train, save, load):
+        path = models_dir / MODEL_FILES[role]
+        if path.is_file():
+            log(f"{what}: reusing {path}")
+            return load(path, device)
+        log(what)
+        model = train()
+        save(model, path)
+        return model
+
+    old = trained("old", f"old backbone ({old_cfg.architecture}, {old_cfg.embedding_dim}-d, {old_cfg.epochs} epochs) on "
+                  f"{len(old_items)} train images of classes {old_classes}",
+                  lambda: train_backbone(train_images[old_items], train_labels[old_items], old_cfg, seed, config.device),
+                  save_backbone, load_backbone)
+    new = trained("new", f"new backbone ({new_cfg.architecture}, {new_cfg.embedding_dim}-d, {new_cfg.epochs} epochs) on "
+                  f"{len(train_images)} train images of all {len(np.unique(train_labels))} classes",
+                  lambda: train_backbone(train_images, train_labels, new_cfg, seed + 1, config.device),
+                  save_backbone, load_backbone)
+    side = trained("side", f"side-info model ψ ({side_cfg.kind}, {side_cfg.dim}-d, {side_cfg.epochs} epochs) on the "
+                   f"old-class train images",
+                   lambda: train_side_info(train_images[old_items], train_labels[old_items], side_cfg, seed + 2, config.device),
+                   save_side_info, load_side_info)
+    log(f"models in {models_dir}")
     return Models(old, new, side, side_cfg.kind)
 
 
@@ -185,19 +224,15 @@ def load_models(config, seed: int, scale: float, models_dir: Path) -> Models:
     from fctkit.trainer.side_info import load_side_info
     from fctkit.trainer.torch_utils import resolve_device
 
-    paths = [models_dir / name for name in ("old_backbone.pt", "new_backbone.pt", "side_info.pt", "models.json")]
-    missing = [str(p) for p in paths if not p.is_file()]
+    missing = [str(models_dir / name) for name in [*MODEL_FILES.values(), "models.json"] if not (models_dir / name).is_file()]
     if missing:
         raise DataUnavailableError(f"--reuse-models: {', '.join(missing)} missing; run once without --reuse-models")
-    meta = json.loads(paths[3].read_text())
-    if meta.get("seed") != seed or meta.get("epochs_scale") != scale:
-        raise InputError(f"--reuse-models: the models in {models_dir} were trained with seed {meta.get('seed')} and "
-                         f"epochs scale {meta.get('epochs_scale')}, not seed {seed} and scale {scale}; "
-                         f"pass those or retrain without --reuse-models")
+    check_models_meta(models_dir, models_meta(config, seed, scale))
     device = str(resolve_device(config.device))
-    side = load_side_info(paths[2], device)
+    side = load_side_info(models_dir / MODEL_FILES["side"], device)
     log(f"reusing the models in {models_dir} (seed {seed}, epochs scale {scale})")
-    return Models(load_backbone(paths[0], device), load_backbone(paths[1], device), side, side.kind)
+    return Models(load_backbone(models_dir / MODEL_FILES["old"], device), load_backbone(models_dir / MODEL_FILES["new"], device),
+                  side, side.kind)
 
 
 # --- the task ----------------------------------------------------------------------------------

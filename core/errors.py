@@ -97,5 +97,18 @@ class GalleryError(FctkitError):
     """An on-device gallery is missing, malformed, or in a state that forbids the request."""
 
 
+class GalleryDamagedError(GalleryError):
+    """The gallery file is damaged where no single row can stand for it: a setting fails its
+    authentication or is missing (``settings`` names them), or SQLite cannot read the file.
+    ``fctkit device check`` reports all damage; ``fctkit device repair`` restores what it can."""
+
+    def __init__(self, message: str, settings: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.settings = settings
+
+    def __reduce__(self):
+        return type(self), (self.args[0], self.settings)
+
+
 class DeviceError(FctkitError):
     """A device operation cannot proceed (not initialised, not enrolled, no model installed, …)."""

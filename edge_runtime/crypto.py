@@ -26,7 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes, hmac
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from fctkit.errors import CorruptRecordError, DeviceKeyError
@@ -46,6 +48,15 @@ class Sealer:
         if len(key) != KEY_BYTES:
             raise DeviceKeyError(f"a device key is {KEY_BYTES} bytes, got {len(key)}")
         self._aead = AESGCM(key)
+        # a separate key for MACs: the same key is never used by two algorithms
+        self._mac_key = HKDF(hashes.SHA256(), KEY_BYTES, salt=None, info=b"fctkit-mac/1").derive(key)
+
+    def mac(self, data: bytes) -> bytes:
+        """HMAC-SHA256 of ``data`` under a key derived from this one (for plaintext that must
+        stay readable but be authenticated, e.g. the gallery's settings)."""
+        h = hmac.HMAC(self._mac_key, hashes.SHA256())
+        h.update(data)
+        return h.finalize()
 
     def seal(self, plaintext: bytes, aad: bytes) -> bytes:
         """``nonce || ciphertext || tag`` with a fresh random nonce."""

@@ -769,7 +769,7 @@ def _subset(rows: LoadedRows, keep: list[int]) -> LoadedRows:
     return LoadedRows(
         row_ids=rows.row_ids[keep], item_ids=[rows.item_ids[i] for i in keep], tags=[rows.tags[i] for i in keep],
         embeddings=take_rows(rows.embeddings, keep), side_infos=rows.side_infos[keep], labels=[rows.labels[i] for i in keep],
-        corrupt=rows.corrupt,
+        corrupt=rows.corrupt, missing=rows.missing,
     )
 
 

@@ -61,18 +61,21 @@ from typing import Any
 
 import numpy as np
 
-from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryError, InputError
+from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryDamagedError, GalleryError, InputError
 
 from .crypto import Sealer
+from .gallery_settings import ESSENTIAL, GallerySettings, add_macs, authentic
+from .sqlite_file import connect
+from .sqlite_file import read_snapshot as _read_snapshot
+from .sqlite_file import transaction as _transaction
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 VIAS = ("native", "forward", "backward")
 VECTOR_TABLES = ("vectors_0", "vectors_1")
-PAGE_SIZE = 16384  # a row's two sealed 128-d vectors are ~1.1 KB: several rows per page
 _KEY_CHECK = b"fctkit-gallery-key-check"
 
 _SCHEMA = """
-CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL, mac BLOB);
 CREATE TABLE items (
     row_id INTEGER PRIMARY KEY,
     item_id TEXT NOT NULL UNIQUE,
@@ -145,6 +148,7 @@ class LoadedRows:
     side_infos: np.ndarray
     labels: list[str | None]
     corrupt: list[tuple[int, str, str]] = field(default_factory=list)  # (row id, item id, reason)
+    missing: int = 0  # rows the authenticated row count has but the file no longer holds
 
     def __len__(self) -> int:
         return len(self.item_ids)
@@ -223,20 +227,9 @@ class Gallery:
         self._db = connection
         self._sealer = sealer
         self.gallery_id = gallery_id
+        self.settings = GallerySettings(connection, sealer, path)
 
     # -- opening ---------------------------------------------------------------------------
-
-    @staticmethod
-    def _connect(path: Path, *, new: bool = False) -> sqlite3.Connection:
-        db = sqlite3.connect(path, isolation_level=None, timeout=60.0, check_same_thread=False)
-        # plaintext columns are read back byte for byte: a damaged one is a row that fails its
-        # authentication (reported as corrupt), not a decoding error that stops every query
-        db.text_factory = lambda data: data.decode("utf-8", "surrogateescape")
-        if new:
-            db.execute(f"PRAGMA page_size={PAGE_SIZE}")
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        return db
 
     @classmethod
     def create(cls, path: str | os.PathLike, key: bytes) -> Gallery:
@@ -246,54 +239,62 @@ class Gallery:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.close(fd)
-        db = cls._connect(path, new=True)
+        db = connect(path, new=True)
         gallery_id = os.urandom(16)
         sealer = Sealer(key)
         check = sealer.seal(_KEY_CHECK, b"key-check|" + gallery_id)
         with _transaction(db):
             for statement in filter(str.strip, _SCHEMA.split(";")):
                 db.execute(statement)
-            db.executemany("INSERT INTO meta VALUES (?, ?)", [
-                ("schema_version", str(SCHEMA_VERSION)), ("gallery_id", gallery_id.hex()),
-                ("key_check", base64.b64encode(check).decode()), ("query_version", "0"),
-                ("live_vectors", VECTOR_TABLES[0]), ("replica_cursor", "0"),
-            ])
+            GallerySettings(db, sealer, path).put({
+                "schema_version": str(SCHEMA_VERSION), "gallery_id": gallery_id.hex(),
+                "key_check": base64.b64encode(check).decode(), "query_version": "0",
+                "live_vectors": VECTOR_TABLES[0], "replica_cursor": "0", "row_count": "0",
+            })
         return cls(path, db, sealer, gallery_id)
 
     @classmethod
     def open(cls, path: str | os.PathLike, key: bytes) -> Gallery:
-        """Open an existing gallery; a key that is not the gallery's raises
-        :class:`DeviceKeyError` before anything is written."""
+        """Open an existing gallery (migrating an older schema); a key that is not the gallery's
+        raises :class:`DeviceKeyError` and damaged essential settings :class:`GalleryDamagedError`,
+        both before anything is written."""
         path = Path(path)
         if not path.is_file():
             raise GalleryError(f"gallery {path} does not exist: run `fctkit device init` first")
-        db = cls._connect(path)
+        db = connect(path)
         try:
-            meta = dict(db.execute("SELECT key, value FROM meta"))
-        except sqlite3.DatabaseError as exc:
+            return cls._opened(path, db, Sealer(key))
+        except BaseException:
             db.close()
-            raise GalleryError(f"{path} is not an fctkit gallery or is damaged beyond its records ({exc})") from exc
-        if meta.get("schema_version") not in ("1", "2", str(SCHEMA_VERSION)) or "gallery_id" not in meta:
-            db.close()
-            raise GalleryError(f"{path}: unsupported gallery schema {meta.get('schema_version')!r} (this fctkit reads {SCHEMA_VERSION})")
-        gallery_id = bytes.fromhex(meta["gallery_id"])
-        sealer = Sealer(key)
+            raise
+
+    @classmethod
+    def _opened(cls, path: Path, db: sqlite3.Connection, sealer: Sealer) -> Gallery:
         try:
-            sealer.open(base64.b64decode(meta["key_check"]), b"key-check|" + gallery_id, "key check")
-        except CorruptRecordError:
-            db.close()
+            columns = {row[1] for row in db.execute("PRAGMA table_info(meta)")}
+            mac_column = "mac" if "mac" in columns else "NULL"
+            meta = {k: (v, m) for k, v, m in db.execute(f"SELECT key, value, {mac_column} FROM meta")}
+        except GalleryDamagedError as exc:
+            raise GalleryDamagedError(f"{path} is not an fctkit gallery or is damaged beyond its records ({exc})") from None
+        if "mac" in columns:
+            _check_essential(path, db, sealer, meta)
+        schema = meta.get("schema_version", (None, None))[0]
+        if schema not in ("1", "2", "3", str(SCHEMA_VERSION)) or "gallery_id" not in meta:
+            raise GalleryError(f"{path}: unsupported gallery schema {schema!r} (this fctkit reads {SCHEMA_VERSION})")
+        try:
+            gallery_id = bytes.fromhex(meta["gallery_id"][0])
+            sealer.open(base64.b64decode(meta["key_check"][0]), b"key-check|" + gallery_id, "key check")
+        except (CorruptRecordError, ValueError, KeyError):
             raise DeviceKeyError(
                 f"{path} was not sealed with this device key: use the gallery's own key file (nothing was changed)"
             ) from None
-        if meta["schema_version"] == "1":
-            _add_replication(db)
-        if meta["schema_version"] in ("1", "2"):
-            _add_row_extras(db)
+        for migrate in (_add_replication, _add_row_extras, _add_macs):
+            migrate(db, sealer)
         return cls(path, db, sealer, gallery_id)
 
     def reader(self) -> Gallery:
         """A second connection to the same gallery (for a thread that reads while this one writes)."""
-        return Gallery(self.path, self._connect(self.path), self._sealer, self.gallery_id)
+        return Gallery(self.path, connect(self.path), self._sealer, self.gallery_id)
 
     def close(self) -> None:
         self._db.close()
@@ -307,19 +308,27 @@ class Gallery:
     # -- metadata --------------------------------------------------------------------------
 
     def meta(self, key: str, default: str | None = None) -> str | None:
-        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return row[0] if row else default
+        """An authenticated setting (:mod:`.gallery_settings`); a damaged one raises :class:`GalleryDamagedError`."""
+        return self.settings.get(key, default)
 
     def set_meta(self, values: dict[str, str | None]) -> None:
         with _transaction(self._db):
             self._set_meta(values)
 
     def _set_meta(self, values: dict[str, str | None]) -> None:
-        for key, value in values.items():
-            if value is None:
-                self._db.execute("DELETE FROM meta WHERE key = ?", (key,))
-            else:
-                self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+        self.settings.put(values)
+
+    def _count_rows(self, added: int) -> None:
+        """Inside a write transaction: the authenticated row count moves with every row added or removed."""
+        if added:
+            self._set_meta({"row_count": str(int(self.meta("row_count")) + added)})
+
+    def recount_rows(self) -> int:
+        """Take the row count afresh from the file (repair, after damage was dealt with)."""
+        with _transaction(self._db):
+            count = self._db.execute("SELECT COUNT(*) FROM items").fetchone()[0]
+            self._set_meta({"row_count": str(count)})
+        return count
 
     @property
     def query_version(self) -> int:
@@ -387,6 +396,7 @@ class Gallery:
                                  "(the removal replicates to the owner's devices); choose new ids (nothing was added)")
             self._db.executemany(f"INSERT INTO {live} VALUES (?, ?, ?, ?, ?)", vectors)
             self._db.executemany("INSERT INTO outbox VALUES (?, ?)", outbox)
+            self._count_rows(len(rows))
             self._log_changes([row.item_id for row in rows])
             if previous is not None:
                 self._insert_extras("previous_embedding", ids, [row.item_id for row in rows], previous[0], previous[1])
@@ -413,10 +423,13 @@ class Gallery:
         are listed in ``corrupt`` (row id, item id, reason); the others load."""
         with _read_snapshot(self._db):
             live, _ = self._tables()
-            cursor = self._db.execute(
+            expected = int(self.meta("row_count"))
+            cursor = self._db.execute(  # an item whose vectors are gone is a damaged row, not a silently shorter answer
                 f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.embedding, v.side_info, i.label "
-                f"FROM items i JOIN {live} v USING (row_id) ORDER BY row_id")
-            return self._decrypt_rows(cursor, with_labels=with_labels)
+                f"FROM items i LEFT JOIN {live} v USING (row_id) ORDER BY row_id")
+            loaded = self._decrypt_rows(cursor, with_labels=with_labels)
+        loaded.missing = max(0, expected - len(loaded) - len(loaded.corrupt))
+        return loaded
 
     def _decrypt_rows(self, cursor: Iterable[tuple], *, with_labels: bool,
                       fields: tuple[str, str | None] = ("embedding", "side_info")) -> LoadedRows:
@@ -430,6 +443,8 @@ class Gallery:
         for row_id, item_id, origin, version, via, emb, side, label in cursor:
             tag = known_tags.get((origin, version, via))
             try:
+                if emb is None:
+                    raise CorruptRecordError(f"row {row_id}: its vectors are missing from the gallery file")
                 if tag is None:
                     tag = known_tags[(origin, version, via)] = VersionTag(origin, version, via)
                 e = open_(emb, _aad(gid, row_id, item_id, tag, first_field), f"row {row_id} {first_field}")
@@ -527,6 +542,7 @@ class Gallery:
         if row is not None:
             for table in ("items", *VECTOR_TABLES, "row_extras"):
                 self._db.execute(f"DELETE FROM {table} WHERE row_id = ?", row[:1])
+            self._count_rows(-1)
         self._db.execute("DELETE FROM outbox WHERE item_id = ?", (item_id,))
         self._db.execute("DELETE FROM changes WHERE item_id = ? AND sealed IS NULL", (item_id,))
         if tombstone:
@@ -793,6 +809,7 @@ class Gallery:
             self._db.execute("INSERT INTO items VALUES (?, ?, ?, ?, ?, ?)",
                              (row_id, write.item_id, tag.origin_version, label, write.vault_sha256, write.record_sha256))
             self._db.execute(f"INSERT INTO {live} VALUES (?, ?, ?, ?, ?)", (row_id, tag.version, tag.via, embedding, side_info))
+            self._count_rows(1)
             if write.record_sha256 is None:
                 self._log_changes([write.item_id])
         elif write.kind != "ignore":
@@ -815,25 +832,51 @@ class Gallery:
         return row[0]
 
 
-def _add_replication(db: sqlite3.Connection) -> None:
+def _migration(db: sqlite3.Connection, from_schema: str) -> bool:
+    """Inside a transaction: whether the gallery is still at ``from_schema`` (another process may
+    have migrated it meanwhile)."""
+    return db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == from_schema
+
+
+def _add_replication(db: sqlite3.Connection, sealer: Sealer) -> None:
     """Schema 1 -> 2 in one transaction: the replication tables, and a change for every row."""
     with _transaction(db):
-        if db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] != "1":
-            return  # another process migrated it meanwhile
+        if not _migration(db, "1"):
+            return
         db.execute("ALTER TABLE items ADD COLUMN record_sha256 TEXT")
         for statement in filter(str.strip, _REPLICATION_SCHEMA.split(";")):
             db.execute(statement)
         db.execute("INSERT INTO changes (item_id, tombstone) SELECT item_id, 0 FROM items ORDER BY row_id")
-        db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [("schema_version", "2"), ("replica_cursor", "0")])
+        db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [("schema_version", "2"), ("replica_cursor", "0")])
 
 
-def _add_row_extras(db: sqlite3.Connection) -> None:
+def _add_row_extras(db: sqlite3.Connection, sealer: Sealer) -> None:
     """Schema 2 -> 3 in one transaction: the (empty) per-row extras table."""
     with _transaction(db):
-        if db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] != "2":
-            return  # another process migrated it meanwhile
+        if not _migration(db, "2"):
+            return
         db.execute(_EXTRAS_SCHEMA)
-        db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', '3')")
+
+
+def _add_macs(db: sqlite3.Connection, sealer: Sealer) -> None:
+    """Schema 3 -> 4 in one transaction: authenticated settings and row count (:func:`add_macs`)."""
+    with _transaction(db):
+        if not _migration(db, "3"):
+            return
+        db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        add_macs(db, sealer)
+
+
+def _check_essential(path: Path, db: sqlite3.Connection, sealer: Sealer, meta: dict[str, tuple]) -> None:
+    """Authenticate the settings needed to open the gallery at all. When no setting at all
+    authenticates, the key is not the gallery's; when only some fail, the file is damaged."""
+    bad = [k for k in ESSENTIAL if k not in meta or not authentic(sealer, k, *meta[k])]
+    if not bad:
+        return
+    if not any(authentic(sealer, k, v, m) for k, (v, m) in meta.items()):
+        raise DeviceKeyError(f"{path} was not sealed with this device key: use the gallery's own key file (nothing was changed)")
+    raise GallerySettings(db, sealer, path).error(bad)
 
 
 def _tag_name(origin: int, version: int, via: str) -> str:
@@ -869,23 +912,3 @@ def take_rows(vectors: np.ndarray, rows: Sequence[int]) -> np.ndarray:
             raise GalleryError("the selected rows have vectors of different dims (rows of different spaces)")
         return np.stack(list(picked)).astype(np.float32, copy=False) if len(picked) else np.zeros((0, 0), np.float32)
     return picked
-
-
-class _transaction:
-    """BEGIN IMMEDIATE … COMMIT (ROLLBACK on any error): one atomic write."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.db.execute("BEGIN IMMEDIATE")
-        return self.db
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
-
-
-class _read_snapshot(_transaction):
-    def __enter__(self) -> sqlite3.Connection:
-        self.db.execute("BEGIN DEFERRED")
-        return self.db

@@ -318,11 +318,13 @@ def test_a_gallery_and_device_from_before_owners_are_migrated_and_replicate(serv
         for table in ("changes", "tombstones", "pending_records", "row_extras"):
             db.execute(f"DROP TABLE {table}")
         db.execute("ALTER TABLE items DROP COLUMN record_sha256")
+        db.execute("ALTER TABLE meta DROP COLUMN mac")
+        db.execute("DELETE FROM meta WHERE key = 'row_count'")
         db.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
         db.execute("DELETE FROM meta WHERE key = 'replica_cursor'")
     (root / "owner.key").unlink()
     with Device.open(root) as device:
-        assert (root / "owner.key").exists() and device.gallery.meta("schema_version") == "3"
+        assert (root / "owner.key").exists() and device.gallery.meta("schema_version") == "4"
         assert device.status()["replica"] == {"cursor": 0, "unpushed": 4, "pending": 0, "tombstones": 0}
         device.progress = False
         device.enrol(server.target, enrolment_code(server, owner="ivan"), device_name="old")

@@ -1,0 +1,89 @@
+"""The gallery's settings (its ``meta`` table), each authenticated under the device key.
+
+A setting is a row ``(key, value, mac)``; ``mac`` is HMAC-SHA256 of ``key NUL value`` under a
+key derived from the device key (:meth:`~fctkit.edge_runtime.crypto.Sealer.mac`). A value that
+was flipped, edited or swapped with another setting's, and a required setting that is gone,
+is found when it is read and named in a :class:`GalleryDamagedError`: nothing the gallery does
+rests on an unauthenticated setting. (A whole old copy of the file brings back old settings with
+valid MACs: like the rows, settings are bound to the key, not to time.)
+
+Galleries of schema 3 and older had no MACs: they get them, over the values as found, in the
+one transaction that migrates them (:func:`add_macs`).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable
+
+from fctkit.errors import GalleryDamagedError
+
+from .crypto import Sealer
+
+#: must be present in every gallery of schema 4 (the others are optional: absent = not set)
+REQUIRED = ("schema_version", "gallery_id", "key_check", "query_version", "live_vectors", "replica_cursor", "row_count")
+#: without these the gallery cannot be opened at all
+ESSENTIAL = ("schema_version", "gallery_id", "key_check")
+
+
+def setting_mac(sealer: Sealer, key: str, value: str) -> bytes:
+    return sealer.mac(b"fctkit-setting/1\0" + key.encode("utf-8", "surrogateescape") + b"\0"
+                      + value.encode("utf-8", "surrogateescape"))
+
+
+def authentic(sealer: Sealer, key: str, value: object, mac: object) -> bool:
+    return isinstance(value, str) and isinstance(mac, bytes) and setting_mac(sealer, key, value) == mac
+
+
+class GallerySettings:
+    """The settings of one gallery connection; writes join the caller's transaction."""
+
+    def __init__(self, db: sqlite3.Connection, sealer: Sealer, path: object) -> None:
+        self._db = db
+        self._sealer = sealer
+        self._path = path
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        """The setting's value (``default`` when not set); a damaged one, or a missing
+        :data:`REQUIRED` one, raises :class:`GalleryDamagedError`."""
+        row = self._db.execute("SELECT value, mac FROM meta WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            if key in REQUIRED:
+                raise self.error([key])
+            return default
+        if not authentic(self._sealer, key, *row):
+            raise self.error([key])
+        return row[0]
+
+    def put(self, values: dict[str, str | None]) -> None:
+        """Set (``None``: delete) settings, each with its MAC; call inside a transaction."""
+        for key, value in values.items():
+            if value is None:
+                self._db.execute("DELETE FROM meta WHERE key = ?", (key,))
+            else:
+                self._db.execute("INSERT OR REPLACE INTO meta (key, value, mac) VALUES (?, ?, ?)",
+                                 (key, value, setting_mac(self._sealer, key, value)))
+
+    def damaged(self) -> list[str]:
+        """Every setting that fails its MAC and every required one that is missing."""
+        rows = self._db.execute("SELECT key, value, mac FROM meta").fetchall()
+        bad = [key for key, value, mac in rows if not authentic(self._sealer, key, value, mac)]
+        present = {key for key, _, _ in rows}
+        return sorted({*bad, *(k for k in REQUIRED if k not in present)})
+
+    def error(self, keys: Iterable[str]) -> GalleryDamagedError:
+        keys = tuple(keys)
+        return GalleryDamagedError(
+            f"{self._path}: gallery setting(s) {', '.join(keys)} failed authentication or are missing (the file was "
+            f"modified or damaged); nothing was changed. Run `fctkit device repair --dir DIR`: it restores what can be "
+            f"derived and says how to rebuild the rest from the owner's replica", keys)
+
+
+def add_macs(db: sqlite3.Connection, sealer: Sealer) -> None:
+    """Schema 3 -> 4 (inside the caller's transaction): a MAC for every setting as found, and the
+    authenticated row count."""
+    db.execute("ALTER TABLE meta ADD COLUMN mac BLOB")
+    settings = GallerySettings(db, sealer, "")
+    values = dict(db.execute("SELECT key, value FROM meta").fetchall())
+    values["row_count"] = str(db.execute("SELECT COUNT(*) FROM items").fetchone()[0])
+    settings.put(values)

@@ -1,0 +1,110 @@
+"""The gallery's SQLite file: connections, transactions, and a damaged file as a kit error.
+
+Every statement on a gallery connection goes through :class:`GuardedConnection`: an SQLite
+error other than a constraint violation (a page SQLite cannot parse, a table or index a flipped
+byte made unreadable, an I/O error) becomes a :class:`GalleryDamagedError` that names the file
+and says what to do, never a bare ``sqlite3.DatabaseError`` traceback. Constraint violations
+stay ``sqlite3.IntegrityError``: callers turn them into their own messages (a duplicate id).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from fctkit.errors import GalleryDamagedError
+
+PAGE_SIZE = 16384  # a row's two sealed 128-d vectors are ~1.1 KB: several rows per page
+
+RECOVERY = ("run `fctkit device check --dir DIR` for a full report and `fctkit device repair --dir DIR` to restore "
+            "what the owner's replica holds")
+
+
+def damaged(path: Path | str, exc: sqlite3.Error) -> GalleryDamagedError:
+    if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+        return GalleryDamagedError(f"{path} is locked by another process for too long ({exc}); try again")
+    return GalleryDamagedError(f"{path} cannot be read: SQLite says {exc!r}; the file is damaged. {RECOVERY}")
+
+
+class _GuardedCursor(sqlite3.Cursor):
+    """A cursor whose SQLite errors (but constraint violations) are :class:`GalleryDamagedError`."""
+
+    def _guard(self, call, *args):
+        try:
+            return call(*args)
+        except sqlite3.IntegrityError:
+            raise
+        except sqlite3.Error as exc:
+            raise damaged(self.connection.path, exc) from None
+
+    def execute(self, sql, parameters=()):
+        return self._guard(super().execute, sql, parameters)
+
+    def executemany(self, sql, seq_of_parameters):
+        return self._guard(super().executemany, sql, seq_of_parameters)
+
+    def fetchone(self):
+        return self._guard(super().fetchone)
+
+    def fetchmany(self, size=1):
+        return self._guard(super().fetchmany, size)
+
+    def fetchall(self):
+        return self._guard(super().fetchall)
+
+    def __next__(self):
+        return self._guard(super().__next__)
+
+
+class GuardedConnection(sqlite3.Connection):
+    """An SQLite connection whose statements run on :class:`_GuardedCursor`."""
+
+    path: Path
+
+    def execute(self, sql, parameters=()):
+        return self.cursor(_GuardedCursor).execute(sql, parameters)
+
+    def executemany(self, sql, seq_of_parameters):
+        return self.cursor(_GuardedCursor).executemany(sql, seq_of_parameters)
+
+
+def connect(path: Path, *, new: bool = False) -> GuardedConnection:
+    """A connection in autocommit mode (transactions are explicit: :class:`transaction`), WAL,
+    fsync'd commits; plaintext columns are read back byte for byte, so a damaged one is a row
+    that fails its authentication, not a decoding error that stops every query."""
+    try:
+        db = sqlite3.connect(path, isolation_level=None, timeout=60.0, check_same_thread=False, factory=GuardedConnection)
+    except sqlite3.Error as exc:
+        raise damaged(path, exc) from None
+    db.path = path
+    db.text_factory = lambda data: data.decode("utf-8", "surrogateescape")
+    if new:
+        db.execute(f"PRAGMA page_size={PAGE_SIZE}")
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    return db
+
+
+class transaction:
+    """BEGIN IMMEDIATE … COMMIT (ROLLBACK on any error): one atomic write."""
+
+    begin = "BEGIN IMMEDIATE"
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.db.execute(self.begin)
+        return self.db
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.db.execute("COMMIT")
+        elif self.db.in_transaction:  # SQLite may have rolled back already (a damaged page)
+            self.db.execute("ROLLBACK")
+
+
+class read_snapshot(transaction):
+    """BEGIN DEFERRED … COMMIT: reads that see one consistent snapshot."""
+
+    begin = "BEGIN DEFERRED"
