@@ -151,10 +151,12 @@ def query_command(root, passphrase_env, images, k) -> None:
     with _open(root, passphrase_env) as device:
         for matches in device.query(pictures, k=k):
             click.echo(json.dumps([dataclasses.asdict(m) for m in matches]))
-        damaged = device.damaged_rows()
-    if damaged:  # never a silently shorter answer
-        click.echo(f"warning: {len(damaged)} damaged row(s) were left out of these answers (first: row {damaged[0][0]}, "
-                   f"{damaged[0][2]}); run `fctkit device check --dir DIR`", err=True)
+        damaged, missing = device.damaged_rows(), device.missing_rows()
+    if damaged or missing:  # never a silently shorter answer
+        first = f" (first: row {damaged[0][0]}, {damaged[0][2]})" if damaged else ""
+        gone = f" and {missing} row(s) are gone from the gallery file" if missing else ""
+        click.echo(f"warning: {len(damaged)} damaged row(s) were left out of these answers{first}{gone}; run "
+                   f"`fctkit device check --dir DIR`, then `fctkit device repair --dir DIR`", err=True)
         sys.exit(DAMAGED_EXIT)
 
 
@@ -168,6 +170,22 @@ def check_command(root, passphrase_env) -> None:
         report = device.check()
     _echo(report)
     if report["damaged"]:
+        sys.exit(DAMAGED_EXIT)
+
+
+@device_command.command("repair")
+@_DIR
+@_PASSPHRASE
+def repair_command(root, passphrase_env) -> None:
+    """Repair what `check` reports, in one step: settings that can be derived again are
+    rewritten, damaged rows are forgotten here and pulled back from the owner's replica (an
+    enrolled device), damaged per-row extras and queued originals are dropped. Prints what was
+    restored and what was removed (JSON); exits 3 when damage remains (the message says how to
+    rebuild the gallery from the replica)."""
+    with _open(root, passphrase_env) as device:
+        report = device.repair()
+    _echo(report)
+    if report["damaged_after"]:
         sys.exit(DAMAGED_EXIT)
 
 
@@ -234,9 +252,13 @@ def upgrade_command(root, passphrase_env, bundle_dirs, quiet) -> None:
 @_PASSPHRASE
 def status_command(root, passphrase_env) -> None:
     """The installed version, rows per space, queued uploads, any upgrade in progress, the
-    owner and the replica (cursor, pending records, unpushed changes)."""
+    owner and the replica (cursor, pending records, unpushed changes). Exits 3 when it reports
+    damage (damaged settings or rows, rows gone from the file)."""
     with _open(root, passphrase_env) as device:
-        _echo(device.status())
+        status = device.status()
+    _echo(status)
+    if status.get("damaged_settings") or status.get("damaged_rows") or status.get("missing_rows"):
+        sys.exit(DAMAGED_EXIT)
 
 
 @device_command.command("backfill")

@@ -38,14 +38,14 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fctkit.config import from_mapping, to_mapping
-from fctkit.errors import BundleError, ConfigError, DeviceError, FctkitError, InputError, RpcStatusError
+from fctkit.errors import BundleError, ConfigError, DeviceError, InputError, RpcStatusError
 from fctkit.private_files import make_private
 
 from .crypto import Sealer, new_key, owner_key_id, read_key_file, write_key_file
@@ -54,6 +54,7 @@ from .replication import ReplicationResult, apply_pending, replicate
 from .compatible import comparable_dims, compatible_rows
 from .engine import PREFERENCE, Engine, EngineConfig
 from .gallery import Gallery, LoadedRows, NewRow, VersionTag, take_rows
+from .repair import damage_report, repair_gallery
 from .scoring import (
     Scoring,
     TransitionState,
@@ -442,6 +443,7 @@ class Device:
         (``replicate``, on a device of an owner) pull and push the owner's gallery replica."""
         from fctkit.protos import fleet_pb2
 
+        self._refuse_damaged_settings()
         result = SyncResult(self.version, self.version)
         with self.client() as client:
             result.uploaded, result.still_queued = self.flush_outbox()
@@ -585,6 +587,7 @@ class Device:
         offer from every version the gallery's rows are in (direct adapters, hop by hop,
         "compatible" identity hops). A device with no model yet just installs them. Returns the
         rows upgraded."""
+        self._refuse_damaged_settings()
         state = self.gallery.upgrade_state
         done = self._run(UpgradePlan.from_state(state), None) if state is not None else 0
         if bundle_dirs is None:
@@ -699,28 +702,52 @@ class Device:
         """(row id, item id, reason) of the rows left out of searches because they fail to open."""
         return list(self._searchable()[2].corrupt)
 
+    def _refuse_damaged_settings(self) -> None:
+        """Before installing or upgrading anything: a gallery with damaged settings is repaired first."""
+        damaged = self.gallery.settings.damaged()
+        if damaged:
+            raise self.gallery.settings.error(damaged)
+
+    def missing_rows(self) -> int:
+        """Rows the gallery's authenticated row count has but its file no longer holds."""
+        return self._searchable()[2].missing
+
     def check(self) -> dict[str, Any]:
-        """Open everything the device keeps and report what is damaged, all at once: rows that fail
-        their authentication, per-row extras (previous embeddings, hubness offsets) and queued
-        originals; ``damaged`` is their total (0: all clean)."""
-        rows = self.gallery.load()
-        extras = {name: [(r, i, why) for r, i, why in self.gallery.load_extras(name).corrupt]
-                  for name in ("previous_embedding", "hubness_offset")}
-        originals = []
-        for item_id, blob in self.gallery.outbox():
-            try:
-                self.open_original(item_id, blob)
-            except FctkitError as exc:
-                originals.append((item_id, str(exc)))
-        report = {"rows": len(rows) + len(rows.corrupt), "damaged_rows": [list(r) for r in rows.corrupt],
-                  "damaged_extras": {k: [list(r) for r in v] for k, v in extras.items() if v},
-                  "damaged_queued_originals": [list(o) for o in originals]}
-        report["damaged"] = len(rows.corrupt) + sum(map(len, extras.values())) + len(originals)
+        """Open everything the device keeps and report what is damaged, all at once
+        (:func:`~fctkit.edge_runtime.repair.damage_report`); ``damaged`` is the total (0: clean)."""
+        return damage_report(self.gallery, self.open_original)
+
+    def repair(self) -> dict[str, Any]:
+        """Repair the gallery (:func:`~fctkit.edge_runtime.repair.repair_gallery`: derivable settings,
+        damaged rows, extras and queued originals, in one transaction); then, on a device of an
+        owner with a server, pull the owner's replica again, which brings back every forgotten or
+        missing row it holds. Rows it does not hold stay removed and are listed."""
+        result = repair_gallery(self.gallery, self.open_original, self.installed_versions())
+        self._index_cache = None
+        report: dict[str, Any] = asdict(result)
+        lost = result.rows_forgotten
+        if (lost or result.rows_missing) and self.settings.owner_id and self.settings.server:
+            report["replication"] = asdict(self.replicate())
+        elif lost or result.rows_missing:
+            report["replication"] = None
+            report["next"] = "this device has no owner's replica (not enrolled): the damaged rows are removed here"
+        back = set(self.gallery.load_items(lost)[0].item_ids) if lost else set()
+        report["rows_restored"] = [i for i in lost if i in back]
+        report["rows_removed"] = [i for i in lost if i not in back]
+        if self.version:
+            store_hubness_offsets(self.gallery, self.engine())
+        report["damaged_after"] = self.check()["damaged"]
         return report
 
     # -- status -----------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
+        """What the device holds and does; damage is reported (``damaged_settings`` alone when
+        settings are damaged, else ``damaged_rows`` / ``missing_rows`` when rows are)."""
+        damaged_settings = self.gallery.settings.damaged()
+        if damaged_settings:
+            return {"device": str(self.root), "device_id": self.settings.device_id, "damaged_settings": damaged_settings,
+                    "next": "run `fctkit device repair --dir DIR`"}
         state = self.gallery.upgrade_state
         result: dict[str, Any] = {
             "device": str(self.root), "device_id": self.settings.device_id, "server": self.settings.server,
@@ -739,6 +766,11 @@ class Device:
             engine = self.engine()
             result.update(mode=engine.manifest.mode, distance=engine.manifest.distance, provider=engine.provider,
                           scoring=scoring_of(engine.manifest, self.transition).kind)
+        if self.version:
+            damaged, missing = len(self.damaged_rows()), self.missing_rows()
+            if damaged or missing:
+                result.update(damaged_rows=damaged, missing_rows=missing, next="run `fctkit device check --dir DIR`, "
+                              "then `fctkit device repair --dir DIR`")
         transition = self.transition
         if transition is not None:
             result["transition"] = {"from_version": transition.previous_version, "weight": transition.weight,

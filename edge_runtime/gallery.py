@@ -550,6 +550,44 @@ class Gallery:
             original = row[1] if row is not None and delete_original else None
             self._db.execute("INSERT OR IGNORE INTO tombstones VALUES (?, ?)", (item_id, original))
 
+    # -- repair (:mod:`.repair`) ------------------------------------------------------------
+
+    def forget_rows(self, item_ids: Sequence[str], *, drop_queued: Sequence[str] = (),
+                    drop_extras: Sequence[tuple[str, int]] = (), settings: dict[str, str | None] | None = None,
+                    clear_table: str | None = None) -> int:
+        """One repair transaction: forget damaged rows here only (no tombstone: the owner's other
+        devices keep the items, and the replica can bring them back; a queued original stays
+        queued), drop damaged queued originals and (field, row id) extras, empty ``clear_table``
+        (the staged vectors of an upgrade given up), set ``settings``, and take the row count
+        afresh. Returns the rows forgotten."""
+        with _transaction(self._db):
+            self._set_meta(settings or {})
+            forgotten = 0
+            for item_id in item_ids:
+                row = self._db.execute("SELECT row_id FROM items WHERE item_id = ?", (item_id,)).fetchone()
+                if row is not None:
+                    for table in ("items", *VECTOR_TABLES, "row_extras"):
+                        self._db.execute(f"DELETE FROM {table} WHERE row_id = ?", row)
+                    self._db.execute("DELETE FROM changes WHERE item_id = ? AND sealed IS NULL", (item_id,))
+                    forgotten += 1
+            if clear_table is not None:  # an upgrade given up: its staged rows go, the live ones are untouched
+                self._db.execute(f"DELETE FROM {VECTOR_TABLES[VECTOR_TABLES.index(clear_table)]}")
+            self._db.executemany("DELETE FROM outbox WHERE item_id = ?", [(i,) for i in drop_queued])
+            self._db.executemany("DELETE FROM row_extras WHERE field = ? AND row_id = ?", drop_extras)
+            count = self._db.execute("SELECT COUNT(*) FROM items").fetchone()[0]
+            self._set_meta({"row_count": str(count)})
+        return forgotten
+
+    def vector_table_rows(self) -> dict[str, int]:
+        """Rows per vector table (to tell the live one when its setting is damaged)."""
+        return {t: self._db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in VECTOR_TABLES}
+
+    def table_versions(self, table: str) -> list[int]:
+        """The distinct versions of the rows of one vector table."""
+        if table not in VECTOR_TABLES:
+            raise GalleryError(f"no vector table {table!r}")
+        return [v for v, in self._db.execute(f"SELECT DISTINCT version FROM {table} ORDER BY version")]
+
     def _log_changes(self, item_ids: Sequence[str] = (), *, tombstone: bool = False, select_sql: str | None = None) -> None:
         """Inside a transaction: the items changed locally (``item_ids``, or the rows of a
         ``SELECT item_id ...`` query); one unsealed change per item (the content is read when

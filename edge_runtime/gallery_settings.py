@@ -13,8 +13,9 @@ one transaction that migrates them (:func:`add_macs`).
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from fctkit.errors import GalleryDamagedError
 
@@ -42,10 +43,24 @@ class GallerySettings:
         self._db = db
         self._sealer = sealer
         self._path = path
+        self._override: dict[str, str | None] = {}
+
+    @contextlib.contextmanager
+    def override(self, values: dict[str, str | None]) -> Iterator[None]:
+        """Read ``values`` instead of the stored settings meanwhile (repair reads the rows with
+        the settings it derived before it writes them)."""
+        self._override = dict(values)
+        try:
+            yield
+        finally:
+            self._override = {}
 
     def get(self, key: str, default: str | None = None) -> str | None:
         """The setting's value (``default`` when not set); a damaged one, or a missing
         :data:`REQUIRED` one, raises :class:`GalleryDamagedError`."""
+        if key in self._override:
+            value = self._override[key]
+            return default if value is None else value
         row = self._db.execute("SELECT value, mac FROM meta WHERE key = ?", (key,)).fetchone()
         if row is None:
             if key in REQUIRED:
@@ -73,10 +88,14 @@ class GallerySettings:
 
     def error(self, keys: Iterable[str]) -> GalleryDamagedError:
         keys = tuple(keys)
-        return GalleryDamagedError(
-            f"{self._path}: gallery setting(s) {', '.join(keys)} failed authentication or are missing (the file was "
-            f"modified or damaged); nothing was changed. Run `fctkit device repair --dir DIR`: it restores what can be "
-            f"derived and says how to rebuild the rest from the owner's replica", keys)
+        if set(keys) & set(ESSENTIAL):
+            advice = ("the gallery cannot be opened: rebuild it from the owner's replica (README, "
+                      "\"Recovering a damaged device\")")
+        else:
+            advice = ("run `fctkit device repair --dir DIR`: it derives them again where it can, and otherwise says how "
+                      "to rebuild the gallery from the owner's replica")
+        return GalleryDamagedError(f"{self._path}: gallery setting(s) {', '.join(keys)} failed authentication or are "
+                                   f"missing (the file was modified or damaged); nothing was changed; {advice}", keys)
 
 
 def add_macs(db: sqlite3.Connection, sealer: Sealer) -> None:

@@ -1,0 +1,150 @@
+"""Finding and repairing damage in a device's gallery (``fctkit device check`` / ``repair``).
+
+:func:`damage_report` opens everything the gallery keeps and lists all damage at once.
+:func:`repair_gallery` fixes, in one transaction, what can be fixed on the device alone:
+
+* settings that can be derived again: ``replica_cursor`` (0: the next pull merges the owner's
+  whole replica again, idempotently), ``row_count`` (recounted), ``transition`` (ended),
+  ``backfill`` and ``uncertainty:v…`` (dropped: a backfill plans again; the FastFill order
+  needs the next upgrade's σ), ``upgrade`` (the upgrade is given up: its staged rows go, the
+  live rows are untouched, and the installed version stays to be applied again),
+  ``live_vectors`` (the vector table that holds rows) and ``query_version`` (the version the
+  live rows are in; for an empty gallery the newest installed version);
+* rows that fail to open are forgotten here, without a tombstone, so the device (``Device.repair``)
+  can pull them back from the owner's replica; per-row extras that fail to open are dropped
+  (hubness offsets are computed again; a row without a previous embedding scores on its adapted
+  vector); damaged queued originals are dropped (they would upload garbage).
+
+What cannot be derived (the essential settings, a live table that cannot be told) raises a
+:class:`GalleryDamagedError` whose message says how to rebuild the gallery from the replica.
+Works on a :class:`~fctkit.edge_runtime.gallery.Gallery` and plain callables, not on a Device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fctkit.errors import FctkitError, GalleryDamagedError
+
+from .gallery import EXTRA_FIELDS, VECTOR_TABLES, Gallery
+
+DROPPED_WHEN_DAMAGED = ("transition", "backfill", "upgrade")
+DROPPED_PREFIXES = ("uncertainty:v",)
+REBUILD = ("rebuild it from the owner's replica: move the device directory DIR away, run `fctkit device init --dir NEW "
+           "--import-key DIR/owner.key`, `fctkit device enrol --dir NEW` with a code for the same owner, and "
+           "`fctkit device sync --dir NEW` (rows not yet pushed from DIR are lost)")
+
+OpenOriginal = Callable[[str, bytes], Any]
+
+
+@dataclass
+class RepairResult:
+    """What :func:`repair_gallery` did."""
+
+    settings_restored: dict[str, str | None] = field(default_factory=dict)
+    rows_forgotten: list[str] = field(default_factory=list)
+    rows_missing: int = 0
+    extras_dropped: int = 0
+    queued_originals_dropped: list[str] = field(default_factory=list)
+
+
+def damage_report(gallery: Gallery, open_original: OpenOriginal) -> dict[str, Any]:
+    """Everything damaged, all at once: settings, rows (and rows gone from the file), per-row
+    extras, queued originals; a part SQLite cannot read is named under ``unreadable``.
+    ``damaged`` counts it all (0: clean)."""
+    unreadable: dict[str, str] = {}
+
+    def read(part: str, load: Callable[[], Any], empty: Any) -> Any:
+        try:
+            return load()
+        except GalleryDamagedError as exc:
+            unreadable[part] = str(exc)
+            return empty
+
+    settings = gallery.settings.damaged()
+    rows = read("rows", gallery.load, None)
+    extras = {name: read(name, lambda n=name: gallery.load_extras(n).corrupt, []) for name in EXTRA_FIELDS}
+    originals = read("queued_originals", lambda: damaged_originals(gallery, open_original), [])
+    report: dict[str, Any] = {
+        "damaged_settings": settings,
+        "rows": None if rows is None else len(rows) + len(rows.corrupt),
+        "damaged_rows": [] if rows is None else [list(r) for r in rows.corrupt],
+        "missing_rows": 0 if rows is None else rows.missing,
+        "damaged_extras": {k: [list(r) for r in v] for k, v in extras.items() if v},
+        "damaged_queued_originals": [list(o) for o in originals],
+    }
+    if unreadable:
+        report["unreadable"] = unreadable
+    report["damaged"] = (len(settings) + len(report["damaged_rows"]) + report["missing_rows"]
+                         + sum(map(len, extras.values())) + len(originals) + len(unreadable))
+    return report
+
+
+def damaged_originals(gallery: Gallery, open_original: OpenOriginal) -> list[tuple[str, str]]:
+    found = []
+    for item_id, blob in gallery.outbox():
+        try:
+            open_original(item_id, blob)
+        except FctkitError as exc:
+            found.append((item_id, str(exc)))
+    return found
+
+
+def derived_settings(gallery: Gallery, damaged: Sequence[str], installed_versions: Sequence[int]) -> tuple[dict[str, str | None], str | None]:
+    """New values (None: delete) for the damaged settings that can be derived, and the live
+    table to empty when an upgrade is given up; a setting that cannot be derived raises."""
+    values: dict[str, str | None] = {}
+    for key in damaged:
+        if key in DROPPED_WHEN_DAMAGED or key.startswith(DROPPED_PREFIXES):
+            values[key] = None
+        elif key == "replica_cursor":
+            values[key] = "0"
+    live = gallery.settings.get("live_vectors") if "live_vectors" not in damaged else _derived_live(gallery, damaged)
+    if "live_vectors" in damaged:
+        values["live_vectors"] = live
+    if "query_version" in damaged:
+        versions = gallery.table_versions(live)
+        values["query_version"] = str(max(versions) if versions else max(installed_versions, default=0))
+    upgrade_given_up = "upgrade" in damaged or (gallery.settings.get("upgrade") is not None and "live_vectors" in damaged)
+    if upgrade_given_up:
+        values["upgrade"] = None
+    left = [k for k in damaged if k not in values and k != "row_count"]
+    if left:
+        raise GalleryDamagedError(f"{gallery.path}: setting(s) {', '.join(left)} are damaged and cannot be derived; {REBUILD}", tuple(left))
+    other = VECTOR_TABLES[1 - VECTOR_TABLES.index(live)]
+    return values, other if upgrade_given_up else None
+
+
+def _derived_live(gallery: Gallery, damaged: Sequence[str]) -> str:
+    """The live vector table when its setting is damaged: the one that holds rows (both empty:
+    the first); undecidable while both hold rows (an upgrade's staged rows)."""
+    counts = gallery.vector_table_rows()
+    holding = [t for t, n in counts.items() if n]
+    if len(holding) > 1:
+        raise GalleryDamagedError(f"{gallery.path}: live_vectors is damaged and both vector tables hold rows (an upgrade "
+                                  f"was under way), so the live one cannot be told; {REBUILD}", ("live_vectors",))
+    return holding[0] if holding else VECTOR_TABLES[0]
+
+
+def repair_gallery(gallery: Gallery, open_original: OpenOriginal, installed_versions: Sequence[int]) -> RepairResult:
+    """Fix what can be fixed on the device alone, in one transaction (see the module doc)."""
+    damaged = gallery.settings.damaged()
+    settings, clear_table = derived_settings(gallery, damaged, installed_versions)
+    result = RepairResult(settings_restored=settings)
+    unknown_count = {"row_count": "0"} if "row_count" in damaged else {}  # forget_rows counts afresh
+    with gallery.settings.override({**settings, **unknown_count}):  # the rows are read with the derived settings
+        rows = gallery.load(with_labels=False)
+        bad_extras = [(name, r) for name in EXTRA_FIELDS for r, _, _ in gallery.load_extras(name).corrupt]
+    result.rows_forgotten = [item for _, item, _ in rows.corrupt]
+    result.rows_missing = rows.missing
+    result.extras_dropped = len(bad_extras)
+    result.queued_originals_dropped = [item for item, _ in damaged_originals(gallery, open_original)]
+    if "transition" in damaged:
+        bad_extras += [("previous_embedding", r) for r in gallery.load_extras("previous_embedding").row_ids.tolist()]
+    if result.rows_forgotten or result.rows_missing:  # the next pull brings back what the owner's replica has
+        settings = {**settings, "replica_cursor": "0"}
+    gallery.forget_rows(result.rows_forgotten, drop_queued=result.queued_originals_dropped, drop_extras=bad_extras,
+                        settings=settings, clear_table=clear_table)
+    return result

@@ -1,0 +1,140 @@
+"""Damage the device cannot hide, and repair in one step (issue 19 part 3): authenticated gallery
+settings, an authenticated row count, SQLite errors as kit errors, `fctkit device repair`."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import numpy as np
+import pytest
+
+from tests.edge.conftest import device_cli
+from tests.edge.test_replication_edge import enrolled, server, state  # noqa: F401 (server is a fixture)
+
+from fctkit.edge_runtime import Device
+from fctkit.errors import DeviceKeyError, GalleryDamagedError, GalleryError
+
+
+def _filled(make_device, tiny_bundles, images, name="dev", n=12) -> Device:
+    device = make_device(name)
+    device.upgrade(tiny_bundles[1])
+    device.add(images(n, seed=5), item_ids=[f"it{i:02d}" for i in range(n)], labels=[f"L{i}" for i in range(n)], upload=False)
+    return device
+
+
+def _sql(device: Device, *statements: str) -> None:
+    root = device.root
+    device.close()
+    with sqlite3.connect(root / "gallery.sqlite") as db:
+        for statement in statements:
+            db.execute(statement)
+
+
+def _answers(device: Device, queries: np.ndarray) -> list[list[str]]:
+    return [[m.item_id for m in found] for found in device.query(queries, k=4)]
+
+
+@pytest.mark.parametrize("edit, searched", [
+    ("UPDATE meta SET value = '0' WHERE key = 'query_version'", True),
+    ("DELETE FROM meta WHERE key = 'query_version'", True),
+    ("UPDATE meta SET mac = x'00' WHERE key = 'live_vectors'", True),
+    ("UPDATE meta SET value = '7' WHERE key = 'replica_cursor'", False),
+    ("UPDATE meta SET value = '13' WHERE key = 'row_count'", True),
+])
+def test_a_damaged_setting_is_reported_never_used_and_repair_derives_it_again(make_device, tiny_bundles, images, edit, searched):
+    device = _filled(make_device, tiny_bundles, images)
+    queries = images(3, seed=9)
+    before, root = _answers(device, queries), device.root
+    _sql(device, edit)
+    with Device.open(root) as damaged:
+        status = damaged.status()
+        assert status["damaged_settings"] and "repair" in status["next"]
+        assert damaged.check()["damaged"] >= 1
+        if searched:
+            with pytest.raises(GalleryDamagedError, match="failed authentication or are missing"):
+                damaged.query(queries)
+        else:  # a setting searches do not read: the answers stay right, status and check report it
+            assert _answers(damaged, queries) == before
+        with pytest.raises(GalleryDamagedError):  # the kit's own advice never installs over a damaged gallery
+            damaged.upgrade(tiny_bundles[2])
+        assert damaged.installed_versions() == [1]
+        report = damaged.repair()
+        assert report["damaged_after"] == 0 and set(report["settings_restored"]) <= set(status["damaged_settings"])
+        assert _answers(damaged, queries) == before
+        assert damaged.upgrade(tiny_bundles[2]) == 12 and damaged.check()["damaged"] == 0
+
+
+def test_a_damaged_essential_setting_names_itself_and_a_wrong_key_stays_a_key_error(make_device, tiny_bundles, images, tmp_path):
+    device = _filled(make_device, tiny_bundles, images)
+    root = device.root
+    _sql(device, "UPDATE meta SET value = 'ff' || substr(value, 3) WHERE key = 'gallery_id'")
+    with pytest.raises(GalleryDamagedError, match="gallery_id.*rebuild it from the owner's replica") as caught:
+        Device.open(root)
+    assert caught.value.settings == ("gallery_id",)
+    other = make_device("other")
+    other.close()
+    (tmp_path / "other" / "gallery.sqlite").unlink()
+    (tmp_path / "other" / "gallery.sqlite").write_bytes((tmp_path / "dev" / "gallery.sqlite").read_bytes())
+    with pytest.raises(DeviceKeyError, match="not sealed with this device key"):
+        Device.open(tmp_path / "other")
+
+
+def test_a_row_gone_from_the_file_is_reported_by_query_status_and_check(make_device, tiny_bundles, images):
+    device = _filled(make_device, tiny_bundles, images)
+    root = device.root
+    _sql(device, "DELETE FROM vectors_0 WHERE row_id = 3", "DELETE FROM items WHERE row_id = 5", "DELETE FROM vectors_0 WHERE row_id = 5")
+    with Device.open(root) as damaged:
+        assert len(damaged.query(images(1, seed=1), k=20)[0]) == 10
+        assert [r[0] for r in damaged.damaged_rows()] == [3] and damaged.missing_rows() == 1
+        status = damaged.status()
+        assert status["damaged_rows"] == 1 and status["missing_rows"] == 1
+        report = damaged.check()
+        assert report["missing_rows"] == 1 and len(report["damaged_rows"]) == 1 and report["damaged"] == 2
+    proc = device_cli("query", "--dir", str(root), "-k", "3", _npy(root, images(1, seed=1)))
+    assert proc.returncode == 3 and "1 damaged row(s)" in proc.stderr and "1 row(s) are gone" in proc.stderr
+    proc = device_cli("status", "--dir", str(root))
+    assert proc.returncode == 3 and '"missing_rows": 1' in proc.stdout
+    # not enrolled: repair removes what no replica can restore, in one step, and says so
+    proc = device_cli("repair", "--dir", str(root))
+    assert proc.returncode == 0, proc.stderr
+    assert '"rows_removed": [\n    "it02"' in proc.stdout and "not enrolled" in proc.stdout
+    with Device.open(root) as repaired:
+        assert repaired.check()["damaged"] == 0 and len(repaired.gallery) == 10
+
+
+def test_repair_brings_damaged_and_missing_rows_back_from_the_owners_replica(server, make_device, images):  # noqa: F811
+    device = enrolled(make_device, server, "phone", "olga")
+    device.add(images(12, seed=4), item_ids=[f"p{i:02d}" for i in range(12)], labels=[f"L{i}" for i in range(12)])
+    device.sync()
+    expected, root = state(device), device.root
+    _sql(device, "UPDATE vectors_0 SET embedding = zeroblob(length(embedding)) WHERE row_id = 2",
+         "DELETE FROM items WHERE row_id = 7", "DELETE FROM vectors_0 WHERE row_id = 7")
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        report = damaged.repair()
+        assert report["rows_forgotten"] == ["p01"] and report["rows_missing"] == 1
+        assert report["rows_restored"] == ["p01"] and report["rows_removed"] == [] and report["damaged_after"] == 0
+        assert state(damaged) == expected  # bit for bit, the missing row included
+        assert damaged.sync().replication.pushed == 0  # nothing to push again: the records were the owner's own
+
+
+def test_sqlite_damage_is_a_kit_error_never_a_traceback(make_device, tiny_bundles, images):
+    device = _filled(make_device, tiny_bundles, images, n=200)
+    root = device.root
+    device.close()
+    path = root / "gallery.sqlite"
+    data = bytearray(path.read_bytes())
+    page = 16384
+    data[3 * page:4 * page] = bytes([0xA5]) * page  # one b-tree page of garbage
+    path.write_bytes(bytes(data))
+    with pytest.raises(GalleryError) as caught:
+        with Device.open(root) as damaged:
+            damaged.query(images(1))
+            damaged.check()
+    assert "damaged" in str(caught.value) or "fail" in str(caught.value)
+
+
+def _npy(root, array) -> str:
+    path = root.parent / "queries.npy"
+    np.save(path, array)
+    return str(path)
