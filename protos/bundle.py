@@ -33,7 +33,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -558,7 +558,7 @@ def load_public_key(path_or_bytes: str | os.PathLike | bytes | Ed25519PublicKey)
         return Ed25519PublicKey.from_public_bytes(data)
     try:
         key = serialization.load_pem_public_key(data)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:  # a damaged PEM may name another algorithm
         raise PublisherKeyError(
             f"{where} is not an Ed25519 public key (PEM or raw 32 bytes); use the publisher.pub written by "
             "`fctkit keys generate`"

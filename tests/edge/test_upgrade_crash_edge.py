@@ -1,9 +1,14 @@
 """Crash safety: a subprocess upgrading a 20k-row gallery is SIGKILLed at 36 moments (random
 times, mid-batch, mid-commit); after every kill the gallery is consistent, restarts finish
-the job, and the result equals an uninterrupted upgrade bit for bit after decryption."""
+the job, and the result equals an uninterrupted upgrade bit for bit after decryption (so no
+row is lost, duplicated or transformed twice).
+
+The issue's count (≥ 100 kills) is ``FCTKIT_CRASH_KILLS=120 .venv/bin/python -m pytest -s
+tests/edge/test_upgrade_crash_edge.py`` (``-s`` prints the counts)."""
 
 from __future__ import annotations
 
+import os
 import queue
 import random
 import shutil
@@ -20,6 +25,7 @@ from fctkit.edge_runtime import Device, Gallery
 from fctkit.edge_runtime.crypto import read_key_file
 
 ROWS, BATCH = 20_000, 500
+KILLS = int(os.environ.get("FCTKIT_CRASH_KILLS", "36"))
 
 # Restart logic of a device app: resume a stored upgrade, else upgrade to the bundle.
 # The hooks print "batch" when a batch is read and "commit" just before COMMIT is sent.
@@ -108,11 +114,11 @@ def test_sigkill_anywhere_then_restart_equals_uninterrupted(tmp_path, make_devic
     kills = attempts = rounds = 0
     # A fast machine can finish a gallery's upgrade between kills; then that copy is checked
     # and a fresh copy takes the next kills, until 36 kills have landed (bounded).
-    while kills < 36 and attempts < 300:
+    while kills < KILLS and attempts < 8 * KILLS:
         root = tmp_path / f"crash{rounds}"
         shutil.copytree(source.root, root)
         rounds += 1
-        while kills < 36 and attempts < 300:
+        while kills < KILLS and attempts < 8 * KILLS:
             killed = _kill_somewhere(root, tiny_bundles[2], rng, strategies[attempts % 3])
             attempts += 1
             _check_consistent(root, key)
@@ -127,4 +133,6 @@ def test_sigkill_anywhere_then_restart_equals_uninterrupted(tmp_path, make_devic
         assert np.array_equal(got.side_infos, expected.side_infos)
         with Device.open(root) as device:
             assert device.version == 2 and device.gallery.upgrade_state is None
-    assert kills >= 30
+    print(f"\n{kills} SIGKILLs in {attempts} attempts over {rounds} galleries of {ROWS} rows: every restart consistent, "
+          f"every finished gallery equal to the uninterrupted upgrade (0 rows lost, duplicated or transformed twice)")
+    assert kills >= KILLS * 5 // 6
