@@ -175,7 +175,8 @@ def _comparable_rows(device: Device) -> LoadedRows:
     _, rows = device.searchable()
     if rows.corrupt:
         row_id, item_id, reason = rows.corrupt[0]
-        raise GalleryError(f"row {row_id} ({item_id!r}) cannot be read: {reason}; remove it before backfilling")
+        raise GalleryError(f"row {row_id} ({item_id!r}) cannot be read: {reason}; run `fctkit device repair --dir DIR` "
+                           f"(it restores damaged rows from the owner's replica or removes them), then backfill again")
     return rows
 
 

@@ -726,11 +726,14 @@ class Device:
         self._index_cache = None
         report: dict[str, Any] = asdict(result)
         lost = result.rows_forgotten
-        if (lost or result.rows_missing) and self.settings.owner_id and self.settings.server:
-            report["replication"] = asdict(self.replicate())
-        elif lost or result.rows_missing:
+        if (lost or result.rows_missing) and not (self.settings.owner_id and self.settings.server):
             report["replication"] = None
             report["next"] = "this device has no owner's replica (not enrolled): the damaged rows are removed here"
+        elif (lost or result.rows_missing) and self.gallery.upgrade_state is not None:
+            report["replication"] = None  # replication waits for the upgrade; the replica cursor is already back at 0
+            report["next"] = "finish the upgrade (`fctkit device upgrade --dir DIR`); the next sync brings the rows back"
+        elif lost or result.rows_missing:
+            report["replication"] = asdict(self.replicate())
         back = set(self.gallery.load_items(lost)[0].item_ids) if lost else set()
         report["rows_restored"] = [i for i in lost if i in back]
         report["rows_removed"] = [i for i in lost if i not in back]

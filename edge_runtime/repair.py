@@ -32,8 +32,9 @@ from .gallery import EXTRA_FIELDS, VECTOR_TABLES, Gallery
 
 DROPPED_WHEN_DAMAGED = ("transition", "backfill", "upgrade")
 DROPPED_PREFIXES = ("uncertainty:v",)
-REBUILD = ("rebuild it from the owner's replica: move the device directory DIR away, run `fctkit device init --dir NEW "
-           "--import-key DIR/owner.key`, `fctkit device enrol --dir NEW` with a code for the same owner, and "
+REBUILD = ("rebuild it from the owner's replica: move the device directory DIR away, then run "
+           "`fctkit device init --dir NEW --import-key DIR/owner.key`, "
+           "`fctkit device enrol --dir NEW --server HOST:PORT --code CODE` (a code for the same owner) and "
            "`fctkit device sync --dir NEW` (rows not yet pushed from DIR are lost)")
 
 OpenOriginal = Callable[[str, bytes], Any]

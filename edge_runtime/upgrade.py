@@ -148,7 +148,10 @@ def run_upgrade(gallery: Gallery, plan: UpgradePlan, engines: Mapping[int, Engin
                 batch = upcoming.result()
                 if batch.corrupt:
                     row_id, item_id, reason = batch.corrupt[0]
-                    raise GalleryError(f"row {row_id} ({item_id!r}) cannot be upgraded: {reason}; remove it and run the upgrade again")
+                    raise GalleryError(f"row {row_id} ({item_id!r}) cannot be upgraded: {reason}; run "
+                                       f"`fctkit device check --dir DIR` to list every damaged row, "
+                                       f"`fctkit device repair --dir DIR` to restore them from the owner's replica or "
+                                       f"remove them, then the upgrade again (it resumes)")
                 if not len(batch):
                     if last_row_id == 0 or gallery.remaining(plan.target) == 0:
                         return done

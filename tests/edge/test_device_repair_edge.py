@@ -138,3 +138,20 @@ def _npy(root, array) -> str:
     path = root.parent / "queries.npy"
     np.save(path, array)
     return str(path)
+
+
+def test_an_upgrade_stopped_by_a_damaged_row_goes_on_after_repair(make_device, tiny_bundles, images):
+    device = make_device("upgrading", batch_size=4)
+    device.upgrade(tiny_bundles[1])
+    device.add(images(12, seed=5), item_ids=[f"it{i:02d}" for i in range(12)], upload=False)
+    root = device.root
+    _sql(device, "UPDATE vectors_0 SET side_info = zeroblob(40) WHERE row_id = 6")
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        with pytest.raises(GalleryError, match=r"row 6 \('it05'\) cannot be upgraded.*fctkit device repair"):
+            damaged.upgrade(tiny_bundles[2])
+        assert damaged.gallery.upgrade_state is not None  # stopped mid-way, resumable
+        report = damaged.repair()
+        assert report["rows_removed"] == ["it05"] and report["damaged_after"] == 0
+        damaged.upgrade()
+        assert damaged.version == 2 and damaged.gallery.tag_counts() == {"v1->v2 (forward)": 11}
