@@ -46,6 +46,12 @@ in ``pending_records``).
 Every record is sealed with AES-256-GCM under the device key; its authenticated data is
 ``gallery id | row id | item id | origin | version | via | field``. A modified, truncated,
 swapped or replayed record fails to open and is reported as corrupt; the other rows load.
+
+Settings (schema 4, :mod:`fctkit.edge_runtime.gallery_settings`): every ``meta`` row carries an
+HMAC under the device key, so a damaged query version, live table, cursor or upgrade state is
+named, never used; ``meta.row_count`` (authenticated, moved in the transaction of every add and
+removal) makes a row gone from the file a reported loss, not a shorter answer. SQLite errors on a
+damaged file are :class:`GalleryDamagedError` (:mod:`fctkit.edge_runtime.sqlite_file`).
 """
 
 from __future__ import annotations
