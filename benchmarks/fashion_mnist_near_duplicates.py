@@ -30,8 +30,8 @@ epochs for quick runs), trained on the 60,000 train images as ``fctkit train`` d
   new: wider CNN (64-d) on all train images of all 10 classes, seed ``s + 1``;
   ψ:   SimCLR (16-d) on the old-class train images, no labels, seed ``s + 2`` — gallery items only.
 They are saved under ``<out>/models/`` (``old_backbone.pt``, ``new_backbone.pt``,
-``side_info.pt``, ``models.json``), each as soon as it is trained, so an interrupted build
-resumes with the models it already has; ``--reuse-models`` requires all three (the seed and
+``side_info.pt``, ``models.json``), each as soon as it is trained, and each model's training
+checkpoints every epoch, so an interrupted build resumes where it stopped; ``--reuse-models`` requires all three (the seed and
 epochs scale must match those recorded in ``models.json``).
 
 Augmentation (numpy + scipy.ndimage only, deterministic from the seed; :func:`augment`):
@@ -193,26 +193,29 @@ def train_models(config, train_images: np.ndarray, train_labels: np.ndarray, see
     old_classes = sorted(set(train_labels[old_items].tolist()))
 
     def trained(role: str, what: str, train, save, load):
+        """``train(checkpoint)``: a killed build resumes mid-model from its epoch checkpoint."""
         path = models_dir / MODEL_FILES[role]
         if path.is_file():
             log(f"{what}: reusing {path}")
             return load(path, device)
         log(what)
-        model = train()
+        model = train(path.with_name(path.name + ".checkpoint"))
         save(model, path)
         return model
 
     old = trained("old", f"old backbone ({old_cfg.architecture}, {old_cfg.embedding_dim}-d, {old_cfg.epochs} epochs) on "
                   f"{len(old_items)} train images of classes {old_classes}",
-                  lambda: train_backbone(train_images[old_items], train_labels[old_items], old_cfg, seed, config.device),
+                  lambda ckpt: train_backbone(train_images[old_items], train_labels[old_items], old_cfg, seed, config.device,
+                                              checkpoint=ckpt),
                   save_backbone, load_backbone)
     new = trained("new", f"new backbone ({new_cfg.architecture}, {new_cfg.embedding_dim}-d, {new_cfg.epochs} epochs) on "
                   f"{len(train_images)} train images of all {len(np.unique(train_labels))} classes",
-                  lambda: train_backbone(train_images, train_labels, new_cfg, seed + 1, config.device),
+                  lambda ckpt: train_backbone(train_images, train_labels, new_cfg, seed + 1, config.device, checkpoint=ckpt),
                   save_backbone, load_backbone)
     side = trained("side", f"side-info model ψ ({side_cfg.kind}, {side_cfg.dim}-d, {side_cfg.epochs} epochs) on the "
                    f"old-class train images",
-                   lambda: train_side_info(train_images[old_items], train_labels[old_items], side_cfg, seed + 2, config.device),
+                   lambda ckpt: train_side_info(train_images[old_items], train_labels[old_items], side_cfg, seed + 2,
+                                                config.device, checkpoint=ckpt),
                    save_side_info, load_side_info)
     log(f"models in {models_dir}")
     return Models(old, new, side, side_cfg.kind)

@@ -196,12 +196,12 @@ def random_shift(x: torch.Tensor, max_shift: int) -> torch.Tensor:
 
 
 def train_backbone(images: np.ndarray, labels: np.ndarray, config: BackboneConfig | None = None, seed: int = 0,
-                   device: str = "auto") -> Backbone:
+                   device: str = "auto", *, checkpoint: str | Path | None = None) -> Backbone:
     """Train a backbone with cross-entropy on ``images`` (N, C, H, W) and their ``labels``.
 
     The classes are those present in ``labels`` (pass only the old classes' items for an old
     model). Same seed, data and device → identical weights. The training history is kept on
-    the returned model as ``history``.
+    the returned model as ``history``. ``checkpoint``: resumable training (see :func:`fit`).
     """
     config = config or BackboneConfig()
     images = validate_images(images)
@@ -217,7 +217,7 @@ def train_backbone(images: np.ndarray, labels: np.ndarray, config: BackboneConfi
         return F.cross_entropy(model.classify(x), y)
 
     history = fit(backbone, [images, targets], loss_fn, config.train_config(seed, device),
-                  description=f"{config.architecture} backbone")
+                  description=f"{config.architecture} backbone", checkpoint=checkpoint)
     backbone.history = history
     return backbone
 

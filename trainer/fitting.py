@@ -1,5 +1,6 @@
 """The one training loop every trainer module uses: Adam, cosine schedule with linear warm-up,
-validation split with early stopping (best weights restored), seeded data order, tqdm progress.
+validation split with early stopping (best weights restored), seeded data order, tqdm progress,
+and optionally a checkpoint after every epoch from which a killed run resumes.
 
 A caller supplies the model, the tensors, and ``loss_fn(model, *batch) -> scalar loss``.
 """
@@ -9,7 +10,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -77,11 +80,17 @@ def fit(
     description: str = "training",
     on_epoch_start: Callable[[torch.nn.Module, int], None] | None = None,
     parameters: Sequence[torch.nn.Parameter] | None = None,
+    checkpoint: str | os.PathLike | None = None,
 ) -> History:
     """Train ``model`` in place on ``arrays`` (aligned along axis 0) and return its history.
 
     ``on_epoch_start(model, epoch)`` lets a method change the model between epochs (e.g. FCT
     freezes BatchNorm statistics from half-way).
+
+    ``checkpoint``: a file the loop's whole state (weights, optimiser, best weights, history,
+    random generators) is written to, atomically, after every epoch. Started again with the same
+    file, data and config, the loop resumes after the last saved epoch and ends with the weights
+    an uninterrupted run gives; the file is deleted when training ends.
     """
     n = len(arrays[0])
     if n < 2 or any(len(a) != n for a in arrays):
@@ -97,9 +106,20 @@ def fit(
     optimizer = torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
     steps_per_epoch = max(1, math.ceil(len(train_idx) / config.batch_size))
     history = History()
-    best_state, best_val, waited = None, math.inf, 0
+    best_state, best_val, waited, first_epoch = None, math.inf, 0, 0
+    fingerprint = {"config": {k: v for k, v in dataclasses.asdict(config).items() if k != "progress"}, "rows": n}
+    if checkpoint is not None and Path(checkpoint).is_file():
+        saved = _load_checkpoint(Path(checkpoint), fingerprint)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        history = History(**saved["history"])
+        best_state, best_val, waited = saved["best_state"], saved["best_val"], saved["waited"]
+        generator.set_state(saved["generator"])
+        torch.set_rng_state(saved["torch_rng"])
+        first_epoch = saved["epoch"] + 1
 
-    bar = tqdm(range(config.epochs), desc=description, disable=not config.progress, leave=False)
+    bar = tqdm(range(first_epoch, config.epochs), desc=description, disable=not config.progress, leave=False,
+               initial=first_epoch, total=config.epochs)
     for epoch in bar:
         if on_epoch_start is not None:
             on_epoch_start(model, epoch)
@@ -135,10 +155,36 @@ def fit(
                     break
         else:
             history.best_epoch = epoch
+        if checkpoint is not None:
+            _save_checkpoint(Path(checkpoint), fingerprint, epoch, model, optimizer, history, best_state, best_val, waited, generator)
+    if checkpoint is not None:
+        Path(checkpoint).unlink(missing_ok=True)
     if best_state is not None:
         model.load_state_dict(best_state)
     model.eval()
     return history
+
+
+def _save_checkpoint(path: Path, fingerprint: dict, epoch: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     history: History, best_state: dict | None, best_val: float, waited: int, generator: torch.Generator) -> None:
+    state = {"fingerprint": fingerprint, "epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "history": dataclasses.asdict(history), "best_state": best_state, "best_val": best_val, "waited": waited,
+             "generator": generator.get_state(), "torch_rng": torch.get_rng_state()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(path: Path, fingerprint: dict) -> dict:
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same advice
+        raise InputError(f"training checkpoint {path} cannot be read ({exc}); delete it to train from the start") from None
+    if saved.get("fingerprint") != fingerprint:
+        raise ConfigError(f"training checkpoint {path} was written by a run with other settings or data "
+                          f"({saved.get('fingerprint')}); delete it to train from the start")
+    return saved
 
 
 @torch.no_grad()

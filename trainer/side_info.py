@@ -194,8 +194,9 @@ def nt_xent(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> torch.Ten
 
 
 def train_side_info(images: np.ndarray, labels: np.ndarray | None = None, config: SideInfoConfig | None = None,
-                    seed: int = 0, device: str = "auto") -> SideInfoModel:
-    """Train ψ on the old data ``images`` (N, C, H, W).
+                    seed: int = 0, device: str = "auto", *, checkpoint: str | Path | None = None) -> SideInfoModel:
+    """Train ψ on the old data ``images`` (N, C, H, W); ``checkpoint``: resumable training (see
+    :func:`~fctkit.trainer.fitting.fit`).""
 
     ``simclr`` ignores ``labels`` (self-supervised); ``alternate`` needs them (the old
     classes) and should get a seed different from the old backbone's; ``none`` trains nothing.
@@ -208,7 +209,8 @@ def train_side_info(images: np.ndarray, labels: np.ndarray | None = None, config
     if config.kind == "alternate":
         if labels is None:
             raise InputError("side-info kind 'alternate' trains a second old model and needs the old labels")
-        backbone = train_backbone(images, validate_labels(labels, len(images)), config.backbone_config(), seed, device)
+        backbone = train_backbone(images, validate_labels(labels, len(images)), config.backbone_config(), seed, device,
+                                  checkpoint=checkpoint)
         model = SideInfoModel(config, images.shape[1], backbone.classes)
         model.encoder = backbone
         model.history = backbone.history
@@ -221,7 +223,8 @@ def train_side_info(images: np.ndarray, labels: np.ndarray | None = None, config
         z1, z2 = net.project(views).chunk(2)  # both views in one pass share BatchNorm statistics
         return nt_xent(z1, z2, config.temperature)
 
-    model.history = fit(model, [images], loss_fn, config.train_config(seed, device), description="SimCLR side-info")
+    model.history = fit(model, [images], loss_fn, config.train_config(seed, device), description="SimCLR side-info",
+                        checkpoint=checkpoint)
     return model
 
 
