@@ -51,6 +51,13 @@ def _echo(data) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
 
+def _echo_report(report: dict, *, damaged: bool) -> None:
+    """Print a JSON report; exit 3 (DAMAGED_EXIT) when it reports damage."""
+    _echo(report)
+    if damaged:
+        sys.exit(DAMAGED_EXIT)
+
+
 def _load_images(path: Path) -> tuple[np.ndarray, list[str] | None, list[str] | None]:
     """Images from .npy, or .npz with ``images`` and optional ``labels`` / ``ids``."""
     if not path.is_file():
@@ -168,9 +175,7 @@ def check_command(root, passphrase_env) -> None:
     once (JSON). Exits 0 when everything opened, 3 when something is damaged."""
     with _open(root, passphrase_env) as device:
         report = device.check()
-    _echo(report)
-    if report["damaged"]:
-        sys.exit(DAMAGED_EXIT)
+    _echo_report(report, damaged=bool(report["damaged"]))
 
 
 @device_command.command("repair")
@@ -184,9 +189,7 @@ def repair_command(root, passphrase_env) -> None:
     rebuild the gallery from the replica)."""
     with _open(root, passphrase_env) as device:
         report = device.repair()
-    _echo(report)
-    if report["damaged_after"]:
-        sys.exit(DAMAGED_EXIT)
+    _echo_report(report, damaged=bool(report["damaged_after"]))
 
 
 @device_command.command("sync")
@@ -256,9 +259,7 @@ def status_command(root, passphrase_env) -> None:
     damage (damaged settings or rows, rows gone from the file)."""
     with _open(root, passphrase_env) as device:
         status = device.status()
-    _echo(status)
-    if status.get("damaged_settings") or status.get("damaged_rows") or status.get("missing_rows"):
-        sys.exit(DAMAGED_EXIT)
+    _echo_report(status, damaged=any(status.get(k) for k in ("damaged_settings", "damaged_rows", "missing_rows")))
 
 
 @device_command.command("backfill")
