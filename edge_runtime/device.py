@@ -723,7 +723,6 @@ class Device:
         owner with a server, pull the owner's replica again, which brings back every forgotten or
         missing row it holds. Rows it does not hold stay removed and are listed."""
         result = repair_gallery(self.gallery, self.open_original, self.installed_versions())
-        self._index_cache = None
         report: dict[str, Any] = asdict(result)
         lost = result.rows_forgotten
         if (lost or result.rows_missing) and not (self.settings.owner_id and self.settings.server):
@@ -733,12 +732,12 @@ class Device:
             report["replication"] = None  # replication waits for the upgrade; the replica cursor is already back at 0
             report["next"] = "finish the upgrade (`fctkit device upgrade --dir DIR`); the next sync brings the rows back"
         elif lost or result.rows_missing:
-            report["replication"] = asdict(self.replicate())
+            report["replication"] = asdict(self.replicate())  # which reloads searches and stores missing offsets
+        if not report.get("replication"):
+            self._rows_arrived()  # searches reload; dropped hubness offsets are computed again
         back = set(self.gallery.load_items(lost)[0].item_ids) if lost else set()
         report["rows_restored"] = [i for i in lost if i in back]
         report["rows_removed"] = [i for i in lost if i not in back]
-        if self.version:
-            store_hubness_offsets(self.gallery, self.engine())
         report["damaged_after"] = self.check()["damaged"]
         return report
 

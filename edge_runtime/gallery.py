@@ -542,21 +542,25 @@ class Gallery:
             self._log_changes([i for _, i in present], tombstone=True)
         return len(present)
 
-    def _remove_item(self, item_id: str, *, tombstone: bool = True, delete_original: bool = False) -> None:
-        """Inside a transaction: delete the item's row, vectors, queued upload and unsealed
-        change; with ``tombstone`` also its pending records, and remember the removal (with
-        ``delete_original``, the vault original to delete once the removal is pushed)."""
+    def _remove_item(self, item_id: str, *, tombstone: bool = True, delete_original: bool = False,
+                     keep_queued: bool = False) -> bool:
+        """Inside a transaction: delete the item's row, vectors, queued upload (unless
+        ``keep_queued``) and unsealed change; with ``tombstone`` also its pending records, and
+        remember the removal (with ``delete_original``, the vault original to delete once the
+        removal is pushed). Returns whether the item had a row."""
         row = self._db.execute("SELECT row_id, vault_sha256 FROM items WHERE item_id = ?", (item_id,)).fetchone()
         if row is not None:
             for table in ("items", *VECTOR_TABLES, "row_extras"):
                 self._db.execute(f"DELETE FROM {table} WHERE row_id = ?", row[:1])
             self._count_rows(-1)
-        self._db.execute("DELETE FROM outbox WHERE item_id = ?", (item_id,))
+        if not keep_queued:
+            self._db.execute("DELETE FROM outbox WHERE item_id = ?", (item_id,))
         self._db.execute("DELETE FROM changes WHERE item_id = ? AND sealed IS NULL", (item_id,))
         if tombstone:
             self._db.execute("DELETE FROM pending_records WHERE item_id = ?", (item_id,))
             original = row[1] if row is not None and delete_original else None
             self._db.execute("INSERT OR IGNORE INTO tombstones VALUES (?, ?)", (item_id, original))
+        return row is not None
 
     # -- repair (:mod:`.repair`) ------------------------------------------------------------
 
@@ -569,21 +573,13 @@ class Gallery:
         (the staged vectors of an upgrade given up), set ``settings``, and take the row count
         afresh. Returns the rows forgotten."""
         with _transaction(self._db):
-            self._set_meta(settings or {})
-            forgotten = 0
-            for item_id in item_ids:
-                row = self._db.execute("SELECT row_id FROM items WHERE item_id = ?", (item_id,)).fetchone()
-                if row is not None:
-                    for table in ("items", *VECTOR_TABLES, "row_extras"):
-                        self._db.execute(f"DELETE FROM {table} WHERE row_id = ?", row)
-                    self._db.execute("DELETE FROM changes WHERE item_id = ? AND sealed IS NULL", (item_id,))
-                    forgotten += 1
+            count = self._db.execute("SELECT COUNT(*) FROM items").fetchone()[0]
+            self._set_meta({**(settings or {}), "row_count": str(count)})  # each forgotten row then counts down
+            forgotten = sum(self._remove_item(item_id, tombstone=False, keep_queued=True) for item_id in item_ids)
             if clear_table is not None:  # an upgrade given up: its staged rows go, the live ones are untouched
                 self._db.execute(f"DELETE FROM {VECTOR_TABLES[VECTOR_TABLES.index(clear_table)]}")
             self._db.executemany("DELETE FROM outbox WHERE item_id = ?", [(i,) for i in drop_queued])
             self._db.executemany("DELETE FROM row_extras WHERE field = ? AND row_id = ?", drop_extras)
-            count = self._db.execute("SELECT COUNT(*) FROM items").fetchone()[0]
-            self._set_meta({"row_count": str(count)})
         return forgotten
 
     def vector_table_rows(self) -> dict[str, int]:
