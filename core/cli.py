@@ -9,7 +9,13 @@ import sys
 import click
 
 from fctkit import __version__
-from fctkit.errors import FctkitError
+from fctkit.errors import FctkitError, RpcStatusError
+
+UNAVAILABLE_HINT = (
+    "hint: the server could not be reached or refused the connection. Check --server; with TLS, that --tls-ca "
+    "signed the server's certificate, and, if it requires client certificates (`fctkit serve --tls-ca`), that "
+    "--tls-cert and --tls-key name a certificate its CA signed and that certificate's key."
+)
 
 # name -> ("module", "attribute", "one-line help"). Parts register here when they add commands.
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
@@ -70,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except FctkitError as exc:
         click.echo(f"error: {exc}", err=True)
+        if isinstance(exc, RpcStatusError) and exc.code == "UNAVAILABLE":
+            click.echo(UNAVAILABLE_HINT, err=True)
         sys.exit(2)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)

@@ -95,6 +95,15 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
     return value
 
 
+def read_setting_file(path: str | Path, what: str) -> bytes:
+    """The bytes of a file a setting names (a key, a certificate); a :class:`ConfigError` naming
+    ``what`` and the path when it cannot be read."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} {path}: {exc.strerror}") from exc
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:

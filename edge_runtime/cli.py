@@ -127,10 +127,15 @@ def export_key_command(root, passphrase_env, out, key_passphrase_env) -> None:
 @click.option("--tls-ca", "--tls-root", "tls_root", type=click.Path(exists=True, dir_okay=False), default=None,
               help="PEM CA certificate to trust: connect with TLS (the same flag as `fctkit admin --tls-ca`; "
                    "--tls-root is its older name).")
-def enrol_command(root, passphrase_env, server, code, name, tls_root) -> None:
-    """Enrol with a server: get a device token and pin the publisher's key."""
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM client certificate, for a server that requires one (`fctkit serve --tls-ca`); with --tls-key.")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None, help="PEM private key of --tls-cert.")
+def enrol_command(root, passphrase_env, server, code, name, tls_root, tls_cert, tls_key) -> None:
+    """Enrol with a server: get a device token and pin the publisher's key. The server and TLS
+    files are kept in the device's settings: later syncs connect the same way (enrol again with
+    a new code to change them)."""
     with _open(root, passphrase_env) as device:
-        device_id = device.enrol(server, code, device_name=name, tls_root_certificates=tls_root)
+        device_id = device.enrol(server, code, device_name=name, tls_ca=tls_root, tls_cert=tls_cert, tls_key=tls_key)
         _echo({"device_id": device_id, "owner_id": device.settings.owner_id})
 
 

@@ -82,6 +82,8 @@ class DeviceSettings:
     owner_id: str | None = None
     device_name: str = ""
     tls_root_certificates: str | None = None
+    tls_client_cert: str | None = None
+    tls_client_key: str | None = None
     providers: tuple[str, ...] = PREFERENCE
     batch_size: int = 1024
     threads: int = 0
@@ -197,15 +199,18 @@ class Device:
             raise DeviceError("no publisher key is pinned: enrol with a server, or init with --publisher-key")
         return load_public_key(path)
 
-    def enrol(self, server: str, code: str, *, device_name: str = "", tls_root_certificates: str | None = None) -> str:
+    def enrol(self, server: str, code: str, *, device_name: str = "", tls_ca: str | None = None,
+              tls_cert: str | None = None, tls_key: str | None = None) -> str:
         """Trade an enrolment code for a device token and pin the publisher's key; returns the device id.
         A device that already pins another publisher key refuses the server; the server refuses
-        (FAILED_PRECONDITION) a device whose owner key is not its owner's other devices' key."""
+        (FAILED_PRECONDITION) a device whose owner key is not its owner's other devices' key.
+        ``tls_ca`` (the CA to trust) and ``tls_cert``/``tls_key`` (this device's certificate, for a
+        server that requires one) are paths kept in the settings for later connections."""
         from fctkit.protos.bundle import load_public_key, public_key_id
-        from fctkit.protos.client import FctkitClient
+        from fctkit.protos.client import ClientTls, FctkitClient
 
-        roots = Path(tls_root_certificates).read_bytes() if tls_root_certificates else None
-        with FctkitClient(server, root_certificates=roots) as client:
+        tls_ca, tls_cert, tls_key = (None if path is None else str(Path(path).resolve()) for path in (tls_ca, tls_cert, tls_key))
+        with FctkitClient(server, tls=ClientTls.from_files(tls_ca, tls_cert, tls_key)) as client:
             enrolment = client.enrol(code, device_name, owner_key_id=owner_key_id(self._owner_key))
         offered = load_public_key(enrolment.publisher_public_key)
         if (self.root / PUBLISHER_FILE).exists() and public_key_id(self.publisher_key) != public_key_id(offered):
@@ -216,17 +221,19 @@ class Device:
         if self.settings.owner_id and self.settings.owner_id != enrolment.owner_id:
             self.gallery.reset_replication()  # a new owner: its replica starts from this gallery
         self._save_settings(replace(self.settings, server=server, device_id=enrolment.device_id, device_name=device_name,
-                                    tls_root_certificates=tls_root_certificates, owner_id=enrolment.owner_id or None))
+                                    tls_root_certificates=tls_ca, tls_client_cert=tls_cert, tls_client_key=tls_key,
+                                    owner_id=enrolment.owner_id or None))
         return enrolment.device_id
 
     def client(self, *, attempts: int = 6):
-        from fctkit.protos.client import FctkitClient, RetryPolicy
+        from fctkit.protos.client import ClientTls, FctkitClient, RetryPolicy
 
         if not self.settings.server or not (self.root / TOKEN_FILE).exists():
             raise DeviceError("this device is not enrolled: run `fctkit device enrol --server HOST:PORT --code CODE`")
-        roots = Path(self.settings.tls_root_certificates).read_bytes() if self.settings.tls_root_certificates else None
+        settings = self.settings
+        tls = ClientTls.from_files(settings.tls_root_certificates, settings.tls_client_cert, settings.tls_client_key)
         token = (self.root / TOKEN_FILE).read_text().strip()
-        return FctkitClient(self.settings.server, token, root_certificates=roots, retry=RetryPolicy(attempts=attempts))
+        return FctkitClient(settings.server, token, tls=tls, retry=RetryPolicy(attempts=attempts))
 
     # -- bundles and engines ----------------------------------------------------------------
 
@@ -814,7 +821,7 @@ def _read_settings(path: Path) -> DeviceSettings:
         EngineConfig(tuple(settings.providers), settings.batch_size, settings.threads)  # checks providers and sizes
         if not isinstance(settings.providers, (list, tuple)) or not all(isinstance(p, str) for p in settings.providers):
             raise ConfigError("providers must be a list of names")
-        for name in ("server", "device_id", "owner_id", "tls_root_certificates"):
+        for name in ("server", "device_id", "owner_id", "tls_root_certificates", "tls_client_cert", "tls_client_key"):
             if not isinstance(getattr(settings, name), (str, type(None))):
                 raise ConfigError(f"{name} must be a string or null")
         if not isinstance(settings.device_name, str) or settings.search_backend not in ("auto", "numpy", "faiss"):

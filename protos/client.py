@@ -29,7 +29,8 @@ from typing import Any, BinaryIO
 
 import grpc
 
-from fctkit.errors import HashMismatchError, InputError, RpcStatusError
+from fctkit.config import read_setting_file
+from fctkit.errors import ConfigError, HashMismatchError, InputError, RpcStatusError
 
 from . import fleet_pb2, fleet_pb2_grpc, limits, registry_pb2, registry_pb2_grpc, vault_pb2, vault_pb2_grpc
 from .bundle import MANIFEST_FILE, SIGNATURE_FILE, check_version_is_newer, file_sha256, verify_bundle, verify_manifest
@@ -62,6 +63,33 @@ class RetryPolicy:
         for _ in range(self.attempts - 1):
             yield min(delay, self.max_backoff_s) * (1 + self.jitter * rng.random())
             delay *= self.multiplier
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """The TLS a client connects with: the CA certificate it trusts (``None``: the system's roots)
+    and, for a server that asks every client for a certificate (``fctkit serve --tls-ca``), the
+    client's own certificate chain and private key. All PEM bytes."""
+
+    root_certificates: bytes | None = None
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if (self.certificate_chain is None) != (self.private_key is None):
+            raise ConfigError("a client certificate needs its private key: pass --tls-cert with --tls-key")
+
+    @classmethod
+    def from_files(cls, ca: str | Path | None = None, cert: str | Path | None = None,
+                   key: str | Path | None = None) -> ClientTls | None:
+        """The TLS settings in these PEM files, or ``None`` (plaintext) when no file is given."""
+        if ca is None and cert is None and key is None:
+            return None
+        return cls(*(None if path is None else read_setting_file(path, what) for path, what in
+                     ((ca, "TLS CA certificate"), (cert, "TLS client certificate"), (key, "TLS client key"))))
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
 
 
 @dataclass(frozen=True)
@@ -111,7 +139,7 @@ class FctkitClient:
         target: str,
         token: str | None = None,
         *,
-        root_certificates: bytes | None = None,
+        tls: ClientTls | None = None,
         retry: RetryPolicy | None = None,
         timeout_s: float = 60.0,
         chunk_size: int = limits.MAX_CHUNK_BYTES,
@@ -119,11 +147,10 @@ class FctkitClient:
         if not 0 < chunk_size <= limits.MAX_CHUNK_BYTES:
             raise InputError(f"chunk_size must be 1..{limits.MAX_CHUNK_BYTES}")
         options = [("grpc.max_receive_message_length", limits.MAX_MESSAGE_BYTES)]
-        if root_certificates is None:
+        if tls is None:
             self._channel = grpc.insecure_channel(target, options=options)
         else:
-            credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
-            self._channel = grpc.secure_channel(target, credentials, options=options)
+            self._channel = grpc.secure_channel(target, tls.credentials(), options=options)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.retry = retry or RetryPolicy()
         self.timeout_s = timeout_s

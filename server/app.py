@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from fctkit.config import read_setting_file
 from fctkit.errors import ConfigError
 from fctkit.protos import fleet_pb2_grpc, limits, registry_pb2_grpc, vault_pb2_grpc
 from fctkit.protos.bundle import load_public_key, public_key_id
@@ -42,6 +43,7 @@ class ServerConfig:
     admin_token_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    tls_ca: Path | None = None
     quota_bytes: int = 1 << 30
     replica_quota_bytes: int = 1 << 30
     max_blob_bytes: int = 64 << 20
@@ -56,6 +58,8 @@ class ServerConfig:
             raise ConfigError(f"port {self.port} is not 0..65535 (0 picks a free port)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ConfigError("--tls-ca (require client certificates) needs TLS: pass --tls-cert and --tls-key too")
         for name in ("quota_bytes", "replica_quota_bytes", "max_blob_bytes", "max_bundle_bytes", "partial_upload_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
@@ -79,13 +83,6 @@ def _enable_reflection(service_names: list[str], server: grpc.aio.Server) -> Non
         servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
         response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": method}),))
-
-
-def _read(path: Path, what: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the {what} {path}: {exc.strerror}") from exc
 
 
 class FctkitServer:
@@ -139,8 +136,11 @@ class FctkitServer:
         if self.config.tls_cert is None:
             port = self._server.add_insecure_port(address)
         else:
+            client_ca = self.config.tls_ca
             credentials = grpc.ssl_server_credentials(
-                [(_read(self.config.tls_key, "TLS key"), _read(self.config.tls_cert, "TLS certificate"))]
+                [(read_setting_file(self.config.tls_key, "TLS key"), read_setting_file(self.config.tls_cert, "TLS certificate"))],
+                root_certificates=None if client_ca is None else read_setting_file(client_ca, "TLS client CA certificate"),
+                require_client_auth=client_ca is not None,
             )
             port = self._server.add_secure_port(address, credentials)
         if port == 0:
@@ -158,6 +158,7 @@ class FctkitServer:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log_event(
             "listening", host=self.config.host, port=self.port, tls=self.config.tls_cert is not None,
+            client_certificates=self.config.tls_ca is not None,
             latest_version=self._catalog.latest, admin_token_file=str(self.admin_token_path),
         )
         return self.port

@@ -29,6 +29,9 @@ _EXISTING = click.Path(path_type=Path, exists=True, dir_okay=False)
 @click.option("--admin-token-file", type=_PATH, default=None, help="File holding the admin token; default DATA/admin.token, created (mode 0600) if missing.")
 @click.option("--tls-cert", type=_EXISTING, default=None, help="PEM certificate chain: serve TLS (with --tls-key).")
 @click.option("--tls-key", type=_EXISTING, default=None, help="PEM private key of --tls-cert.")
+@click.option("--tls-ca", type=_EXISTING, default=None,
+              help="PEM CA certificate: require every client to present a certificate it signed (mutual TLS; "
+                   "clients pass --tls-cert and --tls-key). Needs --tls-cert.")
 @click.option("--quota-bytes", type=int, default=1 << 30, show_default=True, help="Vault bytes each owner may store.")
 @click.option("--replica-quota-bytes", type=int, default=1 << 30, show_default=True, help="Sealed gallery-record bytes each owner may store.")
 @click.option("--max-blob-bytes", type=int, default=64 << 20, show_default=True, help="Largest vault blob.")
@@ -69,14 +72,18 @@ def _admin_token(token_file: Path | None) -> str:
 @click.option("--server", default="127.0.0.1:50051", envvar=SERVER_ENV, show_default=True, help=f"host:port of the server (or ${SERVER_ENV}).")
 @click.option("--admin-token-file", type=_PATH, default=None, help=f"File holding the admin token (else ${ADMIN_TOKEN_ENV}).")
 @click.option("--tls-ca", type=_EXISTING, default=None, help="PEM CA certificate to trust: connect with TLS.")
+@click.option("--tls-cert", type=_EXISTING, default=None,
+              help="PEM client certificate, for a server that requires one (`fctkit serve --tls-ca`); with --tls-key.")
+@click.option("--tls-key", type=_EXISTING, default=None, help="PEM private key of --tls-cert.")
 @click.pass_context
-def admin_command(ctx: click.Context, server: str, admin_token_file: Path | None, tls_ca: Path | None) -> None:
+def admin_command(ctx: click.Context, server: str, admin_token_file: Path | None, tls_ca: Path | None,
+                  tls_cert: Path | None, tls_key: Path | None) -> None:
     """Administer a running fctkit server: enrolment codes, publishing, fleet and version lists."""
 
     def connect():
-        from fctkit.protos.client import FctkitClient
+        from fctkit.protos.client import ClientTls, FctkitClient
 
-        return FctkitClient(server, _admin_token(admin_token_file), root_certificates=tls_ca.read_bytes() if tls_ca else None)
+        return FctkitClient(server, _admin_token(admin_token_file), tls=ClientTls.from_files(tls_ca, tls_cert, tls_key))
 
     ctx.obj = connect
 

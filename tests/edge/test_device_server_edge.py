@@ -9,10 +9,12 @@ import json
 import numpy as np
 import pytest
 
-from tests.edge.conftest import ADMIN_TOKEN, device_cli, device_cli_steps, enrolment_code, publish
+from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, device_cli, device_cli_steps, enrolment_code, publish
+from tests.server.conftest import make_certificates
 
 from fctkit.edge_runtime import Device
-from fctkit.protos.client import FctkitClient
+from fctkit.protos.bundle import pack_bundle
+from fctkit.protos.client import ClientTls, FctkitClient
 
 
 def _all_server_bytes(server) -> bytes:
@@ -124,3 +126,28 @@ def test_watch_syncs_when_a_version_is_published(edge_server, publisher_key, tmp
     watcher.join(timeout=60)
     assert not watcher.is_alive() and results[0].installed_after == next_version
     assert device.version == next_version and len(device.gallery.load()) == 6
+
+
+def test_a_device_enrols_and_syncs_with_a_client_certificate(tmp_path, tiny_bundles, publisher_pub, admin_token_file):
+    pki = make_certificates(tmp_path / "pki")
+    server = ServerProcess(tmp_path / "mtls-data", publisher_pub, admin_token_file, "--tls-cert", str(pki["server"]),
+                           "--tls-key", str(pki["server_key"]), "--tls-ca", str(pki["ca"])).start()
+    try:
+        tls = ClientTls(pki["ca"].read_bytes(), pki["client"].read_bytes(), pki["client_key"].read_bytes())
+        with FctkitClient(server.target, ADMIN_TOKEN, tls=tls) as admin:
+            admin.publish_bundle(pack_bundle(tiny_bundles[1], tmp_path / "v1.tar"))
+            codes = [admin.create_enrolment_code().code for _ in range(2)]
+        root, ca = tmp_path / "dev", ["--tls-ca", str(pki["ca"])]
+        enrol = ("enrol", "--dir", str(root), "--server", server.target, "--code", codes[0], *ca)
+        device_cli_steps([("init", "--dir", str(root))])
+        without_certificate = device_cli(*enrol)
+        assert without_certificate.returncode == 2 and "UNAVAILABLE" in without_certificate.stderr
+        assert "if it requires client certificates" in without_certificate.stderr
+        assert "Traceback" not in without_certificate.stderr
+        identity = ("--tls-cert", str(pki["client"]), "--tls-key", str(pki["client_key"]))
+        outputs = device_cli_steps([(*enrol, *identity), ("sync", "--dir", str(root), "--quiet")])
+        assert json.loads(outputs[1])["installed_after"] == 1  # the certificate paths were kept for sync
+        settings = json.loads((root / "device.json").read_text())
+        assert settings["tls_client_cert"] == str(pki["client"]) and settings["tls_client_key"] == str(pki["client_key"])
+    finally:
+        server.stop()

@@ -78,12 +78,15 @@ def all_commands(command: click.Command, context: click.Context, path: str = "fc
             yield from all_commands(command.get_command(context, name), context, f"{path} {name}")
 
 
-def test_every_command_that_connects_names_its_tls_ca_the_same_way():
+def test_every_command_that_connects_names_its_tls_options_the_same_way():
+    """--tls-ca is the CA that signs the other side's certificate, --tls-cert/--tls-key this
+    side's own identity: on `serve` (client CA, server identity) and on every client command."""
+    tls = {"--tls-ca", "--tls-cert", "--tls-key"}
     connecting = {}
     for path, command in all_commands(cli, click.Context(cli)):
         names = {name for param in command.params for name in getattr(param, "opts", [])}
         if "--server" in names:
-            connecting[path] = "--tls-ca" in names
-    assert connecting and all(connecting.values()), connecting
+            connecting[path] = tls <= names
+    assert len(connecting) >= 2 and all(connecting.values()), connecting
     serve = {name for param in cli.get_command(click.Context(cli), "serve").params for name in getattr(param, "opts", [])}
-    assert {"--tls-cert", "--tls-key"} <= serve
+    assert tls <= serve

@@ -44,6 +44,49 @@ def enrolled_client(server, owner: str = "", name: str = "device", **options) ->
     return FctkitClient(server.target, enrolment.token, **options), enrolment
 
 
+def make_certificates(folder: Path) -> dict[str, Path]:
+    """A test PKI in ``folder``: ``ca`` (a CA certificate), ``server``/``server_key`` (for
+    localhost and 127.0.0.1), ``client``/``client_key`` (both signed by ``ca``), and
+    ``stranger``/``stranger_key`` (a client certificate from another, self-signed CA)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def issue(name: str, issuer: tuple | None, *, ca: bool = False, names: list | None = None):
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        issuer_name, issuer_key = issuer if issuer else (subject, key)
+        builder = (
+            x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if names:
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        certificate = builder.sign(issuer_key, hashes.SHA256())
+        cert_path, key_path = folder / f"{name}.crt", folder / f"{name}.key"
+        cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        return (subject, key), cert_path, key_path
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ca, ca_cert, _ = issue("ca", None, ca=True)
+    local = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    _, server, server_key = issue("server", ca, names=local)
+    _, client, client_key = issue("client", ca)
+    _, stranger, stranger_key = issue("stranger", None)
+    return {"ca": ca_cert, "server": server, "server_key": server_key, "client": client, "client_key": client_key,
+            "stranger": stranger, "stranger_key": stranger_key}
+
+
 def linear_onnx(path: Path, inputs: dict[str, int], out_dim: int, *, seed: int, output: str) -> Path:
     """A real ONNX graph: concatenate the inputs, multiply by a seeded matrix."""
     import onnx

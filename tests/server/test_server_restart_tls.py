@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
+import json
 import subprocess
 import sys
 import threading
@@ -12,18 +11,14 @@ from dataclasses import dataclass
 
 import pytest
 from click.testing import CliRunner
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from fctkit.cli import cli
-from fctkit.errors import RpcStatusError
+from fctkit.errors import ConfigError, RpcStatusError
 from fctkit.protos import fleet_pb2
 from fctkit.protos.bundle import MANIFEST_FILE
-from fctkit.protos.client import FctkitClient, RetryPolicy
+from fctkit.protos.client import ClientTls, FctkitClient, RetryPolicy
 
-from .conftest import ADMIN_TOKEN, ServerProcess
+from .conftest import ADMIN_TOKEN, ServerProcess, make_certificates, status_code
 
 _RETRIES: list[float] = []
 
@@ -132,29 +127,11 @@ def test_bad_start_up_settings_fail_with_one_clear_line(tmp_path, publisher_pub,
     assert result.returncode == 2 and "at least 32" in result.stderr
 
 
-def _self_signed(tmp_path):
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    certificate = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp_path / "server.crt", tmp_path / "server.key"
-    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    return cert_path, key_path
-
-
 def test_tls_serves_verified_clients_and_refuses_plaintext(start_server, tmp_path, archives):
-    cert, key = _self_signed(tmp_path)
-    server = start_server("--tls-cert", str(cert), "--tls-key", str(key))
+    pki = make_certificates(tmp_path / "pki")
+    server = start_server("--tls-cert", str(pki["server"]), "--tls-key", str(pki["server_key"]))
     assert next(e for e in server.events() if e.get("event") == "listening")["tls"] is True
-    with FctkitClient(server.target, ADMIN_TOKEN, root_certificates=cert.read_bytes()) as admin:
+    with FctkitClient(server.target, ADMIN_TOKEN, tls=ClientTls(pki["ca"].read_bytes())) as admin:
         version = admin.publish_bundle(archives[1])
         assert [v.version for v in admin.list_versions()] == [version.version] == [1]
         side_info = next(a for a in version.artifacts if a.name == "side_info")
@@ -164,3 +141,29 @@ def test_tls_serves_verified_clients_and_refuses_plaintext(start_server, tmp_pat
         with pytest.raises(RpcStatusError) as refused:
             plaintext.list_versions()
     assert refused.value.code == "UNAVAILABLE"
+
+
+def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_client_ca(start_server, tmp_path, archives, admin_token_file,
+                                                                            publisher_pub):
+    pki = make_certificates(tmp_path / "pki")
+    server = start_server("--tls-cert", str(pki["server"]), "--tls-key", str(pki["server_key"]), "--tls-ca", str(pki["ca"]))
+    listening = next(e for e in server.events() if e.get("event") == "listening")
+    assert listening["tls"] is True and listening["client_certificates"] is True
+    ca = pki["ca"].read_bytes()
+    identity = ClientTls(ca, pki["client"].read_bytes(), pki["client_key"].read_bytes())
+    with FctkitClient(server.target, ADMIN_TOKEN, tls=identity) as admin:
+        assert admin.publish_bundle(archives[1]).version == 1
+    once = RetryPolicy(attempts=1)
+    stranger = ClientTls(ca, pki["stranger"].read_bytes(), pki["stranger_key"].read_bytes())
+    for tls in (ClientTls(ca), stranger):  # no certificate, or one the client CA did not sign
+        with FctkitClient(server.target, ADMIN_TOKEN, tls=tls, retry=once) as refused:
+            assert status_code(refused.list_versions) == "UNAVAILABLE"
+    admin_cli = ["admin", "--server", server.target, "--admin-token-file", str(admin_token_file), "--tls-ca", str(pki["ca"])]
+    listed = CliRunner().invoke(cli, [*admin_cli, "--tls-cert", str(pki["client"]), "--tls-key", str(pki["client_key"]),
+                                      "list-versions", "--json"])
+    assert listed.exit_code == 0 and [v["version"] for v in json.loads(listed.output)] == [1], listed.output
+    half = CliRunner().invoke(cli, [*admin_cli, "--tls-cert", str(pki["client"]), "list-versions"])
+    assert isinstance(half.exception, ConfigError) and "--tls-cert with --tls-key" in str(half.exception)
+    result = _serve("--data", str(tmp_path / "other"), "--port", "0", "--publisher-key", str(publisher_pub),
+                    "--tls-ca", str(pki["ca"]))
+    assert result.returncode == 2 and "--tls-ca (require client certificates) needs TLS" in result.stderr
