@@ -13,7 +13,7 @@ EXTRAS ?= cpu,train,dev,faiss
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed-$(shell echo $(EXTRAS) | tr ',' '-')
 
-.PHONY: demo test install protos bench clean
+.PHONY: demo test install protos bench robustness clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ $(CONFORMANCE): tests/conformance/package.json tests/conformance/package-lock.js
 
 test: $(STAMP) $(CONFORMANCE)
 	$(BIN)/python -m pytest $(ARGS)
+
+# Issue 19's counts at full size (make test runs the same tests smaller): 200 bit flips per device
+# file, 1,000 tampered bundles, 120 kills during upgrades. About 40 minutes on two cores.
+robustness: $(STAMP)
+	FCTKIT_FUZZ_FLIPS=200 FCTKIT_FUZZ_BUNDLES=1000 $(BIN)/python -m pytest -s tests/edge/test_device_fuzz_edge.py $(ARGS)
+	FCTKIT_CRASH_KILLS=120 $(BIN)/python -m pytest -s tests/edge/test_upgrade_crash_edge.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache tests/conformance/node_modules
