@@ -173,20 +173,38 @@ def e5_passage_encoder() -> Callable[[list[str]], np.ndarray]:
     return encode
 
 
+def _digest(texts: list[str]) -> str:
+    return hashlib.sha256("\0".join(texts).encode()).hexdigest()[:16]
+
+
+def _cached_prefix(folder: Path, name: str, texts: list[str]) -> np.ndarray:
+    """The longest cached ``name`` embedding whose texts are a prefix of ``texts`` (a larger
+    training split keeps the smaller one's synsets first), or an empty array."""
+    best = np.zeros((0, 0), np.float32)
+    for path in folder.glob(f"{name}-*.npy") if folder.is_dir() else ():
+        if path.name.endswith(".partial.npy"):
+            continue
+        count = len(np.load(path, mmap_mode="r"))
+        if best.shape[0] < count <= len(texts) and path.stem == f"{name}-{_digest(texts[:count])}":
+            best = np.load(path)
+    return best
+
+
 def embed_cached(encode: Callable[[list[str]], np.ndarray], model: str, name: str, texts: list[str], out: Path) -> np.ndarray:
-    """``encode(texts)`` as float32, cached in ``out/embeddings/model/name-<hash of the texts>.npy``."""
-    digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:16]
-    path = out / "embeddings" / model / f"{name}-{digest}.npy"
-    if path.is_file():
-        vectors = np.load(path)
-        if len(vectors) == len(texts):
-            print(f"{model} {name}: {len(texts)} cached", flush=True)
-            return vectors
-    print(f"{model} {name}: embedding {len(texts)} texts", flush=True)
-    vectors = np.ascontiguousarray(encode(texts), dtype=np.float32)
-    if vectors.shape[0] != len(texts) or not np.isfinite(vectors).all():
-        raise BenchmarkSetupError(f"{model} returned {vectors.shape} (or non-finite values) for {len(texts)} texts")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """``encode(texts)`` as float32, cached in ``out/embeddings/model/name-<hash of the texts>.npy``;
+    a cached prefix of ``texts`` is reused and only the rest is embedded."""
+    folder = out / "embeddings" / model
+    path = folder / f"{name}-{_digest(texts)}.npy"
+    cached = _cached_prefix(folder, name, texts)
+    if len(cached) == len(texts):
+        print(f"{model} {name}: {len(texts)} cached", flush=True)
+        return cached
+    print(f"{model} {name}: {len(cached)} cached, embedding {len(texts) - len(cached)} texts", flush=True)
+    fresh = np.ascontiguousarray(encode(texts[len(cached):]), dtype=np.float32)
+    if fresh.shape[0] != len(texts) - len(cached) or not np.isfinite(fresh).all():
+        raise BenchmarkSetupError(f"{model} returned {fresh.shape} (or non-finite values) for {len(texts) - len(cached)} texts")
+    vectors = np.concatenate([cached.reshape(len(cached), fresh.shape[1]), fresh]) if len(cached) else fresh
+    folder.mkdir(parents=True, exist_ok=True)
     scratch = path.with_suffix(".partial.npy")
     np.save(scratch, vectors)
     os.replace(scratch, path)
@@ -249,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.eval_queries < 1 or args.train_queries < 1 or args.batch_size < 1:
         parser.error("--eval-queries, --train-queries and --batch-size must be at least 1")
-    return build_and_save(lambda: build_task(args), args.out / f"{TASK_NAME}-seed{args.seed}.npz")
+    size = "" if args.train_queries == 6000 else f"-train{args.train_queries}"  # the default keeps its old name
+    return build_and_save(lambda: build_task(args), args.out / f"{TASK_NAME}-seed{args.seed}{size}.npz")
 
 
 if __name__ == "__main__":

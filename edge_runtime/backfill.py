@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from fctkit.backfill_order import backfill_order
 from fctkit.errors import DeviceError, GalleryError, InputError
 
 from .gallery import LoadedRows, UpgradedRows, VersionTag, take_rows
@@ -67,8 +68,6 @@ def plan_rows(rows: LoadedRows, version: int, order: str, *, candidates: Sequenc
               budget: int | None, budget_bytes: int | None, sigma: np.ndarray | None, seed: int) -> list[int]:
     """Row ids to backfill: the gallery ordered by ``order`` (computed over every comparable
     row), restricted to ``candidates`` and cut at ``budget`` rows and ``budget_bytes``."""
-    from fctkit.trainer.backfill import backfill_order  # numpy only: no torch on the device
-
     if order not in ORDERINGS:
         raise InputError(f"unknown backfill order {order!r}; choose one of {', '.join(ORDERINGS)}")
     if budget is None and budget_bytes is None:

@@ -22,7 +22,7 @@ from .evaluation import (
 )
 from .report import Case, Report, Verdict
 from .cka import linear_cka
-from .backfill import ORDERING_KINDS, backfill_order
+from fctkit.backfill_order import ORDERING_KINDS, backfill_order
 from .tasks import RetrievalTask, TaskSet, TaskSplit, load_task, save_task
 from .synthetic import synthetic_instance_task
 from .datasets import (

@@ -19,7 +19,7 @@ import torch
 from fctkit.config import from_mapping, to_mapping
 from fctkit.errors import ConfigError, InputError
 
-from .feature_checks import check_features
+from fctkit.feature_checks import check_features
 from .torch_utils import load_checkpoint, load_state, predict, save_checkpoint
 
 CHECKPOINT_KIND = "fctkit.adapter"

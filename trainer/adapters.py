@@ -29,8 +29,8 @@ from torch import nn
 from fctkit.errors import ConfigError, InputError
 
 from .adapter_base import OldSideAdapter, config_of
-from .datasets import validate_labels
-from .feature_checks import check_features
+from fctkit.feature_checks import validate_labels
+from fctkit.feature_checks import check_features
 from .fitting import History, TrainConfig, fit
 from .losses import ObjectiveConfig, heteroscedastic_mse, objective_loss
 

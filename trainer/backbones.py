@@ -26,7 +26,9 @@ from torch import nn
 from fctkit.config import from_mapping
 from fctkit.errors import ConfigError, InputError
 
-from .datasets import validate_images, validate_labels
+from fctkit.feature_checks import validate_labels
+
+from .datasets import validate_images
 from .fitting import History, TrainConfig, fit
 from .torch_utils import load_model, predict, resolve_device, save_model, set_seed
 

@@ -95,7 +95,8 @@ from fctkit.errors import ConfigError, InputError
 
 from .adapters import FCTAdapter, FCTConfig
 from .backbones import Backbone, BackboneConfig, Encoder, extract_features, random_shift, save_backbone
-from .datasets import class_subset, make_splits, validate_images, validate_labels
+from .datasets import class_subset, make_splits, validate_images
+from fctkit.feature_checks import validate_labels
 from .evaluation import CompatibilityMatrix, RetrievalResult, compatibility_matrix, ecc
 from .fitting import History, fit, split_validation
 from .lambda_orth import LambdaOrthAdapter, LambdaOrthConfig, OrthogonalMap

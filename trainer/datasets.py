@@ -26,7 +26,7 @@ import numpy as np
 
 from fctkit.errors import DataUnavailableError, DependencyError, InputError
 
-from .feature_checks import check_features
+from fctkit.feature_checks import check_features, validate_labels
 
 DATASET_NAMES = ("digits", "fashion-mnist")
 DatasetPart = Literal["all", "train", "test"]
@@ -195,19 +195,6 @@ def validate_images(images: np.ndarray, where: str = "images") -> np.ndarray:
     if not np.isfinite(images).all():
         raise InputError(f"{where}: contains NaN or inf; clean the data first")
     return images
-
-
-def validate_labels(labels: np.ndarray, n: int | None = None, where: str = "labels") -> np.ndarray:
-    """Check that ``labels`` is a non-empty integer vector (of length ``n`` when given); return int64."""
-    labels = np.asarray(labels)
-    if labels.ndim != 1 or len(labels) == 0:
-        raise InputError(f"{where}: expected a non-empty 1-D array, got shape {labels.shape}")
-    integral_floats = np.issubdtype(labels.dtype, np.floating) and bool(np.all(labels == np.round(labels)))
-    if not (np.issubdtype(labels.dtype, np.integer) or integral_floats):
-        raise InputError(f"{where}: expected integer class labels, got dtype {labels.dtype}")
-    if n is not None and len(labels) != n:
-        raise InputError(f"{where}: {len(labels)} labels for {n} items; they must match one to one")
-    return labels.astype(np.int64, copy=False)
 
 
 # --------------------------------------------------------------------------- pre-extracted features

@@ -53,8 +53,8 @@ from torch import nn
 from fctkit.errors import ConfigError, InputError
 
 from .adapter_base import Adapter, config_of
-from .datasets import validate_labels
-from .feature_checks import check_features
+from fctkit.feature_checks import validate_labels
+from fctkit.feature_checks import check_features
 from .fitting import History, TrainConfig, fit
 from .losses import orthogonality_error, orthogonality_penalty, squared_distance, supervised_contrastive
 

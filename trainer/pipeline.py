@@ -37,7 +37,7 @@ from fctkit.errors import ConfigError
 from .adapter_base import Adapter
 from .adapters import FastFillAdapter, FastFillConfig, FCTConfig
 from .backbones import BackboneConfig, extract_features, save_backbone, train_backbone
-from .backfill import backfill_order
+from fctkit.backfill_order import backfill_order
 from .cka import linear_cka
 from .datasets import load_dataset, load_feature_versions, make_splits, old_class_subset
 from .evaluation import RetrievalResult, backfill_curve, ecc, metric_label, metric_value

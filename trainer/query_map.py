@@ -28,7 +28,7 @@ from torch import nn
 from fctkit.errors import ConfigError, InputError
 
 from .adapter_base import Adapter, config_of
-from .feature_checks import check_features
+from fctkit.feature_checks import check_features
 from .fitting import History, TrainConfig, fit
 from .losses import info_nce
 

@@ -31,7 +31,7 @@ from fctkit.errors import ConfigError, InputError
 
 from .adapter_base import OldSideAdapter, config_of
 from .closed_form import least_squares_map
-from .feature_checks import check_features
+from fctkit.feature_checks import check_features
 from .fitting import History, TrainConfig, fit
 from .losses import ObjectiveConfig, objective_loss
 

@@ -28,7 +28,9 @@ from fctkit.errors import ConfigError, InputError
 
 from .backbones import Architecture, Backbone, BackboneConfig, Encoder, extract_features, train_backbone
 from .cka import linear_cka
-from .datasets import validate_images, validate_labels
+from fctkit.feature_checks import validate_labels
+
+from .datasets import validate_images
 from .fitting import History, TrainConfig, fit
 from .torch_utils import load_model, save_model, set_seed
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fctkit.errors import InputError
-from fctkit.trainer.backfill import ORDERING_KINDS, backfill_order, distance_to_group_mean, kmeans
+from fctkit.backfill_order import ORDERING_KINDS, backfill_order, distance_to_group_mean, kmeans
 
 
 def blobs(n_per_class: int = 40, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,5 @@
-"""Validation of feature matrices and labels handed to the trainer (numpy only, no torch)."""
+"""Validation of feature matrices and class labels (numpy only, no torch): the trainer and the
+device check what they are handed with the same rules."""
 
 from __future__ import annotations
 
@@ -33,3 +34,16 @@ def check_features(name: str, array: Any, *, dim: int | None = None, rows: int |
         bad = int((~np.isfinite(array)).any(axis=1).sum())
         raise InputError(f"{name}: {bad} row(s) hold NaN or inf; drop or repair them first")
     return array
+
+
+def validate_labels(labels: np.ndarray, n: int | None = None, where: str = "labels") -> np.ndarray:
+    """Check that ``labels`` is a non-empty integer vector (of length ``n`` when given); return int64."""
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or len(labels) == 0:
+        raise InputError(f"{where}: expected a non-empty 1-D array, got shape {labels.shape}")
+    integral_floats = np.issubdtype(labels.dtype, np.floating) and bool(np.all(labels == np.round(labels)))
+    if not (np.issubdtype(labels.dtype, np.integer) or integral_floats):
+        raise InputError(f"{where}: expected integer class labels, got dtype {labels.dtype}")
+    if n is not None and len(labels) != n:
+        raise InputError(f"{where}: {len(labels)} labels for {n} items; they must match one to one")
+    return labels.astype(np.int64, copy=False)

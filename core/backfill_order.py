@@ -1,4 +1,5 @@
-"""Backfill orderings: which gallery items to re-embed with the new model first (numpy only).
+"""Backfill orderings: which gallery items to re-embed with the new model first (numpy only;
+shared by the trainer's backfill curves and the device's `fctkit device backfill`).
 
 - ``random``: a seeded permutation (the baseline).
 - ``uncertainty``: FastFill's σ, largest first.
@@ -18,8 +19,7 @@ import numpy as np
 
 from fctkit.errors import InputError
 
-from .datasets import validate_labels
-from .feature_checks import check_features
+from fctkit.feature_checks import check_features, validate_labels
 
 OrderingKind = Literal["random", "uncertainty", "class-mean-l2", "class-mean-cosine", "kmeans"]
 ORDERING_KINDS: tuple[str, ...] = ("random", "uncertainty", "class-mean-l2", "class-mean-cosine", "kmeans")
