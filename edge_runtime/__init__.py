@@ -9,18 +9,19 @@ grpcio, cryptography; faiss optional).
   (:mod:`.replication`, :class:`ReplicationResult`; records in :mod:`.records`);
   :meth:`Device.export_owner_key` and ``Device.init(owner_key_file=...)`` share the owner key.
 - :class:`ExactIndex` — exact k-NN (numpy, or faiss when installed) with the bundle's distance.
-- :mod:`.compatible` — search in "compatible" mode (BCT/BT²/CoReS bundles): older versions'
+- :mod:`.compatible_search` — search in "compatible" mode (BCT/BT²/CoReS bundles): older versions'
   rows as stored, compared on the manifest's prefix (:func:`comparable_dims`, :func:`compatible_rows`).
 """
 
 from .backfill import ORDERINGS, BackfillResult
-from .compatible import comparable_dims, compatible_rows
+from .compatible_search import comparable_dims, compatible_rows
 from .device import Device, DeviceSettings, Match, SyncResult
 from .engine import Engine, EngineConfig, select_providers
 from .gallery import Gallery, LoadedRows, NewRow, VersionTag
 from .replication import ReplicationResult
 from .search import ExactIndex, Neighbours
-from .upgrade import Hop, UpgradePlan, run_upgrade
+from .upgrade import run_upgrade
+from .upgrade_plan import Hop, UpgradePlan
 
 __all__ = [
     "Device", "DeviceSettings", "Match", "SyncResult", "Engine", "EngineConfig", "select_providers", "Gallery",

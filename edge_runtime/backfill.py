@@ -35,7 +35,7 @@ from fctkit.errors import DeviceError, GalleryError, InputError
 from .gallery import LoadedRows, UpgradedRows, VersionTag, take_rows
 
 if TYPE_CHECKING:
-    from .device import Device
+    from .device_parts import DeviceParts
     from .engine import Engine
 
 Ordering = Literal["random", "uncertainty", "class-mean-l2", "class-mean-cosine", "kmeans"]
@@ -98,9 +98,12 @@ def _integer_labels(labels: Sequence[str | None]) -> np.ndarray | None:
     return np.unique(np.asarray(labels, dtype=str), return_inverse=True)[1].astype(np.int64)
 
 
-def run_backfill(device: Device, *, budget: int | None = None, budget_bytes: int | None = None, order: str | None = None,
-                 seed: int = 0, batch_size: int = 64, on_batch: Callable[[int], None] | None = None) -> BackfillResult:
-    """Backfill ``device``'s gallery (see the module docstring); resumes a recorded plan first.
+def run_backfill(device: DeviceParts, searchable: Callable[[], LoadedRows], *, budget: int | None = None,
+                 budget_bytes: int | None = None, order: str | None = None, seed: int = 0, batch_size: int = 64,
+                 on_batch: Callable[[int], None] | None = None) -> BackfillResult:
+    """Backfill the device's gallery (see the module docstring); resumes a recorded plan first.
+    ``searchable()`` gives the rows queries compare with (a new plan orders those); queued
+    originals must be uploaded before (their vault hashes are read here).
 
     A recorded plan for the installed version is continued as it is (``budget`` / ``order``
     apply only to a new plan); ``on_batch(rows)`` is called after each committed batch."""
@@ -112,11 +115,11 @@ def run_backfill(device: Device, *, budget: int | None = None, budget_bytes: int
     if batch_size < 1:
         raise InputError(f"batch_size must be >= 1, got {batch_size}")
     engine = device.engine()
-    device.flush_outbox()
     plan = _stored_plan(device, version)
     if plan is None:
         order = order or default_order(engine)
-        plan = {"version": version, "order": order, "row_ids": _new_plan(device, engine, order, budget, budget_bytes, seed)}
+        row_ids = _new_plan(device, searchable(), engine, order, budget, budget_bytes, seed)
+        plan = {"version": version, "order": order, "row_ids": row_ids}
         gallery.set_meta({PLAN_KEY: json.dumps(plan)})
     row_ids: list[int] = plan["row_ids"]
     rows = gallery.load(with_labels=False)
@@ -125,7 +128,7 @@ def run_backfill(device: Device, *, budget: int | None = None, budget_bytes: int
     done_before = [r for r in present if _is_native(rows.tags[position[r]], version)]
     todo = [position[r] for r in present if not _is_native(rows.tags[position[r]], version)]
     downloaded = 0
-    with device.client() as client, tqdm(total=len(todo), desc=f"backfill v{version} ({plan['order']})", unit="row",
+    with device.connect() as client, tqdm(total=len(todo), desc=f"backfill v{version} ({plan['order']})", unit="row",
                                          disable=not device.progress or not todo) as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start:start + batch_size]
@@ -134,7 +137,6 @@ def run_backfill(device: Device, *, budget: int | None = None, budget_bytes: int
             downloaded += sum(len(b) for b in blobs)
             images = np.stack([device.open_original(item, blob) for item, blob in zip(items, blobs, strict=True)])
             gallery.write_upgrades(_reembedded(engine, rows, batch, images, version), staged=False)
-            device._index_cache = None
             bar.update(len(batch))
             if on_batch is not None:
                 on_batch(len(batch))
@@ -147,7 +149,7 @@ def _is_native(tag: VersionTag, version: int) -> bool:
     return tag.version == version and tag.via in ("native", "backward")
 
 
-def _stored_plan(device: Device, version: int) -> dict | None:
+def _stored_plan(device: DeviceParts, version: int) -> dict | None:
     text = device.gallery.meta(PLAN_KEY)
     if text is None:
         return None
@@ -158,8 +160,9 @@ def _stored_plan(device: Device, version: int) -> dict | None:
     return plan
 
 
-def _new_plan(device: Device, engine: Engine, order: str, budget: int | None, budget_bytes: int | None, seed: int) -> list[int]:
-    rows = _comparable_rows(device)
+def _new_plan(device: DeviceParts, searchable: LoadedRows, engine: Engine, order: str, budget: int | None,
+              budget_bytes: int | None, seed: int) -> list[int]:
+    rows = _comparable_rows(searchable)
     version = device.version
     shas = [device.gallery.vault_sha256(item) for item in rows.item_ids]
     candidates = [sha is not None and not _is_native(tag, version) for sha, tag in zip(shas, rows.tags, strict=True)]
@@ -169,9 +172,8 @@ def _new_plan(device: Device, engine: Engine, order: str, budget: int | None, bu
                      budget_bytes=budget_bytes, sigma=sigma, seed=seed)
 
 
-def _comparable_rows(device: Device) -> LoadedRows:
-    """The rows in the installed version's query space (all rows in unified mode)."""
-    _, rows = device.searchable()
+def _comparable_rows(rows: LoadedRows) -> LoadedRows:
+    """The searchable rows, refused when one of them cannot be read."""
     if rows.corrupt:
         row_id, item_id, reason = rows.corrupt[0]
         raise GalleryError(f"row {row_id} ({item_id!r}) cannot be read: {reason}; run `fctkit device repair --dir DIR` "
@@ -179,13 +181,13 @@ def _comparable_rows(device: Device) -> LoadedRows:
     return rows
 
 
-def _blob_sizes(device: Device, shas: Sequence[str | None]) -> list[int]:
-    with device.client() as client:
+def _blob_sizes(device: DeviceParts, shas: Sequence[str | None]) -> list[int]:
+    with device.connect() as client:
         sizes = {b.sha256: b.size for b in client.list_blobs()}
     return [sizes.get(sha, 0) if sha else 0 for sha in shas]
 
 
-def _vault_sha(device: Device, item_id: str) -> str:
+def _vault_sha(device: DeviceParts, item_id: str) -> str:
     sha = device.gallery.vault_sha256(item_id)
     if sha is None:
         raise DeviceError(f"item {item_id!r} has no original in the vault yet: sync, then backfill again")
@@ -219,7 +221,7 @@ def gallery_vectors(engine: Engine, images: np.ndarray) -> tuple[np.ndarray, np.
 # -- FastFill σ, recorded at upgrade time -------------------------------------------------
 
 
-def record_uncertainty(device: Device, target_engine: Engine) -> int:
+def record_uncertainty(device: DeviceParts, target_engine: Engine) -> int:
     """Compute σ = uncertainty(φ, ψ) of every row the target bundle has an ``uncertainty``
     graph for (by the row's version) and keep it sealed in the gallery metadata; returns the
     rows covered (0 when the bundle has no such graph). Call before the upgrade rewrites them."""
@@ -239,24 +241,24 @@ def record_uncertainty(device: Device, target_engine: Engine) -> int:
     if not ids:
         return 0
     payload = np.concatenate(ids).astype("<i8").tobytes() + np.concatenate(sigmas).astype("<f4").tobytes()
-    sealed = device._sealer.seal(payload, _sigma_aad(device, target_engine.manifest.version))
+    sealed = device.sealer.seal(payload, _sigma_aad(device, target_engine.manifest.version))
     device.gallery.set_meta({_SIGMA_PREFIX + str(target_engine.manifest.version): base64.b64encode(sealed).decode()})
     return sum(len(i) for i in ids)
 
 
-def recorded_uncertainty(device: Device, version: int, row_ids: np.ndarray) -> np.ndarray:
+def recorded_uncertainty(device: DeviceParts, version: int, row_ids: np.ndarray) -> np.ndarray:
     """σ per row (in ``row_ids`` order) recorded at the upgrade to ``version``; rows without
     one get more than the largest σ (unknown: backfilled first)."""
     text = device.gallery.meta(_SIGMA_PREFIX + str(version))
     if text is None:
         raise InputError(f"no FastFill σ was recorded for v{version} (its bundle has no uncertainty graph, or the "
                          "gallery was upgraded without it); choose another --order, e.g. class-mean-l2")
-    payload = device._sealer.open(base64.b64decode(text), _sigma_aad(device, version), f"σ of v{version}")
+    payload = device.sealer.open(base64.b64decode(text), _sigma_aad(device, version), f"σ of v{version}")
     n = len(payload) // 12
     known = dict(zip(np.frombuffer(payload[:8 * n], "<i8").tolist(), np.frombuffer(payload[8 * n:], "<f4").tolist()))
     unknown = max(known.values(), default=0.0) + 1.0
     return np.array([known.get(int(r), unknown) for r in row_ids], dtype=np.float64)
 
 
-def _sigma_aad(device: Device, version: int) -> bytes:
+def _sigma_aad(device: DeviceParts, version: int) -> bytes:
     return b"fctkit-uncertainty|%s|%d" % (device.gallery.gallery_id, version)

@@ -20,9 +20,7 @@ Typical use::
     matches = device.query(images, k=5)
 
 Offline (no server): ``device.upgrade([v2_dir, v3_dir])`` installs the bundles and upgrades
-along the cheapest path they offer, as the server would plan it (:mod:`fctkit.protos.planner`).
-Either way the plan starts from every version the rows are in: after a "compatible" upgrade
-rows keep their older tag, and a later adapter takes them through the identity hop.
+along the cheapest path they offer (:mod:`.upgrade`, planned as the server plans).
 
 Restoring a lost device: ``Device.init(new_dir, owner_key_file=exported, owner_key_passphrase=...)``,
 enrol with a code made for the same owner, ``sync()``: the gallery comes back from the replica.
@@ -30,12 +28,8 @@ enrol with a code made for the same owner, ``sync()``: the gallery comes back fr
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import shutil
-import tempfile
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -44,62 +38,40 @@ from typing import Any
 
 import numpy as np
 
-from fctkit.config import from_mapping, to_mapping
-from fctkit.errors import BundleError, ConfigError, DeviceError, InputError, RpcStatusError
+from fctkit.errors import DeviceError, InputError, RpcStatusError
 from fctkit.private_files import make_private
+from fctkit.protos.bundle import load_public_key, public_key_id
+from fctkit.protos.client import ClientTls, FctkitClient, RetryPolicy
 
+from .backfill import BackfillResult, gallery_vectors, run_backfill
+from .bundle_store import InstalledBundles
 from .crypto import Sealer, new_key, owner_key_id, read_key_file, write_key_file
-from .backfill import BackfillResult, gallery_vectors, record_uncertainty, run_backfill
-from .replication import ReplicationResult, apply_pending, replicate
-from .compatible import comparable_dims, compatible_rows
-from .engine import PREFERENCE, Engine, EngineConfig
-from .gallery import Gallery, LoadedRows, NewRow, VersionTag, take_rows
-from .repair import damage_report, repair_gallery
-from .scoring import (
-    Scoring,
-    TransitionState,
-    prepared_queries,
-    scoring_of,
-    searched_rows,
-    store_hubness_offsets,
-    transition_for,
+from .device_files import (
+    GALLERY_FILE,
+    KEY_FILE,
+    OWNER_KEY_FILE,
+    PUBLISHER_FILE,
+    SETTINGS_FILE,
+    TOKEN_FILE,
+    DeviceSettings,
+    read_settings,
+    write_private,
+    write_settings,
 )
+from .device_parts import DeviceParts
+from .device_status import device_status
+from .engine import Engine
+from .gallery import Gallery, LoadedRows, NewRow, VersionTag
+from .gallery_search import GallerySearch, Match
+from .repair import damage_report, repair_gallery
+from .replication import ReplicationResult, apply_pending, replicate
+from .scoring import TransitionState, store_hubness_offsets
 from .search import ExactIndex
-from .upgrade import Hop, UpgradePlan, check_plan_dims, hop_list, run_upgrade
-from .vault_blob import open_image, seal_image
+from .upgrade import DeviceUpgrade
+from .upgrade_plan import UpgradePlan, hop_list
+from .vault_blob import seal_image
 
-REPORT_EVERY_S = 2.0  # upgrade progress reports to the fleet service, at most this often
-SETTINGS_FILE, KEY_FILE, TOKEN_FILE, PUBLISHER_FILE, GALLERY_FILE = "device.json", "device.key", "token", "publisher.pub", "gallery.sqlite"
-OWNER_KEY_FILE = "owner.key"
-
-
-@dataclass(frozen=True)
-class DeviceSettings:
-    """What ``device.json`` holds (unknown keys are errors)."""
-
-    server: str | None = None
-    device_id: str | None = None
-    owner_id: str | None = None
-    device_name: str = ""
-    tls_root_certificates: str | None = None
-    tls_client_cert: str | None = None
-    tls_client_key: str | None = None
-    providers: tuple[str, ...] = PREFERENCE
-    batch_size: int = 1024
-    threads: int = 0
-    search_backend: str = "auto"
-
-    @property
-    def engine(self) -> EngineConfig:
-        return EngineConfig(providers=tuple(self.providers), batch_size=self.batch_size, threads=self.threads)
-
-
-@dataclass(frozen=True)
-class Match:
-    item_id: str
-    distance: float
-    label: str | None
-    tag: str
+__all__ = ["Device", "DeviceSettings", "Match", "SyncResult"]
 
 
 @dataclass
@@ -115,7 +87,10 @@ class SyncResult:
 
 
 class Device:
-    """One device directory; open with :meth:`init` (new) or :meth:`open` (existing)."""
+    """One device directory; open with :meth:`init` (new) or :meth:`open` (existing). A facade:
+    the work is done by the gallery, the installed bundles (:mod:`.bundle_store`), the search
+    (:mod:`.gallery_search`) and the operations in :mod:`.upgrade`, :mod:`.backfill`,
+    :mod:`.replication` and :mod:`.repair`, each handed what it needs."""
 
     def __init__(self, root: Path, key: bytes, settings: DeviceSettings, owner_key: bytes) -> None:
         self.root = root
@@ -126,8 +101,8 @@ class Device:
         self.owner_sealer = Sealer(owner_key)  # vault originals and replica records
         self._owner_key = owner_key
         self.gallery = Gallery.open(root / GALLERY_FILE, key)
-        self._engines: dict[int, Engine] = {}
-        self._index_cache: tuple[tuple, ExactIndex, LoadedRows, Scoring] | None = None
+        self.bundles = InstalledBundles(root, lambda: self.publisher_key, settings.engine)
+        self.search = GallerySearch(self.gallery, self.bundles, settings.search_backend)
         self.progress = True
 
     # -- creation ---------------------------------------------------------------------------
@@ -149,12 +124,10 @@ class Device:
         write_key_file(root / OWNER_KEY_FILE, owner_key, passphrase, kind="owner")
         Gallery.create(root / GALLERY_FILE, key).close()
         if publisher_key is not None:
-            from fctkit.protos.bundle import load_public_key
-
             load_public_key(publisher_key)  # refuse a bad key file now
             shutil.copyfile(publisher_key, root / PUBLISHER_FILE)
         settings = settings or DeviceSettings()
-        _write_private(root / SETTINGS_FILE, json.dumps(to_mapping(settings), indent=2).encode())
+        write_settings(root / SETTINGS_FILE, settings)
         return cls(root, key, settings, owner_key)
 
     @classmethod
@@ -162,7 +135,7 @@ class Device:
         root = Path(root)
         if not (root / SETTINGS_FILE).is_file():
             raise DeviceError(f"{root} is not a device directory: run `fctkit device init --dir {root}` first")
-        settings = _read_settings(root / SETTINGS_FILE)
+        settings = read_settings(root / SETTINGS_FILE)
         key = read_key_file(root / KEY_FILE, passphrase)
         if not (root / OWNER_KEY_FILE).exists():  # a device from before owners: it starts an owner key of its own
             write_key_file(root / OWNER_KEY_FILE, new_key(), passphrase, kind="owner")
@@ -184,16 +157,16 @@ class Device:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _save_settings(self, settings: DeviceSettings) -> None:
-        _write_private(self.root / SETTINGS_FILE, json.dumps(to_mapping(settings), indent=2).encode())
-        self.settings = settings
+    @property
+    def parts(self) -> DeviceParts:
+        """What the device's operations are handed (built anew: settings can change)."""
+        return DeviceParts(self.gallery, self.bundles, self._sealer, self.owner_sealer, self.settings.owner_id,
+                           self.client, self.progress)
 
     # -- server link ------------------------------------------------------------------------
 
     @property
     def publisher_key(self):
-        from fctkit.protos.bundle import load_public_key
-
         path = self.root / PUBLISHER_FILE
         if not path.exists():
             raise DeviceError("no publisher key is pinned: enrol with a server, or init with --publisher-key")
@@ -206,9 +179,6 @@ class Device:
         (FAILED_PRECONDITION) a device whose owner key is not its owner's other devices' key.
         ``tls_ca`` (the CA to trust) and ``tls_cert``/``tls_key`` (this device's certificate, for a
         server that requires one) are paths kept in the settings for later connections."""
-        from fctkit.protos.bundle import load_public_key, public_key_id
-        from fctkit.protos.client import ClientTls, FctkitClient
-
         tls_ca, tls_cert, tls_key = (None if path is None else str(Path(path).resolve()) for path in (tls_ca, tls_cert, tls_key))
         with FctkitClient(server, tls=ClientTls.from_files(tls_ca, tls_cert, tls_key)) as client:
             enrolment = client.enrol(code, device_name, owner_key_id=owner_key_id(self._owner_key))
@@ -216,18 +186,17 @@ class Device:
         if (self.root / PUBLISHER_FILE).exists() and public_key_id(self.publisher_key) != public_key_id(offered):
             raise DeviceError("the server's publisher key differs from the one this device pins: refusing to enrol")
         if not (self.root / PUBLISHER_FILE).exists():
-            _write_private(self.root / PUBLISHER_FILE, enrolment.publisher_public_key)
-        _write_private(self.root / TOKEN_FILE, enrolment.token.encode(), replace_existing=True)
+            write_private(self.root / PUBLISHER_FILE, enrolment.publisher_public_key)
+        write_private(self.root / TOKEN_FILE, enrolment.token.encode())
         if self.settings.owner_id and self.settings.owner_id != enrolment.owner_id:
             self.gallery.reset_replication()  # a new owner: its replica starts from this gallery
-        self._save_settings(replace(self.settings, server=server, device_id=enrolment.device_id, device_name=device_name,
-                                    tls_root_certificates=tls_ca, tls_client_cert=tls_cert, tls_client_key=tls_key,
-                                    owner_id=enrolment.owner_id or None))
+        self.settings = replace(self.settings, server=server, device_id=enrolment.device_id, device_name=device_name,
+                                tls_root_certificates=tls_ca, tls_client_cert=tls_cert, tls_client_key=tls_key,
+                                owner_id=enrolment.owner_id or None)
+        write_settings(self.root / SETTINGS_FILE, self.settings)
         return enrolment.device_id
 
-    def client(self, *, attempts: int = 6):
-        from fctkit.protos.client import ClientTls, FctkitClient, RetryPolicy
-
+    def client(self, *, attempts: int = 6) -> FctkitClient:
         if not self.settings.server or not (self.root / TOKEN_FILE).exists():
             raise DeviceError("this device is not enrolled: run `fctkit device enrol --server HOST:PORT --code CODE`")
         settings = self.settings
@@ -235,79 +204,29 @@ class Device:
         token = (self.root / TOKEN_FILE).read_text().strip()
         return FctkitClient(settings.server, token, tls=tls, retry=RetryPolicy(attempts=attempts))
 
-    # -- bundles and engines ----------------------------------------------------------------
+    # -- bundles ----------------------------------------------------------------------------
 
     @property
     def version(self) -> int:
         """The installed version (the one answering queries; 0: none yet)."""
         return self.gallery.query_version
 
-    def _bundle_dir(self, version: int) -> Path:
-        return self.root / "bundles" / f"v{version}"
-
     def engine(self, version: int | None = None) -> Engine:
         """The engine of an installed bundle (default: the query version), verified on first use."""
-        from fctkit.protos.bundle import verify_bundle
-
-        version = self.version if version is None else version
-        if version == 0:
-            raise DeviceError("no model is installed yet: run `fctkit device sync` (or `upgrade --bundle DIR`)")
-        if version not in self._engines:
-            path = self._bundle_dir(version)
-            if not path.is_dir():
-                raise DeviceError(f"bundle v{version} is not installed on this device; sync again")
-            bundle = verify_bundle(path, self.publisher_key)
-            if bundle.manifest.version != version:
-                raise BundleError(f"{path} holds bundle v{bundle.manifest.version}, not v{version}")
-            self._engines[version] = Engine(bundle, self.settings.engine)
-        return self._engines[version]
+        return self.bundles.engine(self.version if version is None else version)
 
     def install_bundle(self, source: str | os.PathLike) -> int:
-        """Verify a local bundle directory under the pinned key (signature, hashes, newer than
-        the installed version) and copy it in; returns its version. The gallery is not touched.
-        The very bundle already installed (the same signed manifest) of the current or a pending
-        version is accepted again as it is, so repeating a command after a crash finishes the job
-        instead of refusing a replay; an older version stays a rollback."""
-        from fctkit.protos.bundle import check_version_is_newer, verify_bundle
+        """Verify a local bundle directory and copy it in (:meth:`InstalledBundles.install`); the
+        gallery is not touched. Returns its version."""
+        return self.bundles.install(source, self.version)
 
-        verified = verify_bundle(source, self.publisher_key)
-        version = verified.manifest.version
-        dest = self._bundle_dir(version)
-        if version >= self.version and self._installed_manifest_bytes(version) == verified.manifest_bytes:
-            return version  # the installed one again (a repeated command), never an older one
-        check_version_is_newer(version, self.version or None)
-        if not dest.exists():
-            staging = dest.with_name(dest.name + ".partial")
-            shutil.rmtree(staging, ignore_errors=True)
-            shutil.copytree(verified.root, staging)
-            make_private(staging)
-            verify_bundle(staging, self.publisher_key)
-            os.rename(staging, dest)
-        return version
-
-    def _installed_manifest_bytes(self, version: int) -> bytes | None:
-        path = self._bundle_dir(version) / "manifest.json"
-        return path.read_bytes() if path.is_file() else None
+    def installed_versions(self) -> list[int]:
+        """The versions whose verified bundles are installed on this device."""
+        return self.bundles.versions()
 
     def pending_versions(self) -> list[int]:
-        """Installed versions newer than the one answering queries and no upgrade under way: a
-        bundle installed by an upgrade that stopped before it began (`fctkit device upgrade` applies it)."""
-        if self.gallery.upgrade_state is not None:
-            return []
-        return [v for v in self.installed_versions() if v > self.version]
-
-    def _download(self, client, version: int) -> None:
-        from fctkit.protos.bundle import verify_bundle
-
-        dest = self._bundle_dir(version)
-        if dest.is_dir():
-            verify_bundle(dest, self.publisher_key, installed_version=self.version or None)
-            return
-        staging = self.root / "downloads" / f"v{version}"
-        client.download_bundle(version, staging, self.publisher_key, installed_version=self.version or None)
-        make_private(staging)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(staging, dest)
+        """Installed versions not yet applied (:meth:`DeviceParts.pending_versions`)."""
+        return self.parts.pending_versions()
 
     # -- adding and querying ----------------------------------------------------------------
 
@@ -376,72 +295,22 @@ class Device:
 
     def open_original(self, item_id: str, blob: bytes) -> np.ndarray:
         """Open a sealed original from the vault (sealed by any device of the owner)."""
-        return open_image(self.owner_sealer, item_id, blob, device=self._sealer, gallery_id=self.gallery.gallery_id)
+        return self.parts.open_original(item_id, blob)
 
     def query_vectors(self, images: np.ndarray, version: int | None = None) -> np.ndarray:
         """Query images in the query space of ``version`` (default: installed): φ_v, Q(φ_v) when the
         bundle has a query map, or B(φ_v) in unified mode."""
-        engine = self.engine(version)
-        vectors = engine.embed(np.asarray(images))
-        mapping = engine.unified_backward() or engine.query_map()
-        return vectors if mapping is None else engine.run(mapping, vectors)
+        return self.search.query_vectors(images, self.version if version is None else version)
 
     def searchable(self) -> tuple[ExactIndex, LoadedRows]:
         """The decrypted rows comparable with queries (cached until the gallery changes); with
         transition scoring or hubness offsets the index holds the prepared vectors (:mod:`.scoring`)."""
-        return self._searchable()[1:3]
-
-    def _searchable(self) -> tuple[int, ExactIndex, LoadedRows, Scoring]:
-        """The installed version, its searchable rows and how they are scored, loaded again if
-        an upgrade switched versions between reading the version and loading the rows."""
-        while True:
-            version = self.version
-            transition = self.transition
-            if transition is not None and transition.expired():
-                self.end_transition()  # the manifest's time limit
-                continue
-            key = (version, *self.gallery.change_marker())
-            if self._index_cache is not None and self._index_cache[0] == key:
-                return (version, *self._index_cache[1:])
-            loaded = self.gallery.load()
-            if self.version != version:
-                continue
-            manifest = self.engine(version).manifest
-            if manifest.mode == "compatible":  # older versions' rows as stored, on the common prefix
-                keep, vectors = compatible_rows([t.version for t in loaded.tags], loaded.embeddings,
-                                                comparable_dims(self._installed_manifest, version))
-                loaded = _subset(loaded, keep) if len(keep) != len(loaded) else loaded
-                self._index_cache = (key, ExactIndex(vectors, manifest.distance, self.settings.search_backend), loaded, Scoring())
-                continue
-            if manifest.mode != "unified":
-                keep = [i for i, t in enumerate(loaded.tags) if t.version == version]
-                if len(keep) != len(loaded):
-                    loaded = _subset(loaded, keep)
-            scoring = scoring_of(manifest, transition)
-            if scoring.kind != "plain" and len(loaded):
-                previous_dim = self.engine(scoring.previous_version).manifest.embedding_dim if scoring.previous_version else 0
-                vectors, distance = searched_rows(self.gallery, loaded, scoring, self.engine(version), previous_dim), "inner"
-            else:
-                vectors = take_rows(loaded.embeddings, range(len(loaded))) if len(loaded) else np.zeros((0, 1), np.float32)
-                distance = manifest.distance
-            self._index_cache = (key, ExactIndex(vectors, distance, self.settings.search_backend), loaded, scoring)
+        return self.search.searchable()[1:3]
 
     def query(self, images: np.ndarray, k: int = 5) -> list[list[Match]]:
         """The ``k`` nearest gallery items of each query image (exact search; during a transition
         the query is embedded by both versions' models and scored as :mod:`.scoring` says)."""
-        version, index, rows, scoring = self._searchable()
-        vectors = self.query_vectors(images, version)
-        if scoring.kind == "transition" and len(index):
-            vectors = prepared_queries(scoring, vectors, self.query_vectors(images, scoring.previous_version))
-        elif scoring.kind == "hubness" and len(index):
-            vectors = prepared_queries(scoring, vectors)
-        if len(index) and vectors.shape[1] > index.vectors.shape[1] and self.engine(version).manifest.mode == "compatible":
-            vectors = vectors[:, : index.vectors.shape[1]]  # the prefix older rows are compared on (BT²)
-        found = index.search(vectors, k)
-        return [
-            [Match(rows.item_ids[j], float(d), rows.labels[j], str(rows.tags[j])) for j, d in zip(idx, dist, strict=True)]
-            for idx, dist in zip(found.indices, found.distances, strict=True)
-        ]
+        return self.search.query(images, k)
 
     # -- sync and upgrade -------------------------------------------------------------------
 
@@ -454,25 +323,20 @@ class Device:
         result = SyncResult(self.version, self.version)
         with self.client() as client:
             result.uploaded, result.still_queued = self.flush_outbox()
-            state = self.gallery.upgrade_state
-            if state is not None:
-                result.rows_upgraded += self._run(UpgradePlan.from_state(state), client)
+            upgrades = self._upgrades(client)
+            result.rows_upgraded += upgrades.resume()
             latest = client.list_versions(after_version=self.version)
-            if not latest:
-                result.installed_after = self.version
-                self._replicate(client, result, replicate)
-                self._report(client, fleet_pb2.UPGRADE_STATE_IDLE)
-                return result
-            target = latest[-1].version
-            self._report(client, fleet_pb2.UPGRADE_STATE_DOWNLOADING, target)
-            if self.version == 0:
-                self._download(client, target)
-                self.gallery.set_meta({"query_version": str(target)})
-            else:
-                plan = self._plan(client, target)
-                result.hops = hop_list(plan.hops)
-                if upgrade:
-                    result.rows_upgraded += self.upgrade_with(plan, client)
+            if latest:
+                target = latest[-1].version
+                self._report(client, fleet_pb2.UPGRADE_STATE_DOWNLOADING, target)
+                if self.version == 0:
+                    self.bundles.download(client, target, 0)
+                    self.gallery.set_meta({"query_version": str(target)})
+                else:
+                    plan = upgrades.server_plan(client, target)
+                    result.hops = hop_list(plan.hops)
+                    if upgrade:
+                        result.rows_upgraded += upgrades.start(plan)
             result.installed_after = self.version
             self._replicate(client, result, replicate)
             self._report(client, fleet_pb2.UPGRADE_STATE_IDLE)
@@ -484,30 +348,21 @@ class Device:
         if not self.settings.owner_id:
             result.notes.append("not replicated: enrolled before owners existed; enrol again to join an owner")
             return
-        result.replication = replicate(self, client)
+        result.replication = replicate(self.parts, client)
         self._rows_arrived()
 
     def replicate(self, *, on_batch=None) -> ReplicationResult:
         """Pull and push the owner's gallery replica (see :mod:`fctkit.edge_runtime.replication`)."""
         with self.client() as client:
-            result = replicate(self, client, on_batch=on_batch)
+            result = replicate(self.parts, client, on_batch=on_batch)
         self._rows_arrived()
         return result
 
     def _rows_arrived(self) -> None:
         """Rows came from the owner's replica: searches reload, and they get their hubness offsets."""
-        self._index_cache = None
+        self.search.reset()
         if self.version:
             store_hubness_offsets(self.gallery, self.engine())
-
-    def _installed_manifest(self, version: int):
-        return self.engine(version).manifest if version in self.installed_versions() else None
-
-    def installed_versions(self) -> list[int]:
-        """The versions whose verified bundles are installed on this device."""
-        folder = self.root / "bundles"
-        names = [p.name for p in folder.iterdir() if p.is_dir()] if folder.is_dir() else []
-        return sorted(int(n[1:]) for n in names if n.startswith("v") and n[1:].isdigit())
 
     def watch(self, *, max_versions: int | None = None, upgrade: bool = True):
         """Follow the server's version stream and sync on each new version (blocking; ends when
@@ -522,141 +377,38 @@ class Device:
                 if max_versions is not None and seen >= max_versions:
                     return
 
-    def _plan(self, client, target: int) -> UpgradePlan:
-        """The server's plan to ``target`` from every version the gallery's rows are in."""
-        self._download(client, target)
-
-        def server_hops(source: int) -> list[Hop] | None:
-            try:
-                planned = client.plan_upgrade(source, target)
-            except RpcStatusError as exc:
-                if exc.code in ("NOT_FOUND", "FAILED_PRECONDITION"):
-                    return None
-                raise
-            return [Hop(h.source_version, h.target_version, h.bundle_version, None if h.identity else h.forward.name,
-                        h.side_forward.name if h.HasField("side_forward") else None) for h in planned.hops]
-
-        def download(bundles: set[int]) -> None:
-            for bundle in sorted(bundles):
-                self._download(client, bundle)
-
-        return self._plan_from_rows(target, server_hops, "the server publishes no adapter path", fetch=download)
-
-    def installed_hops(self, source: int, target: int) -> list[Hop] | None:
-        """The cheapest hops from ``source`` to ``target`` over the installed bundles, planned as
-        the server plans (:func:`fctkit.protos.planner.plan_upgrade`); None when none connects."""
-        from fctkit.protos.planner import plan_upgrade
-
-        planned = plan_upgrade([self.engine(v).manifest for v in self.installed_versions()], source, target)
-        return None if planned is None else [
-            Hop(h.source_version, h.target_version, h.bundle_version, h.forward.name if h.forward else None,
-                h.side_forward.name if h.side_forward else None) for h in planned]
-
-    def _local_plan(self, target: int) -> UpgradePlan:
-        """The plan to ``target`` over the installed bundles only (offline)."""
-        installed = ", ".join(f"v{v}" for v in self.installed_versions())
-        return self._plan_from_rows(target, lambda source: self.installed_hops(source, target),
-                                    f"the installed bundles ({installed}) hold no adapter path")
-
-    def _row_sources(self, target: int) -> list[int]:
-        """The versions an upgrade to ``target`` starts from: those of the rows not yet in its
-        space (after a "compatible" upgrade rows keep their older tag) and the installed
-        version (rows added while the upgrade runs)."""
-        return sorted(set(self.gallery.row_versions(target)) | {self.version})
-
-    def _plan_from_rows(self, target: int, find_hops, missing: str, fetch=None) -> UpgradePlan:
-        """One plan with a path from every source version (hops shared where paths meet),
-        checked by :func:`check_plan_dims` once ``fetch(bundles)`` has brought the hops' bundles.
-        In unified mode a source without a path keeps its rows (they stay comparable)."""
-        mode = self.engine(target).manifest.mode
-        sources = self._row_sources(target)
-        by_source: dict[int, Hop] = {}
-        for source in sources:
-            if source == target or source in by_source:
-                continue
-            hops = find_hops(source)
-            if hops is None:
-                if mode == "unified":
-                    continue
-                raise DeviceError(f"no upgrade from v{source} to v{target}: {missing} from v{source} "
-                                  f"({self.gallery.remaining(target)} row(s) wait); publish or install one, or back-fill those rows")
-            for hop in hops:
-                by_source.setdefault(hop.source, hop)
-        plan = UpgradePlan(target, mode, tuple(sorted(by_source.values(), key=lambda h: (h.source, h.target))))
-        if fetch is not None:
-            fetch({h.bundle for h in plan.hops})
-        check_plan_dims(plan, sources, self._installed_manifest)
-        return plan
-
     def upgrade(self, bundle_dirs: str | os.PathLike | Sequence[str | os.PathLike] | None = None) -> int:
-        """Offline: resume an interrupted upgrade, or install ``bundle_dirs`` (each verified, in
-        version order) and upgrade to the newest along the cheapest path the installed bundles
-        offer from every version the gallery's rows are in (direct adapters, hop by hop,
-        "compatible" identity hops). A device with no model yet just installs them. Returns the
-        rows upgraded."""
+        """Offline: resume an interrupted upgrade, or install ``bundle_dirs`` (folders or ``.tar``
+        archives, each verified, in version order) and upgrade to the newest along the cheapest
+        path the installed bundles offer from every version the gallery's rows are in (direct
+        adapters, hop by hop, "compatible" identity hops). A device with no model yet just
+        installs them. Returns the rows upgraded."""
         self._refuse_damaged_settings()
-        state = self.gallery.upgrade_state
-        done = self._run(UpgradePlan.from_state(state), None) if state is not None else 0
-        if bundle_dirs is None:
-            targets = self.pending_versions()  # installed, never applied (a crash between the two)
-        else:
-            if isinstance(bundle_dirs, (str, os.PathLike)):
-                bundle_dirs = [bundle_dirs]
-            with _unpacked(bundle_dirs) as folders:
-                targets = [self.install_bundle(d) for d in _by_version(folders, self.publisher_key)]
-        if not targets or max(targets) <= self.version:
-            return done  # nothing newer: already applied (the same command run again after a crash)
-        target = max(targets)
-        if self.version == 0:
-            self.gallery.set_meta({"query_version": str(target)})
-            return done
-        return done + self.upgrade_with(self._local_plan(target), None)
+        if isinstance(bundle_dirs, (str, os.PathLike)):
+            bundle_dirs = [bundle_dirs]
+        return self._upgrades().offline(bundle_dirs)
 
-    def upgrade_with(self, plan: UpgradePlan, client) -> int:
-        """Record ``plan`` in the gallery and run it (resuming is the same call with the stored plan)."""
-        if self.gallery.upgrade_state is not None:
-            raise DeviceError("another upgrade is in progress: run `fctkit device upgrade` to finish it first")
-        from fctkit.protos.bundle import check_version_is_newer
+    def upgrade_with(self, plan: UpgradePlan, client=None) -> int:
+        """Record ``plan`` in the gallery and run it."""
+        return self._upgrades(client).start(plan)
 
-        check_version_is_newer(plan.target, self.version or None)
-        record_uncertainty(self, self.engine(plan.target))  # FastFill σ needs φ_old, ψ: before they are rewritten
-        meta = {"upgrade": plan.to_json()}
-        if plan.mode != "forward":
-            meta["query_version"] = str(plan.target)  # unified/compatible: queries switch first
-        self.gallery.set_meta(meta)
-        return self._run(plan, client)
-
-    def _run(self, plan: UpgradePlan, client) -> int:
-        from tqdm import tqdm
-
+    def _upgrades(self, client=None) -> DeviceUpgrade:
+        """This device's upgrades (:class:`~.upgrade.DeviceUpgrade`), reporting progress to the
+        fleet service through ``client`` when given."""
         from fctkit.protos import fleet_pb2
 
-        engines = {b: self.engine(b) for b in {h.bundle for h in plan.hops if h.forward is not None}}
-        rewrite = any(h.forward is not None for h in plan.hops)  # identity hops only (compatible): rows stay untouched
-        left = self.gallery.remaining(plan.target) if rewrite else 0
-        if client is not None:
-            self._report(client, fleet_pb2.UPGRADE_STATE_UPGRADING, plan.target)
-        last_report = [time.monotonic()]
+        def report(target: int, progress: float) -> None:
+            self._report(client, fleet_pb2.UPGRADE_STATE_UPGRADING, target, progress=progress)
 
-        def on_batch(rows: int) -> None:
-            bar.update(rows)
-            if client is not None and time.monotonic() - last_report[0] > REPORT_EVERY_S:
-                self._report(client, fleet_pb2.UPGRADE_STATE_UPGRADING, plan.target, progress=bar.n / max(left, 1))
-                last_report[0] = time.monotonic()
+        return DeviceUpgrade(self.parts, batch_size=self.settings.batch_size, after=self._upgraded,
+                             report=report if client is not None else None)
 
-        with tqdm(total=left, desc=f"upgrade {hop_list(plan.hops)}", unit="row", disable=not self.progress or left == 0) as bar:
-            done = run_upgrade(self.gallery, plan, engines, batch_size=self.settings.batch_size,
-                               on_batch=on_batch) if rewrite else 0
-        if plan.mode == "forward":
-            transition = transition_for(self.engine(plan.target).manifest, self._installed_manifest(self.version), self.version)
-            self.gallery.switch_to(plan.target, {"upgrade": None, "transition": transition and transition.to_json()},
-                                   keep_previous=transition and transition.previous_version)
-        else:
-            self.gallery.drop_extras("previous_embedding", {"upgrade": None, "query_version": str(plan.target), "transition": None})
-        apply_pending(self)  # replicated records that waited for this version
+    def _upgraded(self) -> None:
+        """After an upgrade: replica records that waited for its version land, every row gets its
+        hubness offset, searches reload."""
+        apply_pending(self.parts)
         store_hubness_offsets(self.gallery, self.engine())
-        self._index_cache = None
-        return done
+        self.search.reset()
 
     def _report(self, client, state: int, target: int = 0, progress: float = 0.0) -> None:
         """Tell the fleet service where this device stands; best effort while the server is away."""
@@ -666,7 +418,7 @@ class Device:
             if exc.code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
                 raise
 
-    # -- backfill ---------------------------------------------------------------------------
+    # -- backfill and transition scoring ----------------------------------------------------
 
     def backfill(self, budget: int | None = None, *, budget_bytes: int | None = None, order: str | None = None,
                  seed: int = 0, batch_size: int = 64, on_batch=None) -> BackfillResult:
@@ -675,39 +427,32 @@ class Device:
         class-mean-l2, class-mean-cosine, kmeans (default: uncertainty when the bundle has
         σ, else class-mean-l2), within ``budget`` rows and/or ``budget_bytes`` of vault
         downloads. Resumes an interrupted backfill first."""
-        result = run_backfill(self, budget=budget, budget_bytes=budget_bytes, order=order, seed=seed,
-                              batch_size=batch_size, on_batch=on_batch)
+        self.flush_outbox()
+        result = run_backfill(self.parts, lambda: self.searchable()[1], budget=budget, budget_bytes=budget_bytes,
+                              order=order, seed=seed, batch_size=batch_size, on_batch=on_batch)
+        self.search.reset()
         store_hubness_offsets(self.gallery, self.engine())
         if self.transition is not None and self.gallery.not_native(self.version) == 0:
             self.end_transition()  # every row is the new model's own now: nothing left to bridge
         return result
 
-    # -- transition scoring ------------------------------------------------------------------
-
     @property
     def transition(self) -> TransitionState | None:
         """The transition in progress (see :mod:`.scoring`), or None."""
-        return TransitionState.from_json(self.gallery.meta("transition"))
+        return self.search.transition
 
     def end_transition(self) -> bool:
         """End transition scoring: the rows' previous embeddings are deleted from the gallery (one
         transaction) and the previous version's graph is unloaded; queries then use the adapted
         rows alone. The previous bundle stays installed (older replicated rows may need its
         adapters). Returns whether a transition was in progress."""
-        transition = self.transition
-        if transition is None:
-            return False
-        self.gallery.drop_extras("previous_embedding", {"transition": None})
-        if transition.previous_version != self.version:
-            self._engines.pop(transition.previous_version, None)
-        self._index_cache = None
-        return True
+        return self.search.end_transition()
 
     # -- damage ----------------------------------------------------------------------------
 
     def damaged_rows(self) -> list[tuple[int, str, str]]:
         """(row id, item id, reason) of the rows left out of searches because they fail to open."""
-        return list(self._searchable()[2].corrupt)
+        return list(self.search.searchable()[2].corrupt)
 
     def _refuse_damaged_settings(self) -> None:
         """Before installing or upgrading anything: a gallery with damaged settings is repaired first."""
@@ -717,7 +462,7 @@ class Device:
 
     def missing_rows(self) -> int:
         """Rows the gallery's authenticated row count has but its file no longer holds."""
-        return self._searchable()[2].missing
+        return self.search.searchable()[2].missing
 
     def check(self) -> dict[str, Any]:
         """Open everything the device keeps and report what is damaged, all at once
@@ -751,96 +496,5 @@ class Device:
     # -- status -----------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        """What the device holds and does; damage is reported (``damaged_settings`` alone when
-        settings are damaged, else ``damaged_rows`` / ``missing_rows`` when rows are)."""
-        damaged_settings = self.gallery.settings.damaged()
-        if damaged_settings:
-            return {"device": str(self.root), "device_id": self.settings.device_id, "damaged_settings": damaged_settings,
-                    "next": "run `fctkit device repair --dir DIR`"}
-        state = self.gallery.upgrade_state
-        result: dict[str, Any] = {
-            "device": str(self.root), "device_id": self.settings.device_id, "server": self.settings.server,
-            "installed_version": self.version, "rows": len(self.gallery), "rows_by_space": self.gallery.tag_counts(),
-            "queued_uploads": self.gallery.outbox_size(), "publisher_key_pinned": (self.root / PUBLISHER_FILE).exists(),
-            "owner_id": self.settings.owner_id, "owner_key_id": owner_key_id(self._owner_key),
-            "replica": self.gallery.replication_counts(),
-        }
-        if state is not None:
-            result["upgrade"] = {"target": state["target"], "mode": state["mode"],
-                                 "rows_left": self.gallery.remaining(state["target"]) if state["hops"] else 0}
-        pending = self.pending_versions()
-        if pending:
-            result["installed_not_applied"] = {"versions": pending, "next": "run `fctkit device upgrade --dir DIR` to apply"}
-        if self.version:
-            engine = self.engine()
-            result.update(mode=engine.manifest.mode, distance=engine.manifest.distance, provider=engine.provider,
-                          scoring=scoring_of(engine.manifest, self.transition).kind)
-        if self.version:
-            damaged, missing = len(self.damaged_rows()), self.missing_rows()
-            if damaged or missing:
-                result.update(damaged_rows=damaged, missing_rows=missing, next="run `fctkit device check --dir DIR`, "
-                              "then `fctkit device repair --dir DIR`")
-        transition = self.transition
-        if transition is not None:
-            result["transition"] = {"from_version": transition.previous_version, "weight": transition.weight,
-                                    "rows_with_previous": self.gallery.count_extras("previous_embedding"),
-                                    "max_days": transition.max_days}
-        return result
-
-
-@contextlib.contextmanager
-def _unpacked(bundles: Sequence[str | os.PathLike]):
-    """The bundles as folders: a ``.tar`` archive (as `fctkit export` writes and the server
-    serves) is unpacked, safely, into a temporary folder that goes afterwards."""
-    from fctkit.protos.bundle import unpack_bundle
-
-    with tempfile.TemporaryDirectory(prefix="fctkit-bundles-") as scratch:
-        yield [unpack_bundle(b, Path(scratch) / f"{i}") if Path(b).is_file() else Path(b) for i, b in enumerate(bundles)]
-
-
-def _by_version(bundle_dirs: Sequence[str | os.PathLike], publisher_key) -> list[Path]:
-    """``bundle_dirs`` in version order (each verified under ``publisher_key`` to read it)."""
-    from fctkit.protos.bundle import verify_bundle
-
-    versions = {Path(d): verify_bundle(d, publisher_key).manifest.version for d in bundle_dirs}
-    return sorted(versions, key=versions.__getitem__)
-
-
-def _subset(rows: LoadedRows, keep: list[int]) -> LoadedRows:
-    return LoadedRows(
-        row_ids=rows.row_ids[keep], item_ids=[rows.item_ids[i] for i in keep], tags=[rows.tags[i] for i in keep],
-        embeddings=take_rows(rows.embeddings, keep), side_infos=rows.side_infos[keep], labels=[rows.labels[i] for i in keep],
-        corrupt=rows.corrupt, missing=rows.missing,
-    )
-
-
-def _read_settings(path: Path) -> DeviceSettings:
-    """``device.json``, validated; a damaged file is a :class:`DeviceError` that says what to do."""
-    try:
-        settings = from_mapping(DeviceSettings, json.loads(path.read_bytes().decode("utf-8")), SETTINGS_FILE)
-        EngineConfig(tuple(settings.providers), settings.batch_size, settings.threads)  # checks providers and sizes
-        if not isinstance(settings.providers, (list, tuple)) or not all(isinstance(p, str) for p in settings.providers):
-            raise ConfigError("providers must be a list of names")
-        for name in ("server", "device_id", "owner_id", "tls_root_certificates", "tls_client_cert", "tls_client_key"):
-            if not isinstance(getattr(settings, name), (str, type(None))):
-                raise ConfigError(f"{name} must be a string or null")
-        if not isinstance(settings.device_name, str) or settings.search_backend not in ("auto", "numpy", "faiss"):
-            raise ConfigError("device_name must be a string and search_backend one of auto, numpy, faiss")
-    except (ValueError, TypeError, ConfigError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise DeviceError(f"{path} is damaged ({exc}); restore it, or edit it back to valid settings "
-                          f"(the keys and the gallery were not touched)") from None
-    return settings
-
-
-def _write_private(path: Path, data: bytes, *, replace_existing: bool = True) -> None:
-    """Write ``data`` to ``path`` with mode 0600 through a temporary file and a rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    if not replace_existing and path.exists():
-        tmp.unlink()
-        raise DeviceError(f"{path} already exists")
-    os.replace(tmp, path)
+        """What the device holds and does (:func:`~.device_status.device_status`)."""
+        return device_status(self.root, self.settings, self.parts, self.search, owner_key_id(self._owner_key))

@@ -50,10 +50,10 @@ from fctkit.errors import DeviceError, GalleryError
 
 from .gallery import ItemState, ReplicaWrite, SealedChange, VersionTag
 from .records import RecordHeader, RowContent, beats, open_record, seal_record, sealed_sha256
-from .upgrade import UpgradePlan, transform_rows
+from .upgrade_plan import UpgradePlan, transform_rows
 
 if TYPE_CHECKING:
-    from .device import Device
+    from .device_parts import DeviceParts
 
 SEAL_BATCH = 1024  # changes sealed per transaction
 PUSH_BATCH = 2048  # sealed records per PushRecords call (acknowledged together)
@@ -98,7 +98,7 @@ class Incoming:
         return self.header.item_id
 
 
-def replicate(device: Device, client, *, on_batch=None) -> ReplicationResult:
+def replicate(device: DeviceParts, client, *, on_batch=None) -> ReplicationResult:
     """Apply pending records the device can now place, pull everything after the cursor,
     push the device's changes. ``on_batch(kind, records)`` after each committed batch."""
     _check_ready(device)
@@ -111,8 +111,8 @@ def replicate(device: Device, client, *, on_batch=None) -> ReplicationResult:
     return result
 
 
-def _check_ready(device: Device) -> None:
-    if not device.settings.owner_id:
+def _check_ready(device: DeviceParts) -> None:
+    if not device.owner_id:
         raise DeviceError("this device belongs to no owner yet: enrol it (`fctkit device enrol`) to replicate")
     if device.gallery.upgrade_state is not None:
         raise DeviceError("an upgrade is in progress: finish it (`fctkit device upgrade`) before replicating")
@@ -121,7 +121,7 @@ def _check_ready(device: Device) -> None:
 # -- push -----------------------------------------------------------------------------------
 
 
-def seal_changes(device: Device, limit: int = SEAL_BATCH) -> int:
+def seal_changes(device: DeviceParts, limit: int = SEAL_BATCH) -> int:
     """Seal up to ``limit`` logged changes under the owner key; returns how many were looked at."""
     gallery = device.gallery
     changes = gallery.unsealed_changes(limit)
@@ -132,7 +132,7 @@ def seal_changes(device: Device, limit: int = SEAL_BATCH) -> int:
         row_id, item_id, reason = rows.corrupt[0]
         raise GalleryError(f"row {row_id} ({item_id!r}) cannot be read to replicate it: {reason}; remove it and sync again")
     at = {item: k for k, item in enumerate(rows.item_ids)}
-    owner, owner_id = device.owner_sealer, device.settings.owner_id
+    owner, owner_id = device.owner_sealer, device.owner_id
     sealed = []
     for change_id, item_id, tombstone in changes:
         if tombstone:
@@ -149,7 +149,7 @@ def seal_changes(device: Device, limit: int = SEAL_BATCH) -> int:
     return len(changes)
 
 
-def push(device: Device, client, result: ReplicationResult, *, on_batch=None) -> None:
+def push(device: DeviceParts, client, result: ReplicationResult, *, on_batch=None) -> None:
     """Seal and push every logged change (see the module docstring)."""
     from fctkit.protos import vault_pb2
 
@@ -170,7 +170,7 @@ def push(device: Device, client, result: ReplicationResult, *, on_batch=None) ->
     result.originals_deleted += delete_removed_originals(device, client)
 
 
-def delete_removed_originals(device: Device, client) -> int:
+def delete_removed_originals(device: DeviceParts, client) -> int:
     """Delete from the vault the originals of items removed here, once their tombstones are
     acknowledged (the owner's other devices learn of the removal first). Returns how many."""
     from fctkit.errors import RpcStatusError
@@ -190,7 +190,7 @@ def delete_removed_originals(device: Device, client) -> int:
 # -- pull -----------------------------------------------------------------------------------
 
 
-def pull(device: Device, client, result: ReplicationResult, *, on_batch=None) -> None:
+def pull(device: DeviceParts, client, result: ReplicationResult, *, on_batch=None) -> None:
     """Merge every record after the gallery's cursor, one transaction per :data:`PULL_BATCH` records."""
     gallery = device.gallery
     for response in client.pull_records(after_sequence=gallery.replica_cursor):
@@ -204,10 +204,10 @@ def pull(device: Device, client, result: ReplicationResult, *, on_batch=None) ->
                 on_batch("pull", len(placed))
 
 
-def apply_pending(device: Device) -> dict[str, int]:
+def apply_pending(device: DeviceParts) -> dict[str, int]:
     """Merge the kept records whose version the device has reached (one transaction)."""
     gallery = device.gallery
-    if not device.version or not device.settings.owner_id:
+    if not device.version or not device.owner_id:
         return {}
     kept = gallery.pending_records(device.version)
     if not kept:
@@ -227,12 +227,12 @@ def _tag_of(message) -> VersionTag | None:
         raise GalleryError(f"replica record of item {message.item_id!r} has a bad version tag: {exc}") from None
 
 
-def _open(device: Device, sequence: int, item_id: str, tag: VersionTag | None, sealed: bytes) -> Incoming:
-    content = open_record(device.owner_sealer, device.settings.owner_id, item_id, tag, sealed)
+def _open(device: DeviceParts, sequence: int, item_id: str, tag: VersionTag | None, sealed: bytes) -> Incoming:
+    content = open_record(device.owner_sealer, device.owner_id, item_id, tag, sealed)
     return Incoming(sequence, RecordHeader(item_id, tag, sealed_sha256(sealed)), sealed, content, None)
 
 
-def _place(device: Device, records: Sequence[Incoming]) -> list[Incoming]:
+def _place(device: DeviceParts, records: Sequence[Incoming]) -> list[Incoming]:
     """Each record with its landing on this device: as it is at the query version, moved there
     by the installed adapters from an older one (batched per tag), or None (pending)."""
     version = device.version
@@ -279,8 +279,8 @@ def _decide(record: Incoming, state: ItemState) -> ReplicaWrite:
                         vault_sha256=content.vault_sha256, record_sha256=None if moved else header.sha256)
 
 
-def local_plan(device: Device, source: int, target: int) -> UpgradePlan | None:
+def local_plan(device: DeviceParts, source: int, target: int) -> UpgradePlan | None:
     """Hops from ``source`` to ``target`` through the installed bundles (as an offline upgrade
     plans them), or None when none connects."""
-    hops = device.installed_hops(source, target)
+    hops = device.bundles.hops(source, target)
     return None if hops is None else UpgradePlan(target, device.engine(target).manifest.mode, tuple(hops))

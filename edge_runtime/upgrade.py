@@ -26,105 +26,118 @@ commits is answered by whichever version its snapshot saw (old or new, never a m
 
 from __future__ import annotations
 
-import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-import numpy as np
+from tqdm import tqdm
 
-from fctkit.errors import GalleryError
+from fctkit.errors import DeviceError, GalleryError
+from fctkit.protos.bundle import check_version_is_newer
 
+from .backfill import record_uncertainty
 from .engine import Engine
-from .gallery import Gallery, LoadedRows, UpgradedRows, VersionTag, take_rows
+from .gallery import Gallery, LoadedRows, UpgradedRows, take_rows
+from .scoring import transition_for
+from .upgrade_plan import UpgradePlan, hop_list, plan_to, server_hops, transform_rows
+
+if TYPE_CHECKING:
+    from .device_parts import DeviceParts
+
+REPORT_EVERY_S = 2.0  # upgrade progress reports to the fleet service, at most this often
 
 
-@dataclass(frozen=True)
-class Hop:
-    """One step of a plan: the bundle holding the adapter(s); ``forward`` None for identity."""
+class DeviceUpgrade:
+    """The upgrades of one device's gallery: resumed after a crash, offline over installed
+    bundles, or along the server's plan. ``after()`` runs once a plan has finished (the device
+    places replica records that waited for the version and refreshes its search);
+    ``report(progress)``, when given, tells the fleet service how far the rows are."""
 
-    source: int
-    target: int
-    bundle: int
-    forward: str | None
-    side_forward: str | None
+    def __init__(self, parts: DeviceParts, *, batch_size: int, after: Callable[[], None],
+                 report: Callable[[int, float], None] | None = None) -> None:
+        self.parts, self.gallery, self.bundles = parts, parts.gallery, parts.bundles
+        self.batch_size, self.after, self.report = batch_size, after, report
 
+    def resume(self) -> int:
+        """Finish the upgrade a crash interrupted (0 when none was under way)."""
+        state = self.gallery.upgrade_state
+        return self.finish(UpgradePlan.from_state(state)) if state is not None else 0
 
-@dataclass(frozen=True)
-class UpgradePlan:
-    target: int
-    mode: str
-    hops: tuple[Hop, ...]
+    def offline(self, bundle_dirs: Sequence | None) -> int:
+        """Resume, then install ``bundle_dirs`` (or apply bundles installed but never applied) and
+        upgrade to the newest over the installed bundles; a device without a model just installs."""
+        done = self.resume()
+        query_version = self.parts.version
+        if bundle_dirs is None:
+            targets = self.parts.pending_versions()  # installed by a run that stopped before its plan
+        else:
+            targets = self.bundles.install_all(bundle_dirs, query_version)
+        if not targets or max(targets) <= query_version:
+            return done  # nothing newer: already applied (the same command run again after a crash)
+        target = max(targets)
+        if query_version == 0:
+            self.gallery.set_meta({"query_version": str(target)})
+            return done
+        installed = ", ".join(f"v{v}" for v in self.bundles.versions())
+        plan = plan_to(self.gallery, target, self.bundles.engine(target).manifest.mode,
+                       lambda source: self.bundles.hops(source, target),
+                       f"the installed bundles ({installed}) hold no adapter path", self.bundles.manifest)
+        return done + self.start(plan)
 
-    def to_json(self) -> str:
-        return json.dumps({"target": self.target, "mode": self.mode, "hops": [asdict(h) for h in self.hops]}, sort_keys=True)
+    def server_plan(self, client, target: int) -> UpgradePlan:
+        """The server's plan to ``target`` from every version the rows are in, its bundles downloaded."""
+        query_version = self.parts.version
+        self.bundles.download(client, target, query_version)
 
-    @classmethod
-    def from_state(cls, state: Mapping) -> UpgradePlan:
-        return cls(state["target"], state["mode"], tuple(Hop(**h) for h in state["hops"]))
+        def fetch(bundles: set[int]) -> None:
+            for bundle in sorted(bundles):
+                self.bundles.download(client, bundle, query_version)
 
-    def path_from(self, version: int) -> list[Hop]:
-        """The hops that take a row tagged ``version`` to the target."""
-        by_source = {h.source: h for h in self.hops}
-        path: list[Hop] = []
-        while version != self.target:
-            if version not in by_source:
-                raise GalleryError(f"the upgrade plan to v{self.target} has no path from a row's v{version}; sync again")
-            path.append(by_source[version])
-            version = by_source[version].target
-        return path
+        return plan_to(self.gallery, target, self.bundles.engine(target).manifest.mode, server_hops(client, target),
+                       "the server publishes no adapter path", self.bundles.manifest, fetch=fetch)
 
+    def start(self, plan: UpgradePlan) -> int:
+        """Record ``plan`` (a newer version only; none may be under way) and run it. In unified and
+        compatible mode the queries switch to the target at once."""
+        if self.gallery.upgrade_state is not None:
+            raise DeviceError("another upgrade is in progress: run `fctkit device upgrade` to finish it first")
+        check_version_is_newer(plan.target, self.parts.version or None)
+        record_uncertainty(self.parts, self.bundles.engine(plan.target))  # FastFill σ needs φ_old, ψ: before the rewrite
+        meta = {"upgrade": plan.to_json()}
+        if plan.mode != "forward":
+            meta["query_version"] = str(plan.target)
+        self.gallery.set_meta(meta)
+        return self.finish(plan)
 
-def check_plan_dims(plan: UpgradePlan, sources: Sequence[int], manifest_of: Callable[[int], Any]) -> None:
-    """Refuse, before any row is touched, a plan whose path from one of ``sources`` feeds an
-    adapter vectors of the wrong length: after a "compatible" identity hop rows keep their
-    version's dims, so a later adapter trained on the new version's longer embeddings (BT²)
-    cannot take them. ``manifest_of(v)`` is version v's manifest, None when it is not on the
-    device (rows replicated from a version this device never installed: their dims are then
-    checked by the engine when the batch runs)."""
-    covered = {h.source for h in plan.hops}
-    for source in sources:
-        if source == plan.target or manifest_of(source) is None or (plan.mode == "unified" and source not in covered):
-            continue  # unified mode: rows without an F stay as they are
-        dims = manifest_of(source).embedding_dim
-        for hop in plan.path_from(source):
-            if hop.forward is None:
-                continue
-            forward = _artifact(manifest_of(hop.bundle), hop.forward)
-            wanted = forward.inputs[0].shape[-1]
-            if wanted != dims:
-                raise GalleryError(f"rows of v{source} are {dims}-d, but the adapter v{hop.source}->v{hop.target} on their "
-                                   f"path to v{plan.target} takes {wanted}-d embeddings (v{hop.source}'s own); publish an "
-                                   f"adapter from v{source}, or back-fill those rows with v{plan.target}'s model")
-            dims = forward.outputs[0].shape[-1]
+    def finish(self, plan: UpgradePlan) -> int:
+        """Run the recorded ``plan`` to its end (resuming where it stopped) and make the target the
+        version answering queries: in forward mode by switching the staged vectors live, with a
+        transition when the bundle declares one. Returns the rows upgraded now."""
+        engines = {b: self.bundles.engine(b) for b in {h.bundle for h in plan.hops if h.forward is not None}}
+        rewrite = any(h.forward is not None for h in plan.hops)  # identity hops only (compatible): rows stay untouched
+        left = self.gallery.remaining(plan.target) if rewrite else 0
+        if self.report is not None:
+            self.report(plan.target, 0.0)
+        last_report = [time.monotonic()]
 
+        def on_batch(rows: int) -> None:
+            bar.update(rows)
+            if self.report is not None and time.monotonic() - last_report[0] > REPORT_EVERY_S:
+                self.report(plan.target, bar.n / max(left, 1))
+                last_report[0] = time.monotonic()
 
-def transform_rows(plan: UpgradePlan, engines: Mapping[int, Engine], tag: VersionTag,
-                   embeddings: np.ndarray, side_infos: np.ndarray) -> tuple[VersionTag, np.ndarray, np.ndarray]:
-    """Move rows tagged ``tag`` through their path to the plan's target."""
-    for hop in plan.path_from(tag.version):
-        if hop.forward is not None:
-            manifest = engines[hop.bundle].manifest
-            forward = _artifact(manifest, hop.forward)
-            new_embeddings = engines[hop.bundle].run(forward, *_inputs(forward, embeddings, side_infos))
-            if hop.side_forward is not None:  # without g the side-info model is shared: ψ stays
-                side = _artifact(manifest, hop.side_forward)
-                side_infos = engines[hop.bundle].run(side, *_inputs(side, embeddings, side_infos))
-            embeddings = new_embeddings
-        tag = VersionTag(tag.origin_version, hop.target, "forward")
-    return tag, embeddings, side_infos
-
-
-def _artifact(manifest, name: str):
-    for artifact in manifest.artifacts:
-        if artifact.name == name:
-            return artifact
-    raise GalleryError(f"bundle v{manifest.version} has no artifact {name!r} named by the upgrade plan")
-
-
-def _inputs(artifact, embeddings: np.ndarray, side_infos: np.ndarray) -> tuple[np.ndarray, ...]:
-    return (embeddings,) if len(artifact.inputs) == 1 else (embeddings, side_infos)
+        with tqdm(total=left, desc=f"upgrade {hop_list(plan.hops)}", unit="row", disable=not self.parts.progress or left == 0) as bar:
+            done = run_upgrade(self.gallery, plan, engines, batch_size=self.batch_size, on_batch=on_batch) if rewrite else 0
+        if plan.mode == "forward":
+            version = self.gallery.query_version
+            transition = transition_for(self.bundles.engine(plan.target).manifest, self.bundles.manifest(version), version)
+            self.gallery.switch_to(plan.target, {"upgrade": None, "transition": transition and transition.to_json()},
+                                   keep_previous=transition and transition.previous_version)
+        else:
+            self.gallery.drop_extras("previous_embedding", {"upgrade": None, "query_version": str(plan.target), "transition": None})
+        self.after()
+        return done
 
 
 def run_upgrade(gallery: Gallery, plan: UpgradePlan, engines: Mapping[int, Engine], *, batch_size: int,
@@ -179,7 +192,3 @@ def _transform_batch(plan: UpgradePlan, engines: Mapping[int, Engine], batch: Lo
         groups.append(UpgradedRows([int(batch.row_ids[i]) for i in rows], [batch.item_ids[i] for i in rows],
                                    tag, new_tag, embeddings, side_infos))
     return groups
-
-
-def hop_list(hops: Sequence[Hop]) -> str:
-    return " -> ".join([f"v{hops[0].source}", *(f"v{h.target}" for h in hops)]) if hops else "(none)"

@@ -21,7 +21,7 @@ if str(REPO) not in sys.path:
 from tests.server.conftest import ADMIN_TOKEN, IMAGE_DIM, ServerProcess, _sources, admin_token_file  # noqa: E402,F401 (a fixture)
 
 from fctkit.edge_runtime import Device, DeviceSettings  # noqa: E402
-from fctkit.export.bundle import build_bundle  # noqa: E402
+from fctkit.export.bundle_builder import build_bundle  # noqa: E402
 from fctkit.export.keys import save_public_key  # noqa: E402
 
 #: version -> adapters (source, target); v3 also has a direct 1->3 adapter.

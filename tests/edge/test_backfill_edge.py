@@ -220,7 +220,7 @@ def test_fastfill_sigma_orders_the_backfill(release, tmp_path_factory):
         assert device.sync().installed_after == 2
         from fctkit.edge_runtime.backfill import recorded_uncertainty
 
-        sigma = recorded_uncertainty(device, 2, old.row_ids)
+        sigma = recorded_uncertainty(device.parts, 2, old.row_ids)
         engine = device.engine()
         graph = engine.manifest.artifact("uncertainty")
         expected = engine.run(graph, old.embeddings, old.side_infos).reshape(len(ids), -1).mean(axis=1)

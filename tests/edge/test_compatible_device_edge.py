@@ -18,12 +18,13 @@ from tests.edge.conftest import enrolment_code, publish
 from tests.support.compatible_run import digits_compatible_run
 
 from fctkit.errors import BundleFormatError, GateError, SignatureError
-from fctkit.export.compatible import export_compatible_release
+from fctkit.export.compatible_release import export_compatible_release
 from fctkit.protos.bundle import MANIFEST_FILE, Manifest, verify_bundle
 from fctkit.trainer.backbones import extract_features
 from fctkit.config import from_mapping
-from fctkit.trainer.compatible import CompatibleConfig, load_compatible_model
-from fctkit.trainer.pipeline import load_image_splits
+from fctkit.trainer.compatible_config import CompatibleConfig
+from fctkit.trainer.compatible_models import load_compatible_model
+from fctkit.trainer.run_data import load_image_splits
 
 GALLERY, QUERIES = 360, 200
 
@@ -153,7 +154,7 @@ def test_device_upgrade_through_compatible_bundle_keeps_rows_and_queries_hold(
 def test_comparable_dims_follow_installed_compatible_parents():
     from types import SimpleNamespace
 
-    from fctkit.edge_runtime.compatible import comparable_dims, compatible_rows
+    from fctkit.edge_runtime.compatible_search import comparable_dims, compatible_rows
     from fctkit.errors import GalleryError
 
     def manifest(mode, parents, dim, prefix=None):

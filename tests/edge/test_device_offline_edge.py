@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from fctkit.edge_runtime import Engine, EngineConfig, select_providers
-from fctkit.edge_runtime.upgrade import Hop, UpgradePlan, run_upgrade
+from fctkit.edge_runtime.upgrade import run_upgrade
+from fctkit.edge_runtime.upgrade_plan import Hop, UpgradePlan
 from fctkit.errors import ConfigError, DeviceError, InputError
 from fctkit.protos.bundle import verify_bundle
 
@@ -140,7 +141,7 @@ def test_unified_mode_switches_queries_first(tmp_path, make_device, publisher_ke
     from tests.edge.conftest import make_tiny_bundle
     from tests.server.conftest import EMBED_DIM, linear_onnx
 
-    from fctkit.export.bundle import ArtifactSource, build_bundle
+    from fctkit.export.bundle_builder import ArtifactSource, build_bundle
 
     v1 = make_tiny_bundle(tmp_path / "u1", publisher_key, 1, ())
     src = tmp_path / "u2-src"

@@ -47,7 +47,7 @@ def _device_top1(device: Device, images: np.ndarray, item_ids: list[str], labels
 
 def _reference_top1(release, rows: np.ndarray, path: str) -> float:
     """The trainer's figure for the same rows, with the run's torch adapters."""
-    from fctkit.export.release import TrainedRun
+    from fctkit.export.trained_run import TrainedRun
     from fctkit.trainer.evaluation import evaluate_retrieval
 
     run, f = TrainedRun.open(release.run_dir), release.eval_features

@@ -225,7 +225,7 @@ def test_invalid_utf8_in_plaintext_columns_is_a_damaged_row_not_a_traceback(make
         db.execute("UPDATE items SET item_id = CAST(x'6974656dff' AS TEXT) WHERE row_id = ?", (first,))
         live = db.execute("SELECT value FROM meta WHERE key = 'live_vectors'").fetchone()[0]
         db.execute(f"UPDATE {live} SET via = CAST(x'6e6174ff' AS TEXT) WHERE row_id = ?", (second,))
-    device._index_cache = None
+    device.search.reset()
     loaded = device.gallery.load()
     assert {row_id for row_id, _, _ in loaded.corrupt} == {first, second} and len(loaded) == total - 2
     assert len(device.query(images(2, seed=5), k=3)) == 2

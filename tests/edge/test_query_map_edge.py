@@ -11,7 +11,7 @@ from tests.server.conftest import EMBED_DIM, IMAGE_DIM, _sources, linear_onnx
 
 from fctkit.edge_runtime import Engine
 from fctkit.errors import BundleFormatError
-from fctkit.export.bundle import ArtifactSource, build_bundle
+from fctkit.export.bundle_builder import ArtifactSource, build_bundle
 from fctkit.protos.bundle import verify_bundle
 
 

@@ -166,7 +166,7 @@ def _all_records(device: Device) -> list:
 def test_a_retried_push_never_duplicates(server, make_device, images):
     device = enrolled(make_device, server, "retry", "carol")
     device.add(images(7, seed=2), item_ids=[f"r{i}" for i in range(7)], upload=True)
-    assert seal_changes(device) == 7
+    assert seal_changes(device.parts) == 7
     batch = device.gallery.sealed_changes(100)
     records = [vault_pb2.SealedRecord(change_id=c, item_id=i, version=v, origin_version=o, via=via, tombstone=t, sealed=s)
                for c, i, v, o, via, t, s in batch]

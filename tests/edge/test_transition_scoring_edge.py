@@ -24,7 +24,7 @@ from tests.server.conftest import IMAGE_DIM, _sources
 
 from fctkit.edge_runtime import Engine
 from fctkit.errors import BundleFormatError
-from fctkit.export.bundle import ArtifactSource, build_bundle
+from fctkit.export.bundle_builder import ArtifactSource, build_bundle
 from fctkit.export.hubness_graph import hubness_onnx
 from fctkit.protos.bundle import verify_bundle
 from fctkit.protos.search_policy import HubnessPolicy, TransitionPolicy
@@ -118,7 +118,7 @@ def test_ending_the_transition_drops_the_previous_embeddings_and_plain_search_re
     device, _ = upgraded
     assert device.end_transition() is True
     assert device.gallery.count_extras("previous_embedding") == 0 and device.transition is None
-    assert 1 not in device._engines and "transition" not in device.status()
+    assert 1 not in device.bundles.loaded_versions() and "transition" not in device.status()
     queries = images(5, seed=6)
     rows = device.gallery.load()
     ids, scores = ranking(unit(device.engine(2).embed(queries)) @ unit(rows.embeddings).T, rows.item_ids, 4)

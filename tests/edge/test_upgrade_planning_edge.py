@@ -13,7 +13,7 @@ import pytest
 from tests.edge.conftest import device_cli_steps, make_tiny_bundle
 
 from fctkit.errors import DeviceError, GalleryError
-from fctkit.edge_runtime.upgrade import Hop, UpgradePlan, check_plan_dims
+from fctkit.edge_runtime.upgrade_plan import Hop, UpgradePlan, check_plan_dims
 
 
 @pytest.fixture(scope="module")

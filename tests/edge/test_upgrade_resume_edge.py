@@ -15,7 +15,7 @@ from tests.server.conftest import IMAGE_DIM, _sources
 
 from fctkit.edge_runtime import gallery as gallery_module
 from fctkit.errors import RollbackError
-from fctkit.export.bundle import build_bundle
+from fctkit.export.bundle_builder import build_bundle
 
 
 class Crash(Exception):

@@ -1,0 +1,50 @@
+"""What ``fctkit device status`` reports: what a device holds and does, and any damage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .device_files import PUBLISHER_FILE, DeviceSettings
+from .device_parts import DeviceParts
+from .gallery_search import GallerySearch
+from .scoring import scoring_of
+
+
+def device_status(root: Path, settings: DeviceSettings, parts: DeviceParts, search: GallerySearch,
+                  owner_key_id: str) -> dict[str, Any]:
+    """What the device holds and does; damage is reported (``damaged_settings`` alone when
+    settings are damaged, else ``damaged_rows`` / ``missing_rows`` when rows are)."""
+    damaged_settings = parts.gallery.settings.damaged()
+    if damaged_settings:
+        return {"device": str(root), "device_id": settings.device_id, "damaged_settings": damaged_settings,
+                "next": "run `fctkit device repair --dir DIR`"}
+    gallery, version, state = parts.gallery, parts.version, parts.gallery.upgrade_state
+    result: dict[str, Any] = {
+        "device": str(root), "device_id": settings.device_id, "server": settings.server,
+        "installed_version": version, "rows": len(gallery), "rows_by_space": gallery.tag_counts(),
+        "queued_uploads": gallery.outbox_size(), "publisher_key_pinned": (root / PUBLISHER_FILE).exists(),
+        "owner_id": settings.owner_id, "owner_key_id": owner_key_id,
+        "replica": gallery.replication_counts(),
+    }
+    if state is not None:
+        result["upgrade"] = {"target": state["target"], "mode": state["mode"],
+                             "rows_left": gallery.remaining(state["target"]) if state["hops"] else 0}
+    pending = parts.pending_versions()
+    if pending:
+        result["installed_not_applied"] = {"versions": pending, "next": "run `fctkit device upgrade --dir DIR` to apply"}
+    if version:
+        engine = parts.engine()
+        result.update(mode=engine.manifest.mode, distance=engine.manifest.distance, provider=engine.provider,
+                      scoring=scoring_of(engine.manifest, search.transition).kind)
+        searchable = search.searchable()[2]
+        damaged, missing = len(searchable.corrupt), searchable.missing
+        if damaged or missing:
+            result.update(damaged_rows=damaged, missing_rows=missing, next="run `fctkit device check --dir DIR`, "
+                          "then `fctkit device repair --dir DIR`")
+    transition = search.transition
+    if transition is not None:
+        result["transition"] = {"from_version": transition.previous_version, "weight": transition.weight,
+                                "rows_with_previous": gallery.count_extras("previous_embedding"),
+                                "max_days": transition.max_days}
+    return result
