@@ -26,9 +26,12 @@ import numpy as np
 import torch
 
 from fctkit.trainer.backbones import extract_features
-from fctkit.trainer.compatible import evaluation_items, load_compatible_config, load_compatible_model, run_compatible
+from fctkit.trainer.compatible_comparison import run_compatible
+from fctkit.trainer.compatible_config import load_compatible_config
+from fctkit.trainer.compatible_models import load_compatible_model
+from fctkit.trainer.compatible_sequence import evaluation_items
 from fctkit.trainer.evaluation import evaluate_retrieval
-from fctkit.trainer.pipeline import load_image_splits
+from fctkit.trainer.run_data import load_image_splits
 
 VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "fine-tune at the config's cores.finetune_lr (the default)": ("cores", {}),

@@ -38,7 +38,7 @@ PIXELS = 28 * 28
 
 
 def build_bundles(folder: Path, key) -> tuple[Path, Path]:
-    from fctkit.export.bundle import ArtifactSource, build_bundle
+    from fctkit.export.bundle_builder import ArtifactSource, build_bundle
 
     folder.mkdir(parents=True, exist_ok=True)
 

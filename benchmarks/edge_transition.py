@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args(argv)
-    from fctkit.export.bundle import ArtifactSource
+    from fctkit.export.bundle_builder import ArtifactSource
     from fctkit.export.hubness_graph import hubness_onnx
     from fctkit.protos.search_policy import HubnessPolicy, TransitionPolicy
 

@@ -108,7 +108,7 @@ def linear_graph(path: Path, inputs: dict[str, int], out_dim: int, output: str, 
 def build_bundles(folder: Path, adapter: str, key, *, v2_extra: tuple = (), **v2_declarations) -> tuple[Path, Path]:
     """Bundles v1 and v2 (forward 1 -> 2 by ``adapter``); ``v2_extra`` artifact sources and
     ``v2_declarations`` (transition=, hubness=) go into v2."""
-    from fctkit.export.bundle import ArtifactSource, build_bundle
+    from fctkit.export.bundle_builder import ArtifactSource, build_bundle
 
     folder.mkdir(parents=True, exist_ok=True)
 

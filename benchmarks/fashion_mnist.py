@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         ensure_debian_package(PACKAGE, fashion_mnist_present, "fashion-mnist idx files")
-        from fctkit.trainer.pipeline import load_pipeline_config, run_pipeline
+        from fctkit.trainer.pipeline import run_pipeline
+        from fctkit.trainer.pipeline_config import load_pipeline_config
 
         overrides: dict[str, object] = {"chain.enabled": not args.no_chain, "chain.classes": [4, 7, 10]}
         if args.max_items is not None:

@@ -246,7 +246,7 @@ def task_split(models: Models, gallery_images: np.ndarray, gallery_ids: np.ndarr
     """Embed the gallery (φ_old, φ_new, ψ) and the queries (φ_old, φ_new); query i's one positive
     is gallery row ``query_to_gallery_row[i]``."""
     from fctkit.trainer.backbones import extract_features
-    from fctkit.trainer.evaluation import Positives
+    from fctkit.trainer.relevance import Positives
     from fctkit.trainer.side_info import extract_side_info
     from fctkit.trainer.tasks import TaskSet, TaskSplit
 
@@ -264,7 +264,7 @@ def task_split(models: Models, gallery_images: np.ndarray, gallery_ids: np.ndarr
 
 def build_task(args: argparse.Namespace):
     from fctkit.trainer.datasets import load_dataset
-    from fctkit.trainer.pipeline import load_pipeline_config
+    from fctkit.trainer.pipeline_config import load_pipeline_config
     from fctkit.trainer.tasks import RetrievalTask
 
     config = load_pipeline_config(CONFIG)

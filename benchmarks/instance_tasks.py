@@ -24,7 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fctkit.trainer.pipeline import load_pipeline_config, run_pipeline
+from fctkit.trainer.pipeline import run_pipeline
+from fctkit.trainer.pipeline_config import load_pipeline_config
 
 DEFAULT_METHODS = ("residual", "least-squares", "procrustes")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from fctkit.export.onnx_export import run_onnx
-from fctkit.export.release import TrainedRun
+from fctkit.export.trained_run import TrainedRun
 from fctkit.protos.bundle import VerifiedBundle, verify_bundle
 from fctkit.trainer.evaluation import evaluate_retrieval
 

@@ -54,7 +54,7 @@ def _big_bundle(folder: Path, size_mib: float, key) -> Path:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from fctkit.export.bundle import ArtifactSource, build_bundle
+    from fctkit.export.bundle_builder import ArtifactSource, build_bundle
     from fctkit.protos.bundle import pack_bundle
 
     out_dim = 8

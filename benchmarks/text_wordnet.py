@@ -257,7 +257,8 @@ def pipeline_config(args: argparse.Namespace, out: Path, side: str | None, metho
 def run_case(args: argparse.Namespace, out: Path, name: str, side: str | None, methods: list[str]) -> dict:
     """One `fctkit train` pipeline run (features mode) into ``out/runs/name``; its gate + new/old."""
     from fctkit.config import from_mapping
-    from fctkit.trainer.pipeline import PipelineConfig, run_pipeline
+    from fctkit.trainer.pipeline import run_pipeline
+    from fctkit.trainer.pipeline_config import PipelineConfig
 
     config = from_mapping(PipelineConfig, pipeline_config(args, out, side, methods))
     result = run_pipeline(config, out / "runs" / name, log=lambda line: print(f"[{name}] {line}", flush=True))

@@ -190,24 +190,33 @@ def _cached_prefix(folder: Path, name: str, texts: list[str]) -> np.ndarray:
     return best
 
 
-def embed_cached(encode: Callable[[list[str]], np.ndarray], model: str, name: str, texts: list[str], out: Path) -> np.ndarray:
-    """``encode(texts)`` as float32, cached in ``out/embeddings/model/name-<hash of the texts>.npy``;
-    a cached prefix of ``texts`` is reused and only the rest is embedded."""
+def embed_cached(encode: Callable[[list[str]], np.ndarray], model: str, name: str, texts: list[str], out: Path,
+                 checkpoint_every: int = 2000) -> np.ndarray:
+    """``encode(texts)`` as float32, cached in ``out/embeddings/model/name-<hash of the texts>.npy``.
+    A cached prefix of ``texts`` is reused and only the rest is embedded, ``checkpoint_every``
+    texts at a time, each step saved as a longer prefix: a killed build resumes where it stopped."""
     folder = out / "embeddings" / model
-    path = folder / f"{name}-{_digest(texts)}.npy"
-    cached = _cached_prefix(folder, name, texts)
-    if len(cached) == len(texts):
+    vectors = _cached_prefix(folder, name, texts)
+    if len(vectors) == len(texts):
         print(f"{model} {name}: {len(texts)} cached", flush=True)
-        return cached
-    print(f"{model} {name}: {len(cached)} cached, embedding {len(texts) - len(cached)} texts", flush=True)
-    fresh = np.ascontiguousarray(encode(texts[len(cached):]), dtype=np.float32)
-    if fresh.shape[0] != len(texts) - len(cached) or not np.isfinite(fresh).all():
-        raise BenchmarkSetupError(f"{model} returned {fresh.shape} (or non-finite values) for {len(texts) - len(cached)} texts")
-    vectors = np.concatenate([cached.reshape(len(cached), fresh.shape[1]), fresh]) if len(cached) else fresh
+        return vectors
+    print(f"{model} {name}: {len(vectors)} cached, embedding {len(texts) - len(vectors)} texts", flush=True)
     folder.mkdir(parents=True, exist_ok=True)
-    scratch = path.with_suffix(".partial.npy")
-    np.save(scratch, vectors)
-    os.replace(scratch, path)
+    previous = None  # the checkpoint this call saved last (files found on disk are kept: other builds' caches)
+    while len(vectors) < len(texts):
+        start = len(vectors)
+        fresh = np.ascontiguousarray(encode(texts[start:start + checkpoint_every]), dtype=np.float32)
+        if fresh.shape[0] != min(checkpoint_every, len(texts) - start) or not np.isfinite(fresh).all():
+            raise BenchmarkSetupError(f"{model} returned {fresh.shape} (or non-finite values) for texts {start}..")
+        vectors = np.concatenate([vectors.reshape(start, fresh.shape[1]), fresh]) if start else fresh
+        path = folder / f"{name}-{_digest(texts[:len(vectors)])}.npy"
+        scratch = path.with_suffix(".partial.npy")
+        np.save(scratch, vectors)
+        os.replace(scratch, path)
+        if previous is not None:
+            previous.unlink()
+        previous = path if len(vectors) < len(texts) else None
+        print(f"{model} {name}: {len(vectors)}/{len(texts)} saved", flush=True)
     return vectors
 
 
@@ -215,7 +224,7 @@ def embed_cached(encode: Callable[[list[str]], np.ndarray], model: str, name: st
 
 
 def build_task(args: argparse.Namespace) -> tuple[object, dict]:
-    from fctkit.trainer.evaluation import Positives
+    from fctkit.trainer.relevance import Positives
     from fctkit.trainer.tasks import RetrievalTask, TaskSet, TaskSplit
 
     ensure_wordnet()

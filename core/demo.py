@@ -274,7 +274,8 @@ def _fresh_out(out: Path) -> Path:
 
 def _train(options: DemoOptions, run_dir: Path, log: Callable[[str], None]):
     torch = require("torch", "train")
-    from fctkit.trainer.pipeline import load_pipeline_config, run_pipeline
+    from fctkit.trainer.pipeline import run_pipeline
+    from fctkit.trainer.pipeline_config import load_pipeline_config
 
     overrides = {"seed": options.seed, "progress": options.progress, "methods": [options.method], "chain.enabled": False,
                  "backfill.orderings": ["random", "class-mean-l2"]}
@@ -283,7 +284,7 @@ def _train(options: DemoOptions, run_dir: Path, log: Callable[[str], None]):
         config = load_pipeline_config(config_file, overrides)
     else:
         from fctkit.config import from_mapping
-        from fctkit.trainer.pipeline import PipelineConfig
+        from fctkit.trainer.pipeline_config import PipelineConfig
 
         mapping = json.loads(json.dumps(DEMO_CONFIGS[options.data]))
         for dotted, value in overrides.items():
@@ -313,7 +314,7 @@ class _Member:
 def _fleet_story(options: DemoOptions, out: Path, server: DemoServer, archives: list[Path],
                  phases: _Phases, log: Callable[[str], None]) -> dict[str, Any]:
     from fctkit.edge_runtime import Device, DeviceSettings
-    from fctkit.export.release import TrainedRun
+    from fctkit.export.trained_run import TrainedRun
 
     trained = TrainedRun.open(out / "run")
     images, labels = trained.eval_images, trained.eval_features["labels"]

@@ -25,7 +25,7 @@ advanced in one transaction. Merging follows :func:`fctkit.edge_runtime.records.
 * a tombstone removes the item everywhere and for good; the device that removed the item
   deletes its original from the vault once the server acknowledged the tombstone.
 
-The server compacts the replica (``fctkit.server.storage.compact_replica``): it drops records
+The server compacts the replica (``fctkit.server.replica_compaction.compact_replica``): it drops records
 that lose, in this same order, to a tombstone of the item, to another record of the item at
 the same version, or to a record at the version every device of the owner reports. A device
 at that version ends with the row it would have had; a device further ahead that moves old

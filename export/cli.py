@@ -11,10 +11,11 @@ import click
 
 from fctkit.protos.bundle import VerifiedBundle, pack_bundle, unpack_bundle, verify_bundle
 
-from .keys import PASSPHRASE_ENV, generate_keys, load_private_key, public_key_id, read_passphrase
-from .compatible import COMPATIBLE_METHODS
+from .compatible_release import COMPATIBLE_METHODS
 from .features_release import UserGraphs
-from .release import METHODS, build_release
+from .keys import PASSPHRASE_ENV, generate_keys, load_private_key, public_key_id, read_passphrase
+from .release import build_release
+from .release_plan import METHODS
 
 _PASSPHRASE_HELP = f"file holding the key passphrase (or set ${PASSPHRASE_ENV}); never a plain argument"
 _PASSPHRASE_FILE = click.option("--passphrase-file", type=click.Path(dir_okay=False, path_type=Path), help=_PASSPHRASE_HELP)
@@ -68,7 +69,7 @@ def build_command(spec: Path, key_path: Path, out_dir: Path, passphrase_file: Pa
     """Build and sign a bundle from a TOML SPEC (version, parents, mode, distance,
     normalize, optional gate = a gate JSON or the trainer's report.json, and [[artifact]]
     tables with file/role/source_version/target_version[/ecc = "report verdict"])."""
-    from .bundle import build_bundle, load_bundle_spec
+    from .bundle_builder import build_bundle, load_bundle_spec
 
     bundle_spec, sources, gate = load_bundle_spec(spec)
     private_key = load_private_key(key_path, read_passphrase(passphrase_file))
@@ -92,7 +93,7 @@ def verify_command(bundle: Path, public_key: Path, installed_version: int | None
     """Verify a bundle folder or .tar archive: signature, every hash and size, dims,
     version monotonicity, and that every graph loads in ONNX Runtime with the declared
     input/output names and dims."""
-    from .bundle import check_graphs_load
+    from .bundle_builder import check_graphs_load
 
     with tempfile.TemporaryDirectory(prefix="fctkit-verify-") as scratch:
         root = bundle if bundle.is_dir() else unpack_bundle(bundle, Path(scratch) / "bundle")
@@ -215,7 +216,7 @@ def export_compatible_command(run_dir: Path, key_path: Path, out_dir: Path, meth
     """Export a `fctkit train-compatible` RUN_DIR's old and new backbone of METHOD as signed
     bundles in mode "compatible" (devices switch query models, the gallery stays as it is);
     refused unless the run's ECC held for the method (or --force with a --reason, recorded in v2's manifest)."""
-    from .compatible import export_compatible_release
+    from .compatible_release import export_compatible_release
 
     private_key = load_private_key(key_path, read_passphrase(passphrase_file))
     for bundle in export_compatible_release(run_dir, out_dir, private_key=private_key, method=method,

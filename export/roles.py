@@ -33,7 +33,7 @@ import numpy as np
 from fctkit.errors import InputError, require
 from fctkit.protos.bundle import ROLES, TRANSFORM_ROLES, Role
 
-from .bundle import ArtifactSource
+from .bundle_builder import ArtifactSource
 from .onnx_export import ExportResult, InputSpec, ParityReport, check_parity, export_onnx
 
 OUTPUT_NAMES: dict[str, str] = {
@@ -59,7 +59,7 @@ class RoleExport:
 
     @property
     def artifact(self) -> ArtifactSource:
-        """The :class:`ArtifactSource` to hand to :func:`~fctkit.export.bundle.build_bundle`."""
+        """The :class:`ArtifactSource` to hand to :func:`~fctkit.export.bundle_builder.build_bundle`."""
         return ArtifactSource(self.export.path, self.role, self.source_version, self.target_version)
 
     def to_dict(self) -> dict[str, Any]:

@@ -6,7 +6,9 @@ name). Calls are retried with seeded, jittered exponential backoff while the ser
 UNAVAILABLE (restarting, network blip); downloads resume from the last byte received, across
 reconnects and (for :meth:`FctkitClient.download_artifact`) across process restarts via a
 ``.part`` file, and are SHA-256 checked; uploads to the vault resume from what the server
-already holds.
+already holds. The backoff lives in :mod:`fctkit.protos.retry_policy` and the resumable streams
+in :mod:`fctkit.protos.resumable_transfer`; ``RetryPolicy``, ``Transfer`` and ``status_error``
+are importable from here too.
 
 Example (a device)::
 
@@ -19,9 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
-import random
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,39 +29,12 @@ from typing import Any, BinaryIO
 import grpc
 
 from fctkit.config import read_setting_file
-from fctkit.errors import ConfigError, HashMismatchError, InputError, RpcStatusError
+from fctkit.errors import ConfigError, InputError
 
 from . import fleet_pb2, fleet_pb2_grpc, limits, registry_pb2, registry_pb2_grpc, vault_pb2, vault_pb2_grpc
 from .bundle import MANIFEST_FILE, SIGNATURE_FILE, check_version_is_newer, file_sha256, verify_bundle, verify_manifest
-from .common_pb2 import Chunk
-
-_PART_SUFFIX = ".part"
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Exponential backoff for UNAVAILABLE: ``attempts`` tries in all, waits growing from
-    ``initial_backoff_s`` by ``multiplier`` up to ``max_backoff_s``, each stretched by up to
-    ``jitter`` (a fraction) from a generator seeded with ``seed``."""
-
-    attempts: int = 6
-    initial_backoff_s: float = 0.2
-    max_backoff_s: float = 5.0
-    multiplier: float = 2.0
-    jitter: float = 0.2
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1 or self.initial_backoff_s < 0 or self.multiplier < 1 or not 0 <= self.jitter <= 1:
-            raise InputError("RetryPolicy: attempts >= 1, initial_backoff_s >= 0, multiplier >= 1, 0 <= jitter <= 1")
-
-    def delays(self) -> Iterator[float]:
-        """The waits between consecutive attempts (``attempts - 1`` of them)."""
-        rng = random.Random(self.seed)
-        delay = self.initial_backoff_s
-        for _ in range(self.attempts - 1):
-            yield min(delay, self.max_backoff_s) * (1 + self.jitter * rng.random())
-            delay *= self.multiplier
+from .resumable_transfer import Transfer, chunks_of, download_to_file, stream_download
+from .retry_policy import RetryPolicy, sleep_before_retry, status_error
 
 
 @dataclass(frozen=True)
@@ -93,42 +65,12 @@ class ClientTls:
 
 
 @dataclass(frozen=True)
-class Transfer:
-    """What a download or upload moved: the object's digest and size, and where it (re)started."""
-
-    sha256: str
-    size: int
-    resumed_from: int
-    header: Any = None  # ArtifactHeader / BlobInfo as sent by the server
-
-
-@dataclass(frozen=True)
 class Enrolment:
     device_id: str
     token: str
     publisher_public_key: bytes
     publisher_key_id: str
     owner_id: str = ""
-
-
-def status_error(error: grpc.RpcError) -> RpcStatusError:
-    """The kit error for a failed gRPC call."""
-    code = error.code() if hasattr(error, "code") else None
-    details = error.details() if hasattr(error, "details") else str(error)
-    return RpcStatusError(code.name if code else "UNKNOWN", details or "")
-
-
-def _sleep_before_retry(error: grpc.RpcError, delays, retry_on: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)) -> None:
-    """A call failing with a retryable status waits for its next attempt; anything else (or no
-    attempts left) raises the kit's error for the status."""
-    delay = next(delays, None) if _code(error) in retry_on else None
-    if delay is None:
-        raise status_error(error) from None
-    time.sleep(delay)
-
-
-def _code(error: grpc.RpcError) -> grpc.StatusCode | None:
-    return error.code() if hasattr(error, "code") else None
 
 
 class FctkitClient:
@@ -176,77 +118,13 @@ class FctkitClient:
             try:
                 return attempt()
             except grpc.RpcError as error:
-                _sleep_before_retry(error, delays, retry_on)
+                sleep_before_retry(error, delays, retry_on)
 
     def _unary(self, method: Callable, request: Any, *, retry: bool = True) -> Any:
         def attempt():
             return method(request, metadata=self._metadata, timeout=self.timeout_s)
 
         return self._retrying(attempt, (grpc.StatusCode.UNAVAILABLE,) if retry else ())
-
-    def _stream_download(self, open_stream: Callable[[int], Any], header_digest: Callable[[Any], tuple[str, int]],
-                         sink: BinaryIO, offset: int, digest) -> Transfer:
-        """Write a header-then-chunks stream from ``offset`` into ``sink`` (which holds the
-        first ``offset`` bytes already, hashed into ``digest``), reconnecting from the last
-        byte received while the server is UNAVAILABLE; verify the SHA-256 at the end."""
-        position, started, header, expected = offset, offset, None, None
-        delays = self.retry.delays()
-        while True:
-            call = open_stream(position)
-            try:
-                for message in call:
-                    if message.WhichOneof("payload") == "header":
-                        header = message.header
-                        announced = header_digest(header)
-                        if expected is not None and announced != expected:
-                            raise HashMismatchError("the object changed on the server while it was being downloaded; start again")
-                        expected = announced
-                        if position > expected[1]:
-                            raise HashMismatchError(f"{position} bytes are held locally but the object has only {expected[1]}; start again")
-                        continue
-                    chunk = message.chunk
-                    if expected is None or chunk.offset != position:
-                        raise RpcStatusError("DATA_LOSS", f"the server sent a chunk at offset {chunk.offset}, expected {position}")
-                    data = chunk.data  # each access copies the bytes out of the message
-                    sink.write(data)
-                    digest.update(data)
-                    position += len(data)
-                    delays = self.retry.delays()  # progress resets the retry budget
-                break
-            except grpc.RpcError as error:
-                _sleep_before_retry(error, delays)
-            finally:
-                call.cancel()
-        sha256, size = expected
-        if position != size or digest.hexdigest() != sha256:
-            raise HashMismatchError(
-                f"downloaded {position} bytes hashing to {digest.hexdigest()[:16]}…, expected {size} bytes with "
-                f"SHA-256 {sha256[:16]}…; download again"
-            )
-        return Transfer(sha256, size, started, header)
-
-    def _download_to_file(self, open_stream: Callable[[int], Any], header_digest: Callable[[Any], tuple[str, int]], dest: Path) -> Transfer:
-        """Download into ``dest`` through ``dest.part`` (kept between attempts and processes,
-        resumed from its size), renamed to ``dest`` once the SHA-256 matches."""
-        dest = Path(dest)
-        part = dest.with_name(dest.name + _PART_SUFFIX)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        digest = hashlib.sha256()
-        with part.open("a+b") as sink:
-            sink.seek(0)
-            while block := sink.read(1 << 20):
-                digest.update(block)
-            offset = sink.tell()
-            try:
-                transfer = self._stream_download(open_stream, header_digest, sink, offset, digest)
-            except HashMismatchError:
-                sink.close()
-                part.unlink(missing_ok=True)
-                raise
-            sink.flush()
-            os.fsync(sink.fileno())
-        os.replace(part, dest)
-        return transfer
 
     # -- registry ---------------------------------------------------------------------------
 
@@ -281,11 +159,11 @@ class FctkitClient:
 
     def fetch_artifact(self, version: int, name: str, sink: BinaryIO) -> Transfer:
         """Stream an artifact into ``sink`` (any writable binary file), SHA-256 checked."""
-        return self._stream_download(self._artifact_stream(version, name), _artifact_digest, sink, 0, hashlib.sha256())
+        return stream_download(self._artifact_stream(version, name), _artifact_digest, sink, 0, hashlib.sha256(), self.retry)
 
     def download_artifact(self, version: int, name: str, dest: Path) -> Transfer:
         """Download an artifact to ``dest``, resuming a ``dest.part`` left by an interrupted try."""
-        return self._download_to_file(self._artifact_stream(version, name), _artifact_digest, dest)
+        return download_to_file(self._artifact_stream(version, name), _artifact_digest, dest, self.retry)
 
     def download_bundle(self, version: int, dest: Path, public_key: Any, *, installed_version: int | None = None):
         """Fetch bundle ``version`` into the directory ``dest`` (manifest, signature, every
@@ -324,7 +202,7 @@ class FctkitClient:
                         yield event.published
                 return
             except grpc.RpcError as error:
-                _sleep_before_retry(error, delays)
+                sleep_before_retry(error, delays)
             finally:
                 call.cancel()
 
@@ -336,7 +214,7 @@ class FctkitClient:
         def requests() -> Iterator[registry_pb2.PublishBundleRequest]:
             yield registry_pb2.PublishBundleRequest(header=registry_pb2.PublishHeader(archive_size=size, archive_sha256=sha256))
             with archive.open("rb") as fh:
-                for chunk in _chunks_of(fh, 0, self.chunk_size):
+                for chunk in chunks_of(fh, 0, self.chunk_size):
                     yield registry_pb2.PublishBundleRequest(chunk=chunk)
 
         try:
@@ -363,7 +241,7 @@ class FctkitClient:
             def requests() -> Iterator[vault_pb2.UploadBlobRequest]:
                 header = vault_pb2.UploadHeader(sha256=sha256, size=len(data), item_id=item_id, offset=offset)
                 yield vault_pb2.UploadBlobRequest(header=header)
-                for chunk in _chunks_of(io.BytesIO(data), offset, self.chunk_size):
+                for chunk in chunks_of(io.BytesIO(data), offset, self.chunk_size):
                     yield vault_pb2.UploadBlobRequest(chunk=chunk)
 
             response = self.vault.Upload(requests(), metadata=self._metadata)
@@ -381,12 +259,12 @@ class FctkitClient:
     def read_blob(self, sha256: str) -> bytes:
         """A blob of this device's vault, in memory, SHA-256 checked."""
         buffer = io.BytesIO()
-        self._stream_download(self._blob_stream(sha256), _blob_digest, buffer, 0, hashlib.sha256())
+        stream_download(self._blob_stream(sha256), _blob_digest, buffer, 0, hashlib.sha256(), self.retry)
         return buffer.getvalue()
 
     def download_blob(self, sha256: str, dest: Path) -> Transfer:
         """A blob of this device's vault to ``dest``, resuming a ``dest.part`` left by an interrupted try."""
-        return self._download_to_file(self._blob_stream(sha256), _blob_digest, dest)
+        return download_to_file(self._blob_stream(sha256), _blob_digest, dest, self.retry)
 
     def stat_blob(self, sha256: str) -> vault_pb2.StatBlobResponse:
         return self._unary(self.vault.Stat, vault_pb2.StatBlobRequest(sha256=sha256))
@@ -426,7 +304,7 @@ class FctkitClient:
                     yield batch
                 return
             except grpc.RpcError as error:
-                _sleep_before_retry(error, delays)
+                sleep_before_retry(error, delays)
             finally:
                 call.cancel()
 
@@ -501,11 +379,3 @@ def _record_batches(records: Sequence[vault_pb2.SealedRecord]) -> Iterator[list[
         size += len(record.sealed)
     if batch:
         yield batch
-
-
-def _chunks_of(fh: BinaryIO, offset: int, chunk_size: int) -> Iterator[Chunk]:
-    fh.seek(offset)
-    while data := fh.read(chunk_size):
-        yield Chunk(offset=offset, data=data)
-        offset += len(data)
-

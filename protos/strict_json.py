@@ -13,7 +13,7 @@ from typing import Any
 
 from fctkit.errors import BundleFormatError
 
-MANIFEST_FILE = "manifest.json"
+from .bundle_vocabulary import MANIFEST_FILE
 
 
 

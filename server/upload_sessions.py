@@ -54,6 +54,11 @@ def release(db: sqlite3.Connection, owner_id: str, sha256: str) -> None:
     db.execute("DELETE FROM uploads WHERE owner_id=? AND sha256=?", (owner_id, sha256))
 
 
+def release_device(db: sqlite3.Connection, device_id: str) -> None:
+    """End every reservation the device began (it is being revoked)."""
+    db.execute("DELETE FROM uploads WHERE device_id=?", (device_id,))
+
+
 def touch(db: sqlite3.Connection, owner_id: str, sha256: str, now: float) -> None:
     db.execute("UPDATE uploads SET touched_at=? WHERE owner_id=? AND sha256=?", (now, owner_id, sha256))
 

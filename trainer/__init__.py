@@ -1,25 +1,17 @@
 """fctkit.trainer — server-side training and evaluation.
 
-The evaluation core (:mod:`fctkit.trainer.evaluation`, :mod:`fctkit.trainer.report`) needs
+The evaluation core (:mod:`fctkit.trainer.evaluation` and its parts beside it: relevance,
+ranking, retrieval_result, compatibility, backfill_curves; :mod:`fctkit.trainer.report`) needs
 numpy only; everything that trains needs the ``train`` extra (torch).
 """
 
-from .evaluation import (
-    BackfillCurve,
-    CompatibilityMatrix,
-    Distance,
-    Positives,
-    QueryRanks,
-    RetrievalResult,
-    backfill_curve,
-    compatibility_matrix,
-    ecc,
-    evaluate_retrieval,
-    metric_value,
-    pairwise_distances,
-    rank_queries,
-    summarize,
-)
+from .backfill_curves import BackfillCurve, backfill_curve
+from .compatibility import CompatibilityMatrix, compatibility_matrix, ecc
+from .evaluation import QueryRanks, evaluate_retrieval, rank_queries, summarize
+from .evaluation_inputs import Distance
+from .ranking import pairwise_distances
+from .relevance import Positives
+from .retrieval_result import RetrievalResult, metric_value
 from .report import Case, Report, Verdict
 from .cka import linear_cka
 from fctkit.backfill_order import ORDERING_KINDS, backfill_order
@@ -70,17 +62,17 @@ _LAZY: dict[str, str] = {
     "QueryMap": "query_map",
     "QueryMapConfig": "query_map",
     "fit_jointly": "query_map",
-    "CompatibleConfig": "compatible",
-    "BCTConfig": "compatible",
-    "BT2Config": "compatible",
-    "CoReSConfig": "compatible",
-    "BT2Backbone": "compatible",
-    "simplex_vertices": "compatible",
-    "cores_backbone": "compatible",
-    "load_compatible_config": "compatible",
-    "load_compatible_model": "compatible",
-    "save_compatible_model": "compatible",
-    "run_compatible": "compatible",
+    "CompatibleConfig": "compatible_config",
+    "BCTConfig": "compatible_config",
+    "BT2Config": "compatible_config",
+    "CoReSConfig": "compatible_config",
+    "BT2Backbone": "compatible_models",
+    "simplex_vertices": "compatible_models",
+    "cores_backbone": "compatible_models",
+    "load_compatible_config": "compatible_config",
+    "load_compatible_model": "compatible_models",
+    "save_compatible_model": "compatible_models",
+    "run_compatible": "compatible_comparison",
     "resolve_device": "torch_utils",
     "set_seed": "torch_utils",
 }

@@ -15,21 +15,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .adapters import FCTAdapter
 from .backbones import extract_features, save_backbone, train_backbone
+from .compatibility import ecc
 from .datasets import class_subset
-from .evaluation import ecc
 from .methods import run_seeded
+from .pipeline_config import PipelineConfig
 from .report import Report
+from .run_data import load_image_splits
 from .searches import Evaluator, gate_metrics
 from .side_info import extract_side_info, save_side_info, train_side_info
-
-if TYPE_CHECKING:
-    from .pipeline import PipelineConfig
 
 
 @dataclasses.dataclass
@@ -39,8 +37,6 @@ class VersionFeatures:
 
 
 def run_chain(config: PipelineConfig, out: Path, report: Report, log: Callable[[str], None]) -> dict[str, float]:
-    from .pipeline import load_image_splits
-
     data = load_image_splits(config)
     train_labels = data.labels[data.train]
     versions_train: list[VersionFeatures] = []

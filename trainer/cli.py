@@ -116,7 +116,8 @@ def train_command(config_path: Path | None, out_dir: Path, overrides: dict[str, 
     Image data (digits, fashion-mnist) trains the old/new backbones and the side-info model
     first; `data.name = "features"` starts from your own .npz embeddings instead.
     """
-    from .pipeline import load_pipeline_config, run_pipeline
+    from .pipeline import run_pipeline
+    from .pipeline_config import load_pipeline_config
 
     config = load_pipeline_config(config_path, _with_run_settings(overrides, device, quiet))
     result = run_pipeline(config, out_dir, log=lambda message: click.echo(f"[train] {message}", err=True))
@@ -133,7 +134,8 @@ def train_compatible_command(config_path: Path | None, out_dir: Path, overrides:
     next to independent training and the FCT / λ-orth adapters; one upgrade and a multi-step
     sequence with compatibility matrices (AC, AM), evaluated on the last version's classes or
     (evaluation_classes = "held-out") on classes no version trains on; write the report."""
-    from .compatible import load_compatible_config, results_markdown, run_compatible
+    from .compatible_comparison import results_markdown, run_compatible
+    from .compatible_config import load_compatible_config
 
     config = load_compatible_config(config_path, _with_run_settings(overrides, device, quiet))
     result = run_compatible(config, out_dir, log=lambda message: click.echo(f"[train-compatible] {message}", err=True))

@@ -1,45 +1,21 @@
-"""The adapter methods a `fctkit train` run can fit: their names and labels, the config each
-is fitted with, and the one function that fits any of them on aligned training features."""
+"""How a `fctkit train` run fits its adapter methods (named in :mod:`.method_names`): which
+methods it runs, the config each is fitted with, and the one function that fits any of them
+on aligned training features."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .adapter_base import Adapter
 from .adapters import FastFillAdapter, FCTAdapter
 from .closed_form import ClosedFormAdapter, ClosedFormConfig
 from .lambda_orth import LambdaOrthAdapter
+from .method_names import INSTANCE_METHODS, METHOD_LABELS
+from .pipeline_config import PipelineConfig
 from .residual import ResidualAdapter
 from .searches import Features
 from .tasks import RetrievalTask
-
-if TYPE_CHECKING:
-    from .pipeline import PipelineConfig
-
-
-METHOD_LABELS = {
-    "fct": "FCT, side-info ψ",
-    "fct-no-side-info": "FCT, no side-info",
-    "fastfill": "FastFill, side-info ψ",
-    "residual": "residual adapter",
-    "least-squares": "least squares",
-    "procrustes": "Procrustes",
-    "lambda-orth": "λ-orth, B⊥",
-    "lambda-orth-relaxed": "λ-orth, B_λ",
-}
-
-
-INSTANCE_METHODS = ("residual", "fct", "least-squares", "lambda-orth")
-
-
-QUERY_MAP_METHODS = ("residual", "fct", "fct-no-side-info")
-
-
-def method_label(method: str) -> str:
-    base, *extras = method.split("+")
-    names = {"query-map": " + query map", "transition": " + transition scoring", "hubness": " + hubness offset"}
-    return METHOD_LABELS[base] + "".join(names[e] for e in extras)
 
 
 def run_methods(config: PipelineConfig, task: RetrievalTask | None) -> tuple[str, ...]:

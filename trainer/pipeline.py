@@ -14,9 +14,11 @@
 5. **outputs** — models, adapters, evaluation features, ``report.{md,json,png}`` and
    ``gate.json`` (the gate results that `fctkit bundle build` records in a manifest).
 
-The pieces live beside it: :mod:`.methods` (the methods and how each is fitted),
-:mod:`.searches` (what a device searches with, as arrays the evaluation ranks) and
-:mod:`.tuning` (choices made on held-out training data).
+The pieces live beside it, below it (none of them imports this module):
+:mod:`.pipeline_config` (the run's config), :mod:`.run_data` (loading its data),
+:mod:`.methods` (the methods and how each is fitted), :mod:`.searches` (what a device searches
+with, as arrays the evaluation ranks), :mod:`.tuning` (choices made on held-out training data)
+and :mod:`.chains` (the v1 → v2 → v3 chain).
 """
 
 from __future__ import annotations
@@ -27,163 +29,37 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from fctkit.config import load_config, to_mapping
-from fctkit.errors import ConfigError
+from fctkit.backfill_order import backfill_order
+from fctkit.config import to_mapping
 
 from .adapter_base import Adapter
-from .adapters import FastFillAdapter, FastFillConfig, FCTConfig
-from .backbones import BackboneConfig, extract_features, save_backbone, train_backbone
-from fctkit.backfill_order import backfill_order
+from .adapters import FastFillAdapter
+from .backbones import extract_features, save_backbone, train_backbone
+from .backfill_curves import backfill_curve
+from .chains import run_chain
 from .cka import linear_cka
-from .datasets import load_dataset, load_feature_versions, make_splits, old_class_subset
-from .evaluation import RetrievalResult, backfill_curve, ecc, metric_label, metric_value
-from .lambda_orth import LambdaOrthAdapter, LambdaOrthConfig
-from .methods import METHOD_LABELS, QUERY_MAP_METHODS, fit_method, method_config, method_label, run_methods
-from .query_map import QueryMapConfig
+from .compatibility import ecc
+from .datasets import old_class_subset
+from .lambda_orth import LambdaOrthAdapter
+from .method_names import METHOD_LABELS, QUERY_MAP_METHODS, method_label
+from .methods import fit_method, method_config, run_methods
+from .pipeline_config import PipelineConfig
 from .report import Report
-from .residual import ResidualConfig
-from .searches import (EvalSet, EvaluationConfig, Evaluator, Features, Hubness, Transition, WithQueryMap, offset_galleries,
-                       searched_as, adapted_retrieval, forward_transform, fused_retrieval, gate_metrics, hubness_retrieval,
-                       task_features)
-from .selection import SelectionConfig, holdout_split, knobs_for
-from .side_info import SideInfoConfig, extract_side_info, save_side_info, train_side_info
-from .tasks import RetrievalTask, load_task
+from .retrieval_result import RetrievalResult, metric_label, metric_value
+from .run_data import load_image_splits, load_run_task, npz_features
+from .searches import (EvalSet, Evaluator, Features, Hubness, Transition, WithQueryMap, adapted_retrieval, forward_transform,
+                       fused_retrieval, gate_metrics, hubness_retrieval, offset_galleries, searched_as, task_features)
+from .selection import holdout_split, knobs_for
+from .side_info import extract_side_info, save_side_info, train_side_info
+from .tasks import RetrievalTask
 from .tuning import choose_hubness, choose_transition, fit_on_fit_part, fit_on_holdout, fit_with_query_map, select_settings
-
-ForwardMethod = Literal["fct", "fct-no-side-info", "fastfill", "residual", "least-squares", "procrustes"]
-UnifiedMethod = Literal["lambda-orth", "lambda-orth-relaxed"]
-# What `methods = []` (the default) means: every method for class-level data; for an
-# instance-level task the identity-keeping ones (InfoNCE) next to the closed-form baseline.
-
-
-# --- configuration -----------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class DataConfig:
-    """``digits`` / ``fashion-mnist`` (images) or ``features`` (your own .npz per version)."""
-
-    name: Literal["digits", "fashion-mnist", "features", "task"] = "digits"
-    old_class_fraction: float = 0.5  # FCT protocol: the old model sees only the first half of the classes
-    train_fraction: float = 0.6  # the rest is the evaluation set (query = gallery, leave-one-out)
-    max_items: int = 0  # 0 = all; otherwise a stratified subsample (e.g. to keep fashion-mnist runs short)
-    old_features: str = ""  # features mode: .npz with `embeddings`, `labels` (and optional `side_info`)
-    new_features: str = ""
-    side_features: str = ""  # features mode: optional .npz with ψ; else `side_info` inside old_features, else none
-    task: str = ""  # task mode: a retrieval task file (fctkit-task/1 .npz; see the README)
-
-    def __post_init__(self) -> None:
-        if self.name == "features" and not (self.old_features and self.new_features):
-            raise ConfigError("data.name = 'features' needs data.old_features and data.new_features (.npz paths)")
-        if (self.name == "task") != bool(self.task):
-            raise ConfigError("data.name = 'task' needs data.task (a task .npz path), and data.task needs data.name = 'task'")
-        if not 0 < self.old_class_fraction <= 1 or not 0 < self.train_fraction < 1:
-            raise ConfigError("data.old_class_fraction must be in (0, 1] and data.train_fraction in (0, 1)")
-
-
-@dataclasses.dataclass
-class BackfillConfig:
-    orderings: tuple[str, ...] = ("random", "uncertainty", "class-mean-l2", "class-mean-cosine", "kmeans")
-    steps: int = 10
-
-
-@dataclasses.dataclass
-class ChainConfig:
-    enabled: bool = False
-    classes: tuple[int, ...] = (4, 7, 10)  # classes seen by v1, v2, v3
-
-
-@dataclasses.dataclass
-class TransitionConfig:
-    """Transition scoring: while a device still holds the old model and its rows' old vectors,
-    it may rank by ``w·cos_old + (1 − w)·cos_adapted``; ``w`` is chosen on held-out training data."""
-
-    enabled: bool = False
-    weights: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-
-    def __post_init__(self) -> None:
-        if not self.weights or any(not 0.0 <= w <= 1.0 for w in self.weights):
-            raise ConfigError("transition.weights must be fractions in [0, 1]")
-
-
-@dataclasses.dataclass
-class HubnessConfig:
-    """A per-item hubness offset r(g) (CSLS-style, :mod:`.hubness`): rank by cos − β·r, with r
-    from the task's training queries and β chosen on held-out training data."""
-
-    enabled: bool = False
-    k: int = 10
-    betas: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 1.5, 2.0)
-
-    def __post_init__(self) -> None:
-        if self.k < 1 or not self.betas or any(b < 0 for b in self.betas):
-            raise ConfigError("hubness.k must be >= 1 and hubness.betas non-empty and >= 0")
-
-
-@dataclasses.dataclass
-class PipelineConfig:
-    seed: int = 0
-    device: str = "auto"
-    progress: bool = True
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    old_backbone: BackboneConfig = dataclasses.field(default_factory=lambda: BackboneConfig(architecture="small"))
-    new_backbone: BackboneConfig = dataclasses.field(default_factory=lambda: BackboneConfig(architecture="wide", embedding_dim=64))
-    side_info: SideInfoConfig = dataclasses.field(default_factory=SideInfoConfig)
-    methods: tuple[str, ...] = ()  # () = the defaults for the data: all methods, or INSTANCE_METHODS for an instance-level task
-    fct: FCTConfig = dataclasses.field(default_factory=FCTConfig)
-    residual: ResidualConfig = dataclasses.field(default_factory=ResidualConfig)
-    selection: SelectionConfig = dataclasses.field(default_factory=SelectionConfig)
-    query_map: QueryMapConfig = dataclasses.field(default_factory=QueryMapConfig)
-    transition: TransitionConfig = dataclasses.field(default_factory=TransitionConfig)
-    hubness: HubnessConfig = dataclasses.field(default_factory=HubnessConfig)
-    fastfill: FastFillConfig = dataclasses.field(default_factory=FastFillConfig)
-    lambda_orth: LambdaOrthConfig = dataclasses.field(default_factory=LambdaOrthConfig)
-    lambda_orth_relaxed: LambdaOrthConfig = dataclasses.field(default_factory=lambda: LambdaOrthConfig(backward="lambda"))
-    evaluation: EvaluationConfig = dataclasses.field(default_factory=EvaluationConfig)
-    backfill: BackfillConfig = dataclasses.field(default_factory=BackfillConfig)
-    chain: ChainConfig = dataclasses.field(default_factory=ChainConfig)
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.methods) - set(METHOD_LABELS))
-        if unknown:
-            raise ConfigError(f"methods: unknown {', '.join(unknown)}; choose from {', '.join(METHOD_LABELS)}")
-        for name in ("transition", "hubness"):
-            if getattr(self, name).enabled and (self.data.name != "task" or self.evaluation.distance != "cosine"):
-                raise ConfigError(f"{name} works on cosine scores of a retrieval task: set data.name = 'task' "
-                                  "and evaluation.distance = 'cosine'")
-        if self.query_map.enabled and self.data.name != "task":
-            raise ConfigError("query_map needs a retrieval task (data.name = 'task'): it learns from the task's positives")
-        if self.chain.enabled and self.data.name in ("features", "task"):
-            raise ConfigError("chain needs image data (it trains v1/v2/v3 backbones); disable chain for features and tasks")
-
-
-def load_pipeline_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
-    """A config from a TOML file (unknown keys are errors) with optional dotted-key overrides."""
-    return load_config(PipelineConfig, path, overrides)
 
 
 # --- stage 1: features -------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class ImageSplits:
-    images: np.ndarray
-    labels: np.ndarray
-    n_classes: int
-    train: np.ndarray  # indices
-    evaluation: np.ndarray
-
-
-def load_image_splits(config: PipelineConfig) -> ImageSplits:
-    """The run's images, subsampled and split deterministically from ``config.seed``."""
-    dataset = load_dataset(config.data.name)
-    images, labels = _subsample(dataset.images, dataset.labels, config.data.max_items, config.seed)
-    splits = make_splits(labels, config.seed, train_fraction=config.data.train_fraction, query_fraction=0.0)
-    return ImageSplits(images, labels, dataset.n_classes, splits.train, splits.gallery)
 
 
 def image_features(config: PipelineConfig, out: Path, log: Callable[[str], None]) -> tuple[Features, Features]:
@@ -210,35 +86,6 @@ def image_features(config: PipelineConfig, out: Path, log: Callable[[str], None]
         return Features(extract_features(old_model, x), side, extract_features(new_model, x), labels[index])
 
     return embed(data.train), embed(data.evaluation)
-
-
-def npz_features(config: PipelineConfig) -> tuple[Features, Features]:
-    data = config.data
-    paths = [data.old_features, data.new_features] + ([data.side_features] if data.side_features else [])
-    versions = load_feature_versions(paths)
-    old, new = versions[0], versions[1]
-    if data.side_features:
-        side = versions[2].embeddings
-    elif old.side_info is not None:
-        side = old.side_info
-    else:
-        side = np.zeros((len(old), 0), np.float32)
-    everything = Features(old.embeddings, side, new.embeddings, old.labels)
-    index = _subsample(np.arange(len(old)), old.labels, data.max_items, config.seed)[0]
-    labels = old.labels[index]
-    splits = make_splits(labels, config.seed, train_fraction=data.train_fraction, query_fraction=0.0)
-    return everything.subset(index[splits.train]), everything.subset(index[splits.gallery])
-
-
-def load_run_task(config: PipelineConfig) -> RetrievalTask | None:
-    return load_task(config.data.task) if config.data.name == "task" else None
-
-
-def _subsample(items: np.ndarray, labels: np.ndarray, max_items: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    if not max_items or max_items >= len(labels):
-        return items, labels
-    keep = make_splits(labels, seed, train_fraction=max_items / len(labels), query_fraction=0.0).train
-    return items[keep], labels[keep]
 
 
 # --- stage 2: adapters -------------------------------------------------------------------
@@ -436,8 +283,6 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
     gate = evaluate_methods(config, data, adapters, report, task.primary_metric if task is not None else "top1")
     gate["backfill_area"] = evaluate_backfill(config, data, adapters, report, gate["metric"])
     if config.chain.enabled:
-        from .chains import run_chain
-
         log(f"chain over classes {config.chain.classes}")
         gate["chain"] = run_chain(config, out, report, log)
 

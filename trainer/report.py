@@ -19,14 +19,9 @@ import numpy as np
 
 from fctkit.errors import InputError, require
 
-from .evaluation import (
-    BackfillCurve,
-    CompatibilityMatrix,
-    RetrievalResult,
-    _metric_k,
-    ecc,
-    metric_value,
-)
+from .backfill_curves import BackfillCurve
+from .compatibility import CompatibilityMatrix, ecc
+from .retrieval_result import RetrievalResult, metric_k, metric_value
 
 REPORT_FORMAT = "fctkit-report/1"
 _Scalar = str | int | float | bool | None
@@ -322,7 +317,7 @@ def _normalise_reference(case: str, reference: float | Mapping[str, float] | Non
     items = reference.items() if isinstance(reference, Mapping) else [("top1", reference)]
     out: dict[str, float] = {}
     for metric, value in items:
-        _metric_k(metric)
+        metric_k(metric)
         value = float(value)
         if not 0.0 <= value <= 1.0:
             raise InputError(

@@ -16,10 +16,12 @@ from typing import Any
 import numpy as np
 
 from .adapter_base import Adapter, OldSideAdapter
-from .evaluation import Distance, RetrievalResult, evaluate_retrieval
+from .evaluation import evaluate_retrieval
+from .evaluation_inputs import Distance
 from .hubness import hubness_offsets, offset_vectors
 from .lambda_orth import LambdaOrthAdapter
 from .query_map import QueryMap
+from .retrieval_result import RetrievalResult
 from .tasks import TaskSplit
 
 

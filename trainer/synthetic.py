@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .evaluation import Positives
+from .relevance import Positives
 from .tasks import RetrievalTask, TaskSet, TaskSplit
 
 D_OLD, D_NEW = 32, 48

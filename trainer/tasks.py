@@ -44,7 +44,8 @@ import numpy as np
 
 from fctkit.errors import DataUnavailableError, InputError
 
-from .evaluation import Positives, parse_metric
+from .relevance import Positives
+from .retrieval_result import parse_metric
 
 TASK_FORMAT = "fctkit-task/1"
 SPLITS = ("train", "eval")

@@ -7,24 +7,23 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from fctkit.errors import ConfigError
 
 from .adapter_base import Adapter
-from .evaluation import metric_value
-from .methods import quiet_training, fit_method, method_label, run_seeded
+from .method_names import method_label
+from .methods import fit_method, quiet_training, run_seeded
+from .pipeline_config import PipelineConfig
 from .query_map import fit_jointly
 from .report import Report
+from .retrieval_result import metric_value
 from .searches import (EvalSet, Evaluator, Hubness, Transition, WithQueryMap, adapted_retrieval, device_queries,
                        fused_retrieval, hubness_retrieval, task_features)
 from .selection import Holdout, coordinate_search
 from .tasks import RetrievalTask, TaskSplit
-
-if TYPE_CHECKING:
-    from .pipeline import PipelineConfig
 
 
 def select_settings(config: PipelineConfig, method: str, section: Any, knobs: list, task: RetrievalTask,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from fctkit.export.bundle import ArtifactSource, build_bundle
+from fctkit.export.bundle_builder import ArtifactSource, build_bundle
 
 EMBED_DIM, SIDE_DIM, IMAGE_DIM = 8, 4, 16
 PASSING_GATE = {

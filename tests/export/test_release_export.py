@@ -16,10 +16,12 @@ from click.testing import CliRunner
 
 from fctkit.cli import cli
 from fctkit.errors import DataUnavailableError, GateError, InputError, PublisherKeyError
-from fctkit.export.bundle import check_graphs_load
+from fctkit.export.bundle_builder import check_graphs_load
 from fctkit.export.keys import load_private_key
 from fctkit.export.onnx_export import run_onnx
-from fctkit.export.release import TrainedRun, export_release, plan_release
+from fctkit.export.release import export_release
+from fctkit.export.release_plan import plan_release
+from fctkit.export.trained_run import TrainedRun
 from fctkit.protos.bundle import VerifiedBundle, unpack_bundle, verify_bundle
 from fctkit.trainer.evaluation import evaluate_retrieval
 from tests.support.releases import UNIFIED_METHOD, digits_release, unified_override

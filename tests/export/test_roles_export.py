@@ -14,7 +14,7 @@ pytest.importorskip("onnx")
 pytest.importorskip("sklearn")
 
 from fctkit.errors import InputError  # noqa: E402
-from fctkit.export.bundle import build_bundle, check_graphs_load  # noqa: E402
+from fctkit.export.bundle_builder import build_bundle, check_graphs_load  # noqa: E402
 from fctkit.export.onnx_export import FP32_TOLERANCE, run_onnx  # noqa: E402
 from fctkit.export.roles import export_role, role_module, write_role_table  # noqa: E402
 from fctkit.protos.bundle import verify_bundle  # noqa: E402

@@ -17,7 +17,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fctkit.errors import RpcStatusError
-from fctkit.export.bundle import ArtifactSource, build_bundle
+from fctkit.export.bundle_builder import ArtifactSource, build_bundle
 from fctkit.export.keys import save_public_key
 from fctkit.protos.bundle import pack_bundle
 from fctkit.protos.client import Enrolment, FctkitClient

@@ -47,7 +47,8 @@ def _run(tmp_dir: Path, config_file: Path, overrides: dict) -> Path:
 
 
 def _build(config_file: Path, overrides: dict, staging: Path) -> None:
-    from fctkit.trainer.compatible import load_compatible_config, run_compatible
+    from fctkit.trainer.compatible_comparison import run_compatible
+    from fctkit.trainer.compatible_config import load_compatible_config
 
     run_compatible(load_compatible_config(config_file, overrides), staging, log=lambda _: None)
 

@@ -135,8 +135,10 @@ def build_once(folder: Path, content_key: str, build: Callable[[Path], None]) ->
 def _build(staging: Path) -> None:
     from fctkit.config import from_mapping
     from fctkit.export.keys import generate_keys, load_private_key
-    from fctkit.export.release import TrainedRun, build_release
-    from fctkit.trainer.pipeline import PipelineConfig, run_pipeline
+    from fctkit.export.release import build_release
+    from fctkit.export.trained_run import TrainedRun
+    from fctkit.trainer.pipeline import run_pipeline
+    from fctkit.trainer.pipeline_config import PipelineConfig
 
     run_pipeline(from_mapping(PipelineConfig, TINY_DIGITS_CONFIG), staging / "run", log=lambda _: None)
     private_path, _ = generate_keys(staging / "keys")

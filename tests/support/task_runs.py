@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from fctkit.trainer import save_task, synthetic_instance_task
-from fctkit.trainer.pipeline import PipelineResult, load_pipeline_config, run_pipeline
+from fctkit.trainer.pipeline import PipelineResult, run_pipeline
+from fctkit.trainer.pipeline_config import load_pipeline_config
 
 from .seeds import seed
 

@@ -17,18 +17,17 @@ from tests.support.compatible_run import digits_compatible_run, digits_data_grow
 from fctkit.config import from_mapping
 from fctkit.errors import ConfigError, InputError
 from fctkit.trainer.backbones import BackboneConfig
-from fctkit.trainer.compatible import (
+from fctkit.trainer.compatible_config import CompatibleConfig, load_compatible_config
+from fctkit.trainer.compatible_losses import synthesised_classifier
+from fctkit.trainer.compatible_models import (
     BT2Backbone,
-    CompatibleConfig,
-    EccSelector,
     cores_backbone,
-    load_compatible_config,
     load_compatible_model,
     orthogonality_errors,
     simplex_vertices,
-    synthesised_classifier,
 )
-from fctkit.trainer.pipeline import EvaluationConfig
+from fctkit.trainer.compatible_training import EccSelector
+from fctkit.trainer.searches import EvaluationConfig
 
 
 @pytest.fixture(scope="session")

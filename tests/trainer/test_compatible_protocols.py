@@ -11,7 +11,10 @@ import torch.nn.functional as F
 from fctkit.config import from_mapping
 from fctkit.errors import ConfigError
 from fctkit.trainer.backbones import BackboneConfig
-from fctkit.trainer.compatible import CompatibleConfig, SequenceRun, cores_backbone, hoc_loss
+from fctkit.trainer.compatible_config import CompatibleConfig
+from fctkit.trainer.compatible_losses import hoc_loss
+from fctkit.trainer.compatible_models import cores_backbone
+from fctkit.trainer.compatible_sequence import SequenceRun
 
 
 def _run(tmp_path, evaluation_classes: str, counts: tuple[int, ...]) -> SequenceRun:

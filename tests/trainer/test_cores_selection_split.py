@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from fctkit.errors import ConfigError
-from fctkit.trainer.compatible import SequenceRun, load_compatible_config
-from fctkit.trainer.pipeline import load_image_splits
+from fctkit.trainer.compatible_config import load_compatible_config
+from fctkit.trainer.compatible_sequence import SequenceRun
+from fctkit.trainer.run_data import load_image_splits
 
 
 def _run(tmp_path: Path, **overrides) -> SequenceRun:

@@ -14,17 +14,11 @@ from scipy.spatial.distance import cdist
 from sklearn.metrics import average_precision_score
 
 from fctkit.errors import InputError
-from fctkit.trainer.evaluation import (
-    BackfillCurve,
-    RetrievalResult,
-    backfill_curve,
-    compatibility_matrix,
-    ecc,
-    evaluate_retrieval,
-    metric_value,
-    pairwise_distances,
-    rank_queries,
-)
+from fctkit.trainer.backfill_curves import BackfillCurve, backfill_curve
+from fctkit.trainer.compatibility import compatibility_matrix, ecc
+from fctkit.trainer.evaluation import evaluate_retrieval, rank_queries
+from fctkit.trainer.ranking import pairwise_distances
+from fctkit.trainer.retrieval_result import RetrievalResult, metric_value
 
 
 def line(*xs: float) -> np.ndarray:

@@ -8,7 +8,7 @@ import pytest
 
 from fctkit.errors import InputError
 from fctkit.trainer import evaluate_retrieval, synthetic_instance_task
-from fctkit.trainer.evaluation import backfill_curve
+from fctkit.trainer.backfill_curves import backfill_curve
 from fctkit.trainer.hubness import hubness_offsets, offset_vectors
 from fctkit.trainer.residual import ResidualAdapter
 from tests.support.seeds import seed

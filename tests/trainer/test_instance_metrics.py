@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fctkit.errors import InputError
-from fctkit.trainer.evaluation import Positives, RetrievalResult, evaluate_retrieval, metric_value
+from fctkit.trainer.evaluation import evaluate_retrieval
+from fctkit.trainer.relevance import Positives
+from fctkit.trainer.retrieval_result import RetrievalResult, metric_value
 
 pytrec_eval = pytest.importorskip("pytrec_eval", reason="pytrec-eval-terrier (trec_eval) is in the dev extra")
 

@@ -13,7 +13,8 @@ from tests.support.seeds import seed
 
 from fctkit.cli import cli
 from fctkit.errors import ConfigError
-from fctkit.trainer.pipeline import load_pipeline_config, run_pipeline
+from fctkit.trainer.pipeline import run_pipeline
+from fctkit.trainer.pipeline_config import load_pipeline_config
 
 REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "configs" / "digits.toml"

@@ -8,13 +8,10 @@ import numpy as np
 import pytest
 
 from fctkit.errors import InputError
-from fctkit.trainer.evaluation import (
-    BackfillCurve,
-    RetrievalResult,
-    backfill_curve,
-    compatibility_matrix,
-    evaluate_retrieval,
-)
+from fctkit.trainer.backfill_curves import BackfillCurve, backfill_curve
+from fctkit.trainer.compatibility import compatibility_matrix
+from fctkit.trainer.evaluation import evaluate_retrieval
+from fctkit.trainer.retrieval_result import RetrievalResult
 from fctkit.trainer.report import Report
 
 

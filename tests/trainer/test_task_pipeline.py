@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from fctkit.cli import cli
 from fctkit.errors import ConfigError, InputError
 from fctkit.trainer import save_task, synthetic_instance_task
-from fctkit.trainer.pipeline import load_pipeline_config, run_pipeline
+from fctkit.trainer.pipeline import run_pipeline
+from fctkit.trainer.pipeline_config import load_pipeline_config
 from tests.support.seeds import seed
 from tests.support.task_runs import synthetic_task_run
 
@@ -106,8 +107,9 @@ def test_selection_never_reads_the_evaluation_split(tmp_path, monkeypatch):
 def test_the_example_config_names_a_task_and_defaults_to_the_instance_methods():
     config = load_pipeline_config(REPO / "configs" / "synthetic-instance.toml")
     assert config.data.name == "task" and config.methods == ()
-    from fctkit.trainer.methods import INSTANCE_METHODS, run_methods
-    from fctkit.trainer.pipeline import load_run_task
+    from fctkit.trainer.method_names import INSTANCE_METHODS
+    from fctkit.trainer.methods import run_methods
+    from fctkit.trainer.run_data import load_run_task
 
     task = load_run_task(load_pipeline_config(None, {"data.name": "task", "data.task": str(REPO / config.data.task)}))
     assert run_methods(config, task) == INSTANCE_METHODS

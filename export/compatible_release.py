@@ -31,9 +31,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fctkit.errors import DataUnavailableError, GateError, InputError
 from fctkit.protos.bundle import VerifiedBundle, artifact_name, pack_bundle
 
-from .bundle import build_bundle
-from .release import _read_json, move_versions_into_place, refuse_existing_versions
+from .bundle_builder import build_bundle
+from .release import move_versions_into_place, refuse_existing_versions
 from .roles import export_role
+from .trained_run import read_run_json
 
 COMPATIBLE_METHODS = ("bct", "bt2", "cores", "cores-hoc")
 PARITY_ROWS = 512  # held-out evaluation images each graph's parity check runs on
@@ -94,17 +95,17 @@ def _run_files(run: Path) -> tuple[Any, dict]:
             raise DataUnavailableError(f"{run} is not a complete `fctkit train-compatible` run: {name} is missing; run "
                                        f"`fctkit train-compatible --config CONFIG --out {run}` first")
     from fctkit.config import from_mapping
-    from fctkit.trainer.compatible import CompatibleConfig
+    from fctkit.trainer.compatible_config import CompatibleConfig
 
-    config = from_mapping(CompatibleConfig, _read_json(run / "config.json"), where=f"{run}/config.json")
-    gate = _read_json(run / "gate.json")
+    config = from_mapping(CompatibleConfig, read_run_json(run / "config.json"), where=f"{run}/config.json")
+    gate = read_run_json(run / "gate.json")
     if not all(isinstance(gate.get(k), dict) for k in ("cases", "ecc", "dims")):
         raise InputError(f"{run}/gate.json is not a train-compatible gate (cases, ecc, dims); train the run again")
     return config, gate
 
 
 def _load(path: Path) -> Any:
-    from fctkit.trainer.compatible import BT2Backbone, load_compatible_model
+    from fctkit.trainer.compatible_models import BT2Backbone, load_compatible_model
 
     if not path.is_file():
         raise DataUnavailableError(f"{path} is missing: the run is incomplete; train it again")
@@ -113,7 +114,7 @@ def _load(path: Path) -> Any:
 
 
 def _parity_images(config: Any) -> np.ndarray:
-    from fctkit.trainer.pipeline import load_image_splits
+    from fctkit.trainer.run_data import load_image_splits
 
     splits = load_image_splits(config)
     return splits.images[splits.evaluation[:PARITY_ROWS]]

@@ -1,0 +1,145 @@
+"""The bundle manifest: what a bundle contains, as the canonical JSON bytes that are signed.
+
+:class:`Manifest` validates itself on construction (see :mod:`fctkit.protos.manifest_rules`),
+writes its canonical bytes and parses them back strictly (:meth:`Manifest.from_bytes`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from fctkit.errors import BundleFormatError
+
+from .artifact_spec import Artifact
+from .bundle_vocabulary import MANIFEST_FILE, MAX_MANIFEST_BYTES, Distance, Mode
+from .manifest_rules import check_manifest
+from .search_policy import HubnessPolicy, TransitionPolicy
+from .strict_json import canonical_json, exact_keys, reject_constant, typed
+
+_MANIFEST_KEYS = (
+    "format_version", "version", "parents", "mode", "distance", "normalize", "embedding_dim",
+    "side_info_dim", "artifacts", "gate", "created_at", "kit_version", "publisher_key_id",
+)
+#: Keys a manifest may omit; absent keys are not written, so older manifests keep their bytes.
+_OPTIONAL_MANIFEST_KEYS = ("compatible_prefix_dim", "transition", "hubness", "parity")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a bundle contains; constructing one validates its internal consistency."""
+
+    format_version: int
+    version: int
+    parents: tuple[int, ...]
+    mode: Mode
+    distance: Distance
+    normalize: bool
+    embedding_dim: int
+    side_info_dim: int
+    artifacts: tuple[Artifact, ...]
+    gate: dict
+    created_at: str
+    kit_version: str
+    publisher_key_id: str
+    #: mode "compatible" only: how many leading dims of this version's embedding are comparable
+    #: with the parent versions' rows (BT²'s old-compatible block); None = all of them.
+    compatible_prefix_dim: int | None = None
+    #: how a device scores queries beyond plain nearest neighbours (see fctkit.protos.search_policy)
+    transition: TransitionPolicy | None = None
+    hubness: HubnessPolicy | None = None
+    #: artifact name -> {"max_abs_error", "tolerance", "against"}: how closely each graph reproduced
+    #: its reference at export (torch, the team's own features, numpy)
+    parity: dict | None = None
+
+    def __post_init__(self) -> None:
+        check_manifest(self)
+
+    def canonical_bytes(self) -> bytes:
+        """The exact bytes that are signed and stored as ``manifest.json``."""
+        return canonical_json(self.to_json())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "version": self.version,
+            "parents": list(self.parents),
+            "mode": self.mode,
+            "distance": self.distance,
+            "normalize": self.normalize,
+            "embedding_dim": self.embedding_dim,
+            "side_info_dim": self.side_info_dim,
+            "artifacts": [a.to_json() for a in self.artifacts],
+            "gate": self.gate,
+            "created_at": self.created_at,
+            "kit_version": self.kit_version,
+            "publisher_key_id": self.publisher_key_id,
+        } | {key: value for key, value in (("compatible_prefix_dim", self.compatible_prefix_dim),
+                                          ("transition", self.transition and self.transition.to_json()),
+                                          ("hubness", self.hubness and self.hubness.to_json()),
+                                          ("parity", self.parity)) if value is not None}
+
+    @property
+    def compatible_dims(self) -> int:
+        """The leading dims of this version's embedding that parent versions' rows are compared on."""
+        return self.embedding_dim if self.compatible_prefix_dim is None else self.compatible_prefix_dim
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        """Parse canonical manifest bytes; anything unknown, missing, mistyped or not in
+        canonical form raises :class:`BundleFormatError`."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise BundleFormatError(f"{MANIFEST_FILE} is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
+        try:
+            raw = json.loads(data.decode("ascii"), parse_constant=reject_constant)
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise BundleFormatError(f"{MANIFEST_FILE} is not valid ASCII JSON: {exc}") from exc
+        optional = {k: raw.pop(k) for k in _OPTIONAL_MANIFEST_KEYS if isinstance(raw, dict) and k in raw}
+        raw = exact_keys(raw, _MANIFEST_KEYS, MANIFEST_FILE)
+        where = MANIFEST_FILE
+        manifest = cls(
+            format_version=typed(raw["format_version"], int, f"{where}.format_version"),
+            version=typed(raw["version"], int, f"{where}.version"),
+            parents=tuple(typed(p, int, f"{where}.parents[{i}]") for i, p in enumerate(typed(raw["parents"], list, f"{where}.parents"))),
+            mode=typed(raw["mode"], str, f"{where}.mode"),  # type: ignore[arg-type]
+            distance=typed(raw["distance"], str, f"{where}.distance"),  # type: ignore[arg-type]
+            normalize=typed(raw["normalize"], bool, f"{where}.normalize"),
+            embedding_dim=typed(raw["embedding_dim"], int, f"{where}.embedding_dim"),
+            side_info_dim=typed(raw["side_info_dim"], int, f"{where}.side_info_dim"),
+            artifacts=tuple(Artifact.from_json(a, f"{where}.artifacts[{i}]") for i, a in enumerate(typed(raw["artifacts"], list, f"{where}.artifacts"))),
+            gate=typed(raw["gate"], dict, f"{where}.gate"),
+            created_at=typed(raw["created_at"], str, f"{where}.created_at"),
+            kit_version=typed(raw["kit_version"], str, f"{where}.kit_version"),
+            publisher_key_id=typed(raw["publisher_key_id"], str, f"{where}.publisher_key_id"),
+            compatible_prefix_dim=(typed(optional["compatible_prefix_dim"], int, f"{where}.compatible_prefix_dim")
+                                   if "compatible_prefix_dim" in optional else None),
+            transition=TransitionPolicy.from_json(optional["transition"], f"{where}.transition") if "transition" in optional else None,
+            hubness=HubnessPolicy.from_json(optional["hubness"], f"{where}.hubness") if "hubness" in optional else None,
+            parity=typed(optional["parity"], dict, f"{where}.parity") if "parity" in optional else None,
+        )
+        if manifest.canonical_bytes() != data:
+            raise BundleFormatError(
+                f"{MANIFEST_FILE} is valid JSON but not in canonical form (sorted keys, no spaces, ASCII): "
+                "it was not written by fctkit; rebuild the bundle"
+            )
+        return manifest
+
+    def artifact(self, role: str, *, source_version: int | None = None, target_version: int | None = None) -> Artifact:
+        """The one artifact with ``role`` (and the given source/target version, when several match)."""
+        matches = [
+            a for a in self.artifacts
+            if a.role == role
+            and (source_version is None or a.source_version == source_version)
+            and (target_version is None or a.target_version == target_version)
+        ]
+        if len(matches) == 1:
+            return matches[0]
+        wanted = f"{role!r}" + (f" from v{source_version}" if source_version is not None else "") + (
+            f" to v{target_version}" if target_version is not None else "")
+        if not matches:
+            have = ", ".join(a.name for a in self.artifacts)
+            raise BundleFormatError(f"bundle v{self.version} has no {wanted} artifact (it has: {have})")
+        raise BundleFormatError(
+            f"bundle v{self.version} has several {wanted} artifacts ({', '.join(a.name for a in matches)}): "
+            "pass source_version= or target_version= to choose one"
+        )

@@ -1,0 +1,109 @@
+"""Resumable, SHA-256-checked object transfers over gRPC streams.
+
+A download is a header-then-chunks stream opened at a byte offset: it reconnects from the last
+byte received while the server is UNAVAILABLE, and to a file it goes through a ``.part`` file
+that later attempts (and later processes) resume from. An upload is cut into chunks from the
+offset the server already holds."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import grpc
+
+from fctkit.errors import HashMismatchError, RpcStatusError
+
+from .common_pb2 import Chunk
+from .retry_policy import RetryPolicy, sleep_before_retry
+
+PART_SUFFIX = ".part"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What a download or upload moved: the object's digest and size, and where it (re)started."""
+
+    sha256: str
+    size: int
+    resumed_from: int
+    header: Any = None  # ArtifactHeader / BlobInfo as sent by the server
+
+
+def stream_download(open_stream: Callable[[int], Any], header_digest: Callable[[Any], tuple[str, int]],
+                    sink: BinaryIO, offset: int, digest: Any, retry: RetryPolicy) -> Transfer:
+    """Write a header-then-chunks stream from ``offset`` into ``sink`` (which holds the
+    first ``offset`` bytes already, hashed into ``digest``), reconnecting from the last
+    byte received while the server is UNAVAILABLE; verify the SHA-256 at the end."""
+    position, started, header, expected = offset, offset, None, None
+    delays = retry.delays()
+    while True:
+        call = open_stream(position)
+        try:
+            for message in call:
+                if message.WhichOneof("payload") == "header":
+                    header = message.header
+                    announced = header_digest(header)
+                    if expected is not None and announced != expected:
+                        raise HashMismatchError("the object changed on the server while it was being downloaded; start again")
+                    expected = announced
+                    if position > expected[1]:
+                        raise HashMismatchError(f"{position} bytes are held locally but the object has only {expected[1]}; start again")
+                    continue
+                chunk = message.chunk
+                if expected is None or chunk.offset != position:
+                    raise RpcStatusError("DATA_LOSS", f"the server sent a chunk at offset {chunk.offset}, expected {position}")
+                data = chunk.data  # each access copies the bytes out of the message
+                sink.write(data)
+                digest.update(data)
+                position += len(data)
+                delays = retry.delays()  # progress resets the retry budget
+            break
+        except grpc.RpcError as error:
+            sleep_before_retry(error, delays)
+        finally:
+            call.cancel()
+    sha256, size = expected
+    if position != size or digest.hexdigest() != sha256:
+        raise HashMismatchError(
+            f"downloaded {position} bytes hashing to {digest.hexdigest()[:16]}…, expected {size} bytes with "
+            f"SHA-256 {sha256[:16]}…; download again"
+        )
+    return Transfer(sha256, size, started, header)
+
+
+def download_to_file(open_stream: Callable[[int], Any], header_digest: Callable[[Any], tuple[str, int]], dest: Path,
+                     retry: RetryPolicy) -> Transfer:
+    """Download into ``dest`` through ``dest.part`` (kept between attempts and processes,
+    resumed from its size), renamed to ``dest`` once the SHA-256 matches."""
+    dest = Path(dest)
+    part = dest.with_name(dest.name + PART_SUFFIX)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    with part.open("a+b") as sink:
+        sink.seek(0)
+        while block := sink.read(1 << 20):
+            digest.update(block)
+        offset = sink.tell()
+        try:
+            transfer = stream_download(open_stream, header_digest, sink, offset, digest, retry)
+        except HashMismatchError:
+            sink.close()
+            part.unlink(missing_ok=True)
+            raise
+        sink.flush()
+        os.fsync(sink.fileno())
+    os.replace(part, dest)
+    return transfer
+
+
+def chunks_of(fh: BinaryIO, offset: int, chunk_size: int) -> Iterator[Chunk]:
+    """``fh`` from ``offset`` on, as the wire's chunks of at most ``chunk_size`` bytes."""
+    fh.seek(offset)
+    while data := fh.read(chunk_size):
+        yield Chunk(offset=offset, data=data)
+        offset += len(data)

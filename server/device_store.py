@@ -1,0 +1,145 @@
+"""The fleet's devices (``devices``), the one-time enrolment codes that add them
+(``enrolment_codes``) and each owner's key id (``owner_keys``).
+
+Every enrolment code names an owner (a fresh one unless the admin gives one) and the device it
+enrols belongs to that owner; a device reaches everything of its owner and nothing of another.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+
+from . import upload_sessions
+from .replica_compaction import common_version
+from .sqlite_transaction import Transaction
+
+
+@dataclass(frozen=True)
+class DeviceReport:
+    version: int
+    gallery_size: int
+    upgrade_state: int
+    target_version: int
+    progress: float
+    detail: str
+
+
+@dataclass(frozen=True)
+class DeviceRecord:
+    seq: int
+    device_id: str
+    name: str
+    label: str
+    enrolled_at: str
+    last_report_at: str | None
+    report: DeviceReport
+    vault_bytes: int
+    vault_blobs: int
+    owner_id: str = ""
+    revoked_at: str | None = None
+
+
+class OwnerKeyMismatch(Exception):
+    """Enrolment refused: the device's owner key id differs from the owner's (the code stays unused)."""
+
+
+class DeviceStore:
+    """Enrolment, tokens, reports and revocation of devices on the metadata database."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def add_enrolment_code(self, code_hash: str, label: str, created_at: str, expires_at: str,
+                           owner_id: str | None = None) -> None:
+        """A one-time code; the device it enrols joins ``owner_id`` (None: an owner of its own)."""
+        self._db.execute(
+            "INSERT INTO enrolment_codes (code_hash, label, created_at, expires_at, owner_id) VALUES (?, ?, ?, ?, ?)",
+            (code_hash, label, created_at, expires_at, owner_id),
+        )
+
+    def enrol(self, code_hash: str, now: str, device_id: str, name: str, token_hash: str,
+              owner_key_id: str = "") -> DeviceRecord | None:
+        """Use up an unused, unexpired code and add the device, in one transaction; None when
+        the code is unknown, used or expired. ``owner_key_id`` (when given) must be the one the
+        owner's first device brought (:class:`OwnerKeyMismatch` otherwise, nothing changed)."""
+        with Transaction(self._db):
+            row = self._db.execute(
+                "SELECT label, owner_id FROM enrolment_codes WHERE code_hash=? AND used_at IS NULL AND expires_at>?",
+                (code_hash, now),
+            ).fetchone()
+            if row is None:
+                return None
+            owner_id = row[1] or "own-" + device_id
+            if owner_key_id:
+                known = self._db.execute("SELECT key_id FROM owner_keys WHERE owner_id=?", (owner_id,)).fetchone()
+                if known is not None and known[0] != owner_key_id:
+                    raise OwnerKeyMismatch(owner_id)
+                self._db.execute("INSERT OR IGNORE INTO owner_keys VALUES (?, ?)", (owner_id, owner_key_id))
+            self._db.execute(
+                "UPDATE enrolment_codes SET used_at=?, device_id=? WHERE code_hash=?", (now, device_id, code_hash)
+            )
+            self._db.execute(
+                "INSERT INTO devices (device_id, token_hash, name, label, enrolled_at, owner_id) VALUES (?, ?, ?, ?, ?, ?)",
+                (device_id, token_hash, name, row[0], now, owner_id),
+            )
+        return self._devices("WHERE d.device_id=?", (device_id,))[0]
+
+    def device_for_token(self, token_hash: str) -> str | None:
+        row = self._db.execute("SELECT device_id FROM devices WHERE token_hash=? AND revoked_at IS NULL", (token_hash,)).fetchone()
+        return row[0] if row else None
+
+    def device_owner(self, device_id: str) -> str | None:
+        row = self._db.execute("SELECT owner_id FROM devices WHERE device_id=?", (device_id,)).fetchone()
+        return row[0] if row else None
+
+    def record_report(self, device_id: str, report: DeviceReport, now: str) -> str | None:
+        """Store the device's report. Returns its owner when every device of the owner has now
+        reached the same version: records at older versions may have become superseded
+        (``Storage.compact_replica_page``); None otherwise."""
+        with Transaction(self._db):
+            return self._update_device(
+                self.device_owner(device_id),
+                "UPDATE devices SET last_report_at=?, version=?, gallery_size=?, upgrade_state=?, target_version=?, "
+                "progress=?, detail=? WHERE device_id=?",
+                (now, report.version, report.gallery_size, report.upgrade_state, report.target_version,
+                 report.progress, report.detail, device_id),
+            )
+
+    def revoke_device(self, device_id: str, now: str) -> tuple[str, str | None] | None:
+        """Revoke the device (its token stops working); None for an unknown device. Returns when
+        it was revoked (the first time) and its owner if the owner's remaining devices now share
+        a version (a replica compaction is due), else None."""
+        with Transaction(self._db):
+            row = self._db.execute("SELECT owner_id, revoked_at FROM devices WHERE device_id=?", (device_id,)).fetchone()
+            if row is None:
+                return None
+            owner_id, revoked_at = row
+            if revoked_at is not None:
+                return revoked_at, None
+            upload_sessions.release_device(self._db, device_id)  # its partial files go at the next sweep
+            return now, self._update_device(owner_id, "UPDATE devices SET revoked_at=? WHERE device_id=?", (now, device_id))
+
+    def _update_device(self, owner_id: str | None, statement: str, params: tuple) -> str | None:
+        """Run ``statement`` on a device of ``owner_id``; the owner if its devices now share a
+        version they did not share before (a replica compaction is due), else None."""
+        before = common_version(self._db, owner_id)
+        self._db.execute(statement, params)
+        return owner_id if owner_id is not None and common_version(self._db, owner_id) not in (0, before) else None
+
+    def list_devices(self, after_seq: int, limit: int) -> list[DeviceRecord]:
+        return self._devices("WHERE d.seq>? ORDER BY d.seq LIMIT ?", (after_seq, limit))
+
+    def _devices(self, where: str, params: tuple) -> list[DeviceRecord]:
+        rows = self._db.execute(
+            "SELECT d.seq, d.device_id, d.name, d.label, d.enrolled_at, d.last_report_at, d.version, d.gallery_size, "
+            "d.upgrade_state, d.target_version, d.progress, d.detail, "
+            "(SELECT COALESCE(SUM(size), 0) FROM blobs b WHERE b.device_id=d.device_id), "
+            "(SELECT COUNT(*) FROM blobs b WHERE b.device_id=d.device_id), d.owner_id, d.revoked_at "
+            f"FROM devices d {where}",
+            params,
+        )
+        return [
+            DeviceRecord(seq, dev, name, label, enrolled, last, DeviceReport(*report), int(vb), int(vn), owner or "", revoked)
+            for seq, dev, name, label, enrolled, last, *report, vb, vn, owner, revoked in rows
+        ]

@@ -1,0 +1,167 @@
+"""The schema of the server's metadata database (``DATA/meta.sqlite3``), its migrations from
+older schemas, and opening it.
+
+Schema 1 databases (before owners) are migrated in place: each device becomes the only device of
+an owner of its own. Schema 2 databases get the replica's compaction columns and are compacted in
+place (:mod:`.replica_compaction`); schema 3 gets device revocation; schema 4 keeps one blob record
+per owner and SHA-256. A database of a schema this server does not know is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+from pathlib import Path
+
+from fctkit.errors import ConfigError
+
+from . import upload_sessions
+from .replica_compaction import compact_replica
+from .sqlite_transaction import Transaction
+
+SCHEMA_VERSION = 5
+_REPLICA_LIVE_INDEX = ("CREATE INDEX IF NOT EXISTS replica_live_by_item ON replica_records (owner_id, item_id, version) "
+                       "WHERE superseded = 0")
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS versions (
+    version INTEGER PRIMARY KEY,
+    manifest BLOB NOT NULL,
+    signature BLOB NOT NULL,
+    published_at TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS version_artifacts (
+    version INTEGER NOT NULL REFERENCES versions(version),
+    sha256 TEXT NOT NULL,
+    PRIMARY KEY (version, sha256)
+);
+CREATE TABLE IF NOT EXISTS enrolment_codes (
+    code_hash TEXT PRIMARY KEY,
+    label TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    expires_at TEXT NOT NULL,
+    used_at TEXT,
+    device_id TEXT,
+    owner_id TEXT
+);
+CREATE TABLE IF NOT EXISTS devices (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    device_id TEXT NOT NULL UNIQUE,
+    token_hash TEXT NOT NULL UNIQUE,
+    name TEXT NOT NULL,
+    label TEXT NOT NULL,
+    enrolled_at TEXT NOT NULL,
+    owner_id TEXT,
+    last_report_at TEXT,
+    version INTEGER NOT NULL DEFAULT 0,
+    gallery_size INTEGER NOT NULL DEFAULT 0,
+    upgrade_state INTEGER NOT NULL DEFAULT 0,
+    target_version INTEGER NOT NULL DEFAULT 0,
+    progress REAL NOT NULL DEFAULT 0,
+    detail TEXT NOT NULL DEFAULT '',
+    revoked_at TEXT
+);
+CREATE TABLE IF NOT EXISTS blobs (
+    device_id TEXT NOT NULL REFERENCES devices(device_id),
+    sha256 TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    item_id TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    owner_id TEXT,
+    PRIMARY KEY (device_id, sha256)
+);
+CREATE INDEX IF NOT EXISTS blobs_by_sha256 ON blobs (sha256);
+CREATE INDEX IF NOT EXISTS blobs_by_owner ON blobs (owner_id, sha256);
+CREATE TABLE IF NOT EXISTS replica_records (
+    owner_id TEXT NOT NULL,
+    sequence INTEGER NOT NULL,
+    device_id TEXT NOT NULL,
+    change_id INTEGER NOT NULL,
+    item_id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    origin_version INTEGER NOT NULL,
+    via TEXT NOT NULL,
+    tombstone INTEGER NOT NULL,
+    sealed BLOB NOT NULL,
+    created_at TEXT NOT NULL,
+    sealed_sha256 TEXT NOT NULL DEFAULT '',
+    superseded INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (owner_id, sequence),
+    UNIQUE (device_id, change_id)
+);
+CREATE TABLE IF NOT EXISTS owner_keys (
+    owner_id TEXT PRIMARY KEY,
+    key_id TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS replica_owners (
+    owner_id TEXT PRIMARY KEY,
+    last_sequence INTEGER NOT NULL,
+    sealed_bytes INTEGER NOT NULL
+);
+""" + _REPLICA_LIVE_INDEX + ";\n"
+
+
+def _add_owners(db: sqlite3.Connection) -> None:
+    """Schema 1 -> 2: owners. Each existing device becomes the only device of an owner of its own."""
+    if "owner_id" not in {row[1] for row in db.execute("PRAGMA table_info(enrolment_codes)")}:
+        db.execute("ALTER TABLE enrolment_codes ADD COLUMN owner_id TEXT")
+    db.execute("UPDATE devices SET owner_id = 'own-' || device_id WHERE owner_id IS NULL")
+    db.execute("UPDATE blobs SET owner_id = (SELECT d.owner_id FROM devices d WHERE d.device_id = blobs.device_id) "
+               "WHERE owner_id IS NULL")
+
+
+def _add_replica_compaction(db: sqlite3.Connection) -> None:
+    """Schema 2 -> 3: replica records know their sealed bytes' SHA-256 and whether they are
+    superseded; every owner's replica is compacted once."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(replica_records)")}
+    if not columns:
+        return  # schema 1 had no replica: the table is created as it is now
+    if "sealed_sha256" not in columns:
+        db.execute("ALTER TABLE replica_records ADD COLUMN sealed_sha256 TEXT NOT NULL DEFAULT ''")
+    if "superseded" not in columns:
+        db.execute("ALTER TABLE replica_records ADD COLUMN superseded INTEGER NOT NULL DEFAULT 0")
+    db.create_function("fctkit_sha256", 1, lambda sealed: hashlib.sha256(sealed).hexdigest(), deterministic=True)
+    db.execute("UPDATE replica_records SET sealed_sha256 = fctkit_sha256(sealed) WHERE sealed_sha256 = ''")
+    db.execute(_REPLICA_LIVE_INDEX)  # before the compaction below, which looks records up by item
+    for (owner_id,) in db.execute("SELECT owner_id FROM replica_owners").fetchall():
+        compact_replica(db, owner_id)
+
+
+def _add_revocation(db: sqlite3.Connection) -> None:
+    """Schema 3 -> 4: devices can be revoked."""
+    if "revoked_at" not in {row[1] for row in db.execute("PRAGMA table_info(devices)")}:
+        db.execute("ALTER TABLE devices ADD COLUMN revoked_at TEXT")
+
+
+def _one_blob_per_owner(db: sqlite3.Connection) -> None:
+    """Schema 4 -> 5: one blob record per owner and SHA-256 (two devices of one owner that
+    uploaded the same blob had two records, charged twice); the uploads table comes with
+    the schema (:mod:`.upload_sessions`)."""
+    db.execute("DELETE FROM blobs WHERE rowid NOT IN (SELECT MIN(rowid) FROM blobs GROUP BY owner_id, sha256)")
+
+
+_MIGRATIONS = {1: _add_owners, 2: _add_replica_compaction, 3: _add_revocation, 4: _one_blob_per_owner}  # schema found -> the step to the next one
+
+
+def open_database(path: Path) -> sqlite3.Connection:
+    """Open (creating or migrating it to :data:`SCHEMA_VERSION`) the metadata database at ``path``."""
+    try:
+        db = sqlite3.connect(path, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA foreign_keys=ON")
+        found = db.execute("PRAGMA user_version").fetchone()[0]
+        if found not in (0, SCHEMA_VERSION, *_MIGRATIONS):
+            db.close()
+            raise ConfigError(
+                f"{path.parent}: metadata schema {found} is not the {SCHEMA_VERSION} this server "
+                "understands; run the fctkit version that wrote it"
+            )
+        with Transaction(db):
+            for step in range(found, SCHEMA_VERSION) if found else ():
+                _MIGRATIONS[step](db)
+            for statement in filter(str.strip, (_SCHEMA + upload_sessions.UPLOADS_SCHEMA).split(";")):
+                db.execute(statement)
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    except sqlite3.DatabaseError as exc:
+        raise ConfigError(f"{path}: not a usable fctkit database: {exc}") from exc
+    return db

@@ -1,0 +1,51 @@
+"""The published versions (``versions``, ``version_artifacts``): each signed manifest and the
+artifacts it names, which live in the artifacts content store."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .content_store import ContentStore
+from .sqlite_transaction import Transaction
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    version: int
+    manifest: bytes
+    signature: bytes
+    published_at: str
+
+
+class VersionStore:
+    """The registry's versions on the metadata database and the artifacts store."""
+
+    def __init__(self, db: sqlite3.Connection, artifacts: ContentStore) -> None:
+        self._db = db
+        self._artifacts = artifacts
+
+    def versions(self) -> list[VersionRecord]:
+        rows = self._db.execute("SELECT version, manifest, signature, published_at FROM versions ORDER BY version")
+        return [VersionRecord(v, bytes(m), bytes(s), p) for v, m, s, p in rows]
+
+    def add_version(self, record: VersionRecord, artifact_sha256s: Sequence[str]) -> None:
+        """Make a version visible, in one transaction. Its artifacts must already be in the
+        artifacts store (put them first, e.g. from a worker thread)."""
+        missing = [s for s in artifact_sha256s if not self._artifacts.has(s)]
+        if missing:
+            raise FileNotFoundError(f"artifacts not in the store: {', '.join(missing)}")
+        with Transaction(self._db):
+            self._db.execute(
+                "INSERT INTO versions (version, manifest, signature, published_at) VALUES (?, ?, ?, ?)",
+                (record.version, record.manifest, record.signature, record.published_at),
+            )
+            self._db.executemany(
+                "INSERT INTO version_artifacts (version, sha256) VALUES (?, ?)",
+                [(record.version, sha256) for sha256 in sorted(set(artifact_sha256s))],
+            )
+
+    def referenced_artifacts(self) -> set[str]:
+        """The SHA-256 of every artifact a version names (the ones garbage collection keeps)."""
+        return {row[0] for row in self._db.execute("SELECT DISTINCT sha256 FROM version_artifacts")}

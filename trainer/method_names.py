@@ -1,0 +1,34 @@
+"""The names of the adapter methods a `fctkit train` run can fit, how reports label them, and
+which of them an instance-level task and a query map use (no torch, no fitting)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+ForwardMethod = Literal["fct", "fct-no-side-info", "fastfill", "residual", "least-squares", "procrustes"]
+UnifiedMethod = Literal["lambda-orth", "lambda-orth-relaxed"]
+
+METHOD_LABELS = {
+    "fct": "FCT, side-info ψ",
+    "fct-no-side-info": "FCT, no side-info",
+    "fastfill": "FastFill, side-info ψ",
+    "residual": "residual adapter",
+    "least-squares": "least squares",
+    "procrustes": "Procrustes",
+    "lambda-orth": "λ-orth, B⊥",
+    "lambda-orth-relaxed": "λ-orth, B_λ",
+}
+
+
+# What `methods = []` (the default) means: every method for class-level data; for an
+# instance-level task the identity-keeping ones (InfoNCE) next to the closed-form baseline.
+INSTANCE_METHODS = ("residual", "fct", "least-squares", "lambda-orth")
+
+
+QUERY_MAP_METHODS = ("residual", "fct", "fct-no-side-info")
+
+
+def method_label(method: str) -> str:
+    base, *extras = method.split("+")
+    names = {"query-map": " + query map", "transition": " + transition scoring", "hubness": " + hubness offset"}
+    return METHOD_LABELS[base] + "".join(names[e] for e in extras)
