@@ -102,8 +102,7 @@ def run_backfill(device: DeviceParts, searchable: Callable[[], LoadedRows], *, b
                  budget_bytes: int | None = None, order: str | None = None, seed: int = 0, batch_size: int = 64,
                  on_batch: Callable[[int], None] | None = None) -> BackfillResult:
     """Backfill the device's gallery (see the module docstring); resumes a recorded plan first.
-    ``searchable()`` gives the rows queries compare with (a new plan orders those); queued
-    originals must be uploaded before (their vault hashes are read here).
+    ``searchable()`` gives the rows queries compare with (a new plan orders those).
 
     A recorded plan for the installed version is continued as it is (``budget`` / ``order``
     apply only to a new plan); ``on_batch(rows)`` is called after each committed batch."""
@@ -115,6 +114,7 @@ def run_backfill(device: DeviceParts, searchable: Callable[[], LoadedRows], *, b
     if batch_size < 1:
         raise InputError(f"batch_size must be >= 1, got {batch_size}")
     engine = device.engine()
+    device.flush_outbox()
     plan = _stored_plan(device, version)
     if plan is None:
         order = order or default_order(engine)

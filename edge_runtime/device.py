@@ -267,23 +267,8 @@ class Device:
         return self.gallery.delete_rows(list(item_ids))
 
     def flush_outbox(self, *, attempts: int = 2) -> tuple[int, int]:
-        """Upload queued sealed originals to the vault; returns (uploaded, still queued).
-        When the server cannot be reached the queue is kept for the next try."""
-        queued = self.gallery.outbox()
-        uploaded = 0
-        if not queued:
-            return 0, 0
-        with self.client(attempts=attempts) as client:
-            for item_id, blob in queued:
-                try:
-                    transfer = client.upload_blob(blob, item_id)
-                except RpcStatusError as exc:
-                    if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"):
-                        break
-                    raise
-                self.gallery.mark_uploaded(item_id, transfer.sha256)
-                uploaded += 1
-        return uploaded, self.gallery.outbox_size()
+        """Upload queued sealed originals (:meth:`DeviceParts.flush_outbox`); returns (uploaded, still queued)."""
+        return self.parts.flush_outbox(attempts=attempts)
 
     def fetch_original(self, item_id: str) -> np.ndarray:
         """Download an item's sealed original from the vault and open it."""
@@ -427,7 +412,6 @@ class Device:
         class-mean-l2, class-mean-cosine, kmeans (default: uncertainty when the bundle has
         σ, else class-mean-l2), within ``budget`` rows and/or ``budget_bytes`` of vault
         downloads. Resumes an interrupted backfill first."""
-        self.flush_outbox()
         result = run_backfill(self.parts, lambda: self.searchable()[1], budget=budget, budget_bytes=budget_bytes,
                               order=order, seed=seed, batch_size=batch_size, on_batch=on_batch)
         self.search.reset()

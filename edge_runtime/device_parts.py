@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from fctkit.errors import RpcStatusError
+
 from .bundle_store import InstalledBundles
 from .crypto import Sealer
 from .engine import Engine
@@ -43,6 +45,25 @@ class DeviceParts:
 
     def engine(self, version: int | None = None) -> Engine:
         return self.bundles.engine(self.version if version is None else version)
+
+    def flush_outbox(self, *, attempts: int = 2) -> tuple[int, int]:
+        """Upload queued sealed originals to the vault; returns (uploaded, still queued).
+        When the server cannot be reached the queue is kept for the next try."""
+        queued = self.gallery.outbox()
+        uploaded = 0
+        if not queued:
+            return 0, 0
+        with self.connect(attempts=attempts) as client:
+            for item_id, blob in queued:
+                try:
+                    transfer = client.upload_blob(blob, item_id)
+                except RpcStatusError as exc:
+                    if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"):
+                        break
+                    raise
+                self.gallery.mark_uploaded(item_id, transfer.sha256)
+                uploaded += 1
+        return uploaded, self.gallery.outbox_size()
 
     def open_original(self, item_id: str, blob: bytes) -> np.ndarray:
         """Open a sealed original from the vault (sealed by any device of the owner)."""
