@@ -94,12 +94,12 @@ class GallerySearch:
         if manifest.mode == "compatible":  # older versions' rows as stored, on the common prefix
             keep, vectors = compatible_rows([t.version for t in loaded.tags], loaded.embeddings,
                                             comparable_dims(self.bundles.manifest, version))
-            loaded = subset(loaded, keep) if len(keep) != len(loaded) else loaded
+            loaded = loaded.subset(keep) if len(keep) != len(loaded) else loaded
             return ExactIndex(vectors, manifest.distance, self.backend), loaded, Scoring()
         if manifest.mode != "unified":
             keep = [i for i, t in enumerate(loaded.tags) if t.version == version]
             if len(keep) != len(loaded):
-                loaded = subset(loaded, keep)
+                loaded = loaded.subset(keep)
         scoring = scoring_of(manifest, transition)
         if scoring.kind != "plain" and len(loaded):
             previous_dim = self.bundles.engine(scoring.previous_version).manifest.embedding_dim if scoring.previous_version else 0
@@ -108,10 +108,3 @@ class GallerySearch:
         vectors = take_rows(loaded.embeddings, range(len(loaded))) if len(loaded) else np.zeros((0, 1), np.float32)
         return ExactIndex(vectors, manifest.distance, self.backend), loaded, scoring
 
-
-def subset(rows: LoadedRows, keep: list[int]) -> LoadedRows:
-    return LoadedRows(
-        row_ids=rows.row_ids[keep], item_ids=[rows.item_ids[i] for i in keep], tags=[rows.tags[i] for i in keep],
-        embeddings=take_rows(rows.embeddings, keep), side_infos=rows.side_infos[keep], labels=[rows.labels[i] for i in keep],
-        corrupt=rows.corrupt, missing=rows.missing,
-    )
