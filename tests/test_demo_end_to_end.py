@@ -16,7 +16,8 @@ import pytest
 
 from tests.support.seeds import seed
 
-from fctkit.demo import CASES, DemoOptions, _Phases, run_demo
+from fctkit.demo import CASES, DemoOptions, run_demo
+from fctkit.demo.phases import Phases
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +106,7 @@ def test_an_interrupt_python_drops_in_a_finalizer_still_stops_the_demo():
     """Python drops an exception raised inside ``__del__`` ("Exception ignored in ..."): a
     Ctrl-C that lands while a finalizer runs must still stop the run at the phase's end."""
     lines: list[str] = []
-    phases = _Phases(lines.append)
+    phases = Phases(lines.append)
 
     class Finalized:
         def __del__(self) -> None:

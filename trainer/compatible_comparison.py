@@ -5,7 +5,6 @@ compatible bundle records), ``results.json`` and the figures' tables in ``report
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +17,7 @@ from .compatible_sequence import SequenceResult, SequenceRun
 from .report import Report
 from .retrieval_result import RetrievalResult
 from .run_data import load_image_splits
+from .run_outputs import quiet_progress, write_json
 
 
 @dataclasses.dataclass
@@ -34,7 +34,7 @@ def run_compatible(config: CompatibleConfig, out: str | Path, log: Callable[[str
     start = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    _quiet_progress(config)
+    quiet_progress(config)
     splits = load_image_splits(config)
     runs: dict[str, SequenceResult | None] = {"upgrade": None, "sequence": None}
     for name in runs:
@@ -46,9 +46,9 @@ def run_compatible(config: CompatibleConfig, out: str | Path, log: Callable[[str
     files = report.save(out)
     markdown = report.to_markdown() + "\n" + results_markdown(runs["upgrade"], runs["sequence"])
     files["markdown"].write_text(markdown, encoding="utf-8")
-    files["results"] = _write_json(out / "results.json", {k: v.to_dict() for k, v in runs.items() if v is not None})
-    files["gate"] = _write_json(out / "gate.json", compatible_gate(runs["upgrade"], config.evaluation_classes)) if runs["upgrade"] else None
-    files["config"] = _write_json(out / "config.json", to_mapping(config))
+    files["results"] = write_json(out / "results.json", {k: v.to_dict() for k, v in runs.items() if v is not None})
+    files["gate"] = write_json(out / "gate.json", compatible_gate(runs["upgrade"], config.evaluation_classes)) if runs["upgrade"] else None
+    files["config"] = write_json(out / "config.json", to_mapping(config))
     files = {k: v for k, v in files.items() if v is not None}
     seconds = time.perf_counter() - start
     log(f"done in {seconds:.1f} s; report in {files['markdown']}")
@@ -124,20 +124,6 @@ def _yes(flag: bool) -> str:
 
 def _metrics(result: RetrievalResult) -> dict[str, float]:
     return {f"top{k}": v for k, v in result.cmc.items()} | {"mAP": result.mean_ap}
-
-
-def _quiet_progress(config: CompatibleConfig) -> None:
-    if config.progress:
-        return
-    for section in (config.old_backbone, config.new_backbone, config.side_info):
-        section.progress = False
-    for section in (config.fct, config.lambda_orth):
-        section.train.progress = False
-
-
-def _write_json(path: Path, data: Any) -> Path:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=float) + "\n")
-    return path
 
 
 __all__ = ["CompatibleResult", "run_compatible"]

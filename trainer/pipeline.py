@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +50,7 @@ from .pipeline_config import PipelineConfig
 from .report import Report
 from .retrieval_result import RetrievalResult, metric_label, metric_value
 from .run_data import load_image_splits, load_run_task, npz_features
+from .run_outputs import quiet_progress, write_json
 from .searches import (EvalSet, Evaluator, Features, Hubness, Transition, WithQueryMap, adapted_retrieval, forward_transform,
                        fused_retrieval, gate_metrics, hubness_retrieval, offset_galleries, searched_as, task_features)
 from .selection import holdout_split, knobs_for
@@ -259,7 +259,7 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
     task = load_run_task(config)  # a bad task file fails here, before anything is written
     (out / "adapters").mkdir(parents=True, exist_ok=True)
     (out / "features").mkdir(exist_ok=True)
-    _quiet_progress(config)
+    quiet_progress(config)
 
     report = Report(f"fctkit train: {task.name if task is not None else config.data.name}")
     if task is not None:
@@ -290,22 +290,8 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
     labels = {} if gallery.labels is None else {"labels": gallery.labels}
     np.savez(out / "features" / "eval.npz", old=gallery.old, side=gallery.side, new=gallery.new, **labels)
     files = report.save(out)
-    files["gate"] = _write_json(out / "gate.json", gate)
-    files["config"] = _write_json(out / "config.json", to_mapping(config))
+    files["gate"] = write_json(out / "gate.json", gate)
+    files["config"] = write_json(out / "config.json", to_mapping(config))
     seconds = time.perf_counter() - start
     log(f"done in {seconds:.1f} s; report in {files['markdown'] if 'markdown' in files else out}")
     return PipelineResult(report, gate, adapters, train, data, files, seconds)
-
-
-def _quiet_progress(config: PipelineConfig) -> None:
-    if config.progress:
-        return
-    for section in (config.old_backbone, config.new_backbone, config.side_info):
-        section.progress = False
-    for section in (config.fct, config.fastfill, config.residual, config.lambda_orth, config.lambda_orth_relaxed, config.query_map):
-        section.train.progress = False
-
-
-def _write_json(path: Path, data: Any) -> Path:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=float) + "\n")
-    return path

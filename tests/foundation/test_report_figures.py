@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fctkit.demo import CASES, _figure
+from fctkit.demo import results as demo_results
 from fctkit.trainer.evaluation import evaluate_retrieval
 from fctkit.trainer.report import Report
 
@@ -29,11 +29,11 @@ def overlaps(figure) -> list[str]:
 
 
 def test_the_demo_figure_keeps_its_legend_off_the_bars():
-    cases = {case: {"top1": 0.9} for case in CASES}
+    cases = {case: {"top1": 0.9} for case in demo_results.CASES}
     report = {"per_device": {f"device-{i}": {"cases": cases} for i in (1, 2, 3)}, "overall": cases,
               "data": "digits", "method": "fct", "backfill": {"rows": 72, "seconds": 0.4},
               "cost": {"upgrade_s": 0.2, "full_reembed_estimate_s": 3.8}}
-    assert overlaps(_figure(report)) == []
+    assert overlaps(demo_results.figure(report)) == []
 
 
 def test_the_train_report_keeps_its_legends_off_the_curves():
