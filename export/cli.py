@@ -137,7 +137,7 @@ _GRAPH = dict(type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--method", default="fct", show_default=True,
               help=f"which of the run's adapters v2 carries: for a run on images one of {', '.join(METHODS)} (λ-orth "
                    "methods give unified-mode bundles); for a features-mode run any variant in its gate.json, e.g. "
-                   "residual, residual+query-map, residual+query-map+transition, residual+hubness — the gate then "
+                   "residual, residual+query-positives+hubness, residual+query-map, residual+query-map+transition — the gate then "
                    "checks ECC, on the task's primary metric, of exactly what devices will run")
 @click.option("--old-graph", **_GRAPH, help="features-mode runs: ONNX graph of the old model (v1's embed role), one float input")
 @click.option("--new-graph", **_GRAPH, help="features-mode runs: ONNX graph of the new model (v2's embed role)")

@@ -7,7 +7,8 @@ version     artifacts
 v1          ``embed`` = the old model's graph, ``side_info`` = the side-info graph (when the run's
             features have side-info)
 v2          ``embed`` = the new model's graph, the same ``side_info`` graph, ``forward`` 1→2 = the
-            variant's adapter; ``+query-map``: the ``query_map`` role; ``+transition``: the
+            variant's adapter (``+query-positives``: the adapter trained on the task's query
+            positives); ``+query-map``: the ``query_map`` role; ``+transition``: the
             transition declaration (weight from the run); ``+hubness``: the ``hubness`` graph
             (the run's reference queries) and its β
 ==========  ==================================================================================
@@ -35,6 +36,7 @@ import numpy as np
 from fctkit.errors import ExportError, InputError, require
 from fctkit.protos.bundle import Role
 from fctkit.protos.search_policy import HubnessPolicy, TransitionPolicy
+from fctkit.trainer.method_names import JOINT_FITS, joint_fit_of
 
 from .hubness_graph import hubness_onnx
 from .onnx_export import ExportResult, ParityReport
@@ -67,7 +69,7 @@ class Variant:
 
     key: str
     method: str
-    query_map: bool
+    joint: str | None  # "query-map" or "query-positives": trained further on the task's query positives
     scoring: str | None
 
     @classmethod
@@ -75,15 +77,19 @@ class Variant:
         if key not in trained:
             raise InputError(f"the run has no variant {key!r}; it has: {', '.join(sorted(trained))}")
         method, *parts = key.split("+")
-        unknown = [p for p in parts if p not in ("query-map", *SCORING_PARTS)]
+        unknown = [p for p in parts if p not in (*JOINT_FITS, *SCORING_PARTS)]
         if unknown:
             raise InputError(f"variant {key!r}: unknown part(s) {unknown}")
         scoring = [p for p in parts if p in SCORING_PARTS]
-        return cls(key, method, "query-map" in parts, scoring[0] if scoring else None)
+        return cls(key, method, joint_fit_of(key), scoring[0] if scoring else None)
+
+    @property
+    def query_map(self) -> bool:
+        return self.joint == "query-map"
 
     @property
     def adapter_file(self) -> str:
-        return f"adapters/{self.method}{'+query-map' if self.query_map else ''}.pt"
+        return f"adapters/{self.method}{f'+{self.joint}' if self.joint else ''}.pt"
 
     @property
     def case(self) -> str:

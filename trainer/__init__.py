@@ -61,6 +61,7 @@ _LAZY: dict[str, str] = {
     "ObjectiveConfig": "losses",
     "QueryMap": "query_map",
     "QueryMapConfig": "query_map",
+    "QueryPositivesConfig": "query_map",
     "fit_jointly": "query_map",
     "CompatibleConfig": "compatible_config",
     "BCTConfig": "compatible_config",

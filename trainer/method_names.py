@@ -27,8 +27,18 @@ INSTANCE_METHODS = ("residual", "fct", "least-squares", "lambda-orth")
 
 QUERY_MAP_METHODS = ("residual", "fct", "fct-no-side-info")
 
+# A variant's further training on the task's (query, positive) pairs: with a learned query map,
+# or with the new model's queries as they are.
+JOINT_FITS = ("query-map", "query-positives")
+
 
 def method_label(method: str) -> str:
     base, *extras = method.split("+")
-    names = {"query-map": " + query map", "transition": " + transition scoring", "hubness": " + hubness offset"}
+    names = {"query-map": " + query map", "query-positives": " + query positives", "transition": " + transition scoring",
+             "hubness": " + hubness offset"}
     return METHOD_LABELS[base] + "".join(names[e] for e in extras)
+
+
+def joint_fit_of(variant: str) -> str | None:
+    """The joint fit a variant key (``residual+query-map+hubness``) names, if any."""
+    return next((part for part in variant.split("+")[1:] if part in JOINT_FITS), None)

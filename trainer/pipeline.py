@@ -44,7 +44,7 @@ from .cka import linear_cka
 from .compatibility import ecc
 from .datasets import old_class_subset
 from .lambda_orth import LambdaOrthAdapter
-from .method_names import METHOD_LABELS, QUERY_MAP_METHODS, method_label
+from .method_names import JOINT_FITS, METHOD_LABELS, QUERY_MAP_METHODS, method_label
 from .methods import fit_method, method_config, run_methods
 from .pipeline_config import PipelineConfig
 from .report import Report
@@ -56,7 +56,7 @@ from .searches import (EvalSet, Evaluator, Features, Hubness, Transition, WithQu
 from .selection import holdout_split, knobs_for
 from .side_info import extract_side_info, save_side_info, train_side_info
 from .tasks import RetrievalTask
-from .tuning import choose_hubness, choose_transition, fit_on_fit_part, fit_on_holdout, fit_with_query_map, select_settings
+from .tuning import choose_hubness, choose_transition, fit_on_fit_part, fit_on_holdout, fit_on_positives, select_settings
 
 
 # --- stage 1: features -------------------------------------------------------------------
@@ -110,16 +110,17 @@ def fit_adapters(config: PipelineConfig, train: Features, log: Callable[[str], N
             section, fit_part_adapter = select_settings(config, method, section, knobs, task, holdout, report)
         log(f"fitting {METHOD_LABELS[method]}")
         fitted[method] = fit_method(method, section, train)
-        if task is not None and config.query_map.enabled and method in QUERY_MAP_METHODS:
-            log(f"fitting a query map jointly with {METHOD_LABELS[method]}")
-            fitted[f"{method}+query-map"] = fit_with_query_map(config, copy.deepcopy(fitted[method]), task.train)
+        for joint, joint_config in (("query-map", config.query_map), ("query-positives", config.query_positives)):
+            if task is not None and joint_config.enabled and method in QUERY_MAP_METHODS:
+                log(f"fitting {method_label(f'{method}+{joint}')} on the task's query positives")
+                fitted[f"{method}+{joint}"] = fit_on_positives(config, copy.deepcopy(fitted[method]), task.train, joint)
         if task is None or not scoring:
             continue
         if fit_part_adapter is None:
             fit_part_adapter = fit_on_fit_part(method, section, holdout)
-        for variant in [v for v in (method, f"{method}+query-map") if v in fitted]:
+        for variant in [v for v in (method, *(f"{method}+{joint}" for joint in JOINT_FITS)) if v in fitted]:
             log(f"choosing the transition weight / hubness offset of {method_label(variant)} on held-out training data")
-            refit = fit_on_holdout(config, fit_part_adapter, holdout, fitted[variant])
+            refit = fit_on_holdout(config, fit_part_adapter, holdout, variant)
             if config.transition.enabled:
                 fitted[f"{variant}+transition"] = choose_transition(config, task, variant, fitted[variant], refit, report)
             if config.hubness.enabled:

@@ -14,7 +14,7 @@ from .adapters import FastFillConfig, FCTConfig
 from .backbones import BackboneConfig
 from .lambda_orth import LambdaOrthConfig
 from .method_names import METHOD_LABELS
-from .query_map import QueryMapConfig
+from .query_map import QueryMapConfig, QueryPositivesConfig
 from .residual import ResidualConfig
 from .run_data import DataConfig
 from .searches import EvaluationConfig
@@ -75,6 +75,7 @@ class PipelineConfig:
     residual: ResidualConfig = dataclasses.field(default_factory=ResidualConfig)
     selection: SelectionConfig = dataclasses.field(default_factory=SelectionConfig)
     query_map: QueryMapConfig = dataclasses.field(default_factory=QueryMapConfig)
+    query_positives: QueryPositivesConfig = dataclasses.field(default_factory=QueryPositivesConfig)
     transition: TransitionConfig = dataclasses.field(default_factory=TransitionConfig)
     hubness: HubnessConfig = dataclasses.field(default_factory=HubnessConfig)
     fastfill: FastFillConfig = dataclasses.field(default_factory=FastFillConfig)
@@ -92,8 +93,9 @@ class PipelineConfig:
             if getattr(self, name).enabled and (self.data.name != "task" or self.evaluation.distance != "cosine"):
                 raise ConfigError(f"{name} works on cosine scores of a retrieval task: set data.name = 'task' "
                                   "and evaluation.distance = 'cosine'")
-        if self.query_map.enabled and self.data.name != "task":
-            raise ConfigError("query_map needs a retrieval task (data.name = 'task'): it learns from the task's positives")
+        for joint in (self.query_map, self.query_positives):
+            if joint.enabled and self.data.name != "task":
+                raise ConfigError(f"{joint.section} needs a retrieval task (data.name = 'task'): it learns from the task's positives")
         if self.chain.enabled and self.data.name in ("features", "task"):
             raise ConfigError("chain needs image data (it trains v1/v2/v3 backbones); disable chain for features and tasks")
 

@@ -14,6 +14,11 @@ So the same Q serves a gallery of adapted rows, of backfilled rows, or a mix. It
 role of its own (``query_map``), run on the device before search. Because Q learns from the
 task's own positives it is task supervision as much as compatibility: the report shows it as
 its own case next to the gallery-side adapter alone.
+
+The same loss with Q fixed to the identity (:class:`QueryPositivesConfig`) trains h alone on
+the task's positives: no new role, the device searches with the new model's queries as they
+are. On WordNet lemma → gloss this gallery-side adapter did better than a learned Q
+(BENCHMARKS.md, "query positives").
 """
 
 from __future__ import annotations
@@ -34,17 +39,37 @@ from .losses import info_nce
 
 
 @dataclasses.dataclass
-class QueryMapConfig:
-    enabled: bool = False  # `fctkit train`: also fit each forward method's adapter jointly with a query map
-    width: int = 256
+class QueryPositivesConfig:
+    """Training a forward adapter further on the task's (query, positive) pairs, with the
+    new model's queries as they are: a gallery-side adapter that has seen the task's queries."""
+
+    enabled: bool = False  # `fctkit train`: also fit each forward method's adapter on the task's query positives
     task_weight: float = 1.0  # w: the query terms against h's own compatibility term
     temperature: float = 0.05
     train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(epochs=30, lr=1e-3, weight_decay=1e-4,
                                                                                 warmup_epochs=2, patience=6))
 
     def __post_init__(self) -> None:
-        if self.width < 1 or self.task_weight < 0 or self.temperature <= 0:
-            raise ConfigError("query_map: width must be >= 1, task_weight >= 0 and temperature > 0")
+        if self.task_weight < 0 or self.temperature <= 0:
+            raise ConfigError(f"{self.section}: task_weight must be >= 0 and temperature > 0")
+        if getattr(self, "width", 1) < 1:
+            raise ConfigError(f"{self.section}: width must be >= 1")
+
+    @property
+    def section(self) -> str:
+        return "query_positives"
+
+
+@dataclasses.dataclass
+class QueryMapConfig(QueryPositivesConfig):
+    """The same training with a query map Q learned jointly on the new model's queries."""
+
+    enabled: bool = False  # `fctkit train`: also fit each forward method's adapter jointly with a query map
+    width: int = 256
+
+    @property
+    def section(self) -> str:
+        return "query_map"
 
 
 class QueryMap(Adapter):
@@ -77,9 +102,9 @@ class QueryMap(Adapter):
 
 
 class _Joint(nn.Module):
-    def __init__(self, adapter: nn.Module, query_map: QueryMap) -> None:
+    def __init__(self, adapter: nn.Module, query_side: nn.Module) -> None:
         super().__init__()
-        self.adapter, self.query_map = adapter, query_map
+        self.adapter, self.query_side = adapter, query_side
 
 
 def fit_jointly(
@@ -88,13 +113,17 @@ def fit_jointly(
     gallery_old: np.ndarray,
     gallery_side: np.ndarray | None,
     gallery_new: np.ndarray,
-    config: QueryMapConfig | dict[str, Any] | None = None,
-) -> tuple[QueryMap, History]:
-    """Train a new query map and (further) ``adapter`` together on aligned positive pairs: row i
-    of ``query_new`` is a training query, row i of the gallery arrays one of its positives.
+    config: QueryPositivesConfig | dict[str, Any] | None = None,
+) -> tuple[QueryMap | None, History]:
+    """Train ``adapter`` further (in place) on aligned positive pairs: row i of ``query_new`` is
+    a training query, row i of the gallery arrays one of its positives. With a
+    :class:`QueryMapConfig` a new query map is trained together with it and returned; with a
+    :class:`QueryPositivesConfig` the queries stay as the new model made them (Q = identity)
+    and ``None`` is returned.
 
-    ``adapter`` must take ``(old[, side])`` like the forward adapters; it is trained in place."""
-    config = config_of(QueryMapConfig, config)
+    ``adapter`` must take ``(old[, side])`` like the forward adapters."""
+    if not isinstance(config, QueryPositivesConfig):
+        config = config_of(QueryMapConfig, config)
     query_new = check_features("query_new", query_new)
     rows = len(query_new)
     arrays = [query_new, check_features("gallery_old", gallery_old, rows=rows)]
@@ -102,17 +131,20 @@ def fit_jointly(
         arrays.append(check_features("gallery_side", gallery_side, rows=rows))
     arrays.append(check_features("gallery_new", gallery_new, rows=rows, dim=query_new.shape[1]))
     torch.manual_seed(config.train.seed)
-    query_map = QueryMap(config, d_new=query_new.shape[1])
-    joint = _Joint(adapter, query_map)
+    query_map = QueryMap(config, d_new=query_new.shape[1]) if isinstance(config, QueryMapConfig) else None
+    joint = _Joint(adapter, query_map if query_map is not None else nn.Identity())
     tau, weight = config.temperature, config.task_weight
 
     def loss(model: _Joint, query: torch.Tensor, *gallery: torch.Tensor) -> torch.Tensor:
         *inputs, target = gallery
         adapted = model.adapter(*inputs)
-        mapped = model.query_map(query)
+        mapped = model.query_side(query)
         return info_nce(adapted, target, tau) + weight * (info_nce(mapped, adapted, tau) + info_nce(mapped, target, tau))
 
-    history = fit(joint, arrays, loss, config.train, description="fit query map + adapter")
+    label = "query map + adapter" if query_map is not None else "adapter on query positives"
+    history = fit(joint, arrays, loss, config.train, description=f"fit {label}")
     adapter.eval()
+    if query_map is None:
+        return None, history
     query_map.metrics["best_val_loss"] = min(history.val_loss) if history.val_loss else history.train_loss[-1]
     return query_map.eval(), history

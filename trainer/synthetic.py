@@ -9,7 +9,8 @@ new model's queries weigh most; it ranks the one right item below old/old. A con
 
 Items: a topic ``t`` (one of ``n_topics`` centres, ``topic_dims`` dims) and an identity ``z``
 (``identity_dims`` dims). Queries are asymmetric views of one item: the same topic, the
-identity plus noise. Old model: ``[t + noise, z + noise] R_old``; new model:
+identity plus noise, seen through a fixed mix of it and a rotation of it (``query_view``
+from 0, the same kind of thing as the items, towards 1, another kind). Old model: ``[t + noise, z + noise] R_old``; new model:
 ``[4 t, z] R_new`` (R: random orthonormal projections). Relevance: one positive per query.
 Use it for tests, to try settings, and as the example task file of the README.
 """
@@ -35,12 +36,14 @@ def synthetic_instance_task(
     new_topic_scale: float = 4.0,
     old_topic_noise: float = 1.0,
     query_noise: float = 0.8,
+    query_view: float = 0.0,
 ) -> RetrievalTask:
     """An asymmetric instance-level task (see the module docstring); the models (topic
     centres, projections) are fixed, ``seed`` draws the items and the noise."""
     world = np.random.default_rng(12345)
     centres = world.normal(size=(n_topics, topic_dims))
     r_old, r_new = (_orthonormal(world, topic_dims + identity_dims, d) for d in (D_OLD, D_NEW))
+    view = (1 - query_view) * np.eye(identity_dims) + query_view * _orthonormal(world, identity_dims, identity_dims)
     rng = np.random.default_rng(seed)
 
     def old_model(topic: np.ndarray, identity: np.ndarray) -> np.ndarray:
@@ -55,7 +58,7 @@ def synthetic_instance_task(
     def split(n: int, first_id: int) -> TaskSplit:
         topic = centres[rng.integers(0, n_topics, n)]
         identity = rng.normal(size=(n, identity_dims))
-        query_identity = identity + query_noise * rng.normal(size=identity.shape)
+        query_identity = identity @ view + query_noise * rng.normal(size=identity.shape)
         ids = np.arange(first_id, first_id + n)
         no_side = np.zeros((n, 0), np.float32)
         gallery = TaskSet(ids, old_model(topic, identity), new_model(topic, identity), no_side)

@@ -14,7 +14,7 @@ import numpy as np
 from fctkit.errors import ConfigError
 
 from .adapter_base import Adapter
-from .method_names import method_label
+from .method_names import joint_fit_of, method_label
 from .methods import fit_method, quiet_training, run_seeded
 from .pipeline_config import PipelineConfig
 from .query_map import fit_jointly
@@ -60,28 +60,30 @@ class HeldOutFit:
     holdout: Holdout
 
 
-def fit_on_holdout(config: PipelineConfig, fit_part_adapter: Adapter, holdout: Holdout,
-                   final: Adapter | WithQueryMap) -> HeldOutFit:
-    """Like ``final``, but from ``fit_part_adapter`` (the method fitted on the fit part): a copy
-    of it, trained on with a query map when ``final`` has one."""
+def fit_on_holdout(config: PipelineConfig, fit_part_adapter: Adapter, holdout: Holdout, variant: str) -> HeldOutFit:
+    """Like the final fit of ``variant``, but from ``fit_part_adapter`` (the method fitted on the
+    fit part): a copy of it, trained on the fit part's query positives when the variant was."""
     adapter: Adapter | WithQueryMap = copy.deepcopy(fit_part_adapter)
-    if isinstance(final, WithQueryMap):
-        adapter = fit_with_query_map(config, adapter, holdout.fit)
+    joint = joint_fit_of(variant)
+    if joint is not None:
+        adapter = fit_on_positives(config, adapter, holdout.fit, joint)
     return HeldOutFit(adapter, holdout)
 
 
-def fit_with_query_map(config: PipelineConfig, adapter: Adapter, train: TaskSplit) -> WithQueryMap:
-    """Continue training ``adapter`` jointly with a new query map on the training positives."""
+def fit_on_positives(config: PipelineConfig, adapter: Adapter, train: TaskSplit, joint: str) -> Adapter | WithQueryMap:
+    """Continue training ``adapter`` on the training positives: with a new query map
+    (``joint`` "query-map") or with the new model's queries as they are ("query-positives")."""
+    section = {"query-map": config.query_map, "query-positives": config.query_positives}[joint]
     positives = train.positives
     if positives is None:
-        raise ConfigError("query_map needs an instance-level task (explicit positives per query)")
+        raise ConfigError(f"{section.section} needs an instance-level task (explicit positives per query)")
     queries = np.repeat(np.arange(len(train.query)), np.diff(positives.indptr))
     items = positives.indices
     gallery = train.gallery
     query_map, _ = fit_jointly(adapter, train.query.new[queries], gallery.old[items],
                                gallery.side[items] if gallery.side.shape[1] else None, gallery.new[items],
-                               run_seeded(config, config.query_map))
-    return WithQueryMap(adapter, query_map)
+                               run_seeded(config, section))
+    return adapter if query_map is None else WithQueryMap(adapter, query_map)
 
 
 def choose_transition(config: PipelineConfig, task: RetrievalTask, variant: str, final: Adapter | WithQueryMap,

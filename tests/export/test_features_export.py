@@ -63,7 +63,8 @@ OLD, NEW = slice(0, D_OLD), slice(D_OLD, D_OLD + D_NEW)
 @pytest.fixture(scope="module")
 def task_release(tmp_path_factory):
     root = tmp_path_factory.mktemp("features-release")
-    run = synthetic_task_run(root, n_train=1200, n_eval=500, **{"query_map.enabled": True}, **SEARCH)
+    run = synthetic_task_run(root, n_train=1200, n_eval=500, **{"query_map.enabled": True, "query_positives.enabled": True},
+                             **SEARCH)
     task = root / "task.npz"
     gallery = load_task(task).evaluation.gallery
     items = np.hstack([gallery.old, gallery.new])
@@ -99,7 +100,8 @@ def device_recall_at_1(task_release, bundles, tmp_path) -> float:
 
 
 @pytest.mark.parametrize("variant, scoring", [("residual+query-map+transition", "transition"),
-                                              ("residual+hubness", "hubness"), ("residual", "plain")])
+                                              ("residual+hubness", "hubness"), ("residual", "plain"),
+                                              ("residual+query-positives+hubness", "hubness")])
 def test_a_device_runs_what_the_gate_judged(task_release, variant, scoring, tmp_path):
     bundles = released(task_release, variant, tmp_path / "out")
     v1, v2 = (b.bundle.manifest for b in bundles)
