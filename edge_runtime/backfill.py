@@ -32,7 +32,7 @@ import numpy as np
 from fctkit.backfill_order import backfill_order
 from fctkit.errors import DeviceError, GalleryError, InputError
 
-from .gallery import LoadedRows, UpgradedRows, VersionTag, take_rows
+from .gallery_rows import LoadedRows, UpgradedRows, VersionTag, take_rows
 
 if TYPE_CHECKING:
     from .device_parts import DeviceParts
@@ -164,7 +164,7 @@ def _new_plan(device: DeviceParts, searchable: LoadedRows, engine: Engine, order
               budget_bytes: int | None, seed: int) -> list[int]:
     rows = _comparable_rows(searchable)
     version = device.version
-    shas = [device.gallery.vault_sha256(item) for item in rows.item_ids]
+    shas = [device.gallery.replica_log.vault_sha256(item) for item in rows.item_ids]
     candidates = [sha is not None and not _is_native(tag, version) for sha, tag in zip(shas, rows.tags, strict=True)]
     sizes = _blob_sizes(device, shas) if budget_bytes is not None else [0] * len(rows)
     sigma = recorded_uncertainty(device, version, rows.row_ids) if order == "uncertainty" else None
@@ -188,7 +188,7 @@ def _blob_sizes(device: DeviceParts, shas: Sequence[str | None]) -> list[int]:
 
 
 def _vault_sha(device: DeviceParts, item_id: str) -> str:
-    sha = device.gallery.vault_sha256(item_id)
+    sha = device.gallery.replica_log.vault_sha256(item_id)
     if sha is None:
         raise DeviceError(f"item {item_id!r} has no original in the vault yet: sync, then backfill again")
     return sha

@@ -149,7 +149,7 @@ def add_command(root, passphrase_env, images, no_upload) -> None:
     pictures, labels, ids = _load_images(images)
     with _open(root, passphrase_env) as device:
         added = device.add(pictures, item_ids=ids, labels=labels, upload=not no_upload)
-        _echo({"added": len(added), "rows": len(device.gallery), "queued_uploads": device.gallery.outbox_size()})
+        _echo({"added": len(added), "rows": len(device.gallery), "queued_uploads": device.gallery.replica_log.outbox_size()})
 
 
 @device_command.command("query")

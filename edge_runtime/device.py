@@ -61,7 +61,8 @@ from .device_files import (
 from .device_parts import DeviceParts
 from .device_status import device_status
 from .engine import Engine
-from .gallery import Gallery, LoadedRows, NewRow, VersionTag
+from .gallery import Gallery
+from .gallery_rows import LoadedRows, NewRow, VersionTag
 from .gallery_search import GallerySearch, Match
 from .repair import damage_report, repair_gallery
 from .replication import ReplicationResult, apply_pending, replicate
@@ -189,7 +190,7 @@ class Device:
             write_private(self.root / PUBLISHER_FILE, enrolment.publisher_public_key)
         write_private(self.root / TOKEN_FILE, enrolment.token.encode())
         if self.settings.owner_id and self.settings.owner_id != enrolment.owner_id:
-            self.gallery.reset_replication()  # a new owner: its replica starts from this gallery
+            self.gallery.replica_log.reset_replication()  # a new owner: its replica starts from this gallery
         self.settings = replace(self.settings, server=server, device_id=enrolment.device_id, device_name=device_name,
                                 tls_root_certificates=tls_ca, tls_client_cert=tls_cert, tls_client_key=tls_key,
                                 owner_id=enrolment.owner_id or None)
@@ -272,7 +273,7 @@ class Device:
 
     def fetch_original(self, item_id: str) -> np.ndarray:
         """Download an item's sealed original from the vault and open it."""
-        sha256 = self.gallery.vault_sha256(item_id)
+        sha256 = self.gallery.replica_log.vault_sha256(item_id)
         if sha256 is None:
             raise DeviceError(f"item {item_id!r} has not been uploaded yet: sync first")
         with self.client() as client:
@@ -471,7 +472,7 @@ class Device:
             report["replication"] = asdict(self.replicate())  # which reloads searches and stores missing offsets
         if not report.get("replication"):
             self._rows_arrived()  # searches reload; dropped hubness offsets are computed again
-        back = set(self.gallery.load_items(lost)[0].item_ids) if lost else set()
+        back = set(self.gallery.replica_log.load_items(lost)[0].item_ids) if lost else set()
         report["rows_restored"] = [i for i in lost if i in back]
         report["rows_removed"] = [i for i in lost if i not in back]
         report["damaged_after"] = self.check()["damaged"]

@@ -49,7 +49,7 @@ class DeviceParts:
     def flush_outbox(self, *, attempts: int = 2) -> tuple[int, int]:
         """Upload queued sealed originals to the vault; returns (uploaded, still queued).
         When the server cannot be reached the queue is kept for the next try."""
-        queued = self.gallery.outbox()
+        queued = self.gallery.replica_log.outbox()
         uploaded = 0
         if not queued:
             return 0, 0
@@ -61,9 +61,9 @@ class DeviceParts:
                     if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"):
                         break
                     raise
-                self.gallery.mark_uploaded(item_id, transfer.sha256)
+                self.gallery.replica_log.mark_uploaded(item_id, transfer.sha256)
                 uploaded += 1
-        return uploaded, self.gallery.outbox_size()
+        return uploaded, self.gallery.replica_log.outbox_size()
 
     def open_original(self, item_id: str, blob: bytes) -> np.ndarray:
         """Open a sealed original from the vault (sealed by any device of the owner)."""

@@ -23,9 +23,9 @@ def device_status(root: Path, settings: DeviceSettings, parts: DeviceParts, sear
     result: dict[str, Any] = {
         "device": str(root), "device_id": settings.device_id, "server": settings.server,
         "installed_version": version, "rows": len(gallery), "rows_by_space": gallery.tag_counts(),
-        "queued_uploads": gallery.outbox_size(), "publisher_key_pinned": (root / PUBLISHER_FILE).exists(),
+        "queued_uploads": gallery.replica_log.outbox_size(), "publisher_key_pinned": (root / PUBLISHER_FILE).exists(),
         "owner_id": settings.owner_id, "owner_key_id": owner_key_id,
-        "replica": gallery.replication_counts(),
+        "replica": gallery.replica_log.replication_counts(),
     }
     if state is not None:
         result["upgrade"] = {"target": state["target"], "mode": state["mode"],
@@ -45,6 +45,6 @@ def device_status(root: Path, settings: DeviceSettings, parts: DeviceParts, sear
     transition = search.transition
     if transition is not None:
         result["transition"] = {"from_version": transition.previous_version, "weight": transition.weight,
-                                "rows_with_previous": gallery.count_extras("previous_embedding"),
+                                "rows_with_previous": gallery.extras.count("previous_embedding"),
                                 "max_days": transition.max_days}
     return result

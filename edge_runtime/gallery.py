@@ -1,38 +1,14 @@
 """The encrypted on-device gallery: one SQLite file (WAL) of sealed rows.
 
-Row format::
-
-    items       row_id INTEGER PRIMARY KEY  stable for the row's life; part of every record's AAD
-                item_id TEXT UNIQUE         the app's id for the item (plaintext: use opaque ids)
-                origin_version INTEGER      the model version that embedded the item's image
-                label BLOB NULL             sealed UTF-8 label
-                vault_sha256 TEXT NULL      the encrypted original in the server's vault, once uploaded
-                                            (a replicated row: the original another device uploaded)
-                record_sha256 TEXT NULL     the replica record this row's content is (pulled, or sealed
-                                            for pushing); NULL: a local change not sealed yet
-    vectors_0 / row_id INTEGER PRIMARY KEY
-    vectors_1   version INTEGER             the version whose query space the vectors live in
-                via TEXT                    how they got there: 'native' (embedded by that version's
-                                            model), 'forward' (adapted by h/F from origin_version),
-                                            'backward' (B(φ_new), unified mode)
-                embedding BLOB, side_info BLOB   sealed float32 vectors (side-info empty when none)
-
-Replication (schema 2, :mod:`fctkit.edge_runtime.replication`)::
-
-    changes          change_id INTEGER PRIMARY KEY AUTOINCREMENT   the outbox of rows to push; the
-                     item_id, tombstone, then once sealed: version,  id is the push's idempotency key
-                     origin_version, via, sealed (the owner-key record)
-    tombstones       item_id, vault_sha256       removed items (their ids are never used again); for a
-                                                 removal made here, the original to delete from the
-                                                 vault once the tombstone is pushed
-    pending_records  sequence, item_id, version, origin_version, via, sealed
-                                                 pulled records of a version not installed yet
-    meta.replica_cursor                          the owner's last sequence number merged
+The tables and their migrations are in :mod:`.gallery_schema`, the row values in
+:mod:`.gallery_rows` and the sealing of records in :mod:`.gallery_sealing`. Two parts of a
+gallery have their own class: the values sealed beside its rows (:attr:`Gallery.extras`,
+:mod:`.gallery_extras`), and the outbox of originals to upload, the log of changes to push and
+the records pulled from the owner's replica (:attr:`Gallery.replica_log`, :mod:`.gallery_replica`).
 
 Every write that changes a live row logs a change in the same transaction (adding, the
 switch commit of an upgrade, in-place upgrades and backfills, removal as a tombstone); one
-unsealed change per item is kept. Schema 1 galleries are migrated when opened: every row
-gets a change, so the whole gallery is pushed once.
+unsealed change per item is kept.
 
 One of the two vector tables is live (``meta.live_vectors``); a forward-mode upgrade writes
 the new vectors into the other one and the switch commit flips them in one transaction, so
@@ -43,9 +19,8 @@ backfilled row (native at v) and an adapted one (forward from u to v) can sit si
 and a replicated row is compared only once the device has its version (until then it waits
 in ``pending_records``).
 
-Every record is sealed with AES-256-GCM under the device key; its authenticated data is
-``gallery id | row id | item id | origin | version | via | field``. A modified, truncated,
-swapped or replayed record fails to open and is reported as corrupt; the other rows load.
+Every record is sealed under the device key, bound to the gallery, its row and version tag
+(:mod:`.gallery_sealing`): a damaged record is reported as corrupt; the other rows load.
 
 Settings (schema 4, :mod:`fctkit.edge_runtime.gallery_settings`): every ``meta`` row carries an
 HMAC under the device key, so a damaged query version, live table, cursor or upgrade state is
@@ -60,8 +35,7 @@ import base64
 import json
 import os
 import sqlite3
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,166 +44,17 @@ import numpy as np
 from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryDamagedError, GalleryError, InputError
 
 from .crypto import Sealer
-from .gallery_settings import ESSENTIAL, GallerySettings, add_macs, authentic
+from .gallery_extras import RowExtras
+from .gallery_replica import ReplicaLog
+from .gallery_rows import LoadedRows, NewRow, UpgradedRows, VersionTag, tag_name
+from .gallery_schema import SCHEMA_VERSION, VECTOR_TABLES, check_essential, create_tables, id_chunks, migrate, vector_tables
+from .gallery_sealing import RowSealer
+from .gallery_settings import GallerySettings
 from .sqlite_file import connect
 from .sqlite_file import read_snapshot as _read_snapshot
 from .sqlite_file import transaction as _transaction
 
-SCHEMA_VERSION = 4
-VIAS = ("native", "forward", "backward")
-VECTOR_TABLES = ("vectors_0", "vectors_1")
 _KEY_CHECK = b"fctkit-gallery-key-check"
-
-_SCHEMA = """
-CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL, mac BLOB);
-CREATE TABLE items (
-    row_id INTEGER PRIMARY KEY,
-    item_id TEXT NOT NULL UNIQUE,
-    origin_version INTEGER NOT NULL,
-    label BLOB,
-    vault_sha256 TEXT,
-    record_sha256 TEXT
-);
-CREATE TABLE vectors_0 (row_id INTEGER PRIMARY KEY, version INTEGER NOT NULL, via TEXT NOT NULL,
-                        embedding BLOB NOT NULL, side_info BLOB NOT NULL);
-CREATE TABLE vectors_1 (row_id INTEGER PRIMARY KEY, version INTEGER NOT NULL, via TEXT NOT NULL,
-                        embedding BLOB NOT NULL, side_info BLOB NOT NULL);
-CREATE TABLE outbox (item_id TEXT PRIMARY KEY, blob BLOB NOT NULL);
-"""
-_REPLICATION_SCHEMA = """
-CREATE TABLE changes (change_id INTEGER PRIMARY KEY AUTOINCREMENT, item_id TEXT NOT NULL, tombstone INTEGER NOT NULL,
-                      version INTEGER, origin_version INTEGER, via TEXT, sealed BLOB);
-CREATE INDEX changes_by_item ON changes (item_id);
-CREATE TABLE tombstones (item_id TEXT PRIMARY KEY, vault_sha256 TEXT);
-CREATE TABLE pending_records (sequence INTEGER PRIMARY KEY, item_id TEXT NOT NULL, version INTEGER NOT NULL,
-                              origin_version INTEGER NOT NULL, via TEXT NOT NULL, sealed BLOB NOT NULL);
-"""
-_EXTRAS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS row_extras (row_id INTEGER NOT NULL, field TEXT NOT NULL, origin_version INTEGER NOT NULL,
-                         version INTEGER NOT NULL, via TEXT NOT NULL, sealed BLOB NOT NULL, PRIMARY KEY (row_id, field));
-"""
-_SCHEMA += _REPLICATION_SCHEMA + _EXTRAS_SCHEMA
-#: per-row extras (schema 3): the row's embedding in the previous version's space while a
-#: transition lasts (sealed as that tag's "embedding", so it is the very record the row had),
-#: and the row's hubness offset in its current space
-EXTRA_FIELDS = {"previous_embedding": "embedding", "hubness_offset": "hubness_offset"}
-_SQL_VARIABLES = 500  # item ids per `IN (...)` query
-
-@dataclass(frozen=True)
-class VersionTag:
-    """Which space a row's vectors are in (see the module docstring)."""
-
-    origin_version: int
-    version: int
-    via: str
-
-    def __post_init__(self) -> None:
-        if self.via not in VIAS:
-            raise GalleryError(f"version tag via={self.via!r} is not one of {', '.join(VIAS)}")
-
-    def __str__(self) -> str:
-        if self.via == "native":
-            return f"v{self.version}"
-        if self.origin_version == self.version:
-            return f"v{self.version} ({self.via})"
-        return f"v{self.origin_version}->v{self.version} ({self.via})"
-
-
-@dataclass(frozen=True)
-class NewRow:
-    item_id: str
-    embedding: np.ndarray
-    side_info: np.ndarray
-    label: str | None = None
-
-
-@dataclass
-class LoadedRows:
-    """The decrypted gallery (the rows that opened) and the rows that did not."""
-
-    row_ids: np.ndarray
-    item_ids: list[str]
-    tags: list[VersionTag]
-    embeddings: np.ndarray
-    side_infos: np.ndarray
-    labels: list[str | None]
-    corrupt: list[tuple[int, str, str]] = field(default_factory=list)  # (row id, item id, reason)
-    missing: int = 0  # rows the authenticated row count has but the file no longer holds
-
-    def __len__(self) -> int:
-        return len(self.item_ids)
-
-    def subset(self, keep: Sequence[int]) -> LoadedRows:
-        """The rows at positions ``keep`` (damage counts unchanged)."""
-        return LoadedRows(
-            row_ids=self.row_ids[list(keep)], item_ids=[self.item_ids[i] for i in keep], tags=[self.tags[i] for i in keep],
-            embeddings=take_rows(self.embeddings, keep), side_infos=self.side_infos[list(keep)],
-            labels=[self.labels[i] for i in keep], corrupt=self.corrupt, missing=self.missing,
-        )
-
-
-@dataclass(frozen=True)
-class ItemState:
-    """An item's replication state: its live tag (None: no row), the record its content is
-    (None: an unsealed local change) and whether it was removed."""
-
-    tag: VersionTag | None
-    record_sha256: str | None
-    tombstoned: bool
-
-
-@dataclass(frozen=True)
-class ReplicaWrite:
-    """What merging one record does (see :meth:`Gallery.merge_replica`): ``kind`` 'row' (replace
-    the item's row; ``record_sha256`` None logs it as a local change to push), 'tombstone',
-    'pending' (keep ``sealed`` for a version not installed yet) or 'ignore'."""
-
-    kind: str
-    item_id: str
-    tag: VersionTag | None = None
-    embedding: np.ndarray | None = None
-    side_info: np.ndarray | None = None
-    label: str | None = None
-    vault_sha256: str | None = None
-    record_sha256: str | None = None
-    sequence: int = 0
-    sealed: bytes = b""
-
-
-@dataclass(frozen=True)
-class SealedChange:
-    """A change sealed for pushing: ``tag`` is the row state it was sealed from (None: tombstone)."""
-
-    change_id: int
-    item_id: str
-    tag: VersionTag | None
-    sealed: bytes
-    sha256: str
-
-
-@dataclass(frozen=True)
-class UpgradedRows:
-    """New vectors for a batch of rows, all computed from the same (guarded) tag."""
-
-    row_ids: Sequence[int]
-    item_ids: Sequence[str]
-    old_tag: VersionTag
-    new_tag: VersionTag
-    embeddings: np.ndarray
-    side_infos: np.ndarray
-
-
-def _aad(gallery_id: bytes, row_id: int, item_id: str, tag: VersionTag, field_name: str) -> bytes:
-    if not isinstance(item_id, str) or not isinstance(row_id, int):  # a damaged plaintext column read back as another type
-        raise CorruptRecordError(f"row {row_id!r}: its row id or item id is damaged ({item_id!r})")
-    return b"fctkit-gallery/1|%s|%d|%s|%d|%d|%s|%s" % (
-        gallery_id, row_id, item_id.encode("utf-8", "surrogateescape"), tag.origin_version, tag.version, tag.via.encode(),
-        field_name.encode())
-
-
-def _label_tag(origin_version: int) -> VersionTag:
-    # labels never change across versions: bound to the row and its origin only
-    return VersionTag(origin_version, origin_version, "native")
 
 
 class Gallery:
@@ -244,6 +69,9 @@ class Gallery:
         self._sealer = sealer
         self.gallery_id = gallery_id
         self.settings = GallerySettings(connection, sealer, path)
+        self._sealing = RowSealer(sealer, gallery_id)
+        self._extras = RowExtras(connection, self.settings, self._sealing, path)
+        self._replica_log = ReplicaLog(self, connection, self._sealing)
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -260,8 +88,7 @@ class Gallery:
         sealer = Sealer(key)
         check = sealer.seal(_KEY_CHECK, b"key-check|" + gallery_id)
         with _transaction(db):
-            for statement in filter(str.strip, _SCHEMA.split(";")):
-                db.execute(statement)
+            create_tables(db)
             GallerySettings(db, sealer, path).put({
                 "schema_version": str(SCHEMA_VERSION), "gallery_id": gallery_id.hex(),
                 "key_check": base64.b64encode(check).decode(), "query_version": "0",
@@ -293,7 +120,7 @@ class Gallery:
         except GalleryDamagedError as exc:
             raise GalleryDamagedError(f"{path} is not an fctkit gallery or is damaged beyond its records ({exc})") from None
         if "mac" in columns:
-            _check_essential(path, db, sealer, meta)
+            check_essential(path, db, sealer, meta)
         schema = meta.get("schema_version", (None, None))[0]
         if schema not in ("1", "2", "3", str(SCHEMA_VERSION)) or "gallery_id" not in meta:
             raise GalleryError(f"{path}: unsupported gallery schema {schema!r} (this fctkit reads {SCHEMA_VERSION})")
@@ -304,8 +131,7 @@ class Gallery:
             raise DeviceKeyError(
                 f"{path} was not sealed with this device key: use the gallery's own key file (nothing was changed)"
             ) from None
-        for migrate in (_add_replication, _add_row_extras, _add_macs):
-            migrate(db, sealer)
+        migrate(db, sealer)
         return cls(path, db, sealer, gallery_id)
 
     def reader(self) -> Gallery:
@@ -320,6 +146,16 @@ class Gallery:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def extras(self) -> RowExtras:
+        """Values sealed beside the rows (:mod:`.gallery_extras`)."""
+        return self._extras
+
+    @property
+    def replica_log(self) -> ReplicaLog:
+        """The outbox, the log of changes to push and the pulled records (:mod:`.gallery_replica`)."""
+        return self._replica_log
 
     # -- metadata --------------------------------------------------------------------------
 
@@ -362,11 +198,7 @@ class Gallery:
         return self._db.execute("PRAGMA data_version").fetchone()[0], self._db.total_changes
 
     def _tables(self) -> tuple[str, str]:
-        """(live, staged) vector tables; read inside the caller's transaction."""
-        live = self.meta("live_vectors")
-        if live not in VECTOR_TABLES:
-            raise GalleryError(f"{self.path}: meta.live_vectors is {live!r}; the gallery is damaged")
-        return live, VECTOR_TABLES[1 - VECTOR_TABLES.index(live)]
+        return vector_tables(self.settings, self.path)
 
     def __len__(self) -> int:
         return self._db.execute("SELECT COUNT(*) FROM items").fetchone()[0]
@@ -378,7 +210,7 @@ class Gallery:
             query = (f"SELECT i.origin_version, COALESCE(s.version, v.version), COALESCE(s.via, v.via), COUNT(*) "
                      f"FROM items i JOIN {live} v USING (row_id) LEFT JOIN {staged} s USING (row_id) GROUP BY 1, 2, 3")
             rows = self._db.execute(query).fetchall()
-        return {_tag_name(o, v, via): n for o, v, via, n in rows}
+        return {tag_name(o, v, via): n for o, v, via, n in rows}
 
     # -- rows ------------------------------------------------------------------------------
 
@@ -397,10 +229,8 @@ class Gallery:
             ids = list(range(first, first + len(rows)))
             items, vectors = [], []
             for row_id, row in zip(ids, rows, strict=True):
-                embedding, side_info = self._seal_vectors(row_id, row.item_id, tag, row.embedding, row.side_info)
-                label = None if row.label is None else self._sealer.seal(
-                    row.label.encode("utf-8"), _aad(self.gallery_id, row_id, row.item_id, _label_tag(tag.origin_version), "label"))
-                items.append((row_id, row.item_id, tag.origin_version, label))
+                embedding, side_info = self._sealing.seal_vectors(row_id, row.item_id, tag, row.embedding, row.side_info)
+                items.append((row_id, row.item_id, tag.origin_version, self._sealing.seal_label(row_id, row.item_id, tag, row.label)))
                 vectors.append((row_id, tag.version, tag.via, embedding, side_info))
             try:
                 self._db.executemany("INSERT INTO items (row_id, item_id, origin_version, label) VALUES (?, ?, ?, ?)", items)
@@ -415,24 +245,18 @@ class Gallery:
             self._count_rows(len(rows))
             self._log_changes([row.item_id for row in rows])
             if previous is not None:
-                self._insert_extras("previous_embedding", ids, [row.item_id for row in rows], previous[0], previous[1])
+                self._extras.insert("previous_embedding", ids, [row.item_id for row in rows], previous[0], previous[1])
         return ids
 
-    def _seal_vectors(self, row_id: int, item_id: str, tag: VersionTag, embedding: np.ndarray, side_info: np.ndarray) -> tuple[bytes, bytes]:
-        (embedding,), (side_info,) = self._seal_block([row_id], [item_id], tag, embedding[None], side_info[None])
-        return embedding, side_info
-
-    def _seal_block(self, row_ids: Sequence[int], item_ids: Sequence[str], tag: VersionTag,
-                    embeddings: np.ndarray, side_infos: np.ndarray) -> tuple[list[bytes], list[bytes]]:
-        """Sealed records of each row's embedding and side-info."""
-        sealed = []
-        for name, block in (("embedding", embeddings), ("side_info", side_infos)):
-            block = np.ascontiguousarray(block, dtype="<f4").reshape(len(row_ids), -1)
-            raw, width = block.tobytes(), block.shape[1] * 4
-            plaintexts = [raw[i * width:(i + 1) * width] for i in range(len(row_ids))]
-            aads = [_aad(self.gallery_id, r, i, tag, name) for r, i in zip(row_ids, item_ids, strict=True)]
-            sealed.append(self._sealer.seal_many(plaintexts, aads))
-        return sealed[0], sealed[1]
+    def _insert_row(self, live: str, row_id: int, row: NewRow, tag: VersionTag, *, vault_sha256: str | None,
+                    record_sha256: str | None) -> None:
+        """Inside a transaction: one row whose id is free (a replicated row, :mod:`.gallery_replica`)."""
+        embedding, side_info = self._sealing.seal_vectors(row_id, row.item_id, tag, row.embedding, row.side_info)
+        label = self._sealing.seal_label(row_id, row.item_id, tag, row.label)
+        self._db.execute("INSERT INTO items VALUES (?, ?, ?, ?, ?, ?)",
+                         (row_id, row.item_id, tag.origin_version, label, vault_sha256, record_sha256))
+        self._db.execute(f"INSERT INTO {live} VALUES (?, ?, ?, ?, ?)", (row_id, tag.version, tag.via, embedding, side_info))
+        self._count_rows(1)
 
     def load(self, *, with_labels: bool = True) -> LoadedRows:
         """Decrypt every row into memory in one consistent snapshot. Rows that fail to open
@@ -443,102 +267,9 @@ class Gallery:
             cursor = self._db.execute(  # an item whose vectors are gone is a damaged row, not a silently shorter answer
                 f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.embedding, v.side_info, i.label "
                 f"FROM items i LEFT JOIN {live} v USING (row_id) ORDER BY row_id")
-            loaded = self._decrypt_rows(cursor, with_labels=with_labels)
+            loaded = self._sealing.open_rows(cursor, with_labels=with_labels)
         loaded.missing = max(0, expected - len(loaded) - len(loaded.corrupt))
         return loaded
-
-    def _decrypt_rows(self, cursor: Iterable[tuple], *, with_labels: bool,
-                      fields: tuple[str, str | None] = ("embedding", "side_info")) -> LoadedRows:
-        """Open the (row id, item id, origin, version, via, first, second, label) records of
-        ``cursor``; ``fields`` names the AAD fields of the first and second sealed values (the
-        second None: there is none)."""
-        first_field, second_field = fields
-        row_ids, item_ids, tags, embeddings, side_infos, labels, corrupt = [], [], [], [], [], [], []
-        gid, open_ = self.gallery_id, self._sealer.open
-        known_tags: dict[tuple, VersionTag] = {}
-        for row_id, item_id, origin, version, via, emb, side, label in cursor:
-            tag = known_tags.get((origin, version, via))
-            try:
-                if emb is None:
-                    raise CorruptRecordError(f"row {row_id}: its vectors are missing from the gallery file")
-                if tag is None:
-                    tag = known_tags[(origin, version, via)] = VersionTag(origin, version, via)
-                e = open_(emb, _aad(gid, row_id, item_id, tag, first_field), f"row {row_id} {first_field}")
-                s = b"" if second_field is None else open_(side, _aad(gid, row_id, item_id, tag, second_field), f"row {row_id} {second_field}")
-                text = None
-                if with_labels and label is not None:
-                    text = open_(label, _aad(gid, row_id, item_id, _label_tag(origin), "label"), f"row {row_id} label").decode("utf-8")
-            except (CorruptRecordError, GalleryError, TypeError) as exc:  # a damaged record or version tag
-                corrupt.append((row_id, item_id, str(exc)))
-                continue
-            row_ids.append(row_id)
-            item_ids.append(item_id)
-            tags.append(tag)
-            embeddings.append(e)
-            side_infos.append(s)
-            labels.append(text)
-        return LoadedRows(
-            row_ids=np.asarray(row_ids, dtype=np.int64), item_ids=item_ids, tags=tags,
-            embeddings=_stack(embeddings), side_infos=_stack(side_infos), labels=labels, corrupt=corrupt,
-        )
-
-    # -- per-row extras (see EXTRA_FIELDS) ----------------------------------------------------
-
-    def put_extras(self, field_name: str, rows: LoadedRows, values: np.ndarray) -> int:
-        """Store one extra per row of ``rows`` (one transaction), each bound to the row's tag
-        and kept only while the row still has that live tag; returns how many were stored."""
-        with _transaction(self._db):
-            live, _ = self._tables()
-            written = 0
-            for tag in set(rows.tags):
-                picked = [i for i, t in enumerate(rows.tags) if t == tag]
-                written += self._insert_extras(field_name, [int(rows.row_ids[i]) for i in picked],
-                                               [rows.item_ids[i] for i in picked], tag, np.asarray(values)[picked], live=live)
-        return written
-
-    def _insert_extras(self, field_name: str, row_ids: Sequence[int], item_ids: Sequence[str], tag: VersionTag,
-                       values: np.ndarray, *, live: str | None = None) -> int:
-        """Inside a transaction: seal and store extras; with ``live``, only for rows whose live vectors have ``tag``."""
-        block = np.ascontiguousarray(values, dtype="<f4").reshape(len(row_ids), -1)
-        width = block.shape[1] * 4
-        raw = block.tobytes()
-        aads = [_aad(self.gallery_id, r, i, tag, EXTRA_FIELDS[field_name]) for r, i in zip(row_ids, item_ids, strict=True)]
-        sealed = self._sealer.seal_many([raw[k * width:(k + 1) * width] for k in range(len(row_ids))], aads)
-        guard = "" if live is None else f" AND EXISTS (SELECT 1 FROM {live} v WHERE v.row_id = ? AND v.version = ? AND v.via = ?)"
-        params = [(r, field_name, tag.origin_version, tag.version, tag.via, blob, r) + (() if live is None else (r, tag.version, tag.via))
-                  for r, blob in zip(row_ids, sealed, strict=True)]
-        return self._db.executemany(f"INSERT OR REPLACE INTO row_extras SELECT ?, ?, ?, ?, ?, ? "
-                                    f"WHERE EXISTS (SELECT 1 FROM items WHERE row_id = ?){guard}", params).rowcount
-
-    def load_extras(self, field_name: str) -> LoadedRows:
-        """The stored extras of ``field_name``, decrypted: ``embeddings`` holds the values and
-        ``tags`` the tag each was bound to; extras that fail to open are in ``corrupt``."""
-        with _read_snapshot(self._db):
-            cursor = self._db.execute(
-                "SELECT row_id, i.item_id, e.origin_version, e.version, e.via, e.sealed, NULL, NULL "
-                "FROM row_extras e JOIN items i USING (row_id) WHERE e.field = ? ORDER BY row_id", (field_name,))
-            return self._decrypt_rows(cursor, with_labels=False, fields=(EXTRA_FIELDS[field_name], None))
-
-    def rows_missing_extra(self, field_name: str, version: int) -> LoadedRows:
-        """The live rows in ``version``'s space without a ``field_name`` extra for their current tag, decrypted."""
-        with _read_snapshot(self._db):
-            live, _ = self._tables()
-            cursor = self._db.execute(
-                f"SELECT v.row_id, i.item_id, i.origin_version, v.version, v.via, v.embedding, v.side_info, NULL "
-                f"FROM {live} v JOIN items i USING (row_id) LEFT JOIN row_extras e ON e.row_id = v.row_id AND e.field = ? "
-                f"WHERE v.version = ? AND (e.row_id IS NULL OR e.origin_version != i.origin_version OR e.version != v.version "
-                f"OR e.via != v.via) ORDER BY v.row_id", (field_name, version))
-            return self._decrypt_rows(cursor, with_labels=False)
-
-    def drop_extras(self, field_name: str, meta: dict[str, str | None] | None = None) -> int:
-        """Delete every ``field_name`` extra and set ``meta``, in one transaction; returns the extras deleted."""
-        with _transaction(self._db):
-            dropped = self._db.execute("DELETE FROM row_extras WHERE field = ?", (field_name,)).rowcount
-            self._set_meta(meta or {})
-        return dropped
-
-    def count_extras(self, field_name: str) -> int:
-        return self._db.execute("SELECT COUNT(*) FROM row_extras WHERE field = ?", (field_name,)).fetchone()[0]
 
     def delete_rows(self, item_ids: Sequence[str]) -> int:
         """Remove items (rows, vectors and queued uploads) in one transaction, leaving a
@@ -619,9 +350,7 @@ class Gallery:
 
     def _tombstoned(self, item_ids: Sequence[str]) -> list[str]:
         found = []
-        for start in range(0, len(item_ids), _SQL_VARIABLES):
-            chunk = list(item_ids[start:start + _SQL_VARIABLES])
-            marks = ",".join("?" * len(chunk))
+        for chunk, marks in id_chunks(item_ids):
             found += [r[0] for r in self._db.execute(f"SELECT item_id FROM tombstones WHERE item_id IN ({marks})", chunk)]
         return found
 
@@ -638,7 +367,7 @@ class Gallery:
                 f"ORDER BY v.row_id LIMIT ?",
                 (target_version, after_row_id, limit),
             ).fetchall()
-        return self._decrypt_rows(rows, with_labels=False)
+        return self._sealing.open_rows(rows, with_labels=False)
 
     def row_versions(self, target_version: int) -> list[int]:
         """The version tags of the rows not yet in ``target_version``'s space (staged rows count as done)."""
@@ -662,7 +391,7 @@ class Gallery:
         ``staged``: into the staged vector table (forward mode, switched later); else in place."""
         params = []
         for b in batches:
-            embeddings, side_infos = self._seal_block(b.row_ids, b.item_ids, b.new_tag, b.embeddings, b.side_infos)
+            embeddings, side_infos = self._sealing.seal_block(b.row_ids, b.item_ids, b.new_tag, b.embeddings, b.side_infos)
             new, old = b.new_tag, b.old_tag
             params += [(r, new.version, new.via, e, s, r, old.version, old.via)
                        for r, e, s in zip(b.row_ids, embeddings, side_infos, strict=True)]
@@ -704,261 +433,9 @@ class Gallery:
             self._db.execute(f"DELETE FROM {live}")
             self._set_meta({**meta, "query_version": str(target_version), "live_vectors": staged})
 
-    # -- outbox ----------------------------------------------------------------------------
-
-    def outbox(self) -> list[tuple[str, bytes]]:
-        return list(self._db.execute("SELECT item_id, blob FROM outbox ORDER BY item_id"))
-
-    def outbox_size(self) -> int:
-        return self._db.execute("SELECT COUNT(*) FROM outbox").fetchone()[0]
-
-    def mark_uploaded(self, item_id: str, sha256: str) -> None:
-        with _transaction(self._db):
-            self._db.execute("UPDATE items SET vault_sha256 = ? WHERE item_id = ?", (sha256, item_id))
-            self._db.execute("DELETE FROM outbox WHERE item_id = ?", (item_id,))
-
-    # -- replication -----------------------------------------------------------------------
-
-    @property
-    def replica_cursor(self) -> int:
-        """The owner's last sequence number merged into this gallery."""
-        return int(self.meta("replica_cursor", "0"))
-
-    def replication_counts(self) -> dict[str, int]:
-        """Changes not yet acknowledged by the server (unsealed + sealed) and pending records."""
-        one = lambda sql: self._db.execute(sql).fetchone()[0]  # noqa: E731
-        return {"cursor": self.replica_cursor, "unpushed": one("SELECT COUNT(*) FROM changes"),
-                "pending": one("SELECT COUNT(*) FROM pending_records"), "tombstones": one("SELECT COUNT(*) FROM tombstones")}
-
-    def unsealed_changes(self, limit: int) -> list[tuple[int, str, bool]]:
-        """(change id, item id, tombstone) of changes to seal, oldest first; an item whose
-        original still waits in the outbox is not pushed before the original is uploaded."""
-        return [(c, i, bool(t)) for c, i, t in self._db.execute(
-            "SELECT change_id, item_id, tombstone FROM changes c WHERE sealed IS NULL AND NOT EXISTS "
-            "(SELECT 1 FROM outbox o WHERE o.item_id = c.item_id) ORDER BY change_id LIMIT ?", (limit,))]
-
-    def load_items(self, item_ids: Sequence[str]) -> tuple[LoadedRows, dict[str, str | None]]:
-        """The live rows of ``item_ids`` (decrypted, with labels) and each one's vault SHA-256."""
-        found, shas = [], {}
-        with _read_snapshot(self._db):
-            live, _ = self._tables()
-            for start in range(0, len(item_ids), _SQL_VARIABLES):
-                chunk = list(item_ids[start:start + _SQL_VARIABLES])
-                marks = ",".join("?" * len(chunk))
-                found += self._db.execute(
-                    f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.embedding, v.side_info, i.label "
-                    f"FROM items i JOIN {live} v USING (row_id) WHERE i.item_id IN ({marks}) ORDER BY row_id", chunk).fetchall()
-                shas.update(self._db.execute(f"SELECT item_id, vault_sha256 FROM items WHERE item_id IN ({marks})", chunk))
-        return self._decrypt_rows(found, with_labels=True), shas
-
-    def store_sealed(self, changes: Sequence[SealedChange]) -> int:
-        """Keep the sealed records of changes (one transaction); a change whose row moved on
-        or is gone since it was read is dropped (a newer change stands for it). Returns the
-        changes stored."""
-        rows = [c for c in changes if c.tag is not None]
-        with _transaction(self._db):
-            live, _ = self._tables()
-            stored = self._db.executemany("UPDATE changes SET sealed = ? WHERE change_id = ? AND sealed IS NULL",
-                                          [(c.sealed, c.change_id) for c in changes if c.tag is None]).rowcount
-            stored += self._db.executemany(  # guarded: the row still has the tag it was sealed from
-                f"UPDATE changes SET sealed = ?, version = ?, origin_version = ?, via = ? WHERE change_id = ? AND sealed IS NULL "
-                f"AND EXISTS (SELECT 1 FROM items i JOIN {live} v USING (row_id) WHERE i.item_id = ? AND i.origin_version = ? "
-                f"AND v.version = ? AND v.via = ?)",
-                [(c.sealed, c.tag.version, c.tag.origin_version, c.tag.via, c.change_id, c.item_id, c.tag.origin_version,
-                  c.tag.version, c.tag.via) for c in rows]).rowcount
-            self._db.executemany("UPDATE items SET record_sha256 = ? WHERE item_id = ? AND EXISTS "
-                                 "(SELECT 1 FROM changes WHERE change_id = ? AND sealed = ?)",
-                                 [(c.sha256, c.item_id, c.change_id, c.sealed) for c in rows])
-            # still unsealed: the row moved on or is gone since it was read; a newer change (or none) stands for it
-            self._db.executemany("DELETE FROM changes WHERE change_id = ? AND sealed IS NULL", [(c.change_id,) for c in changes])
-        return stored
-
-    def sealed_changes(self, limit: int) -> list[tuple[int, str, int, int, str, bool, bytes]]:
-        """(change id, item id, version, origin version, via, tombstone, sealed) to push, oldest first."""
-        return [(c, i, v or 0, o or 0, via or "", bool(t), s) for c, i, v, o, via, t, s in self._db.execute(
-            "SELECT change_id, item_id, version, origin_version, via, tombstone, sealed FROM changes "
-            "WHERE sealed IS NOT NULL ORDER BY change_id LIMIT ?", (limit,))]
-
-    def mark_pushed(self, change_ids: Sequence[int]) -> None:
-        """The server acknowledged these changes: forget them (one transaction)."""
-        with _transaction(self._db):
-            self._db.executemany("DELETE FROM changes WHERE change_id = ?", [(c,) for c in change_ids])
-
-    def originals_to_delete(self) -> list[tuple[str, str]]:
-        """(item id, vault SHA-256) of items removed here whose tombstone the server has acknowledged."""
-        return list(self._db.execute("SELECT item_id, vault_sha256 FROM tombstones t WHERE vault_sha256 IS NOT NULL "
-                                     "AND NOT EXISTS (SELECT 1 FROM changes c WHERE c.item_id = t.item_id)"))
-
-    def forget_original(self, item_id: str) -> None:
-        """The removed item's original is gone from the vault."""
-        with _transaction(self._db):
-            self._db.execute("UPDATE tombstones SET vault_sha256 = NULL WHERE item_id = ?", (item_id,))
-
-    def pending_records(self, up_to_version: int) -> list[tuple[int, str, int, int, str, bytes]]:
-        """(sequence, item id, version, origin version, via, sealed) of kept records whose version is at most ``up_to_version``."""
-        return list(self._db.execute("SELECT sequence, item_id, version, origin_version, via, sealed FROM pending_records "
-                                     "WHERE version <= ? ORDER BY sequence", (up_to_version,)))
-
-    def merge_replica(self, records: Sequence[Any], decide: Callable[[Any, ItemState], ReplicaWrite], *,
-                      cursor: int | None = None, done_pending: Sequence[int] = ()) -> dict[str, int]:
-        """Merge records in one transaction: ``decide(record, state)`` (state read inside the
-        transaction, and updated as the batch goes) says what each does; then the cursor is
-        set and the ``done_pending`` sequence numbers are dropped, so a crash leaves either
-        all of it or none. Returns how many writes of each kind were made."""
-        counts: dict[str, int] = {}
-        with _transaction(self._db):
-            if self.meta("upgrade") is not None:
-                raise GalleryError("an upgrade is in progress: finish it before merging replicated records")
-            live, _ = self._tables()
-            states = self._item_states(live, [r.item_id for r in records])
-            next_row_id = self._db.execute("SELECT COALESCE(MAX(row_id), 0) + 1 FROM items").fetchone()[0]
-            for record in records:
-                state = states[record.item_id]
-                write = decide(record, state)
-                if write.kind == "row":
-                    self._apply(live, write, has_row=state.tag is not None, row_id=next_row_id)
-                    next_row_id += 1
-                    states[record.item_id] = ItemState(write.tag, write.record_sha256, False)
-                else:
-                    self._apply(live, write, has_row=state.tag is not None)
-                    if write.kind == "tombstone":
-                        states[record.item_id] = ItemState(None, None, True)
-                counts[write.kind] = counts.get(write.kind, 0) + 1
-            self._db.executemany("DELETE FROM pending_records WHERE sequence = ?", [(s,) for s in done_pending])
-            if cursor is not None and cursor > self.replica_cursor:  # another process may have merged further
-                self._set_meta({"replica_cursor": str(cursor)})
-        return counts
-
-    def _item_states(self, live: str, item_ids: Sequence[str]) -> dict[str, ItemState]:
-        """Each item's state (inside the caller's transaction)."""
-        unique = list(dict.fromkeys(item_ids))
-        removed = set(self._tombstoned(unique))
-        states = {i: ItemState(None, None, i in removed) for i in unique}
-        for start in range(0, len(unique), _SQL_VARIABLES):
-            chunk = unique[start:start + _SQL_VARIABLES]
-            query = (f"SELECT i.item_id, i.origin_version, v.version, v.via, i.record_sha256 FROM items i "
-                     f"JOIN {live} v USING (row_id) WHERE i.item_id IN ({','.join('?' * len(chunk))})")
-            for item_id, origin, version, via, sha in self._db.execute(query, chunk):
-                states[item_id] = ItemState(VersionTag(origin, version, via), sha, item_id in removed)
-        return states
-
-    def _apply(self, live: str, write: ReplicaWrite, *, has_row: bool, row_id: int = 0) -> None:
-        if write.kind == "tombstone":
-            self._remove_item(write.item_id)
-        elif write.kind == "pending":
-            tag = write.tag
-            self._db.execute("INSERT OR IGNORE INTO pending_records VALUES (?, ?, ?, ?, ?, ?)",
-                             (write.sequence, write.item_id, tag.version, tag.origin_version, tag.via, write.sealed))
-        elif write.kind == "row":
-            if has_row:  # an item without a row has no upload or unsealed change either
-                self._remove_item(write.item_id, tombstone=False)
-            tag = write.tag
-            embedding, side_info = self._seal_vectors(row_id, write.item_id, tag, write.embedding, write.side_info)
-            label = None if write.label is None else self._sealer.seal(
-                write.label.encode("utf-8"), _aad(self.gallery_id, row_id, write.item_id, _label_tag(tag.origin_version), "label"))
-            self._db.execute("INSERT INTO items VALUES (?, ?, ?, ?, ?, ?)",
-                             (row_id, write.item_id, tag.origin_version, label, write.vault_sha256, write.record_sha256))
-            self._db.execute(f"INSERT INTO {live} VALUES (?, ?, ?, ?, ?)", (row_id, tag.version, tag.via, embedding, side_info))
-            self._count_rows(1)
-            if write.record_sha256 is None:
-                self._log_changes([write.item_id])
-        elif write.kind != "ignore":
-            raise GalleryError(f"unknown replica write {write.kind!r}")
-
-    def reset_replication(self) -> None:
-        """Start replicating afresh (the device joined another owner): cursor 0, no pending or
-        sealed records, every row a change to push again."""
-        with _transaction(self._db):
-            self._db.execute("DELETE FROM pending_records")
-            self._db.execute("DELETE FROM changes WHERE tombstone = 0")
-            self._db.execute("UPDATE changes SET sealed = NULL, version = NULL, origin_version = NULL, via = NULL")
-            self._log_changes([r[0] for r in self._db.execute("SELECT item_id FROM items")])
-            self._set_meta({"replica_cursor": "0"})
-
-    def vault_sha256(self, item_id: str) -> str | None:
-        row = self._db.execute("SELECT vault_sha256 FROM items WHERE item_id = ?", (item_id,)).fetchone()
-        if row is None:
-            raise InputError(f"item {item_id!r} is not in the gallery")
-        return row[0]
-
-
-def _migration(db: sqlite3.Connection, from_schema: str) -> bool:
-    """Inside a transaction: whether the gallery is still at ``from_schema`` (another process may
-    have migrated it meanwhile)."""
-    return db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == from_schema
-
-
-def _add_replication(db: sqlite3.Connection, sealer: Sealer) -> None:
-    """Schema 1 -> 2 in one transaction: the replication tables, and a change for every row."""
-    with _transaction(db):
-        if not _migration(db, "1"):
-            return
-        db.execute("ALTER TABLE items ADD COLUMN record_sha256 TEXT")
-        for statement in filter(str.strip, _REPLICATION_SCHEMA.split(";")):
-            db.execute(statement)
-        db.execute("INSERT INTO changes (item_id, tombstone) SELECT item_id, 0 FROM items ORDER BY row_id")
-        db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [("schema_version", "2"), ("replica_cursor", "0")])
-
-
-def _add_row_extras(db: sqlite3.Connection, sealer: Sealer) -> None:
-    """Schema 2 -> 3 in one transaction: the (empty) per-row extras table."""
-    with _transaction(db):
-        if not _migration(db, "2"):
-            return
-        db.execute(_EXTRAS_SCHEMA)
-        db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', '3')")
-
-
-def _add_macs(db: sqlite3.Connection, sealer: Sealer) -> None:
-    """Schema 3 -> 4 in one transaction: authenticated settings and row count (:func:`add_macs`)."""
-    with _transaction(db):
-        if not _migration(db, "3"):
-            return
-        db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        add_macs(db, sealer)
-
-
-def _check_essential(path: Path, db: sqlite3.Connection, sealer: Sealer, meta: dict[str, tuple]) -> None:
-    """Authenticate the settings needed to open the gallery at all. When no setting at all
-    authenticates, the key is not the gallery's; when only some fail, the file is damaged."""
-    bad = [k for k in ESSENTIAL if k not in meta or not authentic(sealer, k, *meta[k])]
-    if not bad:
-        return
-    if not any(authentic(sealer, k, v, m) for k, (v, m) in meta.items()):
-        raise DeviceKeyError(f"{path} was not sealed with this device key: use the gallery's own key file (nothing was changed)")
-    raise GallerySettings(db, sealer, path).error(bad)
-
-
-def _tag_name(origin: int, version: int, via: str) -> str:
-    try:
-        return str(VersionTag(origin, version, via))
-    except (GalleryError, TypeError):
-        return f"damaged tag (origin {origin!r}, version {version!r}, via {via!r})"
-
-
-def _stack(vectors: list[bytes]) -> np.ndarray:
-    """An (n, d) float32 array; when rows of different spaces have different dims, an
-    object array of 1-D vectors (use :func:`take_rows` to get a dense block of one space)."""
-    if not vectors:
-        return np.zeros((0, 0), dtype=np.float32)
-    if len({len(v) for v in vectors}) == 1:
-        return np.frombuffer(b"".join(vectors), dtype="<f4").reshape(len(vectors), -1).astype(np.float32, copy=False)
-    ragged = np.empty(len(vectors), dtype=object)
-    ragged[:] = [np.frombuffer(v, dtype="<f4") for v in vectors]
-    return ragged
-
 
 def _not_yet_in(staged: str) -> str:
     """SQL condition on a live vector row ``v``: not in the target version's space (its one
     parameter) and not staged there yet (``staged``: the staged vector table)."""
     return f"v.version != ? AND NOT EXISTS (SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id)"
 
-
-def take_rows(vectors: np.ndarray, rows: Sequence[int]) -> np.ndarray:
-    """The dense (len(rows), d) float32 block of ``vectors`` (dense or ragged) at ``rows``."""
-    picked = vectors[list(rows)]
-    if picked.dtype == object:
-        if len({len(v) for v in picked}) > 1:
-            raise GalleryError("the selected rows have vectors of different dims (rows of different spaces)")
-        return np.stack(list(picked)).astype(np.float32, copy=False) if len(picked) else np.zeros((0, 0), np.float32)
-    return picked

@@ -10,7 +10,8 @@ import numpy as np
 
 from .bundle_store import InstalledBundles
 from .compatible_search import comparable_dims, compatible_rows
-from .gallery import Gallery, LoadedRows, take_rows
+from .gallery import Gallery
+from .gallery_rows import LoadedRows, take_rows
 from .scoring import Scoring, TransitionState, prepared_queries, scoring_of, searched_rows
 from .search import ExactIndex
 
@@ -44,7 +45,7 @@ class GallerySearch:
         transition = self.transition
         if transition is None:
             return False
-        self.gallery.drop_extras("previous_embedding", {"transition": None})
+        self.gallery.extras.drop("previous_embedding", {"transition": None})
         if transition.previous_version != self.gallery.query_version:
             self.bundles.unload(transition.previous_version)
         self._cache = None

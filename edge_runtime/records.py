@@ -31,7 +31,7 @@ import numpy as np
 from fctkit.errors import CorruptRecordError
 
 from .crypto import Sealer
-from .gallery import VersionTag
+from .gallery_rows import VersionTag
 
 MAGIC = b"FCTR1"
 _VIA_RANK = {"forward": 0, "native": 1, "backward": 1}

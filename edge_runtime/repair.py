@@ -28,7 +28,9 @@ from typing import Any
 
 from fctkit.errors import FctkitError, GalleryDamagedError
 
-from .gallery import EXTRA_FIELDS, VECTOR_TABLES, Gallery
+from .gallery import Gallery
+from .gallery_extras import EXTRA_FIELDS
+from .gallery_schema import VECTOR_TABLES
 
 DROPPED_WHEN_DAMAGED = ("transition", "backfill", "upgrade")
 DROPPED_PREFIXES = ("uncertainty:v",)
@@ -66,7 +68,7 @@ def damage_report(gallery: Gallery, open_original: OpenOriginal) -> dict[str, An
 
     settings = gallery.settings.damaged()
     rows = read("rows", gallery.load, None)
-    extras = {name: read(name, lambda n=name: gallery.load_extras(n).corrupt, []) for name in EXTRA_FIELDS}
+    extras = {name: read(name, lambda n=name: gallery.extras.load(n).corrupt, []) for name in EXTRA_FIELDS}
     originals = read("queued_originals", lambda: damaged_originals(gallery, open_original), [])
     report: dict[str, Any] = {
         "damaged_settings": settings,
@@ -85,7 +87,7 @@ def damage_report(gallery: Gallery, open_original: OpenOriginal) -> dict[str, An
 
 def damaged_originals(gallery: Gallery, open_original: OpenOriginal) -> list[tuple[str, str]]:
     found = []
-    for item_id, blob in gallery.outbox():
+    for item_id, blob in gallery.replica_log.outbox():
         try:
             open_original(item_id, blob)
         except FctkitError as exc:
@@ -137,13 +139,13 @@ def repair_gallery(gallery: Gallery, open_original: OpenOriginal, installed_vers
     unknown_count = {"row_count": "0"} if "row_count" in damaged else {}  # forget_rows counts afresh
     with gallery.settings.override({**settings, **unknown_count}):  # the rows are read with the derived settings
         rows = gallery.load(with_labels=False)
-        bad_extras = [(name, r) for name in EXTRA_FIELDS for r, _, _ in gallery.load_extras(name).corrupt]
+        bad_extras = [(name, r) for name in EXTRA_FIELDS for r, _, _ in gallery.extras.load(name).corrupt]
     result.rows_forgotten = [item for _, item, _ in rows.corrupt]
     result.rows_missing = rows.missing
     result.extras_dropped = len(bad_extras)
     result.queued_originals_dropped = [item for item, _ in damaged_originals(gallery, open_original)]
     if "transition" in damaged:
-        bad_extras += [("previous_embedding", r) for r in gallery.load_extras("previous_embedding").row_ids.tolist()]
+        bad_extras += [("previous_embedding", r) for r in gallery.extras.load("previous_embedding").row_ids.tolist()]
     if result.rows_forgotten or result.rows_missing:  # the next pull brings back what the owner's replica has
         settings = {**settings, "replica_cursor": "0"}
     gallery.forget_rows(result.rows_forgotten, drop_queued=result.queued_originals_dropped, drop_extras=bad_extras,

@@ -48,7 +48,8 @@ import numpy as np
 
 from fctkit.errors import DeviceError, GalleryError
 
-from .gallery import ItemState, ReplicaWrite, SealedChange, VersionTag
+from .gallery_replica import ItemState, ReplicaWrite, SealedChange
+from .gallery_rows import VersionTag
 from .records import RecordHeader, RowContent, beats, open_record, seal_record, sealed_sha256
 from .upgrade_plan import UpgradePlan, transform_rows
 
@@ -106,7 +107,7 @@ def replicate(device: DeviceParts, client, *, on_batch=None) -> ReplicationResul
     result.add(apply_pending(device))
     pull(device, client, result, on_batch=on_batch)
     push(device, client, result, on_batch=on_batch)
-    counts = device.gallery.replication_counts()
+    counts = device.gallery.replica_log.replication_counts()
     result.cursor, result.still_pending, result.unpushed = counts["cursor"], counts["pending"], counts["unpushed"]
     return result
 
@@ -123,11 +124,11 @@ def _check_ready(device: DeviceParts) -> None:
 
 def seal_changes(device: DeviceParts, limit: int = SEAL_BATCH) -> int:
     """Seal up to ``limit`` logged changes under the owner key; returns how many were looked at."""
-    gallery = device.gallery
-    changes = gallery.unsealed_changes(limit)
+    log = device.gallery.replica_log
+    changes = log.unsealed_changes(limit)
     if not changes:
         return 0
-    rows, vault_shas = gallery.load_items([item for _, item, tombstone in changes if not tombstone])
+    rows, vault_shas = log.load_items([item for _, item, tombstone in changes if not tombstone])
     if rows.corrupt:
         row_id, item_id, reason = rows.corrupt[0]
         raise GalleryError(f"row {row_id} ({item_id!r}) cannot be read to replicate it: {reason}; remove it and sync again")
@@ -145,7 +146,7 @@ def seal_changes(device: DeviceParts, limit: int = SEAL_BATCH) -> int:
             tag, content = VersionTag(1, 1, "native"), None  # the row is gone: the change is stale (dropped below)
         record = seal_record(owner, owner_id, item_id, tag, content) if tombstone or content else b""
         sealed.append(SealedChange(change_id, item_id, tag, record, sealed_sha256(record)))
-    gallery.store_sealed(sealed)
+    log.store_sealed(sealed)
     return len(changes)
 
 
@@ -153,14 +154,14 @@ def push(device: DeviceParts, client, result: ReplicationResult, *, on_batch=Non
     """Seal and push every logged change (see the module docstring)."""
     from fctkit.protos import vault_pb2
 
-    gallery = device.gallery
+    log = device.gallery.replica_log
     while True:
         looked_at = seal_changes(device)
-        while batch := gallery.sealed_changes(PUSH_BATCH):
+        while batch := log.sealed_changes(PUSH_BATCH):
             response = client.push_records([
                 vault_pb2.SealedRecord(change_id=c, item_id=i, version=v, origin_version=o, via=via, tombstone=t, sealed=s)
                 for c, i, v, o, via, t, s in batch])
-            gallery.mark_pushed([c for c, *_ in batch])
+            log.mark_pushed([c for c, *_ in batch])
             result.pushed += response.stored
             result.already_stored += response.already_stored
             if on_batch is not None:
@@ -176,14 +177,14 @@ def delete_removed_originals(device: DeviceParts, client) -> int:
     from fctkit.errors import RpcStatusError
 
     deleted = 0
-    for item_id, sha256 in device.gallery.originals_to_delete():
+    for item_id, sha256 in device.gallery.replica_log.originals_to_delete():
         try:
             client.delete_blob(sha256)
             deleted += 1
         except RpcStatusError as exc:
             if exc.code != "NOT_FOUND":  # already gone: nothing left to do
                 raise
-        device.gallery.forget_original(item_id)
+        device.gallery.replica_log.forget_original(item_id)
     return deleted
 
 
@@ -192,13 +193,13 @@ def delete_removed_originals(device: DeviceParts, client) -> int:
 
 def pull(device: DeviceParts, client, result: ReplicationResult, *, on_batch=None) -> None:
     """Merge every record after the gallery's cursor, one transaction per :data:`PULL_BATCH` records."""
-    gallery = device.gallery
-    for response in client.pull_records(after_sequence=gallery.replica_cursor):
+    log = device.gallery.replica_log
+    for response in client.pull_records(after_sequence=log.replica_cursor):
         for start in range(0, len(response.records), PULL_BATCH):
             messages = response.records[start:start + PULL_BATCH]
             opened = [_open(device, m.sequence, m.item_id, _tag_of(m), m.sealed) for m in messages]
             placed = _place(device, opened)
-            result.add(gallery.merge_replica(placed, _decide, cursor=messages[-1].sequence))
+            result.add(log.merge_replica(placed, _decide, cursor=messages[-1].sequence))
             result.pulled += len(placed)
             if on_batch is not None:
                 on_batch("pull", len(placed))
@@ -206,16 +207,16 @@ def pull(device: DeviceParts, client, result: ReplicationResult, *, on_batch=Non
 
 def apply_pending(device: DeviceParts) -> dict[str, int]:
     """Merge the kept records whose version the device has reached (one transaction)."""
-    gallery = device.gallery
+    log = device.gallery.replica_log
     if not device.version or not device.owner_id:
         return {}
-    kept = gallery.pending_records(device.version)
+    kept = log.pending_records(device.version)
     if not kept:
         return {}
     opened = [_open(device, seq, item, VersionTag(origin, version, via), sealed) for seq, item, version, origin, via, sealed in kept]
     placed = _place(device, opened)
     done = [r.sequence for r in placed if r.landing is not None]
-    return gallery.merge_replica([r for r in placed if r.landing is not None], _decide, done_pending=done)
+    return log.merge_replica([r for r in placed if r.landing is not None], _decide, done_pending=done)
 
 
 def _tag_of(message) -> VersionTag | None:

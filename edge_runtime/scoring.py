@@ -31,7 +31,8 @@ from fctkit.errors import GalleryError
 from fctkit.protos.bundle import Manifest
 
 from .engine import Engine
-from .gallery import Gallery, LoadedRows, take_rows
+from .gallery import Gallery
+from .gallery_rows import LoadedRows, take_rows
 from .search import normalise
 
 SECONDS_PER_DAY = 86400.0
@@ -150,11 +151,11 @@ def store_hubness_offsets(gallery: Gallery, engine: Engine) -> int:
     current tag (rows added, upgraded, backfilled or replicated since); returns how many."""
     if engine.manifest.hubness is None:
         return 0
-    missing = gallery.rows_missing_extra("hubness_offset", engine.manifest.version)
+    missing = gallery.extras.rows_missing("hubness_offset", engine.manifest.version)
     if not len(missing):
         return 0
     offsets = hubness_offsets(engine, take_rows(missing.embeddings, range(len(missing))))
-    return gallery.put_extras("hubness_offset", missing, offsets[:, None])
+    return gallery.extras.put("hubness_offset", missing, offsets[:, None])
 
 
 def searched_rows(gallery: Gallery, rows: LoadedRows, scoring: Scoring, engine: Engine, previous_dim: int) -> np.ndarray:
@@ -163,9 +164,9 @@ def searched_rows(gallery: Gallery, rows: LoadedRows, scoring: Scoring, engine: 
     fails to open is computed again here (not stored)."""
     embeddings = take_rows(rows.embeddings, range(len(rows)))
     if scoring.kind == "transition":
-        previous, has_previous = aligned(rows.row_ids, gallery.load_extras("previous_embedding"), previous_dim)
+        previous, has_previous = aligned(rows.row_ids, gallery.extras.load("previous_embedding"), previous_dim)
         return prepared_rows(scoring, embeddings, previous, has_previous)
-    stored, has_offset = aligned(rows.row_ids, gallery.load_extras("hubness_offset"), 1, tags=rows.tags)
+    stored, has_offset = aligned(rows.row_ids, gallery.extras.load("hubness_offset"), 1, tags=rows.tags)
     offsets = stored[:, 0]
     if not has_offset.all():
         offsets[~has_offset] = hubness_offsets(engine, embeddings[~has_offset])

@@ -38,7 +38,8 @@ from fctkit.protos.bundle import check_version_is_newer
 
 from .backfill import record_uncertainty
 from .engine import Engine
-from .gallery import Gallery, LoadedRows, UpgradedRows, take_rows
+from .gallery import Gallery
+from .gallery_rows import LoadedRows, UpgradedRows, take_rows
 from .scoring import transition_for
 from .upgrade_plan import UpgradePlan, hop_list, plan_to, server_hops, transform_rows
 
@@ -135,7 +136,7 @@ class DeviceUpgrade:
             self.gallery.switch_to(plan.target, {"upgrade": None, "transition": transition and transition.to_json()},
                                    keep_previous=transition and transition.previous_version)
         else:
-            self.gallery.drop_extras("previous_embedding", {"upgrade": None, "query_version": str(plan.target), "transition": None})
+            self.gallery.extras.drop("previous_embedding", {"upgrade": None, "query_version": str(plan.target), "transition": None})
         self.after()
         return done
 

@@ -16,7 +16,8 @@ import numpy as np
 from fctkit.errors import DeviceError, GalleryError, RpcStatusError
 
 from .engine import Engine
-from .gallery import Gallery, VersionTag
+from .gallery import Gallery
+from .gallery_rows import VersionTag
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ def test_sync_upgrade_paths_outbox_and_fleet(published_v1, tiny_bundles, tmp_pat
     # offline: the sealed original waits in the outbox, nothing is lost, the next sync uploads it
     server.stop()
     early.add(images(2, seed=99), item_ids=["offline0", "offline1"])
-    assert early.gallery.outbox_size() == 2
+    assert early.gallery.replica_log.outbox_size() == 2
     server.start()
     original = early.fetch_original("early0")
     np.testing.assert_array_equal(original, images(12, seed=0)[0])

@@ -116,7 +116,7 @@ def test_two_devices_of_one_owner_converge_while_one_upgrades(server, tiny_bundl
     # another owner's device reaches nothing of alice's
     mallory = enrolled(make_device, server, "mallory", "")
     assert mallory.settings.owner_id != "alice" and len(mallory.gallery) == 0
-    sha256 = alice.gallery.vault_sha256("a0-0")
+    sha256 = alice.gallery.replica_log.vault_sha256("a0-0")
     with mallory.client() as client:
         assert client.list_blobs() == []
         for attempt in (lambda: client.list_blobs(owner_id="alice"), lambda: client.read_blob(sha256),
@@ -140,7 +140,7 @@ def test_tombstones_propagate_and_removed_ids_stay_removed(server, make_device, 
     one.sync()
     two = enrolled(make_device, server, "two", "bob", owner_key_file=_export(one), owner_key_passphrase="pw")
     assert set(state(two)) == {f"x{i}" for i in range(6)}
-    originals = {item: one.gallery.vault_sha256(item) for item in ("x1", "x4")}
+    originals = {item: one.gallery.replica_log.vault_sha256(item) for item in ("x1", "x4")}
     assert two.remove(["x1", "x4"]) == 2
     assert two.sync().replication.originals_deleted == 2  # after the tombstones were acknowledged
     converge(two, one)
@@ -167,7 +167,7 @@ def test_a_retried_push_never_duplicates(server, make_device, images):
     device = enrolled(make_device, server, "retry", "carol")
     device.add(images(7, seed=2), item_ids=[f"r{i}" for i in range(7)], upload=True)
     assert seal_changes(device.parts) == 7
-    batch = device.gallery.sealed_changes(100)
+    batch = device.gallery.replica_log.sealed_changes(100)
     records = [vault_pb2.SealedRecord(change_id=c, item_id=i, version=v, origin_version=o, via=via, tombstone=t, sealed=s)
                for c, i, v, o, via, t, s in batch]
     with device.client() as client:
@@ -195,7 +195,7 @@ def test_a_revoked_device_keeps_its_gallery_and_comes_back_with_a_new_code(serve
     with pytest.raises(RpcStatusError, match="revoked") as refused:
         phone.sync()
     assert refused.value.code == "UNAUTHENTICATED" and set(state(phone)) == {*before, "q0", "q1"}  # nothing lost
-    assert phone.gallery.outbox_size() == 2
+    assert phone.gallery.replica_log.outbox_size() == 2
     phone.enrol(server.target, enrolment_code(server, owner="erin"), device_name="phone")
     phone.sync()  # the change made while revoked goes out under the new token
     assert {r.item_id for r in _all_records(phone)} == {*before, "q0", "q1"}
@@ -247,10 +247,10 @@ def test_tampered_records_and_a_wrong_owner_key_lose_nothing(server, make_device
     swapped.add(images(2, seed=6), item_ids=["own0", "own1"], upload=False)
     source.add(images(1, seed=7), item_ids=["late"])
     source.sync()
-    before, cursor = state(swapped), swapped.gallery.replica_cursor
+    before, cursor = state(swapped), swapped.gallery.replica_log.replica_cursor
     with pytest.raises(CorruptRecordError, match="another owner's key"):
         swapped.sync()
-    assert state(swapped) == before and swapped.gallery.replica_cursor == cursor
+    assert state(swapped) == before and swapped.gallery.replica_log.replica_cursor == cursor
     swapped.close()
 
     # a record tampered with on the server: authentication fails, the cursor stays before it
@@ -262,7 +262,7 @@ def test_tampered_records_and_a_wrong_owner_key_lose_nothing(server, make_device
         db.execute("UPDATE replica_records SET sealed = ? WHERE sequence = ? AND owner_id = 'erin'", (bytes(tampered), sequence))
     with pytest.raises(CorruptRecordError, match="authentication failed"):
         friend.sync()
-    assert state(friend) == kept and friend.gallery.replica_cursor == sequence - 1
+    assert state(friend) == kept and friend.gallery.replica_log.replica_cursor == sequence - 1
 
 
 def test_cli_owner_key_export_import_restore_and_status(server, tmp_path, images, publisher_pub, monkeypatch):

@@ -117,7 +117,7 @@ def test_a_row_without_a_readable_previous_embedding_scores_on_its_adapted_vecto
 def test_ending_the_transition_drops_the_previous_embeddings_and_plain_search_returns(upgraded, images):
     device, _ = upgraded
     assert device.end_transition() is True
-    assert device.gallery.count_extras("previous_embedding") == 0 and device.transition is None
+    assert device.gallery.extras.count("previous_embedding") == 0 and device.transition is None
     assert 1 not in device.bundles.loaded_versions() and "transition" not in device.status()
     queries = images(5, seed=6)
     rows = device.gallery.load()
@@ -131,7 +131,7 @@ def test_the_transition_ends_by_itself_after_the_manifests_days(upgraded, images
     state = json.loads(device.gallery.meta("transition"))
     device.gallery.set_meta({"transition": json.dumps(state | {"started_at": time.time() - 2.01 * 86400})})
     device.query(images(2, seed=7), k=3)
-    assert device.transition is None and device.gallery.count_extras("previous_embedding") == 0
+    assert device.transition is None and device.gallery.extras.count("previous_embedding") == 0
 
 
 def test_a_transition_needs_the_version_it_declares(make_device, tiny_bundles, images, publisher_key, tmp_path):
@@ -160,7 +160,7 @@ def test_a_full_backfill_ends_the_transition(edge_server, make_device, tiny_bund
     device.backfill(6)
     assert device.transition is not None  # half the rows are still adapted
     device.backfill(6)
-    assert device.transition is None and device.gallery.count_extras("previous_embedding") == 0
+    assert device.transition is None and device.gallery.extras.count("previous_embedding") == 0
     assert device.status()["rows_by_space"] == {"v2": 12}
 
 
@@ -188,8 +188,8 @@ def test_hubness_offsets_are_computed_on_the_device_stored_and_used(make_device,
     device.add(images(25, seed=11), upload=False)
     device.upgrade(v2)
     device.add(images(5, seed=12), upload=False)
-    assert device.gallery.count_extras("hubness_offset") == 30 and device.status()["scoring"] == "hubness"
-    stored = device.gallery.load_extras("hubness_offset")
+    assert device.gallery.extras.count("hubness_offset") == 30 and device.status()["scoring"] == "hubness"
+    stored = device.gallery.extras.load("hubness_offset")
     rows = device.gallery.load()
     reference = np.random.default_rng(5).standard_normal((20, 8))
     np.testing.assert_allclose(stored.embeddings[:, 0], hubness_offsets(rows.embeddings, reference, K), atol=1e-5)
@@ -204,7 +204,7 @@ def test_hubness_offsets_are_computed_on_the_device_stored_and_used(make_device,
 
     with sqlite3.connect(device.gallery.path) as db:  # a tampered offset is computed again, not trusted
         db.execute("UPDATE row_extras SET sealed = CAST(substr(sealed, 1, 20) || x'00' || substr(sealed, 22) AS BLOB) WHERE row_id = 3")
-    assert len(device.gallery.load_extras("hubness_offset").corrupt) == 1
+    assert len(device.gallery.extras.load("hubness_offset").corrupt) == 1
     assert found(device, queries, 30)[0] == ids
 
 

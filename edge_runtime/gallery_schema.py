@@ -1,0 +1,159 @@
+"""The gallery file's tables (:mod:`.gallery`), the migrations from older schemas and the check
+of the settings needed to open it at all.
+
+Row format::
+
+    items       row_id INTEGER PRIMARY KEY  stable for the row's life; part of every record's AAD
+                item_id TEXT UNIQUE         the app's id for the item (plaintext: use opaque ids)
+                origin_version INTEGER      the model version that embedded the item's image
+                label BLOB NULL             sealed UTF-8 label
+                vault_sha256 TEXT NULL      the encrypted original in the server's vault, once uploaded
+                                            (a replicated row: the original another device uploaded)
+                record_sha256 TEXT NULL     the replica record this row's content is (pulled, or sealed
+                                            for pushing); NULL: a local change not sealed yet
+    vectors_0 / row_id INTEGER PRIMARY KEY
+    vectors_1   version INTEGER             the version whose query space the vectors live in
+                via TEXT                    how they got there: 'native' (embedded by that version's
+                                            model), 'forward' (adapted by h/F from origin_version),
+                                            'backward' (B(φ_new), unified mode)
+                embedding BLOB, side_info BLOB   sealed float32 vectors (side-info empty when none)
+
+Replication (schema 2, :mod:`fctkit.edge_runtime.replication`)::
+
+    changes          change_id INTEGER PRIMARY KEY AUTOINCREMENT   the outbox of rows to push; the
+                     item_id, tombstone, then once sealed: version,  id is the push's idempotency key
+                     origin_version, via, sealed (the owner-key record)
+    tombstones       item_id, vault_sha256       removed items (their ids are never used again); for a
+                                                 removal made here, the original to delete from the
+                                                 vault once the tombstone is pushed
+    pending_records  sequence, item_id, version, origin_version, via, sealed
+                                                 pulled records of a version not installed yet
+    meta.replica_cursor                          the owner's last sequence number merged
+
+Schema 1 galleries are migrated when opened: every row gets a change, so the whole gallery is
+pushed once. Schema 3 adds ``row_extras`` (:mod:`.gallery_extras`), schema 4 the settings' MACs
+(:mod:`.gallery_settings`).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from fctkit.errors import DeviceKeyError, GalleryError
+
+from .crypto import Sealer
+from .gallery_settings import ESSENTIAL, GallerySettings, add_macs, authentic
+from .sqlite_file import transaction
+
+SCHEMA_VERSION = 4
+VECTOR_TABLES = ("vectors_0", "vectors_1")
+_SQL_VARIABLES = 500  # item ids per `IN (...)` query
+
+_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL, mac BLOB);
+CREATE TABLE items (
+    row_id INTEGER PRIMARY KEY,
+    item_id TEXT NOT NULL UNIQUE,
+    origin_version INTEGER NOT NULL,
+    label BLOB,
+    vault_sha256 TEXT,
+    record_sha256 TEXT
+);
+CREATE TABLE vectors_0 (row_id INTEGER PRIMARY KEY, version INTEGER NOT NULL, via TEXT NOT NULL,
+                        embedding BLOB NOT NULL, side_info BLOB NOT NULL);
+CREATE TABLE vectors_1 (row_id INTEGER PRIMARY KEY, version INTEGER NOT NULL, via TEXT NOT NULL,
+                        embedding BLOB NOT NULL, side_info BLOB NOT NULL);
+CREATE TABLE outbox (item_id TEXT PRIMARY KEY, blob BLOB NOT NULL);
+"""
+_REPLICATION_SCHEMA = """
+CREATE TABLE changes (change_id INTEGER PRIMARY KEY AUTOINCREMENT, item_id TEXT NOT NULL, tombstone INTEGER NOT NULL,
+                      version INTEGER, origin_version INTEGER, via TEXT, sealed BLOB);
+CREATE INDEX changes_by_item ON changes (item_id);
+CREATE TABLE tombstones (item_id TEXT PRIMARY KEY, vault_sha256 TEXT);
+CREATE TABLE pending_records (sequence INTEGER PRIMARY KEY, item_id TEXT NOT NULL, version INTEGER NOT NULL,
+                              origin_version INTEGER NOT NULL, via TEXT NOT NULL, sealed BLOB NOT NULL);
+"""
+_EXTRAS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS row_extras (row_id INTEGER NOT NULL, field TEXT NOT NULL, origin_version INTEGER NOT NULL,
+                         version INTEGER NOT NULL, via TEXT NOT NULL, sealed BLOB NOT NULL, PRIMARY KEY (row_id, field));
+"""
+_SCHEMA += _REPLICATION_SCHEMA + _EXTRAS_SCHEMA
+
+
+def create_tables(db: sqlite3.Connection) -> None:
+    """Inside the creating transaction: every table of the current schema (settings not set yet)."""
+    _execute_script(db, _SCHEMA)
+
+
+def migrate(db: sqlite3.Connection, sealer: Sealer) -> None:
+    """Bring a gallery of an older schema to :data:`SCHEMA_VERSION`, one transaction per step."""
+    for step in (_add_replication, _add_row_extras, _add_macs):
+        step(db, sealer)
+
+
+def check_essential(path: Path, db: sqlite3.Connection, sealer: Sealer, meta: dict[str, tuple]) -> None:
+    """Authenticate the settings needed to open the gallery at all. When no setting at all
+    authenticates, the key is not the gallery's; when only some fail, the file is damaged."""
+    bad = [k for k in ESSENTIAL if k not in meta or not authentic(sealer, k, *meta[k])]
+    if not bad:
+        return
+    if not any(authentic(sealer, k, v, m) for k, (v, m) in meta.items()):
+        raise DeviceKeyError(f"{path} was not sealed with this device key: use the gallery's own key file (nothing was changed)")
+    raise GallerySettings(db, sealer, path).error(bad)
+
+
+def vector_tables(settings: GallerySettings, path: Path) -> tuple[str, str]:
+    """(live, staged) vector tables (``meta.live_vectors``); read inside the caller's transaction."""
+    live = settings.get("live_vectors")
+    if live not in VECTOR_TABLES:
+        raise GalleryError(f"{path}: meta.live_vectors is {live!r}; the gallery is damaged")
+    return live, VECTOR_TABLES[1 - VECTOR_TABLES.index(live)]
+
+
+def id_chunks(item_ids: Sequence[str]) -> Iterator[tuple[list[str], str]]:
+    """``item_ids`` in chunks small enough for one ``IN (...)`` query, each with its ``?,?`` marks."""
+    for start in range(0, len(item_ids), _SQL_VARIABLES):
+        chunk = list(item_ids[start:start + _SQL_VARIABLES])
+        yield chunk, ",".join("?" * len(chunk))
+
+
+def _execute_script(db: sqlite3.Connection, script: str) -> None:
+    for statement in filter(str.strip, script.split(";")):
+        db.execute(statement)
+
+
+def _migration(db: sqlite3.Connection, from_schema: str) -> bool:
+    """Inside a transaction: whether the gallery is still at ``from_schema`` (another process may
+    have migrated it meanwhile)."""
+    return db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == from_schema
+
+
+def _add_replication(db: sqlite3.Connection, sealer: Sealer) -> None:
+    """Schema 1 -> 2 in one transaction: the replication tables, and a change for every row."""
+    with transaction(db):
+        if not _migration(db, "1"):
+            return
+        db.execute("ALTER TABLE items ADD COLUMN record_sha256 TEXT")
+        _execute_script(db, _REPLICATION_SCHEMA)
+        db.execute("INSERT INTO changes (item_id, tombstone) SELECT item_id, 0 FROM items ORDER BY row_id")
+        db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [("schema_version", "2"), ("replica_cursor", "0")])
+
+
+def _add_row_extras(db: sqlite3.Connection, sealer: Sealer) -> None:
+    """Schema 2 -> 3 in one transaction: the (empty) per-row extras table."""
+    with transaction(db):
+        if not _migration(db, "2"):
+            return
+        db.execute(_EXTRAS_SCHEMA)
+        db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', '3')")
+
+
+def _add_macs(db: sqlite3.Connection, sealer: Sealer) -> None:
+    """Schema 3 -> 4 in one transaction: authenticated settings and row count (:func:`add_macs`)."""
+    with transaction(db):
+        if not _migration(db, "3"):
+            return
+        db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        add_macs(db, sealer)

@@ -1,0 +1,110 @@
+"""The gallery's records sealed under the device key (:mod:`.gallery`).
+
+Every record is sealed with AES-256-GCM under the device key; its authenticated data is
+``gallery id | row id | item id | origin | version | via | field``. A modified, truncated,
+swapped or replayed record fails to open and is reported as corrupt; the other rows load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from fctkit.errors import CorruptRecordError, GalleryError
+
+from .crypto import Sealer
+from .gallery_rows import LoadedRows, VersionTag
+
+
+class RowSealer:
+    """Seals and opens the records of one gallery (its id is in every record's authenticated data)."""
+
+    def __init__(self, sealer: Sealer, gallery_id: bytes) -> None:
+        self._sealer = sealer
+        self._gallery_id = gallery_id
+
+    def seal_values(self, row_ids: Sequence[int], item_ids: Sequence[str], tag: VersionTag, field_name: str,
+                    values: np.ndarray) -> list[bytes]:
+        """One sealed record per row: its row of ``values`` as float32, bound to ``field_name``."""
+        block = np.ascontiguousarray(values, dtype="<f4").reshape(len(row_ids), -1)
+        raw, width = block.tobytes(), block.shape[1] * 4
+        plaintexts = [raw[i * width:(i + 1) * width] for i in range(len(row_ids))]
+        aads = [_aad(self._gallery_id, r, i, tag, field_name) for r, i in zip(row_ids, item_ids, strict=True)]
+        return self._sealer.seal_many(plaintexts, aads)
+
+    def seal_block(self, row_ids: Sequence[int], item_ids: Sequence[str], tag: VersionTag,
+                   embeddings: np.ndarray, side_infos: np.ndarray) -> tuple[list[bytes], list[bytes]]:
+        """Sealed records of each row's embedding and side-info."""
+        return (self.seal_values(row_ids, item_ids, tag, "embedding", embeddings),
+                self.seal_values(row_ids, item_ids, tag, "side_info", side_infos))
+
+    def seal_vectors(self, row_id: int, item_id: str, tag: VersionTag, embedding: np.ndarray,
+                     side_info: np.ndarray) -> tuple[bytes, bytes]:
+        (embedding,), (side_info,) = self.seal_block([row_id], [item_id], tag, embedding[None], side_info[None])
+        return embedding, side_info
+
+    def seal_label(self, row_id: int, item_id: str, tag: VersionTag, label: str | None) -> bytes | None:
+        if label is None:
+            return None
+        return self._sealer.seal(label.encode("utf-8"), _aad(self._gallery_id, row_id, item_id, _label_tag(tag.origin_version), "label"))
+
+    def open_rows(self, cursor: Iterable[tuple], *, with_labels: bool,
+                  fields: tuple[str, str | None] = ("embedding", "side_info")) -> LoadedRows:
+        """Open the (row id, item id, origin, version, via, first, second, label) records of
+        ``cursor``; ``fields`` names the AAD fields of the first and second sealed values (the
+        second None: there is none)."""
+        first_field, second_field = fields
+        row_ids, item_ids, tags, embeddings, side_infos, labels, corrupt = [], [], [], [], [], [], []
+        gid, open_ = self._gallery_id, self._sealer.open
+        known_tags: dict[tuple, VersionTag] = {}
+        for row_id, item_id, origin, version, via, emb, side, label in cursor:
+            tag = known_tags.get((origin, version, via))
+            try:
+                if emb is None:
+                    raise CorruptRecordError(f"row {row_id}: its vectors are missing from the gallery file")
+                if tag is None:
+                    tag = known_tags[(origin, version, via)] = VersionTag(origin, version, via)
+                e = open_(emb, _aad(gid, row_id, item_id, tag, first_field), f"row {row_id} {first_field}")
+                s = b"" if second_field is None else open_(side, _aad(gid, row_id, item_id, tag, second_field), f"row {row_id} {second_field}")
+                text = None
+                if with_labels and label is not None:
+                    text = open_(label, _aad(gid, row_id, item_id, _label_tag(origin), "label"), f"row {row_id} label").decode("utf-8")
+            except (CorruptRecordError, GalleryError, TypeError) as exc:  # a damaged record or version tag
+                corrupt.append((row_id, item_id, str(exc)))
+                continue
+            row_ids.append(row_id)
+            item_ids.append(item_id)
+            tags.append(tag)
+            embeddings.append(e)
+            side_infos.append(s)
+            labels.append(text)
+        return LoadedRows(
+            row_ids=np.asarray(row_ids, dtype=np.int64), item_ids=item_ids, tags=tags,
+            embeddings=_stack(embeddings), side_infos=_stack(side_infos), labels=labels, corrupt=corrupt,
+        )
+
+
+def _aad(gallery_id: bytes, row_id: int, item_id: str, tag: VersionTag, field_name: str) -> bytes:
+    if not isinstance(item_id, str) or not isinstance(row_id, int):  # a damaged plaintext column read back as another type
+        raise CorruptRecordError(f"row {row_id!r}: its row id or item id is damaged ({item_id!r})")
+    return b"fctkit-gallery/1|%s|%d|%s|%d|%d|%s|%s" % (
+        gallery_id, row_id, item_id.encode("utf-8", "surrogateescape"), tag.origin_version, tag.version, tag.via.encode(),
+        field_name.encode())
+
+
+def _label_tag(origin_version: int) -> VersionTag:
+    # labels never change across versions: bound to the row and its origin only
+    return VersionTag(origin_version, origin_version, "native")
+
+
+def _stack(vectors: list[bytes]) -> np.ndarray:
+    """An (n, d) float32 array; when rows of different spaces have different dims, an
+    object array of 1-D vectors (use :func:`~.gallery_rows.take_rows` to get a dense block of one space)."""
+    if not vectors:
+        return np.zeros((0, 0), dtype=np.float32)
+    if len({len(v) for v in vectors}) == 1:
+        return np.frombuffer(b"".join(vectors), dtype="<f4").reshape(len(vectors), -1).astype(np.float32, copy=False)
+    ragged = np.empty(len(vectors), dtype=object)
+    ragged[:] = [np.frombuffer(v, dtype="<f4") for v in vectors]
+    return ragged
