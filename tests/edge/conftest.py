@@ -56,6 +56,18 @@ def device_cli_steps(steps: list[tuple[str, ...]]) -> list[str]:
     return outputs
 
 
+def flip_stored_byte(db, table: str, column: str, where: str, offset: int) -> int:
+    """Invert one byte of ``column`` in the rows of ``table`` matching ``where`` (SQL); returns
+    the rows changed. Inverting, not setting a fixed value: a sealed record already holds any
+    given byte value at an offset once in 256 runs, and then nothing would be damaged."""
+    rows = db.execute(f"SELECT rowid, {column} FROM {table} WHERE {where}").fetchall()
+    for rowid, value in rows:
+        damaged = bytearray(value)
+        damaged[offset] ^= 0xFF
+        db.execute(f"UPDATE {table} SET {column} = ? WHERE rowid = ?", (bytes(damaged), rowid))
+    return len(rows)
+
+
 def make_tiny_bundle(out: Path, key: Ed25519PrivateKey, version: int, hops: tuple[tuple[int, int], ...], *, mode: str = "forward") -> Path:
     sources = _sources(out.parent / f"{out.name}-src", version, hops, IMAGE_DIM)
     ecc = {s.artifact_name: True for s in sources if s.role == "forward"}

@@ -234,7 +234,7 @@ def test_invalid_utf8_in_plaintext_columns_is_a_damaged_row_not_a_traceback(make
 
 def test_damage_is_reported_by_query_and_all_at_once_by_check(make_device, tiny_bundles, images, tmp_path):
     """Damaged rows used to drop silently out of answers (exit 0) and be reported one per upgrade attempt."""
-    from tests.edge.conftest import device_cli
+    from tests.edge.conftest import device_cli, flip_stored_byte
 
     device = _filled(make_device, tiny_bundles, images)
     root = str(device.root)
@@ -242,10 +242,8 @@ def test_damage_is_reported_by_query_and_all_at_once_by_check(make_device, tiny_
     assert clean["damaged"] == 0 and clean["rows"] == 20
     with sqlite3.connect(device.gallery.path) as db:
         live = db.execute("SELECT value FROM meta WHERE key = 'live_vectors'").fetchone()[0]
-        db.execute(f"UPDATE {live} SET embedding = CAST(substr(embedding, 1, 30) || x'00' || substr(embedding, 32) AS BLOB) "
-                   f"WHERE row_id IN (2, 5, 9)")
-        db.execute("UPDATE outbox SET blob = CAST(substr(blob, 1, 40) || x'00' || substr(blob, 42) AS BLOB) "
-                   "WHERE item_id = 'item03'")
+        assert flip_stored_byte(db, live, "embedding", "row_id IN (2, 5, 9)", 30) == 3
+        assert flip_stored_byte(db, "outbox", "blob", "item_id = 'item03'", 40) == 1
     device.close()
     np.savez(tmp_path / "q.npz", images=images(2, seed=4))
     query = device_cli("query", "--dir", root, str(tmp_path / "q.npz"))

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.edge.conftest import TINY_CHAIN, device_cli_steps, enrolment_code, publish
+from tests.edge.conftest import TINY_CHAIN, device_cli_steps, enrolment_code, flip_stored_byte, publish
 from tests.server.conftest import IMAGE_DIM, _sources
 
 from fctkit.edge_runtime import Engine
@@ -102,8 +102,7 @@ def test_queries_during_a_transition_fuse_the_previous_and_the_adapted_scores(up
 def test_a_row_without_a_readable_previous_embedding_scores_on_its_adapted_vector(upgraded, images):
     device, pictures = upgraded
     with sqlite3.connect(device.gallery.path) as db:  # a0's record tampered, a1's swapped into a2's place
-        db.execute("UPDATE row_extras SET sealed = CAST(substr(sealed, 1, 20) || x'00' || substr(sealed, 22) AS BLOB) "
-                   "WHERE row_id = (SELECT row_id FROM items WHERE item_id = 'a0')")
+        assert flip_stored_byte(db, "row_extras", "sealed", "row_id = (SELECT row_id FROM items WHERE item_id = 'a0')", 20) == 1
         db.execute("UPDATE row_extras SET sealed = (SELECT sealed FROM row_extras e JOIN items i USING (row_id) "
                    "WHERE i.item_id = 'a1') WHERE row_id = (SELECT row_id FROM items WHERE item_id = 'a2')")
         db.execute("DELETE FROM row_extras WHERE row_id = (SELECT row_id FROM items WHERE item_id = 'b0')")
@@ -203,7 +202,7 @@ def test_hubness_offsets_are_computed_on_the_device_stored_and_used(make_device,
     np.testing.assert_allclose(distances, 1.0 - expected, atol=1e-5)
 
     with sqlite3.connect(device.gallery.path) as db:  # a tampered offset is computed again, not trusted
-        db.execute("UPDATE row_extras SET sealed = CAST(substr(sealed, 1, 20) || x'00' || substr(sealed, 22) AS BLOB) WHERE row_id = 3")
+        assert flip_stored_byte(db, "row_extras", "sealed", "row_id = 3", 20) == 1
     assert len(device.gallery.extras.load("hubness_offset").corrupt) == 1
     assert found(device, queries, 30)[0] == ids
 
