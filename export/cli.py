@@ -121,9 +121,13 @@ def _echo_summary(bundle: VerifiedBundle) -> None:
     click.echo(f"publisher key id {m.publisher_key_id}")
     for a in m.artifacts:
         hop = f" v{a.source_version}->v{a.target_version}" if a.source_version is not None else ""
-        dims = ", ".join(f"{s.name}{list(s.shape)}" for s in a.inputs) + " -> " + ", ".join(
-            f"{s.name}{list(s.shape)}" for s in a.outputs)
+        dims = "a file the preprocessing reads" if a.is_file else ", ".join(
+            f"{s.name}{list(s.shape)}" for s in a.inputs) + " -> " + ", ".join(f"{s.name}{list(s.shape)}" for s in a.outputs)
         click.echo(f"  {a.name:<22} {a.role}{hop} {a.precision} {a.size} B  {dims}")
+    if m.preprocessing is not None:
+        roles = ", ".join(f"{role} ({d.kind})" for role, d in m.preprocessing.roles)
+        click.echo(f"takes raw items: {roles}; every graph is ONNX (no TensorRT engines: a GPU device's ONNX Runtime "
+                   "may build its own, a device without one runs the graphs on the CPU)")
     if m.gate["forced"]:
         click.echo(f"WARNING gate overridden (forced): {m.gate['force_reason']}")
 

@@ -207,7 +207,7 @@ def _embedded(preprocessor: Preprocessor, model: Any, sample: ItemSample, dim: i
         index = [i for i, p in enumerate(sample.purposes) if p == purpose]
         if not index:
             continue
-        done = preprocessor.embed([sample.items[i] for i in index], session.run, purpose=purpose, keep_going=False)  # type: ignore[arg-type]
+        done = preprocessor.embed([sample.items[i] for i in index], session.run, purpose=purpose, keep_going=False)
         if done.bad:
             reasons = "; ".join(f"item {index[i] + 1} {reason}" for i, reason in done.bad[:5])
             raise InputError(f"the parity sample has items {what} cannot take: {reasons}")

@@ -23,8 +23,8 @@ from .artifact_spec import Artifact
 from .preprocessing_spec import Declaration, ImagePreprocessing, TextPreprocessing, vector_output
 
 Purpose = Literal["passage", "query"]
-#: ``run(feed, output_names)`` -> the outputs, as ONNX Runtime's ``InferenceSession.run``
-Run = Callable[[dict[str, np.ndarray], list[str]], list[np.ndarray]]
+#: ``run(output_names, feed)`` -> the outputs: ONNX Runtime's ``InferenceSession.run``
+Run = Callable[[list[str], dict[str, np.ndarray]], list[np.ndarray]]
 _RESAMPLING = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3}  # PIL.Image.Resampling values
 
 
@@ -90,11 +90,11 @@ class Preprocessor:
         """The vectors of prepared items (float32, one row each)."""
         if isinstance(self.declaration, ImagePreprocessing):
             feed = {self.declaration.input: np.stack(prepared).astype(self._dtypes[self.declaration.input])}
-            return np.asarray(run(feed, [self.output])[0], dtype=np.float32)
+            return np.asarray(run([self.output], feed)[0], dtype=np.float32)
         ids, mask, types = pad_tokens(prepared, self.declaration)
         arrays = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
         feed = {name: arrays[what].astype(self._dtypes[name]) for what, name in self.declaration.fed_inputs.items()}
-        return pool(np.asarray(run(feed, [self.output])[0], dtype=np.float32), mask, self.declaration)
+        return pool(np.asarray(run([self.output], feed)[0], dtype=np.float32), mask, self.declaration)
 
 
 # -- images ----------------------------------------------------------------------------------
