@@ -229,3 +229,34 @@ def test_a_graph_its_declaration_does_not_feed_is_refused_before_signing(text_re
     args[args.index(str(tmp_path / "other.toml"))] = str(tmp_path / "typo.toml")
     done = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "out")])
     assert "unknown key(s) poolling" in str(done.exception) and not (tmp_path / "out").exists()
+
+
+def test_through_a_server_texts_are_sealed_as_they_came_and_backfilled_with_the_new_tokenizer(text_release, tmp_path):
+    """v1 and v2 (with their tokenizer artifacts) published on a real loopback server; a device
+    adds texts at v1 (originals in the vault), syncs to v2 and backfills every row: the rows are
+    then v2's own passage embeddings of the texts, as the numpy reference computes them."""
+    from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, publish
+
+    token = tmp_path / "admin.token"
+    token.write_text(ADMIN_TOKEN + "\n")
+    token.chmod(0o600)
+    server = ServerProcess(tmp_path / "data", text_release["public"], token).start()
+    (tmp_path / "archives").mkdir()
+    try:
+        publish(server, text_release["out"] / "v1", tmp_path / "archives")
+        device = Device.init(tmp_path / "device")
+        device.progress = False
+        device.enrol(server.target, enrolment_code(server, "texts"), device_name="texts")
+        assert device.sync().installed_after == 1
+        texts = text_release["texts"][:40]
+        device.add(texts, item_ids=[f"t{i}" for i in range(40)])
+        publish(server, text_release["out"] / "v2", tmp_path / "archives")
+        assert device.sync().installed_after == 2
+        assert device.backfill(budget=40, order="random").backfilled == 40
+        rows = device.gallery.load()
+        order = np.argsort([int(i[1:]) for i in rows.item_ids])
+        np.testing.assert_allclose(np.stack(rows.embeddings)[order], reference_v2(texts, text_release["w2"], "passage: "),
+                                   atol=1e-5)
+        device.close()
+    finally:
+        server.stop()
