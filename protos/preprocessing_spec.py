@@ -44,7 +44,7 @@ def _fail(where: str, message: str) -> BundleFormatError:
 
 
 def _choice(value: Any, allowed: tuple[str, ...] | Mapping[str, int], where: str) -> str:
-    if value not in allowed:
+    if not isinstance(value, str) or value not in allowed:
         raise _fail(where, f"{value!r} is not one of {', '.join(allowed)}")
     return value
 

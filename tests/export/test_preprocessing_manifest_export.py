@@ -21,6 +21,7 @@ from fctkit.protos.preprocessing_spec import ImagePreprocessing, Preprocessing, 
 KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
 GATE = {"cases": {}, "ecc": {}}
 IMAGE = ImagePreprocessing(input="pixels", crop=(4, 4), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+IMAGE_SECTION = Preprocessing((("embed", IMAGE),))
 
 
 def linear_graph(path, input_name: str, shape: list, *, dtype: str = "float"):
@@ -40,7 +41,7 @@ def linear_graph(path, input_name: str, shape: list, *, dtype: str = "float"):
     return path
 
 
-def image_bundle(tmp_path, name="b", *, preprocessing=Preprocessing((("embed", IMAGE),)), graph=None, extra=()):
+def image_bundle(tmp_path, name="b", *, preprocessing=IMAGE_SECTION, graph=None, extra=()):
     graph = graph or linear_graph(tmp_path / f"{name}.onnx", "pixels", ["batch", 3, 4, 4])
     return build_bundle(tmp_path / name, version=1, parents=(), mode="forward", distance="cosine", normalize=True,
                         artifacts=[ArtifactSource(graph, "embed"), *extra], gate=GATE, private_key=KEY,
