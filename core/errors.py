@@ -16,6 +16,18 @@ class InputError(FctkitError, ValueError):
     """Data handed to the kit is unusable: wrong shapes or dims, NaN/inf, empty sets."""
 
 
+class ItemError(InputError):
+    """Raw items (image files, texts) a bundle's preprocessing cannot embed: a corrupt image, an
+    empty text, a text over the declared limit. ``problems`` lists (item id, reason) of each."""
+
+    def __init__(self, message: str, problems: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+    def __reduce__(self):
+        return type(self), (self.args[0], self.problems)
+
+
 class DataUnavailableError(FctkitError):
     """A dataset or file the kit needs is not installed or not found; the message says how to get it."""
 

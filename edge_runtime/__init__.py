@@ -1,7 +1,9 @@
 """fctkit.edge_runtime — the on-device library. Runs without torch (numpy, onnxruntime,
 grpcio, cryptography; faiss optional).
 
-- :class:`Device` — a device directory: key, encrypted gallery, installed bundles, sync/upgrade.
+- :class:`Device` — a device directory: key, encrypted gallery, installed bundles, sync/upgrade;
+  :meth:`Device.add_items` / :meth:`Device.query_items` take raw items (image file bytes, texts)
+  when the installed bundle declares preprocessing (:mod:`.adding`; files read by :mod:`.item_sources`).
 - :class:`Gallery` — the encrypted SQLite gallery (rows sealed with AES-256-GCM).
 - :class:`Engine` — a verified bundle's ONNX graphs on ONNX Runtime (TensorRT → CUDA → CPU).
 - :meth:`Device.backfill` — partial backfill from the vault (:mod:`.backfill`, :class:`BackfillResult`).
@@ -13,6 +15,7 @@ grpcio, cryptography; faiss optional).
   rows as stored, compared on the manifest's prefix (:func:`comparable_dims`, :func:`compatible_rows`).
 """
 
+from .adding import AddedItems
 from .backfill import ORDERINGS, BackfillResult
 from .compatible_search import comparable_dims, compatible_rows
 from .device import Device, DeviceSettings, Match, SyncResult
@@ -25,7 +28,7 @@ from .upgrade import run_upgrade
 from .upgrade_plan import Hop, UpgradePlan
 
 __all__ = [
-    "Device", "DeviceSettings", "Match", "SyncResult", "Engine", "EngineConfig", "select_providers", "Gallery",
+    "AddedItems", "Device", "DeviceSettings", "Match", "SyncResult", "Engine", "EngineConfig", "select_providers", "Gallery",
     "LoadedRows", "NewRow", "VersionTag", "ExactIndex", "Neighbours", "Hop", "UpgradePlan", "run_upgrade",
     "BackfillResult", "ORDERINGS", "ReplicationResult", "comparable_dims", "compatible_rows",
 ]

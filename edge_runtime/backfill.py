@@ -33,6 +33,7 @@ from fctkit.backfill_order import backfill_order
 from fctkit.errors import DeviceError, GalleryError, InputError
 
 from .gallery_rows import LoadedRows, UpgradedRows, VersionTag, take_rows
+from .vault_blob import original_items
 
 if TYPE_CHECKING:
     from .device_parts import DeviceParts
@@ -135,7 +136,8 @@ def run_backfill(device: DeviceParts, searchable: Callable[[], LoadedRows], *, b
             items = [rows.item_ids[i] for i in batch]
             blobs = [client.read_blob(_vault_sha(device, item)) for item in items]
             downloaded += sum(len(b) for b in blobs)
-            images = np.stack([device.open_original(item, blob) for item, blob in zip(items, blobs, strict=True)])
+            images = original_items([device.open_original(item, blob) for item, blob in zip(items, blobs, strict=True)],
+                                    raw=engine.takes_items)
             gallery.write_upgrades(_reembedded(engine, rows, batch, images, version), staged=False)
             bar.update(len(batch))
             if on_batch is not None:
@@ -206,16 +208,9 @@ def _reembedded(engine: Engine, rows: LoadedRows, batch: Sequence[int], images: 
     return groups
 
 
-def gallery_vectors(engine: Engine, images: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
-    """What a gallery row of freshly embedded ``images`` holds: (embeddings, side-infos, via).
-    Forward mode: φ_v, native; unified mode: B(φ_v), tagged 'backward'."""
-    embeddings = engine.embed(images)
-    via = "native"
-    backward = engine.unified_backward()
-    if backward is not None:
-        embeddings = engine.run(backward, embeddings)
-        via = "backward"
-    return embeddings, engine.side_info(images), via
+def gallery_vectors(engine: Engine, images) -> tuple[np.ndarray, np.ndarray, str]:
+    """What a gallery row of freshly embedded ``images`` holds (:meth:`Engine.row_vectors`)."""
+    return engine.row_vectors(engine.embed(images), engine.side_info(images))
 
 
 # -- FastFill σ, recorded at upgrade time -------------------------------------------------

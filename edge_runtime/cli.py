@@ -9,12 +9,13 @@ import sys
 from pathlib import Path
 
 import click
-import numpy as np
 
 from fctkit.errors import InputError
 
+from .adding import ON_BAD_ITEM
 from .device import Device, DeviceSettings
 from .engine import PREFERENCE
+from .item_sources import read_items
 
 DAMAGED_EXIT = 3  # answers were given, but damaged rows were left out (see `fctkit device check`)
 
@@ -56,24 +57,6 @@ def _echo_report(report: dict, *, damaged: bool) -> None:
     _echo(report)
     if damaged:
         sys.exit(DAMAGED_EXIT)
-
-
-def _load_images(path: Path) -> tuple[np.ndarray, list[str] | None, list[str] | None]:
-    """Images from .npy, or .npz with ``images`` and optional ``labels`` / ``ids``."""
-    if not path.is_file():
-        raise InputError(f"{path} does not exist")
-    try:
-        data = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as exc:
-        raise InputError(f"{path} is not a .npy/.npz file ({exc})") from exc
-    if isinstance(data, np.ndarray):
-        return data, None, None
-    with data:
-        if "images" not in data:
-            raise InputError(f"{path} has no 'images' array (it has: {', '.join(data.files)})")
-        labels = [str(x) for x in data["labels"]] if "labels" in data else None
-        ids = [str(x) for x in data["ids"]] if "ids" in data else None
-        return data["images"], labels, ids
 
 
 @click.group("device")
@@ -139,30 +122,58 @@ def enrol_command(root, passphrase_env, server, code, name, tls_root, tls_cert, 
         _echo({"device_id": device_id, "owner_id": device.settings.owner_id})
 
 
+_SOURCES = click.argument("sources", nargs=-1, required=True, type=click.Path(path_type=Path))
+_ON_BAD_ITEM = click.option("--on-bad-item", type=click.Choice(ON_BAD_ITEM), default="refuse", show_default=True,
+                            help="An item the bundle's preprocessing cannot take (a corrupt image, an empty text, a text "
+                                 "over the limit): refuse the whole call (nothing is stored), or skip it. Either way it "
+                                 "is reported by id.")
+
+
+def _skipped(skipped: list[tuple[str, str]]) -> list[dict[str, str]]:
+    return [{"id": item_id, "reason": reason} for item_id, reason in skipped]
+
+
 @device_command.command("add")
 @_DIR
 @_PASSPHRASE
-@click.argument("images", type=click.Path(path_type=Path))
+@_SOURCES
 @click.option("--no-upload", is_flag=True, help="Only queue the sealed originals; upload at the next sync.")
-def add_command(root, passphrase_env, images, no_upload) -> None:
-    """Embed IMAGES (.npy, or .npz with images/labels/ids) locally and store them sealed."""
-    pictures, labels, ids = _load_images(images)
-    with _open(root, passphrase_env) as device:
-        added = device.add(pictures, item_ids=ids, labels=labels, upload=not no_upload)
-        _echo({"added": len(added), "rows": len(device.gallery), "queued_uploads": device.gallery.replica_log.outbox_size()})
+@_ON_BAD_ITEM
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def add_command(root, passphrase_env, sources, no_upload, on_bad_item, quiet) -> None:
+    """Embed the items of SOURCES locally and store them sealed: image files (.jpg, .jpeg,
+    .png) and folders of them (id: the path inside the folder), JSON Lines (.jsonl) of
+    {"id", "text"} or {"id", "image": path} with an optional "label" — for a bundle that
+    declares preprocessing — or one .npy / .npz (images, optional labels and ids) of arrays."""
+    source = read_items(sources)
+    with _open(root, passphrase_env, quiet) as device:
+        added = device.add_items(source.items, item_ids=source.ids, labels=source.labels, upload=not no_upload,
+                                 on_bad_item=on_bad_item)
+        _echo({"added": len(added.item_ids), "skipped": _skipped(added.skipped), "rows": len(device.gallery),
+               "queued_uploads": device.gallery.replica_log.outbox_size()})
 
 
 @device_command.command("query")
 @_DIR
 @_PASSPHRASE
-@click.argument("images", type=click.Path(path_type=Path))
+@_SOURCES
 @click.option("-k", type=int, default=5, show_default=True, help="Neighbours per query.")
-def query_command(root, passphrase_env, images, k) -> None:
-    """The k nearest gallery items of each image in IMAGES (one JSON list per query)."""
-    pictures, _, _ = _load_images(images)
+@_ON_BAD_ITEM
+def query_command(root, passphrase_env, sources, k, on_bad_item) -> None:
+    """The k nearest gallery items of each query in SOURCES (the kinds `add` takes), one JSON
+    line per query: {"id", "matches"} for image files and JSON Lines, a plain list of matches
+    for an .npy / .npz. Skipped queries are listed on stderr."""
+    source = read_items(sources)
     with _open(root, passphrase_env) as device:
-        for matches in device.query(pictures, k=k):
-            click.echo(json.dumps([dataclasses.asdict(m) for m in matches]))
+        if source.kind == "arrays":
+            for matches in device.query(source.items, k=k):
+                click.echo(json.dumps([dataclasses.asdict(m) for m in matches]))
+        else:
+            answered, skipped = device.query_items(source.items, source.ids, k=k, on_bad_item=on_bad_item)
+            for query_id, matches in answered:
+                click.echo(json.dumps({"id": query_id, "matches": [dataclasses.asdict(m) for m in matches]}))
+            for query_id, reason in skipped:
+                click.echo(f"skipped query {query_id!r}: {reason}", err=True)
         damaged, missing = device.damaged_rows(), device.missing_rows()
     if damaged or missing:  # never a silently shorter answer
         first = f" (first: row {damaged[0][0]}, {damaged[0][2]})" if damaged else ""

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -38,12 +37,13 @@ from typing import Any
 
 import numpy as np
 
-from fctkit.errors import DeviceError, InputError, RpcStatusError
+from fctkit.errors import DeviceError, RpcStatusError
 from fctkit.private_files import make_private
 from fctkit.protos.bundle import load_public_key, public_key_id
 from fctkit.protos.client import ClientTls, FctkitClient, RetryPolicy
 
-from .backfill import BackfillResult, gallery_vectors, run_backfill
+from .adding import AddedItems, OnBadItem, add_items, usable_queries
+from .backfill import BackfillResult, run_backfill
 from .bundle_store import InstalledBundles
 from .crypto import Sealer, new_key, owner_key_id, read_key_file, write_key_file
 from .device_files import (
@@ -62,7 +62,7 @@ from .device_parts import DeviceParts
 from .device_status import device_status
 from .engine import Engine
 from .gallery import Gallery
-from .gallery_rows import LoadedRows, NewRow, VersionTag
+from .gallery_rows import LoadedRows
 from .gallery_search import GallerySearch, Match
 from .repair import damage_report, repair_gallery
 from .replication import ReplicationResult, apply_pending, replicate
@@ -70,9 +70,8 @@ from .scoring import TransitionState, store_hubness_offsets
 from .search import ExactIndex
 from .upgrade import DeviceUpgrade
 from .upgrade_plan import UpgradePlan, hop_list
-from .vault_blob import seal_image
 
-__all__ = ["Device", "DeviceSettings", "Match", "SyncResult"]
+__all__ = ["AddedItems", "Device", "DeviceSettings", "Match", "SyncResult"]
 
 
 @dataclass
@@ -231,35 +230,23 @@ class Device:
 
     # -- adding and querying ----------------------------------------------------------------
 
-    def add(self, images: np.ndarray | Sequence[np.ndarray], *, item_ids: Sequence[str] | None = None,
-            labels: Sequence[str | None] | None = None, upload: bool = True) -> list[str]:
-        """Embed ``images`` locally (φ and ψ of the installed bundle), store them as sealed rows,
-        and queue each image, sealed under a fresh data key, for the vault (in the same
-        transaction); then try to upload the queue. Returns the item ids."""
-        images = np.asarray(images)
-        if images.ndim < 2 or len(images) == 0:
-            raise InputError(f"images must be an array of at least one image, got shape {images.shape}")
-        item_ids = list(item_ids) if item_ids is not None else [uuid.uuid4().hex for _ in range(len(images))]
-        labels = list(labels) if labels is not None else [None] * len(images)
-        if len(item_ids) != len(images) or len(labels) != len(images):
-            raise InputError(f"{len(images)} images but {len(item_ids)} item ids and {len(labels)} labels")
-        if len(set(item_ids)) != len(item_ids) or not all(isinstance(i, str) and i for i in item_ids):
-            raise InputError("item ids must be unique non-empty strings")
-        engine = self.engine()
-        embeddings, side_infos, via = gallery_vectors(engine, images)
-        tag = VersionTag(self.version, self.version, via)
-        rows = [NewRow(i, e, s, None if lab is None else str(lab)) for i, e, s, lab in zip(item_ids, embeddings, side_infos, labels, strict=True)]
-        outbox = [(i, seal_image(self.owner_sealer, i, image)) for i, image in zip(item_ids, images, strict=True)]
-        transition = self.transition
-        previous = None
-        if transition is not None and transition.version == self.version:  # kept for transition scoring
-            u = transition.previous_version
-            previous = (VersionTag(u, u, "native"), self.engine(u).embed(images))
-        self.gallery.add_rows(rows, tag, outbox, query_version=engine.manifest.version, previous=previous)
-        store_hubness_offsets(self.gallery, engine)
+    def add(self, images, *, item_ids: Sequence[str] | None = None, labels: Sequence[str | None] | None = None,
+            upload: bool = True) -> list[str]:
+        """Embed ``images`` locally (φ and ψ of the installed bundle: arrays, or raw items — image
+        file bytes, texts — when it declares preprocessing), store them as sealed rows, and queue
+        each original, sealed under a fresh data key, for the vault (in the same transaction);
+        then try to upload the queue. Returns the item ids; a bad raw item refuses the call
+        (:class:`~fctkit.errors.ItemError`, nothing stored)."""
+        return self.add_items(images, item_ids=item_ids, labels=labels, upload=upload).item_ids
+
+    def add_items(self, items, *, item_ids: Sequence[str] | None = None, labels: Sequence[str | None] | None = None,
+                  upload: bool = True, on_bad_item: OnBadItem = "refuse") -> AddedItems:
+        """:meth:`add`, with the choice of refusing the call or skipping the items the bundle's
+        preprocessing cannot take (``on_bad_item``); says which were skipped and why."""
+        added = add_items(self.parts, items, item_ids, labels, on_bad_item)
         if upload and self.settings.server:
             self.flush_outbox()
-        return item_ids
+        return added
 
     def remove(self, item_ids: Sequence[str]) -> int:
         """Remove items from the gallery (and their queued uploads); returns how many were
@@ -293,10 +280,23 @@ class Device:
         transition scoring or hubness offsets the index holds the prepared vectors (:mod:`.scoring`)."""
         return self.search.searchable()[1:3]
 
-    def query(self, images: np.ndarray, k: int = 5) -> list[list[Match]]:
-        """The ``k`` nearest gallery items of each query image (exact search; during a transition
-        the query is embedded by both versions' models and scored as :mod:`.scoring` says)."""
+    def query(self, images, k: int = 5) -> list[list[Match]]:
+        """The ``k`` nearest gallery items of each query (an array row, or a raw item when the
+        bundle declares preprocessing; exact search; during a transition the query is embedded by
+        both versions' models and scored as :mod:`.scoring` says)."""
         return self.search.query(images, k)
+
+    def query_items(self, items, query_ids: Sequence[str], k: int = 5,
+                    on_bad_item: OnBadItem = "refuse") -> tuple[list[tuple[str, list[Match]]], list[tuple[str, str]]]:
+        """:meth:`query` with ids: (query id, matches) of each query answered, and (query id,
+        reason) of each the bundle's preprocessing cannot take (refused unless ``on_bad_item`` is 'skip')."""
+        version = self.version
+        transition = self.transition
+        engines = [self.engine()] + ([self.engine(transition.previous_version)]
+                                     if transition is not None and transition.version == version else [])
+        usable, ids, skipped = usable_queries(engines, items, query_ids, on_bad_item)
+        answers = self.search.query(usable, k) if len(ids) else []
+        return list(zip(ids, answers, strict=True)), skipped
 
     # -- sync and upgrade -------------------------------------------------------------------
 

@@ -3,6 +3,12 @@
 Execution providers are tried in the order TensorRT → CUDA → CPU among those requested and
 installed; ONNX Runtime silently falls back to CPU when a GPU provider cannot start, so the
 provider actually in use is read back from the session (:attr:`Engine.providers_in_use`).
+Bundles carry ONNX graphs only (no TensorRT engine files): a device with a GPU may run them
+through ONNX Runtime's TensorRT or CUDA provider, a device without one runs them on the CPU.
+
+A bundle that declares preprocessing (:mod:`fctkit.protos.preprocessing_spec`) takes raw items
+(image file bytes, texts) in :meth:`Engine.embed` and :meth:`Engine.side_info`, turned into
+its graphs' inputs by :mod:`fctkit.protos.preprocessing`; others take arrays as they are.
 """
 
 from __future__ import annotations
@@ -13,8 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fctkit.errors import ConfigError, InputError, require
+from fctkit.errors import ConfigError, InputError, ItemError, require
 from fctkit.protos.bundle import Artifact, VerifiedBundle
+from fctkit.protos.preprocessing import Embedded, ItemProblem, Preprocessor, Purpose
 
 PROVIDER_NAMES = {
     "tensorrt": "TensorrtExecutionProvider",
@@ -61,6 +68,7 @@ class Engine:
         self.config = config or EngineConfig()
         self._ort = require("onnxruntime", "cpu")
         self._sessions: dict[str, object] = {}
+        self._preprocessors: dict[str, Preprocessor] = {}
         self.providers_in_use: dict[str, str] = {}
 
     def session(self, artifact: Artifact):
@@ -113,19 +121,76 @@ class Engine:
             raise InputError(f"bundle v{self.manifest.version} has {len(backward)} backward graphs; a device uses one")
         return backward[0] if backward else None
 
-    def embed(self, images: np.ndarray) -> np.ndarray:
-        return self.run(self.manifest.artifact("embed"), images)
+    @property
+    def takes_items(self) -> bool:
+        """Whether the bundle's graphs take raw items (it declares preprocessing), not arrays."""
+        return self.manifest.preprocessing is not None
+
+    def preprocessor(self, role: str) -> Preprocessor | None:
+        """The role's preprocessing bound to its graph (its tokenizer read from the verified bytes)."""
+        declaration = self.manifest.preprocessing.of(role) if self.manifest.preprocessing is not None else None
+        if declaration is None:
+            return None
+        if role not in self._preprocessors:
+            tokenizer = getattr(declaration, "tokenizer", None)
+            data = self.bundle.read_artifact(tokenizer) if tokenizer is not None else None
+            self._preprocessors[role] = Preprocessor(declaration, self.manifest.artifact(role), data)
+        return self._preprocessors[role]
+
+    def embed_items(self, role: str, items, *, purpose: Purpose = "passage", keep_going: bool = False,
+                    progress: Callable[[int], None] | None = None) -> Embedded:
+        """The role's vectors of ``items`` (raw items, or arrays for a bundle without preprocessing),
+        with the items its preprocessing cannot take left out and listed (see :class:`Embedded`)."""
+        artifact = self.manifest.artifact(role)
+        preprocessor = self.preprocessor(role)
+        if preprocessor is None:
+            return Embedded(self.run(artifact, items, progress=progress), list(range(len(items))), [])
+        return preprocessor.embed(items, self.session(artifact).run, purpose=purpose, batch_size=self.config.batch_size,
+                                  keep_going=keep_going, progress=progress)
+
+    def item_problems(self, items, *, purpose: Purpose = "passage") -> list[tuple[int, str]]:
+        """(position, reason) of each raw item a preprocessed role cannot take; runs no graph."""
+        problems: dict[int, str] = {}
+        for role in ("embed", "side_info"):
+            preprocessor = self.preprocessor(role) if role == "embed" or self.manifest.side_info_dim else None
+            for index, item in enumerate(items if preprocessor is not None else ()):
+                try:
+                    preprocessor.prepare(item, purpose)
+                except ItemProblem as problem:
+                    problems.setdefault(index, str(problem))
+        return sorted(problems.items())
+
+    def embed(self, images, *, purpose: Purpose = "passage") -> np.ndarray:
+        """φ of ``images`` (arrays, or raw items when the bundle declares preprocessing);
+        :class:`ItemError` when a raw item cannot be embedded."""
+        return self._vectors("embed", images, purpose)
+
+    def _vectors(self, role: str, items, purpose: Purpose) -> np.ndarray:
+        done = self.embed_items(role, items, purpose=purpose)
+        if done.bad:
+            problems = tuple((f"#{index}", reason) for index, reason in done.bad)
+            raise ItemError(f"bundle v{self.manifest.version} cannot embed {len(problems)} item(s): "
+                            + "; ".join(f"item {i} {r}" for i, r in problems[:5]), problems)
+        return done.vectors
+
+    def row_vectors(self, embeddings: np.ndarray, side_infos: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
+        """What a gallery row of freshly embedded items holds: (embeddings, side-infos, via).
+        Forward mode: φ_v, native; unified mode: B(φ_v), tagged 'backward'."""
+        backward = self.unified_backward()
+        if backward is None:
+            return embeddings, side_infos, "native"
+        return self.run(backward, embeddings), side_infos, "backward"
 
     def query_map(self) -> Artifact | None:
         """The map Q a query embedding goes through before search (forward mode), if the bundle has one."""
         maps = [a for a in self.manifest.artifacts if a.role == "query_map"]
         return maps[0] if maps else None
 
-    def side_info(self, images: np.ndarray) -> np.ndarray:
+    def side_info(self, images, *, purpose: Purpose = "passage") -> np.ndarray:
         """ψ(images), or zero-width vectors when the bundle has no side-info model."""
         if self.manifest.side_info_dim == 0:
             return np.zeros((len(images), 0), dtype=np.float32)
-        return self.run(self.manifest.artifact("side_info"), images)
+        return self._vectors("side_info", images, purpose)
 
 
 def _conform(x: np.ndarray, shape: tuple, name: str, graph: str) -> np.ndarray:

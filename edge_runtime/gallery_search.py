@@ -51,15 +51,16 @@ class GallerySearch:
         self._cache = None
         return True
 
-    def query_vectors(self, images: np.ndarray, version: int) -> np.ndarray:
-        """Query images in the query space of ``version``: φ_v, Q(φ_v) when the bundle has a
-        query map, or B(φ_v) in unified mode."""
+    def query_vectors(self, images, version: int) -> np.ndarray:
+        """Query images (arrays, or raw items for a bundle that declares preprocessing, embedded
+        as queries) in the query space of ``version``: φ_v, Q(φ_v) when the bundle has a query
+        map, or B(φ_v) in unified mode."""
         engine = self.bundles.engine(version)
-        vectors = engine.embed(np.asarray(images))
+        vectors = engine.embed(images if engine.takes_items else np.asarray(images), purpose="query")
         mapping = engine.unified_backward() or engine.query_map()
         return vectors if mapping is None else engine.run(mapping, vectors)
 
-    def query(self, images: np.ndarray, k: int) -> list[list[Match]]:
+    def query(self, images, k: int) -> list[list[Match]]:
         version, index, rows, scoring = self.searchable()
         vectors = self.query_vectors(images, version)
         if scoring.kind == "transition" and len(index):

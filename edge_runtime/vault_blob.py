@@ -1,7 +1,8 @@
 """The encrypted original of an item, as uploaded to the server's vault.
 
 ``FCTB2 | len(wrapped key) (2 bytes) | wrapped data key | sealed image``: the image (an
-``.npy`` serialisation, dtype and shape kept) is sealed under a fresh 256-bit data key, and
+``.npy`` serialisation, dtype and shape kept; a raw item is kept as it came, a file's bytes as
+a uint8 vector and a text as a 0-d string array, see :func:`stored_original`) is sealed under a fresh 256-bit data key, and
 the data key is sealed under the **owner key** with the item id as authenticated data, so
 every device of the owner (backfill on another device, a restored device) can open it and
 the server, which stores these bytes, none of them.
@@ -65,3 +66,20 @@ def open_image(owner: Sealer, item_id: str, blob: bytes, *, device: Sealer | Non
     data_key = wrapping.open(blob[start:start + size], aad, f"item {item_id!r} data key")
     raw = Sealer(data_key).open(blob[start + size:], _image_aad(item_id), f"item {item_id!r} image")
     return np.load(io.BytesIO(raw), allow_pickle=False)
+
+
+def stored_original(item) -> np.ndarray:
+    """The array a raw item (image file bytes, a text) is sealed as; an array stays as it is."""
+    if isinstance(item, (bytes, bytearray)):
+        return np.frombuffer(bytes(item), dtype=np.uint8)
+    if isinstance(item, str):
+        return np.array(item)
+    return np.asarray(item)
+
+
+def original_items(originals: list[np.ndarray], *, raw: bool) -> np.ndarray | list:
+    """Opened originals as an engine takes them: raw items (bytes, texts) for a bundle that
+    declares preprocessing, else one stacked array."""
+    if not raw:
+        return np.stack(originals)
+    return [str(a[()]) if a.dtype.kind == "U" else a.tobytes() for a in originals]

@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fctkit import __version__
 from fctkit.errors import BundleFormatError, ConfigError, GateError, require
 from fctkit.protos.bundle import (
+    FILE_ROLES,
     FORMAT_VERSION,
     MANIFEST_FILE,
     SIGNATURE_FILE,
@@ -38,6 +39,7 @@ from fctkit.protos.bundle import (
     staged_directory,
     verify_bundle,
 )
+from fctkit.protos.preprocessing_spec import Preprocessing, vector_output
 from fctkit.protos.search_policy import HubnessPolicy, TransitionPolicy
 
 from .onnx_graph import graph_io_specs, graph_precision, load_onnx_model
@@ -45,7 +47,7 @@ from .onnx_graph import graph_io_specs, graph_precision, load_onnx_model
 
 @dataclass(frozen=True)
 class ArtifactSource:
-    """An ONNX file to put into a bundle, and what it is.
+    """An ONNX file (or, role ``tokenizer``, a ``tokenizer.json``) to put into a bundle, and what it is.
 
     ``name`` defaults to :func:`~fctkit.protos.bundle.artifact_name` (``embed``,
     ``forward_1_to_2``, …), the key under which the gate records ECC."""
@@ -78,6 +80,7 @@ def build_bundle(
     transition: TransitionPolicy | None = None,
     hubness: HubnessPolicy | None = None,
     parity: Mapping[str, Mapping[str, Any]] | None = None,
+    preprocessing: Preprocessing | None = None,
 ) -> VerifiedBundle:
     """Copy the ONNX files into a new bundle directory ``out_dir``, describe them in a
     manifest, sign it, and return the bundle verified as a device would verify it.
@@ -95,7 +98,9 @@ def build_bundle(
     ``transition`` / ``hubness`` declare how devices score queries during and after the
     upgrade (:mod:`fctkit.protos.search_policy`); a hubness declaration needs the bundle's
     ``hubness`` graph (:func:`fctkit.export.hubness_onnx`). ``parity``: per artifact name,
-    the export's parity check (max_abs_error, tolerance, against), recorded in the manifest."""
+    the export's parity check (max_abs_error, tolerance, against), recorded in the manifest.
+    ``preprocessing``: how devices feed raw items to the embed/side_info graphs
+    (:mod:`fctkit.protos.preprocessing_spec`); its tokenizers are ``tokenizer`` artifacts."""
     cases, ecc = _gate_tables(gate)
     if force and not (force_reason and force_reason.strip()):
         raise GateError("--force needs a reason (--reason '...'): the override is recorded in the signed manifest")
@@ -114,8 +119,8 @@ def build_bundle(
             mode=mode,
             distance=distance,
             normalize=normalize,
-            embedding_dim=_output_dim(described, "embed"),
-            side_info_dim=_output_dim(described, "side_info"),
+            embedding_dim=_output_dim(described, "embed", preprocessing),
+            side_info_dim=_output_dim(described, "side_info", preprocessing),
             artifacts=described,
             gate={"cases": cases, "ecc": ecc, "forced": bool(failures), "force_reason": force_reason if failures else None},
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -125,6 +130,7 @@ def build_bundle(
             transition=transition,
             hubness=hubness,
             parity=None if parity is None else json.loads(json.dumps({k: dict(v) for k, v in parity.items()})),
+            preprocessing=preprocessing,
         )
         manifest_bytes = manifest.canonical_bytes()
         (staging / MANIFEST_FILE).write_bytes(manifest_bytes)
@@ -152,12 +158,15 @@ def _copy_and_describe(source: ArtifactSource, staging: Path) -> Artifact:
     name = source.artifact_name
     src = Path(source.file)
     if not src.is_file():
-        raise BundleFormatError(f"artifact {name!r}: ONNX file {src} does not exist")
-    file_name = f"{name}.onnx"
+        raise BundleFormatError(f"artifact {name!r}: file {src} does not exist")
+    file_name = f"{name}.json" if source.role in FILE_ROLES else f"{name}.onnx"
     copy = staging / file_name
     if copy.exists():
         raise BundleFormatError(f"two artifacts are both named {name!r}: give one a distinct name")
     shutil.copyfile(src, copy)
+    if source.role in FILE_ROLES:
+        sha256, size = file_sha256(copy)
+        return Artifact(name, source.role, file_name, sha256, size, (), (), source.source_version, source.target_version)
     # Describe the copy, not the source, so the manifest matches exactly the bytes bundled.
     model = load_onnx_model(copy)
     inputs, outputs = graph_io_specs(model)
@@ -176,9 +185,10 @@ def _copy_and_describe(source: ArtifactSource, staging: Path) -> Artifact:
     )
 
 
-def _output_dim(artifacts: Sequence[Artifact], role: str) -> int:
+def _output_dim(artifacts: Sequence[Artifact], role: str, preprocessing: Preprocessing | None) -> int:
     matches = [a for a in artifacts if a.role == role]
-    return matches[0].outputs[0].feature_dim if matches else 0
+    declaration = preprocessing.of(role) if preprocessing is not None else None
+    return vector_output(declaration, matches[0])[1] if matches else 0
 
 
 # --------------------------------------------------------------------------- ONNX Runtime check
@@ -191,12 +201,12 @@ _ORT_TYPES = {
 
 
 def check_graphs_load(bundle: VerifiedBundle) -> dict[str, list[str]]:
-    """Load every artifact of a verified bundle in an ONNX Runtime session (from the
+    """Load every graph artifact of a verified bundle in an ONNX Runtime session (from the
     re-verified bytes) and check its input/output names, dims and dtypes against the
     manifest. Returns the execution providers each session uses."""
     ort = require("onnxruntime", "cpu")
     providers: dict[str, list[str]] = {}
-    for artifact in bundle.manifest.artifacts:
+    for artifact in (a for a in bundle.manifest.artifacts if not a.is_file):
         try:
             session = ort.InferenceSession(bundle.read_artifact(artifact), providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own non-exported exception types

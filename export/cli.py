@@ -16,6 +16,7 @@ from .features_release import UserGraphs
 from .keys import PASSPHRASE_ENV, generate_keys, load_private_key, public_key_id, read_passphrase
 from .release import build_release
 from .release_plan import METHODS
+from .user_preprocessing import load_graph_preprocessing
 
 _PASSPHRASE_HELP = f"file holding the key passphrase (or set ${PASSPHRASE_ENV}); never a plain argument"
 _PASSPHRASE_FILE = click.option("--passphrase-file", type=click.Path(dir_okay=False, path_type=Path), help=_PASSPHRASE_HELP)
@@ -120,9 +121,13 @@ def _echo_summary(bundle: VerifiedBundle) -> None:
     click.echo(f"publisher key id {m.publisher_key_id}")
     for a in m.artifacts:
         hop = f" v{a.source_version}->v{a.target_version}" if a.source_version is not None else ""
-        dims = ", ".join(f"{s.name}{list(s.shape)}" for s in a.inputs) + " -> " + ", ".join(
-            f"{s.name}{list(s.shape)}" for s in a.outputs)
+        dims = "a file the preprocessing reads" if a.is_file else ", ".join(
+            f"{s.name}{list(s.shape)}" for s in a.inputs) + " -> " + ", ".join(f"{s.name}{list(s.shape)}" for s in a.outputs)
         click.echo(f"  {a.name:<22} {a.role}{hop} {a.precision} {a.size} B  {dims}")
+    if m.preprocessing is not None:
+        roles = ", ".join(f"{role} ({d.kind})" for role, d in m.preprocessing.roles)
+        click.echo(f"takes raw items: {roles}; every graph is ONNX (no TensorRT engines: a GPU device's ONNX Runtime "
+                   "may build its own, a device without one runs the graphs on the CPU)")
     if m.gate["forced"]:
         click.echo(f"WARNING gate overridden (forced): {m.gate['force_reason']}")
 
@@ -139,12 +144,22 @@ _GRAPH = dict(type=click.Path(exists=True, dir_okay=False, path_type=Path))
                    "methods give unified-mode bundles); for a features-mode run any variant in its gate.json, e.g. "
                    "residual, residual+query-positives+hubness, residual+query-map, residual+query-map+transition — the gate then "
                    "checks ECC, on the task's primary metric, of exactly what devices will run")
-@click.option("--old-graph", **_GRAPH, help="features-mode runs: ONNX graph of the old model (v1's embed role), one float input")
+@click.option("--old-graph", **_GRAPH, help="features-mode runs: ONNX graph of the old model (v1's embed role): one float "
+              "input, or with --preprocessing any inputs its declaration feeds")
 @click.option("--new-graph", **_GRAPH, help="features-mode runs: ONNX graph of the new model (v2's embed role)")
 @click.option("--side-info-graph", **_GRAPH, help="features-mode runs whose features have side-info: the side-info model's graph")
 @click.option("--sample", **_GRAPH, help="features-mode runs: .npz of items' graph inputs ('input', or 'old_input'/"
               "'new_input'/'side_input') and the features your pipeline computed for them ('old', 'new', 'side'); each "
-              "graph must reproduce them (parity, recorded in the manifest)")
+              "graph must reproduce them (parity, recorded in the manifest); with --preprocessing, JSON Lines of raw "
+              "items and their features: {\"text\": ...} or {\"image\": \"path\"} (relative to the sample), \"old\": [...], "
+              "\"new\": [...] (\"side\": [...]), optional \"purpose\": \"query\"")
+@click.option("--preprocessing", "preprocessing_file", **_GRAPH,
+              help="features-mode runs whose graphs take raw items: JSON or TOML (*.toml) declaring how devices turn an "
+                   "image file or a text into the graphs' inputs (one declaration, or tables old/new/side_info; keys in "
+                   "the README); bundles carry it signed")
+@click.option("--tokenizer", "tokenizers", multiple=True, metavar="[GRAPH=]PATH",
+              help="with a text --preprocessing: the tokenizer.json of every text graph (PATH) or of one (old=PATH, "
+                   "new=PATH, side_info=PATH); repeat for several; bundles carry it signed")
 @click.option("--parity-tolerance", default=1e-3, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="largest absolute difference allowed between a graph's outputs and the sample's features")
 @click.option("--transition-days", default=30.0, show_default=True, type=click.FloatRange(min=0),
@@ -158,20 +173,26 @@ _GRAPH = dict(type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @_PASSPHRASE_FILE
 @click.option("--progress/--no-progress", default=True, show_default=True, help="progress bar while exporting")
 def export_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, old_graph: Path | None, new_graph: Path | None,
-                   side_info_graph: Path | None, sample: Path | None, parity_tolerance: float, transition_days: float,
+                   side_info_graph: Path | None, sample: Path | None, preprocessing_file: Path | None,
+                   tokenizers: tuple[str, ...], parity_tolerance: float, transition_days: float,
                    chain: bool, first_version: int, fp16: bool, force: bool, reason: str | None, passphrase_file: Path | None,
                    progress: bool) -> None:
     """Export a `fctkit train` RUN_DIR as signed, versioned bundles ready for `fctkit admin publish`:
     every role exported to ONNX and parity-checked on the run's evaluation data, gated by the
     run's ECC verdicts. A run on features (a retrieval task, a features file) carries your own
-    models: give --old-graph, --new-graph (--side-info-graph) and --sample."""
+    models: give --old-graph, --new-graph (--side-info-graph) and --sample; graphs that take
+    image files or texts need --preprocessing (and --tokenizer for text)."""
     graphs = None
     named = {"--old-graph": old_graph, "--new-graph": new_graph, "--sample": sample}
-    if any(v is not None for v in (*named.values(), side_info_graph)):
+    if any(v is not None for v in (*named.values(), side_info_graph, preprocessing_file)) or tokenizers:
         missing = [name for name, value in named.items() if value is None]
         if missing:
             raise click.UsageError(f"a features-mode export needs {', '.join(missing)} as well")
-        graphs = UserGraphs(old_graph, new_graph, sample, side_info_graph, parity_tolerance)
+        if tokenizers and preprocessing_file is None:
+            raise click.UsageError("--tokenizer goes with a text --preprocessing declaration")
+        preprocessing = None if preprocessing_file is None else load_graph_preprocessing(
+            preprocessing_file, tokenizers, ["old", "new"] + (["side_info"] if side_info_graph else []))
+        graphs = UserGraphs(old_graph, new_graph, sample, side_info_graph, parity_tolerance, preprocessing)
     private_key = load_private_key(key_path, read_passphrase(passphrase_file))
     released = build_release(run_dir, out_dir, private_key=private_key, method=method, first_version=first_version,
                              chain=chain, fp16=fp16, force=force, force_reason=reason, progress=progress, graphs=graphs,

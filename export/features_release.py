@@ -18,9 +18,11 @@ so the ECC verdict that gates v2 is the one judged, on the task's primary metric
 what a device will run; the manifest records every metric of old/old, new/new and the variant.
 
 Each graph of the team is checked before anything is exported or signed (:class:`UserGraphs`):
-one float input, a (batch, d) output whose d is the run's feature dim, finite outputs, and
-parity: on the ``sample`` the team supplies, the graph reproduces the features their own
-pipeline computed, within ``tolerance``. The result is recorded in the manifest.
+a (batch, d) output (after pooling, for text) whose d is the run's feature dim, finite outputs,
+and parity: on the ``sample`` the team supplies, the graph reproduces the features their own
+pipeline computed, within ``tolerance``. The result is recorded in the manifest. A graph fed
+arrays takes one float input; graphs fed raw items (image files, texts) take any inputs their
+preprocessing declaration feeds (:mod:`.user_preprocessing`), which the bundle then carries.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from .hubness_graph import hubness_onnx
 from .onnx_export import ExportResult, ParityReport
 from .onnx_graph import graph_io_specs, graph_precision, load_onnx_model
 from .roles import RoleExport
+from .user_preprocessing import GraphPreprocessing, check_preprocessed_graph, read_item_sample
 
 #: the graphs a team names, the run's feature each must reproduce, and its bundle role
 GRAPH_FEATURES: dict[str, tuple[str, Role]] = {"old": ("old", "embed"), "new": ("new", "embed"), "side_info": ("side", "side_info")}
@@ -54,13 +57,16 @@ class UserGraphs:
 
     ``sample`` is an ``.npz`` holding, for the same items, the graphs' input rows (``input``,
     or one per graph: ``old_input`` / ``new_input`` / ``side_input``) and the features the
-    team's pipeline computed for them (``old``, ``new``, and ``side`` with a side-info graph)."""
+    team's pipeline computed for them (``old``, ``new``, and ``side`` with a side-info graph).
+    With ``preprocessing`` (graphs fed raw items) it is JSON Lines of raw items and their
+    features (:func:`~.user_preprocessing.read_item_sample`)."""
 
     old: Path
     new: Path
     sample: Path
     side_info: Path | None = None
     tolerance: float = 1e-3
+    preprocessing: GraphPreprocessing | None = None
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,8 @@ def declarations(variant: Variant, gate: dict, previous_version: int, transition
 def check_user_graphs(graphs: UserGraphs, features: dict[str, np.ndarray]) -> dict[str, RoleExport]:
     """Each graph checked against the run's feature dims and the sample (see the module
     docstring); keyed ``graph:old``, ``graph:new``, ``graph:side_info``."""
+    if graphs.preprocessing is not None:
+        return _check_preprocessed_graphs(graphs, graphs.preprocessing, features)
     sample = _read_sample(graphs)
     checked = {}
     for name, path in (("old", graphs.old), ("new", graphs.new), ("side_info", graphs.side_info)):
@@ -130,15 +138,29 @@ def check_user_graphs(graphs: UserGraphs, features: dict[str, np.ndarray]) -> di
     return checked
 
 
+def _check_preprocessed_graphs(graphs: UserGraphs, preprocessing: GraphPreprocessing,
+                               features: dict[str, np.ndarray]) -> dict[str, RoleExport]:
+    named = {name: path for name, path in (("old", graphs.old), ("new", graphs.new), ("side_info", graphs.side_info)) if path}
+    sample = read_item_sample(graphs.sample, preprocessing.kind, [GRAPH_FEATURES[name][0] for name in named])
+    checked = {}
+    for name, path in named.items():
+        feature, role = GRAPH_FEATURES[name]
+        checked[f"graph:{name}"] = check_preprocessed_graph(
+            Path(path), role, preprocessing.declarations[name], preprocessing.tokenizers.get(name), sample,
+            sample.features[feature], features[feature].shape[1], graphs.tolerance, f"the {name} graph")
+    return checked
+
+
 def check_user_graph(path: Path, role: Role, rows: np.ndarray, expected: np.ndarray, feature_dim: int, tolerance: float,
                      what: str) -> RoleExport:
     ort = require("onnxruntime", "cpu")
     model = load_onnx_model(path)
     inputs, outputs = graph_io_specs(model)
-    if len(inputs) != 1 or not inputs[0].dtype.startswith("float"):
-        raise ExportError(f"{what} ({path}) takes {[(s.name, s.dtype) for s in inputs]}: a device feeds one float array per "
-                          "item (images or pre-processed arrays); graphs that take token ids need a preprocessing "
-                          "declaration, which this fctkit does not build yet")
+    if len(inputs) != 1 or not inputs[0].dtype.startswith("float") or inputs[0].dynamic:
+        raise ExportError(f"{what} ({path}) takes {[(s.name, s.dtype, s.shape) for s in inputs]}: without preprocessing a "
+                          "device feeds one float array of fixed shape per item; graphs that take token ids need a "
+                          "preprocessing declaration, as do graphs fed image files: give one with --preprocessing (and "
+                          "--tokenizer)")
     output = outputs[0]
     if len(output.shape) != 2 or output.feature_dim != feature_dim:
         raise ExportError(f"{what} ({path}) outputs {output.name!r} of shape {output.shape}, but the run's features are "

@@ -38,8 +38,8 @@ def load_onnx_model(path: str | os.PathLike) -> Any:
 def graph_io_specs(model: Any) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """The graph's real inputs (initializers excluded) and outputs as :class:`TensorSpec`.
 
-    A symbolic first axis becomes ``None`` (the dynamic batch); any other symbolic axis is
-    an error, since devices need fixed feature dims."""
+    A symbolic axis becomes ``None``: the first is the dynamic batch; others (a text graph's
+    tokens) are allowed by the manifest only where a text preprocessing declaration feeds them."""
     initializers = {t.name for t in model.graph.initializer}
     inputs = tuple(_spec(v) for v in model.graph.input if v.name not in initializers)
     outputs = tuple(_spec(v) for v in model.graph.output)
@@ -60,16 +60,8 @@ def _spec(value_info: Any) -> TensorSpec:
     dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type).name
     dims = list(tensor_type.shape.dim)
     shape: list[int | None] = []
-    for axis, dim in enumerate(dims):
-        if dim.HasField("dim_value"):
-            shape.append(int(dim.dim_value))
-        elif axis == 0:
-            shape.append(None)
-        else:
-            raise ExportError(
-                f"graph tensor {value_info.name!r} has a symbolic axis {axis} ({dim.dim_param or '?'}); only the "
-                "batch axis (0) may be dynamic"
-            )
+    for dim in dims:
+        shape.append(int(dim.dim_value) if dim.HasField("dim_value") else None)
     if not shape or shape[0] is not None:
         raise ExportError(
             f"graph tensor {value_info.name!r} has shape {shape}: its first axis must be the dynamic batch axis; "

@@ -27,6 +27,7 @@ from .features_release import UserGraphs, check_user_graphs, hubness_role
 from .release_plan import RolePlan, VersionPlan, plan_release
 from .roles import RoleExport, export_role
 from .trained_run import TrainedRun
+from .user_preprocessing import bundle_preprocessing
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,12 @@ def _build_versions(run: TrainedRun, plans: Sequence[VersionPlan], out_dir: Path
         with export.bar:
             for plan in plans:
                 exports = tuple((role, export(role)) for role in plan.roles)
+                preprocessing, tokenizers = bundle_preprocessing([e for _, e in exports])
                 build_bundle(
                     scratch / f"v{plan.version}", version=plan.version, parents=plan.parents, mode=plan.mode,
                     distance=run.distance, normalize=run.distance == "cosine",
-                    artifacts=[e.artifact for _, e in exports], gate=plan.gate, private_key=private_key,
-                    force=force, force_reason=force_reason, **plan.declarations,
+                    artifacts=[e.artifact for _, e in exports] + tokenizers, gate=plan.gate, private_key=private_key,
+                    force=force, force_reason=force_reason, preprocessing=preprocessing, **plan.declarations,
                     parity={role.name: {"max_abs_error": e.parity.max_abs_error, "tolerance": e.parity.tolerance,
                                         "against": e.parity.against} for role, e in exports},
                 )

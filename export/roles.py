@@ -56,6 +56,10 @@ class RoleExport:
     parity: ParityReport
     source_version: int | None = None
     target_version: int | None = None
+    #: a team's graph fed raw items: its preprocessing declaration (fctkit.protos.preprocessing_spec)
+    #: and, for text, its tokenizer.json
+    declaration: Any = None
+    tokenizer: Path | None = None
 
     @property
     def artifact(self) -> ArtifactSource:

@@ -1,7 +1,9 @@
 """One artifact of a bundle: an ONNX file (:class:`Artifact`) and its tensors (:class:`TensorSpec`).
 
 Artifact graphs take the embedding (or image) as their first input and, when they use it,
-the side-info as their second; every tensor's first axis is the dynamic batch. ``fctkit.export``
+the side-info as their second; every tensor's first axis is the dynamic batch. A text graph's
+sequence axes may be dynamic too (``None``); the manifest's preprocessing section says what
+feeds them. A ``tokenizer`` artifact is a file, not a graph: no inputs, no outputs. ``fctkit.export``
 names them ``image``/``old``/``new`` and ``side``, outputs ``embedding``/``side_info``/``sigma``;
 the manifest records the exact names and dims, which ``fctkit bundle verify`` checks
 against the graphs.
@@ -14,13 +16,14 @@ from typing import Any
 
 from fctkit.errors import BundleFormatError
 
-from .bundle_vocabulary import DTYPES, HEX64, PRECISIONS, RESERVED_FILES, ROLES, SAFE_NAME, TRANSFORM_ROLES, Role
+from .bundle_vocabulary import DTYPES, FILE_ROLES, HEX64, PRECISIONS, RESERVED_FILES, ROLES, SAFE_NAME, TRANSFORM_ROLES, Role
 from .strict_json import exact_keys, is_int, optional_int, typed
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One graph input or output; ``None`` in ``shape`` marks the dynamic batch axis."""
+    """One graph input or output; ``None`` in ``shape`` marks a dynamic axis (the first always is:
+    the batch)."""
 
     name: str
     shape: tuple[int | None, ...]
@@ -34,15 +37,22 @@ class TensorSpec:
             raise BundleFormatError(f"{where}: the shape must be a non-empty tuple, got {self.shape!r}")
         if self.shape[0] is not None:
             raise BundleFormatError(f"{where}: the first axis must be the dynamic batch axis (None), got {self.shape!r}")
-        if not all(is_int(d) and d > 0 for d in self.shape[1:]):
-            raise BundleFormatError(f"{where}: every axis after the batch must be a positive integer, got {self.shape!r}")
+        if not all(d is None or (is_int(d) and d > 0) for d in self.shape[1:]):
+            raise BundleFormatError(f"{where}: every axis after the batch must be a positive integer or dynamic, got {self.shape!r}")
         if self.dtype not in DTYPES:
             raise BundleFormatError(f"{where}: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
 
     @property
     def feature_dim(self) -> int:
         """The size of the last axis (the embedding / side-info dimension for 2-D tensors)."""
+        if len(self.shape) > 1 and self.shape[-1] is None:
+            raise BundleFormatError(f"tensor {self.name!r}: its last axis is dynamic, so it has no feature dim")
         return int(self.shape[-1]) if len(self.shape) > 1 else 1
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether an axis after the batch is dynamic."""
+        return any(d is None for d in self.shape[1:])
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
@@ -92,13 +102,16 @@ class Artifact:
         if not is_int(self.size) or self.size <= 0:
             raise BundleFormatError(f"{where}: size must be a positive integer, got {self.size!r}")
         for kind, specs in (("inputs", self.inputs), ("outputs", self.outputs)):
-            if not isinstance(specs, tuple) or not specs or not all(isinstance(s, TensorSpec) for s in specs):
+            if self.is_file and specs != ():
+                raise BundleFormatError(f"{where}: a {self.role} artifact is a file, not a graph: it has no {kind}")
+            if not self.is_file and (not isinstance(specs, tuple) or not specs or not all(isinstance(s, TensorSpec) for s in specs)):
                 raise BundleFormatError(f"{where}: {kind} must be a non-empty tuple of TensorSpec")
             names = [s.name for s in specs]
             if len(set(names)) != len(names):
                 raise BundleFormatError(f"{where}: duplicate {kind} names {names}")
-        if self.precision not in PRECISIONS:
-            raise BundleFormatError(f"{where}: precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.precision not in PRECISIONS or (self.is_file and self.precision != PRECISIONS[0]):
+            allowed = PRECISIONS[:1] if self.is_file else PRECISIONS  # a file keeps the default: one canonical form
+            raise BundleFormatError(f"{where}: precision {self.precision!r} is not one of {', '.join(allowed)}")
         for field in ("source_version", "target_version"):
             value = getattr(self, field)
             if self.role in TRANSFORM_ROLES:
@@ -108,6 +121,11 @@ class Artifact:
                 raise BundleFormatError(f"{where}: a {self.role} artifact has no {field} (got {value!r})")
         if self.role in TRANSFORM_ROLES and self.source_version == self.target_version:
             raise BundleFormatError(f"{where}: source_version and target_version are both {self.source_version}")
+
+    @property
+    def is_file(self) -> bool:
+        """A file the preprocessing reads (a tokenizer), not an ONNX graph."""
+        return self.role in FILE_ROLES
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -14,6 +14,8 @@ piece lives in its own module (lower ones never import higher ones):
   distances, dtypes, size limits, default artifact names;
 - :mod:`~fctkit.protos.artifact_spec` — :class:`TensorSpec` and :class:`Artifact`;
 - :mod:`~fctkit.protos.manifest_rules` — the manifest's consistency rules and publishing gate;
+- :mod:`~fctkit.protos.preprocessing_spec` — the manifest's preprocessing declarations (raw
+  images and texts to graph inputs); :mod:`~fctkit.protos.preprocessing` applies them;
 - :mod:`~fctkit.protos.manifest` — :class:`Manifest`, its canonical bytes and strict parsing;
 - :mod:`~fctkit.protos.manifest_signature` — publisher keys, key ids, the manifest signature;
 - :mod:`~fctkit.protos.durable_files` — bounded reads of regular files, SHA-256, fsync,
@@ -22,7 +24,8 @@ piece lives in its own module (lower ones never import higher ones):
   the replay/rollback check;
 - :mod:`~fctkit.protos.bundle_archive` — :func:`pack_bundle` and the safe :func:`unpack_bundle`.
 
-The format only: stdlib + cryptography, no torch, no onnxruntime.
+The format only: stdlib + cryptography, no torch, no onnxruntime (applying a preprocessing
+declaration needs numpy, and Pillow or ``tokenizers`` when first used).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .bundle_verification import VerifiedBundle, check_version_is_newer, verify_
 from .bundle_vocabulary import (
     DISTANCES,
     DTYPES,
+    FILE_ROLES,
     FORMAT_VERSION,
     GATED_ROLES,
     MANIFEST_FILE,
@@ -58,5 +62,5 @@ __all__ = [
     "ROLES", "MODES", "DISTANCES", "TRANSFORM_ROLES", "GATED_ROLES", "TensorSpec", "Artifact", "Manifest",
     "VerifiedBundle", "artifact_name", "gate_failures", "gated_artifacts", "load_public_key", "public_key_id", "verify_manifest",
     "verify_bundle", "check_version_is_newer", "file_sha256", "fsync_dir", "staged_directory", "pack_bundle", "unpack_bundle",
-    "DTYPES", "PRECISIONS", "MAX_MANIFEST_BYTES", "DEFAULT_MAX_MEMBERS", "DEFAULT_MAX_FILE_BYTES", "DEFAULT_MAX_TOTAL_BYTES",
+    "DTYPES", "FILE_ROLES", "PRECISIONS", "MAX_MANIFEST_BYTES", "DEFAULT_MAX_MEMBERS", "DEFAULT_MAX_FILE_BYTES", "DEFAULT_MAX_TOTAL_BYTES",
 ]

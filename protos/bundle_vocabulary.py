@@ -1,5 +1,5 @@
 """The bundle format's fixed vocabulary: its two signed file names, the format version, the
-artifact roles, manifest modes and distances, tensor dtypes and precisions, the manifest's
+artifact roles (graphs and files), manifest modes and distances, tensor dtypes and precisions, the manifest's
 size limit, the patterns of a plain file name and a SHA-256 hex digest, and default artifact
 names. Every other bundle module builds on these."""
 
@@ -13,7 +13,7 @@ SIGNATURE_FILE = "manifest.sig"
 FORMAT_VERSION = 1
 SIGNATURE_SIZE = 64
 
-Role = Literal["embed", "side_info", "forward", "side_forward", "backward", "uncertainty", "query_map", "hubness"]
+Role = Literal["embed", "side_info", "forward", "side_forward", "backward", "uncertainty", "query_map", "hubness", "tokenizer"]
 Mode = Literal["forward", "unified", "compatible"]
 Distance = Literal["l2", "cosine"]
 ROLES: tuple[str, ...] = get_args(Role)
@@ -21,6 +21,9 @@ MODES: tuple[str, ...] = get_args(Mode)
 DISTANCES: tuple[str, ...] = get_args(Distance)
 #: Roles that map one version's space to another's; they carry source/target versions.
 TRANSFORM_ROLES = ("forward", "side_forward", "backward", "uncertainty")
+#: Roles whose files are not ONNX graphs (no inputs, no outputs): a text model's ``tokenizer.json``,
+#: hashed and signed like the graphs and named by the manifest's preprocessing section.
+FILE_ROLES = ("tokenizer",)
 #: Roles whose empirical compatibility criterion (ECC) gates publishing (and, in a "compatible"
 #: bundle with parents, its embed graph: see gated_artifacts).
 GATED_ROLES = ("forward", "backward")

@@ -14,6 +14,7 @@ from fctkit.errors import BundleFormatError
 from .artifact_spec import Artifact
 from .bundle_vocabulary import MANIFEST_FILE, MAX_MANIFEST_BYTES, Distance, Mode
 from .manifest_rules import check_manifest
+from .preprocessing_spec import Preprocessing
 from .search_policy import HubnessPolicy, TransitionPolicy
 from .strict_json import canonical_json, exact_keys, reject_constant, typed
 
@@ -22,7 +23,7 @@ _MANIFEST_KEYS = (
     "side_info_dim", "artifacts", "gate", "created_at", "kit_version", "publisher_key_id",
 )
 #: Keys a manifest may omit; absent keys are not written, so older manifests keep their bytes.
-_OPTIONAL_MANIFEST_KEYS = ("compatible_prefix_dim", "transition", "hubness", "parity")
+_OPTIONAL_MANIFEST_KEYS = ("compatible_prefix_dim", "transition", "hubness", "parity", "preprocessing")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class Manifest:
     #: artifact name -> {"max_abs_error", "tolerance", "against"}: how closely each graph reproduced
     #: its reference at export (torch, the team's own features, numpy)
     parity: dict | None = None
+    #: how raw items (image files, texts) become the embed/side_info graphs' inputs
+    #: (fctkit.protos.preprocessing_spec); None: devices pass arrays as they are
+    preprocessing: Preprocessing | None = None
 
     def __post_init__(self) -> None:
         check_manifest(self)
@@ -77,7 +81,9 @@ class Manifest:
         } | {key: value for key, value in (("compatible_prefix_dim", self.compatible_prefix_dim),
                                           ("transition", self.transition and self.transition.to_json()),
                                           ("hubness", self.hubness and self.hubness.to_json()),
-                                          ("parity", self.parity)) if value is not None}
+                                          ("parity", self.parity),
+                                          ("preprocessing", self.preprocessing and self.preprocessing.to_json()))
+              if value is not None}
 
     @property
     def compatible_dims(self) -> int:
@@ -116,6 +122,8 @@ class Manifest:
             transition=TransitionPolicy.from_json(optional["transition"], f"{where}.transition") if "transition" in optional else None,
             hubness=HubnessPolicy.from_json(optional["hubness"], f"{where}.hubness") if "hubness" in optional else None,
             parity=typed(optional["parity"], dict, f"{where}.parity") if "parity" in optional else None,
+            preprocessing=(Preprocessing.from_json(optional["preprocessing"], f"{where}.preprocessing")
+                           if "preprocessing" in optional else None),
         )
         if manifest.canonical_bytes() != data:
             raise BundleFormatError(

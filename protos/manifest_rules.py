@@ -16,6 +16,7 @@ from fctkit.errors import BundleFormatError
 
 from .artifact_spec import Artifact, TensorSpec
 from .bundle_vocabulary import DISTANCES, FORMAT_VERSION, GATED_ROLES, HEX64, MANIFEST_FILE, MODES, TRANSFORM_ROLES
+from .preprocessing_spec import Preprocessing, check_preprocessing, vector_output
 from .search_policy import check_search_policies
 from .strict_json import exact_keys, is_int, is_number, typed
 
@@ -79,7 +80,7 @@ def _check_artifacts(m: Any) -> None:
         values = [getattr(a, attr) for a in arts]
         if len(set(values)) != len(values):
             raise BundleFormatError(f"{MANIFEST_FILE}: artifact {attr}s must be unique, got {values}")
-    keys = [(a.role, a.source_version, a.target_version) for a in arts]
+    keys = [(a.role, a.source_version, a.target_version) for a in arts if not a.is_file]  # files go by name
     if len(set(keys)) != len(keys):
         raise BundleFormatError(f"{MANIFEST_FILE}: two artifacts share a role and source/target versions")
     embeds = [a for a in arts if a.role == "embed"]
@@ -95,8 +96,14 @@ def _check_artifacts(m: Any) -> None:
             raise BundleFormatError(f"bundle v{m.version}: a query_map artifact belongs to a forward-mode bundle, not {m.mode!r}")
         _require_dim(query_map.inputs[0], m.embedding_dim, f"query_map artifact {query_map.name!r} input", "embedding_dim")
         _require_dim(query_map.outputs[0], m.embedding_dim, f"query_map artifact {query_map.name!r} output", "embedding_dim")
-    _require_dim(embeds[0].outputs[0], m.embedding_dim, f"embed artifact {embeds[0].name!r} output", "embedding_dim")
-    expected_side = side_infos[0].outputs[0].feature_dim if side_infos else 0
+    if m.preprocessing is not None and not isinstance(m.preprocessing, Preprocessing):
+        raise BundleFormatError(f"{MANIFEST_FILE}: preprocessing must be a Preprocessing section")
+    check_preprocessing(m.preprocessing, arts)
+    embed_output, embed_dim = vector_output(_declared(m, "embed"), embeds[0])
+    if embed_dim != m.embedding_dim:
+        raise BundleFormatError(f"embed artifact {embeds[0].name!r} output {embed_output.name!r} has shape "
+                                f"{embed_output.shape}, but the manifest's embedding_dim is {m.embedding_dim}")
+    expected_side = vector_output(_declared(m, "side_info"), side_infos[0])[1] if side_infos else 0
     if m.side_info_dim != expected_side:
         raise BundleFormatError(
             f"bundle v{m.version}: side_info_dim is {m.side_info_dim} but the side_info artifact gives {expected_side}"
@@ -126,6 +133,10 @@ def _check_artifacts(m: Any) -> None:
             _require_dim(a.inputs[0], m.embedding_dim, f"{where} input", "embedding_dim")
         if a.role == "uncertainty" and a.source_version not in forward_sources:
             raise BundleFormatError(f"{where}: there is no forward artifact from v{a.source_version} for it to qualify")
+
+
+def _declared(m: Any, role: str) -> Any:
+    return None if m.preprocessing is None else m.preprocessing.of(role)
 
 
 def _check_parity(m: Any) -> None:

@@ -42,7 +42,7 @@ def test_cli_device_without_torch(published_v1, tmp_path, images):
     ]
     outputs = device_cli_steps(steps)
     assert json.loads(outputs[2])["installed_after"] == 1
-    assert json.loads(outputs[3]) == {"added": 6, "rows": 6, "queued_uploads": 0}
+    assert json.loads(outputs[3]) == {"added": 6, "skipped": [], "rows": 6, "queued_uploads": 0}
     assert [json.loads(line)[0]["item_id"] for line in outputs[4].splitlines()] == ["c0", "c1"]
     assert json.loads(outputs[4].splitlines()[0])[0]["label"] == "a"
     status = json.loads(outputs[5])

@@ -27,6 +27,10 @@ TORCH_FREE_MODULES = [
     "fctkit.protos",
     "fctkit.server",
     "fctkit.edge_runtime",
+    "fctkit.edge_runtime.adding",
+    "fctkit.edge_runtime.item_sources",
+    "fctkit.protos.preprocessing",
+    "fctkit.protos.preprocessing_spec",
 ]
 
 BLOCK_TORCH = textwrap.dedent(

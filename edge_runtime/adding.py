@@ -1,0 +1,142 @@
+"""Adding items to a device's gallery, and checking query items, for both kinds of bundle: one
+that takes arrays, and one that declares preprocessing and takes raw items (image file bytes,
+texts).
+
+An item the installed bundle's preprocessing cannot take (a corrupt image, an empty text, a
+text over the declared limit; during a transition, over the previous version's limit too) is
+reported by id: ``on_bad_item="refuse"`` refuses the whole call before anything is stored,
+``"skip"`` stores the others. Each stored row's original (the array, or the raw item as it
+came) is sealed for the vault in the same transaction.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from fctkit.errors import InputError, ItemError
+
+from .device_parts import DeviceParts
+from .engine import Engine
+from .gallery_rows import NewRow, VersionTag
+from .scoring import TransitionState, store_hubness_offsets
+from .vault_blob import seal_image, stored_original
+
+OnBadItem = Literal["refuse", "skip"]
+ON_BAD_ITEM: tuple[str, ...] = ("refuse", "skip")
+
+
+@dataclass(frozen=True)
+class AddedItems:
+    """The ids stored, and (id, reason) of each item left out (``on_bad_item="skip"``)."""
+
+    item_ids: list[str]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+def add_items(parts: DeviceParts, items, item_ids: Sequence[str] | None, labels: Sequence[str | None] | None,
+              on_bad_item: OnBadItem = "refuse") -> AddedItems:
+    """Embed ``items`` with the installed bundle and store them (see the module docstring)."""
+    if on_bad_item not in ON_BAD_ITEM:
+        raise InputError(f"on_bad_item must be one of {', '.join(ON_BAD_ITEM)}, got {on_bad_item!r}")
+    engine = parts.engine()
+    items = checked_items(engine, items)
+    item_ids = list(item_ids) if item_ids is not None else [uuid.uuid4().hex for _ in range(len(items))]
+    labels = list(labels) if labels is not None else [None] * len(items)
+    if len(item_ids) != len(items) or len(labels) != len(items):
+        raise InputError(f"{len(items)} items but {len(item_ids)} item ids and {len(labels)} labels")
+    if len(set(item_ids)) != len(item_ids) or not all(isinstance(i, str) and i for i in item_ids):
+        raise InputError("item ids must be unique non-empty strings")
+    transition = TransitionState.from_json(parts.gallery.meta("transition"))
+    previous = parts.engine(transition.previous_version) if transition and transition.version == parts.version else None
+    good, bad, vectors = _embedded(parts, engine, previous, items, keep_going=on_bad_item == "skip")
+    skipped = [(item_ids[i], reason) for i, reason in bad]
+    if skipped and on_bad_item == "refuse":
+        raise bad_items_error(skipped, "nothing was added")
+    if not good:
+        return AddedItems([], skipped)
+    embeddings, side_infos, via = engine.row_vectors(vectors["embed"], vectors["side_info"])
+    tag = VersionTag(parts.version, parts.version, via)
+    rows = [NewRow(item_ids[i], embeddings[k], side_infos[k], None if labels[i] is None else str(labels[i]))
+            for k, i in enumerate(good)]
+    outbox = [(item_ids[i], seal_image(parts.owner_sealer, item_ids[i], stored_original(items[i]))) for i in good]
+    kept = None
+    if previous is not None:  # kept for transition scoring
+        u = transition.previous_version
+        kept = (VersionTag(u, u, "native"), vectors["previous"])
+    parts.gallery.add_rows(rows, tag, outbox, query_version=engine.manifest.version, previous=kept)
+    store_hubness_offsets(parts.gallery, engine)
+    return AddedItems([item_ids[i] for i in good], skipped)
+
+
+def checked_items(engine: Engine, items):
+    """``items`` as ``engine`` takes them: a list of raw items (bytes, str) or an array of at least one row."""
+    if engine.takes_items:
+        items = list(items)
+        if not items:
+            raise InputError("give at least one item")
+        kinds = {type(i).__name__ for i in items if not isinstance(i, (bytes, bytearray, str))}
+        if kinds:
+            raise InputError(f"bundle v{engine.manifest.version} takes raw items (image file bytes or texts), got {sorted(kinds)}")
+        return items
+    if not isinstance(items, np.ndarray) and len(items) and isinstance(items[0], (bytes, bytearray, str)):
+        raise InputError(f"bundle v{engine.manifest.version} declares no preprocessing: it takes arrays (.npy/.npz), not "
+                         "image files or texts")
+    items = np.asarray(items)
+    if items.ndim < 2 or len(items) == 0:
+        raise InputError(f"images must be an array of at least one image, got shape {items.shape}")
+    return items
+
+
+def _embedded(parts: DeviceParts, engine: Engine, previous: Engine | None, items,
+              keep_going: bool) -> tuple[list[int], list[tuple[int, str]], dict[str, np.ndarray]]:
+    """The positions of the good items, (position, reason) of the bad ones, and each role's
+    vectors of the good ones ('embed', 'side_info', and 'previous' during a transition)."""
+    from tqdm import tqdm
+
+    with tqdm(total=len(items), desc=f"embed v{engine.manifest.version}", unit="item", leave=False,
+              disable=not parts.progress or len(items) < 2048) as bar:
+        runs = {"embed": engine.embed_items("embed", items, keep_going=keep_going, progress=bar.update)}
+    if engine.manifest.side_info_dim:
+        runs["side_info"] = engine.embed_items("side_info", items, keep_going=keep_going)
+    if previous is not None:
+        runs["previous"] = previous.embed_items("embed", items, keep_going=keep_going)
+    bad: dict[int, str] = {}
+    for done in runs.values():
+        for index, reason in done.bad:
+            bad.setdefault(index, reason)
+    good = [i for i in range(len(items)) if i not in bad]
+    if bad and not keep_going:
+        return good, sorted(bad.items()), {}
+    vectors = {name: done.vectors[np.searchsorted(done.good, good)] for name, done in runs.items()}
+    vectors.setdefault("side_info", np.zeros((len(good), 0), np.float32))
+    return good, sorted(bad.items()), vectors
+
+
+def usable_queries(engines: Sequence[Engine], items, query_ids: Sequence[str], on_bad_item: OnBadItem):
+    """The query items every engine (the query version's, and the previous one's during a
+    transition) can take, their ids, and (id, reason) of the others; refused when
+    ``on_bad_item`` is 'refuse' and any is bad."""
+    if not engines[0].takes_items:
+        return checked_items(engines[0], items), list(query_ids), []
+    items = checked_items(engines[0], items)
+    bad: dict[int, str] = {}
+    for engine in engines:
+        for index, reason in engine.item_problems(items, purpose="query"):
+            bad.setdefault(index, reason)
+    skipped = [(query_ids[i], reason) for i, reason in sorted(bad.items())]
+    if skipped and on_bad_item == "refuse":
+        raise bad_items_error(skipped, "no query was answered")
+    keep = [i for i in range(len(items)) if i not in bad]
+    return [items[i] for i in keep], [query_ids[i] for i in keep], skipped
+
+
+def bad_items_error(problems: list[tuple[str, str]], outcome: str) -> ItemError:
+    listed = "; ".join(f"{item_id!r} {reason}" for item_id, reason in problems[:10])
+    more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+    return ItemError(f"{len(problems)} item(s) cannot be embedded, {outcome}: {listed}{more}; fix or drop them, or "
+                     "skip them (--on-bad-item skip)", tuple(problems))
