@@ -42,9 +42,9 @@ from fctkit.trainer.method_names import JOINT_FITS, joint_fit_of
 
 from .hubness_graph import hubness_onnx
 from .onnx_export import ExportResult, ParityReport
-from .onnx_graph import graph_io_specs, graph_precision, load_onnx_model
+from .onnx_graph import graph_io_specs, load_onnx_model
 from .roles import RoleExport
-from .user_preprocessing import GraphPreprocessing, check_preprocessed_graph, read_item_sample
+from .user_preprocessing import GraphPreprocessing, check_preprocessed_graph, checked_against_sample, read_item_sample
 
 #: the graphs a team names, the run's feature each must reproduce, and its bundle role
 GRAPH_FEATURES: dict[str, tuple[str, Role]] = {"old": ("old", "embed"), "new": ("new", "embed"), "side_info": ("side", "side_info")}
@@ -172,16 +172,8 @@ def check_user_graph(path: Path, role: Role, rows: np.ndarray, expected: np.ndar
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     start = time.perf_counter()
     produced = session.run([output.name], {inputs[0].name: rows.astype(np.float32)})[0]
-    seconds = time.perf_counter() - start
-    if not np.isfinite(produced).all():
-        raise ExportError(f"{what} ({path}) produces NaN or inf on the sample: the graph is broken or needs other inputs")
-    error = float(np.abs(produced - expected).max())
-    if error > tolerance:
-        raise ExportError(f"{what} ({path}) differs from the sample's features by up to {error:.3g} (tolerance "
-                          f"{tolerance:g}): it is not the model those features came from, or its preprocessing differs")
-    precision = graph_precision(model)
-    result = ExportResult(path, int(model.opset_import[0].version), precision, inputs, outputs, path.stat().st_size, seconds)
-    parity = ParityReport(path, precision, tolerance, error, float(np.abs(expected).max()), against="the sample's features")
+    result, parity = checked_against_sample(f"{what} ({path})", path, model, produced, expected, tolerance,
+                                            time.perf_counter() - start, "the sample's features")
     return RoleExport(role, result, parity)
 
 

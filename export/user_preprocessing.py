@@ -185,18 +185,26 @@ def check_preprocessed_graph(path: Path, role: Role, declaration: Declaration, t
                           f"{feature_dim}-d: name the graph of the model the features came from")
     start = time.perf_counter()
     produced = _embedded(preprocessor, model, sample, dim, f"{what} ({path})")
-    seconds = time.perf_counter() - start
+    result, parity = checked_against_sample(f"{what} ({path})", path, model, produced, expected, tolerance,
+                                            time.perf_counter() - start,
+                                            "the sample's features, from its raw items through the declared preprocessing")
+    return RoleExport(role, result, parity, declaration=declaration, tokenizer=tokenizer)
+
+
+def checked_against_sample(what: str, path: Path, model: Any, produced: np.ndarray, expected: np.ndarray, tolerance: float,
+                           seconds: float, against: str) -> tuple[ExportResult, ParityReport]:
+    """A team's graph's outputs on the sample, checked against the features their pipeline
+    computed: finite and within ``tolerance``; the export result and parity the manifest records."""
     if not np.isfinite(produced).all():
-        raise ExportError(f"{what} ({path}) produces NaN or inf on the sample: the graph is broken or needs other inputs")
+        raise ExportError(f"{what} produces NaN or inf on the sample: the graph is broken or needs other inputs")
     error = float(np.abs(produced - expected).max())
     if error > tolerance:
-        raise ExportError(f"{what} ({path}) differs from the sample's features by up to {error:.3g} (tolerance "
+        raise ExportError(f"{what} differs from the sample's features by up to {error:.3g} (tolerance "
                           f"{tolerance:g}): it is not the model those features came from, or its preprocessing differs")
     precision = graph_precision(model)
+    inputs, outputs = graph_io_specs(model)
     result = ExportResult(path, int(model.opset_import[0].version), precision, inputs, outputs, path.stat().st_size, seconds)
-    parity = ParityReport(path, precision, tolerance, error, float(np.abs(expected).max()),
-                          against="the sample's features, from its raw items through the declared preprocessing")
-    return RoleExport(role, result, parity, declaration=declaration, tokenizer=tokenizer)
+    return result, ParityReport(path, precision, tolerance, error, float(np.abs(expected).max()), against=against)
 
 
 def _embedded(preprocessor: Preprocessor, model: Any, sample: ItemSample, dim: int, what: str) -> np.ndarray:
