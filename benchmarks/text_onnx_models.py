@@ -73,22 +73,13 @@ class ExportedModel:
 # --- reading the sentence-transformers folder ------------------------------------------------
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise BenchmarkSetupError(f"cannot read {path}: {error}") from error
-
-
-def check_mean_pooled(model_dir: Path) -> None:
-    """The folder's modules must be Transformer → mean Pooling → Normalize: what the declaration says."""
-    kinds = [m["type"].rsplit(".", 1)[-1] for m in _read_json(model_dir / "modules.json")]
+def check_mean_pooled(model: Any, model_dir: Path) -> None:
+    """The model's modules must be Transformer → mean Pooling → Normalize: what the declaration says."""
+    kinds = [type(module).__name__ for module in model]
     if kinds != ["Transformer", "Pooling", "Normalize"]:
         raise BenchmarkSetupError(f"{model_dir}: expected the modules Transformer, Pooling, Normalize, found {kinds}")
-    pooling = _read_json(model_dir / "1_Pooling" / "config.json")
-    modes = sorted(k for k, v in pooling.items() if k.startswith("pooling_mode") and v)
-    if modes != ["pooling_mode_mean_tokens"]:
-        raise BenchmarkSetupError(f"{model_dir}: the declaration says mean pooling, the model pools with {modes}")
+    if model[1].pooling_mode != "mean":
+        raise BenchmarkSetupError(f"{model_dir}: the declaration says mean pooling, the model pools with {model[1].pooling_mode!r}")
 
 
 def text_declaration(model: Any, inputs: Sequence[str]) -> dict[str, Any]:
@@ -140,12 +131,12 @@ def export_model(name: str, model_dir: Path, out: Path) -> ExportedModel:
     """One sentence-transformers folder → ``out/name/{model.onnx, tokenizer.json, preprocessing.json}``."""
     from sentence_transformers import SentenceTransformer
 
-    check_mean_pooled(model_dir)
     if not (model_dir / "tokenizer.json").is_file():
         raise BenchmarkSetupError(f"{model_dir} has no tokenizer.json (a device reads that file with `tokenizers`)")
+    model = SentenceTransformer(str(model_dir), device="cpu")
+    check_mean_pooled(model, model_dir)
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
-    model = SentenceTransformer(str(model_dir), device="cpu")
     transformer = model[0].auto_model.eval()
     inputs = graph_inputs(transformer)
     start = time.perf_counter()
