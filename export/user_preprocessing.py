@@ -31,7 +31,7 @@ from fctkit.protos.preprocessing_spec import (
     Declaration,
     Preprocessing,
     TextPreprocessing,
-    check_preprocessing,
+    check_declared_graph,
     parse_declaration,
     vector_output,
 )
@@ -175,7 +175,7 @@ def check_preprocessed_graph(path: Path, role: Role, declaration: Declaration, t
     files = (artifact, Artifact("tokenizer", "tokenizer", "tokenizer.json", *file_sha256(tokenizer), (), (), None, None)) \
         if tokenizer is not None else (artifact,)
     try:
-        check_preprocessing(Preprocessing(((role, declaration),)), files)
+        check_declared_graph(declaration, artifact, files)
         preprocessor = Preprocessor(declaration, artifact, tokenizer.read_bytes() if tokenizer is not None else None)
         output, dim = vector_output(declaration, artifact)
     except BundleFormatError as exc:

@@ -260,10 +260,8 @@ def check_preprocessing(preprocessing: Preprocessing | None, artifacts: tuple[Ar
         if preprocessing is not None and artifact.role in PREPROCESSED_ROLES and declaration is None:
             raise _fail(f"{artifact.role} artifact {artifact.name!r}", "has no preprocessing declaration, but the bundle's "
                                                                       "other graphs take raw items")
-        if isinstance(declaration, ImagePreprocessing):
-            _check_image(declaration, artifact)
-        elif isinstance(declaration, TextPreprocessing):
-            _check_text(declaration, artifact, artifacts)
+        if declaration is not None:
+            check_declared_graph(declaration, artifact, artifacts)
         elif any(s.dynamic for s in artifact.inputs + artifact.outputs):
             raise _fail(f"{artifact.role} artifact {artifact.name!r}", "has dynamic axes after the batch; only a graph a "
                                                                       "text preprocessing declaration feeds may")
@@ -273,6 +271,14 @@ def check_preprocessing(preprocessing: Preprocessing | None, artifacts: tuple[Ar
     unused = [a.name for a in artifacts if a.role == "tokenizer" and a.name not in used]
     if unused:
         raise _fail("manifest preprocessing", f"tokenizer artifact(s) {unused} are not named by any declaration")
+
+
+def check_declared_graph(declaration: Declaration, artifact: Artifact, artifacts: tuple[Artifact, ...]) -> None:
+    """One graph against the declaration that feeds it (a text graph's tokenizer among ``artifacts``)."""
+    if isinstance(declaration, ImagePreprocessing):
+        _check_image(declaration, artifact)
+    else:
+        _check_text(declaration, artifact, artifacts)
 
 
 def _check_image(declaration: ImagePreprocessing, artifact: Artifact) -> None:

@@ -260,3 +260,94 @@ def test_through_a_server_texts_are_sealed_as_they_came_and_backfilled_with_the_
         device.close()
     finally:
         server.stop()
+
+
+SIDE_DECLARATION = DECLARATION + """
+[side_info]
+kind = "text"
+output = "last_hidden_state"
+max_length = 10
+pooling = "mean"
+"""
+
+
+def text_task(texts: list[str], old, new, side, n_train: int):
+    """An instance-level task on the texts: item i's query is its first three words; ``side`` (ψ) on every set."""
+    from fctkit.trainer.relevance import Positives
+    from fctkit.trainer.tasks import RetrievalTask, TaskSet, TaskSplit
+
+    def split(rows: slice) -> TaskSplit:
+        ids, n = np.array([f"t{i}" for i in range(len(texts))])[rows], len(texts[rows])
+        return TaskSplit(TaskSet(ids, *(v["query"][rows] for v in (old, new, side))),
+                         TaskSet(ids, *(v["gallery"][rows] for v in (old, new, side))),
+                         Positives.from_lists([[i] for i in range(n)], n))
+
+    return RetrievalTask("texts", "instance", "recall@1", split(slice(0, n_train)), split(slice(n_train, None)))
+
+
+@pytest.fixture(scope="module")
+def side_release(text_release, tmp_path_factory):
+    """v2 with a side-info text graph (v1's structure, other weights) and transition scoring:
+    ``residual+transition`` on a task built from the reference features, forced through its gate."""
+    from fctkit.trainer import save_task
+    from fctkit.trainer.pipeline import run_pipeline
+    from fctkit.trainer.pipeline_config import load_pipeline_config
+
+    from tests.support.seeds import seed
+
+    root, texts = tmp_path_factory.mktemp("side-release"), text_release["texts"]
+    w1, w2 = text_release["w1"], text_release["w2"]
+    rng = np.random.default_rng(5)
+    w3 = {"E": rng.normal(size=(len(V1_VOCAB), 16)).astype(np.float32), "W": rng.normal(size=(16, 12)).astype(np.float32) * 0.4}
+    queries = [" ".join(t.split()[:3]) for t in texts]
+    old = {"query": reference_v1(queries, w1), "gallery": reference_v1(texts, w1)}
+    new = {"query": reference_v2(queries, w2, "query: "), "gallery": reference_v2(texts, w2, "passage: ")}
+    side = {"query": reference_v1(queries, w3), "gallery": reference_v1(texts, w3)}
+    task = save_task(root / "task.npz", text_task(texts, old, new, side, n_train=160))
+    config = load_pipeline_config(None, {"seed": seed(), "data.name": "task", "data.task": str(task), "methods": ["residual"],
+                                         "transition.enabled": True, "selection.enabled": False, "progress": False,
+                                         "device": "cpu", "evaluation.distance": "cosine"})
+    run_pipeline(config, root / "run", log=lambda _: None)
+    lines = [{"text": t, "old": old["gallery"][i].tolist(), "new": new["gallery"][i].tolist(), "side": side["gallery"][i].tolist()}
+             for i, t in enumerate(texts[:16])]
+    (root / "sample.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (root / "preprocessing.toml").write_text(SIDE_DECLARATION)
+    files = text_release["files"]
+    done = CliRunner().invoke(cli, [
+        "export", str(root / "run"), "--key", str(text_release["root"] / "keys" / "publisher.key"), "--out", str(root / "out"),
+        "--method", "residual+transition", "--old-graph", str(files["old"]), "--new-graph", str(files["new"]),
+        "--side-info-graph", str(text_graph(root / "side.onnx", w3, v2=False)), "--sample", str(root / "sample.jsonl"),
+        "--preprocessing", str(root / "preprocessing.toml"), "--tokenizer", f"old={files['tok1']}",
+        "--tokenizer", f"side_info={files['tok1']}", "--tokenizer", f"new={files['tok2']}",
+        "--force", "--reason", "test: random text models", "--no-progress"])
+    assert done.exit_code == 0, done.output
+    return {"out": root / "out", "texts": texts, "old": old["gallery"], "side": side["gallery"], "w2": w2}
+
+
+def test_side_info_and_transition_scoring_work_on_raw_texts(side_release, text_release, tmp_path):
+    """The device computes ψ of each text with the side-info graph and feeds it to v2's adapter;
+    texts added during the transition also keep v1's embedding for transition scoring."""
+    import onnxruntime as ort
+
+    texts, out = side_release["texts"], side_release["out"]
+    device = Device.init(tmp_path / "device", publisher_key=text_release["public"])
+    device.progress = False
+    device.upgrade(out / "v1")
+    device.add(texts[:200], item_ids=[f"t{i}" for i in range(200)], upload=False)
+    np.testing.assert_allclose(device.gallery.load().side_infos, side_release["side"][:200], atol=1e-5)
+    device.upgrade(out / "v2")
+    assert device.status()["scoring"].startswith("transition")
+    device.add(texts[200:], item_ids=[f"t{i}" for i in range(200, len(texts))], upload=False)
+
+    (graph,) = out.glob("v2/forward_*.onnx")
+    forward = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    names = [i.name for i in forward.get_inputs()]
+    upgraded = forward.run(None, dict(zip(names, (side_release["old"][:200], side_release["side"][:200]), strict=True)))[0]
+    rows = device.gallery.load()
+    np.testing.assert_allclose(rows.embeddings[:200], upgraded, atol=1e-5)
+    np.testing.assert_allclose(rows.embeddings[200:], reference_v2(texts[200:], side_release["w2"], "passage: "), atol=1e-5)
+    np.testing.assert_allclose(rows.side_infos, side_release["side"], atol=1e-5)
+    previous = device.gallery.extras.load("previous_embedding")
+    assert previous.item_ids == rows.item_ids  # the upgraded rows' v1 embeddings and the new texts' v1 embedding
+    np.testing.assert_allclose(previous.embeddings, side_release["old"], atol=1e-5)
+    device.close()
