@@ -4,20 +4,15 @@ the device really used, and every ratio column is against the plain baseline of 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "edge_transition.py"
+from tests.support.benchmark_scripts import benchmark_script
 
 
 def test_small_run_reports_each_scoring_against_plain_search(tmp_path: Path) -> None:
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("edge_transition_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     table = tmp_path / "transition.md"
-    module.main(["--rows", "1500", "--queries", "5", "--markdown", str(table)])
+    with benchmark_script("edge_transition.py") as module:
+        module.main(["--rows", "1500", "--queries", "5", "--markdown", str(table)])
     rows = {line.split("|")[1].strip().split(" ")[0]: [c.strip() for c in line.split("|")[2:-1]]
             for line in table.read_text().splitlines() if line.startswith("| ") and not line.startswith("| scoring")}
     assert set(rows) == {"plain", "transition", "hubness"}

@@ -3,22 +3,18 @@ BENCHMARKS.md table has (no timing is asserted: figures belong to the benchmark'
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "edge_upgrade.py"
+from tests.support.benchmark_scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("edge_upgrade_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with benchmark_script("edge_upgrade.py") as module:
+        yield module
 
 
 def test_small_run_reports_ratios_and_both_floors(bench, tmp_path: Path) -> None:

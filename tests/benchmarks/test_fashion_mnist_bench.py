@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fashion_mnist.py"
+from tests.support.benchmark_scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPT.parent))  # as when run as a script: its sibling modules import
-    spec = importlib.util.spec_from_file_location("fashion_mnist_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    sys.path.remove(str(SCRIPT.parent))
+    with benchmark_script("fashion_mnist.py") as module:
+        yield module
 
 
 def test_summary_ranks_methods_and_names_the_best(bench) -> None:

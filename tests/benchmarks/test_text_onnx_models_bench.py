@@ -6,32 +6,25 @@ is exported with torch.onnx and its graph + the kit's Preprocessor must match
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.support.benchmark_scripts import benchmark_script
+
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("onnxruntime")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "text_onnx_models.py"
 WORDS = [f"w{i}" for i in range(30)]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPT.parent))  # as when run as a script: its sibling modules import
-    spec = importlib.util.spec_from_file_location("text_onnx_models_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
-    sys.path.remove(str(SCRIPT.parent))
+    with benchmark_script("text_onnx_models.py") as module:
+        yield module
 
 
 def tiny_sentence_model(folder: Path, kind: str, pooling: str = "mean") -> Path:

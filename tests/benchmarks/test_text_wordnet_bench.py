@@ -3,7 +3,6 @@ side-info, and the setup errors that name the install command. No model, no down
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections import Counter
 from pathlib import Path
@@ -11,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "text_wordnet.py"
+from tests.support.benchmark_scripts import benchmark_script
+
 
 HEADER = "  1 This software and database is being provided to you, the LICENSEE, by  \n"
 NOUN = ("00001740 03 n 01 entity 0 003 ~ 00001930 n 0000 ~ 00002137 n 0000 ~ 04424418 n 0000 | that which is "
@@ -26,14 +26,8 @@ ADVERB = "00001740 02 r 01 a_cappella 0 000 | without musical accompaniment  \n"
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPT.parent))  # as when run as a script: its sibling modules import
-    spec = importlib.util.spec_from_file_location("text_wordnet_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
-    sys.path.remove(str(SCRIPT.parent))
+    with benchmark_script("text_wordnet.py") as module:
+        yield module
 
 
 def test_data_lines_give_key_supersense_and_gloss(bench) -> None:
