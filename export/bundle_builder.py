@@ -101,7 +101,7 @@ def build_bundle(
     the export's parity check (max_abs_error, tolerance, against), recorded in the manifest.
     ``preprocessing``: how devices feed raw items to the embed/side_info graphs
     (:mod:`fctkit.protos.preprocessing_spec`); its tokenizers are ``tokenizer`` artifacts."""
-    cases, ecc = _gate_tables(gate)
+    cases, ecc, quantization = _gate_tables(gate)
     if force and not (force_reason and force_reason.strip()):
         raise GateError("--force needs a reason (--reason '...'): the override is recorded in the signed manifest")
     with staged_directory(out_dir) as staging:
@@ -122,7 +122,8 @@ def build_bundle(
             embedding_dim=_output_dim(described, "embed", preprocessing),
             side_info_dim=_output_dim(described, "side_info", preprocessing),
             artifacts=described,
-            gate={"cases": cases, "ecc": ecc, "forced": bool(failures), "force_reason": force_reason if failures else None},
+            gate={"cases": cases, "ecc": ecc, "forced": bool(failures), "force_reason": force_reason if failures else None,
+                  **quantization},
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             kit_version=__version__,
             publisher_key_id=public_key_id(private_key.public_key()),
@@ -138,20 +139,22 @@ def build_bundle(
     return verify_bundle(out_dir, private_key.public_key())
 
 
-def _gate_tables(gate: Mapping[str, Any]) -> tuple[dict, dict]:
+def _gate_tables(gate: Mapping[str, Any]) -> tuple[dict, dict, dict]:
+    """The gate's cases, ECC verdicts and (a quantised release) its ``quantization`` record, as
+    plain JSON values exactly as they will be signed."""
     if not isinstance(gate, Mapping):
         raise GateError(f"the gate must be a table with 'cases' and 'ecc', got {type(gate).__name__}")
-    unknown = sorted(set(gate) - {"cases", "ecc"})
+    unknown = sorted(set(gate) - {"cases", "ecc", "quantization"})
     if unknown:
         raise GateError(
-            f"the gate has unknown key(s) {', '.join(unknown)}; it holds only 'cases' and 'ecc' "
-            "(the override is recorded from --force/--reason, not from the gate file)"
+            f"the gate has unknown key(s) {', '.join(unknown)}; it holds only 'cases' and 'ecc' (and 'quantization', "
+            "written by `fctkit export --quantize`); the override is recorded from --force/--reason, not from the gate file"
         )
     cases, ecc = gate.get("cases", {}), gate.get("ecc", {})
     if not isinstance(cases, Mapping) or not isinstance(ecc, Mapping):
         raise GateError("gate 'cases' and 'ecc' must be tables")
-    # A JSON round trip makes the tables plain JSON values, exactly as they will be signed.
-    return json.loads(json.dumps(dict(cases))), json.loads(json.dumps(dict(ecc)))
+    extra = {"quantization": gate["quantization"]} if "quantization" in gate else {}
+    return json.loads(json.dumps(dict(cases))), json.loads(json.dumps(dict(ecc))), json.loads(json.dumps(extra))
 
 
 def _copy_and_describe(source: ArtifactSource, staging: Path) -> Artifact:

@@ -168,6 +168,10 @@ _GRAPH = dict(type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--chain", is_flag=True, help="export v1, v2, v3 from the run's chain models (h2, g2, h3 and direct h13)")
 @_FIRST_VERSION
 @_FP16
+@click.option("--quantize", type=click.Choice(["int8", "fp16"]),
+              help="the forward adapter (the graph every stored row passes through on upgrade) in int8 (ONNX Runtime "
+                   "dynamic quantisation) or fp16; the gate is judged again on the run's evaluation data with the "
+                   "quantised graph, and what it cost against fp32 is recorded in the manifest")
 @_FORCE
 @_REASON
 @_PASSPHRASE_FILE
@@ -175,8 +179,8 @@ _GRAPH = dict(type=click.Path(exists=True, dir_okay=False, path_type=Path))
 def export_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, old_graph: Path | None, new_graph: Path | None,
                    side_info_graph: Path | None, sample: Path | None, preprocessing_file: Path | None,
                    tokenizers: tuple[str, ...], parity_tolerance: float, transition_days: float,
-                   chain: bool, first_version: int, fp16: bool, force: bool, reason: str | None, passphrase_file: Path | None,
-                   progress: bool) -> None:
+                   chain: bool, first_version: int, fp16: bool, quantize: str | None, force: bool, reason: str | None,
+                   passphrase_file: Path | None, progress: bool) -> None:
     """Export a `fctkit train` RUN_DIR as signed, versioned bundles ready for `fctkit admin publish`:
     every role exported to ONNX and parity-checked on the run's evaluation data, gated by the
     run's ECC verdicts. A run on features (a retrieval task, a features file) carries your own
@@ -196,7 +200,7 @@ def export_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, ol
     private_key = load_private_key(key_path, read_passphrase(passphrase_file))
     released = build_release(run_dir, out_dir, private_key=private_key, method=method, first_version=first_version,
                              chain=chain, fp16=fp16, force=force, force_reason=reason, progress=progress, graphs=graphs,
-                             transition_days=transition_days)
+                             transition_days=transition_days, quantize=quantize)
     seen: dict[str, int] = {}
     for item in released:
         m = item.bundle.manifest
@@ -217,6 +221,10 @@ def export_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, ol
                        f"at most {m.transition.max_days:g} days (0: until a full backfill or an explicit end)")
         if m.hubness is not None:
             click.echo(f"  hubness offsets: β = {m.hubness.beta:g}")
+        if "quantization" in m.gate:
+            q = m.gate["quantization"]
+            click.echo(f"  {q['precision']} forward adapter: {q['metric']} {q['quantized']:.4f} (fp32 {q['fp32']:.4f}, "
+                       f"{q['quantized'] - q['fp32']:+.4f})")
         if m.gate["forced"]:
             click.echo(f"  WARNING gate overridden (forced, recorded in the manifest): {m.gate['force_reason']}")
 

@@ -98,6 +98,10 @@ class Variant:
         return f"adapters/{self.method}{f'+{self.joint}' if self.joint else ''}.pt"
 
     @property
+    def query_map_file(self) -> str:
+        return f"adapters/{self.method}+query-map.query_map.pt"
+
+    @property
     def case(self) -> str:
         """The name of the variant's case in the manifest's gate."""
         searched = "Q(new)/h(old)" if self.query_map else "new/h(old)"

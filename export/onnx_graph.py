@@ -47,9 +47,13 @@ def graph_io_specs(model: Any) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec
 
 
 def graph_precision(model: Any) -> str:
-    """``"fp16"`` when the graph's weights are stored in float16, else ``"fp32"``."""
+    """``"int8"`` when the graph's weights are stored as 8-bit integers (quantised), ``"fp16"``
+    when in float16, else ``"fp32"``."""
     onnx = require("onnx", "train")
-    if any(t.data_type == onnx.TensorProto.FLOAT16 for t in model.graph.initializer):
+    types = {t.data_type for t in model.graph.initializer}
+    if types & {onnx.TensorProto.INT8, onnx.TensorProto.UINT8}:
+        return "int8"
+    if onnx.TensorProto.FLOAT16 in types:
         return "fp16"
     return "fp32"
 

@@ -24,8 +24,9 @@ from fctkit.protos.bundle import VerifiedBundle, gate_failures, gated_artifacts,
 
 from .bundle_builder import build_bundle
 from .features_release import UserGraphs, check_user_graphs, hubness_role
+from .quantize import QUANTIZATIONS, judged_gate, quantized_forward
 from .release_plan import RolePlan, VersionPlan, plan_release
-from .roles import RoleExport, export_role
+from .roles import RoleExport, export_role, role_module
 from .trained_run import TrainedRun
 from .user_preprocessing import bundle_preprocessing
 
@@ -53,12 +54,14 @@ def build_release(
     progress: bool = False,
     graphs: UserGraphs | None = None,
     transition_days: float = 30.0,
+    quantize: str | None = None,
 ) -> list[ReleasedBundle]:
     """Export and sign every version of the release into ``out_dir/v{N}/`` and ``out_dir/v{N}.tar``.
 
     A features-mode run needs ``graphs`` (the team's embed graphs and the sample that checks
     them, before anything is exported); ``transition_days``: how long a declared transition
-    lasts on a device at most (0: until a full backfill or an explicit end).
+    lasts on a device at most (0: until a full backfill or an explicit end). ``quantize``
+    ("int8", "fp16"): the forward adapter in that precision, judged again (:mod:`.quantize`).
 
     A role exported from the same saved file (ψ shared by v1 and v2) is exported once and the
     same ONNX bytes go into every bundle that lists it. Raises :class:`GateError` before
@@ -66,6 +69,7 @@ def build_release(
     appear in ``out_dir`` only when the whole release succeeded."""
     if force and not (force_reason and force_reason.strip()):
         raise GateError("--force needs a reason (--reason '...'): the override is recorded in the signed manifest")
+    _check_quantize(quantize, fp16, chain)
     run = TrainedRun.open(run_dir)
     plans = plan_release(run, method=method, first_version=first_version, chain=chain, transition_days=transition_days)
     out_dir = Path(out_dir)
@@ -75,7 +79,9 @@ def build_release(
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        built = _build_versions(run, plans, out_dir, private_key, chain, fp16, force, force_reason, progress, ready)
+        export = _Exporter(run, _RealInputs(run, chain), Path(), fp16, quantize, _progress_bar(sum(len(p.roles) for p in plans), progress),
+                           ready)
+        built = _build_versions(run, plans, out_dir, private_key, method, export, force, force_reason)
     except BaseException:
         if created and not any(out_dir.iterdir()):
             out_dir.rmdir()
@@ -88,23 +94,24 @@ def build_release(
 
 
 def _build_versions(run: TrainedRun, plans: Sequence[VersionPlan], out_dir: Path, private_key: Ed25519PrivateKey,
-                    chain: bool, fp16: bool, force: bool, force_reason: str | None, progress: bool,
-                    ready: dict[str, Callable[[Path], RoleExport]]) -> list[tuple[int, tuple[tuple[RolePlan, RoleExport], ...]]]:
-    real = _RealInputs(run, chain)
+                    method: str, export: _Exporter, force: bool,
+                    force_reason: str | None) -> list[tuple[int, tuple[tuple[RolePlan, RoleExport], ...]]]:
     built = []
     # Everything is built in a scratch folder and moved into place at the end: a refused or
     # failed release leaves no partial versions behind.
     with tempfile.TemporaryDirectory(prefix=".release-", dir=out_dir) as scratch:
         scratch = Path(scratch)
-        export = _Exporter(run, real, scratch / "onnx", fp16, _progress_bar(sum(len(p.roles) for p in plans), progress), ready)
+        export.folder = scratch / "onnx"
         with export.bar:
             for plan in plans:
                 exports = tuple((role, export(role)) for role in plan.roles)
+                quantized = [e for role, e in exports if role.role == "forward" and export.quantize]
+                gate = judged_gate(run, method, plan.gate, quantized[0], force) if quantized else plan.gate
                 preprocessing, tokenizers = bundle_preprocessing([e for _, e in exports])
                 build_bundle(
                     scratch / f"v{plan.version}", version=plan.version, parents=plan.parents, mode=plan.mode,
                     distance=run.distance, normalize=run.distance == "cosine",
-                    artifacts=[e.artifact for _, e in exports] + tokenizers, gate=plan.gate, private_key=private_key,
+                    artifacts=[e.artifact for _, e in exports] + tokenizers, gate=gate, private_key=private_key,
                     force=force, force_reason=force_reason, preprocessing=preprocessing, **plan.declarations,
                     parity={role.name: {"max_abs_error": e.parity.max_abs_error, "tolerance": e.parity.tolerance,
                                         "against": e.parity.against} for role, e in exports},
@@ -141,10 +148,11 @@ def export_release(
     fp16: bool = False,
     force: bool = False,
     force_reason: str | None = None,
+    quantize: str | None = None,
 ) -> list[VerifiedBundle]:
     """The release's bundles, verified as a device verifies them; see :func:`build_release`."""
     released = build_release(run_dir, out_dir, private_key=private_key, method=method, first_version=first_version,
-                             chain=chain, fp16=fp16, force=force, force_reason=force_reason)
+                             chain=chain, fp16=fp16, force=force, force_reason=force_reason, quantize=quantize)
     return [r.bundle for r in released]
 
 
@@ -167,6 +175,7 @@ class _Exporter:
     real: _RealInputs
     folder: Path
     fp16: bool
+    quantize: str | None
     bar: Any
     ready: dict[str, Callable[[Path], RoleExport]] = field(default_factory=dict)  # graphs not exported from torch
     done: dict[tuple, RoleExport] = field(default_factory=dict)
@@ -181,10 +190,11 @@ class _Exporter:
         if key not in self.done:
             path = self.folder / f"{len(self.done):02d}-{plan.name}.onnx"
             self.bar.set_description(f"export {plan.name} from {plan.source}")
-            self.done[key] = export_role(
-                plan.role, self.run.load(plan.source), path, [self.real[k] for k in plan.inputs],
-                source_version=plan.source_version, target_version=plan.target_version, fp16=self.fp16,
-            )
+            trained, real = self.run.load(plan.source), [np.asarray(self.real[k], np.float32) for k in plan.inputs]
+            self.done[key] = export_role(plan.role, trained, path, real, source_version=plan.source_version,
+                                         target_version=plan.target_version, fp16=self.fp16)
+            if self.quantize and plan.role == "forward":
+                self.done[key] = quantized_forward(self.done[key], role_module("forward", trained)[0], real, self.quantize)
         self.bar.update(1)
         return self.done[key]
 
@@ -210,6 +220,17 @@ def _ready_graphs(run: TrainedRun, plans: Sequence[VersionPlan], graphs: UserGra
         reference = np.load(run.root / role.source, allow_pickle=False)
         ready[role.source] = hubness_role(reference, int(run.gate["hubness_k"]), run.eval_features["new"][:1000])
     return ready
+
+
+def _check_quantize(quantize: str | None, fp16: bool, chain: bool) -> None:
+    if quantize is None:
+        return
+    if quantize not in QUANTIZATIONS:
+        raise InputError(f"unknown quantisation {quantize!r}; choose from {', '.join(QUANTIZATIONS)}")
+    if fp16:
+        raise InputError("--fp16 stores every graph in float16 already; give --fp16 or --quantize, not both")
+    if chain:
+        raise InputError("--quantize judges one upgrade's forward adapter; chain releases are exported in fp32 only")
 
 
 def _check_gates(plans: Sequence[VersionPlan], force: bool) -> None:

@@ -127,7 +127,7 @@ def _features_plan(run: TrainedRun, key: str, v1: int, transition_days: float) -
     if mode == "unified":
         transforms.append(RolePlan("backward", variant.adapter_file, ("new",), v2, v1))
     if variant.query_map:
-        transforms.append(RolePlan("query_map", f"adapters/{variant.method}+query-map.query_map.pt", ("new",)))
+        transforms.append(RolePlan("query_map", variant.query_map_file, ("new",)))
     if variant.scoring == "hubness":
         transforms.append(RolePlan("hubness", f"adapters/{key}.reference.npy", ()))  # the graph holds these queries
     cases = gate["cases"]

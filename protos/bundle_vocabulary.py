@@ -28,7 +28,8 @@ FILE_ROLES = ("tokenizer",)
 #: bundle with parents, its embed graph: see gated_artifacts).
 GATED_ROLES = ("forward", "backward")
 DTYPES = ("float32", "float16", "float64", "int64", "int32", "int8", "uint8", "bool")
-PRECISIONS = ("fp32", "fp16")
+#: How a graph's weights are stored: float32, float16, or int8 (ONNX Runtime's dynamic quantisation).
+PRECISIONS = ("fp32", "fp16", "int8")
 
 MAX_MANIFEST_BYTES = 1 << 20
 

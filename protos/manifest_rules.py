@@ -15,12 +15,14 @@ from typing import Any, TypeVar
 from fctkit.errors import BundleFormatError
 
 from .artifact_spec import Artifact, TensorSpec
-from .bundle_vocabulary import DISTANCES, FORMAT_VERSION, GATED_ROLES, HEX64, MANIFEST_FILE, MODES, TRANSFORM_ROLES
+from .bundle_vocabulary import DISTANCES, FORMAT_VERSION, GATED_ROLES, HEX64, MANIFEST_FILE, MODES, PRECISIONS, TRANSFORM_ROLES
 from .preprocessing_spec import Preprocessing, check_preprocessing, vector_output
 from .search_policy import check_search_policies
 from .strict_json import exact_keys, is_int, is_number, typed
 
 _GATE_KEYS = ("cases", "ecc", "forced", "force_reason")
+#: A quantised release's record of what quantisation cost (``fctkit export --quantize``).
+_QUANTIZATION_KEYS = ("precision", "scheme", "artifacts", "metric", "fp32", "quantized")
 
 
 def check_manifest(m: Any) -> None:
@@ -30,6 +32,8 @@ def check_manifest(m: Any) -> None:
     check_search_policies(m)
     _check_parity(m)
     _check_gate(m.gate, gated_artifacts(m.artifacts, m.mode, m.parents))
+    if "quantization" in m.gate:
+        _check_quantization(m.gate["quantization"], m.artifacts)
 
 
 def _check_header(m: Any) -> None:
@@ -175,7 +179,8 @@ def gate_failures(gated: Sequence[_Named], ecc: Mapping[str, Any]) -> list[str]:
 
 
 def _check_gate(gate: Any, gated_list: list[Artifact]) -> None:
-    gate = exact_keys(gate, _GATE_KEYS, f"{MANIFEST_FILE}.gate")
+    keys = (*_GATE_KEYS, "quantization") if isinstance(gate, dict) and "quantization" in gate else _GATE_KEYS
+    gate = exact_keys(gate, keys, f"{MANIFEST_FILE}.gate")
     cases = typed(gate["cases"], dict, "gate.cases")
     for case, metrics in cases.items():
         for metric, value in typed(metrics, dict, f"gate.cases[{case!r}]").items():
@@ -200,3 +205,21 @@ def _check_gate(gate: Any, gated_list: list[Artifact]) -> None:
         raise BundleFormatError(
             f"gate: ECC does not hold for {', '.join(failures)} and no override is recorded: such a bundle must not be published"
         )
+
+
+def _check_quantization(record: Any, artifacts: Sequence[Artifact]) -> None:
+    """The quantised artifacts named exist in that precision; the metric values are numbers."""
+    where = f"{MANIFEST_FILE}.gate.quantization"
+    record = exact_keys(record, _QUANTIZATION_KEYS, where)
+    precision = typed(record["precision"], str, f"{where}.precision")
+    if precision not in PRECISIONS[1:]:
+        raise BundleFormatError(f"{where}.precision: expected one of {', '.join(PRECISIONS[1:])}, got {precision!r}")
+    typed(record["scheme"], str, f"{where}.scheme")
+    typed(record["metric"], str, f"{where}.metric")
+    by_name = {a.name: a for a in artifacts}
+    names = typed(record["artifacts"], list, f"{where}.artifacts")
+    if not names or any(by_name.get(n) is None or by_name[n].precision != precision for n in names):
+        raise BundleFormatError(f"{where}.artifacts: {names!r} must name this bundle's {precision} artifacts")
+    for key in ("fp32", "quantized"):
+        if not is_number(record[key]):
+            raise BundleFormatError(f"{where}.{key}: expected a finite number, got {record[key]!r}")

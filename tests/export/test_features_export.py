@@ -122,6 +122,24 @@ def test_a_device_runs_what_the_gate_judged(task_release, variant, scoring, tmp_
     assert recall == pytest.approx(v2.gate["cases"][case]["recall@1"], abs=2 / 500)  # 500 queries: ties at most
 
 
+@pytest.mark.parametrize("variant, scoring", [("residual+query-positives+hubness", "hubness"),
+                                              ("residual+query-map+transition", "transition")])
+def test_a_device_runs_what_the_int8_gate_judged(task_release, variant, scoring, tmp_path):
+    """With --quantize int8 the gate is the quantised forward adapter's, searched with the
+    variant's query map and scoring; a device running the bundle reproduces it."""
+    bundles = released(task_release, variant, tmp_path / "out", quantize="int8")
+    v2 = bundles[1].bundle.manifest
+    record, fp32 = v2.gate["quantization"], task_release["run"].gate["cases"][variant]
+    assert v2.artifact("forward", source_version=1, target_version=2).precision == "int8"
+    assert (record["metric"], record["fp32"]) == ("recall@1", fp32["recall@1"])
+    case = next(name for name in v2.gate["cases"] if name not in ("old/old", "new/new") and not name.endswith("[fp32]"))
+    assert v2.gate["cases"][f"{case} [fp32]"] == fp32 and v2.gate["cases"][case]["recall@1"] == record["quantized"]
+    assert v2.gate["ecc"] == {"forward_1_to_2": record["quantized"] > v2.gate["cases"]["old/old"]["recall@1"]}
+    recall, used = device_recall_at_1(task_release, [b.bundle.root for b in bundles], tmp_path)
+    assert used == scoring
+    assert recall == pytest.approx(record["quantized"], abs=2 / 500)
+
+
 def test_the_gate_refuses_an_adapter_that_fails_on_the_primary_metric(task_release, tmp_path):
     gate = task_release["run"].gate
     assert gate["metric"] == "recall@1" and gate["ecc"]["least-squares"] is False
