@@ -5,7 +5,8 @@
     python benchmarks/edge_upgrade.py --rows 200000 --markdown BENCHMARKS-edge.md
 
 For each adapter (the FCT mixer at the paper's widths — branches 256, mixer 2048, 128-d φ
-and ψ, 11.4 MFLOP/row — and a 128x128 linear map) a device gallery of N random sealed rows
+and ψ, 11.4 MFLOP/row —, that mixer quantised to int8 as ``fctkit export --quantize int8``
+ships it, and a 128x128 linear map) a device gallery of N random sealed rows
 is built (not timed), then:
 
 * bare: one ONNX Runtime session runs the adapter over the same N rows, already decrypted in
@@ -105,6 +106,33 @@ def linear_graph(path: Path, inputs: dict[str, int], out_dim: int, output: str, 
     return _save(path, nodes, inputs, output, out_dim, weights)
 
 
+def adapter_graph(folder: Path, adapter: str) -> Path:
+    """The forward graph of ``adapter`` ("fct", "fct-int8", "linear") in ``folder`` as h.onnx;
+    fct-int8 is the fct graph quantised as ``fctkit export --quantize int8`` does it."""
+    if adapter == "linear":
+        return linear_graph(folder / "h.onnx", {"old": D_OLD}, D_NEW, "embedding", 7)
+    fp32 = fct_graph(folder / ("h.onnx" if adapter == "fct" else "h-fp32.onnx"), 7)
+    if adapter == "fct":
+        return fp32
+    from fctkit.export.quantize import quantize_graph
+
+    return quantize_graph(fp32, folder / "h.onnx", "int8")
+
+
+def int8_output_error(folder: Path, rows: int = 20_000) -> dict:
+    """How far the int8 mixer's outputs are from fp32's on the same random rows: the median
+    and worst relative L2 error and the mean cosine between the two (accuracy on a real task
+    is the export gate's: see BENCHMARKS.md)."""
+    from fctkit.export.onnx_export import run_onnx
+
+    rng = np.random.default_rng(3)
+    inputs = [rng.standard_normal((rows, D_OLD), dtype=np.float32), rng.standard_normal((rows, D_SIDE), dtype=np.float32)]
+    fp32, int8 = (run_onnx(folder / name, inputs)[0] for name in ("h-fp32.onnx", "h.onnx"))
+    error = np.linalg.norm(int8 - fp32, axis=1) / np.linalg.norm(fp32, axis=1)
+    cosine = np.sum(int8 * fp32, axis=1) / (np.linalg.norm(int8, axis=1) * np.linalg.norm(fp32, axis=1))
+    return {"median_relative_error": float(np.median(error)), "max_relative_error": float(error.max()), "mean_cosine": float(cosine.mean())}
+
+
 def build_bundles(folder: Path, adapter: str, key, *, v2_extra: tuple = (), **v2_declarations) -> tuple[Path, Path]:
     """Bundles v1 and v2 (forward 1 -> 2 by ``adapter``); ``v2_extra`` artifact sources and
     ``v2_declarations`` (transition=, hubness=) go into v2."""
@@ -118,7 +146,7 @@ def build_bundles(folder: Path, adapter: str, key, *, v2_extra: tuple = (), **v2
             ArtifactSource(linear_graph(folder / f"side{version}.onnx", {"image": IMAGE_DIM}, D_SIDE, "side_info", 10 + version), "side_info"),
         ]
 
-    h = fct_graph(folder / "h.onnx", 7) if adapter == "fct" else linear_graph(folder / "h.onnx", {"old": D_OLD}, D_NEW, "embedding", 7)
+    h = adapter_graph(folder, adapter)
     common = dict(mode="forward", distance="cosine", normalize=True, private_key=key)
     v1 = build_bundle(folder / "v1", version=1, parents=(), artifacts=base(1), gate={"cases": {}, "ecc": {}}, **common).root
     sources = [*base(2), ArtifactSource(h, "forward", 1, 2), *v2_extra]
@@ -212,7 +240,8 @@ def measure_adapter(adapter: str, rows: int, batch: int, threads: int, work: Pat
     device.gallery.set_meta({"query_version": "1"})
     fill_s = fill(device, rows, seed=1)
     loaded = device.gallery.load(with_labels=False)
-    inputs = [loaded.embeddings, loaded.side_infos] if adapter == "fct" else [loaded.embeddings]
+    mixer = adapter.startswith("fct")
+    inputs = [loaded.embeddings, loaded.side_infos] if mixer else [loaded.embeddings]
     model = work / f"{adapter}-bundles" / "h.onnx"
     bare = [bare_transform_seconds(model, inputs, batch, threads)]
     floor_s = sealed_store_floor_seconds(loaded.embeddings, loaded.side_infos, work)
@@ -223,12 +252,13 @@ def measure_adapter(adapter: str, rows: int, batch: int, threads: int, work: Pat
     upgrade_s = time.perf_counter() - start
     assert upgraded == rows and device.version == 2
     loaded = device.gallery.load(with_labels=False)
-    inputs = [np.zeros_like(loaded.embeddings), loaded.side_infos] if adapter == "fct" else [loaded.embeddings]
+    inputs = [np.zeros_like(loaded.embeddings), loaded.side_infos] if mixer else [loaded.embeddings]
     bare.append(bare_transform_seconds(model, inputs, batch, threads))
     device.close()
     shutil.rmtree(work / f"{adapter}-device")
     bare_s = statistics.mean(bare)
-    return {"adapter": adapter, "rows": rows, "fill_s": fill_s, "bare_s": bare_s, "bare_runs_s": bare, "upgrade_s": upgrade_s,
+    fidelity = int8_output_error(work / f"{adapter}-bundles") if adapter == "fct-int8" else {}
+    return {**fidelity, "adapter": adapter, "rows": rows, "fill_s": fill_s, "bare_s": bare_s, "bare_runs_s": bare, "upgrade_s": upgrade_s,
             "bare_rows_per_s": rows / bare_s, "upgrade_rows_per_s": rows / upgrade_s, "ratio": bare_s / upgrade_s,
             "floor_s": floor_s, "ceiling_ratio": (bare_s + floor_s) / upgrade_s,
             "bulk_floor_s": bulk_floor_s, "best_possible_ratio": bare_s / (bare_s + bulk_floor_s)}
@@ -294,6 +324,14 @@ def markdown(results: list[dict], reembed_s: float | None, args: argparse.Namesp
         lines.append(f"| {r['adapter']} | {r['bare_rows_per_s']:,.0f} | {r['upgrade_rows_per_s']:,.0f} | {r['ratio']:.2f} "
                      f"| {r['rows'] / r['floor_s']:,.0f} | {r['ceiling_ratio']:.2f} | {r['rows'] / r['bulk_floor_s']:,.0f} "
                      f"| {r['best_possible_ratio']:.2f} | {r['fill_s']:.0f} |")
+    by_name = {r["adapter"]: r for r in results}
+    if {"fct", "fct-int8"} <= set(by_name):
+        fp32, int8 = by_name["fct"], by_name["fct-int8"]
+        lines += ["", f"int8 FCT mixer (ONNX Runtime dynamic quantisation, int8 weights per channel) ÷ fp32, same run: "
+                  f"device upgrade **{int8['upgrade_rows_per_s'] / fp32['upgrade_rows_per_s']:.2f}x** rows/s (target ≥ 1.5x), "
+                  f"bare ORT {int8['bare_rows_per_s'] / fp32['bare_rows_per_s']:.2f}x. Outputs against fp32 on 20,000 random rows: "
+                  f"median relative L2 error {int8['median_relative_error']:.4f}, worst {int8['max_relative_error']:.4f}, "
+                  f"mean cosine {int8['mean_cosine']:.5f}."]
     if reembed_s is not None:
         fct = next(r for r in results if r["adapter"] == "fct")
         per_row = fct["upgrade_s"] / fct["rows"]
@@ -330,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--adapters", default="fct,linear")
+    parser.add_argument("--adapters", default="fct,fct-int8,linear",
+                        help="Comma-separated: fct (the FCT mixer), fct-int8 (it, quantised to int8), linear.")
     parser.add_argument("--reembed-images", type=int, default=32)
     parser.add_argument("--skip-reembed", action="store_true")
     parser.add_argument("--markdown", type=Path, help="Also write the table to this file.")

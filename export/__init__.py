@@ -8,7 +8,8 @@ keys: :func:`generate_keys`, :func:`load_private_key`; ONNX: :func:`export_onnx`
 :func:`export_role` (torch); a whole `fctkit train` run as signed, versioned bundles:
 :func:`export_release` / :func:`build_release` (torch), :func:`plan_release`; a
 `fctkit train-compatible` run's BCT/BT²/CoReS models as "compatible" bundles:
-:func:`export_compatible_release` (torch).
+:func:`export_compatible_release` (torch); an ONNX graph in int8 or fp16 (what
+``fctkit export --quantize`` ships): :func:`quantize_graph` (onnx, onnxruntime).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _LAZY = {
     "export_onnx": "onnx_export",
     "check_parity": "onnx_export",
     "run_onnx": "onnx_export",
+    "quantize_graph": "quantize",
     "EngineResult": "tensorrt",
     "TensorRTRunner": "tensorrt",
     "RoleExport": "roles",

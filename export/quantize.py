@@ -38,11 +38,17 @@ SCHEMES = {"int8": "onnxruntime dynamic, int8 weights per channel", "fp16": "flo
 def quantized_forward(export: RoleExport, module: Any, real: list[np.ndarray], precision: str) -> RoleExport:
     """The forward role ``export`` written again in ``precision`` beside it, parity-checked
     against the torch ``module`` on the real batch ``real`` (within that precision's tolerance)."""
+    source = export.export.path
+    start = time.perf_counter()
+    path = quantize_graph(source, source.with_name(f"{source.stem}-{precision}.onnx"), precision)
+    result = describe_export(path, load_onnx_model(path), export.export.export_seconds + time.perf_counter() - start)
+    return replace(export, export=result, parity=check_parity(module, path, real))
+
+
+def quantize_graph(source: Path, path: Path, precision: str) -> Path:
+    """The ONNX graph ``source`` written to ``path`` in ``precision`` (see the module's doc)."""
     if precision not in QUANTIZATIONS:
         raise InputError(f"unknown quantisation {precision!r}; choose from {', '.join(QUANTIZATIONS)}")
-    source = export.export.path
-    path = source.with_name(f"{source.stem}-{precision}.onnx")
-    start = time.perf_counter()
     if precision == "int8":
         quantization = require("onnxruntime.quantization", "cpu")
         root = logging.getLogger()
@@ -53,8 +59,7 @@ def quantized_forward(export: RoleExport, module: Any, real: list[np.ndarray], p
             root.setLevel(level)
     else:
         require("onnx", "train").save(to_fp16(load_onnx_model(source)), str(path))
-    result = describe_export(path, load_onnx_model(path), export.export.export_seconds + time.perf_counter() - start)
-    return replace(export, export=result, parity=check_parity(module, path, real))
+    return path
 
 
 def judged_gate(run: TrainedRun, method: str, gate: dict, quantized: RoleExport, force: bool) -> dict:

@@ -25,10 +25,13 @@ def test_small_run_reports_ratios_and_both_floors(bench, tmp_path: Path) -> None
     assert "bulk floor rows/s" in header and "best possible upgrade / bare" in header
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines
             if line.startswith("| fct") or line.startswith("| linear")}
-    assert set(rows) == {"fct", "linear"}
+    assert set(rows) == {"fct", "fct-int8", "linear"}
     for cells in rows.values():
         assert len(cells) == 8 and all(re.fullmatch(r"[\d,.]+", c) for c in cells)
         assert 0 < float(cells[6]) <= 1  # bare / (bare + bulk floor) is a fraction by construction
+    int8 = next(line for line in lines if line.startswith("int8 FCT mixer"))
+    cosine = float(re.search(r"mean cosine (\d\.\d+)", int8).group(1))
+    assert re.search(r"device upgrade \*\*[\d.]+x\*\*", int8) and 0.99 < cosine <= 1.0001
 
 
 def test_bulk_floor_leaves_nothing_behind(bench, tmp_path: Path) -> None:
