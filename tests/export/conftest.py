@@ -1,5 +1,6 @@
 """Fixtures for the export tests: tiny real ONNX graphs (built with onnx.helper, no torch),
-a publisher key, and a helper that builds a signed bundle from them."""
+a publisher key, a helper that builds a signed bundle from them, and the tiny digits chain
+release with its key (for the modules that export a trained run)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fctkit.export.bundle_builder import ArtifactSource, build_bundle
+from fctkit.export.keys import load_private_key
+from tests.support.releases import digits_release
 
 EMBED_DIM, SIDE_DIM, IMAGE_DIM = 8, 4, 16
 PASSING_GATE = {
@@ -104,3 +107,15 @@ def tiny_graph():
 def tiny_sources():
     """``tiny_sources(folder, seed=0)``: embed, side_info, forward 1->2, backward 2->1 graphs."""
     return _tiny_sources
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """The tiny digits chain release (:func:`tests.support.releases.digits_release`), built once."""
+    return digits_release(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="module")
+def private_key(release):
+    """The key that signed :func:`release`."""
+    return load_private_key(release.private_key_path)

@@ -15,26 +15,14 @@ from click.testing import CliRunner
 from fctkit.cli import cli
 from fctkit.edge_runtime import Device
 from fctkit.errors import BundleFormatError, GateError, InputError
-from fctkit.export.keys import load_private_key
 from fctkit.export.onnx_export import run_onnx
 from fctkit.export.quantize import judged_gate, quantized_metrics
 from fctkit.export.release import build_release, export_release
 from fctkit.export.trained_run import TrainedRun
 from fctkit.protos.bundle import verify_bundle
 from fctkit.trainer.evaluation import evaluate_retrieval
-from tests.support.releases import digits_release
 
 pytestmark = pytest.mark.slow  # shares the tiny digits run and exports real graphs
-
-
-@pytest.fixture(scope="module")
-def release(tmp_path_factory):
-    return digits_release(tmp_path_factory.getbasetemp())
-
-
-@pytest.fixture(scope="module")
-def private_key(release):
-    return load_private_key(release.private_key_path)
 
 
 @pytest.fixture(scope="module")

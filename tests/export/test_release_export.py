@@ -17,26 +17,15 @@ from click.testing import CliRunner
 from fctkit.cli import cli
 from fctkit.errors import DataUnavailableError, GateError, InputError, PublisherKeyError
 from fctkit.export.bundle_builder import check_graphs_load
-from fctkit.export.keys import load_private_key
 from fctkit.export.onnx_export import run_onnx
 from fctkit.export.release import export_release
 from fctkit.export.release_plan import plan_release
 from fctkit.export.trained_run import TrainedRun
 from fctkit.protos.bundle import VerifiedBundle, unpack_bundle, verify_bundle
 from fctkit.trainer.evaluation import evaluate_retrieval
-from tests.support.releases import UNIFIED_METHOD, digits_release, unified_override
+from tests.support.releases import UNIFIED_METHOD, unified_override
 
 pytestmark = pytest.mark.slow  # shares a tiny training run (tens of seconds) and exports real graphs
-
-
-@pytest.fixture(scope="module")
-def release(tmp_path_factory):
-    return digits_release(tmp_path_factory.getbasetemp())
-
-
-@pytest.fixture(scope="module")
-def private_key(release):
-    return load_private_key(release.private_key_path)
 
 
 @pytest.fixture(scope="module")
