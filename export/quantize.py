@@ -130,4 +130,4 @@ def _evaluation_set(run: TrainedRun) -> Any:
     return EvalSet.labelled(Features(features["old"], features["side"], features["new"], features.get("labels")))
 
 
-__all__ = ["QUANTIZATIONS", "judged_gate", "quantized_forward", "quantized_metrics"]
+__all__ = ["QUANTIZATIONS", "judged_gate", "quantize_graph", "quantized_forward", "quantized_metrics"]
