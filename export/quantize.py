@@ -45,10 +45,15 @@ def quantized_forward(export: RoleExport, module: Any, real: list[np.ndarray], p
     return replace(export, export=result, parity=check_parity(module, path, real))
 
 
-def quantize_graph(source: Path, path: Path, precision: str) -> Path:
-    """The ONNX graph ``source`` written to ``path`` in ``precision`` (see the module's doc)."""
+def check_quantization(precision: str) -> None:
+    """:class:`InputError` unless ``precision`` is one of :data:`QUANTIZATIONS`."""
     if precision not in QUANTIZATIONS:
         raise InputError(f"unknown quantisation {precision!r}; choose from {', '.join(QUANTIZATIONS)}")
+
+
+def quantize_graph(source: Path, path: Path, precision: str) -> Path:
+    """The ONNX graph ``source`` written to ``path`` in ``precision`` (see the module's doc)."""
+    check_quantization(precision)
     if precision == "int8":
         quantization = require("onnxruntime.quantization", "cpu")
         root = logging.getLogger()
@@ -130,4 +135,4 @@ def _evaluation_set(run: TrainedRun) -> Any:
     return EvalSet.labelled(Features(features["old"], features["side"], features["new"], features.get("labels")))
 
 
-__all__ = ["QUANTIZATIONS", "judged_gate", "quantize_graph", "quantized_forward", "quantized_metrics"]
+__all__ = ["QUANTIZATIONS", "check_quantization", "judged_gate", "quantize_graph", "quantized_forward", "quantized_metrics"]

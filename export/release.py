@@ -13,6 +13,7 @@ import os
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from fctkit.protos.bundle import VerifiedBundle, gate_failures, gated_artifacts,
 
 from .bundle_builder import build_bundle
 from .features_release import UserGraphs, check_user_graphs, hubness_role
-from .quantize import QUANTIZATIONS, judged_gate, quantized_forward
+from .quantize import check_quantization, judged_gate, quantized_forward
 from .release_plan import RolePlan, VersionPlan, plan_release
 from .roles import RoleExport, export_role, role_module
 from .trained_run import TrainedRun
@@ -79,9 +80,9 @@ def build_release(
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        export = _Exporter(run, _RealInputs(run, chain), Path(), fp16, quantize, _progress_bar(sum(len(p.roles) for p in plans), progress),
-                           ready)
-        built = _build_versions(run, plans, out_dir, private_key, method, export, force, force_reason)
+        exporter = partial(_Exporter, run, _RealInputs(run, chain), fp16=fp16, quantize=quantize, ready=ready,
+                           bar=_progress_bar(sum(len(p.roles) for p in plans), progress))
+        built = _build_versions(run, plans, out_dir, private_key, method, exporter, force, force_reason)
     except BaseException:
         if created and not any(out_dir.iterdir()):
             out_dir.rmdir()
@@ -94,14 +95,15 @@ def build_release(
 
 
 def _build_versions(run: TrainedRun, plans: Sequence[VersionPlan], out_dir: Path, private_key: Ed25519PrivateKey,
-                    method: str, export: _Exporter, force: bool,
+                    method: str, exporter: Callable[..., _Exporter], force: bool,
                     force_reason: str | None) -> list[tuple[int, tuple[tuple[RolePlan, RoleExport], ...]]]:
+    """``exporter(folder=...)``: the :class:`_Exporter` of the release, given its scratch folder."""
     built = []
     # Everything is built in a scratch folder and moved into place at the end: a refused or
     # failed release leaves no partial versions behind.
     with tempfile.TemporaryDirectory(prefix=".release-", dir=out_dir) as scratch:
         scratch = Path(scratch)
-        export.folder = scratch / "onnx"
+        export = exporter(folder=scratch / "onnx")
         with export.bar:
             for plan in plans:
                 exports = tuple((role, export(role)) for role in plan.roles)
@@ -225,8 +227,7 @@ def _ready_graphs(run: TrainedRun, plans: Sequence[VersionPlan], graphs: UserGra
 def _check_quantize(quantize: str | None, fp16: bool, chain: bool) -> None:
     if quantize is None:
         return
-    if quantize not in QUANTIZATIONS:
-        raise InputError(f"unknown quantisation {quantize!r}; choose from {', '.join(QUANTIZATIONS)}")
+    check_quantization(quantize)
     if fp16:
         raise InputError("--fp16 stores every graph in float16 already; give --fp16 or --quantize, not both")
     if chain:
