@@ -61,7 +61,8 @@ def measure(device: Device, images: np.ndarray) -> dict[str, float]:
     held = index.vectors.nbytes + rows.embeddings.nbytes + rows.side_infos.nbytes
     with sqlite3.connect(root / "gallery.sqlite") as db:  # the sealed vectors stored (a file keeps freed pages)
         live = db.execute("SELECT value FROM meta WHERE key = 'live_vectors'").fetchone()[0]
-        sealed = db.execute(f"SELECT SUM(LENGTH(embedding) + LENGTH(side_info)) FROM {live}").fetchone()[0]
+        sealed = db.execute("SELECT SUM(LENGTH(embedding) + LENGTH(side_info)) FROM vector_blocks WHERE vector_set = ?",
+                            (live,)).fetchone()[0]
         sealed += db.execute("SELECT COALESCE(SUM(LENGTH(sealed)), 0) FROM row_extras").fetchone()[0]
     result = {"p50": float(np.percentile(times, 50)), "p99": float(np.percentile(times, 99)), "first": first,
               "held": held, "file": sealed, "scoring": device.status()["scoring"]}

@@ -21,6 +21,8 @@ first upgrade batch) and kept sealed in the gallery's metadata. Rows without a r
 
 from __future__ import annotations
 
+import dataclasses
+
 import base64
 import json
 from collections.abc import Callable, Sequence
@@ -165,6 +167,8 @@ def _stored_plan(device: DeviceParts, version: int) -> dict | None:
 def _new_plan(device: DeviceParts, searchable: LoadedRows, engine: Engine, order: str, budget: int | None,
               budget_bytes: int | None, seed: int) -> list[int]:
     rows = _comparable_rows(searchable)
+    labels = device.gallery.labels(rows.row_ids.tolist())  # the search keeps no labels (class-mean order needs them)
+    rows = dataclasses.replace(rows, labels=[labels.get(int(r)) for r in rows.row_ids])
     version = device.version
     shas = [device.gallery.replica_log.vault_sha256(item) for item in rows.item_ids]
     candidates = [sha is not None and not _is_native(tag, version) for sha, tag in zip(shas, rows.tags, strict=True)]

@@ -1,32 +1,28 @@
-"""The encrypted on-device gallery: one SQLite file (WAL) of sealed rows.
+"""The encrypted on-device gallery: one SQLite file (WAL) of sealed blocks and per-row metadata.
 
-The tables and their migrations are in :mod:`.gallery_schema`, the row values in
-:mod:`.gallery_rows` and the sealing of records in :mod:`.gallery_sealing`. Two parts of a
-gallery have their own class: the values sealed beside its rows (:attr:`Gallery.extras`,
-:mod:`.gallery_extras`), and the outbox of originals to upload, the log of changes to push and
-the records pulled from the owner's replica (:attr:`Gallery.replica_log`, :mod:`.gallery_replica`).
+Tables and migrations: :mod:`.gallery_schema` (schema 4 -> 5: :mod:`.gallery_block_migration`);
+row values: :mod:`.gallery_rows`. Vectors live in blocks of up to 4,096 rows of one version
+tag, each field sealed as one AES-GCM record (:mod:`.gallery_vectors`, :mod:`.gallery_blocks`),
+so a whole gallery opens at block speed; labels and per-row extras are sealed per row
+(:mod:`.gallery_sealing`). Two parts have their own class: :attr:`Gallery.extras`
+(:mod:`.gallery_extras`) and :attr:`Gallery.replica_log` (outbox, changes to push, pulled
+records: :mod:`.gallery_replica`).
 
 Every write that changes a live row logs a change in the same transaction (adding, the
 switch commit of an upgrade, in-place upgrades and backfills, removal as a tombstone); one
 unsealed change per item is kept.
 
-One of the two vector tables is live (``meta.live_vectors``); a forward-mode upgrade writes
-the new vectors into the other one and the switch commit flips them in one transaction, so
-queries see complete old vectors until then and the table swap rewrites nothing.
+One of the two vector sets is live (``meta.live_vectors``: ``vectors_0`` or ``vectors_1``, each a
+per-row table pointing into blocks of that set); a forward-mode upgrade writes new blocks into
+the other set and the switch commit flips them in one transaction, so queries see complete old
+vectors until then. The version tag (origin_version, version, via) says which space a row is in,
+so backfilled and adapted rows sit side by side; a replicated row of a version not installed
+yet waits in ``pending_records``.
 
-The version tag (origin_version, version, via) says exactly which space a row is in, so a
-backfilled row (native at v) and an adapted one (forward from u to v) can sit side by side,
-and a replicated row is compared only once the device has its version (until then it waits
-in ``pending_records``).
-
-Every record is sealed under the device key, bound to the gallery, its row and version tag
-(:mod:`.gallery_sealing`): a damaged record is reported as corrupt; the other rows load.
-
-Settings (schema 4, :mod:`fctkit.edge_runtime.gallery_settings`): every ``meta`` row carries an
-HMAC under the device key, so a damaged query version, live table, cursor or upgrade state is
-named, never used; ``meta.row_count`` (authenticated, moved in the transaction of every add and
-removal) makes a row gone from the file a reported loss, not a shorter answer. SQLite errors on a
-damaged file are :class:`GalleryDamagedError` (:mod:`fctkit.edge_runtime.sqlite_file`).
+A damaged block is reported as its rows (row id, item id, reason); the other blocks load.
+Settings carry HMACs (:mod:`.gallery_settings`): a damaged one is named, never used;
+``meta.row_count`` makes rows gone from the file a reported loss. SQLite errors on a damaged
+file are :class:`GalleryDamagedError` (:mod:`.sqlite_file`).
 """
 
 from __future__ import annotations
@@ -45,11 +41,14 @@ from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryDamagedErro
 
 from .crypto import Sealer
 from .gallery_extras import RowExtras
-from .gallery_replica import ReplicaLog
-from .gallery_rows import LoadedRows, NewRow, UpgradedRows, VersionTag, tag_name
+from .gallery_replica import InsertedRow, ReplicaLog
+from .gallery_rows import LoadedRows, NewRow, UpgradedRows, VersionTag, tag_name, take_rows
 from .gallery_schema import SCHEMA_VERSION, VECTOR_TABLES, check_essential, create_tables, id_chunks, migrate, vector_tables
+from .gallery_block_migration import migrate_to_blocks
+from .gallery_blocks import check_item_ids
 from .gallery_sealing import RowSealer
 from .gallery_settings import GallerySettings
+from .gallery_vectors import VectorBlocks, reconciled_with_items
 from .sqlite_file import connect
 from .sqlite_file import read_snapshot as _read_snapshot
 from .sqlite_file import transaction as _transaction
@@ -70,8 +69,9 @@ class Gallery:
         self.gallery_id = gallery_id
         self.settings = GallerySettings(connection, sealer, path)
         self._sealing = RowSealer(sealer, gallery_id)
-        self._extras = RowExtras(connection, self.settings, self._sealing, path)
-        self._replica_log = ReplicaLog(self, connection, self._sealing)
+        self._vectors = VectorBlocks(connection, sealer, gallery_id)
+        self._extras = RowExtras(connection, self.settings, self._sealing, self._vectors, path)
+        self._replica_log = ReplicaLog(self, connection, self._vectors, self._sealing.open_label)
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -122,7 +122,7 @@ class Gallery:
         if "mac" in columns:
             check_essential(path, db, sealer, meta)
         schema = meta.get("schema_version", (None, None))[0]
-        if schema not in ("1", "2", "3", str(SCHEMA_VERSION)) or "gallery_id" not in meta:
+        if schema not in ("1", "2", "3", "4", str(SCHEMA_VERSION)) or "gallery_id" not in meta:
             raise GalleryError(f"{path}: unsupported gallery schema {schema!r} (this fctkit reads {SCHEMA_VERSION})")
         try:
             gallery_id = bytes.fromhex(meta["gallery_id"][0])
@@ -132,7 +132,9 @@ class Gallery:
                 f"{path} was not sealed with this device key: use the gallery's own key file (nothing was changed)"
             ) from None
         migrate(db, sealer)
-        return cls(path, db, sealer, gallery_id)
+        gallery = cls(path, db, sealer, gallery_id)
+        migrate_to_blocks(db, gallery.settings, gallery._sealing, gallery._vectors)
+        return gallery
 
     def reader(self) -> Gallery:
         """A second connection to the same gallery (for a thread that reads while this one writes)."""
@@ -220,6 +222,7 @@ class Gallery:
         An item id already in the gallery is an error, and so is a ``query_version`` that is no
         longer the gallery's (another process switched it meanwhile): nothing is written.
         ``previous``: the rows' embeddings in the previous version's space (a transition)."""
+        check_item_ids(row.item_id for row in rows)
         with _transaction(self._db):
             if query_version is not None and self.query_version != query_version:
                 raise GalleryError(
@@ -227,11 +230,8 @@ class Gallery:
             live, _ = self._tables()
             first = self._db.execute("SELECT COALESCE(MAX(row_id), 0) + 1 FROM items").fetchone()[0]
             ids = list(range(first, first + len(rows)))
-            items, vectors = [], []
-            for row_id, row in zip(ids, rows, strict=True):
-                embedding, side_info = self._sealing.seal_vectors(row_id, row.item_id, tag, row.embedding, row.side_info)
-                items.append((row_id, row.item_id, tag.origin_version, self._sealing.seal_label(row_id, row.item_id, tag, row.label)))
-                vectors.append((row_id, tag.version, tag.via, embedding, side_info))
+            items = [(row_id, row.item_id, tag.origin_version, self._sealing.seal_label(row_id, row.item_id, tag, row.label))
+                     for row_id, row in zip(ids, rows, strict=True)]
             try:
                 self._db.executemany("INSERT INTO items (row_id, item_id, origin_version, label) VALUES (?, ?, ?, ?)", items)
             except sqlite3.IntegrityError:
@@ -240,7 +240,7 @@ class Gallery:
             if removed:
                 raise InputError(f"item id {removed[0]!r} was removed before: removed ids are never used again "
                                  "(the removal replicates to the owner's devices); choose new ids (nothing was added)")
-            self._db.executemany(f"INSERT INTO {live} VALUES (?, ?, ?, ?, ?)", vectors)
+            self._write_vectors(live, ids, rows, tag)
             self._db.executemany("INSERT INTO outbox VALUES (?, ?)", outbox)
             self._count_rows(len(rows))
             self._log_changes([row.item_id for row in rows])
@@ -248,47 +248,77 @@ class Gallery:
                 self._extras.insert("previous_embedding", ids, [row.item_id for row in rows], previous[0], previous[1])
         return ids
 
-    def _insert_row(self, live: str, row_id: int, row: NewRow, tag: VersionTag, *, vault_sha256: str | None,
-                    record_sha256: str | None) -> None:
-        """Inside a transaction: one row whose id is free (a replicated row, :mod:`.gallery_replica`)."""
-        embedding, side_info = self._sealing.seal_vectors(row_id, row.item_id, tag, row.embedding, row.side_info)
-        label = self._sealing.seal_label(row_id, row.item_id, tag, row.label)
-        self._db.execute("INSERT INTO items VALUES (?, ?, ?, ?, ?, ?)",
-                         (row_id, row.item_id, tag.origin_version, label, vault_sha256, record_sha256))
-        self._db.execute(f"INSERT INTO {live} VALUES (?, ?, ?, ?, ?)", (row_id, tag.version, tag.via, embedding, side_info))
-        self._count_rows(1)
+    def _write_vectors(self, vector_set: str, row_ids: Sequence[int], rows: Sequence[NewRow], tag: VersionTag) -> None:
+        """Inside a transaction: seal the rows' vectors as blocks of ``vector_set`` and point the rows to them."""
+        block_of = self._vectors.write(vector_set, tag, row_ids, [row.item_id for row in rows],
+                                       np.stack([np.asarray(row.embedding, np.float32).ravel() for row in rows]),
+                                       np.stack([np.asarray(row.side_info, np.float32).ravel() for row in rows]))
+        self._db.executemany(f"INSERT INTO {vector_set} VALUES (?, ?, ?, ?)",
+                             [(r, tag.version, tag.via, int(b)) for r, b in zip(row_ids, block_of, strict=True)])
+
+    def _insert_rows(self, live: str, rows: Sequence[InsertedRow]) -> None:
+        """Inside a transaction: rows whose ids are free (replicated rows, :mod:`.gallery_replica`),
+        their vectors sealed in blocks, one group per version tag."""
+        check_item_ids(r.row.item_id for r in rows)
+        self._db.executemany("INSERT INTO items VALUES (?, ?, ?, ?, ?, ?)", [
+            (r.row_id, r.row.item_id, r.tag.origin_version, self._sealing.seal_label(r.row_id, r.row.item_id, r.tag, r.row.label),
+             r.vault_sha256, r.record_sha256) for r in rows])
+        for tag in dict.fromkeys(r.tag for r in rows):
+            group = [r for r in rows if r.tag == tag]
+            self._write_vectors(live, [r.row_id for r in group], [r.row for r in group], tag)
+        self._count_rows(len(rows))
 
     def load(self, *, with_labels: bool = True) -> LoadedRows:
-        """Decrypt every row into memory in one consistent snapshot. Rows that fail to open
-        are listed in ``corrupt`` (row id, item id, reason); the others load."""
+        """Decrypt every row into memory in one consistent snapshot, block by block (no per-row
+        query). Rows that fail to open are listed in ``corrupt`` (row id, item id, reason); the
+        others load. ``with_labels`` also reads the per-row table: labels are opened, and a row
+        whose item id or origin disagrees with its block, or whose vectors are gone, is corrupt."""
         with _read_snapshot(self._db):
             live, _ = self._tables()
             expected = int(self.meta("row_count"))
-            cursor = self._db.execute(  # an item whose vectors are gone is a damaged row, not a silently shorter answer
-                f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.embedding, v.side_info, i.label "
-                f"FROM items i LEFT JOIN {live} v USING (row_id) ORDER BY row_id")
-            loaded = self._sealing.open_rows(cursor, with_labels=with_labels)
+            loaded = self._vectors.load(live)
+            if with_labels:
+                items = self._db.execute(f"SELECT row_id, i.item_id, i.origin_version, i.label, v.version, v.via "
+                                         f"FROM items i LEFT JOIN {live} v USING (row_id)")
+                loaded = reconciled_with_items(loaded, items, self._sealing.open_label)
         loaded.missing = max(0, expected - len(loaded) - len(loaded.corrupt))
         return loaded
+
+    def labels(self, row_ids: Sequence[int]) -> dict[int, str | None]:
+        """The labels of these rows (a row whose label fails to open: None)."""
+        found: dict[int, str | None] = {}
+        for chunk, marks in id_chunks([int(r) for r in row_ids]):
+            for row_id, item_id, origin, label in self._db.execute(
+                    f"SELECT row_id, item_id, origin_version, label FROM items WHERE row_id IN ({marks})", chunk):
+                try:
+                    found[row_id] = None if label is None else self._sealing.open_label(row_id, item_id, origin, label)
+                except CorruptRecordError:
+                    found[row_id] = None
+        return found
 
     def delete_rows(self, item_ids: Sequence[str]) -> int:
         """Remove items (rows, vectors and queued uploads) in one transaction, leaving a
         tombstone (a change to push) for each; returns the rows removed."""
         with _transaction(self._db):
             present = [(r, i) for i in item_ids for r, in self._db.execute("SELECT row_id FROM items WHERE item_id = ?", (i,))]
+            for table in VECTOR_TABLES:  # all at once: a block emptied by this call is dropped, not compacted first
+                self._vectors.retire(table, [r for r, _ in present])
             for item_id in dict.fromkeys(i for _, i in present):
-                self._remove_item(item_id, delete_original=True)
+                self._remove_item(item_id, delete_original=True, retired=True)
             self._log_changes([i for _, i in present], tombstone=True)
         return len(present)
 
     def _remove_item(self, item_id: str, *, tombstone: bool = True, delete_original: bool = False,
-                     keep_queued: bool = False) -> bool:
+                     keep_queued: bool = False, retired: bool = False) -> bool:
         """Inside a transaction: delete the item's row, vectors, queued upload (unless
         ``keep_queued``) and unsealed change; with ``tombstone`` also its pending records, and
         remember the removal (with ``delete_original``, the vault original to delete once the
-        removal is pushed). Returns whether the item had a row."""
+        removal is pushed; ``retired``: the caller retired the row's vectors already). Returns
+        whether the item had a row."""
         row = self._db.execute("SELECT row_id, vault_sha256 FROM items WHERE item_id = ?", (item_id,)).fetchone()
         if row is not None:
+            for table in VECTOR_TABLES if not retired else ():
+                self._vectors.retire(table, row[:1])
             for table in ("items", *VECTOR_TABLES, "row_extras"):
                 self._db.execute(f"DELETE FROM {table} WHERE row_id = ?", row[:1])
             self._count_rows(-1)
@@ -303,10 +333,10 @@ class Gallery:
 
     # -- repair (:mod:`.repair`) ------------------------------------------------------------
 
-    def forget_rows(self, item_ids: Sequence[str], *, drop_queued: Sequence[str] = (),
+    def forget_rows(self, rows: Sequence[tuple[int, str]], *, drop_queued: Sequence[str] = (),
                     drop_extras: Sequence[tuple[str, int]] = (), settings: dict[str, str | None] | None = None,
                     clear_table: str | None = None) -> int:
-        """One repair transaction: forget damaged rows here only (no tombstone: the owner's other
+        """One repair transaction: forget damaged rows (row id, item id) here only (no tombstone: the owner's other
         devices keep the items, and the replica can bring them back; a queued original stays
         queued), drop damaged queued originals and (field, row id) extras, empty ``clear_table``
         (the staged vectors of an upgrade given up), set ``settings``, and take the row count
@@ -314,12 +344,26 @@ class Gallery:
         with _transaction(self._db):
             count = self._db.execute("SELECT COUNT(*) FROM items").fetchone()[0]
             self._set_meta({**(settings or {}), "row_count": str(count)})  # each forgotten row then counts down
-            forgotten = sum(self._remove_item(item_id, tombstone=False, keep_queued=True) for item_id in item_ids)
+            forgotten = sum(self._forget_row(row_id, item_id) for row_id, item_id in rows)
             if clear_table is not None:  # an upgrade given up: its staged rows go, the live ones are untouched
+                self._vectors.drop_set(clear_table)
                 self._db.execute(f"DELETE FROM {VECTOR_TABLES[VECTOR_TABLES.index(clear_table)]}")
             self._db.executemany("DELETE FROM outbox WHERE item_id = ?", [(i,) for i in drop_queued])
             self._db.executemany("DELETE FROM row_extras WHERE field = ? AND row_id = ?", drop_extras)
+            for table in VECTOR_TABLES:  # e.g. a block whose dead list failed authentication, all its rows forgotten
+                self._vectors.sweep(table)
         return forgotten
+
+    def _forget_row(self, row_id: int, item_id: str) -> bool:
+        """Inside the repair transaction: forget one damaged row, also when its per-row entry is
+        gone or names another item (its vectors then only sit in a block): no tombstone."""
+        owner = self._db.execute("SELECT item_id FROM items WHERE row_id = ?", (row_id,)).fetchone()
+        if owner is not None:
+            self._remove_item(owner[0], tombstone=False, keep_queued=True)
+        for table in VECTOR_TABLES:  # vectors left in a block by a per-row entry that was gone or wrong
+            self._vectors.retire(table, [row_id])
+            self._db.execute(f"DELETE FROM {table} WHERE row_id = ?", (row_id,))
+        return True
 
     def vector_table_rows(self) -> dict[str, int]:
         """Rows per vector table (to tell the live one when its setting is damaged)."""
@@ -362,12 +406,12 @@ class Gallery:
         with _read_snapshot(self._db):
             live, staged = self._tables()
             rows = self._db.execute(
-                f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.embedding, v.side_info, NULL "
+                f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, NULL "
                 f"FROM {live} v JOIN items i USING (row_id) WHERE {_not_yet_in(staged)} AND v.row_id > ? "
                 f"ORDER BY v.row_id LIMIT ?",
                 (target_version, after_row_id, limit),
             ).fetchall()
-        return self._sealing.open_rows(rows, with_labels=False)
+            return self._vectors.open_pointers(rows)
 
     def row_versions(self, target_version: int) -> list[int]:
         """The version tags of the rows not yet in ``target_version``'s space (staged rows count as done)."""
@@ -389,19 +433,21 @@ class Gallery:
         """Write upgraded rows in one transaction, each guarded by the tag it was computed
         from (a row changed or staged since makes the whole transaction roll back).
         ``staged``: into the staged vector table (forward mode, switched later); else in place."""
-        params = []
-        for b in batches:
-            embeddings, side_infos = self._sealing.seal_block(b.row_ids, b.item_ids, b.new_tag, b.embeddings, b.side_infos)
-            new, old = b.new_tag, b.old_tag
-            params += [(r, new.version, new.via, e, s, r, old.version, old.via)
-                       for r, e, s in zip(b.row_ids, embeddings, side_infos, strict=True)]
         with _transaction(self._db):
             live, other = self._tables()
+            target = other if staged else live
+            params = []
+            for b in batches:
+                block_of = self._vectors.write(target, b.new_tag, b.row_ids, b.item_ids, b.embeddings, b.side_infos)
+                new, old = b.new_tag, b.old_tag
+                params += [(r, new.version, new.via, int(block), r, old.version, old.via)
+                           for r, block in zip(b.row_ids, block_of, strict=True)]
             if staged:
-                sql = (f"INSERT INTO {other} (row_id, version, via, embedding, side_info) SELECT ?, ?, ?, ?, ? "
+                sql = (f"INSERT INTO {other} (row_id, version, via, block_id) SELECT ?, ?, ?, ? "
                        f"WHERE EXISTS (SELECT 1 FROM {live} WHERE row_id = ? AND version = ? AND via = ?)")
-            else:
-                sql = (f"UPDATE {live} SET row_id = ?, version = ?, via = ?, embedding = ?, side_info = ? "
+            else:  # the rows leave their old blocks (retired there) for the new ones
+                self._vectors.retire(live, [r for b in batches for r in b.row_ids])
+                sql = (f"UPDATE {live} SET row_id = ?, version = ?, via = ?, block_id = ? "
                        f"WHERE row_id = ? AND version = ? AND via = ?")
             try:
                 written = self._db.executemany(sql, params).rowcount
@@ -423,15 +469,28 @@ class Gallery:
                 raise GalleryError(f"{left} row(s) are not yet in v{target_version}'s space: finish the upgrade first")
             live, staged = self._tables()
             self._log_changes(select_sql=f"SELECT item_id FROM items JOIN {staged} USING (row_id) ORDER BY row_id")
-            # rows already in the target space needed no transform: carried over unchanged
+            # rows already in the target space needed no transform: carried over unchanged, with their blocks
             self._db.execute(f"INSERT INTO {staged} SELECT * FROM {live} v WHERE NOT EXISTS "
                              f"(SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id)")
+            self._vectors.move_referenced(live, staged)
             self._db.execute("DELETE FROM row_extras WHERE field = 'previous_embedding'")
-            if keep_previous is not None:  # the sealed records move as they are: their AAD names their tag, not a table
-                self._db.execute(f"INSERT INTO row_extras SELECT v.row_id, 'previous_embedding', i.origin_version, v.version, "
-                                 f"v.via, v.embedding FROM {live} v JOIN items i USING (row_id) WHERE v.version = ?", (keep_previous,))
+            if keep_previous is not None:
+                self._keep_previous(live, keep_previous)
+            self._vectors.drop_set(live)
             self._db.execute(f"DELETE FROM {live}")
             self._set_meta({**meta, "query_version": str(target_version), "live_vectors": staged})
+
+
+    def _keep_previous(self, live: str, version: int) -> None:
+        """Inside the switch: the live rows in ``version``'s space keep their embedding as a
+        ``previous_embedding`` extra (sealed per row as that tag's embedding)."""
+        rows = self._vectors.open_pointers(self._db.execute(
+            f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, NULL FROM {live} v "
+            f"JOIN items i USING (row_id) WHERE v.version = ? ORDER BY row_id", (version,)).fetchall())
+        for tag in set(rows.tags):
+            picked = [i for i, t in enumerate(rows.tags) if t == tag]
+            self._extras.insert("previous_embedding", rows.row_ids[picked].tolist(), [rows.item_ids[i] for i in picked], tag,
+                                take_rows(rows.embeddings, picked))
 
 
 def _not_yet_in(staged: str) -> str:

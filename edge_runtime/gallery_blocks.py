@@ -1,28 +1,28 @@
 """Vector blocks: the rows of one field in one version tag, sealed as one record (issue 22).
 
-The first part of the block-sealed gallery; :class:`~.gallery.Gallery` does not store blocks
-yet (its rows are sealed one record per vector, :mod:`.gallery_sealing`).
+The sealing of the block-sealed gallery (schema 5); the blocks' table is :mod:`.gallery_vectors`.
 
 A block holds the float32 values of ``n`` rows of one field (``embedding``, ``side_info``, …)
 in one version tag, sealed with AES-256-GCM under the device key: one cipher call, one nonce
 and one authenticated-data build per block instead of per row, which is what makes bulk
 opens run near the cipher's own speed. The row ids stay in plaintext beside the ciphertext (the
-gallery must know which rows a block holds without the key), and the authenticated data binds
-them: ``gallery id | block id | field | tag | rows | width | SHA-256(row ids)``. A block moved
-to another id, gallery, field or tag, with a row id added, dropped, changed or reordered, or
-with its ciphertext truncated, fails to open. Block ids are never reused (a rewritten block
+gallery must know which rows a block holds without the key), and so do the rows' item ids; the
+authenticated data binds both: ``gallery id | block id | field | tag | rows | width |
+SHA-256(row ids) | SHA-256(item ids)``. A block moved to another id, gallery, field or tag, with
+a row id or item id added, dropped, changed or reordered, or with its ciphertext truncated,
+fails to open. Block ids are never reused (a rewritten block
 gets a new id), so an old ciphertext cannot stand in for a newer block of the same id.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from fctkit.errors import CorruptRecordError, GalleryError
+from fctkit.errors import CorruptRecordError, GalleryError, InputError
 
 from .crypto import Sealer
 from .gallery_rows import VersionTag
@@ -39,6 +39,7 @@ class SealedBlock:
     field: str
     tag: VersionTag
     row_ids: np.ndarray  # int64, in the order of the block's rows
+    item_ids: bytes  # the rows' item ids in the same order (:func:`encode_item_ids`)
     width: int  # values per row
     sealed: bytes
 
@@ -54,8 +55,10 @@ class BlockSealer:
         self._sealer = sealer
         self._gallery_id = gallery_id
 
-    def seal(self, block_id: int, field: str, tag: VersionTag, row_ids: np.ndarray, values: np.ndarray) -> SealedBlock:
-        """Seal ``values`` (one row per id of ``row_ids``, unique ids) as block ``block_id``."""
+    def seal(self, block_id: int, field: str, tag: VersionTag, row_ids: np.ndarray, item_ids: bytes,
+             values: np.ndarray) -> SealedBlock:
+        """Seal ``values`` (one row per id of ``row_ids``, unique ids; ``item_ids`` encoded by
+        :func:`encode_item_ids`) as block ``block_id``."""
         row_ids = np.asarray(row_ids, dtype=ROW_ID_DTYPE)
         values = np.asarray(values)
         if values.ndim != 2 or len(values) != len(row_ids) or not len(row_ids):
@@ -63,8 +66,8 @@ class BlockSealer:
         if len(np.unique(row_ids)) != len(row_ids):
             raise GalleryError(f"block {block_id}: a row id is repeated")
         plaintext = np.ascontiguousarray(values, dtype=VALUE_DTYPE).tobytes()
-        unsealed = SealedBlock(block_id, field, tag, row_ids, values.shape[1], b"")
-        return SealedBlock(block_id, field, tag, row_ids, values.shape[1], self._sealer.seal(plaintext, self._aad(unsealed)))
+        unsealed = SealedBlock(block_id, field, tag, row_ids, item_ids, values.shape[1], b"")
+        return SealedBlock(block_id, field, tag, row_ids, item_ids, values.shape[1], self._sealer.seal(plaintext, self._aad(unsealed)))
 
     def open(self, block: SealedBlock) -> np.ndarray:
         """The block's values, ``(rows, width)`` float32; :class:`CorruptRecordError` when the
@@ -101,9 +104,25 @@ class BlockSealer:
 
     def _aad(self, block: SealedBlock) -> bytes:
         tag = block.tag
-        return b"fctkit-gallery-block/1|%s|%d|%s|%d|%d|%s|%d|%d|%s" % (
+        return b"fctkit-gallery-block/1|%s|%d|%s|%d|%d|%s|%d|%d|%s|%s" % (
             self._gallery_id, block.block_id, block.field.encode(), tag.origin_version, tag.version, tag.via.encode(),
-            len(block.row_ids), block.width, hashlib.sha256(block.row_id_bytes).digest())
+            len(block.row_ids), block.width, hashlib.sha256(block.row_id_bytes).digest(), hashlib.sha256(block.item_ids).digest())
+
+
+def encode_item_ids(item_ids: Sequence[str]) -> bytes:
+    """Item ids as one NUL-separated UTF-8 string (item ids never hold NUL: :func:`check_item_ids`)."""
+    return "\0".join(item_ids).encode("utf-8", "surrogateescape")
+
+
+def decode_item_ids(encoded: bytes) -> list[str]:
+    return encoded.decode("utf-8", "surrogateescape").split("\0")
+
+
+def check_item_ids(item_ids: Iterable[str]) -> None:
+    """Item ids the gallery can store: non-empty strings without NUL."""
+    for item_id in item_ids:
+        if not isinstance(item_id, str) or not item_id or "\0" in item_id:
+            raise InputError(f"item id {item_id!r} cannot be stored: item ids are non-empty strings without NUL characters")
 
 
 def block_slices(rows: int, block_rows: int) -> Iterator[slice]:

@@ -14,6 +14,7 @@ from .gallery_rows import LoadedRows, VersionTag
 from .gallery_schema import vector_tables
 from .gallery_sealing import RowSealer
 from .gallery_settings import GallerySettings
+from .gallery_vectors import VectorBlocks
 from .sqlite_file import read_snapshot, transaction
 
 #: the row's embedding in the previous version's space while a transition lasts (sealed as that
@@ -25,10 +26,12 @@ EXTRA_FIELDS = {"previous_embedding": "embedding", "hubness_offset": "hubness_of
 class RowExtras:
     """The extras of one gallery connection."""
 
-    def __init__(self, connection: sqlite3.Connection, settings: GallerySettings, sealing: RowSealer, path: Path) -> None:
+    def __init__(self, connection: sqlite3.Connection, settings: GallerySettings, sealing: RowSealer,
+                 vectors: VectorBlocks, path: Path) -> None:
         self._db = connection
         self._settings = settings
         self._sealing = sealing
+        self._vectors = vectors
         self._path = path
 
     def put(self, field_name: str, rows: LoadedRows, values: np.ndarray) -> int:
@@ -66,12 +69,12 @@ class RowExtras:
         """The live rows in ``version``'s space without a ``field_name`` extra for their current tag, decrypted."""
         with read_snapshot(self._db):
             live, _ = vector_tables(self._settings, self._path)
-            cursor = self._db.execute(
-                f"SELECT v.row_id, i.item_id, i.origin_version, v.version, v.via, v.embedding, v.side_info, NULL "
+            rows = self._db.execute(
+                f"SELECT v.row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, NULL "
                 f"FROM {live} v JOIN items i USING (row_id) LEFT JOIN row_extras e ON e.row_id = v.row_id AND e.field = ? "
                 f"WHERE v.version = ? AND (e.row_id IS NULL OR e.origin_version != i.origin_version OR e.version != v.version "
-                f"OR e.via != v.via) ORDER BY v.row_id", (field_name, version))
-            return self._sealing.open_rows(cursor, with_labels=False)
+                f"OR e.via != v.via) ORDER BY v.row_id", (field_name, version)).fetchall()
+            return self._vectors.open_pointers(rows)
 
     def drop(self, field_name: str, meta: dict[str, str | None] | None = None) -> int:
         """Delete every ``field_name`` extra and set ``meta``, in one transaction; returns the extras deleted."""

@@ -20,7 +20,7 @@ from fctkit.errors import GalleryError, InputError
 
 from .gallery_rows import LoadedRows, NewRow, VersionTag
 from .gallery_schema import id_chunks
-from .gallery_sealing import RowSealer
+from .gallery_vectors import LabelOpener, VectorBlocks
 from .sqlite_file import read_snapshot, transaction
 
 
@@ -53,6 +53,17 @@ class ReplicaWrite:
 
 
 @dataclass(frozen=True)
+class InsertedRow:
+    """A replicated row to insert under a free row id (a merge inserts its rows together, in blocks)."""
+
+    row_id: int
+    row: NewRow
+    tag: VersionTag
+    vault_sha256: str | None
+    record_sha256: str | None
+
+
+@dataclass(frozen=True)
 class SealedChange:
     """A change sealed for pushing: ``tag`` is the row state it was sealed from (None: tombstone)."""
 
@@ -75,8 +86,7 @@ class GalleryRows(Protocol):
 
     def _tombstoned(self, item_ids: Sequence[str]) -> list[str]: ...
 
-    def _insert_row(self, live: str, row_id: int, row: NewRow, tag: VersionTag, *, vault_sha256: str | None,
-                    record_sha256: str | None) -> None: ...
+    def _insert_rows(self, live: str, rows: Sequence[InsertedRow]) -> None: ...
 
     def _remove_item(self, item_id: str, *, tombstone: bool = True) -> bool: ...
 
@@ -86,10 +96,11 @@ class GalleryRows(Protocol):
 class ReplicaLog:
     """The outbox, change log, tombstones and pending records of one gallery connection."""
 
-    def __init__(self, gallery: GalleryRows, connection: sqlite3.Connection, sealing: RowSealer) -> None:
+    def __init__(self, gallery: GalleryRows, connection: sqlite3.Connection, vectors: VectorBlocks, open_label: LabelOpener) -> None:
         self._gallery = gallery
         self._db = connection
-        self._sealing = sealing
+        self._vectors = vectors
+        self._open_label = open_label
 
     # -- outbox ----------------------------------------------------------------------------
 
@@ -137,10 +148,10 @@ class ReplicaLog:
             live, _ = self._gallery._tables()
             for chunk, marks in id_chunks(item_ids):
                 found += self._db.execute(
-                    f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.embedding, v.side_info, i.label "
+                    f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, i.label "
                     f"FROM items i JOIN {live} v USING (row_id) WHERE i.item_id IN ({marks}) ORDER BY row_id", chunk).fetchall()
                 shas.update(self._db.execute(f"SELECT item_id, vault_sha256 FROM items WHERE item_id IN ({marks})", chunk))
-        return self._sealing.open_rows(found, with_labels=True), shas
+            return self._vectors.open_pointers(found, self._open_label), shas
 
     def store_sealed(self, changes: Sequence[SealedChange]) -> int:
         """Keep the sealed records of changes (one transaction); a change whose row moved on
@@ -203,18 +214,20 @@ class ReplicaLog:
             live, _ = self._gallery._tables()
             states = self._item_states(live, [r.item_id for r in records])
             next_row_id = self._db.execute("SELECT COALESCE(MAX(row_id), 0) + 1 FROM items").fetchone()[0]
+            inserts: dict[str, InsertedRow] = {}  # written together at the end, sealed in blocks
             for record in records:
                 state = states[record.item_id]
                 write = decide(record, state)
                 if write.kind == "row":
-                    self._apply(live, write, has_row=state.tag is not None, row_id=next_row_id)
+                    self._apply(write, has_row=state.tag is not None, inserts=inserts, row_id=next_row_id)
                     next_row_id += 1
                     states[record.item_id] = ItemState(write.tag, write.record_sha256, False)
                 else:
-                    self._apply(live, write, has_row=state.tag is not None)
+                    self._apply(write, has_row=state.tag is not None, inserts=inserts)
                     if write.kind == "tombstone":
                         states[record.item_id] = ItemState(None, None, True)
                 counts[write.kind] = counts.get(write.kind, 0) + 1
+            self._gallery._insert_rows(live, list(inserts.values()))
             self._db.executemany("DELETE FROM pending_records WHERE sequence = ?", [(s,) for s in done_pending])
             if cursor is not None and cursor > self.replica_cursor:  # another process may have merged further
                 self._gallery._set_meta({"replica_cursor": str(cursor)})
@@ -232,19 +245,21 @@ class ReplicaLog:
                 states[item_id] = ItemState(VersionTag(origin, version, via), sha, item_id in removed)
         return states
 
-    def _apply(self, live: str, write: ReplicaWrite, *, has_row: bool, row_id: int = 0) -> None:
+    def _apply(self, write: ReplicaWrite, *, has_row: bool, inserts: dict[str, InsertedRow], row_id: int = 0) -> None:
+        """One write of a merge; rows to insert wait in ``inserts`` (an item inserted earlier in
+        the same merge is replaced or removed there, not in the file)."""
         if write.kind == "tombstone":
+            inserts.pop(write.item_id, None)
             self._gallery._remove_item(write.item_id)
         elif write.kind == "pending":
             tag = write.tag
             self._db.execute("INSERT OR IGNORE INTO pending_records VALUES (?, ?, ?, ?, ?, ?)",
                              (write.sequence, write.item_id, tag.version, tag.origin_version, tag.via, write.sealed))
         elif write.kind == "row":
-            if has_row:  # an item without a row has no upload or unsealed change either
+            if inserts.pop(write.item_id, None) is None and has_row:  # an item without a row has no upload or unsealed change either
                 self._gallery._remove_item(write.item_id, tombstone=False)
             row = NewRow(write.item_id, write.embedding, write.side_info, write.label)
-            self._gallery._insert_row(live, row_id, row, write.tag, vault_sha256=write.vault_sha256,
-                                      record_sha256=write.record_sha256)
+            inserts[write.item_id] = InsertedRow(row_id, row, write.tag, write.vault_sha256, write.record_sha256)
             if write.record_sha256 is None:
                 self._gallery._log_changes([write.item_id])
         elif write.kind != "ignore":

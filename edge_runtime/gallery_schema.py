@@ -16,7 +16,10 @@ Row format::
                 via TEXT                    how they got there: 'native' (embedded by that version's
                                             model), 'forward' (adapted by h/F from origin_version),
                                             'backward' (B(φ_new), unified mode)
-                embedding BLOB, side_info BLOB   sealed float32 vectors (side-info empty when none)
+                block_id INTEGER            the sealed block holding the row's vectors (schema 5,
+                                            :mod:`.gallery_vectors`; up to schema 4 each row held its
+                                            own sealed embedding and side_info BLOBs)
+    vector_blocks                           the blocks (:mod:`.gallery_vectors`)
 
 Replication (schema 2, :mod:`fctkit.edge_runtime.replication`)::
 
@@ -32,7 +35,7 @@ Replication (schema 2, :mod:`fctkit.edge_runtime.replication`)::
 
 Schema 1 galleries are migrated when opened: every row gets a change, so the whole gallery is
 pushed once. Schema 3 adds ``row_extras`` (:mod:`.gallery_extras`), schema 4 the settings' MACs
-(:mod:`.gallery_settings`).
+(:mod:`.gallery_settings`), schema 5 the vector blocks (:mod:`.gallery_block_migration`).
 """
 
 from __future__ import annotations
@@ -45,9 +48,10 @@ from fctkit.errors import DeviceKeyError, GalleryError
 
 from .crypto import Sealer
 from .gallery_settings import ESSENTIAL, GallerySettings, add_macs, authentic
+from .gallery_vectors import BLOCKS_SCHEMA
 from .sqlite_file import transaction
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 VECTOR_TABLES = ("vectors_0", "vectors_1")
 _SQL_VARIABLES = 500  # item ids per `IN (...)` query
 
@@ -61,10 +65,8 @@ CREATE TABLE items (
     vault_sha256 TEXT,
     record_sha256 TEXT
 );
-CREATE TABLE vectors_0 (row_id INTEGER PRIMARY KEY, version INTEGER NOT NULL, via TEXT NOT NULL,
-                        embedding BLOB NOT NULL, side_info BLOB NOT NULL);
-CREATE TABLE vectors_1 (row_id INTEGER PRIMARY KEY, version INTEGER NOT NULL, via TEXT NOT NULL,
-                        embedding BLOB NOT NULL, side_info BLOB NOT NULL);
+CREATE TABLE vectors_0 (row_id INTEGER PRIMARY KEY, version INTEGER NOT NULL, via TEXT NOT NULL, block_id INTEGER NOT NULL);
+CREATE TABLE vectors_1 (row_id INTEGER PRIMARY KEY, version INTEGER NOT NULL, via TEXT NOT NULL, block_id INTEGER NOT NULL);
 CREATE TABLE outbox (item_id TEXT PRIMARY KEY, blob BLOB NOT NULL);
 """
 _REPLICATION_SCHEMA = """
@@ -79,16 +81,17 @@ _EXTRAS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS row_extras (row_id INTEGER NOT NULL, field TEXT NOT NULL, origin_version INTEGER NOT NULL,
                          version INTEGER NOT NULL, via TEXT NOT NULL, sealed BLOB NOT NULL, PRIMARY KEY (row_id, field));
 """
-_SCHEMA += _REPLICATION_SCHEMA + _EXTRAS_SCHEMA
+_SCHEMA += _REPLICATION_SCHEMA + _EXTRAS_SCHEMA + ";" + BLOCKS_SCHEMA
 
 
 def create_tables(db: sqlite3.Connection) -> None:
     """Inside the creating transaction: every table of the current schema (settings not set yet)."""
-    _execute_script(db, _SCHEMA)
+    execute_script(db, _SCHEMA)
 
 
 def migrate(db: sqlite3.Connection, sealer: Sealer) -> None:
-    """Bring a gallery of an older schema to :data:`SCHEMA_VERSION`, one transaction per step."""
+    """Bring a gallery of an older schema to schema 4, one transaction per step (4 -> 5, which
+    re-seals every row, is :mod:`.gallery_block_migration`)."""
     for step in (_add_replication, _add_row_extras, _add_macs):
         step(db, sealer)
 
@@ -119,12 +122,12 @@ def id_chunks(item_ids: Sequence[str]) -> Iterator[tuple[list[str], str]]:
         yield chunk, ",".join("?" * len(chunk))
 
 
-def _execute_script(db: sqlite3.Connection, script: str) -> None:
+def execute_script(db: sqlite3.Connection, script: str) -> None:
     for statement in filter(str.strip, script.split(";")):
         db.execute(statement)
 
 
-def _migration(db: sqlite3.Connection, from_schema: str) -> bool:
+def still_at(db: sqlite3.Connection, from_schema: str) -> bool:
     """Inside a transaction: whether the gallery is still at ``from_schema`` (another process may
     have migrated it meanwhile)."""
     return db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == from_schema
@@ -133,10 +136,10 @@ def _migration(db: sqlite3.Connection, from_schema: str) -> bool:
 def _add_replication(db: sqlite3.Connection, sealer: Sealer) -> None:
     """Schema 1 -> 2 in one transaction: the replication tables, and a change for every row."""
     with transaction(db):
-        if not _migration(db, "1"):
+        if not still_at(db, "1"):
             return
         db.execute("ALTER TABLE items ADD COLUMN record_sha256 TEXT")
-        _execute_script(db, _REPLICATION_SCHEMA)
+        execute_script(db, _REPLICATION_SCHEMA)
         db.execute("INSERT INTO changes (item_id, tombstone) SELECT item_id, 0 FROM items ORDER BY row_id")
         db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [("schema_version", "2"), ("replica_cursor", "0")])
 
@@ -144,7 +147,7 @@ def _add_replication(db: sqlite3.Connection, sealer: Sealer) -> None:
 def _add_row_extras(db: sqlite3.Connection, sealer: Sealer) -> None:
     """Schema 2 -> 3 in one transaction: the (empty) per-row extras table."""
     with transaction(db):
-        if not _migration(db, "2"):
+        if not still_at(db, "2"):
             return
         db.execute(_EXTRAS_SCHEMA)
         db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', '3')")
@@ -153,7 +156,7 @@ def _add_row_extras(db: sqlite3.Connection, sealer: Sealer) -> None:
 def _add_macs(db: sqlite3.Connection, sealer: Sealer) -> None:
     """Schema 3 -> 4 in one transaction: authenticated settings and row count (:func:`add_macs`)."""
     with transaction(db):
-        if not _migration(db, "3"):
+        if not still_at(db, "3"):
             return
-        db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', '4')")
         add_macs(db, sealer)

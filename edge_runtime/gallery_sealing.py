@@ -1,4 +1,6 @@
-"""The gallery's records sealed under the device key (:mod:`.gallery`).
+"""The gallery's per-row records sealed under the device key (:mod:`.gallery`): labels, per-row
+extras (:mod:`.gallery_extras`), and the vectors of galleries up to schema 4 (re-sealed as blocks
+when opened, :mod:`.gallery_block_migration`; schema 5 keeps vectors in :mod:`.gallery_vectors`).
 
 Every record is sealed with AES-256-GCM under the device key; its authenticated data is
 ``gallery id | row id | item id | origin | version | via | field``. A modified, truncated,
@@ -33,21 +35,15 @@ class RowSealer:
         aads = [_aad(self._gallery_id, r, i, tag, field_name) for r, i in zip(row_ids, item_ids, strict=True)]
         return self._sealer.seal_many(plaintexts, aads)
 
-    def seal_block(self, row_ids: Sequence[int], item_ids: Sequence[str], tag: VersionTag,
-                   embeddings: np.ndarray, side_infos: np.ndarray) -> tuple[list[bytes], list[bytes]]:
-        """Sealed records of each row's embedding and side-info."""
-        return (self.seal_values(row_ids, item_ids, tag, "embedding", embeddings),
-                self.seal_values(row_ids, item_ids, tag, "side_info", side_infos))
-
-    def seal_vectors(self, row_id: int, item_id: str, tag: VersionTag, embedding: np.ndarray,
-                     side_info: np.ndarray) -> tuple[bytes, bytes]:
-        (embedding,), (side_info,) = self.seal_block([row_id], [item_id], tag, embedding[None], side_info[None])
-        return embedding, side_info
-
     def seal_label(self, row_id: int, item_id: str, tag: VersionTag, label: str | None) -> bytes | None:
         if label is None:
             return None
         return self._sealer.seal(label.encode("utf-8"), _aad(self._gallery_id, row_id, item_id, _label_tag(tag.origin_version), "label"))
+
+    def open_label(self, row_id: int, item_id: str, origin_version: int, sealed: bytes) -> str:
+        """A row's label (:class:`CorruptRecordError` when it fails to open)."""
+        aad = _aad(self._gallery_id, row_id, item_id, _label_tag(origin_version), "label")
+        return self._sealer.open(sealed, aad, f"row {row_id} label").decode("utf-8")
 
     def open_rows(self, cursor: Iterable[tuple], *, with_labels: bool,
                   fields: tuple[str, str | None] = ("embedding", "side_info")) -> LoadedRows:

@@ -70,8 +70,9 @@ class GallerySearch:
         if len(index) and vectors.shape[1] > index.vectors.shape[1] and self.bundles.engine(version).manifest.mode == "compatible":
             vectors = vectors[:, : index.vectors.shape[1]]  # the prefix older rows are compared on (BT²)
         found = index.search(vectors, k)
+        labels = self.gallery.labels({int(rows.row_ids[j]) for idx in found.indices for j in idx})  # only the matches' labels are opened
         return [
-            [Match(rows.item_ids[j], float(d), rows.labels[j], str(rows.tags[j])) for j, d in zip(idx, dist, strict=True)]
+            [Match(rows.item_ids[j], float(d), labels.get(int(rows.row_ids[j])), str(rows.tags[j])) for j, d in zip(idx, dist, strict=True)]
             for idx, dist in zip(found.indices, found.distances, strict=True)
         ]
 
@@ -87,7 +88,7 @@ class GallerySearch:
             key = (version, *self.gallery.change_marker())
             if self._cache is not None and self._cache[0] == key:
                 return (version, *self._cache[1:])
-            loaded = self.gallery.load()
+            loaded = self.gallery.load(with_labels=False)
             if self.gallery.query_version == version:
                 self._cache = (key, *self._indexed(version, loaded, transition))
 

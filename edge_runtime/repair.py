@@ -138,7 +138,7 @@ def repair_gallery(gallery: Gallery, open_original: OpenOriginal, installed_vers
     result = RepairResult(settings_restored=settings)
     unknown_count = {"row_count": "0"} if "row_count" in damaged else {}  # forget_rows counts afresh
     with gallery.settings.override({**settings, **unknown_count}):  # the rows are read with the derived settings
-        rows = gallery.load(with_labels=False)
+        rows = gallery.load()  # with the per-row table: rows whose vectors are gone are listed
         bad_extras = [(name, r) for name in EXTRA_FIELDS for r, _, _ in gallery.extras.load(name).corrupt]
     result.rows_forgotten = [item for _, item, _ in rows.corrupt]
     result.rows_missing = rows.missing
@@ -148,6 +148,6 @@ def repair_gallery(gallery: Gallery, open_original: OpenOriginal, installed_vers
         bad_extras += [("previous_embedding", r) for r in gallery.extras.load("previous_embedding").row_ids.tolist()]
     if result.rows_forgotten or result.rows_missing:  # the next pull brings back what the owner's replica has
         settings = {**settings, "replica_cursor": "0"}
-    gallery.forget_rows(result.rows_forgotten, drop_queued=result.queued_originals_dropped, drop_extras=bad_extras,
+    gallery.forget_rows([(row_id, item) for row_id, item, _ in rows.corrupt], drop_queued=result.queued_originals_dropped, drop_extras=bad_extras,
                         settings=settings, clear_table=clear_table)
     return result

@@ -18,8 +18,16 @@ from fctkit.errors import DeviceKeyError, GalleryDamagedError, GalleryError
 def _filled(make_device, tiny_bundles, images, name="dev", n=12) -> Device:
     device = make_device(name)
     device.upgrade(tiny_bundles[1])
-    device.add(images(n, seed=5), item_ids=[f"it{i:02d}" for i in range(n)], labels=[f"L{i}" for i in range(n)], upload=False)
+    _add_in_blocks(device, images(n, seed=5), "it", upload=False)
     return device
+
+
+def _add_in_blocks(device: Device, batch: np.ndarray, prefix: str, *, upload: bool = True, per_block: int = 4) -> None:
+    """One add call (one sealed block) per ``per_block`` items, so damage to a block is local to its rows."""
+    for first in range(0, len(batch), per_block):
+        ids = range(first, min(first + per_block, len(batch)))
+        device.add(batch[first:first + per_block], item_ids=[f"{prefix}{i:02d}" for i in ids], labels=[f"L{i}" for i in ids],
+                   upload=upload)
 
 
 def _sql(device: Device, *statements: str) -> None:
@@ -80,41 +88,45 @@ def test_a_damaged_essential_setting_names_itself_and_a_wrong_key_stays_a_key_er
         Device.open(tmp_path / "other")
 
 
-def test_a_row_gone_from_the_file_is_reported_by_query_status_and_check(make_device, tiny_bundles, images):
-    device = _filled(make_device, tiny_bundles, images)
+def test_a_damaged_block_and_a_block_gone_are_reported_by_query_status_and_check(make_device, tiny_bundles, images):
+    device = _filled(make_device, tiny_bundles, images)  # rows 1-4, 5-8, 9-12 in blocks 1, 2, 3
     root = device.root
-    _sql(device, "DELETE FROM vectors_0 WHERE row_id = 3", "DELETE FROM items WHERE row_id = 5", "DELETE FROM vectors_0 WHERE row_id = 5")
+    _sql(device, "UPDATE vector_blocks SET embedding = zeroblob(length(embedding)) WHERE block_id = 1",
+         "DELETE FROM vector_blocks WHERE block_id = 3")
     with Device.open(root) as damaged:
-        assert len(damaged.query(images(1, seed=1), k=20)[0]) == 10
-        assert [r[0] for r in damaged.damaged_rows()] == [3] and damaged.missing_rows() == 1
+        assert len(damaged.query(images(1, seed=1), k=20)[0]) == 4
+        assert [r[0] for r in damaged.damaged_rows()] == [1, 2, 3, 4] and damaged.missing_rows() == 4
         status = damaged.status()
-        assert status["damaged_rows"] == 1 and status["missing_rows"] == 1
-        report = damaged.check()
-        assert report["missing_rows"] == 1 and len(report["damaged_rows"]) == 1 and report["damaged"] == 2
+        assert status["damaged_rows"] == 4 and status["missing_rows"] == 4
+        report = damaged.check()  # with the per-row table, the rows of the block gone are named too
+        assert [r[0] for r in report["damaged_rows"]] == [1, 2, 3, 4, 9, 10, 11, 12] and report["damaged"] == 8
+        assert "vectors are missing" in report["damaged_rows"][-1][2]
     proc = device_cli("query", "--dir", str(root), "-k", "3", _npy(root, images(1, seed=1)))
-    assert proc.returncode == 3 and "1 damaged row(s)" in proc.stderr and "1 row(s) are gone" in proc.stderr
+    assert proc.returncode == 3 and "4 damaged row(s)" in proc.stderr and "4 row(s) are gone" in proc.stderr
     proc = device_cli("status", "--dir", str(root))
-    assert proc.returncode == 3 and '"missing_rows": 1' in proc.stdout
+    assert proc.returncode == 3 and '"missing_rows": 4' in proc.stdout
     # not enrolled: repair removes what no replica can restore, in one step, and says so
     proc = device_cli("repair", "--dir", str(root))
     assert proc.returncode == 0, proc.stderr
-    assert '"rows_removed": [\n    "it02"' in proc.stdout and "not enrolled" in proc.stdout
+    assert '"rows_removed": [\n    "it00"' in proc.stdout and "not enrolled" in proc.stdout
     with Device.open(root) as repaired:
-        assert repaired.check()["damaged"] == 0 and len(repaired.gallery) == 10
+        assert repaired.check()["damaged"] == 0 and len(repaired.gallery) == 4
+        assert repaired.gallery._db.execute("SELECT COUNT(*) FROM vector_blocks").fetchone()[0] == 1  # the dead block is gone
 
 
 def test_repair_brings_damaged_and_missing_rows_back_from_the_owners_replica(server, make_device, images):  # noqa: F811
     device = enrolled(make_device, server, "phone", "olga")
-    device.add(images(12, seed=4), item_ids=[f"p{i:02d}" for i in range(12)], labels=[f"L{i}" for i in range(12)])
+    _add_in_blocks(device, images(12, seed=4), "p")
     device.sync()
     expected, root = state(device), device.root
-    _sql(device, "UPDATE vectors_0 SET embedding = zeroblob(length(embedding)) WHERE row_id = 2",
-         "DELETE FROM items WHERE row_id = 7", "DELETE FROM vectors_0 WHERE row_id = 7")
+    _sql(device, "UPDATE vector_blocks SET embedding = zeroblob(length(embedding)) WHERE block_id = 1",
+         "DELETE FROM items WHERE row_id = 7", "DELETE FROM vector_blocks WHERE block_id = 3")
     with Device.open(root) as damaged:
         damaged.progress = False
         report = damaged.repair()
-        assert report["rows_forgotten"] == ["p01"] and report["rows_missing"] == 1
-        assert report["rows_restored"] == ["p01"] and report["rows_removed"] == [] and report["damaged_after"] == 0
+        lost = ["p00", "p01", "p02", "p03", "p06", "p08", "p09", "p10", "p11"]  # block 1, row 7's entry, block 3
+        assert sorted(report["rows_forgotten"]) == lost and report["rows_missing"] == 0
+        assert sorted(report["rows_restored"]) == lost and report["rows_removed"] == [] and report["damaged_after"] == 0
         assert state(damaged) == expected  # bit for bit, the missing row included
         assert damaged.sync().replication.pushed == 0  # nothing to push again: the records were the owner's own
 
@@ -144,15 +156,15 @@ def _npy(root, array) -> str:
 def test_an_upgrade_stopped_by_a_damaged_row_goes_on_after_repair(make_device, tiny_bundles, images):
     device = make_device("upgrading", batch_size=4)
     device.upgrade(tiny_bundles[1])
-    device.add(images(12, seed=5), item_ids=[f"it{i:02d}" for i in range(12)], upload=False)
+    _add_in_blocks(device, images(12, seed=5), "it", upload=False)
     root = device.root
-    _sql(device, "UPDATE vectors_0 SET side_info = zeroblob(40) WHERE row_id = 6")
+    _sql(device, "UPDATE vector_blocks SET side_info = zeroblob(length(side_info)) WHERE block_id = 2")
     with Device.open(root) as damaged:
         damaged.progress = False
-        with pytest.raises(GalleryError, match=r"row 6 \('it05'\) cannot be upgraded.*fctkit device repair"):
+        with pytest.raises(GalleryError, match=r"row 5 \('it04'\) cannot be upgraded.*fctkit device repair"):
             damaged.upgrade(tiny_bundles[2])
         assert damaged.gallery.upgrade_state is not None  # stopped mid-way, resumable
         report = damaged.repair()
-        assert report["rows_removed"] == ["it05"] and report["damaged_after"] == 0
+        assert report["rows_removed"] == ["it04", "it05", "it06", "it07"] and report["damaged_after"] == 0
         damaged.upgrade()
-        assert damaged.version == 2 and damaged.gallery.tag_counts() == {"v1->v2 (forward)": 11}
+        assert damaged.version == 2 and damaged.gallery.tag_counts() == {"v1->v2 (forward)": 8}

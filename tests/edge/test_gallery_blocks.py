@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from fctkit.edge_runtime.crypto import Sealer
-from fctkit.edge_runtime.gallery_blocks import BlockSealer, SealedBlock, block_slices
+from fctkit.edge_runtime.gallery_blocks import BlockSealer, SealedBlock, block_slices, check_item_ids, decode_item_ids, encode_item_ids
 from fctkit.edge_runtime.gallery_rows import VersionTag
-from fctkit.errors import CorruptRecordError, GalleryError
+from fctkit.errors import CorruptRecordError, GalleryError, InputError
 
 TAG = VersionTag(1, 2, "forward")
 KEY = bytes(range(32))
@@ -26,7 +26,8 @@ def sealer() -> BlockSealer:
 
 def _block(sealer: BlockSealer, block_id: int = 7, rows: int = 5, width: int = 4, first_row: int = 10) -> tuple[SealedBlock, np.ndarray]:
     values = np.random.default_rng(block_id).standard_normal((rows, width)).astype(np.float32)
-    return sealer.seal(block_id, "embedding", TAG, np.arange(first_row, first_row + rows), values), values
+    row_ids = np.arange(first_row, first_row + rows)
+    return sealer.seal(block_id, "embedding", TAG, row_ids, encode_item_ids([f"item-{r}" for r in row_ids]), values), values
 
 
 def test_a_block_opens_to_the_exact_values(sealer: BlockSealer) -> None:
@@ -37,7 +38,7 @@ def test_a_block_opens_to_the_exact_values(sealer: BlockSealer) -> None:
 
 @pytest.mark.parametrize("change", [
     "flipped byte", "truncated", "another block id", "another field", "another tag", "row ids reordered",
-    "a row id dropped", "a row id changed", "another width", "another gallery", "another key",
+    "a row id dropped", "a row id changed", "an item id changed", "another width", "another gallery", "another key",
 ])
 def test_every_alteration_fails_to_open(sealer: BlockSealer, change: str) -> None:
     block, _ = _block(sealer)
@@ -60,6 +61,8 @@ def test_every_alteration_fails_to_open(sealer: BlockSealer, change: str) -> Non
         block = replace(block, row_ids=block.row_ids[:-1])
     elif change == "a row id changed":
         block = replace(block, row_ids=block.row_ids + np.array([0, 0, 0, 0, 100]))
+    elif change == "an item id changed":
+        block = replace(block, item_ids=block.item_ids.replace(b"item-12", b"item-99"))
     elif change == "another width":
         block = replace(block, width=2)
     elif change == "another gallery":
@@ -72,11 +75,11 @@ def test_every_alteration_fails_to_open(sealer: BlockSealer, change: str) -> Non
 
 def test_bad_blocks_are_refused_before_sealing(sealer: BlockSealer) -> None:
     with pytest.raises(GalleryError, match="repeated"):
-        sealer.seal(1, "embedding", TAG, np.array([3, 3]), np.zeros((2, 4)))
+        sealer.seal(1, "embedding", TAG, np.array([3, 3]), b"a\0b", np.zeros((2, 4)))
     with pytest.raises(GalleryError, match="one row of values per id"):
-        sealer.seal(1, "embedding", TAG, np.array([3, 4]), np.zeros((3, 4)))
+        sealer.seal(1, "embedding", TAG, np.array([3, 4]), b"a\0b", np.zeros((3, 4)))
     with pytest.raises(GalleryError, match="at least one"):
-        sealer.seal(1, "embedding", TAG, np.array([], dtype=np.int64), np.zeros((0, 4)))
+        sealer.seal(1, "embedding", TAG, np.array([], dtype=np.int64), b"", np.zeros((0, 4)))
 
 
 def test_open_into_places_rows_by_id_skips_deleted_rows_and_keeps_damage_local(sealer: BlockSealer) -> None:
@@ -105,3 +108,10 @@ def test_block_slices_cover_every_row_once() -> None:
     assert list(block_slices(0, 4)) == []
     with pytest.raises(GalleryError):
         list(block_slices(3, 0))
+
+
+def test_item_ids_round_trip_and_nul_is_refused() -> None:
+    ids = ["a", "ünï", "x y", "\udcff"]
+    assert decode_item_ids(encode_item_ids(ids)) == ids
+    with pytest.raises(InputError, match="NUL"):
+        check_item_ids(["ok", "bad\0id"])

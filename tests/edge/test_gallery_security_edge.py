@@ -19,30 +19,37 @@ from fctkit.errors import CorruptRecordError, GalleryError, DeviceKeyError, Hash
 
 def _raw_rows(path) -> list[tuple]:
     with sqlite3.connect(path) as db:
-        tables = ("items", "vectors_0", "vectors_1", "outbox", "meta")
+        tables = ("items", "vectors_0", "vectors_1", "vector_blocks", "outbox", "meta")
         return [db.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall() for t in tables]
 
 
+def _block_of(db, item_id: str) -> int:
+    live = db.execute("SELECT value FROM meta WHERE key = 'live_vectors'").fetchone()[0]
+    return db.execute(f"SELECT v.block_id FROM {live} v JOIN items i USING (row_id) WHERE i.item_id = ?", (item_id,)).fetchone()[0]
+
+
 def _record(db, item_id: str, field: str = "embedding") -> bytes:
-    """The sealed record of an item's live vector (or its label)."""
+    """The sealed record of the block holding an item's live vectors (or the item's label)."""
     if field == "label":
         return db.execute("SELECT label FROM items WHERE item_id = ?", (item_id,)).fetchone()[0]
-    live = db.execute("SELECT value FROM meta WHERE key = 'live_vectors'").fetchone()[0]
-    return db.execute(f"SELECT v.{field} FROM {live} v JOIN items i USING (row_id) WHERE i.item_id = ?", (item_id,)).fetchone()[0]
+    return db.execute(f"SELECT {field} FROM vector_blocks WHERE block_id = ?", (_block_of(db, item_id),)).fetchone()[0]
 
 
 def _overwrite(db, item_id: str, record: bytes, field: str = "embedding") -> None:
     if field == "label":
         db.execute("UPDATE items SET label = ? WHERE item_id = ?", (record, item_id))
         return
-    live = db.execute("SELECT value FROM meta WHERE key = 'live_vectors'").fetchone()[0]
-    db.execute(f"UPDATE {live} SET {field} = ? WHERE row_id = (SELECT row_id FROM items WHERE item_id = ?)", (record, item_id))
+    db.execute(f"UPDATE vector_blocks SET {field} = ? WHERE block_id = ?", (record, _block_of(db, item_id)))
 
 
-def _filled(make_device, tiny_bundles, images, n=20, name="dev", **kwargs) -> Device:
+def _filled(make_device, tiny_bundles, images, n=20, name="dev", per_block=5, **kwargs) -> Device:
+    """A device with ``n`` rows added ``per_block`` at a time: blocks of rows 1-5, 6-10, ..."""
     device = make_device(name, **kwargs)
     device.upgrade(tiny_bundles[1])
-    device.add(images(n, seed=11), item_ids=[f"item{i:02d}" for i in range(n)], labels=[f"L{i}" for i in range(n)])
+    batch = images(n, seed=11)
+    for first in range(0, n, per_block):
+        ids = range(first, min(n, first + per_block))
+        device.add(batch[first:first + per_block], item_ids=[f"item{i:02d}" for i in ids], labels=[f"L{i}" for i in ids])
     return device
 
 
@@ -91,7 +98,7 @@ def test_passphrase_device_opens_only_with_it(make_device, tiny_bundles, images)
         assert len(reopened.gallery.load()) == 3
 
 
-def test_one_flipped_byte_reports_that_record_and_the_others_load(make_device, tiny_bundles, images):
+def test_one_flipped_byte_reports_that_blocks_rows_and_the_others_load(make_device, tiny_bundles, images):
     device = _filled(make_device, tiny_bundles, images)
     path, key = device.gallery.path, device._key
     victim = _record(device.gallery._db, "item07")
@@ -103,26 +110,29 @@ def test_one_flipped_byte_reports_that_record_and_the_others_load(make_device, t
     path.write_bytes(bytes(data))
     with Gallery.open(path, key) as gallery:
         loaded = gallery.load()
-    assert [(c[1]) for c in loaded.corrupt] == ["item07"] and "authentication failed" in loaded.corrupt[0][2]
-    assert len(loaded) == 19 and "item07" not in loaded.item_ids
+    assert [(c[1]) for c in loaded.corrupt] == [f"item0{i}" for i in range(5, 10)] and "authentication failed" in loaded.corrupt[0][2]
+    assert len(loaded) == 15 and "item07" not in loaded.item_ids
 
 
 def test_swapped_and_replayed_records_are_detected(make_device, tiny_bundles, images):
     device = _filled(make_device, tiny_bundles, images)
     db = device.gallery._db
-    old_record = _record(db, "item05")
-    a, b = _record(db, "item01"), _record(db, "item02")
+    old_record = _record(db, "item15")
+    a, b = _record(db, "item01"), _record(db, "item06")  # blocks 1 (item00-04) and 2 (item05-09) swap records
     _overwrite(db, "item01", b)
-    _overwrite(db, "item02", a)
-    _overwrite(db, "item03", _record(db, "item04", "label"), "label")
-    assert sorted(c[1] for c in device.gallery.load().corrupt) == ["item01", "item02", "item03"]
+    _overwrite(db, "item06", a)
+    _overwrite(db, "item12", _record(db, "item13", "label"), "label")
+    swapped = [f"item0{i}" for i in range(10)]
+    assert sorted(c[1] for c in device.gallery.load().corrupt) == swapped + ["item12"]
     with pytest.raises(GalleryError, match="cannot be upgraded"):
         device.upgrade(tiny_bundles[2])
-    assert device.remove(["item01", "item02", "item03"]) == 3
-    # a record of the same row from an older version is refused after the upgrade (replay)
+    assert device.remove(swapped) == 10
+    device.search.reset()
+    assert [c[1] for c in device.gallery.load().corrupt] == ["item12"]  # a label is a record of its own row
+    # a block record from the older version is refused after the upgrade (replay)
     device.upgrade()
-    _overwrite(db, "item05", old_record)
-    assert "item05" in [c[1] for c in device.gallery.load().corrupt]
+    _overwrite(db, "item15", old_record)
+    assert "item15" in [c[1] for c in device.gallery.load().corrupt]
 
 
 def test_vault_envelope_hides_the_image_and_binds_the_item(images):
@@ -242,15 +252,15 @@ def test_damage_is_reported_by_query_and_all_at_once_by_check(make_device, tiny_
     assert clean["damaged"] == 0 and clean["rows"] == 20
     with sqlite3.connect(device.gallery.path) as db:
         live = db.execute("SELECT value FROM meta WHERE key = 'live_vectors'").fetchone()[0]
-        assert flip_stored_byte(db, live, "embedding", "row_id IN (2, 5, 9)", 30) == 3
+        assert flip_stored_byte(db, "vector_blocks", "embedding", f"block_id = (SELECT block_id FROM {live} WHERE row_id = 7)", 30) == 1
         assert flip_stored_byte(db, "outbox", "blob", "item_id = 'item03'", 40) == 1
     device.close()
     np.savez(tmp_path / "q.npz", images=images(2, seed=4))
     query = device_cli("query", "--dir", root, str(tmp_path / "q.npz"))
     assert query.returncode == 3 and len(query.stdout.splitlines()) == 2  # the answers, then the warning
-    assert "3 damaged row(s) were left out" in query.stderr and "Traceback" not in query.stderr
+    assert "5 damaged row(s) were left out" in query.stderr and "Traceback" not in query.stderr
     check = device_cli("check", "--dir", root)
     report = json.loads(check.stdout)
-    assert check.returncode == 3 and report["damaged"] == 4
-    assert sorted(r[0] for r in report["damaged_rows"]) == [2, 5, 9]
+    assert check.returncode == 3 and report["damaged"] == 6
+    assert sorted(r[0] for r in report["damaged_rows"]) == [6, 7, 8, 9, 10]
     assert [o[0] for o in report["damaged_queued_originals"]] == ["item03"]

@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 
 from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, publish
+from tests.support.old_galleries import downgrade_to_schema_4
 
 from fctkit.edge_runtime import Device
+from fctkit.edge_runtime.crypto import read_key_file
 from fctkit.edge_runtime.replication import seal_changes
 from fctkit.errors import CorruptRecordError, DeviceKeyError, InputError, RpcStatusError
 from fctkit.protos import vault_pb2
@@ -314,6 +316,7 @@ def test_a_gallery_and_device_from_before_owners_are_migrated_and_replicate(serv
     root = device.root
     device.close()
     # make it a schema-1 gallery in a device directory without an owner key
+    downgrade_to_schema_4(root / "gallery.sqlite", read_key_file(root / "device.key"))
     with sqlite3.connect(root / "gallery.sqlite") as db:
         for table in ("changes", "tombstones", "pending_records", "row_extras"):
             db.execute(f"DROP TABLE {table}")
@@ -324,7 +327,7 @@ def test_a_gallery_and_device_from_before_owners_are_migrated_and_replicate(serv
         db.execute("DELETE FROM meta WHERE key = 'replica_cursor'")
     (root / "owner.key").unlink()
     with Device.open(root) as device:
-        assert (root / "owner.key").exists() and device.gallery.meta("schema_version") == "4"
+        assert (root / "owner.key").exists() and device.gallery.meta("schema_version") == "5"
         assert device.status()["replica"] == {"cursor": 0, "unpushed": 4, "pending": 0, "tombstones": 0}
         device.progress = False
         device.enrol(server.target, enrolment_code(server, owner="ivan"), device_name="old")

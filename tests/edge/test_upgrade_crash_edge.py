@@ -85,6 +85,8 @@ def _check_consistent(root: Path, key: bytes) -> None:
             assert gallery.upgrade_state is None and counts == {"v1->v2 (forward)": ROWS}
         live = gallery.load()
         assert not live.corrupt and len(live) == ROWS
+        for vector_set in ("vectors_0", "vectors_1"):  # every row in exactly the block it points to, no stray rows
+            assert gallery._vectors.audit(vector_set) == {"rows_without_block": 0, "block_rows_without_pointer": 0}
         assert {str(t) for t in live.tags} == ({"v1"} if gallery.query_version == 1 else {"v1->v2 (forward)"})
 
 

@@ -1,0 +1,377 @@
+"""The gallery's vectors in sealed blocks (schema 5, issue 22): table ``vector_blocks``.
+
+Each block holds up to :data:`BLOCK_ROWS` rows of one version tag and one vector set
+(``vectors_0`` or ``vectors_1``, the live and staged sets of :mod:`.gallery`): the rows' ids and
+item ids in plaintext, and their embeddings and side-info each sealed as one record
+(:mod:`.gallery_blocks`). The per-row tables ``vectors_0`` / ``vectors_1`` keep each row's tag and
+the block holding its vectors, so rows stay queryable one by one; the blocks carry the bytes.
+
+Blocks are never changed in place. A row removed from a set (deleted, upgraded in place, or
+repaired away) is added to its block's ``dead`` list, authenticated by an HMAC bound to the
+block id; a block whose rows are all dead is deleted, and one that is more than half dead is
+rewritten as a new block (compaction) in the same transaction. So opening a whole set reads
+blocks only (no per-row query), and a block's ciphertext is never reused under another id.
+
+Why SQLite BLOBs and not memory-mapped files: one SQLite transaction covers a block, its
+rows' pointers and the settings, so every write is atomic and a crash needs no file
+clean-up; reading a block is one BLOB read (measured 0.16-0.24 s for 612 MiB here, beside
+0.12 s of AES-GCM), which is the cost this choice leaves on a cold open.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fctkit.errors import CorruptRecordError, GalleryError
+
+from .crypto import Sealer
+from .gallery_blocks import ROW_ID_DTYPE, BlockSealer, SealedBlock, block_slices, decode_item_ids, encode_item_ids
+from .gallery_rows import LoadedRows, VersionTag
+
+BLOCK_ROWS = 4096
+RECENT_BLOCKS = 2  # opened blocks kept in memory per connection (upgrade batches read a block in parts)
+FIELDS = ("embedding", "side_info")
+
+BLOCKS_SCHEMA = """
+CREATE TABLE vector_blocks (
+    block_id INTEGER PRIMARY KEY AUTOINCREMENT, vector_set TEXT NOT NULL,
+    origin_version INTEGER NOT NULL, version INTEGER NOT NULL, via TEXT NOT NULL,
+    row_ids BLOB NOT NULL, item_ids BLOB NOT NULL, dead BLOB NOT NULL, dead_mac BLOB NOT NULL,
+    embedding_width INTEGER NOT NULL, side_info_width INTEGER NOT NULL, embedding BLOB NOT NULL, side_info BLOB NOT NULL
+);
+CREATE INDEX vector_blocks_by_set ON vector_blocks (vector_set)
+"""
+_META = "block_id, origin_version, version, via, row_ids, item_ids, dead, dead_mac, embedding_width, side_info_width"
+
+LabelOpener = Callable[[int, str, int, bytes], str]  # (row id, item id, origin version, sealed label) -> label
+
+
+@dataclass
+class StoredBlock:
+    """A block's plaintext columns as read (its values stay sealed until opened)."""
+
+    block_id: int
+    tag: VersionTag
+    row_ids: np.ndarray
+    item_ids: bytes
+    dead: np.ndarray
+    dead_authentic: bool
+    widths: tuple[int, int]
+
+    def alive(self) -> np.ndarray:
+        return ~np.isin(self.row_ids, self.dead)
+
+    def sealed(self, field: str, record: bytes) -> SealedBlock:
+        return SealedBlock(self.block_id, field, self.tag, self.row_ids, self.item_ids, self.widths[FIELDS.index(field)], record)
+
+
+class VectorBlocks:
+    """The blocks of one gallery connection; writes join the caller's transaction."""
+
+    def __init__(self, db: sqlite3.Connection, sealer: Sealer, gallery_id: bytes) -> None:
+        self._db = db
+        self._sealer = sealer
+        self._gallery_id = gallery_id
+        self._blocks = BlockSealer(sealer, gallery_id)
+        self._recent: OrderedDict[int, list[np.ndarray]] = OrderedDict()
+
+    # -- writing (inside a transaction) ----------------------------------------------------
+
+    def write(self, vector_set: str, tag: VersionTag, row_ids: Sequence[int], item_ids: Sequence[str],
+              embeddings: np.ndarray, side_infos: np.ndarray) -> np.ndarray:
+        """Seal rows (one tag) as new blocks of ``vector_set``; returns each row's block id.
+        The caller writes the rows' pointers."""
+        row_ids = np.asarray(row_ids, dtype=ROW_ID_DTYPE)
+        embeddings = np.asarray(embeddings, dtype=np.float32).reshape(len(row_ids), -1)
+        side_infos = np.asarray(side_infos, dtype=np.float32).reshape(len(row_ids), -1)
+        block_of = np.empty(len(row_ids), dtype=np.int64)
+        for rows in block_slices(len(row_ids), BLOCK_ROWS):
+            block_of[rows] = self._write_block(vector_set, tag, row_ids[rows], list(item_ids[rows]), embeddings[rows], side_infos[rows])
+        return block_of
+
+    def _write_block(self, vector_set: str, tag: VersionTag, row_ids: np.ndarray, item_ids: list[str],
+                     embeddings: np.ndarray, side_infos: np.ndarray) -> int:
+        block_id = self._db.execute("SELECT COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'vector_blocks'), 0) + 1").fetchone()[0]
+        encoded = encode_item_ids(item_ids)
+        embedding = self._blocks.seal(block_id, "embedding", tag, row_ids, encoded, embeddings)
+        side_info = self._blocks.seal(block_id, "side_info", tag, row_ids, encoded, side_infos)
+        no_dead = np.zeros(0, dtype=ROW_ID_DTYPE).tobytes()
+        self._db.execute("INSERT INTO vector_blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (
+            block_id, vector_set, tag.origin_version, tag.version, tag.via, embedding.row_id_bytes, encoded, no_dead,
+            self._dead_mac(block_id, no_dead), embedding.width, side_info.width, embedding.sealed, side_info.sealed))
+        return block_id
+
+    def retire(self, vector_set: str, row_ids: Sequence[int]) -> None:
+        """Before the rows' pointers in ``vector_set`` are deleted or moved to other blocks (by
+        the caller, in the same transaction): add them to their blocks' dead lists; a block
+        left empty is deleted and one left more than half dead is compacted."""
+        touched: dict[int, list[int]] = {}
+        for row_id, block_id in self.pointers(vector_set, row_ids):
+            touched.setdefault(block_id, []).append(row_id)
+        for block_id, retiring in touched.items():
+            block = self._read_meta(block_id)
+            if block is None:
+                continue
+            dead = np.union1d(block.dead, np.asarray(retiring, dtype=ROW_ID_DTYPE)).astype(ROW_ID_DTYPE)
+            alive = ~np.isin(block.row_ids, dead)
+            if not alive.any():
+                self._db.execute("DELETE FROM vector_blocks WHERE block_id = ?", (block_id,))
+            elif not (2 * alive.sum() < len(block.row_ids) and block.dead_authentic and self._compact(vector_set, block, alive)):
+                raw = dead.tobytes()  # a dead list that failed authentication stays unauthentic (its rows stay reported)
+                self._db.execute("UPDATE vector_blocks SET dead = ?, dead_mac = ? WHERE block_id = ?",
+                                 (raw, self._dead_mac(block_id, raw) if block.dead_authentic else b"", block_id))
+
+    def _compact(self, vector_set: str, block: StoredBlock, alive: np.ndarray) -> bool:
+        """Rewrite ``block``'s ``alive`` rows as a new block, point them to it and delete the old
+        one; False (nothing done) when the block fails to open: its damage stays visible."""
+        try:
+            values = self._values(block)
+        except CorruptRecordError:
+            return False
+        rows = np.flatnonzero(alive)
+        item_ids = decode_item_ids(block.item_ids)
+        new_id = self._write_block(vector_set, block.tag, block.row_ids[rows], [item_ids[i] for i in rows],
+                                   values[0][rows], values[1][rows])
+        self._db.executemany(f"UPDATE {vector_set} SET block_id = ? WHERE row_id = ? AND block_id = ?",
+                             [(new_id, int(r), block.block_id) for r in block.row_ids[rows]])
+        self._db.execute("DELETE FROM vector_blocks WHERE block_id = ?", (block.block_id,))
+        return True
+
+    def pointers(self, vector_set: str, row_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """(row id, block id) of those rows that have a pointer in ``vector_set``."""
+        found: list[tuple[int, int]] = []
+        ids = [int(r) for r in row_ids]
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            found += self._db.execute(f"SELECT row_id, block_id FROM {vector_set} WHERE row_id IN ({','.join('?' * len(chunk))})",
+                                      chunk).fetchall()
+        return found
+
+    def sweep(self, vector_set: str) -> int:
+        """Delete the blocks of ``vector_set`` that no row points to (repair); returns how many."""
+        return self._db.execute(f"DELETE FROM vector_blocks WHERE vector_set = ? AND block_id NOT IN "
+                                f"(SELECT block_id FROM {vector_set})", (vector_set,)).rowcount
+
+    def audit(self, vector_set: str) -> dict[str, int]:
+        """How far ``vector_set``'s pointers and blocks disagree (all 0 in a consistent gallery):
+        rows pointing to a block that does not hold them alive, and block rows alive that no
+        row points to (the crash tests' check)."""
+        alive: set[tuple[int, int]] = set()
+        for block_id, row_ids, dead in self._db.execute("SELECT block_id, row_ids, dead FROM vector_blocks WHERE vector_set = ?",
+                                                        (vector_set,)):
+            ids = np.frombuffer(row_ids, dtype=ROW_ID_DTYPE)
+            alive |= {(int(r), block_id) for r in ids[~np.isin(ids, np.frombuffer(dead, dtype=ROW_ID_DTYPE))]}
+        pointers = set(self._db.execute(f"SELECT row_id, block_id FROM {vector_set}").fetchall())
+        return {"rows_without_block": len(pointers - alive), "block_rows_without_pointer": len(alive - pointers)}
+
+    def drop_set(self, vector_set: str) -> None:
+        self._db.execute("DELETE FROM vector_blocks WHERE vector_set = ?", (vector_set,))
+
+    def move_referenced(self, from_set: str, to_set: str) -> None:
+        """Blocks of ``from_set`` that rows of ``to_set`` point to join ``to_set`` (an upgrade's switch
+        carrying rows that needed no transform)."""
+        self._db.execute(f"UPDATE vector_blocks SET vector_set = ? WHERE vector_set = ? AND block_id IN "
+                         f"(SELECT block_id FROM {to_set})", (to_set, from_set))
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def load(self, vector_set: str) -> LoadedRows:
+        """Every row of ``vector_set``, decrypted block by block straight into the result matrices
+        (rows in row-id order; no per-row query). A block that fails to open makes its rows
+        ``corrupt``; the others load."""
+        blocks = [self._stored(row) for row in self._db.execute(
+            f"SELECT {_META} FROM vector_blocks WHERE vector_set = ? ORDER BY block_id", (vector_set,))]
+        corrupt: list[tuple[int, str, str]] = []
+        usable = []
+        for block in blocks:
+            if block.dead_authentic:
+                usable.append(block)
+            else:
+                corrupt += _rows_of(block, block.alive(), f"block {block.block_id}: its list of removed rows fails authentication")
+        alive = [b.alive() for b in usable]
+        row_ids = np.sort(np.concatenate([b.row_ids[a] for b, a in zip(usable, alive, strict=True)] or [np.zeros(0, ROW_ID_DTYPE)]))
+        if len(np.unique(row_ids)) != len(row_ids):  # cannot happen unless the file was edited
+            raise CorruptRecordError(f"a row is in two blocks of {vector_set}: the gallery is damaged")
+        item_ids = np.empty(len(row_ids), dtype=object)
+        tags = np.empty(len(row_ids), dtype=object)
+        for block, live in zip(usable, alive, strict=True):
+            at = np.searchsorted(row_ids, block.row_ids[live])
+            item_ids[at] = np.asarray(decode_item_ids(block.item_ids), dtype=object)[live]
+            tags[at] = block.tag
+        opened = np.ones(len(row_ids), dtype=bool)
+        values = []
+        for field in FIELDS:
+            matrix, filled, failed = self._open_field(usable, field, row_ids)
+            opened &= filled
+            values.append(matrix)
+            for block, reason in failed:
+                corrupt += _rows_of(block, np.isin(block.row_ids, row_ids), reason)
+        if not opened.all():
+            keep = np.flatnonzero(opened)
+            row_ids, item_ids, tags, values = row_ids[keep], item_ids[keep], tags[keep], [_take(v, keep) for v in values]
+        corrupt = sorted(dict.fromkeys(corrupt), key=lambda c: c[0])
+        return LoadedRows(row_ids=row_ids.astype(np.int64), item_ids=item_ids.tolist(), tags=tags.tolist(),
+                          embeddings=values[0], side_infos=values[1], labels=[None] * len(row_ids), corrupt=corrupt)
+
+    def _open_field(self, blocks: list[StoredBlock], field: str, row_ids: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, list[tuple[StoredBlock, str]]]:
+        """One field of ``blocks`` as a matrix in ``row_ids`` order (ragged when the blocks
+        differ in width: rows of different spaces)."""
+        widths = {b.widths[FIELDS.index(field)] for b in blocks}
+        if len(widths) <= 1:
+            out = np.zeros((len(row_ids), widths.pop() if widths else 0), dtype=np.float32)
+            by_id = {b.block_id: b for b in blocks}
+            filled, failed = self._blocks.open_into(self._sealed_field(blocks, field), row_ids, out)
+            return out, filled, [(by_id[s.block_id], reason) for s, reason in failed]
+        out = np.empty(len(row_ids), dtype=object)
+        filled = np.zeros(len(row_ids), dtype=bool)
+        failed = []
+        for block, sealed in zip(blocks, self._sealed_field(blocks, field), strict=True):
+            try:
+                values = self._blocks.open(sealed)
+            except CorruptRecordError as exc:
+                failed.append((block, str(exc)))
+                continue
+            at = np.searchsorted(row_ids, block.row_ids)  # every alive row of a usable block is in row_ids
+            for i, j in zip(at[block.alive()], np.flatnonzero(block.alive()), strict=True):
+                out[i] = values[j]
+            filled[at[block.alive()]] = True
+        return out, filled, failed
+
+    def _sealed_field(self, blocks: list[StoredBlock], field: str) -> Iterator[SealedBlock]:
+        for block in blocks:
+            yield block.sealed(field, self._blob(block.block_id, field))
+
+    def open_pointers(self, rows: Sequence[tuple], open_label: LabelOpener | None = None) -> LoadedRows:
+        """Decrypt the rows of ``rows``: (row id, item id, origin, version, via, block id, sealed
+        label) each, as the per-row tables give them; a row whose pointer, tag or item id does
+        not match its block, or whose block fails to open, is ``corrupt``."""
+        by_block: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            by_block.setdefault(row[5], []).append(i)
+        embeddings: list = [None] * len(rows)
+        side_infos: list = [None] * len(rows)
+        corrupt: dict[int, str] = {}
+        for block_id, members in by_block.items():
+            self._open_members(block_id, [rows[i] for i in members], members, embeddings, side_infos, corrupt)
+        labels: list[str | None] = [None] * len(rows)
+        if open_label is not None:
+            for i, row in enumerate(rows):
+                if i not in corrupt and row[6] is not None:
+                    try:
+                        labels[i] = open_label(row[0], row[1], row[2], row[6])
+                    except CorruptRecordError as exc:
+                        corrupt[i] = str(exc)
+        keep = [i for i in range(len(rows)) if i not in corrupt]
+        return LoadedRows(
+            row_ids=np.asarray([rows[i][0] for i in keep], dtype=np.int64), item_ids=[rows[i][1] for i in keep],
+            tags=[VersionTag(*rows[i][2:5]) for i in keep], embeddings=_stack([embeddings[i] for i in keep]),
+            side_infos=_stack([side_infos[i] for i in keep]), labels=[labels[i] for i in keep],
+            corrupt=[(rows[i][0], rows[i][1], reason) for i, reason in sorted(corrupt.items())])
+
+    def _open_members(self, block_id: int | None, members: list[tuple], positions: list[int], embeddings: list,
+                      side_infos: list, corrupt: dict[int, str]) -> None:
+        block = None if block_id is None else self._read_meta(block_id)
+        if block is None:
+            for p, row in zip(positions, members, strict=True):
+                corrupt[p] = f"row {row[0]}: its vectors are missing from the gallery file"
+            return
+        try:
+            values = self._values(block)
+        except CorruptRecordError as exc:
+            for p in positions:
+                corrupt[p] = str(exc)
+            return
+        index = {int(r): i for i, r in enumerate(block.row_ids)}
+        item_ids = decode_item_ids(block.item_ids)
+        for p, (row_id, item_id, origin, version, via, *_) in zip(positions, members, strict=True):
+            i = index.get(row_id)
+            if i is None or item_ids[i] != item_id or (origin, version, via) != (block.tag.origin_version, block.tag.version, block.tag.via):
+                corrupt[p] = (f"row {row_id}: its row, item id or version tag does not match block {block_id} "
+                              f"(the plaintext columns were modified)")
+                continue
+            embeddings[p], side_infos[p] = values[0][i], values[1][i]
+
+    def _values(self, block: StoredBlock) -> list[np.ndarray]:
+        """The block's opened fields; the last few blocks opened are kept (blocks never change,
+        and their ids are never reused), so batches smaller than a block decrypt it once."""
+        if block.block_id not in self._recent:
+            self._recent[block.block_id] = [self._blocks.open(block.sealed(f, self._blob(block.block_id, f))) for f in FIELDS]
+            while len(self._recent) > RECENT_BLOCKS:
+                self._recent.popitem(last=False)
+        return self._recent[block.block_id]
+
+    def _read_meta(self, block_id: int) -> StoredBlock | None:
+        row = self._db.execute(f"SELECT {_META} FROM vector_blocks WHERE block_id = ?", (block_id,)).fetchone()
+        return None if row is None else self._stored(row)
+
+    def _blob(self, block_id: int, field: str) -> bytes:
+        row = self._db.execute(f"SELECT {field} FROM vector_blocks WHERE block_id = ?", (block_id,)).fetchone()
+        return row[0] if row is not None and isinstance(row[0], bytes) else b""
+
+    def _stored(self, row: tuple) -> StoredBlock:
+        block_id, origin, version, via, row_ids, item_ids, dead, dead_mac, e_width, s_width = row
+        try:
+            tag = VersionTag(origin, version, via)
+            ids = np.frombuffer(row_ids, dtype=ROW_ID_DTYPE)
+            dead_ids = np.frombuffer(dead, dtype=ROW_ID_DTYPE)
+        except (TypeError, ValueError, GalleryError):  # a damaged plaintext column
+            tag, ids, dead_ids = VersionTag(0, 0, "native"), np.zeros(0, ROW_ID_DTYPE), np.zeros(0, ROW_ID_DTYPE)
+            return StoredBlock(block_id, tag, ids, b"", dead_ids, False, (0, 0))
+        authentic = isinstance(dead_mac, bytes) and self._dead_mac(block_id, dead) == dead_mac
+        return StoredBlock(block_id, tag, ids, item_ids if isinstance(item_ids, bytes) else b"", dead_ids, authentic,
+                           (int(e_width), int(s_width)))
+
+    def _dead_mac(self, block_id: int, dead: bytes) -> bytes:
+        return self._sealer.mac(b"fctkit-block-dead/1|%s|%d|%s" % (self._gallery_id, block_id, dead))
+
+
+def reconciled_with_items(loaded: LoadedRows, items: Iterable[tuple], open_label: LabelOpener) -> LoadedRows:
+    """``loaded`` checked against the per-row tables' (row id, item id, origin, sealed label,
+    version, via) rows, labels opened: a row whose item id or version tag there disagrees with
+    its block, or whose label fails to open, becomes corrupt, and so does a per-row entry whose
+    vectors are gone."""
+    entries = {r: (i, (o, v, via), label) for r, i, o, label, v, via in items}
+    keep, labels, corrupt = [], [], list(loaded.corrupt)
+    reported = {r for r, _, _ in corrupt}
+    for k, (row_id, item_id, tag) in enumerate(zip(loaded.row_ids.tolist(), loaded.item_ids, loaded.tags, strict=True)):
+        item_id_here, tag_here, label = entries.pop(row_id, (None, None, None))
+        try:
+            if item_id_here != item_id or tag_here != (tag.origin_version, tag.version, tag.via):
+                raise CorruptRecordError(f"row {row_id}: its item id or version tag in the per-row tables does not match its block")
+            labels.append(None if label is None else open_label(row_id, item_id, tag.origin_version, label))
+            keep.append(k)
+        except CorruptRecordError as exc:
+            corrupt.append((row_id, item_id, str(exc)))
+    corrupt += [(r, i, f"row {r}: its vectors are missing from the gallery file") for r, (i, _, _) in entries.items() if r not in reported]
+    rows = loaded.subset(keep) if len(keep) != len(loaded) else loaded
+    rows.labels, rows.corrupt = labels, sorted(corrupt, key=lambda c: c[0])
+    return rows
+
+
+def _rows_of(block: StoredBlock, mask: np.ndarray, reason: str) -> list[tuple[int, str, str]]:
+    try:
+        item_ids = decode_item_ids(block.item_ids)
+    except UnicodeDecodeError:
+        item_ids = []
+    return [(int(r), item_ids[i] if i < len(item_ids) else "?", reason) for i, r in enumerate(block.row_ids) if mask[i]]
+
+
+def _take(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    return values[keep]
+
+
+def _stack(vectors: list) -> np.ndarray:
+    if not vectors:
+        return np.zeros((0, 0), dtype=np.float32)
+    if len({len(v) for v in vectors}) == 1:
+        return np.stack(vectors).astype(np.float32, copy=False)
+    ragged = np.empty(len(vectors), dtype=object)
+    ragged[:] = list(vectors)
+    return ragged
+

@@ -1,0 +1,39 @@
+"""Galleries as older fctkit versions wrote them, for the migration tests: a schema-5 gallery
+rewritten in place to schema 4 (every vector its own sealed record in the vector tables, the
+record format :mod:`fctkit.edge_runtime.gallery_sealing` still opens)."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+
+from fctkit.edge_runtime.crypto import Sealer
+from fctkit.edge_runtime.gallery import Gallery
+from fctkit.edge_runtime.gallery_sealing import RowSealer
+from fctkit.edge_runtime.gallery_settings import setting_mac
+
+
+def downgrade_to_schema_4(path: Path, key: bytes) -> None:
+    """Rewrite the (closed) gallery at ``path`` as schema 4: both vector tables hold per-row
+    sealed ``embedding`` and ``side_info`` BLOBs, and there are no blocks."""
+    with Gallery.open(path, key) as gallery:
+        sets = {}
+        for table in ("vectors_0", "vectors_1"):
+            pointers = gallery._db.execute(f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, NULL "
+                                           f"FROM {table} v JOIN items i USING (row_id) ORDER BY row_id").fetchall()
+            sets[table] = gallery._vectors.open_pointers(pointers)
+        gallery_id = gallery.gallery_id
+    sealing = RowSealer(Sealer(key), gallery_id)
+    with sqlite3.connect(path) as db:
+        for table, rows in sets.items():
+            db.execute(f"DROP TABLE {table}")
+            db.execute(f"CREATE TABLE {table} (row_id INTEGER PRIMARY KEY, version INTEGER NOT NULL, via TEXT NOT NULL, "
+                       f"embedding BLOB NOT NULL, side_info BLOB NOT NULL)")
+            for i, (row_id, item_id, tag) in enumerate(zip(rows.row_ids.tolist(), rows.item_ids, rows.tags, strict=True)):
+                (embedding,) = sealing.seal_values([row_id], [item_id], tag, "embedding", np.asarray(rows.embeddings[i])[None])
+                (side_info,) = sealing.seal_values([row_id], [item_id], tag, "side_info", np.asarray(rows.side_infos[i])[None])
+                db.execute(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?)", (row_id, tag.version, tag.via, embedding, side_info))
+        db.execute("DROP TABLE vector_blocks")
+        db.execute("UPDATE meta SET value = '4', mac = ? WHERE key = 'schema_version'", (setting_mac(Sealer(key), "schema_version", "4"),))
