@@ -78,7 +78,22 @@ class Sealer:
         if len(record) < NONCE_BYTES + TAG_BYTES:
             raise CorruptRecordError(f"{what}: {len(record)} bytes is shorter than any sealed record (truncated)")
         try:
-            return self._aead.decrypt(record[:NONCE_BYTES], record[NONCE_BYTES:], aad)
+            view = memoryview(record)  # no copy of the ciphertext
+            return self._aead.decrypt(view[:NONCE_BYTES], view[NONCE_BYTES:], aad)
+        except InvalidTag:
+            raise CorruptRecordError(
+                f"{what}: authentication failed (modified, swapped with another record, or sealed under another key)"
+            ) from None
+
+    def open_into(self, record: bytes, aad: bytes, out: memoryview, what: str = "record") -> None:
+        """:meth:`open` straight into ``out`` (a writable buffer of exactly the plaintext's
+        length): no intermediate copy. When authentication fails ``out`` holds garbage: the
+        caller must not use it."""
+        if len(record) != NONCE_BYTES + TAG_BYTES + out.nbytes:
+            raise CorruptRecordError(f"{what}: {len(record)} bytes do not hold {out.nbytes} bytes of plaintext (truncated or resized)")
+        try:
+            view = memoryview(record)  # no copy of the ciphertext
+            self._aead.decrypt_into(view[:NONCE_BYTES], view[NONCE_BYTES:], aad, out)
         except InvalidTag:
             raise CorruptRecordError(
                 f"{what}: authentication failed (modified, swapped with another record, or sealed under another key)"

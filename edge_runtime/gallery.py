@@ -268,15 +268,15 @@ class Gallery:
             self._write_vectors(live, [r.row_id for r in group], [r.row for r in group], tag)
         self._count_rows(len(rows))
 
-    def load(self, *, with_labels: bool = True) -> LoadedRows:
-        """Decrypt every row into memory in one consistent snapshot, block by block (no per-row
-        query). Rows that fail to open are listed in ``corrupt`` (row id, item id, reason); the
-        others load. ``with_labels`` also reads the per-row table: labels are opened, and a row
-        whose item id or origin disagrees with its block, or whose vectors are gone, is corrupt."""
+    def load(self, *, with_labels: bool = True, with_side_info: bool = True) -> LoadedRows:
+        """Decrypt every row in one consistent snapshot, block by block (no per-row query). Rows
+        that fail to open are listed in ``corrupt`` (row id, item id, reason); the others load.
+        ``with_side_info=False``: side-info left sealed (a search needs none). ``with_labels``
+        also reads the per-row tables: labels opened, disagreements with the blocks corrupt."""
         with _read_snapshot(self._db):
             live, _ = self._tables()
             expected = int(self.meta("row_count"))
-            loaded = self._vectors.load(live)
+            loaded = self._vectors.load(live, side_info=with_side_info)
             if with_labels:
                 items = self._db.execute(f"SELECT row_id, i.item_id, i.origin_version, i.label, v.version, v.via "
                                          f"FROM items i LEFT JOIN {live} v USING (row_id)")

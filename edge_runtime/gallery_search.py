@@ -88,7 +88,7 @@ class GallerySearch:
             key = (version, *self.gallery.change_marker())
             if self._cache is not None and self._cache[0] == key:
                 return (version, *self._cache[1:])
-            loaded = self.gallery.load(with_labels=False)
+            loaded = self.gallery.load(with_labels=False, with_side_info=False)  # labels of matches only, no side-info
             if self.gallery.query_version == version:
                 self._cache = (key, *self._indexed(version, loaded, transition))
 

@@ -180,10 +180,11 @@ class VectorBlocks:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def load(self, vector_set: str) -> LoadedRows:
+    def load(self, vector_set: str, *, side_info: bool = True) -> LoadedRows:
         """Every row of ``vector_set``, decrypted block by block straight into the result matrices
         (rows in row-id order; no per-row query). A block that fails to open makes its rows
-        ``corrupt``; the others load."""
+        ``corrupt``; the others load. Without ``side_info`` the side-info stays sealed
+        (``side_infos`` is ``(rows, 0)``: a search needs only the embeddings)."""
         blocks = [self._stored(row) for row in self._db.execute(
             f"SELECT {_META} FROM vector_blocks WHERE vector_set = ? ORDER BY block_id", (vector_set,))]
         corrupt: list[tuple[int, str, str]] = []
@@ -195,7 +196,7 @@ class VectorBlocks:
                 corrupt += _rows_of(block, block.alive(), f"block {block.block_id}: its list of removed rows fails authentication")
         alive = [b.alive() for b in usable]
         row_ids = np.sort(np.concatenate([b.row_ids[a] for b, a in zip(usable, alive, strict=True)] or [np.zeros(0, ROW_ID_DTYPE)]))
-        if len(np.unique(row_ids)) != len(row_ids):  # cannot happen unless the file was edited
+        if len(row_ids) and (row_ids[1:] == row_ids[:-1]).any():  # cannot happen unless the file was edited
             raise CorruptRecordError(f"a row is in two blocks of {vector_set}: the gallery is damaged")
         item_ids = np.empty(len(row_ids), dtype=object)
         tags = np.empty(len(row_ids), dtype=object)
@@ -205,7 +206,7 @@ class VectorBlocks:
             tags[at] = block.tag
         opened = np.ones(len(row_ids), dtype=bool)
         values = []
-        for field in FIELDS:
+        for field in FIELDS if side_info else FIELDS[:1]:
             matrix, filled, failed = self._open_field(usable, field, row_ids)
             opened &= filled
             values.append(matrix)
@@ -214,6 +215,8 @@ class VectorBlocks:
         if not opened.all():
             keep = np.flatnonzero(opened)
             row_ids, item_ids, tags, values = row_ids[keep], item_ids[keep], tags[keep], [_take(v, keep) for v in values]
+        if not side_info:
+            values.append(np.zeros((len(row_ids), 0), dtype=np.float32))
         corrupt = sorted(dict.fromkeys(corrupt), key=lambda c: c[0])
         return LoadedRows(row_ids=row_ids.astype(np.int64), item_ids=item_ids.tolist(), tags=tags.tolist(),
                           embeddings=values[0], side_infos=values[1], labels=[None] * len(row_ids), corrupt=corrupt)

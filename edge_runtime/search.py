@@ -29,7 +29,7 @@ class Neighbours:
 
 
 def normalise(x: np.ndarray) -> np.ndarray:
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    norms = np.sqrt(np.einsum("ij,ij->i", x, x))[:, None]
     return x / np.maximum(norms, np.float32(1e-12))
 
 
@@ -49,15 +49,12 @@ class ExactIndex:
         if vectors.ndim != 2:
             raise InputError(f"gallery vectors must be 2-D, got shape {vectors.shape}")
         self.distance = distance
-        self.vectors = normalise(vectors) if distance == "cosine" else vectors
         self.backend = "faiss" if backend == "faiss" or (backend == "auto" and faiss_available()) else "numpy"
         self._faiss_index = None
         if self.backend == "faiss" and len(vectors):
-            import faiss
-
-            index = faiss.IndexFlatL2(vectors.shape[1]) if distance == "l2" else faiss.IndexFlatIP(vectors.shape[1])
-            index.add(self.vectors)
-            self._faiss_index = index
+            self._faiss_index, self.vectors = _faiss_index(vectors, distance)
+        else:
+            self.vectors = normalise(vectors) if distance == "cosine" else vectors
         self._squared_norms = (self.vectors ** 2).sum(axis=1) if distance == "l2" else None
 
     def __len__(self) -> int:
@@ -94,6 +91,33 @@ class ExactIndex:
             part = np.broadcast_to(np.arange(distances.shape[1]), distances.shape).copy()
         picked = np.take_along_axis(distances, part, axis=1)
         return _tie_ordered(part.astype(np.int64), picked.astype(np.float32))
+
+
+def _faiss_index(vectors: np.ndarray, distance: str, chunk: int = 65_536):
+    """A faiss flat index of ``vectors`` and a read-only numpy view of the vectors it holds. The
+    index's storage is sized once and filled in place (normalised for cosine) a chunk at a
+    time, so neither a second full copy nor faiss's growth by doubling ever exists."""
+    import faiss
+
+    index = faiss.IndexFlatL2(vectors.shape[1]) if distance == "l2" else faiss.IndexFlatIP(vectors.shape[1])
+    index.codes.resize(vectors.size * 4)
+    index.ntotal = len(vectors)
+    held = np.asarray(_HeldByFaiss(index))
+    for first in range(0, len(vectors), chunk):
+        part = vectors[first:first + chunk]
+        held[first:first + chunk] = normalise(part) if distance == "cosine" else part
+    held.flags.writeable = False
+    return index, held
+
+
+class _HeldByFaiss:
+    """The vectors inside a faiss flat index as an array interface; an array made from it keeps
+    the index (the memory's owner) alive, so the view can never outlive the memory."""
+
+    def __init__(self, index) -> None:
+        self.index = index
+        self.__array_interface__ = {"shape": (index.ntotal, index.d), "typestr": "<f4", "version": 3,
+                                    "data": (int(index.codes.data()), False)}
 
 
 def _tie_ordered(indices: np.ndarray, distances: np.ndarray) -> Neighbours:
