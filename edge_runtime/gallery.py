@@ -435,26 +435,26 @@ class Gallery:
         ``staged``: into the staged vector table (forward mode, switched later); else in place."""
         with _transaction(self._db):
             live, other = self._tables()
-            target = other if staged else live
-            params = []
-            for b in batches:
-                block_of = self._vectors.write(target, b.new_tag, b.row_ids, b.item_ids, b.embeddings, b.side_infos)
-                new, old = b.new_tag, b.old_tag
-                params += [(r, new.version, new.via, int(block), r, old.version, old.via)
-                           for r, block in zip(b.row_ids, block_of, strict=True)]
-            if staged:
-                sql = (f"INSERT INTO {other} (row_id, version, via, block_id) SELECT ?, ?, ?, ? "
-                       f"WHERE EXISTS (SELECT 1 FROM {live} WHERE row_id = ? AND version = ? AND via = ?)")
+            if staged:  # set-based, one statement per new block: the rows' ids go in as one JSON array
+                sql = (f"INSERT INTO {other} (row_id, version, via, block_id) SELECT row_id, ?, ?, ? FROM {live} "
+                       f"WHERE row_id IN (SELECT value FROM json_each(?)) AND version = ? AND via = ?")
             else:  # the rows leave their old blocks (retired there) for the new ones
                 self._vectors.retire(live, [r for b in batches for r in b.row_ids])
-                sql = (f"UPDATE {live} SET row_id = ?, version = ?, via = ?, block_id = ? "
-                       f"WHERE row_id = ? AND version = ? AND via = ?")
+                sql = (f"UPDATE {live} SET version = ?, via = ?, block_id = ? "
+                       f"WHERE row_id IN (SELECT value FROM json_each(?)) AND version = ? AND via = ?")
+            written = 0
             try:
-                written = self._db.executemany(sql, params).rowcount
+                for b in batches:
+                    block_of = self._vectors.write(other if staged else live, b.new_tag, b.row_ids, b.item_ids, b.embeddings, b.side_infos)
+                    for block_id in np.unique(block_of):
+                        rows = json.dumps(np.asarray(b.row_ids, dtype=np.int64)[block_of == block_id].tolist())
+                        params = (b.new_tag.version, b.new_tag.via, int(block_id), rows, b.old_tag.version, b.old_tag.via)
+                        written += self._db.execute(sql, params).rowcount
             except sqlite3.IntegrityError:
                 raise GalleryError("a row of this batch is already upgraded (staged); run the upgrade again") from None
-            if written != len(params):
-                raise GalleryError(f"{len(params) - written} row(s) changed while being upgraded; run the upgrade again")
+            expected = sum(len(b.row_ids) for b in batches)
+            if written != expected:
+                raise GalleryError(f"{expected - written} row(s) changed while being upgraded; run the upgrade again")
             if not staged:  # in place: live rows changed (staged ones change at the switch)
                 self._log_changes([i for b in batches for i in b.item_ids])
 

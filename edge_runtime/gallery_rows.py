@@ -87,7 +87,7 @@ def tag_name(origin: int, version: int, via: str) -> str:
 def take_rows(vectors: np.ndarray, rows: Sequence[int]) -> np.ndarray:
     """The dense (len(rows), d) float32 block of ``vectors`` (dense or ragged) at ``rows``
     (all of a dense ``vectors``, in order: ``vectors`` itself, not a copy)."""
-    if vectors.dtype != object and isinstance(rows, range) and rows == range(len(vectors)):
+    if vectors.dtype != object and len(rows) == len(vectors) and list(rows) == list(range(len(vectors))):
         return vectors
     picked = vectors[list(rows)]
     if picked.dtype == object:
