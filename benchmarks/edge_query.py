@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from fctkit.edge_runtime import Device, DeviceSettings, ExactIndex
+from fctkit.edge_runtime import ExactIndex
 from fctkit.edge_runtime.search import normalise
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from edge_upgrade import D_OLD, IMAGE_DIM, bench_workspace, build_bundles, emit, fill  # noqa: E402
+from edge_upgrade import D_OLD, IMAGE_DIM, bench_workspace, emit, filled_device  # noqa: E402
 
 
 def latencies(fn, queries: np.ndarray) -> np.ndarray:
@@ -51,12 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     import faiss
 
     with bench_workspace("fctkit-edge-query-") as (work, key, pub):
-        v1, _ = build_bundles(work / "bundles", "linear", key)
-        device = Device.init(work / "device", publisher_key=pub, settings=DeviceSettings(batch_size=1024))
-        device.progress = False
-        device.install_bundle(v1)
-        device.gallery.set_meta({"query_version": "1"})
-        fill(device, args.rows, seed=3)
+        device = filled_device(work, key, pub, args.rows, seed=3)
         rng = np.random.default_rng(4)
         images = rng.standard_normal((args.queries, IMAGE_DIM), dtype=np.float32)
         start = time.perf_counter()

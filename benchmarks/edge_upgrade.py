@@ -170,6 +170,17 @@ def fill(device: Device, rows: int, seed: int, chunk: int = 20_000) -> float:
     return time.perf_counter() - start
 
 
+def filled_device(work: Path, key, pub: Path, rows: int, seed: int) -> Device:
+    """A device at v1 (linear bundles built in ``work/bundles``) with ``rows`` random rows."""
+    v1, _ = build_bundles(work / "bundles", "linear", key)
+    device = Device.init(work / "device", publisher_key=pub, settings=DeviceSettings(batch_size=1024))
+    device.progress = False
+    device.install_bundle(v1)
+    device.gallery.set_meta({"query_version": "1"})
+    fill(device, rows, seed=seed)
+    return device
+
+
 def bare_transform_seconds(model: Path, inputs: list[np.ndarray], batch: int, threads: int) -> float:
     import onnxruntime as ort
 
