@@ -120,12 +120,12 @@ def measure(rows: int, work: Path) -> dict:
         pushed, pulled = ReplicationResult(), ReplicationResult()
         with first.client() as client:
             start = time.perf_counter()
-            push(first, client, pushed)
+            push(first.parts, client, pushed)
             push_s = time.perf_counter() - start
             sealed_bytes = sum(len(r.sealed) for batch in client.pull_records() for r in batch.records)
         with second.client() as client:
             start = time.perf_counter()
-            pull(second, client, pulled)
+            pull(second.parts, client, pulled)
             pull_s = time.perf_counter() - start
         assert pushed.pushed == rows and pulled.applied == rows and len(second.gallery) == rows
         first.close()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
@@ -148,25 +148,43 @@ def run_upgrade(gallery: Gallery, plan: UpgradePlan, engines: Mapping[int, Engin
 
     Batches are the next ``batch_size`` pending rows in row-id order, so a restart after a
     crash (which begins again at the lowest pending row) forms the same batches as an
-    uninterrupted run. While a batch is transformed and written, a second connection reads
-    and decrypts the next one (rows with higher ids, which this batch does not touch). Rows
-    added meanwhile get higher ids and are picked up; a final pass from the start catches
-    anything else before returning."""
+    uninterrupted run. Three stages overlap: a second connection reads and decrypts the next
+    batch (rows with higher ids, which no earlier batch touches), this thread transforms the
+    current one, and a writer seals and commits the previous one (its own transaction, in
+    order; the fsync waits there, not here). Rows added meanwhile get higher ids and are
+    picked up; a final pass from the start catches anything else before returning."""
     staged = plan.mode == "forward"
     done, last_row_id = 0, 0
     reader = gallery.reader()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fctkit-prefetch") as pool:
+    writing: Future | None = None
+
+    def committed() -> None:  # the previous batch's write finished (its error, if any, raised here)
+        nonlocal done, writing
+        if writing is not None:
+            rows, writing = writing.result(), None
+            done += rows
+            if on_batch is not None:
+                on_batch(rows)
+
+    def write(upgraded: list[UpgradedRows]) -> int:
+        gallery.write_upgrades(upgraded, staged=staged)
+        return sum(len(u.row_ids) for u in upgraded)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fctkit-prefetch") as pool, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="fctkit-write") as writer:
         try:
             upcoming = pool.submit(reader.rows_to_upgrade, plan.target, 0, batch_size)
             while True:
                 batch = upcoming.result()
                 if batch.corrupt:
+                    committed()
                     row_id, item_id, reason = batch.corrupt[0]
                     raise GalleryError(f"row {row_id} ({item_id!r}) cannot be upgraded: {reason}; run "
                                        f"`fctkit device check --dir DIR` to list every damaged row, "
                                        f"`fctkit device repair --dir DIR` to restore them from the owner's replica or "
                                        f"remove them, then the upgrade again (it resumes)")
                 if not len(batch):
+                    committed()
                     if last_row_id == 0 or gallery.remaining(plan.target) == 0:
                         return done
                     last_row_id = 0
@@ -174,11 +192,12 @@ def run_upgrade(gallery: Gallery, plan: UpgradePlan, engines: Mapping[int, Engin
                     continue
                 last_row_id = int(batch.row_ids[-1])
                 upcoming = pool.submit(reader.rows_to_upgrade, plan.target, last_row_id, batch_size)
-                gallery.write_upgrades(_transform_batch(plan, engines, batch), staged=staged)
-                done += len(batch)
-                if on_batch is not None:
-                    on_batch(len(batch))
+                upgraded = _transform_batch(plan, engines, batch)
+                committed()
+                writing = writer.submit(write, upgraded)
         finally:
+            if writing is not None:
+                writing.exception()  # let a write in flight end before the connections close
             pool.shutdown(wait=True)
             reader.close()
 
