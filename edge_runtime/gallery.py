@@ -43,13 +43,13 @@ from .crypto import Sealer
 from .gallery_extras import RowExtras
 from .gallery_replica import InsertedRow, ReplicaLog
 from .gallery_rows import LoadedRows, NewRow, UpgradedRows, VersionTag, tag_name, take_rows
-from .gallery_schema import SCHEMA_VERSION, VECTOR_TABLES, check_essential, create_tables, id_chunks, migrate, vector_tables
+from .gallery_schema import SCHEMA_VERSION, VECTOR_TABLES, check_essential, create_tables, migrate, vector_tables
 from .gallery_block_migration import migrate_to_blocks
 from .gallery_blocks import check_item_ids
 from .gallery_sealing import RowSealer
 from .gallery_settings import GallerySettings
 from .gallery_vectors import VectorBlocks, reconciled_with_items
-from .sqlite_file import connect
+from .sqlite_file import connect, id_chunks
 from .sqlite_file import read_snapshot as _read_snapshot
 from .sqlite_file import transaction as _transaction
 

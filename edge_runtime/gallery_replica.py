@@ -19,9 +19,8 @@ import numpy as np
 from fctkit.errors import GalleryError, InputError
 
 from .gallery_rows import LoadedRows, NewRow, VersionTag
-from .gallery_schema import id_chunks
 from .gallery_vectors import LabelOpener, VectorBlocks
-from .sqlite_file import read_snapshot, transaction
+from .sqlite_file import id_chunks, read_snapshot, transaction
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,6 @@ pushed once. Schema 3 adds ``row_extras`` (:mod:`.gallery_extras`), schema 4 the
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from fctkit.errors import DeviceKeyError, GalleryError
@@ -53,7 +52,6 @@ from .sqlite_file import transaction
 
 SCHEMA_VERSION = 5
 VECTOR_TABLES = ("vectors_0", "vectors_1")
-_SQL_VARIABLES = 500  # item ids per `IN (...)` query
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL, mac BLOB);
@@ -113,13 +111,6 @@ def vector_tables(settings: GallerySettings, path: Path) -> tuple[str, str]:
     if live not in VECTOR_TABLES:
         raise GalleryError(f"{path}: meta.live_vectors is {live!r}; the gallery is damaged")
     return live, VECTOR_TABLES[1 - VECTOR_TABLES.index(live)]
-
-
-def id_chunks(item_ids: Sequence[str]) -> Iterator[tuple[list[str], str]]:
-    """``item_ids`` in chunks small enough for one ``IN (...)`` query, each with its ``?,?`` marks."""
-    for start in range(0, len(item_ids), _SQL_VARIABLES):
-        chunk = list(item_ids[start:start + _SQL_VARIABLES])
-        yield chunk, ",".join("?" * len(chunk))
 
 
 def execute_script(db: sqlite3.Connection, script: str) -> None:

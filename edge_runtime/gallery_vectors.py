@@ -32,6 +32,7 @@ from fctkit.errors import CorruptRecordError, GalleryError
 from .crypto import Sealer
 from .gallery_blocks import ROW_ID_DTYPE, BlockSealer, SealedBlock, block_slices, decode_item_ids, encode_item_ids
 from .gallery_rows import LoadedRows, VersionTag
+from .sqlite_file import id_chunks
 
 BLOCK_ROWS = 4096
 RECENT_BLOCKS = 2  # opened blocks kept in memory per connection (upgrade batches read a block in parts)
@@ -145,11 +146,8 @@ class VectorBlocks:
     def pointers(self, vector_set: str, row_ids: Sequence[int]) -> list[tuple[int, int]]:
         """(row id, block id) of those rows that have a pointer in ``vector_set``."""
         found: list[tuple[int, int]] = []
-        ids = [int(r) for r in row_ids]
-        for start in range(0, len(ids), 500):
-            chunk = ids[start:start + 500]
-            found += self._db.execute(f"SELECT row_id, block_id FROM {vector_set} WHERE row_id IN ({','.join('?' * len(chunk))})",
-                                      chunk).fetchall()
+        for chunk, marks in id_chunks([int(r) for r in row_ids]):
+            found += self._db.execute(f"SELECT row_id, block_id FROM {vector_set} WHERE row_id IN ({marks})", chunk).fetchall()
         return found
 
     def sweep(self, vector_set: str) -> int:
@@ -214,7 +212,7 @@ class VectorBlocks:
                 corrupt += _rows_of(block, np.isin(block.row_ids, row_ids), reason)
         if not opened.all():
             keep = np.flatnonzero(opened)
-            row_ids, item_ids, tags, values = row_ids[keep], item_ids[keep], tags[keep], [_take(v, keep) for v in values]
+            row_ids, item_ids, tags, values = row_ids[keep], item_ids[keep], tags[keep], [v[keep] for v in values]
         if not side_info:
             values.append(np.zeros((len(row_ids), 0), dtype=np.float32))
         corrupt = sorted(dict.fromkeys(corrupt), key=lambda c: c[0])
@@ -363,10 +361,6 @@ def _rows_of(block: StoredBlock, mask: np.ndarray, reason: str) -> list[tuple[in
     except UnicodeDecodeError:
         item_ids = []
     return [(int(r), item_ids[i] if i < len(item_ids) else "?", reason) for i, r in enumerate(block.row_ids) if mask[i]]
-
-
-def _take(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    return values[keep]
 
 
 def _stack(vectors: list) -> np.ndarray:

@@ -10,6 +10,7 @@ stay ``sqlite3.IntegrityError``: callers turn them into their own messages (a du
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from fctkit.errors import GalleryDamagedError
@@ -85,6 +86,9 @@ def connect(path: Path, *, new: bool = False) -> GuardedConnection:
     return db
 
 
+SQL_VARIABLES = 500  # ids per `IN (...)` query
+
+
 class transaction:
     """BEGIN IMMEDIATE … COMMIT (ROLLBACK on any error): one atomic write."""
 
@@ -108,3 +112,10 @@ class read_snapshot(transaction):
     """BEGIN DEFERRED … COMMIT: reads that see one consistent snapshot."""
 
     begin = "BEGIN DEFERRED"
+
+
+def id_chunks(item_ids: Sequence) -> Iterator[tuple[list, str]]:
+    """Ids (item ids or row ids) in chunks small enough for one ``IN (...)`` query, each with its ``?,?`` marks."""
+    for start in range(0, len(item_ids), SQL_VARIABLES):
+        chunk = list(item_ids[start:start + SQL_VARIABLES])
+        yield chunk, ",".join("?" * len(chunk))
