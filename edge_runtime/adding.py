@@ -18,13 +18,13 @@ from typing import Literal
 
 import numpy as np
 
-from fctkit.errors import InputError, ItemError
+from fctkit.errors import FctkitError, InputError, ItemError
 
 from .device_parts import DeviceParts
 from .engine import Engine
 from .gallery_rows import NewRow, VersionTag
 from .scoring import TransitionState, store_hubness_offsets
-from .vault_blob import seal_image, stored_original
+from .vault_blob import original_items, seal_image, stored_original
 
 OnBadItem = Literal["refuse", "skip"]
 ON_BAD_ITEM: tuple[str, ...] = ("refuse", "skip")
@@ -39,8 +39,10 @@ class AddedItems:
 
 
 def add_items(parts: DeviceParts, items, item_ids: Sequence[str] | None, labels: Sequence[str | None] | None,
-              on_bad_item: OnBadItem = "refuse") -> AddedItems:
-    """Embed ``items`` with the installed bundle and store them (see the module docstring)."""
+              on_bad_item: OnBadItem = "refuse", *, in_vault: dict[str, str] | None = None) -> AddedItems:
+    """Embed ``items`` with the installed bundle and store them (see the module docstring).
+    ``in_vault``: item id -> SHA-256 of items whose original is in the vault already (not queued again)."""
+    in_vault = in_vault or {}
     if on_bad_item not in ON_BAD_ITEM:
         raise InputError(f"on_bad_item must be one of {', '.join(ON_BAD_ITEM)}, got {on_bad_item!r}")
     engine = parts.engine()
@@ -63,14 +65,37 @@ def add_items(parts: DeviceParts, items, item_ids: Sequence[str] | None, labels:
     tag = VersionTag(parts.version, parts.version, via)
     rows = [NewRow(item_ids[i], embeddings[k], side_infos[k], None if labels[i] is None else str(labels[i]))
             for k, i in enumerate(good)]
-    outbox = [(item_ids[i], seal_image(parts.owner_sealer, item_ids[i], stored_original(items[i]))) for i in good]
+    outbox = [(item_ids[i], seal_image(parts.owner_sealer, item_ids[i], stored_original(items[i]))) for i in good
+              if item_ids[i] not in in_vault]
     kept = None
     if previous is not None:  # kept for transition scoring
         u = transition.previous_version
         kept = (VersionTag(u, u, "native"), vectors["previous"])
-    parts.gallery.add_rows(rows, tag, outbox, query_version=engine.manifest.version, previous=kept)
+    parts.gallery.add_rows(rows, tag, outbox, query_version=engine.manifest.version, previous=kept,
+                           in_vault={item_ids[i]: in_vault[item_ids[i]] for i in good if item_ids[i] in in_vault})
     store_hubness_offsets(parts.gallery, engine)
     return AddedItems([item_ids[i] for i in good], skipped)
+
+
+def restore_from_vault(parts: DeviceParts, originals: dict[str, tuple[str | None, str]]) -> list[str]:
+    """Embed again, with the installed version, the items whose originals are in the vault
+    (item id -> (label, SHA-256)) and store them as new rows (rows a repair forgot and the
+    owner's replica did not hold); returns the ids restored. An original the vault no longer
+    has, or that fails to open, is left out."""
+    engine = parts.engine()
+    opened: dict[str, np.ndarray] = {}
+    with parts.connect() as client:
+        for item_id, (_, sha256) in originals.items():
+            try:
+                opened[item_id] = parts.open_original(item_id, client.read_blob(sha256))
+            except FctkitError:
+                continue
+    if not opened:
+        return []
+    ids = list(opened)
+    items = original_items([opened[i] for i in ids], raw=engine.takes_items)
+    added = add_items(parts, items, ids, [originals[i][0] for i in ids], "skip", in_vault={i: originals[i][1] for i in ids})
+    return added.item_ids
 
 
 def checked_items(engine: Engine, items):

@@ -42,7 +42,7 @@ from fctkit.private_files import make_private
 from fctkit.protos.bundle import load_public_key, public_key_id
 from fctkit.protos.client import ClientTls, FctkitClient, RetryPolicy
 
-from .adding import AddedItems, OnBadItem, add_items, usable_queries
+from .adding import AddedItems, OnBadItem, add_items, restore_from_vault, usable_queries
 from .backfill import BackfillResult, run_backfill
 from .bundle_store import InstalledBundles
 from .crypto import Sealer, new_key, owner_key_id, read_key_file, write_key_file
@@ -458,9 +458,11 @@ class Device:
         """Repair the gallery (:func:`~fctkit.edge_runtime.repair.repair_gallery`: derivable settings,
         damaged rows, extras and queued originals, in one transaction); then, on a device of an
         owner with a server, pull the owner's replica again, which brings back every forgotten or
-        missing row it holds. Rows it does not hold stay removed and are listed."""
+        missing row it holds; a row it does not hold whose original is in the vault is embedded
+        again from the original with the installed version. The rest stay removed, listed."""
         result = repair_gallery(self.gallery, self.open_original, self.installed_versions())
         report: dict[str, Any] = asdict(result)
+        del report["vault_originals"]  # labels and hashes: the device's business, not the report's
         lost = result.rows_forgotten
         if (lost or result.rows_missing) and not (self.settings.owner_id and self.settings.server):
             report["replication"] = None
@@ -473,7 +475,12 @@ class Device:
         if not report.get("replication"):
             self._rows_arrived()  # searches reload; dropped hubness offsets are computed again
         back = set(self.gallery.replica_log.load_items(lost)[0].item_ids) if lost else set()
+        from_vault = {i: result.vault_originals[i] for i in lost if i not in back and i in result.vault_originals}
+        if from_vault and self.settings.server and self.gallery.upgrade_state is None:  # the replica lacked them
+            back |= set(restore_from_vault(self.parts, from_vault))
+            self._rows_arrived()
         report["rows_restored"] = [i for i in lost if i in back]
+        report["rows_restored_from_vault"] = [i for i in from_vault if i in back]
         report["rows_removed"] = [i for i in lost if i not in back]
         report["damaged_after"] = self.check()["damaged"]
         return report

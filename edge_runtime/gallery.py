@@ -190,18 +190,15 @@ class Gallery:
         return int(self.meta("query_version", "0"))
 
     @property
-    def upgrade_state(self) -> dict[str, Any] | None:
-        """The upgrade in progress (target, mode, hops) or None."""
+    def upgrade_state(self) -> dict[str, Any] | None:  # the upgrade in progress (target, mode, hops) or None
         text = self.meta("upgrade")
         return json.loads(text) if text else None
 
-    def change_marker(self) -> tuple[int, int]:
-        """Changes whenever this or another connection commits a write (cache key for searches)."""
+    def change_marker(self) -> tuple[int, int]:  # changes whenever any connection commits a write (search cache key)
         return self._db.execute("PRAGMA data_version").fetchone()[0], self._db.total_changes
 
     def _tables(self) -> tuple[str, str]:
         return vector_tables(self.settings, self.path)
-
     def __len__(self) -> int:
         return self._db.execute("SELECT COUNT(*) FROM items").fetchone()[0]
 
@@ -217,11 +214,13 @@ class Gallery:
     # -- rows ------------------------------------------------------------------------------
 
     def add_rows(self, rows: Sequence[NewRow], tag: VersionTag, outbox: Sequence[tuple[str, bytes]] = (), *,
-                 query_version: int | None = None, previous: tuple[VersionTag, np.ndarray] | None = None) -> list[int]:
+                 query_version: int | None = None, previous: tuple[VersionTag, np.ndarray] | None = None,
+                 in_vault: dict[str, str] | None = None) -> list[int]:
         """Insert rows (and their queued vault uploads) in one transaction; returns the row ids.
         An item id already in the gallery is an error, and so is a ``query_version`` that is no
         longer the gallery's (another process switched it meanwhile): nothing is written.
-        ``previous``: the rows' embeddings in the previous version's space (a transition)."""
+        ``previous``: the rows' embeddings in the previous version's space (a transition);
+        ``in_vault``: item id -> SHA-256 of an original already in the vault (restored rows)."""
         check_item_ids(row.item_id for row in rows)
         with _transaction(self._db):
             if query_version is not None and self.query_version != query_version:
@@ -242,6 +241,7 @@ class Gallery:
                                  "(the removal replicates to the owner's devices); choose new ids (nothing was added)")
             self._write_vectors(live, ids, rows, tag)
             self._db.executemany("INSERT INTO outbox VALUES (?, ?)", outbox)
+            self._db.executemany("UPDATE items SET vault_sha256 = ? WHERE item_id = ?", [(h, i) for i, h in (in_vault or {}).items()])
             self._count_rows(len(rows))
             self._log_changes([row.item_id for row in rows])
             if previous is not None:

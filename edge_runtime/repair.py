@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fctkit.errors import FctkitError, GalleryDamagedError
+from fctkit.errors import FctkitError, GalleryDamagedError, InputError
 
 from .gallery import Gallery
 from .gallery_extras import EXTRA_FIELDS
@@ -48,6 +48,8 @@ class RepairResult:
 
     settings_restored: dict[str, str | None] = field(default_factory=dict)
     rows_forgotten: list[str] = field(default_factory=list)
+    #: forgotten rows whose original is in the vault: item id -> (label, SHA-256), to embed again
+    vault_originals: dict[str, tuple[str | None, str]] = field(default_factory=dict)
     rows_missing: int = 0
     extras_dropped: int = 0
     queued_originals_dropped: list[str] = field(default_factory=list)
@@ -141,6 +143,7 @@ def repair_gallery(gallery: Gallery, open_original: OpenOriginal, installed_vers
         rows = gallery.load()  # with the per-row table: rows whose vectors are gone are listed
         bad_extras = [(name, r) for name in EXTRA_FIELDS for r, _, _ in gallery.extras.load(name).corrupt]
     result.rows_forgotten = [item for _, item, _ in rows.corrupt]
+    result.vault_originals = _vault_originals(gallery, [(r, item) for r, item, _ in rows.corrupt])
     result.rows_missing = rows.missing
     result.extras_dropped = len(bad_extras)
     result.queued_originals_dropped = [item for item, _ in damaged_originals(gallery, open_original)]
@@ -151,3 +154,18 @@ def repair_gallery(gallery: Gallery, open_original: OpenOriginal, installed_vers
     gallery.forget_rows([(row_id, item) for row_id, item, _ in rows.corrupt], drop_queued=result.queued_originals_dropped, drop_extras=bad_extras,
                         settings=settings, clear_table=clear_table)
     return result
+
+
+def _vault_originals(gallery: Gallery, rows: Sequence[tuple[int, str]]) -> dict[str, tuple[str | None, str]]:
+    """Before damaged rows are forgotten: each one's label and vault SHA-256, where its per-row
+    entry is intact and its original was uploaded."""
+    labels = gallery.labels([r for r, _ in rows])
+    found = {}
+    for row_id, item_id in rows:
+        try:
+            sha256 = gallery.replica_log.vault_sha256(item_id)
+        except InputError:  # its per-row entry is gone: nothing to go by
+            continue
+        if sha256 is not None:
+            found[item_id] = (labels.get(row_id), sha256)
+    return found

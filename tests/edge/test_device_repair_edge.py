@@ -168,3 +168,24 @@ def test_an_upgrade_stopped_by_a_damaged_row_goes_on_after_repair(make_device, t
         assert report["rows_removed"] == ["it04", "it05", "it06", "it07"] and report["damaged_after"] == 0
         damaged.upgrade()
         assert damaged.version == 2 and damaged.gallery.tag_counts() == {"v1->v2 (forward)": 8}
+
+
+def test_rows_the_replica_lacks_are_embedded_again_from_their_vault_originals(server, make_device, images):  # noqa: F811
+    device = enrolled(make_device, server, "camera", "vera")
+    _add_in_blocks(device, images(12, seed=6), "v")  # originals uploaded to the vault; no replica push yet
+    expected, root = state(device), device.root
+    _sql(device, "UPDATE vector_blocks SET embedding = zeroblob(length(embedding)) WHERE block_id = 2")
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        report = damaged.repair()
+        lost = ["v04", "v05", "v06", "v07"]
+        assert report["rows_forgotten"] == lost and report["rows_restored_from_vault"] == lost
+        assert report["rows_restored"] == lost and report["rows_removed"] == [] and report["damaged_after"] == 0
+        restored = state(damaged)
+        assert set(restored) == set(expected)
+        for item, (tag, embedding, side_info, label) in expected.items():  # the same model on the same originals
+            assert restored[item][0] == tag and restored[item][3] == label
+            assert np.allclose(np.frombuffer(restored[item][1], "<f4"), np.frombuffer(embedding, "<f4"), atol=1e-6)
+            assert np.allclose(np.frombuffer(restored[item][2], "<f4"), np.frombuffer(side_info, "<f4"), atol=1e-6)
+        assert damaged.gallery.replica_log.outbox_size() == 0  # the originals are not uploaded again
+        assert damaged.gallery.replica_log.vault_sha256("v05") is not None
