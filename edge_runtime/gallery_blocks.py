@@ -94,7 +94,7 @@ class BlockSealer:
             try:
                 if block.width != out.shape[1]:
                     raise CorruptRecordError(f"block {block.block_id}: {block.width} values per row, not {out.shape[1]}")
-                if _consecutive(at, live) and out.dtype == VALUE_DTYPE and out.flags.c_contiguous:
+                if _consecutive(at, live) and out.dtype == VALUE_DTYPE and out.flags.c_contiguous and out.shape[1]:
                     self._open_straight_into(block, out[at[0]:at[0] + len(at)])  # the common case: no copy at all
                 else:
                     out[at[live]] = self.open(block)[live]

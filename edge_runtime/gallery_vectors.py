@@ -251,16 +251,20 @@ class VectorBlocks:
     def open_pointers(self, rows: Sequence[tuple], open_label: LabelOpener | None = None) -> LoadedRows:
         """Decrypt the rows of ``rows``: (row id, item id, origin, version, via, block id, sealed
         label) each, as the per-row tables give them; a row whose pointer, tag or item id does
-        not match its block, or whose block fails to open, is ``corrupt``."""
-        by_block: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            by_block.setdefault(row[5], []).append(i)
-        embeddings: list = [None] * len(rows)
-        side_infos: list = [None] * len(rows)
+        not match its block, or whose block fails to open, is ``corrupt``. Vectorised per block."""
+        n = len(rows)
+        row_ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=n)
+        block_ids = np.fromiter((-1 if r[5] is None else r[5] for r in rows), dtype=np.int64, count=n)
+        item_ids = np.empty(n, dtype=object)
+        item_ids[:] = [r[1] for r in rows]
+        where = np.full(n, -1, dtype=np.int64)  # each row's index in its block
+        opened: dict[int, list[np.ndarray]] = {}
         corrupt: dict[int, str] = {}
-        for block_id, members in by_block.items():
-            self._open_members(block_id, [rows[i] for i in members], members, embeddings, side_infos, corrupt)
-        labels: list[str | None] = [None] * len(rows)
+        for block_id in np.unique(block_ids).tolist():
+            members = np.flatnonzero(block_ids == block_id)
+            reason = self._place_members(block_id, members, rows, row_ids, item_ids, where, opened)
+            corrupt.update({int(p): reason.format(row_id=int(row_ids[p])) for p in members[where[members] < 0]})
+        labels: list[str | None] = [None] * n
         if open_label is not None:
             for i, row in enumerate(rows):
                 if i not in corrupt and row[6] is not None:
@@ -268,41 +272,42 @@ class VectorBlocks:
                         labels[i] = open_label(row[0], row[1], row[2], row[6])
                     except CorruptRecordError as exc:
                         corrupt[i] = str(exc)
-        keep = [i for i in range(len(rows)) if i not in corrupt]
+        keep = np.asarray([i for i in range(n) if i not in corrupt], dtype=np.int64)
+        tags: dict[tuple, VersionTag] = {}
         return LoadedRows(
-            row_ids=np.asarray([rows[i][0] for i in keep], dtype=np.int64), item_ids=[rows[i][1] for i in keep],
-            tags=[VersionTag(*rows[i][2:5]) for i in keep], embeddings=_stack([embeddings[i] for i in keep]),
-            side_infos=_stack([side_infos[i] for i in keep]), labels=[labels[i] for i in keep],
-            corrupt=[(rows[i][0], rows[i][1], reason) for i, reason in sorted(corrupt.items())])
+            row_ids=row_ids[keep], item_ids=item_ids[keep].tolist(),
+            tags=[tags.setdefault(rows[i][2:5], VersionTag(*rows[i][2:5])) for i in keep.tolist()],
+            embeddings=_gathered(keep, block_ids, where, opened, 0), side_infos=_gathered(keep, block_ids, where, opened, 1),
+            labels=[labels[i] for i in keep.tolist()], corrupt=[(rows[i][0], rows[i][1], r) for i, r in sorted(corrupt.items())])
 
-    def _open_members(self, block_id: int | None, members: list[tuple], positions: list[int], embeddings: list,
-                      side_infos: list, corrupt: dict[int, str]) -> None:
-        block = None if block_id is None else self._read_meta(block_id)
+    def _place_members(self, block_id: int, members: np.ndarray, rows: Sequence[tuple], row_ids: np.ndarray,
+                       item_ids: np.ndarray, where: np.ndarray, opened: dict[int, list[np.ndarray]]) -> str:
+        """Set ``where[members]`` to each member's index in block ``block_id`` (its values into
+        ``opened``), for the members that match the block; returns the reason for the others."""
+        block = None if block_id < 0 else self._read_meta(block_id)
         if block is None:
-            for p, row in zip(positions, members, strict=True):
-                corrupt[p] = f"row {row[0]}: its vectors are missing from the gallery file"
-            return
+            return "row {row_id}: its vectors are missing from the gallery file"
         try:
-            values = self._values(block)
+            opened[block_id] = self._values(block)
         except CorruptRecordError as exc:
-            for p in positions:
-                corrupt[p] = str(exc)
-            return
-        index = {int(r): i for i, r in enumerate(block.row_ids)}
-        item_ids = decode_item_ids(block.item_ids)
-        for p, (row_id, item_id, origin, version, via, *_) in zip(positions, members, strict=True):
-            i = index.get(row_id)
-            if i is None or item_ids[i] != item_id or (origin, version, via) != (block.tag.origin_version, block.tag.version, block.tag.via):
-                corrupt[p] = (f"row {row_id}: its row, item id or version tag does not match block {block_id} "
-                              f"(the plaintext columns were modified)")
-                continue
-            embeddings[p], side_infos[p] = values[0][i], values[1][i]
+            return str(exc).replace("{", "{{").replace("}", "}}")
+        sorter = np.argsort(block.row_ids, kind="stable")
+        at = np.minimum(np.searchsorted(block.row_ids, row_ids[members], sorter=sorter), len(sorter) - 1)
+        index = sorter[at]
+        tag = (block.tag.origin_version, block.tag.version, block.tag.via)
+        match = (block.row_ids[index] == row_ids[members]) & (opened[block_id][2][index] == item_ids[members])
+        match &= np.fromiter((rows[p][2:5] == tag for p in members.tolist()), dtype=bool, count=len(members))
+        where[members[match]] = index[match]
+        return (f"row {{row_id}}: its row, item id or version tag does not match block {block_id} "
+                f"(the plaintext columns were modified)")
 
     def _values(self, block: StoredBlock) -> list[np.ndarray]:
-        """The block's opened fields; the last few blocks opened are kept (blocks never change,
-        and their ids are never reused), so batches smaller than a block decrypt it once."""
+        """The block's opened fields, then its item ids (an object array). The last few blocks
+        opened are kept (blocks never change and their ids are never reused), so batches smaller
+        than a block decrypt it once."""
         if block.block_id not in self._recent:
             self._recent[block.block_id] = [self._blocks.open(block.sealed(f, self._blob(block.block_id, f))) for f in FIELDS]
+            self._recent[block.block_id].append(np.asarray(decode_item_ids(block.item_ids), dtype=object))
             while len(self._recent) > RECENT_BLOCKS:
                 self._recent.popitem(last=False)
         return self._recent[block.block_id]
@@ -363,12 +368,20 @@ def _rows_of(block: StoredBlock, mask: np.ndarray, reason: str) -> list[tuple[in
     return [(int(r), item_ids[i] if i < len(item_ids) else "?", reason) for i, r in enumerate(block.row_ids) if mask[i]]
 
 
-def _stack(vectors: list) -> np.ndarray:
-    if not vectors:
+def _gathered(keep: np.ndarray, block_ids: np.ndarray, where: np.ndarray, opened: dict[int, list[np.ndarray]],
+              field: int) -> np.ndarray:
+    """The ``field`` values of rows ``keep`` (their blocks opened), dense when all have one width,
+    else ragged (rows of different spaces)."""
+    widths = {opened[b][field].shape[1] for b in set(block_ids[keep].tolist())}
+    if not len(keep):
         return np.zeros((0, 0), dtype=np.float32)
-    if len({len(v) for v in vectors}) == 1:
-        return np.stack(vectors).astype(np.float32, copy=False)
-    ragged = np.empty(len(vectors), dtype=object)
-    ragged[:] = list(vectors)
+    if len(widths) == 1:
+        out = np.empty((len(keep), widths.pop()), dtype=np.float32)
+        for b in set(block_ids[keep].tolist()):
+            mine = block_ids[keep] == b
+            out[mine] = opened[b][field][where[keep[mine]]]
+        return out
+    ragged = np.empty(len(keep), dtype=object)
+    ragged[:] = [opened[int(block_ids[p])][field][where[p]] for p in keep.tolist()]
     return ragged
 

@@ -115,3 +115,13 @@ def test_item_ids_round_trip_and_nul_is_refused() -> None:
     assert decode_item_ids(encode_item_ids(ids)) == ids
     with pytest.raises(InputError, match="NUL"):
         check_item_ids(["ok", "bad\0id"])
+
+
+def test_open_into_authenticates_blocks_of_zero_width(sealer: BlockSealer) -> None:
+    """A version without side-info stores (rows, 0) side-info blocks: still sealed and checked."""
+    block, _ = _block(sealer, width=0)
+    filled, failed = sealer.open_into([block], block.row_ids, np.zeros((5, 0), dtype=np.float32))
+    assert filled.all() and not failed
+    damaged = replace(block, sealed=block.sealed[:-1] + bytes([block.sealed[-1] ^ 1]))
+    filled, failed = sealer.open_into([damaged], block.row_ids, np.zeros((5, 0), dtype=np.float32))
+    assert not filled.any() and "authentication failed" in failed[0][1]
