@@ -273,10 +273,10 @@ class VectorBlocks:
                     except CorruptRecordError as exc:
                         corrupt[i] = str(exc)
         keep = np.asarray([i for i in range(n) if i not in corrupt], dtype=np.int64)
-        tags: dict[tuple, VersionTag] = {}
+        keys = [rows[i][2:5] for i in keep.tolist()]
+        tags = {key: VersionTag(*key) for key in set(keys)}
         return LoadedRows(
-            row_ids=row_ids[keep], item_ids=item_ids[keep].tolist(),
-            tags=[tags.setdefault(rows[i][2:5], VersionTag(*rows[i][2:5])) for i in keep.tolist()],
+            row_ids=row_ids[keep], item_ids=item_ids[keep].tolist(), tags=[tags[key] for key in keys],
             embeddings=_gathered(keep, block_ids, where, opened, 0), side_infos=_gathered(keep, block_ids, where, opened, 1),
             labels=[labels[i] for i in keep.tolist()], corrupt=[(rows[i][0], rows[i][1], r) for i, r in sorted(corrupt.items())])
 
