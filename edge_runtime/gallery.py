@@ -251,8 +251,7 @@ class Gallery:
     def _write_vectors(self, vector_set: str, row_ids: Sequence[int], rows: Sequence[NewRow], tag: VersionTag) -> None:
         """Inside a transaction: seal the rows' vectors as blocks of ``vector_set`` and point the rows to them."""
         block_of = self._vectors.write(vector_set, tag, row_ids, [row.item_id for row in rows],
-                                       np.stack([np.asarray(row.embedding, np.float32).ravel() for row in rows]),
-                                       np.stack([np.asarray(row.side_info, np.float32).ravel() for row in rows]))
+                                       [np.ravel(row.embedding) for row in rows], [np.ravel(row.side_info) for row in rows])
         self._db.executemany(f"INSERT INTO {vector_set} VALUES (?, ?, ?, ?)",
                              [(r, tag.version, tag.via, int(b)) for r, b in zip(row_ids, block_of, strict=True)])
 

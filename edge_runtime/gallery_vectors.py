@@ -88,6 +88,8 @@ class VectorBlocks:
         """Seal rows (one tag) as new blocks of ``vector_set``; returns each row's block id.
         The caller writes the rows' pointers."""
         row_ids = np.asarray(row_ids, dtype=ROW_ID_DTYPE)
+        if not len(row_ids):
+            return np.zeros(0, dtype=np.int64)
         embeddings = np.asarray(embeddings, dtype=np.float32).reshape(len(row_ids), -1)
         side_infos = np.asarray(side_infos, dtype=np.float32).reshape(len(row_ids), -1)
         block_of = np.empty(len(row_ids), dtype=np.int64)

@@ -118,3 +118,7 @@ def test_a_forward_switch_carries_blocks_already_in_the_target_space(gallery):
     after = gallery.load()
     assert after.tags == [v2] * 30 and np.array_equal(after.embeddings, loaded.embeddings + 1)
     assert {s for s, in gallery._db.execute("SELECT vector_set FROM vector_blocks")} == {"vectors_1"}
+
+
+def test_adding_no_rows_writes_no_block(gallery):
+    assert gallery.add_rows([], V1) == [] and len(_blocks(gallery)) == 3 and len(gallery) == 30
