@@ -34,7 +34,7 @@ import numpy as np
 from fctkit.backfill_order import backfill_order
 from fctkit.errors import DeviceError, GalleryError, InputError
 
-from .gallery_rows import LoadedRows, UpgradedRows, VersionTag, take_rows
+from .gallery_rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
 from .vault_blob import original_items
 
 if TYPE_CHECKING:
@@ -204,9 +204,7 @@ def _reembedded(engine: Engine, rows: LoadedRows, batch: Sequence[int], images: 
     """The batch's new vectors, one group per old tag (each write is guarded by the tag read)."""
     embeddings, side_infos, via = gallery_vectors(engine, images)
     groups = []
-    tags = [rows.tags[i] for i in batch]
-    for tag in sorted(set(tags), key=lambda t: (t.origin_version, t.version, t.via)):
-        index = [k for k, t in enumerate(tags) if t == tag]
+    for tag, index in rows_by_tag([rows.tags[i] for i in batch]).items():
         groups.append(UpgradedRows([int(rows.row_ids[batch[k]]) for k in index], [rows.item_ids[batch[k]] for k in index],
                                    tag, VersionTag(tag.origin_version, version, via), embeddings[index], side_infos[index]))
     return groups

@@ -81,9 +81,7 @@ class Sealer:
             view = memoryview(record)  # no copy of the ciphertext
             return self._aead.decrypt(view[:NONCE_BYTES], view[NONCE_BYTES:], aad)
         except InvalidTag:
-            raise CorruptRecordError(
-                f"{what}: authentication failed (modified, swapped with another record, or sealed under another key)"
-            ) from None
+            raise _authentication_failed(what) from None
 
     def open_into(self, record: bytes, aad: bytes, out: memoryview, what: str = "record") -> None:
         """:meth:`open` straight into ``out`` (a writable buffer of exactly the plaintext's
@@ -95,9 +93,11 @@ class Sealer:
             view = memoryview(record)  # no copy of the ciphertext
             self._aead.decrypt_into(view[:NONCE_BYTES], view[NONCE_BYTES:], aad, out)
         except InvalidTag:
-            raise CorruptRecordError(
-                f"{what}: authentication failed (modified, swapped with another record, or sealed under another key)"
-            ) from None
+            raise _authentication_failed(what) from None
+
+
+def _authentication_failed(what: str) -> CorruptRecordError:
+    return CorruptRecordError(f"{what}: authentication failed (modified, swapped with another record, or sealed under another key)")
 
 
 def new_key() -> bytes:

@@ -42,7 +42,7 @@ from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryDamagedErro
 from .crypto import Sealer
 from .gallery_extras import RowExtras
 from .gallery_replica import InsertedRow, ReplicaLog
-from .gallery_rows import LoadedRows, NewRow, UpgradedRows, VersionTag, tag_name, take_rows
+from .gallery_rows import LoadedRows, NewRow, UpgradedRows, VersionTag, rows_by_tag, tag_name, take_rows
 from .gallery_schema import SCHEMA_VERSION, VECTOR_TABLES, check_essential, create_tables, migrate, vector_tables
 from .gallery_block_migration import migrate_to_blocks
 from .gallery_blocks import check_item_ids
@@ -262,9 +262,8 @@ class Gallery:
         self._db.executemany("INSERT INTO items VALUES (?, ?, ?, ?, ?, ?)", [
             (r.row_id, r.row.item_id, r.tag.origin_version, self._sealing.seal_label(r.row_id, r.row.item_id, r.tag, r.row.label),
              r.vault_sha256, r.record_sha256) for r in rows])
-        for tag in dict.fromkeys(r.tag for r in rows):
-            group = [r for r in rows if r.tag == tag]
-            self._write_vectors(live, [r.row_id for r in group], [r.row for r in group], tag)
+        for tag, picked in rows_by_tag([r.tag for r in rows]).items():
+            self._write_vectors(live, [rows[i].row_id for i in picked], [rows[i].row for i in picked], tag)
         self._count_rows(len(rows))
 
     def load(self, *, with_labels: bool = True, with_side_info: bool = True) -> LoadedRows:
@@ -486,8 +485,7 @@ class Gallery:
         rows = self._vectors.open_pointers(self._db.execute(
             f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, NULL FROM {live} v "
             f"JOIN items i USING (row_id) WHERE v.version = ? ORDER BY row_id", (version,)).fetchall())
-        for tag in set(rows.tags):
-            picked = [i for i, t in enumerate(rows.tags) if t == tag]
+        for tag, picked in rows_by_tag(rows.tags).items():
             self._extras.insert("previous_embedding", rows.row_ids[picked].tolist(), [rows.item_ids[i] for i in picked], tag,
                                 take_rows(rows.embeddings, picked))
 

@@ -15,7 +15,7 @@ import sqlite3
 
 from tqdm import tqdm
 
-from .gallery_rows import take_rows
+from .gallery_rows import rows_by_tag, take_rows
 from .gallery_schema import SCHEMA_VERSION, VECTOR_TABLES, execute_script, still_at
 from .gallery_sealing import RowSealer
 from .gallery_settings import GallerySettings
@@ -62,8 +62,7 @@ def _reseal_next(db: sqlite3.Connection, table: str, sealing: RowSealer, vectors
         if not rows:
             return orphans
         opened = sealing.open_rows(rows, with_labels=False)
-        for tag in sorted(set(opened.tags), key=lambda t: (t.origin_version, t.version, t.via)):
-            picked = [i for i, t in enumerate(opened.tags) if t == tag]
+        for tag, picked in rows_by_tag(opened.tags).items():
             row_ids = opened.row_ids[picked].tolist()
             block_of = vectors.write(table, tag, row_ids, [opened.item_ids[i] for i in picked],
                                      take_rows(opened.embeddings, picked), take_rows(opened.side_infos, picked))

@@ -72,7 +72,7 @@ class BlockSealer:
     def open(self, block: SealedBlock) -> np.ndarray:
         """The block's values, ``(rows, width)`` float32; :class:`CorruptRecordError` when the
         block or its row ids were modified, moved, truncated or sealed under another key."""
-        what = f"block {block.block_id} ({block.field}, {block.tag}, {len(block.row_ids)} rows)"
+        what = _described(block)
         plaintext = self._sealer.open(block.sealed, self._aad(block), what)
         if len(plaintext) != len(block.row_ids) * block.width * VALUE_DTYPE.itemsize:  # cannot happen unless sealed so
             raise CorruptRecordError(f"{what}: {len(plaintext)} bytes do not hold {len(block.row_ids)} x {block.width} values")
@@ -105,9 +105,8 @@ class BlockSealer:
         return filled, failed
 
     def _open_straight_into(self, block: SealedBlock, rows: np.ndarray) -> None:
-        what = f"block {block.block_id} ({block.field}, {block.tag}, {len(block.row_ids)} rows)"
         try:
-            self._sealer.open_into(block.sealed, self._aad(block), memoryview(rows).cast("B"), what)
+            self._sealer.open_into(block.sealed, self._aad(block), memoryview(rows).cast("B"), _described(block))
         except CorruptRecordError:
             rows[:] = np.nan  # what failed to authenticate is not left looking like values
             raise
@@ -117,6 +116,10 @@ class BlockSealer:
         return b"fctkit-gallery-block/1|%s|%d|%s|%d|%d|%s|%d|%d|%s|%s" % (
             self._gallery_id, block.block_id, block.field.encode(), tag.origin_version, tag.version, tag.via.encode(),
             len(block.row_ids), block.width, hashlib.sha256(block.row_id_bytes).digest(), hashlib.sha256(block.item_ids).digest())
+
+
+def _described(block: SealedBlock) -> str:
+    return f"block {block.block_id} ({block.field}, {block.tag}, {len(block.row_ids)} rows)"
 
 
 def _consecutive(at: np.ndarray, live: np.ndarray) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .gallery_rows import LoadedRows, VersionTag
+from .gallery_rows import LoadedRows, VersionTag, rows_by_tag
 from .gallery_schema import vector_tables
 from .gallery_sealing import RowSealer
 from .gallery_settings import GallerySettings
@@ -40,8 +40,7 @@ class RowExtras:
         with transaction(self._db):
             live, _ = vector_tables(self._settings, self._path)
             written = 0
-            for tag in set(rows.tags):
-                picked = [i for i, t in enumerate(rows.tags) if t == tag]
+            for tag, picked in rows_by_tag(rows.tags).items():
                 written += self.insert(field_name, [int(rows.row_ids[i]) for i in picked],
                                        [rows.item_ids[i] for i in picked], tag, np.asarray(values)[picked], live=live)
         return written

@@ -84,6 +84,14 @@ def tag_name(origin: int, version: int, via: str) -> str:
         return f"damaged tag (origin {origin!r}, version {version!r}, via {via!r})"
 
 
+def rows_by_tag(tags: Sequence[VersionTag]) -> dict[VersionTag, list[int]]:
+    """The positions of each tag's rows in ``tags``, tags in (origin, version, via) order (one pass)."""
+    found: dict[VersionTag, list[int]] = {}
+    for i, tag in enumerate(tags):
+        found.setdefault(tag, []).append(i)
+    return {tag: found[tag] for tag in sorted(found, key=lambda t: (t.origin_version, t.version, t.via))}
+
+
 def take_rows(vectors: np.ndarray, rows: Sequence[int]) -> np.ndarray:
     """The dense (len(rows), d) float32 block of ``vectors`` (dense or ragged) at ``rows``
     (all of a dense ``vectors``, in order: ``vectors`` itself, not a copy)."""

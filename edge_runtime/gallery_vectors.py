@@ -223,28 +223,33 @@ class VectorBlocks:
 
     def _open_field(self, blocks: list[StoredBlock], field: str, row_ids: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray, list[tuple[StoredBlock, str]]]:
-        """One field of ``blocks`` as a matrix in ``row_ids`` order (ragged when the blocks
-        differ in width: rows of different spaces)."""
-        widths = {b.widths[FIELDS.index(field)] for b in blocks}
-        if len(widths) <= 1:
-            out = np.zeros((len(row_ids), widths.pop() if widths else 0), dtype=np.float32)
-            by_id = {b.block_id: b for b in blocks}
-            filled, failed = self._blocks.open_into(self._sealed_field(blocks, field), row_ids, out)
-            return out, filled, [(by_id[s.block_id], reason) for s, reason in failed]
+        """One field of ``blocks`` as a matrix in ``row_ids`` order; when the blocks differ in
+        width (rows of different spaces) each width is opened as its own matrix and the result is
+        ragged (an object array of rows)."""
+        by_width: dict[int, list[StoredBlock]] = {}
+        for block in blocks:
+            by_width.setdefault(block.widths[FIELDS.index(field)], []).append(block)
+        if len(by_width) <= 1:
+            return self._open_dense(blocks, field, row_ids, next(iter(by_width), 0))
         out = np.empty(len(row_ids), dtype=object)
         filled = np.zeros(len(row_ids), dtype=bool)
-        failed = []
-        for block, sealed in zip(blocks, self._sealed_field(blocks, field), strict=True):
-            try:
-                values = self._blocks.open(sealed)
-            except CorruptRecordError as exc:
-                failed.append((block, str(exc)))
-                continue
-            at = np.searchsorted(row_ids, block.row_ids)  # every alive row of a usable block is in row_ids
-            for i, j in zip(at[block.alive()], np.flatnonzero(block.alive()), strict=True):
-                out[i] = values[j]
-            filled[at[block.alive()]] = True
+        failed: list[tuple[StoredBlock, str]] = []
+        for width, group in by_width.items():
+            ids = np.sort(np.concatenate([b.row_ids[b.alive()] for b in group]))
+            part, got, bad = self._open_dense(group, field, ids, width)
+            at = np.searchsorted(row_ids, ids[got])
+            for i, vector in zip(at.tolist(), part[got], strict=True):
+                out[i] = vector
+            filled[at] = True
+            failed += bad
         return out, filled, failed
+
+    def _open_dense(self, blocks: list[StoredBlock], field: str, row_ids: np.ndarray, width: int
+                    ) -> tuple[np.ndarray, np.ndarray, list[tuple[StoredBlock, str]]]:
+        out = np.zeros((len(row_ids), width), dtype=np.float32)
+        by_id = {b.block_id: b for b in blocks}
+        filled, failed = self._blocks.open_into(self._sealed_field(blocks, field), row_ids, out)
+        return out, filled, [(by_id[s.block_id], reason) for s, reason in failed]
 
     def _sealed_field(self, blocks: list[StoredBlock], field: str) -> Iterator[SealedBlock]:
         for block in blocks:
@@ -374,9 +379,9 @@ def _gathered(keep: np.ndarray, block_ids: np.ndarray, where: np.ndarray, opened
               field: int) -> np.ndarray:
     """The ``field`` values of rows ``keep`` (their blocks opened), dense when all have one width,
     else ragged (rows of different spaces)."""
-    widths = {opened[b][field].shape[1] for b in set(block_ids[keep].tolist())}
     if not len(keep):
         return np.zeros((0, 0), dtype=np.float32)
+    widths = {opened[b][field].shape[1] for b in set(block_ids[keep].tolist())}
     if len(widths) == 1:
         out = np.empty((len(keep), widths.pop()), dtype=np.float32)
         for b in set(block_ids[keep].tolist()):

@@ -39,7 +39,7 @@ from fctkit.protos.bundle import check_version_is_newer
 from .backfill import record_uncertainty
 from .engine import Engine
 from .gallery import Gallery
-from .gallery_rows import LoadedRows, UpgradedRows, VersionTag, take_rows
+from .gallery_rows import LoadedRows, UpgradedRows, rows_by_tag, take_rows
 from .scoring import transition_for
 from .upgrade_plan import UpgradePlan, hop_list, plan_to, server_hops, transform_rows
 
@@ -204,12 +204,8 @@ def run_upgrade(gallery: Gallery, plan: UpgradePlan, engines: Mapping[int, Engin
 
 def _transform_batch(plan: UpgradePlan, engines: Mapping[int, Engine], batch: LoadedRows) -> list[UpgradedRows]:
     """The batch's rows moved to the target, one group per version tag."""
-    by_tag: dict[VersionTag, list[int]] = {}
-    for i, tag in enumerate(batch.tags):
-        by_tag.setdefault(tag, []).append(i)
     groups: list[UpgradedRows] = []
-    for tag in sorted(by_tag, key=lambda t: (t.origin_version, t.version, t.via)):
-        rows = by_tag[tag]
+    for tag, rows in rows_by_tag(batch.tags).items():
         new_tag, embeddings, side_infos = transform_rows(
             plan, engines, tag, take_rows(batch.embeddings, rows), take_rows(batch.side_infos, rows))
         groups.append(UpgradedRows(batch.row_ids[rows].tolist(), [batch.item_ids[i] for i in rows],
