@@ -17,7 +17,7 @@ per-row table pointing into blocks of that set); a forward-mode upgrade writes n
 the other set and the switch commit flips them in one transaction, so queries see complete old
 vectors until then. The version tag (origin_version, version, via) says which space a row is in,
 so backfilled and adapted rows sit side by side; a replicated row of a version not installed
-yet waits in ``pending_records``.
+yet waits in ``pending_blocks``.
 
 A damaged block is reported as its rows (row id, item id, reason); the other blocks load.
 Settings carry HMACs (:mod:`.gallery_settings`): a damaged one is named, never used;
@@ -43,7 +43,8 @@ from .crypto import Sealer
 from .gallery_extras import RowExtras
 from .gallery_replica import InsertedRow, ReplicaLog
 from .gallery_rows import LoadedRows, NewRow, UpgradedRows, VersionTag, rows_by_tag, tag_name, take_rows
-from .gallery_schema import SCHEMA_VERSION, VECTOR_TABLES, check_essential, create_tables, migrate, vector_tables
+from .gallery_schema import (SCHEMA_VERSION, VECTOR_TABLES, check_essential, create_tables, migrate,
+                             migrate_replica_to_blocks, vector_tables)
 from .gallery_block_migration import migrate_to_blocks
 from .gallery_blocks import check_item_ids
 from .gallery_sealing import RowSealer
@@ -122,7 +123,7 @@ class Gallery:
         if "mac" in columns:
             check_essential(path, db, sealer, meta)
         schema = meta.get("schema_version", (None, None))[0]
-        if schema not in ("1", "2", "3", "4", str(SCHEMA_VERSION)) or "gallery_id" not in meta:
+        if schema not in ("1", "2", "3", "4", "5", str(SCHEMA_VERSION)) or "gallery_id" not in meta:
             raise GalleryError(f"{path}: unsupported gallery schema {schema!r} (this fctkit reads {SCHEMA_VERSION})")
         try:
             gallery_id = bytes.fromhex(meta["gallery_id"][0])
@@ -134,6 +135,7 @@ class Gallery:
         migrate(db, sealer)
         gallery = cls(path, db, sealer, gallery_id)
         migrate_to_blocks(db, gallery.settings, gallery._sealing, gallery._vectors)
+        migrate_replica_to_blocks(db, gallery.settings)
         return gallery
 
     def reader(self) -> Gallery:
@@ -309,8 +311,7 @@ class Gallery:
     def _remove_item(self, item_id: str, *, tombstone: bool = True, delete_original: bool = False,
                      keep_queued: bool = False, retired: bool = False) -> bool:
         """Inside a transaction: delete the item's row, vectors, queued upload (unless
-        ``keep_queued``) and unsealed change; with ``tombstone`` also its pending records, and
-        remember the removal (with ``delete_original``, the vault original to delete once the
+        ``keep_queued``) and unsealed change; with ``tombstone`` remember the removal (with ``delete_original``, the vault original to delete once the
         removal is pushed; ``retired``: the caller retired the row's vectors already). Returns
         whether the item had a row."""
         row = self._db.execute("SELECT row_id, vault_sha256 FROM items WHERE item_id = ?", (item_id,)).fetchone()
@@ -322,9 +323,8 @@ class Gallery:
             self._count_rows(-1)
         if not keep_queued:
             self._db.execute("DELETE FROM outbox WHERE item_id = ?", (item_id,))
-        self._db.execute("DELETE FROM changes WHERE item_id = ? AND sealed IS NULL", (item_id,))
-        if tombstone:
-            self._db.execute("DELETE FROM pending_records WHERE item_id = ?", (item_id,))
+        self._db.execute("DELETE FROM changes WHERE item_id = ? AND block_key IS NULL", (item_id,))
+        if tombstone:  # pending records of the item stay: merging them later finds the tombstone
             original = row[1] if row is not None and delete_original else None
             self._db.execute("INSERT OR IGNORE INTO tombstones VALUES (?, ?)", (item_id, original))
         return row is not None
@@ -384,7 +384,7 @@ class Gallery:
         else:
             self._db.execute(f"INSERT INTO temp.changed_items {select_sql}")
         changed = "SELECT item_id FROM temp.changed_items"
-        self._db.execute(f"DELETE FROM changes WHERE sealed IS NULL AND item_id IN ({changed})")
+        self._db.execute(f"DELETE FROM changes WHERE block_key IS NULL AND item_id IN ({changed})")
         self._db.execute("INSERT INTO changes (item_id, tombstone) SELECT item_id, ? FROM temp.changed_items ORDER BY rowid",
                          (int(tombstone),))
         if not tombstone:

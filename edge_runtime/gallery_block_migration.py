@@ -16,7 +16,7 @@ import sqlite3
 from tqdm import tqdm
 
 from .gallery_rows import rows_by_tag, take_rows
-from .gallery_schema import SCHEMA_VERSION, VECTOR_TABLES, execute_script, still_at
+from .gallery_schema import VECTOR_TABLES, execute_script, still_at
 from .gallery_sealing import RowSealer
 from .gallery_settings import GallerySettings
 from .gallery_vectors import BLOCK_ROWS, BLOCKS_SCHEMA, VectorBlocks
@@ -48,7 +48,7 @@ def migrate_to_blocks(db: sqlite3.Connection, settings: GallerySettings, sealing
     with transaction(db):
         if still_at(db, "4"):
             _drop_row_blobs(db)
-            settings.put({"schema_version": str(SCHEMA_VERSION)})
+            settings.put({"schema_version": "5"})
     return done
 
 

@@ -1,6 +1,7 @@
 """The gallery's side of replication and the vault (:mod:`.replication`, :mod:`.backfill`): the
-outbox of sealed originals to upload, the log of changes to seal and push, pulled records
-merged in, and removed items whose originals are to be deleted. Tables: :mod:`.gallery_schema`.
+outbox of sealed originals to upload, the log of changes sealed in blocks and pushed, pulled
+blocks merged in (set-based: one pass per block), pulled blocks kept for a version not installed
+yet, and removed items whose originals are to be deleted. Tables: :mod:`.gallery_schema`.
 
 A :class:`ReplicaLog` belongs to one :class:`~fctkit.edge_runtime.gallery.Gallery`
 (``gallery.replica_log``) and shares its connection; the rows it writes go through the gallery
@@ -9,16 +10,18 @@ A :class:`ReplicaLog` belongs to one :class:`~fctkit.edge_runtime.gallery.Galler
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from fctkit.errors import GalleryError, InputError
 
-from .gallery_rows import LoadedRows, NewRow, VersionTag
+from .gallery_schema import VECTOR_TABLES
+from .gallery_rows import LoadedRows, NewRow, VersionTag, rows_by_tag, take_rows
 from .gallery_vectors import LabelOpener, VectorBlocks
 from .sqlite_file import id_chunks, read_snapshot, transaction
 
@@ -34,21 +37,66 @@ class ItemState:
 
 
 @dataclass(frozen=True)
-class ReplicaWrite:
-    """What merging one record does (see :meth:`ReplicaLog.merge_replica`): ``kind`` 'row' (replace
-    the item's row; ``record_sha256`` None logs it as a local change to push), 'tombstone',
-    'pending' (keep ``sealed`` for a version not installed yet) or 'ignore'."""
+class ReplicaRows:
+    """Rows as a replica block holds them: row k is ``item_ids[k]`` (no vectors for tombstones)."""
 
-    kind: str
-    item_id: str
+    item_ids: tuple[str, ...]
+    embeddings: np.ndarray
+    side_infos: np.ndarray
+    labels: list[str | None]
+    vault_sha256s: list[str | None]
+
+    def __len__(self) -> int:
+        return len(self.item_ids)
+
+    @classmethod
+    def tombstones(cls, item_ids: Sequence[str]) -> ReplicaRows:
+        return cls(tuple(item_ids), np.zeros((len(item_ids), 0), np.float32), np.zeros((len(item_ids), 0), np.float32),
+                   [None] * len(item_ids), [None] * len(item_ids))
+
+
+BlockSealer = Callable[[VersionTag | None, ReplicaRows], list[tuple[tuple[str, ...], bytes]]]
+"""Seals rows of one tag (None: tombstones) as one or more blocks: [(item ids, sealed bytes)]."""
+
+
+@dataclass(frozen=True)
+class OutgoingBlock:
+    """Changes sealed for pushing, as one record; ``key`` (its first change id) is the push's
+    idempotency key. ``block`` False: a single-row record sealed before blocks (kept as it was)."""
+
+    key: int
+    block: bool
+    tag: VersionTag | None
+    item_ids: tuple[str, ...]
+    sealed: bytes
+
+
+@dataclass(frozen=True)
+class PendingBlock:
+    """A pulled record this device cannot place yet (its version is not installed), kept sealed."""
+
+    sequence: int
+    block: bool
+    tag: VersionTag | None  # None: tombstones (merged at once, never kept)
+    item_ids: tuple[str, ...]
+    skipped: tuple[int, ...]  # positions the server superseded
+    sealed: bytes
+
+
+@dataclass(frozen=True)
+class BlockMerge:
+    """What merging one pulled record does, decided against its items' states: ``rows`` (positions
+    into ``content``) replace or add those items' rows, in space ``tag``; ``tombstones`` removes
+    items for good; ``pending`` keeps the record for later. ``record_sha256`` None: the rows were
+    moved to this device's version and are logged as local changes to push."""
+
+    content: ReplicaRows | None = None
+    rows: Sequence[int] = ()
     tag: VersionTag | None = None
-    embedding: np.ndarray | None = None
-    side_info: np.ndarray | None = None
-    label: str | None = None
-    vault_sha256: str | None = None
     record_sha256: str | None = None
-    sequence: int = 0
-    sealed: bytes = b""
+    tombstones: Sequence[str] = ()
+    pending: PendingBlock | None = None
+    ignored: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,17 +108,6 @@ class InsertedRow:
     tag: VersionTag
     vault_sha256: str | None
     record_sha256: str | None
-
-
-@dataclass(frozen=True)
-class SealedChange:
-    """A change sealed for pushing: ``tag`` is the row state it was sealed from (None: tombstone)."""
-
-    change_id: int
-    item_id: str
-    tag: VersionTag | None
-    sealed: bytes
-    sha256: str
 
 
 class GalleryRows(Protocol):
@@ -87,7 +124,8 @@ class GalleryRows(Protocol):
 
     def _insert_rows(self, live: str, rows: Sequence[InsertedRow]) -> None: ...
 
-    def _remove_item(self, item_id: str, *, tombstone: bool = True) -> bool: ...
+    def _remove_item(self, item_id: str, *, tombstone: bool = True, delete_original: bool = False,
+                     keep_queued: bool = False, retired: bool = False) -> bool: ...
 
     def _log_changes(self, item_ids: Sequence[str] = ()) -> None: ...
 
@@ -128,62 +166,84 @@ class ReplicaLog:
         return int(self._gallery.meta("replica_cursor", "0"))
 
     def replication_counts(self) -> dict[str, int]:
-        """Changes not yet acknowledged by the server (unsealed + sealed) and pending records."""
+        """Changes not yet acknowledged by the server (unsealed + sealed), rows of pending records, tombstones."""
         one = lambda sql: self._db.execute(sql).fetchone()[0]  # noqa: E731
         return {"cursor": self.replica_cursor, "unpushed": one("SELECT COUNT(*) FROM changes"),
-                "pending": one("SELECT COUNT(*) FROM pending_records"), "tombstones": one("SELECT COUNT(*) FROM tombstones")}
-
-    def unsealed_changes(self, limit: int) -> list[tuple[int, str, bool]]:
-        """(change id, item id, tombstone) of changes to seal, oldest first; an item whose
-        original still waits in the outbox is not pushed before the original is uploaded."""
-        return [(c, i, bool(t)) for c, i, t in self._db.execute(
-            "SELECT change_id, item_id, tombstone FROM changes c WHERE sealed IS NULL AND NOT EXISTS "
-            "(SELECT 1 FROM outbox o WHERE o.item_id = c.item_id) ORDER BY change_id LIMIT ?", (limit,))]
+                "pending": one("SELECT COALESCE(SUM(rows), 0) FROM pending_blocks"),
+                "tombstones": one("SELECT COUNT(*) FROM tombstones")}
 
     def load_items(self, item_ids: Sequence[str]) -> tuple[LoadedRows, dict[str, str | None]]:
         """The live rows of ``item_ids`` (decrypted, with labels) and each one's vault SHA-256."""
-        found, shas = [], {}
         with read_snapshot(self._db):
-            live, _ = self._gallery._tables()
-            for chunk, marks in id_chunks(item_ids):
-                found += self._db.execute(
-                    f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, i.label "
-                    f"FROM items i JOIN {live} v USING (row_id) WHERE i.item_id IN ({marks}) ORDER BY row_id", chunk).fetchall()
-                shas.update(self._db.execute(f"SELECT item_id, vault_sha256 FROM items WHERE item_id IN ({marks})", chunk))
-            return self._vectors.open_pointers(found, self._open_label), shas
+            return self._load_items(item_ids)
 
-    def store_sealed(self, changes: Sequence[SealedChange]) -> int:
-        """Keep the sealed records of changes (one transaction); a change whose row moved on
-        or is gone since it was read is dropped (a newer change stands for it). Returns the
-        changes stored."""
-        rows = [c for c in changes if c.tag is not None]
+    def _load_items(self, item_ids: Sequence[str]) -> tuple[LoadedRows, dict[str, str | None]]:
+        found, shas = [], {}
+        live, _ = self._gallery._tables()
+        for chunk, marks in id_chunks(item_ids):
+            found += self._db.execute(
+                f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, i.label "
+                f"FROM items i JOIN {live} v USING (row_id) WHERE i.item_id IN ({marks}) ORDER BY row_id", chunk).fetchall()
+            shas.update(self._db.execute(f"SELECT item_id, vault_sha256 FROM items WHERE item_id IN ({marks})", chunk))
+        return self._vectors.open_pointers(found, self._open_label), shas
+
+    def seal_changes(self, limit: int, seal: BlockSealer) -> int:
+        """Seal up to ``limit`` logged changes, oldest first, as blocks (one per tag, and one of
+        tombstones, cut by ``seal``), in one transaction: rows read, sealed and kept together, so
+        a block is what its rows are. An item whose original still waits in the outbox waits
+        too; a change whose row is gone (removed without tombstone) is dropped. Returns the
+        changes looked at."""
         with transaction(self._db):
-            live, _ = self._gallery._tables()
-            stored = self._db.executemany("UPDATE changes SET sealed = ? WHERE change_id = ? AND sealed IS NULL",
-                                          [(c.sealed, c.change_id) for c in changes if c.tag is None]).rowcount
-            stored += self._db.executemany(  # guarded: the row still has the tag it was sealed from
-                f"UPDATE changes SET sealed = ?, version = ?, origin_version = ?, via = ? WHERE change_id = ? AND sealed IS NULL "
-                f"AND EXISTS (SELECT 1 FROM items i JOIN {live} v USING (row_id) WHERE i.item_id = ? AND i.origin_version = ? "
-                f"AND v.version = ? AND v.via = ?)",
-                [(c.sealed, c.tag.version, c.tag.origin_version, c.tag.via, c.change_id, c.item_id, c.tag.origin_version,
-                  c.tag.version, c.tag.via) for c in rows]).rowcount
-            self._db.executemany("UPDATE items SET record_sha256 = ? WHERE item_id = ? AND EXISTS "
-                                 "(SELECT 1 FROM changes WHERE change_id = ? AND sealed = ?)",
-                                 [(c.sha256, c.item_id, c.change_id, c.sealed) for c in rows])
-            # still unsealed: the row moved on or is gone since it was read; a newer change (or none) stands for it
-            self._db.executemany("DELETE FROM changes WHERE change_id = ? AND sealed IS NULL", [(c.change_id,) for c in changes])
-        return stored
+            changes = self._db.execute(
+                "SELECT change_id, item_id, tombstone FROM changes c WHERE block_key IS NULL AND NOT EXISTS "
+                "(SELECT 1 FROM outbox o WHERE o.item_id = c.item_id) ORDER BY change_id LIMIT ?", (limit,)).fetchall()
+            if not changes:
+                return 0
+            change_of = {item_id: change_id for change_id, item_id, _ in changes}
+            removed = [item_id for _, item_id, tombstone in changes if tombstone]
+            rows, vault_shas = self._load_items([item_id for _, item_id, tombstone in changes if not tombstone])
+            if rows.corrupt:
+                row_id, item_id, reason = rows.corrupt[0]
+                raise GalleryError(f"row {row_id} ({item_id!r}) cannot be read to replicate it: {reason}; remove it and sync again")
+            groups = [(None, ReplicaRows.tombstones(removed))] if removed else []
+            for tag, picked in rows_by_tag(rows.tags).items():
+                item_ids = tuple(rows.item_ids[k] for k in picked)
+                groups.append((tag, ReplicaRows(item_ids, take_rows(rows.embeddings, picked), take_rows(rows.side_infos, picked),
+                                                [rows.labels[k] for k in picked], [vault_shas[i] for i in item_ids])))
+            for tag, group in groups:
+                for item_ids, sealed in seal(tag, group):
+                    self._keep_outgoing(tag, item_ids, sealed, [change_of[i] for i in item_ids])
+            kept = set(removed).union(rows.item_ids)  # the others' rows are gone and no tombstone stands for them
+            self._db.executemany("DELETE FROM changes WHERE change_id = ?", [(c,) for c, i, _ in changes if i not in kept])
+        return len(changes)
 
-    def sealed_changes(self, limit: int) -> list[tuple[int, str, int, int, str, bool, bytes]]:
-        """(change id, item id, version, origin version, via, tombstone, sealed) to push, oldest first."""
-        return [(c, i, v or 0, o or 0, via or "", bool(t), s) for c, i, v, o, via, t, s in self._db.execute(
-            "SELECT change_id, item_id, version, origin_version, via, tombstone, sealed FROM changes "
-            "WHERE sealed IS NOT NULL ORDER BY change_id LIMIT ?", (limit,))]
+    def _keep_outgoing(self, tag: VersionTag | None, item_ids: tuple[str, ...], sealed: bytes, change_ids: list[int]) -> None:
+        key = min(change_ids)
+        self._db.execute("INSERT INTO outgoing_blocks VALUES (?, 1, ?, ?, ?, ?, ?, ?)",
+                         (key, *(_tag_columns(tag)), int(tag is None), "\0".join(item_ids), sealed))
+        self._db.executemany("UPDATE changes SET block_key = ? WHERE change_id = ?", [(key, c) for c in change_ids])
+        if tag is not None:
+            sha = hashlib.sha256(sealed).hexdigest()
+            self._db.executemany("UPDATE items SET record_sha256 = ? WHERE item_id = ?", [(sha, i) for i in item_ids])
 
-    def mark_pushed(self, change_ids: Sequence[int]) -> None:
-        """The server acknowledged these changes: forget them (one transaction)."""
+    def outgoing(self, max_rows: int) -> list[OutgoingBlock]:
+        """Sealed records to push, oldest first, holding at most ``max_rows`` rows (at least one record)."""
+        found, rows = [], 0
+        for key, block, version, origin, via, tombstone, item_ids, sealed in self._db.execute(
+                "SELECT block_key, block, version, origin_version, via, tombstone, item_ids, sealed FROM outgoing_blocks "
+                "ORDER BY block_key"):
+            ids = tuple(item_ids.split("\0"))
+            if found and rows + len(ids) > max_rows:
+                break
+            found.append(OutgoingBlock(key, bool(block), None if tombstone else VersionTag(origin, version, via), ids, sealed))
+            rows += len(ids)
+        return found
+
+    def mark_pushed(self, keys: Sequence[int]) -> None:
+        """The server acknowledged these records: forget them and their changes (one transaction)."""
         with transaction(self._db):
-            self._db.executemany("DELETE FROM changes WHERE change_id = ?", [(c,) for c in change_ids])
+            self._db.executemany("DELETE FROM changes WHERE block_key = ?", [(k,) for k in keys])
+            self._db.executemany("DELETE FROM outgoing_blocks WHERE block_key = ?", [(k,) for k in keys])
 
     def originals_to_delete(self) -> list[tuple[str, str]]:
         """(item id, vault SHA-256) of items removed here whose tombstone the server has acknowledged."""
@@ -195,81 +255,87 @@ class ReplicaLog:
         with transaction(self._db):
             self._db.execute("UPDATE tombstones SET vault_sha256 = NULL WHERE item_id = ?", (item_id,))
 
-    def pending_records(self, up_to_version: int) -> list[tuple[int, str, int, int, str, bytes]]:
-        """(sequence, item id, version, origin version, via, sealed) of kept records whose version is at most ``up_to_version``."""
-        return list(self._db.execute("SELECT sequence, item_id, version, origin_version, via, sealed FROM pending_records "
-                                     "WHERE version <= ? ORDER BY sequence", (up_to_version,)))
+    def pending_blocks(self, up_to_version: int) -> list[PendingBlock]:
+        """Kept records whose version is at most ``up_to_version``, in sequence order."""
+        return [PendingBlock(seq, bool(block), VersionTag(origin, version, via), tuple(ids.split("\0")),
+                             tuple(int(k) for k in skipped.split(",") if k), sealed)
+                for seq, block, version, origin, via, ids, skipped, sealed in self._db.execute(
+                    "SELECT sequence, block, version, origin_version, via, item_ids, skipped, sealed FROM pending_blocks "
+                    "WHERE version <= ? ORDER BY sequence", (up_to_version,))]
 
-    def merge_replica(self, records: Sequence[Any], decide: Callable[[Any, ItemState], ReplicaWrite], *,
-                      cursor: int | None = None, done_pending: Sequence[int] = ()) -> dict[str, int]:
-        """Merge records in one transaction: ``decide(record, state)`` (state read inside the
-        transaction, and updated as the batch goes) says what each does; then the cursor is
-        set and the ``done_pending`` sequence numbers are dropped, so a crash leaves either
-        all of it or none. Returns how many writes of each kind were made."""
-        counts: dict[str, int] = {}
+    def merge_blocks(self, records: Sequence, decide: Callable[[object, dict[str, ItemState]], BlockMerge], *,
+                     cursor: int | None = None, done_pending: Sequence[int] = ()) -> dict[str, int]:
+        """Merge pulled records in one transaction, one pass per record: ``decide(record, states)``
+        (the states of its items, read inside the transaction) says what it does; then the cursor
+        is set and the ``done_pending`` sequence numbers are dropped, so a crash leaves either all
+        of it or none. Returns how many rows of each kind were written."""
+        counts = {"row": 0, "tombstone": 0, "pending": 0, "ignore": 0}
         with transaction(self._db):
             if self._gallery.meta("upgrade") is not None:
                 raise GalleryError("an upgrade is in progress: finish it before merging replicated records")
             live, _ = self._gallery._tables()
-            states = self._item_states(live, [r.item_id for r in records])
-            next_row_id = self._db.execute("SELECT COALESCE(MAX(row_id), 0) + 1 FROM items").fetchone()[0]
-            inserts: dict[str, InsertedRow] = {}  # written together at the end, sealed in blocks
             for record in records:
-                state = states[record.item_id]
-                write = decide(record, state)
-                if write.kind == "row":
-                    self._apply(write, has_row=state.tag is not None, inserts=inserts, row_id=next_row_id)
-                    next_row_id += 1
-                    states[record.item_id] = ItemState(write.tag, write.record_sha256, False)
-                else:
-                    self._apply(write, has_row=state.tag is not None, inserts=inserts)
-                    if write.kind == "tombstone":
-                        states[record.item_id] = ItemState(None, None, True)
-                counts[write.kind] = counts.get(write.kind, 0) + 1
-            self._gallery._insert_rows(live, list(inserts.values()))
-            self._db.executemany("DELETE FROM pending_records WHERE sequence = ?", [(s,) for s in done_pending])
+                merge = decide(record, self._item_states(live, record.item_ids))
+                self._apply(live, merge)
+                counts["row"] += len(merge.rows)
+                counts["tombstone"] += len(merge.tombstones)
+                counts["pending"] += 0 if merge.pending is None else len(merge.pending.item_ids) - len(merge.pending.skipped)
+                counts["ignore"] += merge.ignored
+            self._db.executemany("DELETE FROM pending_blocks WHERE sequence = ?", [(s,) for s in done_pending])
             if cursor is not None and cursor > self.replica_cursor:  # another process may have merged further
                 self._gallery._set_meta({"replica_cursor": str(cursor)})
         return counts
 
     def _item_states(self, live: str, item_ids: Sequence[str]) -> dict[str, ItemState]:
-        """Each item's state (inside the caller's transaction)."""
-        unique = list(dict.fromkeys(item_ids))
-        removed = set(self._gallery._tombstoned(unique))
-        states = {i: ItemState(None, None, i in removed) for i in unique}
-        for chunk, marks in id_chunks(unique):
+        """The states of those items that have a row or a tombstone (inside the caller's transaction)."""
+        states = {i: ItemState(None, None, True) for i in self._gallery._tombstoned(item_ids)}
+        for chunk, marks in id_chunks(item_ids):
             query = (f"SELECT i.item_id, i.origin_version, v.version, v.via, i.record_sha256 FROM items i "
                      f"JOIN {live} v USING (row_id) WHERE i.item_id IN ({marks})")
             for item_id, origin, version, via, sha in self._db.execute(query, chunk):
-                states[item_id] = ItemState(VersionTag(origin, version, via), sha, item_id in removed)
+                states[item_id] = ItemState(VersionTag(origin, version, via), sha, item_id in states)
         return states
 
-    def _apply(self, write: ReplicaWrite, *, has_row: bool, inserts: dict[str, InsertedRow], row_id: int = 0) -> None:
-        """One write of a merge; rows to insert wait in ``inserts`` (an item inserted earlier in
-        the same merge is replaced or removed there, not in the file)."""
-        if write.kind == "tombstone":
-            inserts.pop(write.item_id, None)
-            self._gallery._remove_item(write.item_id)
-        elif write.kind == "pending":
-            tag = write.tag
-            self._db.execute("INSERT OR IGNORE INTO pending_records VALUES (?, ?, ?, ?, ?, ?)",
-                             (write.sequence, write.item_id, tag.version, tag.origin_version, tag.via, write.sealed))
-        elif write.kind == "row":
-            if inserts.pop(write.item_id, None) is None and has_row:  # an item without a row has no upload or unsealed change either
-                self._gallery._remove_item(write.item_id, tombstone=False)
-            row = NewRow(write.item_id, write.embedding, write.side_info, write.label)
-            inserts[write.item_id] = InsertedRow(row_id, row, write.tag, write.vault_sha256, write.record_sha256)
-            if write.record_sha256 is None:
-                self._gallery._log_changes([write.item_id])
-        elif write.kind != "ignore":
-            raise GalleryError(f"unknown replica write {write.kind!r}")
+    def _apply(self, live: str, merge: BlockMerge) -> None:
+        """The writes of one merged record, set-based: replaced rows' vectors retired together,
+        new rows sealed together in blocks."""
+        for item_id in merge.tombstones:
+            self._gallery._remove_item(item_id)
+        if merge.pending is not None:
+            kept = merge.pending
+            self._db.execute("INSERT OR IGNORE INTO pending_blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", (
+                kept.sequence, int(kept.block), *_tag_columns(kept.tag), "\0".join(kept.item_ids),
+                ",".join(map(str, kept.skipped)), len(kept.item_ids) - len(kept.skipped), kept.sealed))
+        if not merge.rows:
+            return
+        content = merge.content
+        item_ids = [content.item_ids[k] for k in merge.rows]
+        replaced = [r for chunk, marks in id_chunks(item_ids)
+                    for r, in self._db.execute(f"SELECT row_id FROM items WHERE item_id IN ({marks})", chunk)]
+        if replaced:
+            for table in VECTOR_TABLES:
+                self._vectors.retire(table, replaced)
+            for item_id in item_ids:
+                self._gallery._remove_item(item_id, tombstone=False, retired=True)
+        first = self._db.execute("SELECT COALESCE(MAX(row_id), 0) + 1 FROM items").fetchone()[0]
+        self._gallery._insert_rows(live, [
+            InsertedRow(first + j, NewRow(content.item_ids[k], content.embeddings[k], content.side_infos[k], content.labels[k]),
+                        merge.tag, content.vault_sha256s[k], merge.record_sha256) for j, k in enumerate(merge.rows)])
+        if merge.record_sha256 is None:
+            self._gallery._log_changes(item_ids)
 
     def reset_replication(self) -> None:
         """Start replicating afresh (the device joined another owner): cursor 0, no pending or
         sealed records, every row a change to push again."""
         with transaction(self._db):
-            self._db.execute("DELETE FROM pending_records")
+            self._db.execute("DELETE FROM pending_blocks")
+            self._db.execute("DELETE FROM outgoing_blocks")
             self._db.execute("DELETE FROM changes WHERE tombstone = 0")
-            self._db.execute("UPDATE changes SET sealed = NULL, version = NULL, origin_version = NULL, via = NULL")
+            self._db.execute("UPDATE changes SET block_key = NULL")
             self._gallery._log_changes([r[0] for r in self._db.execute("SELECT item_id FROM items")])
             self._gallery._set_meta({"replica_cursor": "0"})
+
+
+def _tag_columns(tag: VersionTag | None) -> tuple[int, int, str]:
+    """(version, origin version, via) as the tables store them (zeros for tombstones)."""
+    return (0, 0, "") if tag is None else (tag.version, tag.origin_version, tag.via)

@@ -21,21 +21,26 @@ Row format::
                                             own sealed embedding and side_info BLOBs)
     vector_blocks                           the blocks (:mod:`.gallery_vectors`)
 
-Replication (schema 2, :mod:`fctkit.edge_runtime.replication`)::
+Replication (schema 2, :mod:`fctkit.edge_runtime.replication`; blocks since schema 6)::
 
-    changes          change_id INTEGER PRIMARY KEY AUTOINCREMENT   the outbox of rows to push; the
-                     item_id, tombstone, then once sealed: version,  id is the push's idempotency key
-                     origin_version, via, sealed (the owner-key record)
+    changes          change_id INTEGER PRIMARY KEY AUTOINCREMENT   the log of rows to push (one
+                     item_id, tombstone, block_key                   unsealed change per item);
+                                                                    block_key: the sealed record
+                                                                    holding it (NULL: not sealed yet)
+    outgoing_blocks  block_key (its first change id: the push's idempotency key), block (0: a
+                     single-row record sealed before schema 6), version, origin_version, via,
+                     tombstone, item_ids (NUL-separated), sealed (the owner-key record)
     tombstones       item_id, vault_sha256       removed items (their ids are never used again); for a
                                                  removal made here, the original to delete from the
                                                  vault once the tombstone is pushed
-    pending_records  sequence, item_id, version, origin_version, via, sealed
-                                                 pulled records of a version not installed yet
+    pending_blocks   sequence, block, version, origin_version, via, item_ids, skipped (positions the
+                     server superseded), rows, sealed: pulled records of a version not installed yet
     meta.replica_cursor                          the owner's last sequence number merged
 
 Schema 1 galleries are migrated when opened: every row gets a change, so the whole gallery is
 pushed once. Schema 3 adds ``row_extras`` (:mod:`.gallery_extras`), schema 4 the settings' MACs
-(:mod:`.gallery_settings`), schema 5 the vector blocks (:mod:`.gallery_block_migration`).
+(:mod:`.gallery_settings`), schema 5 the vector blocks (:mod:`.gallery_block_migration`), schema 6
+the replica's blocks (changes already sealed and pulled records kept stay single-row records).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from .gallery_settings import ESSENTIAL, GallerySettings, add_macs, authentic
 from .gallery_vectors import BLOCKS_SCHEMA
 from .sqlite_file import transaction
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 VECTOR_TABLES = ("vectors_0", "vectors_1")
 
 _SCHEMA = """
@@ -75,6 +80,13 @@ CREATE TABLE tombstones (item_id TEXT PRIMARY KEY, vault_sha256 TEXT);
 CREATE TABLE pending_records (sequence INTEGER PRIMARY KEY, item_id TEXT NOT NULL, version INTEGER NOT NULL,
                               origin_version INTEGER NOT NULL, via TEXT NOT NULL, sealed BLOB NOT NULL);
 """
+_REPLICA_BLOCKS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS outgoing_blocks (block_key INTEGER PRIMARY KEY, block INTEGER NOT NULL, version INTEGER NOT NULL,
+    origin_version INTEGER NOT NULL, via TEXT NOT NULL, tombstone INTEGER NOT NULL, item_ids TEXT NOT NULL, sealed BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS pending_blocks (sequence INTEGER PRIMARY KEY, block INTEGER NOT NULL, version INTEGER NOT NULL,
+    origin_version INTEGER NOT NULL, via TEXT NOT NULL, item_ids TEXT NOT NULL, skipped TEXT NOT NULL, rows INTEGER NOT NULL,
+    sealed BLOB NOT NULL)
+"""
 _EXTRAS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS row_extras (row_id INTEGER NOT NULL, field TEXT NOT NULL, origin_version INTEGER NOT NULL,
                          version INTEGER NOT NULL, via TEXT NOT NULL, sealed BLOB NOT NULL, PRIMARY KEY (row_id, field));
@@ -85,6 +97,7 @@ _SCHEMA += _REPLICATION_SCHEMA + _EXTRAS_SCHEMA + ";" + BLOCKS_SCHEMA
 def create_tables(db: sqlite3.Connection) -> None:
     """Inside the creating transaction: every table of the current schema (settings not set yet)."""
     execute_script(db, _SCHEMA)
+    _move_replica_to_blocks(db)
 
 
 def migrate(db: sqlite3.Connection, sealer: Sealer) -> None:
@@ -151,3 +164,28 @@ def _add_macs(db: sqlite3.Connection, sealer: Sealer) -> None:
             return
         db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', '4')")
         add_macs(db, sealer)
+
+
+def migrate_replica_to_blocks(db: sqlite3.Connection, settings: GallerySettings) -> None:
+    """Schema 5 -> 6 in one transaction: changes sealed already become outgoing single-row
+    records (pushed as they are: their change ids may be stored at the server), pulled records
+    kept for later become pending single-row records."""
+    with transaction(db):
+        if still_at(db, "5"):
+            _move_replica_to_blocks(db)
+            settings.put({"schema_version": str(SCHEMA_VERSION)})
+
+
+def _move_replica_to_blocks(db: sqlite3.Connection) -> None:
+    """The schema-6 replication tables from the schema-2 ones (a new gallery is created this way too)."""
+    execute_script(db, _REPLICA_BLOCKS_SCHEMA)
+    db.execute("INSERT INTO outgoing_blocks SELECT change_id, 0, COALESCE(version, 0), COALESCE(origin_version, 0), "
+               "COALESCE(via, ''), tombstone, item_id, sealed FROM changes WHERE sealed IS NOT NULL")
+    db.execute("ALTER TABLE changes ADD COLUMN block_key INTEGER")
+    db.execute("UPDATE changes SET block_key = change_id WHERE sealed IS NOT NULL")
+    db.execute("CREATE INDEX changes_by_block ON changes (block_key)")
+    for column in ("version", "origin_version", "via", "sealed"):  # DROP COLUMN keeps the AUTOINCREMENT counter
+        db.execute(f"ALTER TABLE changes DROP COLUMN {column}")
+    db.execute("INSERT INTO pending_blocks SELECT sequence, 0, version, origin_version, via, item_id, '', 1, sealed "
+               "FROM pending_records")
+    db.execute("DROP TABLE pending_records")

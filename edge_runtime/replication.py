@@ -2,18 +2,22 @@
 
 **Push.** Every local change of a live row (add, upgrade switch, in-place upgrade, backfill,
 removal) is logged in the gallery's ``changes`` table in the transaction that makes it. A
-push seals pending changes under the owner key (:mod:`fctkit.edge_runtime.records`: the row's
-content as it is now, or a tombstone) and keeps the sealed bytes in the change (one
-transaction), then sends them with their change id as idempotency key and forgets them only
-once the server acknowledged them. A crash between the two resends the same bytes: the
-server answers with the sequence number it gave them before and stores nothing twice. An
-item whose original still waits for upload is pushed after the upload, so the vault blob a
-record names is always there for the owner's other devices (backfill, restore).
+push seals pending changes under the owner key as **blocks** (:mod:`fctkit.edge_runtime.records`:
+up to 4,096 rows of one version tag, as they are now, or tombstones, in one AES-GCM record of at
+most 1 MiB) and keeps the sealed blocks (one transaction reads, seals and keeps them), then
+sends them with their first change id as idempotency key and forgets them only once the server
+acknowledged them. A crash between the two resends the same bytes: the server answers with the
+sequence number it gave them before and stores nothing twice. An item whose original still
+waits for upload is pushed after the upload, so the vault blob a record names is always there
+for the owner's other devices (backfill, restore).
 
-**Pull.** Records after the gallery's cursor arrive in sequence order, batch by batch; each
-batch is opened (authenticated under the owner key: a tampered record or a wrong owner key
-stops the pull before anything of the batch is written), then merged **and** the cursor
-advanced in one transaction. Merging follows :func:`fctkit.edge_runtime.records.beats`:
+**Pull.** Records after the gallery's cursor arrive in sequence order, message by message; each
+record is opened (authenticated under the owner key: a tampered record or a wrong owner key
+stops the pull before anything of the message is written), then the message's records are
+merged **and** the cursor advanced in one transaction. A block is merged in one pass against
+its items' states (rows skipped that the server reports superseded); its rows are written
+together. Merging follows :func:`fctkit.edge_runtime.records.beats`, with a block's SHA-256
+standing for each of its rows:
 
 * a record at the device's query version replaces the item's row when it beats it;
 * a record at an older version is moved to the query version with the installed adapters
@@ -41,29 +45,31 @@ decrypted record vectors, bit for bit; nothing is re-embedded.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fctkit.errors import DeviceError, GalleryError
+from fctkit.protos import limits
 
-from .gallery_replica import ItemState, ReplicaWrite, SealedChange
+from .gallery_replica import BlockMerge, ItemState, OutgoingBlock, PendingBlock, ReplicaRows
 from .gallery_rows import VersionTag
-from .records import RecordHeader, RowContent, beats, open_record, seal_record, sealed_sha256
+from .records import RecordHeader, beats, open_block, seal_block, sealed_sha256
 from .upgrade_plan import UpgradePlan, transform_rows
 
 if TYPE_CHECKING:
     from .device_parts import DeviceParts
 
-SEAL_BATCH = 1024  # changes sealed per transaction
-PUSH_BATCH = 2048  # sealed records per PushRecords call (acknowledged together)
-PULL_BATCH = 1024  # pulled records merged per transaction (with the cursor)
+SEAL_BATCH = 16384  # changes sealed per transaction
+PUSH_ROWS = limits.MAX_RECORDS_PER_PUSH  # rows per PushRecords call (acknowledged together)
+_BLOCK_BYTES = limits.MAX_RECORD_BATCH_BYTES - 1024  # a block's plaintext, with room for the header and the seal
 
 
 @dataclass
 class ReplicationResult:
-    """What one :func:`replicate` did: records pulled and how they merged, records pushed."""
+    """What one :func:`replicate` did, in rows: pulled and how they merged, pushed (stored now,
+    or already stored by an earlier try)."""
 
     pulled: int = 0
     applied: int = 0
@@ -86,22 +92,24 @@ class ReplicationResult:
 
 @dataclass(frozen=True)
 class Incoming:
-    """An opened record and where it lands on this device (``landing`` None: keep it pending)."""
+    """A pulled record, opened: its live rows (positions ``live``) and where they land on this
+    device (``landing`` None: keep the record pending)."""
 
-    sequence: int
-    header: RecordHeader
-    sealed: bytes
-    content: RowContent | None
-    landing: tuple[VersionTag, np.ndarray, np.ndarray] | None
+    pending: PendingBlock  # the record as it would be kept
+    tag: VersionTag | None  # None: tombstones
+    sha256: str
+    rows: ReplicaRows | None
+    live: list[int]
+    landing: tuple[VersionTag, ReplicaRows] | None = None
 
     @property
-    def item_id(self) -> str:
-        return self.header.item_id
+    def item_ids(self) -> list[str]:
+        return [self.pending.item_ids[k] for k in self.live]
 
 
 def replicate(device: DeviceParts, client, *, on_batch=None) -> ReplicationResult:
     """Apply pending records the device can now place, pull everything after the cursor,
-    push the device's changes. ``on_batch(kind, records)`` after each committed batch."""
+    push the device's changes. ``on_batch(kind, rows)`` after each committed batch."""
     _check_ready(device)
     result = ReplicationResult()
     result.add(apply_pending(device))
@@ -123,52 +131,59 @@ def _check_ready(device: DeviceParts) -> None:
 
 
 def seal_changes(device: DeviceParts, limit: int = SEAL_BATCH) -> int:
-    """Seal up to ``limit`` logged changes under the owner key; returns how many were looked at."""
-    log = device.gallery.replica_log
-    changes = log.unsealed_changes(limit)
-    if not changes:
-        return 0
-    rows, vault_shas = log.load_items([item for _, item, tombstone in changes if not tombstone])
-    if rows.corrupt:
-        row_id, item_id, reason = rows.corrupt[0]
-        raise GalleryError(f"row {row_id} ({item_id!r}) cannot be read to replicate it: {reason}; remove it and sync again")
-    at = {item: k for k, item in enumerate(rows.item_ids)}
+    """Seal up to ``limit`` logged changes under the owner key, as blocks; returns how many were looked at."""
     owner, owner_id = device.owner_sealer, device.owner_id
-    sealed = []
-    for change_id, item_id, tombstone in changes:
-        if tombstone:
-            tag, content = None, None
-        elif item_id in at:
-            k = at[item_id]
-            tag = rows.tags[k]
-            content = RowContent(np.asarray(rows.embeddings[k]), np.asarray(rows.side_infos[k]), rows.labels[k], vault_shas[item_id])
-        else:
-            tag, content = VersionTag(1, 1, "native"), None  # the row is gone: the change is stale (dropped below)
-        record = seal_record(owner, owner_id, item_id, tag, content) if tombstone or content else b""
-        sealed.append(SealedChange(change_id, item_id, tag, record, sealed_sha256(record)))
-    log.store_sealed(sealed)
-    return len(changes)
+
+    def seal(tag: VersionTag | None, rows: ReplicaRows) -> list[tuple[tuple[str, ...], bytes]]:
+        return [(part.item_ids, seal_block(owner, owner_id, tag, part)) for part in block_parts(rows)]
+
+    return device.gallery.replica_log.seal_changes(limit, seal)
+
+
+def block_parts(rows: ReplicaRows) -> list[ReplicaRows]:
+    """``rows`` cut into blocks within the wire limits (rows, sealed bytes, item id bytes)."""
+    vector_bytes = 4 * (rows.embeddings.shape[1] + rows.side_infos.shape[1]) + 38  # + label flag, length, vault SHA
+    parts, start, size, id_bytes = [], 0, 0, 0
+    for k, (item_id, label) in enumerate(zip(rows.item_ids, rows.labels, strict=True)):
+        row_size, row_ids = vector_bytes + (len(label.encode("utf-8")) if label else 0), len(item_id.encode("utf-8"))
+        if k > start and (k - start == limits.MAX_BLOCK_ROWS or size + row_size > _BLOCK_BYTES
+                          or id_bytes + row_ids > limits.MAX_ITEM_ID_BATCH_BYTES):
+            parts.append(_rows_slice(rows, start, k))
+            start, size, id_bytes = k, 0, 0
+        size, id_bytes = size + row_size, id_bytes + row_ids
+    return [*parts, _rows_slice(rows, start, len(rows))] if len(rows) else parts
+
+
+def _rows_slice(rows: ReplicaRows, start: int, stop: int) -> ReplicaRows:
+    return ReplicaRows(rows.item_ids[start:stop], rows.embeddings[start:stop], rows.side_infos[start:stop],
+                       rows.labels[start:stop], rows.vault_sha256s[start:stop])
 
 
 def push(device: DeviceParts, client, result: ReplicationResult, *, on_batch=None) -> None:
     """Seal and push every logged change (see the module docstring)."""
-    from fctkit.protos import vault_pb2
-
     log = device.gallery.replica_log
     while True:
         looked_at = seal_changes(device)
-        while batch := log.sealed_changes(PUSH_BATCH):
-            response = client.push_records([
-                vault_pb2.SealedRecord(change_id=c, item_id=i, version=v, origin_version=o, via=via, tombstone=t, sealed=s)
-                for c, i, v, o, via, t, s in batch])
-            log.mark_pushed([c for c, *_ in batch])
-            result.pushed += response.stored
-            result.already_stored += response.already_stored
+        while batch := log.outgoing(PUSH_ROWS):
+            response = client.push_records([record_message(b) for b in batch])
+            log.mark_pushed([b.key for b in batch])
+            result.pushed += response.stored_rows
+            result.already_stored += response.already_stored_rows
             if on_batch is not None:
-                on_batch("push", len(batch))
+                on_batch("push", sum(len(b.item_ids) for b in batch))
         if not looked_at:
             break
     result.originals_deleted += delete_removed_originals(device, client)
+
+
+def record_message(block: OutgoingBlock):
+    """The SealedRecord of a sealed outgoing record."""
+    from fctkit.protos import vault_pb2
+
+    tag = block.tag
+    header = {} if tag is None else {"version": tag.version, "origin_version": tag.origin_version, "via": tag.via}
+    ids = {"item_ids": block.item_ids} if block.block else {"item_id": block.item_ids[0]}
+    return vault_pb2.SealedRecord(change_id=block.key, tombstone=tag is None, sealed=block.sealed, **header, **ids)
 
 
 def delete_removed_originals(device: DeviceParts, client) -> int:
@@ -192,17 +207,18 @@ def delete_removed_originals(device: DeviceParts, client) -> int:
 
 
 def pull(device: DeviceParts, client, result: ReplicationResult, *, on_batch=None) -> None:
-    """Merge every record after the gallery's cursor, one transaction per :data:`PULL_BATCH` records."""
+    """Merge every record after the gallery's cursor, one transaction per pulled message."""
     log = device.gallery.replica_log
     for response in client.pull_records(after_sequence=log.replica_cursor):
-        for start in range(0, len(response.records), PULL_BATCH):
-            messages = response.records[start:start + PULL_BATCH]
-            opened = [_open(device, m.sequence, m.item_id, _tag_of(m), m.sealed) for m in messages]
-            placed = _place(device, opened)
-            result.add(log.merge_replica(placed, _decide, cursor=messages[-1].sequence))
-            result.pulled += len(placed)
-            if on_batch is not None:
-                on_batch("pull", len(placed))
+        if not response.records:
+            continue
+        opened = _place(device, [_open(device, _pulled(m)) for m in response.records])
+        counts = log.merge_blocks(opened, _decide, cursor=response.records[-1].sequence)
+        result.add(counts)
+        rows = sum(len(r.live) for r in opened)
+        result.pulled += rows
+        if on_batch is not None:
+            on_batch("pull", rows)
 
 
 def apply_pending(device: DeviceParts) -> dict[str, int]:
@@ -210,74 +226,87 @@ def apply_pending(device: DeviceParts) -> dict[str, int]:
     log = device.gallery.replica_log
     if not device.version or not device.owner_id:
         return {}
-    kept = log.pending_records(device.version)
+    kept = log.pending_blocks(device.version)
     if not kept:
         return {}
-    opened = [_open(device, seq, item, VersionTag(origin, version, via), sealed) for seq, item, version, origin, via, sealed in kept]
-    placed = _place(device, opened)
-    done = [r.sequence for r in placed if r.landing is not None]
-    return log.merge_replica([r for r in placed if r.landing is not None], _decide, done_pending=done)
+    placed = [r for r in _place(device, [_open(device, k) for k in kept]) if r.landing is not None]
+    return log.merge_blocks(placed, _decide, done_pending=[r.pending.sequence for r in placed])
 
 
-def _tag_of(message) -> VersionTag | None:
-    if message.tombstone:
-        return None
+def _pulled(message) -> PendingBlock:
+    """A pulled message as a record to open (its rows and tag checked)."""
+    block = bool(message.item_ids)
+    item_ids = tuple(message.item_ids) if block else (message.item_id,)
+    if not all(item_ids) or any(k >= len(item_ids) for k in message.superseded):
+        raise GalleryError(f"replica record {message.sequence} names an empty item id or skips rows it does not have")
     try:
-        return VersionTag(message.origin_version, message.version, message.via)
+        tag = None if message.tombstone else VersionTag(message.origin_version, message.version, message.via)
     except GalleryError as exc:
-        raise GalleryError(f"replica record of item {message.item_id!r} has a bad version tag: {exc}") from None
+        raise GalleryError(f"replica record {message.sequence} of item {item_ids[0]!r} has a bad version tag: {exc}") from None
+    return PendingBlock(message.sequence, block, tag, item_ids, tuple(message.superseded), message.sealed)
 
 
-def _open(device: DeviceParts, sequence: int, item_id: str, tag: VersionTag | None, sealed: bytes) -> Incoming:
-    content = open_record(device.owner_sealer, device.owner_id, item_id, tag, sealed)
-    return Incoming(sequence, RecordHeader(item_id, tag, sealed_sha256(sealed)), sealed, content, None)
+def _open(device: DeviceParts, record: PendingBlock) -> Incoming:
+    rows = open_block(device.owner_sealer, device.owner_id, record.item_ids, record.tag, record.sealed, block=record.block)
+    skipped = set(record.skipped)
+    live = [k for k in range(len(record.item_ids)) if k not in skipped]
+    return Incoming(record, record.tag, sealed_sha256(record.sealed), rows, live)
 
 
 def _place(device: DeviceParts, records: Sequence[Incoming]) -> list[Incoming]:
-    """Each record with its landing on this device: as it is at the query version, moved there
-    by the installed adapters from an older one (batched per tag), or None (pending)."""
-    version = device.version
-    landing: dict[int, tuple[VersionTag, np.ndarray, np.ndarray]] = {}
-    groups: dict[VersionTag, list[int]] = {}
-    for k, record in enumerate(records):
-        tag = record.header.tag
-        if tag is None or not version or tag.version > version:
-            continue
-        if tag.version == version:
-            landing[k] = (tag, record.content.embedding, record.content.side_info)
-        else:
-            groups.setdefault(tag, []).append(k)
-    for tag, members in groups.items():
-        plan = local_plan(device, tag.version, version)
-        embeddings = np.stack([records[k].content.embedding for k in members])
-        side_infos = np.stack([records[k].content.side_info for k in members])
-        if plan is None:
-            if device.engine().manifest.mode != "unified":
-                continue  # no adapter from that version here: pending
-            new_tag = tag  # unified: every row is comparable as it is
-        else:
-            engines = {h.bundle: device.engine(h.bundle) for h in plan.hops if h.forward is not None}
-            new_tag, embeddings, side_infos = transform_rows(plan, engines, tag, embeddings, side_infos)
-        for j, k in enumerate(members):
-            landing[k] = (new_tag, embeddings[j], side_infos[j])
-    return [Incoming(r.sequence, r.header, r.sealed, r.content, landing.get(k)) for k, r in enumerate(records)]
+    """Each record with where its rows land on this device: as they are at the query version,
+    moved there by the installed adapters from an older one (one transform per record), or
+    nowhere yet (kept pending)."""
+    return [_placed(device, r) for r in records]
 
 
-def _decide(record: Incoming, state: ItemState) -> ReplicaWrite:
-    item_id, header = record.item_id, record.header
-    if header.tombstone:
-        return ReplicaWrite("ignore" if state.tombstoned and state.tag is None else "tombstone", item_id)
-    if state.tombstoned or not beats(header, state.tag, state.record_sha256):
-        return ReplicaWrite("ignore", item_id)
+def _placed(device: DeviceParts, record: Incoming) -> Incoming:
+    version, tag = device.version, record.tag
+    if tag is None or not version or tag.version > version:
+        return record
+    rows = record.rows
+    if tag.version == version:
+        return replace(record, landing=(tag, rows))
+    plan = local_plan(device, tag.version, version)
+    if plan is None:
+        if device.engine().manifest.mode != "unified":
+            return record  # no adapter from that version here: pending
+        return replace(record, landing=(tag, rows))  # unified: every row is comparable as it is
+    live = record.live
+    engines = {h.bundle: device.engine(h.bundle) for h in plan.hops if h.forward is not None}
+    new_tag, embeddings, side_infos = transform_rows(plan, engines, tag, rows.embeddings[live], rows.side_infos[live])
+    moved = np.zeros((len(rows), embeddings.shape[1]), np.float32), np.zeros((len(rows), side_infos.shape[1]), np.float32)
+    moved[0][live], moved[1][live] = embeddings, side_infos
+    return replace(record, landing=(new_tag, replace(rows, embeddings=moved[0], side_infos=moved[1])))
+
+
+def _decide(record: Incoming, states: dict[str, ItemState]) -> BlockMerge:
+    """What the record's live rows do against their items' states (items without one: no row here)."""
+    item_ids = record.pending.item_ids
+    if record.tag is None:
+        removed = [item_ids[k] for k in record.live if not _gone(states.get(item_ids[k]))]
+        return BlockMerge(tombstones=removed, ignored=len(record.live) - len(removed))
+    winners = [k for k in record.live if _wins(record, states.get(item_ids[k]))]
+    ignored = len(record.live) - len(winners)
     if record.landing is None:
-        return ReplicaWrite("pending", item_id, tag=header.tag, sequence=record.sequence, sealed=record.sealed)
-    tag, embedding, side_info = record.landing
-    moved = tag != header.tag
-    if moved and state.tag is not None and RecordHeader(item_id, tag, "").rank <= RecordHeader(item_id, state.tag, "").rank:
-        return ReplicaWrite("ignore", item_id)  # the row here is already at least as good
-    content = record.content
-    return ReplicaWrite("row", item_id, tag=tag, embedding=embedding, side_info=side_info, label=content.label,
-                        vault_sha256=content.vault_sha256, record_sha256=None if moved else header.sha256)
+        return BlockMerge(pending=record.pending, ignored=ignored) if winners else BlockMerge(ignored=ignored)
+    tag, rows = record.landing
+    moved = tag != record.tag
+    if moved:  # a row here already at least as good as the moved one stays
+        rank = RecordHeader("", tag, "").rank
+        kept = [k for k in winners if (s := states.get(item_ids[k])) is None or s.tag is None or rank > RecordHeader("", s.tag, "").rank]
+        winners, ignored = kept, ignored + len(winners) - len(kept)
+    return BlockMerge(content=rows, rows=winners, tag=tag, record_sha256=None if moved else record.sha256, ignored=ignored)
+
+
+def _gone(state: ItemState | None) -> bool:
+    return state is not None and state.tombstoned and state.tag is None
+
+
+def _wins(record: Incoming, state: ItemState | None) -> bool:
+    if state is None:
+        return True  # no row, no tombstone
+    return not state.tombstoned and beats(RecordHeader("", record.tag, record.sha256), state.tag, state.record_sha256)
 
 
 def local_plan(device: DeviceParts, source: int, target: int) -> UpgradePlan | None:

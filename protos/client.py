@@ -279,8 +279,9 @@ class FctkitClient:
         """Push sealed gallery records in messages within the wire limits; retried while the
         server is UNAVAILABLE (safe: each record's change id makes a retry idempotent). The
         response lists each record's sequence number."""
-        if len(records) > limits.MAX_RECORDS_PER_PUSH:
-            raise InputError(f"{len(records)} records in one push; at most {limits.MAX_RECORDS_PER_PUSH} (push in parts)")
+        rows = sum(len(r.item_ids) or 1 for r in records)
+        if rows > limits.MAX_RECORDS_PER_PUSH:
+            raise InputError(f"{rows} rows in one push; at most {limits.MAX_RECORDS_PER_PUSH} (push in parts)")
         messages = list(_record_batches(records))
 
         def attempt() -> vault_pb2.PushRecordsResponse:
@@ -367,15 +368,18 @@ def _blob_digest(header: vault_pb2.BlobInfo) -> tuple[str, int]:
 
 
 def _record_batches(records: Sequence[vault_pb2.SealedRecord]) -> Iterator[list[vault_pb2.SealedRecord]]:
-    """``records`` cut into messages of at most MAX_RECORDS_PER_MESSAGE records and
-    MAX_RECORD_BATCH_BYTES sealed bytes."""
+    """``records`` cut into messages within the wire limits: MAX_RECORDS_PER_MESSAGE rows (a
+    block counts its rows), MAX_RECORD_BATCH_BYTES sealed bytes, MAX_ITEM_ID_BATCH_BYTES of item ids."""
     batch: list[vault_pb2.SealedRecord] = []
-    size = 0
+    rows = sealed = ids = 0
     for record in records:
-        if batch and (len(batch) == limits.MAX_RECORDS_PER_MESSAGE or size + len(record.sealed) > limits.MAX_RECORD_BATCH_BYTES):
+        item_ids = list(record.item_ids) or [record.item_id]
+        more_rows, more_sealed, more_ids = len(item_ids), len(record.sealed), len("".join(item_ids).encode("utf-8"))
+        if batch and (rows + more_rows > limits.MAX_RECORDS_PER_MESSAGE or sealed + more_sealed > limits.MAX_RECORD_BATCH_BYTES
+                      or ids + more_ids > limits.MAX_ITEM_ID_BATCH_BYTES):
             yield batch
-            batch, size = [], 0
+            batch, rows, sealed, ids = [], 0, 0, 0
         batch.append(record)
-        size += len(record.sealed)
+        rows, sealed, ids = rows + more_rows, sealed + more_sealed, ids + more_ids
     if batch:
         yield batch

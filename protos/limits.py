@@ -31,13 +31,19 @@ MAX_UINT63 = (1 << 63) - 1
 SHA256_HEX_CHARS = 64
 
 MAX_RECORDS_PER_MESSAGE = 4096
-"""Sealed gallery records in one PushRecords / PullRecords message."""
+"""Rows of sealed gallery records in one PushRecords / PullRecords message (a block counts its rows)."""
 
 MAX_RECORD_BYTES = 64 << 10
-"""One sealed gallery record (nonce, ciphertext and tag): far above a 2,048-d float32 row."""
+"""One sealed single-row gallery record (nonce, ciphertext and tag): far above a 2,048-d float32 row."""
+
+MAX_BLOCK_ROWS = 4096
+"""Rows in one sealed block of records."""
 
 MAX_RECORD_BATCH_BYTES = 1 << 20
-"""Sealed bytes of the records in one PushRecords / PullRecords message (1 MiB)."""
+"""Sealed bytes of the records in one PushRecords / PullRecords message (1 MiB); also the most one block may hold."""
+
+MAX_ITEM_ID_BATCH_BYTES = 256 << 10
+"""UTF-8 bytes of the item ids in one PushRecords / PullRecords message (keeps a message under 2 MiB)."""
 
 MAX_RECORDS_PER_PUSH = 65536
-"""Records in one PushRecords call (its response lists each one's sequence number)."""
+"""Rows of the records in one PushRecords call."""

@@ -132,7 +132,7 @@ class DeleteBlobResponse(_message.Message):
     def __init__(self, used_bytes: _Optional[int] = ...) -> None: ...
 
 class SealedRecord(_message.Message):
-    __slots__ = ("change_id", "item_id", "version", "origin_version", "via", "tombstone", "sealed", "sequence")
+    __slots__ = ("change_id", "item_id", "version", "origin_version", "via", "tombstone", "sealed", "sequence", "item_ids", "superseded")
     CHANGE_ID_FIELD_NUMBER: _ClassVar[int]
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,8 @@ class SealedRecord(_message.Message):
     TOMBSTONE_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ITEM_IDS_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
     change_id: int
     item_id: str
     version: int
@@ -149,7 +151,9 @@ class SealedRecord(_message.Message):
     tombstone: bool
     sealed: bytes
     sequence: int
-    def __init__(self, change_id: _Optional[int] = ..., item_id: _Optional[str] = ..., version: _Optional[int] = ..., origin_version: _Optional[int] = ..., via: _Optional[str] = ..., tombstone: _Optional[bool] = ..., sealed: _Optional[bytes] = ..., sequence: _Optional[int] = ...) -> None: ...
+    item_ids: _containers.RepeatedScalarFieldContainer[str]
+    superseded: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, change_id: _Optional[int] = ..., item_id: _Optional[str] = ..., version: _Optional[int] = ..., origin_version: _Optional[int] = ..., via: _Optional[str] = ..., tombstone: _Optional[bool] = ..., sealed: _Optional[bytes] = ..., sequence: _Optional[int] = ..., item_ids: _Optional[_Iterable[str]] = ..., superseded: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushRecordsRequest(_message.Message):
     __slots__ = ("records",)
@@ -158,16 +162,20 @@ class PushRecordsRequest(_message.Message):
     def __init__(self, records: _Optional[_Iterable[_Union[SealedRecord, _Mapping]]] = ...) -> None: ...
 
 class PushRecordsResponse(_message.Message):
-    __slots__ = ("stored", "already_stored", "last_sequence", "sequences")
+    __slots__ = ("stored", "already_stored", "last_sequence", "sequences", "stored_rows", "already_stored_rows")
     STORED_FIELD_NUMBER: _ClassVar[int]
     ALREADY_STORED_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    STORED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_STORED_ROWS_FIELD_NUMBER: _ClassVar[int]
     stored: int
     already_stored: int
     last_sequence: int
     sequences: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, stored: _Optional[int] = ..., already_stored: _Optional[int] = ..., last_sequence: _Optional[int] = ..., sequences: _Optional[_Iterable[int]] = ...) -> None: ...
+    stored_rows: int
+    already_stored_rows: int
+    def __init__(self, stored: _Optional[int] = ..., already_stored: _Optional[int] = ..., last_sequence: _Optional[int] = ..., sequences: _Optional[_Iterable[int]] = ..., stored_rows: _Optional[int] = ..., already_stored_rows: _Optional[int] = ...) -> None: ...
 
 class PullRecordsRequest(_message.Message):
     __slots__ = ("after_sequence", "owner_id")

@@ -121,12 +121,12 @@ class VaultServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushRecords(self, request_iterator, context):
-        """Gallery replication, client stream: batches of sealed records (AES-256-GCM under the
-        owner key, which the server never has), each with the pushing device's change id as its
-        idempotency key. Each batch is stored in one transaction, every new record getting the
-        owner's next sequence number; a record whose (device, change id) is already stored keeps
-        the sequence it got then and is not stored twice (a retried push). At most 65,536 records
-        per call. RESOURCE_EXHAUSTED when the owner's replica quota would be exceeded.
+        """Gallery replication, client stream: batches of sealed records or blocks of records
+        (AES-256-GCM under the owner key, which the server never has), each with the pushing
+        device's change id as its idempotency key. Each batch is stored in one transaction, every
+        new record getting the owner's next sequence number; a record whose (device, change id) is
+        already stored keeps the sequence it got then and is not stored twice (a retried push). At
+        most 65,536 rows per call. RESOURCE_EXHAUSTED when the owner's replica quota would be exceeded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,17 +1,58 @@
-"""Which replica records are superseded, and dropping their sealed bytes (replica compaction).
+"""The replica's tables, which of its rows are superseded, and dropping sealed bytes no device
+needs any more (replica compaction).
 
-A record that loses to another live record of its item on every device that could still pull it
-is *superseded*: its sealed bytes are dropped (and leave the owner's quota), its row stays for the
-idempotency check of a retried push, and pulls skip it. Every function here runs inside the
-caller's transaction.
+A record is a block of rows (a single-row record is a block of one): ``replica_blocks`` keeps each
+one's plaintext header and sealed bytes, ``replica_items`` each row's item id and whether it is
+superseded. A row that loses to another live row of its item on every device that could still
+pull it is *superseded*: pulls tell devices to skip it, and once every row of a block is, the
+block's sealed bytes are dropped (and leave the owner's quota). The block's entry stays for the
+idempotency check of a retried push. Every function here runs inside the caller's transaction.
 """
 
 from __future__ import annotations
 
 import sqlite3
+from collections import Counter
 from collections.abc import Sequence
 
-# A live record is superseded when another live record of the same item wins over it on every
+REPLICA_SCHEMA = """
+CREATE TABLE IF NOT EXISTS replica_blocks (
+    owner_id TEXT NOT NULL,
+    sequence INTEGER NOT NULL,
+    device_id TEXT NOT NULL,
+    change_id INTEGER NOT NULL,
+    block INTEGER NOT NULL,
+    version INTEGER NOT NULL,
+    origin_version INTEGER NOT NULL,
+    via TEXT NOT NULL,
+    tombstone INTEGER NOT NULL,
+    sealed BLOB NOT NULL,
+    sealed_sha256 TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    live_rows INTEGER NOT NULL,
+    PRIMARY KEY (owner_id, sequence),
+    UNIQUE (device_id, change_id)
+);
+CREATE INDEX IF NOT EXISTS replica_live_blocks ON replica_blocks (owner_id, sequence) WHERE live_rows > 0;
+CREATE TABLE IF NOT EXISTS replica_items (
+    owner_id TEXT NOT NULL,
+    sequence INTEGER NOT NULL,
+    position INTEGER NOT NULL,
+    item_id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    via TEXT NOT NULL,
+    tombstone INTEGER NOT NULL,
+    sealed_sha256 TEXT NOT NULL,
+    superseded INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (owner_id, sequence, position)
+);
+CREATE INDEX IF NOT EXISTS replica_live_by_item ON replica_items (owner_id, item_id, version) WHERE superseded = 0;
+"""
+"""``block`` 1: a block of rows, 0: a record in the single-row format; ``live_rows``: rows not
+superseded (0: the sealed bytes are dropped). Each row repeats its block's header (version, via,
+tombstone, SHA-256 of the sealed bytes) so the supersession query reads one table."""
+
+# A live row is superseded when another live record of the same item wins over it on every
 # device that could still pull it (the devices' merge order, fctkit.edge_runtime.records.beats):
 # a tombstone (the earliest one of an item stays); at the same version a higher-ranked via
 # ('native'/'backward' over 'forward'), then the smaller SHA-256 of the sealed bytes (the earlier
@@ -19,9 +60,9 @@ from collections.abc import Sequence
 # exactly that version (:common_version; a device further on may have skipped it and so could not
 # place the record, only the older one).
 _SUPERSEDED = """
-SELECT r.sequence, length(r.sealed) FROM replica_records r
+SELECT r.sequence, r.position FROM replica_items r
 WHERE r.owner_id = :owner AND r.superseded = 0 {items} AND EXISTS (
-    SELECT 1 FROM replica_records w
+    SELECT 1 FROM replica_items w
     WHERE w.owner_id = r.owner_id AND w.item_id = r.item_id AND w.superseded = 0 AND w.sequence != r.sequence AND (
         (w.tombstone = 1 AND (r.tombstone = 0 OR w.sequence < r.sequence))
         OR (w.tombstone = 0 AND r.tombstone = 0 AND (
@@ -46,9 +87,9 @@ def common_version(db: sqlite3.Connection, owner_id: str | None) -> int:
 
 
 def compact_replica(db: sqlite3.Connection, owner_id: str, items: Sequence[str] | None = None) -> int:
-    """Mark the owner's superseded records (all of them, or those of ``items``) and drop their
-    sealed bytes; returns how many. Their rows stay (empty), so a retried push of one is still
-    answered with the sequence number it got. Runs inside the caller's transaction."""
+    """Mark the owner's superseded rows (all of them, or those of ``items``) and drop the sealed
+    bytes of blocks left without a live row; returns how many rows. The blocks' entries stay
+    (empty), so a retried push of one is still answered with the sequence number it got."""
     params = {"owner": owner_id, "common_version": common_version(db, owner_id)}
     found: list[tuple[int, int]] = []
     if items is None:
@@ -59,8 +100,23 @@ def compact_replica(db: sqlite3.Connection, owner_id: str, items: Sequence[str] 
             found += db.execute(_SUPERSEDED.format(items=f"AND r.item_id IN ({marks})"),
                                 {**params, **{f"i{k}": item for k, item in enumerate(chunk)}}).fetchall()
     if found:
-        db.executemany("UPDATE replica_records SET superseded = 1, sealed = X'' WHERE owner_id=? AND sequence=?",
-                       [(owner_id, sequence) for sequence, _ in found])
-        db.execute("UPDATE replica_owners SET sealed_bytes = sealed_bytes - ? WHERE owner_id=?",
-                   (sum(size for _, size in found), owner_id))
+        db.executemany("UPDATE replica_items SET superseded = 1 WHERE owner_id=? AND sequence=? AND position=?",
+                       [(owner_id, sequence, position) for sequence, position in found])
+        per_block = Counter(sequence for sequence, _ in found)
+        db.executemany("UPDATE replica_blocks SET live_rows = live_rows - ? WHERE owner_id=? AND sequence=?",
+                       [(count, owner_id, sequence) for sequence, count in per_block.items()])
+        _drop_dead_blocks(db, owner_id, list(per_block))
     return len(found)
+
+
+def _drop_dead_blocks(db: sqlite3.Connection, owner_id: str, sequences: Sequence[int]) -> None:
+    """Drop the sealed bytes of those blocks that have no live row left, and give them back to the quota."""
+    dead: list[tuple[int, int]] = []
+    for chunk in unique_chunks(sequences):
+        dead += db.execute(f"SELECT sequence, length(sealed) FROM replica_blocks WHERE owner_id=? AND live_rows=0 "
+                           f"AND length(sealed) > 0 AND sequence IN ({','.join('?' * len(chunk))})", (owner_id, *chunk)).fetchall()
+    if dead:
+        db.executemany("UPDATE replica_blocks SET sealed = X'' WHERE owner_id=? AND sequence=?",
+                       [(owner_id, sequence) for sequence, _ in dead])
+        db.execute("UPDATE replica_owners SET sealed_bytes = sealed_bytes - ? WHERE owner_id=?",
+                   (sum(size for _, size in dead), owner_id))

@@ -1,10 +1,11 @@
-"""The owners' replicated gallery records (``replica_records``, ``replica_owners``), sealed:
-the server stores ciphertext only.
+"""The owners' replicated gallery records (``replica_blocks``, ``replica_items``,
+``replica_owners``), sealed: the server stores ciphertext only.
 
-Records get a per-owner sequence number, assigned in the transaction that stores them;
-``(device_id, change_id)`` is unique, so a retried push finds its records already stored and
-never duplicates them. Superseded records are compacted away (:mod:`.replica_compaction`):
-pulls skip them.
+A record is a block of rows sealed together (a single-row record is a block of one). Records get
+a per-owner sequence number, assigned in the transaction that stores them; ``(device_id,
+change_id)`` is unique, so a retried push finds its records already stored and never duplicates
+them. Superseded rows are compacted away (:mod:`.replica_compaction`): pulls name them, and skip
+blocks left without a live row.
 """
 
 from __future__ import annotations
@@ -20,16 +21,20 @@ from .sqlite_transaction import Transaction
 
 @dataclass(frozen=True)
 class ReplicaRecord:
-    """One sealed gallery record of an owner's replica (see the Vault service's SealedRecord)."""
+    """One sealed record of an owner's replica: a block of rows of one version tag (or of
+    tombstones), or a single-row record (``block`` False, one item id). See the Vault
+    service's SealedRecord."""
 
     change_id: int
-    item_id: str
+    item_ids: tuple[str, ...]
     version: int
     origin_version: int
     via: str
     tombstone: bool
     sealed: bytes
+    block: bool = True
     sequence: int = 0  # assigned by the server
+    superseded: tuple[int, ...] = ()  # on pull: positions of rows compacted away
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,8 @@ class PushOutcome:
     already_stored: int
     last_sequence: int
     sequences: tuple[int, ...] = ()  # each record's, in push order
+    stored_rows: int = 0
+    already_stored_rows: int = 0
 
 
 class ReplicaStore:
@@ -52,40 +59,63 @@ class ReplicaStore:
         with Transaction(self._db):
             size, last = self.replica_usage(owner_id)
             assigned = self._stored_sequences(device_id, [r.change_id for r in records])
-            new_rows, sequences = [], []
+            blocks, rows, sequences = [], [], []
             for record in records:
                 if record.change_id not in assigned:
                     last += 1
                     assigned[record.change_id] = last
                     size += len(record.sealed)
-                    new_rows.append((owner_id, last, device_id, record.change_id, record.item_id, record.version,
-                                     record.origin_version, record.via, int(record.tombstone), record.sealed, now,
-                                     hashlib.sha256(record.sealed).hexdigest()))
+                    sha = hashlib.sha256(record.sealed).hexdigest()
+                    blocks.append((owner_id, last, device_id, record.change_id, int(record.block), record.version,
+                                   record.origin_version, record.via, int(record.tombstone), record.sealed, sha, now,
+                                   len(record.item_ids)))
+                    rows += [(owner_id, last, position, item_id, record.version, record.via, int(record.tombstone), sha)
+                             for position, item_id in enumerate(record.item_ids)]
                 sequences.append(assigned[record.change_id])
-            self._db.executemany(
-                "INSERT INTO replica_records (owner_id, sequence, device_id, change_id, item_id, version, origin_version, "
-                "via, tombstone, sealed, created_at, sealed_sha256) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", new_rows)
+            self._db.executemany("INSERT INTO replica_blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", blocks)
+            self._db.executemany("INSERT INTO replica_items (owner_id, sequence, position, item_id, version, via, tombstone, "
+                                 "sealed_sha256) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
             self._db.execute("INSERT OR REPLACE INTO replica_owners VALUES (?, ?, ?)", (owner_id, last, size))
-            compact_replica(self._db, owner_id, [row[4] for row in new_rows])
-        stored = len(new_rows)
-        return PushOutcome(stored, len(records) - stored, last, tuple(sequences))
+            compact_replica(self._db, owner_id, [row[3] for row in rows])
+        rows_stored = len(rows)
+        return PushOutcome(len(blocks), len(records) - len(blocks), last, tuple(sequences),
+                           rows_stored, sum(len(r.item_ids) for r in records) - rows_stored)
 
     def _stored_sequences(self, device_id: str, change_ids: Sequence[int]) -> dict[int, int]:
         """change id -> sequence of the device's records already stored among ``change_ids``."""
         found: dict[int, int] = {}
         for chunk in unique_chunks(change_ids):
             found.update(self._db.execute(
-                f"SELECT change_id, sequence FROM replica_records WHERE device_id=? AND change_id IN ({','.join('?' * len(chunk))})",
+                f"SELECT change_id, sequence FROM replica_blocks WHERE device_id=? AND change_id IN ({','.join('?' * len(chunk))})",
                 (device_id, *chunk)))
         return found
 
     def pull_records(self, owner_id: str, after_sequence: int, limit: int) -> list[ReplicaRecord]:
-        rows = self._db.execute(
-            "SELECT change_id, item_id, version, origin_version, via, tombstone, sealed, sequence FROM replica_records "
-            "WHERE owner_id=? AND sequence>? AND superseded=0 ORDER BY sequence LIMIT ?",
-            (owner_id, after_sequence, limit),
-        )
-        return [ReplicaRecord(c, i, v, o, via, bool(t), bytes(s), seq) for c, i, v, o, via, t, s, seq in rows]
+        """The owner's records with a live row after ``after_sequence``, in sequence order,
+        holding at most ``limit`` rows (at least one record), each with its superseded positions."""
+        blocks = self._db.execute(
+            "SELECT sequence, change_id, block, version, origin_version, via, tombstone, sealed FROM replica_blocks "
+            "WHERE owner_id=? AND sequence>? AND live_rows>0 ORDER BY sequence LIMIT ?", (owner_id, after_sequence, limit)).fetchall()
+        if not blocks:
+            return []
+        rows: dict[int, list[str]] = {}
+        superseded: dict[int, list[int]] = {}
+        for chunk in unique_chunks([b[0] for b in blocks]):
+            for sequence, position, item_id, dead in self._db.execute(
+                    f"SELECT sequence, position, item_id, superseded FROM replica_items WHERE owner_id=? AND sequence IN "
+                    f"({','.join('?' * len(chunk))}) ORDER BY sequence, position", (owner_id, *chunk)):
+                rows.setdefault(sequence, []).append(item_id)
+                if dead:
+                    superseded.setdefault(sequence, []).append(position)
+        records, total = [], 0
+        for sequence, change_id, block, version, origin, via, tombstone, sealed in blocks:
+            item_ids = tuple(rows.get(sequence, ()))
+            if records and total + len(item_ids) > limit:
+                break
+            total += len(item_ids)
+            records.append(ReplicaRecord(change_id, item_ids, version, origin, via, bool(tombstone), bytes(sealed),
+                                         bool(block), sequence, tuple(superseded.get(sequence, ()))))
+        return records
 
     def replica_usage(self, owner_id: str) -> tuple[int, int]:
         """(sealed bytes, highest sequence number) of the owner's replica."""
@@ -97,7 +127,7 @@ class ReplicaStore:
         one transaction); the last item id done, or None when there were none left."""
         with Transaction(self._db):
             items = [row[0] for row in self._db.execute(
-                "SELECT DISTINCT item_id FROM replica_records WHERE owner_id=? AND superseded=0 AND item_id>? "
+                "SELECT DISTINCT item_id FROM replica_items WHERE owner_id=? AND superseded=0 AND item_id>? "
                 "ORDER BY item_id LIMIT ?", (owner_id, after_item, limit))]
             if items:
                 compact_replica(self._db, owner_id, items)

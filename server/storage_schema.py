@@ -2,9 +2,9 @@
 older schemas, and opening it.
 
 Schema 1 databases (before owners) are migrated in place: each device becomes the only device of
-an owner of its own. Schema 2 databases get the replica's compaction columns and are compacted in
-place (:mod:`.replica_compaction`); schema 3 gets device revocation; schema 4 keeps one blob record
-per owner and SHA-256. A database of a schema this server does not know is refused.
+an owner of its own. Schema 2 databases get the replica's compaction columns; schema 3 gets device
+revocation; schema 4 keeps one blob record per owner and SHA-256; schema 5 stores the replica as
+blocks of rows, each old record a block of one, and compacts it (:mod:`.replica_compaction`). A database of a schema this server does not know is refused.
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ from pathlib import Path
 from fctkit.errors import ConfigError
 
 from . import upload_sessions
-from .replica_compaction import compact_replica
+from .replica_compaction import REPLICA_SCHEMA, compact_replica
 from .sqlite_transaction import Transaction
 
-SCHEMA_VERSION = 5
-_REPLICA_LIVE_INDEX = ("CREATE INDEX IF NOT EXISTS replica_live_by_item ON replica_records (owner_id, item_id, version) "
-                       "WHERE superseded = 0")
+SCHEMA_VERSION = 6
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (
     version INTEGER PRIMARY KEY,
@@ -71,23 +69,6 @@ CREATE TABLE IF NOT EXISTS blobs (
 );
 CREATE INDEX IF NOT EXISTS blobs_by_sha256 ON blobs (sha256);
 CREATE INDEX IF NOT EXISTS blobs_by_owner ON blobs (owner_id, sha256);
-CREATE TABLE IF NOT EXISTS replica_records (
-    owner_id TEXT NOT NULL,
-    sequence INTEGER NOT NULL,
-    device_id TEXT NOT NULL,
-    change_id INTEGER NOT NULL,
-    item_id TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    origin_version INTEGER NOT NULL,
-    via TEXT NOT NULL,
-    tombstone INTEGER NOT NULL,
-    sealed BLOB NOT NULL,
-    created_at TEXT NOT NULL,
-    sealed_sha256 TEXT NOT NULL DEFAULT '',
-    superseded INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (owner_id, sequence),
-    UNIQUE (device_id, change_id)
-);
 CREATE TABLE IF NOT EXISTS owner_keys (
     owner_id TEXT PRIMARY KEY,
     key_id TEXT NOT NULL
@@ -97,7 +78,12 @@ CREATE TABLE IF NOT EXISTS replica_owners (
     last_sequence INTEGER NOT NULL,
     sealed_bytes INTEGER NOT NULL
 );
-""" + _REPLICA_LIVE_INDEX + ";\n"
+""" + REPLICA_SCHEMA
+
+
+def execute_script(db: sqlite3.Connection, script: str) -> None:
+    for statement in filter(str.strip, script.split(";")):
+        db.execute(statement)
 
 
 def _add_owners(db: sqlite3.Connection) -> None:
@@ -121,9 +107,7 @@ def _add_replica_compaction(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE replica_records ADD COLUMN superseded INTEGER NOT NULL DEFAULT 0")
     db.create_function("fctkit_sha256", 1, lambda sealed: hashlib.sha256(sealed).hexdigest(), deterministic=True)
     db.execute("UPDATE replica_records SET sealed_sha256 = fctkit_sha256(sealed) WHERE sealed_sha256 = ''")
-    db.execute(_REPLICA_LIVE_INDEX)  # before the compaction below, which looks records up by item
-    for (owner_id,) in db.execute("SELECT owner_id FROM replica_owners").fetchall():
-        compact_replica(db, owner_id)
+    # compacted by the step to schema 6, once the records are in the tables of today
 
 
 def _add_revocation(db: sqlite3.Connection) -> None:
@@ -139,7 +123,23 @@ def _one_blob_per_owner(db: sqlite3.Connection) -> None:
     db.execute("DELETE FROM blobs WHERE rowid NOT IN (SELECT MIN(rowid) FROM blobs GROUP BY owner_id, sha256)")
 
 
-_MIGRATIONS = {1: _add_owners, 2: _add_replica_compaction, 3: _add_revocation, 4: _one_blob_per_owner}  # schema found -> the step to the next one
+def _replica_blocks(db: sqlite3.Connection) -> None:
+    """Schema 5 -> 6: replica records become blocks (``replica_blocks``) of rows (``replica_items``);
+    each record stored so far is a block of one row in the single-row format. Every owner's
+    replica is compacted once."""
+    execute_script(db, REPLICA_SCHEMA)
+    if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'replica_records'").fetchone():
+        return  # a database from before replication (schema 1)
+    db.execute("INSERT INTO replica_blocks SELECT owner_id, sequence, device_id, change_id, 0, version, origin_version, via, "
+               "tombstone, sealed, sealed_sha256, created_at, 1 - superseded FROM replica_records")
+    db.execute("INSERT INTO replica_items SELECT owner_id, sequence, 0, item_id, version, via, tombstone, sealed_sha256, "
+               "superseded FROM replica_records")
+    db.execute("DROP TABLE replica_records")
+    for (owner_id,) in db.execute("SELECT owner_id FROM replica_owners").fetchall():
+        compact_replica(db, owner_id)
+
+
+_MIGRATIONS = {1: _add_owners, 2: _add_replica_compaction, 3: _add_revocation, 4: _one_blob_per_owner, 5: _replica_blocks}  # schema found -> the step to the next one
 
 
 def open_database(path: Path) -> sqlite3.Connection:
@@ -159,8 +159,7 @@ def open_database(path: Path) -> sqlite3.Connection:
         with Transaction(db):
             for step in range(found, SCHEMA_VERSION) if found else ():
                 _MIGRATIONS[step](db)
-            for statement in filter(str.strip, (_SCHEMA + upload_sessions.UPLOADS_SCHEMA).split(";")):
-                db.execute(statement)
+            execute_script(db, _SCHEMA + upload_sessions.UPLOADS_SCHEMA)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     except sqlite3.DatabaseError as exc:
         raise ConfigError(f"{path}: not a usable fctkit database: {exc}") from exc

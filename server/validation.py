@@ -4,6 +4,7 @@ and the limit (see ``protos/proto-src/fctkit/v1/common.proto``)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 
 from fctkit.errors import RpcStatusError
@@ -28,6 +29,17 @@ def text_field(value: str, field: str, max_chars: int = limits.MAX_NAME_CHARS) -
     if any(ord(c) < 32 and c not in "\t\n" for c in value):
         raise invalid(f"{field} contains control characters")
     return value
+
+
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f]")
+
+
+def text_fields(values: Sequence[str], field: str, max_chars: int = limits.MAX_NAME_CHARS) -> tuple[str, ...]:
+    """:func:`text_field` of each of ``values`` (``field[k]`` named), checked in bulk."""
+    if any(len(v) > max_chars for v in values) or _CONTROL.search("\t".join(values)):
+        for k, value in enumerate(values):
+            text_field(value, f"{field}[{k}]", max_chars)
+    return tuple(values)
 
 
 def version_field(value: int, field: str) -> int:

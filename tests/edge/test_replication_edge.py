@@ -22,7 +22,7 @@ from tests.support.old_galleries import downgrade_to_schema_4
 
 from fctkit.edge_runtime import Device
 from fctkit.edge_runtime.crypto import read_key_file
-from fctkit.edge_runtime.replication import seal_changes
+from fctkit.edge_runtime.replication import record_message, seal_changes
 from fctkit.errors import CorruptRecordError, DeviceKeyError, InputError, RpcStatusError
 from fctkit.protos import vault_pb2
 
@@ -57,6 +57,12 @@ def enrolled(make_device, server, name: str, owner: str, *, sync: bool = True, *
     if sync:
         device.sync()
     return device
+
+
+def live_rows(records) -> list[tuple[str, int, str, int]]:
+    """(item id, version, via, sequence) of each live row of pulled records (blocks or single-row records)."""
+    return [(item_id, r.version, r.via, r.sequence) for r in records
+            for k, item_id in enumerate(r.item_ids or [r.item_id]) if k not in set(r.superseded)]
 
 
 def converge(*devices: Device, rounds: int = 2) -> None:
@@ -107,8 +113,8 @@ def test_two_devices_of_one_owner_converge_while_one_upgrades(server, tiny_bundl
     converge(tablet, alice)
     assert state(alice) == state(tablet) and {tag for tag, *_ in state(alice).values()} == {"v2"}
     with alice.client() as client:  # both devices report v2: the server keeps one record per item
-        live = [r for batch in client.pull_records() for r in batch.records]
-    assert len(live) == 40 and {(r.version, r.via) for r in live} == {(2, "native")}
+        live = live_rows(r for batch in client.pull_records() for r in batch.records)
+    assert len(live) == 40 and {(version, via) for _, version, via, _ in live} == {(2, "native")}
 
     # the server's disk holds no float32 vector of the gallery, only ciphertext
     on_disk = b"".join(p.read_bytes() for p in server.data_dir.rglob("*") if p.is_file())
@@ -169,18 +175,18 @@ def test_a_retried_push_never_duplicates(server, make_device, images):
     device = enrolled(make_device, server, "retry", "carol")
     device.add(images(7, seed=2), item_ids=[f"r{i}" for i in range(7)], upload=True)
     assert seal_changes(device.parts) == 7
-    batch = device.gallery.replica_log.sealed_changes(100)
-    records = [vault_pb2.SealedRecord(change_id=c, item_id=i, version=v, origin_version=o, via=via, tombstone=t, sealed=s)
-               for c, i, v, o, via, t, s in batch]
+    records = [record_message(b) for b in device.gallery.replica_log.outgoing(100)]
+    assert len(records) == 1 and len(records[0].item_ids) == 7  # one block
     with device.client() as client:
         first = client.push_records(records)  # the acknowledgement is lost: the device never marks them pushed
         again = client.push_records(records)
-    assert (first.stored, first.already_stored, again.stored, again.already_stored) == (7, 0, 0, 7)
-    assert again.last_sequence == first.last_sequence == 7 and list(again.sequences) == list(first.sequences) == list(range(1, 8))
+    assert (first.stored, first.already_stored, again.stored, again.already_stored) == (1, 0, 0, 1)
+    assert (first.stored_rows, first.already_stored_rows, again.stored_rows, again.already_stored_rows) == (7, 0, 0, 7)
+    assert again.last_sequence == first.last_sequence == 1 and list(again.sequences) == list(first.sequences) == [1]
     result = device.sync().replication  # the device's own retry
     assert (result.pushed, result.already_stored, result.unpushed) == (0, 7, 0)
-    records = _all_records(device)
-    assert [r.sequence for r in records] == list(range(1, 8)) and len({r.item_id for r in records}) == 7
+    rows = live_rows(_all_records(device))
+    assert [sequence for *_, sequence in rows] == [1] * 7 and len({item for item, *_ in rows}) == 7
 
 
 def test_a_revoked_device_keeps_its_gallery_and_comes_back_with_a_new_code(server, make_device, images):
@@ -200,7 +206,7 @@ def test_a_revoked_device_keeps_its_gallery_and_comes_back_with_a_new_code(serve
     assert phone.gallery.replica_log.outbox_size() == 2
     phone.enrol(server.target, enrolment_code(server, owner="erin"), device_name="phone")
     phone.sync()  # the change made while revoked goes out under the new token
-    assert {r.item_id for r in _all_records(phone)} == {*before, "q0", "q1"}
+    assert {item for item, *_ in live_rows(_all_records(phone))} == {*before, "q0", "q1"}
 
 
 def test_a_record_of_a_version_not_installed_waits_pending(server, tiny_bundles, make_device, images, tmp_path):
@@ -258,10 +264,11 @@ def test_tampered_records_and_a_wrong_owner_key_lose_nothing(server, make_device
     # a record tampered with on the server: authentication fails, the cursor stays before it
     kept = state(friend)
     with sqlite3.connect(server.data_dir / "meta.sqlite3") as db:
-        sealed, sequence = db.execute("SELECT sealed, sequence FROM replica_records WHERE item_id = 'late'").fetchone()
+        sealed, sequence = db.execute("SELECT b.sealed, b.sequence FROM replica_blocks b JOIN replica_items i "
+                                      "USING (owner_id, sequence) WHERE i.item_id = 'late'").fetchone()
         tampered = bytearray(sealed)
         tampered[-3] ^= 0x01
-        db.execute("UPDATE replica_records SET sealed = ? WHERE sequence = ? AND owner_id = 'erin'", (bytes(tampered), sequence))
+        db.execute("UPDATE replica_blocks SET sealed = ? WHERE sequence = ? AND owner_id = 'erin'", (bytes(tampered), sequence))
     with pytest.raises(CorruptRecordError, match="authentication failed"):
         friend.sync()
     assert state(friend) == kept and friend.gallery.replica_log.replica_cursor == sequence - 1
@@ -304,7 +311,7 @@ def test_cli_owner_key_export_import_restore_and_status(server, tmp_path, images
     run("sync", "--dir", str(second), "--quiet")
     status = run("status", "--dir", str(second))
     assert status["owner_id"] == "frank" and status["rows"] == 3
-    assert status["replica"] == {"cursor": 3, "unpushed": 0, "pending": 0, "tombstones": 0}
+    assert status["replica"] == {"cursor": 1, "unpushed": 0, "pending": 0, "tombstones": 0}  # one block of 3 rows
     assert run("remove", "--dir", str(second), "p1")["removed"] == 1
     assert run("status", "--dir", str(second))["replica"]["unpushed"] == 1
 
@@ -318,7 +325,7 @@ def test_a_gallery_and_device_from_before_owners_are_migrated_and_replicate(serv
     # make it a schema-1 gallery in a device directory without an owner key
     downgrade_to_schema_4(root / "gallery.sqlite", read_key_file(root / "device.key"))
     with sqlite3.connect(root / "gallery.sqlite") as db:
-        for table in ("changes", "tombstones", "pending_records", "row_extras"):
+        for table in ("changes", "tombstones", "pending_records", "row_extras"):  # schema 5's, after the downgrade
             db.execute(f"DROP TABLE {table}")
         db.execute("ALTER TABLE items DROP COLUMN record_sha256")
         db.execute("ALTER TABLE meta DROP COLUMN mac")
@@ -327,7 +334,7 @@ def test_a_gallery_and_device_from_before_owners_are_migrated_and_replicate(serv
         db.execute("DELETE FROM meta WHERE key = 'replica_cursor'")
     (root / "owner.key").unlink()
     with Device.open(root) as device:
-        assert (root / "owner.key").exists() and device.gallery.meta("schema_version") == "5"
+        assert (root / "owner.key").exists() and device.gallery.meta("schema_version") == "6"
         assert device.status()["replica"] == {"cursor": 0, "unpushed": 4, "pending": 0, "tombstones": 0}
         device.progress = False
         device.enrol(server.target, enrolment_code(server, owner="ivan"), device_name="old")
@@ -358,3 +365,39 @@ def test_rows_of_an_older_version_are_moved_by_the_installed_adapters(server, ti
     assert old.sync().hops == "v1 -> v3"
     converge(old, new)
     assert state(old) == state(new)
+
+
+def test_a_schema_5_gallery_pushes_its_sealed_records_as_they_were_and_keeps_its_pending_ones(server, make_device, images):
+    """Changes sealed before blocks keep their bytes and change ids (the server may hold them
+    already: a lost acknowledgement), and a single-row record kept pending stays pending."""
+    from fctkit.edge_runtime.records import RowContent, seal_record
+    from fctkit.edge_runtime.gallery_rows import VersionTag
+    from tests.support.old_galleries import downgrade_to_schema_5
+
+    device = enrolled(make_device, server, "old-phone", "kim")
+    device.add(images(5, seed=20), item_ids=[f"k{i}" for i in range(5)], upload=False)
+    rows, root, owner = device.gallery.load(), device.root, device.parts.owner_sealer
+    device.close()
+    downgrade_to_schema_5(root / "gallery.sqlite", read_key_file(root / "device.key"))
+    old_records = {item: seal_record(owner, "kim", item, rows.tags[k], RowContent(rows.embeddings[k], rows.side_infos[k],
+                                                                                  rows.labels[k], None))
+                   for k, item in enumerate(rows.item_ids) if item in ("k0", "k1", "k2")}
+    future = seal_record(owner, "kim", "later", VersionTag(9, 9, "native"), RowContent(rows.embeddings[0], rows.side_infos[0], None, None))
+    with sqlite3.connect(root / "gallery.sqlite") as db:
+        for item, sealed in old_records.items():
+            db.execute("UPDATE changes SET sealed = ?, version = 1, origin_version = 1, via = 'native' WHERE item_id = ?", (sealed, item))
+        db.execute("INSERT INTO pending_records VALUES (99, 'later', 9, 9, 'native', ?)", (future,))
+        change_k0 = db.execute("SELECT change_id FROM changes WHERE item_id = 'k0'").fetchone()[0]
+    with Device.open(root) as device:
+        assert device.gallery.meta("schema_version") == "6"
+        assert device.status()["replica"] == {"cursor": 0, "unpushed": 5, "pending": 1, "tombstones": 0}
+        with device.client() as client:  # k0's record reached the server before the migration; its acknowledgement was lost
+            client.push_records([vault_pb2.SealedRecord(change_id=change_k0, item_id="k0", version=1, origin_version=1,
+                                                        via="native", sealed=old_records["k0"])])
+        result = device.sync().replication
+        assert (result.pushed, result.already_stored, result.unpushed, result.still_pending) == (4, 1, 0, 1)
+        expected, records, key_file = state(device), _all_records(device), _export(device)
+    assert sorted((r.item_id, r.sealed) for r in records if r.item_id) == sorted(old_records.items())  # sent as they were
+    assert sorted(item for item, *_ in live_rows(records)) == [f"k{i}" for i in range(5)]
+    twin = enrolled(make_device, server, "twin", "kim", owner_key_file=key_file, owner_key_passphrase="pw")
+    assert state(twin) == expected

@@ -90,21 +90,52 @@ def test_a_schema_2_database_is_migrated_and_compacted(tmp_path):
     storage.add_enrolment_code("code", "", "2026-01-01T00:00:00.000000Z", "2099-01-01T00:00:00.000000Z")
     storage.enrol("code", "2026-01-01T00:00:00.000000Z", "dev-1", "old", "token-hash")
     owner = storage.device_owner("dev-1")
-    storage.push_records(owner, "dev-1", [ReplicaRecord(1, "x", 1, 1, "native", False, b"a" * 100)], "now")
     storage.close()
-    with sqlite3.connect(tmp_path / "data" / "meta.sqlite3") as db:  # back to what schema 2 held
-        db.execute("DROP INDEX replica_live_by_item")
-        db.execute("ALTER TABLE replica_records DROP COLUMN sealed_sha256")
-        db.execute("ALTER TABLE replica_records DROP COLUMN superseded")
-        db.execute("INSERT INTO replica_records VALUES (?, 2, 'dev-1', 2, 'x', 1, 1, 'forward', 0, ?, 'now')", (owner, b"b" * 100))
-        db.execute("UPDATE replica_owners SET last_sequence = 2, sealed_bytes = 200")
+    with sqlite3.connect(tmp_path / "data" / "meta.sqlite3") as db:  # back to what schema 2 held: one row per record
+        db.execute("DROP TABLE replica_blocks")
+        db.execute("DROP TABLE replica_items")
+        db.execute("CREATE TABLE replica_records (owner_id TEXT NOT NULL, sequence INTEGER NOT NULL, device_id TEXT NOT NULL, "
+                   "change_id INTEGER NOT NULL, item_id TEXT NOT NULL, version INTEGER NOT NULL, origin_version INTEGER NOT NULL, "
+                   "via TEXT NOT NULL, tombstone INTEGER NOT NULL, sealed BLOB NOT NULL, created_at TEXT NOT NULL, "
+                   "PRIMARY KEY (owner_id, sequence), UNIQUE (device_id, change_id))")
+        db.executemany("INSERT INTO replica_records VALUES (?, ?, 'dev-1', ?, 'x', 1, 1, ?, 0, ?, 'now')",
+                       [(owner, 1, 1, "native", b"a" * 100), (owner, 2, 2, "forward", b"b" * 100)])
+        db.execute("INSERT INTO replica_owners VALUES (?, 2, 200)", (owner,))
         db.execute("PRAGMA user_version=2")
     storage = SqliteStorage(tmp_path / "data")
     assert storage.replica_usage(owner) == (100, 2)
-    assert [(r.sequence, r.via) for r in storage.pull_records(owner, 0, 10)] == [(1, "native")]
-    again = storage.push_records(owner, "dev-1", [ReplicaRecord(2, "x", 1, 1, "forward", False, b"b" * 100)], "now")
+    assert [(r.sequence, r.item_ids, r.via, r.block) for r in storage.pull_records(owner, 0, 10)] == [(1, ("x",), "native", False)]
+    again = storage.push_records(owner, "dev-1", [ReplicaRecord(2, ("x",), 1, 1, "forward", False, b"b" * 100, block=False)], "now")
     assert (again.stored, again.sequences) == (0, (2,))
     storage.close()
+
+
+def _block(change_id: int, items: list[str], version: int = 1, via: str = "native", fill: int = 0, size: int = 100,
+           tombstone: bool = False) -> vault_pb2.SealedRecord:
+    header = {} if tombstone else {"version": version, "origin_version": 1, "via": via}
+    return vault_pb2.SealedRecord(change_id=change_id, item_ids=items, tombstone=tombstone, sealed=bytes([fill]) * size, **header)
+
+
+def test_blocks_are_compacted_row_by_row_and_dropped_when_no_row_is_live(start_server):
+    import pytest
+
+    from fctkit.errors import RpcStatusError
+
+    phone, tablet = _devices(start_server("--replica-quota-bytes", "1000"), 2)
+    phone.push_records([_block(1, ["a", "b", "c"], fill=1, size=400)])
+    tablet.push_records([_block(1, ["b"], tombstone=True, size=28), _record(2, "c", version=2, fill=2, size=28)])
+    phone.report(2, 2, IDLE)
+    tablet.report(2, 2, IDLE)  # every device at v2: c at v1 is superseded too
+    pulled = [(r.sequence, list(r.item_ids), list(r.superseded)) for b in phone.pull_records() for r in b.records]
+    assert pulled[0] == (1, ["a", "b", "c"], [1, 2])  # one live row: the block is still pulled, its dead rows named
+    with pytest.raises(RpcStatusError) as refused:  # 400 + 28 + 28 stored: a live row keeps its block's bytes
+        phone.push_records([_record(9, "z", size=600)])
+    assert refused.value.code == "RESOURCE_EXHAUSTED"
+    tablet.push_records([_block(3, ["a"], version=2, fill=3, size=28)])
+    assert [r.sequence for b in phone.pull_records() for r in b.records] == [2, 3, 4]  # the block is gone from pulls
+    retried = phone.push_records([_block(1, ["a", "b", "c"], fill=1, size=400)])  # its entry stays for retries
+    assert (retried.stored, retried.already_stored, retried.already_stored_rows, list(retried.sequences)) == (0, 1, 3, [1])
+    phone.push_records([_record(9, "z", size=900)])  # and the quota has its bytes back: 3 x 28 + 900 fits
 
 
 def test_a_large_replica_is_swept_page_by_page_in_the_background(start_server):

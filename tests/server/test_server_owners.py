@@ -79,6 +79,27 @@ def test_malformed_records_are_invalid_argument(server, bad):
     assert list(device.pull_records()) == []
 
 
+@pytest.mark.parametrize("bad", [
+    {"item_ids": ["a", "a"]}, {"item_ids": ["a", ""]}, {"item_ids": ["a", "b\x01"]}, {"item_ids": ["a"], "item_id": "a"},
+    {"item_ids": [f"r{i}" for i in range(4097)]}, {"item_ids": ["a"], "sealed": b"x" * ((1 << 20) + 1)},
+    {"item_ids": ["a"], "superseded": [0]}, {"item_ids": [f"{i:04d}" + "x" * 200 for i in range(2000)]},
+])
+def test_malformed_blocks_are_invalid_argument(server, bad):
+    device, _ = _device(server)
+    record = _record(5, item="")
+    for name, value in bad.items():
+        field = getattr(record, name)
+        if isinstance(value, list):
+            field.extend(value)
+        else:
+            setattr(record, name, value)
+    request = vault_pb2.PushRecordsRequest(records=[record])  # one message, past the client's own cutting
+    with pytest.raises(grpc.RpcError) as refused:
+        device.vault.PushRecords(iter([request]), metadata=device._metadata)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert list(device.pull_records()) == []
+
+
 def test_replica_quota_is_resource_exhausted_and_stores_nothing_of_the_batch(server):
     device, _ = _device(server)
     assert device.push_records([_record(i, f"item-{i}", size=1000) for i in range(1, 4)]).stored == 3
@@ -103,7 +124,8 @@ def test_a_schema_1_database_gets_owners(tmp_path):
         db.execute("ALTER TABLE enrolment_codes DROP COLUMN owner_id")
         db.execute("UPDATE devices SET owner_id = NULL")
         db.execute("UPDATE blobs SET owner_id = NULL")
-        db.execute("DROP TABLE replica_records")
+        db.execute("DROP TABLE replica_blocks")
+        db.execute("DROP TABLE replica_items")
         db.execute("DROP TABLE replica_owners")
         db.execute("PRAGMA user_version=1")
     storage = SqliteStorage(tmp_path / "data")

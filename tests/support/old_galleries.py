@@ -1,6 +1,7 @@
-"""Galleries as older fctkit versions wrote them, for the migration tests: a schema-5 gallery
-rewritten in place to schema 4 (every vector its own sealed record in the vector tables, the
-record format :mod:`fctkit.edge_runtime.gallery_sealing` still opens)."""
+"""Galleries as older fctkit versions wrote them, for the migration tests: a gallery rewritten in
+place to schema 5 (replication tables before blocks) or schema 4 (also every vector its own
+sealed record in the vector tables, the record format :mod:`fctkit.edge_runtime.gallery_sealing`
+still opens)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,24 @@ from fctkit.edge_runtime.gallery_sealing import RowSealer
 from fctkit.edge_runtime.gallery_settings import setting_mac
 
 
+def downgrade_to_schema_5(path: Path, key: bytes) -> None:
+    """Rewrite the (closed) gallery at ``path`` as schema 5: changes and pulled records kept for
+    later as single-row records (``changes.sealed``, ``pending_records``); no change may be sealed
+    yet and no record pending."""
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT COUNT(*) FROM outgoing_blocks").fetchone()[0] == 0
+        assert db.execute("SELECT COUNT(*) FROM pending_blocks").fetchone()[0] == 0
+        for column in ("version INTEGER", "origin_version INTEGER", "via TEXT", "sealed BLOB"):
+            db.execute(f"ALTER TABLE changes ADD COLUMN {column}")
+        db.execute("DROP INDEX changes_by_block")
+        db.execute("ALTER TABLE changes DROP COLUMN block_key")
+        db.execute("DROP TABLE outgoing_blocks")
+        db.execute("DROP TABLE pending_blocks")
+        db.execute("CREATE TABLE pending_records (sequence INTEGER PRIMARY KEY, item_id TEXT NOT NULL, version INTEGER NOT NULL, "
+                   "origin_version INTEGER NOT NULL, via TEXT NOT NULL, sealed BLOB NOT NULL)")
+        db.execute("UPDATE meta SET value = '5', mac = ? WHERE key = 'schema_version'", (setting_mac(Sealer(key), "schema_version", "5"),))
+
+
 def downgrade_to_schema_4(path: Path, key: bytes) -> None:
     """Rewrite the (closed) gallery at ``path`` as schema 4: both vector tables hold per-row
     sealed ``embedding`` and ``side_info`` BLOBs, and there are no blocks."""
@@ -26,6 +45,7 @@ def downgrade_to_schema_4(path: Path, key: bytes) -> None:
             sets[table] = gallery._vectors.open_pointers(pointers)
         gallery_id = gallery.gallery_id
     sealing = RowSealer(Sealer(key), gallery_id)
+    downgrade_to_schema_5(path, key)
     with sqlite3.connect(path) as db:
         for table, rows in sets.items():
             db.execute(f"DROP TABLE {table}")
