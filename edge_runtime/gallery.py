@@ -32,6 +32,7 @@ import json
 import os
 import sqlite3
 from collections.abc import Sequence
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryDamagedErro
 
 from .crypto import Sealer
 from .gallery_extras import RowExtras
-from .gallery_replica import InsertedRow, ReplicaLog
+from .gallery_replica import InsertedRows, ReplicaLog
 from .gallery_rows import LoadedRows, NewRow, UpgradedRows, VersionTag, rows_by_tag, tag_name, take_rows
 from .gallery_schema import (SCHEMA_VERSION, VECTOR_TABLES, check_essential, create_tables, migrate,
                              migrate_replica_to_blocks, vector_tables)
@@ -231,42 +232,45 @@ class Gallery:
             live, _ = self._tables()
             first = self._db.execute("SELECT COALESCE(MAX(row_id), 0) + 1 FROM items").fetchone()[0]
             ids = list(range(first, first + len(rows)))
-            items = [(row_id, row.item_id, tag.origin_version, self._sealing.seal_label(row_id, row.item_id, tag, row.label))
-                     for row_id, row in zip(ids, rows, strict=True)]
+            item_ids = [row.item_id for row in rows]
+            labels = self._sealing.seal_labels(ids, item_ids, [tag.origin_version] * len(ids), [row.label for row in rows])
             try:
-                self._db.executemany("INSERT INTO items (row_id, item_id, origin_version, label) VALUES (?, ?, ?, ?)", items)
+                self._db.executemany("INSERT INTO items (row_id, item_id, origin_version, label) VALUES (?, ?, ?, ?)",
+                                     zip(ids, item_ids, repeat(tag.origin_version), labels))
             except sqlite3.IntegrityError:
                 raise InputError("an item id is already in the gallery: item ids are unique (nothing was added)") from None
             removed = self._tombstoned([row.item_id for row in rows])
             if removed:
                 raise InputError(f"item id {removed[0]!r} was removed before: removed ids are never used again "
                                  "(the removal replicates to the owner's devices); choose new ids (nothing was added)")
-            self._write_vectors(live, ids, rows, tag)
+            self._write_vectors(live, ids, item_ids, [r.embedding for r in rows], [r.side_info for r in rows], tag)
             self._db.executemany("INSERT INTO outbox VALUES (?, ?)", outbox)
             self._db.executemany("UPDATE items SET vault_sha256 = ? WHERE item_id = ?", [(h, i) for i, h in (in_vault or {}).items()])
             self._count_rows(len(rows))
-            self._log_changes([row.item_id for row in rows])
+            self._log_changes(item_ids)
             if previous is not None:
-                self._extras.insert("previous_embedding", ids, [row.item_id for row in rows], previous[0], previous[1])
+                self._extras.insert("previous_embedding", ids, item_ids, previous[0], previous[1])
         return ids
 
-    def _write_vectors(self, vector_set: str, row_ids: Sequence[int], rows: Sequence[NewRow], tag: VersionTag) -> None:
-        """Inside a transaction: seal the rows' vectors as blocks of ``vector_set`` and point the rows to them."""
-        block_of = self._vectors.write(vector_set, tag, row_ids, [row.item_id for row in rows],
-                                       [np.ravel(row.embedding) for row in rows], [np.ravel(row.side_info) for row in rows])
+    def _write_vectors(self, vector_set: str, row_ids: Sequence[int], item_ids: Sequence[str], embeddings: Any,
+                       side_infos: Any, tag: VersionTag) -> None:
+        """Inside a transaction: seal the rows' vectors (one per row, or an (n, d) array each) as blocks of
+        ``vector_set`` and point the rows to them."""
+        block_of = self._vectors.write(vector_set, tag, row_ids, item_ids, embeddings, side_infos)
         self._db.executemany(f"INSERT INTO {vector_set} VALUES (?, ?, ?, ?)",
                              [(r, tag.version, tag.via, int(b)) for r, b in zip(row_ids, block_of, strict=True)])
 
-    def _insert_rows(self, live: str, rows: Sequence[InsertedRow]) -> None:
-        """Inside a transaction: rows whose ids are free (replicated rows, :mod:`.gallery_replica`),
-        their vectors sealed in blocks, one group per version tag."""
-        check_item_ids(r.row.item_id for r in rows)
-        self._db.executemany("INSERT INTO items VALUES (?, ?, ?, ?, ?, ?)", [
-            (r.row_id, r.row.item_id, r.tag.origin_version, self._sealing.seal_label(r.row_id, r.row.item_id, r.tag, r.row.label),
-             r.vault_sha256, r.record_sha256) for r in rows])
-        for tag, picked in rows_by_tag([r.tag for r in rows]).items():
-            self._write_vectors(live, [rows[i].row_id for i in picked], [rows[i].row for i in picked], tag)
-        self._count_rows(len(rows))
+    def _insert_rows(self, live: str, inserted: InsertedRows) -> None:
+        """Inside a transaction: replicated rows of one tag under free row ids (:mod:`.gallery_replica`),
+        their vectors sealed in blocks."""
+        rows, tag = inserted.rows, inserted.tag
+        check_item_ids(rows.item_ids)
+        ids = list(range(inserted.first_row_id, inserted.first_row_id + len(rows)))
+        labels = self._sealing.seal_labels(ids, rows.item_ids, [tag.origin_version] * len(ids), rows.labels)
+        self._db.executemany("INSERT INTO items VALUES (?, ?, ?, ?, ?, ?)", zip(
+            ids, rows.item_ids, repeat(tag.origin_version), labels, rows.vault_sha256s, repeat(inserted.record_sha256)))
+        self._write_vectors(live, ids, rows.item_ids, rows.embeddings, rows.side_infos, tag)
+        self._count_rows(len(ids))
 
     def load(self, *, with_labels: bool = True, with_side_info: bool = True) -> LoadedRows:
         """Decrypt every row in one consistent snapshot, block by block (no per-row query). Rows
@@ -323,7 +327,7 @@ class Gallery:
             self._count_rows(-1)
         if not keep_queued:
             self._db.execute("DELETE FROM outbox WHERE item_id = ?", (item_id,))
-        self._db.execute("DELETE FROM changes WHERE item_id = ? AND block_key IS NULL", (item_id,))
+        self._db.execute("DELETE FROM changes WHERE item_id = ?", (item_id,))
         if tombstone:  # pending records of the item stay: merging them later finds the tombstone
             original = row[1] if row is not None and delete_original else None
             self._db.execute("INSERT OR IGNORE INTO tombstones VALUES (?, ?)", (item_id, original))
@@ -384,7 +388,7 @@ class Gallery:
         else:
             self._db.execute(f"INSERT INTO temp.changed_items {select_sql}")
         changed = "SELECT item_id FROM temp.changed_items"
-        self._db.execute(f"DELETE FROM changes WHERE block_key IS NULL AND item_id IN ({changed})")
+        self._db.execute(f"DELETE FROM changes WHERE item_id IN ({changed})")
         self._db.execute("INSERT INTO changes (item_id, tombstone) SELECT item_id, ? FROM temp.changed_items ORDER BY rowid",
                          (int(tombstone),))
         if not tombstone:

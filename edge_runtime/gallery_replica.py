@@ -21,7 +21,7 @@ import numpy as np
 from fctkit.errors import GalleryError, InputError
 
 from .gallery_schema import VECTOR_TABLES
-from .gallery_rows import LoadedRows, NewRow, VersionTag, rows_by_tag, take_rows
+from .gallery_rows import LoadedRows, VersionTag, rows_by_tag, take_rows
 from .gallery_vectors import LabelOpener, VectorBlocks
 from .sqlite_file import id_chunks, read_snapshot, transaction
 
@@ -48,6 +48,11 @@ class ReplicaRows:
 
     def __len__(self) -> int:
         return len(self.item_ids)
+
+    def take(self, positions: Sequence[int]) -> ReplicaRows:
+        return ReplicaRows(tuple(self.item_ids[k] for k in positions), self.embeddings[list(positions)],
+                           self.side_infos[list(positions)], [self.labels[k] for k in positions],
+                           [self.vault_sha256s[k] for k in positions])
 
     @classmethod
     def tombstones(cls, item_ids: Sequence[str]) -> ReplicaRows:
@@ -100,13 +105,13 @@ class BlockMerge:
 
 
 @dataclass(frozen=True)
-class InsertedRow:
-    """A replicated row to insert under a free row id (a merge inserts its rows together, in blocks)."""
+class InsertedRows:
+    """Replicated rows of one tag to insert under free row ids from ``first_row_id`` (a merge
+    inserts a record's rows together, in blocks)."""
 
-    row_id: int
-    row: NewRow
+    first_row_id: int
     tag: VersionTag
-    vault_sha256: str | None
+    rows: ReplicaRows
     record_sha256: str | None
 
 
@@ -122,12 +127,12 @@ class GalleryRows(Protocol):
 
     def _tombstoned(self, item_ids: Sequence[str]) -> list[str]: ...
 
-    def _insert_rows(self, live: str, rows: Sequence[InsertedRow]) -> None: ...
+    def _insert_rows(self, live: str, inserted: InsertedRows) -> None: ...
 
     def _remove_item(self, item_id: str, *, tombstone: bool = True, delete_original: bool = False,
                      keep_queued: bool = False, retired: bool = False) -> bool: ...
 
-    def _log_changes(self, item_ids: Sequence[str] = ()) -> None: ...
+    def _log_changes(self, item_ids: Sequence[str] = (), *, tombstone: bool = False) -> None: ...
 
 
 class ReplicaLog:
@@ -168,7 +173,8 @@ class ReplicaLog:
     def replication_counts(self) -> dict[str, int]:
         """Changes not yet acknowledged by the server (unsealed + sealed), rows of pending records, tombstones."""
         one = lambda sql: self._db.execute(sql).fetchone()[0]  # noqa: E731
-        return {"cursor": self.replica_cursor, "unpushed": one("SELECT COUNT(*) FROM changes"),
+        return {"cursor": self.replica_cursor,
+                "unpushed": one("SELECT (SELECT COUNT(*) FROM changes) + (SELECT COALESCE(SUM(rows), 0) FROM outgoing_blocks)"),
                 "pending": one("SELECT COALESCE(SUM(rows), 0) FROM pending_blocks"),
                 "tombstones": one("SELECT COUNT(*) FROM tombstones")}
 
@@ -178,14 +184,14 @@ class ReplicaLog:
             return self._load_items(item_ids)
 
     def _load_items(self, item_ids: Sequence[str]) -> tuple[LoadedRows, dict[str, str | None]]:
-        found, shas = [], {}
+        found = []
         live, _ = self._gallery._tables()
         for chunk, marks in id_chunks(item_ids):
             found += self._db.execute(
-                f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, i.label "
-                f"FROM items i JOIN {live} v USING (row_id) WHERE i.item_id IN ({marks}) ORDER BY row_id", chunk).fetchall()
-            shas.update(self._db.execute(f"SELECT item_id, vault_sha256 FROM items WHERE item_id IN ({marks})", chunk))
-        return self._vectors.open_pointers(found, self._open_label), shas
+                f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, i.label, i.vault_sha256 "
+                f"FROM items i JOIN {live} v USING (row_id) WHERE i.item_id IN ({marks})", chunk).fetchall()
+        found.sort()
+        return self._vectors.open_pointers(found, self._open_label), {row[1]: row[7] for row in found}
 
     def seal_changes(self, limit: int, seal: BlockSealer) -> int:
         """Seal up to ``limit`` logged changes, oldest first, as blocks (one per tag, and one of
@@ -195,7 +201,7 @@ class ReplicaLog:
         changes looked at."""
         with transaction(self._db):
             changes = self._db.execute(
-                "SELECT change_id, item_id, tombstone FROM changes c WHERE block_key IS NULL AND NOT EXISTS "
+                "SELECT change_id, item_id, tombstone FROM changes c WHERE NOT EXISTS "
                 "(SELECT 1 FROM outbox o WHERE o.item_id = c.item_id) ORDER BY change_id LIMIT ?", (limit,)).fetchall()
             if not changes:
                 return 0
@@ -212,19 +218,19 @@ class ReplicaLog:
                                                 [rows.labels[k] for k in picked], [vault_shas[i] for i in item_ids])))
             for tag, group in groups:
                 for item_ids, sealed in seal(tag, group):
-                    self._keep_outgoing(tag, item_ids, sealed, [change_of[i] for i in item_ids])
-            kept = set(removed).union(rows.item_ids)  # the others' rows are gone and no tombstone stands for them
-            self._db.executemany("DELETE FROM changes WHERE change_id = ?", [(c,) for c, i, _ in changes if i not in kept])
+                    self._keep_outgoing(tag, item_ids, sealed, min(change_of[i] for i in item_ids))
+            # all of them: sealed now, or their rows are gone with no tombstone standing for them
+            for chunk, marks in id_chunks([c for c, _, _ in changes]):
+                self._db.execute(f"DELETE FROM changes WHERE change_id IN ({marks})", chunk)
         return len(changes)
 
-    def _keep_outgoing(self, tag: VersionTag | None, item_ids: tuple[str, ...], sealed: bytes, change_ids: list[int]) -> None:
-        key = min(change_ids)
-        self._db.execute("INSERT INTO outgoing_blocks VALUES (?, 1, ?, ?, ?, ?, ?, ?)",
-                         (key, *(_tag_columns(tag)), int(tag is None), "\0".join(item_ids), sealed))
-        self._db.executemany("UPDATE changes SET block_key = ? WHERE change_id = ?", [(key, c) for c in change_ids])
+    def _keep_outgoing(self, tag: VersionTag | None, item_ids: tuple[str, ...], sealed: bytes, key: int) -> None:
+        self._db.execute("INSERT INTO outgoing_blocks VALUES (?, 1, ?, ?, ?, ?, ?, ?, ?)",
+                         (key, *(_tag_columns(tag)), int(tag is None), len(item_ids), "\0".join(item_ids), sealed))
         if tag is not None:
             sha = hashlib.sha256(sealed).hexdigest()
-            self._db.executemany("UPDATE items SET record_sha256 = ? WHERE item_id = ?", [(sha, i) for i in item_ids])
+            for chunk, marks in id_chunks(item_ids):
+                self._db.execute(f"UPDATE items SET record_sha256 = ? WHERE item_id IN ({marks})", (sha, *chunk))
 
     def outgoing(self, max_rows: int) -> list[OutgoingBlock]:
         """Sealed records to push, oldest first, holding at most ``max_rows`` rows (at least one record)."""
@@ -240,15 +246,16 @@ class ReplicaLog:
         return found
 
     def mark_pushed(self, keys: Sequence[int]) -> None:
-        """The server acknowledged these records: forget them and their changes (one transaction)."""
+        """The server acknowledged these records: forget them (one transaction)."""
         with transaction(self._db):
-            self._db.executemany("DELETE FROM changes WHERE block_key = ?", [(k,) for k in keys])
             self._db.executemany("DELETE FROM outgoing_blocks WHERE block_key = ?", [(k,) for k in keys])
 
     def originals_to_delete(self) -> list[tuple[str, str]]:
-        """(item id, vault SHA-256) of items removed here whose tombstone the server has acknowledged."""
+        """(item id, vault SHA-256) of items removed here whose tombstone the server has acknowledged
+        (none while any tombstone waits, unsealed or sealed: the owner's other devices learn first)."""
         return list(self._db.execute("SELECT item_id, vault_sha256 FROM tombstones t WHERE vault_sha256 IS NOT NULL "
-                                     "AND NOT EXISTS (SELECT 1 FROM changes c WHERE c.item_id = t.item_id)"))
+                                     "AND NOT EXISTS (SELECT 1 FROM changes c WHERE c.item_id = t.item_id) "
+                                     "AND NOT EXISTS (SELECT 1 FROM outgoing_blocks WHERE tombstone = 1)"))
 
     def forget_original(self, item_id: str) -> None:
         """The removed item's original is gone from the vault."""
@@ -275,8 +282,9 @@ class ReplicaLog:
                 raise GalleryError("an upgrade is in progress: finish it before merging replicated records")
             live, _ = self._gallery._tables()
             for record in records:
-                merge = decide(record, self._item_states(live, record.item_ids))
-                self._apply(live, merge)
+                states = self._item_states(live, record.item_ids)
+                merge = decide(record, states)
+                self._apply(live, merge, states)
                 counts["row"] += len(merge.rows)
                 counts["tombstone"] += len(merge.tombstones)
                 counts["pending"] += 0 if merge.pending is None else len(merge.pending.item_ids) - len(merge.pending.skipped)
@@ -296,7 +304,7 @@ class ReplicaLog:
                 states[item_id] = ItemState(VersionTag(origin, version, via), sha, item_id in states)
         return states
 
-    def _apply(self, live: str, merge: BlockMerge) -> None:
+    def _apply(self, live: str, merge: BlockMerge, states: dict[str, ItemState]) -> None:
         """The writes of one merged record, set-based: replaced rows' vectors retired together,
         new rows sealed together in blocks."""
         for item_id in merge.tombstones:
@@ -308,30 +316,30 @@ class ReplicaLog:
                 ",".join(map(str, kept.skipped)), len(kept.item_ids) - len(kept.skipped), kept.sealed))
         if not merge.rows:
             return
-        content = merge.content
-        item_ids = [content.item_ids[k] for k in merge.rows]
-        replaced = [r for chunk, marks in id_chunks(item_ids)
-                    for r, in self._db.execute(f"SELECT row_id FROM items WHERE item_id IN ({marks})", chunk)]
+        rows = merge.content.take(merge.rows)
+        replaced = [i for i in rows.item_ids if i in states and states[i].tag is not None]
         if replaced:
+            row_ids = [r for chunk, marks in id_chunks(replaced)
+                       for r, in self._db.execute(f"SELECT row_id FROM items WHERE item_id IN ({marks})", chunk)]
             for table in VECTOR_TABLES:
-                self._vectors.retire(table, replaced)
-            for item_id in item_ids:
+                self._vectors.retire(table, row_ids)
+            for item_id in replaced:
                 self._gallery._remove_item(item_id, tombstone=False, retired=True)
         first = self._db.execute("SELECT COALESCE(MAX(row_id), 0) + 1 FROM items").fetchone()[0]
-        self._gallery._insert_rows(live, [
-            InsertedRow(first + j, NewRow(content.item_ids[k], content.embeddings[k], content.side_infos[k], content.labels[k]),
-                        merge.tag, content.vault_sha256s[k], merge.record_sha256) for j, k in enumerate(merge.rows)])
+        self._gallery._insert_rows(live, InsertedRows(first, merge.tag, rows, merge.record_sha256))
         if merge.record_sha256 is None:
-            self._gallery._log_changes(item_ids)
+            self._gallery._log_changes(rows.item_ids)
 
     def reset_replication(self) -> None:
         """Start replicating afresh (the device joined another owner): cursor 0, no pending or
         sealed records, every row a change to push again."""
         with transaction(self._db):
+            removed = [i for ids, in self._db.execute("SELECT item_ids FROM outgoing_blocks WHERE tombstone = 1")
+                       for i in ids.split("\0")]
             self._db.execute("DELETE FROM pending_blocks")
             self._db.execute("DELETE FROM outgoing_blocks")
             self._db.execute("DELETE FROM changes WHERE tombstone = 0")
-            self._db.execute("UPDATE changes SET block_key = NULL")
+            self._gallery._log_changes(removed, tombstone=True)  # removals not yet acknowledged go to the new owner too
             self._gallery._log_changes([r[0] for r in self._db.execute("SELECT item_id FROM items")])
             self._gallery._set_meta({"replica_cursor": "0"})
 

@@ -23,13 +23,12 @@ Row format::
 
 Replication (schema 2, :mod:`fctkit.edge_runtime.replication`; blocks since schema 6)::
 
-    changes          change_id INTEGER PRIMARY KEY AUTOINCREMENT   the log of rows to push (one
-                     item_id, tombstone, block_key                   unsealed change per item);
-                                                                    block_key: the sealed record
-                                                                    holding it (NULL: not sealed yet)
+    changes          change_id INTEGER PRIMARY KEY AUTOINCREMENT   the changes not sealed yet (one
+                     item_id, tombstone                              per item); ids are never reused
     outgoing_blocks  block_key (its first change id: the push's idempotency key), block (0: a
                      single-row record sealed before schema 6), version, origin_version, via,
-                     tombstone, item_ids (NUL-separated), sealed (the owner-key record)
+                     tombstone, rows, item_ids (NUL-separated), sealed (the owner-key record):
+                     changes sealed, not yet acknowledged by the server
     tombstones       item_id, vault_sha256       removed items (their ids are never used again); for a
                                                  removal made here, the original to delete from the
                                                  vault once the tombstone is pushed
@@ -82,7 +81,8 @@ CREATE TABLE pending_records (sequence INTEGER PRIMARY KEY, item_id TEXT NOT NUL
 """
 _REPLICA_BLOCKS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS outgoing_blocks (block_key INTEGER PRIMARY KEY, block INTEGER NOT NULL, version INTEGER NOT NULL,
-    origin_version INTEGER NOT NULL, via TEXT NOT NULL, tombstone INTEGER NOT NULL, item_ids TEXT NOT NULL, sealed BLOB NOT NULL);
+    origin_version INTEGER NOT NULL, via TEXT NOT NULL, tombstone INTEGER NOT NULL, rows INTEGER NOT NULL, item_ids TEXT NOT NULL,
+    sealed BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS pending_blocks (sequence INTEGER PRIMARY KEY, block INTEGER NOT NULL, version INTEGER NOT NULL,
     origin_version INTEGER NOT NULL, via TEXT NOT NULL, item_ids TEXT NOT NULL, skipped TEXT NOT NULL, rows INTEGER NOT NULL,
     sealed BLOB NOT NULL)
@@ -180,10 +180,8 @@ def _move_replica_to_blocks(db: sqlite3.Connection) -> None:
     """The schema-6 replication tables from the schema-2 ones (a new gallery is created this way too)."""
     execute_script(db, _REPLICA_BLOCKS_SCHEMA)
     db.execute("INSERT INTO outgoing_blocks SELECT change_id, 0, COALESCE(version, 0), COALESCE(origin_version, 0), "
-               "COALESCE(via, ''), tombstone, item_id, sealed FROM changes WHERE sealed IS NOT NULL")
-    db.execute("ALTER TABLE changes ADD COLUMN block_key INTEGER")
-    db.execute("UPDATE changes SET block_key = change_id WHERE sealed IS NOT NULL")
-    db.execute("CREATE INDEX changes_by_block ON changes (block_key)")
+               "COALESCE(via, ''), tombstone, 1, item_id, sealed FROM changes WHERE sealed IS NOT NULL")
+    db.execute("DELETE FROM changes WHERE sealed IS NOT NULL")
     for column in ("version", "origin_version", "via", "sealed"):  # DROP COLUMN keeps the AUTOINCREMENT counter
         db.execute(f"ALTER TABLE changes DROP COLUMN {column}")
     db.execute("INSERT INTO pending_blocks SELECT sequence, 0, version, origin_version, via, item_id, '', 1, sealed "

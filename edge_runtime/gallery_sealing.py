@@ -9,6 +9,7 @@ swapped or replayed record fails to open and is reported as corrupt; the other r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -35,10 +36,17 @@ class RowSealer:
         aads = [_aad(self._gallery_id, r, i, tag, field_name) for r, i in zip(row_ids, item_ids, strict=True)]
         return self._sealer.seal_many(plaintexts, aads)
 
-    def seal_label(self, row_id: int, item_id: str, tag: VersionTag, label: str | None) -> bytes | None:
-        if label is None:
-            return None
-        return self._sealer.seal(label.encode("utf-8"), _aad(self._gallery_id, row_id, item_id, _label_tag(tag.origin_version), "label"))
+    def seal_labels(self, row_ids: Sequence[int], item_ids: Sequence[str], origins: Sequence[int],
+                    labels: Sequence[str | None]) -> list[bytes | None]:
+        """Each row's sealed label (None where it has none), all nonces drawn at once."""
+        present = [k for k, label in enumerate(labels) if label is not None]
+        sealed = self._sealer.seal_many(
+            [labels[k].encode("utf-8") for k in present],
+            [_aad(self._gallery_id, row_ids[k], item_ids[k], _label_tag(origins[k]), "label") for k in present])
+        found: list[bytes | None] = [None] * len(labels)
+        for k, record in zip(present, sealed, strict=True):
+            found[k] = record
+        return found
 
     def open_label(self, row_id: int, item_id: str, origin_version: int, sealed: bytes) -> str:
         """A row's label (:class:`CorruptRecordError` when it fails to open)."""
@@ -89,6 +97,7 @@ def _aad(gallery_id: bytes, row_id: int, item_id: str, tag: VersionTag, field_na
         field_name.encode())
 
 
+@functools.cache
 def _label_tag(origin_version: int) -> VersionTag:
     # labels never change across versions: bound to the row and its origin only
     return VersionTag(origin_version, origin_version, "native")

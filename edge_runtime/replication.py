@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
 SEAL_BATCH = 16384  # changes sealed per transaction
 PUSH_ROWS = limits.MAX_RECORDS_PER_PUSH  # rows per PushRecords call (acknowledged together)
+PULL_ROWS = 8192  # pulled rows merged per transaction (with the cursor)
 _BLOCK_BYTES = limits.MAX_RECORD_BATCH_BYTES - 1024  # a block's plaintext, with room for the header and the seal
 
 
@@ -207,18 +208,26 @@ def delete_removed_originals(device: DeviceParts, client) -> int:
 
 
 def pull(device: DeviceParts, client, result: ReplicationResult, *, on_batch=None) -> None:
-    """Merge every record after the gallery's cursor, one transaction per pulled message."""
+    """Merge every record after the gallery's cursor, one transaction per :data:`PULL_ROWS` rows
+    or so (whole messages; each transaction also advances the cursor)."""
     log = device.gallery.replica_log
-    for response in client.pull_records(after_sequence=log.replica_cursor):
-        if not response.records:
-            continue
-        opened = _place(device, [_open(device, _pulled(m)) for m in response.records])
-        counts = log.merge_blocks(opened, _decide, cursor=response.records[-1].sequence)
-        result.add(counts)
+    opened: list[Incoming] = []
+
+    def merge() -> None:
+        counts = log.merge_blocks(opened, _decide, cursor=opened[-1].pending.sequence)
         rows = sum(len(r.live) for r in opened)
+        result.add(counts)
         result.pulled += rows
+        opened.clear()
         if on_batch is not None:
             on_batch("pull", rows)
+
+    for response in client.pull_records(after_sequence=log.replica_cursor):
+        opened += _place(device, [_open(device, _pulled(m)) for m in response.records])
+        if sum(len(r.pending.item_ids) for r in opened) >= PULL_ROWS:
+            merge()
+    if opened:
+        merge()
 
 
 def apply_pending(device: DeviceParts) -> dict[str, int]:

@@ -138,13 +138,12 @@ class ReplicaHandlers:
         owner_id = self._requested_owner(request.owner_id)
         after = counter_field(request.after_sequence, "after_sequence")
         while True:
-            records = self._storage.pull_records(owner_id, after, limits.MAX_RECORDS_PER_MESSAGE)
+            records = self._storage.pull_records(owner_id, after, limits.MAX_RECORDS_PER_MESSAGE, limits.MAX_RECORD_BATCH_BYTES)
             batch: list[ReplicaRecord] = []
-            sealed_bytes = id_bytes = 0
+            id_bytes = 0
             for record in records:
-                more_sealed, more_ids = _sizes([record])
-                sealed_bytes, id_bytes = sealed_bytes + more_sealed, id_bytes + more_ids
-                if batch and (sealed_bytes > limits.MAX_RECORD_BATCH_BYTES or id_bytes > limits.MAX_ITEM_ID_BATCH_BYTES):
+                id_bytes += _sizes([record])[1]
+                if batch and id_bytes > limits.MAX_ITEM_ID_BATCH_BYTES:
                     break
                 batch.append(record)
             if not batch:

@@ -26,10 +26,11 @@ CREATE TABLE IF NOT EXISTS replica_blocks (
     origin_version INTEGER NOT NULL,
     via TEXT NOT NULL,
     tombstone INTEGER NOT NULL,
-    sealed BLOB NOT NULL,
     sealed_sha256 TEXT NOT NULL,
     created_at TEXT NOT NULL,
+    rows INTEGER NOT NULL,
     live_rows INTEGER NOT NULL,
+    sealed BLOB NOT NULL,
     PRIMARY KEY (owner_id, sequence),
     UNIQUE (device_id, change_id)
 );
@@ -39,18 +40,15 @@ CREATE TABLE IF NOT EXISTS replica_items (
     sequence INTEGER NOT NULL,
     position INTEGER NOT NULL,
     item_id TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    via TEXT NOT NULL,
-    tombstone INTEGER NOT NULL,
-    sealed_sha256 TEXT NOT NULL,
     superseded INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (owner_id, sequence, position)
 );
-CREATE INDEX IF NOT EXISTS replica_live_by_item ON replica_items (owner_id, item_id, version) WHERE superseded = 0;
+CREATE INDEX IF NOT EXISTS replica_live_by_item ON replica_items (owner_id, item_id) WHERE superseded = 0;
 """
-"""``block`` 1: a block of rows, 0: a record in the single-row format; ``live_rows``: rows not
-superseded (0: the sealed bytes are dropped). Each row repeats its block's header (version, via,
-tombstone, SHA-256 of the sealed bytes) so the supersession query reads one table."""
+"""``block`` 1: a block of rows, 0: a record in the single-row format; ``rows`` its rows,
+``live_rows`` those not superseded (0: the sealed bytes are dropped); ``sealed`` comes last, so reading the other columns
+never walks a large record's overflow pages. A row's entry is small (the block holds its header):
+pushing a block writes one short index entry per row."""
 
 # A live row is superseded when another live record of the same item wins over it on every
 # device that could still pull it (the devices' merge order, fctkit.edge_runtime.records.beats):
@@ -59,17 +57,25 @@ tombstone, SHA-256 of the sealed bytes) so the supersession query reads one tabl
 # of two identical ones); or a record at a higher version when every device of the owner is at
 # exactly that version (:common_version; a device further on may have skipped it and so could not
 # place the record, only the older one).
-_SUPERSEDED = """
-SELECT r.sequence, r.position FROM replica_items r
+SUPERSEDED = """
+SELECT r.sequence, r.position FROM replica_items r JOIN replica_blocks rb USING (owner_id, sequence)
 WHERE r.owner_id = :owner AND r.superseded = 0 {items} AND EXISTS (
-    SELECT 1 FROM replica_items w
+    SELECT 1 FROM replica_items w JOIN replica_blocks wb USING (owner_id, sequence)
     WHERE w.owner_id = r.owner_id AND w.item_id = r.item_id AND w.superseded = 0 AND w.sequence != r.sequence AND (
-        (w.tombstone = 1 AND (r.tombstone = 0 OR w.sequence < r.sequence))
-        OR (w.tombstone = 0 AND r.tombstone = 0 AND (
-            w.version > r.version AND w.version = :common_version
-            OR w.version = r.version AND ((w.via != 'forward') > (r.via != 'forward')
-                OR (w.via != 'forward') = (r.via != 'forward') AND (w.sealed_sha256, w.sequence) < (r.sealed_sha256, r.sequence))))))
+        (wb.tombstone = 1 AND (rb.tombstone = 0 OR w.sequence < r.sequence))
+        OR (wb.tombstone = 0 AND rb.tombstone = 0 AND (
+            wb.version > rb.version AND wb.version = :common_version
+            OR wb.version = rb.version AND ((wb.via != 'forward') > (rb.via != 'forward')
+                OR (wb.via != 'forward') = (rb.via != 'forward')
+                   AND (wb.sealed_sha256, w.sequence) < (rb.sealed_sha256, r.sequence))))))
 """
+
+
+CONTESTED = """
+SELECT c.item_id FROM temp.compacting c WHERE (SELECT COUNT(*) FROM (
+    SELECT 1 FROM replica_items r WHERE r.owner_id = ? AND r.item_id = c.item_id AND r.superseded = 0 LIMIT 2)) > 1
+"""
+"""The items (of ``temp.compacting``) with more than one live row: one probe of the item index each."""
 
 
 def unique_chunks(values: Sequence, size: int = 500) -> list[list]:
@@ -86,18 +92,20 @@ def common_version(db: sqlite3.Connection, owner_id: str | None) -> int:
     return lowest if lowest == highest and lowest else 0
 
 
-def compact_replica(db: sqlite3.Connection, owner_id: str, items: Sequence[str] | None = None) -> int:
-    """Mark the owner's superseded rows (all of them, or those of ``items``) and drop the sealed
-    bytes of blocks left without a live row; returns how many rows. The blocks' entries stay
-    (empty), so a retried push of one is still answered with the sequence number it got."""
+def compact_replica(db: sqlite3.Connection, owner_id: str, items: Sequence[str] | None = None, *,
+                    blocks: Sequence[int] = ()) -> int:
+    """Mark the owner's superseded rows (all of them; or those of ``items``; or, with ``blocks``,
+    of the items of those blocks, just stored) and drop the sealed bytes of blocks left without a
+    live row; returns how many rows. The blocks' entries stay (empty), so a retried push of one
+    is still answered with the sequence number it got."""
     params = {"owner": owner_id, "common_version": common_version(db, owner_id)}
     found: list[tuple[int, int]] = []
-    if items is None:
-        found = db.execute(_SUPERSEDED.format(items=""), params).fetchall()
+    if items is None and not blocks:
+        found = db.execute(SUPERSEDED.format(items=""), params).fetchall()
     else:
-        for chunk in unique_chunks(items):
+        for chunk in unique_chunks(_contested(db, owner_id, items or (), blocks)):
             marks = ",".join(f":i{k}" for k in range(len(chunk)))
-            found += db.execute(_SUPERSEDED.format(items=f"AND r.item_id IN ({marks})"),
+            found += db.execute(SUPERSEDED.format(items=f"AND r.item_id IN ({marks})"),
                                 {**params, **{f"i{k}": item for k, item in enumerate(chunk)}}).fetchall()
     if found:
         db.executemany("UPDATE replica_items SET superseded = 1 WHERE owner_id=? AND sequence=? AND position=?",
@@ -107,6 +115,18 @@ def compact_replica(db: sqlite3.Connection, owner_id: str, items: Sequence[str] 
                        [(count, owner_id, sequence) for sequence, count in per_block.items()])
         _drop_dead_blocks(db, owner_id, list(per_block))
     return len(found)
+
+
+def _contested(db: sqlite3.Connection, owner_id: str, items: Sequence[str], blocks: Sequence[int]) -> list[str]:
+    """Those of ``items`` (or of the items of ``blocks``) with more than one live row: only they
+    can have a superseded one (a push of new items then costs one index probe per row)."""
+    db.execute("CREATE TEMP TABLE IF NOT EXISTS compacting (item_id TEXT PRIMARY KEY)")
+    db.execute("DELETE FROM temp.compacting")
+    db.executemany("INSERT OR IGNORE INTO temp.compacting VALUES (?)", [(i,) for i in items])
+    for chunk in unique_chunks(blocks):
+        db.execute(f"INSERT OR IGNORE INTO temp.compacting SELECT item_id FROM replica_items WHERE owner_id = ? "
+                   f"AND sequence IN ({','.join('?' * len(chunk))})", (owner_id, *chunk))
+    return [row[0] for row in db.execute(CONTESTED, (owner_id,))]
 
 
 def _drop_dead_blocks(db: sqlite3.Connection, owner_id: str, sequences: Sequence[int]) -> None:

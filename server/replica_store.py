@@ -67,16 +67,14 @@ class ReplicaStore:
                     size += len(record.sealed)
                     sha = hashlib.sha256(record.sealed).hexdigest()
                     blocks.append((owner_id, last, device_id, record.change_id, int(record.block), record.version,
-                                   record.origin_version, record.via, int(record.tombstone), record.sealed, sha, now,
-                                   len(record.item_ids)))
-                    rows += [(owner_id, last, position, item_id, record.version, record.via, int(record.tombstone), sha)
-                             for position, item_id in enumerate(record.item_ids)]
+                                   record.origin_version, record.via, int(record.tombstone), sha, now,
+                                   len(record.item_ids), len(record.item_ids), record.sealed))
+                    rows += [(owner_id, last, position, item_id) for position, item_id in enumerate(record.item_ids)]
                 sequences.append(assigned[record.change_id])
-            self._db.executemany("INSERT INTO replica_blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", blocks)
-            self._db.executemany("INSERT INTO replica_items (owner_id, sequence, position, item_id, version, via, tombstone, "
-                                 "sealed_sha256) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+            self._db.executemany("INSERT INTO replica_blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", blocks)
+            self._db.executemany("INSERT INTO replica_items (owner_id, sequence, position, item_id) VALUES (?, ?, ?, ?)", rows)
             self._db.execute("INSERT OR REPLACE INTO replica_owners VALUES (?, ?, ?)", (owner_id, last, size))
-            compact_replica(self._db, owner_id, [row[3] for row in rows])
+            compact_replica(self._db, owner_id, blocks=[block[1] for block in blocks])
         rows_stored = len(rows)
         return PushOutcome(len(blocks), len(records) - len(blocks), last, tuple(sequences),
                            rows_stored, sum(len(r.item_ids) for r in records) - rows_stored)
@@ -90,32 +88,28 @@ class ReplicaStore:
                 (device_id, *chunk)))
         return found
 
-    def pull_records(self, owner_id: str, after_sequence: int, limit: int) -> list[ReplicaRecord]:
-        """The owner's records with a live row after ``after_sequence``, in sequence order,
-        holding at most ``limit`` rows (at least one record), each with its superseded positions."""
-        blocks = self._db.execute(
-            "SELECT sequence, change_id, block, version, origin_version, via, tombstone, sealed FROM replica_blocks "
-            "WHERE owner_id=? AND sequence>? AND live_rows>0 ORDER BY sequence LIMIT ?", (owner_id, after_sequence, limit)).fetchall()
-        if not blocks:
-            return []
-        rows: dict[int, list[str]] = {}
-        superseded: dict[int, list[int]] = {}
-        for chunk in unique_chunks([b[0] for b in blocks]):
-            for sequence, position, item_id, dead in self._db.execute(
-                    f"SELECT sequence, position, item_id, superseded FROM replica_items WHERE owner_id=? AND sequence IN "
-                    f"({','.join('?' * len(chunk))}) ORDER BY sequence, position", (owner_id, *chunk)):
-                rows.setdefault(sequence, []).append(item_id)
-                if dead:
-                    superseded.setdefault(sequence, []).append(position)
-        records, total = [], 0
-        for sequence, change_id, block, version, origin, via, tombstone, sealed in blocks:
-            item_ids = tuple(rows.get(sequence, ()))
-            if records and total + len(item_ids) > limit:
+    def pull_records(self, owner_id: str, after_sequence: int, max_rows: int, max_sealed_bytes: int) -> list[ReplicaRecord]:
+        """The owner's next records with a live row after ``after_sequence``, in sequence order:
+        at most ``max_rows`` rows and ``max_sealed_bytes`` (at least one record), each with its
+        superseded positions."""
+        picked, rows, size = [], 0, 0
+        for sequence, count, length in self._db.execute(
+                "SELECT sequence, rows, length(sealed) FROM replica_blocks WHERE owner_id=? AND sequence>? AND live_rows>0 "
+                "ORDER BY sequence LIMIT ?", (owner_id, after_sequence, max_rows)).fetchall():
+            if picked and (rows + count > max_rows or size + length > max_sealed_bytes):
                 break
-            total += len(item_ids)
-            records.append(ReplicaRecord(change_id, item_ids, version, origin, via, bool(tombstone), bytes(sealed),
-                                         bool(block), sequence, tuple(superseded.get(sequence, ()))))
-        return records
+            picked.append(sequence)
+            rows, size = rows + count, size + length
+        return [self._record(owner_id, sequence) for sequence in picked]
+
+    def _record(self, owner_id: str, sequence: int) -> ReplicaRecord:
+        change_id, block, version, origin, via, tombstone, sealed = self._db.execute(
+            "SELECT change_id, block, version, origin_version, via, tombstone, sealed FROM replica_blocks "
+            "WHERE owner_id=? AND sequence=?", (owner_id, sequence)).fetchone()
+        entries = self._db.execute("SELECT item_id, superseded FROM replica_items WHERE owner_id=? AND sequence=? "
+                                   "ORDER BY position", (owner_id, sequence)).fetchall()
+        return ReplicaRecord(change_id, tuple(item for item, _ in entries), version, origin, via, bool(tombstone), bytes(sealed),
+                             bool(block), sequence, tuple(k for k, (_, dead) in enumerate(entries) if dead))
 
     def replica_usage(self, owner_id: str) -> tuple[int, int]:
         """(sealed bytes, highest sequence number) of the owner's replica."""

@@ -74,7 +74,7 @@ class Storage(Protocol):
     def reserved_uploads(self) -> set[tuple[str, str]]: ...
 
     def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str) -> PushOutcome: ...
-    def pull_records(self, owner_id: str, after_sequence: int, limit: int) -> list[ReplicaRecord]: ...
+    def pull_records(self, owner_id: str, after_sequence: int, max_rows: int, max_sealed_bytes: int) -> list[ReplicaRecord]: ...
     def replica_usage(self, owner_id: str) -> tuple[int, int]: ...
 
     def add_enrolment_code(self, code_hash: str, label: str, created_at: str, expires_at: str,
@@ -180,8 +180,8 @@ class SqliteStorage:
     def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str) -> PushOutcome:
         return self._replica.push_records(owner_id, device_id, records, now)
 
-    def pull_records(self, owner_id: str, after_sequence: int, limit: int) -> list[ReplicaRecord]:
-        return self._replica.pull_records(owner_id, after_sequence, limit)
+    def pull_records(self, owner_id: str, after_sequence: int, max_rows: int, max_sealed_bytes: int) -> list[ReplicaRecord]:
+        return self._replica.pull_records(owner_id, after_sequence, max_rows, max_sealed_bytes)
 
     def replica_usage(self, owner_id: str) -> tuple[int, int]:
         return self._replica.replica_usage(owner_id)

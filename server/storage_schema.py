@@ -131,9 +131,8 @@ def _replica_blocks(db: sqlite3.Connection) -> None:
     if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'replica_records'").fetchone():
         return  # a database from before replication (schema 1)
     db.execute("INSERT INTO replica_blocks SELECT owner_id, sequence, device_id, change_id, 0, version, origin_version, via, "
-               "tombstone, sealed, sealed_sha256, created_at, 1 - superseded FROM replica_records")
-    db.execute("INSERT INTO replica_items SELECT owner_id, sequence, 0, item_id, version, via, tombstone, sealed_sha256, "
-               "superseded FROM replica_records")
+               "tombstone, sealed_sha256, created_at, 1, 1 - superseded, sealed FROM replica_records")
+    db.execute("INSERT INTO replica_items SELECT owner_id, sequence, 0, item_id, superseded FROM replica_records")
     db.execute("DROP TABLE replica_records")
     for (owner_id,) in db.execute("SELECT owner_id FROM replica_owners").fetchall():
         compact_replica(db, owner_id)

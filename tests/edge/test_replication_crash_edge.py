@@ -27,7 +27,7 @@ WORKER = """
 import sys
 from fctkit.edge_runtime import Device, gallery, replication
 from fctkit.protos import client as client_module
-replication.SEAL_BATCH = replication.PUSH_ROWS = int(sys.argv[2])  # blocks of a few rows, many transactions
+replication.SEAL_BATCH = replication.PUSH_ROWS = replication.PULL_ROWS = int(sys.argv[2])  # small blocks, many transactions
 original_exit, original_push = gallery._transaction.__exit__, client_module.FctkitClient.push_records
 def exit_hook(self, exc_type, exc, tb):
     if exc_type is None:

@@ -104,7 +104,7 @@ def test_a_schema_2_database_is_migrated_and_compacted(tmp_path):
         db.execute("PRAGMA user_version=2")
     storage = SqliteStorage(tmp_path / "data")
     assert storage.replica_usage(owner) == (100, 2)
-    assert [(r.sequence, r.item_ids, r.via, r.block) for r in storage.pull_records(owner, 0, 10)] == [(1, ("x",), "native", False)]
+    assert [(r.sequence, r.item_ids, r.via, r.block) for r in storage.pull_records(owner, 0, 10, 1 << 20)] == [(1, ("x",), "native", False)]
     again = storage.push_records(owner, "dev-1", [ReplicaRecord(2, ("x",), 1, 1, "forward", False, b"b" * 100, block=False)], "now")
     assert (again.stored, again.sequences) == (0, (2,))
     storage.close()
@@ -153,3 +153,19 @@ def test_a_large_replica_is_swept_page_by_page_in_the_background(start_server):
     while len(live := _live(tablet)) > items and time.monotonic() < deadline:
         time.sleep(0.1)
     assert len(live) == items and {version for _, _, version, *_ in live} == {2}
+
+
+def test_the_compaction_queries_look_rows_up_by_item_not_by_scanning_the_owner():
+    """A plan that scans an owner's rows makes every push cost the size of the replica (this
+    was measured: 0.5 s per 1,000-row block at 100k rows)."""
+    from fctkit.server.replica_compaction import CONTESTED, REPLICA_SCHEMA, SUPERSEDED
+
+    db = sqlite3.connect(":memory:")
+    for statement in filter(str.strip, REPLICA_SCHEMA.split(";")):
+        db.execute(statement)
+    db.execute("CREATE TEMP TABLE compacting (item_id TEXT PRIMARY KEY)")
+    params = {"owner": "o", "common_version": 1}
+    for sql, args in ((CONTESTED, ("o",)), (SUPERSEDED.format(items="AND r.item_id IN ('a')"), params)):
+        plan = [row[3] for row in db.execute("EXPLAIN QUERY PLAN " + sql, args)]
+        lookups = [step for step in plan if " r " in f" {step} " or " w " in f" {step} "]
+        assert lookups and all("replica_live_by_item (owner_id=? AND item_id=?)" in step for step in lookups), plan

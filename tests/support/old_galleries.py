@@ -25,8 +25,6 @@ def downgrade_to_schema_5(path: Path, key: bytes) -> None:
         assert db.execute("SELECT COUNT(*) FROM pending_blocks").fetchone()[0] == 0
         for column in ("version INTEGER", "origin_version INTEGER", "via TEXT", "sealed BLOB"):
             db.execute(f"ALTER TABLE changes ADD COLUMN {column}")
-        db.execute("DROP INDEX changes_by_block")
-        db.execute("ALTER TABLE changes DROP COLUMN block_key")
         db.execute("DROP TABLE outgoing_blocks")
         db.execute("DROP TABLE pending_blocks")
         db.execute("CREATE TABLE pending_records (sequence INTEGER PRIMARY KEY, item_id TEXT NOT NULL, version INTEGER NOT NULL, "
