@@ -8,22 +8,26 @@ same bytes over the same loopback, in the same run.
 Rows: a 128-d embedding and a 128-d side-info each (random, sealed in the first device's
 gallery; the fill is not timed), at the owner's current version. Timed:
 
-* push: ``replication.push`` on the first device — read and decrypt each row (device key),
-  seal it under the owner key, keep the sealed change (one commit per 1,024), send it
-  (PushRecords, 2,048 per call, the server stores each batch in one transaction), forget it;
-* pull: ``replication.pull`` on the second device — stream the records, open them under the
-  owner key, merge them (seal under its device key, one commit per 1,024 with the cursor);
+* push: ``replication.push`` on the first device — read and decrypt the changed rows (device
+  key, block by block), seal them under the owner key as blocks of up to 1 MiB (one commit per
+  16,384 changes keeps the sealed blocks), send them (PushRecords, up to 65,536 rows per call;
+  the server stores each message in one transaction and compacts), forget them;
+* pull: ``replication.pull`` on the second device — stream the blocks, open each under the owner
+  key, merge them (one pass per block; rows sealed under its device key in blocks, about 8,192
+  rows per commit with the cursor);
 * plain up / down: the same number of bytes as the sealed records, in messages of the same
   size (about 1 MiB), streamed to / from a minimal gRPC server (raw bytes, no protobuf, no
   storage) in a subprocess on the same loopback.
 
 The ratios replication/plain say what sealing, SQLite and the server's checks cost on top of
-moving the bytes. CPU timings vary with load on shared machines: read the ratios.
+moving the bytes. ``--profile`` also prints where each direction's time goes. CPU timings vary with load on shared machines: read the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -104,7 +108,22 @@ def plain_stream_seconds(total_bytes: int) -> tuple[float, float]:
         process.wait()
 
 
-def measure(rows: int, work: Path) -> dict:
+def timed(run, profile: bool, what: str) -> float:
+    """Seconds ``run()`` took; with ``profile``, its 15 costliest functions (own time) on stderr."""
+    profiler = cProfile.Profile() if profile else None
+    start = time.perf_counter()
+    if profiler is None:
+        run()
+    else:
+        profiler.runcall(run)
+    seconds = time.perf_counter() - start
+    if profiler is not None:
+        print(f"--- profile: {what} ({seconds:.2f} s with the profiler on) ---", file=sys.stderr)
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(15)
+    return seconds
+
+
+def measure(rows: int, work: Path, profile: bool = False) -> dict:
     from fctkit.edge_runtime.replication import ReplicationResult, pull, push
 
     with LoopbackServer(work, "--replica-quota-bytes", str(1 << 40)) as server:
@@ -119,14 +138,10 @@ def measure(rows: int, work: Path) -> dict:
         second.gallery.set_meta({"query_version": "1"})
         pushed, pulled = ReplicationResult(), ReplicationResult()
         with first.client() as client:
-            start = time.perf_counter()
-            push(first.parts, client, pushed)
-            push_s = time.perf_counter() - start
+            push_s = timed(lambda: push(first.parts, client, pushed), profile, "push")
             sealed_bytes = sum(len(r.sealed) for batch in client.pull_records() for r in batch.records)
         with second.client() as client:
-            start = time.perf_counter()
-            pull(second.parts, client, pulled)
-            pull_s = time.perf_counter() - start
+            pull_s = timed(lambda: pull(second.parts, client, pulled), profile, "pull")
         assert pushed.pushed == rows and pulled.applied == rows and len(second.gallery) == rows
         first.close()
         second.close()
@@ -143,7 +158,7 @@ def measure(rows: int, work: Path) -> dict:
 def markdown(result: dict) -> str:
     r = result
     return "\n".join([
-        f"Replication of {r['rows']:,} rows (128-d embedding + 128-d side-info, {r['bytes_per_row']:.0f} sealed bytes per record) "
+        f"Replication of {r['rows']:,} rows (128-d embedding + 128-d side-info, {r['bytes_per_row']:.0f} sealed bytes per row) "
         "between two devices of one owner over loopback, against a plain gRPC byte stream of the same bytes in the same run "
         "(`python benchmarks/edge_replication.py`):",
         "",
@@ -159,9 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--markdown", type=Path, default=None, help="Also append the table to this file.")
+    parser.add_argument("--profile", action="store_true",
+                        help="Profile push and pull (the device side; the server runs in its own process) and print "
+                             "the costliest functions; the timings then include the profiler's overhead.")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fctkit-replication-bench-") as tmp:
-        result = measure(args.rows, Path(tmp))
+        result = measure(args.rows, Path(tmp), args.profile)
     report(result, markdown(result), args.markdown)
     return 0
 

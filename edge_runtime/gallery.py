@@ -6,7 +6,8 @@ tag, each field sealed as one AES-GCM record (:mod:`.gallery_vectors`, :mod:`.ga
 so a whole gallery opens at block speed; labels and per-row extras are sealed per row
 (:mod:`.gallery_sealing`). Two parts have their own class: :attr:`Gallery.extras`
 (:mod:`.gallery_extras`) and :attr:`Gallery.replica_log` (outbox, changes to push, pulled
-records: :mod:`.gallery_replica`).
+records: :mod:`.gallery_replica`); the upgrade reads and writes come from the base class
+:class:`~.gallery_upgrades.GalleryUpgrades`.
 
 Every write that changes a live row logs a change in the same transaction (adding, the
 switch commit of an upgrade, in-place upgrades and backfills, removal as a tombstone); one
@@ -43,13 +44,14 @@ from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryDamagedErro
 from .crypto import Sealer
 from .gallery_extras import RowExtras
 from .gallery_replica import InsertedRows, ReplicaLog
-from .gallery_rows import LoadedRows, NewRow, UpgradedRows, VersionTag, rows_by_tag, tag_name, take_rows
+from .gallery_rows import LoadedRows, NewRow, VersionTag, tag_name
 from .gallery_schema import (SCHEMA_VERSION, VECTOR_TABLES, check_essential, create_tables, migrate,
                              migrate_replica_to_blocks, vector_tables)
 from .gallery_block_migration import migrate_to_blocks
 from .gallery_blocks import check_item_ids
 from .gallery_sealing import RowSealer
 from .gallery_settings import GallerySettings
+from .gallery_upgrades import GalleryUpgrades
 from .gallery_vectors import VectorBlocks, reconciled_with_items
 from .sqlite_file import connect, id_chunks
 from .sqlite_file import read_snapshot as _read_snapshot
@@ -58,7 +60,7 @@ from .sqlite_file import transaction as _transaction
 _KEY_CHECK = b"fctkit-gallery-key-check"
 
 
-class Gallery:
+class Gallery(GalleryUpgrades):
     """An encrypted gallery file. Open with :meth:`create` (new) or :meth:`open` (existing).
 
     Readers and one writer may use the file at the same time (WAL): a query sees one
@@ -399,103 +401,3 @@ class Gallery:
         for chunk, marks in id_chunks(item_ids):
             found += [r[0] for r in self._db.execute(f"SELECT item_id FROM tombstones WHERE item_id IN ({marks})", chunk)]
         return found
-
-    # -- upgrades --------------------------------------------------------------------------
-
-    def rows_to_upgrade(self, target_version: int, after_row_id: int, limit: int) -> LoadedRows:
-        """The next ``limit`` rows (by row id, after ``after_row_id``) not yet in ``target_version``'s
-        space (live vectors elsewhere and nothing staged), decrypted."""
-        with _read_snapshot(self._db):
-            live, staged = self._tables()
-            rows = self._db.execute(
-                f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, NULL "
-                f"FROM {live} v JOIN items i USING (row_id) WHERE {_not_yet_in(staged)} AND v.row_id > ? "
-                f"ORDER BY v.row_id LIMIT ?",
-                (target_version, after_row_id, limit),
-            ).fetchall()
-            return self._vectors.open_pointers(rows)
-
-    def row_versions(self, target_version: int) -> list[int]:
-        """The version tags of the rows not yet in ``target_version``'s space (staged rows count as done)."""
-        live, staged = self._tables()
-        query = f"SELECT DISTINCT v.version FROM {live} v WHERE {_not_yet_in(staged)} ORDER BY v.version"
-        return [row[0] for row in self._db.execute(query, (target_version,))]
-
-    def remaining(self, target_version: int) -> int:
-        live, staged = self._tables()
-        query = f"SELECT COUNT(*) FROM {live} v WHERE {_not_yet_in(staged)}"
-        return self._db.execute(query, (target_version,)).fetchone()[0]
-
-    def not_native(self, version: int) -> int:
-        """Live rows that are not ``version``'s own embeddings (adapted, or in another space)."""
-        live, _ = self._tables()
-        return self._db.execute(f"SELECT COUNT(*) FROM {live} WHERE NOT (version = ? AND via = 'native')", (version,)).fetchone()[0]
-
-    def write_upgrades(self, batches: Sequence[UpgradedRows], *, staged: bool) -> None:
-        """Write upgraded rows in one transaction, each guarded by the tag it was computed
-        from (a row changed or staged since makes the whole transaction roll back).
-        ``staged``: into the staged vector table (forward mode, switched later); else in place."""
-        with _transaction(self._db):
-            live, other = self._tables()
-            if staged:  # set-based, one statement per new block: the rows' ids go in as one JSON array
-                sql = (f"INSERT INTO {other} (row_id, version, via, block_id) SELECT row_id, ?, ?, ? FROM {live} "
-                       f"WHERE row_id IN (SELECT value FROM json_each(?)) AND version = ? AND via = ?")
-            else:  # the rows leave their old blocks (retired there) for the new ones
-                self._vectors.retire(live, [r for b in batches for r in b.row_ids])
-                sql = (f"UPDATE {live} SET version = ?, via = ?, block_id = ? "
-                       f"WHERE row_id IN (SELECT value FROM json_each(?)) AND version = ? AND via = ?")
-            written = 0
-            try:
-                for b in batches:
-                    block_of = self._vectors.write(other if staged else live, b.new_tag, b.row_ids, b.item_ids, b.embeddings, b.side_infos)
-                    for block_id in np.unique(block_of):
-                        rows = json.dumps(np.asarray(b.row_ids, dtype=np.int64)[block_of == block_id].tolist())
-                        params = (b.new_tag.version, b.new_tag.via, int(block_id), rows, b.old_tag.version, b.old_tag.via)
-                        written += self._db.execute(sql, params).rowcount
-            except sqlite3.IntegrityError:
-                raise GalleryError("a row of this batch is already upgraded (staged); run the upgrade again") from None
-            expected = sum(len(b.row_ids) for b in batches)
-            if written != expected:
-                raise GalleryError(f"{expected - written} row(s) changed while being upgraded; run the upgrade again")
-            if not staged:  # in place: live rows changed (staged ones change at the switch)
-                self._log_changes([i for b in batches for i in b.item_ids])
-
-    def switch_to(self, target_version: int, meta: dict[str, str | None], *, keep_previous: int | None = None) -> None:
-        """Commit a forward-mode upgrade in one transaction: the staged vector table becomes
-        live and the query version is set; refused while any row is not yet in the target space.
-        Earlier previous-space embeddings are dropped; ``keep_previous``: the live rows in that
-        version's space keep their embedding as ``previous_embedding`` (a transition begins)."""
-        with _transaction(self._db):
-            left = self.remaining(target_version)
-            if left:
-                raise GalleryError(f"{left} row(s) are not yet in v{target_version}'s space: finish the upgrade first")
-            live, staged = self._tables()
-            self._log_changes(select_sql=f"SELECT item_id FROM items JOIN {staged} USING (row_id) ORDER BY row_id")
-            # rows already in the target space needed no transform: carried over unchanged, with their blocks
-            self._db.execute(f"INSERT INTO {staged} SELECT * FROM {live} v WHERE NOT EXISTS "
-                             f"(SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id)")
-            self._vectors.move_referenced(live, staged)
-            self._db.execute("DELETE FROM row_extras WHERE field = 'previous_embedding'")
-            if keep_previous is not None:
-                self._keep_previous(live, keep_previous)
-            self._vectors.drop_set(live)
-            self._db.execute(f"DELETE FROM {live}")
-            self._set_meta({**meta, "query_version": str(target_version), "live_vectors": staged})
-
-
-    def _keep_previous(self, live: str, version: int) -> None:
-        """Inside the switch: the live rows in ``version``'s space keep their embedding as a
-        ``previous_embedding`` extra (sealed per row as that tag's embedding)."""
-        rows = self._vectors.open_pointers(self._db.execute(
-            f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, NULL FROM {live} v "
-            f"JOIN items i USING (row_id) WHERE v.version = ? ORDER BY row_id", (version,)).fetchall())
-        for tag, picked in rows_by_tag(rows.tags).items():
-            self._extras.insert("previous_embedding", rows.row_ids[picked].tolist(), [rows.item_ids[i] for i in picked], tag,
-                                take_rows(rows.embeddings, picked))
-
-
-def _not_yet_in(staged: str) -> str:
-    """SQL condition on a live vector row ``v``: not in the target version's space (its one
-    parameter) and not staged there yet (``staged``: the staged vector table)."""
-    return f"v.version != ? AND NOT EXISTS (SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id)"
-
