@@ -138,12 +138,16 @@ def open_record(owner: Sealer, owner_id: str, item_id: str, tag: VersionTag | No
     """The content of a record (None for a tombstone); :class:`CorruptRecordError` when it was
     altered, re-labelled, or sealed under another owner key."""
     what = f"replica record of item {item_id!r} ({'tombstone' if tag is None else tag})"
+    plaintext = _open_sealed(owner, sealed, record_aad(owner_id, item_id, tag), what)
+    return None if tag is None else decode_content(plaintext, what)
+
+
+def _open_sealed(owner: Sealer, sealed: bytes, aad: bytes, what: str) -> bytes:
     try:
-        plaintext = owner.open(sealed, record_aad(owner_id, item_id, tag), what)
+        return owner.open(sealed, aad, what)
     except CorruptRecordError as exc:
         raise CorruptRecordError(f"{exc}; if every record fails, this device holds another owner's key: "
                                  "import the owner's key (`fctkit device init --import-key`)") from None
-    return None if tag is None else decode_content(plaintext, what)
 
 
 def sealed_sha256(sealed: bytes) -> str:
@@ -228,9 +232,5 @@ def open_block(owner: Sealer, owner_id: str, item_ids: tuple[str, ...], tag: Ver
             return None
         return ReplicaRows(item_ids, content.embedding[None], content.side_info[None], [content.label], [content.vault_sha256])
     what = f"replica block of {len(item_ids)} rows from item {item_ids[0]!r} ({'tombstones' if tag is None else tag})"
-    try:
-        plaintext = owner.open(sealed, block_aad(owner_id, item_ids, tag), what)
-    except CorruptRecordError as exc:
-        raise CorruptRecordError(f"{exc}; if every record fails, this device holds another owner's key: "
-                                 "import the owner's key (`fctkit device init --import-key`)") from None
+    plaintext = _open_sealed(owner, sealed, block_aad(owner_id, item_ids, tag), what)
     return None if tag is None else decode_block(plaintext, item_ids, what)

@@ -15,7 +15,7 @@ from fctkit.errors import RpcStatusError
 from fctkit.protos import limits, vault_pb2
 
 from .auth import current_device_id, current_owner_id
-from .storage import ReplicaRecord, Storage
+from .storage import ReplicaQuotaExceeded, ReplicaRecord, Storage
 from .validation import counter_field, invalid, text_field, text_fields, timestamp
 
 VIAS = ("native", "forward", "backward")
@@ -105,13 +105,6 @@ class ReplicaHandlers:
             raise RpcStatusError("PERMISSION_DENIED", "a device reaches only its own owner's blobs and records")
         return own
 
-    def _check_replica_quota(self, owner_id: str, batch: Sequence[ReplicaRecord]) -> None:
-        used, _ = self._storage.replica_usage(owner_id)
-        extra = sum(len(r.sealed) for r in batch)
-        if used + extra > self._replica_quota:
-            raise RpcStatusError("RESOURCE_EXHAUSTED", f"replica quota exceeded: {used} sealed bytes stored + {extra} "
-                                 f"new > {self._replica_quota}; remove items (tombstones are small) or ask for more")
-
     async def PushRecords(self, requests: AsyncIterator[vault_pb2.PushRecordsRequest], context):
         device_id, owner_id = current_device_id(), current_owner_id()
         stored = already = stored_rows = already_rows = 0
@@ -126,8 +119,11 @@ class ReplicaHandlers:
                               f"another call (the {len(sequences)} records stored so far are kept)")
             if not batch:
                 continue
-            self._check_replica_quota(owner_id, batch)
-            outcome = self._storage.push_records(owner_id, device_id, batch, timestamp())
+            try:
+                outcome = self._storage.push_records(owner_id, device_id, batch, timestamp(), self._replica_quota)
+            except ReplicaQuotaExceeded as exceeded:
+                raise RpcStatusError("RESOURCE_EXHAUSTED", f"replica quota exceeded: {exceeded}; remove items "
+                                     "(tombstones are small) or ask for more") from None
             stored, already, last = stored + outcome.stored, already + outcome.already_stored, outcome.last_sequence
             stored_rows, already_rows = stored_rows + outcome.stored_rows, already_rows + outcome.already_stored_rows
             sequences += outcome.sequences

@@ -37,6 +37,14 @@ class ReplicaRecord:
     superseded: tuple[int, ...] = ()  # on pull: positions of rows compacted away
 
 
+class ReplicaQuotaExceeded(Exception):
+    """A push refused whole: its new records' sealed bytes would take the owner past the quota."""
+
+    def __init__(self, used: int, extra: int, quota: int) -> None:
+        super().__init__(f"{used} sealed bytes stored + {extra} new > {quota}")
+        self.used, self.extra, self.quota = used, extra, quota
+
+
 @dataclass(frozen=True)
 class PushOutcome:
     stored: int
@@ -53,11 +61,15 @@ class ReplicaStore:
     def __init__(self, db: sqlite3.Connection) -> None:
         self._db = db
 
-    def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str) -> PushOutcome:
+    def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str,
+                     quota: int) -> PushOutcome:
         """Store ``records`` in one transaction, each new one under the owner's next sequence
-        number; a record whose (device, change id) is already stored is left as it is."""
+        number; a record whose (device, change id) is already stored is left as it is (and not
+        counted against ``quota``: a retried push is answered even at a full quota).
+        :class:`ReplicaQuotaExceeded` (nothing stored) when the new ones do not fit."""
         with Transaction(self._db):
-            size, last = self.replica_usage(owner_id)
+            used, last = self.replica_usage(owner_id)
+            size = used
             assigned = self._stored_sequences(device_id, [r.change_id for r in records])
             blocks, rows, sequences = [], [], []
             for record in records:
@@ -71,6 +83,8 @@ class ReplicaStore:
                                    len(record.item_ids), len(record.item_ids), record.sealed))
                     rows += [(owner_id, last, position, item_id) for position, item_id in enumerate(record.item_ids)]
                 sequences.append(assigned[record.change_id])
+            if size > quota:
+                raise ReplicaQuotaExceeded(used, size - used, quota)
             self._db.executemany("INSERT INTO replica_blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", blocks)
             self._db.executemany("INSERT INTO replica_items (owner_id, sequence, position, item_id) VALUES (?, ?, ?, ?)", rows)
             self._db.execute("INSERT OR REPLACE INTO replica_owners VALUES (?, ?, ?)", (owner_id, last, size))

@@ -35,12 +35,12 @@ from fctkit.errors import ConfigError
 from .blob_store import BlobRecord, BlobStore
 from .content_store import ContentStore
 from .device_store import DeviceRecord, DeviceReport, DeviceStore, OwnerKeyMismatch
-from .replica_store import PushOutcome, ReplicaRecord, ReplicaStore
+from .replica_store import PushOutcome, ReplicaQuotaExceeded, ReplicaRecord, ReplicaStore
 from .storage_schema import open_database
 from .upload_sessions import Reservation
 from .version_store import VersionRecord, VersionStore
 
-__all__ = ["BlobRecord", "DeviceRecord", "DeviceReport", "OwnerKeyMismatch", "PushOutcome", "ReplicaRecord",
+__all__ = ["BlobRecord", "DeviceRecord", "DeviceReport", "OwnerKeyMismatch", "PushOutcome", "ReplicaQuotaExceeded", "ReplicaRecord",
            "Reservation", "SqliteStorage", "Storage", "VersionRecord"]
 
 
@@ -73,7 +73,8 @@ class Storage(Protocol):
     def expire_uploads(self, idle_since: float, in_progress: Collection[tuple[str, str]]) -> list[tuple[str, str]]: ...
     def reserved_uploads(self) -> set[tuple[str, str]]: ...
 
-    def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str) -> PushOutcome: ...
+    def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str,
+                     quota: int) -> PushOutcome: ...
     def pull_records(self, owner_id: str, after_sequence: int, max_rows: int, max_sealed_bytes: int) -> list[ReplicaRecord]: ...
     def replica_usage(self, owner_id: str) -> tuple[int, int]: ...
 
@@ -177,8 +178,9 @@ class SqliteStorage:
 
     # -- replica ----------------------------------------------------------------------------
 
-    def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str) -> PushOutcome:
-        return self._replica.push_records(owner_id, device_id, records, now)
+    def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str,
+                     quota: int) -> PushOutcome:
+        return self._replica.push_records(owner_id, device_id, records, now, quota)
 
     def pull_records(self, owner_id: str, after_sequence: int, max_rows: int, max_sealed_bytes: int) -> list[ReplicaRecord]:
         return self._replica.pull_records(owner_id, after_sequence, max_rows, max_sealed_bytes)

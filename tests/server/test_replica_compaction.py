@@ -105,7 +105,7 @@ def test_a_schema_2_database_is_migrated_and_compacted(tmp_path):
     storage = SqliteStorage(tmp_path / "data")
     assert storage.replica_usage(owner) == (100, 2)
     assert [(r.sequence, r.item_ids, r.via, r.block) for r in storage.pull_records(owner, 0, 10, 1 << 20)] == [(1, ("x",), "native", False)]
-    again = storage.push_records(owner, "dev-1", [ReplicaRecord(2, ("x",), 1, 1, "forward", False, b"b" * 100, block=False)], "now")
+    again = storage.push_records(owner, "dev-1", [ReplicaRecord(2, ("x",), 1, 1, "forward", False, b"b" * 100, block=False)], "now", 1 << 30)
     assert (again.stored, again.sequences) == (0, (2,))
     storage.close()
 
@@ -136,6 +136,8 @@ def test_blocks_are_compacted_row_by_row_and_dropped_when_no_row_is_live(start_s
     retried = phone.push_records([_block(1, ["a", "b", "c"], fill=1, size=400)])  # its entry stays for retries
     assert (retried.stored, retried.already_stored, retried.already_stored_rows, list(retried.sequences)) == (0, 1, 3, [1])
     phone.push_records([_record(9, "z", size=900)])  # and the quota has its bytes back: 3 x 28 + 900 fits
+    again = phone.push_records([_record(9, "z", size=900)])  # a retry at a full quota stores nothing new: answered
+    assert (again.stored, again.already_stored, list(again.sequences)) == (0, 1, [5])
 
 
 def test_a_large_replica_is_swept_page_by_page_in_the_background(start_server):

@@ -131,7 +131,7 @@ def test_a_schema_1_database_gets_owners(tmp_path):
     storage = SqliteStorage(tmp_path / "data")
     owner = storage.device_owner("dev-1")
     assert owner == "own-dev-1" and storage.owner_blob(owner, sha256).device_id == "dev-1"
-    assert storage.push_records(owner, "dev-1", [], "now").last_sequence == 0
+    assert storage.push_records(owner, "dev-1", [], "now", 1 << 30).last_sequence == 0
     storage.close()
 
 
