@@ -101,6 +101,7 @@ class BlockMerge:
     record_sha256: str | None = None
     tombstones: Sequence[str] = ()
     pending: PendingBlock | None = None
+    pending_rows: int = 0  # of the kept record's rows, those that would win now
     ignored: int = 0
 
 
@@ -287,7 +288,7 @@ class ReplicaLog:
                 self._apply(live, merge, states)
                 counts["row"] += len(merge.rows)
                 counts["tombstone"] += len(merge.tombstones)
-                counts["pending"] += 0 if merge.pending is None else len(merge.pending.item_ids) - len(merge.pending.skipped)
+                counts["pending"] += merge.pending_rows
                 counts["ignore"] += merge.ignored
             self._db.executemany("DELETE FROM pending_blocks WHERE sequence = ?", [(s,) for s in done_pending])
             if cursor is not None and cursor > self.replica_cursor:  # another process may have merged further

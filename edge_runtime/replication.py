@@ -45,6 +45,7 @@ decrypted record vectors, bit for bit; nothing is re-embedded.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -161,19 +162,26 @@ def _rows_slice(rows: ReplicaRows, start: int, stop: int) -> ReplicaRows:
 
 
 def push(device: DeviceParts, client, result: ReplicationResult, *, on_batch=None) -> None:
-    """Seal and push every logged change (see the module docstring)."""
+    """Seal and push every logged change (see the module docstring). While the server stores one
+    batch, the next changes are sealed: the call runs on its own thread, every database write on
+    this one, and batches go out one at a time, oldest first."""
     log = device.gallery.replica_log
-    while True:
-        looked_at = seal_changes(device)
-        while batch := log.outgoing(PUSH_ROWS):
-            response = client.push_records([record_message(b) for b in batch])
-            log.mark_pushed([b.key for b in batch])
-            result.pushed += response.stored_rows
-            result.already_stored += response.already_stored_rows
-            if on_batch is not None:
-                on_batch("push", sum(len(b.item_ids) for b in batch))
-        if not looked_at:
-            break
+    with ThreadPoolExecutor(1, thread_name_prefix="fctkit-push") as network:
+        in_flight = None
+        while True:
+            looked_at = seal_changes(device)
+            if in_flight is not None:
+                batch, call = in_flight
+                response = call.result()
+                log.mark_pushed([b.key for b in batch])
+                result.pushed += response.stored_rows
+                result.already_stored += response.already_stored_rows
+                if on_batch is not None:
+                    on_batch("push", sum(len(b.item_ids) for b in batch))
+            batch = log.outgoing(PUSH_ROWS)
+            in_flight = (batch, network.submit(client.push_records, [record_message(b) for b in batch])) if batch else None
+            if not looked_at and in_flight is None:
+                break
     result.originals_deleted += delete_removed_originals(device, client)
 
 
@@ -298,7 +306,9 @@ def _decide(record: Incoming, states: dict[str, ItemState]) -> BlockMerge:
     winners = [k for k in record.live if _wins(record, states.get(item_ids[k]))]
     ignored = len(record.live) - len(winners)
     if record.landing is None:
-        return BlockMerge(pending=record.pending, ignored=ignored) if winners else BlockMerge(ignored=ignored)
+        if not winners:
+            return BlockMerge(ignored=ignored)
+        return BlockMerge(pending=record.pending, pending_rows=len(winners), ignored=ignored)
     tag, rows = record.landing
     moved = tag != record.tag
     if moved:  # a row here already at least as good as the moved one stays
