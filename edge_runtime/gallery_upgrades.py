@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -26,15 +26,9 @@ class GalleryUpgrades:
     _db: sqlite3.Connection
     _vectors: VectorBlocks
     _extras: RowExtras
-
-    def _tables(self) -> tuple[str, str]:
-        raise NotImplementedError  # the gallery's (live, staged) vector tables
-
-    def _log_changes(self, item_ids: Sequence[str] = (), *, tombstone: bool = False, select_sql: str | None = None) -> None:
-        raise NotImplementedError  # the gallery's change log
-
-    def _set_meta(self, values: dict[str, str | None]) -> None:
-        raise NotImplementedError  # the gallery's authenticated settings
+    _tables: Callable[[], tuple[str, str]]  # (live, staged) vector tables
+    _log_changes: Callable[..., None]  # the change log: item ids, or select_sql=...
+    _set_meta: Callable[[dict[str, str | None]], None]  # the authenticated settings
 
     # -- upgrades --------------------------------------------------------------------------
 
