@@ -132,8 +132,8 @@ def execute_script(db: sqlite3.Connection, script: str) -> None:
 
 
 def still_at(db: sqlite3.Connection, from_schema: str) -> bool:
-    """Inside a transaction: whether the gallery is still at ``from_schema`` (another process may
-    have migrated it meanwhile)."""
+    """Whether the gallery is (still) at ``from_schema``; inside a transaction, another process
+    cannot migrate it meanwhile."""
     return db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == from_schema
 
 
@@ -170,6 +170,8 @@ def migrate_replica_to_blocks(db: sqlite3.Connection, settings: GallerySettings)
     """Schema 5 -> 6 in one transaction: changes sealed already become outgoing single-row
     records (pushed as they are: their change ids may be stored at the server), pulled records
     kept for later become pending single-row records."""
+    if not still_at(db, "5"):  # the common case, read without taking the write lock
+        return
     with transaction(db):
         if still_at(db, "5"):
             _move_replica_to_blocks(db)
