@@ -20,6 +20,7 @@ import numpy as np
 
 from fctkit.errors import GalleryError, InputError
 
+from .gallery_blocks import decode_item_ids, encode_item_ids
 from .gallery_schema import VECTOR_TABLES
 from .gallery_rows import LoadedRows, VersionTag, rows_by_tag, take_rows
 from .gallery_vectors import LabelOpener, VectorBlocks
@@ -227,7 +228,7 @@ class ReplicaLog:
 
     def _keep_outgoing(self, tag: VersionTag | None, item_ids: tuple[str, ...], sealed: bytes, key: int) -> None:
         self._db.execute("INSERT INTO outgoing_blocks VALUES (?, 1, ?, ?, ?, ?, ?, ?, ?)",
-                         (key, *(_tag_columns(tag)), int(tag is None), len(item_ids), "\0".join(item_ids), sealed))
+                         (key, *(_tag_columns(tag)), int(tag is None), len(item_ids), encode_item_ids(item_ids), sealed))
         if tag is not None:
             sha = hashlib.sha256(sealed).hexdigest()
             for chunk, marks in id_chunks(item_ids):
@@ -239,7 +240,7 @@ class ReplicaLog:
         for key, block, version, origin, via, tombstone, item_ids, sealed in self._db.execute(
                 "SELECT block_key, block, version, origin_version, via, tombstone, item_ids, sealed FROM outgoing_blocks "
                 "ORDER BY block_key"):
-            ids = tuple(item_ids.split("\0"))
+            ids = tuple(decode_item_ids(item_ids))
             if found and rows + len(ids) > max_rows:
                 break
             found.append(OutgoingBlock(key, bool(block), None if tombstone else VersionTag(origin, version, via), ids, sealed))
@@ -265,7 +266,7 @@ class ReplicaLog:
 
     def pending_blocks(self, up_to_version: int) -> list[PendingBlock]:
         """Kept records whose version is at most ``up_to_version``, in sequence order."""
-        return [PendingBlock(seq, bool(block), VersionTag(origin, version, via), tuple(ids.split("\0")),
+        return [PendingBlock(seq, bool(block), VersionTag(origin, version, via), tuple(decode_item_ids(ids)),
                              tuple(int(k) for k in skipped.split(",") if k), sealed)
                 for seq, block, version, origin, via, ids, skipped, sealed in self._db.execute(
                     "SELECT sequence, block, version, origin_version, via, item_ids, skipped, sealed FROM pending_blocks "
@@ -313,7 +314,7 @@ class ReplicaLog:
         if merge.pending is not None:
             kept = merge.pending
             self._db.execute("INSERT OR IGNORE INTO pending_blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", (
-                kept.sequence, int(kept.block), *_tag_columns(kept.tag), "\0".join(kept.item_ids),
+                kept.sequence, int(kept.block), *_tag_columns(kept.tag), encode_item_ids(kept.item_ids),
                 ",".join(map(str, kept.skipped)), len(kept.item_ids) - len(kept.skipped), kept.sealed))
         if not merge.rows:
             return
@@ -336,7 +337,7 @@ class ReplicaLog:
         sealed records, every row a change to push again."""
         with transaction(self._db):
             removed = [i for ids, in self._db.execute("SELECT item_ids FROM outgoing_blocks WHERE tombstone = 1")
-                       for i in ids.split("\0")]
+                       for i in decode_item_ids(ids)]
             self._db.execute("DELETE FROM pending_blocks")
             self._db.execute("DELETE FROM outgoing_blocks")
             self._db.execute("DELETE FROM changes WHERE tombstone = 0")

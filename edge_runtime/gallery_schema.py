@@ -81,10 +81,10 @@ CREATE TABLE pending_records (sequence INTEGER PRIMARY KEY, item_id TEXT NOT NUL
 """
 _REPLICA_BLOCKS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS outgoing_blocks (block_key INTEGER PRIMARY KEY, block INTEGER NOT NULL, version INTEGER NOT NULL,
-    origin_version INTEGER NOT NULL, via TEXT NOT NULL, tombstone INTEGER NOT NULL, rows INTEGER NOT NULL, item_ids TEXT NOT NULL,
+    origin_version INTEGER NOT NULL, via TEXT NOT NULL, tombstone INTEGER NOT NULL, rows INTEGER NOT NULL, item_ids BLOB NOT NULL,
     sealed BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS pending_blocks (sequence INTEGER PRIMARY KEY, block INTEGER NOT NULL, version INTEGER NOT NULL,
-    origin_version INTEGER NOT NULL, via TEXT NOT NULL, item_ids TEXT NOT NULL, skipped TEXT NOT NULL, rows INTEGER NOT NULL,
+    origin_version INTEGER NOT NULL, via TEXT NOT NULL, item_ids BLOB NOT NULL, skipped TEXT NOT NULL, rows INTEGER NOT NULL,
     sealed BLOB NOT NULL)
 """
 _EXTRAS_SCHEMA = """
@@ -182,10 +182,10 @@ def _move_replica_to_blocks(db: sqlite3.Connection) -> None:
     """The schema-6 replication tables from the schema-2 ones (a new gallery is created this way too)."""
     execute_script(db, _REPLICA_BLOCKS_SCHEMA)
     db.execute("INSERT INTO outgoing_blocks SELECT change_id, 0, COALESCE(version, 0), COALESCE(origin_version, 0), "
-               "COALESCE(via, ''), tombstone, 1, item_id, sealed FROM changes WHERE sealed IS NOT NULL")
+               "COALESCE(via, ''), tombstone, 1, CAST(item_id AS BLOB), sealed FROM changes WHERE sealed IS NOT NULL")
     db.execute("DELETE FROM changes WHERE sealed IS NOT NULL")
     for column in ("version", "origin_version", "via", "sealed"):  # DROP COLUMN keeps the AUTOINCREMENT counter
         db.execute(f"ALTER TABLE changes DROP COLUMN {column}")
-    db.execute("INSERT INTO pending_blocks SELECT sequence, 0, version, origin_version, via, item_id, '', 1, sealed "
+    db.execute("INSERT INTO pending_blocks SELECT sequence, 0, version, origin_version, via, CAST(item_id AS BLOB), '', 1, sealed "
                "FROM pending_records")
     db.execute("DROP TABLE pending_records")

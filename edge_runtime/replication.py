@@ -13,7 +13,7 @@ for the owner's other devices (backfill, restore).
 
 **Pull.** Records after the gallery's cursor arrive in sequence order, message by message; each
 record is opened (authenticated under the owner key: a tampered record or a wrong owner key
-stops the pull before anything of the message is written), then the message's records are
+stops the pull before anything of them is written), then about 8,192 rows of records are
 merged **and** the cursor advanced in one transaction. A block is merged in one pass against
 its items' states (rows skipped that the server reports superseded); its rows are written
 together. Merging follows :func:`fctkit.edge_runtime.records.beats`, with a block's SHA-256
@@ -44,7 +44,6 @@ decrypted record vectors, bit for bit; nothing is re-embedded.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -98,11 +97,14 @@ class Incoming:
     device (``landing`` None: keep the record pending)."""
 
     pending: PendingBlock  # the record as it would be kept
-    tag: VersionTag | None  # None: tombstones
     sha256: str
     rows: ReplicaRows | None
     live: list[int]
     landing: tuple[VersionTag, ReplicaRows] | None = None
+
+    @property
+    def tag(self) -> VersionTag | None:  # None: tombstones
+        return self.pending.tag
 
     @property
     def item_ids(self) -> list[str]:
@@ -150,15 +152,10 @@ def block_parts(rows: ReplicaRows) -> list[ReplicaRows]:
         row_size, row_ids = vector_bytes + (len(label.encode("utf-8")) if label else 0), len(item_id.encode("utf-8"))
         if k > start and (k - start == limits.MAX_BLOCK_ROWS or size + row_size > _BLOCK_BYTES
                           or id_bytes + row_ids > limits.MAX_ITEM_ID_BATCH_BYTES):
-            parts.append(_rows_slice(rows, start, k))
+            parts.append(rows.take(range(start, k)))
             start, size, id_bytes = k, 0, 0
         size, id_bytes = size + row_size, id_bytes + row_ids
-    return [*parts, _rows_slice(rows, start, len(rows))] if len(rows) else parts
-
-
-def _rows_slice(rows: ReplicaRows, start: int, stop: int) -> ReplicaRows:
-    return ReplicaRows(rows.item_ids[start:stop], rows.embeddings[start:stop], rows.side_infos[start:stop],
-                       rows.labels[start:stop], rows.vault_sha256s[start:stop])
+    return [*parts, rows.take(range(start, len(rows)))] if len(rows) else parts
 
 
 def push(device: DeviceParts, client, result: ReplicationResult, *, on_batch=None) -> None:
@@ -231,7 +228,7 @@ def pull(device: DeviceParts, client, result: ReplicationResult, *, on_batch=Non
             on_batch("pull", rows)
 
     for response in client.pull_records(after_sequence=log.replica_cursor):
-        opened += _place(device, [_open(device, _pulled(m)) for m in response.records])
+        opened += [_place(device, _open(device, _pulled(m))) for m in response.records]
         if sum(len(r.pending.item_ids) for r in opened) >= PULL_ROWS:
             merge()
     if opened:
@@ -246,7 +243,7 @@ def apply_pending(device: DeviceParts) -> dict[str, int]:
     kept = log.pending_blocks(device.version)
     if not kept:
         return {}
-    placed = [r for r in _place(device, [_open(device, k) for k in kept]) if r.landing is not None]
+    placed = [r for r in (_place(device, _open(device, k)) for k in kept) if r.landing is not None]
     return log.merge_blocks(placed, _decide, done_pending=[r.pending.sequence for r in placed])
 
 
@@ -267,17 +264,13 @@ def _open(device: DeviceParts, record: PendingBlock) -> Incoming:
     rows = open_block(device.owner_sealer, device.owner_id, record.item_ids, record.tag, record.sealed, block=record.block)
     skipped = set(record.skipped)
     live = [k for k in range(len(record.item_ids)) if k not in skipped]
-    return Incoming(record, record.tag, sealed_sha256(record.sealed), rows, live)
+    return Incoming(record, sealed_sha256(record.sealed), rows, live)
 
 
-def _place(device: DeviceParts, records: Sequence[Incoming]) -> list[Incoming]:
-    """Each record with where its rows land on this device: as they are at the query version,
+def _place(device: DeviceParts, record: Incoming) -> Incoming:
+    """The record with where its rows land on this device: as they are at the query version,
     moved there by the installed adapters from an older one (one transform per record), or
     nowhere yet (kept pending)."""
-    return [_placed(device, r) for r in records]
-
-
-def _placed(device: DeviceParts, record: Incoming) -> Incoming:
     version, tag = device.version, record.tag
     if tag is None or not version or tag.version > version:
         return record
