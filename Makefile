@@ -13,7 +13,7 @@ EXTRAS ?= cpu,train,dev,faiss
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed-$(shell echo $(EXTRAS) | tr ',' '-')
 
-.PHONY: demo test install protos bench robustness text-search clean
+.PHONY: demo test install services protos bench robustness text-search clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,21 @@ CONFORMANCE := tests/conformance/node_modules/.package-lock.json
 $(CONFORMANCE): tests/conformance/package.json tests/conformance/package-lock.json
 	npm ci --prefix tests/conformance --no-audit --no-fund --loglevel=error
 
-test: $(STAMP) $(CONFORMANCE)
+# PostgreSQL for the server's scale-out backend tests (tests/support/scale_services.py starts a
+# throwaway cluster on loopback; moto's S3 endpoint comes with the Python packages). Where initdb is
+# neither on PATH nor under /usr/lib/postgresql/*/bin, apt-get installs postgresql (with sudo when
+# not root); if that fails the tests say why: skipped, or failed under CI=true.
+PG_FOUND := command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1
+APT_GET  := env DEBIAN_FRONTEND=noninteractive apt-get
+SUDO     := $(shell [ "$$(id -u)" = 0 ] || ! command -v sudo >/dev/null 2>&1 || echo sudo)
+services:
+	@$(PG_FOUND) || { \
+		echo "installing postgresql (apt-get) for the scale-out backend tests"; \
+		$(SUDO) $(APT_GET) install -y -q postgresql || \
+		{ $(SUDO) $(APT_GET) update -q && $(SUDO) $(APT_GET) install -y -q postgresql; } || \
+		echo "note: could not install postgresql; the PostgreSQL tests will skip (fail under CI=true) with the reason" >&2; }
+
+test: $(STAMP) $(CONFORMANCE) services
 	$(BIN)/python -m pytest $(ARGS)
 
 # Issue 19's counts at full size (make test runs the same tests smaller): 200 bit flips per device

@@ -6,6 +6,7 @@ get ``shutdown_grace_s`` to finish)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,16 +29,24 @@ from .fleet import FleetService
 from .jsonlog import configure_logging, log_event
 from .registry import Catalog, RegistryService
 from .revocation import OpenStreams
-from .storage import SqliteStorage
+from .storage import SqliteStorage, Storage
+from .storage_schema import redacted_dsn
 from .vault import VaultService
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Everything ``fctkit serve`` takes (build it with :func:`fctkit.config.from_mapping`)."""
+    """Everything ``fctkit serve`` takes (build it with :func:`fctkit.config.from_mapping`).
 
-    data_dir: Path
+    Storage is either ``data_dir`` (SQLite + files: one server) or ``database`` plus
+    ``object_store`` (PostgreSQL + an S3 bucket: any number of replicas)."""
+
     publisher_key: Path
+    data_dir: Path | None = None
+    database: str | None = None
+    object_store: str | None = None
+    s3_endpoint_url: str | None = None
+    database_connections: int = 20
     host: str = "127.0.0.1"
     port: int = 50051
     admin_token_file: Path | None = None
@@ -54,6 +63,16 @@ class ServerConfig:
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:
+        scale_out = (self.database is not None, self.object_store is not None)
+        if self.data_dir is not None and any(scale_out):
+            raise ConfigError("choose one storage: --data DIR (embedded), or --database with --object-store (scale-out)")
+        if self.data_dir is None and not all(scale_out):
+            raise ConfigError("no storage: pass --data DIR, or both --database postgresql://... and --object-store s3://BUCKET/PREFIX")
+        if self.data_dir is None and self.admin_token_file is None:
+            raise ConfigError("the scale-out backend has no data directory to keep the admin token in: pass "
+                              "--admin-token-file (the same file, or its content, on every replica)")
+        if self.database_connections < 2:
+            raise ConfigError("database_connections must be at least 2")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port {self.port} is not 0..65535 (0 picks a free port)")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -92,12 +111,14 @@ class FctkitServer:
         self.config = config
         self.port: int | None = None
         public_key = load_public_key(config.publisher_key)
-        self._storage = SqliteStorage(config.data_dir)
+        self._public_key = public_key
+        self._storage = open_storage(config)
         removed = self._storage.collect_garbage()
         self._catalog = Catalog.load(self._storage, public_key)
         admin_token, self.admin_token_path = load_or_create_admin_token(config.admin_token_file, config.data_dir)
         authenticator = Authenticator(admin_token, self._storage.device_for_token, self._storage.device_owner)
-        open_streams = OpenStreams()  # a revoked device's open streams end at once
+        self._open_streams = open_streams = OpenStreams()  # a revoked device's open streams end at once
+        self._listener: asyncio.Task | None = None
         self._health = health.aio.HealthServicer()
         self._server = grpc.aio.server(
             interceptors=[AuthInterceptor(authenticator, open_streams)],
@@ -125,7 +146,7 @@ class FctkitServer:
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         _enable_reflection([*self.service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
-        log_event("storage opened", data_dir=str(config.data_dir), garbage_removed=removed, **self._storage.counts())
+        log_event("storage opened", **_storage_fields(config), garbage_removed=removed, **self._storage.counts())
 
     @staticmethod
     def service_names() -> list[str]:
@@ -154,6 +175,9 @@ class FctkitServer:
             raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {exc}") from exc
         await self._server.start()
         self._sweeper = asyncio.create_task(self._sweep_uploads())
+        events = self._storage.listen(self._on_event, self._catch_up)
+        if events is not None:
+            self._listener = asyncio.create_task(events)
         for name in ["", *self.service_names()]:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log_event(
@@ -166,12 +190,34 @@ class FctkitServer:
     async def stop(self) -> None:
         log_event("shutting down", grace_s=self.config.shutdown_grace_s)
         await self._health.enter_graceful_shutdown()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        for task in (self._sweeper, self._listener):
+            if task is not None:
+                task.cancel()
         self._catalog.close()
         await self._server.stop(self.config.shutdown_grace_s)
         self._storage.close()
         log_event("stopped")
+
+    def _on_event(self, payload: str) -> None:
+        """What another replica did: a publish (watchers here get it) or a revocation (its streams here end)."""
+        kind, _, subject = payload.partition(":")
+        if kind == "version":
+            self._refresh_catalog()
+        elif kind == "revoked" and self._open_streams.end(subject):
+            log_event("revoked device's streams ended", device_id=subject, by="another replica")
+
+    def _catch_up(self) -> None:
+        """After (re)connecting to the other replicas' events: what was published or revoked meanwhile."""
+        self._refresh_catalog()
+        for device_id in self._storage.revoked_among(self._open_streams.devices()):
+            self._open_streams.end(device_id)
+
+    def _refresh_catalog(self) -> None:
+        try:
+            if added := self._catalog.refresh(self._storage, self._public_key):
+                log_event("versions published elsewhere", added=added, latest_version=self._catalog.latest)
+        except Exception as exc:  # a version that does not verify stays unlisted here; the log says why
+            log_event("catalog refresh failed", logging.ERROR, error=str(exc))
 
     async def _sweep_uploads(self) -> None:
         """Expire idle unfinished uploads, at start and then every TTL/4 (at most every minute)."""
@@ -186,15 +232,31 @@ class FctkitServer:
         await self._server.wait_for_termination()
 
 
+def open_storage(config: ServerConfig) -> Storage:
+    if config.data_dir is not None:
+        return SqliteStorage(config.data_dir)
+    from .scale_out import ScaleOutStorage
+
+    return ScaleOutStorage(config.database, config.object_store, s3_endpoint_url=config.s3_endpoint_url,
+                           max_connections=config.database_connections)
+
+
+def _storage_fields(config: ServerConfig) -> dict[str, str]:
+    if config.data_dir is not None:
+        return {"data_dir": str(config.data_dir)}
+    return {"database": redacted_dsn(config.database or ""), "object_store": config.object_store or ""}
+
+
 async def serve(config: ServerConfig) -> None:
     """Run until SIGINT or SIGTERM, then shut down gracefully. The process runs under umask
-    077 and the data directory is made owner-only first (directories 0700, files 0600)."""
+    077 and the data directory (if any) is made owner-only first (directories 0700, files 0600)."""
     configure_logging(config.log_level)
     private_umask()
-    config.data_dir.mkdir(parents=True, exist_ok=True)
-    fixed = make_private(config.data_dir)
-    if fixed:
-        log_event("data directory made owner-only", data_dir=str(config.data_dir), modes_changed=fixed)
+    if config.data_dir is not None:
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        fixed = make_private(config.data_dir)
+        if fixed:
+            log_event("data directory made owner-only", data_dir=str(config.data_dir), modes_changed=fixed)
     server = FctkitServer(config)
     await server.start()
     stop_requested = asyncio.Event()

@@ -76,8 +76,10 @@ def new_device_token() -> str:
     return "fctd_" + secrets.token_urlsafe(32)
 
 
-def load_or_create_admin_token(token_file: Path | None, data_dir: Path) -> tuple[str, Path]:
+def load_or_create_admin_token(token_file: Path | None, data_dir: Path | None) -> tuple[str, Path]:
     """The admin token from ``token_file``, or from (newly made, mode 0600) ``DATA/admin.token``."""
+    if token_file is None and data_dir is None:
+        raise ConfigError("no admin token file: pass --admin-token-file")
     path = Path(token_file) if token_file else Path(data_dir) / "admin.token"
     if not path.exists():
         if token_file:

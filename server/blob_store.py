@@ -8,14 +8,14 @@ when no record references it any more.
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import upload_sessions
-from .content_store import ContentStore
-from .sqlite_transaction import Transaction
+from .content_store import Contents
+from .database import Database
+from .device_store import owner_lock
 from .upload_sessions import Reservation
 
 
@@ -33,7 +33,7 @@ class BlobStore:
     """Blob records and upload reservations on the metadata database, files in ``blobs``;
     ``device_owner`` names the owner of a record that does not."""
 
-    def __init__(self, db: sqlite3.Connection, blobs: ContentStore, device_owner: Callable[[str], str | None]) -> None:
+    def __init__(self, db: Database, blobs: Contents, device_owner: Callable[[str], str | None]) -> None:
         self._db = db
         self._files = blobs
         self._device_owner = device_owner
@@ -51,10 +51,17 @@ class BlobStore:
         return self._held_by_other("owner_id", owner_id, sha256)
 
     def add_blob(self, record: BlobRecord, source: Path) -> None:
+        with self._db.transaction(_blob_lock(record.sha256)):
+            self._add_blob(record, source)
+
+    def _add_blob(self, record: BlobRecord, source: Path) -> None:
+        """Inside a transaction holding the blob's lock: no delete of the same content can remove
+        the stored object between this put and the row that keeps it."""
         self._files.put(source, record.sha256)
         owner_id = record.owner_id or self._device_owner(record.device_id)
         self._db.execute(
-            "INSERT OR IGNORE INTO blobs (device_id, sha256, size, item_id, created_at, owner_id) VALUES (?, ?, ?, ?, ?, ?)",
+            "INSERT INTO blobs (device_id, sha256, size, item_id, created_at, owner_id) VALUES (?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT DO NOTHING",
             (record.device_id, record.sha256, record.size, record.item_id, record.created_at, owner_id),
         )
 
@@ -78,6 +85,14 @@ class BlobStore:
     def owner_vault_usage(self, owner_id: str) -> tuple[int, int]:
         return self._usage("owner_id", owner_id)
 
+    def drop_unreferenced(self, sha256: str) -> bool:
+        """Delete the stored object when no record names it (checked under the blob's lock); whether it went."""
+        with self._db.transaction(_blob_lock(sha256)):
+            if self._db.execute("SELECT 1 FROM blobs WHERE sha256=? LIMIT 1", (sha256,)).fetchone():
+                return False
+            self._files.delete(sha256)
+        return True
+
     def referenced_blobs(self) -> set[str]:
         """The SHA-256 of every blob a record names (the ones garbage collection keeps)."""
         return {row[0] for row in self._db.execute("SELECT DISTINCT sha256 FROM blobs")}
@@ -85,13 +100,13 @@ class BlobStore:
     # -- uploads in progress (fctkit.server.upload_sessions) ----------------------------------
 
     def reserve_upload(self, owner_id: str, device_id: str, sha256: str, size: int, now: float, quota: int) -> Reservation:
-        with Transaction(self._db):
+        with self._db.transaction(owner_lock(owner_id)):
             return upload_sessions.reserve(self._db, owner_id, device_id, sha256, size, now, quota)
 
     def finish_upload(self, record: BlobRecord, source: Path) -> None:
         """Store the finished upload's blob and end its reservation, in one transaction."""
-        with Transaction(self._db):
-            self.add_blob(record, source)
+        with self._db.transaction(owner_lock(record.owner_id), _blob_lock(record.sha256)):
+            self._add_blob(record, source)
             upload_sessions.release(self._db, record.owner_id, record.sha256)
 
     def release_upload(self, owner_id: str, sha256: str) -> None:
@@ -101,7 +116,7 @@ class BlobStore:
         upload_sessions.touch(self._db, owner_id, sha256, now)
 
     def expire_uploads(self, idle_since: float, in_progress: Collection[tuple[str, str]]) -> list[tuple[str, str]]:
-        with Transaction(self._db):
+        with self._db.transaction():
             return upload_sessions.expire(self._db, idle_since, in_progress)
 
     def reserved_uploads(self) -> set[tuple[str, str]]:
@@ -122,9 +137,10 @@ class BlobStore:
         return self._db.execute(query, (sha256, value)).fetchone() is not None
 
     def _delete_blob(self, column: str, value: str, sha256: str) -> bool:
-        deleted = self._db.execute(f"DELETE FROM blobs WHERE {column}=? AND sha256=?", (value, sha256)).rowcount
-        if deleted and not self._db.execute("SELECT 1 FROM blobs WHERE sha256=? LIMIT 1", (sha256,)).fetchone():
-            self._files.delete(sha256)
+        with self._db.transaction(_blob_lock(sha256)):
+            deleted = self._db.execute(f"DELETE FROM blobs WHERE {column}=? AND sha256=?", (value, sha256)).rowcount
+            if deleted and not self._db.execute("SELECT 1 FROM blobs WHERE sha256=? LIMIT 1", (sha256,)).fetchone():
+                self._files.delete(sha256)
         return bool(deleted)
 
     def _usage(self, column: str, value: str) -> tuple[int, int]:
@@ -132,3 +148,8 @@ class BlobStore:
             f"SELECT COALESCE(SUM(size), 0), COUNT(*) FROM blobs WHERE {column}=?", (value,)
         ).fetchone()
         return int(size), int(count)
+
+
+def _blob_lock(sha256: str) -> str:
+    """The lock key of one stored content object (shared by every owner holding it)."""
+    return f"blob:{sha256}"

@@ -22,11 +22,26 @@ _EXISTING = click.Path(path_type=Path, exists=True, dir_okay=False)
 
 
 @click.command("serve")
-@click.option("--data", "data_dir", type=_PATH, required=True, help="Data directory (SQLite metadata + content store); created if missing.")
+@click.option("--data", "data_dir", type=_PATH, default=None,
+              help="Embedded storage: a data directory (SQLite metadata + content files) for one server; created if missing.")
+@click.option("--database", default=None, envvar="FCTKIT_DATABASE", show_envvar=True,
+              help="Scale-out storage: the PostgreSQL database (a libpq URL, postgresql://USER@HOST:PORT/DB) every "
+                   "replica shares; with --object-store. Keep the password out of the URL: libpq reads PGPASSWORD and ~/.pgpass. "
+                   "The schema is created by the first replica to start.")
+@click.option("--object-store", default=None, envvar="FCTKIT_OBJECT_STORE", show_envvar=True,
+              help="Scale-out storage: s3://BUCKET/PREFIX for artifacts, vault blobs and unfinished uploads (the bucket must "
+                   "exist). Credentials and region come from the standard AWS settings (AWS_ACCESS_KEY_ID, "
+                   "AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, AWS_PROFILE, instance roles).")
+@click.option("--s3-endpoint-url", default=None, help="An S3-compatible endpoint other than AWS (MinIO, Ceph, ...); "
+              "default: $AWS_ENDPOINT_URL, else AWS.")
+@click.option("--database-connections", type=int, default=20, show_default=True,
+              help="Most PostgreSQL connections this replica opens (its pool); replicas x this must stay under the "
+                   "server's max_connections.")
 @click.option("--port", type=int, default=50051, show_default=True, help="Port to listen on; 0 picks a free one (logged as the 'listening' event).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 / [::] for all interfaces).")
 @click.option("--publisher-key", type=_EXISTING, required=True, help="The publisher's public key (PEM or raw 32 bytes): bundles must verify under it.")
-@click.option("--admin-token-file", type=_PATH, default=None, help="File holding the admin token; default DATA/admin.token, created (mode 0600) if missing.")
+@click.option("--admin-token-file", type=_PATH, default=None, help="File holding the admin token; default DATA/admin.token, "
+              "created (mode 0600) if missing. Required with --database (every replica reads the same token).")
 @click.option("--tls-cert", type=_EXISTING, default=None, help="PEM certificate chain: serve TLS (with --tls-key).")
 @click.option("--tls-key", type=_EXISTING, default=None, help="PEM private key of --tls-cert.")
 @click.option("--tls-ca", type=_EXISTING, default=None,
@@ -44,6 +59,10 @@ _EXISTING = click.Path(path_type=Path, exists=True, dir_okay=False)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def serve_command(**options) -> None:
     """Run the fctkit gRPC server (Registry, Vault, Fleet; health checking and reflection on).
+
+    Storage is --data DIR (one server), or --database plus --object-store (PostgreSQL and an
+    S3 bucket): then run as many replicas as you like behind a load balancer, each with the same
+    --publisher-key and --admin-token-file; a load balancer checks grpc.health.v1 (service "").
 
     Logs are JSON lines on stderr. Stop with SIGTERM or Ctrl-C: in-flight calls finish first.
     """

@@ -4,15 +4,29 @@ fsynced and renamed into place, so a crash never leaves a half-written object un
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from fctkit.protos.bundle import fsync_dir
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class Contents(Protocol):
+    """What the server needs of a store of immutable objects named by their SHA-256: this file
+    store, or :class:`fctkit.server.object_store.S3ContentStore`."""
+
+    def has(self, sha256: str) -> bool: ...
+    def open(self, sha256: str) -> Any: ...
+    def put(self, source: Path, sha256: str) -> object: ...
+    def stage(self, source: Path, sha256: str) -> None: ...
+    def delete(self, sha256: str) -> None: ...
+    def listing(self) -> Iterator[tuple[str, float]]: ...
+    def __iter__(self) -> Iterator[str]: ...
 
 
 class ContentStore:
@@ -34,6 +48,7 @@ class ContentStore:
         return self.path(sha256).stat().st_size
 
     def open(self, sha256: str) -> BinaryIO:
+        """The stored file, open (FileNotFoundError when absent): it stays readable even if deleted meanwhile."""
         return self.path(sha256).open("rb")
 
     def put(self, source: Path, sha256: str) -> Path:
@@ -52,11 +67,20 @@ class ContentStore:
         fsync_dir(target.parent)
         return target
 
+    def stage(self, source: Path, sha256: str) -> None:
+        """Nothing ahead of :meth:`put`: moving a file into place is one rename."""
+
     def delete(self, sha256: str) -> None:
         self.path(sha256).unlink(missing_ok=True)
 
-    def __iter__(self) -> Iterator[str]:
-        """Every stored digest."""
+    def listing(self) -> Iterator[tuple[str, float]]:
+        """Every stored digest with its last change (seconds since the epoch)."""
         for shard in sorted(self.root.iterdir()):
             if shard.is_dir():
-                yield from sorted(p.name for p in shard.iterdir() if _SHA256.fullmatch(p.name))
+                for path in sorted(p for p in shard.iterdir() if _SHA256.fullmatch(p.name)):
+                    with contextlib.suppress(FileNotFoundError):
+                        yield path.name, path.stat().st_mtime
+
+    def __iter__(self) -> Iterator[str]:
+        """Every stored digest."""
+        return (name for name, _ in self.listing())

@@ -7,12 +7,12 @@ enrols belongs to that owner; a device reaches everything of its owner and nothi
 
 from __future__ import annotations
 
-import sqlite3
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from . import upload_sessions
-from .replica_compaction import common_version
-from .sqlite_transaction import Transaction
+from .database import Database
+from .replica_compaction import common_version, unique_chunks
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,15 @@ class OwnerKeyMismatch(Exception):
     """Enrolment refused: the device's owner key id differs from the owner's (the code stays unused)."""
 
 
+def owner_lock(owner_id: str | None) -> str:
+    """The lock key of everything one owner holds: its devices' versions, vault quota and replica."""
+    return f"owner:{owner_id}"
+
+
 class DeviceStore:
     """Enrolment, tokens, reports and revocation of devices on the metadata database."""
 
-    def __init__(self, db: sqlite3.Connection) -> None:
+    def __init__(self, db: Database) -> None:
         self._db = db
 
     def add_enrolment_code(self, code_hash: str, label: str, created_at: str, expires_at: str,
@@ -63,7 +68,7 @@ class DeviceStore:
         """Use up an unused, unexpired code and add the device, in one transaction; None when
         the code is unknown, used or expired. ``owner_key_id`` (when given) must be the one the
         owner's first device brought (:class:`OwnerKeyMismatch` otherwise, nothing changed)."""
-        with Transaction(self._db):
+        with self._db.transaction(f"code:{code_hash}"):
             row = self._db.execute(
                 "SELECT label, owner_id FROM enrolment_codes WHERE code_hash=? AND used_at IS NULL AND expires_at>?",
                 (code_hash, now),
@@ -71,11 +76,12 @@ class DeviceStore:
             if row is None:
                 return None
             owner_id = row[1] or "own-" + device_id
+            self._db.lock(owner_lock(owner_id))
             if owner_key_id:
                 known = self._db.execute("SELECT key_id FROM owner_keys WHERE owner_id=?", (owner_id,)).fetchone()
                 if known is not None and known[0] != owner_key_id:
                     raise OwnerKeyMismatch(owner_id)
-                self._db.execute("INSERT OR IGNORE INTO owner_keys VALUES (?, ?)", (owner_id, owner_key_id))
+                self._db.execute("INSERT INTO owner_keys VALUES (?, ?) ON CONFLICT DO NOTHING", (owner_id, owner_key_id))
             self._db.execute(
                 "UPDATE enrolment_codes SET used_at=?, device_id=? WHERE code_hash=?", (now, device_id, code_hash)
             )
@@ -97,9 +103,10 @@ class DeviceStore:
         """Store the device's report. Returns its owner when every device of the owner has now
         reached the same version: records at older versions may have become superseded
         (``Storage.compact_replica_page``); None otherwise."""
-        with Transaction(self._db):
+        owner_id = self.device_owner(device_id)
+        with self._db.transaction(owner_lock(owner_id)):
             return self._update_device(
-                self.device_owner(device_id),
+                owner_id,
                 "UPDATE devices SET last_report_at=?, version=?, gallery_size=?, upgrade_state=?, target_version=?, "
                 "progress=?, detail=? WHERE device_id=?",
                 (now, report.version, report.gallery_size, report.upgrade_state, report.target_version,
@@ -110,14 +117,16 @@ class DeviceStore:
         """Revoke the device (its token stops working); None for an unknown device. Returns when
         it was revoked (the first time) and its owner if the owner's remaining devices now share
         a version (a replica compaction is due), else None."""
-        with Transaction(self._db):
-            row = self._db.execute("SELECT owner_id, revoked_at FROM devices WHERE device_id=?", (device_id,)).fetchone()
-            if row is None:
-                return None
-            owner_id, revoked_at = row
+        owner_id = self.device_owner(device_id)
+        if owner_id is None and self._db.execute("SELECT 1 FROM devices WHERE device_id=?", (device_id,)).fetchone() is None:
+            return None
+        with self._db.transaction(owner_lock(owner_id)):
+            owner_id, revoked_at = self._db.execute("SELECT owner_id, revoked_at FROM devices WHERE device_id=?",
+                                                    (device_id,)).fetchone()
             if revoked_at is not None:
                 return revoked_at, None
             upload_sessions.release_device(self._db, device_id)  # its partial files go at the next sweep
+            self._db.notify(f"revoked:{device_id}")  # the other replicas end its open streams
             return now, self._update_device(owner_id, "UPDATE devices SET revoked_at=? WHERE device_id=?", (now, device_id))
 
     def _update_device(self, owner_id: str | None, statement: str, params: tuple) -> str | None:
@@ -126,6 +135,11 @@ class DeviceStore:
         before = common_version(self._db, owner_id)
         self._db.execute(statement, params)
         return owner_id if owner_id is not None and common_version(self._db, owner_id) not in (0, before) else None
+
+    def revoked_among(self, device_ids: Collection[str]) -> list[str]:
+        """Those of ``device_ids`` that are revoked."""
+        return [device_id for chunk in unique_chunks(list(device_ids)) for (device_id,) in self._db.execute(
+            f"SELECT device_id FROM devices WHERE revoked_at IS NOT NULL AND device_id IN ({','.join('?' * len(chunk))})", chunk)]
 
     def list_devices(self, after_seq: int, limit: int) -> list[DeviceRecord]:
         return self._devices("WHERE d.seq>? ORDER BY d.seq LIMIT ?", (after_seq, limit))

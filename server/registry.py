@@ -22,8 +22,8 @@ from fctkit.protos import limits, registry_pb2, registry_pb2_grpc
 from fctkit.protos.bundle import Artifact, Manifest, unpack_bundle, verify_bundle, verify_manifest
 
 from fctkit.protos.planner import PlannedHop, plan_upgrade
-from .storage import Storage, VersionRecord
-from .streams import check_offset, file_chunks, open_stored, read_header, receive_chunks
+from .storage import StaleVersion, Storage, VersionRecord
+from .streams import FileSink, check_offset, file_chunks, open_stored, read_header, receive_chunks
 from .validation import chunk_size, invalid, page_size, sha256_field, timestamp, version_field
 
 
@@ -72,8 +72,19 @@ class Catalog:
     @classmethod
     def load(cls, storage: Storage, public_key) -> Catalog:
         """Every stored version, re-verified under ``public_key``; refuses a damaged data directory."""
+        return cls(cls._verified(storage.versions(), storage, public_key))
+
+    def refresh(self, storage: Storage, public_key) -> int:
+        """Add the versions another replica published since; returns how many (watchers wake up)."""
+        versions = self._verified([r for r in storage.versions() if r.version not in self._versions], storage, public_key)
+        for published in versions:
+            self.add(published)
+        return len(versions)
+
+    @staticmethod
+    def _verified(records: list[VersionRecord], storage: Storage, public_key) -> list[PublishedVersion]:
         versions = []
-        for record in storage.versions():
+        for record in records:
             try:
                 manifest = verify_manifest(record.manifest, record.signature, public_key)
             except BundleError as exc:
@@ -85,7 +96,7 @@ class Catalog:
             if missing:
                 raise ConfigError(f"stored version {record.version} lacks artifact files {missing}: the data directory is damaged")
             versions.append(PublishedVersion(record, manifest))
-        return cls(versions)
+        return versions
 
     @property
     def latest(self) -> int:
@@ -159,12 +170,15 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         size = chunk_size(request.chunk_size)
         offset = check_offset(request.offset, artifact.size)
         missing = RpcStatusError("DATA_LOSS", f"artifact {artifact.name} of v{published.version} is missing from the server's data directory")
-        with open_stored(self._storage.artifacts.path(artifact.sha256), missing) as stored:
+        stored = open_stored(lambda: self._storage.artifacts.open(artifact.sha256), missing)
+        try:
             yield registry_pb2.DownloadArtifactResponse(
                 header=registry_pb2.ArtifactHeader(version=published.version, artifact=artifact_info(artifact), offset=offset)
             )
-            for response in file_chunks(stored, offset, artifact.size, size, registry_pb2.DownloadArtifactResponse):
+            async for response in file_chunks(stored, offset, artifact.size, size, registry_pb2.DownloadArtifactResponse):
                 yield response
+        finally:
+            stored.close()
 
     async def WatchVersions(self, request, context):
         sent = request.after_version
@@ -189,7 +203,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             archive = staging / "bundle.tar"
             digest = hashlib.sha256()
             with archive.open("wb") as sink:
-                end = await receive_chunks(requests, sink, position=0, total=header.archive_size, digest=digest)
+                end = await receive_chunks(requests, FileSink(sink), position=0, total=header.archive_size, digest=digest)
             if end != header.archive_size:
                 raise invalid(f"the stream ended after {end} of {header.archive_size} bytes; publish again")
             if digest.hexdigest() != expected_sha256:
@@ -209,7 +223,11 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                 lambda: [store.put(verified.root / a.file, a.sha256) for a in manifest.artifacts if not store.has(a.sha256)]
             )
             record = VersionRecord(manifest.version, verified.manifest_bytes, verified.signature, timestamp())
-            self._storage.add_version(record, [a.sha256 for a in manifest.artifacts])
+            try:
+                self._storage.add_version(record, [a.sha256 for a in manifest.artifacts])
+            except StaleVersion as stale:  # another replica published this version or a later one meanwhile
+                _check_newer(stale.version, stale.latest)
+                raise
             published = PublishedVersion(record, manifest)
             self._catalog.add(published)
         return published

@@ -11,9 +11,10 @@ idempotency check of a retried push. Every function here runs inside the caller'
 
 from __future__ import annotations
 
-import sqlite3
 from collections import Counter
 from collections.abc import Sequence
+
+from .database import Database
 
 REPLICA_SCHEMA = """
 CREATE TABLE IF NOT EXISTS replica_blocks (
@@ -72,10 +73,10 @@ WHERE r.owner_id = :owner AND r.superseded = 0 {items} AND EXISTS (
 
 
 CONTESTED = """
-SELECT c.item_id FROM temp.compacting c WHERE (SELECT COUNT(*) FROM (
-    SELECT 1 FROM replica_items r WHERE r.owner_id = ? AND r.item_id = c.item_id AND r.superseded = 0 LIMIT 2)) > 1
+SELECT c.item_id FROM compacting c WHERE (SELECT COUNT(*) FROM (
+    SELECT 1 FROM replica_items r WHERE r.owner_id = ? AND r.item_id = c.item_id AND r.superseded = 0 LIMIT 2) AS live) > 1
 """
-"""The items (of ``temp.compacting``) with more than one live row: one probe of the item index each."""
+"""The items (of the temporary table ``compacting``) with more than one live row: one probe of the item index each."""
 
 
 def unique_chunks(values: Sequence, size: int = 500) -> list[list]:
@@ -85,14 +86,14 @@ def unique_chunks(values: Sequence, size: int = 500) -> list[list]:
     return [unique[start:start + size] for start in range(0, len(unique), size)]
 
 
-def common_version(db: sqlite3.Connection, owner_id: str | None) -> int:
+def common_version(db: Database, owner_id: str | None) -> int:
     """The version every (unrevoked) device of the owner reports, or 0 while they differ."""
     lowest, highest = db.execute("SELECT MIN(version), MAX(version) FROM devices WHERE owner_id=? AND revoked_at IS NULL",
                                  (owner_id,)).fetchone()
     return lowest if lowest == highest and lowest else 0
 
 
-def compact_replica(db: sqlite3.Connection, owner_id: str, items: Sequence[str] | None = None, *,
+def compact_replica(db: Database, owner_id: str, items: Sequence[str] | None = None, *,
                     blocks: Sequence[int] = ()) -> int:
     """Mark the owner's superseded rows (all of them; or those of ``items``; or, with ``blocks``,
     of the items of those blocks, just stored) and drop the sealed bytes of blocks left without a
@@ -117,26 +118,26 @@ def compact_replica(db: sqlite3.Connection, owner_id: str, items: Sequence[str] 
     return len(found)
 
 
-def _contested(db: sqlite3.Connection, owner_id: str, items: Sequence[str], blocks: Sequence[int]) -> list[str]:
+def _contested(db: Database, owner_id: str, items: Sequence[str], blocks: Sequence[int]) -> list[str]:
     """Those of ``items`` (or of the items of ``blocks``) with more than one live row: only they
     can have a superseded one (a push of new items then costs one index probe per row)."""
     db.execute("CREATE TEMP TABLE IF NOT EXISTS compacting (item_id TEXT PRIMARY KEY)")
-    db.execute("DELETE FROM temp.compacting")
-    db.executemany("INSERT OR IGNORE INTO temp.compacting VALUES (?)", [(i,) for i in items])
+    db.execute("DELETE FROM compacting")
+    db.executemany("INSERT INTO compacting VALUES (?) ON CONFLICT DO NOTHING", [(i,) for i in dict.fromkeys(items)])
     for chunk in unique_chunks(blocks):
-        db.execute(f"INSERT OR IGNORE INTO temp.compacting SELECT item_id FROM replica_items WHERE owner_id = ? "
-                   f"AND sequence IN ({','.join('?' * len(chunk))})", (owner_id, *chunk))
+        db.execute(f"INSERT INTO compacting SELECT item_id FROM replica_items WHERE owner_id = ? "
+                   f"AND sequence IN ({','.join('?' * len(chunk))}) ON CONFLICT DO NOTHING", (owner_id, *chunk))
     return [row[0] for row in db.execute(CONTESTED, (owner_id,))]
 
 
-def _drop_dead_blocks(db: sqlite3.Connection, owner_id: str, sequences: Sequence[int]) -> None:
+def _drop_dead_blocks(db: Database, owner_id: str, sequences: Sequence[int]) -> None:
     """Drop the sealed bytes of those blocks that have no live row left, and give them back to the quota."""
     dead: list[tuple[int, int]] = []
     for chunk in unique_chunks(sequences):
         dead += db.execute(f"SELECT sequence, length(sealed) FROM replica_blocks WHERE owner_id=? AND live_rows=0 "
                            f"AND length(sealed) > 0 AND sequence IN ({','.join('?' * len(chunk))})", (owner_id, *chunk)).fetchall()
     if dead:
-        db.executemany("UPDATE replica_blocks SET sealed = X'' WHERE owner_id=? AND sequence=?",
-                       [(owner_id, sequence) for sequence, _ in dead])
+        db.executemany("UPDATE replica_blocks SET sealed = ? WHERE owner_id=? AND sequence=?",
+                       [(b"", owner_id, sequence) for sequence, _ in dead])
         db.execute("UPDATE replica_owners SET sealed_bytes = sealed_bytes - ? WHERE owner_id=?",
                    (sum(size for _, size in dead), owner_id))

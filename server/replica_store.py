@@ -11,12 +11,12 @@ blocks left without a live row.
 from __future__ import annotations
 
 import hashlib
-import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .database import Database
+from .device_store import owner_lock
 from .replica_compaction import compact_replica, unique_chunks
-from .sqlite_transaction import Transaction
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class PushOutcome:
 class ReplicaStore:
     """The owners' replicas on the metadata database."""
 
-    def __init__(self, db: sqlite3.Connection) -> None:
+    def __init__(self, db: Database) -> None:
         self._db = db
 
     def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str,
@@ -67,7 +67,7 @@ class ReplicaStore:
         number; a record whose (device, change id) is already stored is left as it is (and not
         counted against ``quota``: a retried push is answered even at a full quota).
         :class:`ReplicaQuotaExceeded` (nothing stored) when the new ones do not fit."""
-        with Transaction(self._db):
+        with self._db.transaction(owner_lock(owner_id)):
             used, last = self.replica_usage(owner_id)
             size = used
             assigned = self._stored_sequences(device_id, [r.change_id for r in records])
@@ -87,9 +87,11 @@ class ReplicaStore:
                 raise ReplicaQuotaExceeded(used, size - used, quota)
             self._db.executemany("INSERT INTO replica_blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", blocks)
             self._db.executemany("INSERT INTO replica_items (owner_id, sequence, position, item_id) VALUES (?, ?, ?, ?)", rows)
-            self._db.execute("INSERT OR REPLACE INTO replica_owners VALUES (?, ?, ?)", (owner_id, last, size))
+            self._db.execute("INSERT INTO replica_owners VALUES (?, ?, ?) ON CONFLICT (owner_id) DO UPDATE SET "
+                             "last_sequence=excluded.last_sequence, sealed_bytes=excluded.sealed_bytes", (owner_id, last, size))
             compact_replica(self._db, owner_id, blocks=[block[1] for block in blocks])
         rows_stored = len(rows)
+        self._db.grew(("replica_items", "replica_blocks"), rows_stored)
         return PushOutcome(len(blocks), len(records) - len(blocks), last, tuple(sequences),
                            rows_stored, sum(len(r.item_ids) for r in records) - rows_stored)
 
@@ -133,7 +135,7 @@ class ReplicaStore:
     def compact_replica_page(self, owner_id: str, after_item: str, limit: int) -> str | None:
         """Compact the records of the owner's next ``limit`` item ids after ``after_item`` (in
         one transaction); the last item id done, or None when there were none left."""
-        with Transaction(self._db):
+        with self._db.transaction(owner_lock(owner_id)):
             items = [row[0] for row in self._db.execute(
                 "SELECT DISTINCT item_id FROM replica_items WHERE owner_id=? AND superseded=0 AND item_id>? "
                 "ORDER BY item_id LIMIT ?", (owner_id, after_item, limit))]

@@ -45,6 +45,10 @@ class OpenStreams:
             if not calls:
                 self._calls.pop(device_id, None)
 
+    def devices(self) -> list[str]:
+        """The devices with a stream open here now."""
+        return list(self._calls)
+
     def end(self, device_id: str) -> int:
         """Refuse the device's streams from now on and abort those open, each in a task of its own
         (an abort may wait while the peer's flow-control window is full: no stream waits for

@@ -23,34 +23,44 @@ the schema and its migrations are in :mod:`.storage_schema`.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from fctkit.errors import ConfigError
 
 from .blob_store import BlobRecord, BlobStore
-from .content_store import ContentStore
+from .content_store import ContentStore, Contents
+from .database import Database
 from .device_store import DeviceRecord, DeviceReport, DeviceStore, OwnerKeyMismatch
 from .replica_store import PushOutcome, ReplicaQuotaExceeded, ReplicaRecord, ReplicaStore
 from .storage_schema import open_database
+from .partial_uploads import PartialFiles, PartialUploads
 from .upload_sessions import Reservation
-from .version_store import VersionRecord, VersionStore
+from .version_store import StaleVersion, VersionRecord, VersionStore
 
 __all__ = ["BlobRecord", "DeviceRecord", "DeviceReport", "OwnerKeyMismatch", "PushOutcome", "ReplicaQuotaExceeded", "ReplicaRecord",
-           "Reservation", "SqliteStorage", "Storage", "VersionRecord"]
+           "Reservation", "ServerStorage", "SqliteStorage", "StaleVersion", "Storage", "VersionRecord"]
 
 
 class Storage(Protocol):
     """What the services need from persistence. Every method is synchronous and short;
-    file contents go through the two content stores."""
+    contents go through the two content stores and the unfinished uploads; ``tmp_dir`` is this
+    process's own scratch space (publish staging)."""
 
-    artifacts: ContentStore
-    blobs: ContentStore
+    artifacts: Contents
+    blobs: Contents
+    partials: PartialUploads
     tmp_dir: Path
+
+    def listen(self, on_event: Callable[[str], None], on_connected: Callable[[], None]) -> Coroutine[Any, Any, None] | None: ...
+    def single_flight(self, name: str) -> contextlib.AbstractContextManager[bool]: ...
+    def revoked_among(self, device_ids: Collection[str]) -> list[str]: ...
 
     def versions(self) -> list[VersionRecord]: ...
     def add_version(self, record: VersionRecord, artifact_sha256s: Sequence[str]) -> None: ...
@@ -94,26 +104,26 @@ class Storage(Protocol):
     def close(self) -> None: ...
 
 
-class SqliteStorage:
-    """:class:`Storage` on SQLite (WAL) plus two content-addressed file stores in ``data_dir``."""
+class ServerStorage:
+    """:class:`Storage` over a metadata :class:`~.database.Database`, two content stores and the
+    unfinished uploads; :class:`SqliteStorage` and :class:`fctkit.server.scale_out.ScaleOutStorage` build one."""
 
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir = Path(data_dir)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = _lock_exclusively(self.data_dir / "server.lock")
-        self.artifacts = ContentStore(self.data_dir / "artifacts")
-        self.blobs = ContentStore(self.data_dir / "blobs")
-        self.tmp_dir = self.data_dir / "tmp"
-        self.tmp_dir.mkdir(exist_ok=True)
-        try:
-            self._db = open_database(self.data_dir / "meta.sqlite3")
-        except BaseException:
-            os.close(self._lock_fd)
-            raise
+    def __init__(self, db: Database, artifacts: Contents, blobs: Contents, partials: PartialUploads, tmp_dir: Path,
+                 *, garbage_grace_s: float = 0.0) -> None:
+        self._db, self.artifacts, self.blobs, self.partials, self.tmp_dir = db, artifacts, blobs, partials, tmp_dir
+        self._garbage_grace_s = garbage_grace_s
         self._versions = VersionStore(self._db, self.artifacts)
         self._devices = DeviceStore(self._db)
         self._vault = BlobStore(self._db, self.blobs, self._devices.device_owner)
         self._replica = ReplicaStore(self._db)
+
+    def listen(self, on_event: Callable[[str], None], on_connected: Callable[[], None]) -> Coroutine[Any, Any, None] | None:
+        """A task to run that calls ``on_event`` for what other replicas do; None: there are none."""
+        return None
+
+    def single_flight(self, name: str) -> contextlib.AbstractContextManager[bool]:
+        """True for the one replica running ``name`` now (a sweep), False for the others."""
+        return self._db.single_flight(name)
 
     # -- registry ---------------------------------------------------------------------------
 
@@ -223,19 +233,27 @@ class SqliteStorage:
         tables = ("versions", "devices", "blobs", "enrolment_codes")
         return {t: self._db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in tables}
 
-    def collect_garbage(self) -> dict[str, int]:
-        """Remove what no row references: leftovers of uploads and publishes cut short by a crash.
+    def revoked_among(self, device_ids: Collection[str]) -> list[str]:
+        return self._devices.revoked_among(device_ids)
 
-        Partial vault uploads (``tmp/uploads``) are kept: they can still be resumed.
+    def collect_garbage(self) -> dict[str, int]:
+        """Remove what no row references: leftovers of uploads and publishes cut short by a crash
+        (objects older than the grace period only, by one replica at a time).
+
+        Partial vault uploads are kept: they can still be resumed.
         """
-        wanted_artifacts = self._versions.referenced_artifacts()
-        wanted_blobs = self._vault.referenced_blobs()
         removed = {"artifacts": 0, "blobs": 0, "staging": 0}
-        for store, wanted, key in ((self.artifacts, wanted_artifacts, "artifacts"), (self.blobs, wanted_blobs, "blobs")):
-            for sha256 in list(store):
-                if sha256 not in wanted:
-                    store.delete(sha256)
-                    removed[key] += 1
+        with self.single_flight("collect-garbage") as mine:
+            if mine:
+                cutoff = time.time() - self._garbage_grace_s
+                wanted_artifacts = self._versions.referenced_artifacts()
+                for sha256, changed in list(self.artifacts.listing()):
+                    if sha256 not in wanted_artifacts and changed <= cutoff:
+                        self.artifacts.delete(sha256)
+                        removed["artifacts"] += 1
+                wanted_blobs = self._vault.referenced_blobs()
+                removed["blobs"] = sum(self._vault.drop_unreferenced(sha256) for sha256, changed in list(self.blobs.listing())
+                                       if sha256 not in wanted_blobs and changed <= cutoff)
         for staging in self.tmp_dir.glob("publish-*"):
             shutil.rmtree(staging, ignore_errors=True)
             removed["staging"] += 1
@@ -243,6 +261,28 @@ class SqliteStorage:
 
     def close(self) -> None:
         self._db.close()
+
+
+class SqliteStorage(ServerStorage):
+    """:class:`Storage` on SQLite (WAL) plus two content-addressed file stores in ``data_dir``,
+    for one server process (it holds ``DATA/server.lock``)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock_exclusively(self.data_dir / "server.lock")
+        tmp_dir = self.data_dir / "tmp"
+        tmp_dir.mkdir(exist_ok=True)
+        try:
+            db = open_database(self.data_dir / "meta.sqlite3")
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        super().__init__(db, ContentStore(self.data_dir / "artifacts"), ContentStore(self.data_dir / "blobs"),
+                         PartialFiles(tmp_dir / "uploads"), tmp_dir)
+
+    def close(self) -> None:
+        super().close()
         os.close(self._lock_fd)  # releases the lock
 
 

@@ -1,23 +1,28 @@
-"""The schema of the server's metadata database (``DATA/meta.sqlite3``), its migrations from
-older schemas, and opening it.
+"""The schema of the server's metadata database (``DATA/meta.sqlite3``, or a PostgreSQL
+database), its migrations from older schemas, and opening it.
 
 Schema 1 databases (before owners) are migrated in place: each device becomes the only device of
 an owner of its own. Schema 2 databases get the replica's compaction columns; schema 3 gets device
 revocation; schema 4 keeps one blob record per owner and SHA-256; schema 5 stores the replica as
 blocks of rows, each old record a block of one, and compacts it (:mod:`.replica_compaction`). A database of a schema this server does not know is refused.
+
+PostgreSQL databases start at the current schema (the backend is newer than every migration):
+the same tables in PostgreSQL's types, created once under an advisory lock however many replicas
+start at once, the version kept in ``fctkit_schema``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import sqlite3
 from pathlib import Path
 
 from fctkit.errors import ConfigError
 
 from . import upload_sessions
+from .database import PostgresDatabase, SqliteDatabase
 from .replica_compaction import REPLICA_SCHEMA, compact_replica
-from .sqlite_transaction import Transaction
 
 SCHEMA_VERSION = 6
 _SCHEMA = """
@@ -81,7 +86,7 @@ CREATE TABLE IF NOT EXISTS replica_owners (
 """ + REPLICA_SCHEMA
 
 
-def execute_script(db: sqlite3.Connection, script: str) -> None:
+def execute_script(db: sqlite3.Connection | PostgresDatabase, script: str) -> None:
     for statement in filter(str.strip, script.split(";")):
         db.execute(statement)
 
@@ -141,7 +146,7 @@ def _replica_blocks(db: sqlite3.Connection) -> None:
 _MIGRATIONS = {1: _add_owners, 2: _add_replica_compaction, 3: _add_revocation, 4: _one_blob_per_owner, 5: _replica_blocks}  # schema found -> the step to the next one
 
 
-def open_database(path: Path) -> sqlite3.Connection:
+def open_database(path: Path) -> SqliteDatabase:
     """Open (creating or migrating it to :data:`SCHEMA_VERSION`) the metadata database at ``path``."""
     try:
         db = sqlite3.connect(path, isolation_level=None)
@@ -155,11 +160,51 @@ def open_database(path: Path) -> sqlite3.Connection:
                 f"{path.parent}: metadata schema {found} is not the {SCHEMA_VERSION} this server "
                 "understands; run the fctkit version that wrote it"
             )
-        with Transaction(db):
+        with SqliteDatabase(db).transaction():
             for step in range(found, SCHEMA_VERSION) if found else ():
                 _MIGRATIONS[step](db)
             execute_script(db, _SCHEMA + upload_sessions.UPLOADS_SCHEMA)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     except sqlite3.DatabaseError as exc:
         raise ConfigError(f"{path}: not a usable fctkit database: {exc}") from exc
+    return SqliteDatabase(db)
+
+
+_MIGRATION_LOCK = 0x66637463  # "fctc": the advisory lock replicas take to create or check the schema
+
+
+def postgres_schema(script: str) -> str:
+    """The schema in PostgreSQL's types (64-bit integers: sizes and sequence numbers outgrow 32 bits)."""
+    script = script.replace("INTEGER PRIMARY KEY AUTOINCREMENT", "BIGSERIAL PRIMARY KEY")
+    for sqlite_type, postgres_type in (("INTEGER", "BIGINT"), ("BLOB", "BYTEA"), ("REAL", "DOUBLE PRECISION")):
+        script = re.sub(rf"\b{sqlite_type}\b", postgres_type, script)
+    return script
+
+
+def open_postgres(dsn: str, *, max_connections: int = 20) -> PostgresDatabase:
+    """Connect to the PostgreSQL database at ``dsn``, creating the schema the first time (under
+    an advisory lock: replicas starting together create it once); refuses another schema."""
+    try:
+        db = PostgresDatabase(dsn, max_connections=max_connections)
+    except Exception as exc:  # psycopg.Error, or psycopg_pool's PoolTimeout when the server never answers
+        raise ConfigError(f"cannot connect to the database {redacted_dsn(dsn)}: {exc}") from exc
+    try:
+        with db.transaction():
+            db.execute("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
+            db.execute("CREATE TABLE IF NOT EXISTS fctkit_schema (version INTEGER NOT NULL)")
+            found = db.execute("SELECT MAX(version) FROM fctkit_schema").fetchone()[0] or 0
+            if found not in (0, SCHEMA_VERSION):
+                raise ConfigError(f"{redacted_dsn(dsn)}: metadata schema {found} is not the {SCHEMA_VERSION} this "
+                                  "server understands; run the fctkit version that wrote it")
+            if not found:
+                execute_script(db, postgres_schema(_SCHEMA + upload_sessions.UPLOADS_SCHEMA))
+                db.execute("INSERT INTO fctkit_schema VALUES (?)", (SCHEMA_VERSION,))
+    except BaseException:
+        db.close()
+        raise
     return db
+
+
+def redacted_dsn(dsn: str) -> str:
+    """``dsn`` without a password, for messages and logs."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", dsn)

@@ -3,9 +3,9 @@ bundle publishing: a header message first, then contiguous :class:`Chunk` messag
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
-from typing import Any, BinaryIO
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any, BinaryIO, Protocol
 
 from fctkit.errors import RpcStatusError
 from fctkit.protos import limits
@@ -24,7 +24,29 @@ async def read_header(requests: AsyncIterator[Any]) -> Any:
     return first.header
 
 
-async def receive_chunks(requests: AsyncIterator[Any], sink: BinaryIO, *, position: int, total: int, digest=None) -> int:
+class Sink(Protocol):
+    async def write(self, data: bytes) -> None: ...
+
+
+class FileSink:
+    """A local file as a :class:`Sink`."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self._handle = handle
+
+    async def write(self, data: bytes) -> None:
+        self._handle.write(data)
+
+
+class Readable(Protocol):
+    name: str
+
+    def seek(self, offset: int) -> Any: ...
+    def read(self, size: int) -> bytes: ...
+    def close(self) -> None: ...
+
+
+async def receive_chunks(requests: AsyncIterator[Any], sink: Sink, *, position: int, total: int, digest=None) -> int:
     """Write the chunks that follow the header to ``sink``; returns the end position.
 
     Each chunk must start where the previous one ended, carry at most 1 MiB, and not go
@@ -40,35 +62,37 @@ async def receive_chunks(requests: AsyncIterator[Any], sink: BinaryIO, *, positi
             raise invalid(f"chunk.data has {len(chunk.data)} bytes; at most {limits.MAX_CHUNK_BYTES}")
         if position + len(chunk.data) > total:
             raise invalid(f"the chunks carry more than the {total} bytes the header announced")
-        sink.write(chunk.data)
+        await sink.write(chunk.data)
         if digest is not None:
             digest.update(chunk.data)
         position += len(chunk.data)
     return position
 
 
-def open_stored(path: Path, missing: RpcStatusError) -> BinaryIO:
-    """Open a stored file *before* a download's header is sent, so that a delete racing the
-    download cannot pull the file away mid-stream (an open file stays readable on POSIX);
+def open_stored(opener: Callable[[], Readable], missing: RpcStatusError) -> Readable:
+    """Open a stored object *before* a download's header is sent, so that a delete racing the
+    download cannot pull it away mid-stream (an open file stays readable on POSIX);
     ``missing`` is raised when it is already gone."""
     try:
-        return path.open("rb")
+        return opener()
     except FileNotFoundError:
         raise missing from None
 
 
-def file_chunks(source: BinaryIO, offset: int, end: int, chunk_size: int, response_type: type) -> Iterator[Any]:
-    """``response_type(chunk=...)`` messages carrying the open file ``source`` from ``offset``
-    to ``end`` (the caller closes it).
+async def file_chunks(source: Readable, offset: int, end: int, chunk_size: int, response_type: type) -> AsyncIterator[Any]:
+    """``response_type(chunk=...)`` messages carrying the open object ``source`` from ``offset``
+    to ``end`` (the caller closes it), each read on a worker thread (an object store's read is a
+    network call).
 
     The data goes straight into the response (a nested Chunk passed to the constructor would
     be copied once more: a megabyte per message)."""
     source.seek(offset)
     position = offset
     while position < end:
-        data = source.read(min(chunk_size, end - position))
+        data = await asyncio.to_thread(source.read, min(chunk_size, end - position))
         if not data:
-            raise RpcStatusError("DATA_LOSS", f"stored file {Path(source.name).name} is shorter than recorded; the server's data directory is damaged")
+            name = str(getattr(source, "name", "?")).rsplit("/", 1)[-1]
+            raise RpcStatusError("DATA_LOSS", f"stored object {name} is shorter than recorded; the server's storage is damaged")
         yield response_type(chunk={"offset": position, "data": data})
         position += len(data)
 

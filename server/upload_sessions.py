@@ -11,9 +11,10 @@ device that began it is revoked; the sweep then removes its partial file.
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Collection
 from dataclasses import dataclass
+
+from .database import Database
 
 UPLOADS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS uploads (
@@ -38,7 +39,7 @@ class Reservation:
     reserved: int
 
 
-def reserve(db: sqlite3.Connection, owner_id: str, device_id: str, sha256: str, size: int, now: float,
+def reserve(db: Database, owner_id: str, device_id: str, sha256: str, size: int, now: float,
             quota: int) -> Reservation:
     """Inside the caller's transaction: reserve (or renew) the upload when it fits the quota."""
     stored = db.execute("SELECT COALESCE(SUM(size), 0) FROM blobs WHERE owner_id=?", (owner_id,)).fetchone()[0]
@@ -46,31 +47,34 @@ def reserve(db: sqlite3.Connection, owner_id: str, device_id: str, sha256: str, 
                           (owner_id, sha256)).fetchone()[0]
     fits = stored + reserved + size <= quota
     if fits:
-        db.execute("INSERT OR REPLACE INTO uploads VALUES (?, ?, ?, ?, ?)", (owner_id, sha256, device_id, size, now))
+        db.execute("INSERT INTO uploads VALUES (?, ?, ?, ?, ?) ON CONFLICT (owner_id, sha256) DO UPDATE SET "
+                   "device_id=excluded.device_id, size=excluded.size, touched_at=excluded.touched_at",
+                   (owner_id, sha256, device_id, size, now))
     return Reservation(fits, int(stored), int(reserved))
 
 
-def release(db: sqlite3.Connection, owner_id: str, sha256: str) -> None:
+def release(db: Database, owner_id: str, sha256: str) -> None:
     db.execute("DELETE FROM uploads WHERE owner_id=? AND sha256=?", (owner_id, sha256))
 
 
-def release_device(db: sqlite3.Connection, device_id: str) -> None:
+def release_device(db: Database, device_id: str) -> None:
     """End every reservation the device began (it is being revoked)."""
     db.execute("DELETE FROM uploads WHERE device_id=?", (device_id,))
 
 
-def touch(db: sqlite3.Connection, owner_id: str, sha256: str, now: float) -> None:
+def touch(db: Database, owner_id: str, sha256: str, now: float) -> None:
     db.execute("UPDATE uploads SET touched_at=? WHERE owner_id=? AND sha256=?", (now, owner_id, sha256))
 
 
-def expire(db: sqlite3.Connection, idle_since: float, in_progress: Collection[tuple[str, str]]) -> list[tuple[str, str]]:
+def expire(db: Database, idle_since: float, in_progress: Collection[tuple[str, str]]) -> list[tuple[str, str]]:
     """Inside the caller's transaction: end the reservations idle since before ``idle_since``
     (not those ``in_progress``); returns their (owner id, SHA-256)."""
     stale = [key for key in db.execute("SELECT owner_id, sha256 FROM uploads WHERE touched_at < ?", (idle_since,))
              if key not in in_progress]
-    db.executemany("DELETE FROM uploads WHERE owner_id=? AND sha256=?", stale)
+    db.executemany("DELETE FROM uploads WHERE owner_id=? AND sha256=? AND touched_at < ?",
+                   [(*key, idle_since) for key in stale])  # not one a replica renewed meanwhile
     return stale
 
 
-def reserved_keys(db: sqlite3.Connection) -> set[tuple[str, str]]:
+def reserved_keys(db: Database) -> set[tuple[str, str]]:
     return set(db.execute("SELECT owner_id, sha256 FROM uploads"))

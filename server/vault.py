@@ -7,8 +7,9 @@ owner, whichever devices upload it, and any device of the owner may delete it. T
 per owner and counts unfinished uploads at their announced size (:mod:`.upload_sessions`).
 The replica RPCs live in :mod:`fctkit.server.replica`.
 
-An interrupted upload stays under ``tmp/uploads/<owner>/<sha256>.part`` and can be resumed by
-any device of the owner (Stat tells how much arrived) until it has been idle for the server's
+An interrupted upload stays in the storage's unfinished uploads (:mod:`.partial_uploads`: a
+file under ``DATA/tmp/uploads``, or part objects in the bucket) and can be resumed by any device
+of the owner, through any replica, (Stat tells how much arrived) until it has been idle for the server's
 ``partial_upload_ttl_s``; then :meth:`VaultService.sweep_uploads` gives its bytes back. An
 upload in progress is never removed; a second upload of the same blob by the same owner while
 one runs gets ABORTED (retryable).
@@ -17,15 +18,14 @@ one runs gets ABORTED (retryable).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
-from pathlib import Path
 
 from fctkit.errors import RpcStatusError
 from fctkit.protos import limits, vault_pb2, vault_pb2_grpc
 from fctkit.protos.bundle import file_sha256
 
 from .auth import current_device_id, current_owner_id
+from .partial_uploads import IncompleteUpload
 from .replica import ReplicaHandlers
 from .storage import BlobRecord, Storage
 from .streams import check_offset, file_chunks, open_stored, read_header, receive_chunks
@@ -46,25 +46,16 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
         self._partial_ttl = partial_upload_ttl_s
         self._uploading: set[tuple[str, str]] = set()  # (owner id, SHA-256) of uploads being received now
 
-    def _partial_path(self, owner_id: str, sha256: str) -> Path:
-        return self._uploads_dir / _owner_folder(owner_id) / f"{sha256}.part"
-
-    @property
-    def _uploads_dir(self) -> Path:
-        return self._storage.tmp_dir / "uploads"
-
     def sweep_uploads(self, now: float | None = None) -> int:
-        """End the reservations of uploads idle longer than the TTL and remove every partial file
-        without a reservation (expired, deleted, or begun by a revoked device); returns the files removed."""
+        """End the reservations of uploads idle longer than the TTL and remove every partial upload
+        without a reservation (expired, deleted, or begun by a revoked device); returns how many
+        went. One replica sweeps at a time (the others return 0)."""
         now = time.time() if now is None else now
-        self._storage.expire_uploads(now - self._partial_ttl, set(self._uploading))
-        kept = {(_owner_folder(owner), sha256) for owner, sha256 in self._storage.reserved_uploads() | self._uploading}
-        removed = 0
-        for partial in self._uploads_dir.glob("*/*.part") if self._uploads_dir.is_dir() else ():
-            if (partial.parent.name, partial.stem) not in kept:
-                partial.unlink(missing_ok=True)
-                removed += 1
-        return removed
+        with self._storage.single_flight("sweep-uploads") as mine:
+            if not mine:
+                return 0
+            self._storage.expire_uploads(now - self._partial_ttl, set(self._uploading))
+            return self._storage.partials.sweep(self._storage.reserved_uploads() | self._uploading)
 
     def _own_blob(self, owner_id: str, sha256: str) -> BlobRecord | None:
         """The owner's blob, None when nobody stores it; PERMISSION_DENIED when only other owners do."""
@@ -92,41 +83,51 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
         item_id = text_field(header.item_id, "header.item_id")
         existing = self._own_blob(owner_id, sha256)
         if existing is not None:
-            used, _ = self._storage.owner_vault_usage(owner_id)
-            return vault_pb2.UploadBlobResponse(blob=_blob_info(existing), already_stored=True, used_bytes=used, quota_bytes=self._quota)
+            return self._already_stored(owner_id, existing)
         key = (owner_id, sha256)
         if key in self._uploading:
             raise RpcStatusError("ABORTED", "an upload of this blob is in progress (from this or another device of the "
                                             "owner); retry when it ends")
-        partial = self._partial_path(owner_id, sha256)
-        held = partial.stat().st_size if partial.exists() else 0
-        if header.offset > held:  # checked before reserving: a refused call holds no quota
-            raise RpcStatusError("FAILED_PRECONDITION", f"the server holds {held} bytes of this blob; resume from offset {held}")
-        self._reserve(owner_id, device_id, sha256, header.size)
         self._uploading.add(key)
         try:
-            return await self._receive(requests, partial, device_id, owner_id, header, sha256, item_id)
+            held = await asyncio.to_thread(self._storage.partials.held, owner_id, sha256) or 0
+            if header.offset > held:  # checked before reserving: a refused call holds no quota
+                raise RpcStatusError("FAILED_PRECONDITION", f"the server holds {held} bytes of this blob; resume from offset {held}")
+            self._reserve(owner_id, device_id, sha256, header.size)
+            return await self._receive(requests, device_id, owner_id, header, sha256, item_id)
         finally:
             self._uploading.discard(key)
             self._storage.touch_upload(owner_id, sha256, time.time())  # the TTL counts from the last activity
 
-    async def _receive(self, requests, partial: Path, device_id: str, owner_id: str, header, sha256: str, item_id: str):
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        with partial.open("r+b" if partial.exists() else "wb") as sink:
-            sink.truncate(header.offset)
-            sink.seek(header.offset)
+    async def _receive(self, requests, device_id: str, owner_id: str, header, sha256: str, item_id: str):
+        partials = self._storage.partials
+        touch = lambda: self._storage.touch_upload(owner_id, sha256, time.time())  # noqa: E731
+        async with partials.writer(owner_id, sha256, header.offset, touch) as sink:
             end = await receive_chunks(requests, sink, position=header.offset, total=header.size)
         if end != header.size:
             raise invalid(f"the stream ended after {end} of {header.size} bytes; resume from offset {end}")
-        digest, _ = await asyncio.to_thread(file_sha256, partial)
+        try:
+            assembled = await asyncio.to_thread(partials.assemble, owner_id, sha256, header.size)
+        except IncompleteUpload as incomplete:
+            if (stored := self._storage.owner_blob(owner_id, sha256)) is not None:
+                return self._already_stored(owner_id, stored)  # the same upload, through another replica, finished first
+            raise RpcStatusError("FAILED_PRECONDITION", f"{incomplete}; resume from offset {incomplete.held}") from None
+        digest, _ = await asyncio.to_thread(file_sha256, assembled)
         if digest != sha256:
-            partial.unlink(missing_ok=True)
+            assembled.unlink(missing_ok=True)
+            partials.discard(owner_id, sha256)
             self._storage.release_upload(owner_id, sha256)
             raise invalid(f"the received bytes hash to {digest}, not the announced {sha256}; upload again from offset 0")
         record = BlobRecord(device_id, sha256, header.size, item_id, timestamp(), owner_id)
-        self._storage.finish_upload(record, partial)
+        await asyncio.to_thread(self._storage.blobs.stage, assembled, sha256)  # the long copy, off the event loop
+        self._storage.finish_upload(record, assembled)
+        await asyncio.to_thread(partials.finished, owner_id, sha256, assembled)
         used, _ = self._storage.owner_vault_usage(owner_id)
         return vault_pb2.UploadBlobResponse(blob=_blob_info(record), used_bytes=used, quota_bytes=self._quota)
+
+    def _already_stored(self, owner_id: str, record: BlobRecord) -> vault_pb2.UploadBlobResponse:
+        used, _ = self._storage.owner_vault_usage(owner_id)
+        return vault_pb2.UploadBlobResponse(blob=_blob_info(record), already_stored=True, used_bytes=used, quota_bytes=self._quota)
 
     async def Download(self, request, context):
         owner_id = current_owner_id()
@@ -137,10 +138,13 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
             raise RpcStatusError("NOT_FOUND", f"no blob {sha256} in this owner's vault")
         offset = check_offset(request.offset, record.size)
         deleted = RpcStatusError("NOT_FOUND", f"blob {sha256} was deleted from this owner's vault")
-        with open_stored(self._storage.blobs.path(sha256), deleted) as stored:
+        stored = open_stored(lambda: self._storage.blobs.open(sha256), deleted)
+        try:
             yield vault_pb2.DownloadBlobResponse(header=_blob_info(record))
-            for response in file_chunks(stored, offset, record.size, size, vault_pb2.DownloadBlobResponse):
+            async for response in file_chunks(stored, offset, record.size, size, vault_pb2.DownloadBlobResponse):
                 yield response
+        finally:
+            stored.close()
 
     async def Stat(self, request, context):
         owner_id = current_owner_id()
@@ -148,9 +152,9 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
         record = self._own_blob(owner_id, sha256)
         if record is not None:
             return vault_pb2.StatBlobResponse(state=vault_pb2.BLOB_STATE_STORED, received=record.size, blob=_blob_info(record))
-        partial = self._partial_path(owner_id, sha256)
-        if partial.exists():
-            return vault_pb2.StatBlobResponse(state=vault_pb2.BLOB_STATE_PARTIAL, received=partial.stat().st_size)
+        held = await asyncio.to_thread(self._storage.partials.held, owner_id, sha256)
+        if held is not None:
+            return vault_pb2.StatBlobResponse(state=vault_pb2.BLOB_STATE_PARTIAL, received=held)
         return vault_pb2.StatBlobResponse(state=vault_pb2.BLOB_STATE_ABSENT)
 
     async def List(self, request, context):
@@ -171,10 +175,10 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
         owner_id = current_owner_id()
         sha256 = sha256_field(request.sha256, "sha256")
         record = self._storage.owner_blob(owner_id, sha256)
-        partial = self._partial_path(owner_id, sha256)
-        removed_partial = partial.exists() and (owner_id, sha256) not in self._uploading
+        partials = self._storage.partials
+        removed_partial = (owner_id, sha256) not in self._uploading and partials.held(owner_id, sha256) is not None
         if removed_partial:
-            partial.unlink(missing_ok=True)
+            partials.discard(owner_id, sha256)
             self._storage.release_upload(owner_id, sha256)
         if record is not None:
             self._storage.delete_owner_blob(owner_id, sha256)
@@ -184,7 +188,3 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
         used, _ = self._storage.owner_vault_usage(owner_id)
         return vault_pb2.DeleteBlobResponse(used_bytes=used)
 
-
-def _owner_folder(owner_id: str) -> str:
-    """The folder of an owner's partial uploads: a digest, so any owner id is a safe name."""
-    return hashlib.sha256(owner_id.encode("utf-8")).hexdigest()[:32]

@@ -3,12 +3,11 @@ artifacts it names, which live in the artifacts content store."""
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .content_store import ContentStore
-from .sqlite_transaction import Transaction
+from .content_store import Contents
+from .database import Database
 
 
 @dataclass(frozen=True)
@@ -19,10 +18,18 @@ class VersionRecord:
     published_at: str
 
 
+class StaleVersion(Exception):
+    """A publish lost: the version is not newer than the latest stored (another replica published meanwhile)."""
+
+    def __init__(self, version: int, latest: int) -> None:
+        super().__init__(f"version {version} is not newer than the latest published {latest}")
+        self.version, self.latest = version, latest
+
+
 class VersionStore:
     """The registry's versions on the metadata database and the artifacts store."""
 
-    def __init__(self, db: sqlite3.Connection, artifacts: ContentStore) -> None:
+    def __init__(self, db: Database, artifacts: Contents) -> None:
         self._db = db
         self._artifacts = artifacts
 
@@ -36,7 +43,10 @@ class VersionStore:
         missing = [s for s in artifact_sha256s if not self._artifacts.has(s)]
         if missing:
             raise FileNotFoundError(f"artifacts not in the store: {', '.join(missing)}")
-        with Transaction(self._db):
+        with self._db.transaction("versions"):
+            latest = self._db.execute("SELECT COALESCE(MAX(version), 0) FROM versions").fetchone()[0]
+            if record.version <= latest:
+                raise StaleVersion(record.version, int(latest))
             self._db.execute(
                 "INSERT INTO versions (version, manifest, signature, published_at) VALUES (?, ?, ?, ?)",
                 (record.version, record.manifest, record.signature, record.published_at),
@@ -45,6 +55,7 @@ class VersionStore:
                 "INSERT INTO version_artifacts (version, sha256) VALUES (?, ?)",
                 [(record.version, sha256) for sha256 in sorted(set(artifact_sha256s))],
             )
+            self._db.notify(f"version:{record.version}")
 
     def referenced_artifacts(self) -> set[str]:
         """The SHA-256 of every artifact a version names (the ones garbage collection keeps)."""

@@ -1,10 +1,66 @@
-"""Shared test helpers. Each part keeps its own fixtures in tests/<part>/conftest.py."""
+"""Shared test helpers. Each part keeps its own fixtures in tests/<part>/conftest.py; the session
+services that several parts use (PostgreSQL, S3) start here, from tests/support/scale_services.py."""
 
 from __future__ import annotations
 
 import os
+from typing import NoReturn
+
+import pytest
 
 # One intra-op thread: tests start servers and device subprocesses next to the test process,
 # and torch with 2 threads on 2 oversubscribed cores runs many times slower, not faster.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+
+def _service_unavailable(reason: str) -> NoReturn:
+    """Skip the test that needs a service which cannot start; under CI=true, fail it instead."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true, so this service must start: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster(tmp_path_factory):
+    """A throwaway PostgreSQL cluster on loopback for the whole session (superuser ``fctkit``,
+    trust auth; ``create_database(name)`` gives a test its own database), stopped at the end.
+
+    When it cannot start (PostgreSQL not installed, no ``postgres`` user while root, a failed
+    start) the tests that use it are skipped with the reason, except when the environment has
+    CI=true: there they fail with it, because CI must run them, not skip them."""
+    from tests.support.scale_services import ServiceUnavailable, start_postgres
+
+    try:
+        cluster = start_postgres(tmp_path_factory.mktemp("postgres"))
+    except ServiceUnavailable as exc:
+        reason = f"PostgreSQL unavailable: {exc}"
+    else:
+        reason = None
+    if reason is not None:
+        _service_unavailable(reason)  # outside the except: no chained traceback in the report
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory):
+    """A real S3-compatible HTTP endpoint on loopback for the whole session (moto's server;
+    ``create_bucket(name)``; ``s3_environment(url)`` is the environment a server process needs
+    for it), stopped at the end.
+
+    When it cannot start (moto[server] not installed, the server does not answer) the tests that
+    use it are skipped with the reason, except when the environment has CI=true: there they fail
+    with it, because CI must run them, not skip them."""
+    from tests.support.scale_services import ServiceUnavailable, start_s3
+
+    try:
+        endpoint = start_s3(tmp_path_factory.mktemp("s3") / "moto.log")
+    except ServiceUnavailable as exc:
+        reason = f"S3 (moto) unavailable: {exc}"
+    else:
+        reason = None
+    if reason is not None:
+        _service_unavailable(reason)  # outside the except: no chained traceback in the report
+    yield endpoint
+    endpoint.stop()

@@ -1,5 +1,11 @@
 """Fixtures for the server tests: real `fctkit serve` processes on loopback, a publisher key,
-and real signed bundles (v1..v5) built from tiny ONNX graphs (onnx.helper, no torch)."""
+and real signed bundles (v1..v5) built from tiny ONNX graphs (onnx.helper, no torch).
+
+Every test that starts a server through ``start_server`` (or opens storage through
+``open_storage``) runs once per storage backend (:data:`BACKENDS`): ``sqlite`` (``--data DIR``)
+and ``postgres`` (a throwaway PostgreSQL cluster plus moto's S3 server, both started once per
+test session; each data directory name maps to a database and a bucket prefix of its own).
+"""
 
 from __future__ import annotations
 
@@ -169,10 +175,117 @@ def archives(tmp_path_factory, bundles) -> dict[int, Path]:
     return {v: pack_bundle(path, root / f"v{v}.tar") for v, path in bundles.items()}
 
 
+BACKENDS = ("sqlite", "postgres")
+BUCKET = "fctkit-tests"
+
+
+class Backend:
+    """One storage backend for servers and in-process storage: ``sqlite`` keeps everything in
+    the data directory; ``postgres`` maps the data directory's path to a database and a bucket
+    prefix of its own (so a restarted server finds its state again)."""
+
+    def __init__(self, name: str, cluster=None, s3=None) -> None:
+        self.name, self.cluster, self.s3 = name, cluster, s3
+
+    def _names(self, data_dir: Path) -> tuple[str, str]:
+        import hashlib
+
+        key = "t_" + hashlib.sha256(str(Path(data_dir).resolve()).encode()).hexdigest()[:20]
+        if key not in _CREATED:
+            self.cluster.create_database(key)
+            _CREATED.add(key)
+        return self.cluster.dsn(key), f"s3://{BUCKET}/{key}"
+
+    def server_args(self, data_dir: Path) -> list[str]:
+        if self.name == "sqlite":
+            return ["--data", str(data_dir)]
+        database, object_store = self._names(data_dir)
+        Path(data_dir).mkdir(parents=True, exist_ok=True)  # the log goes next to it either way
+        return ["--database", database, "--object-store", object_store]
+
+    def environment(self) -> dict[str, str]:
+        from tests.support.scale_services import s3_environment
+
+        return s3_environment(self.s3.url) if self.s3 else {}
+
+    def open_storage(self, data_dir: Path):
+        if self.name == "sqlite":
+            from fctkit.server.storage import SqliteStorage
+
+            return SqliteStorage(data_dir)
+        from fctkit.server.scale_out import ScaleOutStorage
+
+        database, object_store = self._names(data_dir)
+        return ScaleOutStorage(database, object_store, s3_endpoint_url=self.s3.url)
+
+    def objects(self, data_dir: Path, kind: str) -> dict[str, bytes]:
+        """Every stored object of ``kind`` ("artifacts" or "blobs") by name, read from where this backend keeps them."""
+        if self.name == "sqlite":
+            return {p.name: p.read_bytes() for p in sorted((Path(data_dir) / kind).rglob("*")) if p.is_file()}
+        prefix = f"{self._names(data_dir)[1].removeprefix(f's3://{BUCKET}/')}/{kind}/"
+        client = self.s3.client()
+        keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+                for o in page.get("Contents", ())]
+        return {key.removeprefix(prefix): client.get_object(Bucket=BUCKET, Key=key)["Body"].read() for key in sorted(keys)}
+
+    def query(self, data_dir: Path, sql: str) -> list[tuple]:
+        """Rows of ``sql`` on the server's metadata database (read only)."""
+        if self.name == "sqlite":
+            import sqlite3
+
+            with sqlite3.connect(f"file:{Path(data_dir) / 'meta.sqlite3'}?mode=ro", uri=True) as db:
+                return [tuple(bytes(v) if isinstance(v, memoryview) else v for v in row) for row in db.execute(sql)]
+        import psycopg
+
+        with psycopg.connect(self._names(data_dir)[0]) as connection:
+            return [tuple(row) for row in connection.execute(sql)]
+
+    def metadata_dump(self, data_dir: Path) -> bytes:
+        """Everything the metadata store holds, as bytes (to check that no secret is stored)."""
+        if self.name == "sqlite":
+            return b"".join(p.read_bytes() for p in Path(data_dir).glob("meta.sqlite3*"))
+        tables = [t for (t,) in self.query(data_dir, "SELECT tablename FROM pg_tables WHERE schemaname='public'")]
+        return repr([self.query(data_dir, f"SELECT * FROM {t}") for t in tables]).encode()
+
+
+_CREATED: set[str] = set()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``embedded_storage`` (about the data directory itself) run on ``sqlite`` only."""
+    deselected = [item for item in items if item.get_closest_marker("embedded_storage")
+                  and getattr(item, "callspec", None) and item.callspec.params.get("backend") == "postgres"]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item not in deselected]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request) -> Backend:
+    """The storage backend this module's servers use (each module runs once per backend)."""
+    if request.param == "sqlite":
+        return Backend("sqlite")
+    cluster, s3 = request.getfixturevalue("postgres_cluster"), request.getfixturevalue("s3_endpoint")
+    if BUCKET not in {b["Name"] for b in s3.client().list_buckets().get("Buckets", [])}:
+        s3.create_bucket(BUCKET)
+    from tests.support.scale_services import s3_environment
+
+    os.environ.update(s3_environment(s3.url))  # for storage opened in this process (boto3 reads them)
+    return Backend("postgres", cluster, s3)
+
+
+@pytest.fixture(scope="module")
+def open_storage(backend) -> Callable[[Path], object]:
+    """``open_storage(data_dir)``: the backend's storage, in this process."""
+    return backend.open_storage
+
+
 class ServerProcess:
     """`python -m fctkit.cli serve` in a subprocess; its JSON-lines log goes to a file."""
 
-    def __init__(self, data_dir: Path, publisher_pub: Path, admin_token_file: Path, *args: str) -> None:
+    def __init__(self, data_dir: Path, publisher_pub: Path, admin_token_file: Path, *args: str,
+                 backend: Backend | None = None) -> None:
+        self.backend = backend or Backend("sqlite")
         self.data_dir, self.args = Path(data_dir), list(args)
         self.publisher_pub, self.admin_token_file = publisher_pub, admin_token_file
         self.port = 0
@@ -188,10 +301,11 @@ class ServerProcess:
         log = self.log_path.open("a")
         offset = self.log_offset = log.tell()
         command = [
-            sys.executable, "-m", "fctkit.cli", "serve", "--data", str(self.data_dir), "--port", str(self.port),
+            sys.executable, "-m", "fctkit.cli", "serve", *self.backend.server_args(self.data_dir), "--port", str(self.port),
             "--publisher-key", str(self.publisher_pub), "--admin-token-file", str(self.admin_token_file), *self.args,
         ]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        environment = {**os.environ, **self.backend.environment(), "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=environment)
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -225,13 +339,15 @@ class ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def start_server(tmp_path_factory, publisher_pub, admin_token_file) -> Callable[..., ServerProcess]:
-    """``start_server(*extra_args, data_dir=None)``: a started server, stopped at module end."""
+def start_server(tmp_path_factory, publisher_pub, admin_token_file, backend) -> Callable[..., ServerProcess]:
+    """``start_server(*extra_args, data_dir=None)``: a started server on this module's backend,
+    stopped at module end (a second one on the same ``data_dir`` is a replica of the first
+    under ``postgres``)."""
     started: list[ServerProcess] = []
 
     def start(*args: str, data_dir: Path | None = None) -> ServerProcess:
         data = data_dir or tmp_path_factory.mktemp("server") / "data"
-        server = ServerProcess(data, publisher_pub, admin_token_file, *args).start()
+        server = ServerProcess(data, publisher_pub, admin_token_file, *args, backend=backend).start()
         started.append(server)
         return server
 

@@ -5,6 +5,8 @@ server ran, enrolled a device and stored an upload (SQLite's WAL files and blobs
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import stat
 
@@ -21,6 +23,7 @@ def modes(root) -> dict[str, int]:
     return found
 
 
+@pytest.mark.embedded_storage
 def test_the_server_keeps_its_data_owner_only_under_any_umask(start_server, tmp_path):
     data = tmp_path / "data"
     (data / "stray").mkdir(parents=True)
