@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import ipaddress
+import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,8 +75,48 @@ class Enrolment:
     owner_id: str = ""
 
 
+# Several server replicas behind one channel: gRPC's own client-side balancing spreads calls over
+# every address that answers (round_robin) and its retry policy sends a call that found a replica
+# gone (UNAVAILABLE, before any response arrived) to another one. Calls cut off mid-stream are
+# resumed by the kit itself (transfers from their offset, pushes by change id).
+_RETRY_SERVICE_CONFIG = {
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "methodConfig": [{
+        "name": [{}],
+        "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "2s", "backoffMultiplier": 2,
+                        "retryableStatusCodes": ["UNAVAILABLE"]},
+    }],
+}
+FAILOVER_OPTIONS = (("grpc.service_config", json.dumps(_RETRY_SERVICE_CONFIG)), ("grpc.enable_retries", 1))
+
+
+_TARGET_SCHEMES = ("ipv4:", "ipv6:", "dns:", "unix:", "unix-abstract:", "vsock:")
+
+
+def channel_target(servers: str) -> str:
+    """A gRPC target for ``servers``: one ``host:port``, a gRPC target URI (``dns:///name:port``,
+    ``ipv4:a:p,b:p``...), or several comma-separated IPv4 ``address:port`` (-> ``ipv4:`` list).
+    Several host names are refused: give them to a DNS name (``dns:///``) or list addresses."""
+    servers = servers.strip()
+    if "," not in servers or servers.startswith(_TARGET_SCHEMES):
+        return servers
+    addresses = [part.strip() for part in servers.split(",")]
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise InputError(f"server list {servers!r}: {address!r} is not an IPv4 address:port; list addresses, or "
+                             "give one DNS name that resolves to every replica (dns:///name:port)") from None
+        if not port.isdigit():
+            raise InputError(f"server list {servers!r}: {address!r} has no port")
+    return "ipv4:" + ",".join(addresses)
+
+
 class FctkitClient:
-    """One connection to an fctkit server, authenticated with a device or admin token."""
+    """One connection to an fctkit server, authenticated with a device or admin token. ``target``
+    may name several replicas (``10.0.0.1:50051,10.0.0.2:50051`` or any gRPC target URI): calls
+    are spread over them and fail over when one goes away."""
 
     def __init__(
         self,
@@ -88,7 +130,8 @@ class FctkitClient:
     ) -> None:
         if not 0 < chunk_size <= limits.MAX_CHUNK_BYTES:
             raise InputError(f"chunk_size must be 1..{limits.MAX_CHUNK_BYTES}")
-        options = [("grpc.max_receive_message_length", limits.MAX_MESSAGE_BYTES)]
+        target = channel_target(target)
+        options = [("grpc.max_receive_message_length", limits.MAX_MESSAGE_BYTES), *FAILOVER_OPTIONS]
         if tls is None:
             self._channel = grpc.insecure_channel(target, options=options)
         else:

@@ -195,8 +195,9 @@ class FctkitServer:
                 task.cancel()
         self._catalog.close()
         await self._server.stop(self.config.shutdown_grace_s)
+        round_trips = self._storage.round_trips()
         self._storage.close()
-        log_event("stopped")
+        log_event("stopped", **round_trips)
 
     def _on_event(self, payload: str) -> None:
         """What another replica did: a publish (watchers here get it) or a revocation (its streams here end)."""

@@ -124,9 +124,10 @@ class PostgresDatabase:
         self._pool.wait(timeout=30.0)
         self._current: ContextVar[Any] = ContextVar(f"fctkit-pg-{id(self)}", default=None)
         self._growth: dict[tuple[str, ...], list[int]] = {}  # tables -> [rows added since ANALYZE, rows at it]
+        self.round_trips = 0  # statements and transaction ends sent (executemany pipelines count once)
 
-    @staticmethod
-    def _run(connection: Any, sql: str, params: Params) -> _Result:
+    def _run(self, connection: Any, sql: str, params: Params) -> _Result:
+        self.round_trips += 1
         cursor = connection.execute(psycopg_sql(sql), params or None)
         return _Result(cursor.fetchall() if cursor.description else [], cursor.rowcount)
 
@@ -140,6 +141,7 @@ class PostgresDatabase:
     def executemany(self, sql: str, params: Sequence[Params]) -> None:
         if not params:
             return
+        self.round_trips += 1
         with self._connection() as connection, connection.cursor() as cursor:
             cursor.executemany(psycopg_sql(sql), params)
 
@@ -156,6 +158,7 @@ class PostgresDatabase:
     def transaction(self, *locks: str) -> Iterator[None]:
         """BEGIN ... COMMIT on one pooled connection, holding an advisory lock per key (taken in
         sorted order, so two transactions never wait on each other's keys crosswise)."""
+        self.round_trips += 2  # BEGIN, COMMIT
         with self._pool.connection() as connection, connection.transaction():
             token = self._current.set(connection)
             try:

@@ -56,7 +56,20 @@ def s3_client(endpoint_url: str | None = None, *, max_connections: int = 64) -> 
 
     config = Config(max_pool_connections=max_connections, retries={"max_attempts": 5, "mode": "standard"},
                     connect_timeout=5, read_timeout=60)
-    return boto3.session.Session().client("s3", endpoint_url=endpoint_url or None, config=config)
+    client = boto3.session.Session().client("s3", endpoint_url=endpoint_url or None, config=config)
+    client.fctkit_requests = RequestCounter()
+    client.meta.events.register("before-send.s3", client.fctkit_requests)
+    return client
+
+
+class RequestCounter:
+    """Counts the HTTP requests a client sends (its retries included), for the operator's sizing figures."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, **_: Any) -> None:
+        self.count += 1
 
 
 def check_bucket(client: Any, location: BucketLocation) -> None:

@@ -39,8 +39,13 @@ class ScaleOutStorage(ServerStorage):
         self.database_url = database_url
         scratch = Path(tempfile.mkdtemp(prefix="fctkit-replica-"))
         db = open_postgres(database_url, max_connections=max_connections)
+        self._database, self._client = db, client
         super().__init__(db, S3ContentStore(client, location, "artifacts"), S3ContentStore(client, location, "blobs"),
                          S3Partials(client, location, scratch), scratch, garbage_grace_s=GARBAGE_GRACE_S)
+
+    def round_trips(self) -> dict[str, int]:
+        """Database round trips and object-store requests made so far (logged at shutdown)."""
+        return {"database_round_trips": self._database.round_trips, "object_store_requests": self._client.fctkit_requests.count}
 
     def listen(self, on_event: Callable[[str], None], on_connected: Callable[[], None]) -> Coroutine[Any, Any, None]:
         return listen_for_events(self.database_url, on_event, on_connected)

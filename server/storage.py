@@ -60,6 +60,7 @@ class Storage(Protocol):
 
     def listen(self, on_event: Callable[[str], None], on_connected: Callable[[], None]) -> Coroutine[Any, Any, None] | None: ...
     def single_flight(self, name: str) -> contextlib.AbstractContextManager[bool]: ...
+    def round_trips(self) -> dict[str, int]: ...
     def revoked_among(self, device_ids: Collection[str]) -> list[str]: ...
 
     def versions(self) -> list[VersionRecord]: ...
@@ -124,6 +125,10 @@ class ServerStorage:
     def single_flight(self, name: str) -> contextlib.AbstractContextManager[bool]:
         """True for the one replica running ``name`` now (a sweep), False for the others."""
         return self._db.single_flight(name)
+
+    def round_trips(self) -> dict[str, int]:
+        """Network round trips to the storage services so far (none: everything is local)."""
+        return {}
 
     # -- registry ---------------------------------------------------------------------------
 

@@ -263,8 +263,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module", params=BACKENDS)
 def backend(request) -> Backend:
     """The storage backend this module's servers use (each module runs once per backend)."""
-    if request.param == "sqlite":
-        return Backend("sqlite")
+    return Backend("sqlite") if request.param == "sqlite" else postgres_backend(request)
+
+
+def postgres_backend(request) -> Backend:
+    """The scale-out backend over the session's PostgreSQL cluster and S3 endpoint."""
     cluster, s3 = request.getfixturevalue("postgres_cluster"), request.getfixturevalue("s3_endpoint")
     if BUCKET not in {b["Name"] for b in s3.client().list_buckets().get("Buckets", [])}:
         s3.create_bucket(BUCKET)
@@ -272,6 +275,33 @@ def backend(request) -> Backend:
 
     os.environ.update(s3_environment(s3.url))  # for storage opened in this process (boto3 reads them)
     return Backend("postgres", cluster, s3)
+
+
+@pytest.fixture(scope="module")
+def scale_out(request) -> Backend:
+    """The postgres backend alone, for tests of several replicas."""
+    return postgres_backend(request)
+
+
+@pytest.fixture(scope="module")
+def start_replicas(tmp_path_factory, publisher_pub, admin_token_file, scale_out) -> Callable[..., list[ServerProcess]]:
+    """``start_replicas(n, *extra_args, data_dir=None)``: ``n`` replicas over one database and
+    bucket prefix, started at once; stopped at module end."""
+    started: list[ServerProcess] = []
+
+    def start(count: int, *args: str, data_dir: Path | None = None) -> list[ServerProcess]:
+        data = data_dir or tmp_path_factory.mktemp("replicas") / "data"
+        replicas = [ServerProcess(data, publisher_pub, admin_token_file, *args, backend=scale_out,
+                                  log_name=f"replica{k}") for k in range(count)]
+        for replica in replicas:
+            replica.launch()
+        started.extend(replicas)
+        return [replica.wait_listening() for replica in replicas]
+
+    yield start
+    for server in started:
+        if server.alive():
+            server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -284,22 +314,27 @@ class ServerProcess:
     """`python -m fctkit.cli serve` in a subprocess; its JSON-lines log goes to a file."""
 
     def __init__(self, data_dir: Path, publisher_pub: Path, admin_token_file: Path, *args: str,
-                 backend: Backend | None = None) -> None:
+                 backend: Backend | None = None, log_name: str = "server") -> None:
         self.backend = backend or Backend("sqlite")
         self.data_dir, self.args = Path(data_dir), list(args)
         self.publisher_pub, self.admin_token_file = publisher_pub, admin_token_file
         self.port = 0
         self.log_offset = 0
         self.process: subprocess.Popen | None = None
-        self.log_path = self.data_dir.parent / f"{self.data_dir.name}-server.log"
+        self.log_path = self.data_dir.parent / f"{self.data_dir.name}-{log_name}.log"
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> ServerProcess:
+        self.launch()
+        return self.wait_listening(timeout_s)
+
+    def launch(self) -> None:
+        """Start the process (without waiting for it to listen)."""
         log = self.log_path.open("a")
-        offset = self.log_offset = log.tell()
+        self.log_offset = log.tell()
         command = [
             sys.executable, "-m", "fctkit.cli", "serve", *self.backend.server_args(self.data_dir), "--port", str(self.port),
             "--publisher-key", str(self.publisher_pub), "--admin-token-file", str(self.admin_token_file), *self.args,
@@ -307,6 +342,9 @@ class ServerProcess:
         environment = {**os.environ, **self.backend.environment(), "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=environment)
         log.close()
+
+    def wait_listening(self, timeout_s: float = 60.0) -> ServerProcess:
+        offset = self.log_offset
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for event in self.events(offset):
