@@ -196,6 +196,11 @@ class Device:
         write_settings(self.root / SETTINGS_FILE, self.settings)
         return enrolment.device_id
 
+    def use_servers(self, server: str) -> None:
+        """Reach the server at ``server`` from now on (another address, or every replica's: ``a:port,b:port``); the token stays."""
+        self.settings = replace(self.settings, server=server)
+        write_settings(self.root / SETTINGS_FILE, self.settings)
+
     def client(self, *, attempts: int = 6) -> FctkitClient:
         if not self.settings.server or not (self.root / TOKEN_FILE).exists():
             raise DeviceError("this device is not enrolled: run `fctkit device enrol --server HOST:PORT --code CODE`")
