@@ -76,18 +76,28 @@ class Enrolment:
 
 
 # Several server replicas behind one channel: gRPC's own client-side balancing spreads calls over
-# every address that answers (round_robin) and its retry policy sends a call that found a replica
-# gone (UNAVAILABLE, before any response arrived) to another one. Calls cut off mid-stream are
-# resumed by the kit itself (transfers from their offset, pushes by change id).
-_RETRY_SERVICE_CONFIG = {
+# every address that answers (round_robin); gRPC's retry policy sends a unary call that found a
+# replica gone (UNAVAILABLE) to another one. Streaming calls are not in the policy: gRPC cannot
+# resume a stream that already delivered data, and with retries on, a server stream cut by a
+# killed replica could wait forever (seen with grpcio 1.85); the kit resumes those itself
+# (transfers from their offset, pushes by change id). Reconnection backs off to at most 3 s, so a
+# restarted replica takes calls again within seconds.
+def _unary_methods() -> list[dict[str, str]]:
+    return [{"service": service.full_name, "method": method.name}
+            for module in (registry_pb2, vault_pb2, fleet_pb2) for service in module.DESCRIPTOR.services_by_name.values()
+            for method in service.methods if not (method.client_streaming or method.server_streaming)]
+
+
+_SERVICE_CONFIG = {
     "loadBalancingConfig": [{"round_robin": {}}],
     "methodConfig": [{
-        "name": [{}],
+        "name": _unary_methods(),
         "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "2s", "backoffMultiplier": 2,
                         "retryableStatusCodes": ["UNAVAILABLE"]},
     }],
 }
-FAILOVER_OPTIONS = (("grpc.service_config", json.dumps(_RETRY_SERVICE_CONFIG)), ("grpc.enable_retries", 1))
+FAILOVER_OPTIONS = (("grpc.service_config", json.dumps(_SERVICE_CONFIG)), ("grpc.enable_retries", 1),
+                    ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 3000))
 
 
 _TARGET_SCHEMES = ("ipv4:", "ipv6:", "dns:", "unix:", "unix-abstract:", "vsock:")

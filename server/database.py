@@ -89,6 +89,15 @@ class SqliteDatabase:
 EVENTS_CHANNEL = "fctkit_events"
 
 
+def storage_unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database or the object store cannot be reached (lost connection,
+    pool exhausted, endpoint down): a call that meets it may succeed on retry, here or on another
+    replica. Checked by name, so the embedded server needs neither driver installed."""
+    names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(exc).__mro__}
+    return bool(names & {"psycopg.OperationalError", "psycopg_pool.PoolTimeout", "psycopg_pool.TooManyRequests",
+                         "botocore.exceptions.HTTPClientError", "botocore.exceptions.ConnectionError"})
+
+
 class _Result:
     def __init__(self, rows: list[Any], rowcount: int) -> None:
         self._rows, self.rowcount = rows, rowcount

@@ -22,6 +22,7 @@ import grpc
 
 from fctkit.errors import ConfigError, InputError, RpcStatusError
 
+from .database import storage_unreachable
 from .jsonlog import log_event
 from .revocation import OpenStreams
 
@@ -89,6 +90,9 @@ def _status_of(exc: Exception, fields: dict[str, Any]) -> tuple[str, str]:
         return exc.code, exc.details
     if isinstance(exc, (InputError, ConfigError)):
         return "INVALID_ARGUMENT", str(exc)
+    if storage_unreachable(exc):
+        log_event("storage unreachable", level=logging.WARNING, error=f"{type(exc).__name__}: {exc}")
+        return "UNAVAILABLE", "the server cannot reach its database or object store right now; retry (another replica may answer)"
     incident = secrets.token_hex(6)
     fields["incident"] = incident
     log_event("unexpected error", level=logging.ERROR, exc_info=True, incident=incident)

@@ -343,6 +343,10 @@ class ServerProcess:
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=environment)
         log.close()
 
+    def listening(self) -> bool:
+        """Whether the process started last has logged that it listens (without waiting)."""
+        return any(event.get("event") == "listening" for event in self.events())
+
     def wait_listening(self, timeout_s: float = 60.0) -> ServerProcess:
         offset = self.log_offset
         deadline = time.monotonic() + timeout_s

@@ -189,3 +189,23 @@ def test_sweeps_run_on_one_replica_at_a_time(scale_out, tmp_path):
     finally:
         first.close()
         second.close()
+
+
+def test_an_unreachable_object_store_is_unavailable_not_an_internal_error(scale_out, publisher_pub, admin_token_file, tmp_path):
+    from tests.server.conftest import Backend, ServerProcess
+    from tests.support.scale_services import start_s3
+
+    own_s3 = start_s3(tmp_path / "moto.log")
+    own_s3.create_bucket("fctkit-tests")
+    replica = ServerProcess(tmp_path / "data", publisher_pub, admin_token_file,
+                            backend=Backend("postgres", scale_out.cluster, own_s3)).start()
+    try:
+        client, _ = enrolled_client(replica, name="camera")
+        client.retry = client.retry.__class__(attempts=1)
+        own_s3.stop()  # the bucket's endpoint goes away
+        assert status_code(lambda: client.upload_blob(b"sealed" * 1000, "photo")) == "UNAVAILABLE"
+        assert any(e.get("event") == "storage unreachable" for e in replica.events())
+        client.close()
+    finally:
+        replica.stop()
+        own_s3.stop()
