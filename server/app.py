@@ -119,6 +119,8 @@ class FctkitServer:
         authenticator = Authenticator(admin_token, self._storage.device_for_token, self._storage.device_owner)
         self._open_streams = open_streams = OpenStreams()  # a revoked device's open streams end at once
         self._listener: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # health changes in flight (kept referenced until done)
+        self._stopping = False
         self._health = health.aio.HealthServicer()
         self._server = grpc.aio.server(
             interceptors=[AuthInterceptor(authenticator, open_streams)],
@@ -175,11 +177,10 @@ class FctkitServer:
             raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {exc}") from exc
         await self._server.start()
         self._sweeper = asyncio.create_task(self._sweep_uploads())
-        events = self._storage.listen(self._on_event, self._catch_up)
+        events = self._storage.listen(self._on_event, self._catch_up, self._database_lost)
         if events is not None:
             self._listener = asyncio.create_task(events)
-        for name in ["", *self.service_names()]:
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log_event(
             "listening", host=self.config.host, port=self.port, tls=self.config.tls_cert is not None,
             client_certificates=self.config.tls_ca is not None,
@@ -187,8 +188,23 @@ class FctkitServer:
         )
         return self.port
 
+    async def _set_health(self, status: int) -> None:
+        for name in ["", *self.service_names()]:
+            await self._health.set(name, status)
+
+    def _database_lost(self) -> None:
+        """Health turns NOT_SERVING (a load balancer sends calls elsewhere) until the events connection is back."""
+        if not self._stopping:
+            self._background(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+
+    def _background(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def stop(self) -> None:
         log_event("shutting down", grace_s=self.config.shutdown_grace_s)
+        self._stopping = True
         await self._health.enter_graceful_shutdown()
         for task in (self._sweeper, self._listener):
             if task is not None:
@@ -208,10 +224,13 @@ class FctkitServer:
             log_event("revoked device's streams ended", device_id=subject, by="another replica")
 
     def _catch_up(self) -> None:
-        """After (re)connecting to the other replicas' events: what was published or revoked meanwhile."""
+        """After (re)connecting to the other replicas' events: what was published or revoked
+        meanwhile; health is SERVING again."""
         self._refresh_catalog()
         for device_id in self._storage.revoked_among(self._open_streams.devices()):
             self._open_streams.end(device_id)
+        if not self._stopping:
+            self._background(self._set_health(health_pb2.HealthCheckResponse.SERVING))
 
     def _refresh_catalog(self) -> None:
         try:
@@ -224,9 +243,11 @@ class FctkitServer:
         """Expire idle unfinished uploads, at start and then every TTL/4 (at most every minute)."""
         interval = min(self.config.partial_upload_ttl_s / 4, 60.0)
         while True:
-            removed = self._vault.sweep_uploads()
-            if removed:
-                log_event("unfinished uploads removed", files=removed)
+            try:
+                if removed := self._vault.sweep_uploads():
+                    log_event("unfinished uploads removed", files=removed)
+            except Exception as exc:  # storage unreachable now: the next round tries again
+                log_event("upload sweep failed", logging.WARNING, error=f"{type(exc).__name__}: {exc}")
             await asyncio.sleep(interval)
 
     async def wait_for_termination(self) -> None:

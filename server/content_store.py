@@ -21,7 +21,7 @@ class Contents(Protocol):
     store, or :class:`fctkit.server.object_store.S3ContentStore`."""
 
     def has(self, sha256: str) -> bool: ...
-    def open(self, sha256: str) -> Any: ...
+    def open(self, sha256: str, offset: int = 0) -> Any: ...
     def put(self, source: Path, sha256: str) -> object: ...
     def stage(self, source: Path, sha256: str) -> None: ...
     def delete(self, sha256: str) -> None: ...
@@ -47,9 +47,12 @@ class ContentStore:
     def size(self, sha256: str) -> int:
         return self.path(sha256).stat().st_size
 
-    def open(self, sha256: str) -> BinaryIO:
-        """The stored file, open (FileNotFoundError when absent): it stays readable even if deleted meanwhile."""
-        return self.path(sha256).open("rb")
+    def open(self, sha256: str, offset: int = 0) -> BinaryIO:
+        """The stored file, open at ``offset`` (FileNotFoundError when absent): it stays readable
+        even if deleted meanwhile."""
+        handle = self.path(sha256).open("rb")
+        handle.seek(offset)
+        return handle
 
     def put(self, source: Path, sha256: str) -> Path:
         """Move the finished file ``source`` (whose digest the caller checked) into the store.

@@ -87,6 +87,12 @@ class SqliteDatabase:
 
 
 EVENTS_CHANNEL = "fctkit_events"
+POOL_WAIT_S = 5.0  # the longest a statement waits for a pooled connection (the event loop waits with it)
+
+
+class DatabaseUnreachable(Exception):
+    """The replica knows the database is gone (its events connection dropped): calls fail at once
+    instead of each waiting for the pool."""
 
 
 def storage_unreachable(exc: BaseException) -> bool:
@@ -94,7 +100,7 @@ def storage_unreachable(exc: BaseException) -> bool:
     pool exhausted, endpoint down): a call that meets it may succeed on retry, here or on another
     replica. Checked by name, so the embedded server needs neither driver installed."""
     names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(exc).__mro__}
-    return bool(names & {"psycopg.OperationalError", "psycopg_pool.PoolTimeout", "psycopg_pool.TooManyRequests",
+    return isinstance(exc, DatabaseUnreachable) or bool(names & {"psycopg.OperationalError", "psycopg_pool.PoolTimeout", "psycopg_pool.TooManyRequests",
                          "botocore.exceptions.HTTPClientError", "botocore.exceptions.ConnectionError"})
 
 
@@ -128,12 +134,13 @@ class PostgresDatabase:
     def __init__(self, dsn: str, *, max_connections: int = 20) -> None:
         from psycopg_pool import ConnectionPool
 
-        self._pool = ConnectionPool(dsn, min_size=1, max_size=max_connections, kwargs={"autocommit": True},
-                                    open=True, timeout=30.0, name="fctkit")
+        self._pool = ConnectionPool(dsn, min_size=1, max_size=max_connections, kwargs={"autocommit": True, "connect_timeout": 5},
+                                    open=True, timeout=POOL_WAIT_S, name="fctkit")
         self._pool.wait(timeout=30.0)
         self._current: ContextVar[Any] = ContextVar(f"fctkit-pg-{id(self)}", default=None)
         self._growth: dict[tuple[str, ...], list[int]] = {}  # tables -> [rows added since ANALYZE, rows at it]
         self.round_trips = 0  # statements and transaction ends sent (executemany pipelines count once)
+        self.reachable = True  # False while the events connection is down (set by the replica)
 
     def _run(self, connection: Any, sql: str, params: Params) -> _Result:
         self.round_trips += 1
@@ -141,10 +148,7 @@ class PostgresDatabase:
         return _Result(cursor.fetchall() if cursor.description else [], cursor.rowcount)
 
     def execute(self, sql: str, params: Params = ()) -> _Result:
-        connection = self._current.get()
-        if connection is not None:
-            return self._run(connection, sql, params)
-        with self._pool.connection() as connection:
+        with self._connection() as connection:
             return self._run(connection, sql, params)
 
     def executemany(self, sql: str, params: Sequence[Params]) -> None:
@@ -160,15 +164,20 @@ class PostgresDatabase:
         if current is not None:
             yield current
             return
-        with self._pool.connection() as connection:
+        with self._pooled() as connection:
             yield connection
+
+    def _pooled(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.reachable:
+            raise DatabaseUnreachable("the database is unreachable (this replica's events connection is down)")
+        return self._pool.connection()
 
     @contextlib.contextmanager
     def transaction(self, *locks: str) -> Iterator[None]:
         """BEGIN ... COMMIT on one pooled connection, holding an advisory lock per key (taken in
         sorted order, so two transactions never wait on each other's keys crosswise)."""
         self.round_trips += 2  # BEGIN, COMMIT
-        with self._pool.connection() as connection, connection.transaction():
+        with self._pooled() as connection, connection.transaction():
             token = self._current.set(connection)
             try:
                 for key in sorted(set(locks)):
@@ -203,7 +212,7 @@ class PostgresDatabase:
     def single_flight(self, name: str) -> Iterator[bool]:
         """True for the one replica that holds ``name``'s session lock now; False for the others.
         A replica that dies loses the lock with its connection."""
-        with self._pool.connection() as connection:
+        with self._pooled() as connection:
             key = ("SELECT hashtextextended(%s, 1)", (name,))
             held = connection.execute(f"SELECT pg_try_advisory_lock(({key[0]}))", key[1]).fetchone()[0]
             try:

@@ -88,28 +88,22 @@ def _missing(error: Exception) -> bool:
 
 
 class S3Reader:
-    """A stored object read from any offset: one ranged GET, streamed, from the first read after a seek."""
+    """A stored object from ``offset`` on: one ranged GET, begun when opened (so an object deleted
+    afterwards is still delivered whole, as an open file would be), streamed as it is read."""
 
-    def __init__(self, client: Any, bucket: str, key: str, name: str) -> None:
-        self._client, self._bucket, self._key, self.name = client, bucket, key, name
-        self._position = 0
-        self._body: Any = None
-
-    def seek(self, offset: int) -> None:
-        self.close()
-        self._position = offset
+    def __init__(self, client: Any, bucket: str, key: str, name: str, offset: int) -> None:
+        self.name = name
+        try:
+            self._body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-")["Body"]
+        except Exception as exc:
+            if _missing(exc):
+                raise FileNotFoundError(key) from None
+            if "InvalidRange" not in str(exc):
+                raise
+            self._body = None  # at or past the end: nothing left to read
 
     def read(self, size: int) -> bytes:
-        if self._body is None:
-            try:
-                self._body = self._client.get_object(Bucket=self._bucket, Key=self._key, Range=f"bytes={self._position}-")["Body"]
-            except Exception as exc:
-                if _missing(exc) or "InvalidRange" in str(exc):
-                    return b""
-                raise
-        data = self._body.read(size)
-        self._position += len(data)
-        return data
+        return self._body.read(size) if self._body is not None else b""
 
     def close(self) -> None:
         if self._body is not None:
@@ -144,11 +138,9 @@ class S3ContentStore:
             raise
         return True
 
-    def open(self, sha256: str) -> S3Reader:
-        """A reader of the object; FileNotFoundError when it is not stored."""
-        if not self.has(sha256):
-            raise FileNotFoundError(self.key(sha256))
-        return S3Reader(self._client, self._bucket, self.key(sha256), sha256)
+    def open(self, sha256: str, offset: int = 0) -> S3Reader:
+        """A reader of the object from ``offset``; FileNotFoundError when it is not stored."""
+        return S3Reader(self._client, self._bucket, self.key(sha256), sha256, offset)
 
     def put(self, source: Path, sha256: str) -> None:
         """Upload the finished file ``source`` (whose digest the caller checked) and remove it; an

@@ -170,7 +170,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         size = chunk_size(request.chunk_size)
         offset = check_offset(request.offset, artifact.size)
         missing = RpcStatusError("DATA_LOSS", f"artifact {artifact.name} of v{published.version} is missing from the server's data directory")
-        stored = open_stored(lambda: self._storage.artifacts.open(artifact.sha256), missing)
+        stored = open_stored(lambda: self._storage.artifacts.open(artifact.sha256, offset), missing)
         try:
             yield registry_pb2.DownloadArtifactResponse(
                 header=registry_pb2.ArtifactHeader(version=published.version, artifact=artifact_info(artifact), offset=offset)

@@ -47,17 +47,28 @@ class ScaleOutStorage(ServerStorage):
         """Database round trips and object-store requests made so far (logged at shutdown)."""
         return {"database_round_trips": self._database.round_trips, "object_store_requests": self._client.fctkit_requests.count}
 
-    def listen(self, on_event: Callable[[str], None], on_connected: Callable[[], None]) -> Coroutine[Any, Any, None]:
-        return listen_for_events(self.database_url, on_event, on_connected)
+    def listen(self, on_event: Callable[[str], None], on_connected: Callable[[], None],
+               on_lost: Callable[[], None]) -> Coroutine[Any, Any, None]:
+        def connected() -> None:
+            self._database.reachable = True
+            on_connected()
+
+        def lost() -> None:
+            self._database.reachable = False
+            on_lost()
+
+        return listen_for_events(self.database_url, on_event, connected, lost)
 
     def close(self) -> None:
         super().close()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
 
-async def listen_for_events(database_url: str, on_event: Callable[[str], None], on_connected: Callable[[], None]) -> None:
-    """LISTEN on one connection of its own and hand every payload to ``on_event``; reconnect
-    (backing off to 5 s) when the connection drops, calling ``on_connected`` after each (re)connect."""
+async def listen_for_events(database_url: str, on_event: Callable[[str], None], on_connected: Callable[[], None],
+                            on_lost: Callable[[], None]) -> None:
+    """LISTEN on one connection of its own and hand every payload to ``on_event``; when the
+    connection drops call ``on_lost`` and reconnect (backing off to 5 s), calling ``on_connected``
+    after each (re)connect."""
     import psycopg
 
     delay = 0.1
@@ -71,7 +82,8 @@ async def listen_for_events(database_url: str, on_event: Callable[[str], None], 
                     on_event(notification.payload)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the database went away: keep serving, reconnect, catch up
+        except Exception as exc:  # the database went away: say so (health), reconnect, catch up
+            on_lost()
             log_event("event listener lost the database; reconnecting", logging.WARNING, error=str(exc), retry_in_s=delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)

@@ -58,7 +58,8 @@ class Storage(Protocol):
     partials: PartialUploads
     tmp_dir: Path
 
-    def listen(self, on_event: Callable[[str], None], on_connected: Callable[[], None]) -> Coroutine[Any, Any, None] | None: ...
+    def listen(self, on_event: Callable[[str], None], on_connected: Callable[[], None],
+               on_lost: Callable[[], None]) -> Coroutine[Any, Any, None] | None: ...
     def single_flight(self, name: str) -> contextlib.AbstractContextManager[bool]: ...
     def round_trips(self) -> dict[str, int]: ...
     def revoked_among(self, device_ids: Collection[str]) -> list[str]: ...
@@ -118,8 +119,10 @@ class ServerStorage:
         self._vault = BlobStore(self._db, self.blobs, self._devices.device_owner)
         self._replica = ReplicaStore(self._db)
 
-    def listen(self, on_event: Callable[[str], None], on_connected: Callable[[], None]) -> Coroutine[Any, Any, None] | None:
-        """A task to run that calls ``on_event`` for what other replicas do; None: there are none."""
+    def listen(self, on_event: Callable[[str], None], on_connected: Callable[[], None],
+               on_lost: Callable[[], None]) -> Coroutine[Any, Any, None] | None:
+        """A task to run that calls ``on_event`` for what other replicas do (``on_connected`` and
+        ``on_lost`` as the shared database comes and goes); None: there are no other replicas."""
         return None
 
     def single_flight(self, name: str) -> contextlib.AbstractContextManager[bool]:

@@ -41,7 +41,6 @@ class FileSink:
 class Readable(Protocol):
     name: str
 
-    def seek(self, offset: int) -> Any: ...
     def read(self, size: int) -> bytes: ...
     def close(self) -> None: ...
 
@@ -80,13 +79,12 @@ def open_stored(opener: Callable[[], Readable], missing: RpcStatusError) -> Read
 
 
 async def file_chunks(source: Readable, offset: int, end: int, chunk_size: int, response_type: type) -> AsyncIterator[Any]:
-    """``response_type(chunk=...)`` messages carrying the open object ``source`` from ``offset``
-    to ``end`` (the caller closes it), each read on a worker thread (an object store's read is a
-    network call).
+    """``response_type(chunk=...)`` messages carrying the object ``source`` (opened at ``offset``)
+    up to ``end`` (the caller closes it), each read on a worker thread (an object store's read is
+    a network call).
 
     The data goes straight into the response (a nested Chunk passed to the constructor would
     be copied once more: a megabyte per message)."""
-    source.seek(offset)
     position = offset
     while position < end:
         data = await asyncio.to_thread(source.read, min(chunk_size, end - position))

@@ -138,7 +138,7 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
             raise RpcStatusError("NOT_FOUND", f"no blob {sha256} in this owner's vault")
         offset = check_offset(request.offset, record.size)
         deleted = RpcStatusError("NOT_FOUND", f"blob {sha256} was deleted from this owner's vault")
-        stored = open_stored(lambda: self._storage.blobs.open(sha256), deleted)
+        stored = open_stored(lambda: self._storage.blobs.open(sha256, offset), deleted)
         try:
             yield vault_pb2.DownloadBlobResponse(header=_blob_info(record))
             async for response in file_chunks(stored, offset, record.size, size, vault_pb2.DownloadBlobResponse):

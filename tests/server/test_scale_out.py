@@ -20,6 +20,7 @@ from tests.server.test_replica_compaction import _record
 from fctkit.protos import registry_pb2, vault_pb2
 from fctkit.protos.client import FctkitClient
 from fctkit.protos.common_pb2 import Chunk
+from fctkit.protos.retry_policy import RetryPolicy
 
 
 def test_replicas_started_together_create_the_schema_once(start_replicas, scale_out):
@@ -201,7 +202,7 @@ def test_an_unreachable_object_store_is_unavailable_not_an_internal_error(scale_
                             backend=Backend("postgres", scale_out.cluster, own_s3)).start()
     try:
         client, _ = enrolled_client(replica, name="camera")
-        client.retry = client.retry.__class__(attempts=1)
+        client.retry = RetryPolicy(attempts=1)
         own_s3.stop()  # the bucket's endpoint goes away
         assert status_code(lambda: client.upload_blob(b"sealed" * 1000, "photo")) == "UNAVAILABLE"
         assert any(e.get("event") == "storage unreachable" for e in replica.events())
@@ -209,3 +210,29 @@ def test_an_unreachable_object_store_is_unavailable_not_an_internal_error(scale_
     finally:
         replica.stop()
         own_s3.stop()
+
+
+def test_health_is_not_serving_while_the_database_is_unreachable(scale_out, publisher_pub, admin_token_file, tmp_path):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.server.conftest import Backend, ServerProcess
+    from tests.support.scale_services import start_postgres
+
+    own_cluster = start_postgres(tmp_path / "pg")
+    replica = ServerProcess(tmp_path / "data", publisher_pub, admin_token_file,
+                            backend=Backend("postgres", own_cluster, scale_out.s3)).start()
+    try:
+        with grpc.insecure_channel(replica.target) as channel:
+            check = lambda: health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status  # noqa: E731
+            assert check() == health_pb2.HealthCheckResponse.SERVING
+            own_cluster.stop()  # the database goes away
+            deadline = time.monotonic() + 5
+            while check() == health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert check() == health_pb2.HealthCheckResponse.NOT_SERVING
+        with FctkitClient(replica.target, ADMIN_TOKEN, retry=RetryPolicy(attempts=1)) as client:
+            assert status_code(client.list_devices) == "UNAVAILABLE"  # at once, not after the pool's wait
+        assert any(e.get("event") == "event listener lost the database; reconnecting" for e in replica.events())
+    finally:
+        replica.stop()
+        own_cluster.stop()

@@ -76,8 +76,8 @@ def _storage(tmp_path) -> SqliteStorage:
     return SqliteStorage(tmp_path / "data")
 
 
-def test_enrolment_codes_expire_and_work_once(tmp_path):
-    storage = _storage(tmp_path)
+def test_enrolment_codes_expire_and_work_once(tmp_path, open_storage):
+    storage = open_storage(tmp_path / "data")
     storage.add_enrolment_code("h-old", "", "2026-01-01T00:00:00.000000Z", "2026-01-02T00:00:00.000000Z")
     storage.add_enrolment_code("h-new", "rack 4", "2026-01-01T00:00:00.000000Z", "2026-03-01T00:00:00.000000Z")
     now = "2026-02-01T00:00:00.000000Z"
@@ -97,8 +97,8 @@ def _object(tmp_path, data: bytes):
     return path, hashlib.sha256(data).hexdigest()
 
 
-def test_shared_blob_files_stay_until_the_last_holder_deletes(tmp_path):
-    storage = _storage(tmp_path)
+def test_shared_blob_files_stay_until_the_last_holder_deletes(tmp_path, open_storage):
+    storage = open_storage(tmp_path / "data")
     for n in (1, 2):
         storage.add_enrolment_code(f"c{n}", "", "2026-01-01T00:00:00.000000Z", "2099-01-01T00:00:00.000000Z")
         storage.enrol(f"c{n}", "2026-01-01T00:00:00.000000Z", f"dev-{n}", "x", f"t{n}")

@@ -1,6 +1,6 @@
 """Vault races the outside attack found (issue 19, part 2), driven deterministically: the real
-VaultService handlers over real SQLite storage and blob files, stepped message by message so
-the racing call lands exactly in the window that used to fail."""
+VaultService handlers over real storage (each backend: SQLite and files, PostgreSQL and S3),
+stepped message by message so the racing call lands exactly in the window that used to fail."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from fctkit.server.vault import VaultService
 
 
 @pytest.fixture
-def vault(tmp_path):
-    storage = SqliteStorage(tmp_path / "data")
+def vault(tmp_path, open_storage):
+    storage = open_storage(tmp_path / "data")
     storage.add_enrolment_code("code", "", "2026-01-01T00:00:00.000000Z", "2099-01-01T00:00:00.000000Z")
     storage.enrol("code", "2026-01-01T00:00:00.000000Z", "dev-1", "phone", "token")
     owner = storage.device_owner("dev-1")
@@ -29,7 +29,7 @@ def vault(tmp_path):
     storage.close()
 
 
-def stored_blob(storage: SqliteStorage, owner: str, tmp_path, size: int) -> tuple[str, bytes]:
+def stored_blob(storage, owner: str, tmp_path, size: int) -> tuple[str, bytes]:
     data = bytes(range(256)) * (size // 256)
     sha256 = hashlib.sha256(data).hexdigest()
     source = tmp_path / "upload.part"
@@ -126,11 +126,12 @@ async def _upload(service: VaultService, data: bytes, *, send: int | None = None
     return await service.Upload(requests(), None)
 
 
-def test_unfinished_uploads_count_against_the_quota_and_expire(tmp_path):
-    storage = SqliteStorage(tmp_path / "data")
+def test_unfinished_uploads_count_against_the_quota_and_expire(tmp_path, open_storage):
+    storage = open_storage(tmp_path / "data")
     storage.add_enrolment_code("code", "", "2026-01-01T00:00:00.000000Z", "2099-01-01T00:00:00.000000Z")
     storage.enrol("code", "2026-01-01T00:00:00.000000Z", "dev-1", "phone", "token")
-    CALLER.set(Principal("device", "dev-1", storage.device_owner("dev-1")))
+    owner = storage.device_owner("dev-1")
+    CALLER.set(Principal("device", "dev-1", owner))
     service = VaultService(storage, quota_bytes=100_000, max_blob_bytes=100_000, partial_upload_ttl_s=3600)
     first, second = bytes(60_000), b"\x01" * 60_000
     with pytest.raises(RpcStatusError, match="resume from offset 20480"):
@@ -138,7 +139,7 @@ def test_unfinished_uploads_count_against_the_quota_and_expire(tmp_path):
     with pytest.raises(RpcStatusError, match="60000 held by unfinished uploads") as caught:
         asyncio.run(_upload(service, second))
     assert caught.value.code == "RESOURCE_EXHAUSTED"
-    assert service.sweep_uploads() == 0 and len(list((storage.tmp_dir / "uploads").glob("*/*.part"))) == 1  # not idle yet
+    assert service.sweep_uploads() == 0 and storage.partials.held(owner, hashlib.sha256(first).hexdigest()) == 20_480  # not idle yet
     assert service.sweep_uploads(now=time.time() + 3601) == 1  # idle past the TTL: bytes given back
     assert asyncio.run(_upload(service, second)).used_bytes == 60_000
     with pytest.raises(RpcStatusError, match="resume from offset"):
