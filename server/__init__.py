@@ -1,4 +1,5 @@
-"""fctkit.server — the gRPC server: registry, artifact streaming, encrypted image vault, fleet.
+"""fctkit.server — the gRPC server: registry, artifact streaming, encrypted image vault, fleet;
+on one data directory (SQLite + files) or as replicas over PostgreSQL + S3 (``ScaleOutStorage``).
 
 Run it with ``fctkit serve`` (see :mod:`fctkit.server.cli`) or in-process::
 
@@ -8,6 +9,7 @@ Run it with ``fctkit serve`` (see :mod:`fctkit.server.cli`) or in-process::
 
 from fctkit.server.app import FctkitServer, ServerConfig, serve
 from fctkit.protos.planner import PlannedHop, plan_upgrade
+from fctkit.server.scale_out import ScaleOutStorage
 from fctkit.server.storage import SqliteStorage, Storage
 
-__all__ = ["FctkitServer", "ServerConfig", "serve", "PlannedHop", "plan_upgrade", "SqliteStorage", "Storage"]
+__all__ = ["FctkitServer", "ServerConfig", "serve", "PlannedHop", "plan_upgrade", "ScaleOutStorage", "SqliteStorage", "Storage"]

@@ -100,8 +100,11 @@ def storage_unreachable(exc: BaseException) -> bool:
     pool exhausted, endpoint down): a call that meets it may succeed on retry, here or on another
     replica. Checked by name, so the embedded server needs neither driver installed."""
     names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(exc).__mro__}
-    return isinstance(exc, DatabaseUnreachable) or bool(names & {"psycopg.OperationalError", "psycopg_pool.PoolTimeout", "psycopg_pool.TooManyRequests",
-                         "botocore.exceptions.HTTPClientError", "botocore.exceptions.ConnectionError"})
+    return isinstance(exc, DatabaseUnreachable) or bool(names & _UNREACHABLE)
+
+
+_UNREACHABLE = {"psycopg.OperationalError", "psycopg_pool.PoolTimeout", "psycopg_pool.TooManyRequests",
+                "botocore.exceptions.HTTPClientError", "botocore.exceptions.ConnectionError"}
 
 
 class _Result:
@@ -213,13 +216,12 @@ class PostgresDatabase:
         """True for the one replica that holds ``name``'s session lock now; False for the others.
         A replica that dies loses the lock with its connection."""
         with self._pooled() as connection:
-            key = ("SELECT hashtextextended(%s, 1)", (name,))
-            held = connection.execute(f"SELECT pg_try_advisory_lock(({key[0]}))", key[1]).fetchone()[0]
+            held = connection.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 1))", (name,)).fetchone()[0]
             try:
                 yield bool(held)
             finally:
                 if held:
-                    connection.execute(f"SELECT pg_advisory_unlock(({key[0]}))", key[1])
+                    connection.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 1))", (name,))
 
     def close(self) -> None:
         self._pool.close()

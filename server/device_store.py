@@ -117,12 +117,11 @@ class DeviceStore:
         """Revoke the device (its token stops working); None for an unknown device. Returns when
         it was revoked (the first time) and its owner if the owner's remaining devices now share
         a version (a replica compaction is due), else None."""
-        owner_id = self.device_owner(device_id)
-        if owner_id is None and self._db.execute("SELECT 1 FROM devices WHERE device_id=?", (device_id,)).fetchone() is None:
+        owner_id = self.device_owner(device_id)  # every device has one (schema 2 on)
+        if owner_id is None:
             return None
         with self._db.transaction(owner_lock(owner_id)):
-            owner_id, revoked_at = self._db.execute("SELECT owner_id, revoked_at FROM devices WHERE device_id=?",
-                                                    (device_id,)).fetchone()
+            revoked_at = self._db.execute("SELECT revoked_at FROM devices WHERE device_id=?", (device_id,)).fetchone()[0]
             if revoked_at is not None:
                 return revoked_at, None
             upload_sessions.release_device(self._db, device_id)  # its partial files go at the next sweep

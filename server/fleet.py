@@ -128,7 +128,9 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
     def _compact_replica(self, owner_id: str) -> None:
         """Sweep the owner's replica for records every device has outgrown: the first page now (a
         small owner's whole replica), the rest in the background, yielding between pages so one
-        large owner never stalls the server. A sweep cut short (shutdown) loses nothing: it only
+        large owner never stalls the server; on one replica at a time (a replica finding another
+        one sweeping this owner skips: compaction only frees space, and what the skipped sweep
+        would have freed goes at the owner's next one). A sweep cut short (shutdown) loses nothing: it only
         frees space, and the owner's next common version sweeps again."""
         last = self._storage.compact_replica_page(owner_id, "", COMPACTION_PAGE_ITEMS)
         if last is None:
@@ -139,8 +141,9 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
             if previous is not None:
                 await previous
             try:
-                while (after := self._storage.compact_replica_page(owner_id, after, COMPACTION_PAGE_ITEMS)) is not None:
-                    await asyncio.sleep(0)
+                with self._storage.single_flight(f"compact-replica:{owner_id}") as mine:
+                    while mine and (after := self._storage.compact_replica_page(owner_id, after, COMPACTION_PAGE_ITEMS)) is not None:
+                        await asyncio.sleep(0)
             except Exception as exc:  # nothing is lost: the records stay as they are
                 log_event("replica compaction failed", logging.ERROR, exc_info=True, owner_id=owner_id, error=str(exc))
 

@@ -1,4 +1,7 @@
-"""The server's persistent state behind one small interface, :class:`Storage`.
+"""The server's persistent state behind one small interface, :class:`Storage`, implemented once
+(:class:`ServerStorage`) over a metadata database, two content stores and the unfinished uploads.
+Two backends build it: :class:`SqliteStorage` (one server, one directory, below) and
+:class:`fctkit.server.scale_out.ScaleOutStorage` (PostgreSQL and an S3 bucket, any number of replicas).
 
 The default, :class:`SqliteStorage`, keeps everything in one data directory:
 

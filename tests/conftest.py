@@ -21,6 +21,17 @@ def _service_unavailable(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
+def _started(start, what: str):
+    """``start()``'s service, or the skip (the failure under CI=true) that says why it could not start."""
+    from tests.support.scale_services import ServiceUnavailable
+
+    try:
+        return start()
+    except ServiceUnavailable as exc:
+        reason = f"{what} unavailable: {exc}"
+    _service_unavailable(reason)  # outside the except: no chained traceback in the report
+
+
 @pytest.fixture(scope="session")
 def postgres_cluster(tmp_path_factory):
     """A throwaway PostgreSQL cluster on loopback for the whole session (superuser ``fctkit``,
@@ -29,16 +40,9 @@ def postgres_cluster(tmp_path_factory):
     When it cannot start (PostgreSQL not installed, no ``postgres`` user while root, a failed
     start) the tests that use it are skipped with the reason, except when the environment has
     CI=true: there they fail with it, because CI must run them, not skip them."""
-    from tests.support.scale_services import ServiceUnavailable, start_postgres
+    from tests.support.scale_services import start_postgres
 
-    try:
-        cluster = start_postgres(tmp_path_factory.mktemp("postgres"))
-    except ServiceUnavailable as exc:
-        reason = f"PostgreSQL unavailable: {exc}"
-    else:
-        reason = None
-    if reason is not None:
-        _service_unavailable(reason)  # outside the except: no chained traceback in the report
+    cluster = _started(lambda: start_postgres(tmp_path_factory.mktemp("postgres")), "PostgreSQL")
     yield cluster
     cluster.stop()
 
@@ -52,15 +56,8 @@ def s3_endpoint(tmp_path_factory):
     When it cannot start (moto[server] not installed, the server does not answer) the tests that
     use it are skipped with the reason, except when the environment has CI=true: there they fail
     with it, because CI must run them, not skip them."""
-    from tests.support.scale_services import ServiceUnavailable, start_s3
+    from tests.support.scale_services import start_s3
 
-    try:
-        endpoint = start_s3(tmp_path_factory.mktemp("s3") / "moto.log")
-    except ServiceUnavailable as exc:
-        reason = f"S3 (moto) unavailable: {exc}"
-    else:
-        reason = None
-    if reason is not None:
-        _service_unavailable(reason)  # outside the except: no chained traceback in the report
+    endpoint = _started(lambda: start_s3(tmp_path_factory.mktemp("s3") / "moto.log"), "S3 (moto)")
     yield endpoint
     endpoint.stop()

@@ -19,6 +19,7 @@ from tests.server.conftest import (  # noqa: F401 (fixtures)
     ADMIN_TOKEN,
     admin_token_file,
     archives,
+    backend,
     bundles,
     publisher_key,
     publisher_pub,

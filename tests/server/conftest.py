@@ -252,8 +252,9 @@ _CREATED: set[str] = set()
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``embedded_storage`` (about the data directory itself) run on ``sqlite`` only."""
-    deselected = [item for item in items if item.get_closest_marker("embedded_storage")
+    """Tests marked ``sqlite_only`` (about the data directory itself, or a protocol limit that no
+    backend changes and that is slow to repeat) run on ``sqlite`` only."""
+    deselected = [item for item in items if item.get_closest_marker("sqlite_only")
                   and getattr(item, "callspec", None) and item.callspec.params.get("backend") == "postgres"]
     if deselected:
         config.hook.pytest_deselected(items=deselected)

@@ -23,7 +23,7 @@ def modes(root) -> dict[str, int]:
     return found
 
 
-@pytest.mark.embedded_storage
+@pytest.mark.sqlite_only
 def test_the_server_keeps_its_data_owner_only_under_any_umask(start_server, tmp_path):
     data = tmp_path / "data"
     (data / "stray").mkdir(parents=True)

@@ -125,52 +125,6 @@ def test_sigkilled_replicas_lose_no_acknowledged_write(start_replicas, archives)
         assert not worker.is_alive(), "a client call hung"
 
     with FctkitClient(both, token, retry=PATIENT) as client:
-            k = 0
-            while not stop.is_set():
-                try:
-                    work(client, k)
-                except Exception as exc:  # noqa: BLE001 (every failure is reported by the test)
-                    tally.errors.append(f"{work.__name__}: {exc!r}")
-                k += 1
-
-    def downloads(client: FctkitClient, k: int) -> None:
-        _download(client, 1, artifact, tally)
-
-    def uploads(client: FctkitClient, k: int) -> None:
-        data = random.Random(k).randbytes(3_000_000)  # three part objects: kills land mid-upload
-        transfer = client.upload_blob(data, f"photo-{k}")
-        uploaded[transfer.sha256] = data  # acknowledged
-        tally.add("uploads completed")
-        if transfer.resumed_from:
-            tally.add("uploads resumed from a held offset")
-
-    def pushes(client: FctkitClient, k: int) -> None:
-        records = [_record(k * 20 + j + 1, f"item-{k}-{j}", size=64, fill=k % 251) for j in range(20)]
-        response = client.push_records(records)
-        pushed.update(zip((r.change_id for r in records), response.sequences))  # acknowledged
-        tally.add("pushes completed")
-
-    workers = [threading.Thread(target=run, args=(work,), daemon=True) for work in (downloads, downloads, uploads, pushes)]
-    for worker in workers:
-        worker.start()
-    _kill_and_restart(replicas, KILLS, tally)
-    for replica in replicas:
-        replica.wait_listening()
-    time.sleep(1.0)
-    stop.set()
-    for worker in workers:
-        worker.join(20)
-        if worker.is_alive():
-            import sys, traceback
-            for tid, frame in sys._current_frames().items():
-                if tid == worker.ident:
-                    print("STUCK", "".join(traceback.format_stack(frame)[-3:]))
-            import subprocess
-            for replica in replicas:
-                print("REPLICA", replica.port, subprocess.run([".venv/bin/py-spy", "dump", "--pid", str(replica.process.pid)], capture_output=True, text=True).stdout[-3000:])
-            break
-
-    with FctkitClient(both, token, retry=PATIENT) as client:
         for sha256, data in uploaded.items():
             assert client.read_blob(sha256) == data, f"acknowledged blob {sha256} lost or changed"
         records = [r for response in client.pull_records() for r in response.records]
