@@ -184,7 +184,10 @@ def postgres_schema(script: str) -> str:
 def open_postgres(dsn: str, *, max_connections: int = 20) -> PostgresDatabase:
     """Connect to the PostgreSQL database at ``dsn``, creating the schema the first time (under
     an advisory lock: replicas starting together create it once); refuses another schema."""
+    import psycopg
+
     try:
+        psycopg.connect(dsn, connect_timeout=10).close()  # a wrong address, database or password fails here, at once
         db = PostgresDatabase(dsn, max_connections=max_connections)
     except Exception as exc:  # psycopg.Error, or psycopg_pool's PoolTimeout when the server never answers
         raise ConfigError(f"cannot connect to the database {redacted_dsn(dsn)}: {exc}") from exc

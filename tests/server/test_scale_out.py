@@ -236,3 +236,29 @@ def test_health_is_not_serving_while_the_database_is_unreachable(scale_out, publ
     finally:
         replica.stop()
         own_cluster.stop()
+
+
+def test_storage_options_are_checked_with_errors_that_say_what_to_do(tmp_path, scale_out):
+    from fctkit.errors import ConfigError
+    from fctkit.server import ServerConfig
+    from fctkit.server.object_store import BucketLocation
+    from fctkit.server.scale_out import ScaleOutStorage
+
+    key = tmp_path / "publisher.pub"
+    for options, message in (
+        ({"data_dir": tmp_path, "database": "postgresql://x/y", "object_store": "s3://b/p"}, "choose one storage"),
+        ({}, "no storage"),
+        ({"database": "postgresql://x/y"}, "no storage"),
+        ({"database": "postgresql://x/y", "object_store": "s3://bucket/p"}, "--admin-token-file"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            ServerConfig(publisher_key=key, **options)
+    with pytest.raises(ConfigError, match="not s3://BUCKET"):
+        BucketLocation.parse("s3://Not_A_Bucket/x")
+    assert BucketLocation.parse("s3://fctkit-prod/v1/") == BucketLocation("fctkit-prod", "v1/")
+    with pytest.raises(ConfigError, match="cannot reach bucket 'missing-bucket'"):
+        ScaleOutStorage(scale_out.cluster.dsn("postgres"), "s3://missing-bucket/x", s3_endpoint_url=scale_out.s3.url)
+    wrong = f"postgresql://nobody:secret-pw@127.0.0.1:{scale_out.cluster.port}/no_such_database"
+    with pytest.raises(ConfigError, match="cannot connect to the database") as refused:
+        ScaleOutStorage(wrong, "s3://fctkit-tests/x", s3_endpoint_url=scale_out.s3.url)
+    assert "secret-pw" not in str(refused.value) and "***" in str(refused.value)
