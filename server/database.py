@@ -32,7 +32,7 @@ class Rows(Protocol):
 
 
 class Database(Protocol):
-    dialect: str
+    """What the stores need of a metadata database (either engine)."""
 
     def execute(self, sql: str, params: Params = ()) -> Rows: ...
     def executemany(self, sql: str, params: Sequence[Params]) -> None: ...
@@ -46,8 +46,6 @@ class Database(Protocol):
 
 class SqliteDatabase:
     """One SQLite connection (WAL), used by one server process on one event loop."""
-
-    dialect = "sqlite"
 
     def __init__(self, connection: sqlite3.Connection) -> None:
         self._db = connection
@@ -131,8 +129,6 @@ def psycopg_sql(sql: str) -> str:
 class PostgresDatabase:
     """A psycopg connection pool. Statements outside a transaction run in autocommit on any
     pooled connection; :meth:`transaction` pins one connection (a context variable) until it ends."""
-
-    dialect = "postgres"
 
     def __init__(self, dsn: str, *, max_connections: int = 20) -> None:
         from psycopg_pool import ConnectionPool
