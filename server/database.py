@@ -126,6 +126,15 @@ def psycopg_sql(sql: str) -> str:
     return re.sub(r"(?<![:\w]):([A-Za-z_]\w*)", r"%(\1)s", sql)
 
 
+_PLAIN_INSERT = re.compile(r"\s*INSERT INTO (\w+(?: \([\w, ]+\))?) VALUES \((?:\?, )*\?\)\s*")
+
+
+def _copy_target(sql: str) -> str | None:
+    """``table (columns)`` of a plain multi-row INSERT (no ON CONFLICT, no expressions), else None."""
+    match = _PLAIN_INSERT.fullmatch(sql)
+    return match.group(1) if match else None
+
+
 class PostgresDatabase:
     """A psycopg connection pool. Statements outside a transaction run in autocommit on any
     pooled connection; :meth:`transaction` pins one connection (a context variable) until it ends."""
@@ -151,11 +160,18 @@ class PostgresDatabase:
             return self._run(connection, sql, params)
 
     def executemany(self, sql: str, params: Sequence[Params]) -> None:
+        """Plain ``INSERT INTO t [(columns)] VALUES (?, ...)`` rows go in with COPY (a bulk stream,
+        several times faster than one statement per row); anything else as a pipelined executemany."""
         if not params:
             return
         self.round_trips += 1
         with self._connection() as connection, connection.cursor() as cursor:
-            cursor.executemany(psycopg_sql(sql), params)
+            if (target := _copy_target(sql)) is not None:
+                with cursor.copy(f"COPY {target} FROM STDIN") as copy:
+                    for row in params:
+                        copy.write_row(row)
+            else:
+                cursor.executemany(psycopg_sql(sql), params)
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[Any]:
