@@ -94,17 +94,17 @@ def common_version(db: Database, owner_id: str | None) -> int:
 
 
 def compact_replica(db: Database, owner_id: str, items: Sequence[str] | None = None, *,
-                    blocks: Sequence[int] = ()) -> int:
-    """Mark the owner's superseded rows (all of them; or those of ``items``; or, with ``blocks``,
-    of the items of those blocks, just stored) and drop the sealed bytes of blocks left without a
+                    blocks: Sequence[int] | None = None) -> int:
+    """Mark the owner's superseded rows (all of them when neither ``items`` nor ``blocks`` is given;
+    else those of ``items`` and of the items of ``blocks``, just stored; none for empty ones) and drop the sealed bytes of blocks left without a
     live row; returns how many rows. The blocks' entries stay (empty), so a retried push of one
     is still answered with the sequence number it got."""
     params = {"owner": owner_id, "common_version": common_version(db, owner_id)}
     found: list[tuple[int, int]] = []
-    if items is None and not blocks:
+    if items is None and blocks is None:
         found = db.execute(SUPERSEDED.format(items=""), params).fetchall()
     else:
-        for chunk in unique_chunks(_contested(db, owner_id, items or (), blocks)):
+        for chunk in unique_chunks(_contested(db, owner_id, items or (), blocks or ())):
             marks = ",".join(f":i{k}" for k in range(len(chunk)))
             found += db.execute(SUPERSEDED.format(items=f"AND r.item_id IN ({marks})"),
                                 {**params, **{f"i{k}": item for k, item in enumerate(chunk)}}).fetchall()

@@ -89,8 +89,7 @@ class ReplicaStore:
             self._db.executemany("INSERT INTO replica_items (owner_id, sequence, position, item_id) VALUES (?, ?, ?, ?)", rows)
             self._db.execute("INSERT INTO replica_owners VALUES (?, ?, ?) ON CONFLICT (owner_id) DO UPDATE SET "
                              "last_sequence=excluded.last_sequence, sealed_bytes=excluded.sealed_bytes", (owner_id, last, size))
-            if blocks:  # a retry of stored records brings nothing to compact (and no blocks means: sweep the whole owner)
-                compact_replica(self._db, owner_id, blocks=[block[1] for block in blocks])
+            compact_replica(self._db, owner_id, blocks=[block[1] for block in blocks])
         rows_stored = len(rows)
         self._db.grew(("replica_items", "replica_blocks"), rows_stored)
         return PushOutcome(len(blocks), len(records) - len(blocks), last, tuple(sequences),

@@ -171,3 +171,25 @@ def test_the_compaction_queries_look_rows_up_by_item_not_by_scanning_the_owner()
         plan = [row[3] for row in db.execute("EXPLAIN QUERY PLAN " + sql, args)]
         lookups = [step for step in plan if " r " in f" {step} " or " w " in f" {step} "]
         assert lookups and all("replica_live_by_item (owner_id=? AND item_id=?)" in step for step in lookups), plan
+
+
+def test_a_retried_push_compacts_nothing_else(tmp_path, open_storage):
+    """A push that stores nothing new has nothing to compact: it must not sweep the owner's whole
+    replica (on PostgreSQL that cost seconds per retry)."""
+    from fctkit.server.storage import DeviceReport
+
+    storage = open_storage(tmp_path / "data")
+    for n in (1, 2):
+        storage.add_enrolment_code(f"c{n}", "", "2026-01-01T00:00:00.000000Z", "2099-01-01T00:00:00.000000Z", owner_id="own")
+        storage.enrol(f"c{n}", "2026-01-01T00:00:00.000000Z", f"dev-{n}", "x", f"t{n}")
+    old = ReplicaRecord(1, ("item",), 1, 1, "native", False, b"\x01" * 40, block=False)
+    new = ReplicaRecord(2, ("item",), 2, 1, "forward", False, b"\x02" * 40, block=False)
+    storage.push_records("own", "dev-1", [old, new], "now", 1 << 20)
+    for n in (1, 2):  # both devices now at v2: the v1 row may go at the owner's next sweep (not run here)
+        storage.record_report(f"dev-{n}", DeviceReport(2, 1, 1, 0, 1.0, ""), "now")
+    assert storage.push_records("own", "dev-1", [old], "now", 1 << 20).already_stored == 1
+    live = [r.sequence for r in storage.pull_records("own", 0, 100, 1 << 20) if not r.superseded]
+    assert live == [1, 2]  # the retry swept nothing
+    assert storage.compact_replica_page("own", "", 100) == "item"  # the sweep the report asked for does
+    assert [r.sequence for r in storage.pull_records("own", 0, 100, 1 << 20)] == [2]
+    storage.close()
