@@ -88,9 +88,13 @@ class BlobStore:
     def drop_unreferenced(self, sha256: str) -> bool:
         """Delete the stored object when no record names it (checked under the blob's lock); whether it went."""
         with self._db.transaction(_blob_lock(sha256)):
-            if self._db.execute("SELECT 1 FROM blobs WHERE sha256=? LIMIT 1", (sha256,)).fetchone():
-                return False
-            self._files.delete(sha256)
+            return self._delete_file_if_unreferenced(sha256)
+
+    def _delete_file_if_unreferenced(self, sha256: str) -> bool:
+        """Inside a transaction holding the blob's lock: delete the stored object when no record names it."""
+        if self._db.execute("SELECT 1 FROM blobs WHERE sha256=? LIMIT 1", (sha256,)).fetchone():
+            return False
+        self._files.delete(sha256)
         return True
 
     def referenced_blobs(self) -> set[str]:
@@ -139,8 +143,8 @@ class BlobStore:
     def _delete_blob(self, column: str, value: str, sha256: str) -> bool:
         with self._db.transaction(_blob_lock(sha256)):
             deleted = self._db.execute(f"DELETE FROM blobs WHERE {column}=? AND sha256=?", (value, sha256)).rowcount
-            if deleted and not self._db.execute("SELECT 1 FROM blobs WHERE sha256=? LIMIT 1", (sha256,)).fetchone():
-                self._files.delete(sha256)
+            if deleted:
+                self._delete_file_if_unreferenced(sha256)
         return bool(deleted)
 
     def _usage(self, column: str, value: str) -> tuple[int, int]:

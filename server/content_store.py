@@ -16,6 +16,17 @@ from fctkit.protos.bundle import fsync_dir
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
+def checked_sha256(sha256: str) -> str:
+    """``sha256`` when it is a lowercase SHA-256 hex digest (an object's name in any store), else ValueError."""
+    if not _SHA256.fullmatch(sha256):
+        raise ValueError(f"not a lowercase SHA-256 hex digest: {sha256!r}")
+    return sha256
+
+
+def is_sha256(name: str) -> bool:
+    return _SHA256.fullmatch(name) is not None
+
+
 class Contents(Protocol):
     """What the server needs of a store of immutable objects named by their SHA-256: this file
     store, or :class:`fctkit.server.object_store.S3ContentStore`."""
@@ -37,9 +48,7 @@ class ContentStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def path(self, sha256: str) -> Path:
-        if not _SHA256.fullmatch(sha256):
-            raise ValueError(f"not a lowercase SHA-256 hex digest: {sha256!r}")
-        return self.root / sha256[:2] / sha256
+        return self.root / sha256[:2] / checked_sha256(sha256)
 
     def has(self, sha256: str) -> bool:
         return self.path(sha256).is_file()
@@ -80,7 +89,7 @@ class ContentStore:
         """Every stored digest with its last change (seconds since the epoch)."""
         for shard in sorted(self.root.iterdir()):
             if shard.is_dir():
-                for path in sorted(p for p in shard.iterdir() if _SHA256.fullmatch(p.name)):
+                for path in sorted(p for p in shard.iterdir() if is_sha256(p.name)):
                     with contextlib.suppress(FileNotFoundError):
                         yield path.name, path.stat().st_mtime
 

@@ -27,11 +27,11 @@ from typing import Any
 
 from fctkit.errors import ConfigError
 
+from .content_store import checked_sha256, is_sha256
 from .partial_uploads import IncompleteUpload, owner_folder
 from .streams import Sink
 
 PART_BYTES = 1 << 20  # an unfinished upload is flushed to the bucket every MiB (what a killed replica can lose)
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 _PART = re.compile(r"([0-9a-f]{16})-([0-9a-f]{16})")
 
 
@@ -110,12 +110,6 @@ class S3Reader:
             self._body.close()
             self._body = None
 
-    def __enter__(self) -> S3Reader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 class S3ContentStore:
     """Immutable objects named by their SHA-256 under ``PREFIX/<kind>/`` of one bucket."""
@@ -125,9 +119,7 @@ class S3ContentStore:
         self._prefix = f"{location.prefix}{kind}/"
 
     def key(self, sha256: str) -> str:
-        if not _SHA256.fullmatch(sha256):
-            raise ValueError(f"not a lowercase SHA-256 hex digest: {sha256!r}")
-        return self._prefix + sha256
+        return self._prefix + checked_sha256(sha256)
 
     def has(self, sha256: str) -> bool:
         try:
@@ -162,7 +154,7 @@ class S3ContentStore:
         for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=self._prefix):
             for entry in page.get("Contents", ()):
                 name = entry["Key"][len(self._prefix):]
-                if _SHA256.fullmatch(name):
+                if is_sha256(name):
                     yield name, entry["LastModified"].timestamp()
 
     def __iter__(self) -> Iterator[str]:
@@ -229,12 +221,14 @@ class S3Partials:
             chosen.append((position - start, end, key))
             position = end
 
+    @staticmethod
+    def _end(cover: list[tuple[int, int, str]]) -> int:
+        """How many contiguous bytes from 0 a cover holds."""
+        return cover[-1][1] if cover else 0
+
     def held(self, owner_id: str, sha256: str) -> int | None:
         parts = self._parts(owner_id, sha256)
-        if not parts:
-            return None
-        cover = self._cover(parts)
-        return cover[-1][1] if cover else 0
+        return self._end(self._cover(parts)) if parts else None
 
     def put_part(self, owner_id: str, sha256: str, start: int, end: int, data: bytes) -> None:
         key = f"{self._folder(owner_id, sha256)}{start:016x}-{end:016x}"
@@ -253,8 +247,7 @@ class S3Partials:
     def assemble(self, owner_id: str, sha256: str, size: int) -> Path:
         """The upload's bytes 0..size in a local scratch file; IncompleteUpload when parts are missing."""
         cover = self._cover(self._parts(owner_id, sha256))
-        held = cover[-1][1] if cover else 0
-        if held < size:
+        if (held := self._end(cover)) < size:
             raise IncompleteUpload(held)
         handle = tempfile.NamedTemporaryFile(dir=self._scratch, prefix="upload-", delete=False)
         with handle:

@@ -160,14 +160,15 @@ def open_database(path: Path) -> SqliteDatabase:
                 f"{path.parent}: metadata schema {found} is not the {SCHEMA_VERSION} this server "
                 "understands; run the fctkit version that wrote it"
             )
-        with SqliteDatabase(db).transaction():
+        database = SqliteDatabase(db)
+        with database.transaction():
             for step in range(found, SCHEMA_VERSION) if found else ():
                 _MIGRATIONS[step](db)
             execute_script(db, _SCHEMA + upload_sessions.UPLOADS_SCHEMA)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     except sqlite3.DatabaseError as exc:
         raise ConfigError(f"{path}: not a usable fctkit database: {exc}") from exc
-    return SqliteDatabase(db)
+    return database
 
 
 _MIGRATION_LOCK = 0x66637463  # "fctc": the advisory lock replicas take to create or check the schema
