@@ -3,6 +3,7 @@ device check what they are handed with the same rules."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,24 @@ def check_features(name: str, array: Any, *, dim: int | None = None, rows: int |
         bad = int((~np.isfinite(array)).any(axis=1).sum())
         raise InputError(f"{name}: {bad} row(s) hold NaN or inf; drop or repair them first")
     return array
+
+
+def nonfinite_items(item_ids: Sequence[str], *arrays: np.ndarray) -> list[str]:
+    """The ids of the rows (aligned with ``item_ids``) holding NaN or inf in any of ``arrays``,
+    each dense (rows × dims) or ragged (an object array of rows)."""
+    finite = np.ones(len(item_ids), dtype=bool)
+    for array in arrays:
+        if array.dtype == object:
+            finite &= np.fromiter((np.isfinite(np.asarray(r, np.float64)).all() for r in array), dtype=bool, count=len(array))
+        else:
+            finite &= np.isfinite(array.reshape(len(array), -1)).all(axis=1)
+    return [item_ids[i] for i in np.flatnonzero(~finite).tolist()]
+
+
+def nonfinite_message(item_ids: Sequence[str], what: str) -> str:
+    """``what`` (e.g. "cannot be upgraded") said of the rows ``item_ids``, named (the first ten)."""
+    listed = ", ".join(repr(i) for i in item_ids[:10]) + (f" and {len(item_ids) - 10} more" if len(item_ids) > 10 else "")
+    return f"{len(item_ids)} item(s) {what} ({listed}): their vectors hold NaN or inf"
 
 
 def validate_labels(labels: np.ndarray, n: int | None = None, where: str = "labels") -> np.ndarray:

@@ -22,7 +22,7 @@ from fctkit.errors import FctkitError, InputError, ItemError
 
 from .device_parts import DeviceParts
 from .engine import Engine
-from .gallery_rows import NewRow, VersionTag
+from .gallery_rows import LoadedRows, NewRow, VersionTag
 from .scoring import TransitionState, store_hubness_offsets
 from .vault_blob import original_items, seal_image, stored_original
 
@@ -83,19 +83,64 @@ def restore_from_vault(parts: DeviceParts, originals: dict[str, tuple[str | None
     owner's replica did not hold); returns the ids restored. An original the vault no longer
     has, or that fails to open, is left out."""
     engine = parts.engine()
-    opened: dict[str, np.ndarray] = {}
-    with parts.connect() as client:
-        for item_id, (_, sha256) in originals.items():
-            try:
-                opened[item_id] = parts.open_original(item_id, client.read_blob(sha256))
-            except FctkitError:
-                continue
+    opened = _from_vault(parts, {item_id: sha256 for item_id, (_, sha256) in originals.items()})
     if not opened:
         return []
     ids = list(opened)
     items = original_items([opened[i] for i in ids], raw=engine.takes_items)
     added = add_items(parts, items, ids, [originals[i][0] for i in ids], "skip", in_vault={i: originals[i][1] for i in ids})
     return added.item_ids
+
+
+def _from_vault(parts: DeviceParts, shas: dict[str, str]) -> dict[str, np.ndarray]:
+    """The originals (item id -> SHA-256) downloaded from the vault and opened; one the vault
+    no longer has, or that fails to open, is left out."""
+    opened: dict[str, np.ndarray] = {}
+    with parts.connect() as client:
+        for item_id, sha256 in shas.items():
+            try:
+                opened[item_id] = parts.open_original(item_id, client.read_blob(sha256))
+            except FctkitError:
+                continue
+    return opened
+
+
+def side_infos_again(parts: DeviceParts, rows: LoadedRows, *, online: bool) -> dict[int, np.ndarray]:
+    """ψ of ``rows`` (their side-info was lost: repair) embedded again by the side-info model of
+    their own version from their originals, queued on the device or (``online``) in the vault;
+    row id -> ψ. Rows of a version not installed, adapted rows (their ψ came through a path),
+    and rows whose original cannot be had or embedded are left out."""
+    installed = set(parts.bundles.versions())
+    wanted = {rows.item_ids[k]: k for k, t in enumerate(rows.tags) if t.origin_version == t.version and t.version in installed}
+    originals: dict[str, np.ndarray] = {}
+    for item_id, blob in parts.gallery.replica_log.outbox():
+        if item_id in wanted:
+            try:
+                originals[item_id] = parts.open_original(item_id, blob)
+            except FctkitError:
+                continue
+    shas = {i: parts.gallery.replica_log.vault_sha256(i) for i in wanted if i not in originals}
+    if online and any(shas.values()):
+        try:
+            originals.update(_from_vault(parts, {i: sha for i, sha in shas.items() if sha}))
+        except FctkitError:  # the server is away: the rows keep their mark
+            pass
+    found: dict[int, np.ndarray] = {}
+    for version in {rows.tags[wanted[i]].version for i in originals}:
+        ids = [i for i in originals if rows.tags[wanted[i]].version == version]
+        found.update(_side_infos(parts.engine(version), [int(rows.row_ids[wanted[i]]) for i in ids], [originals[i] for i in ids]))
+    return found
+
+
+def _side_infos(engine: Engine, row_ids: list[int], originals: list[np.ndarray]) -> dict[int, np.ndarray]:
+    """row id -> ψ of the originals that ``engine``'s side-info model takes."""
+    if not engine.manifest.side_info_dim:
+        return {r: np.zeros(0, np.float32) for r in row_ids}
+    try:
+        done = engine.embed_items("side_info", original_items(originals, raw=engine.takes_items), keep_going=True)
+    except FctkitError:  # arrays it refuses (e.g. not finite): the rows keep their mark
+        return {}
+    return {row_ids[position]: vector for position, vector in zip(done.good, done.vectors, strict=True)}
 
 
 def checked_items(engine: Engine, items):

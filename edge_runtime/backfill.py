@@ -33,6 +33,7 @@ import numpy as np
 
 from fctkit.backfill_order import backfill_order
 from fctkit.errors import DeviceError, GalleryError, InputError
+from fctkit.feature_checks import nonfinite_items
 
 from .gallery_rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
 from .vault_blob import original_items
@@ -226,9 +227,10 @@ def record_uncertainty(device: DeviceParts, target_engine: Engine) -> int:
     if not graphs or not len(device.gallery):
         return 0
     rows = device.gallery.load(with_labels=False)
+    lost = set(nonfinite_items(rows.item_ids, rows.embeddings, rows.side_infos))  # side-info lost (repair): σ unknown
     ids, sigmas = [], []
     for version, artifact in graphs.items():
-        index = [i for i, t in enumerate(rows.tags) if t.version == version]
+        index = [i for i, t in enumerate(rows.tags) if t.version == version and rows.item_ids[i] not in lost]
         if not index:
             continue
         inputs = (take_rows(rows.embeddings, index), take_rows(rows.side_infos, index))[:len(artifact.inputs)]

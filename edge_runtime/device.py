@@ -42,7 +42,7 @@ from fctkit.private_files import make_private
 from fctkit.protos.bundle import load_public_key, public_key_id
 from fctkit.protos.client import ClientTls, FctkitClient, RetryPolicy
 
-from .adding import AddedItems, OnBadItem, add_items, restore_from_vault, usable_queries
+from .adding import AddedItems, OnBadItem, add_items, restore_from_vault, side_infos_again, usable_queries
 from .backfill import BackfillResult, run_backfill
 from .bundle_store import InstalledBundles
 from .crypto import Sealer, new_key, owner_key_id, read_key_file, write_key_file
@@ -465,7 +465,8 @@ class Device:
         owner with a server, pull the owner's replica again, which brings back every forgotten or
         missing row it holds; a row it does not hold whose original is in the vault is embedded
         again from the original with the installed version. The rest stay removed, listed."""
-        result = repair_gallery(self.gallery, self.open_original, self.installed_versions())
+        result = repair_gallery(self.gallery, self.open_original, self.installed_versions(),
+                                lambda rows: side_infos_again(self.parts, rows, online=bool(self.settings.server)))
         report: dict[str, Any] = asdict(result)
         del report["vault_originals"]  # labels and hashes: the device's business, not the report's
         lost = result.rows_forgotten

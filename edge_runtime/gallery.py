@@ -369,6 +369,15 @@ class Gallery(GalleryUpgrades):
             self._db.execute(f"DELETE FROM {table} WHERE row_id = ?", (row_id,))
         return True
 
+    def side_info_widths(self, row_ids: Sequence[int]) -> dict[int, int]:
+        """Each live row's side-info width as its block records it (repair re-seals rows whose side-info was lost)."""
+        live, _ = self._tables()
+        found: dict[int, int] = {}
+        for chunk, marks in id_chunks([int(r) for r in row_ids]):
+            found.update(self._db.execute(f"SELECT v.row_id, b.side_info_width FROM {live} v JOIN vector_blocks b USING (block_id) "
+                                          f"WHERE v.row_id IN ({marks})", chunk).fetchall())
+        return found
+
     def vector_table_rows(self) -> dict[str, int]:
         """Rows per vector table (to tell the live one when its setting is damaged)."""
         return {t: self._db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in VECTOR_TABLES}

@@ -61,10 +61,11 @@ class GalleryUpgrades:
         live, _ = self._tables()
         return self._db.execute(f"SELECT COUNT(*) FROM {live} WHERE NOT (version = ? AND via = 'native')", (version,)).fetchone()[0]
 
-    def write_upgrades(self, batches: Sequence[UpgradedRows], *, staged: bool) -> None:
+    def write_upgrades(self, batches: Sequence[UpgradedRows], *, staged: bool, logged: bool = True) -> None:
         """Write upgraded rows in one transaction, each guarded by the tag it was computed
         from (a row changed or staged since makes the whole transaction roll back).
-        ``staged``: into the staged vector table (forward mode, switched later); else in place."""
+        ``staged``: into the staged vector table (forward mode, switched later); else in place,
+        the change logged for replication unless ``logged`` is False (repair's lost side-info)."""
         with transaction(self._db):
             live, other = self._tables()
             if staged:  # set-based, one statement per new block: the rows' ids go in as one JSON array
@@ -87,7 +88,7 @@ class GalleryUpgrades:
             expected = sum(len(b.row_ids) for b in batches)
             if written != expected:
                 raise GalleryError(f"{expected - written} row(s) changed while being upgraded; run the upgrade again")
-            if not staged:  # in place: live rows changed (staged ones change at the switch)
+            if not staged and logged:  # in place: live rows changed (staged ones change at the switch)
                 self._log_changes([i for b in batches for i in b.item_ids])
 
     def switch_to(self, target_version: int, meta: dict[str, str | None], *, keep_previous: int | None = None) -> None:

@@ -26,10 +26,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from fctkit.errors import FctkitError, GalleryDamagedError, InputError
 
 from .gallery import Gallery
 from .gallery_extras import EXTRA_FIELDS
+from .gallery_rows import LoadedRows, UpgradedRows, VersionTag, take_rows
 from .gallery_schema import VECTOR_TABLES
 
 DROPPED_WHEN_DAMAGED = ("transition", "backfill", "upgrade")
@@ -40,6 +43,8 @@ REBUILD = ("rebuild it from the owner's replica: move the device directory DIR a
            "`fctkit device sync --dir NEW` (rows not yet pushed from DIR are lost)")
 
 OpenOriginal = Callable[[str, bytes], Any]
+#: rows whose side-info was lost -> row id -> ψ embedded again from the row's original (rows left out: none at hand)
+SideInfoAgain = Callable[[LoadedRows], dict[int, np.ndarray]]
 
 
 @dataclass
@@ -48,11 +53,17 @@ class RepairResult:
 
     settings_restored: dict[str, str | None] = field(default_factory=dict)
     rows_forgotten: list[str] = field(default_factory=list)
+    #: why each forgotten row could not be kept (item id -> reason)
+    forgotten_because: dict[str, str] = field(default_factory=dict)
     #: forgotten rows whose original is in the vault: item id -> (label, SHA-256), to embed again
     vault_originals: dict[str, tuple[str | None, str]] = field(default_factory=dict)
     rows_missing: int = 0
     extras_dropped: int = 0
     queued_originals_dropped: list[str] = field(default_factory=list)
+    #: rows kept although their side-info failed to open: ψ embedded again from the original ...
+    side_info_restored: list[str] = field(default_factory=list)
+    #: ... or, with no original at hand, stored as NaN: marked lost (an upgrade that needs it names these rows)
+    side_info_lost: list[str] = field(default_factory=list)
 
 
 def damage_report(gallery: Gallery, open_original: OpenOriginal) -> dict[str, Any]:
@@ -133,27 +144,69 @@ def _derived_live(gallery: Gallery, damaged: Sequence[str]) -> str:
     return holding[0] if holding else VECTOR_TABLES[0]
 
 
-def repair_gallery(gallery: Gallery, open_original: OpenOriginal, installed_versions: Sequence[int]) -> RepairResult:
-    """Fix what can be fixed on the device alone, in one transaction (see the module doc)."""
+def repair_gallery(gallery: Gallery, open_original: OpenOriginal, installed_versions: Sequence[int],
+                   side_info_again: SideInfoAgain | None = None) -> RepairResult:
+    """Fix what can be fixed on the device alone (see the module doc): one transaction, then one
+    more that re-seals the rows kept whose side-info was lost."""
     damaged = gallery.settings.damaged()
     settings, clear_table = derived_settings(gallery, damaged, installed_versions)
     result = RepairResult(settings_restored=settings)
     unknown_count = {"row_count": "0"} if "row_count" in damaged else {}  # forget_rows counts afresh
     with gallery.settings.override({**settings, **unknown_count}):  # the rows are read with the derived settings
         rows = gallery.load()  # with the per-row table: rows whose vectors are gone are listed
+        embedded = gallery.load(with_side_info=False)  # a side-info record that fails costs the side-info only
         bad_extras = [(name, r) for name in EXTRA_FIELDS for r, _, _ in gallery.extras.load(name).corrupt]
-    result.rows_forgotten = [item for _, item, _ in rows.corrupt]
-    result.vault_originals = _vault_originals(gallery, [(r, item) for r, item, _ in rows.corrupt])
+    kept = _side_info_lost(rows, embedded)
+    keep = set(kept.row_ids.tolist())
+    lost = list(dict.fromkeys((r, item) for r, item, _ in rows.corrupt if r not in keep))  # a row can fail twice
+    for row_id, item, reason in rows.corrupt:
+        if row_id not in keep:
+            result.forgotten_because.setdefault(item, reason)
+    result.rows_forgotten = list(result.forgotten_because)
+    result.vault_originals = _vault_originals(gallery, lost)
     result.rows_missing = rows.missing
     result.extras_dropped = len(bad_extras)
-    result.queued_originals_dropped = [item for item, _ in damaged_originals(gallery, open_original)]
+    result.queued_originals_dropped = list(dict.fromkeys(item for item, _ in damaged_originals(gallery, open_original)))
     if "transition" in damaged:
         bad_extras += [("previous_embedding", r) for r in gallery.extras.load("previous_embedding").row_ids.tolist()]
     if result.rows_forgotten or result.rows_missing:  # the next pull brings back what the owner's replica has
         settings = {**settings, "replica_cursor": "0"}
-    gallery.forget_rows([(row_id, item) for row_id, item, _ in rows.corrupt], drop_queued=result.queued_originals_dropped, drop_extras=bad_extras,
+    gallery.forget_rows(lost, drop_queued=result.queued_originals_dropped, drop_extras=bad_extras,
                         settings=settings, clear_table=clear_table)
+    if len(kept):
+        _reseal_side_info(gallery, kept, side_info_again, result)
     return result
+
+
+def _side_info_lost(rows: LoadedRows, embedded: LoadedRows) -> LoadedRows:
+    """The rows of ``embedded`` (opened without side-info) that the full load found damaged: their
+    embeddings, labels and pointers are intact, only their side-info fails."""
+    damaged = {r for r, _, _ in rows.corrupt}
+    return embedded.subset([k for k, r in enumerate(embedded.row_ids.tolist()) if r in damaged])
+
+
+def _reseal_side_info(gallery: Gallery, kept: LoadedRows, side_info_again: SideInfoAgain | None, result: RepairResult) -> None:
+    """Write ``kept`` again in place (same tag, same embedding) with ψ embedded again where
+    ``side_info_again`` could, else NaN; the NaN rows' change is not logged, so no other device
+    of the owner gets the lost side-info."""
+    widths = gallery.side_info_widths(kept.row_ids.tolist())
+    again = side_info_again(kept) if side_info_again is not None else {}
+    groups: dict[tuple[VersionTag, int, bool], list[int]] = {}
+    values: list[np.ndarray] = []
+    for k, (row_id, tag) in enumerate(zip(kept.row_ids.tolist(), kept.tags, strict=True)):
+        width = widths.get(row_id, 0)
+        value = np.asarray(again.get(row_id, np.full(width, np.nan)), dtype=np.float32).reshape(-1)
+        restored = width == 0 or (len(value) == width and bool(np.isfinite(value).all()))
+        values.append(value if restored else np.full(width, np.nan, dtype=np.float32))
+        groups.setdefault((tag, width, restored), []).append(k)
+    for restored in (True, False):
+        batches = [UpgradedRows(kept.row_ids[g].tolist(), [kept.item_ids[k] for k in g], tag, tag, take_rows(kept.embeddings, g),
+                                np.stack([values[k] for k in g]).reshape(len(g), width))
+                   for (tag, width, ok), g in groups.items() if ok == restored]
+        if batches:
+            gallery.write_upgrades(batches, staged=False, logged=restored)
+        named = list(dict.fromkeys(i for b in batches for i in b.item_ids))
+        (result.side_info_restored if restored else result.side_info_lost).extend(named)
 
 
 def _vault_originals(gallery: Gallery, rows: Sequence[tuple[int, str]]) -> dict[str, tuple[str | None, str]]:

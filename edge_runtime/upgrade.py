@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from fctkit.errors import DeviceError, GalleryError
+from fctkit.errors import DeviceError, GalleryError, InputError
+from fctkit.feature_checks import nonfinite_items, nonfinite_message
 from fctkit.protos.bundle import check_version_is_newer
 
 from .backfill import record_uncertainty
@@ -206,8 +207,21 @@ def _transform_batch(plan: UpgradePlan, engines: Mapping[int, Engine], batch: Lo
     """The batch's rows moved to the target, one group per version tag."""
     groups: list[UpgradedRows] = []
     for tag, rows in rows_by_tag(batch.tags).items():
-        new_tag, embeddings, side_infos = transform_rows(
-            plan, engines, tag, take_rows(batch.embeddings, rows), take_rows(batch.side_infos, rows))
+        item_ids = [batch.item_ids[i] for i in rows]
+        embeddings, side_infos = take_rows(batch.embeddings, rows), take_rows(batch.side_infos, rows)
+        try:
+            new_tag, embeddings, side_infos = transform_rows(plan, engines, tag, embeddings, side_infos)
+        except InputError:
+            _refuse_nonfinite(nonfinite_items(item_ids, embeddings, side_infos))  # NaN side-info: lost, marked by repair
+            raise
+        _refuse_nonfinite(nonfinite_items(item_ids, embeddings))
         groups.append(UpgradedRows(batch.row_ids[rows].tolist(), [batch.item_ids[i] for i in rows],
                                    tag, new_tag, embeddings, side_infos))
     return groups
+
+
+def _refuse_nonfinite(item_ids: Sequence[str]) -> None:
+    if item_ids:
+        raise GalleryError(nonfinite_message(item_ids, "cannot be upgraded") + ", or their side-info was lost to damage "
+                           "(`fctkit device repair` lists them as side_info_lost); remove them (`fctkit device remove "
+                           "--dir DIR ID...`) and add their originals again, then run the upgrade again (it resumes)")

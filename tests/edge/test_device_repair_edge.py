@@ -158,7 +158,7 @@ def test_an_upgrade_stopped_by_a_damaged_row_goes_on_after_repair(make_device, t
     device.upgrade(tiny_bundles[1])
     _add_in_blocks(device, images(12, seed=5), "it", upload=False)
     root = device.root
-    _sql(device, "UPDATE vector_blocks SET side_info = zeroblob(length(side_info)) WHERE block_id = 2")
+    _sql(device, "UPDATE vector_blocks SET embedding = zeroblob(length(embedding)) WHERE block_id = 2")
     with Device.open(root) as damaged:
         damaged.progress = False
         with pytest.raises(GalleryError, match=r"row 5 \('it04'\) cannot be upgraded.*fctkit device repair"):

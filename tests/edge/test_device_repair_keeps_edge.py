@@ -1,0 +1,101 @@
+"""`fctkit device repair` never deletes what it can keep (issue 34, section 2): a damaged
+side-info block costs the side-info only, re-derived from the rows' originals where they are at
+hand and otherwise marked lost (an upgrade that needs it names the rows)."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import numpy as np
+import pytest
+
+from tests.edge.conftest import flip_stored_byte
+from tests.edge.test_replication_edge import state
+
+from fctkit.edge_runtime import Device
+from fctkit.errors import GalleryError
+
+ROWS = 1000
+
+
+def _device_with_queued_originals(make_device, tiny_bundles, images, name: str, n: int = ROWS) -> Device:
+    """A device without a server: ``n`` rows in one block, each original queued on the device."""
+    device = make_device(name)
+    device.upgrade(tiny_bundles[1])
+    device.add(images(n, seed=11), item_ids=[f"r{i:04d}" for i in range(n)], labels=[f"L{i % 7}" for i in range(n)], upload=False)
+    return device
+
+
+def _flip_side_info(device: Device, *, drop_queued: bool = False) -> None:
+    root = device.root
+    device.close()
+    with sqlite3.connect(root / "gallery.sqlite") as db:
+        assert flip_stored_byte(db, "vector_blocks", "side_info", "1", 40) == 1
+        if drop_queued:  # as if they had been uploaded to a vault this device cannot reach now
+            db.execute("DELETE FROM outbox")
+
+
+def _last_change(root) -> int:
+    with sqlite3.connect(root / "gallery.sqlite") as db:
+        return db.execute("SELECT MAX(rowid) FROM changes").fetchone()[0]
+
+
+def _answers(device: Device, queries: np.ndarray) -> list[list[tuple[str, float]]]:
+    return [[(m.item_id, round(m.distance, 5)) for m in found] for found in device.query(queries, k=5)]
+
+
+def test_a_damaged_side_info_block_costs_no_row_and_its_side_info_is_embedded_again(make_device, tiny_bundles, images):
+    device = _device_with_queued_originals(make_device, tiny_bundles, images, "keeps")
+    queries, root = images(40, seed=12), device.root
+    before, answers = state(device), _answers(device, queries)
+    _flip_side_info(device)
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        assert len(damaged.check()["damaged_rows"]) == ROWS  # the damage is seen...
+        assert _answers(damaged, queries) == answers  # ...though queries are still right
+        report = damaged.repair()
+        assert report["rows_forgotten"] == [] and report["rows_removed"] == [] and report["forgotten_because"] == {}
+        assert report["side_info_restored"] == sorted(before) and report["side_info_lost"] == []
+        assert report["damaged_after"] == 0 and len(damaged.gallery) == ROWS
+        assert _answers(damaged, queries) == answers
+        after = state(damaged)
+        assert set(after) == set(before)
+        for item, (tag, embedding, side_info, label) in before.items():  # the same ψ model on the same originals
+            assert after[item][0] == tag and after[item][1] == embedding and after[item][3] == label
+            assert np.allclose(np.frombuffer(after[item][2], "<f4"), np.frombuffer(side_info, "<f4"), atol=1e-6)
+        assert damaged.gallery.replica_log.outbox_size() == ROWS  # the originals stay queued for the vault
+        damaged.upgrade(tiny_bundles[2])
+        assert damaged.gallery.tag_counts() == {"v1->v2 (forward)": ROWS}
+
+
+def test_rows_without_their_original_keep_answering_and_the_upgrade_names_them(make_device, tiny_bundles, images):
+    device = _device_with_queued_originals(make_device, tiny_bundles, images, "marks", n=30)
+    queries, root = images(10, seed=13), device.root
+    answers = _answers(device, queries)
+    _flip_side_info(device, drop_queued=True)
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        logged = _last_change(root)
+        report = damaged.repair()
+        assert report["rows_forgotten"] == [] and report["side_info_restored"] == []
+        assert report["side_info_lost"] == [f"r{i:04d}" for i in range(30)]
+        assert len(damaged.gallery) == 30 and _answers(damaged, queries) == answers
+        assert _last_change(root) == logged  # the NaN side-info is not logged for the owner's other devices
+        with pytest.raises(GalleryError, match=r"30 item\(s\) cannot be upgraded \('r0000', .* and 20 more\).*side_info_lost"):
+            damaged.upgrade(tiny_bundles[2])
+        assert len(damaged.gallery) == 30
+
+
+def test_the_reasons_are_given_per_row_and_the_report_lists_each_item_once(make_device, tiny_bundles, images):
+    device = _device_with_queued_originals(make_device, tiny_bundles, images, "both", n=6)
+    root = device.root
+    device.close()
+    with sqlite3.connect(root / "gallery.sqlite") as db:  # both fields of the block fail: the embedding is lost
+        flip_stored_byte(db, "vector_blocks", "side_info", "1", 40)
+        flip_stored_byte(db, "vector_blocks", "embedding", "1", 40)
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        report = damaged.repair()
+    ids = [f"r{i:04d}" for i in range(6)]
+    assert report["rows_forgotten"] == ids and report["rows_removed"] == ids
+    assert set(report["forgotten_because"]) == set(ids) and all("block 1" in r for r in report["forgotten_because"].values())
