@@ -19,6 +19,7 @@ from typing import Literal
 import numpy as np
 
 from fctkit.errors import FctkitError, InputError, ItemError
+from fctkit.feature_checks import nonfinite_items
 
 from .device_parts import DeviceParts
 from .engine import Engine
@@ -159,7 +160,23 @@ def checked_items(engine: Engine, items):
     items = np.asarray(items)
     if items.ndim < 2 or len(items) == 0:
         raise InputError(f"images must be an array of at least one image, got shape {items.shape}")
+    if np.issubdtype(items.dtype, np.complexfloating):
+        raise InputError(f"the items are complex numbers ({items.dtype}); give real-valued arrays")
     return items
+
+
+def _unusable_arrays(items) -> tuple[object, dict[int, str]]:
+    """Array items with a value NaN, inf or beyond float32's range (what the graphs compute in)
+    are bad items: (position, reason) each, and ``items`` with those rows zeroed so the others can run."""
+    if not isinstance(items, np.ndarray) or not np.issubdtype(items.dtype, np.number):
+        return items, {}
+    flat = items.reshape(len(items), -1)
+    bad = np.flatnonzero(~(np.isfinite(flat) & (np.abs(flat) <= np.finfo(np.float32).max)).all(axis=1))
+    if not len(bad):
+        return items, {}
+    items = items.copy()
+    items[bad] = 0
+    return items, {int(i): "holds NaN, inf or a value beyond float32's range" for i in bad}
 
 
 def _embedded(parts: DeviceParts, engine: Engine, previous: Engine | None, items,
@@ -168,6 +185,7 @@ def _embedded(parts: DeviceParts, engine: Engine, previous: Engine | None, items
     vectors of the good ones ('embed', 'side_info', and 'previous' during a transition)."""
     from tqdm import tqdm
 
+    items, bad = _unusable_arrays(items)
     with tqdm(total=len(items), desc=f"embed v{engine.manifest.version}", unit="item", leave=False,
               disable=not parts.progress or len(items) < 2048) as bar:
         runs = {"embed": engine.embed_items("embed", items, keep_going=keep_going, progress=bar.update)}
@@ -175,10 +193,11 @@ def _embedded(parts: DeviceParts, engine: Engine, previous: Engine | None, items
         runs["side_info"] = engine.embed_items("side_info", items, keep_going=keep_going)
     if previous is not None:
         runs["previous"] = previous.embed_items("embed", items, keep_going=keep_going)
-    bad: dict[int, str] = {}
     for done in runs.values():
         for index, reason in done.bad:
             bad.setdefault(index, reason)
+        for index in nonfinite_items(done.good, done.vectors) if done.vectors is not None else ():
+            bad.setdefault(index, "embeds to vectors that are not finite (its values are too large for the model): scale it down")
     good = [i for i in range(len(items)) if i not in bad]
     if bad and not keep_going:
         return good, sorted(bad.items()), {}

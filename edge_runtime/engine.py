@@ -202,8 +202,8 @@ def _conform(x: np.ndarray, shape: tuple, name: str, graph: str) -> np.ndarray:
     per_item = math.prod(shape[1:])
     if math.prod(x.shape[1:]) != per_item:
         raise InputError(f"{graph}: input {name!r} expects items of shape {tuple(shape[1:])}, got {x.shape[1:]}")
-    if not np.issubdtype(x.dtype, np.number):
-        raise InputError(f"{graph}: input {name!r} must be numeric, got {x.dtype}")
+    if not np.issubdtype(x.dtype, np.number) or np.issubdtype(x.dtype, np.complexfloating):
+        raise InputError(f"{graph}: input {name!r} must be real numbers, got {x.dtype}; give real-valued arrays")
     x = np.ascontiguousarray(x, dtype=np.float32).reshape((x.shape[0], *shape[1:]))
     if not np.isfinite(x).all():
         raise InputError(f"{graph}: input {name!r} holds NaN or inf values; clean the data first")

@@ -29,6 +29,10 @@ class Neighbours:
 
 
 def normalise(x: np.ndarray) -> np.ndarray:
+    """Rows scaled to unit length; each row is first divided by its largest magnitude, so rows of
+    any finite scale (1e-30 or 1e30) give the same direction instead of a norm that overflows."""
+    scale = np.abs(x).max(axis=1, keepdims=True) if x.size else np.ones((len(x), 1), np.float32)
+    x = x / np.where(scale > 0, scale, np.float32(1))
     norms = np.sqrt(np.einsum("ij,ij->i", x, x))[:, None]
     return x / np.maximum(norms, np.float32(1e-12))
 
