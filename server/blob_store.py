@@ -8,7 +8,7 @@ when no record references it any more.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,15 +113,23 @@ class BlobStore:
             self._add_blob(record, source)
             upload_sessions.release(self._db, record.owner_id, record.sha256)
 
-    def release_upload(self, owner_id: str, sha256: str) -> None:
-        upload_sessions.release(self._db, owner_id, sha256)
+    def begin_upload(self, owner_id: str, sha256: str, device_id: str, token: str, now: float) -> bool | None:
+        """Give the upload's lease to ``token`` (see :func:`.upload_sessions.take_lease`)."""
+        with self._db.transaction(owner_lock(owner_id)):
+            return upload_sessions.take_lease(self._db, owner_id, sha256, device_id, token, now)
 
-    def touch_upload(self, owner_id: str, sha256: str, now: float) -> None:
-        upload_sessions.touch(self._db, owner_id, sha256, now)
+    def renew_upload(self, owner_id: str, sha256: str, token: str, now: float, bytes_arrived: bool) -> bool:
+        return upload_sessions.renew_lease(self._db, owner_id, sha256, token, now, bytes_arrived)
 
-    def expire_uploads(self, idle_since: float, in_progress: Collection[tuple[str, str]]) -> list[tuple[str, str]]:
-        with self._db.transaction():
-            return upload_sessions.expire(self._db, idle_since, in_progress)
+    def end_upload(self, owner_id: str, sha256: str, token: str, now: float, bytes_arrived: bool) -> None:
+        with self._db.transaction(owner_lock(owner_id)):
+            upload_sessions.end_lease(self._db, owner_id, sha256, token, now, bytes_arrived)
+
+    def release_upload(self, owner_id: str, sha256: str, token: str) -> bool:
+        return upload_sessions.release(self._db, owner_id, sha256, token)
+
+    def expire_uploads(self, idle_since: float, leased_since: float) -> int:
+        return upload_sessions.expire(self._db, idle_since, leased_since)
 
     def reserved_uploads(self) -> set[tuple[str, str]]:
         return upload_sessions.reserved_keys(self._db)

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import re
 import tempfile
-from collections.abc import AsyncIterator, Callable, Collection, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,9 +165,9 @@ class _PartSink:
     """Buffers an upload's chunks and writes them to the bucket as part objects of up to
     :data:`PART_BYTES` (on a worker thread, so the event loop keeps serving)."""
 
-    def __init__(self, parts: S3Partials, owner_id: str, sha256: str, offset: int, on_flush: Callable[[], None]) -> None:
+    def __init__(self, parts: S3Partials, owner_id: str, sha256: str, offset: int) -> None:
         self._parts, self._owner, self._sha256 = parts, owner_id, sha256
-        self._start, self._buffer, self._on_flush = offset, bytearray(), on_flush
+        self._start, self._buffer = offset, bytearray()
 
     async def write(self, data: bytes) -> None:
         self._buffer += data
@@ -181,7 +181,6 @@ class _PartSink:
         end = self._start + len(data)
         await asyncio.to_thread(self._parts.put_part, self._owner, self._sha256, self._start, end, data)
         self._start = end
-        self._on_flush()
 
 
 class S3Partials:
@@ -234,11 +233,27 @@ class S3Partials:
         key = f"{self._folder(owner_id, sha256)}{start:016x}-{end:016x}"
         self._client.put_object(Bucket=self._bucket, Key=key, Body=data)
 
+    def truncate(self, owner_id: str, sha256: str, offset: int) -> None:
+        """Drop the bytes held from ``offset`` on, as a file would be truncated: parts that start
+        there or later go, and a part across it is rewritten to end there (the new part is put
+        before the old one goes, so a crash in between loses nothing below ``offset``)."""
+        doomed = []
+        for start, end, key in self._parts(owner_id, sha256):
+            if end <= offset:
+                continue
+            if start < offset:
+                body = self._client.get_object(Bucket=self._bucket, Key=key, Range=f"bytes=0-{offset - start - 1}")["Body"]
+                with contextlib.closing(body):
+                    self.put_part(owner_id, sha256, start, offset, body.read())
+            doomed.append(key)
+        self._delete(doomed)
+
     @contextlib.asynccontextmanager
-    async def writer(self, owner_id: str, sha256: str, offset: int, on_flush: Callable[[], None]) -> AsyncIterator[Sink]:
-        """Parts from ``offset`` on; what arrived is flushed when the stream ends, however it ends
-        (a replica killed outright loses at most its last unflushed MiB)."""
-        sink = _PartSink(self, owner_id, sha256, offset, on_flush)
+    async def writer(self, owner_id: str, sha256: str, offset: int) -> AsyncIterator[Sink]:
+        """Parts from ``offset`` on (the caller truncated the upload there); what arrived is flushed
+        when the stream ends, however it ends (a replica killed outright loses at most its last
+        unflushed MiB)."""
+        sink = _PartSink(self, owner_id, sha256, offset)
         try:
             yield sink
         finally:

@@ -1,8 +1,8 @@
 """Where the bytes of unfinished vault uploads wait until the last one arrives.
 
-:class:`PartialUploads` is what the Vault needs: how many bytes of an upload are held, a writer
-that appends from an offset, the finished bytes as one local file (to hash and store), and
-removal. :class:`PartialFiles` keeps each upload as one file under ``DATA/tmp/uploads`` (the
+:class:`PartialUploads` is what the Vault needs: how many bytes of an upload are held, dropping
+the bytes from an offset on, a writer that appends from an offset, the finished bytes as one
+local file (to hash and store), and removal. :class:`PartialFiles` keeps each upload as one file under ``DATA/tmp/uploads`` (the
 embedded server); :class:`fctkit.server.object_store.S3Partials` keeps it as part objects in the
 bucket, so an upload begun on one replica resumes on any other.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Callable, Collection
+import os
+from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 from typing import Protocol
 
@@ -28,8 +29,8 @@ class IncompleteUpload(Exception):
 
 class PartialUploads(Protocol):
     def held(self, owner_id: str, sha256: str) -> int | None: ...
-    def writer(self, owner_id: str, sha256: str, offset: int,
-               on_flush: Callable[[], None]) -> contextlib.AbstractAsyncContextManager[Sink]: ...
+    def truncate(self, owner_id: str, sha256: str, offset: int) -> None: ...
+    def writer(self, owner_id: str, sha256: str, offset: int) -> contextlib.AbstractAsyncContextManager[Sink]: ...
     def assemble(self, owner_id: str, sha256: str, size: int) -> Path: ...
     def finished(self, owner_id: str, sha256: str, assembled: Path) -> None: ...
     def discard(self, owner_id: str, sha256: str) -> None: ...
@@ -56,8 +57,13 @@ class PartialFiles:
         except FileNotFoundError:
             return None
 
+    def truncate(self, owner_id: str, sha256: str, offset: int) -> None:
+        """Drop the bytes held from ``offset`` on."""
+        with contextlib.suppress(FileNotFoundError):
+            os.truncate(self.path(owner_id, sha256), offset)
+
     @contextlib.asynccontextmanager
-    async def writer(self, owner_id: str, sha256: str, offset: int, on_flush: Callable[[], None]) -> AsyncIterator[Sink]:
+    async def writer(self, owner_id: str, sha256: str, offset: int) -> AsyncIterator[Sink]:
         """Append from ``offset`` (bytes after it are dropped first)."""
         partial = self.path(owner_id, sha256)
         partial.parent.mkdir(parents=True, exist_ok=True)

@@ -83,9 +83,11 @@ class Storage(Protocol):
     def owner_vault_usage(self, owner_id: str) -> tuple[int, int]: ...
     def reserve_upload(self, owner_id: str, device_id: str, sha256: str, size: int, now: float, quota: int) -> Reservation: ...
     def finish_upload(self, record: BlobRecord, source: Path) -> None: ...
-    def release_upload(self, owner_id: str, sha256: str) -> None: ...
-    def touch_upload(self, owner_id: str, sha256: str, now: float) -> None: ...
-    def expire_uploads(self, idle_since: float, in_progress: Collection[tuple[str, str]]) -> list[tuple[str, str]]: ...
+    def begin_upload(self, owner_id: str, sha256: str, device_id: str, token: str, now: float) -> bool | None: ...
+    def renew_upload(self, owner_id: str, sha256: str, token: str, now: float, bytes_arrived: bool) -> bool: ...
+    def end_upload(self, owner_id: str, sha256: str, token: str, now: float, bytes_arrived: bool) -> None: ...
+    def release_upload(self, owner_id: str, sha256: str, token: str) -> bool: ...
+    def expire_uploads(self, idle_since: float, leased_since: float) -> int: ...
     def reserved_uploads(self) -> set[tuple[str, str]]: ...
 
     def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str,
@@ -185,14 +187,26 @@ class ServerStorage:
     def finish_upload(self, record: BlobRecord, source: Path) -> None:
         self._vault.finish_upload(record, source)
 
-    def release_upload(self, owner_id: str, sha256: str) -> None:
-        self._vault.release_upload(owner_id, sha256)
+    def begin_upload(self, owner_id: str, sha256: str, device_id: str, token: str, now: float) -> bool | None:
+        """Give the upload's lease to ``token`` (the one call on any replica that may change its
+        bytes now); None while another call holds it, else whether the upload had a reservation."""
+        return self._vault.begin_upload(owner_id, sha256, device_id, token, now)
 
-    def touch_upload(self, owner_id: str, sha256: str, now: float) -> None:
-        self._vault.touch_upload(owner_id, sha256, now)
+    def renew_upload(self, owner_id: str, sha256: str, token: str, now: float, bytes_arrived: bool) -> bool:
+        """Keep ``token``'s lease (and restart the idle clock when bytes arrived); False when it was lost."""
+        return self._vault.renew_upload(owner_id, sha256, token, now, bytes_arrived)
 
-    def expire_uploads(self, idle_since: float, in_progress: Collection[tuple[str, str]]) -> list[tuple[str, str]]:
-        return self._vault.expire_uploads(idle_since, in_progress)
+    def end_upload(self, owner_id: str, sha256: str, token: str, now: float, bytes_arrived: bool) -> None:
+        """``token``'s call ends: the lease goes (and a row that never reserved anything)."""
+        self._vault.end_upload(owner_id, sha256, token, now, bytes_arrived)
+
+    def release_upload(self, owner_id: str, sha256: str, token: str) -> bool:
+        """End the reservation while ``token`` holds the lease; whether it ended."""
+        return self._vault.release_upload(owner_id, sha256, token)
+
+    def expire_uploads(self, idle_since: float, leased_since: float) -> int:
+        """End the reservations idle since ``idle_since`` that no live lease holds; how many."""
+        return self._vault.expire_uploads(idle_since, leased_since)
 
     def reserved_uploads(self) -> set[tuple[str, str]]:
         return self._vault.reserved_uploads()

@@ -4,11 +4,13 @@ database), its migrations from older schemas, and opening it.
 Schema 1 databases (before owners) are migrated in place: each device becomes the only device of
 an owner of its own. Schema 2 databases get the replica's compaction columns; schema 3 gets device
 revocation; schema 4 keeps one blob record per owner and SHA-256; schema 5 stores the replica as
-blocks of rows, each old record a block of one, and compacts it (:mod:`.replica_compaction`). A database of a schema this server does not know is refused.
+blocks of rows, each old record a block of one, and compacts it (:mod:`.replica_compaction`);
+schema 6 gets the leases of uploads in progress (:mod:`.upload_sessions`). A database of a
+schema this server does not know is refused.
 
-PostgreSQL databases start at the current schema (the backend is newer than every migration):
-the same tables in PostgreSQL's types, created once under an advisory lock however many replicas
-start at once, the version kept in ``fctkit_schema``.
+PostgreSQL databases start at schema 6 or later: the same tables in PostgreSQL's types, created
+once under an advisory lock however many replicas start at once, the version kept in
+``fctkit_schema``; a schema-6 database gets the upload leases the same way.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from . import upload_sessions
 from .database import PostgresDatabase, SqliteDatabase
 from .replica_compaction import REPLICA_SCHEMA, compact_replica
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (
     version INTEGER PRIMARY KEY,
@@ -143,7 +145,16 @@ def _replica_blocks(db: sqlite3.Connection) -> None:
         compact_replica(db, owner_id)
 
 
-_MIGRATIONS = {1: _add_owners, 2: _add_replica_compaction, 3: _add_revocation, 4: _one_blob_per_owner, 5: _replica_blocks}  # schema found -> the step to the next one
+def _upload_leases(db: sqlite3.Connection) -> None:
+    """Schema 6 -> 7: an upload in progress holds a lease in its row (one call per owner and blob,
+    on any replica); older schemas get the uploads table whole, with the schema."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(uploads)")}
+    if columns and "lease_token" not in columns:
+        execute_script(db, upload_sessions.ADD_LEASES)
+
+
+_MIGRATIONS = {1: _add_owners, 2: _add_replica_compaction, 3: _add_revocation, 4: _one_blob_per_owner, 5: _replica_blocks,
+               6: _upload_leases}  # schema found -> the step to the next one
 
 
 def open_database(path: Path) -> SqliteDatabase:
@@ -197,11 +208,12 @@ def open_postgres(dsn: str, *, max_connections: int = 20) -> PostgresDatabase:
             db.execute("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
             db.execute("CREATE TABLE IF NOT EXISTS fctkit_schema (version INTEGER NOT NULL)")
             found = db.execute("SELECT MAX(version) FROM fctkit_schema").fetchone()[0] or 0
-            if found not in (0, SCHEMA_VERSION):
+            if found not in (0, 6, SCHEMA_VERSION):
                 raise ConfigError(f"{redacted_dsn(dsn)}: metadata schema {found} is not the {SCHEMA_VERSION} this "
                                   "server understands; run the fctkit version that wrote it")
-            if not found:
-                execute_script(db, postgres_schema(_SCHEMA + upload_sessions.UPLOADS_SCHEMA))
+            if found != SCHEMA_VERSION:
+                script = upload_sessions.ADD_LEASES if found else _SCHEMA + upload_sessions.UPLOADS_SCHEMA
+                execute_script(db, postgres_schema(script))
                 db.execute("INSERT INTO fctkit_schema VALUES (?)", (SCHEMA_VERSION,))
     except BaseException:
         db.close()

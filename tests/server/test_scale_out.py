@@ -25,7 +25,9 @@ from fctkit.protos.retry_policy import RetryPolicy
 
 def test_replicas_started_together_create_the_schema_once(start_replicas, scale_out):
     replicas = start_replicas(3)
-    assert scale_out.query(replicas[0].data_dir, "SELECT version FROM fctkit_schema") == [(6,)]
+    from fctkit.server.storage_schema import SCHEMA_VERSION
+
+    assert scale_out.query(replicas[0].data_dir, "SELECT version FROM fctkit_schema") == [(SCHEMA_VERSION,)]
     for replica in replicas:
         with FctkitClient(replica.target, ADMIN_TOKEN) as admin:
             assert admin.list_versions() == []
