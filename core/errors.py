@@ -124,3 +124,7 @@ class GalleryDamagedError(GalleryError):
 
 class DeviceError(FctkitError):
     """A device operation cannot proceed (not initialised, not enrolled, no model installed, …)."""
+
+
+class NoSpaceError(DeviceError):
+    """The device's disk is full (ENOSPC, SQLite's SQLITE_FULL): the write was undone."""

@@ -129,7 +129,11 @@ def side_infos_again(parts: DeviceParts, rows: LoadedRows, *, online: bool) -> d
     found: dict[int, np.ndarray] = {}
     for version in {rows.tags[wanted[i]].version for i in originals}:
         ids = [i for i in originals if rows.tags[wanted[i]].version == version]
-        found.update(_side_infos(parts.engine(version), [int(rows.row_ids[wanted[i]]) for i in ids], [originals[i] for i in ids]))
+        try:
+            engine = parts.engine(version)
+        except FctkitError:  # its bundle is damaged or gone: the rows keep their mark
+            continue
+        found.update(_side_infos(engine, [int(rows.row_ids[wanted[i]]) for i in ids], [originals[i] for i in ids]))
     return found
 
 

@@ -10,14 +10,20 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
-from fctkit.errors import BundleError, DeviceError
+from fctkit.errors import BundleError, DeviceError, FctkitError
 from fctkit.private_files import make_private
-from fctkit.protos.bundle import check_version_is_newer, unpack_bundle, verify_bundle
+from fctkit.protos.bundle import MANIFEST_FILE, SIGNATURE_FILE, VerifiedBundle, check_version_is_newer, unpack_bundle, verify_bundle
 from fctkit.protos.planner import plan_upgrade
 
 from .engine import Engine, EngineConfig
+from .sqlite_file import is_no_space, no_space
 from .upgrade_plan import Hop
+
+
+REINSTALL = ("put the published bundle back: `fctkit device repair --dir DIR` downloads it again from the server, or "
+             "`fctkit device upgrade --dir DIR --bundle BUNDLE` takes it from a folder or .tar")
 
 
 class InstalledBundles:
@@ -43,14 +49,52 @@ class InstalledBundles:
         if version == 0:
             raise DeviceError("no model is installed yet: run `fctkit device sync` (or `upgrade --bundle DIR`)")
         if version not in self._engines:
-            path = self.folder(version)
-            if not path.is_dir():
-                raise DeviceError(f"bundle v{version} is not installed on this device; sync again")
-            bundle = verify_bundle(path, self.publisher_key())
-            if bundle.manifest.version != version:
-                raise BundleError(f"{path} holds bundle v{bundle.manifest.version}, not v{version}")
+            if not self.folder(version).is_dir():
+                raise DeviceError(f"bundle v{version} is not installed on this device; {REINSTALL}")
+            try:
+                bundle = self._verified(version)
+            except (BundleError, OSError) as exc:
+                raise BundleError(f"the installed bundle v{version} is damaged ({exc}); {REINSTALL}") from None
             self._engines[version] = Engine(bundle, self.engine_config)
         return self._engines[version]
+
+    def _verified(self, version: int) -> VerifiedBundle:
+        path = self.folder(version)
+        bundle = verify_bundle(path, self.publisher_key())
+        if bundle.manifest.version != version:
+            raise BundleError(f"{path} holds bundle v{bundle.manifest.version}, not v{version}")
+        return bundle
+
+    def damaged(self, needed: Callable[[], Sequence[int]] = tuple) -> dict[int, str]:
+        """Installed bundles whose files fail verification against their signed manifest, and
+        ``needed()`` versions not installed (none when it raises: a damaged setting, reported
+        on its own): version -> what is wrong (`fctkit device check`)."""
+        found = {v: f"bundle v{v} is not installed; {REINSTALL}" for v in _versions(needed) if v and not self.folder(v).is_dir()}
+        for version in self.versions():
+            try:
+                self._verified(version)
+            except (BundleError, OSError) as exc:
+                found[version] = f"{exc}; {REINSTALL}"
+        return dict(sorted(found.items()))
+
+    def fetch_again(self, connect: Callable[[], Any], needed: Callable[[], Sequence[int]] = tuple) -> dict[int, str]:
+        """Download each damaged (or needed and missing) bundle again from the server and put it
+        in place (only the very signed manifest installed: :meth:`install`'s rule); returns those
+        still damaged, each with why."""
+        left = self.damaged(needed)
+        if not left:
+            return left
+        with connect() as client:
+            for version in list(left):
+                staging = self.root / "downloads" / f"v{version}"
+                try:
+                    self._install(client.download_bundle(version, staging, self.publisher_key()), max(_versions(needed), default=0))
+                    del left[version]
+                except FctkitError as exc:
+                    left[version] += f" (downloading it again failed: {exc})"
+                finally:
+                    shutil.rmtree(staging, ignore_errors=True)
+        return left
 
     def loaded_versions(self) -> list[int]:
         """The versions whose engines are loaded in this process."""
@@ -65,28 +109,46 @@ class InstalledBundles:
 
     def install(self, source: str | os.PathLike, query_version: int) -> int:
         """Verify a local bundle directory under the pinned key (signature, hashes, newer than
-        ``query_version``) and copy it in; returns its version. The very bundle already installed
-        (the same signed manifest) of the current or a pending version is accepted again as it
-        is, so repeating a command after a crash finishes the job instead of refusing a replay;
-        an older version stays a rollback."""
-        verified = verify_bundle(source, self.publisher_key())
+        ``query_version``) and copy it in; returns its version (:meth:`_install`)."""
+        return self._install(verify_bundle(source, self.publisher_key()), query_version)
+
+    def _install(self, verified: VerifiedBundle, query_version: int) -> int:
+        """The very bundle already installed (the same signed manifest, or signature: one flipped
+        byte cannot change both) is accepted again, whatever its version: repeating a command
+        after a crash finishes the job, and a damaged installed copy is replaced by the signed
+        bytes; so is the gallery's own version when its folder is gone. Any other bundle must be
+        newer than ``query_version`` (an identical older one is still reported as a rollback)."""
         version = verified.manifest.version
         dest = self.folder(version)
-        if version >= query_version and self._manifest_bytes(version) == verified.manifest_bytes:
+        same = self._holds_signed(version, verified)
+        if not same and not (version == query_version and not dest.exists()):
+            check_version_is_newer(version, query_version or None)
+        if dest.exists() and (not same or version not in self.damaged()):
+            if same and version < query_version:
+                check_version_is_newer(version, query_version)
             return version
-        check_version_is_newer(version, query_version or None)
-        if not dest.exists():
-            staging = dest.with_name(dest.name + ".partial")
-            shutil.rmtree(staging, ignore_errors=True)
-            shutil.copytree(verified.root, staging)
-            make_private(staging)
-            verify_bundle(staging, self.publisher_key())
-            os.rename(staging, dest)
+        self._put(version, verified.root)
         return version
 
-    def _manifest_bytes(self, version: int) -> bytes | None:
-        path = self.folder(version) / "manifest.json"
-        return path.read_bytes() if path.is_file() else None
+    def _holds_signed(self, version: int, verified: VerifiedBundle) -> bool:
+        folder = self.folder(version)
+        return any((folder / name).is_file() and (folder / name).read_bytes() == value
+                   for name, value in ((MANIFEST_FILE, verified.manifest_bytes), (SIGNATURE_FILE, verified.signature)))
+
+    def _put(self, version: int, source: Path) -> None:
+        """Copy a verified bundle into ``bundles/vN`` (verified again there), replacing what was there."""
+        dest = self.folder(version)
+        staging, old = dest.with_name(dest.name + ".partial"), dest.with_name(dest.name + ".damaged")
+        for leftover in (staging, old):
+            shutil.rmtree(leftover, ignore_errors=True)
+        _copy_tree(source, staging)
+        make_private(staging)
+        verify_bundle(staging, self.publisher_key())
+        if dest.exists():
+            os.rename(dest, old)
+        os.rename(staging, dest)
+        shutil.rmtree(old, ignore_errors=True)
+        self._engines.pop(version, None)
 
     def download(self, client, version: int, query_version: int) -> None:
         """Bring ``version`` from the server (resumable, verified, never older than ``query_version``)."""
@@ -113,6 +175,25 @@ class InstalledBundles:
         with _unpacked(bundles) as folders:
             versions = {Path(d): verify_bundle(d, self.publisher_key()).manifest.version for d in folders}
             return [self.install(d, query_version) for d in sorted(versions, key=versions.__getitem__)]
+
+
+def _versions(needed: Callable[[], Sequence[int]]) -> list[int]:
+    try:
+        return list(needed())
+    except FctkitError:
+        return []
+
+
+def _copy_tree(source: Path, dest: Path) -> None:
+    """Copy a bundle folder; on a full disk the partial copy goes and the error says so."""
+    try:
+        shutil.copytree(source, dest)
+    except OSError as exc:  # shutil.Error included
+        shutil.rmtree(dest, ignore_errors=True)
+        if is_no_space(exc):
+            needed = sum(f.stat().st_size for f in source.rglob("*") if f.is_file())
+            raise no_space(dest.parent, "copying the bundle in", needed) from None
+        raise
 
 
 @contextlib.contextmanager

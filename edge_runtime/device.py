@@ -457,32 +457,32 @@ class Device:
     def check(self) -> dict[str, Any]:
         """Open everything the device keeps and report what is damaged, all at once
         (:func:`~fctkit.edge_runtime.repair.damage_report`); ``damaged`` is the total (0: clean)."""
-        return damage_report(self.gallery, self.open_original)
+        return damage_report(self.gallery, self.open_original, lambda: self.bundles.damaged(lambda: [self.version]))
 
     def repair(self) -> dict[str, Any]:
-        """Repair the gallery (:func:`~fctkit.edge_runtime.repair.repair_gallery`: derivable settings,
-        damaged rows, extras and queued originals, in one transaction); then, on a device of an
-        owner with a server, pull the owner's replica again, which brings back every forgotten or
-        missing row it holds; a row it does not hold whose original is in the vault is embedded
-        again from the original with the installed version. The rest stay removed, listed."""
+        """Repair the installed bundles (with a server, damaged ones are downloaded again) and the gallery
+        (:func:`~.repair.repair_gallery`: derivable settings, damaged rows, extras and queued originals; a row
+        whose side-info alone fails is kept); then, on a device of an owner with a server, pull the owner's
+        replica again, which brings back every forgotten or missing row it holds; a row it does not hold whose
+        original is in the vault is embedded again with the installed version. The rest stay removed, listed."""
+        online, needed = bool(self.settings.server), lambda: [self.version]
+        bundles = self.bundles.fetch_again(self.parts.connect, needed) if online else self.bundles.damaged(needed)
         result = repair_gallery(self.gallery, self.open_original, self.installed_versions(),
-                                lambda rows: side_infos_again(self.parts, rows, online=bool(self.settings.server)))
-        report: dict[str, Any] = asdict(result)
+                                lambda rows: side_infos_again(self.parts, rows, online=online))
+        report: dict[str, Any] = {**asdict(result), "damaged_bundles": {f"v{v}": reason for v, reason in bundles.items()}}
         del report["vault_originals"]  # labels and hashes: the device's business, not the report's
         lost = result.rows_forgotten
         if (lost or result.rows_missing) and not (self.settings.owner_id and self.settings.server):
-            report["replication"] = None
-            report["next"] = "this device has no owner's replica (not enrolled): the damaged rows are removed here"
-        elif (lost or result.rows_missing) and self.gallery.upgrade_state is not None:
-            report["replication"] = None  # replication waits for the upgrade; the replica cursor is already back at 0
-            report["next"] = "finish the upgrade (`fctkit device upgrade --dir DIR`); the next sync brings the rows back"
+            report.update(replication=None, next="this device has no owner's replica (not enrolled): the damaged rows are removed here")
+        elif (lost or result.rows_missing) and self.gallery.upgrade_state is not None:  # replication waits for the upgrade
+            report.update(replication=None, next="finish the upgrade (`fctkit device upgrade --dir DIR`); the next sync brings the rows back")
         elif lost or result.rows_missing:
             report["replication"] = asdict(self.replicate())  # which reloads searches and stores missing offsets
-        if not report.get("replication"):
+        if not report.get("replication") and self.version not in bundles:
             self._rows_arrived()  # searches reload; dropped hubness offsets are computed again
         back = set(self.gallery.replica_log.load_items(lost)[0].item_ids) if lost else set()
         from_vault = {i: result.vault_originals[i] for i in lost if i not in back and i in result.vault_originals}
-        if from_vault and self.settings.server and self.gallery.upgrade_state is None:  # the replica lacked them
+        if from_vault and online and self.gallery.upgrade_state is None and self.version not in bundles:  # the replica lacked them
             back |= set(restore_from_vault(self.parts, from_vault))
             self._rows_arrived()
         report["rows_restored"] = [i for i in lost if i in back]

@@ -66,10 +66,10 @@ class RepairResult:
     side_info_lost: list[str] = field(default_factory=list)
 
 
-def damage_report(gallery: Gallery, open_original: OpenOriginal) -> dict[str, Any]:
+def damage_report(gallery: Gallery, open_original: OpenOriginal, damaged_bundles: Callable[[], dict[int, str]] = dict) -> dict[str, Any]:
     """Everything damaged, all at once: settings, rows (and rows gone from the file), per-row
-    extras, queued originals; a part SQLite cannot read is named under ``unreadable``.
-    ``damaged`` counts it all (0: clean)."""
+    extras, queued originals, installed bundles (``damaged_bundles``: version -> what is wrong);
+    a part SQLite cannot read is named under ``unreadable``. ``damaged`` counts it all (0: clean)."""
     unreadable: dict[str, str] = {}
 
     def read(part: str, load: Callable[[], Any], empty: Any) -> Any:
@@ -91,9 +91,12 @@ def damage_report(gallery: Gallery, open_original: OpenOriginal) -> dict[str, An
         "damaged_extras": {k: [list(r) for r in v] for k, v in extras.items() if v},
         "damaged_queued_originals": [list(o) for o in originals],
     }
+    bundles = damaged_bundles()
+    if bundles:
+        report["damaged_bundles"] = {f"v{v}": reason for v, reason in bundles.items()}
     if unreadable:
         report["unreadable"] = unreadable
-    report["damaged"] = (len(settings) + len(report["damaged_rows"]) + report["missing_rows"]
+    report["damaged"] = len(bundles) + (len(settings) + len(report["damaged_rows"]) + report["missing_rows"]
                          + sum(map(len, extras.values())) + len(originals) + len(unreadable))
     return report
 

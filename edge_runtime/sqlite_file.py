@@ -9,11 +9,14 @@ stay ``sqlite3.IntegrityError``: callers turn them into their own messages (a du
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 import sqlite3
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from fctkit.errors import GalleryDamagedError
+from fctkit.errors import GalleryDamagedError, NoSpaceError
 
 PAGE_SIZE = 16384  # a row's two sealed 128-d vectors are ~1.1 KB: several rows per page
 
@@ -21,10 +24,28 @@ RECOVERY = ("run `fctkit device check --dir DIR` for a full report and `fctkit d
             "what the owner's replica holds")
 
 
-def damaged(path: Path | str, exc: sqlite3.Error) -> GalleryDamagedError:
+def damaged(path: Path | str, exc: sqlite3.Error) -> GalleryDamagedError | NoSpaceError:
+    if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+        return no_space(Path(path).parent, f"SQLite says {exc}")
     if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
         return GalleryDamagedError(f"{path} is locked by another process for too long ({exc}); try again")
     return GalleryDamagedError(f"{path} cannot be read: SQLite says {exc!r}; the file is damaged. {RECOVERY}")
+
+
+def no_space(directory: Path, detail: str, needed: int | None = None) -> NoSpaceError:
+    """A full disk, said as such: the directory, and how much is needed when that is known."""
+    try:
+        free = f"{shutil.disk_usage(directory).free:,} bytes are free"
+    except OSError:
+        free = "the free space could not be read"
+    need = f"{needed:,} bytes are needed, " if needed is not None else ""
+    return NoSpaceError(f"no space left on device for {directory} ({detail}): {need}{free}; free some space and run "
+                        "the command again (what it was writing was undone)")
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether an OSError (or shutil.Error, which lists its files' errors as text) is ENOSPC."""
+    return isinstance(exc, OSError) and (exc.errno == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(exc))
 
 
 class _GuardedCursor(sqlite3.Cursor):
@@ -103,7 +124,12 @@ class transaction:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
-            self.db.execute("COMMIT")
+            try:
+                self.db.execute("COMMIT")
+            except BaseException:  # e.g. a full disk: the transaction is undone, not left open
+                if self.db.in_transaction:
+                    self.db.execute("ROLLBACK")
+                raise
         elif self.db.in_transaction:  # SQLite may have rolled back already (a damaged page)
             self.db.execute("ROLLBACK")
 

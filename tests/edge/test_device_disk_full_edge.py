@@ -1,0 +1,118 @@
+"""A full disk on a device (issue 34, section 2): `upgrade`, `add` and `repair` say "no space left
+on device" (the directory, and the bytes needed when known) and leave everything as it was.
+
+For real: the device directory lives on a small tmpfs filled to the last page. Mounting needs
+root; elsewhere these tests skip with the reason (and fail under CI=true, where they must run)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sqlite3
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.edge.conftest import device_cli, flip_stored_byte
+
+from fctkit.edge_runtime import Device
+from fctkit.errors import NoSpaceError
+
+NO_SPACE = r"no space left on device for .*disk/dev"
+
+
+def _cannot(reason: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason}: under CI these tests must run (as root, where tmpfs can be mounted)")
+    pytest.skip(reason)
+
+
+@contextlib.contextmanager
+def small_disk(where: Path, size: str = "8m") -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``where`` for the block; unmounted afterwards."""
+    if os.geteuid() != 0:
+        _cannot("mounting a tmpfs needs root")
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)], capture_output=True, text=True)
+    if mounted.returncode:
+        _cannot(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def _fill(disk: Path) -> Path:
+    """Write a file until the disk is full (the gallery's WAL emptied first, so the next write needs new pages)."""
+    with sqlite3.connect(disk / "dev" / "gallery.sqlite") as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+def _dump(root: Path) -> list[str]:
+    with sqlite3.connect(f"file:{root / 'gallery.sqlite'}?mode=ro", uri=True) as db:
+        return list(db.iterdump())
+
+
+def _device(disk: Path, publisher_pub: Path, tiny_bundles, images, n: int = 300) -> Device:
+    device = Device.init(disk / "dev", publisher_key=publisher_pub)
+    device.progress = False
+    device.upgrade(tiny_bundles[1])
+    device.add(images(n, seed=21), item_ids=[f"d{i}" for i in range(n)], upload=False)
+    return device
+
+
+def test_upgrade_and_add_on_a_full_disk_say_so_and_change_nothing(tmp_path, publisher_pub, tiny_bundles, images):
+    with small_disk(tmp_path / "disk") as disk:
+        device = _device(disk, publisher_pub, tiny_bundles, images)
+        try:
+            queries = images(4, seed=22)
+            answers = [[m.item_id for m in found] for found in device.query(queries, k=3)]
+            filler = _fill(disk)
+            before = _dump(device.root)
+            with pytest.raises(NoSpaceError, match=NO_SPACE + r".*copying the bundle in.*bytes are needed"):
+                device.upgrade(tiny_bundles[2])
+            assert device.installed_versions() == [1] and sorted(p.name for p in (device.root / "bundles").iterdir()) == ["v1"]
+            with pytest.raises(NoSpaceError, match=NO_SPACE + ".*database or disk is full"):
+                device.add(images(3000, seed=23), item_ids=[f"n{i}" for i in range(3000)], upload=False)
+            assert _dump(device.root) == before and len(device.gallery) == 300
+            assert [[m.item_id for m in found] for found in device.query(queries, k=3)] == answers
+            cli = device_cli("upgrade", "--dir", str(device.root), "--bundle", str(tiny_bundles[2]))
+            assert cli.returncode == 2 and "no space left on device" in cli.stderr and "Traceback" not in cli.stderr
+            os.unlink(filler)
+            device.upgrade(tiny_bundles[2])  # with room again, the same command goes through
+            assert device.version == 2 and len(device.gallery) == 300
+        finally:
+            device.close()
+
+
+def test_repair_on_a_full_disk_says_so_and_keeps_the_damaged_gallery_for_later(tmp_path, publisher_pub, tiny_bundles, images):
+    with small_disk(tmp_path / "disk") as disk:
+        root = _device(disk, publisher_pub, tiny_bundles, images, n=3000).root
+        Device.open(root).close()
+        with sqlite3.connect(root / "gallery.sqlite") as db:
+            flip_stored_byte(db, "vector_blocks", "side_info", "1", 40)
+        with Device.open(root) as device:
+            device.progress = False
+            filler = _fill(disk)
+            before = _dump(root)
+            with pytest.raises(NoSpaceError, match=NO_SPACE):
+                device.repair()
+            assert _dump(root) == before
+            os.unlink(filler)
+            report = device.repair()
+            assert report["rows_forgotten"] == [] and len(report["side_info_restored"]) == 3000 and report["damaged_after"] == 0
+            assert np.isfinite(device.gallery.load().side_infos).all()
