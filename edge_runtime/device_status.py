@@ -8,6 +8,7 @@ from typing import Any
 from .device_files import PUBLISHER_FILE, DeviceSettings
 from .device_parts import DeviceParts
 from .gallery_search import GallerySearch
+from .repair import side_info_lost
 from .scoring import scoring_of
 
 
@@ -47,4 +48,8 @@ def device_status(root: Path, settings: DeviceSettings, parts: DeviceParts, sear
         result["transition"] = {"from_version": transition.previous_version, "weight": transition.weight,
                                 "rows_with_previous": gallery.extras.count("previous_embedding"),
                                 "max_days": transition.max_days}
+    lost = side_info_lost(gallery) if version else []
+    if lost:
+        result["side_info_lost"] = {"rows": len(lost), "items": lost[:10], "next": "an upgrade whose adapters take side-info "
+                                    "refuses these rows: remove them and add their originals again (see `fctkit device repair`)"}
     return result

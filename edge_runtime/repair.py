@@ -10,10 +10,17 @@
   live rows are untouched, and the installed version stays to be applied again),
   ``live_vectors`` (the vector table that holds rows) and ``query_version`` (the version the
   live rows are in; for an empty gallery the newest installed version);
-* rows that fail to open are forgotten here, without a tombstone, so the device (``Device.repair``)
-  can pull them back from the owner's replica; per-row extras that fail to open are dropped
-  (hubness offsets are computed again; a row without a previous embedding scores on its adapted
-  vector); damaged queued originals are dropped (they would upload garbage).
+* a row whose side-info alone fails to open is kept (its embedding, label and tag are intact):
+  it is written again in place with ψ embedded again by its version's side-info model from its
+  original (queued on the device, or in the vault), or, with no original at hand, with NaN ψ and
+  listed under ``side_info_lost`` (`status` lists them too); an upgrade whose adapters take
+  side-info refuses such rows by name rather than guess their ψ (remove them and add their
+  originals again), one that does not carries the mark along;
+* rows whose embedding fails to open are forgotten here, without a tombstone, each with its
+  reason, so the device (``Device.repair``) can pull them back from the owner's replica;
+  per-row extras that fail to open are dropped (hubness offsets are computed again; a row
+  without a previous embedding scores on its adapted vector); damaged queued originals are
+  dropped (they would upload garbage).
 
 What cannot be derived (the essential settings, a live table that cannot be told) raises a
 :class:`GalleryDamagedError` whose message says how to rebuild the gallery from the replica.
@@ -29,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from fctkit.errors import FctkitError, GalleryDamagedError, InputError
+from fctkit.feature_checks import nonfinite_items
 
 from .gallery import Gallery
 from .gallery_extras import EXTRA_FIELDS
@@ -179,6 +187,13 @@ def repair_gallery(gallery: Gallery, open_original: OpenOriginal, installed_vers
     if len(kept):
         _reseal_side_info(gallery, kept, side_info_again, result)
     return result
+
+
+def side_info_lost(gallery: Gallery) -> list[str]:
+    """The rows a repair kept whose side-info was lost (stored as NaN): they answer queries, and an
+    upgrade whose adapters take side-info refuses them by name (`fctkit device status` lists them)."""
+    rows = gallery.load(with_labels=False)
+    return nonfinite_items(rows.item_ids, rows.side_infos)
 
 
 def _side_info_lost(rows: LoadedRows, embedded: LoadedRows) -> LoadedRows:

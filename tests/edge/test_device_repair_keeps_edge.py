@@ -81,6 +81,9 @@ def test_rows_without_their_original_keep_answering_and_the_upgrade_names_them(m
         assert report["side_info_lost"] == [f"r{i:04d}" for i in range(30)]
         assert len(damaged.gallery) == 30 and _answers(damaged, queries) == answers
         assert _last_change(root) == logged  # the NaN side-info is not logged for the owner's other devices
+        status = damaged.status()
+        assert status["side_info_lost"]["rows"] == 30 and status["side_info_lost"]["items"][0] == "r0000"
+        assert "damaged" not in status and damaged.check()["damaged"] == 0  # marked, not damage: repair converged
         with pytest.raises(GalleryError, match=r"30 item\(s\) cannot be upgraded \('r0000', .* and 20 more\).*side_info_lost"):
             damaged.upgrade(tiny_bundles[2])
         assert len(damaged.gallery) == 30
