@@ -24,7 +24,7 @@ from fctkit.protos.bundle import Artifact, Manifest, unpack_bundle, verify_bundl
 from fctkit.protos.planner import PlannedHop, plan_upgrade
 from .storage import StaleVersion, Storage, VersionRecord
 from .streams import FileSink, check_offset, file_chunks, open_stored, read_header, receive_chunks
-from .validation import chunk_size, invalid, page_size, sha256_field, timestamp, version_field
+from .validation import chunk_size, invalid, page_size, quoted, sha256_field, text_field, timestamp, version_field
 
 
 def artifact_info(artifact: Artifact) -> registry_pb2.ArtifactInfo:
@@ -58,7 +58,7 @@ class PublishedVersion:
             if artifact.name == name:
                 return artifact
         names = ", ".join(a.name for a in self.manifest.artifacts)
-        raise RpcStatusError("NOT_FOUND", f"version {self.version} has no artifact {name!r} (it has: {names})")
+        raise RpcStatusError("NOT_FOUND", f"version {self.version} has no artifact {quoted(name)} (it has: {names})")
 
 
 class Catalog:
@@ -165,8 +165,9 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         return registry_pb2.PlanUpgradeResponse(from_version=source, to_version=target, hops=[_hop(h) for h in hops])
 
     async def DownloadArtifact(self, request, context):
+        name = text_field(request.artifact_name, "artifact_name")
         published = self._catalog.get(version_field(request.version, "version"))
-        artifact = published.artifact(request.artifact_name)
+        artifact = published.artifact(name)
         size = chunk_size(request.chunk_size)
         offset = check_offset(request.offset, artifact.size)
         missing = RpcStatusError("DATA_LOSS", f"artifact {artifact.name} of v{published.version} is missing from the server's data directory")

@@ -16,7 +16,7 @@ from fctkit.protos import limits, vault_pb2
 
 from .auth import current_device_id, current_owner_id
 from .storage import ReplicaQuotaExceeded, ReplicaRecord, Storage
-from .validation import counter_field, invalid, text_field, text_fields, timestamp
+from .validation import counter_field, invalid, quoted, text_field, text_fields, timestamp
 
 VIAS = ("native", "forward", "backward")
 _SEALED_OVERHEAD = 28  # nonce (12) + tag (16): the smallest sealed record
@@ -34,7 +34,7 @@ def replica_record(message: vault_pb2.SealedRecord, index: int) -> ReplicaRecord
             raise invalid(f"{field}.via must be empty for a tombstone")
     else:
         if message.via not in VIAS:
-            raise invalid(f"{field}.via is {message.via!r}; one of {', '.join(VIAS)}")
+            raise invalid(f"{field}.via is {quoted(message.via)}; one of {', '.join(VIAS)}")
         if not 0 < message.origin_version <= message.version:
             raise invalid(f"{field}: origin_version {message.origin_version} and version {message.version} "
                           "must satisfy 0 < origin_version <= version")

@@ -23,6 +23,16 @@ def sha256_field(value: str, field: str) -> str:
     return value
 
 
+QUOTED_CHARS = 64  # what an error message quotes of a request string at most: details travel in size-limited metadata
+
+
+def quoted(value: str, max_chars: int = QUOTED_CHARS) -> str:
+    """``value`` quoted for an error message, cut to ``max_chars`` characters (its length said)."""
+    if len(value) <= max_chars:
+        return repr(value)
+    return f"{value[:max_chars]!r}... ({len(value)} characters)"
+
+
 def text_field(value: str, field: str, max_chars: int = limits.MAX_NAME_CHARS) -> str:
     if len(value) > max_chars:
         raise invalid(f"{field} has {len(value)} characters; at most {max_chars}")

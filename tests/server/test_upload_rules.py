@@ -198,3 +198,107 @@ def test_a_dead_replicas_lease_is_taken_over_once_stale(replicas):
     assert refused(upload(vault.b, live)).code == "ABORTED"
     assert asyncio.run(upload(vault.b, dead)).blob.size == len(dead)
     assert vault.a.sweep_uploads() == 0 and set(vault.reserved()) == {hashlib.sha256(live).hexdigest()}  # a live lease stays
+
+
+def test_uploads_of_one_blob_through_three_replicas_run_one_at_a_time_and_a_delete_waits(start_replicas, scale_out):
+    """Across replica processes: while one upload runs, every other upload of the blob by its
+    owner (any device, any replica, the right or other bytes) is ABORTED and a Delete is
+    NOT_FOUND, as on one replica; the running upload then completes. Used to be 0 ABORTED of 70."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from tests.server.conftest import enrolled_client
+
+    from fctkit.protos.client import FctkitClient
+    from fctkit.protos.retry_policy import RetryPolicy
+
+    replicas = start_replicas(3)
+    phone, enrolment = enrolled_client(replicas[0], name="phone")
+    tablet, _ = enrolled_client(replicas[1], enrolment.owner_id, name="tablet")
+    token = phone._metadata[0][1].removeprefix("Bearer ")
+    once = RetryPolicy(attempts=1)
+    clients = [FctkitClient(r.target, token, retry=once) for r in replicas]
+    data = hashlib.sha256(b"across").digest() * 100_000  # 3.2 MB
+    sha256 = hashlib.sha256(data).hexdigest()
+    gate = threading.Event()
+
+    def held_open(payload: bytes):
+        yield vault_pb2.UploadBlobRequest(header=vault_pb2.UploadHeader(sha256=sha256, size=len(payload), item_id="photo"))
+        for start in range(0, len(payload), 1 << 20):
+            yield vault_pb2.UploadBlobRequest(chunk=Chunk(offset=start, data=payload[start:start + (1 << 20)]))
+            gate.wait(60)
+
+    running = clients[0].vault.Upload.future(held_open(data), metadata=clients[0]._metadata)
+    while not scale_out.query(replicas[0].data_dir, "SELECT 1 FROM uploads WHERE size > 0"):
+        time.sleep(0.05)
+
+    def other(k: int) -> str:
+        if k % 4 != 3:
+            return status(lambda: clients[k % 3].upload_blob(data, "photo"))
+        try:  # another device of the owner sending other bytes under the same hash
+            tablet.vault.Upload(held_open(bytes(len(data))), metadata=tablet._metadata)
+        except grpc.RpcError as error:
+            return error.code().name
+        return "OK"
+
+    with ThreadPoolExecutor(12) as pool:
+        outcomes = list(pool.map(other, range(12)))
+    deleted = [status(lambda c=c: c.delete_blob(sha256)) for c in clients]
+    gate.set()
+    assert running.result(60).blob.sha256 == sha256
+    print(f"\nsame blob while one upload runs: {outcomes.count('ABORTED')} of {len(outcomes)} ABORTED; deletes: {deleted}")
+    assert outcomes == ["ABORTED"] * 12 and deleted == ["NOT_FOUND"] * 3
+    fresh = hashlib.sha256(b"fresh").digest() * 100_000
+    with ThreadPoolExecutor(12) as pool:
+        concurrent = list(pool.map(lambda k: status(lambda: clients[k % 3].upload_blob(fresh, "photo")), range(12)))
+    print(f"12 concurrent uploads of a new blob over 3 replicas: {concurrent.count('ABORTED')} ABORTED, "
+          f"{concurrent.count('OK')} OK")
+    assert set(concurrent) <= {"OK", "ABORTED"} and "OK" in concurrent
+    for client in clients:
+        assert client.read_blob(sha256) == data and client.read_blob(hashlib.sha256(fresh).hexdigest()) == fresh
+        client.close()
+    phone.close()
+    tablet.close()
+
+
+def status(call) -> str:
+    """The status code name of ``call``, "OK" when it succeeds."""
+    try:
+        call()
+    except RpcStatusError as error:
+        return error.code
+    return "OK"
+
+
+def test_a_long_artifact_name_is_refused_before_it_reaches_an_error_message(start_server, archives):
+    """Used to copy the name into the NOT_FOUND details whole: 10 kB-2 MiB names made the client
+    see RESOURCE_EXHAUSTED (gRPC's metadata limit) instead."""
+    import grpc
+
+    from tests.server.conftest import ADMIN_TOKEN, enrolled_client
+
+    from fctkit.protos import registry_pb2
+    from fctkit.protos.client import FctkitClient
+
+    server = start_server()
+    with FctkitClient(server.target, ADMIN_TOKEN) as admin:
+        admin.publish_bundle(archives[1])
+    device, _ = enrolled_client(server)
+    with device:
+        for name, code in (("n" * 2_000_000, grpc.StatusCode.INVALID_ARGUMENT), ("n" * 10_000, grpc.StatusCode.INVALID_ARGUMENT),
+                           ("no-such-artifact", grpc.StatusCode.NOT_FOUND)):
+            request = registry_pb2.DownloadArtifactRequest(version=1, artifact_name=name)
+            with pytest.raises(grpc.RpcError) as caught:
+                list(device.registry.DownloadArtifact(request, metadata=device._metadata))
+            assert caught.value.code() == code and len(caught.value.details()) < 1000
+
+
+def test_a_long_via_is_quoted_short():
+    from fctkit.server.replica import replica_record
+
+    message = vault_pb2.SealedRecord(change_id=1, item_id="item", via="v" * 100_000, version=1, origin_version=1, sealed=bytes(40))
+    with pytest.raises(RpcStatusError) as caught:
+        replica_record(message, 0)
+    assert caught.value.code == "INVALID_ARGUMENT" and "100000 characters" in str(caught.value) and len(str(caught.value)) < 300
