@@ -240,6 +240,21 @@ class Backend:
         with psycopg.connect(self._names(data_dir)[0]) as connection:
             return [tuple(row) for row in connection.execute(sql)]
 
+    def alter(self, data_dir: Path, *statements: str) -> None:
+        """Run ``statements`` on the server's metadata database (to make it look like an older schema's)."""
+        if self.name == "sqlite":
+            import sqlite3
+
+            with sqlite3.connect(Path(data_dir) / "meta.sqlite3") as db:
+                for statement in statements:
+                    db.execute(statement)
+            return
+        import psycopg
+
+        with psycopg.connect(self._names(data_dir)[0]) as connection:
+            for statement in statements:
+                connection.execute(statement)
+
     def metadata_dump(self, data_dir: Path) -> bytes:
         """Everything the metadata store holds, as bytes (to check that no secret is stored)."""
         if self.name == "sqlite":

@@ -302,3 +302,18 @@ def test_a_long_via_is_quoted_short():
     with pytest.raises(RpcStatusError) as caught:
         replica_record(message, 0)
     assert caught.value.code == "INVALID_ARGUMENT" and "100000 characters" in str(caught.value) and len(str(caught.value)) < 300
+
+
+def test_a_schema_6_database_gets_the_upload_leases(tmp_path, open_storage, backend):
+    data_dir = tmp_path / "data"
+    open_storage(data_dir).close()
+    aged = ["ALTER TABLE uploads DROP COLUMN lease_token", "ALTER TABLE uploads DROP COLUMN lease_at"]
+    aged += ["PRAGMA user_version=6"] if backend.name == "sqlite" else ["DELETE FROM fctkit_schema", "INSERT INTO fctkit_schema VALUES (6)"]
+    backend.alter(data_dir, *aged)
+    storage = open_storage(data_dir)
+    try:
+        assert storage.begin_upload("own-1", "ab" * 32, "dev-1", "token", time.time()) is False
+        assert storage.begin_upload("own-1", "ab" * 32, "dev-2", "other", time.time()) is None  # the lease holds
+    finally:
+        storage.close()
+    assert backend.query(data_dir, "SELECT lease_token FROM uploads") == [("token",)]
