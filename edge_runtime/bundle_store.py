@@ -157,7 +157,12 @@ class InstalledBundles:
             verify_bundle(dest, self.publisher_key(), installed_version=query_version or None)
             return
         staging = self.root / "downloads" / f"v{version}"
-        client.download_bundle(version, staging, self.publisher_key(), installed_version=query_version or None)
+        try:
+            client.download_bundle(version, staging, self.publisher_key(), installed_version=query_version or None)
+        except OSError as exc:
+            if is_no_space(exc):  # the partial download stays: the next try resumes it
+                raise no_space(staging.parent, f"downloading bundle v{version}") from None
+            raise
         make_private(staging)
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.rename(staging, dest)
@@ -169,6 +174,12 @@ class InstalledBundles:
         return None if planned is None else [
             Hop(h.source_version, h.target_version, h.bundle_version, h.forward.name if h.forward else None,
                 h.side_forward.name if h.side_forward else None) for h in planned]
+
+    @staticmethod
+    def bytes_of(bundles: Sequence[str | os.PathLike]) -> int:
+        """The bytes of bundle folders or archives as offered (what installing them takes at most)."""
+        paths = [Path(b) for b in bundles]
+        return sum(f.stat().st_size for p in paths for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
 
     def install_all(self, bundles: Sequence[str | os.PathLike], query_version: int) -> list[int]:
         """Install bundle folders or ``.tar`` archives in version order; returns their versions."""
@@ -191,8 +202,7 @@ def _copy_tree(source: Path, dest: Path) -> None:
     except OSError as exc:  # shutil.Error included
         shutil.rmtree(dest, ignore_errors=True)
         if is_no_space(exc):
-            needed = sum(f.stat().st_size for f in source.rglob("*") if f.is_file())
-            raise no_space(dest.parent, "copying the bundle in", needed) from None
+            raise no_space(dest.parent, "copying the bundle in", InstalledBundles.bytes_of([source])) from None
         raise
 
 

@@ -43,6 +43,17 @@ def no_space(directory: Path, detail: str, needed: int | None = None) -> NoSpace
                         "the command again (what it was writing was undone)")
 
 
+def require_room(directory: Path, needed: int, what: str) -> None:
+    """Refuse, before anything is written, when ``directory``'s disk has less than ``needed`` bytes free."""
+    if shutil.disk_usage(directory).free < needed:
+        raise no_space(directory, what, needed)
+
+
+def file_bytes(path: Path) -> int:
+    """The bytes an SQLite file takes with its write-ahead log."""
+    return sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.is_file())
+
+
 def is_no_space(exc: BaseException) -> bool:
     """Whether an OSError (or shutil.Error, which lists its files' errors as text) is ENOSPC."""
     return isinstance(exc, OSError) and (exc.errno == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(exc))

@@ -42,6 +42,7 @@ from .engine import Engine
 from .gallery import Gallery
 from .gallery_rows import LoadedRows, UpgradedRows, rows_by_tag, take_rows
 from .scoring import transition_for
+from .sqlite_file import file_bytes, require_room
 from .upgrade_plan import UpgradePlan, hop_list, plan_to, server_hops, transform_rows
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class DeviceUpgrade:
         if bundle_dirs is None:
             targets = self.parts.pending_versions()  # installed by a run that stopped before its plan
         else:
+            self._require_room(self.bundles.bytes_of(bundle_dirs), "installing the bundles and upgrading the gallery")
             targets = self.bundles.install_all(bundle_dirs, query_version)
         if not targets or max(targets) <= query_version:
             return done  # nothing newer: already applied (the same command run again after a crash)
@@ -105,12 +107,19 @@ class DeviceUpgrade:
         if self.gallery.upgrade_state is not None:
             raise DeviceError("another upgrade is in progress: run `fctkit device upgrade` to finish it first")
         check_version_is_newer(plan.target, self.parts.version or None)
+        if any(h.forward is not None for h in plan.hops):
+            self._require_room(0, f"upgrading the gallery's rows to v{plan.target}")
         record_uncertainty(self.parts, self.bundles.engine(plan.target))  # FastFill σ needs φ_old, ψ: before the rewrite
         meta = {"upgrade": plan.to_json()}
         if plan.mode != "forward":
             meta["query_version"] = str(plan.target)
         self.gallery.set_meta(meta)
         return self.finish(plan)
+
+    def _require_room(self, more: int, what: str) -> None:
+        """An upgrade rewrites every row: measured, its staged rows, pointers and log take up to
+        about the gallery file's own size again; refused before anything is written without it."""
+        require_room(self.gallery.path.parent, file_bytes(self.gallery.path) + more, what)
 
     def finish(self, plan: UpgradePlan) -> int:
         """Run the recorded ``plan`` to its end (resuming where it stopped) and make the target the

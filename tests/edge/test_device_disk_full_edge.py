@@ -83,8 +83,10 @@ def test_upgrade_and_add_on_a_full_disk_say_so_and_change_nothing(tmp_path, publ
             answers = [[m.item_id for m in found] for found in device.query(queries, k=3)]
             filler = _fill(disk)
             before = _dump(device.root)
+            with pytest.raises(NoSpaceError, match=NO_SPACE + r".*installing the bundles and upgrading the gallery.*bytes are needed"):
+                device.upgrade(tiny_bundles[2])  # refused before anything is written
             with pytest.raises(NoSpaceError, match=NO_SPACE + r".*copying the bundle in.*bytes are needed"):
-                device.upgrade(tiny_bundles[2])
+                device.install_bundle(tiny_bundles[2])  # the copy itself meets the full disk
             assert device.installed_versions() == [1] and sorted(p.name for p in (device.root / "bundles").iterdir()) == ["v1"]
             with pytest.raises(NoSpaceError, match=NO_SPACE + ".*database or disk is full"):
                 device.add(images(3000, seed=23), item_ids=[f"n{i}" for i in range(3000)], upload=False)
@@ -92,9 +94,25 @@ def test_upgrade_and_add_on_a_full_disk_say_so_and_change_nothing(tmp_path, publ
             assert [[m.item_id for m in found] for found in device.query(queries, k=3)] == answers
             cli = device_cli("upgrade", "--dir", str(device.root), "--bundle", str(tiny_bundles[2]))
             assert cli.returncode == 2 and "no space left on device" in cli.stderr and "Traceback" not in cli.stderr
+            assert _dump(device.root) == before
             os.unlink(filler)
             device.upgrade(tiny_bundles[2])  # with room again, the same command goes through
             assert device.version == 2 and len(device.gallery) == 300
+        finally:
+            device.close()
+
+
+def test_an_upgrade_that_would_fill_the_disk_midway_is_refused_before_it_starts(tmp_path, publisher_pub, tiny_bundles, images):
+    with small_disk(tmp_path / "disk") as disk:
+        device = _device(disk, publisher_pub, tiny_bundles, images, n=3000)
+        try:
+            device.install_bundle(tiny_bundles[2])  # there is room for the bundle, not for the rows' rewrite
+            filler = _fill(disk)
+            os.truncate(filler, filler.stat().st_size - 512 * 1024)
+            before = _dump(device.root)
+            with pytest.raises(NoSpaceError, match=NO_SPACE + r".*upgrading the gallery's rows to v2.*bytes are needed"):
+                device.upgrade()
+            assert _dump(device.root) == before and device.gallery.upgrade_state is None and device.version == 1
         finally:
             device.close()
 
