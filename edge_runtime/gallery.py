@@ -369,6 +369,18 @@ class Gallery(GalleryUpgrades):
             self._db.execute(f"DELETE FROM {table} WHERE row_id = ?", (row_id,))
         return True
 
+    def open_rows(self, row_ids: Sequence[int]) -> LoadedRows:
+        """These live rows opened one by one through their pointers, labels too (repair: rows a
+        whole-set load cannot take, e.g. of a block whose list of removed rows fails authentication,
+        which the pointers make redundant); a row that still fails is ``corrupt``."""
+        with _read_snapshot(self._db):
+            live, _ = self._tables()
+            found: list[tuple] = []
+            for chunk, marks in id_chunks([int(r) for r in row_ids]):
+                found += self._db.execute(f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, i.label "
+                                          f"FROM items i JOIN {live} v USING (row_id) WHERE row_id IN ({marks})", chunk).fetchall()
+            return self._vectors.open_pointers(sorted(found), self._sealing.open_label)
+
     def side_info_widths(self, row_ids: Sequence[int]) -> dict[int, int]:
         """Each live row's side-info width as its block records it (repair re-seals rows whose side-info was lost)."""
         live, _ = self._tables()

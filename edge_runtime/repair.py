@@ -40,7 +40,7 @@ from fctkit.feature_checks import nonfinite_items
 
 from .gallery import Gallery
 from .gallery_extras import EXTRA_FIELDS
-from .gallery_rows import LoadedRows, UpgradedRows, VersionTag, take_rows
+from .gallery_rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
 from .gallery_schema import VECTOR_TABLES
 
 DROPPED_WHEN_DAMAGED = ("transition", "backfill", "upgrade")
@@ -68,6 +68,8 @@ class RepairResult:
     rows_missing: int = 0
     extras_dropped: int = 0
     queued_originals_dropped: list[str] = field(default_factory=list)
+    #: rows kept whole although a whole-set load failed them (e.g. their block's list of removed rows): sealed again
+    rows_sealed_again: list[str] = field(default_factory=list)
     #: rows kept although their side-info failed to open: ψ embedded again from the original ...
     side_info_restored: list[str] = field(default_factory=list)
     #: ... or, with no original at hand, stored as NaN: marked lost (an upgrade that needs it names these rows)
@@ -166,9 +168,11 @@ def repair_gallery(gallery: Gallery, open_original: OpenOriginal, installed_vers
     with gallery.settings.override({**settings, **unknown_count}):  # the rows are read with the derived settings
         rows = gallery.load()  # with the per-row table: rows whose vectors are gone are listed
         embedded = gallery.load(with_side_info=False)  # a side-info record that fails costs the side-info only
+        intact = gallery.open_rows([r for r, _, _ in rows.corrupt])  # e.g. a block's dead list failed: pointers suffice
         bad_extras = [(name, r) for name in EXTRA_FIELDS for r, _, _ in gallery.extras.load(name).corrupt]
-    kept = _side_info_lost(rows, embedded)
-    keep = set(kept.row_ids.tolist())
+    keep = set(intact.row_ids.tolist())
+    kept = _side_info_lost(rows, embedded, keep)
+    keep |= set(kept.row_ids.tolist())
     lost = list(dict.fromkeys((r, item) for r, item, _ in rows.corrupt if r not in keep))  # a row can fail twice
     for row_id, item, reason in rows.corrupt:
         if row_id not in keep:
@@ -184,6 +188,11 @@ def repair_gallery(gallery: Gallery, open_original: OpenOriginal, installed_vers
         settings = {**settings, "replica_cursor": "0"}
     gallery.forget_rows(lost, drop_queued=result.queued_originals_dropped, drop_extras=bad_extras,
                         settings=settings, clear_table=clear_table)
+    if len(intact):  # sealed again in new blocks as they are: nothing changed for the replica
+        gallery.write_upgrades([UpgradedRows(intact.row_ids[g].tolist(), [intact.item_ids[k] for k in g], tag, tag,
+                                             take_rows(intact.embeddings, g), take_rows(intact.side_infos, g))
+                                for tag, g in rows_by_tag(intact.tags).items()], staged=False, logged=False)
+        result.rows_sealed_again = list(dict.fromkeys(intact.item_ids))
     if len(kept):
         _reseal_side_info(gallery, kept, side_info_again, result)
     return result
@@ -196,9 +205,9 @@ def side_info_lost(gallery: Gallery) -> list[str]:
     return nonfinite_items(rows.item_ids, rows.side_infos)
 
 
-def _side_info_lost(rows: LoadedRows, embedded: LoadedRows) -> LoadedRows:
-    """The rows of ``embedded`` (opened without side-info) that the full load found damaged: their
-    embeddings, labels and pointers are intact, only their side-info fails."""
+def _side_info_lost(rows: LoadedRows, embedded: LoadedRows, intact: set[int]) -> LoadedRows:
+    """The rows of ``embedded`` (opened without side-info) that the full load found damaged and
+    that are not ``intact``: their embeddings, labels and pointers are intact, only their side-info fails."""
     damaged = {r for r, _, _ in rows.corrupt}
     return embedded.subset([k for k, r in enumerate(embedded.row_ids.tolist()) if r in damaged])
 

@@ -102,3 +102,21 @@ def test_the_reasons_are_given_per_row_and_the_report_lists_each_item_once(make_
     ids = [f"r{i:04d}" for i in range(6)]
     assert report["rows_forgotten"] == ids and report["rows_removed"] == ids
     assert set(report["forgotten_because"]) == set(ids) and all("block 1" in r for r in report["forgotten_because"].values())
+
+
+def test_a_damaged_list_of_removed_rows_costs_no_row_and_brings_no_removed_row_back(make_device, tiny_bundles, images):
+    device = _device_with_queued_originals(make_device, tiny_bundles, images, "dead", n=30)
+    device.remove(["r0003", "r0004"])
+    queries, root = images(10, seed=14), device.root
+    answers = _answers(device, queries)
+    device.close()
+    with sqlite3.connect(root / "gallery.sqlite") as db:
+        assert flip_stored_byte(db, "vector_blocks", "dead_mac", "1", 3) == 1
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        assert len(damaged.check()["damaged_rows"]) == 28
+        report = damaged.repair()
+        alive = [f"r{i:04d}" for i in range(30) if i not in (3, 4)]
+        assert report["rows_forgotten"] == [] and report["rows_sealed_again"] == alive and report["damaged_after"] == 0
+        assert len(damaged.gallery) == 28 and _answers(damaged, queries) == answers
+        assert sorted(damaged.searchable()[1].item_ids) == alive  # the removed rows stay removed
