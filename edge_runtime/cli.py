@@ -10,12 +10,14 @@ from pathlib import Path
 
 import click
 
-from fctkit.errors import InputError
+from fctkit.errors import GalleryDamagedError, InputError
 
 from .adding import ON_BAD_ITEM
 from .device import Device, DeviceSettings
 from .engine import PREFERENCE
 from .item_sources import read_items
+from .repair import REBUILD
+from .sqlite_file import RECOVERY
 
 DAMAGED_EXIT = 3  # answers were given, but damaged rows were left out (see `fctkit device check`)
 
@@ -61,7 +63,17 @@ def _echo_report(report: dict, *, damaged: bool) -> None:
 
 @click.group("device")
 def device_command() -> None:
-    """The on-device runtime: encrypted gallery, local embedding, signed sync, upgrades."""
+    """The on-device runtime: encrypted gallery, local embedding, signed sync, upgrades.
+
+    \b
+    Exit codes:
+      0    done
+      1    a file argument that cannot be opened
+      2    a usage error, or refused: the kit's error message on stderr
+      3    damage reported: `query` answered without damaged rows or labels, `status`/`check`
+           found damage, or `repair` left damage it cannot fix on the device
+      130  interrupted
+    """
 
 
 @device_command.command("init")
@@ -178,7 +190,8 @@ def query_command(root, passphrase_env, sources, k, on_bad_item) -> None:
     if damaged or missing:  # never a silently shorter answer
         first = f" (first: row {damaged[0][0]}, {damaged[0][2]})" if damaged else ""
         gone = f" and {missing} row(s) are gone from the gallery file" if missing else ""
-        click.echo(f"warning: {len(damaged)} damaged row(s) were left out of these answers{first}{gone}; run "
+        click.echo(f"warning: {len(damaged)} damaged row(s) were left out of these answers or answered without their "
+                   f"label{first}{gone}; run "
                    f"`fctkit device check --dir DIR`, then `fctkit device repair --dir DIR`", err=True)
         sys.exit(DAMAGED_EXIT)
 
@@ -204,8 +217,17 @@ def repair_command(root, passphrase_env) -> None:
     restored and what was removed (JSON); exits 3 when damage remains (the message says how to
     rebuild the gallery from the replica)."""
     with _open(root, passphrase_env) as device:
-        report = device.repair()
+        try:
+            report = device.repair()
+        except GalleryDamagedError as exc:  # its own advice would be to run repair again
+            raise GalleryDamagedError(f"`fctkit device repair` could not finish: {_reason(exc)}. Running it again will not "
+                                      f"help: restore a backup of the device directory, or {REBUILD}", exc.settings) from None
     _echo_report(report, damaged=bool(report["damaged_after"]))
+
+
+def _reason(exc: GalleryDamagedError) -> str:
+    """What failed, without the advice to run check or repair that the error carries elsewhere."""
+    return str(exc).split(REBUILD)[0].split("; run `fctkit device")[0].replace(RECOVERY, "").rstrip(" .;")
 
 
 @device_command.command("sync")
@@ -271,11 +293,11 @@ def upgrade_command(root, passphrase_env, bundle_dirs, quiet) -> None:
 @_PASSPHRASE
 def status_command(root, passphrase_env) -> None:
     """The installed version, rows per space, queued uploads, any upgrade in progress, the
-    owner and the replica (cursor, pending records, unpushed changes). Exits 3 when it reports
-    damage (damaged settings or rows, rows gone from the file)."""
+    owner and the replica (cursor, pending records, unpushed changes). Exits 3 whenever `check`
+    would report damage (damaged settings or rows, rows gone from the file, anything else)."""
     with _open(root, passphrase_env) as device:
         status = device.status()
-    _echo_report(status, damaged=any(status.get(k) for k in ("damaged_settings", "damaged_rows", "missing_rows")))
+    _echo_report(status, damaged=any(status.get(k) for k in ("damaged_settings", "damaged_rows", "missing_rows", "damaged")))
 
 
 @device_command.command("backfill")

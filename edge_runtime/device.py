@@ -441,8 +441,9 @@ class Device:
     # -- damage ----------------------------------------------------------------------------
 
     def damaged_rows(self) -> list[tuple[int, str, str]]:
-        """(row id, item id, reason) of the rows left out of searches because they fail to open."""
-        return list(self.search.searchable()[2].corrupt)
+        """(row id, item id, reason) of the rows left out of searches because they fail to open, and
+        of the last query's matches whose label failed to open."""
+        return list(self.search.searchable()[2].corrupt) + self.search.damaged_labels
 
     def _refuse_damaged_settings(self) -> None:
         """Before installing or upgrading anything: a gallery with damaged settings is repaired first."""
@@ -495,4 +496,4 @@ class Device:
 
     def status(self) -> dict[str, Any]:
         """What the device holds and does (:func:`~.device_status.device_status`)."""
-        return device_status(self.root, self.settings, self.parts, self.search, owner_key_id(self._owner_key))
+        return device_status(self.root, self.settings, self.parts, self.search, owner_key_id(self._owner_key), self.check)

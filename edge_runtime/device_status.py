@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,10 @@ from .scoring import scoring_of
 
 
 def device_status(root: Path, settings: DeviceSettings, parts: DeviceParts, search: GallerySearch,
-                  owner_key_id: str) -> dict[str, Any]:
+                  owner_key_id: str, check: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """What the device holds and does; damage is reported (``damaged_settings`` alone when
-    settings are damaged, else ``damaged_rows`` / ``missing_rows`` when rows are)."""
+    settings are damaged, else ``damaged_rows`` / ``missing_rows`` when rows are, and ``damaged``:
+    how much ``check()`` (``fctkit device check``) finds, so status and check agree)."""
     damaged_settings = parts.gallery.settings.damaged()
     if damaged_settings:
         return {"device": str(root), "device_id": settings.device_id, "damaged_settings": damaged_settings,
@@ -52,4 +54,7 @@ def device_status(root: Path, settings: DeviceSettings, parts: DeviceParts, sear
     if lost:
         result["side_info_lost"] = {"rows": len(lost), "items": lost[:10], "next": "an upgrade whose adapters take side-info "
                                     "refuses these rows: remove them and add their originals again (see `fctkit device repair`)"}
+    damage = check()["damaged"]
+    if damage:
+        result.update(damaged=damage, next="run `fctkit device check --dir DIR` for the list, then `fctkit device repair --dir DIR`")
     return result

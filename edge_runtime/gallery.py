@@ -53,7 +53,7 @@ from .gallery_sealing import RowSealer
 from .gallery_settings import GallerySettings
 from .gallery_upgrades import GalleryUpgrades
 from .gallery_vectors import VectorBlocks, reconciled_with_items
-from .sqlite_file import connect, id_chunks
+from .sqlite_file import connect, id_chunks, stored_name, text_match
 from .sqlite_file import read_snapshot as _read_snapshot
 from .sqlite_file import transaction as _transaction
 
@@ -290,16 +290,21 @@ class Gallery(GalleryUpgrades):
         loaded.missing = max(0, expected - len(loaded) - len(loaded.corrupt))
         return loaded
 
-    def labels(self, row_ids: Sequence[int]) -> dict[int, str | None]:
-        """The labels of these rows (a row whose label fails to open: None)."""
+    def labels(self, row_ids: Sequence[int], damaged: list[tuple[int, str, str]] | None = None) -> dict[int, str | None]:
+        """The labels of these rows (a row whose label fails to open: None, and (row id, item
+        id, reason) appended to ``damaged``)."""
         found: dict[int, str | None] = {}
         for chunk, marks in id_chunks([int(r) for r in row_ids]):
             for row_id, item_id, origin, label in self._db.execute(
                     f"SELECT row_id, item_id, origin_version, label FROM items WHERE row_id IN ({marks})", chunk):
                 try:
+                    if label is not None and not isinstance(label, bytes):
+                        raise CorruptRecordError(f"row {row_id} label: its sealed bytes were damaged")
                     found[row_id] = None if label is None else self._sealing.open_label(row_id, item_id, origin, label)
-                except CorruptRecordError:
+                except CorruptRecordError as exc:
                     found[row_id] = None
+                    if damaged is not None:
+                        damaged.append((row_id, stored_name(item_id), str(exc)))
         return found
 
     def delete_rows(self, item_ids: Sequence[str]) -> int:
@@ -352,21 +357,53 @@ class Gallery(GalleryUpgrades):
             if clear_table is not None:  # an upgrade given up: its staged rows go, the live ones are untouched
                 self._vectors.drop_set(clear_table)
                 self._db.execute(f"DELETE FROM {VECTOR_TABLES[VECTOR_TABLES.index(clear_table)]}")
-            self._db.executemany("DELETE FROM outbox WHERE item_id = ?", [(i,) for i in drop_queued])
+            self._db.executemany("DELETE FROM outbox WHERE CAST(item_id AS BLOB) = ?",  # a damaged id: as the bytes read
+                                 [(i.encode("utf-8", "surrogateescape"),) for i in drop_queued])
             self._db.executemany("DELETE FROM row_extras WHERE field = ? AND row_id = ?", drop_extras)
+            self._repair_file()
             for table in VECTOR_TABLES:  # e.g. a block whose dead list failed authentication, all its rows forgotten
                 self._vectors.sweep(table)
         return forgotten
+
+    def _repair_file(self) -> None:
+        """Inside the repair transaction: rebuild damaged indexes, set the block id counter back,
+        point rows to the blocks that hold them, unstage damaged staged rows (the upgrade stages
+        them again from their live rows)."""
+        if any("index" in problem for problem in self.sqlite_problems()):
+            self._db.execute("REINDEX")
+        self._vectors.restore_sequence()
+        for table in VECTOR_TABLES:
+            self._vectors.repoint(table, [(r, b) for r, b in self._vectors.misplaced(table) if b is not None])
+        self._unstage_damaged()
+
+    def sqlite_problems(self) -> list[str]:
+        """What SQLite's own integrity check finds in the file (b-trees, indexes); empty: nothing."""
+        try:
+            found = [row[0] for row in self._db.execute("PRAGMA integrity_check(20)")]
+        except GalleryDamagedError as exc:
+            return [f"SQLite cannot check the file: {exc.__context__ or exc}"]
+        return [] if found == ["ok"] else [str(p) for p in found]
+
+    def file_damage(self) -> dict[str, Any]:
+        """Damage beyond the rows and SQLite's integrity check (:func:`~.repair.damage_report`): the
+        block id counter, row pointers naming the wrong block (live and staged), staged rows that
+        fail to open."""
+        misplaced = [r for t in VECTOR_TABLES for r, b in self._vectors.misplaced(t) if b is not None]
+        return {"block_id_counter_behind": self._vectors.sequence_behind(),
+                "damaged_row_pointers": sorted(misplaced), "damaged_staged_rows": [list(r) for r in self.staged_damage()]}
 
     def _forget_row(self, row_id: int, item_id: str) -> bool:
         """Inside the repair transaction: forget one damaged row, also when its per-row entry is
         gone or names another item (its vectors then only sit in a block): no tombstone."""
         owner = self._db.execute("SELECT item_id FROM items WHERE row_id = ?", (row_id,)).fetchone()
-        if owner is not None:
-            self._remove_item(owner[0], tombstone=False, keep_queued=True)
-        for table in VECTOR_TABLES:  # vectors left in a block by a per-row entry that was gone or wrong
+        for table in VECTOR_TABLES:  # also vectors left in a block by a per-row entry that was gone or wrong
             self._vectors.retire(table, [row_id])
+        for table in ("items", *VECTOR_TABLES, "row_extras"):  # by row id: its item id may be damaged text
             self._db.execute(f"DELETE FROM {table} WHERE row_id = ?", (row_id,))
+        if owner is not None:
+            where, param = text_match("item_id", stored_name(owner[0]))
+            self._db.execute(f"DELETE FROM changes WHERE {where}", (param,))
+            self._count_rows(-1)
         return True
 
     def open_rows(self, row_ids: Sequence[int]) -> LoadedRows:

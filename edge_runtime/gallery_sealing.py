@@ -90,7 +90,7 @@ class RowSealer:
 
 
 def _aad(gallery_id: bytes, row_id: int, item_id: str, tag: VersionTag, field_name: str) -> bytes:
-    if not isinstance(item_id, str) or not isinstance(row_id, int):  # a damaged plaintext column read back as another type
+    if not isinstance(item_id, str) or not all(isinstance(n, int) for n in (row_id, tag.origin_version, tag.version)):  # damaged plaintext columns
         raise CorruptRecordError(f"row {row_id!r}: its row id or item id is damaged ({item_id!r})")
     return b"fctkit-gallery/1|%s|%d|%s|%d|%d|%s|%s" % (
         gallery_id, row_id, item_id.encode("utf-8", "surrogateescape"), tag.origin_version, tag.version, tag.via.encode(),

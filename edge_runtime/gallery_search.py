@@ -30,6 +30,8 @@ class GallerySearch:
     def __init__(self, gallery: Gallery, bundles: InstalledBundles, backend: str) -> None:
         self.gallery, self.bundles, self.backend = gallery, bundles, backend
         self._cache: tuple[tuple, ExactIndex, LoadedRows, Scoring] | None = None
+        #: (row id, item id, reason) of the matches of the last query whose label failed to open
+        self.damaged_labels: list[tuple[int, str, str]] = []
 
     def reset(self) -> None:
         """Rows changed in a way the gallery's change marker may not show: load them again."""
@@ -70,7 +72,8 @@ class GallerySearch:
         if len(index) and vectors.shape[1] > index.vectors.shape[1] and self.bundles.engine(version).manifest.mode == "compatible":
             vectors = vectors[:, : index.vectors.shape[1]]  # the prefix older rows are compared on (BT²)
         found = index.search(vectors, k)
-        labels = self.gallery.labels({int(rows.row_ids[j]) for idx in found.indices for j in idx})  # only the matches' labels are opened
+        self.damaged_labels = []  # reported like damaged rows: never a silent "label": null
+        labels = self.gallery.labels({int(rows.row_ids[j]) for idx in found.indices for j in idx}, self.damaged_labels)  # matches' only
         return [
             [Match(rows.item_ids[j], float(d), labels.get(int(rows.row_ids[j])), str(rows.tags[j])) for j, d in zip(idx, dist, strict=True)]
             for idx, dist in zip(found.indices, found.distances, strict=True)

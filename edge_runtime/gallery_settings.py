@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from fctkit.errors import GalleryDamagedError
 
 from .crypto import Sealer
+from .sqlite_file import stored_name
 
 #: must be present in every gallery of schema 4 (the others are optional: absent = not set)
 REQUIRED = ("schema_version", "gallery_id", "key_check", "query_version", "live_vectors", "replica_cursor", "row_count")
@@ -33,7 +34,8 @@ def setting_mac(sealer: Sealer, key: str, value: str) -> bytes:
 
 
 def authentic(sealer: Sealer, key: str, value: object, mac: object) -> bool:
-    return isinstance(value, str) and isinstance(mac, bytes) and setting_mac(sealer, key, value) == mac
+    return (isinstance(key, str) and isinstance(value, str) and isinstance(mac, bytes)
+            and setting_mac(sealer, key, value) == mac)
 
 
 class GallerySettings:
@@ -73,16 +75,16 @@ class GallerySettings:
     def put(self, values: dict[str, str | None]) -> None:
         """Set (``None``: delete) settings, each with its MAC; call inside a transaction."""
         for key, value in values.items():
-            if value is None:
-                self._db.execute("DELETE FROM meta WHERE key = ?", (key,))
-            else:
-                self._db.execute("INSERT OR REPLACE INTO meta (key, value, mac) VALUES (?, ?, ?)",
-                                 (key, value, setting_mac(self._sealer, key, value)))
+            # whatever type a damaged byte left the name as (repair drops or rewrites it): matched as its bytes
+            self._db.execute("DELETE FROM meta WHERE CAST(key AS BLOB) = ?", (key.encode("utf-8", "surrogateescape"),))
+            if value is not None:
+                self._db.execute("INSERT INTO meta (key, value, mac) VALUES (?, ?, ?)", (key, value, setting_mac(self._sealer, key, value)))
 
     def damaged(self) -> list[str]:
-        """Every setting that fails its MAC and every required one that is missing."""
+        """Every setting that fails its MAC and every required one that is missing (a damaged
+        name is listed as read, e.g. with ``\\udcff`` for a byte that is not UTF-8)."""
         rows = self._db.execute("SELECT key, value, mac FROM meta").fetchall()
-        bad = [key for key, value, mac in rows if not authentic(self._sealer, key, value, mac)]
+        bad = [stored_name(key) for key, value, mac in rows if not authentic(self._sealer, key, value, mac)]
         present = {key for key, _, _ in rows}
         return sorted({*bad, *(k for k in REQUIRED if k not in present)})
 

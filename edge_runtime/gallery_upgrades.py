@@ -16,7 +16,7 @@ from fctkit.errors import GalleryError
 from .gallery_extras import RowExtras
 from .gallery_rows import LoadedRows, UpgradedRows, rows_by_tag, take_rows
 from .gallery_vectors import VectorBlocks
-from .sqlite_file import read_snapshot, transaction
+from .sqlite_file import id_chunks, read_snapshot, transaction
 
 
 class GalleryUpgrades:
@@ -90,6 +90,31 @@ class GalleryUpgrades:
                 raise GalleryError(f"{expected - written} row(s) changed while being upgraded; run the upgrade again")
             if not staged and logged:  # in place: live rows changed (staged ones change at the switch)
                 self._log_changes([i for b in batches for i in b.item_ids])
+
+    def staged_damage(self) -> list[tuple[int, str, str]]:
+        """(row id, item id, reason) of the staged rows (an upgrade's, not yet switched) whose
+        vectors fail to open or are gone; the resume stages them again from their live rows."""
+        with read_snapshot(self._db):
+            return self._staged_damage()
+
+    def _staged_damage(self) -> list[tuple[int, str, str]]:
+        _, staged = self._tables()
+        unheld = [(r, "?", f"row {r}: its staged vectors are missing") for r, b in self._vectors.misplaced(staged) if b is None]
+        return sorted(self._vectors.load(staged).corrupt + unheld)
+
+    def unstage_damaged(self) -> int:
+        """Unstage the rows of :meth:`staged_damage` (one transaction): an upgrade's resume then
+        stages them again from their live rows instead of switching damaged vectors live."""
+        with transaction(self._db):
+            return self._unstage_damaged()
+
+    def _unstage_damaged(self) -> int:
+        _, staged = self._tables()
+        rows = [r for r, _, _ in self._staged_damage()]
+        self._vectors.retire(staged, rows)
+        for chunk, marks in id_chunks(rows):
+            self._db.execute(f"DELETE FROM {staged} WHERE row_id IN ({marks})", chunk)
+        return len(rows)
 
     def switch_to(self, target_version: int, meta: dict[str, str | None], *, keep_previous: int | None = None) -> None:
         """Commit a forward-mode upgrade in one transaction: the staged vector table becomes

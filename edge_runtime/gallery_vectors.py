@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fctkit.errors import CorruptRecordError, GalleryError
+from fctkit.errors import CorruptRecordError, GalleryDamagedError, GalleryError
 
 from .crypto import Sealer
 from .gallery_blocks import ROW_ID_DTYPE, BlockSealer, SealedBlock, block_slices, decode_item_ids, encode_item_ids
@@ -37,6 +37,7 @@ from .sqlite_file import id_chunks
 BLOCK_ROWS = 4096
 RECENT_BLOCKS = 2  # opened blocks kept in memory per connection (upgrade batches read a block in parts)
 FIELDS = ("embedding", "side_info")
+MAX_WIDTH = 1 << 20  # values per row a block can hold: a larger width is a damaged column
 
 BLOCKS_SCHEMA = """
 CREATE TABLE vector_blocks (
@@ -63,6 +64,7 @@ class StoredBlock:
     dead: np.ndarray
     dead_authentic: bool
     widths: tuple[int, int]
+    damaged: str | None = None  # a plaintext column that cannot describe the block (its rows are then corrupt)
 
     def alive(self) -> np.ndarray:
         return ~np.isin(self.row_ids, self.dead)
@@ -99,6 +101,10 @@ class VectorBlocks:
 
     def _write_block(self, vector_set: str, tag: VersionTag, row_ids: np.ndarray, item_ids: list[str],
                      embeddings: np.ndarray, side_infos: np.ndarray) -> int:
+        if self.sequence_behind():
+            raise GalleryDamagedError(f"{self._db.path}: the file's counter of block ids (sqlite_sequence) is behind the blocks it "
+                                      "holds, so a new block would reuse an id (nothing was written): run "
+                                      "`fctkit device repair --dir DIR`, then try again")
         block_id = self._db.execute("SELECT COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'vector_blocks'), 0) + 1").fetchone()[0]
         encoded = encode_item_ids(item_ids)
         embedding = self._blocks.seal(block_id, "embedding", tag, row_ids, encoded, embeddings)
@@ -145,6 +151,36 @@ class VectorBlocks:
         self._db.execute("DELETE FROM vector_blocks WHERE block_id = ?", (block.block_id,))
         return True
 
+    def sequence_behind(self) -> bool:
+        """Whether the block id counter is damaged: behind (or not an id above) the highest block id."""
+        seq, top = self._db.execute("SELECT (SELECT seq FROM sqlite_sequence WHERE name = 'vector_blocks'), "
+                                    "(SELECT MAX(block_id) FROM vector_blocks)").fetchone()
+        if seq is not None and (type(seq) is not int or not 0 <= seq < 1 << 62):
+            return True
+        return top is not None and (seq or 0) < top
+
+    def restore_sequence(self) -> None:
+        """Repair, inside its transaction: the block id counter back at the highest block id."""
+        if self.sequence_behind():
+            self._db.execute("DELETE FROM sqlite_sequence WHERE name = 'vector_blocks'")
+            self._db.execute("INSERT INTO sqlite_sequence (name, seq) SELECT 'vector_blocks', COALESCE(MAX(block_id), 0) FROM vector_blocks")
+
+    def misplaced(self, vector_set: str) -> list[tuple[int, int | None]]:
+        """(row id, block id) of the rows of ``vector_set`` whose pointer names another block than
+        the one holding them alive (a damaged pointer: the rows open from their blocks, one by one
+        they would not); block id None: no block of the set holds the row."""
+        holding: dict[int, int] = {}
+        for block_id, row_ids, dead in self._db.execute(
+                "SELECT block_id, row_ids, dead FROM vector_blocks WHERE vector_set = ?", (vector_set,)):
+            block = self._stored((block_id, 0, 0, "native", row_ids, b"", dead, b"", 0, 0))
+            holding.update(dict.fromkeys(block.row_ids[block.alive()].tolist(), block_id))
+        pointers = self._db.execute(f"SELECT row_id, block_id FROM {vector_set}").fetchall()
+        return [(r, holding.get(r)) for r, b in pointers if holding.get(r) != b]
+
+    def repoint(self, vector_set: str, rows: Sequence[tuple[int, int]]) -> None:
+        """Repair, inside its transaction: point these (row id, block id) rows to their blocks."""
+        self._db.executemany(f"UPDATE {vector_set} SET block_id = ? WHERE row_id = ?", [(b, r) for r, b in rows])
+
     def pointers(self, vector_set: str, row_ids: Sequence[int]) -> list[tuple[int, int]]:
         """(row id, block id) of those rows that have a pointer in ``vector_set``."""
         found: list[tuple[int, int]] = []
@@ -190,10 +226,10 @@ class VectorBlocks:
         corrupt: list[tuple[int, str, str]] = []
         usable = []
         for block in blocks:
-            if block.dead_authentic:
+            if block.dead_authentic and block.damaged is None:
                 usable.append(block)
             else:
-                corrupt += _rows_of(block, block.alive(), f"block {block.block_id}: its list of removed rows fails authentication")
+                corrupt += _rows_of(block, block.alive(), block.damaged or f"block {block.block_id}: its list of removed rows fails authentication")
         alive = [b.alive() for b in usable]
         row_ids = np.sort(np.concatenate([b.row_ids[a] for b, a in zip(usable, alive, strict=True)] or [np.zeros(0, ROW_ID_DTYPE)]))
         if len(row_ids) and (row_ids[1:] == row_ids[:-1]).any():  # cannot happen unless the file was edited
@@ -312,6 +348,8 @@ class VectorBlocks:
         """The block's opened fields, then its item ids (an object array). The last few blocks
         opened are kept (blocks never change and their ids are never reused), so batches smaller
         than a block decrypt it once."""
+        if block.damaged is not None:
+            raise CorruptRecordError(block.damaged)
         if block.block_id not in self._recent:
             self._recent[block.block_id] = [self._blocks.open(block.sealed(f, self._blob(block.block_id, f))) for f in FIELDS]
             self._recent[block.block_id].append(np.asarray(decode_item_ids(block.item_ids), dtype=object))
@@ -337,8 +375,9 @@ class VectorBlocks:
             tag, ids, dead_ids = VersionTag(0, 0, "native"), np.zeros(0, ROW_ID_DTYPE), np.zeros(0, ROW_ID_DTYPE)
             return StoredBlock(block_id, tag, ids, b"", dead_ids, False, (0, 0))
         authentic = isinstance(dead_mac, bytes) and self._dead_mac(block_id, dead) == dead_mac
-        return StoredBlock(block_id, tag, ids, item_ids if isinstance(item_ids, bytes) else b"", dead_ids, authentic,
-                           (int(e_width), int(s_width)))
+        item_ids = item_ids if isinstance(item_ids, bytes) else b""
+        widths = (e_width, s_width) if all(type(w) is int and 0 <= w <= MAX_WIDTH for w in (e_width, s_width)) else (0, 0)
+        return StoredBlock(block_id, tag, ids, item_ids, dead_ids, authentic, widths, _damaged_columns(block_id, ids, item_ids, widths))
 
     def _dead_mac(self, block_id: int, dead: bytes) -> bytes:
         return self._sealer.mac(b"fctkit-block-dead/1|%s|%d|%s" % (self._gallery_id, block_id, dead))
@@ -350,7 +389,8 @@ def reconciled_with_items(loaded: LoadedRows, items: Iterable[tuple], open_label
     its block, or whose label fails to open, becomes corrupt, and so does a per-row entry whose
     vectors are gone."""
     entries = {r: (i, (o, v, via), label) for r, i, o, label, v, via in items}
-    keep, labels, corrupt = [], [], list(loaded.corrupt)
+    keep, labels = [], []
+    corrupt = [(r, entries[r][0] if i == "?" and r in entries else i, why) for r, i, why in loaded.corrupt]  # named where possible
     reported = {r for r, _, _ in corrupt}
     for k, (row_id, item_id, tag) in enumerate(zip(loaded.row_ids.tolist(), loaded.item_ids, loaded.tags, strict=True)):
         item_id_here, tag_here, label = entries.pop(row_id, (None, None, None))
@@ -367,10 +407,19 @@ def reconciled_with_items(loaded: LoadedRows, items: Iterable[tuple], open_label
     return rows
 
 
+def _damaged_columns(block_id: int, row_ids: np.ndarray, item_ids: bytes, widths: tuple[int, int]) -> str | None:
+    """Why a block's plaintext columns cannot describe its rows (None: they can; whether they
+    are the sealed ones, the block's authentication says when it is opened)."""
+    if len(decode_item_ids(item_ids)) != len(row_ids):
+        return f"block {block_id}: its list of item ids does not hold one id per row (a separator byte was damaged)"
+    if not widths[0]:
+        return f"block {block_id}: its vector widths are damaged"
+    return None
+
+
 def _rows_of(block: StoredBlock, mask: np.ndarray, reason: str) -> list[tuple[int, str, str]]:
-    try:
-        item_ids = decode_item_ids(block.item_ids)
-    except UnicodeDecodeError:
+    item_ids = decode_item_ids(block.item_ids)
+    if len(item_ids) != len(block.row_ids):  # a damaged list: the per-row tables name the rows ("?" here)
         item_ids = []
     return [(int(r), item_ids[i] if i < len(item_ids) else "?", reason) for i, r in enumerate(block.row_ids) if mask[i]]
 

@@ -35,13 +35,15 @@ from typing import Any
 
 import numpy as np
 
-from fctkit.errors import FctkitError, GalleryDamagedError, InputError
+from fctkit.errors import CorruptRecordError, FctkitError, GalleryDamagedError, InputError
 from fctkit.feature_checks import nonfinite_items
 
 from .gallery import Gallery
 from .gallery_extras import EXTRA_FIELDS
 from .gallery_rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
 from .gallery_schema import VECTOR_TABLES
+from .gallery_settings import REQUIRED
+from .sqlite_file import stored_name
 
 DROPPED_WHEN_DAMAGED = ("transition", "backfill", "upgrade")
 DROPPED_PREFIXES = ("uncertainty:v",)
@@ -101,13 +103,19 @@ def damage_report(gallery: Gallery, open_original: OpenOriginal, damaged_bundles
         "damaged_extras": {k: [list(r) for r in v] for k, v in extras.items() if v},
         "damaged_queued_originals": [list(o) for o in originals],
     }
+    file = {"sqlite_integrity": gallery.sqlite_problems(), **read("file", gallery.file_damage, {})}
+    report.update({k: v for k, v in file.items() if v})
+    if file["sqlite_integrity"] or unreadable:
+        report["next"] = (f"SQLite finds damage in {gallery.path}: `fctkit device repair --dir DIR` rebuilds damaged indexes; "
+                          f"if the damage is in a table and stays after repair, restore a backup of the directory or {REBUILD}")
     bundles = damaged_bundles()
     if bundles:
         report["damaged_bundles"] = {f"v{v}": reason for v, reason in bundles.items()}
     if unreadable:
         report["unreadable"] = unreadable
     report["damaged"] = len(bundles) + (len(settings) + len(report["damaged_rows"]) + report["missing_rows"]
-                         + sum(map(len, extras.values())) + len(originals) + len(unreadable))
+                         + sum(map(len, extras.values())) + len(originals) + len(unreadable)
+                         + sum(len(v) if isinstance(v, list) else int(v) for v in file.values()))
     return report
 
 
@@ -115,10 +123,20 @@ def damaged_originals(gallery: Gallery, open_original: OpenOriginal) -> list[tup
     found = []
     for item_id, blob in gallery.replica_log.outbox():
         try:
+            if not isinstance(item_id, str) or not isinstance(blob, bytes) or not _utf8(item_id):
+                raise CorruptRecordError(f"queued original {stored_name(item_id)!r}: its item id or sealed bytes were damaged")
             open_original(item_id, blob)
         except FctkitError as exc:
-            found.append((item_id, str(exc)))
+            found.append((stored_name(item_id), str(exc)))
     return found
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # read back with surrogateescape: a damaged byte
+        return False
+    return True
 
 
 def derived_settings(gallery: Gallery, damaged: Sequence[str], installed_versions: Sequence[int]) -> tuple[dict[str, str | None], str | None]:
@@ -126,8 +144,8 @@ def derived_settings(gallery: Gallery, damaged: Sequence[str], installed_version
     table to empty when an upgrade is given up; a setting that cannot be derived raises."""
     values: dict[str, str | None] = {}
     for key in damaged:
-        if key in DROPPED_WHEN_DAMAGED or key.startswith(DROPPED_PREFIXES):
-            values[key] = None
+        if key in DROPPED_WHEN_DAMAGED or key.startswith(DROPPED_PREFIXES) or not _known_setting(key):
+            values[key] = None  # an unknown name is a damaged one: dropped (the setting it was is then missing)
         elif key == "replica_cursor":
             values[key] = "0"
     live = gallery.settings.get("live_vectors") if "live_vectors" not in damaged else _derived_live(gallery, damaged)
@@ -136,24 +154,33 @@ def derived_settings(gallery: Gallery, damaged: Sequence[str], installed_version
     if "query_version" in damaged:
         versions = gallery.table_versions(live)
         values["query_version"] = str(max(versions) if versions else max(installed_versions, default=0))
-    upgrade_given_up = "upgrade" in damaged or (gallery.settings.get("upgrade") is not None and "live_vectors" in damaged)
+    other = VECTOR_TABLES[1 - VECTOR_TABLES.index(live)]
+    upgrade = None if "upgrade" in damaged else gallery.settings.get("upgrade")
+    upgrade_given_up = "upgrade" in damaged or (upgrade is not None and "live_vectors" in damaged) or (
+        upgrade is None and gallery.vector_table_rows()[other] > 0)  # staged rows of an upgrade whose setting's name was lost
     if upgrade_given_up:
         values["upgrade"] = None
     left = [k for k in damaged if k not in values and k != "row_count"]
     if left:
         raise GalleryDamagedError(f"{gallery.path}: setting(s) {', '.join(left)} are damaged and cannot be derived; {REBUILD}", tuple(left))
-    other = VECTOR_TABLES[1 - VECTOR_TABLES.index(live)]
     return values, other if upgrade_given_up else None
+
+
+def _known_setting(key: str) -> bool:
+    return key in (*REQUIRED, *DROPPED_WHEN_DAMAGED) or key.startswith(DROPPED_PREFIXES)
 
 
 def _derived_live(gallery: Gallery, damaged: Sequence[str]) -> str:
     """The live vector table when its setting is damaged: the one that holds rows (both empty:
-    the first); undecidable while both hold rows (an upgrade's staged rows)."""
-    counts = gallery.vector_table_rows()
-    holding = [t for t, n in counts.items() if n]
+    the first); while both do (an upgrade's staged rows), the one whose rows are not all in the
+    upgrade's target version; undecidable without an intact upgrade setting."""
+    holding = [t for t, n in gallery.vector_table_rows().items() if n]
     if len(holding) > 1:
-        raise GalleryDamagedError(f"{gallery.path}: live_vectors is damaged and both vector tables hold rows (an upgrade "
-                                  f"was under way), so the live one cannot be told; {REBUILD}", ("live_vectors",))
+        state = None if "upgrade" in damaged else gallery.upgrade_state
+        holding = [t for t in holding if state is not None and gallery.table_versions(t) != [state["target"]]]
+        if len(holding) != 1:
+            raise GalleryDamagedError(f"{gallery.path}: live_vectors is damaged and both vector tables hold rows (an upgrade "
+                                      f"was under way), so the live one cannot be told; {REBUILD}", ("live_vectors",))
     return holding[0] if holding else VECTOR_TABLES[0]
 
 
@@ -208,7 +235,7 @@ def side_info_lost(gallery: Gallery) -> list[str]:
 def _side_info_lost(rows: LoadedRows, embedded: LoadedRows, intact: set[int]) -> LoadedRows:
     """The rows of ``embedded`` (opened without side-info) that the full load found damaged and
     that are not ``intact``: their embeddings, labels and pointers are intact, only their side-info fails."""
-    damaged = {r for r, _, _ in rows.corrupt}
+    damaged = {r for r, _, _ in rows.corrupt} - intact
     return embedded.subset([k for k, r in enumerate(embedded.row_ids.tolist()) if r in damaged])
 
 

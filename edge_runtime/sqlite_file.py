@@ -151,6 +151,24 @@ class read_snapshot(transaction):
     begin = "BEGIN DEFERRED"
 
 
+def text_match(column: str, value: str) -> tuple[str, str | bytes]:
+    """An SQL condition and its parameter matching ``column`` to ``value`` as read back from the
+    file: a text that is not valid UTF-8 (read with surrogateescape, as a damaged byte leaves it)
+    cannot be bound as text, so it is compared as the raw bytes it was read from."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"CAST({column} AS BLOB) = ?", value.encode("utf-8", "surrogateescape")
+    return f"{column} = ?", value
+
+
+def stored_name(value: object) -> str:
+    """A name read from a text column whatever a damaged byte made of it (a BLOB, a number)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "surrogateescape")
+    return value if isinstance(value, str) else str(value)
+
+
 def id_chunks(item_ids: Sequence) -> Iterator[tuple[list, str]]:
     """Ids (item ids or row ids) in chunks small enough for one ``IN (...)`` query, each with its ``?,?`` marks."""
     for start in range(0, len(item_ids), SQL_VARIABLES):

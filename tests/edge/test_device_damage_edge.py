@@ -1,0 +1,243 @@
+"""Byte-level damage on the device's read paths (issue 34 section 2): every damaged value is
+reported by `check` and `status`, named by row or setting, repaired where the device alone can,
+and never a traceback or a silent wrong answer."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.edge.conftest import device_cli
+from tests.edge.test_device_repair_edge import _add_in_blocks, _npy, _sql
+from tests.edge.test_replication_edge import enrolled, server  # noqa: F401 (server is a fixture)
+
+import fctkit.edge_runtime.upgrade as upgrade_module
+from fctkit.edge_runtime import Device
+from fctkit.errors import FctkitError, GalleryDamagedError
+
+
+def _device(make_device, tiny_bundles, images, name: str = "dev", n: int = 12, **settings) -> Device:
+    """v1 and ``n`` rows, four per block (block k holds rows 4k+1..4k+4, items it00..), originals queued."""
+    device = make_device(name, **settings)
+    device.upgrade(tiny_bundles[1])
+    _add_in_blocks(device, images(n, seed=5), "it", upload=False)
+    return device
+
+
+def _answers(device: Device, queries: np.ndarray) -> list[list[tuple[str, str | None]]]:
+    return [[(m.item_id, m.label) for m in found] for found in device.query(queries, k=12)]
+
+
+def _text(raw: bytes) -> str:
+    """SQL for ``raw`` stored as TEXT whatever its bytes (as a flipped byte leaves a text column)."""
+    return f"CAST(x'{raw.hex()}' AS TEXT)"
+
+
+class _Stop(Exception):
+    pass
+
+
+def _staged(device: Device, bundle: Path, monkeypatch) -> None:
+    """Start a forward upgrade to ``bundle`` and stop it after its first committed batch (a crash)."""
+    run = upgrade_module.run_upgrade
+
+    def stopping(*args, **kwargs):
+        def on_batch(rows: int) -> None:
+            raise _Stop
+
+        return run(*args, **{**kwargs, "on_batch": on_batch})
+
+    monkeypatch.setattr(upgrade_module, "run_upgrade", stopping)
+    with pytest.raises(_Stop):
+        device.upgrade(bundle)
+    monkeypatch.setattr(upgrade_module, "run_upgrade", run)
+    assert device.gallery.upgrade_state is not None
+
+
+def test_a_separator_byte_in_a_blocks_item_ids_damages_that_block_only(make_device, tiny_bundles, images):
+    device = _device(make_device, tiny_bundles, images)
+    queries, root = images(2, seed=9), device.root
+    before = _answers(device, queries)
+    device.close()
+    with sqlite3.connect(root / "gallery.sqlite") as db:
+        item_ids = db.execute("SELECT item_ids FROM vector_blocks WHERE block_id = 2").fetchone()[0]
+        assert item_ids == b"it04\0it05\0it06\0it07"
+        db.execute("UPDATE vector_blocks SET item_ids = ? WHERE block_id = 2", (item_ids.replace(b"\0", b"\1", 1),))
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        kept = [[m for m in found if m[0] not in ("it04", "it05", "it06", "it07")] for found in before]
+        assert _answers(damaged, queries) == kept  # the other blocks answer as before
+        report = damaged.check()
+        assert [(r, i) for r, i, _ in report["damaged_rows"]] == [(5, "it04"), (6, "it05"), (7, "it06"), (8, "it07")]
+        assert "item ids" in report["damaged_rows"][0][2]
+        assert damaged.status()["damaged_rows"] == 4
+        repaired = damaged.repair()
+        assert repaired["rows_removed"] == ["it04", "it05", "it06", "it07"] and repaired["damaged_after"] == 0
+
+
+@pytest.mark.parametrize("edit", [
+    "UPDATE items SET item_id = {bad} WHERE row_id = 6",
+    "UPDATE items SET item_id = CAST(x'697405ff' AS BLOB) WHERE row_id = 6",
+])
+def test_an_item_id_that_is_not_utf8_names_its_row_and_repair_forgets_it(make_device, tiny_bundles, images, edit):
+    device = _device(make_device, tiny_bundles, images)
+    root = device.root
+    _sql(device, edit.format(bad=_text(b"it\xff5")))
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        report = damaged.check()
+        assert [r for r, _, _ in report["damaged_rows"]] == [6]
+        repaired = damaged.repair()
+        assert repaired["damaged_after"] == 0 and len(damaged.gallery) == 11
+
+
+@pytest.mark.parametrize("stored", ["text", "blob"])
+def test_a_queued_original_whose_item_id_is_not_utf8_is_reported_and_dropped(make_device, tiny_bundles, images, stored):
+    device = _device(make_device, tiny_bundles, images)
+    root = device.root
+    value = _text(b"it\xff3") if stored == "text" else "CAST(x'6974ff33' AS BLOB)"
+    _sql(device, f"UPDATE outbox SET item_id = {value} WHERE item_id = 'it03'")
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        report = damaged.check()
+        assert [name for name, _ in report["damaged_queued_originals"]] == ["it\udcff3"]
+        repaired = damaged.repair()
+        assert repaired["queued_originals_dropped"] == ["it\udcff3"] and repaired["damaged_after"] == 0
+        assert damaged.gallery.replica_log.outbox_size() == 11
+
+
+@pytest.mark.parametrize("key", ["query_version", "row_count", "replica_cursor", "live_vectors"])
+@pytest.mark.parametrize("stored", ["text", "blob"])
+def test_a_damaged_setting_name_is_dropped_and_the_setting_derived_without_a_server(make_device, tiny_bundles, images, key, stored):
+    device = _device(make_device, tiny_bundles, images)
+    queries, root = images(2, seed=9), device.root
+    before = _answers(device, queries)
+    raw = key.encode()[:3] + b"\xff" + key.encode()[4:]
+    value = _text(raw) if stored == "text" else f"CAST(x'{key.encode().hex()}' AS BLOB)"
+    _sql(device, f"UPDATE meta SET key = {value} WHERE key = '{key}'")
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        named = damaged.status()["damaged_settings"]
+        assert named == sorted({key, raw.decode("utf-8", "surrogateescape") if stored == "text" else key})  # missing, and as read
+        assert damaged.check()["damaged_settings"] == named
+        repaired = damaged.repair()  # no server: derived or dropped, never "rebuild from the replica"
+        assert repaired["damaged_after"] == 0 and damaged.gallery.settings.damaged() == []
+        assert _answers(damaged, queries) == before
+
+
+def test_a_block_id_counter_behind_its_blocks_is_found_repaired_and_add_says_so(make_device, tiny_bundles, images):
+    device = _device(make_device, tiny_bundles, images)
+    root = device.root
+    _sql(device, "UPDATE sqlite_sequence SET seq = seq - 1 WHERE name = 'vector_blocks'")
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        with pytest.raises(GalleryDamagedError, match=r"sqlite_sequence.*fctkit device repair"):
+            damaged.add(images(2, seed=11), item_ids=["new0", "new1"], upload=False)
+        assert len(damaged.gallery) == 12  # nothing was written
+        assert damaged.check()["block_id_counter_behind"] is True
+        assert damaged.repair()["damaged_after"] == 0
+        damaged.add(images(2, seed=11), item_ids=["new0", "new1"], upload=False)
+        assert damaged.check()["damaged"] == 0 and len(damaged.gallery) == 14
+
+
+def test_a_label_that_fails_to_open_is_reported_by_query_and_check(make_device, tiny_bundles, images):
+    device = _device(make_device, tiny_bundles, images)
+    root = device.root
+    query = images(1, seed=5)[:1]  # it00 itself: its label is in the answer
+    _sql(device, "UPDATE items SET label = CAST(zeroblob(length(label)) AS BLOB) WHERE row_id = 1")
+    proc = device_cli("query", "--dir", str(root), _npy(root, query), "-k", "3")
+    assert proc.returncode == 3, proc.stderr
+    assert '"item_id": "it00"' in proc.stdout and "row 1" in proc.stderr and "label" in proc.stderr
+    with Device.open(root) as damaged:
+        assert [r for r, _, _ in damaged.check()["damaged_rows"]] == [1]
+
+
+def test_a_damaged_row_pointer_is_found_and_repair_points_it_back(make_device, tiny_bundles, images):
+    device = _device(make_device, tiny_bundles, images)
+    queries, root = images(2, seed=9), device.root
+    before = _answers(device, queries)
+    _sql(device, "UPDATE vectors_0 SET block_id = 3 WHERE row_id = 2")  # row 2 lives in block 1
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        assert damaged.check()["damaged_row_pointers"] == [2]
+        assert damaged.status()["damaged"] == 1
+        report = damaged.repair()
+        assert report["rows_forgotten"] == [] and report["damaged_after"] == 0 and _answers(damaged, queries) == before
+        assert damaged.upgrade(tiny_bundles[2]) == 12 and damaged.gallery.tag_counts() == {"v1->v2 (forward)": 12}
+
+
+def test_damaged_staged_rows_are_found_and_staged_again_from_their_live_rows(make_device, tiny_bundles, images, monkeypatch):
+    device = _device(make_device, tiny_bundles, images, n=24, batch_size=8)
+    root = device.root
+    _staged(device, tiny_bundles[2], monkeypatch)
+    staged = device.gallery._db.execute("SELECT COUNT(*) FROM vectors_1").fetchone()[0]
+    assert staged >= 8
+    _sql(device, "UPDATE vector_blocks SET embedding = zeroblob(length(embedding)) WHERE vector_set = 'vectors_1'")
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        report = damaged.check()
+        assert len(report["damaged_staged_rows"]) == staged and report["damaged_rows"] == []
+        damaged.upgrade()  # the resume stages them again rather than switching them live
+        assert damaged.version == 2 and len(damaged.gallery) == 24
+        assert damaged.gallery.tag_counts() == {"v1->v2 (forward)": 24} and damaged.check()["damaged"] == 0
+
+
+def test_index_damage_is_reported_by_sqlite_and_repair_rebuilds_the_index(make_device, tiny_bundles, images):
+    device = _device(make_device, tiny_bundles, images)
+    root = device.root
+    device.close()
+    path = root / "gallery.sqlite"
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        page, size = db.execute("SELECT rootpage, (SELECT page_size FROM pragma_page_size) FROM sqlite_master "
+                                "WHERE name = 'sqlite_autoindex_items_1'").fetchone()
+    data = bytearray(path.read_bytes())
+    at = data.index(b"it05", (page - 1) * size, page * size)
+    data[at + 3] = ord("z")  # the index's key for it05 now reads it0z: the table and its index disagree
+    path.write_bytes(bytes(data))
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        report = damaged.check()
+        assert "index" in " ".join(report["sqlite_integrity"]) and "fctkit device repair" in report["next"]
+        assert damaged.status()["damaged"] >= 1
+        assert damaged.repair()["damaged_after"] == 0
+        assert damaged.gallery.sqlite_problems() == []
+
+
+def _garbage_page(root: Path, table: str) -> None:
+    """Overwrite the root page of ``table`` in the gallery file with garbage (b-tree damage)."""
+    path = root / "gallery.sqlite"
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        page, size = db.execute("SELECT rootpage, (SELECT page_size FROM pragma_page_size) FROM sqlite_master WHERE name = ?",
+                                (table,)).fetchone()
+    data = bytearray(path.read_bytes())
+    data[(page - 1) * size:page * size] = b"\xa5" * size
+    path.write_bytes(bytes(data))
+
+
+def test_a_repair_that_cannot_finish_says_what_to_do_instead_and_status_exits_3(make_device, tiny_bundles, images):
+    device = _device(make_device, tiny_bundles, images)
+    root = device.root
+    device.close()
+    _garbage_page(root, "outbox")
+    check = device_cli("check", "--dir", str(root))
+    assert check.returncode == 3 and '"sqlite_integrity"' in check.stdout and "restore a backup" in check.stdout
+    assert device_cli("status", "--dir", str(root)).returncode == 3
+    repair = device_cli("repair", "--dir", str(root))
+    assert repair.returncode == 2 and "could not finish" in repair.stderr and "malformed" in repair.stderr
+    assert "restore a backup" in repair.stderr and "run `fctkit device repair" not in repair.stderr
+    help_text = device_cli("--help").stdout
+    assert "Exit codes" in help_text and "3    damage reported" in help_text
+
+
+def test_status_exits_3_whenever_check_reports_damage(make_device, tiny_bundles, images):
+    device = _device(make_device, tiny_bundles, images)
+    root = device.root
+    _sql(device, "UPDATE outbox SET blob = CAST(zeroblob(length(blob)) AS BLOB) WHERE item_id = 'it02'")
+    status = device_cli("status", "--dir", str(root))
+    check = device_cli("check", "--dir", str(root))
+    assert check.returncode == 3 and status.returncode == 3, status.stdout
