@@ -14,7 +14,9 @@ CI runs a sample; the issue's counts (≥ 200 flips per file, ≥ 1,000 bundle m
 
     FCTKIT_FUZZ_FLIPS=200 FCTKIT_FUZZ_BUNDLES=1000 .venv/bin/python -m pytest -s tests/edge/test_device_fuzz_edge.py
 
-(``-s`` prints the counts). SIGKILLs during upgrades: ``tests/edge/test_upgrade_crash_edge.py``.
+(``-s`` prints the counts). SIGKILLs during upgrades: ``tests/edge/test_upgrade_crash_edge.py``; the
+same damage as a user meets it through the CLI, on plain and enrolled devices, with repair,
+targeted value flips and a full disk: ``tests/edge/test_device_damage_fuzz_edge.py`` (issue 34).
 """
 
 from __future__ import annotations

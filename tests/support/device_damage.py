@@ -17,6 +17,7 @@ import shutil
 import sqlite3
 import traceback
 from collections import Counter
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,12 +78,23 @@ class Pristine:
     next_bundle: Path  # the newer bundle to `device upgrade --bundle` to after repair
     answers: list = field(default_factory=list)
     embeddings: dict[str, bytes] = field(default_factory=dict)  # item id -> embedding bytes
+    pages: dict[int, str] = field(default_factory=dict)  # gallery.sqlite page -> the table or index it holds
+    page_size: int = 4096
 
     @classmethod
     def of(cls, root: Path, *, enrolled: bool, queries: Path, new_items: Path, next_bundle: Path) -> Pristine:
         run = query(root, queries)
         assert run.code == 0 and not run.error, run
-        return cls(root, enrolled, queries, new_items, next_bundle, answers_of(run), readable_embeddings(root))
+        with closing(sqlite3.connect(root / "gallery.sqlite")) as db:
+            pages = dict(db.execute("SELECT pageno, name FROM dbstat"))
+            (page_size,) = db.execute("PRAGMA page_size").fetchone()
+        return cls(root, enrolled, queries, new_items, next_bundle, answers_of(run), readable_embeddings(root), pages, page_size)
+
+    def place(self, name: Path, offset: int) -> str:
+        """The file, and for the gallery the table or index whose page holds ``offset``."""
+        if str(name) != "gallery.sqlite":
+            return str(name)
+        return f"gallery.sqlite ({self.pages.get(offset // self.page_size + 1, 'free page')})"
 
 
 def readable_embeddings(root: Path) -> dict[str, bytes]:
@@ -116,8 +128,10 @@ class Trial:
         return f"{self.where}: {self.outcome} [{', '.join(self.flags)}] {codes} {errors or ''}"[:600]
 
 
-def session(pristine: Pristine, root: Path, where: str) -> Trial:
-    """The user's session on the damaged copy ``root`` of ``pristine``, classed."""
+def session(pristine: Pristine, root: Path, where: str, genuine: Path | None = None) -> Trial:
+    """The user's session on the damaged copy ``root`` of ``pristine``, classed. ``genuine``:
+    the signed bundle whose installed copy was damaged, offered again after repair
+    (``device upgrade --bundle``) as the way back the issue asks for."""
     trial, d = Trial(where), ("--dir", str(root))
     trial.runs["query"] = query(root, pristine.queries)
     trial.runs["status"] = fctkit("device", "status", *d)
@@ -126,6 +140,8 @@ def session(pristine: Pristine, root: Path, where: str) -> Trial:
     intact = {item for item, embedding in readable.items() if pristine.embeddings.get(item) == embedding}
     trial.runs["repair"] = fctkit("device", "repair", *d)
     after = _safe_embeddings(root)
+    if genuine is not None:
+        trial.runs["offer genuine bundle"] = fctkit("device", "upgrade", *d, "--bundle", str(genuine), "--quiet")
     trial.runs["query again"] = query(root, pristine.queries)
     trial.runs["upgrade"] = fctkit("device", "upgrade", *d, "--bundle", str(pristine.next_bundle), "--quiet")
     trial.runs["add"] = fctkit("device", "add", *d, str(pristine.new_items), "--no-upload", "--quiet")
@@ -162,6 +178,7 @@ def _classify(trial: Trial, pristine: Pristine, unreadable_after_repair: bool) -
         "unreadable after repair": unreadable_after_repair,
         "upgrade fails after a clean repair": repair.code == 0 and runs["upgrade"].code != 0,
         "add fails after a clean repair": repair.code == 0 and runs["add"].code != 0,
+        "damaged bundle, no way back": "offer genuine bundle" in runs and (runs["query again"].code != 0 or runs["upgrade"].code != 0),
         "full disk called damage": any("No space" in r.stderr and "damaged" in r.stderr for r in runs.values()),
     }
     trial.flags = [name for name, raised in flags.items() if raised]
@@ -232,7 +249,7 @@ def flip_bit(path: Path, rng: random.Random) -> int:
 
 def gallery_cells(gallery: Path) -> dict[tuple[str, str], list[int]]:
     """(table, column) -> the rowids of the gallery's rows, for every table with rows (sqlite_sequence included)."""
-    with sqlite3.connect(gallery) as db:
+    with closing(sqlite3.connect(gallery)) as db:
         tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
         cells = {}
         for table in tables:
