@@ -39,20 +39,20 @@ from .upload_sessions import LEASE_STALE_S
 from .validation import chunk_size, invalid, page_size, sha256_field, text_field, timestamp
 
 
-def _blob_info(record: BlobRecord) -> vault_pb2.BlobInfo:
-    return vault_pb2.BlobInfo(sha256=record.sha256, size=record.size, item_id=record.item_id, created_at=record.created_at)
-
-
 LEASE_RENEW_S = 1.0  # how often a call renews its upload's lease (well within LEASE_STALE_S)
 _RUNNING = "an upload of this blob is in progress (from this or another device of the owner, on any replica)"
+
+
+def _blob_info(record: BlobRecord) -> vault_pb2.BlobInfo:
+    return vault_pb2.BlobInfo(sha256=record.sha256, size=record.size, item_id=record.item_id, created_at=record.created_at)
 
 
 class UploadLease:
     """One call's hold on an unfinished upload (owner, SHA-256), in the database: taken before
     the call changes its bytes, renewed every :data:`LEASE_RENEW_S` while the call runs, given
-    back when it ends. As a :class:`Sink` around the partial's writer it counts the bytes that
-    arrive (they restart the upload's idle clock) and refuses them once the lease was lost (this
-    replica stalled past :data:`LEASE_STALE_S` and another call took the upload over)."""
+    back when it ends. Its :meth:`guarding` sink counts the bytes that arrive (they restart the
+    upload's idle clock) and refuses them once the lease was lost (this replica stalled past
+    :data:`LEASE_STALE_S` and another call took the upload over)."""
 
     def __init__(self, storage: Storage, owner_id: str, sha256: str) -> None:
         self._storage, self.owner_id, self.sha256 = storage, owner_id, sha256
@@ -60,7 +60,6 @@ class UploadLease:
         self.had_reservation = False
         self.received = 0
         self._renewed_at = 0
-        self._sink: Sink | None = None
         self._lost = False
 
     def take(self, device_id: str) -> bool:
@@ -89,14 +88,20 @@ class UploadLease:
         if self._lost:
             raise RpcStatusError("ABORTED", "another call took this upload over while this one stalled; call Stat, then resume")
 
-    def guarding(self, sink: Sink) -> UploadLease:
-        self._sink = sink
-        return self
+    def guarding(self, sink: Sink) -> _LeasedSink:
+        return _LeasedSink(self, sink)
+
+
+class _LeasedSink:
+    """``sink`` while ``lease`` holds: writes refused once it was lost, counted otherwise."""
+
+    def __init__(self, lease: UploadLease, sink: Sink) -> None:
+        self._lease, self._sink = lease, sink
 
     async def write(self, data: bytes) -> None:
-        self.check()
+        self._lease.check()
         await self._sink.write(data)
-        self.received += len(data)
+        self._lease.received += len(data)
 
 
 class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):

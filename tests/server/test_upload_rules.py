@@ -200,6 +200,35 @@ def test_a_dead_replicas_lease_is_taken_over_once_stale(replicas):
     assert vault.a.sweep_uploads() == 0 and set(vault.reserved()) == {hashlib.sha256(live).hexdigest()}  # a live lease stays
 
 
+
+def test_a_call_whose_lease_was_taken_over_stops_writing(replicas, backend, tmp_path):
+    """A replica that stalled past the lease's life finds another call holding the upload: its
+    next bytes are refused (ABORTED) instead of landing among the other call's."""
+    from fctkit.server.vault import LEASE_RENEW_S
+
+    vault = replicas()
+    data = b"stalled" * 10_000
+    sha256 = hashlib.sha256(data).hexdigest()
+
+    async def stall_then_resume() -> tuple[object, RpcStatusError]:
+        pause = asyncio.Event()
+        stalled = asyncio.create_task(upload(vault.a, data, pause=pause))
+        while vault.reserved().get(sha256, (0,))[0] == 0:
+            await asyncio.sleep(0.01)
+        backend.alter(tmp_path / "data", "UPDATE uploads SET lease_at = 0")  # as if its renewals had stopped
+        stored = await upload(vault.b, data)
+        await asyncio.sleep(2 * LEASE_RENEW_S)  # the stalled call's next renewal finds the lease gone
+        pause.set()
+        with pytest.raises(RpcStatusError) as caught:
+            await stalled
+        return stored, caught.value
+
+    stored, aborted = asyncio.run(stall_then_resume())
+    assert stored.blob.sha256 == sha256 and aborted.code == "ABORTED" and "took this upload over" in str(aborted)
+    reader = vault.storage.blobs.open(sha256)
+    assert reader.read(len(data) + 1) == data
+    reader.close()
+
 def test_uploads_of_one_blob_through_three_replicas_run_one_at_a_time_and_a_delete_waits(start_replicas, scale_out):
     """Across replica processes: while one upload runs, every other upload of the blob by its
     owner (any device, any replica, the right or other bytes) is ABORTED and a Delete is
