@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import re
 import tempfile
-from collections.abc import AsyncIterator, Collection, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -291,11 +291,13 @@ class S3Partials:
             batch = [{"Key": key} for key in keys[start:start + 1000]]
             self._client.delete_objects(Bucket=self._bucket, Delete={"Objects": batch, "Quiet": True})
 
-    def sweep(self, keep: Collection[tuple[str, str]]) -> int:
-        """Remove the parts of every upload not in ``keep`` ((owner id, SHA-256) pairs); returns how many uploads."""
-        kept = {f"{self._prefix}{owner_folder(owner)}/{sha256}/" for owner, sha256 in keep}
+    def sweep(self, reserved: Callable[[], Collection[tuple[str, str]]]) -> int:
+        """Remove the parts of every upload not in ``reserved()`` ((owner id, SHA-256) pairs, asked
+        once the parts are listed: an upload another replica began meanwhile is kept); returns how many uploads."""
+        keys = list(self._keys(self._prefix))
+        kept = {f"{self._prefix}{owner_folder(owner)}/{sha256}/" for owner, sha256 in reserved()}
         stale: dict[str, list[str]] = {}
-        for key in self._keys(self._prefix):
+        for key in keys:
             folder = key.rsplit("/", 1)[0] + "/"
             if folder not in kept:
                 stale.setdefault(folder, []).append(key)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from pathlib import Path
 from typing import Protocol
 
@@ -34,7 +34,7 @@ class PartialUploads(Protocol):
     def assemble(self, owner_id: str, sha256: str, size: int) -> Path: ...
     def finished(self, owner_id: str, sha256: str, assembled: Path) -> None: ...
     def discard(self, owner_id: str, sha256: str) -> None: ...
-    def sweep(self, keep: Collection[tuple[str, str]]) -> int: ...
+    def sweep(self, reserved: Callable[[], Collection[tuple[str, str]]]) -> int: ...
 
 
 def owner_folder(owner_id: str) -> str:
@@ -85,11 +85,13 @@ class PartialFiles:
     def discard(self, owner_id: str, sha256: str) -> None:
         self.path(owner_id, sha256).unlink(missing_ok=True)
 
-    def sweep(self, keep: Collection[tuple[str, str]]) -> int:
-        """Remove every partial file not in ``keep`` ((owner id, SHA-256) pairs); returns how many."""
-        kept = {(owner_folder(owner), sha256) for owner, sha256 in keep}
+    def sweep(self, reserved: Callable[[], Collection[tuple[str, str]]]) -> int:
+        """Remove every partial file whose upload is not in ``reserved()`` ((owner id, SHA-256)
+        pairs, asked once the files are listed: an upload begun meanwhile is kept); returns how many."""
+        partials = list(self.root.glob("*/*.part")) if self.root.exists() else []
+        kept = {(owner_folder(owner), sha256) for owner, sha256 in reserved()}
         removed = 0
-        for partial in self.root.glob("*/*.part") if self.root.exists() else ():
+        for partial in partials:
             if (partial.parent.name, partial.name.removesuffix(".part")) not in kept:
                 partial.unlink(missing_ok=True)
                 removed += 1

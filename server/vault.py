@@ -123,7 +123,7 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
             if not mine:
                 return 0
             self._storage.expire_uploads(now - self._partial_ttl, now - LEASE_STALE_S)
-            return self._storage.partials.sweep(self._storage.reserved_uploads())
+            return self._storage.partials.sweep(self._storage.reserved_uploads)
 
     def _own_blob(self, owner_id: str, sha256: str) -> BlobRecord | None:
         """The owner's blob, None when nobody stores it; PERMISSION_DENIED when only other owners do."""

@@ -229,6 +229,24 @@ def test_a_call_whose_lease_was_taken_over_stops_writing(replicas, backend, tmp_
     assert reader.read(len(data) + 1) == data
     reader.close()
 
+
+def test_an_upload_begun_while_the_sweep_lists_is_kept(replicas, backend, tmp_path):
+    """The sweep asks which uploads hold reservations after it listed the partials: bytes of an
+    upload that another replica began in between are kept (only the ones without a reservation go)."""
+    vault = replicas()
+    kept, swept = b"kept" * 10_000, b"swept" * 10_000
+    for data in (kept, swept):
+        refused(upload(vault.a, data, end=20_000))
+    backend.alter(tmp_path / "data", "DELETE FROM uploads")  # both expired, their bytes not swept yet
+
+    def reserved_now() -> set[tuple[str, str]]:  # the kept one is begun again while the sweep lists
+        sha256 = hashlib.sha256(kept).hexdigest()
+        vault.storage.begin_upload(vault.owner, sha256, "dev-1", "token", time.time())
+        return vault.storage.reserved_uploads()
+
+    assert vault.storage.partials.sweep(reserved_now) == 1
+    assert held(vault, kept) == 20_000 and held(vault, swept) is None
+
 def test_uploads_of_one_blob_through_three_replicas_run_one_at_a_time_and_a_delete_waits(start_replicas, scale_out):
     """Across replica processes: while one upload runs, every other upload of the blob by its
     owner (any device, any replica, the right or other bytes) is ABORTED and a Delete is
