@@ -64,7 +64,7 @@ from .engine import Engine
 from .gallery import Gallery
 from .gallery_rows import LoadedRows
 from .gallery_search import GallerySearch, Match
-from .repair import damage_report, repair_gallery
+from .repair import damage_report, repair_gallery, valid_names
 from .replication import ReplicationResult, apply_pending, replicate
 from .scoring import TransitionState, store_hubness_offsets
 from .search import ExactIndex
@@ -481,7 +481,7 @@ class Device:
             report["replication"] = asdict(self.replicate())  # which reloads searches and stores missing offsets
         if not report.get("replication") and self.version not in bundles:
             self._rows_arrived()  # searches reload; dropped hubness offsets are computed again
-        back = set(self.gallery.replica_log.load_items(lost)[0].item_ids) if lost else set()
+        back = set(self.gallery.replica_log.load_items(valid_names(lost))[0].item_ids) if lost else set()
         from_vault = {i: result.vault_originals[i] for i in lost if i not in back and i in result.vault_originals}
         if from_vault and online and self.gallery.upgrade_state is None and self.version not in bundles:  # the replica lacked them
             back |= set(restore_from_vault(self.parts, from_vault))

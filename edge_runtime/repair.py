@@ -131,6 +131,11 @@ def damaged_originals(gallery: Gallery, open_original: OpenOriginal) -> list[tup
     return found
 
 
+def valid_names(names: Sequence[str]) -> list[str]:
+    """The item ids that can be looked up (a damaged byte can leave one that is not valid UTF-8)."""
+    return [n for n in names if _utf8(n)]
+
+
 def _utf8(text: str) -> bool:
     try:
         text.encode("utf-8")
@@ -269,6 +274,8 @@ def _vault_originals(gallery: Gallery, rows: Sequence[tuple[int, str]]) -> dict[
     labels = gallery.labels([r for r, _ in rows])
     found = {}
     for row_id, item_id in rows:
+        if not _utf8(item_id):  # a name a damaged byte left invalid: nothing to look it up by
+            continue
         try:
             sha256 = gallery.replica_log.vault_sha256(item_id)
         except InputError:  # its per-row entry is gone: nothing to go by

@@ -120,3 +120,17 @@ def test_a_damaged_list_of_removed_rows_costs_no_row_and_brings_no_removed_row_b
         assert report["rows_forgotten"] == [] and report["rows_sealed_again"] == alive and report["damaged_after"] == 0
         assert len(damaged.gallery) == 28 and _answers(damaged, queries) == answers
         assert sorted(damaged.searchable()[1].item_ids) == alive  # the removed rows stay removed
+
+
+def test_rows_named_by_bytes_that_are_not_utf8_are_repaired_without_a_traceback(make_device, tiny_bundles, images):
+    device = _device_with_queued_originals(make_device, tiny_bundles, images, "names", n=8)
+    root = device.root
+    device.close()
+    with sqlite3.connect(root / "gallery.sqlite") as db:  # 'r0002' -> 'r\xb9002': not UTF-8, and the block fails to open
+        (names,) = db.execute("SELECT item_ids FROM vector_blocks").fetchone()
+        db.execute("UPDATE vector_blocks SET item_ids = ?", (names.replace(b"r0002", b"r\xb9002"),))
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        report = damaged.repair()
+        assert len(report["rows_forgotten"]) == 8 and len(report["forgotten_because"]) == 8 and report["damaged_after"] == 0
+        assert len(damaged.gallery) == 0 and "r0000" in report["rows_removed"]
