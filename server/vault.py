@@ -175,10 +175,10 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
             if lease is None:
                 raise RpcStatusError("ABORTED", f"{_RUNNING}; retry when it ends")
             partials = self._storage.partials
-            held = await asyncio.to_thread(partials.held, owner_id, sha256) or 0
-            if header.offset > held:  # checked before reserving: a refused call holds no quota
-                raise RpcStatusError("FAILED_PRECONDITION", f"the server holds {held} bytes of this blob; resume from offset {held}")
-            if held > header.offset:  # dropped before the reservation may shrink: it always covers the bytes held
+            held = await asyncio.to_thread(partials.held, owner_id, sha256)
+            if header.offset > (received := held or 0):  # checked before reserving: a refused call holds no quota
+                raise RpcStatusError("FAILED_PRECONDITION", f"the server holds {received} bytes of this blob; resume from offset {received}")
+            if held is not None:  # what lies past the offset goes before the reservation may shrink (parts past a gap too)
                 await asyncio.to_thread(partials.truncate, owner_id, sha256, header.offset)
             self._reserve(owner_id, device_id, sha256, header.size)
             return await self._receive(requests, lease, device_id, header, sha256, item_id)
