@@ -29,12 +29,18 @@ class Neighbours:
 
 
 def normalise(x: np.ndarray) -> np.ndarray:
-    """Rows scaled to unit length; each row is first divided by its largest magnitude, so rows of
-    any finite scale (1e-30 or 1e30) give the same direction instead of a norm that overflows."""
-    scale = np.abs(x).max(axis=1, keepdims=True) if x.size else np.ones((len(x), 1), np.float32)
-    x = x / np.where(scale > 0, scale, np.float32(1))
-    norms = np.sqrt(np.einsum("ij,ij->i", x, x))[:, None]
-    return x / np.maximum(norms, np.float32(1e-12))
+    """Rows scaled to unit length. A row whose squared norm overflows or nears underflow (values
+    like 1e20 or 1e-16) is first divided by its largest magnitude, so rows of any finite scale
+    give the same direction; the others take the one-pass path."""
+    squared = np.einsum("ij,ij->i", x, x)
+    out = x / np.maximum(np.sqrt(squared), np.float32(1e-12))[:, None]
+    extreme = np.flatnonzero(~(squared < 1e30) | (squared < 1e-30))
+    if len(extreme) and x.shape[1]:
+        rows = x[extreme]
+        scale = np.maximum(rows.max(axis=1), -rows.min(axis=1))
+        scaled = rows / np.where(scale > 0, scale, 1).astype(rows.dtype)[:, None]
+        out[extreme] = scaled / np.maximum(np.sqrt(np.einsum("ij,ij->i", scaled, scaled)), np.float32(1e-12))[:, None]
+    return out
 
 
 def faiss_available() -> bool:
