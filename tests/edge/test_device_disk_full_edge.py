@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.edge.conftest import device_cli, flip_stored_byte
+from tests.edge.conftest import device_cli, enrolment_code, flip_stored_byte, publish
+from tests.edge.test_replication_edge import server  # noqa: F401 (a fixture: a real server with v1 published)
 
 from fctkit.edge_runtime import Device
 from fctkit.errors import NoSpaceError
@@ -134,3 +135,21 @@ def test_repair_on_a_full_disk_says_so_and_keeps_the_damaged_gallery_for_later(t
             report = device.repair()
             assert report["rows_forgotten"] == [] and len(report["side_info_restored"]) == 3000 and report["damaged_after"] == 0
             assert np.isfinite(device.gallery.load().side_infos).all()
+
+
+def test_a_sync_whose_bundle_download_meets_a_full_disk_says_so(tmp_path, publisher_pub, tiny_bundles, images, server):  # noqa: F811
+    with small_disk(tmp_path / "disk") as disk:
+        device = Device.init(disk / "dev", publisher_key=publisher_pub)
+        try:
+            device.progress = False
+            device.enrol(server.target, enrolment_code(server), device_name="full")
+            device.sync()
+            device.add(images(20, seed=24), item_ids=[f"s{i}" for i in range(20)])  # originals uploaded: no write waits
+            publish(server, tiny_bundles[2], tmp_path)
+            _fill(disk)
+            before = _dump(device.root)
+            with pytest.raises(NoSpaceError, match=NO_SPACE + r"/downloads \(downloading bundle v2\)"):
+                device.sync(replicate=False)
+            assert _dump(device.root) == before and device.installed_versions() == [1] and device.version == 1
+        finally:
+            device.close()
