@@ -50,10 +50,10 @@ from .gallery_schema import (SCHEMA_VERSION, VECTOR_TABLES, check_essential, cre
 from .gallery_block_migration import migrate_to_blocks
 from .gallery_blocks import check_item_ids
 from .gallery_sealing import RowSealer
-from .gallery_settings import GallerySettings
+from .gallery_settings import GallerySettings, stored_name
 from .gallery_upgrades import GalleryUpgrades
 from .gallery_vectors import VectorBlocks, reconciled_with_items
-from .sqlite_file import connect, id_chunks, stored_name, text_match
+from .sqlite_file import connect, id_chunks, text_match
 from .sqlite_file import read_snapshot as _read_snapshot
 from .sqlite_file import transaction as _transaction
 
@@ -232,7 +232,7 @@ class Gallery(GalleryUpgrades):
                 raise GalleryError(
                     f"the gallery switched to v{self.query_version} while these rows were embedded with v{query_version}: add them again")
             live, _ = self._tables()
-            first = self._db.execute("SELECT COALESCE(MAX(row_id), 0) + 1 FROM items").fetchone()[0]
+            first = self._next_row_id()
             ids = list(range(first, first + len(rows)))
             item_ids = [row.item_id for row in rows]
             labels = self._sealing.seal_labels(ids, item_ids, [tag.origin_version] * len(ids), [row.label for row in rows])
@@ -253,6 +253,11 @@ class Gallery(GalleryUpgrades):
             if previous is not None:
                 self._extras.insert("previous_embedding", ids, item_ids, previous[0], previous[1])
         return ids
+
+    def _next_row_id(self) -> int:
+        """The first free row id, also above a damaged pointer left without its row (a collision would stop every add)."""
+        return self._db.execute("SELECT MAX(COALESCE((SELECT MAX(row_id) FROM items), 0), COALESCE((SELECT MAX(row_id) FROM "
+                                "vectors_0), 0), COALESCE((SELECT MAX(row_id) FROM vectors_1), 0)) + 1").fetchone()[0]
 
     def _write_vectors(self, vector_set: str, row_ids: Sequence[int], item_ids: Sequence[str], embeddings: Any,
                        side_infos: Any, tag: VersionTag) -> None:
@@ -373,8 +378,30 @@ class Gallery(GalleryUpgrades):
             self._db.execute("REINDEX")
         self._vectors.restore_sequence()
         for table in VECTOR_TABLES:
-            self._vectors.repoint(table, [(r, b) for r, b in self._vectors.misplaced(table) if b is not None])
+            misplaced = self._vectors.misplaced(table)
+            known = self._known_rows([r for r, _, _ in misplaced])
+            self._vectors.repoint(table, [(r, b, tag) for r, b, tag in misplaced if b is not None and r in known])
+            self._vectors.retire_held(table, [(r, b) for r, b, _ in misplaced if b is not None and r not in known])
+            for chunk, marks in id_chunks([r for r, b, _ in misplaced if b is None and r not in known]):  # pointers to nothing
+                self._db.execute(f"DELETE FROM {table} WHERE row_id IN ({marks})", chunk)
         self._unstage_damaged()
+
+    def _known_rows(self, row_ids: Sequence[int]) -> set[int]:
+        """Those of ``row_ids`` that have a per-row entry."""
+        found: set[int] = set()
+        for chunk, marks in id_chunks(list(row_ids)):
+            found.update(r for r, in self._db.execute(f"SELECT row_id FROM items WHERE row_id IN ({marks})", chunk))
+        return found
+
+    def damaged_pointers(self) -> list[int]:
+        """Rows whose pointer to their vectors is damaged where the vectors are intact (repair points
+        them back; until then an upgrade, which reads rows by their pointers, refuses to start)."""
+        found: list[int] = []
+        for table in VECTOR_TABLES:
+            misplaced = self._vectors.misplaced(table)
+            known = self._known_rows([r for r, _, _ in misplaced])
+            found += [r for r, b, _ in misplaced if (b is not None) == (r in known)]
+        return sorted(set(found))
 
     def sqlite_problems(self) -> list[str]:
         """What SQLite's own integrity check finds in the file (b-trees, indexes); empty: nothing."""
@@ -385,12 +412,11 @@ class Gallery(GalleryUpgrades):
         return [] if found == ["ok"] else [str(p) for p in found]
 
     def file_damage(self) -> dict[str, Any]:
-        """Damage beyond the rows and SQLite's integrity check (:func:`~.repair.damage_report`): the
-        block id counter, row pointers naming the wrong block (live and staged), staged rows that
+        """Damage beyond the rows and SQLite's integrity check (:func:`~.repair.damage_report`): id
+        counters, row pointers naming the wrong block (live and staged), staged rows that
         fail to open."""
-        misplaced = [r for t in VECTOR_TABLES for r, b in self._vectors.misplaced(t) if b is not None]
-        return {"block_id_counter_behind": self._vectors.sequence_behind(),
-                "damaged_row_pointers": sorted(misplaced), "damaged_staged_rows": [list(r) for r in self.staged_damage()]}
+        return {"damaged_id_counters": self._vectors.damaged_sequences(),
+                "damaged_row_pointers": self.damaged_pointers(), "damaged_staged_rows": [list(r) for r in self.staged_damage()]}
 
     def _forget_row(self, row_id: int, item_id: str) -> bool:
         """Inside the repair transaction: forget one damaged row, also when its per-row entry is

@@ -131,6 +131,8 @@ class GalleryRows(Protocol):
 
     def _insert_rows(self, live: str, inserted: InsertedRows) -> None: ...
 
+    def _next_row_id(self) -> int: ...
+
     def _remove_item(self, item_id: str, *, tombstone: bool = True, delete_original: bool = False,
                      keep_queued: bool = False, retired: bool = False) -> bool: ...
 
@@ -327,8 +329,7 @@ class ReplicaLog:
                 self._vectors.retire(table, row_ids)
             for item_id in replaced:
                 self._gallery._remove_item(item_id, tombstone=False, retired=True)
-        first = self._db.execute("SELECT COALESCE(MAX(row_id), 0) + 1 FROM items").fetchone()[0]
-        self._gallery._insert_rows(live, InsertedRows(first, merge.tag, rows, merge.record_sha256))
+        self._gallery._insert_rows(live, InsertedRows(self._gallery._next_row_id(), merge.tag, rows, merge.record_sha256))
         if merge.record_sha256 is None:
             self._gallery._log_changes(rows.item_ids)
 

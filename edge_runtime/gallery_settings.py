@@ -20,12 +20,18 @@ from collections.abc import Iterable, Iterator
 from fctkit.errors import GalleryDamagedError
 
 from .crypto import Sealer
-from .sqlite_file import stored_name
 
 #: must be present in every gallery of schema 4 (the others are optional: absent = not set)
 REQUIRED = ("schema_version", "gallery_id", "key_check", "query_version", "live_vectors", "replica_cursor", "row_count")
 #: without these the gallery cannot be opened at all
 ESSENTIAL = ("schema_version", "gallery_id", "key_check")
+
+
+def stored_name(value: object) -> str:
+    """A name read from a text column whatever a damaged byte made of it (a BLOB, a number)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "surrogateescape")
+    return value if isinstance(value, str) else str(value)
 
 
 def setting_mac(sealer: Sealer, key: str, value: str) -> bytes:

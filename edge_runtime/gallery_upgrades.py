@@ -99,7 +99,7 @@ class GalleryUpgrades:
 
     def _staged_damage(self) -> list[tuple[int, str, str]]:
         _, staged = self._tables()
-        unheld = [(r, "?", f"row {r}: its staged vectors are missing") for r, b in self._vectors.misplaced(staged) if b is None]
+        unheld = [(r, "?", f"row {r}: its staged vectors are missing") for r, b, _ in self._vectors.misplaced(staged) if b is None]
         return sorted(self._vectors.load(staged).corrupt + unheld)
 
     def unstage_damaged(self) -> int:

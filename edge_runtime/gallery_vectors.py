@@ -37,6 +37,7 @@ from .sqlite_file import id_chunks
 BLOCK_ROWS = 4096
 RECENT_BLOCKS = 2  # opened blocks kept in memory per connection (upgrade batches read a block in parts)
 FIELDS = ("embedding", "side_info")
+SEQUENCED = ("vector_blocks", "changes")  # the AUTOINCREMENT tables: ids never reused
 MAX_WIDTH = 1 << 20  # values per row a block can hold: a larger width is a damaged column
 
 BLOCKS_SCHEMA = """
@@ -102,9 +103,8 @@ class VectorBlocks:
     def _write_block(self, vector_set: str, tag: VersionTag, row_ids: np.ndarray, item_ids: list[str],
                      embeddings: np.ndarray, side_infos: np.ndarray) -> int:
         if self.sequence_behind():
-            raise GalleryDamagedError(f"{self._db.path}: the file's counter of block ids (sqlite_sequence) is behind the blocks it "
-                                      "holds, so a new block would reuse an id (nothing was written): run "
-                                      "`fctkit device repair --dir DIR`, then try again")
+            raise GalleryDamagedError(f"{self._db.path}: the file's id counters (sqlite_sequence) are damaged, so a new block "
+                                      "could reuse an id (nothing was written): run `fctkit device repair --dir DIR`, then try again")
         block_id = self._db.execute("SELECT COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'vector_blocks'), 0) + 1").fetchone()[0]
         encoded = encode_item_ids(item_ids)
         embedding = self._blocks.seal(block_id, "embedding", tag, row_ids, encoded, embeddings)
@@ -119,9 +119,9 @@ class VectorBlocks:
         """Before the rows' pointers in ``vector_set`` are deleted or moved to other blocks (by
         the caller, in the same transaction): add them to their blocks' dead lists; a block
         left empty is deleted and one left more than half dead is compacted."""
-        touched: dict[int, list[int]] = {}
-        for row_id, block_id in self.pointers(vector_set, row_ids):
-            touched.setdefault(block_id, []).append(row_id)
+        self._retire_touched(vector_set, _by_block(self.pointers(vector_set, row_ids)))
+
+    def _retire_touched(self, vector_set: str, touched: dict[int, list[int]]) -> None:
         for block_id, retiring in touched.items():
             block = self._read_meta(block_id)
             if block is None:
@@ -152,34 +152,49 @@ class VectorBlocks:
         return True
 
     def sequence_behind(self) -> bool:
-        """Whether the block id counter is damaged: behind (or not an id above) the highest block id."""
-        seq, top = self._db.execute("SELECT (SELECT seq FROM sqlite_sequence WHERE name = 'vector_blocks'), "
-                                    "(SELECT MAX(block_id) FROM vector_blocks)").fetchone()
-        if seq is not None and (type(seq) is not int or not 0 <= seq < 1 << 62):
-            return True
-        return top is not None and (seq or 0) < top
+        """Whether an id counter (``sqlite_sequence``) is damaged: behind its table's highest id (a
+        new block would reuse an id) or past any id (SQLite would say the disk is full)."""
+        return bool(self.damaged_sequences())
+
+    def damaged_sequences(self) -> list[str]:
+        """The tables whose id counter is damaged (:meth:`sequence_behind`)."""
+        found = []
+        for table in SEQUENCED:
+            seq, top = self._db.execute(f"SELECT (SELECT seq FROM sqlite_sequence WHERE name = ?), (SELECT MAX(rowid) FROM {table})",
+                                        (table,)).fetchone()
+            if seq is not None and (type(seq) is not int or not 0 <= seq < 1 << 62) or top is not None and (seq or 0) < top:
+                found.append(table)
+        return found
 
     def restore_sequence(self) -> None:
-        """Repair, inside its transaction: the block id counter back at the highest block id."""
-        if self.sequence_behind():
-            self._db.execute("DELETE FROM sqlite_sequence WHERE name = 'vector_blocks'")
-            self._db.execute("INSERT INTO sqlite_sequence (name, seq) SELECT 'vector_blocks', COALESCE(MAX(block_id), 0) FROM vector_blocks")
+        """Repair, inside its transaction: each damaged id counter back at its table's highest id."""
+        for table in self.damaged_sequences():
+            self._db.execute("DELETE FROM sqlite_sequence WHERE name = ?", (table,))
+            self._db.execute(f"INSERT INTO sqlite_sequence (name, seq) SELECT ?, COALESCE(MAX(rowid), 0) FROM {table}", (table,))
 
-    def misplaced(self, vector_set: str) -> list[tuple[int, int | None]]:
-        """(row id, block id) of the rows of ``vector_set`` whose pointer names another block than
-        the one holding them alive (a damaged pointer: the rows open from their blocks, one by one
-        they would not); block id None: no block of the set holds the row."""
-        holding: dict[int, int] = {}
-        for block_id, row_ids, dead in self._db.execute(
-                "SELECT block_id, row_ids, dead FROM vector_blocks WHERE vector_set = ?", (vector_set,)):
-            block = self._stored((block_id, 0, 0, "native", row_ids, b"", dead, b"", 0, 0))
-            holding.update(dict.fromkeys(block.row_ids[block.alive()].tolist(), block_id))
-        pointers = self._db.execute(f"SELECT row_id, block_id FROM {vector_set}").fetchall()
-        return [(r, holding.get(r)) for r, b in pointers if holding.get(r) != b]
+    def misplaced(self, vector_set: str) -> list[tuple[int, int | None, VersionTag | None]]:
+        """(row id, block id, tag) of the rows of ``vector_set`` whose pointer is damaged: it names
+        another block or tag than the block holding the row alive (then that block and its tag),
+        no block holds the row (None, None), or the row is alive in a block without a pointer."""
+        holding: dict[int, tuple[int, VersionTag]] = {}
+        for row in self._db.execute(f"SELECT {_META} FROM vector_blocks WHERE vector_set = ?", (vector_set,)):
+            block = self._stored(row)
+            holding.update(dict.fromkeys(block.row_ids[block.alive()].tolist(), (block.block_id, block.tag)))
+        found: list[tuple[int, int | None, VersionTag | None]] = []
+        for row_id, version, via, block_id in self._db.execute(f"SELECT row_id, version, via, block_id FROM {vector_set}"):
+            held = holding.pop(row_id, None)
+            if held is None or (held[0], held[1].version, held[1].via) != (block_id, version, via):
+                found.append((row_id, *held) if held is not None else (row_id, None, None))
+        return found + [(r, b, tag) for r, (b, tag) in holding.items()]
 
-    def repoint(self, vector_set: str, rows: Sequence[tuple[int, int]]) -> None:
-        """Repair, inside its transaction: point these (row id, block id) rows to their blocks."""
-        self._db.executemany(f"UPDATE {vector_set} SET block_id = ? WHERE row_id = ?", [(b, r) for r, b in rows])
+    def repoint(self, vector_set: str, rows: Sequence[tuple[int, int, VersionTag]]) -> None:
+        """Repair, inside its transaction: point these (row id, block id, tag) rows to their blocks."""
+        self._db.executemany(f"INSERT OR REPLACE INTO {vector_set} (row_id, version, via, block_id) VALUES (?, ?, ?, ?)",
+                             [(r, tag.version, tag.via, b) for r, b, tag in rows])
+
+    def retire_held(self, vector_set: str, rows: Sequence[tuple[int, int]]) -> None:
+        """Repair, inside its transaction: retire these (row id, block id) rows that no pointer names."""
+        self._retire_touched(vector_set, _by_block(rows))
 
     def pointers(self, vector_set: str, row_ids: Sequence[int]) -> list[tuple[int, int]]:
         """(row id, block id) of those rows that have a pointer in ``vector_set``."""
@@ -230,9 +245,10 @@ class VectorBlocks:
                 usable.append(block)
             else:
                 corrupt += _rows_of(block, block.alive(), block.damaged or f"block {block.block_id}: its list of removed rows fails authentication")
+        usable, corrupt = self._without_doubled_rows(usable, corrupt)
         alive = [b.alive() for b in usable]
         row_ids = np.sort(np.concatenate([b.row_ids[a] for b, a in zip(usable, alive, strict=True)] or [np.zeros(0, ROW_ID_DTYPE)]))
-        if len(row_ids) and (row_ids[1:] == row_ids[:-1]).any():  # cannot happen unless the file was edited
+        if len(row_ids) and (row_ids[1:] == row_ids[:-1]).any():  # both blocks authentic: cannot happen unless replayed
             raise CorruptRecordError(f"a row is in two blocks of {vector_set}: the gallery is damaged")
         item_ids = np.empty(len(row_ids), dtype=object)
         tags = np.empty(len(row_ids), dtype=object)
@@ -256,6 +272,26 @@ class VectorBlocks:
         corrupt = sorted(dict.fromkeys(corrupt), key=lambda c: c[0])
         return LoadedRows(row_ids=row_ids.astype(np.int64), item_ids=item_ids.tolist(), tags=tags.tolist(),
                           embeddings=values[0], side_infos=values[1], labels=[None] * len(row_ids), corrupt=corrupt)
+
+    def _without_doubled_rows(self, blocks: list[StoredBlock], corrupt: list[tuple[int, str, str]]
+                              ) -> tuple[list[StoredBlock], list[tuple[int, str, str]]]:
+        """When a row id is alive in two blocks (a damaged list of row ids), the blocks holding one
+        that fail to open leave ``blocks``: their rows are ``corrupt``, but for the doubled ids,
+        whose own rows are in the intact blocks."""
+        ids, counts = np.unique(np.concatenate([b.row_ids[b.alive()] for b in blocks] or [np.zeros(0, ROW_ID_DTYPE)]),
+                                return_counts=True)
+        doubled = ids[counts > 1]
+        if not len(doubled):
+            return blocks, corrupt
+        kept = []
+        for block in blocks:
+            try:
+                if np.isin(block.row_ids, doubled).any():
+                    self._values(block)
+                kept.append(block)
+            except CorruptRecordError as exc:
+                corrupt = corrupt + _rows_of(block, block.alive() & ~np.isin(block.row_ids, doubled), str(exc))
+        return kept, corrupt
 
     def _open_field(self, blocks: list[StoredBlock], field: str, row_ids: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray, list[tuple[StoredBlock, str]]]:
@@ -385,7 +421,7 @@ class VectorBlocks:
 
 def reconciled_with_items(loaded: LoadedRows, items: Iterable[tuple], open_label: LabelOpener) -> LoadedRows:
     """``loaded`` checked against the per-row tables' (row id, item id, origin, sealed label,
-    version, via) rows, labels opened: a row whose item id or version tag there disagrees with
+    version, via) rows, labels opened: a row whose item id or origin version there disagrees with
     its block, or whose label fails to open, becomes corrupt, and so does a per-row entry whose
     vectors are gone."""
     entries = {r: (i, (o, v, via), label) for r, i, o, label, v, via in items}
@@ -394,9 +430,9 @@ def reconciled_with_items(loaded: LoadedRows, items: Iterable[tuple], open_label
     reported = {r for r, _, _ in corrupt}
     for k, (row_id, item_id, tag) in enumerate(zip(loaded.row_ids.tolist(), loaded.item_ids, loaded.tags, strict=True)):
         item_id_here, tag_here, label = entries.pop(row_id, (None, None, None))
-        try:
-            if item_id_here != item_id or tag_here != (tag.origin_version, tag.version, tag.via):
-                raise CorruptRecordError(f"row {row_id}: its item id or version tag in the per-row tables does not match its block")
+        try:  # a pointer naming another block or tag is damage of its own (VectorBlocks.misplaced): the row is intact
+            if item_id_here != item_id or tag_here is None or tag_here[0] != tag.origin_version:
+                raise CorruptRecordError(f"row {row_id}: its item id or origin version in the per-row tables does not match its block")
             labels.append(None if label is None else open_label(row_id, item_id, tag.origin_version, label))
             keep.append(k)
         except CorruptRecordError as exc:
@@ -415,6 +451,14 @@ def _damaged_columns(block_id: int, row_ids: np.ndarray, item_ids: bytes, widths
     if not widths[0]:
         return f"block {block_id}: its vector widths are damaged"
     return None
+
+
+def _by_block(rows: Iterable[tuple[int, int]]) -> dict[int, list[int]]:
+    """(row id, block id) pairs as block id -> row ids."""
+    touched: dict[int, list[int]] = {}
+    for row_id, block_id in rows:
+        touched.setdefault(block_id, []).append(row_id)
+    return touched
 
 
 def _rows_of(block: StoredBlock, mask: np.ndarray, reason: str) -> list[tuple[int, str, str]]:

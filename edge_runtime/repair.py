@@ -42,8 +42,7 @@ from .gallery import Gallery
 from .gallery_extras import EXTRA_FIELDS
 from .gallery_rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
 from .gallery_schema import VECTOR_TABLES
-from .gallery_settings import REQUIRED
-from .sqlite_file import stored_name
+from .gallery_settings import REQUIRED, stored_name
 
 DROPPED_WHEN_DAMAGED = ("transition", "backfill", "upgrade")
 DROPPED_PREFIXES = ("uncertainty:v",)

@@ -162,13 +162,6 @@ def text_match(column: str, value: str) -> tuple[str, str | bytes]:
     return f"{column} = ?", value
 
 
-def stored_name(value: object) -> str:
-    """A name read from a text column whatever a damaged byte made of it (a BLOB, a number)."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "surrogateescape")
-    return value if isinstance(value, str) else str(value)
-
-
 def id_chunks(item_ids: Sequence) -> Iterator[tuple[list, str]]:
     """Ids (item ids or row ids) in chunks small enough for one ``IN (...)`` query, each with its ``?,?`` marks."""
     for start in range(0, len(item_ids), SQL_VARIABLES):

@@ -127,6 +127,9 @@ class DeviceUpgrade:
         transition when the bundle declares one. Returns the rows upgraded now."""
         engines = {b: self.bundles.engine(b) for b in {h.bundle for h in plan.hops if h.forward is not None}}
         rewrite = any(h.forward is not None for h in plan.hops)  # identity hops only (compatible): rows stay untouched
+        if rewrite and self.gallery.damaged_pointers():  # rows are read by their pointers: none may be skipped or lost
+            raise GalleryError(f"rows of {self.gallery.path} point to the wrong vectors (`fctkit device check --dir DIR` lists "
+                               "them): run `fctkit device repair --dir DIR`, then the upgrade again (it resumes)")
         if rewrite and plan.mode == "forward":
             self.gallery.unstage_damaged()  # staged again from their live rows below, never switched live damaged
         left = self.gallery.remaining(plan.target) if rewrite else 0

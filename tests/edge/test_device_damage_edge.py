@@ -12,11 +12,11 @@ import pytest
 
 from tests.edge.conftest import device_cli
 from tests.edge.test_device_repair_edge import _add_in_blocks, _npy, _sql
-from tests.edge.test_replication_edge import enrolled, server  # noqa: F401 (server is a fixture)
+from tests.edge.test_replication_edge import enrolled, server, state  # noqa: F401 (server is a fixture)
 
 import fctkit.edge_runtime.upgrade as upgrade_module
 from fctkit.edge_runtime import Device
-from fctkit.errors import FctkitError, GalleryDamagedError
+from fctkit.errors import FctkitError, GalleryDamagedError, GalleryError
 
 
 def _device(make_device, tiny_bundles, images, name: str = "dev", n: int = 12, **settings) -> Device:
@@ -128,16 +128,21 @@ def test_a_damaged_setting_name_is_dropped_and_the_setting_derived_without_a_ser
         assert _answers(damaged, queries) == before
 
 
-def test_a_block_id_counter_behind_its_blocks_is_found_repaired_and_add_says_so(make_device, tiny_bundles, images):
+@pytest.mark.parametrize("edit, table", [
+    ("UPDATE sqlite_sequence SET seq = seq - 1 WHERE name = 'vector_blocks'", "vector_blocks"),
+    ("UPDATE sqlite_sequence SET name = 'vector_blockz' WHERE name = 'vector_blocks'", "vector_blocks"),
+    ("UPDATE sqlite_sequence SET seq = 9223372036854775807 WHERE name = 'changes'", "changes"),  # SQLite: "disk is full"
+])
+def test_a_damaged_id_counter_is_found_repaired_and_add_says_so(make_device, tiny_bundles, images, edit, table):
     device = _device(make_device, tiny_bundles, images)
     root = device.root
-    _sql(device, "UPDATE sqlite_sequence SET seq = seq - 1 WHERE name = 'vector_blocks'")
+    _sql(device, edit)
     with Device.open(root) as damaged:
         damaged.progress = False
         with pytest.raises(GalleryDamagedError, match=r"sqlite_sequence.*fctkit device repair"):
             damaged.add(images(2, seed=11), item_ids=["new0", "new1"], upload=False)
         assert len(damaged.gallery) == 12  # nothing was written
-        assert damaged.check()["block_id_counter_behind"] is True
+        assert damaged.check()["damaged_id_counters"] == [table]
         assert damaged.repair()["damaged_after"] == 0
         damaged.add(images(2, seed=11), item_ids=["new0", "new1"], upload=False)
         assert damaged.check()["damaged"] == 0 and len(damaged.gallery) == 14
@@ -155,18 +160,26 @@ def test_a_label_that_fails_to_open_is_reported_by_query_and_check(make_device, 
         assert [r for r, _, _ in damaged.check()["damaged_rows"]] == [1]
 
 
-def test_a_damaged_row_pointer_is_found_and_repair_points_it_back(make_device, tiny_bundles, images):
+@pytest.mark.parametrize("edit, reported", [
+    ("UPDATE vectors_0 SET block_id = 3 WHERE row_id = 2", [2]),  # row 2 lives in block 1
+    ("UPDATE vectors_0 SET version = 2 WHERE row_id = 2", [2]),
+    ("DELETE FROM vectors_0 WHERE row_id = 2", [2]),
+    ("UPDATE vectors_0 SET row_id = 99 WHERE row_id = 2", [2, 99]),
+])
+def test_a_damaged_row_pointer_is_found_and_repair_points_it_back(make_device, tiny_bundles, images, edit, reported):
     device = _device(make_device, tiny_bundles, images)
     queries, root = images(2, seed=9), device.root
     before = _answers(device, queries)
-    _sql(device, "UPDATE vectors_0 SET block_id = 3 WHERE row_id = 2")  # row 2 lives in block 1
+    _sql(device, edit)
     with Device.open(root) as damaged:
         damaged.progress = False
-        assert damaged.check()["damaged_row_pointers"] == [2]
-        assert damaged.status()["damaged"] == 1
+        assert _answers(damaged, queries) == before  # its vectors are intact: it keeps answering
+        assert damaged.check()["damaged_row_pointers"] == reported and damaged.status()["damaged"] == len(reported)
+        with pytest.raises(GalleryError, match="point to the wrong vectors.*fctkit device repair"):
+            damaged.upgrade(tiny_bundles[2])  # it would skip or lose the row
         report = damaged.repair()
         assert report["rows_forgotten"] == [] and report["damaged_after"] == 0 and _answers(damaged, queries) == before
-        assert damaged.upgrade(tiny_bundles[2]) == 12 and damaged.gallery.tag_counts() == {"v1->v2 (forward)": 12}
+        assert damaged.upgrade() == 12 and damaged.gallery.tag_counts() == {"v1->v2 (forward)": 12}
 
 
 def test_damaged_staged_rows_are_found_and_staged_again_from_their_live_rows(make_device, tiny_bundles, images, monkeypatch):
@@ -241,3 +254,18 @@ def test_status_exits_3_whenever_check_reports_damage(make_device, tiny_bundles,
     status = device_cli("status", "--dir", str(root))
     check = device_cli("check", "--dir", str(root))
     assert check.returncode == 3 and status.returncode == 3, status.stdout
+
+
+def test_repair_on_an_enrolled_device_with_a_pointer_moved_to_a_free_row_id(server, make_device, images):  # noqa: F811
+    device = enrolled(make_device, server, "phone", "pia")
+    _add_in_blocks(device, images(12, seed=4), "p")
+    device.sync()
+    expected, root = state(device), device.root
+    _sql(device, "UPDATE vectors_0 SET row_id = 13 WHERE row_id = 5")  # one bit: the next free row id
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        assert damaged.check()["damaged_row_pointers"] == [5, 13]
+        report = damaged.repair()
+        assert report["rows_forgotten"] == [] and report["damaged_after"] == 0 and state(damaged) == expected
+        damaged.add(images(2, seed=8), item_ids=["q0", "q1"])  # new rows take free row ids
+        assert damaged.check()["damaged"] == 0 and len(damaged.gallery) == 14
