@@ -68,6 +68,41 @@ class PublisherKeyError(BundleError):
     """A publisher key file is missing, malformed, too readable, or its passphrase is wrong."""
 
 
+class TrustError(FctkitError):
+    """Trust metadata (a root, a timestamp, a release's signatures) breaks one of the rules of
+    :mod:`fctkit.protos.trust`; the message names the file, the rule and what to do."""
+
+
+class TrustFormatError(TrustError):
+    """A trust file is malformed, oversized, or holds unknown or missing keys."""
+
+
+class ThresholdError(TrustError):
+    """Fewer valid signatures than a role's threshold (keys not in the role do not count, nor
+    a second signature by one key)."""
+
+
+class ReleaseSignatureError(ThresholdError, SignatureError):
+    """A release's manifest is not signed by a threshold of the root's publisher keys."""
+
+
+class RootChainError(TrustError):
+    """A root does not follow the trusted one (a version skipped or repeated), or does not
+    match the fingerprint a device was given."""
+
+
+class ExpiredMetadataError(TrustError):
+    """A root or timestamp expired (beyond the clock tolerance), or the device clock is wrong."""
+
+
+class MetadataRollbackError(TrustError):
+    """A timestamp older than the last one accepted: a replay or a rollback."""
+
+
+class SnapshotMismatchError(TrustError, HashMismatchError):
+    """A manifest is not the one the timestamp names for its version (mix-and-match)."""
+
+
 def require(module: str, extra: str):
     """Import an optional dependency or raise :class:`DependencyError` naming the extra."""
     import importlib

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from fctkit.errors import BundleFormatError
 
-from .bundle_vocabulary import MANIFEST_FILE, MAX_MANIFEST_BYTES, SAFE_NAME, SIGNATURE_FILE
+from .bundle_vocabulary import MANIFEST_FILE, MAX_MANIFEST_BYTES, SAFE_NAME, SIGNATURE_FILE, SIGNATURES_FILE
 from .durable_files import read_regular_file, require_regular_file, staged_directory
 from .manifest import Manifest
 
@@ -35,7 +35,8 @@ def pack_bundle(root: str | os.PathLike, archive: str | os.PathLike) -> Path:
     if manifest_bytes is None:
         raise BundleFormatError(f"{root} has no {MANIFEST_FILE}: not a bundle")
     manifest = Manifest.from_bytes(manifest_bytes)
-    names = sorted({MANIFEST_FILE, SIGNATURE_FILE} | {a.file for a in manifest.artifacts})
+    co_signed = {SIGNATURES_FILE} if (root / SIGNATURES_FILE).exists() else set()
+    names = sorted({MANIFEST_FILE, SIGNATURE_FILE} | co_signed | {a.file for a in manifest.artifacts})
     present = {p.name for p in root.iterdir()}
     if set(names) - present or present - set(names):
         raise BundleFormatError(

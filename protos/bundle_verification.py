@@ -17,7 +17,7 @@ from typing import Any
 from fctkit.errors import BundleFormatError, HashMismatchError, RollbackError, SignatureError
 
 from .artifact_spec import Artifact
-from .bundle_vocabulary import MANIFEST_FILE, MAX_MANIFEST_BYTES, SIGNATURE_FILE, SIGNATURE_SIZE
+from .bundle_vocabulary import MANIFEST_FILE, MAX_MANIFEST_BYTES, SIGNATURE_FILE, SIGNATURE_SIZE, SIGNATURES_FILE
 from .durable_files import read_regular_file, require_regular_file
 from .manifest import Manifest
 from .manifest_signature import verify_manifest
@@ -70,7 +70,7 @@ def verify_bundle(root: str | os.PathLike, public_key: Any, *, installed_version
     signature = read_regular_file(signature_path, SIGNATURE_SIZE + 1)
     manifest = verify_manifest(manifest_bytes, signature, public_key)
     check_version_is_newer(manifest.version, installed_version)
-    expected = {MANIFEST_FILE, SIGNATURE_FILE} | {a.file for a in manifest.artifacts}
+    expected = {MANIFEST_FILE, SIGNATURE_FILE, SIGNATURES_FILE} | {a.file for a in manifest.artifacts}
     present = {p.name for p in root.iterdir()}
     if present - expected:
         raise BundleFormatError(

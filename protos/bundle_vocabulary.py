@@ -10,6 +10,8 @@ from typing import Literal, get_args
 
 MANIFEST_FILE = "manifest.json"
 SIGNATURE_FILE = "manifest.sig"
+#: Optional: more publishers' signatures over the same manifest bytes (issue 35, fctkit.protos.trust).
+SIGNATURES_FILE = "manifest.sigs.json"
 FORMAT_VERSION = 1
 SIGNATURE_SIZE = 64
 
@@ -35,7 +37,7 @@ MAX_MANIFEST_BYTES = 1 << 20
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 HEX64 = re.compile(r"[0-9a-f]{64}")
-RESERVED_FILES = (MANIFEST_FILE, SIGNATURE_FILE)
+RESERVED_FILES = (MANIFEST_FILE, SIGNATURE_FILE, SIGNATURES_FILE)
 
 
 def artifact_name(role: str, source_version: int | None = None, target_version: int | None = None) -> str:
