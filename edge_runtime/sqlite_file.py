@@ -24,8 +24,12 @@ RECOVERY = ("run `fctkit device check --dir DIR` for a full report and `fctkit d
             "what the owner's replica holds")
 
 
+LOW_SPACE = 1 << 20  # an SQLite I/O error with less free than this is the full disk (its shared-memory file cannot grow)
+
+
 def damaged(path: Path | str, exc: sqlite3.Error) -> GalleryDamagedError | NoSpaceError:
-    if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+    code = getattr(exc, "sqlite_errorcode", 0) & 0xFF  # the primary code of an extended one (SQLITE_IOERR_SHMSIZE)
+    if code == sqlite3.SQLITE_FULL or (code == sqlite3.SQLITE_IOERR and _free(Path(path).parent) < LOW_SPACE):
         return no_space(Path(path).parent, f"SQLite says {exc}")
     if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
         return GalleryDamagedError(f"{path} is locked by another process for too long ({exc}); try again")
@@ -34,18 +38,21 @@ def damaged(path: Path | str, exc: sqlite3.Error) -> GalleryDamagedError | NoSpa
 
 def no_space(directory: Path, detail: str, needed: int | None = None) -> NoSpaceError:
     """A full disk, said as such: the directory, and how much is needed when that is known."""
-    try:
-        free = f"{shutil.disk_usage(directory).free:,} bytes are free"
-    except OSError:
-        free = "the free space could not be read"
     need = f"{needed:,} bytes are needed, " if needed is not None else ""
-    return NoSpaceError(f"no space left on device for {directory} ({detail}): {need}{free}; free some space and run "
-                        "the command again (what it was writing was undone)")
+    return NoSpaceError(f"no space left on device for {directory} ({detail}): {need}{_free(directory):,} bytes are free; "
+                        "free some space and run the command again (what it was writing was undone)")
+
+
+def _free(directory: Path) -> int:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:  # unreadable: not taken for a full disk
+        return LOW_SPACE
 
 
 def require_room(directory: Path, needed: int, what: str) -> None:
     """Refuse, before anything is written, when ``directory``'s disk has less than ``needed`` bytes free."""
-    if shutil.disk_usage(directory).free < needed:
+    if _free(directory) < needed:
         raise no_space(directory, what, needed)
 
 

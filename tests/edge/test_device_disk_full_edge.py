@@ -49,7 +49,7 @@ def small_disk(where: Path, size: str = "8m") -> Iterator[Path]:
 
 def _fill(disk: Path) -> Path:
     """Write a file until the disk is full (the gallery's WAL emptied first, so the next write needs new pages)."""
-    with sqlite3.connect(disk / "dev" / "gallery.sqlite") as db:
+    with contextlib.closing(sqlite3.connect(disk / "dev" / "gallery.sqlite")) as db:
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     filler = disk / "filler"
     fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
@@ -116,6 +116,28 @@ def test_an_upgrade_that_would_fill_the_disk_midway_is_refused_before_it_starts(
             assert _dump(device.root) == before and device.gallery.upgrade_state is None and device.version == 1
         finally:
             device.close()
+
+
+def test_opening_a_device_on_a_full_disk_says_no_space_not_damage(tmp_path, publisher_pub, tiny_bundles, images):
+    with small_disk(tmp_path / "disk") as disk:
+        with _device(disk, publisher_pub, tiny_bundles, images) as device:
+            root = device.root
+        np.save(tmp_path / "items.npy", images(5, seed=25))  # beside the disk, not on it
+
+        def in_process() -> str:
+            with pytest.raises(NoSpaceError) as refused:
+                Device.open(root)
+            return str(refused.value)
+
+        for attempt in (in_process, lambda: device_cli("add", "--dir", str(root), str(tmp_path / "items.npy"), "--no-upload").stderr,
+                        lambda: device_cli("repair", "--dir", str(root)).stderr):
+            Device.open(root).close()  # closed: SQLite must make its shared-memory file again, which a full disk refuses
+            filler = _fill(disk)
+            said = attempt()
+            assert "no space left on device" in said and "damaged" not in said, said
+            os.unlink(filler)
+        with Device.open(root) as device:
+            assert len(device.gallery) == 300 and device.check()["damaged"] == 0
 
 
 def test_repair_on_a_full_disk_says_so_and_keeps_the_damaged_gallery_for_later(tmp_path, publisher_pub, tiny_bundles, images):
