@@ -303,8 +303,6 @@ class Gallery(GalleryUpgrades):
             for row_id, item_id, origin, label in self._db.execute(
                     f"SELECT row_id, item_id, origin_version, label FROM items WHERE row_id IN ({marks})", chunk):
                 try:
-                    if label is not None and not isinstance(label, bytes):
-                        raise CorruptRecordError(f"row {row_id} label: its sealed bytes were damaged")
                     found[row_id] = None if label is None else self._sealing.open_label(row_id, item_id, origin, label)
                 except CorruptRecordError as exc:
                     found[row_id] = None

@@ -50,6 +50,8 @@ class RowSealer:
 
     def open_label(self, row_id: int, item_id: str, origin_version: int, sealed: bytes) -> str:
         """A row's label (:class:`CorruptRecordError` when it fails to open)."""
+        if not isinstance(sealed, bytes):  # a damaged column read back as another type
+            raise CorruptRecordError(f"row {row_id} label: its sealed bytes were damaged")
         aad = _aad(self._gallery_id, row_id, item_id, _label_tag(origin_version), "label")
         return self._sealer.open(sealed, aad, f"row {row_id} label").decode("utf-8")
 

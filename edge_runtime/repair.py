@@ -86,7 +86,7 @@ def damage_report(gallery: Gallery, open_original: OpenOriginal, damaged_bundles
     def read(part: str, load: Callable[[], Any], empty: Any) -> Any:
         try:
             return load()
-        except GalleryDamagedError as exc:
+        except (GalleryDamagedError, CorruptRecordError) as exc:  # e.g. a row in two authentic blocks
             unreadable[part] = str(exc)
             return empty
 
