@@ -70,12 +70,16 @@ class InstalledBundles:
         ``needed()`` versions not installed (none when it raises: a damaged setting, reported
         on its own): version -> what is wrong (`fctkit device check`)."""
         found = {v: f"bundle v{v} is not installed; {REINSTALL}" for v in _versions(needed) if v and not self.folder(v).is_dir()}
-        for version in self.versions():
-            try:
-                self._verified(version)
-            except (BundleError, OSError) as exc:
-                found[version] = f"{exc}; {REINSTALL}"
+        found.update({v: f"{damage}; {REINSTALL}" for v in self.versions() if (damage := self._damage(v)) is not None})
         return dict(sorted(found.items()))
+
+    def _damage(self, version: int) -> str | None:
+        """Why the installed ``version`` fails verification, or None when it is intact."""
+        try:
+            self._verified(version)
+        except (BundleError, OSError) as exc:
+            return str(exc)
+        return None
 
     def fetch_again(self, connect: Callable[[], Any], needed: Callable[[], Sequence[int]] = tuple) -> dict[int, str]:
         """Download each damaged (or needed and missing) bundle again from the server and put it
@@ -90,7 +94,7 @@ class InstalledBundles:
                 try:
                     self._install(client.download_bundle(version, staging, self.publisher_key()), max(_versions(needed), default=0))
                     del left[version]
-                except FctkitError as exc:
+                except (FctkitError, OSError) as exc:  # e.g. the server away, or a full disk
                     left[version] += f" (downloading it again failed: {exc})"
                 finally:
                     shutil.rmtree(staging, ignore_errors=True)
@@ -123,7 +127,7 @@ class InstalledBundles:
         same = self._holds_signed(version, verified)
         if not same and not (version == query_version and not dest.exists()):
             check_version_is_newer(version, query_version or None)
-        if dest.exists() and (not same or version not in self.damaged()):
+        if dest.exists() and (not same or self._damage(version) is None):
             if same and version < query_version:
                 check_version_is_newer(version, query_version)
             return version
