@@ -120,10 +120,10 @@ def side_infos_again(parts: DeviceParts, rows: LoadedRows, *, online: bool) -> d
                 originals[item_id] = parts.open_original(item_id, blob)
             except FctkitError:
                 continue
-    shas = {i: parts.gallery.replica_log.vault_sha256(i) for i in wanted if i not in originals}
-    if online and any(shas.values()):
+    shas = {i: sha for i in wanted if i not in originals and (sha := parts.gallery.replica_log.vault_sha256(i))} if online else {}
+    if shas:
         try:
-            originals.update(_from_vault(parts, {i: sha for i, sha in shas.items() if sha}))
+            originals.update(_from_vault(parts, shas))
         except FctkitError:  # the server is away: the rows keep their mark
             pass
     found: dict[int, np.ndarray] = {}
@@ -143,7 +143,7 @@ def _side_infos(engine: Engine, row_ids: list[int], originals: list[np.ndarray])
         return {r: np.zeros(0, np.float32) for r in row_ids}
     try:
         done = engine.embed_items("side_info", original_items(originals, raw=engine.takes_items), keep_going=True)
-    except FctkitError:  # arrays it refuses (e.g. not finite): the rows keep their mark
+    except (FctkitError, ValueError):  # originals it refuses (not finite, or of unlike shapes): the rows keep their mark
         return {}
     return {row_ids[position]: vector for position, vector in zip(done.good, done.vectors, strict=True)}
 

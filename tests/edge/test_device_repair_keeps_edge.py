@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.edge.conftest import flip_stored_byte
-from tests.edge.test_replication_edge import state
+from tests.edge.test_replication_edge import enrolled, server, state  # noqa: F401 (server is a fixture)
 
 from fctkit.edge_runtime import Device
 from fctkit.errors import GalleryError
@@ -134,3 +134,19 @@ def test_rows_named_by_bytes_that_are_not_utf8_are_repaired_without_a_traceback(
         report = damaged.repair()
         assert len(report["rows_forgotten"]) == 8 and len(report["forgotten_because"]) == 8 and report["damaged_after"] == 0
         assert len(damaged.gallery) == 0 and "r0000" in report["rows_removed"]
+
+
+def test_side_info_comes_back_from_the_vault_originals_when_none_is_queued(server, make_device, images):  # noqa: F811
+    device = enrolled(make_device, server, "vaulted", "")
+    device.add(images(12, seed=15), item_ids=[f"v{i:02d}" for i in range(12)])  # uploaded: nothing stays queued
+    assert device.gallery.replica_log.outbox_size() == 0
+    before, root = state(device), device.root
+    _flip_side_info(device)
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        report = damaged.repair()
+        assert report["side_info_restored"] == sorted(before) and report["side_info_lost"] == [] and report["rows_forgotten"] == []
+        after = state(damaged)
+        for item, (tag, embedding, side_info, label) in before.items():
+            assert after[item][:2] == (tag, embedding)
+            assert np.allclose(np.frombuffer(after[item][2], "<f4"), np.frombuffer(side_info, "<f4"), atol=1e-6)
