@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import click
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from fctkit.errors import ThresholdError
+from fctkit.errors import ThresholdError, TrustError
 from fctkit.protos.trust import ROLE_NAMES, Root, Signed, root_fingerprint, verify_root_update, verify_self_signed
 
 from fctkit.protos.bundle import VerifiedBundle, pack_bundle, unpack_bundle, verify_bundle
@@ -227,12 +227,24 @@ def sign_command(target: Path, key_path: Path, passphrase_file: Path | None) -> 
     v<N>/ or its v<N>.tar), whose manifest.sigs.json lists the co-signing publishers."""
     key = load_private_key(key_path, read_passphrase(passphrase_file))
     if target.is_file() and target.suffix == ".json":
-        signed = sign_root_file(target, key)
-        click.echo(f"signed root v{signed.body.version} with key {public_key_id(key.public_key())}")
-        click.echo(_root_status(_previous_root(target, signed), signed))
+        _sign_root(target, key)
         return
     signature = sign_release(target, key)
     click.echo(f"signed the release {target} with key {signature.keyid}")
+
+
+def _sign_root(target: Path, key: Ed25519PrivateKey) -> None:
+    """Sign a root file, refusing a key whose signature would count for nothing."""
+    current = load_root_file(target)
+    previous = _previous_root(target, current)
+    keyid = public_key_id(key.public_key())
+    root_keys = {*current.body.role("root").keyids, *(previous.body.role("root").keyids if previous else ())}
+    if keyid not in root_keys:
+        raise TrustError(f"key {keyid[:16]}… is not a root key of root v{current.body.version} nor of the one before "
+                         "it: its signature would not count; sign with a root-<i>.key")
+    signed = sign_root_file(target, key)
+    click.echo(f"signed root v{signed.body.version} with key {keyid}")
+    click.echo(_root_status(previous, signed))
 
 
 @keys_command.command("show")

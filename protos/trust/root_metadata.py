@@ -17,7 +17,7 @@ from fctkit.errors import BundleFormatError, TrustFormatError
 
 from ..manifest_signature import public_key_id
 from ..strict_json import exact_keys, typed
-from .trust_format import MAX_ROOT_BYTES, Signed, format_time, load_signed, parse_keyid, parse_time
+from .trust_format import MAX_ROOT_BYTES, Signed, format_time, load_signed, parse_sha256_hex, parse_time
 
 ROLE_NAMES = ("root", "publisher", "timestamp")
 DEFAULT_FRESHNESS_LIMIT_S = 7 * 24 * 3600
@@ -79,7 +79,7 @@ class Root:
         return cls(
             version=typed(data["version"], int, f"{where}.version"),
             expires=parse_time(data["expires"], f"{where}.expires"),
-            keys={parse_keyid(k, f"{where}.keys"): _parse_key(v, f"{where}.keys.{k}") for k, v in keys.items()},
+            keys={parse_sha256_hex(k, f"{where}.keys"): _parse_key(v, f"{where}.keys.{k}") for k, v in keys.items()},
             roles={name: _parse_role(roles[name], f"{where}.roles.{name}") for name in ROLE_NAMES},
             freshness_limit_s=typed(data["freshness_limit_s"], int, f"{where}.freshness_limit_s"),
         )
@@ -114,7 +114,7 @@ def _parse_key(value: Any, where: str) -> Ed25519PublicKey:
 def _parse_role(value: Any, where: str) -> RoleKeys:
     item = exact_keys(value, ("keyids", "threshold"), where)
     keyids = typed(item["keyids"], list, f"{where}.keyids")
-    return RoleKeys(tuple(parse_keyid(k, f"{where}.keyids") for k in keyids),
+    return RoleKeys(tuple(parse_sha256_hex(k, f"{where}.keyids") for k in keyids),
                     typed(item["threshold"], int, f"{where}.threshold"))
 
 

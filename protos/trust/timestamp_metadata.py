@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
-from fctkit.errors import BundleFormatError
+from fctkit.errors import BundleFormatError, TrustFormatError
 
 from ..bundle_vocabulary import MAX_MANIFEST_BYTES
 from ..strict_json import exact_keys, typed
-from .trust_format import MAX_TIMESTAMP_BYTES, Signed, format_time, load_signed, parse_keyid, parse_time
+from .trust_format import MAX_TIMESTAMP_BYTES, Signed, format_time, load_signed, parse_sha256_hex, parse_time
 
 MAX_RELEASES = 1000
 
@@ -45,12 +45,12 @@ class Timestamp:
 
     def __post_init__(self) -> None:
         if self.version < 1:
-            raise BundleFormatError(f"timestamp version {self.version}: versions start at 1")
+            raise TrustFormatError(f"timestamp version {self.version}: versions start at 1")
         versions = [entry.version for entry in self.releases]
         if versions != sorted(set(versions)):
-            raise BundleFormatError("timestamp releases must be listed once each, by increasing version")
+            raise TrustFormatError("timestamp releases must be listed once each, by increasing version")
         if len(versions) > MAX_RELEASES:
-            raise BundleFormatError(f"timestamp lists {len(versions)} releases, more than the {MAX_RELEASES} allowed")
+            raise TrustFormatError(f"timestamp lists {len(versions)} releases, more than the {MAX_RELEASES} allowed")
 
     def entry(self, version: int) -> ReleaseEntry | None:
         return next((entry for entry in self.releases if entry.version == version), None)
@@ -86,4 +86,4 @@ def _parse_entry(value: Any, where: str) -> ReleaseEntry:
     length = typed(item["manifest_length"], int, f"{where}.manifest_length")
     if version < 1 or not 0 < length <= MAX_MANIFEST_BYTES:
         raise BundleFormatError(f"{where}: version ≥ 1 and a manifest length of 1..{MAX_MANIFEST_BYTES} bytes expected")
-    return ReleaseEntry(version, parse_keyid(item["manifest_sha256"], f"{where}.manifest_sha256"), length)
+    return ReleaseEntry(version, parse_sha256_hex(item["manifest_sha256"], f"{where}.manifest_sha256"), length)

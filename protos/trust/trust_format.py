@@ -72,7 +72,7 @@ def strictly(what: str, parse: Callable[[], Any]) -> Any:
     """Run a parser built on :mod:`~fctkit.protos.strict_json`, its errors reported as this file's."""
     try:
         return parse()
-    except BundleFormatError as exc:
+    except (BundleFormatError, TrustFormatError) as exc:
         raise TrustFormatError(f"{what}: {exc}") from exc
 
 
@@ -85,17 +85,16 @@ def parse_signatures(value: Any, where: str) -> tuple[Signature, ...]:
 
 def _parse_signature(value: Any, where: str) -> Signature:
     item = exact_keys(value, ("keyid", "sig"), where)
-    keyid, sig = typed(item["keyid"], str, f"{where}.keyid"), typed(item["sig"], str, f"{where}.sig")
-    if not _HEX64.fullmatch(keyid):
-        raise BundleFormatError(f"{where}.keyid: expected 64 lowercase hex digits")
+    keyid, sig = parse_sha256_hex(item["keyid"], f"{where}.keyid"), typed(item["sig"], str, f"{where}.sig")
     if not _SIG_HEX.fullmatch(sig):
         raise BundleFormatError(f"{where}.sig: expected an Ed25519 signature as 128 lowercase hex digits")
     return Signature(keyid, bytes.fromhex(sig))
 
 
-def parse_keyid(value: Any, where: str) -> str:
+def parse_sha256_hex(value: Any, where: str) -> str:
+    """A SHA-256 as 64 lowercase hex digits: a key id, or a manifest's digest."""
     if not isinstance(value, str) or not _HEX64.fullmatch(value):
-        raise BundleFormatError(f"{where}: expected a key id (64 lowercase hex digits), got {value!r:.80}")
+        raise BundleFormatError(f"{where}: expected a SHA-256 as 64 lowercase hex digits, got {value!r:.80}")
     return value
 
 

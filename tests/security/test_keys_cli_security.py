@@ -100,6 +100,15 @@ def test_a_root_without_enough_signatures_is_refused_unless_partial_and_then_co_
     assert "signed root v2" in second and "complete: signed by a threshold of the previous" in second
 
 
+def test_a_key_that_would_not_count_does_not_sign_a_root(workdir, root_v1):
+    root_file, _ = root_v1
+    before = root_file.read_bytes()
+    with pytest.raises(TrustError, match="is not a root key of root v1"):
+        CliRunner().invoke(keys_command, ["sign", str(root_file), "--key", str(publisher(workdir, "eve")[0])],
+                           catch_exceptions=False)
+    assert root_file.read_bytes() == before
+
+
 def test_show_prints_roles_thresholds_expiry_and_fingerprint(workdir, root_v1):
     root_file, root_print = root_v1
     table = keys("show", root_file)
