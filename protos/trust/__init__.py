@@ -3,10 +3,10 @@ roles, its rotation through a chain of roots, a short-lived timestamp against fr
 mix-and-match, and releases co-signed by k of n publishers.
 
 Decision: the rules are written here, after the TUF specification simplified for one
-repository, rather than taken from ``python-tuf``. python-tuf's ``tuf.api.metadata`` would bring
-securesystemslib and a model built for many repositories (targets, delegations, a separate
-snapshot role, hashed bins) that fctkit does not need, and its client (``ngclient``) owns the
-download loop, which here is fctkit's own gRPC client. The device install must stay numpy +
+repository, rather than taken from ``python-tuf``. python-tuf (6.0) would bring securesystemslib
+and urllib3 to every device; its ``tuf.api.metadata`` models many repositories (targets,
+delegations, a separate snapshot role, hashed bins) that fctkit does not need; and its client
+(``ngclient``) owns the download loop, which here is fctkit's own gRPC client. The device install must stay numpy +
 onnxruntime + grpcio + cryptography; these modules need only the standard library and
 ``cryptography`` (Ed25519), and reuse the bundle format's strict JSON. What is kept from TUF:
 signed roles with thresholds (distinct keys, a key outside the role counts for nothing), a
