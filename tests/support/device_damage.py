@@ -200,6 +200,10 @@ class Tally:
     intact_rows_deleted: int = 0
     examples: dict[str, list[str]] = field(default_factory=dict)
 
+    @property
+    def trials(self) -> int:
+        return sum(self.outcomes.values())
+
     def add(self, trial: Trial, place: str) -> None:
         self.outcomes[trial.outcome] += 1
         self.flags.update(trial.flags)
@@ -212,7 +216,7 @@ class Tally:
                     self.examples[kind].append(trial.detail())
 
     def report(self) -> str:
-        lines = [f"\n{self.title}: {sum(self.outcomes.values())} trials"]
+        lines = [f"\n{self.title}: {self.trials} trials"]
         lines += [f"  {place:44s} " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())) for place, c in sorted(self.by_place.items())]
         lines.append("  total: " + ", ".join(f"{k} {self.outcomes[k]}" for k in OUTCOMES))
         lines.append("  flags: " + (", ".join(f"{k} {v}" for k, v in sorted(self.flags.items())) or "none"))
