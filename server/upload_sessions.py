@@ -38,7 +38,7 @@ ADD_LEASES = """
 ALTER TABLE uploads ADD COLUMN lease_token TEXT NOT NULL DEFAULT '';
 ALTER TABLE uploads ADD COLUMN lease_at REAL NOT NULL DEFAULT 0
 """
-LEASE_STALE_S = 4.0  # a lease not renewed for this long is a dead replica's: another call may take it over
+LEASE_STALE_S = 2.5  # a lease not renewed for this long is a dead replica's: another call may take it over
 
 
 @dataclass(frozen=True)

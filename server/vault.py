@@ -39,7 +39,7 @@ from .upload_sessions import LEASE_STALE_S
 from .validation import chunk_size, invalid, page_size, sha256_field, text_field, timestamp
 
 
-LEASE_RENEW_S = 1.0  # how often a call renews its upload's lease (well within LEASE_STALE_S)
+LEASE_RENEW_S = LEASE_STALE_S / 5  # how often a call renews its upload's lease
 _RUNNING = "an upload of this blob is in progress (from this or another device of the owner, on any replica)"
 
 
