@@ -51,6 +51,7 @@ from .gallery_block_migration import migrate_to_blocks
 from .gallery_blocks import check_item_ids
 from .gallery_sealing import RowSealer
 from .gallery_settings import GallerySettings, stored_name
+from .gallery_repairs import GalleryRepairs
 from .gallery_upgrades import GalleryUpgrades
 from .gallery_vectors import VectorBlocks, reconciled_with_items
 from .sqlite_file import connect, id_chunks, text_match
@@ -60,7 +61,7 @@ from .sqlite_file import transaction as _transaction
 _KEY_CHECK = b"fctkit-gallery-key-check"
 
 
-class Gallery(GalleryUpgrades):
+class Gallery(GalleryUpgrades, GalleryRepairs):
     """An encrypted gallery file. Open with :meth:`create` (new) or :meth:`open` (existing).
 
     Readers and one writer may use the file at the same time (WAL): a query sees one
@@ -429,27 +430,6 @@ class Gallery(GalleryUpgrades):
             self._db.execute(f"DELETE FROM changes WHERE {where}", (param,))
             self._count_rows(-1)
         return True
-
-    def open_rows(self, row_ids: Sequence[int]) -> LoadedRows:
-        """These live rows opened one by one through their pointers, labels too (repair: rows a
-        whole-set load cannot take, e.g. of a block whose list of removed rows fails authentication,
-        which the pointers make redundant); a row that still fails is ``corrupt``."""
-        with _read_snapshot(self._db):
-            live, _ = self._tables()
-            found: list[tuple] = []
-            for chunk, marks in id_chunks([int(r) for r in row_ids]):
-                found += self._db.execute(f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, i.label "
-                                          f"FROM items i JOIN {live} v USING (row_id) WHERE row_id IN ({marks})", chunk).fetchall()
-            return self._vectors.open_pointers(sorted(found), self._sealing.open_label)
-
-    def side_info_widths(self, row_ids: Sequence[int]) -> dict[int, int]:
-        """Each live row's side-info width as its block records it (repair re-seals rows whose side-info was lost)."""
-        live, _ = self._tables()
-        found: dict[int, int] = {}
-        for chunk, marks in id_chunks([int(r) for r in row_ids]):
-            found.update(self._db.execute(f"SELECT v.row_id, b.side_info_width FROM {live} v JOIN vector_blocks b USING (block_id) "
-                                          f"WHERE v.row_id IN ({marks})", chunk).fetchall())
-        return found
 
     def vector_table_rows(self) -> dict[str, int]:
         """Rows per vector table (to tell the live one when its setting is damaged)."""

@@ -69,6 +69,8 @@ class RepairResult:
     rows_missing: int = 0
     extras_dropped: int = 0
     queued_originals_dropped: list[str] = field(default_factory=list)
+    #: rows kept whose label failed to open (their per-row entry was set back from their block first): the label is gone
+    labels_dropped: list[str] = field(default_factory=list)
     #: rows kept whole although a whole-set load failed them (e.g. their block's list of removed rows): sealed again
     rows_sealed_again: list[str] = field(default_factory=list)
     #: rows kept although their side-info failed to open: ψ embedded again from the original ...
@@ -197,6 +199,7 @@ def repair_gallery(gallery: Gallery, open_original: OpenOriginal, installed_vers
     result = RepairResult(settings_restored=settings)
     unknown_count = {"row_count": "0"} if "row_count" in damaged else {}  # forget_rows counts afresh
     with gallery.settings.override({**settings, **unknown_count}):  # the rows are read with the derived settings
+        result.labels_dropped = _mend_entries(gallery)
         rows = gallery.load()  # with the per-row table: rows whose vectors are gone are listed
         embedded = gallery.load(with_side_info=False)  # a side-info record that fails costs the side-info only
         intact = gallery.open_rows([r for r, _, _ in rows.corrupt])  # e.g. a block's dead list failed: pointers suffice
@@ -227,6 +230,17 @@ def repair_gallery(gallery: Gallery, open_original: OpenOriginal, installed_vers
     if len(kept):
         _reseal_side_info(gallery, kept, side_info_again, result)
     return result
+
+
+def _mend_entries(gallery: Gallery) -> list[str]:
+    """Damaged rows whose block is intact (its records authenticate the rows' item ids and tag):
+    their per-row entries are set back from it and a label that fails is dropped, so only the
+    label is lost (:meth:`Gallery.restore_entries`). Returns the items whose label was dropped."""
+    damaged = {r for r, _, _ in gallery.load(with_side_info=False).corrupt}
+    if not damaged:
+        return []
+    authentic = gallery.load(with_labels=False, with_side_info=False)  # the blocks alone
+    return gallery.restore_entries(authentic.subset([k for k, r in enumerate(authentic.row_ids.tolist()) if r in damaged]))
 
 
 def side_info_lost(gallery: Gallery) -> list[str]:

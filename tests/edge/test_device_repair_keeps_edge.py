@@ -150,3 +150,25 @@ def test_side_info_comes_back_from_the_vault_originals_when_none_is_queued(serve
         for item, (tag, embedding, side_info, label) in before.items():
             assert after[item][:2] == (tag, embedding)
             assert np.allclose(np.frombuffer(after[item][2], "<f4"), np.frombuffer(side_info, "<f4"), atol=1e-6)
+
+
+@pytest.mark.parametrize("column, edit, label_kept", [
+    ("label", "UPDATE items SET label = substr(label, 1, 20) || x'00' || substr(label, 22) WHERE row_id = 7", False),
+    ("item_id", "UPDATE items SET item_id = 'intruder' WHERE row_id = 7", True),
+    ("origin_version", "UPDATE items SET origin_version = 7 WHERE row_id = 7", True),
+])
+def test_a_damaged_per_row_entry_costs_at_most_the_label(make_device, tiny_bundles, images, column, edit, label_kept):
+    device = _device_with_queued_originals(make_device, tiny_bundles, images, f"entry-{column}", n=20)
+    queries, root = images(6, seed=16), device.root
+    answers, labels = _answers(device, queries), dict(zip(device.gallery.load().item_ids, device.gallery.load().labels))
+    device.close()
+    with sqlite3.connect(root / "gallery.sqlite") as db:
+        db.execute(edit)
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        assert [r[1] for r in damaged.check()["damaged_rows"]] in (["r0006"], ["intruder"])
+        report = damaged.repair()
+        assert report["rows_forgotten"] == [] and report["labels_dropped"] == ([] if label_kept else ["r0006"])
+        assert report["damaged_after"] == 0 and _answers(damaged, queries) == answers
+        rows = damaged.gallery.load()
+        assert dict(zip(rows.item_ids, rows.labels)) == {**labels, **({} if label_kept else {"r0006": None})}
