@@ -2,9 +2,10 @@
 
 :class:`PartialUploads` is what the Vault needs: how many bytes of an upload are held, dropping
 the bytes from an offset on, a writer that appends from an offset, the finished bytes as one
-local file (to hash and store), and removal. :class:`PartialFiles` keeps each upload as one file under ``DATA/tmp/uploads`` (the
-embedded server); :class:`fctkit.server.object_store.S3Partials` keeps it as part objects in the
-bucket, so an upload begun on one replica resumes on any other.
+local file (to hash and store), and removal. :class:`PartialFiles` keeps each upload as one
+file under ``DATA/tmp/uploads`` (the embedded server);
+:class:`fctkit.server.object_store.S3Partials` keeps it as part objects in the bucket, so an
+upload begun on one replica resumes on any other.
 """
 
 from __future__ import annotations

@@ -154,9 +154,9 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
             yield lease
         finally:
             keeper.cancel()
+            lease.end()  # first: awaiting a keeper that failed re-raises its error
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
-            lease.end()
 
     async def Upload(self, requests, context):
         device_id, owner_id = current_device_id(), current_owner_id()
