@@ -44,13 +44,14 @@ the replica's blocks (changes already sealed and pulled records kept stay single
 
 from __future__ import annotations
 
+import base64
 import sqlite3
 from pathlib import Path
 
-from fctkit.errors import DeviceKeyError, GalleryError
+from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryError
 
 from .crypto import Sealer
-from .gallery_settings import ESSENTIAL, GallerySettings, add_macs, authentic
+from .gallery_settings import ESSENTIAL, GallerySettings, add_macs, authentic, setting_mac
 from .gallery_vectors import BLOCKS_SCHEMA
 from .sqlite_file import transaction
 
@@ -115,7 +116,25 @@ def check_essential(path: Path, db: sqlite3.Connection, sealer: Sealer, meta: di
         return
     if not any(authentic(sealer, k, v, m) for k, (v, m) in meta.items()):
         raise DeviceKeyError(f"{path} was not sealed with this device key: use the gallery's own key file (nothing was changed)")
-    raise GallerySettings(db, sealer, path).error(bad)
+    settings = GallerySettings(db, sealer, path)
+    recovered = settings.recovered()  # a damaged name or byte the MAC still vouches for: used now, rewritten by repair
+    meta.update({k: (recovered[k], setting_mac(sealer, k, recovered[k])) for k in bad if k in recovered})
+    left = [k for k in bad if k not in recovered]
+    if _key_check_holds(meta, sealer):  # gallery id and key check vouch for each other: only their MACs are damaged
+        left = [k for k in left if k not in ("gallery_id", "key_check")]
+    if left == ["schema_version"] and meta["schema_version"][0] == str(SCHEMA_VERSION):  # no one byte makes it another
+        left = []
+    if left:
+        raise settings.error(left)
+
+
+def _key_check_holds(meta: dict[str, tuple], sealer: Sealer) -> bool:
+    try:
+        gallery_id = bytes.fromhex(meta["gallery_id"][0])
+        sealer.open(base64.b64decode(meta["key_check"][0]), b"key-check|" + gallery_id, "key check")
+    except (CorruptRecordError, ValueError, KeyError, TypeError):
+        return False
+    return True
 
 
 def vector_tables(settings: GallerySettings, path: Path) -> tuple[str, str]:
@@ -134,7 +153,8 @@ def execute_script(db: sqlite3.Connection, script: str) -> None:
 def still_at(db: sqlite3.Connection, from_schema: str) -> bool:
     """Whether the gallery is (still) at ``from_schema``; inside a transaction, another process
     cannot migrate it meanwhile."""
-    return db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == from_schema
+    row = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    return row is not None and row[0] == from_schema  # None: its name was damaged (its value recovered by check_essential)
 
 
 def _add_replication(db: sqlite3.Connection, sealer: Sealer) -> None:

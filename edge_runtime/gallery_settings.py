@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from fctkit.errors import GalleryDamagedError
 
@@ -25,6 +25,9 @@ from .crypto import Sealer
 REQUIRED = ("schema_version", "gallery_id", "key_check", "query_version", "live_vectors", "replica_cursor", "row_count")
 #: without these the gallery cannot be opened at all
 ESSENTIAL = ("schema_version", "gallery_id", "key_check")
+#: every setting name but the numbered ``uncertainty:vN`` (a damaged name is recognised by its MAC)
+KNOWN = (*REQUIRED, "upgrade", "transition", "backfill")
+RECOVERED_BYTES = 512  # longest value whose damaged byte is searched for (about 0.1 s per 100 bytes)
 
 
 def stored_name(value: object) -> str:
@@ -94,6 +97,30 @@ class GallerySettings:
         present = {key for key, _, _ in rows}
         return sorted({*bad, *(k for k in REQUIRED if k not in present)})
 
+    def opened_essentials(self) -> dict[str, str]:
+        """The :data:`ESSENTIAL` settings as stored, for a gallery that opened: opening vouched for
+        them (their MACs, one recovered byte, or the key check), so repair can seal them again."""
+        rows = self._db.execute(f"SELECT key, value FROM meta WHERE key IN ({','.join('?' * len(ESSENTIAL))})", ESSENTIAL)
+        return {key: value for key, value in rows if isinstance(value, str)}
+
+    def recovered(self) -> dict[str, str]:
+        """Damaged settings whose MAC still authenticates them, by name: a name that is damaged
+        (its MAC holds under a known name), a name or value read back as another type, or one
+        damaged byte of the value (the one byte whose correction the MAC accepts)."""
+        found: dict[str, str] = {}
+        for key, value, mac in self._db.execute("SELECT key, value, mac FROM meta").fetchall():
+            if not isinstance(mac, bytes) or authentic(self._sealer, key, value, mac):
+                continue
+            name, text = stored_name(key), stored_name(value)
+            holds = [k for k in ((name,) if name in KNOWN else KNOWN) if setting_mac(self._sealer, k, text) == mac]
+            if holds:
+                found[holds[0]] = text
+            elif name in KNOWN:
+                fixed = _one_byte_fixed(text, lambda v, n=name, m=mac: setting_mac(self._sealer, n, v) == m)
+                if fixed is not None:
+                    found[name] = fixed
+        return found
+
     def error(self, keys: Iterable[str]) -> GalleryDamagedError:
         keys = tuple(keys)
         if set(keys) & set(ESSENTIAL):
@@ -104,6 +131,21 @@ class GallerySettings:
                       "to rebuild the gallery from the owner's replica")
         return GalleryDamagedError(f"{self._path}: gallery setting(s) {', '.join(keys)} failed authentication or are "
                                    f"missing (the file was modified or damaged); nothing was changed; {advice}", keys)
+
+
+def _one_byte_fixed(text: str, holds: Callable[[str], bool]) -> str | None:
+    """``text`` with one byte changed such that ``holds`` accepts it (None: no such byte)."""
+    raw = text.encode("utf-8", "surrogateescape")
+    for at in range(min(len(raw), RECOVERED_BYTES)):
+        for byte in range(256):
+            candidate = raw[:at] + bytes([byte]) + raw[at + 1:]
+            try:
+                value = candidate.decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            if byte != raw[at] and holds(value):
+                return value
+    return None
 
 
 def add_macs(db: sqlite3.Connection, sealer: Sealer) -> None:

@@ -148,20 +148,24 @@ def _utf8(text: str) -> bool:
 def derived_settings(gallery: Gallery, damaged: Sequence[str], installed_versions: Sequence[int]) -> tuple[dict[str, str | None], str | None]:
     """New values (None: delete) for the damaged settings that can be derived, and the live
     table to empty when an upgrade is given up; a setting that cannot be derived raises."""
-    values: dict[str, str | None] = {}
+    found = {**gallery.settings.opened_essentials(), **gallery.settings.recovered()}  # vouched for by opening, or their MACs
+    recovered = {k: v for k, v in found.items() if k in damaged}
+    damaged = [k for k in damaged if k not in recovered]
+    values: dict[str, str | None] = dict(recovered)  # written back as they were
     for key in damaged:
         if key in DROPPED_WHEN_DAMAGED or key.startswith(DROPPED_PREFIXES) or not _known_setting(key):
             values[key] = None  # an unknown name is a damaged one: dropped (the setting it was is then missing)
         elif key == "replica_cursor":
             values[key] = "0"
-    live = gallery.settings.get("live_vectors") if "live_vectors" not in damaged else _derived_live(gallery, damaged)
+    live = recovered.get("live_vectors") or (gallery.settings.get("live_vectors") if "live_vectors" not in damaged
+                                             else _derived_live(gallery, damaged))
     if "live_vectors" in damaged:
         values["live_vectors"] = live
     if "query_version" in damaged:
         versions = gallery.table_versions(live)
         values["query_version"] = str(max(versions) if versions else max(installed_versions, default=0))
     other = VECTOR_TABLES[1 - VECTOR_TABLES.index(live)]
-    upgrade = None if "upgrade" in damaged else gallery.settings.get("upgrade")
+    upgrade = recovered.get("upgrade") or (None if "upgrade" in damaged else gallery.settings.get("upgrade"))
     upgrade_given_up = "upgrade" in damaged or (upgrade is not None and "live_vectors" in damaged) or (
         upgrade is None and gallery.vector_table_rows()[other] > 0)  # staged rows of an upgrade whose setting's name was lost
     if upgrade_given_up:

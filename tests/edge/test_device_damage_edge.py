@@ -270,3 +270,23 @@ def test_repair_on_an_enrolled_device_with_a_pointer_moved_to_a_free_row_id(serv
         assert report["rows_forgotten"] == [] and report["damaged_after"] == 0 and state(damaged) == expected
         damaged.add(images(2, seed=8), item_ids=["q0", "q1"])  # new rows take free row ids
         assert damaged.check()["damaged"] == 0 and len(damaged.gallery) == 14
+
+
+@pytest.mark.parametrize("key", ["schema_version", "gallery_id", "key_check", "query_version"])
+@pytest.mark.parametrize("part", ["key", "value", "mac"])
+def test_an_essential_setting_with_one_damaged_byte_still_opens_and_repair_seals_it_again(make_device, tiny_bundles, images,
+                                                                                           key, part):
+    device = _device(make_device, tiny_bundles, images)
+    queries, root = images(2, seed=9), device.root
+    before = _answers(device, queries)
+    device.close()
+    with sqlite3.connect(root / "gallery.sqlite") as db:
+        value = db.execute(f"SELECT CAST({part} AS BLOB) FROM meta WHERE key = ?", (key,)).fetchone()[0]
+        damaged = bytearray(value)
+        damaged[len(damaged) // 2] ^= 0x01  # the MAC vouches for the setting it was
+        db.execute(f"UPDATE meta SET {part} = {'?' if part == 'mac' else 'CAST(? AS TEXT)'} WHERE key = ?", (bytes(damaged), key))
+    with Device.open(root) as opened:
+        opened.progress = False
+        assert key in opened.check()["damaged_settings"]
+        report = opened.repair()
+        assert report["damaged_after"] == 0 and opened.gallery.settings.damaged() == [] and _answers(opened, queries) == before
