@@ -270,11 +270,11 @@ def _reseal_side_info(gallery: Gallery, kept: LoadedRows, side_info_again: SideI
     groups: dict[tuple[VersionTag, int, bool], list[int]] = {}
     values: list[np.ndarray] = []
     for k, (row_id, tag) in enumerate(zip(kept.row_ids.tolist(), kept.tags, strict=True)):
-        width = widths.get(row_id, 0)
-        value = np.asarray(again.get(row_id, np.full(width, np.nan)), dtype=np.float32).reshape(-1)
-        restored = width == 0 or (len(value) == width and bool(np.isfinite(value).all()))
-        values.append(value if restored else np.full(width, np.nan, dtype=np.float32))
-        groups.setdefault((tag, width, restored), []).append(k)
+        value = again.get(row_id)  # the model's own width, whatever the block's (unsealed) width column says
+        if value is None or not np.isfinite(value).all():  # the mark, at the width the block records (0: nothing lost)
+            value = np.full(widths.get(row_id, 0), np.nan)
+        values.append(np.asarray(value, dtype=np.float32).reshape(-1))
+        groups.setdefault((tag, len(values[-1]), not np.isnan(values[-1]).any()), []).append(k)
     for restored in (True, False):
         batches = [UpgradedRows(kept.row_ids[g].tolist(), [kept.item_ids[k] for k in g], tag, tag, take_rows(kept.embeddings, g),
                                 np.stack([values[k] for k in g]).reshape(len(g), width))

@@ -172,3 +172,21 @@ def test_a_damaged_per_row_entry_costs_at_most_the_label(make_device, tiny_bundl
         assert report["damaged_after"] == 0 and _answers(damaged, queries) == answers
         rows = damaged.gallery.load()
         assert dict(zip(rows.item_ids, rows.labels)) == {**labels, **({} if label_kept else {"r0006": None})}
+
+
+def test_a_damaged_side_info_width_costs_nothing_when_the_originals_are_at_hand(make_device, tiny_bundles, images):
+    device = _device_with_queued_originals(make_device, tiny_bundles, images, "width", n=30)
+    before, root = state(device), device.root
+    device.close()
+    with sqlite3.connect(root / "gallery.sqlite") as db:  # the width column is not sealed; the record it describes fails
+        db.execute("UPDATE vector_blocks SET side_info_width = side_info_width + 1")
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        report = damaged.repair()
+        assert report["side_info_restored"] == sorted(before) and report["side_info_lost"] == [] and report["damaged_after"] == 0
+        after = state(damaged)  # the same model on the same originals, at the model's own width
+        for item, (tag, embedding, side_info, label) in before.items():
+            assert after[item][:2] == (tag, embedding) and after[item][3] == label
+            assert np.allclose(np.frombuffer(after[item][2], "<f4"), np.frombuffer(side_info, "<f4"), atol=1e-6)
+        damaged.upgrade(tiny_bundles[2])
+        assert damaged.gallery.tag_counts() == {"v1->v2 (forward)": 30}
