@@ -25,12 +25,12 @@ Change = tuple[str, int, str, object]  # table, rowid, column, the value changed
 def device_dir(make_device, tiny_bundles, images, monkeypatch) -> Path:
     """Rows of v1 upgraded to v2 in three blocks, a block of v2 rows, labels, queued originals, and
     an upgrade to v3 stopped after its first batch (staged blocks); closed, WAL checkpointed."""
-    device = make_device("swept", batch_size=8)
+    device = make_device("swept", batch_size=6)
     device.upgrade(tiny_bundles[1])
     for k in range(3):
-        device.add(images(8, seed=k), item_ids=[f"a{k}{i}" for i in range(8)], labels=[f"L{k}{i}" for i in range(8)], upload=False)
+        device.add(images(6, seed=k), item_ids=[f"a{k}{i}" for i in range(6)], labels=[f"L{k}{i}" for i in range(6)], upload=False)
     device.upgrade(tiny_bundles[2])
-    device.add(images(8, seed=7), item_ids=[f"b{i}" for i in range(8)], labels=[f"M{i}" for i in range(8)], upload=False)
+    device.add(images(6, seed=7), item_ids=[f"b{i}" for i in range(6)], labels=[f"M{i}" for i in range(6)], upload=False)
     _staged(device, tiny_bundles[3], monkeypatch)
     root = device.root
     device.close()
@@ -120,4 +120,4 @@ def test_every_plaintext_value_changed_raises_only_kit_errors(device_dir, images
         for problem in _session(work, queries):
             found.setdefault(problem, []).append(f"{change[0]}.{change[2]} (rowid {change[1]})")
     assert not found, "\n".join(f"{p} <- {len(where)}x, e.g. {where[:3]}" for p, where in found.items())
-    assert tried > 400  # every table's values were reached (a few changes break a UNIQUE constraint and are skipped)
+    assert tried > 300  # every table's values were reached (a few changes break a UNIQUE constraint and are skipped)
