@@ -16,7 +16,7 @@ from tests.edge.test_replication_edge import enrolled, server, state  # noqa: F4
 
 import fctkit.edge_runtime.upgrade as upgrade_module
 from fctkit.edge_runtime import Device
-from fctkit.errors import FctkitError, GalleryDamagedError, GalleryError
+from fctkit.errors import GalleryDamagedError, GalleryError
 
 
 def _device(make_device, tiny_bundles, images, name: str = "dev", n: int = 12, **settings) -> Device:
