@@ -18,13 +18,14 @@ from typing import Literal
 
 import numpy as np
 
-from fctkit.errors import FctkitError, InputError, ItemError
+from fctkit.errors import DeviceError, FctkitError, InputError, ItemError
 from fctkit.feature_checks import nonfinite_items
 
 from .device_parts import DeviceParts
 from .engine import Engine
 from .gallery_rows import LoadedRows, NewRow, VersionTag
 from .scoring import TransitionState, store_hubness_offsets
+from .upgrade_plan import UpgradePlan, transform_rows
 from .vault_blob import original_items, seal_image, stored_original
 
 OnBadItem = Literal["refuse", "skip"]
@@ -107,12 +108,13 @@ def _from_vault(parts: DeviceParts, shas: dict[str, str]) -> dict[str, np.ndarra
 
 
 def side_infos_again(parts: DeviceParts, rows: LoadedRows, *, online: bool) -> dict[int, np.ndarray]:
-    """ψ of ``rows`` (their side-info was lost: repair) embedded again by the side-info model of
-    their own version from their originals, queued on the device or (``online``) in the vault;
-    row id -> ψ. Rows of a version not installed, adapted rows (their ψ came through a path),
-    and rows whose original cannot be had or embedded are left out."""
+    """ψ of ``rows`` (their side-info was lost: repair) embedded again from their originals,
+    queued on the device or (``online``) in the vault: by the side-info model of the row's origin
+    version, then, for an adapted row, along the installed path to its version (as an upgrade
+    moved it); row id -> ψ. Rows whose bundles or path are not installed, or whose original
+    cannot be had or embedded, are left out."""
     installed = set(parts.bundles.versions())
-    wanted = {rows.item_ids[k]: k for k, t in enumerate(rows.tags) if t.origin_version == t.version and t.version in installed}
+    wanted = {rows.item_ids[k]: k for k, t in enumerate(rows.tags) if {t.origin_version, t.version} <= installed}
     originals: dict[str, np.ndarray] = {}
     for item_id, blob in parts.gallery.replica_log.outbox():
         if item_id in wanted:
@@ -127,25 +129,29 @@ def side_infos_again(parts: DeviceParts, rows: LoadedRows, *, online: bool) -> d
         except FctkitError:  # the server is away: the rows keep their mark
             pass
     found: dict[int, np.ndarray] = {}
-    for version in {rows.tags[wanted[i]].version for i in originals}:
-        ids = [i for i in originals if rows.tags[wanted[i]].version == version]
+    for tag in {rows.tags[wanted[i]] for i in originals}:
+        ids = [i for i in originals if rows.tags[wanted[i]] == tag]
         try:
-            engine = parts.engine(version)
-        except FctkitError:  # its bundle is damaged or gone: the rows keep their mark
+            found.update(zip([int(rows.row_ids[wanted[i]]) for i in ids], _side_infos(parts, tag, [originals[i] for i in ids])))
+        except (FctkitError, ValueError):  # a bundle damaged or gone, no path, originals it refuses: the rows keep their mark
             continue
-        found.update(_side_infos(engine, [int(rows.row_ids[wanted[i]]) for i in ids], [originals[i] for i in ids]))
     return found
 
 
-def _side_infos(engine: Engine, row_ids: list[int], originals: list[np.ndarray]) -> dict[int, np.ndarray]:
-    """row id -> ψ of the originals that ``engine``'s side-info model takes."""
-    if not engine.manifest.side_info_dim:
-        return {r: np.zeros(0, np.float32) for r in row_ids}
-    try:
-        done = engine.embed_items("side_info", original_items(originals, raw=engine.takes_items), keep_going=True)
-    except (FctkitError, ValueError):  # originals it refuses (not finite, or of unlike shapes): the rows keep their mark
-        return {}
-    return {row_ids[position]: vector for position, vector in zip(done.good, done.vectors, strict=True)}
+def _side_infos(parts: DeviceParts, tag: VersionTag, originals: list[np.ndarray]) -> np.ndarray:
+    """ψ of rows tagged ``tag`` from their originals (see :func:`side_infos_again`)."""
+    engine = parts.engine(tag.origin_version)
+    items = original_items(originals, raw=engine.takes_items)
+    side_infos = engine.side_info(items)
+    if tag.version == tag.origin_version:
+        return side_infos
+    hops = parts.bundles.hops(tag.origin_version, tag.version)
+    if hops is None:
+        raise DeviceError(f"no installed path from v{tag.origin_version} to v{tag.version}")
+    plan = UpgradePlan(tag.version, "forward", tuple(hops))
+    engines = {h.bundle: parts.engine(h.bundle) for h in hops}
+    native = VersionTag(tag.origin_version, tag.origin_version, "native")
+    return transform_rows(plan, engines, native, engine.embed(items), side_infos)[2]
 
 
 def checked_items(engine: Engine, items):

@@ -190,3 +190,21 @@ def test_a_damaged_side_info_width_costs_nothing_when_the_originals_are_at_hand(
             assert np.allclose(np.frombuffer(after[item][2], "<f4"), np.frombuffer(side_info, "<f4"), atol=1e-6)
         damaged.upgrade(tiny_bundles[2])
         assert damaged.gallery.tag_counts() == {"v1->v2 (forward)": 30}
+
+
+def test_the_side_info_of_adapted_rows_comes_back_along_their_path(make_device, tiny_bundles, images):
+    device = _device_with_queued_originals(make_device, tiny_bundles, images, "adapted", n=40)
+    device.upgrade(tiny_bundles[2])  # v1 rows moved by v2's adapters: their ψ went through g
+    before, root = state(device), device.root
+    assert {tag for tag, *_ in before.values()} == {"v1->v2 (forward)"}
+    _flip_side_info(device)
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        report = damaged.repair()
+        assert report["side_info_restored"] == sorted(before) and report["side_info_lost"] == [] and report["damaged_after"] == 0
+        after = state(damaged)
+        for item, (tag, embedding, side_info, label) in before.items():
+            assert after[item][:2] == (tag, embedding)
+            assert np.allclose(np.frombuffer(after[item][2], "<f4"), np.frombuffer(side_info, "<f4"), atol=1e-5)
+        damaged.upgrade(tiny_bundles[3])
+        assert damaged.version == 3 and len(damaged.gallery) == 40
