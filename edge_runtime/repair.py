@@ -11,8 +11,9 @@
   ``live_vectors`` (the vector table that holds rows) and ``query_version`` (the version the
   live rows are in; for an empty gallery the newest installed version);
 * a row whose side-info alone fails to open is kept (its embedding, label and tag are intact):
-  it is written again in place with ψ embedded again by its version's side-info model from its
-  original (queued on the device, or in the vault), or, with no original at hand, with NaN ψ and
+  it is written again in place with ψ embedded again from its original (queued on the device, or
+  in the vault) by its origin version's side-info model and, for an adapted row, moved along the
+  installed path to its version; or, with no original at hand, with NaN ψ and
   listed under ``side_info_lost`` (`status` lists them too); an upgrade whose adapters take
   side-info refuses such rows by name rather than guess their ψ (remove them and add their
   originals again), one that does not carries the mark along;
