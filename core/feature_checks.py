@@ -44,7 +44,7 @@ def nonfinite_items(item_ids: Sequence[str], *arrays: np.ndarray) -> list[str]:
     for array in arrays:
         if array.dtype == object:
             finite &= np.fromiter((np.isfinite(np.asarray(r, np.float64)).all() for r in array), dtype=bool, count=len(array))
-        else:
+        elif len(array):  # no rows: nothing to check (a (0, d) reshape cannot infer d)
             finite &= np.isfinite(array.reshape(len(array), -1)).all(axis=1)
     return [item_ids[i] for i in np.flatnonzero(~finite).tolist()]
 

@@ -290,3 +290,13 @@ def test_an_essential_setting_with_one_damaged_byte_still_opens_and_repair_seals
         assert key in opened.check()["damaged_settings"]
         report = opened.repair()
         assert report["damaged_after"] == 0 and opened.gallery.settings.damaged() == [] and _answers(opened, queries) == before
+
+
+def test_a_gallery_whose_every_block_fails_is_reported_by_status_and_check(make_device, tiny_bundles, images):
+    device = make_device("one-block")
+    device.upgrade(tiny_bundles[1])
+    device.add(images(6, seed=5), item_ids=[f"it{i}" for i in range(6)], upload=False)  # one block
+    root = device.root
+    _sql(device, "UPDATE vector_blocks SET embedding = zeroblob(length(embedding))")
+    with Device.open(root) as damaged:
+        assert damaged.status()["damaged_rows"] == 6 and len(damaged.check()["damaged_rows"]) == 6
