@@ -125,7 +125,9 @@ class Trial:
     def detail(self) -> str:
         errors = {name: run.error for name, run in self.runs.items() if run.error}
         codes = " ".join(f"{name}={run.code}" for name, run in self.runs.items())
-        return f"{self.where}: {self.outcome} [{', '.join(self.flags)}] {codes} {errors or ''}"[:600]
+        said = next((f"{name} said {run.stderr.strip().splitlines()[-1][:200]!r}" for name, run in self.runs.items()
+                     if run.code == ERROR_EXIT and run.stderr.strip()), "")
+        return f"{self.where}: {self.outcome} [{', '.join(self.flags)}] {codes} {errors or ''} {said}"[:900]
 
 
 def session(pristine: Pristine, root: Path, where: str, genuine: Path | None = None) -> Trial:
