@@ -220,8 +220,8 @@ def repair_command(root, passphrase_env) -> None:
         try:
             report = device.repair()
         except GalleryDamagedError as exc:  # its own advice would be to run repair again
-            raise GalleryDamagedError(f"`fctkit device repair` could not finish: {_reason(exc)}. Running it again will not "
-                                      f"help: restore a backup of the device directory, or {REBUILD}", exc.settings) from None
+            raise GalleryDamagedError(f"the repair could not finish: {_reason(exc)}. Running it again will not help: "
+                                      f"restore a backup of the device directory, or {REBUILD}", exc.settings) from None
     _echo_report(report, damaged=bool(report["damaged_after"]))
 
 

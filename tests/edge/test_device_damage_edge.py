@@ -243,7 +243,7 @@ def test_a_repair_that_cannot_finish_says_what_to_do_instead_and_status_exits_3(
     assert device_cli("status", "--dir", str(root)).returncode == 3
     repair = device_cli("repair", "--dir", str(root))
     assert repair.returncode == 2 and "could not finish" in repair.stderr and "malformed" in repair.stderr
-    assert "restore a backup" in repair.stderr and "run `fctkit device repair" not in repair.stderr
+    assert "restore a backup" in repair.stderr and "device repair" not in repair.stderr
     help_text = device_cli("--help").stdout
     assert "Exit codes" in help_text and "3    damage reported" in help_text
 
