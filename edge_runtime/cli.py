@@ -68,8 +68,7 @@ def device_command() -> None:
     \b
     Exit codes:
       0    done
-      1    a file argument that cannot be opened
-      2    a usage error, or refused: the kit's error message on stderr
+      2    a usage error, or refused: the kit's error message on stderr says why and what to do
       3    damage reported: `query` answered without damaged rows or labels, `status`/`check`
            found damage, or `repair` left damage it cannot fix on the device
       130  interrupted
