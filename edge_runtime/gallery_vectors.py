@@ -102,7 +102,7 @@ class VectorBlocks:
 
     def _write_block(self, vector_set: str, tag: VersionTag, row_ids: np.ndarray, item_ids: list[str],
                      embeddings: np.ndarray, side_infos: np.ndarray) -> int:
-        if self.sequence_behind():
+        if self.damaged_sequences():
             raise GalleryDamagedError(f"{self._db.path}: the file's id counters (sqlite_sequence) are damaged, so a new block "
                                       "could reuse an id (nothing was written): run `fctkit device repair --dir DIR`, then try again")
         block_id = self._db.execute("SELECT COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'vector_blocks'), 0) + 1").fetchone()[0]
@@ -151,13 +151,9 @@ class VectorBlocks:
         self._db.execute("DELETE FROM vector_blocks WHERE block_id = ?", (block.block_id,))
         return True
 
-    def sequence_behind(self) -> bool:
-        """Whether an id counter (``sqlite_sequence``) is damaged: behind its table's highest id (a
-        new block would reuse an id) or past any id (SQLite would say the disk is full)."""
-        return bool(self.damaged_sequences())
-
     def damaged_sequences(self) -> list[str]:
-        """The tables whose id counter is damaged (:meth:`sequence_behind`)."""
+        """The tables whose id counter (``sqlite_sequence``) is damaged: behind the table's highest
+        id (a new block would reuse an id) or past any id (SQLite would say the disk is full)."""
         found = []
         for table in SEQUENCED:
             seq, top = self._db.execute(f"SELECT (SELECT seq FROM sqlite_sequence WHERE name = ?), (SELECT MAX(rowid) FROM {table})",
@@ -175,17 +171,19 @@ class VectorBlocks:
     def misplaced(self, vector_set: str) -> list[tuple[int, int | None, VersionTag | None]]:
         """(row id, block id, tag) of the rows of ``vector_set`` whose pointer is damaged: it names
         another block or tag than the block holding the row alive (then that block and its tag),
-        no block holds the row (None, None), or the row is alive in a block without a pointer."""
-        holding: dict[int, tuple[int, VersionTag]] = {}
+        no block holds the row (None, None), or the row is alive in a block without a pointer. A
+        row alive in two blocks (a damaged list of row ids) keeps the one its pointer names."""
+        holding: dict[int, list[tuple[int, VersionTag]]] = {}
         for row in self._db.execute(f"SELECT {_META} FROM vector_blocks WHERE vector_set = ?", (vector_set,)):
             block = self._stored(row)
-            holding.update(dict.fromkeys(block.row_ids[block.alive()].tolist(), (block.block_id, block.tag)))
+            for row_id in block.row_ids[block.alive()].tolist():
+                holding.setdefault(row_id, []).append((block.block_id, block.tag))
         found: list[tuple[int, int | None, VersionTag | None]] = []
         for row_id, version, via, block_id in self._db.execute(f"SELECT row_id, version, via, block_id FROM {vector_set}"):
-            held = holding.pop(row_id, None)
-            if held is None or (held[0], held[1].version, held[1].via) != (block_id, version, via):
-                found.append((row_id, *held) if held is not None else (row_id, None, None))
-        return found + [(r, b, tag) for r, (b, tag) in holding.items()]
+            held = holding.pop(row_id, [])
+            if not any((b, tag.version, tag.via) == (block_id, version, via) for b, tag in held):
+                found.append((row_id, *held[0]) if held else (row_id, None, None))
+        return found + [(r, *held[0]) for r, held in holding.items()]
 
     def repoint(self, vector_set: str, rows: Sequence[tuple[int, int, VersionTag]]) -> None:
         """Repair, inside its transaction: point these (row id, block id, tag) rows to their blocks."""

@@ -300,3 +300,20 @@ def test_a_gallery_whose_every_block_fails_is_reported_by_status_and_check(make_
     _sql(device, "UPDATE vector_blocks SET embedding = zeroblob(length(embedding))")
     with Device.open(root) as damaged:
         assert damaged.status()["damaged_rows"] == 6 and len(damaged.check()["damaged_rows"]) == 6
+
+
+def test_a_row_id_doubled_by_a_damaged_block_costs_that_block_only_and_the_upgrade_goes_on(make_device, tiny_bundles, images):
+    device = _device(make_device, tiny_bundles, images)
+    root = device.root
+    device.close()
+    with sqlite3.connect(root / "gallery.sqlite") as db:
+        row_ids = np.frombuffer(db.execute("SELECT row_ids FROM vector_blocks WHERE block_id = 3").fetchone()[0], "<i8").copy()
+        row_ids[0] = 2  # row 9's id now reads 2, a row of block 1
+        db.execute("UPDATE vector_blocks SET row_ids = ? WHERE block_id = 3", (row_ids.tobytes(),))
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        assert [r for r, _, _ in damaged.check()["damaged_rows"]] == [9, 10, 11, 12]
+        report = damaged.repair()
+        assert report["rows_removed"] == ["it08", "it09", "it10", "it11"] and report["damaged_after"] == 0
+        assert damaged.gallery._db.execute("SELECT block_id FROM vector_blocks").fetchall() == [(1,), (2,)]  # it went
+        assert damaged.upgrade(tiny_bundles[2]) == 8 and damaged.gallery.tag_counts() == {"v1->v2 (forward)": 8}
