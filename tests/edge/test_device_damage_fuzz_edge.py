@@ -21,7 +21,8 @@ rows deleted by repair, ...).
   and the gallery as it was.
 
 The targets are asserted: 0 tracebacks, 0 silent wrong answers, 0 intact rows deleted by
-repair. `make test` runs a small sample; the issue's sizes (``-s`` prints the counts)::
+repair, and none of the flags the issue names as defects (``DEFECT_FLAGS``: status exit 0 while
+check reports damage, a damaged bundle with no way back, a failed repair advising repair). `make test` runs a small sample; the issue's sizes (``-s`` prints the counts)::
 
     FCTKIT_FUZZ_DEVICE_FLIPS=700 FCTKIT_FUZZ_TARGETED=400 FCTKIT_FUZZ_DISK_LEVELS=8 \\
         .venv/bin/python -m pytest -s tests/edge/test_device_damage_fuzz_edge.py

@@ -31,6 +31,9 @@ DAMAGED_EXIT, ERROR_EXIT = 3, 2
 EVERY_ROW = 5000
 #: the primary classes, worst first; a trial gets the first that applies
 OUTCOMES = ("traceback", "silent wrong", "reported", "refused", "unaffected")
+#: flags the issue names as defects ("status exits non-zero when check would", "a damaged installed
+#: bundle is repairable", "when repair itself fails it tells the user to run repair"); the other flags are reported only
+DEFECT_FLAGS = ("status exit 0, check reports damage", "damaged bundle, no way back", "failed repair advises repair")
 
 
 @dataclass(frozen=True)
@@ -228,11 +231,12 @@ class Tally:
         return "\n".join(lines)
 
     def failures(self) -> list[str]:
-        """What breaks the issue's targets: tracebacks, silent wrong answers, intact rows deleted."""
+        """What breaks the issue's targets: tracebacks, silent wrong answers, intact rows deleted,
+        and the flags the issue names as defects (:data:`DEFECT_FLAGS`)."""
         bad = [f"{self.outcomes[k]} {k}" for k in ("traceback", "silent wrong") if self.outcomes[k]]
         if self.intact_rows_deleted:
             bad.append(f"{self.intact_rows_deleted} intact rows deleted by repair")
-        return bad
+        return bad + [f"{self.flags[flag]} {flag}" for flag in DEFECT_FLAGS if self.flags[flag]]
 
 
 def damaged_copy(pristine: Path, dest: Path) -> Path:
