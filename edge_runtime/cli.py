@@ -215,12 +215,12 @@ def repair_command(root, passphrase_env) -> None:
     enrolled device), damaged per-row extras and queued originals are dropped. Prints what was
     restored and what was removed (JSON); exits 3 when damage remains (the message says how to
     rebuild the gallery from the replica)."""
-    with _open(root, passphrase_env) as device:
-        try:
+    try:
+        with _open(root, passphrase_env) as device:
             report = device.repair()
-        except GalleryDamagedError as exc:  # its own advice would be to run repair again
-            raise GalleryDamagedError(f"the repair could not finish: {_reason(exc)}. Running it again will not help: "
-                                      f"restore a backup of the device directory, or {REBUILD}", exc.settings) from None
+    except GalleryDamagedError as exc:  # opening or repairing: its own advice would be to run repair again
+        raise GalleryDamagedError(f"the repair could not finish: {_reason(exc)}. Running it again will not help: "
+                                  f"restore a backup of the device directory, or {REBUILD}", exc.settings) from None
     _echo_report(report, damaged=bool(report["damaged_after"]))
 
 

@@ -73,7 +73,10 @@ class GallerySearch:
             vectors = vectors[:, : index.vectors.shape[1]]  # the prefix older rows are compared on (BT²)
         found = index.search(vectors, k)
         self.damaged_labels = []  # reported like damaged rows: never a silent "label": null
-        labels = self.gallery.labels({int(rows.row_ids[j]) for idx in found.indices for j in idx}, self.damaged_labels)  # matches' only
+        matched = {int(rows.row_ids[j]): rows.item_ids[j] for idx in found.indices for j in idx}  # labels of matches only
+        labels = self.gallery.labels(matched, self.damaged_labels)
+        self.damaged_labels += [(row_id, item_id, "its per-row entry cannot be found in the items table (the file is damaged)")
+                                for row_id, item_id in matched.items() if row_id not in labels]
         return [
             [Match(rows.item_ids[j], float(d), labels.get(int(rows.row_ids[j])), str(rows.tags[j])) for j, d in zip(idx, dist, strict=True)]
             for idx, dist in zip(found.indices, found.distances, strict=True)

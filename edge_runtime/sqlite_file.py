@@ -150,6 +150,10 @@ class transaction:
                 raise
         elif self.db.in_transaction:  # SQLite may have rolled back already (a damaged page)
             self.db.execute("ROLLBACK")
+        if exc_type is not None and issubclass(exc_type, sqlite3.IntegrityError):
+            # a constraint no caller turned into its own message: a table and its index disagree
+            raise GalleryDamagedError(f"{getattr(self.db, 'path', 'the gallery')} refused a write: SQLite says {exc!r}; a "
+                                      f"table and its index disagree, so the file is damaged (nothing was written). {RECOVERY}") from None
 
 
 class read_snapshot(transaction):

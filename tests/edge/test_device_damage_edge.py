@@ -16,6 +16,7 @@ from tests.edge.test_replication_edge import enrolled, server, state  # noqa: F4
 
 import fctkit.edge_runtime.upgrade as upgrade_module
 from fctkit.edge_runtime import Device
+from fctkit.edge_runtime.sqlite_file import transaction
 from fctkit.errors import GalleryDamagedError, GalleryError
 
 
@@ -317,3 +318,33 @@ def test_a_row_id_doubled_by_a_damaged_block_costs_that_block_only_and_the_upgra
         assert report["rows_removed"] == ["it08", "it09", "it10", "it11"] and report["damaged_after"] == 0
         assert damaged.gallery._db.execute("SELECT block_id FROM vector_blocks").fetchall() == [(1,), (2,)]  # it went
         assert damaged.upgrade(tiny_bundles[2]) == 8 and damaged.gallery.tag_counts() == {"v1->v2 (forward)": 8}
+
+
+def test_a_matched_row_whose_items_entry_is_gone_is_reported_not_answered_with_a_null_label(make_device, tiny_bundles, images):
+    device = _device(make_device, tiny_bundles, images)
+    root = device.root
+    _sql(device, "DELETE FROM items WHERE row_id = 1")  # as a damaged b-tree page of `items` can leave it: not found
+    proc = device_cli("query", "--dir", str(root), _npy(root, images(1, seed=5)[:1]), "-k", "3")
+    assert proc.returncode == 3, proc.stderr
+    assert '"item_id": "it00"' in proc.stdout and "row 1" in proc.stderr and "items table" in proc.stderr
+
+
+def test_a_constraint_no_caller_expected_is_damage_and_writes_nothing(make_device, tiny_bundles, images):
+    device = _device(make_device, tiny_bundles, images)
+    gallery = device.gallery
+    queued = gallery.replica_log.outbox()
+    with pytest.raises(GalleryDamagedError, match="a table and its index disagree.*nothing was written"):
+        with transaction(gallery._db) as db:
+            db.execute("DELETE FROM outbox WHERE item_id = ?", (queued[1][0],))
+            db.execute("INSERT INTO outbox VALUES (?, ?)", queued[0])  # as a flipped outbox page makes repair's writes collide
+    assert gallery.replica_log.outbox() == queued
+
+
+def test_a_repair_that_cannot_open_the_file_does_not_advise_repair(make_device, tiny_bundles, images):
+    device = _device(make_device, tiny_bundles, images)
+    root = device.root
+    _sql(device, "PRAGMA writable_schema = ON", "UPDATE sqlite_schema SET sql = 'CREATE TABLE row_extras (' WHERE name = 'row_extras'")
+    assert device_cli("status", "--dir", str(root)).returncode != 0
+    repair = device_cli("repair", "--dir", str(root))
+    assert repair.returncode == 2 and "could not finish" in repair.stderr and "malformed" in repair.stderr
+    assert "restore a backup" in repair.stderr and "device repair" not in repair.stderr
