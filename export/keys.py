@@ -19,8 +19,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from fctkit.errors import PublisherKeyError, TrustError
-from fctkit.protos.bundle import SIGNATURE_FILE, fsync_dir, load_public_key, pack_bundle, public_key_id, unpack_bundle
+from fctkit.protos.bundle import SIGNATURE_FILE, load_public_key, pack_bundle, public_key_id, unpack_bundle
 from fctkit.protos.bundle_vocabulary import SIGNATURES_FILE
+from fctkit.protos.durable_files import write_atomic
 from fctkit.protos.trust import (
     DEFAULT_FRESHNESS_LIMIT_S,
     MAX_ROOT_BYTES,
@@ -228,22 +229,7 @@ def write_root(path: str | os.PathLike, signed: Signed[Root], *, replace: bool =
     path = Path(path)
     if not replace and path.exists():
         raise TrustError(f"{path} already exists: roots are never overwritten; give another --out")
-    return _write_atomic(path, signed.to_bytes())
-
-
-def _write_atomic(path: Path, data: bytes) -> Path:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-    return path
+    return write_atomic(path, signed.to_bytes())
 
 
 def sign_root_file(path: str | os.PathLike, private_key: Ed25519PrivateKey) -> Signed[Root]:
@@ -269,7 +255,7 @@ def sign_release(bundle: str | os.PathLike, private_key: Ed25519PrivateKey) -> S
     if any(s.keyid == signature.keyid for s in signatures):
         raise TrustError(f"{bundle} is already signed by key {signature.keyid[:16]}…: another publisher must co-sign")
     co_signers = tuple(signatures[1:]) + (signature,)  # signatures[0] is manifest.sig's
-    _write_atomic(bundle / SIGNATURES_FILE, release_signatures_bytes(co_signers))
+    write_atomic(bundle / SIGNATURES_FILE, release_signatures_bytes(co_signers))
     return signature
 
 
