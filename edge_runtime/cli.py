@@ -225,8 +225,8 @@ def repair_command(root, passphrase_env) -> None:
 
 
 def _reason(exc: GalleryDamagedError) -> str:
-    """What failed, without the advice to run check or repair that the error carries elsewhere."""
-    return str(exc).split(REBUILD)[0].split("; run `fctkit device")[0].replace(RECOVERY, "").rstrip(" .;")
+    """What failed, without the advice (to run check or repair) that the error carries elsewhere."""
+    return str(exc).split(REBUILD)[0].split("; run ")[0].replace(RECOVERY, "").rstrip(" .;")
 
 
 @device_command.command("sync")
