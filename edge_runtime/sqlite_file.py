@@ -118,10 +118,14 @@ def connect(path: Path, *, new: bool = False) -> GuardedConnection:
         raise damaged(path, exc) from None
     db.path = path
     db.text_factory = lambda data: data.decode("utf-8", "surrogateescape")
-    if new:
-        db.execute(f"PRAGMA page_size={PAGE_SIZE}")
-    db.execute("PRAGMA journal_mode=WAL")
-    db.execute("PRAGMA synchronous=FULL")
+    try:
+        if new:
+            db.execute(f"PRAGMA page_size={PAGE_SIZE}")
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+    except BaseException:  # a file SQLite cannot read: closed now, not by the garbage collector later
+        db.close()
+        raise
     return db
 
 

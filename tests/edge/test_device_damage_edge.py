@@ -348,3 +348,26 @@ def test_a_repair_that_cannot_open_the_file_does_not_advise_repair(make_device, 
     repair = device_cli("repair", "--dir", str(root))
     assert repair.returncode == 2 and "could not finish" in repair.stderr and "malformed" in repair.stderr
     assert "restore a backup" in repair.stderr and "device repair" not in repair.stderr
+
+
+def test_a_file_sqlite_cannot_read_leaves_no_connection_open(make_device, tiny_bundles, images):
+    """The failed open's connection is closed at once, not when the garbage collector meets the
+    error's frames (it then deleted the -shm file under a copy being removed: a race)."""
+    device = _device(make_device, tiny_bundles, images)
+    root = device.root
+    device.close()
+    with open(root / "gallery.sqlite", "r+b") as fh:
+        fh.write(b"not an SQLite fil")  # the header: every statement fails, the first one included
+    with pytest.raises(GalleryDamagedError) as failed:
+        Device.open(root)
+    held, exc = [], failed.value
+    while exc is not None:
+        tb = exc.__traceback__
+        while tb is not None:
+            held += [v for v in tb.tb_frame.f_locals.values() if isinstance(v, sqlite3.Connection)]
+            tb = tb.tb_next
+        exc = exc.__context__
+    assert held, "the test no longer reaches the connection it checks"
+    for connection in held:
+        with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+            connection.execute("SELECT 1")

@@ -11,6 +11,7 @@ dropped are *intact rows deleted by repair*.
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import shutil
@@ -241,6 +242,7 @@ class Tally:
 
 def damaged_copy(pristine: Path, dest: Path) -> Path:
     if dest.exists():
+        gc.collect()  # a connection a failed command left to the collector must not close (and delete -shm) mid-rmtree
         shutil.rmtree(dest)
     shutil.copytree(pristine, dest)
     return dest
