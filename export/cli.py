@@ -60,7 +60,11 @@ _REASON = click.option("--reason", help="why the gate is overridden; required wi
 def keys_command() -> None:
     """Signing keys (Ed25519) and the root of trust: a publisher key pair (`generate`); an
     offline root with k-of-n root keys (`init-root`), its next versions (`add-publisher`,
-    `remove-publisher`, `rotate-root`), co-signing a root or a release (`sign`), `show`."""
+    `remove-publisher`, `rotate-root`), co-signing a root or a release (`sign`), `show`.
+
+    Devices and the server do not check roots yet: a device still pins one publisher key
+    (`generate`) and verifies a release's `manifest.sig` with it. The root commands write and
+    check the offline root files and co-signatures that devices will pin."""
 
 
 @keys_command.command("generate")
@@ -164,8 +168,8 @@ def init_root_command(out_dir: Path, root_keys: int, root_threshold: int, publis
                       publisher_threshold: int, timestamp_keys: tuple[Path, ...], expires_days: int, freshness_days: float,
                       passphrase_file: Path | None) -> None:
     """Create the root of trust offline: n root keys (each passphrase-wrapped; hand each to its
-    holder and keep them off networked machines) and root.1.json signed by all of them. Give
-    devices root.1.json or the fingerprint printed here (--root-fingerprint)."""
+    holder and keep them off networked machines) and root.1.json signed by all of them, and
+    print its fingerprint (SHA-256 of its signed part). Devices do not pin roots yet."""
     root_path, signed, key_paths = init_root(
         out_dir, root_keys=root_keys, root_threshold=root_threshold, publisher_keys=_public_keys(publisher_keys),
         publisher_threshold=publisher_threshold, timestamp_keys=_public_keys(timestamp_keys), expires_days=expires_days,
