@@ -229,8 +229,7 @@ def _transform_batch(plan: UpgradePlan, engines: Mapping[int, Engine], batch: Lo
             _refuse_nonfinite(nonfinite_items(item_ids, embeddings, side_infos))  # NaN side-info: lost, marked by repair
             raise
         _refuse_nonfinite(nonfinite_items(item_ids, embeddings))
-        groups.append(UpgradedRows(batch.row_ids[rows].tolist(), [batch.item_ids[i] for i in rows],
-                                   tag, new_tag, embeddings, side_infos))
+        groups.append(UpgradedRows(batch.row_ids[rows].tolist(), item_ids, tag, new_tag, embeddings, side_infos))
     return groups
 
 
