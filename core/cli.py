@@ -19,7 +19,7 @@ UNAVAILABLE_HINT = (
 
 # name -> ("module", "attribute", "one-line help"). Parts register here when they add commands.
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
-    "keys": ("fctkit.export.cli", "keys_command", "Publisher keys and the offline root of trust (k of n, rotation, co-signing)."),
+    "keys": ("fctkit.export.keys_cli", "keys_command", "Publisher keys and the offline root of trust (k of n, rotation, co-signing)."),
     "bundle": ("fctkit.export.cli", "bundle_command", "Build, verify and pack signed model bundles."),
     "export": ("fctkit.export.cli", "export_command", "Export a train run as signed, versioned bundles (v1, v2[, v3])."),
     "export-compatible": ("fctkit.export.cli", "export_compatible_command", "Export a train-compatible run's BCT/BT²/CoReS models as signed bundles in mode \"compatible\"."),

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from fctkit.errors import ReleaseSignatureError, ThresholdError, TrustError
-from fctkit.export.cli import keys_command
+from fctkit.export.keys_cli import keys_command
 from fctkit.export.keys import generate_keys, load_private_key, load_root_file
 from fctkit.protos.bundle import public_key_id
 from fctkit.protos.trust import pin_root, read_release_signatures, verify_release, walk_root_chain
@@ -153,3 +153,21 @@ def test_rotate_root_replaces_a_root_key_and_the_timestamp_key(workdir, root_v1)
     walk = walk_root_chain(pin_root(root_file.read_bytes(), root_print),
                            [(workdir / "root" / "root.2.json").read_bytes()], NOW)
     assert walk.timestamp_keys_rotated and len(walk.root.body.role("root").keyids) == 3
+
+
+def test_bundle_verify_with_a_root_checks_the_publisher_threshold(workdir, root_v1, make_bundle):
+    from fctkit.export.cli import bundle_command
+
+    last = add_publishers(workdir, root_v1[0], ("alice", "bob"))
+    alice = load_private_key(workdir / "alice" / "publisher.key", PASSPHRASE.encode())
+    release = make_bundle(workdir / "release" / "v2", alice).root
+    runner = CliRunner()
+    alone = runner.invoke(bundle_command, ["verify", str(release), "--root", str(last)])
+    assert alone.exit_code != 0 and isinstance(alone.exception, ReleaseSignatureError), alone.output
+    keys("sign", release, "--key", workdir / "bob" / "publisher.key")
+    both = runner.invoke(bundle_command, ["verify", str(release), "--root", str(last)], catch_exceptions=False)
+    assert both.exit_code == 0 and "signed by 2 publisher key(s) of the root" in both.output, both.output
+    neither = runner.invoke(bundle_command, ["verify", str(release)])
+    assert neither.exit_code == 2 and "exactly one of --public-key and --root" in neither.output
+    (release / "embed.onnx").write_bytes(b"swapped")  # a threshold of signatures does not excuse a wrong hash
+    assert runner.invoke(bundle_command, ["verify", str(release), "--root", str(last)]).exit_code != 0
