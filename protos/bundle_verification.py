@@ -20,7 +20,7 @@ from .artifact_spec import Artifact
 from .bundle_vocabulary import MANIFEST_FILE, MAX_MANIFEST_BYTES, SIGNATURE_FILE, SIGNATURE_SIZE, SIGNATURES_FILE
 from .durable_files import read_regular_file, require_regular_file
 from .manifest import Manifest
-from .manifest_signature import verify_manifest
+from .trust import MAX_SIGNATURES_BYTES, verify_release_manifest
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,11 @@ class VerifiedBundle:
                 return artifact
         raise BundleFormatError(f"bundle v{self.manifest.version} has no artifact named {name!r}")
 
-def verify_bundle(root: str | os.PathLike, public_key: Any, *, installed_version: int | None = None) -> VerifiedBundle:
-    """Verify a bundle directory: signature, version monotonicity, no stray files, and every
-    artifact's size and SHA-256. Returns the :class:`VerifiedBundle` or raises a
-    :class:`~fctkit.errors.BundleError` subclass naming what failed."""
+def verify_bundle(root: str | os.PathLike, trust: Any, *, installed_version: int | None = None) -> VerifiedBundle:
+    """Verify a bundle directory: signatures under ``trust`` (a pinned publisher key, or a root
+    whose publisher threshold must have signed: :func:`~fctkit.protos.trust.verify_release_manifest`),
+    version monotonicity, no stray files, and every artifact's size and SHA-256. Returns the
+    :class:`VerifiedBundle` or raises a :class:`~fctkit.errors.BundleError` subclass naming what failed."""
     root = Path(root)
     if not root.is_dir():
         raise BundleFormatError(f"{root} is not a bundle directory (a .tar archive: `fctkit device upgrade --bundle` takes "
@@ -68,7 +69,9 @@ def verify_bundle(root: str | os.PathLike, public_key: Any, *, installed_version
         raise SignatureError(f"{root} has no {SIGNATURE_FILE}: the bundle is unsigned; refuse it")
     manifest_bytes = read_regular_file(manifest_path, MAX_MANIFEST_BYTES)
     signature = read_regular_file(signature_path, SIGNATURE_SIZE + 1)
-    manifest = verify_manifest(manifest_bytes, signature, public_key)
+    co_signatures_path = root / SIGNATURES_FILE
+    co_signatures = read_regular_file(co_signatures_path, MAX_SIGNATURES_BYTES + 1) if co_signatures_path.exists() else None
+    manifest = verify_release_manifest(manifest_bytes, signature, co_signatures, trust)
     check_version_is_newer(manifest.version, installed_version)
     expected = {MANIFEST_FILE, SIGNATURE_FILE, SIGNATURES_FILE} | {a.file for a in manifest.artifacts}
     present = {p.name for p in root.iterdir()}

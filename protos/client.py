@@ -34,9 +34,11 @@ from fctkit.config import read_setting_file
 from fctkit.errors import ConfigError, InputError
 
 from . import fleet_pb2, fleet_pb2_grpc, limits, registry_pb2, registry_pb2_grpc, vault_pb2, vault_pb2_grpc
-from .bundle import MANIFEST_FILE, SIGNATURE_FILE, check_version_is_newer, file_sha256, verify_bundle, verify_manifest
+from .bundle import MANIFEST_FILE, SIGNATURE_FILE, check_version_is_newer, file_sha256, verify_bundle
+from .bundle_vocabulary import SIGNATURES_FILE
 from .resumable_transfer import Transfer, chunks_of, download_to_file, stream_download
 from .retry_policy import RetryPolicy, sleep_before_retry, status_error
+from .trust import Timestamp, verify_release_manifest, verify_snapshot_manifest
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,16 @@ class ClientTls:
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
+
+
+@dataclass(frozen=True)
+class TrustUpdate:
+    """What ``GetTrust`` answered: root files after the asked version, the timestamp file, and
+    the latest root version the server holds (all unverified bytes)."""
+
+    roots: list[bytes]
+    timestamp: bytes
+    latest_root_version: int
 
 
 @dataclass(frozen=True)
@@ -193,8 +205,27 @@ class FctkitClient:
 
     def get_manifest(self, version: int) -> tuple[bytes, bytes]:
         """The signed manifest bytes and signature of ``version``, exactly as published."""
-        response = self._unary(self.registry.GetManifest, registry_pb2.GetManifestRequest(version=version))
+        response = self.get_signed_manifest(version)
         return response.manifest, response.signature
+
+    def get_signed_manifest(self, version: int) -> registry_pb2.GetManifestResponse:
+        """``version``'s manifest, its signature and co-signatures (``manifest.sigs.json``) as published."""
+        return self._unary(self.registry.GetManifest, registry_pb2.GetManifestRequest(version=version))
+
+    def get_trust(self, after_root_version: int = 0) -> TrustUpdate:
+        """The roots after ``after_root_version`` (every page) and the current signed timestamp.
+        Nothing here is verified: the device walks the roots and checks the timestamp."""
+        roots: list[bytes] = []
+        while True:
+            request = registry_pb2.GetTrustRequest(after_root_version=after_root_version + len(roots))
+            page = self._unary(self.registry.GetTrust, request)
+            roots.extend(page.roots)
+            if not page.roots or after_root_version + len(roots) >= page.latest_root_version:
+                return TrustUpdate(roots, page.timestamp, page.latest_root_version)
+
+    def publish_root(self, root: bytes) -> registry_pb2.PublishRootResponse:
+        """Admin: add the next root (``root.<N+1>.json``) to the server's chain."""
+        return self._unary(self.registry.PublishRoot, registry_pb2.PublishRootRequest(root=root), retry=False)
 
     def plan_upgrade(self, from_version: int, to_version: int = 0) -> registry_pb2.PlanUpgradeResponse:
         """The hops from ``from_version`` to ``to_version`` (0: the latest)."""
@@ -218,26 +249,34 @@ class FctkitClient:
         """Download an artifact to ``dest``, resuming a ``dest.part`` left by an interrupted try."""
         return download_to_file(self._artifact_stream(version, name), _artifact_digest, dest, self.retry)
 
-    def download_bundle(self, version: int, dest: Path, public_key: Any, *, installed_version: int | None = None):
-        """Fetch bundle ``version`` into the directory ``dest`` (manifest, signature, every
+    def download_bundle(self, version: int, dest: Path, trust: Any, *, installed_version: int | None = None,
+                        timestamp: Timestamp | None = None):
+        """Fetch bundle ``version`` into the directory ``dest`` (manifest, signatures, every
         artifact; files already complete are kept, partial ones resumed) and verify it as a
-        device must: signature under the pinned ``public_key`` (checked before any artifact is
-        fetched), hashes, and version newer than ``installed_version``.
+        device must: the manifest is the one ``timestamp`` names (when given: no mix-and-match),
+        its signatures satisfy ``trust`` (the pinned publisher key or the device's root; checked
+        before any artifact is fetched), hashes, and version newer than ``installed_version``.
         Returns :class:`fctkit.protos.bundle.VerifiedBundle`."""
-        manifest_bytes, signature = self.get_manifest(version)
-        manifest = verify_manifest(manifest_bytes, signature, public_key)
+        signed = self.get_signed_manifest(version)
+        if timestamp is not None:
+            verify_snapshot_manifest(timestamp, version, signed.manifest)
+        manifest = verify_release_manifest(signed.manifest, signed.signature, signed.co_signatures or None, trust)
         check_version_is_newer(manifest.version, installed_version)
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
-        (dest / MANIFEST_FILE).write_bytes(manifest_bytes)
-        (dest / SIGNATURE_FILE).write_bytes(signature)
+        (dest / MANIFEST_FILE).write_bytes(signed.manifest)
+        (dest / SIGNATURE_FILE).write_bytes(signed.signature)
+        if signed.co_signatures:
+            (dest / SIGNATURES_FILE).write_bytes(signed.co_signatures)
+        else:
+            (dest / SIGNATURES_FILE).unlink(missing_ok=True)
         for artifact in manifest.artifacts:
             target = dest / artifact.file
             if target.is_file() and target.stat().st_size == artifact.size and file_sha256(target)[0] == artifact.sha256:
                 continue
             target.unlink(missing_ok=True)
             self.download_artifact(version, artifact.name, target)
-        return verify_bundle(dest, public_key, installed_version=installed_version)
+        return verify_bundle(dest, trust, installed_version=installed_version)
 
     def watch_versions(self, after_version: int = 0) -> Iterator[registry_pb2.VersionInfo]:
         """Published versions after ``after_version``, then new ones as they appear; ends when
@@ -383,12 +422,14 @@ class FctkitClient:
                          response.owner_id)
 
     def report(self, version: int, gallery_size: int, upgrade_state: int, *, target_version: int = 0,
-               progress: float = 0.0, detail: str = "") -> fleet_pb2.ReportResponse:
+               progress: float = 0.0, detail: str = "", root_version: int = 0, trust_stale: bool = False,
+               seconds_since_fresh: int = 0) -> fleet_pb2.ReportResponse:
         """Device: report the installed version, gallery size and upgrade state
-        (``fleet_pb2.UPGRADE_STATE_IDLE`` …)."""
+        (``fleet_pb2.UPGRADE_STATE_IDLE`` …), and how fresh its trust metadata is."""
         request = fleet_pb2.ReportRequest(
             version=version, gallery_size=gallery_size, upgrade_state=upgrade_state,
-            target_version=target_version, progress=progress, detail=detail,
+            target_version=target_version, progress=progress, detail=detail, root_version=root_version,
+            trust_stale=trust_stale, seconds_since_fresh=seconds_since_fresh,
         )
         return self._unary(self.fleet.Report, request)
 

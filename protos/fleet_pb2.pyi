@@ -67,20 +67,26 @@ class EnrolResponse(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., publisher_public_key: _Optional[bytes] = ..., publisher_key_id: _Optional[str] = ..., owner_id: _Optional[str] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
-    __slots__ = ("version", "gallery_size", "upgrade_state", "target_version", "progress", "detail")
+    __slots__ = ("version", "gallery_size", "upgrade_state", "target_version", "progress", "detail", "root_version", "trust_stale", "seconds_since_fresh")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     GALLERY_SIZE_FIELD_NUMBER: _ClassVar[int]
     UPGRADE_STATE_FIELD_NUMBER: _ClassVar[int]
     TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    ROOT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRUST_STALE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_FRESH_FIELD_NUMBER: _ClassVar[int]
     version: int
     gallery_size: int
     upgrade_state: UpgradeState
     target_version: int
     progress: float
     detail: str
-    def __init__(self, version: _Optional[int] = ..., gallery_size: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., target_version: _Optional[int] = ..., progress: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+    root_version: int
+    trust_stale: bool
+    seconds_since_fresh: int
+    def __init__(self, version: _Optional[int] = ..., gallery_size: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., target_version: _Optional[int] = ..., progress: _Optional[float] = ..., detail: _Optional[str] = ..., root_version: _Optional[int] = ..., trust_stale: _Optional[bool] = ..., seconds_since_fresh: _Optional[int] = ...) -> None: ...
 
 class ReportResponse(_message.Message):
     __slots__ = ("recorded_at", "latest_version")
@@ -91,7 +97,7 @@ class ReportResponse(_message.Message):
     def __init__(self, recorded_at: _Optional[str] = ..., latest_version: _Optional[int] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
-    __slots__ = ("device_id", "name", "label", "enrolled_at", "last_report_at", "version", "gallery_size", "upgrade_state", "target_version", "progress", "detail", "vault_bytes", "vault_blobs", "owner_id", "revoked_at")
+    __slots__ = ("device_id", "name", "label", "enrolled_at", "last_report_at", "version", "gallery_size", "upgrade_state", "target_version", "progress", "detail", "vault_bytes", "vault_blobs", "owner_id", "revoked_at", "root_version", "trust_stale", "seconds_since_fresh")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +113,9 @@ class DeviceInfo(_message.Message):
     VAULT_BLOBS_FIELD_NUMBER: _ClassVar[int]
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
+    ROOT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRUST_STALE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_FRESH_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     name: str
     label: str
@@ -122,7 +131,10 @@ class DeviceInfo(_message.Message):
     vault_blobs: int
     owner_id: str
     revoked_at: str
-    def __init__(self, device_id: _Optional[str] = ..., name: _Optional[str] = ..., label: _Optional[str] = ..., enrolled_at: _Optional[str] = ..., last_report_at: _Optional[str] = ..., version: _Optional[int] = ..., gallery_size: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., target_version: _Optional[int] = ..., progress: _Optional[float] = ..., detail: _Optional[str] = ..., vault_bytes: _Optional[int] = ..., vault_blobs: _Optional[int] = ..., owner_id: _Optional[str] = ..., revoked_at: _Optional[str] = ...) -> None: ...
+    root_version: int
+    trust_stale: bool
+    seconds_since_fresh: int
+    def __init__(self, device_id: _Optional[str] = ..., name: _Optional[str] = ..., label: _Optional[str] = ..., enrolled_at: _Optional[str] = ..., last_report_at: _Optional[str] = ..., version: _Optional[int] = ..., gallery_size: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., target_version: _Optional[int] = ..., progress: _Optional[float] = ..., detail: _Optional[str] = ..., vault_bytes: _Optional[int] = ..., vault_blobs: _Optional[int] = ..., owner_id: _Optional[str] = ..., revoked_at: _Optional[str] = ..., root_version: _Optional[int] = ..., trust_stale: _Optional[bool] = ..., seconds_since_fresh: _Optional[int] = ...) -> None: ...
 
 class ListDevicesRequest(_message.Message):
     __slots__ = ("page_size", "page_token")

@@ -82,14 +82,16 @@ class GetManifestRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class GetManifestResponse(_message.Message):
-    __slots__ = ("version", "manifest", "signature")
+    __slots__ = ("version", "manifest", "signature", "co_signatures")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CO_SIGNATURES_FIELD_NUMBER: _ClassVar[int]
     version: int
     manifest: bytes
     signature: bytes
-    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    co_signatures: bytes
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., co_signatures: _Optional[bytes] = ...) -> None: ...
 
 class PlanUpgradeRequest(_message.Message):
     __slots__ = ("from_version", "to_version")
@@ -198,3 +200,33 @@ class PublishBundleResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     version: VersionInfo
     def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ...) -> None: ...
+
+class GetTrustRequest(_message.Message):
+    __slots__ = ("after_root_version",)
+    AFTER_ROOT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    after_root_version: int
+    def __init__(self, after_root_version: _Optional[int] = ...) -> None: ...
+
+class GetTrustResponse(_message.Message):
+    __slots__ = ("roots", "latest_root_version", "timestamp")
+    ROOTS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_ROOT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    roots: _containers.RepeatedScalarFieldContainer[bytes]
+    latest_root_version: int
+    timestamp: bytes
+    def __init__(self, roots: _Optional[_Iterable[bytes]] = ..., latest_root_version: _Optional[int] = ..., timestamp: _Optional[bytes] = ...) -> None: ...
+
+class PublishRootRequest(_message.Message):
+    __slots__ = ("root",)
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    root: bytes
+    def __init__(self, root: _Optional[bytes] = ...) -> None: ...
+
+class PublishRootResponse(_message.Message):
+    __slots__ = ("root_version", "fingerprint")
+    ROOT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    root_version: int
+    fingerprint: str
+    def __init__(self, root_version: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...

@@ -66,6 +66,16 @@ class RegistryStub:
                 request_serializer=fctkit_dot_v1_dot_registry__pb2.PublishBundleRequest.SerializeToString,
                 response_deserializer=fctkit_dot_v1_dot_registry__pb2.PublishBundleResponse.FromString,
                 _registered_method=True)
+        self.GetTrust = channel.unary_unary(
+                '/fctkit.v1.Registry/GetTrust',
+                request_serializer=fctkit_dot_v1_dot_registry__pb2.GetTrustRequest.SerializeToString,
+                response_deserializer=fctkit_dot_v1_dot_registry__pb2.GetTrustResponse.FromString,
+                _registered_method=True)
+        self.PublishRoot = channel.unary_unary(
+                '/fctkit.v1.Registry/PublishRoot',
+                request_serializer=fctkit_dot_v1_dot_registry__pb2.PublishRootRequest.SerializeToString,
+                response_deserializer=fctkit_dot_v1_dot_registry__pb2.PublishRootResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -125,6 +135,27 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTrust(self, request, context):
+        """The root of trust after `after_root_version` (root.<N>.json files, one version at a time, at
+        most 32 per call: ask again after the last one while `latest_root_version` is higher) and the
+        current timestamp, signed by the server's online timestamp key. A device walks the roots,
+        then checks the timestamp against the last root. FAILED_PRECONDITION when the server was
+        started without a root (with --publisher-key only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishRoot(self, request, context):
+        """Admin only. Add the next root (root.<N+1>.json, signed by a threshold of the current root's
+        root keys and of its own): devices walk to it at their next sync, and from then on releases
+        must be signed by its publisher threshold. INVALID_ARGUMENT for a root that does not follow
+        the latest one; FAILED_PRECONDITION when the server has no root.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +188,16 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.PublishBundle,
                     request_deserializer=fctkit_dot_v1_dot_registry__pb2.PublishBundleRequest.FromString,
                     response_serializer=fctkit_dot_v1_dot_registry__pb2.PublishBundleResponse.SerializeToString,
+            ),
+            'GetTrust': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrust,
+                    request_deserializer=fctkit_dot_v1_dot_registry__pb2.GetTrustRequest.FromString,
+                    response_serializer=fctkit_dot_v1_dot_registry__pb2.GetTrustResponse.SerializeToString,
+            ),
+            'PublishRoot': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishRoot,
+                    request_deserializer=fctkit_dot_v1_dot_registry__pb2.PublishRootRequest.FromString,
+                    response_serializer=fctkit_dot_v1_dot_registry__pb2.PublishRootResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -323,6 +364,60 @@ class Registry:
             '/fctkit.v1.Registry/PublishBundle',
             fctkit_dot_v1_dot_registry__pb2.PublishBundleRequest.SerializeToString,
             fctkit_dot_v1_dot_registry__pb2.PublishBundleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTrust(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fctkit.v1.Registry/GetTrust',
+            fctkit_dot_v1_dot_registry__pb2.GetTrustRequest.SerializeToString,
+            fctkit_dot_v1_dot_registry__pb2.GetTrustResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishRoot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fctkit.v1.Registry/PublishRoot',
+            fctkit_dot_v1_dot_registry__pb2.PublishRootRequest.SerializeToString,
+            fctkit_dot_v1_dot_registry__pb2.PublishRootResponse.FromString,
             options,
             channel_credentials,
             insecure,

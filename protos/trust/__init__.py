@@ -30,7 +30,9 @@ What the next layer calls:
   and :func:`verify_timestamp`, :func:`verify_snapshot_manifest` for each manifest it downloads,
   and :func:`verify_release` (with :func:`read_release_signatures` for a bundle folder) before it
   installs; :func:`freshness` for ``device status`` and the fleet report ("stale: possible freeze").
-  Migration of a device pinning ``publisher.pub``: a root whose publisher role is that key, threshold 1.
+  Migration of a device pinning ``publisher.pub``: :func:`verify_migration` on root v1 (signed by
+  that key as well as by its own root keys), then the walk. Bundles are checked with
+  :func:`verify_release_manifest` under a :data:`ReleaseTrust` (the root, or the legacy key).
 - the server: :func:`parse_root` to check the chain it serves, :func:`make_timestamp` over the
   manifests on offer and ``Signed(timestamp).signed_by(online_key)`` to sign it.
 - the offline tools (``fctkit keys …``, :mod:`fctkit.export.keys`): :class:`Root`,
@@ -42,6 +44,7 @@ from __future__ import annotations
 from .release_signatures import parse_release_signatures, read_release_signatures, release_signatures_bytes
 from .root_metadata import DEFAULT_FRESHNESS_LIMIT_S, ROLE_NAMES, RoleKeys, Root, parse_root, root_fingerprint
 from .timestamp_metadata import ReleaseEntry, Timestamp, make_timestamp, parse_timestamp
+from .release_trust import ReleaseTrust, verify_release_manifest
 from .trust_format import (
     MAX_ROOT_BYTES,
     MAX_SIGNATURES_BYTES,
@@ -61,6 +64,7 @@ from .trust_rules import (
     timestamp_keys_changed,
     timestamp_version_floor,
     verify_release,
+    verify_migration,
     verify_root_update,
     verify_self_signed,
     verify_snapshot_manifest,
@@ -71,8 +75,8 @@ from .trust_rules import (
 __all__ = [
     "DEFAULT_CLOCK_TOLERANCE_S", "DEFAULT_FRESHNESS_LIMIT_S", "MAX_ROOT_BYTES", "MAX_SIGNATURES_BYTES",
     "MAX_TIMESTAMP_BYTES", "ROLE_NAMES", "Freshness", "ReleaseEntry", "RoleKeys", "Root", "RootWalk", "Signature",
-    "Signed", "Timestamp", "check_not_expired", "format_time", "freshness", "make_timestamp", "parse_release_signatures",
+    "ReleaseTrust", "Signed", "Timestamp", "check_not_expired", "format_time", "freshness", "make_timestamp", "parse_release_signatures",
     "parse_root", "parse_timestamp", "pin_root", "read_release_signatures", "release_signatures_bytes",
     "root_fingerprint", "sign_bytes", "timestamp_keys_changed", "timestamp_version_floor", "verify_release",
-    "verify_root_update", "verify_self_signed", "verify_snapshot_manifest", "verify_timestamp", "walk_root_chain",
+    "verify_migration", "verify_release_manifest", "verify_root_update", "verify_self_signed", "verify_snapshot_manifest", "verify_timestamp", "walk_root_chain",
 ]

@@ -16,6 +16,9 @@ from fctkit.errors import (
     SnapshotMismatchError,
 )
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from ..manifest_signature import public_key_id
 from .root_metadata import Root, parse_root, root_fingerprint
 from .timestamp_metadata import Timestamp
 from .trust_format import Signature, Signed, format_time, require_threshold, require_utc
@@ -71,6 +74,23 @@ def pin_root(data: bytes, fingerprint: str | None, *, trust_on_first_use: bool =
         raise RootChainError(f"the root offered has fingerprint {root_fingerprint(root)[:16]}…, not the "
                              f"{fingerprint[:16]}… this device was given: refused (a wrong or forged root)")
     return verify_self_signed(root)
+
+
+def verify_migration(publisher_key: Ed25519PublicKey, first: Signed[Root]) -> Signed[Root]:
+    """The first root a device that pinned one publisher key (``publisher.pub``) moves to: root
+    v1, self-signed, listing that key in its publisher role, and signed by that key too (the
+    key stands for the implicit root before v1, so only its holder can move the device)."""
+    keyid = public_key_id(publisher_key)
+    version = first.body.version
+    if version != 1:
+        raise RootChainError(f"a device pinning one publisher key moves to root v1 first, not v{version}")
+    if keyid not in first.body.role("publisher").keyids:
+        raise RootChainError(f"root v1 does not list this device's publisher key {keyid[:16]}… as a publisher: "
+                             "refused (a root of another publisher)")
+    require_threshold(first.signed_bytes, first.signatures, {keyid: publisher_key}, (keyid,), 1,
+                      f"root v1 (the publisher key {keyid[:16]}… this device pinned; the publisher signs it with "
+                      "`fctkit keys sign root.1.json --key publisher.key`)")
+    return verify_self_signed(first)
 
 
 def verify_root_update(trusted: Signed[Root], new: Signed[Root]) -> Signed[Root]:
