@@ -9,7 +9,6 @@ can co-sign without ever sharing a private key."""
 from __future__ import annotations
 
 import os
-import stat
 import tempfile
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
@@ -22,6 +21,7 @@ from fctkit.errors import PublisherKeyError, TrustError
 from fctkit.protos.bundle import SIGNATURE_FILE, load_public_key, pack_bundle, public_key_id, unpack_bundle
 from fctkit.protos.bundle_vocabulary import SIGNATURES_FILE
 from fctkit.protos.durable_files import write_atomic
+from fctkit.protos.manifest_signature import PASSPHRASE_ENV, load_private_key, read_passphrase
 from fctkit.protos.trust import (
     DEFAULT_FRESHNESS_LIMIT_S,
     MAX_ROOT_BYTES,
@@ -37,7 +37,6 @@ from fctkit.protos.trust import (
 
 PRIVATE_KEY_FILE = "publisher.key"
 PUBLIC_KEY_FILE = "publisher.pub"
-PASSPHRASE_ENV = "FCTKIT_KEY_PASSPHRASE"
 
 
 def generate_keys(out_dir: str | os.PathLike, passphrase: bytes | None = None) -> tuple[Path, Path]:
@@ -83,52 +82,6 @@ def save_public_key(key: Ed25519PublicKey, path: str | os.PathLike) -> Path:
     with open(path, "xb") as fh:
         fh.write(pem)
     return path
-
-
-def load_private_key(path: str | os.PathLike, passphrase: bytes | None = None) -> Ed25519PrivateKey:
-    """Load the publisher's private key; refuses a file readable by group or others."""
-    path = Path(path)
-    try:
-        mode = path.stat().st_mode
-        data = path.read_bytes()
-    except OSError as exc:
-        raise PublisherKeyError(f"cannot read the publisher private key {path}: {exc.strerror}") from exc
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise PublisherKeyError(f"{path} is accessible by group or others (mode {mode & 0o777:o}): run chmod 600 {path}")
-    encrypted = b"ENCRYPTED" in data.split(b"\n", 1)[0]
-    if encrypted and not passphrase:
-        raise PublisherKeyError(
-            f"{path} is passphrase-encrypted: give the passphrase with --passphrase-file or ${PASSPHRASE_ENV}"
-        )
-    try:
-        key = serialization.load_pem_private_key(data, password=passphrase if encrypted else None)
-    except ValueError as exc:
-        hint = "the passphrase is wrong" if encrypted else "it is not a PEM private key"
-        raise PublisherKeyError(f"cannot load {path}: {hint}") from exc
-    except TypeError as exc:
-        raise PublisherKeyError(f"{path} is not encrypted: do not pass a passphrase for it") from exc
-    if not isinstance(key, Ed25519PrivateKey):
-        raise PublisherKeyError(f"{path} holds a {type(key).__name__}, not an Ed25519 private key")
-    return key
-
-
-def read_passphrase(passphrase_file: str | os.PathLike | None = None) -> bytes | None:
-    """The key passphrase from a file (one trailing newline dropped) or ``$FCTKIT_KEY_PASSPHRASE``;
-    ``None`` when neither is given. Never taken from a command-line argument, which other
-    users could read from the process list."""
-    if passphrase_file is not None:
-        try:
-            data = Path(passphrase_file).read_bytes()
-        except OSError as exc:
-            raise PublisherKeyError(f"cannot read the passphrase file {passphrase_file}: {exc.strerror}") from exc
-        data = data[:-2] if data.endswith(b"\r\n") else data[:-1] if data.endswith(b"\n") else data
-    elif os.environ.get(PASSPHRASE_ENV):
-        data = os.environ[PASSPHRASE_ENV].encode()
-    else:
-        return None
-    if not data:
-        raise PublisherKeyError("the passphrase is empty")
-    return data
 
 
 DEFAULT_ROOT_EXPIRY_DAYS = 365

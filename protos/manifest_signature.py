@@ -1,22 +1,27 @@
 """The publisher's signature over a manifest: loading the pinned Ed25519 public key, the key id
-manifests name their publisher by, and checking ``manifest.sig`` over ``manifest.json``."""
+manifests name their publisher by, and checking ``manifest.sig`` over ``manifest.json``; and
+loading an Ed25519 private key file (publisher, root or the server's timestamp key) with its
+passphrase, for the offline tools and the server alike."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from fctkit.errors import PublisherKeyError, SignatureError
 
 from .bundle_vocabulary import MANIFEST_FILE, SIGNATURE_FILE, SIGNATURE_SIZE
 from .manifest import Manifest
+
+PASSPHRASE_ENV = "FCTKIT_KEY_PASSPHRASE"
 
 
 def load_public_key(path_or_bytes: str | os.PathLike | bytes | Ed25519PublicKey) -> Ed25519PublicKey:
@@ -44,6 +49,52 @@ def load_public_key(path_or_bytes: str | os.PathLike | bytes | Ed25519PublicKey)
     if not isinstance(key, Ed25519PublicKey):
         raise PublisherKeyError(f"{where} holds a {type(key).__name__}, not an Ed25519 public key")
     return key
+
+
+def load_private_key(path: str | os.PathLike, passphrase: bytes | None = None) -> Ed25519PrivateKey:
+    """Load the publisher's private key; refuses a file readable by group or others."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        data = path.read_bytes()
+    except OSError as exc:
+        raise PublisherKeyError(f"cannot read the publisher private key {path}: {exc.strerror}") from exc
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise PublisherKeyError(f"{path} is accessible by group or others (mode {mode & 0o777:o}): run chmod 600 {path}")
+    encrypted = b"ENCRYPTED" in data.split(b"\n", 1)[0]
+    if encrypted and not passphrase:
+        raise PublisherKeyError(
+            f"{path} is passphrase-encrypted: give the passphrase with --passphrase-file or ${PASSPHRASE_ENV}"
+        )
+    try:
+        key = serialization.load_pem_private_key(data, password=passphrase if encrypted else None)
+    except ValueError as exc:
+        hint = "the passphrase is wrong" if encrypted else "it is not a PEM private key"
+        raise PublisherKeyError(f"cannot load {path}: {hint}") from exc
+    except TypeError as exc:
+        raise PublisherKeyError(f"{path} is not encrypted: do not pass a passphrase for it") from exc
+    if not isinstance(key, Ed25519PrivateKey):
+        raise PublisherKeyError(f"{path} holds a {type(key).__name__}, not an Ed25519 private key")
+    return key
+
+
+def read_passphrase(passphrase_file: str | os.PathLike | None = None) -> bytes | None:
+    """The key passphrase from a file (one trailing newline dropped) or ``$FCTKIT_KEY_PASSPHRASE``;
+    ``None`` when neither is given. Never taken from a command-line argument, which other
+    users could read from the process list."""
+    if passphrase_file is not None:
+        try:
+            data = Path(passphrase_file).read_bytes()
+        except OSError as exc:
+            raise PublisherKeyError(f"cannot read the passphrase file {passphrase_file}: {exc.strerror}") from exc
+        data = data[:-2] if data.endswith(b"\r\n") else data[:-1] if data.endswith(b"\n") else data
+    elif os.environ.get(PASSPHRASE_ENV):
+        data = os.environ[PASSPHRASE_ENV].encode()
+    else:
+        return None
+    if not data:
+        raise PublisherKeyError("the passphrase is empty")
+    return data
 
 
 def public_key_id(public_key: Ed25519PublicKey) -> str:
