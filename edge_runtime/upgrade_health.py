@@ -1,0 +1,158 @@
+"""Sampled fidelity: a label-free health signal of an upgraded gallery, computed on the device.
+
+After an upgrade the gallery holds h(φ_old(x)) for every row. The device re-embeds a small
+random sample of its rows with the new model, φ_new(x), exactly as backfill does, and
+:func:`upgrade_health` measures how well the adapted rows match the new model's own geometry:
+
+- the cosine between h(φ_old(x)) and φ_new(x) on each sampled row (mean and 10th percentile);
+- self-retrieval: the rank of each sampled row's φ_new(x) among the *whole* adapted gallery by
+  the bundle's distance — is the row's own adapted vector its nearest? — as R@1 and the mean
+  reciprocal rank. The gallery is scanned in blocks (never an N×N matrix), so N may be 1M rows.
+
+Agreement between old-space and adapted-space neighbourhoods cannot serve: any orthogonal map
+keeps every inner product, so a completely wrong rotation would score a perfect overlap. This
+signal compares with φ_new itself.
+
+:func:`sample_rows` draws the sample deterministically from a seed and the row ids.
+
+Privacy: only the aggregates of :class:`UpgradeHealth` (sample size, mean and 10th-percentile
+cosine, R@1, mean reciprocal rank) are meant to leave the device. No vector, row id, sampled
+position or per-row value is part of it.
+
+Numpy only (and :mod:`fctkit.errors`): the device imports it without torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fctkit.errors import InputError
+
+# The distances of a bundle manifest (fctkit.protos.bundle_vocabulary.Distance).
+METRICS = ("cosine", "l2")
+DEFAULT_BLOCK_ROWS = 16_384
+
+
+@dataclass(frozen=True)
+class UpgradeHealth:
+    """The aggregates one upgrade reports: what leaves the device, and nothing more."""
+
+    sample_size: int
+    mean_cosine: float
+    p10_cosine: float
+    recall_at_1: float
+    mean_reciprocal_rank: float
+
+
+def sample_rows(row_ids: Sequence[str], size: int, seed: int) -> np.ndarray:
+    """Positions (ascending) into ``row_ids`` of the ``size`` rows whose ids have the smallest
+    keyed hash under ``seed``: the same seed and ids give the same rows whatever their order,
+    and adding rows changes the sample only where a new id hashes lower."""
+    ids = [str(row_id) for row_id in row_ids]
+    if not 1 <= size <= len(ids):
+        raise InputError(f"a health sample of {size} rows cannot be drawn from {len(ids)} rows; "
+                         f"ask for between 1 and {len(ids)}")
+    if not 0 <= seed < 2**64:
+        raise InputError(f"the sample seed must be in [0, 2**64), got {seed}")
+    if len(set(ids)) != len(ids):
+        raise InputError("row ids repeat; each gallery row needs a distinct id to draw a health sample")
+    key = seed.to_bytes(8, "little")
+    hashes = np.fromiter((int.from_bytes(hashlib.blake2b(i.encode(), key=key, digest_size=8).digest(), "little")
+                          for i in ids), dtype=np.uint64, count=len(ids))
+    return np.sort(np.argsort(hashes, kind="stable")[:size])
+
+
+def upgrade_health(adapted: np.ndarray, sample: np.ndarray, reembedded: np.ndarray, metric: str, *,
+                   block_rows: int = DEFAULT_BLOCK_ROWS) -> UpgradeHealth:
+    """The health of ``adapted`` (N×d, the gallery's rows after the upgrade) measured on the
+    rows at positions ``sample`` (k distinct), whose new-model embeddings are ``reembedded``
+    (k×d, in the order of ``sample``). ``metric``: the bundle's distance, "cosine" or "l2"."""
+    adapted, sample, reembedded = _checked(adapted, sample, reembedded, metric, block_rows)
+    ranks = _ranks(adapted, sample, reembedded, metric, block_rows)
+    cosines = np.einsum("ij,ij->i", _unit(adapted[sample]), _unit(reembedded))
+    return UpgradeHealth(
+        sample_size=len(ranks),
+        mean_cosine=float(cosines.mean()),
+        p10_cosine=float(np.percentile(cosines, 10)),
+        recall_at_1=float(np.mean(ranks == 1)),
+        mean_reciprocal_rank=float(np.mean(1.0 / ranks)),
+    )
+
+
+def self_retrieval_ranks(adapted: np.ndarray, sample: np.ndarray, reembedded: np.ndarray, metric: str, *,
+                         block_rows: int = DEFAULT_BLOCK_ROWS) -> np.ndarray:
+    """Rank (1 = nearest) of each sampled row's own adapted vector when ``reembedded[i]``
+    queries the whole adapted gallery by ``metric``; a tie counts against the row when the
+    other row comes first in the gallery (as the device's search breaks ties)."""
+    return _ranks(*_checked(adapted, sample, reembedded, metric, block_rows), metric, block_rows)
+
+
+def _ranks(adapted: np.ndarray, sample: np.ndarray, reembedded: np.ndarray, metric: str, block_rows: int) -> np.ndarray:
+    queries = _unit(reembedded) if metric == "cosine" else reembedded.astype(np.float64)
+    own = np.diagonal(_scores(queries, adapted[sample], metric)).copy()
+    ahead = np.zeros(len(sample), dtype=np.int64)
+    for first in range(0, len(adapted), block_rows):
+        block = adapted[first:first + block_rows]
+        if not np.isfinite(block).all():
+            bad = first + int(np.flatnonzero(~np.isfinite(block).all(axis=1))[0])
+            raise InputError(f"adapted gallery row {bad} holds NaN or inf; repair the gallery before measuring its health")
+        scores = _scores(queries, block, metric)
+        positions = np.arange(first, first + len(block))
+        earlier = positions[None, :] < sample[:, None]
+        better = (scores > own[:, None]) | ((scores == own[:, None]) & earlier)
+        better[positions[None, :] == sample[:, None]] = False
+        ahead += better.sum(axis=1)
+    return ahead + 1
+
+
+def _scores(queries: np.ndarray, rows: np.ndarray, metric: str) -> np.ndarray:
+    """Similarity of each query to each row (higher = nearer), float64: cosine of unit vectors,
+    or −‖q − g‖² + ‖q‖² (the query's own norm is the same for every row, so it is left out)."""
+    if metric == "cosine":
+        return queries @ _unit(rows).T
+    rows = rows.astype(np.float64)
+    return 2.0 * (queries @ rows.T) - np.einsum("ij,ij->i", rows, rows)[None, :]
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    """Rows scaled to unit length in float64 (any finite float32 row: no overflow); zero rows stay zero."""
+    x = np.asarray(x, dtype=np.float64)
+    norms = np.sqrt(np.einsum("ij,ij->i", x, x))
+    return x / np.where(norms > 0, norms, 1.0)[:, None]
+
+
+def _checked(adapted: np.ndarray, sample: np.ndarray, reembedded: np.ndarray, metric: str,
+             block_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if metric not in METRICS:
+        raise InputError(f"metric {metric!r} is not one of {', '.join(METRICS)} (the bundle manifest's distance)")
+    if block_rows < 1:
+        raise InputError(f"block_rows must be >= 1, got {block_rows}")
+    adapted, reembedded = np.asarray(adapted), np.asarray(reembedded)
+    if adapted.ndim != 2 or not adapted.shape[0] or not adapted.shape[1]:
+        raise InputError(f"the adapted gallery must be a non-empty N×d array, got shape {adapted.shape}")
+    sample = _checked_sample(sample, len(adapted))
+    if reembedded.shape != (len(sample), adapted.shape[1]):
+        raise InputError(f"re-embedded vectors of shape {reembedded.shape} do not match {len(sample)} sampled rows "
+                         f"of dimension {adapted.shape[1]}; re-embed each sampled row with the new model")
+    if not np.isfinite(reembedded).all():
+        raise InputError("re-embedded vectors hold NaN or inf; the new model failed on a sampled row")
+    return adapted, sample, reembedded
+
+
+def _checked_sample(sample: np.ndarray, rows: int) -> np.ndarray:
+    sample = np.asarray(sample)
+    if sample.ndim != 1 or not len(sample):
+        raise InputError(f"the sample must be a non-empty 1-D array of row positions, got shape {sample.shape}")
+    if not np.issubdtype(sample.dtype, np.integer):
+        raise InputError(f"sample positions must be integers, got dtype {sample.dtype}")
+    if len(sample) > rows:
+        raise InputError(f"a sample of {len(sample)} rows is larger than the gallery's {rows} rows")
+    if sample.min() < 0 or sample.max() >= rows:
+        raise InputError(f"sample positions must lie in [0, {rows}); got {int(sample.min())}..{int(sample.max())}")
+    if len(np.unique(sample)) != len(sample):
+        raise InputError("sample positions repeat; draw distinct rows (sample_rows does)")
+    return sample.astype(np.int64)
