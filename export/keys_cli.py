@@ -223,11 +223,15 @@ def _sign_root(target: Path, key: Ed25519PrivateKey) -> None:
     previous = _previous_root(target, current)
     keyid = public_key_id(key.public_key())
     root_keys = {*current.body.role("root").keyids, *(previous.body.role("root").keyids if previous else ())}
-    if keyid not in root_keys:
+    # root v1 signed by a publisher key it lists moves devices that pinned that key (publisher.pub) to the root
+    bridge = current.body.version == 1 and keyid in current.body.role("publisher").keyids
+    if keyid not in root_keys and not bridge:
         raise TrustError(f"key {keyid[:16]}… is not a root key of root v{current.body.version} nor of the one before "
                          "it: its signature would not count; sign with a root-<i>.key")
     signed = sign_root_file(target, key)
     click.echo(f"signed root v{signed.body.version} with key {keyid}")
+    if bridge and keyid not in root_keys:
+        click.echo("(the publisher's migration signature: devices that pinned this key move to this root at their next sync)")
     click.echo(_root_status(previous, signed))
 
 

@@ -70,7 +70,7 @@ def verify_bundle(root: str | os.PathLike, trust: Any, *, installed_version: int
     manifest_bytes = read_regular_file(manifest_path, MAX_MANIFEST_BYTES)
     signature = read_regular_file(signature_path, SIGNATURE_SIZE + 1)
     co_signatures_path = root / SIGNATURES_FILE
-    co_signatures = read_regular_file(co_signatures_path, MAX_SIGNATURES_BYTES + 1) if co_signatures_path.exists() else None
+    co_signatures = read_regular_file(co_signatures_path, MAX_SIGNATURES_BYTES) if co_signatures_path.exists() else None
     manifest = verify_release_manifest(manifest_bytes, signature, co_signatures, trust)
     check_version_is_newer(manifest.version, installed_version)
     expected = {MANIFEST_FILE, SIGNATURE_FILE, SIGNATURES_FILE} | {a.file for a in manifest.artifacts}
