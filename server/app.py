@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import Literal
 
 import grpc
-from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from fctkit.config import read_setting_file
 from fctkit.errors import ConfigError
 from fctkit.protos import fleet_pb2_grpc, limits, registry_pb2_grpc, vault_pb2_grpc
-from fctkit.protos.bundle import load_public_key, public_key_id
+from fctkit.protos.bundle import load_public_key
+from fctkit.protos.manifest_signature import load_private_key, read_passphrase
 
 from fctkit.private_files import make_private, private_umask
 
@@ -29,6 +29,7 @@ from .fleet import FleetService
 from .jsonlog import configure_logging, log_event
 from .registry import Catalog, RegistryService
 from .revocation import OpenStreams
+from .root_of_trust import PublisherKeyRules, ReleaseRules, RootOfTrust
 from .storage import SqliteStorage, Storage
 from .storage_schema import redacted_dsn
 from .vault import VaultService
@@ -39,9 +40,15 @@ class ServerConfig:
     """Everything ``fctkit serve`` takes (build it with :func:`fctkit.config.from_mapping`).
 
     Storage is either ``data_dir`` (SQLite + files: one server) or ``database`` plus
-    ``object_store`` (PostgreSQL + an S3 bucket: any number of replicas)."""
+    ``object_store`` (PostgreSQL + an S3 bucket: any number of replicas). Releases are checked
+    against either ``publisher_key`` (one key) or ``root`` (a root of trust, with the online
+    ``timestamp_keys`` this server signs timestamps with)."""
 
-    publisher_key: Path
+    publisher_key: Path | None = None
+    root: Path | None = None
+    timestamp_keys: tuple[Path, ...] = ()
+    timestamp_passphrase_file: Path | None = None
+    timestamp_expiry_hours: float = 24.0
     data_dir: Path | None = None
     database: str | None = None
     object_store: str | None = None
@@ -63,6 +70,7 @@ class ServerConfig:
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:
+        self._check_trust()
         scale_out = (self.database is not None, self.object_store is not None)
         if self.data_dir is not None and any(scale_out):
             raise ConfigError("choose one storage: --data DIR (embedded), or --database with --object-store (scale-out)")
@@ -84,6 +92,31 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be positive")
         if self.watch_keepalive_s <= 0 or self.shutdown_grace_s < 0:
             raise ConfigError("watch_keepalive_s must be positive and shutdown_grace_s not negative")
+
+    def _check_trust(self) -> None:
+        if (self.publisher_key is None) == (self.root is None):
+            raise ConfigError("releases are checked against one of: --publisher-key publisher.pub (one key), or "
+                              "--root root.json with --timestamp-key (a root of trust); give exactly one")
+        if self.root is not None and not self.timestamp_keys:
+            raise ConfigError("--root needs --timestamp-key KEY: the online key this server signs timestamps with "
+                              "(one the root's timestamp role lists)")
+        if self.root is None and (self.timestamp_keys or self.timestamp_passphrase_file is not None):
+            raise ConfigError("--timestamp-key goes with --root: a server with --publisher-key signs no timestamps")
+        if not MIN_TIMESTAMP_EXPIRY_H <= self.timestamp_expiry_hours <= MAX_TIMESTAMP_EXPIRY_H:
+            raise ConfigError(f"timestamp_expiry_hours is {self.timestamp_expiry_hours}; from {MIN_TIMESTAMP_EXPIRY_H:.3f} "
+                              f"(one minute) to {MAX_TIMESTAMP_EXPIRY_H} (31 days): devices must see a fresh one "
+                              "well within their root's freshness limit")
+
+    def release_rules(self, storage: Storage) -> ReleaseRules:
+        """What releases must be signed by: the publisher key, or the root (reconciled with storage)."""
+        if self.root is None:
+            return PublisherKeyRules(load_public_key(self.publisher_key))
+        passphrase = read_passphrase(self.timestamp_passphrase_file)
+        keys = [load_private_key(path, passphrase) for path in self.timestamp_keys]
+        return RootOfTrust.open(storage, self.root, keys, self.timestamp_expiry_hours * 3600)
+
+
+MIN_TIMESTAMP_EXPIRY_H, MAX_TIMESTAMP_EXPIRY_H = 1 / 60, 31 * 24
 
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
@@ -110,11 +143,14 @@ class FctkitServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.port: int | None = None
-        public_key = load_public_key(config.publisher_key)
-        self._public_key = public_key
         self._storage = open_storage(config)
+        try:
+            self._rules = rules = config.release_rules(self._storage)
+        except BaseException:
+            self._storage.close()
+            raise
         removed = self._storage.collect_garbage()
-        self._catalog = Catalog.load(self._storage, public_key)
+        self._catalog = Catalog.load(self._storage, rules)
         admin_token, self.admin_token_path = load_or_create_admin_token(config.admin_token_file, config.data_dir)
         authenticator = Authenticator(admin_token, self._storage.device_for_token, self._storage.device_owner)
         self._open_streams = open_streams = OpenStreams()  # a revoked device's open streams end at once
@@ -130,9 +166,8 @@ class FctkitServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        raw_key = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         registry_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryService(self._storage, self._catalog, public_key,
+            RegistryService(self._storage, self._catalog, rules,
                             max_bundle_bytes=config.max_bundle_bytes, keepalive_s=config.watch_keepalive_s),
             self._server,
         )
@@ -142,8 +177,8 @@ class FctkitServer:
         vault_pb2_grpc.add_VaultServicer_to_server(self._vault, self._server)
         self._sweeper: asyncio.Task | None = None
         fleet_pb2_grpc.add_FleetServicer_to_server(
-            FleetService(self._storage, publisher_public_key=raw_key, publisher_key_id=public_key_id(public_key),
-                         latest_version=lambda: self._catalog.latest, open_streams=open_streams),
+            FleetService(self._storage, enrolment_key=rules.enrolment_key, latest_version=lambda: self._catalog.latest,
+                         open_streams=open_streams),
             self._server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -234,7 +269,7 @@ class FctkitServer:
 
     def _refresh_catalog(self) -> None:
         try:
-            if added := self._catalog.refresh(self._storage, self._public_key):
+            if added := self._catalog.refresh(self._storage, self._rules):
                 log_event("versions published elsewhere", added=added, latest_version=self._catalog.latest)
         except Exception as exc:  # a version that does not verify stays unlisted here; the log says why
             log_event("catalog refresh failed", logging.ERROR, error=str(exc))

@@ -39,7 +39,22 @@ _EXISTING = click.Path(path_type=Path, exists=True, dir_okay=False)
                    "server's max_connections.")
 @click.option("--port", type=int, default=50051, show_default=True, help="Port to listen on; 0 picks a free one (logged as the 'listening' event).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 / [::] for all interfaces).")
-@click.option("--publisher-key", type=_EXISTING, required=True, help="The publisher's public key (PEM or raw 32 bytes): bundles must verify under it.")
+@click.option("--publisher-key", type=_EXISTING, default=None,
+              help="The publisher's public key (PEM or raw 32 bytes): bundles must verify under it. Or use --root.")
+@click.option("--root", type=_EXISTING, default=None,
+              help="A root of trust (root.<N>.json, `fctkit keys init-root`) instead of --publisher-key: bundles must be "
+                   "signed by a threshold of the latest root's publisher keys, and devices get the chain of roots and a "
+                   "signed timestamp (GetTrust). The first start stores root.1.json; a later start takes the stored root "
+                   "of its version or the next one.")
+@click.option("--timestamp-key", "timestamp_keys", type=_EXISTING, multiple=True,
+              help="With --root: the online timestamp private key (as `fctkit keys generate` writes it) this server signs "
+                   "timestamps with; the root's timestamp role must list it. Repeat it to hold the old and the new key "
+                   "while the timestamp key is rotated.")
+@click.option("--timestamp-passphrase-file", type=_EXISTING, default=None,
+              help="File holding the passphrase of the --timestamp-key files (or set $FCTKIT_KEY_PASSPHRASE).")
+@click.option("--timestamp-expiry-hours", type=click.FloatRange(1 / 60, 31 * 24), default=24.0, show_default=True,
+              help="How long each signed timestamp stays valid; a new one is signed once half of that is gone, or when "
+                   "the releases on offer change.")
 @click.option("--admin-token-file", type=_PATH, default=None, help="File holding the admin token; default DATA/admin.token, "
               "created (mode 0600) if missing. Required with --database (every replica reads the same token).")
 @click.option("--tls-cert", type=_EXISTING, default=None, help="PEM certificate chain: serve TLS (with --tls-key).")
@@ -62,7 +77,8 @@ def serve_command(**options) -> None:
 
     Storage is --data DIR (one server), or --database plus --object-store (PostgreSQL and an
     S3 bucket): then run as many replicas as you like behind a load balancer, each with the same
-    --publisher-key and --admin-token-file; a load balancer checks grpc.health.v1 (service "").
+    --publisher-key (or --root and --timestamp-key) and --admin-token-file; a load balancer
+    checks grpc.health.v1 (service "").
 
     Logs are JSON lines on stderr. Stop with SIGTERM or Ctrl-C: in-flight calls finish first.
     """
@@ -70,6 +86,13 @@ def serve_command(**options) -> None:
 
     from .app import ServerConfig, serve
 
+    if (options["publisher_key"] is None) == (options["root"] is None):
+        raise click.UsageError("give exactly one of --publisher-key publisher.pub (one key) or --root root.json with "
+                               "--timestamp-key KEY (a root of trust)")
+    if options["root"] is None and options["timestamp_keys"]:
+        raise click.UsageError("--timestamp-key goes with --root")
+    if options["root"] is not None and not options["timestamp_keys"]:
+        raise click.UsageError("--root needs --timestamp-key KEY (the online key the root's timestamp role lists)")
     config = from_mapping(ServerConfig, {k: v for k, v in options.items() if v is not None})
     asyncio.run(serve(config))
 
@@ -153,6 +176,22 @@ def publish_command(connect, bundle: Path) -> None:
     click.echo(f"published version {info.version} ({len(info.artifacts)} artifacts, mode {info.mode})")
 
 
+@admin_command.command("publish-root")
+@click.argument("root_file", type=_EXISTING)
+@click.pass_obj
+def publish_root_command(connect, root_file: Path) -> None:
+    """Add ROOT_FILE (root.<N+1>.json, signed by a threshold of the current root's root keys
+    and of its own) to the server's chain: devices walk to it at their next sync, and releases
+    must then be signed by its publisher threshold."""
+    from fctkit.protos.trust import MAX_ROOT_BYTES
+
+    with root_file.open("rb") as fh:
+        data = fh.read(MAX_ROOT_BYTES + 1)  # the server refuses anything longer
+    with connect() as client:
+        response = client.publish_root(data)
+    click.echo(f"published root v{response.root_version} (fingerprint {response.fingerprint})")
+
+
 @admin_command.command("list-devices")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.pass_obj
@@ -160,9 +199,21 @@ def list_devices_command(connect, as_json: bool) -> None:
     """Every enrolled device with its version, gallery size and upgrade state."""
     with connect() as client:
         rows = [_as_dict(d) for d in client.list_devices()]
+    if not as_json:
+        for row in rows:
+            row["trust"] = _trust_state(row)
     columns = ("device_id", "owner_id", "name", "version", "gallery_size", "upgrade_state", "last_report_at", "vault_bytes",
-               "revoked_at")
+               "revoked_at", "root_version", "trust")
     _emit(rows, as_json, columns)
+
+
+def _trust_state(device: dict) -> str:
+    """A device's reported trust state, as the device list shows it."""
+    if device.get("trust_stale"):
+        return "stale: possible freeze"
+    if not device.get("root_version"):
+        return "-"  # pins one publisher key, or never reported
+    return f"fresh ({int(device.get('seconds_since_fresh', 0)) // 60} min)"
 
 
 @admin_command.command("revoke-device")

@@ -23,6 +23,9 @@ class DeviceReport:
     target_version: int
     progress: float
     detail: str
+    root_version: int = 0
+    trust_stale: bool = False
+    seconds_since_fresh: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,9 +111,10 @@ class DeviceStore:
             return self._update_device(
                 owner_id,
                 "UPDATE devices SET last_report_at=?, version=?, gallery_size=?, upgrade_state=?, target_version=?, "
-                "progress=?, detail=? WHERE device_id=?",
+                "progress=?, detail=?, root_version=?, trust_stale=?, seconds_since_fresh=? WHERE device_id=?",
                 (now, report.version, report.gallery_size, report.upgrade_state, report.target_version,
-                 report.progress, report.detail, device_id),
+                 report.progress, report.detail, report.root_version, int(report.trust_stale), report.seconds_since_fresh,
+                 device_id),
             )
 
     def revoke_device(self, device_id: str, now: str) -> tuple[str, str | None] | None:
@@ -146,13 +150,14 @@ class DeviceStore:
     def _devices(self, where: str, params: tuple) -> list[DeviceRecord]:
         rows = self._db.execute(
             "SELECT d.seq, d.device_id, d.name, d.label, d.enrolled_at, d.last_report_at, d.version, d.gallery_size, "
-            "d.upgrade_state, d.target_version, d.progress, d.detail, "
+            "d.upgrade_state, d.target_version, d.progress, d.detail, d.root_version, d.trust_stale, d.seconds_since_fresh, "
             "(SELECT COALESCE(SUM(size), 0) FROM blobs b WHERE b.device_id=d.device_id), "
             "(SELECT COUNT(*) FROM blobs b WHERE b.device_id=d.device_id), d.owner_id, d.revoked_at "
             f"FROM devices d {where}",
             params,
         )
         return [
-            DeviceRecord(seq, dev, name, label, enrolled, last, DeviceReport(*report), int(vb), int(vn), owner or "", revoked)
-            for seq, dev, name, label, enrolled, last, *report, vb, vn, owner, revoked in rows
+            DeviceRecord(seq, dev, name, label, enrolled, last, DeviceReport(*report, int(root), bool(stale), int(fresh)),
+                         int(vb), int(vn), owner or "", revoked)
+            for seq, dev, name, label, enrolled, last, *report, root, stale, fresh, vb, vn, owner, revoked in rows
         ]

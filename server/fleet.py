@@ -4,7 +4,9 @@ device revocation.
 Codes and device tokens are random (>= 120 bits) and kept only as SHA-256 hashes; a code
 works once and until it expires. Each code names the owner its device joins (the admin's
 ``owner``, or a new owner of its own); enrolment hands the device its owner id and the
-publisher's public key to pin.
+publisher's public key to pin (under a root: the root's first publisher key, for clients that
+pin one key; root-mode devices take the root from GetTrust instead). Reports carry the device's
+trust state (its root version, and whether its timestamp went stale: a possible freeze).
 """
 
 from __future__ import annotations
@@ -16,8 +18,12 @@ import math
 import secrets
 from collections.abc import Callable
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
 from fctkit.errors import RpcStatusError
 from fctkit.protos import fleet_pb2, fleet_pb2_grpc, limits
+from fctkit.protos.bundle import public_key_id
 
 from .auth import current_device_id, hash_secret, new_device_token
 from .jsonlog import log_event
@@ -26,6 +32,8 @@ from .storage import DeviceRecord, DeviceReport, OwnerKeyMismatch, Storage
 from .validation import counter_field, invalid, page_size, sha256_field, text_field, timestamp
 
 COMPACTION_PAGE_ITEMS = 2000  # item ids per replica compaction transaction (~50 ms on the reference box)
+MAX_ROOT_VERSION = 1_000_000  # a root rotated daily reaches this in 2,700 years
+MAX_SECONDS_SINCE_FRESH = 100 * 366 * 86400
 
 
 def new_enrolment_code() -> str:
@@ -45,17 +53,30 @@ def device_info(record: DeviceRecord) -> fleet_pb2.DeviceInfo:
         last_report_at=record.last_report_at or "", version=report.version, gallery_size=report.gallery_size,
         upgrade_state=report.upgrade_state, target_version=report.target_version, progress=report.progress,
         detail=report.detail, vault_bytes=record.vault_bytes, vault_blobs=record.vault_blobs, owner_id=record.owner_id,
-        revoked_at=record.revoked_at or "",
+        revoked_at=record.revoked_at or "", root_version=report.root_version, trust_stale=report.trust_stale,
+        seconds_since_fresh=report.seconds_since_fresh,
     )
 
 
+def _trust_fields(request: fleet_pb2.ReportRequest) -> dict[str, int | bool]:
+    """A report's trust state, checked: a root version in range, freshness only with a root."""
+    if request.root_version > MAX_ROOT_VERSION:
+        raise invalid(f"root_version is {request.root_version}; at most {MAX_ROOT_VERSION}")
+    if request.seconds_since_fresh > MAX_SECONDS_SINCE_FRESH:
+        raise invalid(f"seconds_since_fresh is {request.seconds_since_fresh}; at most {MAX_SECONDS_SINCE_FRESH} (100 years)")
+    if request.root_version == 0 and (request.trust_stale or request.seconds_since_fresh):
+        raise invalid("trust_stale and seconds_since_fresh describe a device's timestamps, which need a root: "
+                      "with root_version 0 (no root) both must be unset")
+    return {"root_version": request.root_version, "trust_stale": request.trust_stale,
+            "seconds_since_fresh": request.seconds_since_fresh}
+
+
 class FleetService(fleet_pb2_grpc.FleetServicer):
-    def __init__(self, storage: Storage, *, publisher_public_key: bytes, publisher_key_id: str,
+    def __init__(self, storage: Storage, *, enrolment_key: Callable[[], Ed25519PublicKey | None],
                  latest_version: Callable[[], int], open_streams: OpenStreams | None = None) -> None:
         self._storage = storage
         self._open_streams = open_streams or OpenStreams()
-        self._publisher_key = publisher_public_key
-        self._publisher_key_id = publisher_key_id
+        self._enrolment_key = enrolment_key
         self._latest_version = latest_version
         self._compactions: dict[str, asyncio.Task] = {}
 
@@ -86,9 +107,11 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
                                  "the code is still unused") from None
         if record is None:
             raise RpcStatusError("PERMISSION_DENIED", "unknown, used or expired enrolment code: ask an admin for a new one")
+        key = self._enrolment_key()
+        raw = b"" if key is None else key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         return fleet_pb2.EnrolResponse(
-            device_id=device_id, token=token,
-            publisher_public_key=self._publisher_key, publisher_key_id=self._publisher_key_id, owner_id=record.owner_id,
+            device_id=device_id, token=token, publisher_public_key=raw,
+            publisher_key_id="" if key is None else public_key_id(key), owner_id=record.owner_id,
         )
 
     async def Report(self, request, context):
@@ -104,6 +127,7 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
             target_version=request.target_version,
             progress=request.progress,
             detail=text_field(request.detail, "detail", limits.MAX_DETAIL_CHARS),
+            **_trust_fields(request),
         )
         now = timestamp()
         if owner_id := self._storage.record_report(device_id, report, now):

@@ -1,11 +1,12 @@
 """The Registry service: published model versions, upgrade plans, artifact streaming with
-resume, version watching, and bundle publishing.
+resume, version watching, bundle publishing, and the root of trust (GetTrust, PublishRoot).
 
 Publishing receives the bundle archive into ``tmp/publish-*``, checks its size and SHA-256,
-unpacks it safely, verifies it exactly as a device would (signature under the publisher key
-the server was started with, every artifact's size and hash, version newer than every
-published one), moves the artifacts into the content store and only then commits the
-version row: a half-uploaded or tampered bundle is never listed.
+unpacks it safely, verifies it exactly as a device would (signatures under the publisher key
+the server was started with, or a threshold of the latest root's publisher keys; every
+artifact's size and hash; version newer than every published one), moves the artifacts into
+the content store and only then commits the version row with the bundle's co-signatures
+(``manifest.sigs.json``): a half-uploaded or tampered bundle is never listed.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from fctkit.errors import BundleError, ConfigError, RpcStatusError
+from fctkit.errors import BundleError, ConfigError, RpcStatusError, TrustError
 from fctkit.protos import limits, registry_pb2, registry_pb2_grpc
-from fctkit.protos.bundle import Artifact, Manifest, unpack_bundle, verify_bundle, verify_manifest
+from fctkit.protos.bundle import Artifact, Manifest, VerifiedBundle, unpack_bundle, verify_bundle
+from fctkit.protos.bundle_vocabulary import MANIFEST_FILE, SIGNATURES_FILE
+from fctkit.protos.trust import MAX_SIGNATURES_BYTES, ReleaseTrust, Signed, parse_release_signatures, root_fingerprint
 
 from fctkit.protos.planner import PlannedHop, plan_upgrade
+from .root_of_trust import ReleaseRules, RootOfTrust
 from .storage import StaleVersion, Storage, VersionRecord
 from .streams import FileSink, check_offset, file_chunks, open_stored, read_header, receive_chunks
 from .validation import chunk_size, invalid, page_size, quoted, sha256_field, text_field, timestamp, version_field
@@ -70,27 +74,27 @@ class Catalog:
         self.closed = False
 
     @classmethod
-    def load(cls, storage: Storage, public_key) -> Catalog:
-        """Every stored version, re-verified under ``public_key``; refuses a damaged data directory."""
-        return cls(cls._verified(storage.versions(), storage, public_key))
+    def load(cls, storage: Storage, rules: ReleaseRules) -> Catalog:
+        """Every stored version, re-verified under ``rules``; refuses a damaged data directory."""
+        return cls(cls._verified(storage.versions(), storage, rules))
 
-    def refresh(self, storage: Storage, public_key) -> int:
+    def refresh(self, storage: Storage, rules: ReleaseRules) -> int:
         """Add the versions another replica published since; returns how many (watchers wake up)."""
-        versions = self._verified([r for r in storage.versions() if r.version not in self._versions], storage, public_key)
+        versions = self._verified([r for r in storage.versions() if r.version not in self._versions], storage, rules)
         for published in versions:
             self.add(published)
         return len(versions)
 
     @staticmethod
-    def _verified(records: list[VersionRecord], storage: Storage, public_key) -> list[PublishedVersion]:
+    def _verified(records: list[VersionRecord], storage: Storage, rules: ReleaseRules) -> list[PublishedVersion]:
         versions = []
         for record in records:
             try:
-                manifest = verify_manifest(record.manifest, record.signature, public_key)
-            except BundleError as exc:
+                manifest = rules.verify_stored(record)
+            except (BundleError, TrustError) as exc:
                 raise ConfigError(
-                    f"stored version {record.version} does not verify under the given publisher key ({exc}); "
-                    "start the server with the key that published it"
+                    f"stored version {record.version} does not verify under {rules.description} ({exc}); "
+                    "start the server with the key or root that published it"
                 ) from exc
             missing = [a.name for a in manifest.artifacts if not storage.artifacts.has(a.sha256)]
             if missing:
@@ -124,6 +128,10 @@ class Catalog:
     def manifests(self) -> list[Manifest]:
         return [v.manifest for _, v in sorted(self._versions.items())]
 
+    def manifest_bytes(self) -> dict[int, bytes]:
+        """Each version on offer and its signed manifest bytes (what a timestamp names)."""
+        return {version: published.record.manifest for version, published in self._versions.items()}
+
     def close(self) -> None:
         self.closed = True
         self._notify()
@@ -134,10 +142,11 @@ class Catalog:
 
 
 class RegistryService(registry_pb2_grpc.RegistryServicer):
-    def __init__(self, storage: Storage, catalog: Catalog, public_key, *, max_bundle_bytes: int, keepalive_s: float) -> None:
+    def __init__(self, storage: Storage, catalog: Catalog, rules: ReleaseRules, *, max_bundle_bytes: int,
+                 keepalive_s: float) -> None:
         self._storage = storage
         self._catalog = catalog
-        self._public_key = public_key
+        self._rules = rules
         self._max_bundle = max_bundle_bytes
         self._keepalive_s = keepalive_s
         self._publishing = asyncio.Lock()
@@ -151,7 +160,26 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
 
     async def GetManifest(self, request, context):
         record = self._catalog.get(version_field(request.version, "version")).record
-        return registry_pb2.GetManifestResponse(version=record.version, manifest=record.manifest, signature=record.signature)
+        return registry_pb2.GetManifestResponse(version=record.version, manifest=record.manifest, signature=record.signature,
+                                                co_signatures=record.co_signatures)
+
+    async def GetTrust(self, request, context):
+        root = self._root_of_trust()
+        if self._storage.latest_version() > self._catalog.latest:  # published on another replica, not yet notified here
+            self._catalog.refresh(self._storage, self._rules)
+        roots, latest = root.roots_after(request.after_root_version)
+        return registry_pb2.GetTrustResponse(roots=roots, latest_root_version=latest,
+                                             timestamp=root.timestamp(self._catalog.manifest_bytes()))
+
+    async def PublishRoot(self, request, context):
+        new = self._root_of_trust().publish_root(request.root)
+        return registry_pb2.PublishRootResponse(root_version=new.body.version, fingerprint=root_fingerprint(new))
+
+    def _root_of_trust(self) -> RootOfTrust:
+        if not isinstance(self._rules, RootOfTrust):
+            raise RpcStatusError("FAILED_PRECONDITION", "this server was started without a root (with --publisher-key): "
+                                 "it serves no root of trust; restart it with --root root.1.json --timestamp-key KEY")
+        return self._rules
 
     async def PlanUpgrade(self, request, context):
         source = self._catalog.get(version_field(request.from_version, "from_version")).version
@@ -215,7 +243,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         return registry_pb2.PublishBundleResponse(version=published.info())
 
     async def _verify_and_store(self, archive: Path, unpack_to: Path) -> PublishedVersion:
-        verified = await asyncio.to_thread(self._verify, archive, unpack_to, self._catalog.latest)
+        trust = self._rules.release_trust()  # read here: the storage belongs to the event loop's thread
+        verified, co_signatures = await asyncio.to_thread(self._verify, archive, unpack_to, self._catalog.latest, trust)
         async with self._publishing:
             manifest = verified.manifest
             _check_newer(manifest.version, self._catalog.latest)  # another publish may have won meanwhile
@@ -223,7 +252,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             await asyncio.to_thread(
                 lambda: [store.put(verified.root / a.file, a.sha256) for a in manifest.artifacts if not store.has(a.sha256)]
             )
-            record = VersionRecord(manifest.version, verified.manifest_bytes, verified.signature, timestamp())
+            record = VersionRecord(manifest.version, verified.manifest_bytes, verified.signature, timestamp(), co_signatures)
             try:
                 self._storage.add_version(record, [a.sha256 for a in manifest.artifacts])
             except StaleVersion as stale:  # another replica published this version or a later one meanwhile
@@ -233,15 +262,42 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             self._catalog.add(published)
         return published
 
-    def _verify(self, archive: Path, unpack_to: Path, latest: int):
+    def _verify(self, archive: Path, unpack_to: Path, latest: int, trust: ReleaseTrust) -> tuple[VerifiedBundle, bytes]:
         try:
-            verified = verify_bundle(unpack_bundle(archive, unpack_to), self._public_key)
-        except BundleError as exc:
-            raise invalid(f"bundle refused: {exc}") from exc
+            verified = verify_bundle(unpack_bundle(archive, unpack_to), trust)
+        except (BundleError, TrustError) as exc:
+            raise invalid(f"bundle refused: {exc}{_publisher_note(unpack_to, trust)}") from exc
         _check_newer(verified.manifest.version, latest)
         if len(verified.manifest.artifacts) > limits.MAX_ARTIFACTS_PER_BUNDLE:
             raise invalid(f"the bundle has {len(verified.manifest.artifacts)} artifacts; at most {limits.MAX_ARTIFACTS_PER_BUNDLE}")
-        return verified
+        return verified, _co_signatures(verified.root)
+
+
+def _co_signatures(bundle: Path) -> bytes:
+    """The bundle's ``manifest.sigs.json`` as published (checked: well-formed, size-limited), or b"" when none."""
+    path = bundle / SIGNATURES_FILE
+    if not path.exists():
+        return b""
+    data = path.read_bytes()[:MAX_SIGNATURES_BYTES + 1]
+    try:
+        parse_release_signatures(data)
+    except TrustError as exc:
+        raise invalid(f"bundle refused: {exc}") from exc
+    return data
+
+
+def _publisher_note(bundle: Path, trust: ReleaseTrust) -> str:
+    """Why a root refused the bundle's own publisher, when its key is not a publisher of the latest root."""
+    if not isinstance(trust, Signed):
+        return ""
+    try:
+        keyid = Manifest.from_bytes((bundle / MANIFEST_FILE).read_bytes()).publisher_key_id
+    except (BundleError, OSError):
+        return ""
+    if keyid in trust.body.role("publisher").keyids:
+        return ""
+    return (f" (the bundle's publisher key {keyid[:16]}… is not a publisher key of root v{trust.body.version}: "
+            "it was removed, or never added)")
 
 
 def _check_newer(version: int, latest: int) -> None:

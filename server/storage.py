@@ -44,11 +44,12 @@ from .device_store import DeviceRecord, DeviceReport, DeviceStore, OwnerKeyMisma
 from .replica_store import PushOutcome, ReplicaQuotaExceeded, ReplicaRecord, ReplicaStore
 from .storage_schema import open_database
 from .partial_uploads import PartialFiles, PartialUploads
+from .trust_store import StoredTimestamp, TrustStore
 from .upload_sessions import Reservation
 from .version_store import StaleVersion, VersionRecord, VersionStore
 
 __all__ = ["BlobRecord", "DeviceRecord", "DeviceReport", "OwnerKeyMismatch", "PushOutcome", "ReplicaQuotaExceeded", "ReplicaRecord",
-           "Reservation", "ServerStorage", "SqliteStorage", "StaleVersion", "Storage", "VersionRecord"]
+           "Reservation", "ServerStorage", "SqliteStorage", "StaleVersion", "Storage", "StoredTimestamp", "VersionRecord"]
 
 
 class Storage(Protocol):
@@ -69,6 +70,13 @@ class Storage(Protocol):
 
     def versions(self) -> list[VersionRecord]: ...
     def add_version(self, record: VersionRecord, artifact_sha256s: Sequence[str]) -> None: ...
+    def latest_version(self) -> int: ...
+
+    def roots(self, after_version: int = 0, limit: int | None = None) -> list[tuple[int, bytes]]: ...
+    def latest_root(self) -> tuple[int, bytes] | None: ...
+    def add_root(self, version: int, data: bytes) -> bool: ...
+    def timestamp(self) -> StoredTimestamp | None: ...
+    def put_timestamp(self, version: int, data: bytes) -> bool: ...
 
     def blob(self, device_id: str, sha256: str) -> BlobRecord | None: ...
     def blob_held_by_other_device(self, device_id: str, sha256: str) -> bool: ...
@@ -123,6 +131,7 @@ class ServerStorage:
         self._devices = DeviceStore(self._db)
         self._vault = BlobStore(self._db, self.blobs, self._devices.device_owner)
         self._replica = ReplicaStore(self._db)
+        self._trust = TrustStore(self._db)
 
     def listen(self, on_event: Callable[[str], None], on_connected: Callable[[], None],
                on_lost: Callable[[], None]) -> Coroutine[Any, Any, None] | None:
@@ -145,6 +154,28 @@ class ServerStorage:
 
     def add_version(self, record: VersionRecord, artifact_sha256s: Sequence[str]) -> None:
         self._versions.add_version(record, artifact_sha256s)
+
+    def latest_version(self) -> int:
+        return self._versions.latest_version()
+
+    # -- root of trust ------------------------------------------------------------------------
+
+    def roots(self, after_version: int = 0, limit: int | None = None) -> list[tuple[int, bytes]]:
+        return self._trust.roots(after_version, limit)
+
+    def latest_root(self) -> tuple[int, bytes] | None:
+        return self._trust.latest_root()
+
+    def add_root(self, version: int, data: bytes) -> bool:
+        """Store the next root; False when another replica stored a root of that version first."""
+        return self._trust.add_root(version, data)
+
+    def timestamp(self) -> StoredTimestamp | None:
+        return self._trust.timestamp()
+
+    def put_timestamp(self, version: int, data: bytes) -> bool:
+        """Store the next timestamp; False when another replica stored that version first."""
+        return self._trust.put_timestamp(version, data)
 
     # -- vault ------------------------------------------------------------------------------
 

@@ -5,12 +5,15 @@ Schema 1 databases (before owners) are migrated in place: each device becomes th
 an owner of its own. Schema 2 databases get the replica's compaction columns; schema 3 gets device
 revocation; schema 4 keeps one blob record per owner and SHA-256; schema 5 stores the replica as
 blocks of rows, each old record a block of one, and compacts it (:mod:`.replica_compaction`);
-schema 6 gets the leases of uploads in progress (:mod:`.upload_sessions`). A database of a
-schema this server does not know is refused.
+schema 6 gets the leases of uploads in progress (:mod:`.upload_sessions`); schema 7 gets the root
+of trust (:mod:`.trust_store`: roots, the current timestamp, each release's co-signatures, each
+device's reported trust state; existing releases get no co-signatures and stay valid). A
+database of a schema this server does not know is refused.
 
 PostgreSQL databases start at schema 6 or later: the same tables in PostgreSQL's types, created
 once under an advisory lock however many replicas start at once, the version kept in
-``fctkit_schema``; a schema-6 database gets the upload leases the same way.
+``fctkit_schema``; a schema-6 database gets the upload leases the same way, and a schema-6 or 7
+one the trust tables and columns.
 """
 
 from __future__ import annotations
@@ -25,14 +28,16 @@ from fctkit.errors import ConfigError
 from . import upload_sessions
 from .database import PostgresDatabase, SqliteDatabase
 from .replica_compaction import REPLICA_SCHEMA, compact_replica
+from .trust_store import TRUST_COLUMNS, TRUST_SCHEMA, add_trust_columns
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (
     version INTEGER PRIMARY KEY,
     manifest BLOB NOT NULL,
     signature BLOB NOT NULL,
-    published_at TEXT NOT NULL
+    published_at TEXT NOT NULL,
+    co_signatures BLOB NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS version_artifacts (
     version INTEGER NOT NULL REFERENCES versions(version),
@@ -63,7 +68,10 @@ CREATE TABLE IF NOT EXISTS devices (
     target_version INTEGER NOT NULL DEFAULT 0,
     progress REAL NOT NULL DEFAULT 0,
     detail TEXT NOT NULL DEFAULT '',
-    revoked_at TEXT
+    revoked_at TEXT,
+    root_version INTEGER NOT NULL DEFAULT 0,
+    trust_stale INTEGER NOT NULL DEFAULT 0,
+    seconds_since_fresh INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS blobs (
     device_id TEXT NOT NULL REFERENCES devices(device_id),
@@ -85,7 +93,7 @@ CREATE TABLE IF NOT EXISTS replica_owners (
     last_sequence INTEGER NOT NULL,
     sealed_bytes INTEGER NOT NULL
 );
-""" + REPLICA_SCHEMA
+""" + REPLICA_SCHEMA + TRUST_SCHEMA
 
 
 def execute_script(db: sqlite3.Connection | PostgresDatabase, script: str) -> None:
@@ -153,8 +161,14 @@ def _upload_leases(db: sqlite3.Connection) -> None:
         execute_script(db, upload_sessions.ADD_LEASES)
 
 
+def _trust(db: sqlite3.Connection) -> None:
+    """Schema 7 -> 8: the root of trust's columns (its tables come with the schema)."""
+    tables = {table for table, _, _ in TRUST_COLUMNS}
+    execute_script(db, add_trust_columns({t: {row[1] for row in db.execute(f"PRAGMA table_info({t})")} for t in tables}))
+
+
 _MIGRATIONS = {1: _add_owners, 2: _add_replica_compaction, 3: _add_revocation, 4: _one_blob_per_owner, 5: _replica_blocks,
-               6: _upload_leases}  # schema found -> the step to the next one
+               6: _upload_leases, 7: _trust}  # schema found -> the step to the next one
 
 
 def open_database(path: Path) -> SqliteDatabase:
@@ -208,11 +222,13 @@ def open_postgres(dsn: str, *, max_connections: int = 20) -> PostgresDatabase:
             db.execute("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
             db.execute("CREATE TABLE IF NOT EXISTS fctkit_schema (version INTEGER NOT NULL)")
             found = db.execute("SELECT MAX(version) FROM fctkit_schema").fetchone()[0] or 0
-            if found not in (0, 6, SCHEMA_VERSION):
+            if found not in (0, 6, 7, SCHEMA_VERSION):
                 raise ConfigError(f"{redacted_dsn(dsn)}: metadata schema {found} is not the {SCHEMA_VERSION} this "
                                   "server understands; run the fctkit version that wrote it")
             if found != SCHEMA_VERSION:
-                script = upload_sessions.ADD_LEASES if found else _SCHEMA + upload_sessions.UPLOADS_SCHEMA
+                script = _SCHEMA + upload_sessions.UPLOADS_SCHEMA
+                if found:  # the tables of today come with the schema; columns are added to older ones
+                    script = (upload_sessions.ADD_LEASES + ";" if found == 6 else "") + add_trust_columns({}) + ";" + TRUST_SCHEMA
                 execute_script(db, postgres_schema(script))
                 db.execute("INSERT INTO fctkit_schema VALUES (?)", (SCHEMA_VERSION,))
     except BaseException:

@@ -1,5 +1,6 @@
-"""The published versions (``versions``, ``version_artifacts``): each signed manifest and the
-artifacts it names, which live in the artifacts content store."""
+"""The published versions (``versions``, ``version_artifacts``): each signed manifest, its
+co-signatures (``manifest.sigs.json``, empty when none) and the artifacts it names, which live in
+the artifacts content store."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class VersionRecord:
     manifest: bytes
     signature: bytes
     published_at: str
+    co_signatures: bytes = b""
 
 
 class StaleVersion(Exception):
@@ -34,8 +36,11 @@ class VersionStore:
         self._artifacts = artifacts
 
     def versions(self) -> list[VersionRecord]:
-        rows = self._db.execute("SELECT version, manifest, signature, published_at FROM versions ORDER BY version")
-        return [VersionRecord(v, bytes(m), bytes(s), p) for v, m, s, p in rows]
+        rows = self._db.execute("SELECT version, manifest, signature, published_at, co_signatures FROM versions ORDER BY version")
+        return [VersionRecord(v, bytes(m), bytes(s), p, bytes(c or b"")) for v, m, s, p, c in rows]
+
+    def latest_version(self) -> int:
+        return int(self._db.execute("SELECT COALESCE(MAX(version), 0) FROM versions").fetchone()[0])
 
     def add_version(self, record: VersionRecord, artifact_sha256s: Sequence[str]) -> None:
         """Make a version visible, in one transaction. Its artifacts must already be in the
@@ -48,8 +53,8 @@ class VersionStore:
             if record.version <= latest:
                 raise StaleVersion(record.version, int(latest))
             self._db.execute(
-                "INSERT INTO versions (version, manifest, signature, published_at) VALUES (?, ?, ?, ?)",
-                (record.version, record.manifest, record.signature, record.published_at),
+                "INSERT INTO versions (version, manifest, signature, published_at, co_signatures) VALUES (?, ?, ?, ?, ?)",
+                (record.version, record.manifest, record.signature, record.published_at, record.co_signatures),
             )
             self._db.executemany(
                 "INSERT INTO version_artifacts (version, sha256) VALUES (?, ?)",

@@ -158,15 +158,18 @@ def admin_token_file(tmp_path_factory) -> Path:
 def bundles(tmp_path_factory, publisher_key) -> dict[int, Path]:
     """Signed bundle directories v1..v5 of the CHAIN (v1's embed graph is ~2.5 MB)."""
     root = tmp_path_factory.mktemp("bundles")
-    built = {}
-    for version, hops in CHAIN.items():
-        sources = _sources(root / f"src{version}", version, hops, BIG_IMAGE_DIM if version == 1 else IMAGE_DIM)
-        ecc = {s.artifact_name: True for s in sources if s.role == "forward"}
-        built[version] = build_bundle(
-            root / f"v{version}", version=version, parents=(version - 1,) if version > 1 else (), mode="forward",
-            distance="cosine", normalize=True, artifacts=sources, gate={"cases": {}, "ecc": ecc}, private_key=publisher_key,
-        ).root
-    return built
+    return {version: chain_bundle(root, version, publisher_key, BIG_IMAGE_DIM if version == 1 else IMAGE_DIM)
+            for version in CHAIN}
+
+
+def chain_bundle(folder: Path, version: int, key: Ed25519PrivateKey, image_dim: int = IMAGE_DIM) -> Path:
+    """Bundle ``version`` of the CHAIN, signed by ``key``, as the folder ``folder/v<version>``."""
+    sources = _sources(folder / f"src{version}", version, CHAIN[version], image_dim)
+    ecc = {s.artifact_name: True for s in sources if s.role == "forward"}
+    return build_bundle(
+        folder / f"v{version}", version=version, parents=(version - 1,) if version > 1 else (), mode="forward",
+        distance="cosine", normalize=True, artifacts=sources, gate={"cases": {}, "ecc": ecc}, private_key=key,
+    ).root
 
 
 @pytest.fixture(scope="session")
@@ -353,7 +356,8 @@ class ServerProcess:
         self.log_offset = log.tell()
         command = [
             sys.executable, "-m", "fctkit.cli", "serve", *self.backend.server_args(self.data_dir), "--port", str(self.port),
-            "--publisher-key", str(self.publisher_pub), "--admin-token-file", str(self.admin_token_file), *self.args,
+            *([] if "--root" in self.args else ["--publisher-key", str(self.publisher_pub)]),
+            "--admin-token-file", str(self.admin_token_file), *self.args,
         ]
         environment = {**os.environ, **self.backend.environment(), "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=environment)
