@@ -15,7 +15,8 @@ from fctkit.server.auth import METHOD_ROLES, protocol_methods
 
 PROTO_ROOT = generate.PROTO_ROOT
 EXPECTED_RPCS = {
-    "Registry": ["ListVersions", "GetManifest", "PlanUpgrade", "DownloadArtifact", "WatchVersions", "PublishBundle"],
+    "Registry": ["ListVersions", "GetManifest", "PlanUpgrade", "DownloadArtifact", "WatchVersions", "PublishBundle",
+                 "GetTrust", "PublishRoot"],
     "Vault": ["Upload", "Download", "Stat", "List", "Delete", "PushRecords", "PullRecords"],
     "Fleet": ["CreateEnrolmentCode", "Enrol", "Report", "ListDevices", "RevokeDevice"],
 }
@@ -62,7 +63,8 @@ def test_protos_compile_with_protoc_and_declare_the_three_services(tmp_path):
 def test_every_rpc_has_an_access_rule():
     expected = {f"/fctkit.v1.{service}/{rpc}" for service, rpcs in EXPECTED_RPCS.items() for rpc in rpcs}
     assert protocol_methods() == expected == set(METHOD_ROLES)
-    assert METHOD_ROLES["/fctkit.v1.Registry/PublishBundle"] == {"admin"}
+    assert METHOD_ROLES["/fctkit.v1.Registry/PublishBundle"] == METHOD_ROLES["/fctkit.v1.Registry/PublishRoot"] == {"admin"}
+    assert METHOD_ROLES["/fctkit.v1.Registry/GetTrust"] == {"admin", "device"}
     assert METHOD_ROLES["/fctkit.v1.Fleet/Enrol"] == frozenset()
     assert all(roles == {"device"} for method, roles in METHOD_ROLES.items() if method.startswith("/fctkit.v1.Vault/"))
 

@@ -121,6 +121,10 @@ def test_publishing_needs_the_latest_roots_publisher_threshold(trust_server, rel
         assert client.publish_bundle(releases["v3-bob-carol"]).version == 3
         _, enrolment = enrolled_client(trust_server)
         assert enrolment.publisher_key_id == min(kid("bob"), kid("carol"))
+    trust_server.stop()
+    trust_server.start()  # v2 (alice + bob) verifies only under root v1: it stays on offer all the same
+    with admin(trust_server) as client:
+        assert [v.version for v in client.list_versions()] == [2, 3]
 
 
 def test_publish_root_refuses_what_does_not_follow_and_stores_nothing(start_server, root1_file, keyfiles, tmp_path):
