@@ -1,6 +1,8 @@
 """The verified bundles a device has installed (``bundles/vN/``): installing and downloading them
-(verified under the pinned publisher key, no rollback), their engines (verified again on first
-use) and the upgrade hops they offer, planned as the server plans them."""
+(signed by the publisher threshold of the device's current root, or its pinned publisher key; a
+download matches the accepted timestamp; no rollback), their engines (verified again on first
+use, under any root the device has accepted) and the upgrade hops they offer, planned as the
+server plans them."""
 
 from __future__ import annotations
 
@@ -10,11 +12,14 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from fctkit.errors import BundleError, DeviceError, FctkitError
 from fctkit.private_files import make_private
 from fctkit.protos.bundle import MANIFEST_FILE, SIGNATURE_FILE, VerifiedBundle, check_version_is_newer, unpack_bundle, verify_bundle
+from fctkit.protos.bundle_vocabulary import MAX_MANIFEST_BYTES, SIGNATURE_SIZE, SIGNATURES_FILE
+from fctkit.protos.durable_files import read_regular_file
+from fctkit.protos.trust import MAX_SIGNATURES_BYTES, ReleaseTrust, Timestamp, verify_release_manifest
 from fctkit.protos.planner import plan_upgrade
 
 from .engine import Engine, EngineConfig
@@ -26,12 +31,25 @@ REINSTALL = ("put the published bundle back: `fctkit device repair --dir DIR` do
              "`fctkit device upgrade --dir DIR --bundle BUNDLE` takes it from a folder or .tar")
 
 
-class InstalledBundles:
-    """The bundles under ``root/bundles``; ``publisher_key()`` gives the pinned key (read when needed)."""
+class BundleTrust(Protocol):
+    """What releases must be signed by (:class:`~.device_trust.DeviceTrust`, read when needed)."""
 
-    def __init__(self, root: Path, publisher_key: Callable[[], object], engine_config: EngineConfig) -> None:
+    def release_trust(self) -> ReleaseTrust:
+        """To install a bundle: the current root (or the pinned key)."""
+
+    def accepted_trusts(self) -> list[ReleaseTrust]:
+        """To load an installed one: any of these."""
+
+    def snapshot(self) -> Timestamp | None:
+        """The accepted timestamp a download must match (None: no root)."""
+
+
+class InstalledBundles:
+    """The bundles under ``root/bundles``, checked under ``trust``."""
+
+    def __init__(self, root: Path, trust: BundleTrust, engine_config: EngineConfig) -> None:
         self.root = root
-        self.publisher_key = publisher_key
+        self.trust = trust
         self.engine_config = engine_config
         self._engines: dict[int, Engine] = {}
 
@@ -60,7 +78,7 @@ class InstalledBundles:
 
     def _verified(self, version: int) -> VerifiedBundle:
         path = self.folder(version)
-        bundle = verify_bundle(path, self.publisher_key())
+        bundle = verify_bundle(path, self._installed_trust(path))
         if bundle.manifest.version != version:
             raise BundleError(f"{path} holds bundle v{bundle.manifest.version}, not v{version}")
         return bundle
@@ -92,7 +110,7 @@ class InstalledBundles:
             for version in list(left):
                 staging = self.root / "downloads" / f"v{version}"
                 try:
-                    self._install(client.download_bundle(version, staging, self.publisher_key()), max(_versions(needed), default=0))
+                    self._install(self._fetch(client, version, staging), max(_versions(needed), default=0))
                     del left[version]
                 except (FctkitError, OSError) as exc:  # e.g. the server away, or a full disk
                     left[version] += f" (downloading it again failed: {exc})"
@@ -114,7 +132,7 @@ class InstalledBundles:
     def install(self, source: str | os.PathLike, query_version: int) -> int:
         """Verify a local bundle directory under the pinned key (signature, hashes, newer than
         ``query_version``) and copy it in; returns its version (:meth:`_install`)."""
-        return self._install(verify_bundle(source, self.publisher_key()), query_version)
+        return self._install(verify_bundle(source, self.trust.release_trust()), query_version)
 
     def _install(self, verified: VerifiedBundle, query_version: int) -> int:
         """The very bundle already installed (the same signed manifest, or signature: one flipped
@@ -147,7 +165,7 @@ class InstalledBundles:
             shutil.rmtree(leftover, ignore_errors=True)
         _copy_tree(source, staging)
         make_private(staging)
-        verify_bundle(staging, self.publisher_key())
+        verify_bundle(staging, self.trust.release_trust())
         if dest.exists():
             os.rename(dest, old)
         os.rename(staging, dest)
@@ -158,11 +176,11 @@ class InstalledBundles:
         """Bring ``version`` from the server (resumable, verified, never older than ``query_version``)."""
         dest = self.folder(version)
         if dest.is_dir():
-            verify_bundle(dest, self.publisher_key(), installed_version=query_version or None)
+            verify_bundle(dest, self._installed_trust(dest), installed_version=query_version or None)
             return
         staging = self.root / "downloads" / f"v{version}"
         try:
-            client.download_bundle(version, staging, self.publisher_key(), installed_version=query_version or None)
+            self._fetch(client, version, staging, query_version or None)
         except OSError as exc:
             if is_no_space(exc):  # the partial download stays: the next try resumes it
                 raise no_space(staging.parent, f"downloading bundle v{version}") from None
@@ -170,6 +188,32 @@ class InstalledBundles:
         make_private(staging)
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.rename(staging, dest)
+
+    def _fetch(self, client, version: int, staging: Path, installed_version: int | None = None) -> VerifiedBundle:
+        """Download ``version`` as the device installs it: the manifest the accepted timestamp
+        names, signed by the current root's publisher threshold (or the pinned key)."""
+        return client.download_bundle(version, staging, self.trust.release_trust(), installed_version=installed_version,
+                                      timestamp=self.trust.snapshot())
+
+    def _installed_trust(self, folder: Path) -> ReleaseTrust:
+        """The first accepted root (or key) the installed bundle in ``folder`` is signed for; the
+        current one when none is (its verification then says why). Checking signatures alone
+        first keeps the artifacts' hashes to one pass."""
+        trusts = self.trust.accepted_trusts()
+        try:
+            signed = (read_regular_file(folder / MANIFEST_FILE, MAX_MANIFEST_BYTES),
+                      read_regular_file(folder / SIGNATURE_FILE, SIGNATURE_SIZE + 1))
+            co_signatures = folder / SIGNATURES_FILE
+            extra = read_regular_file(co_signatures, MAX_SIGNATURES_BYTES + 1) if co_signatures.exists() else None
+        except (OSError, BundleError):
+            return trusts[0]
+        for trust in trusts:
+            try:
+                verify_release_manifest(*signed, extra, trust)
+            except FctkitError:
+                continue
+            return trust
+        return trusts[0]
 
     def hops(self, source: int, target: int) -> list[Hop] | None:
         """The cheapest hops from ``source`` to ``target`` over the installed bundles, planned as
@@ -188,7 +232,7 @@ class InstalledBundles:
     def install_all(self, bundles: Sequence[str | os.PathLike], query_version: int) -> list[int]:
         """Install bundle folders or ``.tar`` archives in version order; returns their versions."""
         with _unpacked(bundles) as folders:
-            versions = {Path(d): verify_bundle(d, self.publisher_key()).manifest.version for d in folders}
+            versions = {Path(d): verify_bundle(d, self.trust.release_trust()).manifest.version for d in folders}
             return [self.install(d, query_version) for d in sorted(versions, key=versions.__getitem__)]
 
 

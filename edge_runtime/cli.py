@@ -14,12 +14,15 @@ from fctkit.errors import GalleryDamagedError, InputError
 
 from .adding import ON_BAD_ITEM
 from .device import Device, DeviceSettings
+from .device_trust import trust_alarm
+from .device_trust_sync import CHOOSE
 from .engine import PREFERENCE
 from .item_sources import read_items
 from .repair import REBUILD
 from .sqlite_file import RECOVERY
 
 DAMAGED_EXIT = 3  # answers were given, but damaged rows were left out (see `fctkit device check`)
+STALE_EXIT = 4  # `status`: no fresh timestamp for longer than the root allows (possible freeze), or a clock that may be wrong
 
 _DIR = click.option("--dir", "root", type=click.Path(path_type=Path), default=lambda: os.environ.get("FCTKIT_DEVICE", "device"),
                     show_default="$FCTKIT_DEVICE or ./device", help="The device directory.")
@@ -71,6 +74,9 @@ def device_command() -> None:
       2    a usage error, or refused: the kit's error message on stderr says why and what to do
       3    damage reported: `query` answered without damaged rows or labels, `status`/`check`
            found damage, or `repair` left damage it cannot fix on the device
+      4    `status` only, when there is no damage: trust is stale ("stale: possible freeze", no
+           fresh timestamp for longer than the root allows), the device clock may be wrong, or
+           the trust files are damaged
       130  interrupted
     """
 
@@ -78,7 +84,11 @@ def device_command() -> None:
 @device_command.command("init")
 @_DIR
 @_PASSPHRASE
-@click.option("--publisher-key", type=click.Path(exists=True, dir_okay=False), help="Pin this publisher key now (offline devices).")
+@click.option("--root", "trust_root", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Pin this root of trust (root.N.json from the publisher, signed by a threshold of its own root keys); "
+                   "excludes --publisher-key.")
+@click.option("--publisher-key", type=click.Path(exists=True, dir_okay=False),
+              help="Pin this publisher key now (offline devices, before roots of trust); excludes --root.")
 @click.option("--providers", default=",".join(PREFERENCE), show_default=True, help="Execution providers allowed, in preference order.")
 @click.option("--batch-size", type=int, default=1024, show_default=True, help="Rows per ONNX Runtime call and per upgrade commit.")
 @click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime intra-op threads (0: its default).")
@@ -86,17 +96,20 @@ def device_command() -> None:
 @click.option("--import-key", "import_key", type=click.Path(exists=True, dir_okay=False), default=None,
               help="The owner key exported by another device of the owner (`fctkit device export-key`): join it, or restore.")
 @_KEY_PASSPHRASE
-def init_command(root, passphrase_env, publisher_key, providers, batch_size, threads, search_backend, import_key,
+def init_command(root, passphrase_env, trust_root, publisher_key, providers, batch_size, threads, search_backend, import_key,
                  key_passphrase_env) -> None:
     """Create a device: a new 0600 device key (passphrase-wrapped with --passphrase-env), an
     owner key (new, or imported with --import-key) and an empty gallery."""
     settings = DeviceSettings(providers=tuple(p.strip() for p in providers.split(",") if p.strip()),
                               batch_size=batch_size, threads=threads, search_backend=search_backend)
     settings.engine  # validates the engine choices before anything is written
+    if trust_root and publisher_key:
+        raise click.UsageError("--root and --publisher-key exclude each other: pin a root of trust, or (before roots) one key")
     owner_passphrase = _key_passphrase(key_passphrase_env, confirm=False) if import_key else None
     with Device.init(root, passphrase=_passphrase(passphrase_env), publisher_key=publisher_key, settings=settings,
-                     owner_key_file=import_key, owner_key_passphrase=owner_passphrase) as device:
-        _echo({"device": str(device.root), "gallery_id": device.gallery.gallery_id.hex(), "owner_key_imported": bool(import_key)})
+                     owner_key_file=import_key, owner_key_passphrase=owner_passphrase, trust_root=trust_root) as device:
+        _echo({"device": str(device.root), "gallery_id": device.gallery.gallery_id.hex(), "owner_key_imported": bool(import_key),
+               "root_version": device.trust.status()["root_version"]})
 
 
 @device_command.command("export-key")
@@ -124,13 +137,31 @@ def export_key_command(root, passphrase_env, out, key_passphrase_env) -> None:
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None,
               help="PEM client certificate, for a server that requires one (`fctkit serve --tls-ca`); with --tls-key.")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None, help="PEM private key of --tls-cert.")
-def enrol_command(root, passphrase_env, server, code, name, tls_root, tls_cert, tls_key) -> None:
-    """Enrol with a server: get a device token and pin the publisher's key. The server and TLS
+@click.option("--root", "trust_root", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Start from this root file (from the publisher, offline) and walk the server's newer roots from it.")
+@click.option("--root-fingerprint", metavar="SHA256", default=None,
+              help="Pin the server's root with this fingerprint (printed by `fctkit keys init-root`); refuse any other.")
+@click.option("--trust-on-first-use", is_flag=True,
+              help="Accept whatever root (or, from a server without one, publisher key) the server offers, unchecked.")
+def enrol_command(root, passphrase_env, server, code, name, tls_root, tls_cert, tls_key, trust_root, root_fingerprint,
+                  trust_on_first_use) -> None:
+    """Enrol with a server: get a device token and take its root of trust. The server and TLS
     files are kept in the device's settings: later syncs connect the same way (enrol again with
-    a new code to change them)."""
+    a new code to change them).
+
+    A device that pins nothing yet needs exactly one of --root, --root-fingerprint and
+    --trust-on-first-use. Trust on first use accepts whatever this server offers at this moment:
+    a dishonest server or network then owns the device for good. A refusal (a wrong fingerprint,
+    a forged chain, a server without a root when one was asked for) writes nothing: no token,
+    no root (the code is spent; ask for a new one). A device that already pins a root (init
+    --root) or a publisher key checks the server against it."""
+    if sum((trust_root is not None, root_fingerprint is not None, trust_on_first_use)) > 1:
+        raise click.UsageError("--root, --root-fingerprint and --trust-on-first-use exclude each other. " + CHOOSE)
     with _open(root, passphrase_env) as device:
-        device_id = device.enrol(server, code, device_name=name, tls_ca=tls_root, tls_cert=tls_cert, tls_key=tls_key)
-        _echo({"device_id": device_id, "owner_id": device.settings.owner_id})
+        device_id = device.enrol(server, code, device_name=name, tls_ca=tls_root, tls_cert=tls_cert, tls_key=tls_key,
+                                 trust_root=trust_root, root_fingerprint=root_fingerprint,
+                                 trust_on_first_use=trust_on_first_use)
+        _echo({"device_id": device_id, "owner_id": device.settings.owner_id, "trust": device.trust.status()})
 
 
 _SOURCES = click.argument("sources", nargs=-1, required=True, type=click.Path(path_type=Path))
@@ -292,11 +323,20 @@ def upgrade_command(root, passphrase_env, bundle_dirs, quiet) -> None:
 @_PASSPHRASE
 def status_command(root, passphrase_env) -> None:
     """The installed version, rows per space, queued uploads, any upgrade in progress, the
-    owner and the replica (cursor, pending records, unpushed changes). Exits 3 whenever `check`
-    would report damage (damaged settings or rows, rows gone from the file, anything else)."""
+    owner, the replica (cursor, pending records, unpushed changes) and the trust: root version
+    and fingerprint, timestamp version, freshness. Exits 3 whenever `check` would report damage
+    (damaged settings or rows, rows gone from the file, anything else); else 4 when the trust is
+    stale ("stale: possible freeze": no fresh timestamp for longer than the root allows) or the
+    device clock may be wrong (it reads earlier than when the last timestamp was accepted, or
+    the last sync refused metadata as expired), or the trust files are damaged. Expiry is checked against the device clock with
+    a tolerance of 300 s (DEFAULT_CLOCK_TOLERANCE_S; clock_tolerance_s in device.json). A stale
+    device still answers queries."""
     with _open(root, passphrase_env) as device:
         status = device.status()
-    _echo_report(status, damaged=any(status.get(k) for k in ("damaged_settings", "damaged_rows", "missing_rows", "damaged")))
+    damaged = any(status.get(k) for k in ("damaged_settings", "damaged_rows", "missing_rows", "damaged"))
+    _echo_report(status, damaged=damaged)
+    if trust_alarm(status["trust"]):
+        sys.exit(STALE_EXIT)
 
 
 @device_command.command("backfill")

@@ -7,7 +7,8 @@ Directory layout (everything private to the device user)::
     owner.key        the owner's 256-bit key (shared by the owner's devices: export-key / init
                      --import-key), 0600, wrapped by the same passphrase as device.key
     token            the device's bearer token from enrolment, 0600
-    publisher.pub    the publisher's Ed25519 key pinned at enrolment (or at init)
+    publisher.pub    a device from before roots: the publisher's Ed25519 key pinned at enrolment (or init)
+    trust/           the root of trust it holds, every root accepted, the last timestamp (:mod:`.device_trust`)
     gallery.sqlite   the encrypted gallery (see fctkit.edge_runtime.gallery)
     bundles/vN/      verified bundles; downloads/vN/ while downloading (resumable)
 
@@ -29,7 +30,6 @@ enrol with a code made for the same owner, ``sync()``: the gallery comes back fr
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -39,7 +39,6 @@ import numpy as np
 
 from fctkit.errors import DeviceError, RpcStatusError
 from fctkit.private_files import make_private
-from fctkit.protos.bundle import load_public_key, public_key_id
 from fctkit.protos.client import ClientTls, FctkitClient, RetryPolicy
 
 from .adding import AddedItems, OnBadItem, add_items, restore_from_vault, side_infos_again, usable_queries
@@ -50,16 +49,16 @@ from .device_files import (
     GALLERY_FILE,
     KEY_FILE,
     OWNER_KEY_FILE,
-    PUBLISHER_FILE,
     SETTINGS_FILE,
     TOKEN_FILE,
     DeviceSettings,
     read_settings,
-    write_private,
     write_settings,
 )
 from .device_parts import DeviceParts
 from .device_status import device_status
+from .device_trust import DeviceTrust, initial_pin
+from .device_trust_sync import TrustChoice, enrol_device, trusted_client
 from .engine import Engine
 from .gallery import Gallery
 from .gallery_rows import LoadedRows
@@ -101,7 +100,8 @@ class Device:
         self.owner_sealer = Sealer(owner_key)  # vault originals and replica records
         self._owner_key = owner_key
         self.gallery = Gallery.open(root / GALLERY_FILE, key)
-        self.bundles = InstalledBundles(root, lambda: self.publisher_key, settings.engine)
+        self.trust = DeviceTrust(root, settings.clock_tolerance_s)  # its .clock is replaceable (tests)
+        self.bundles = InstalledBundles(root, self.trust, settings.engine)
         self.search = GallerySearch(self.gallery, self.bundles, settings.search_backend)
         self.progress = True
 
@@ -110,22 +110,22 @@ class Device:
     @classmethod
     def init(cls, root: str | os.PathLike, *, passphrase: str | None = None, publisher_key: str | os.PathLike | None = None,
              settings: DeviceSettings | None = None, owner_key_file: str | os.PathLike | None = None,
-             owner_key_passphrase: str | None = None) -> Device:
+             owner_key_passphrase: str | None = None, trust_root: str | os.PathLike | None = None) -> Device:
         """Create a device directory: a new device key, an empty gallery, optionally a pinned
+        root of trust (``trust_root``, a root file signed by a threshold of its own root keys) or
         publisher key; the owner key is imported from ``owner_key_file`` (written by
         :meth:`export_owner_key` on another device of the owner) or, without one, made new."""
         root = Path(root)
         if (root / SETTINGS_FILE).exists():
             raise DeviceError(f"{root} is already a device: open it (nothing was changed)")
+        pin = initial_pin(trust_root, publisher_key)  # a bad root or key file is refused before anything is written
         owner_key = new_key() if owner_key_file is None else read_key_file(owner_key_file, owner_key_passphrase, kind="owner")
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         key = new_key()
         write_key_file(root / KEY_FILE, key, passphrase)
         write_key_file(root / OWNER_KEY_FILE, owner_key, passphrase, kind="owner")
         Gallery.create(root / GALLERY_FILE, key).close()
-        if publisher_key is not None:
-            load_public_key(publisher_key)  # refuse a bad key file now
-            shutil.copyfile(publisher_key, root / PUBLISHER_FILE)
+        pin(root)
         settings = settings or DeviceSettings()
         write_settings(root / SETTINGS_FILE, settings)
         return cls(root, key, settings, owner_key)
@@ -167,27 +167,23 @@ class Device:
 
     @property
     def publisher_key(self):
-        path = self.root / PUBLISHER_FILE
-        if not path.exists():
-            raise DeviceError("no publisher key is pinned: enrol with a server, or init with --publisher-key")
-        return load_public_key(path)
+        """The pinned publisher key of a device from before roots."""
+        return self.trust.publisher_key()
 
     def enrol(self, server: str, code: str, *, device_name: str = "", tls_ca: str | None = None,
-              tls_cert: str | None = None, tls_key: str | None = None) -> str:
-        """Trade an enrolment code for a device token and pin the publisher's key; returns the device id.
-        A device that already pins another publisher key refuses the server; the server refuses
+              tls_cert: str | None = None, tls_key: str | None = None, trust_root: str | os.PathLike | None = None,
+              root_fingerprint: str | None = None, trust_on_first_use: bool = False) -> str:
+        """Trade an enrolment code for a device token and take the server's root of trust; returns
+        the device id. A device that pins nothing yet needs exactly one of ``trust_root`` (a root
+        file), ``root_fingerprint`` or ``trust_on_first_use`` (:mod:`.device_trust_sync`); one that
+        pins a root walks from it, one that pins a publisher key refuses another. The server refuses
         (FAILED_PRECONDITION) a device whose owner key is not its owner's other devices' key.
         ``tls_ca`` (the CA to trust) and ``tls_cert``/``tls_key`` (this device's certificate, for a
         server that requires one) are paths kept in the settings for later connections."""
         tls_ca, tls_cert, tls_key = (None if path is None else str(Path(path).resolve()) for path in (tls_ca, tls_cert, tls_key))
-        with FctkitClient(server, tls=ClientTls.from_files(tls_ca, tls_cert, tls_key)) as client:
-            enrolment = client.enrol(code, device_name, owner_key_id=owner_key_id(self._owner_key))
-        offered = load_public_key(enrolment.publisher_public_key)
-        if (self.root / PUBLISHER_FILE).exists() and public_key_id(self.publisher_key) != public_key_id(offered):
-            raise DeviceError("the server's publisher key differs from the one this device pins: refusing to enrol")
-        if not (self.root / PUBLISHER_FILE).exists():
-            write_private(self.root / PUBLISHER_FILE, enrolment.publisher_public_key)
-        write_private(self.root / TOKEN_FILE, enrolment.token.encode())
+        enrolment = enrol_device(self.trust, owner_key_id(self._owner_key), server, code, device_name,
+                                 ClientTls.from_files(tls_ca, tls_cert, tls_key),
+                                 TrustChoice(trust_root, root_fingerprint, trust_on_first_use))
         if self.settings.owner_id and self.settings.owner_id != enrolment.owner_id:
             self.gallery.replica_log.reset_replication()  # a new owner: its replica starts from this gallery
         self.settings = replace(self.settings, server=server, device_id=enrolment.device_id, device_name=device_name,
@@ -312,11 +308,11 @@ class Device:
 
         self._refuse_damaged_settings()
         result = SyncResult(self.version, self.version)
-        with self.client() as client:
+        with trusted_client(self.trust, self.client) as client:  # a trust refusal stops here
             result.uploaded, result.still_queued = self.flush_outbox()
             upgrades = self._upgrades(client)
             result.rows_upgraded += upgrades.resume()
-            latest = client.list_versions(after_version=self.version)
+            latest = self.trust.on_offer(client.list_versions(after_version=self.version))
             if latest:
                 target = latest[-1].version
                 self._report(client, fleet_pb2.UPGRADE_STATE_DOWNLOADING, target)
@@ -404,7 +400,8 @@ class Device:
     def _report(self, client, state: int, target: int = 0, progress: float = 0.0) -> None:
         """Tell the fleet service where this device stands; best effort while the server is away."""
         try:
-            client.report(self.version, len(self.gallery), state, target_version=target, progress=min(progress, 1.0))
+            client.report(self.version, len(self.gallery), state, target_version=target, progress=min(progress, 1.0),
+                          **self.trust.report_fields())
         except RpcStatusError as exc:
             if exc.code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
                 raise
@@ -467,7 +464,8 @@ class Device:
         replica again, which brings back every forgotten or missing row it holds; a row it does not hold whose
         original is in the vault is embedded again with the installed version. The rest stay removed, listed."""
         online, needed = bool(self.settings.server), lambda: [self.version]
-        bundles = self.bundles.fetch_again(self.parts.connect, needed) if online else self.bundles.damaged(needed)
+        connect = lambda: trusted_client(self.trust, self.client)  # noqa: E731
+        bundles = self.bundles.fetch_again(connect, needed) if online else self.bundles.damaged(needed)
         result = repair_gallery(self.gallery, self.open_original, self.installed_versions(),
                                 lambda rows: side_infos_again(self.parts, rows, online=online))
         report: dict[str, Any] = {**asdict(result), "damaged_bundles": {f"v{v}": reason for v, reason in bundles.items()}}
@@ -496,4 +494,5 @@ class Device:
 
     def status(self) -> dict[str, Any]:
         """What the device holds and does (:func:`~.device_status.device_status`)."""
-        return device_status(self.root, self.settings, self.parts, self.search, owner_key_id(self._owner_key), self.check)
+        status = device_status(self.root, self.settings, self.parts, self.search, owner_key_id(self._owner_key), self.check)
+        return {**status, "trust": self.trust.status()}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from fctkit.config import from_mapping, to_mapping
 from fctkit.errors import ConfigError, DeviceError
+from fctkit.protos.trust import DEFAULT_CLOCK_TOLERANCE_S
 
 from .engine import PREFERENCE, EngineConfig
 
@@ -32,6 +33,7 @@ class DeviceSettings:
     batch_size: int = 1024
     threads: int = 0
     search_backend: str = "auto"
+    clock_tolerance_s: int = DEFAULT_CLOCK_TOLERANCE_S  # how far past expiry a root or timestamp is still accepted
 
     @property
     def engine(self) -> EngineConfig:
@@ -50,6 +52,8 @@ def read_settings(path: Path) -> DeviceSettings:
                 raise ConfigError(f"{name} must be a string or null")
         if not isinstance(settings.device_name, str) or settings.search_backend not in ("auto", "numpy", "faiss"):
             raise ConfigError("device_name must be a string and search_backend one of auto, numpy, faiss")
+        if type(settings.clock_tolerance_s) is not int or not 0 <= settings.clock_tolerance_s <= 86400:
+            raise ConfigError("clock_tolerance_s must be a whole number of seconds from 0 to 86400")
     except (ValueError, TypeError, ConfigError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise DeviceError(f"{path} is damaged ({exc}); restore it, or edit it back to valid settings "
                           f"(the keys and the gallery were not touched)") from None

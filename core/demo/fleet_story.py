@@ -55,7 +55,7 @@ def fleet_story(options: DemoOptions, out: Path, server: DemoServer, archives: l
             device.progress = options.progress
             with server.admin() as admin:
                 code = admin.create_enrolment_code(label=name).code
-            device.enrol(server.target, code, device_name=name)
+            device.enrol(server.target, code, device_name=name, trust_on_first_use=True)
             device.sync()
             ids = [f"{name}-{int(r)}" for r in rows]
             device.add(images[rows], item_ids=ids, labels=[str(int(x)) for x in labels[rows]])

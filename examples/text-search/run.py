@@ -286,7 +286,7 @@ def deploy(out: Path, keys: Path, texts: Texts, vectors: dict, models: dict[str,
             code = admin.create_enrolment_code(label="text-search").code
         device = Device.init(out / "device")
         device.progress = False
-        device.enrol(server.target, code, device_name="text-search")
+        device.enrol(server.target, code, device_name="text-search", trust_on_first_use=True)
         device.sync()
         start = time.perf_counter()
         device.add_items(texts.definitions, item_ids=texts.keys, labels=[str(s) for s in texts.supersenses])

@@ -58,7 +58,7 @@ def _enrolled_v1_device(server, release, root, name: str, rows: slice = slice(No
     images, labels = features["images"][rows], features["labels"][rows]
     device = Device.init(root / name, settings=DeviceSettings(batch_size=128))
     device.progress = False
-    device.enrol(server.target, enrolment_code(server, name), device_name=name)
+    device.enrol(server.target, enrolment_code(server, name), device_name=name, trust_on_first_use=True)
     assert device.sync().installed_after == 1
     ids = [f"{name}-{i}" for i in range(len(labels))]
     device.add(images, item_ids=ids, labels=[str(x) for x in labels])
@@ -211,7 +211,7 @@ def test_fastfill_sigma_orders_the_backfill(release, tmp_path_factory):
         images, labels = features["images"], features["labels"]
         device = Device.init(root / "dev", settings=DeviceSettings(batch_size=128))
         device.progress = False
-        device.enrol(process.target, enrolment_code(process), device_name="ff")
+        device.enrol(process.target, enrolment_code(process), device_name="ff", trust_on_first_use=True)
         device.sync()
         ids = [f"ff-{i}" for i in range(len(labels))]
         device.add(images, item_ids=ids, labels=[str(x) for x in labels])

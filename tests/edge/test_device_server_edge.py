@@ -34,7 +34,8 @@ def test_cli_device_without_torch(published_v1, tmp_path, images):
     np.save(tmp_path / "q.npy", pictures[:2])
     steps = [
         ("init", "--dir", str(root), "--batch-size", "4"),
-        ("enrol", "--dir", str(root), "--server", server.target, "--code", enrolment_code(server), "--name", "cli"),
+        ("enrol", "--dir", str(root), "--server", server.target, "--code", enrolment_code(server), "--name", "cli",
+         "--trust-on-first-use"),
         ("sync", "--dir", str(root), "--quiet"),
         ("add", "--dir", str(root), str(tmp_path / "add.npz")),
         ("query", "--dir", str(root), str(tmp_path / "q.npy"), "-k", "1"),
@@ -138,7 +139,7 @@ def test_a_device_enrols_and_syncs_with_a_client_certificate(tmp_path, tiny_bund
             admin.publish_bundle(pack_bundle(tiny_bundles[1], tmp_path / "v1.tar"))
             codes = [admin.create_enrolment_code().code for _ in range(2)]
         root, ca = tmp_path / "dev", ["--tls-ca", str(pki["ca"])]
-        enrol = ("enrol", "--dir", str(root), "--server", server.target, "--code", codes[0], *ca)
+        enrol = ("enrol", "--dir", str(root), "--server", server.target, "--code", codes[0], "--trust-on-first-use", *ca)
         device_cli_steps([("init", "--dir", str(root))])
         without_certificate = device_cli(*enrol)
         assert without_certificate.returncode == 2 and "UNAVAILABLE" in without_certificate.stderr

@@ -72,7 +72,7 @@ def test_devices_upgrade_digits_release_to_the_trainers_figures(release, release
     for name, rows in shares.items():
         device = Device.init(tmp_path / name, settings=DeviceSettings(batch_size=128))
         device.progress = False
-        device.enrol(server.target, enrolment_code(server, name), device_name=name)
+        device.enrol(server.target, enrolment_code(server, name), device_name=name, trust_on_first_use=True)
         assert device.sync().installed_after == 1
         device.add(images[rows], item_ids=[f"{name}-{i}" for i in rows], labels=[str(x) for x in labels[rows]])
         devices[name] = device

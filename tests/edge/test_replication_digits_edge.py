@@ -37,7 +37,7 @@ def test_owner_devices_converge_restore_and_leave_no_vector_on_the_server(releas
     def device(name: str, **init) -> Device:
         made = Device.init(tmp_path / name, settings=DeviceSettings(batch_size=64), **init)
         made.progress = False
-        made.enrol(server.target, enrolment_code(server, owner="grace"), device_name=name)
+        made.enrol(server.target, enrolment_code(server, owner="grace"), device_name=name, trust_on_first_use=True)
         opened.append(made)
         return made
 

@@ -305,7 +305,7 @@ def test_cli_owner_key_export_import_restore_and_status(server, tmp_path, images
     run("export-key", "--dir", str(first), str(key), "--key-passphrase-env", "FCTKIT_TEST_OWNER_PASS")
     assert json.loads(key.read_text())["kind"] == "owner" and "pass phrase" not in key.read_text()
     run("init", "--dir", str(second), "--import-key", str(key), "--key-passphrase-env", "FCTKIT_TEST_OWNER_PASS")
-    run("enrol", "--dir", str(second), "--server", server.target, "--code", admin_code("frank"))
+    run("enrol", "--dir", str(second), "--server", server.target, "--code", admin_code("frank"), "--trust-on-first-use")
     skipped = run("sync", "--dir", str(second), "--quiet", "--no-replicate")
     assert skipped["replication"] is None
     run("sync", "--dir", str(second), "--quiet")

@@ -246,7 +246,7 @@ def test_through_a_server_texts_are_sealed_as_they_came_and_backfilled_with_the_
         publish(server, text_release["out"] / "v1", tmp_path / "archives")
         device = Device.init(tmp_path / "device")
         device.progress = False
-        device.enrol(server.target, enrolment_code(server, "texts"), device_name="texts")
+        device.enrol(server.target, enrolment_code(server, "texts"), device_name="texts", trust_on_first_use=True)
         assert device.sync().installed_after == 1
         texts = text_release["texts"][:40]
         device.add(texts, item_ids=[f"t{i}" for i in range(40)])

@@ -1,0 +1,200 @@
+"""What a device accepts of the trust a server offers (issue 35): at enrolment, the root to start
+from (``--root``, ``--root-fingerprint`` or, explicitly, ``--trust-on-first-use``), and before
+every download from the server (:func:`trusted_client`), the roots after its own, walked one
+version at a time, and a fresh timestamp. A device pinning only ``publisher.pub`` moves to the
+server's root once (:func:`~fctkit.protos.trust.verify_migration`). Everything is checked before
+anything is written; a refusal leaves the trust files as they were.
+
+A server without a root (``fctkit serve --publisher-key``, or one from before roots) answers
+GetTrust with FAILED_PRECONDITION (UNIMPLEMENTED before the RPC existed): a legacy device goes on
+with its pinned key; a device that holds a root refuses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from fctkit.errors import DeviceError, InputError, RootChainError, RpcStatusError, TrustError
+from fctkit.protos.bundle import load_public_key, public_key_id
+from fctkit.protos.client import ClientTls, Enrolment, FctkitClient, TrustUpdate
+from fctkit.protos.trust import (
+    Root,
+    Signed,
+    parse_root,
+    parse_timestamp,
+    pin_root,
+    root_fingerprint,
+    timestamp_version_floor,
+    verify_migration,
+    verify_timestamp,
+    walk_root_chain,
+)
+
+from .device_files import PUBLISHER_FILE, TOKEN_FILE, write_private
+from .device_trust import DeviceTrust, TrustState, read_root_file
+
+NO_ROOT = ("FAILED_PRECONDITION", "UNIMPLEMENTED")
+CHOOSE = ("this device pins no root of trust yet: give exactly one of --root ROOT.json (the root file, from the "
+          "publisher, offline), --root-fingerprint SHA256 (the fingerprint `fctkit keys init-root` printed: the server's "
+          "root is checked against it), or --trust-on-first-use (accept whatever root or publisher key this server offers, "
+          "unchecked: a server or network that is not honest at this moment owns the device for good)")
+
+
+@dataclass(frozen=True)
+class TrustChoice:
+    """How a device that pins nothing yet picks the root it starts from at enrolment."""
+
+    root_file: str | os.PathLike | None = None
+    fingerprint: str | None = None
+    trust_on_first_use: bool = False
+
+    def check(self, trust: DeviceTrust) -> None:
+        """Exactly one choice for a device that pins nothing; none for one that already pins."""
+        given = sum((self.root_file is not None, self.fingerprint is not None, self.trust_on_first_use))
+        if given > 1:
+            raise InputError("--root, --root-fingerprint and --trust-on-first-use exclude each other: give one. " + CHOOSE)
+        pinned = trust.pins_root or trust.pins_key
+        if pinned and given:
+            raise InputError(f"this device already pins {trust.describe_pin()}: enrol without --root, --root-fingerprint "
+                             "or --trust-on-first-use (it checks the server against what it pins)")
+        if not pinned and not given:
+            raise InputError(CHOOSE)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """Roots and a timestamp that passed every rule, not yet written."""
+
+    new_roots: list[Signed[Root]]
+    state: TrustState
+
+
+def fetch_trust(client: Any, after_root_version: int) -> TrustUpdate | None:
+    """The server's roots after ``after_root_version`` and its timestamp; None: it has no root."""
+    try:
+        return client.get_trust(after_root_version)
+    except RpcStatusError as exc:
+        if exc.code in NO_ROOT:
+            return None
+        raise
+
+
+def accept(trust: DeviceTrust, start: Signed[Root], chain: Sequence[bytes], timestamp: bytes, last_version: int,
+           *, start_is_new: bool) -> Accepted:
+    """Walk from ``start`` over ``chain``, then check ``timestamp`` against the last root reached."""
+    now: datetime = trust.clock()
+    walk = walk_root_chain(start, chain, now, trust.clock_tolerance_s)
+    floor = timestamp_version_floor(walk, last_version)
+    stamp = verify_timestamp(walk.root, parse_timestamp(timestamp), floor, now, trust.clock_tolerance_s)
+    roots = [parse_root(data) for data in chain]  # each verified by the walk
+    state = TrustState(walk.root.body.version, stamp.body.version, timestamp, now)
+    return Accepted([start, *roots] if start_is_new else roots, state)
+
+
+def offered_update(trust: DeviceTrust, client: Any) -> Accepted | None:
+    """What a device that pins a root, or only a publisher key, accepts of the server's trust
+    now; None: a legacy device and a server without a root (nothing changes)."""
+    if trust.pins_root:
+        current, state = trust.current_root(), trust.state()
+        update = fetch_trust(client, current.body.version)
+        if update is None:
+            raise RootChainError(f"this device trusts root v{current.body.version}, but the server serves no root of trust: "
+                                 "refused (a server that lost its root, or not the device's server); nothing was installed")
+        return accept(trust, current, update.roots, update.timestamp, state.timestamp_version, start_is_new=False)
+    update = fetch_trust(client, 0)
+    if update is None:
+        return None
+    if not update.roots:
+        raise RootChainError("the server has a timestamp but offers no root v1: refused (the server is misconfigured)")
+    first = verify_migration(trust.publisher_key(), parse_root(update.roots[0], "root.1.json"))
+    return accept(trust, first, update.roots[1:], update.timestamp, 0, start_is_new=True)
+
+
+def refresh_trust(trust: DeviceTrust, client: Any) -> None:
+    """Before a download from the server: accept its newer roots and a fresh timestamp, and
+    write them; a refusal is kept for ``status`` and raised (nothing else changes)."""
+    if not (trust.pins_root or trust.pins_key):
+        raise DeviceError("this device pins no root of trust and no publisher key: enrol it first")
+    try:
+        accepted = offered_update(trust, client)
+    except TrustError as exc:
+        trust.record_refusal(exc)
+        raise
+    if accepted is not None:
+        trust.save(accepted.new_roots, accepted.state)
+    trust.clear_refusal()
+
+
+@contextlib.contextmanager
+def trusted_client(trust: DeviceTrust, connect: Callable[[], Any]) -> Iterator[Any]:
+    """A client to the server whose trust was refreshed first (:func:`refresh_trust`)."""
+    with connect() as client:
+        refresh_trust(trust, client)
+        yield client
+
+
+def enrol_device(trust: DeviceTrust, owner_key_id: str, server: str, code: str, device_name: str, tls: ClientTls,
+                 choice: TrustChoice) -> Enrolment:
+    """Trade the code for a token, take the server's trust as ``choice`` says, then write the
+    trust and the token; a refusal writes nothing (the code is spent: ask for a new one)."""
+    choice.check(trust)
+    start = read_root_file(choice.root_file) if choice.root_file is not None else None
+    with FctkitClient(server, tls=tls) as client:
+        enrolment = client.enrol(code, device_name, owner_key_id=owner_key_id)
+    with FctkitClient(server, enrolment.token, tls=tls) as client:
+        write = _trust_to_write(trust, client, choice, start, enrolment.publisher_public_key)
+    write()
+    write_private(trust.root / TOKEN_FILE, enrolment.token.encode())
+    return enrolment
+
+
+def _trust_to_write(trust: DeviceTrust, client: Any, choice: TrustChoice, start: Signed[Root] | None,
+                    offered_key: bytes) -> Callable[[], None]:
+    """What to write once everything was checked (nothing is written here)."""
+    if trust.pins_root or trust.pins_key:
+        accepted = offered_update(trust, client)
+        if accepted is None:
+            return _legacy_key(trust, offered_key, pinned=True)
+        return lambda: trust.save(accepted.new_roots, accepted.state)
+    update = fetch_trust(client, 0 if start is None else start.body.version)
+    if update is None:
+        if choice.trust_on_first_use:
+            return _legacy_key(trust, offered_key, pinned=False)
+        raise RootChainError("this server has no root of trust (it was started with --publisher-key only): refused, "
+                             "as --root and --root-fingerprint ask for one; enrol with --trust-on-first-use to pin its "
+                             "publisher key as offered, or ask its admin to serve a root")
+    chain: Sequence[bytes] = update.roots
+    if start is None:
+        index = _starting_root(update.roots, choice.fingerprint)
+        start = pin_root(update.roots[index], choice.fingerprint, trust_on_first_use=choice.fingerprint is None)
+        chain = update.roots[index + 1:]
+    accepted = accept(trust, start, chain, update.timestamp, 0, start_is_new=True)
+    return lambda: trust.save(accepted.new_roots, accepted.state)
+
+
+def _starting_root(roots: Sequence[bytes], fingerprint: str | None) -> int:
+    """The offered root to pin: the one with ``fingerprint``, or (trust on first use) root v1."""
+    if not roots:
+        raise RootChainError("the server offers no root: refused (its root chain is empty)")
+    if fingerprint is None:
+        return 0
+    for index, data in enumerate(roots):
+        if root_fingerprint(parse_root(data, f"root.{index + 1}.json")) == fingerprint.lower():
+            return index
+    raise RootChainError(f"none of the {len(roots)} root(s) the server offers has the fingerprint {fingerprint[:16]}… "
+                         "this device was given: refused (a wrong or forged root, or not your server); nothing was saved")
+
+
+def _legacy_key(trust: DeviceTrust, offered: bytes, *, pinned: bool) -> Callable[[], None]:
+    """A server without a root: the publisher key it offers, pinned (or checked against the pinned one)."""
+    key = load_public_key(offered)
+    if pinned:
+        if public_key_id(trust.publisher_key()) != public_key_id(key):
+            raise DeviceError("the server's publisher key differs from the one this device pins: refusing to enrol")
+        return lambda: None
+    return lambda: write_private(trust.root / PUBLISHER_FILE, offered)
