@@ -103,6 +103,7 @@ class DeviceTrust:
         self.clock = clock
         self.clock_tolerance_s = clock_tolerance_s
         self._loaded: tuple[TrustState, Signed[Root]] | None = None
+        self._accepted: list[Signed[Root]] | None = None
 
     # -- what the device pins ---------------------------------------------------------------
 
@@ -134,9 +135,11 @@ class DeviceTrust:
 
     def accepted_roots(self) -> list[Signed[Root]]:
         """Every root this device accepted, newest first (the current one first)."""
-        current = self.current_root()
-        return [current, *(self._read_root(v) for v in range(current.body.version - 1, 0, -1)
-                           if (self.folder / f"root.{v}.json").exists())]
+        if self._accepted is None:
+            current = self.current_root()
+            self._accepted = [current, *(self._read_root(v) for v in range(current.body.version - 1, 0, -1)
+                                         if (self.folder / f"root.{v}.json").exists())]
+        return self._accepted
 
     def snapshot(self) -> Timestamp | None:
         """The accepted timestamp (what a download from the server must match), None on a legacy device."""
@@ -177,7 +180,7 @@ class DeviceTrust:
         else:
             self._write(self.folder, new_roots, state)
         make_private(self.folder)
-        self._loaded = None
+        self._loaded = self._accepted = None
 
     @staticmethod
     def _write(folder: Path, roots: Sequence[Signed[Root]], state: TrustState) -> None:

@@ -7,7 +7,7 @@ installed bundles under every accepted root, freshness with an injected clock, a
 exit code of `fctkit device status`.
 
 The state-level tests hand the device what GetTrust answers (the client's own TrustUpdate) from
-:class:`Offer`; the loopback tests with a server that serves a root come with the server side."""
+:class:`Offer`; the last ones run against a real `fctkit serve --root` on loopback."""
 
 from __future__ import annotations
 
@@ -35,11 +35,11 @@ from fctkit.edge_runtime import Device, DeviceSettings
 from fctkit.edge_runtime import device_trust
 from fctkit.edge_runtime.cli import STALE_EXIT, device_command
 from fctkit.edge_runtime.device_trust_sync import refresh_trust
-from fctkit.export.keys import save_public_key
+from fctkit.export.keys import save_private_key, save_public_key
 from fctkit.protos.bundle import load_public_key, public_key_id
-from fctkit.protos.client import TrustUpdate
+from fctkit.protos.client import FctkitClient, TrustUpdate
 from fctkit.protos.trust import Root, Signed, Timestamp, root_fingerprint
-from tests.edge.conftest import enrolment_code, make_tiny_bundle
+from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, make_tiny_bundle, publish
 from tests.security.conftest import NOW, build_root, key, signed, timestamp
 
 ROOT_KEYS = ("r1", "r2", "r3")
@@ -271,8 +271,8 @@ def test_a_removed_publisher_keeps_the_model_in_use_but_installs_nothing_new(roo
 
 # -- enrolment choices ------------------------------------------------------------------------
 
-def enrol(root: Path, server: str, *flags: str):
-    return CliRunner().invoke(device_command, ["enrol", "--dir", str(root), "--server", server, "--code", "AAAA-BBBB-CCCC", *flags])
+def enrol(root: Path, server: str, *flags: str, code: str = "AAAA-BBBB-CCCC"):
+    return CliRunner().invoke(device_command, ["enrol", "--dir", str(root), "--server", server, "--code", code, *flags])
 
 
 def test_enrol_needs_exactly_one_choice_before_it_contacts_anything(tmp_path, root_file):
@@ -319,3 +319,71 @@ def test_clock_tolerance_is_a_device_setting(tmp_path, root_file):
     with pytest.raises(DeviceError, match="clock_tolerance_s must be"):
         Device.open(tmp_path / "dev")
     assert os.path.exists(tmp_path / "dev" / "trust" / "state.json")
+
+
+# -- a real server with a root, on loopback ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def root_server(tmp_path_factory, publisher_pub, admin_token_file, tiny_keyed_bundles):
+    """`fctkit serve --root root.1.json --timestamp-key ts.key` (root v1: publisher alice, also
+    signed by alice so that devices pinning her key can move to it), v1 by alice published."""
+    folder = tmp_path_factory.mktemp("root-server")
+    first = write(folder / "root.1.json", signed(root_v(1).body, *ROOT_KEYS, "alice"))
+    server = ServerProcess(folder / "data", publisher_pub, admin_token_file, "--root", str(first),
+                           "--timestamp-key", str(save_private_key(key("ts"), folder / "ts.key"))).start()
+    publish(server, tiny_keyed_bundles["alice"][1], folder)
+    yield server
+    server.stop()
+
+
+def test_enrol_by_fingerprint_sync_rotate_and_report_on_loopback(root_server, tmp_path):
+    with Device.init(tmp_path / "wrong") as wrong:
+        with pytest.raises(RootChainError, match="none of the 1 root"):
+            wrong.enrol(root_server.target, enrolment_code(root_server), root_fingerprint="ab" * 32)
+        assert not (wrong.root / "token").exists() and not wrong.trust.pins_root
+    Device.init(tmp_path / "dev").close()
+    cli = CliRunner()
+    enrolled = enrol(tmp_path / "dev", root_server.target, "--root-fingerprint", root_fingerprint(root_v(1)),
+                     code=enrolment_code(root_server))
+    assert enrolled.exit_code == 0, enrolled.output
+    enrolled = json.loads(enrolled.output)
+    assert enrolled["trust"]["root_version"] == 1 and enrolled["trust"]["timestamp_version"] >= 1
+    synced = cli.invoke(device_command, ["sync", "--dir", str(tmp_path / "dev"), "--quiet"])
+    assert synced.exit_code == 0 and json.loads(synced.output)["installed_after"] == 1, synced.output
+    with FctkitClient(root_server.target, ADMIN_TOKEN) as admin:
+        admin.publish_root(root_v(2, publishers=("alice", "bob"), signers=("r1", "r2")).to_bytes())
+    assert cli.invoke(device_command, ["sync", "--dir", str(tmp_path / "dev"), "--quiet"]).exit_code == 0
+    with Device.open(tmp_path / "dev") as device:
+        assert [r.body.version for r in device.trust.accepted_roots()] == [2, 1]
+        assert not (device.root / "publisher.pub").exists()
+        with FctkitClient(root_server.target, ADMIN_TOKEN) as admin:
+            listed = next(d for d in admin.list_devices() if d.device_id == device.settings.device_id)
+    assert (listed.root_version, listed.trust_stale) == (2, False) and listed.seconds_since_fresh < 600
+    status = cli.invoke(device_command, ["status", "--dir", str(tmp_path / "dev")])
+    assert status.exit_code == 0, status.output
+    trust = json.loads(status.output)["trust"]
+    assert trust["root_version"] == 2 and trust["freshness"].startswith("fresh") and not trust["stale"]
+
+
+def test_a_device_pinning_the_publisher_key_moves_to_the_servers_root_at_its_next_sync(tmp_path, admin_token_file,
+                                                                                         tiny_keyed_bundles):
+    """A fleet from before roots: the server restarts with a root (v1 signed by alice too)."""
+    pub = save_public_key(key("alice").public_key(), tmp_path / "alice.pub")
+    server = ServerProcess(tmp_path / "data", pub, admin_token_file).start()
+    try:
+        publish(server, tiny_keyed_bundles["alice"][1], tmp_path)
+        with Device.init(tmp_path / "old", publisher_key=pub) as device:
+            device.progress = False
+            device.enrol(server.target, enrolment_code(server))
+            assert device.sync().installed_after == 1 and not device.trust.pins_root
+            server.stop()
+            first = write(tmp_path / "root.1.json", signed(root_v(1).body, *ROOT_KEYS, "alice"))
+            server.args = ["--root", str(first), "--timestamp-key", str(save_private_key(key("ts"), tmp_path / "ts.key"))]
+            server.start()
+            device.sync()
+            assert device.trust.state().root_version == 1 and device.trust.state().timestamp_version >= 1
+            device.bundles.unload(1)
+            assert (device.root / "publisher.pub").exists() and device.engine().manifest.version == 1
+            assert device.status()["trust"]["freshness"].startswith("fresh")
+    finally:
+        server.stop()
