@@ -228,7 +228,7 @@ def open_postgres(dsn: str, *, max_connections: int = 20) -> PostgresDatabase:
             if found != SCHEMA_VERSION:
                 script = _SCHEMA + upload_sessions.UPLOADS_SCHEMA
                 if found:  # the tables of today come with the schema; columns are added to older ones
-                    script = (upload_sessions.ADD_LEASES + ";" if found == 6 else "") + add_trust_columns({}) + ";" + TRUST_SCHEMA
+                    script = (upload_sessions.ADD_LEASES + ";" if found == 6 else "") + add_trust_columns() + ";" + TRUST_SCHEMA
                 execute_script(db, postgres_schema(script))
                 db.execute("INSERT INTO fctkit_schema VALUES (?)", (SCHEMA_VERSION,))
     except BaseException:
