@@ -29,7 +29,7 @@ def brute_force_ranks(adapted: np.ndarray, sample: np.ndarray, queries: np.ndarr
     else:
         scores = -((q[:, None, :] - g[None, :, :]) ** 2).sum(axis=2)
     positions = np.arange(len(g))
-    return np.array([1 + int(np.flatnonzero(np.lexsort((positions, -scores[i]))[:] == own)[0])
+    return np.array([1 + int(np.flatnonzero(np.lexsort((positions, -scores[i])) == own)[0])
                      for i, own in enumerate(sample)])
 
 
