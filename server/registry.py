@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from fctkit.protos.bundle_vocabulary import MANIFEST_FILE, SIGNATURES_FILE
 from fctkit.protos.trust import MAX_SIGNATURES_BYTES, ReleaseTrust, Signed, parse_release_signatures, root_fingerprint
 
 from fctkit.protos.planner import PlannedHop, plan_upgrade
+from .jsonlog import log_event
 from .root_of_trust import ReleaseRules, RootOfTrust
 from .storage import StaleVersion, Storage, VersionRecord
 from .streams import FileSink, check_offset, file_chunks, open_stored, read_header, receive_chunks
@@ -166,7 +168,10 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     async def GetTrust(self, request, context):
         root = self._root_of_trust()
         if self._storage.latest_version() > self._catalog.latest:  # published on another replica, not yet notified here
-            self._catalog.refresh(self._storage, self._rules)
+            try:
+                self._catalog.refresh(self._storage, self._rules)
+            except ConfigError as exc:  # a stored version that does not verify stays off the timestamp; the log says why
+                log_event("catalog refresh failed", logging.ERROR, error=str(exc))
         roots, latest = root.roots_after(request.after_root_version)
         return registry_pb2.GetTrustResponse(roots=roots, latest_root_version=latest,
                                              timestamp=root.timestamp(self._catalog.manifest_bytes()))

@@ -10,6 +10,7 @@ stored and listed."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from fctkit.protos.bundle import pack_bundle, public_key_id
 from fctkit.protos.bundle_vocabulary import SIGNATURES_FILE
 from fctkit.protos.client import FctkitClient
 from fctkit.protos.trust import parse_release_signatures, parse_root, parse_timestamp, root_fingerprint, verify_timestamp
+from fctkit.server.registry import Catalog, RegistryService
 from fctkit.server.root_of_trust import ROOTS_PER_PAGE, RootOfTrust
 from fctkit.server.storage import VersionRecord
 from tests.security.conftest import build_root, key, kid, signed
@@ -254,6 +256,29 @@ def test_the_timestamp_is_reused_while_fresh_and_renewed_by_one_replica_at_a_tim
         storage.close()
         if other is not storage:
             other.close()
+
+
+def test_a_release_published_on_another_replica_is_in_the_next_timestamp_at_once(tmp_path, open_storage, backend,
+                                                                                root1_file, releases):
+    """No waiting for the other replica's notification: GetTrust looks at the stored versions first."""
+    storage = open_storage(tmp_path / "data")
+    other = storage if backend.name == "sqlite" else open_storage(tmp_path / "data")
+    try:
+        here, there = (registry_service(s, root1_file) for s in (storage, other))
+        empty = asyncio.run(here.GetTrust(registry_pb2.GetTrustRequest(), None))
+        asyncio.run(there._verify_and_store(releases["v2-alice-bob"], tmp_path / "unpacked"))
+        answer = asyncio.run(here.GetTrust(registry_pb2.GetTrustRequest(), None))
+        assert [e.version for e in parse_timestamp(answer.timestamp).body.releases] == [2]
+        assert parse_timestamp(answer.timestamp).body.version == parse_timestamp(empty.timestamp).body.version + 1
+    finally:
+        storage.close()
+        if other is not storage:
+            other.close()
+
+
+def registry_service(storage, root_file: Path) -> RegistryService:
+    trust = RootOfTrust.open(storage, root_file, [key("ts")], DAY_S)
+    return RegistryService(storage, Catalog.load(storage, trust), trust, max_bundle_bytes=1 << 30, keepalive_s=60.0)
 
 
 def test_start_up_takes_the_first_root_or_the_next_and_refuses_the_rest(tmp_path, open_storage, root1_file):
