@@ -52,6 +52,7 @@ from fctkit.protos.trust import (
 from fctkit.protos.trust.trust_format import parse_time
 
 from .device_files import PUBLISHER_FILE
+from .sqlite_file import is_no_space, no_space
 
 TRUST_DIR, STATE_FILE, REFUSAL_FILE = "trust", "state.json", "trust_refusal.json"
 MAX_STATE_BYTES = 2 * MAX_TIMESTAMP_BYTES  # the timestamp in base64, and a few small fields
@@ -174,11 +175,16 @@ class DeviceTrust:
 
     def save(self, new_roots: Sequence[Signed[Root]], state: TrustState) -> None:
         """Write the newly accepted roots, then the state pointing at them (see the module doc)."""
-        if not self.pins_root:
-            with staged_directory(self.folder) as staging:
-                self._write(staging, new_roots, state)
-        else:
-            self._write(self.folder, new_roots, state)
+        try:
+            if not self.pins_root:
+                with staged_directory(self.folder) as staging:
+                    self._write(staging, new_roots, state)
+            else:
+                self._write(self.folder, new_roots, state)
+        except OSError as exc:
+            if is_no_space(exc):  # the old state stands (the module doc's order)
+                raise no_space(self.root, "saving the trust metadata just accepted") from None
+            raise
         make_private(self.folder)
         self._loaded = self._accepted = None
 
@@ -191,7 +197,10 @@ class DeviceTrust:
     def record_refusal(self, error: TrustError) -> None:
         """Keep a sync's trust refusal for ``status`` (the trust files themselves stay as they were)."""
         record = {"at": format_time(self.clock()), "error": type(error).__name__, "message": str(error)}
-        write_atomic(self.root / REFUSAL_FILE, json.dumps(record, indent=2).encode())
+        try:
+            write_atomic(self.root / REFUSAL_FILE, json.dumps(record, indent=2).encode())
+        except OSError:  # a record for status only: a full disk must not hide the refusal itself
+            pass
 
     def clear_refusal(self) -> None:
         (self.root / REFUSAL_FILE).unlink(missing_ok=True)

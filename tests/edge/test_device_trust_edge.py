@@ -257,9 +257,12 @@ def tiny_keyed_bundles(tmp_path_factory) -> dict[str, dict[int, Path]]:
             "bob": {2: make_tiny_bundle(out / "bob-v2", key("bob"), 2, ((1, 2),))}}
 
 
-def test_a_removed_publisher_keeps_the_model_in_use_but_installs_nothing_new(rooted, tiny_keyed_bundles):
+def test_a_removed_publisher_keeps_the_model_in_use_but_installs_nothing_new(rooted, tiny_keyed_bundles, images):
     rooted.upgrade([tiny_keyed_bundles["alice"][1]])
-    assert rooted.version == 1
+    rooted.add(images(3), item_ids=["a", "b", "c"])
+    with pytest.raises(ThresholdError):  # a refused sync …
+        refresh_trust(rooted.trust, Offer([root_v(1)], timestamp(1, {}, signer="mallory")))
+    assert [m[0].item_id for m in rooted.query(images(3), k=1)] == ["a", "b", "c"]  # … and queries still answer
     without_alice = root_v(2, publishers=("bob",), signers=("r1", "r2"))
     refresh_trust(rooted.trust, Offer([root_v(1), without_alice], timestamp(1, {})))
     rooted.bundles.unload(1)
