@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from fctkit.errors import ConfigError, RpcStatusError
 from fctkit.export.keys import save_private_key, sign_release
 from fctkit.protos import fleet_pb2, registry_pb2
-from fctkit.protos.bundle import pack_bundle, public_key_id
+from fctkit.protos.bundle import pack_bundle
 from fctkit.protos.bundle_vocabulary import SIGNATURES_FILE
 from fctkit.protos.client import FctkitClient
 from fctkit.protos.trust import parse_release_signatures, parse_root, parse_timestamp, root_fingerprint, verify_timestamp
@@ -28,7 +28,7 @@ from fctkit.server.registry import Catalog, RegistryService
 from fctkit.server.root_of_trust import ROOTS_PER_PAGE, RootOfTrust
 from fctkit.server.storage import VersionRecord
 from tests.security.conftest import build_root, key, kid, signed
-from tests.server.conftest import ADMIN_TOKEN, ServerProcess, chain_bundle, enrolled_client, status_code
+from tests.server.conftest import ADMIN_TOKEN, chain_bundle, enrolled_client, status_code
 
 PUBLISHERS = ("alice", "bob", "carol")
 DAY_S = 86400.0
