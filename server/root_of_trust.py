@@ -29,6 +29,7 @@ from fctkit.protos.trust import (
     ReleaseTrust,
     Root,
     Signed,
+    Timestamp,
     make_timestamp,
     parse_root,
     parse_timestamp,
@@ -85,6 +86,7 @@ class RootOfTrust:
         self._expiry = timedelta(seconds=expiry_s)
         self._clock = clock
         self._parsed: dict[int, Signed[Root]] = {}  # a stored root version never changes
+        self._checked: tuple[tuple[bytes, int], Signed[Timestamp]] | None = None
 
     @classmethod
     def open(cls, storage: Storage, root_file: Path, timestamp_keys: Sequence[Ed25519PrivateKey], expiry_s: float,
@@ -148,7 +150,8 @@ class RootOfTrust:
         return self._parsed[version]
 
     def roots_after(self, version: int) -> tuple[list[bytes], int]:
-        """The stored root files after ``version`` (at most :data:`ROOTS_PER_PAGE`) and the latest version."""
+        """The stored root files after ``version`` (at most :data:`ROOTS_PER_PAGE`: a root's
+        key and signature limits keep each under 32 KiB, so a page fits one message) and the latest version."""
         latest = self._storage.latest_root()
         page = self._storage.roots(version, ROOTS_PER_PAGE)
         return [data for _, data in page], 0 if latest is None else latest[0]
@@ -215,6 +218,7 @@ class RootOfTrust:
             stored = self._storage.timestamp()
             if stored is not None and self._reusable(stored, root, manifests, now):
                 return stored.data
+            self.require_timestamp_keys(root, lambda message: RpcStatusError("FAILED_PRECONDITION", message))
             version = 1 if stored is None else stored.version + 1
             document = Signed(make_timestamp(version, now + self._expiry, manifests))
             for key in self.signing_keys(root):
@@ -225,9 +229,21 @@ class RootOfTrust:
         raise RpcStatusError("UNAVAILABLE", "the timestamp kept changing under this replica (replicas racing); try again")
 
     def _reusable(self, stored: StoredTimestamp, root: Signed[Root], manifests: Mapping[int, bytes], now: datetime) -> bool:
+        timestamp = self._checked_timestamp(stored, root, now)
+        if timestamp is None:
+            return False
+        offered = make_timestamp(timestamp.body.version, timestamp.body.expires, manifests)
+        return timestamp.body.releases == offered.releases and timestamp.body.expires - now > self._expiry / 2
+
+    def _checked_timestamp(self, stored: StoredTimestamp, root: Signed[Root], now: datetime) -> Signed[Timestamp] | None:
+        """The stored timestamp once it verified under ``root`` (parsed and checked once per
+        timestamp and root: most calls reuse it), or None: signed for an earlier root's keys, or expired."""
+        key = (stored.data, root.body.version)
+        if self._checked is not None and self._checked[0] == key:
+            return self._checked[1]
         try:
             timestamp = verify_timestamp(root, parse_timestamp(stored.data), 0, now, 0)
         except TrustError:
-            return False  # signed for an earlier root's timestamp keys, or expired
-        offered = make_timestamp(timestamp.body.version, timestamp.body.expires, manifests)
-        return timestamp.body.releases == offered.releases and timestamp.body.expires - now > self._expiry / 2
+            return None
+        self._checked = (key, timestamp)
+        return timestamp

@@ -258,6 +258,23 @@ def test_the_timestamp_is_reused_while_fresh_and_renewed_by_one_replica_at_a_tim
             other.close()
 
 
+def test_a_replica_without_the_new_timestamp_key_serves_what_others_signed_and_signs_nothing(tmp_path, open_storage,
+                                                                                             root1_file):
+    storage = open_storage(tmp_path / "data")
+    try:
+        rotating = RootOfTrust.open(storage, root1_file, [key("ts"), key("ts2")], DAY_S)
+        rotating.publish_root(root(2, timestamp=("ts2",)).to_bytes())
+        behind = RootOfTrust(storage, [key("ts")], DAY_S)  # a replica not yet restarted with --timestamp-key ts2.key
+        with pytest.raises(RpcStatusError, match="restart the replicas with --timestamp-key NEW.key") as caught:
+            behind.timestamp({})
+        assert caught.value.code == "FAILED_PRECONDITION" and storage.timestamp() is None
+        signed_by_ts2 = rotating.timestamp({})
+        assert [s.keyid for s in parse_timestamp(signed_by_ts2).signatures] == [kid("ts2")]
+        assert behind.timestamp({}) == signed_by_ts2
+    finally:
+        storage.close()
+
+
 def test_a_release_published_on_another_replica_is_in_the_next_timestamp_at_once(tmp_path, open_storage, backend,
                                                                                 root1_file, releases):
     """No waiting for the other replica's notification: GetTrust looks at the stored versions first."""
