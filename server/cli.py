@@ -52,9 +52,9 @@ _EXISTING = click.Path(path_type=Path, exists=True, dir_okay=False)
                    "while the timestamp key is rotated.")
 @click.option("--timestamp-passphrase-file", type=_EXISTING, default=None,
               help="File holding the passphrase of the --timestamp-key files (or set $FCTKIT_KEY_PASSPHRASE).")
-@click.option("--timestamp-expiry-hours", type=click.FloatRange(1 / 60, 31 * 24), default=24.0, show_default=True,
-              help="How long each signed timestamp stays valid; a new one is signed once half of that is gone, or when "
-                   "the releases on offer change.")
+@click.option("--timestamp-expiry-hours", type=float, default=24.0, show_default=True,
+              help="How long each signed timestamp stays valid (one minute to 31 days); a new one is signed once half "
+                   "of that is gone, or when the releases on offer change.")
 @click.option("--admin-token-file", type=_PATH, default=None, help="File holding the admin token; default DATA/admin.token, "
               "created (mode 0600) if missing. Required with --database (every replica reads the same token).")
 @click.option("--tls-cert", type=_EXISTING, default=None, help="PEM certificate chain: serve TLS (with --tls-key).")
@@ -80,19 +80,15 @@ def serve_command(**options) -> None:
     --publisher-key (or --root and --timestamp-key) and --admin-token-file; a load balancer
     checks grpc.health.v1 (service "").
 
+    Releases are checked against exactly one of --publisher-key (one key) or --root with
+    --timestamp-key (a root of trust; docs/PROTOCOL.md §6.2).
+
     Logs are JSON lines on stderr. Stop with SIGTERM or Ctrl-C: in-flight calls finish first.
     """
     from fctkit.config import from_mapping
 
     from .app import ServerConfig, serve
 
-    if (options["publisher_key"] is None) == (options["root"] is None):
-        raise click.UsageError("give exactly one of --publisher-key publisher.pub (one key) or --root root.json with "
-                               "--timestamp-key KEY (a root of trust)")
-    if options["root"] is None and options["timestamp_keys"]:
-        raise click.UsageError("--timestamp-key goes with --root")
-    if options["root"] is not None and not options["timestamp_keys"]:
-        raise click.UsageError("--root needs --timestamp-key KEY (the online key the root's timestamp role lists)")
     config = from_mapping(ServerConfig, {k: v for k, v in options.items() if v is not None})
     asyncio.run(serve(config))
 
@@ -120,7 +116,7 @@ def _admin_token(token_file: Path | None) -> str:
 @click.pass_context
 def admin_command(ctx: click.Context, server: str, admin_token_file: Path | None, tls_ca: Path | None,
                   tls_cert: Path | None, tls_key: Path | None) -> None:
-    """Administer a running fctkit server: enrolment codes, publishing, fleet and version lists."""
+    """Administer a running fctkit server: enrolment codes, publishing releases and roots, fleet and version lists."""
 
     def connect():
         from fctkit.protos.client import ClientTls, FctkitClient

@@ -194,18 +194,19 @@ def test_admin_publish_root_prints_the_version_and_fingerprint(start_server, roo
     assert result.output.strip() == f"published root v2 (fingerprint {root_fingerprint(next_root)})"
 
 
-def test_serve_takes_exactly_one_of_a_publisher_key_or_a_root(root1_file, keyfiles, publisher_pub, tmp_path):
-    from fctkit.server.cli import serve_command
+def test_serve_takes_exactly_one_of_a_publisher_key_or_a_root(root1_file, keyfiles, publisher_pub, tmp_path, capsys):
+    from fctkit.cli import main
 
-    data = ["--data", str(tmp_path / "data")]
-    for args, message in (([], "exactly one of --publisher-key"),
-                          (["--publisher-key", str(publisher_pub), "--root", str(root1_file)], "exactly one of --publisher-key"),
+    data = ["serve", "--data", str(tmp_path / "data")]
+    for args, message in (([], "give exactly one"),
+                          (["--publisher-key", str(publisher_pub), "--root", str(root1_file)], "give exactly one"),
                           (["--root", str(root1_file)], "--root needs --timestamp-key"),
                           (["--publisher-key", str(publisher_pub), "--timestamp-key", str(keyfiles["ts"])], "goes with --root"),
                           (["--root", str(root1_file), "--timestamp-key", str(keyfiles["ts"]), "--timestamp-expiry-hours", "0"],
-                           "timestamp-expiry-hours")):
-        result = CliRunner().invoke(serve_command, data + args)
-        assert result.exit_code == 2 and message in result.output, result.output
+                           "timestamp_expiry_hours is 0.0; from 0.017 (one minute)")):
+        with pytest.raises(SystemExit) as exited:
+            main(data + args)
+        assert exited.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "data").exists()
 
 
