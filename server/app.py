@@ -21,7 +21,7 @@ from fctkit.errors import ConfigError
 from fctkit.protos import fleet_pb2_grpc, limits, registry_pb2_grpc, vault_pb2_grpc
 from fctkit.protos.bundle import load_public_key, public_key_id
 from fctkit.protos.manifest_signature import load_private_key, read_passphrase
-from fctkit.protos.trust import root_fingerprint
+from fctkit.protos.trust import format_time, root_fingerprint
 
 from fctkit.private_files import make_private, private_umask
 
@@ -155,6 +155,7 @@ class FctkitServer:
         if isinstance(rules, RootOfTrust):
             latest = rules.latest()
             log_event("root of trust", root_version=latest.body.version, fingerprint=root_fingerprint(latest),
+                      expires=format_time(latest.body.expires),
                       timestamp_keys=[public_key_id(k.public_key()) for k in rules.signing_keys(latest)])
         admin_token, self.admin_token_path = load_or_create_admin_token(config.admin_token_file, config.data_dir)
         authenticator = Authenticator(admin_token, self._storage.device_for_token, self._storage.device_owner)
