@@ -100,6 +100,8 @@ class RootOfTrust:
         for _ in range(2):  # a second look when another replica stored this very version meanwhile
             if trust._adopt(given, root_file):
                 break
+        else:
+            raise ConfigError(f"the chain of roots kept changing while {root_file} was being stored; start again")
         trust.require_timestamp_keys(trust.latest(), ConfigError)
         return trust
 
