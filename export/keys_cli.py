@@ -42,9 +42,9 @@ def keys_command() -> None:
     offline root with k-of-n root keys (`init-root`), its next versions (`add-publisher`,
     `remove-publisher`, `rotate-root`), co-signing a root or a release (`sign`), `show`.
 
-    Devices and the server do not check roots yet: a device still pins one publisher key
-    (`generate`) and verifies a release's `manifest.sig` with it. The root commands write and
-    check the offline root files and co-signatures that devices will pin."""
+    The server takes root.1.json at `fctkit serve --root` (and later versions with `fctkit admin
+    publish-root`); devices pin it at `fctkit device enrol --root-fingerprint` and walk to each new
+    version at their next sync. README, "Keys and trust", is the runbook."""
 
 
 @keys_command.command("generate")
@@ -149,7 +149,7 @@ def init_root_command(out_dir: Path, root_keys: int, root_threshold: int, publis
                       passphrase_file: Path | None) -> None:
     """Create the root of trust offline: n root keys (each passphrase-wrapped; hand each to its
     holder and keep them off networked machines) and root.1.json signed by all of them, and
-    print its fingerprint (SHA-256 of its signed part). Devices do not pin roots yet."""
+    print its fingerprint (SHA-256 of its signed part): what devices are enrolled with."""
     root_path, signed, key_paths = init_root(
         out_dir, root_keys=root_keys, root_threshold=root_threshold, publisher_keys=_public_keys(publisher_keys),
         publisher_threshold=publisher_threshold, timestamp_keys=_public_keys(timestamp_keys), expires_days=expires_days,
