@@ -17,14 +17,30 @@ class LoopbackServer(DemoServer):
     """``with LoopbackServer(work) as server:`` — ``server.target``, ``server.key`` (the
     publisher's private key), ``server.publisher_pub``, ``server.code(owner)``, ``server.publish(dir)``."""
 
-    def __init__(self, work: Path, *extra_args: str) -> None:
+    def __init__(self, work: Path, *extra_args: str, root_of_trust: bool = False) -> None:
+        """``root_of_trust``: serve a root (one root key; the publisher key, threshold 1; a
+        timestamp key) instead of the bare publisher key; ``server.fingerprint`` is its fingerprint."""
         from fctkit.export.keys import save_public_key
 
         self.work = Path(work)
         self.work.mkdir(parents=True, exist_ok=True)
         self.key = Ed25519PrivateKey.generate()
-        super().__init__(self.work / "server-data", save_public_key(self.key.public_key(), self.work / "publisher.pub"),
-                         extra_args)
+        publisher_pub = save_public_key(self.key.public_key(), self.work / "publisher.pub")
+        self.fingerprint = ""
+        if root_of_trust:
+            extra_args = (*self._root_args(publisher_pub), *extra_args)
+        super().__init__(self.work / "server-data", None if root_of_trust else publisher_pub, extra_args)
+
+    def _root_args(self, publisher_pub: Path) -> tuple[str, ...]:
+        from fctkit.export.keys import generate_keys, init_root, load_public_key
+        from fctkit.protos.trust import root_fingerprint
+
+        timestamp_key, timestamp_pub = generate_keys(self.work / "timestamp")
+        root_file, signed, _ = init_root(self.work / "root", root_keys=1, root_threshold=1,
+                                         publisher_keys=[load_public_key(publisher_pub)],
+                                         timestamp_keys=[load_public_key(timestamp_pub)])
+        self.fingerprint = root_fingerprint(signed)
+        return ("--root", str(root_file), "--timestamp-key", str(timestamp_key))
 
     def __enter__(self) -> LoopbackServer:
         return self.start(timeout_s=60)

@@ -58,7 +58,7 @@ from .device_files import (
 from .device_parts import DeviceParts
 from .device_status import device_status
 from .device_trust import DeviceTrust, initial_pin
-from .device_trust_sync import TrustChoice, enrol_device, trusted_client
+from .device_trust_sync import TrustChoice, enrol_device, trusted_client, trusted_versions
 from .engine import Engine
 from .gallery import Gallery
 from .gallery_rows import LoadedRows
@@ -308,11 +308,11 @@ class Device:
 
         self._refuse_damaged_settings()
         result = SyncResult(self.version, self.version)
-        with trusted_client(self.trust, self.client) as client:  # a trust refusal stops here
+        with self.client() as client:
             result.uploaded, result.still_queued = self.flush_outbox()
             upgrades = self._upgrades(client)
             result.rows_upgraded += upgrades.resume()
-            latest = self.trust.on_offer(client.list_versions(after_version=self.version))
+            latest = trusted_versions(self.trust, client, self.version)  # a trust refusal stops here
             if latest:
                 target = latest[-1].version
                 self._report(client, fleet_pb2.UPGRADE_STATE_DOWNLOADING, target)

@@ -25,7 +25,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -105,6 +105,7 @@ class DeviceTrust:
         self.clock_tolerance_s = clock_tolerance_s
         self._loaded: tuple[TrustState, Signed[Root]] | None = None
         self._accepted: list[Signed[Root]] | None = None
+        self._fresh_written: datetime | None = None  # the fresh_at last written to state.json
 
     # -- what the device pins ---------------------------------------------------------------
 
@@ -174,25 +175,46 @@ class DeviceTrust:
         self.save([root], TrustState(root.body.version))
 
     def save(self, new_roots: Sequence[Signed[Root]], state: TrustState) -> None:
-        """Write the newly accepted roots, then the state pointing at them (see the module doc)."""
+        """Write the newly accepted roots, then the state pointing at them (see the module doc).
+        A state that only moves ``fresh_at`` (the same timestamp accepted again: most syncs) is
+        written without fsync, and not at all while the file's ``fresh_at`` is younger than a
+        thousandth of the root's freshness limit (kept in memory meanwhile): a crash can only
+        leave an older ``fresh_at``, which errs towards stale."""
+        known = self.state() if self.pins_root else None
+        durable = bool(new_roots) or known is None or replace(known, fresh_at=state.fresh_at) != state
+        if not durable and self._fresh_on_disk(state):
+            self._loaded = (state, self.current_root())
+            return
         try:
             if not self.pins_root:
                 with staged_directory(self.folder) as staging:
-                    self._write(staging, new_roots, state)
+                    self._write(staging, new_roots, state, durable)
             else:
-                self._write(self.folder, new_roots, state)
+                self._write(self.folder, new_roots, state, durable)
         except OSError as exc:
             if is_no_space(exc):  # the old state stands (the module doc's order)
                 raise no_space(self.root, "saving the trust metadata just accepted") from None
             raise
-        make_private(self.folder)
-        self._loaded = self._accepted = None
+        if durable:
+            make_private(self.folder)
+            self._loaded = self._accepted = None
+        else:
+            self._loaded = (state, self.current_root())
+        self._fresh_written = state.fresh_at
+
+    def _fresh_on_disk(self, state: TrustState) -> bool:
+        """Whether the file's ``fresh_at`` is within a thousandth of the freshness limit of ``state``'s."""
+        written = self._fresh_written
+        if written is None or state.fresh_at is None:
+            return False
+        lag = (state.fresh_at - written).total_seconds()
+        return 0 <= lag < self.current_root().body.freshness_limit_s / 1000
 
     @staticmethod
-    def _write(folder: Path, roots: Sequence[Signed[Root]], state: TrustState) -> None:
+    def _write(folder: Path, roots: Sequence[Signed[Root]], state: TrustState, durable: bool) -> None:
         for root in roots:
             write_atomic(folder / f"root.{root.body.version}.json", root.to_bytes())
-        write_atomic(folder / STATE_FILE, state.to_bytes())
+        write_atomic(folder / STATE_FILE, state.to_bytes(), durable=durable)
 
     def record_refusal(self, error: TrustError) -> None:
         """Keep a sync's trust refusal for ``status`` (the trust files themselves stay as they were)."""
@@ -219,6 +241,7 @@ class DeviceTrust:
             except (OSError, ValueError, TypeError, binascii.Error, BundleError, TrustError) as exc:
                 raise TrustError(f"{path} is damaged ({exc}); {RESTORE}") from None
             self._loaded = state, self._read_root(state.root_version)
+            self._fresh_written = state.fresh_at
         return self._loaded
 
     def _read_root(self, version: int) -> Signed[Root]:

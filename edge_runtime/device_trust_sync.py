@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -25,6 +25,7 @@ from fctkit.protos.client import ClientTls, Enrolment, FctkitClient, TrustUpdate
 from fctkit.protos.trust import (
     Root,
     Signed,
+    check_not_expired,
     parse_root,
     parse_timestamp,
     pin_root,
@@ -86,8 +87,13 @@ def fetch_trust(client: Any, after_root_version: int) -> TrustUpdate | None:
 
 def accept(trust: DeviceTrust, start: Signed[Root], chain: Sequence[bytes], timestamp: bytes, last_version: int,
            *, start_is_new: bool) -> Accepted:
-    """Walk from ``start`` over ``chain``, then check ``timestamp`` against the last root reached."""
+    """Walk from ``start`` over ``chain``, then check ``timestamp`` against the last root reached.
+    The very timestamp already accepted under the same root (most syncs) is only checked for expiry."""
     now: datetime = trust.clock()
+    if not chain and not start_is_new and timestamp == trust.state().timestamp:
+        known = parse_timestamp(timestamp).body
+        check_not_expired(known.expires, now, trust.clock_tolerance_s, f"timestamp v{known.version}")
+        return Accepted([], replace(trust.state(), fresh_at=now))
     walk = walk_root_chain(start, chain, now, trust.clock_tolerance_s)
     floor = timestamp_version_floor(walk, last_version)
     stamp = verify_timestamp(walk.root, parse_timestamp(timestamp), floor, now, trust.clock_tolerance_s)
@@ -128,6 +134,14 @@ def refresh_trust(trust: DeviceTrust, client: Any) -> None:
     if accepted is not None:
         trust.save(accepted.new_roots, accepted.state)
     trust.clear_refusal()
+
+
+def trusted_versions(trust: DeviceTrust, client: Any, after_version: int) -> list[Any]:
+    """The versions after ``after_version`` that the freshly refreshed timestamp offers; the
+    version list is asked for while the trust is refreshed (:func:`refresh_trust`)."""
+    versions = client.list_versions_soon(after_version)
+    refresh_trust(trust, client)
+    return trust.on_offer(versions())
 
 
 @contextlib.contextmanager

@@ -60,20 +60,23 @@ def staged_directory(dest: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-def write_atomic(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` through a temporary file in the same folder, fsync'd and renamed:
-    ``path`` holds the old bytes or the new ones, never a part."""
+def write_atomic(path: Path, data: bytes, *, durable: bool = True) -> Path:
+    """Write ``data`` to ``path`` through a temporary file in the same folder, renamed: ``path``
+    holds the old bytes or the new ones, never a part. ``durable`` (the default) fsyncs the file
+    and the folder; without it a crash may leave the old bytes (for values where that is safe)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
     return path
 
 

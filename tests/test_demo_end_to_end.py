@@ -18,6 +18,7 @@ from tests.support.seeds import seed
 
 from fctkit.demo import CASES, DemoOptions, run_demo
 from fctkit.demo.phases import Phases
+from fctkit.edge_runtime import Device
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +52,11 @@ def test_demo_on_digits_with_two_devices(tmp_path):
 
     assert report["bytes"]["backfill_downloads"] < report["bytes"]["full_reembed_downloads"]
     assert report["bytes"]["vault_uploads"] > 0 and report["bytes"]["bundle_v2"] > 0
+
+    for name in report["per_device"]:  # enrolled by the root's fingerprint: the root pinned, the timestamp fresh
+        with Device.open(tmp_path / "demo" / "devices" / name) as device:
+            trust = device.status()["trust"]
+        assert trust["root_version"] == 1 and trust["freshness"].startswith("fresh")
 
     assert result.server_pid is not None and not Path(f"/proc/{result.server_pid}").exists()
     for path in result.files.values():

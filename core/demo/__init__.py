@@ -1,9 +1,9 @@
 """`fctkit demo`: the whole story of a model update on a small fleet, end to end.
 
-1. a publisher key; 2. train v1 (old backbone + SimCLR side-info ψ) and v2 (new backbone +
-the FCT adapter h) — one `fctkit train` run — and export both as signed bundles; 3. start
-`fctkit serve` in a subprocess on a free loopback port; 4. publish v1; N devices enrol, install
-v1 and add their share of the evaluation images (embedded locally, originals uploaded
+1. a publisher key, the server's timestamp key and a root of trust naming both; 2. train v1
+(old backbone + SimCLR side-info ψ) and v2 (new backbone + the FCT adapter h) — one `fctkit
+train` run — and export both as signed bundles; 3. start `fctkit serve --root` in a subprocess
+on a free loopback port; 4. publish v1; N devices enrol by the root's fingerprint, install v1 and add their share of the evaluation images (embedded locally, originals uploaded
 sealed); 5. publish v2; every device syncs and upgrades its gallery in place with h;
 6. one device backfills a fraction of its rows from the vault; 7. a before/after table per
 device and overall, bytes moved and time per phase versus a full re-embed, written to
@@ -60,23 +60,23 @@ def run_demo(options: DemoOptions, log: Callable[[str], None] = print) -> DemoRe
     server: DemoServer | None = None
     with phases.interrupts.installed():
         try:
-            with phases("publisher key"):
-                from fctkit.export.keys import generate_keys, load_private_key
-
-                private_path, public_path = generate_keys(out / "keys")
+            with phases("keys: a publisher key, the server's timestamp key, a root of trust naming both"):
+                trust = _root_of_trust(out / "keys")
             with phases(f"train v1 (old backbone + SimCLR ψ) and v2 (new backbone + {options.method} adapter) on {options.data}"):
                 _train(options, out / "run", log)
             with phases("export and sign bundles v1, v2"):
+                from fctkit.export.keys import load_private_key
                 from fctkit.export.release import build_release
 
-                released = build_release(out / "run", out / "release", private_key=load_private_key(private_path),
+                released = build_release(out / "run", out / "release", private_key=load_private_key(trust.publisher_key),
                                          method=options.method, progress=options.progress)
             with phases("start `fctkit serve` on a free loopback port"):
-                server = DemoServer(out / "server" / "data", public_path)
+                server = DemoServer(out / "server" / "data", None, ("--root", str(trust.root), "--timestamp-key",
+                                                                   str(trust.timestamp_key)))
                 server.data_dir.parent.mkdir(parents=True)
                 server.start()
                 log(f"    server pid {server.process.pid} listening on {server.target}")
-            report = fleet_story(options, out, server, [r.archive for r in released], phases, log)
+            report = fleet_story(options, out, server, [r.archive for r in released], phases, log, trust.fingerprint)
         finally:
             if server is not None:
                 server.stop()
@@ -87,6 +87,28 @@ def run_demo(options: DemoOptions, log: Callable[[str], None] = print) -> DemoRe
     log(render_table(report))
     log(f"demo done in {report['seconds']:.1f} s; report: {files['markdown']}, {files['json']}, {files['png']}")
     return DemoResult(report, files, server.process.pid if server and server.process else None, report["seconds"])
+
+
+@dataclass(frozen=True)
+class DemoTrust:
+    publisher_key: Path
+    timestamp_key: Path
+    root: Path
+    fingerprint: str
+
+
+def _root_of_trust(folder: Path) -> DemoTrust:
+    """One publisher key, the server's online timestamp key and root.1.json (one root key, kept
+    beside them: a demo; a fleet keeps k of n root keys offline, README "Keys and trust")."""
+    from fctkit.export.keys import generate_keys, init_root, load_public_key
+    from fctkit.protos.trust import root_fingerprint
+
+    publisher_key, publisher_pub = generate_keys(folder / "publisher")
+    timestamp_key, timestamp_pub = generate_keys(folder / "timestamp")
+    root_file, signed, _ = init_root(folder / "root", root_keys=1, root_threshold=1,
+                                     publisher_keys=[load_public_key(publisher_pub)],
+                                     timestamp_keys=[load_public_key(timestamp_pub)])
+    return DemoTrust(publisher_key, timestamp_key, root_file, root_fingerprint(signed))
 
 
 def _fresh_out(out: Path) -> Path:

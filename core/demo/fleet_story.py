@@ -34,8 +34,9 @@ class _Member:
 
 
 def fleet_story(options: DemoOptions, out: Path, server: DemoServer, archives: list[Path],
-                phases: Phases, log: Callable[[str], None]) -> dict[str, Any]:
-    """Phases 4 to 6 of the demo on the trained run in ``out / "run"``; returns the report."""
+                phases: Phases, log: Callable[[str], None], root_fingerprint: str) -> dict[str, Any]:
+    """Phases 4 to 6 of the demo on the trained run in ``out / "run"``; devices enrol by the
+    root's fingerprint; returns the report."""
     from fctkit.edge_runtime import Device, DeviceSettings
     from fctkit.export.trained_run import TrainedRun
 
@@ -55,7 +56,7 @@ def fleet_story(options: DemoOptions, out: Path, server: DemoServer, archives: l
             device.progress = options.progress
             with server.admin() as admin:
                 code = admin.create_enrolment_code(label=name).code
-            device.enrol(server.target, code, device_name=name, trust_on_first_use=True)
+            device.enrol(server.target, code, device_name=name, root_fingerprint=root_fingerprint)
             device.sync()
             ids = [f"{name}-{int(r)}" for r in rows]
             device.add(images[rows], item_ids=ids, labels=[str(int(x)) for x in labels[rows]])

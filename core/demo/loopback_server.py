@@ -21,10 +21,11 @@ if TYPE_CHECKING:
 
 
 class DemoServer:
-    """`fctkit serve` in its own process group on a free loopback port (``extra_args`` are
-    appended to its command line, e.g. ``("--replica-quota-bytes", "1099511627776")``)."""
+    """`fctkit serve` in its own process group on a free loopback port, trusting ``publisher_pub``
+    (a publisher.pub) or a root: pass ``("--root", ROOT, "--timestamp-key", KEY)`` in ``extra_args``
+    (appended to its command line, like ``("--replica-quota-bytes", "1099511627776")``)."""
 
-    def __init__(self, data_dir: Path, publisher_pub: Path, extra_args: Sequence[str] = ()) -> None:
+    def __init__(self, data_dir: Path, publisher_pub: Path | None, extra_args: Sequence[str] = ()) -> None:
         self.data_dir = data_dir
         self.extra_args = tuple(extra_args)
         self.token_file = data_dir.parent / "admin.token"
@@ -46,7 +47,8 @@ class DemoServer:
         with os.fdopen(fd, "w") as fh:
             fh.write(secrets.token_urlsafe(32) + "\n")
         command = [sys.executable, "-m", "fctkit.cli", "serve", "--data", str(self.data_dir), "--port", "0",
-                   "--publisher-key", str(self.publisher_pub), "--admin-token-file", str(self.token_file),
+                   *(("--publisher-key", str(self.publisher_pub)) if self.publisher_pub else ()),
+                   "--admin-token-file", str(self.token_file),
                    "--shutdown-grace", "2", *self.extra_args]
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL,

@@ -138,10 +138,10 @@ def test_a_crash_between_the_roots_and_the_state_leaves_the_old_state(rooted, mo
     offer = Offer([root_v(1), root_v(2, signers=("r1", "r2"))], timestamp(1, {}))
     real_write = device_trust.write_atomic
 
-    def crash_on_state(path: Path, data: bytes) -> Path:
+    def crash_on_state(path: Path, data: bytes, **options) -> Path:
         if path.name == "state.json":
             raise OSError("power lost")
-        return real_write(path, data)
+        return real_write(path, data, **options)
 
     monkeypatch.setattr(device_trust, "write_atomic", crash_on_state)
     with pytest.raises(OSError, match="power lost"):
@@ -183,6 +183,32 @@ def test_a_timestamp_key_rotation_lets_the_version_start_again(rooted):
     rotated = root_v(2, ts=("ts2",), signers=("r1", "r2"))
     refresh_trust(rooted.trust, Offer([root_v(1), rotated], timestamp(1, {}, signer="ts2")))
     assert rooted.trust.state().timestamp_version == 1
+
+
+def test_the_same_timestamp_again_is_checked_for_expiry_and_its_freshness_written_now_and_then(rooted):
+    """Most syncs get the timestamp already accepted: only its expiry is checked, and ``fresh_at``
+    reaches state.json at most every thousandth of the freshness limit (604.8 s for 7 days)."""
+    trust, clock = rooted.trust, [NOW]
+    trust.clock = lambda: clock[0]
+    offer = Offer([root_v(1)], timestamp(4, {}, expires=NOW + timedelta(days=2)))
+    refresh_trust(trust, offer)
+    state_file = rooted.root / "trust" / "state.json"
+    written = state_file.read_bytes()
+    clock[0] = NOW + timedelta(seconds=600)
+    refresh_trust(trust, offer)
+    assert state_file.read_bytes() == written and trust.state().fresh_at == clock[0]  # in memory only
+    with Device.open(rooted.root) as reopened:  # a crash now: an older fresh_at, never a newer one
+        assert reopened.trust.state().fresh_at == NOW
+    clock[0] = NOW + timedelta(seconds=610)
+    refresh_trust(trust, offer)
+    assert device_trust.TrustState.from_bytes(state_file.read_bytes()).fresh_at == clock[0]
+    clock[0] = NOW + timedelta(days=3)  # the same bytes, expired: refused like any expired timestamp
+    with pytest.raises(ExpiredMetadataError, match="timestamp v4 expired"):
+        refresh_trust(trust, offer)
+    tampered = Offer([root_v(1)], Signed(timestamp(4, {}, expires=NOW + timedelta(days=9)).body))
+    clock[0] = NOW + timedelta(seconds=620)
+    with pytest.raises(ThresholdError):  # other bytes than those accepted: checked in full
+        refresh_trust(trust, tampered)
 
 
 # -- freshness, the clock, the fleet report --------------------------------------------------
