@@ -21,7 +21,7 @@ from typing import Any
 
 from fctkit.errors import DeviceError, InputError, RootChainError, RpcStatusError, TrustError
 from fctkit.protos.bundle import load_public_key, public_key_id
-from fctkit.protos.client import ClientTls, Enrolment, FctkitClient, TrustUpdate
+from fctkit.protos.client import ClientTls, Enrolment, FctkitClient, TrustUpdate, VersionListing
 from fctkit.protos.trust import (
     Root,
     Signed,
@@ -102,11 +102,14 @@ def accept(trust: DeviceTrust, start: Signed[Root], chain: Sequence[bytes], time
     return Accepted([start, *roots] if start_is_new else roots, state)
 
 
-def offered_update(trust: DeviceTrust, client: Any) -> Accepted | None:
+def offered_update(trust: DeviceTrust, client: Any, listing: VersionListing | None = None) -> Accepted | None:
     """What a device that pins a root, or only a publisher key, accepts of the server's trust
-    now; None: a legacy device and a server without a root (nothing changes)."""
+    now; None: a legacy device and a server without a root (nothing changes). The timestamp a
+    version ``listing`` carries is enough while the server's latest root is the device's own."""
     if trust.pins_root:
         current, state = trust.current_root(), trust.state()
+        if listing is not None and listing.timestamp and listing.latest_root_version == current.body.version:
+            return accept(trust, current, [], listing.timestamp, state.timestamp_version, start_is_new=False)
         update = fetch_trust(client, current.body.version)
         if update is None:
             raise RootChainError(f"this device trusts root v{current.body.version}, but the server serves no root of trust: "
@@ -121,13 +124,14 @@ def offered_update(trust: DeviceTrust, client: Any) -> Accepted | None:
     return accept(trust, first, update.roots[1:], update.timestamp, 0, start_is_new=True)
 
 
-def refresh_trust(trust: DeviceTrust, client: Any) -> None:
-    """Before a download from the server: accept its newer roots and a fresh timestamp, and
-    write them; a refusal is kept for ``status`` and raised (nothing else changes)."""
+def refresh_trust(trust: DeviceTrust, client: Any, listing: VersionListing | None = None) -> None:
+    """Before a download from the server: accept its newer roots and a fresh timestamp (from
+    ``listing`` when it carries one for the device's root, else GetTrust), and write them; a
+    refusal is kept for ``status`` and raised (nothing else changes)."""
     if not (trust.pins_root or trust.pins_key):
         raise DeviceError("this device pins no root of trust and no publisher key: enrol it first")
     try:
-        accepted = offered_update(trust, client)
+        accepted = offered_update(trust, client, listing)
     except TrustError as exc:
         trust.record_refusal(exc)
         raise
@@ -137,11 +141,11 @@ def refresh_trust(trust: DeviceTrust, client: Any) -> None:
 
 
 def trusted_versions(trust: DeviceTrust, client: Any, after_version: int) -> list[Any]:
-    """The versions after ``after_version`` that the freshly refreshed timestamp offers; the
-    version list is asked for while the trust is refreshed (:func:`refresh_trust`)."""
-    versions = client.list_versions_soon(after_version)
-    refresh_trust(trust, client)
-    return trust.on_offer(versions())
+    """The versions after ``after_version`` that the freshly refreshed timestamp offers: one
+    ListVersions (its answer carries the timestamp), and GetTrust only when the root changed."""
+    listing = client.version_listing(after_version)
+    refresh_trust(trust, client, listing)
+    return trust.on_offer(listing.versions)
 
 
 @contextlib.contextmanager

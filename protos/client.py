@@ -79,6 +79,16 @@ class TrustUpdate:
 
 
 @dataclass(frozen=True)
+class VersionListing:
+    """What ``ListVersions`` answered over all its pages: the versions, and from a server with a
+    root the current timestamp and latest root version (unverified bytes; empty and 0 otherwise)."""
+
+    versions: list[registry_pb2.VersionInfo]
+    timestamp: bytes
+    latest_root_version: int
+
+
+@dataclass(frozen=True)
 class Enrolment:
     device_id: str
     token: str
@@ -195,29 +205,20 @@ class FctkitClient:
 
     def list_versions(self, after_version: int = 0) -> list[registry_pb2.VersionInfo]:
         """Every published version after ``after_version``, in order (all pages)."""
+        return self.version_listing(after_version).versions
+
+    def version_listing(self, after_version: int = 0) -> VersionListing:
+        """Every published version after ``after_version`` (all pages), with the timestamp and
+        latest root version the first page carries (a server with a root; unverified bytes)."""
         found: list[registry_pb2.VersionInfo] = []
+        first = None
         while True:
             page = self._unary(self.registry.ListVersions, registry_pb2.ListVersionsRequest(after_version=after_version))
+            first = page if first is None else first
             found.extend(page.versions)
             if not page.more or not page.versions:
-                return found
+                return VersionListing(found, first.timestamp, first.latest_root_version)
             after_version = page.versions[-1].version
-
-    def list_versions_soon(self, after_version: int = 0) -> Callable[[], list[registry_pb2.VersionInfo]]:
-        """:meth:`list_versions` with its first page asked for now: call what it returns for the
-        versions. A sync overlaps the request with its trust refresh (one round trip, not two)."""
-        request = registry_pb2.ListVersionsRequest(after_version=after_version)
-        first = self.registry.ListVersions.future(request, metadata=self._metadata, timeout=self.timeout_s)
-
-        def versions() -> list[registry_pb2.VersionInfo]:
-            try:
-                page = first.result()
-            except grpc.RpcError:  # asked again the usual way: retried, and its error mapped
-                return self.list_versions(after_version)
-            found = list(page.versions)
-            return found + self.list_versions(found[-1].version) if page.more and found else found
-
-        return versions
 
     def get_manifest(self, version: int) -> tuple[bytes, bytes]:
         """The signed manifest bytes and signature of ``version``, exactly as published."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as fctkit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x63tkit/v1/registry.proto\x12\tfctkit.v1\x1a\x16\x66\x63tkit/v1/common.proto\"\xc9\x01\n\x0c\x41rtifactInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04\x66ile\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x1b\n\x0esource_version\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x0etarget_version\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x11\n\tprecision\x18\x08 \x01(\tB\x11\n\x0f_source_versionB\x11\n\x0f_target_version\"\xae\x02\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0f\n\x07parents\x18\x02 \x03(\r\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x10\n\x08\x64istance\x18\x04 \x01(\t\x12\x11\n\tnormalize\x18\x05 \x01(\x08\x12\x15\n\rembedding_dim\x18\x06 \x01(\r\x12\x15\n\rside_info_dim\x18\x07 \x01(\r\x12*\n\tartifacts\x18\x08 \x03(\x0b\x32\x17.fctkit.v1.ArtifactInfo\x12\x12\n\ncreated_at\x18\t \x01(\t\x12\x14\n\x0cpublished_at\x18\n \x01(\t\x12\x18\n\x10publisher_key_id\x18\x0b \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\x0c \x01(\t\x12\x13\n\x0bgate_forced\x18\r \x01(\x08\"?\n\x13ListVersionsRequest\x12\x15\n\rafter_version\x18\x01 \x01(\r\x12\x11\n\tpage_size\x18\x02 \x01(\r\"f\n\x14ListVersionsResponse\x12(\n\x08versions\x18\x01 \x03(\x0b\x32\x16.fctkit.v1.VersionInfo\x12\x0c\n\x04more\x18\x02 \x01(\x08\x12\x16\n\x0elatest_version\x18\x03 \x01(\r\"%\n\x12GetManifestRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\"b\n\x13GetManifestResponse\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x10\n\x08manifest\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12\x15\n\rco_signatures\x18\x04 \x01(\x0c\">\n\x12PlanUpgradeRequest\x12\x14\n\x0c\x66rom_version\x18\x01 \x01(\r\x12\x12\n\nto_version\x18\x02 \x01(\r\"\xbf\x01\n\nUpgradeHop\x12\x16\n\x0esource_version\x18\x01 \x01(\r\x12\x16\n\x0etarget_version\x18\x02 \x01(\r\x12\x16\n\x0e\x62undle_version\x18\x03 \x01(\r\x12\x10\n\x08identity\x18\x04 \x01(\x08\x12(\n\x07\x66orward\x18\x05 \x01(\x0b\x32\x17.fctkit.v1.ArtifactInfo\x12-\n\x0cside_forward\x18\x06 \x01(\x0b\x32\x17.fctkit.v1.ArtifactInfo\"d\n\x13PlanUpgradeResponse\x12\x14\n\x0c\x66rom_version\x18\x01 \x01(\r\x12\x12\n\nto_version\x18\x02 \x01(\r\x12#\n\x04hops\x18\x03 \x03(\x0b\x32\x15.fctkit.v1.UpgradeHop\"e\n\x17\x44ownloadArtifactRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x15\n\rartifact_name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x12\n\nchunk_size\x18\x04 \x01(\r\"\\\n\x0e\x41rtifactHeader\x12\x0f\n\x07version\x18\x01 \x01(\r\x12)\n\x08\x61rtifact\x18\x02 \x01(\x0b\x32\x17.fctkit.v1.ArtifactInfo\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"u\n\x18\x44ownloadArtifactResponse\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.fctkit.v1.ArtifactHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.fctkit.v1.ChunkH\x00\x42\t\n\x07payload\"-\n\x14WatchVersionsRequest\x12\x15\n\rafter_version\x18\x01 \x01(\r\"8\n\tKeepAlive\x12\x13\n\x0bserver_time\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\r\"x\n\x15WatchVersionsResponse\x12+\n\tpublished\x18\x01 \x01(\x0b\x32\x16.fctkit.v1.VersionInfoH\x00\x12)\n\tkeepalive\x18\x02 \x01(\x0b\x32\x14.fctkit.v1.KeepAliveH\x00\x42\x07\n\x05\x65vent\"=\n\rPublishHeader\x12\x14\n\x0c\x61rchive_size\x18\x01 \x01(\x04\x12\x16\n\x0e\x61rchive_sha256\x18\x02 \x01(\t\"p\n\x14PublishBundleRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.fctkit.v1.PublishHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.fctkit.v1.ChunkH\x00\x42\t\n\x07payload\"@\n\x15PublishBundleResponse\x12\'\n\x07version\x18\x01 \x01(\x0b\x32\x16.fctkit.v1.VersionInfo\"-\n\x0fGetTrustRequest\x12\x1a\n\x12\x61\x66ter_root_version\x18\x01 \x01(\r\"Q\n\x10GetTrustResponse\x12\r\n\x05roots\x18\x01 \x03(\x0c\x12\x1b\n\x13latest_root_version\x18\x02 \x01(\r\x12\x11\n\ttimestamp\x18\x03 \x01(\x0c\"\"\n\x12PublishRootRequest\x12\x0c\n\x04root\x18\x01 \x01(\x0c\"@\n\x13PublishRootResponse\x12\x14\n\x0croot_version\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t2\x95\x05\n\x08Registry\x12O\n\x0cListVersions\x12\x1e.fctkit.v1.ListVersionsRequest\x1a\x1f.fctkit.v1.ListVersionsResponse\x12L\n\x0bGetManifest\x12\x1d.fctkit.v1.GetManifestRequest\x1a\x1e.fctkit.v1.GetManifestResponse\x12L\n\x0bPlanUpgrade\x12\x1d.fctkit.v1.PlanUpgradeRequest\x1a\x1e.fctkit.v1.PlanUpgradeResponse\x12]\n\x10\x44ownloadArtifact\x12\".fctkit.v1.DownloadArtifactRequest\x1a#.fctkit.v1.DownloadArtifactResponse0\x01\x12T\n\rWatchVersions\x12\x1f.fctkit.v1.WatchVersionsRequest\x1a .fctkit.v1.WatchVersionsResponse0\x01\x12T\n\rPublishBundle\x12\x1f.fctkit.v1.PublishBundleRequest\x1a .fctkit.v1.PublishBundleResponse(\x01\x12\x43\n\x08GetTrust\x12\x1a.fctkit.v1.GetTrustRequest\x1a\x1b.fctkit.v1.GetTrustResponse\x12L\n\x0bPublishRoot\x12\x1d.fctkit.v1.PublishRootRequest\x1a\x1e.fctkit.v1.PublishRootResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x63tkit/v1/registry.proto\x12\tfctkit.v1\x1a\x16\x66\x63tkit/v1/common.proto\"\xc9\x01\n\x0c\x41rtifactInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04\x66ile\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x1b\n\x0esource_version\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x0etarget_version\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x11\n\tprecision\x18\x08 \x01(\tB\x11\n\x0f_source_versionB\x11\n\x0f_target_version\"\xae\x02\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0f\n\x07parents\x18\x02 \x03(\r\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x10\n\x08\x64istance\x18\x04 \x01(\t\x12\x11\n\tnormalize\x18\x05 \x01(\x08\x12\x15\n\rembedding_dim\x18\x06 \x01(\r\x12\x15\n\rside_info_dim\x18\x07 \x01(\r\x12*\n\tartifacts\x18\x08 \x03(\x0b\x32\x17.fctkit.v1.ArtifactInfo\x12\x12\n\ncreated_at\x18\t \x01(\t\x12\x14\n\x0cpublished_at\x18\n \x01(\t\x12\x18\n\x10publisher_key_id\x18\x0b \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\x0c \x01(\t\x12\x13\n\x0bgate_forced\x18\r \x01(\x08\"?\n\x13ListVersionsRequest\x12\x15\n\rafter_version\x18\x01 \x01(\r\x12\x11\n\tpage_size\x18\x02 \x01(\r\"\x96\x01\n\x14ListVersionsResponse\x12(\n\x08versions\x18\x01 \x03(\x0b\x32\x16.fctkit.v1.VersionInfo\x12\x0c\n\x04more\x18\x02 \x01(\x08\x12\x16\n\x0elatest_version\x18\x03 \x01(\r\x12\x11\n\ttimestamp\x18\x04 \x01(\x0c\x12\x1b\n\x13latest_root_version\x18\x05 \x01(\r\"%\n\x12GetManifestRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\"b\n\x13GetManifestResponse\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x10\n\x08manifest\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12\x15\n\rco_signatures\x18\x04 \x01(\x0c\">\n\x12PlanUpgradeRequest\x12\x14\n\x0c\x66rom_version\x18\x01 \x01(\r\x12\x12\n\nto_version\x18\x02 \x01(\r\"\xbf\x01\n\nUpgradeHop\x12\x16\n\x0esource_version\x18\x01 \x01(\r\x12\x16\n\x0etarget_version\x18\x02 \x01(\r\x12\x16\n\x0e\x62undle_version\x18\x03 \x01(\r\x12\x10\n\x08identity\x18\x04 \x01(\x08\x12(\n\x07\x66orward\x18\x05 \x01(\x0b\x32\x17.fctkit.v1.ArtifactInfo\x12-\n\x0cside_forward\x18\x06 \x01(\x0b\x32\x17.fctkit.v1.ArtifactInfo\"d\n\x13PlanUpgradeResponse\x12\x14\n\x0c\x66rom_version\x18\x01 \x01(\r\x12\x12\n\nto_version\x18\x02 \x01(\r\x12#\n\x04hops\x18\x03 \x03(\x0b\x32\x15.fctkit.v1.UpgradeHop\"e\n\x17\x44ownloadArtifactRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x15\n\rartifact_name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x12\n\nchunk_size\x18\x04 \x01(\r\"\\\n\x0e\x41rtifactHeader\x12\x0f\n\x07version\x18\x01 \x01(\r\x12)\n\x08\x61rtifact\x18\x02 \x01(\x0b\x32\x17.fctkit.v1.ArtifactInfo\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"u\n\x18\x44ownloadArtifactResponse\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.fctkit.v1.ArtifactHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.fctkit.v1.ChunkH\x00\x42\t\n\x07payload\"-\n\x14WatchVersionsRequest\x12\x15\n\rafter_version\x18\x01 \x01(\r\"8\n\tKeepAlive\x12\x13\n\x0bserver_time\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\r\"x\n\x15WatchVersionsResponse\x12+\n\tpublished\x18\x01 \x01(\x0b\x32\x16.fctkit.v1.VersionInfoH\x00\x12)\n\tkeepalive\x18\x02 \x01(\x0b\x32\x14.fctkit.v1.KeepAliveH\x00\x42\x07\n\x05\x65vent\"=\n\rPublishHeader\x12\x14\n\x0c\x61rchive_size\x18\x01 \x01(\x04\x12\x16\n\x0e\x61rchive_sha256\x18\x02 \x01(\t\"p\n\x14PublishBundleRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.fctkit.v1.PublishHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.fctkit.v1.ChunkH\x00\x42\t\n\x07payload\"@\n\x15PublishBundleResponse\x12\'\n\x07version\x18\x01 \x01(\x0b\x32\x16.fctkit.v1.VersionInfo\"-\n\x0fGetTrustRequest\x12\x1a\n\x12\x61\x66ter_root_version\x18\x01 \x01(\r\"Q\n\x10GetTrustResponse\x12\r\n\x05roots\x18\x01 \x03(\x0c\x12\x1b\n\x13latest_root_version\x18\x02 \x01(\r\x12\x11\n\ttimestamp\x18\x03 \x01(\x0c\"\"\n\x12PublishRootRequest\x12\x0c\n\x04root\x18\x01 \x01(\x0c\"@\n\x13PublishRootResponse\x12\x14\n\x0croot_version\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t2\x95\x05\n\x08Registry\x12O\n\x0cListVersions\x12\x1e.fctkit.v1.ListVersionsRequest\x1a\x1f.fctkit.v1.ListVersionsResponse\x12L\n\x0bGetManifest\x12\x1d.fctkit.v1.GetManifestRequest\x1a\x1e.fctkit.v1.GetManifestResponse\x12L\n\x0bPlanUpgrade\x12\x1d.fctkit.v1.PlanUpgradeRequest\x1a\x1e.fctkit.v1.PlanUpgradeResponse\x12]\n\x10\x44ownloadArtifact\x12\".fctkit.v1.DownloadArtifactRequest\x1a#.fctkit.v1.DownloadArtifactResponse0\x01\x12T\n\rWatchVersions\x12\x1f.fctkit.v1.WatchVersionsRequest\x1a .fctkit.v1.WatchVersionsResponse0\x01\x12T\n\rPublishBundle\x12\x1f.fctkit.v1.PublishBundleRequest\x1a .fctkit.v1.PublishBundleResponse(\x01\x12\x43\n\x08GetTrust\x12\x1a.fctkit.v1.GetTrustRequest\x1a\x1b.fctkit.v1.GetTrustResponse\x12L\n\x0bPublishRoot\x12\x1d.fctkit.v1.PublishRootRequest\x1a\x1e.fctkit.v1.PublishRootResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,44 +38,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERSIONINFO']._serialized_end=570
   _globals['_LISTVERSIONSREQUEST']._serialized_start=572
   _globals['_LISTVERSIONSREQUEST']._serialized_end=635
-  _globals['_LISTVERSIONSRESPONSE']._serialized_start=637
-  _globals['_LISTVERSIONSRESPONSE']._serialized_end=739
-  _globals['_GETMANIFESTREQUEST']._serialized_start=741
-  _globals['_GETMANIFESTREQUEST']._serialized_end=778
-  _globals['_GETMANIFESTRESPONSE']._serialized_start=780
-  _globals['_GETMANIFESTRESPONSE']._serialized_end=878
-  _globals['_PLANUPGRADEREQUEST']._serialized_start=880
-  _globals['_PLANUPGRADEREQUEST']._serialized_end=942
-  _globals['_UPGRADEHOP']._serialized_start=945
-  _globals['_UPGRADEHOP']._serialized_end=1136
-  _globals['_PLANUPGRADERESPONSE']._serialized_start=1138
-  _globals['_PLANUPGRADERESPONSE']._serialized_end=1238
-  _globals['_DOWNLOADARTIFACTREQUEST']._serialized_start=1240
-  _globals['_DOWNLOADARTIFACTREQUEST']._serialized_end=1341
-  _globals['_ARTIFACTHEADER']._serialized_start=1343
-  _globals['_ARTIFACTHEADER']._serialized_end=1435
-  _globals['_DOWNLOADARTIFACTRESPONSE']._serialized_start=1437
-  _globals['_DOWNLOADARTIFACTRESPONSE']._serialized_end=1554
-  _globals['_WATCHVERSIONSREQUEST']._serialized_start=1556
-  _globals['_WATCHVERSIONSREQUEST']._serialized_end=1601
-  _globals['_KEEPALIVE']._serialized_start=1603
-  _globals['_KEEPALIVE']._serialized_end=1659
-  _globals['_WATCHVERSIONSRESPONSE']._serialized_start=1661
-  _globals['_WATCHVERSIONSRESPONSE']._serialized_end=1781
-  _globals['_PUBLISHHEADER']._serialized_start=1783
-  _globals['_PUBLISHHEADER']._serialized_end=1844
-  _globals['_PUBLISHBUNDLEREQUEST']._serialized_start=1846
-  _globals['_PUBLISHBUNDLEREQUEST']._serialized_end=1958
-  _globals['_PUBLISHBUNDLERESPONSE']._serialized_start=1960
-  _globals['_PUBLISHBUNDLERESPONSE']._serialized_end=2024
-  _globals['_GETTRUSTREQUEST']._serialized_start=2026
-  _globals['_GETTRUSTREQUEST']._serialized_end=2071
-  _globals['_GETTRUSTRESPONSE']._serialized_start=2073
-  _globals['_GETTRUSTRESPONSE']._serialized_end=2154
-  _globals['_PUBLISHROOTREQUEST']._serialized_start=2156
-  _globals['_PUBLISHROOTREQUEST']._serialized_end=2190
-  _globals['_PUBLISHROOTRESPONSE']._serialized_start=2192
-  _globals['_PUBLISHROOTRESPONSE']._serialized_end=2256
-  _globals['_REGISTRY']._serialized_start=2259
-  _globals['_REGISTRY']._serialized_end=2920
+  _globals['_LISTVERSIONSRESPONSE']._serialized_start=638
+  _globals['_LISTVERSIONSRESPONSE']._serialized_end=788
+  _globals['_GETMANIFESTREQUEST']._serialized_start=790
+  _globals['_GETMANIFESTREQUEST']._serialized_end=827
+  _globals['_GETMANIFESTRESPONSE']._serialized_start=829
+  _globals['_GETMANIFESTRESPONSE']._serialized_end=927
+  _globals['_PLANUPGRADEREQUEST']._serialized_start=929
+  _globals['_PLANUPGRADEREQUEST']._serialized_end=991
+  _globals['_UPGRADEHOP']._serialized_start=994
+  _globals['_UPGRADEHOP']._serialized_end=1185
+  _globals['_PLANUPGRADERESPONSE']._serialized_start=1187
+  _globals['_PLANUPGRADERESPONSE']._serialized_end=1287
+  _globals['_DOWNLOADARTIFACTREQUEST']._serialized_start=1289
+  _globals['_DOWNLOADARTIFACTREQUEST']._serialized_end=1390
+  _globals['_ARTIFACTHEADER']._serialized_start=1392
+  _globals['_ARTIFACTHEADER']._serialized_end=1484
+  _globals['_DOWNLOADARTIFACTRESPONSE']._serialized_start=1486
+  _globals['_DOWNLOADARTIFACTRESPONSE']._serialized_end=1603
+  _globals['_WATCHVERSIONSREQUEST']._serialized_start=1605
+  _globals['_WATCHVERSIONSREQUEST']._serialized_end=1650
+  _globals['_KEEPALIVE']._serialized_start=1652
+  _globals['_KEEPALIVE']._serialized_end=1708
+  _globals['_WATCHVERSIONSRESPONSE']._serialized_start=1710
+  _globals['_WATCHVERSIONSRESPONSE']._serialized_end=1830
+  _globals['_PUBLISHHEADER']._serialized_start=1832
+  _globals['_PUBLISHHEADER']._serialized_end=1893
+  _globals['_PUBLISHBUNDLEREQUEST']._serialized_start=1895
+  _globals['_PUBLISHBUNDLEREQUEST']._serialized_end=2007
+  _globals['_PUBLISHBUNDLERESPONSE']._serialized_start=2009
+  _globals['_PUBLISHBUNDLERESPONSE']._serialized_end=2073
+  _globals['_GETTRUSTREQUEST']._serialized_start=2075
+  _globals['_GETTRUSTREQUEST']._serialized_end=2120
+  _globals['_GETTRUSTRESPONSE']._serialized_start=2122
+  _globals['_GETTRUSTRESPONSE']._serialized_end=2203
+  _globals['_PUBLISHROOTREQUEST']._serialized_start=2205
+  _globals['_PUBLISHROOTREQUEST']._serialized_end=2239
+  _globals['_PUBLISHROOTRESPONSE']._serialized_start=2241
+  _globals['_PUBLISHROOTRESPONSE']._serialized_end=2305
+  _globals['_REGISTRY']._serialized_start=2308
+  _globals['_REGISTRY']._serialized_end=2969
 # @@protoc_insertion_point(module_scope)

@@ -66,14 +66,18 @@ class ListVersionsRequest(_message.Message):
     def __init__(self, after_version: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class ListVersionsResponse(_message.Message):
-    __slots__ = ("versions", "more", "latest_version")
+    __slots__ = ("versions", "more", "latest_version", "timestamp", "latest_root_version")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    LATEST_ROOT_VERSION_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
     more: bool
     latest_version: int
-    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., more: _Optional[bool] = ..., latest_version: _Optional[int] = ...) -> None: ...
+    timestamp: bytes
+    latest_root_version: int
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., more: _Optional[bool] = ..., latest_version: _Optional[int] = ..., timestamp: _Optional[bytes] = ..., latest_root_version: _Optional[int] = ...) -> None: ...
 
 class GetManifestRequest(_message.Message):
     __slots__ = ("version",)

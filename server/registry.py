@@ -155,10 +155,15 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
 
     async def ListVersions(self, request, context):
         limit = page_size(request.page_size, limits.MAX_VERSIONS_PAGE)
+        trust = {}
+        if isinstance(self._rules, RootOfTrust):  # the timestamp rides along: one round trip per sync
+            self._catch_up()
+            trust = {"timestamp": self._rules.timestamp(self._catalog.manifest_bytes()),
+                     "latest_root_version": self._rules.latest_root_version()}
         found = self._catalog.after(request.after_version, limit + 1)
         return registry_pb2.ListVersionsResponse(
-            versions=[v.info() for v in found[:limit]], more=len(found) > limit, latest_version=self._catalog.latest
-        )
+            versions=[v.info() for v in found[:limit]], more=len(found) > limit, latest_version=self._catalog.latest,
+            **trust)
 
     async def GetManifest(self, request, context):
         record = self._catalog.get(version_field(request.version, "version")).record
@@ -167,11 +172,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
 
     async def GetTrust(self, request, context):
         root = self._root_of_trust()
-        if self._storage.latest_version() > self._catalog.latest:  # published on another replica, not yet notified here
-            try:
-                self._catalog.refresh(self._storage, self._rules)
-            except ConfigError as exc:  # a stored version that does not verify stays off the timestamp; the log says why
-                log_event("catalog refresh failed", logging.ERROR, error=str(exc))
+        self._catch_up()
         roots, latest = root.roots_after(request.after_root_version)
         return registry_pb2.GetTrustResponse(roots=roots, latest_root_version=latest,
                                              timestamp=root.timestamp(self._catalog.manifest_bytes()))
@@ -179,6 +180,14 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     async def PublishRoot(self, request, context):
         new = self._root_of_trust().publish_root(request.root)
         return registry_pb2.PublishRootResponse(root_version=new.body.version, fingerprint=root_fingerprint(new))
+
+    def _catch_up(self) -> None:
+        """Take in releases published on another replica and not yet notified here: a timestamp names them all."""
+        if self._storage.latest_version() > self._catalog.latest:
+            try:
+                self._catalog.refresh(self._storage, self._rules)
+            except ConfigError as exc:  # a stored version that does not verify stays off the timestamp; the log says why
+                log_event("catalog refresh failed", logging.ERROR, error=str(exc))
 
     def _root_of_trust(self) -> RootOfTrust:
         if not isinstance(self._rules, RootOfTrust):

@@ -154,9 +154,12 @@ class RootOfTrust:
     def roots_after(self, version: int) -> tuple[list[bytes], int]:
         """The stored root files after ``version`` (at most :data:`ROOTS_PER_PAGE`: a root's
         key and signature limits keep each under 32 KiB, so a page fits one message) and the latest version."""
-        latest = self._storage.latest_root()
         page = self._storage.roots(version, ROOTS_PER_PAGE)
-        return [data for _, data in page], 0 if latest is None else latest[0]
+        return [data for _, data in page], self.latest_root_version()
+
+    def latest_root_version(self) -> int:
+        latest = self._storage.latest_root()
+        return 0 if latest is None else latest[0]
 
     def signing_keys(self, root: Signed[Root]) -> list[Ed25519PrivateKey]:
         return [key for keyid, key in sorted(self._keys.items()) if keyid in root.body.role("timestamp").keyids]

@@ -6,6 +6,7 @@ inflate any answer, but it holds no key the real root did not give the server.""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+import threading
 from concurrent import futures
 from typing import Any
 
@@ -31,6 +32,7 @@ class Mirror:
         self.overrides: dict[str, Override] = {}
         self.stream_overrides: dict[str, Callable[[bytes], Iterator[bytes]]] = {}
         self.calls: list[str] = []
+        self._caller = threading.local()  # the metadata of the call being answered
         self._channel = grpc.insecure_channel(upstream)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         self._server.add_generic_rpc_handlers((_Forwarder(self),))
@@ -49,13 +51,24 @@ class Mirror:
         self.overrides[f"/fctkit.v1.{method}"] = answer
 
     def serve_trust(self, change: Callable[[registry_pb2.GetTrustResponse], registry_pb2.GetTrustResponse | None]) -> None:
-        """Answer GetTrust with ``change(the real answer)`` (changed in place when it returns None)."""
+        """Answer GetTrust with ``change(the real answer)`` (changed in place when it returns None),
+        and give ListVersions answers that answer's timestamp and latest root version."""
+        get_trust = self._channel.unary_unary("/fctkit.v1.Registry/GetTrust", request_serializer=_identity,
+                                              response_deserializer=_identity)
 
-        def answer(request: bytes, forward: Callable[[bytes], Any]) -> bytes:
+        def changed(request: bytes, forward: Callable[[bytes], Any]) -> registry_pb2.GetTrustResponse:
             response = registry_pb2.GetTrustResponse.FromString(forward(request))
-            return (change(response) or response).SerializeToString()
+            return change(response) or response
 
-        self.take_over("Registry/GetTrust", answer)
+        def listing(request: bytes, forward: Callable[[bytes], Any]) -> registry_pb2.ListVersionsResponse:
+            response = registry_pb2.ListVersionsResponse.FromString(forward(request))
+            ask = registry_pb2.GetTrustRequest(after_root_version=0).SerializeToString()
+            trust = changed(ask, lambda data: get_trust(data, metadata=self._caller.metadata))
+            response.timestamp, response.latest_root_version = trust.timestamp, trust.latest_root_version
+            return response
+
+        self.take_over("Registry/GetTrust", changed)
+        self.take_over("Registry/ListVersions", listing)
 
     def restore(self) -> None:
         self.overrides.clear()
@@ -66,6 +79,7 @@ class Mirror:
 
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
             self.calls.append(method)
+            self._caller.metadata = context.invocation_metadata()
 
             def forward(data: bytes) -> bytes:
                 try:

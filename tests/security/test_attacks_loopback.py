@@ -151,6 +151,18 @@ class World:
         assert self.snapshot(metadata) == before
 
 
+def test_a_sync_takes_the_timestamp_from_its_version_list_and_asks_for_roots_only_when_they_changed(world):
+    world.mirror.calls.clear()
+    world.device.sync()
+    assert "/fctkit.v1.Registry/ListVersions" in world.mirror.calls
+    assert "/fctkit.v1.Registry/GetTrust" not in world.mirror.calls
+    publish_root(world.server, root(2, signers=("r1", "r2")))
+    world.mirror.calls.clear()
+    world.device.sync()
+    assert world.mirror.calls.count("/fctkit.v1.Registry/GetTrust") == 1
+    assert world.device.trust.state().root_version == 2
+
+
 # -- arbitrary installation, thresholds, removed keys ------------------------------------------
 
 def test_arbitrary_bundle_is_refused_from_the_server_and_from_a_folder(world, release):

@@ -92,6 +92,8 @@ def test_a_legacy_server_serves_no_root(start_server):
     server = start_server()
     with admin(server) as client:
         assert status_code(lambda: client.get_trust(0)) == "FAILED_PRECONDITION"
+        listing = client.version_listing(0)
+        assert (listing.timestamp, listing.latest_root_version) == (b"", 0)
         assert status_code(lambda: client.publish_root(root(2).to_bytes())) == "FAILED_PRECONDITION"
 
 
@@ -109,6 +111,8 @@ def test_publishing_needs_the_latest_roots_publisher_threshold(trust_server, rel
         assert device.get_trust(0).timestamp == device.get_trust(0).timestamp  # reused while nothing changes
         _, second = current_timestamp(device)
         assert second.body.version == first.body.version + 1 and [e.version for e in second.body.releases] == [2]
+        listing = device.version_listing(0)  # a sync's version list carries the same timestamp and root version
+        assert (listing.timestamp, listing.latest_root_version) == (second.to_bytes(), 1)
 
         co_signatures = device.get_signed_manifest(2).co_signatures
         assert [s.keyid for s in parse_release_signatures(co_signatures)] == [kid("bob")]
