@@ -262,9 +262,10 @@ class FctkitClient:
         """Stream an artifact into ``sink`` (any writable binary file), SHA-256 checked."""
         return stream_download(self._artifact_stream(version, name), _artifact_digest, sink, 0, hashlib.sha256(), self.retry)
 
-    def download_artifact(self, version: int, name: str, dest: Path) -> Transfer:
-        """Download an artifact to ``dest``, resuming a ``dest.part`` left by an interrupted try."""
-        return download_to_file(self._artifact_stream(version, name), _artifact_digest, dest, self.retry)
+    def download_artifact(self, version: int, name: str, dest: Path, known: tuple[str, int] | None = None) -> Transfer:
+        """Download an artifact to ``dest``, resuming a ``dest.part`` left by an interrupted try;
+        ``known``: its (SHA-256, size) from the verified manifest, which the server must announce."""
+        return download_to_file(self._artifact_stream(version, name), _artifact_digest, dest, self.retry, known)
 
     def download_bundle(self, version: int, dest: Path, trust: Any, *, installed_version: int | None = None,
                         timestamp: Timestamp | None = None):
@@ -292,7 +293,7 @@ class FctkitClient:
             if target.is_file() and target.stat().st_size == artifact.size and file_sha256(target)[0] == artifact.sha256:
                 continue
             target.unlink(missing_ok=True)
-            self.download_artifact(version, artifact.name, target)
+            self.download_artifact(version, artifact.name, target, (artifact.sha256, artifact.size))
         return verify_bundle(dest, trust, installed_version=installed_version)
 
     def watch_versions(self, after_version: int = 0) -> Iterator[registry_pb2.VersionInfo]:

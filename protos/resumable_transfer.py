@@ -35,11 +35,14 @@ class Transfer:
 
 
 def stream_download(open_stream: Callable[[int], Any], header_digest: Callable[[Any], tuple[str, int]],
-                    sink: BinaryIO, offset: int, digest: Any, retry: RetryPolicy) -> Transfer:
+                    sink: BinaryIO, offset: int, digest: Any, retry: RetryPolicy,
+                    known: tuple[str, int] | None = None) -> Transfer:
     """Write a header-then-chunks stream from ``offset`` into ``sink`` (which holds the
     first ``offset`` bytes already, hashed into ``digest``), reconnecting from the last
-    byte received while the server is UNAVAILABLE; verify the SHA-256 at the end."""
-    position, started, header, expected = offset, offset, None, None
+    byte received while the server is UNAVAILABLE; verify the SHA-256 at the end. ``known``
+    (SHA-256, size) from signed metadata: the server must announce exactly that. No byte past
+    the announced size is written (endless data)."""
+    position, started, header, expected = offset, offset, None, known
     delays = retry.delays()
     while True:
         call = open_stream(position)
@@ -48,6 +51,10 @@ def stream_download(open_stream: Callable[[int], Any], header_digest: Callable[[
                 if message.WhichOneof("payload") == "header":
                     header = message.header
                     announced = header_digest(header)
+                    if known is not None and announced != known:
+                        raise HashMismatchError(
+                            f"the server announces {announced[1]} bytes with SHA-256 {announced[0][:16]}…, but the signed "
+                            f"metadata says {known[1]} bytes with SHA-256 {known[0][:16]}…: refused before downloading")
                     if expected is not None and announced != expected:
                         raise HashMismatchError("the object changed on the server while it was being downloaded; start again")
                     expected = announced
@@ -58,6 +65,9 @@ def stream_download(open_stream: Callable[[int], Any], header_digest: Callable[[
                 if expected is None or chunk.offset != position:
                     raise RpcStatusError("DATA_LOSS", f"the server sent a chunk at offset {chunk.offset}, expected {position}")
                 data = chunk.data  # each access copies the bytes out of the message
+                if position + len(data) > expected[1]:
+                    raise HashMismatchError(f"the server sent more than the {expected[1]} bytes announced: refused "
+                                            "(endless data); download again")
                 sink.write(data)
                 digest.update(data)
                 position += len(data)
@@ -77,9 +87,10 @@ def stream_download(open_stream: Callable[[int], Any], header_digest: Callable[[
 
 
 def download_to_file(open_stream: Callable[[int], Any], header_digest: Callable[[Any], tuple[str, int]], dest: Path,
-                     retry: RetryPolicy) -> Transfer:
+                     retry: RetryPolicy, known: tuple[str, int] | None = None) -> Transfer:
     """Download into ``dest`` through ``dest.part`` (kept between attempts and processes,
-    resumed from its size), renamed to ``dest`` once the SHA-256 matches."""
+    resumed from its size), renamed to ``dest`` once the SHA-256 matches (``known``: see
+    :func:`stream_download`)."""
     dest = Path(dest)
     part = dest.with_name(dest.name + PART_SUFFIX)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +101,7 @@ def download_to_file(open_stream: Callable[[int], Any], header_digest: Callable[
             digest.update(block)
         offset = sink.tell()
         try:
-            transfer = stream_download(open_stream, header_digest, sink, offset, digest, retry)
+            transfer = stream_download(open_stream, header_digest, sink, offset, digest, retry, known)
         except HashMismatchError:
             sink.close()
             part.unlink(missing_ok=True)

@@ -112,7 +112,10 @@ class Mirror:
         def handle(request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
             self.calls.append(method)
             override = None if client_streaming else self.stream_overrides.get(method)
-            call = override(request) if override else forward_call(request, metadata=context.invocation_metadata())
+            if override is not None:
+                yield from override(request)
+                return
+            call = forward_call(request, metadata=context.invocation_metadata())
             context.add_callback(call.cancel)
             try:
                 yield from call

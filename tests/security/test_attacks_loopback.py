@@ -335,6 +335,46 @@ def test_a_manifest_or_artifacts_from_another_snapshot_are_refused(world, start_
         other.stop()
 
 
+def test_endless_artifact_data_is_refused_at_the_signed_length(world, release):
+    """A server announcing an artifact of another size than the signed manifest's is refused
+    before a byte is written; one sending bytes past what it announced is cut off there."""
+    publish(world.server, release(2, "alice", "bob"), world.tmp)
+    channel = grpc.insecure_channel(world.server.target)
+    real = channel.unary_stream("/fctkit.v1.Registry/DownloadArtifact", request_serializer=lambda b: b,
+                                response_deserializer=registry_pb2.DownloadArtifactResponse.FromString)
+    metadata = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
+    sent = {"bytes": 0}
+
+    def endless(request: bytes, *, announce: int | None = None):
+        header = next(iter(real(request, metadata=metadata))).header
+        if announce is not None:
+            header.artifact.size = announce
+        yield header_message(header)
+        offset = registry_pb2.DownloadArtifactRequest.FromString(request).offset
+        for _ in range(2000):  # 2 GB if nobody stops reading
+            sent["bytes"] += 1 << 20
+            yield registry_pb2.DownloadArtifactResponse(chunk={"offset": offset, "data": b"\0" * (1 << 20)}).SerializeToString()
+            offset += 1 << 20
+
+    def header_message(header) -> bytes:
+        return registry_pb2.DownloadArtifactResponse(header=header).SerializeToString()
+
+    method = "/fctkit.v1.Registry/DownloadArtifact"
+    try:
+        world.mirror.stream_overrides[method] = lambda request: endless(request, announce=10 << 30)
+        world.refused(HashMismatchError, "signed metadata says", metadata=False)
+        assert sent["bytes"] <= 64 << 20  # nothing read past what was in flight when the client hung up
+        sent["bytes"] = 0
+        world.mirror.stream_overrides[method] = endless
+        world.refused(HashMismatchError, "endless data", metadata=False)
+        assert sent["bytes"] <= 64 << 20
+        largest = max((f.stat().st_size for f in world.device.root.rglob("*") if f.is_file() and "downloads" in f.parts),
+                      default=0)
+        assert largest < 1 << 20  # the tiny artifacts are a few KiB: nothing past them was kept
+    finally:
+        channel.close()
+
+
 # -- the whole flow -----------------------------------------------------------------------------
 
 def test_the_whole_flow_two_of_three_then_a_revocation_by_root_rotation(start_server, files, release, tmp_path):
