@@ -441,13 +441,14 @@ class FctkitClient:
 
     def report(self, version: int, gallery_size: int, upgrade_state: int, *, target_version: int = 0,
                progress: float = 0.0, detail: str = "", root_version: int = 0, trust_stale: bool = False,
-               seconds_since_fresh: int = 0) -> fleet_pb2.ReportResponse:
+               seconds_since_fresh: int = 0, health: fleet_pb2.UpgradeHealth | None = None) -> fleet_pb2.ReportResponse:
         """Device: report the installed version, gallery size and upgrade state
-        (``fleet_pb2.UPGRADE_STATE_IDLE`` …), and how fresh its trust metadata is."""
+        (``fleet_pb2.UPGRADE_STATE_IDLE`` …), how fresh its trust metadata is, and after an
+        upgrade its ``health`` (what it did, and the sampled fidelity of the adapter)."""
         request = fleet_pb2.ReportRequest(
             version=version, gallery_size=gallery_size, upgrade_state=upgrade_state,
             target_version=target_version, progress=progress, detail=detail, root_version=root_version,
-            trust_stale=trust_stale, seconds_since_fresh=seconds_since_fresh,
+            trust_stale=trust_stale, seconds_since_fresh=seconds_since_fresh, health=health,
         )
         return self._unary(self.fleet.Report, request)
 

@@ -67,7 +67,7 @@ class EnrolResponse(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., publisher_public_key: _Optional[bytes] = ..., publisher_key_id: _Optional[str] = ..., owner_id: _Optional[str] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
-    __slots__ = ("version", "gallery_size", "upgrade_state", "target_version", "progress", "detail", "root_version", "trust_stale", "seconds_since_fresh")
+    __slots__ = ("version", "gallery_size", "upgrade_state", "target_version", "progress", "detail", "root_version", "trust_stale", "seconds_since_fresh", "health")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     GALLERY_SIZE_FIELD_NUMBER: _ClassVar[int]
     UPGRADE_STATE_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class ReportRequest(_message.Message):
     ROOT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRUST_STALE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_FRESH_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
     version: int
     gallery_size: int
     upgrade_state: UpgradeState
@@ -86,7 +87,30 @@ class ReportRequest(_message.Message):
     root_version: int
     trust_stale: bool
     seconds_since_fresh: int
-    def __init__(self, version: _Optional[int] = ..., gallery_size: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., target_version: _Optional[int] = ..., progress: _Optional[float] = ..., detail: _Optional[str] = ..., root_version: _Optional[int] = ..., trust_stale: _Optional[bool] = ..., seconds_since_fresh: _Optional[int] = ...) -> None: ...
+    health: UpgradeHealth
+    def __init__(self, version: _Optional[int] = ..., gallery_size: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., target_version: _Optional[int] = ..., progress: _Optional[float] = ..., detail: _Optional[str] = ..., root_version: _Optional[int] = ..., trust_stale: _Optional[bool] = ..., seconds_since_fresh: _Optional[int] = ..., health: _Optional[_Union[UpgradeHealth, _Mapping]] = ...) -> None: ...
+
+class UpgradeHealth(_message.Message):
+    __slots__ = ("version", "rows_upgraded", "failures", "seconds", "sample_size", "mean_cosine", "p10_cosine", "recall_at_1", "mean_reciprocal_rank")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_UPGRADED_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_COSINE_FIELD_NUMBER: _ClassVar[int]
+    P10_COSINE_FIELD_NUMBER: _ClassVar[int]
+    RECALL_AT_1_FIELD_NUMBER: _ClassVar[int]
+    MEAN_RECIPROCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    rows_upgraded: int
+    failures: int
+    seconds: float
+    sample_size: int
+    mean_cosine: float
+    p10_cosine: float
+    recall_at_1: float
+    mean_reciprocal_rank: float
+    def __init__(self, version: _Optional[int] = ..., rows_upgraded: _Optional[int] = ..., failures: _Optional[int] = ..., seconds: _Optional[float] = ..., sample_size: _Optional[int] = ..., mean_cosine: _Optional[float] = ..., p10_cosine: _Optional[float] = ..., recall_at_1: _Optional[float] = ..., mean_reciprocal_rank: _Optional[float] = ...) -> None: ...
 
 class ReportResponse(_message.Message):
     __slots__ = ("recorded_at", "latest_version")
