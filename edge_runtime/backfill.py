@@ -27,7 +27,7 @@ import base64
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -136,12 +136,9 @@ def run_backfill(device: DeviceParts, searchable: Callable[[], LoadedRows], *, b
                                          disable=not device.progress or not todo) as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start:start + batch_size]
-            items = [rows.item_ids[i] for i in batch]
-            blobs = [client.read_blob(_vault_sha(device, item)) for item in items]
-            downloaded += sum(len(b) for b in blobs)
-            images = original_items([device.open_original(item, blob) for item, blob in zip(items, blobs, strict=True)],
-                                    raw=engine.takes_items)
-            gallery.write_upgrades(_reembedded(engine, rows, batch, images, version), staged=False)
+            images, size = vault_originals(device, client, [rows.item_ids[i] for i in batch], engine)
+            downloaded += size
+            gallery.write_upgrades(reembedded_rows(rows, batch, gallery_vectors(engine, images), version), staged=False)
             bar.update(len(batch))
             if on_batch is not None:
                 on_batch(len(batch))
@@ -201,9 +198,19 @@ def _vault_sha(device: DeviceParts, item_id: str) -> str:
     return sha
 
 
-def _reembedded(engine: Engine, rows: LoadedRows, batch: Sequence[int], images: np.ndarray, version: int) -> list[UpgradedRows]:
-    """The batch's new vectors, one group per old tag (each write is guarded by the tag read)."""
-    embeddings, side_infos, via = gallery_vectors(engine, images)
+def vault_originals(device: DeviceParts, client, item_ids: Sequence[str], engine: Engine) -> tuple[Any, int]:
+    """The items' originals downloaded from the vault and opened, as ``engine``'s embed graph
+    takes them, and the sealed bytes downloaded."""
+    blobs = [client.read_blob(_vault_sha(device, item)) for item in item_ids]
+    opened = [device.open_original(item, blob) for item, blob in zip(item_ids, blobs, strict=True)]
+    return original_items(opened, raw=engine.takes_items), sum(len(b) for b in blobs)
+
+
+def reembedded_rows(rows: LoadedRows, batch: Sequence[int], vectors: tuple[np.ndarray, np.ndarray, str],
+                    version: int) -> list[UpgradedRows]:
+    """The rows at positions ``batch`` of ``rows`` with their new ``vectors`` (:func:`gallery_vectors`
+    of their originals), one group per old tag (each write is guarded by the tag read)."""
+    embeddings, side_infos, via = vectors
     groups = []
     for tag, index in rows_by_tag([rows.tags[i] for i in batch]).items():
         groups.append(UpgradedRows([int(rows.row_ids[batch[k]]) for k in index], [rows.item_ids[batch[k]] for k in index],

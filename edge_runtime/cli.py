@@ -20,6 +20,7 @@ from .engine import PREFERENCE
 from .item_sources import read_items
 from .repair import REBUILD
 from .sqlite_file import RECOVERY
+from .upgrade_check import stored_health
 
 DAMAGED_EXIT = 3  # answers were given, but damaged rows were left out (see `fctkit device check`)
 STALE_EXIT = 4  # `status`: no fresh timestamp for longer than the root allows (possible freeze), or a clock that may be wrong
@@ -28,6 +29,9 @@ _DIR = click.option("--dir", "root", type=click.Path(path_type=Path), default=la
                     show_default="$FCTKIT_DEVICE or ./device", help="The device directory.")
 _PASSPHRASE = click.option("--passphrase-env", metavar="VAR", default=None,
                            help="Environment variable holding the key file's passphrase.")
+_NO_HEALTH = click.option("--no-health-check", is_flag=True,
+                          help="After an upgrade, do not re-embed a sample of rows from the vault to measure its health "
+                               "(health_sample 0 in device.json turns it off for good).")
 _KEY_PASSPHRASE = click.option("--key-passphrase-env", metavar="VAR", default=None,
                                help="Environment variable holding the exported owner key's passphrase (else prompted).")
 
@@ -47,10 +51,18 @@ def _key_passphrase(var: str | None, *, confirm: bool) -> str:
     return click.prompt("Owner key passphrase", hide_input=True, confirmation_prompt=confirm)
 
 
-def _open(root: Path, passphrase_env: str | None, quiet: bool = False) -> Device:
+def _open(root: Path, passphrase_env: str | None, quiet: bool = False, no_health_check: bool = False) -> Device:
     device = Device.open(root, passphrase=_passphrase(passphrase_env))
     device.progress = not quiet
+    if no_health_check:  # for this command only: device.json is not rewritten
+        device.settings = dataclasses.replace(device.settings, health_sample=0)
     return device
+
+
+def _with_health(device: Device, result: dict) -> dict:
+    """A sync's or upgrade's output with the last upgrade's health check (None before any)."""
+    record = stored_health(device.gallery)
+    return {**result, "upgrade_health": None if record is None else dataclasses.asdict(record)}
 
 
 def _echo(data) -> None:
@@ -267,14 +279,16 @@ def _reason(exc: GalleryDamagedError) -> str:
 @click.option("--no-replicate", is_flag=True, help="Skip pulling and pushing the owner's gallery replica.")
 @click.option("--watch", is_flag=True, help="Then keep following the server and sync on every new version.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def sync_command(root, passphrase_env, no_upgrade, no_replicate, watch, quiet) -> None:
+@_NO_HEALTH
+def sync_command(root, passphrase_env, no_upgrade, no_replicate, watch, quiet, no_health_check) -> None:
     """Upload queued originals, install or upgrade to the latest published version, then pull
-    and push the owner's encrypted gallery replica."""
-    with _open(root, passphrase_env, quiet) as device:
-        _echo(dataclasses.asdict(device.sync(upgrade=not no_upgrade, replicate=not no_replicate)))
+    and push the owner's encrypted gallery replica. The output ends with the last upgrade's
+    health check (upgrade_health)."""
+    with _open(root, passphrase_env, quiet, no_health_check) as device:
+        _echo(_with_health(device, dataclasses.asdict(device.sync(upgrade=not no_upgrade, replicate=not no_replicate))))
         if watch:
             for result in device.watch(upgrade=not no_upgrade):
-                _echo(dataclasses.asdict(result))
+                _echo(_with_health(device, dataclasses.asdict(result)))
 
 
 @device_command.command("remove")
@@ -306,16 +320,18 @@ def end_transition_command(root, passphrase_env) -> None:
               help="Install this local bundle (a folder or its .tar archive; verified) and upgrade to the newest "
                    "one given; repeat it to bring intermediate versions for a chained path.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def upgrade_command(root, passphrase_env, bundle_dirs, quiet) -> None:
+@_NO_HEALTH
+def upgrade_command(root, passphrase_env, bundle_dirs, quiet, no_health_check) -> None:
     """Resume an interrupted upgrade; else upgrade offline to the newest --bundle along the
     cheapest path the installed bundles offer (the first bundle of a new device is just
-    installed), or, on an enrolled device, to the server's latest version."""
-    with _open(root, passphrase_env, quiet) as device:
+    installed), or, on an enrolled device, to the server's latest version. The output ends
+    with the last upgrade's health check (upgrade_health)."""
+    with _open(root, passphrase_env, quiet, no_health_check) as device:
         if not bundle_dirs and device.gallery.upgrade_state is None and device.settings.server:
-            _echo(dataclasses.asdict(device.sync()))  # a deferred upgrade: plan it with the server now
+            _echo(_with_health(device, dataclasses.asdict(device.sync())))  # a deferred upgrade: plan it with the server now
             return
         rows = device.upgrade(list(bundle_dirs) or None)
-        _echo({"rows_upgraded": rows, "installed_version": device.version})
+        _echo(_with_health(device, {"rows_upgraded": rows, "installed_version": device.version}))
 
 
 @device_command.command("status")

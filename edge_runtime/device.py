@@ -68,6 +68,7 @@ from .replication import ReplicationResult, apply_pending, replicate
 from .scoring import TransitionState, store_hubness_offsets
 from .search import ExactIndex
 from .upgrade import DeviceUpgrade
+from .upgrade_check import HealthCheck, health_message
 from .upgrade_plan import UpgradePlan, hop_list
 
 __all__ = ["AddedItems", "Device", "DeviceSettings", "Match", "SyncResult"]
@@ -388,7 +389,8 @@ class Device:
             self._report(client, fleet_pb2.UPGRADE_STATE_UPGRADING, target, progress=progress)
 
         return DeviceUpgrade(self.parts, batch_size=self.settings.batch_size, after=self._upgraded,
-                             report=report if client is not None else None)
+                             report=report if client is not None else None,
+                             check=HealthCheck(self.parts, self.settings.device_id, self.settings.health_sample))
 
     def _upgraded(self) -> None:
         """After an upgrade: replica records that waited for its version land, every row gets its
@@ -401,7 +403,7 @@ class Device:
         """Tell the fleet service where this device stands; best effort while the server is away."""
         try:
             client.report(self.version, len(self.gallery), state, target_version=target, progress=min(progress, 1.0),
-                          **self.trust.report_fields())
+                          health=health_message(self.gallery), **self.trust.report_fields())
         except RpcStatusError as exc:
             if exc.code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
                 raise

@@ -16,6 +16,7 @@ from .engine import PREFERENCE, EngineConfig
 
 SETTINGS_FILE, KEY_FILE, TOKEN_FILE, PUBLISHER_FILE, GALLERY_FILE = "device.json", "device.key", "token", "publisher.pub", "gallery.sqlite"
 OWNER_KEY_FILE = "owner.key"
+MAX_HEALTH_SAMPLE = 4096  # rows an upgrade's health check may download and re-embed
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class DeviceSettings:
     threads: int = 0
     search_backend: str = "auto"
     clock_tolerance_s: int = DEFAULT_CLOCK_TOLERANCE_S  # how far past expiry a root or timestamp is still accepted
+    health_sample: int = 32  # rows re-embedded after each upgrade to measure it (0: no health check; .upgrade_check)
 
     @property
     def engine(self) -> EngineConfig:
@@ -54,6 +56,8 @@ def read_settings(path: Path) -> DeviceSettings:
             raise ConfigError("device_name must be a string and search_backend one of auto, numpy, faiss")
         if type(settings.clock_tolerance_s) is not int or not 0 <= settings.clock_tolerance_s <= 86400:
             raise ConfigError("clock_tolerance_s must be a whole number of seconds from 0 to 86400")
+        if type(settings.health_sample) is not int or not 0 <= settings.health_sample <= MAX_HEALTH_SAMPLE:
+            raise ConfigError(f"health_sample must be a whole number of rows from 0 (off) to {MAX_HEALTH_SAMPLE}")
     except (ValueError, TypeError, ConfigError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise DeviceError(f"{path} is damaged ({exc}); restore it, or edit it back to valid settings "
                           f"(the keys and the gallery were not touched)") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from .device_parts import DeviceParts
 from .gallery_search import GallerySearch
 from .repair import side_info_lost
 from .scoring import scoring_of
+from .upgrade_check import stored_health
 
 
 def device_status(root: Path, settings: DeviceSettings, parts: DeviceParts, search: GallerySearch,
@@ -50,6 +52,9 @@ def device_status(root: Path, settings: DeviceSettings, parts: DeviceParts, sear
         result["transition"] = {"from_version": transition.previous_version, "weight": transition.weight,
                                 "rows_with_previous": gallery.extras.count("previous_embedding"),
                                 "max_days": transition.max_days}
+    health = stored_health(gallery)
+    if health is not None:  # the last upgrade's health check (reason: why nothing was measured)
+        result["upgrade_health"] = asdict(health)
     lost = side_info_lost(gallery) if version else []
     if lost:
         result["side_info_lost"] = {"rows": len(lost), "items": lost[:10], "next": "an upgrade whose adapters take side-info "

@@ -45,6 +45,26 @@ class GalleryUpgrades:
             ).fetchall()
             return self._vectors.open_pointers(rows)
 
+    def space_index(self, version: int) -> list[tuple[int, str, str, bool]]:
+        """(row id, item id, via, original in the vault) of each live row in ``version``'s space,
+        by row id; nothing is decrypted."""
+        live, _ = self._tables()
+        return self._db.execute(f"SELECT v.row_id, i.item_id, v.via, i.vault_sha256 IS NOT NULL FROM {live} v "
+                                f"JOIN items i USING (row_id) WHERE v.version = ? ORDER BY v.row_id", (version,)).fetchall()
+
+    def space_rows(self, version: int, after_row_id: int, limit: int, *, only: Sequence[int] | None = None) -> LoadedRows:
+        """The next ``limit`` live rows (by row id, after ``after_row_id``) in ``version``'s space,
+        decrypted (a page of a streamed read); ``only``: among these row ids."""
+        among = "" if only is None else "AND v.row_id IN (SELECT value FROM json_each(?)) "
+        params = (version, after_row_id, *(() if only is None else (json.dumps([int(r) for r in only]),)), limit)
+        with read_snapshot(self._db):
+            live, _ = self._tables()
+            rows = self._db.execute(
+                f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, NULL FROM {live} v "
+                f"JOIN items i USING (row_id) WHERE v.version = ? AND v.row_id > ? {among}ORDER BY v.row_id LIMIT ?",
+                params).fetchall()
+            return self._vectors.open_pointers(rows)
+
     def row_versions(self, target_version: int) -> list[int]:
         """The version tags of the rows not yet in ``target_version``'s space (staged rows count as done)."""
         live, staged = self._tables()

@@ -43,6 +43,7 @@ from .gallery import Gallery
 from .gallery_rows import LoadedRows, UpgradedRows, rows_by_tag, take_rows
 from .scoring import transition_for
 from .sqlite_file import file_bytes, require_room
+from .upgrade_check import UpgradeRun
 from .upgrade_plan import UpgradePlan, hop_list, plan_to, server_hops, transform_rows
 
 if TYPE_CHECKING:
@@ -55,12 +56,14 @@ class DeviceUpgrade:
     """The upgrades of one device's gallery: resumed after a crash, offline over installed
     bundles, or along the server's plan. ``after()`` runs once a plan has finished (the device
     places replica records that waited for the version and refreshes its search);
-    ``report(progress)``, when given, tells the fleet service how far the rows are."""
+    ``report(progress)``, when given, tells the fleet service how far the rows are;
+    ``check(run)``, when given, runs before ``after()`` with what the finished upgrade did (the
+    health check of :mod:`.upgrade_check`: it never raises)."""
 
     def __init__(self, parts: DeviceParts, *, batch_size: int, after: Callable[[], None],
-                 report: Callable[[int, float], None] | None = None) -> None:
+                 report: Callable[[int, float], None] | None = None, check: Callable[[UpgradeRun], object] | None = None) -> None:
         self.parts, self.gallery, self.bundles = parts, parts.gallery, parts.bundles
-        self.batch_size, self.after, self.report = batch_size, after, report
+        self.batch_size, self.after, self.report, self.check = batch_size, after, report, check
 
     def resume(self) -> int:
         """Finish the upgrade a crash interrupted (0 when none was under way)."""
@@ -125,6 +128,7 @@ class DeviceUpgrade:
         """Run the recorded ``plan`` to its end (resuming where it stopped) and make the target the
         version answering queries: in forward mode by switching the staged vectors live, with a
         transition when the bundle declares one. Returns the rows upgraded now."""
+        started = time.monotonic()
         engines = {b: self.bundles.engine(b) for b in {h.bundle for h in plan.hops if h.forward is not None}}
         rewrite = any(h.forward is not None for h in plan.hops)  # identity hops only (compatible): rows stay untouched
         if rewrite and self.gallery.damaged_pointers():  # rows are read by their pointers: none may be skipped or lost
@@ -152,6 +156,8 @@ class DeviceUpgrade:
                                    keep_previous=transition and transition.previous_version)
         else:
             self.gallery.extras.drop("previous_embedding", {"upgrade": None, "query_version": str(plan.target), "transition": None})
+        if self.check is not None:
+            self.check(UpgradeRun(plan.target, done, self.gallery.remaining(plan.target), time.monotonic() - started))
         self.after()
         return done
 

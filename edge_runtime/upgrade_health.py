@@ -25,7 +25,7 @@ Numpy only (and :mod:`fctkit.errors`): the device imports it without torch.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,8 +72,40 @@ def upgrade_health(adapted: np.ndarray, sample: np.ndarray, reembedded: np.ndarr
     rows at positions ``sample`` (k distinct), whose new-model embeddings are ``reembedded``
     (k×d, in the order of ``sample``). ``metric``: the bundle's distance, "cosine" or "l2"."""
     adapted, sample, reembedded = _checked(adapted, sample, reembedded, metric, block_rows)
-    ranks = _ranks(adapted, sample, reembedded, metric, block_rows)
-    cosines = np.einsum("ij,ij->i", _unit(adapted[sample]), _unit(reembedded))
+    return _health(_array_blocks(adapted, block_rows), sample, adapted[sample], reembedded, metric)
+
+
+def streamed_health(blocks: Iterable[tuple[np.ndarray, np.ndarray]], sample: np.ndarray, sampled: np.ndarray,
+                    reembedded: np.ndarray, metric: str) -> UpgradeHealth:
+    """:func:`upgrade_health` over a gallery read block by block (one block held at a time).
+    ``blocks`` yields (keys, vectors): each row's key — its position or row id, ascending
+    through the gallery (the order ties are broken in) — and its adapted vector; ``sample``
+    holds the sampled rows' keys, ``sampled`` their adapted vectors and ``reembedded`` their
+    new-model embeddings (both k×d, in the order of ``sample``)."""
+    if metric not in METRICS:
+        raise InputError(f"metric {metric!r} is not one of {', '.join(METRICS)} (the bundle manifest's distance)")
+    sampled = np.asarray(sampled)
+    if sampled.ndim != 2 or not sampled.shape[1] or not np.isfinite(sampled).all():
+        raise InputError(f"the sampled rows' adapted vectors must be a finite k×d array, got shape {sampled.shape}")
+    sample = _checked_keys(sample)
+    if len(sample) != len(sampled):
+        raise InputError(f"{len(sample)} sampled keys do not match {len(sampled)} sampled adapted vectors")
+    return _health(blocks, sample, sampled, _checked_reembedded(reembedded, sampled.shape), metric)
+
+
+def self_retrieval_ranks(adapted: np.ndarray, sample: np.ndarray, reembedded: np.ndarray, metric: str, *,
+                         block_rows: int = DEFAULT_BLOCK_ROWS) -> np.ndarray:
+    """Rank (1 = nearest) of each sampled row's own adapted vector when ``reembedded[i]``
+    queries the whole adapted gallery by ``metric``; a tie counts against the row when the
+    other row comes first in the gallery (as the device's search breaks ties)."""
+    adapted, sample, reembedded = _checked(adapted, sample, reembedded, metric, block_rows)
+    return _ranks(_array_blocks(adapted, block_rows), sample, adapted[sample], reembedded, metric)
+
+
+def _health(blocks: Iterable[tuple[np.ndarray, np.ndarray]], sample: np.ndarray, sampled: np.ndarray,
+            reembedded: np.ndarray, metric: str) -> UpgradeHealth:
+    ranks = _ranks(blocks, sample, sampled, reembedded, metric)
+    cosines = np.einsum("ij,ij->i", _unit(sampled), _unit(reembedded))
     return UpgradeHealth(
         sample_size=len(ranks),
         mean_cosine=float(cosines.mean()),
@@ -83,28 +115,28 @@ def upgrade_health(adapted: np.ndarray, sample: np.ndarray, reembedded: np.ndarr
     )
 
 
-def self_retrieval_ranks(adapted: np.ndarray, sample: np.ndarray, reembedded: np.ndarray, metric: str, *,
-                         block_rows: int = DEFAULT_BLOCK_ROWS) -> np.ndarray:
-    """Rank (1 = nearest) of each sampled row's own adapted vector when ``reembedded[i]``
-    queries the whole adapted gallery by ``metric``; a tie counts against the row when the
-    other row comes first in the gallery (as the device's search breaks ties)."""
-    return _ranks(*_checked(adapted, sample, reembedded, metric, block_rows), metric, block_rows)
-
-
-def _ranks(adapted: np.ndarray, sample: np.ndarray, reembedded: np.ndarray, metric: str, block_rows: int) -> np.ndarray:
-    queries = _unit(reembedded) if metric == "cosine" else reembedded.astype(np.float64)
-    own = np.diagonal(_scores(queries, adapted[sample], metric)).copy()
-    ahead = np.zeros(len(sample), dtype=np.int64)
+def _array_blocks(adapted: np.ndarray, block_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     for first in range(0, len(adapted), block_rows):
         block = adapted[first:first + block_rows]
+        yield np.arange(first, first + len(block)), block
+
+
+def _ranks(blocks: Iterable[tuple[np.ndarray, np.ndarray]], sample: np.ndarray, sampled: np.ndarray,
+           reembedded: np.ndarray, metric: str) -> np.ndarray:
+    queries = _unit(reembedded) if metric == "cosine" else reembedded.astype(np.float64)
+    own = np.diagonal(_scores(queries, sampled, metric)).copy()
+    ahead = np.zeros(len(sample), dtype=np.int64)
+    for keys, block in blocks:
+        if block.ndim != 2 or block.shape[1] != sampled.shape[1]:
+            raise InputError(f"a gallery block of shape {block.shape} does not match the sampled rows' dimension "
+                             f"{sampled.shape[1]}; measure rows of one space only")
         if not np.isfinite(block).all():
-            bad = first + int(np.flatnonzero(~np.isfinite(block).all(axis=1))[0])
+            bad = int(keys[np.flatnonzero(~np.isfinite(block).all(axis=1))[0]])
             raise InputError(f"adapted gallery row {bad} holds NaN or inf; repair the gallery before measuring its health")
         scores = _scores(queries, block, metric)
-        positions = np.arange(first, first + len(block))
-        earlier = positions[None, :] < sample[:, None]
+        earlier = keys[None, :] < sample[:, None]
         better = (scores > own[:, None]) | ((scores == own[:, None]) & earlier)
-        better[positions[None, :] == sample[:, None]] = False
+        better[keys[None, :] == sample[:, None]] = False
         ahead += better.sum(axis=1)
     return ahead + 1
 
@@ -135,24 +167,34 @@ def _checked(adapted: np.ndarray, sample: np.ndarray, reembedded: np.ndarray, me
     if adapted.ndim != 2 or not adapted.shape[0] or not adapted.shape[1]:
         raise InputError(f"the adapted gallery must be a non-empty N×d array, got shape {adapted.shape}")
     sample = _checked_sample(sample, len(adapted))
-    if reembedded.shape != (len(sample), adapted.shape[1]):
-        raise InputError(f"re-embedded vectors of shape {reembedded.shape} do not match {len(sample)} sampled rows "
-                         f"of dimension {adapted.shape[1]}; re-embed each sampled row with the new model")
+    return adapted, sample, _checked_reembedded(reembedded, (len(sample), adapted.shape[1]))
+
+
+def _checked_reembedded(reembedded: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    reembedded = np.asarray(reembedded)
+    if reembedded.shape != shape:
+        raise InputError(f"re-embedded vectors of shape {reembedded.shape} do not match {shape[0]} sampled rows "
+                         f"of dimension {shape[1]}; re-embed each sampled row with the new model")
     if not np.isfinite(reembedded).all():
         raise InputError("re-embedded vectors hold NaN or inf; the new model failed on a sampled row")
-    return adapted, sample, reembedded
+    return reembedded
 
 
 def _checked_sample(sample: np.ndarray, rows: int) -> np.ndarray:
+    sample = _checked_keys(sample)
+    if len(sample) > rows:
+        raise InputError(f"a sample of {len(sample)} rows is larger than the gallery's {rows} rows")
+    if sample.min() < 0 or sample.max() >= rows:
+        raise InputError(f"sample positions must lie in [0, {rows}); got {int(sample.min())}..{int(sample.max())}")
+    return sample
+
+
+def _checked_keys(sample: np.ndarray) -> np.ndarray:
     sample = np.asarray(sample)
     if sample.ndim != 1 or not len(sample):
         raise InputError(f"the sample must be a non-empty 1-D array of row positions, got shape {sample.shape}")
     if not np.issubdtype(sample.dtype, np.integer):
         raise InputError(f"sample positions must be integers, got dtype {sample.dtype}")
-    if len(sample) > rows:
-        raise InputError(f"a sample of {len(sample)} rows is larger than the gallery's {rows} rows")
-    if sample.min() < 0 or sample.max() >= rows:
-        raise InputError(f"sample positions must lie in [0, {rows}); got {int(sample.min())}..{int(sample.max())}")
     if len(np.unique(sample)) != len(sample):
         raise InputError("sample positions repeat; draw distinct rows (sample_rows does)")
     return sample.astype(np.int64)
