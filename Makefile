@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
-EXTRAS ?= cpu,train,dev,faiss,scale
+EXTRAS ?= cpu,train,dev,faiss,scale,metrics
 # constraints.txt pins torch==2.13.0. Where pip finds no CPU wheel of it (our machines keep one
 # locally), PyPI's Linux torch pulls several GB of CUDA libraries; PyTorch's CPU wheel index has
 # torch 2.13.0+cpu, which pip prefers once it sees it:

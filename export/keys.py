@@ -20,16 +20,19 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from fctkit.errors import PublisherKeyError, TrustError
 from fctkit.protos.bundle import SIGNATURE_FILE, load_public_key, pack_bundle, public_key_id, unpack_bundle
 from fctkit.protos.bundle_vocabulary import SIGNATURES_FILE
-from fctkit.protos.durable_files import write_atomic
+from fctkit.protos.durable_files import read_regular_file, write_atomic
 from fctkit.protos.manifest_signature import PASSPHRASE_ENV, load_private_key, read_passphrase
 from fctkit.protos.trust import (
     DEFAULT_FRESHNESS_LIMIT_S,
     MAX_ROOT_BYTES,
+    MAX_WITHDRAWAL_BYTES,
     RoleKeys,
     Root,
     Signature,
     Signed,
+    Withdrawal,
     parse_root,
+    parse_withdrawal,
     read_release_signatures,
     release_signatures_bytes,
     sign_bytes,
@@ -192,6 +195,31 @@ def sign_root_file(path: str | os.PathLike, private_key: Ed25519PrivateKey) -> S
     return signed
 
 
+def withdrawal_file_name(version: int) -> str:
+    return f"withdrawal.{version}.json"
+
+
+def write_withdrawal(path: str | os.PathLike, version: int, revert_to: int, reason: str,
+                     private_key: Ed25519PrivateKey, now: datetime | None = None) -> Signed[Withdrawal]:
+    """Write ``withdrawal.<version>.json`` signed by this publisher key (others co-sign it with
+    :func:`sign_withdrawal_file`); an existing file is never replaced."""
+    path = Path(path)
+    if path.exists():
+        raise TrustError(f"{path} already exists: co-sign it with `fctkit keys sign {path} --key KEY`")
+    moment = (now or datetime.now(UTC)).replace(microsecond=0)
+    signed = Signed(Withdrawal(version, revert_to, reason, moment)).signed_by(private_key)
+    write_atomic(path, signed.to_bytes())
+    return signed
+
+
+def sign_withdrawal_file(path: str | os.PathLike, private_key: Ed25519PrivateKey) -> Signed[Withdrawal]:
+    """Add this key's signature to a withdrawal file in place."""
+    path = Path(path)
+    signed = parse_withdrawal(read_regular_file(path, MAX_WITHDRAWAL_BYTES), str(path)).signed_by(private_key)
+    write_atomic(path, signed.to_bytes())
+    return signed
+
+
 def sign_release(bundle: str | os.PathLike, private_key: Ed25519PrivateKey) -> Signature:
     """Add this key's signature over the manifest to a bundle folder's ``manifest.sigs.json``,
     or to a ``.tar`` archive (unpacked, signed and packed again in place)."""
@@ -216,5 +244,5 @@ __all__ = [
     "PRIVATE_KEY_FILE", "PUBLIC_KEY_FILE", "PASSPHRASE_ENV", "generate_keys", "save_private_key",
     "save_public_key", "load_private_key", "load_public_key", "public_key_id", "read_passphrase",
     "DEFAULT_ROOT_EXPIRY_DAYS", "root_file_name", "init_root", "next_root", "load_root_file", "write_root",
-    "sign_root_file", "sign_release",
+    "sign_root_file", "sign_release", "withdrawal_file_name", "write_withdrawal", "sign_withdrawal_file",
 ]

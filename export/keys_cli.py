@@ -1,6 +1,6 @@
 """`fctkit keys …`: the publisher's signing key pair and the offline root of trust (k-of-n root
-keys, its next versions, co-signing a root or a release, showing a root). Offline file work
-only: :mod:`fctkit.export.keys` does it, :mod:`fctkit.protos.trust` holds the rules."""
+keys, its next versions, co-signing a root, a release or a withdrawal, showing a root). Offline
+file work only: :mod:`fctkit.export.keys` does it, :mod:`fctkit.protos.trust` holds the rules."""
 
 from __future__ import annotations
 
@@ -13,7 +13,15 @@ import click
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from fctkit.errors import ThresholdError, TrustError
-from fctkit.protos.trust import ROLE_NAMES, Root, Signed, root_fingerprint, verify_root_update, verify_self_signed
+from fctkit.protos.trust import (
+    MAX_WITHDRAWAL_BYTES,
+    ROLE_NAMES,
+    Root,
+    Signed,
+    root_fingerprint,
+    verify_root_update,
+    verify_self_signed,
+)
 
 from .keys import (
     DEFAULT_ROOT_EXPIRY_DAYS,
@@ -29,7 +37,10 @@ from .keys import (
     root_file_name,
     sign_release,
     sign_root_file,
+    sign_withdrawal_file,
+    withdrawal_file_name,
     write_root,
+    write_withdrawal,
 )
 
 _PASSPHRASE_HELP = f"file holding the key passphrase (or set ${PASSPHRASE_ENV}); never a plain argument"
@@ -40,7 +51,8 @@ PASSPHRASE_FILE = click.option("--passphrase-file", type=click.Path(dir_okay=Fal
 def keys_command() -> None:
     """Signing keys (Ed25519) and the root of trust: a publisher key pair (`generate`); an
     offline root with k-of-n root keys (`init-root`), its next versions (`add-publisher`,
-    `remove-publisher`, `rotate-root`), co-signing a root or a release (`sign`), `show`.
+    `remove-publisher`, `rotate-root`), co-signing a root, a release or a withdrawal (`sign`),
+    a signed withdrawal of a release (`withdraw`), `show`.
 
     The server takes root.1.json at `fctkit serve --root` (and later versions with `fctkit admin
     publish-root`); devices pin it at `fctkit device enrol --root-fingerprint` and walk to each new
@@ -207,14 +219,50 @@ def rotate_root_command(root_file: Path, added: tuple[Path, ...], removed: tuple
 @click.option("--key", "key_path", required=True, type=_PUBLIC, help="your private key (root-<i>.key or publisher.key)")
 @PASSPHRASE_FILE
 def sign_command(target: Path, key_path: Path, passphrase_file: Path | None) -> None:
-    """Add your signature to TARGET: a root file (root.<N>.json), or a release (a bundle folder
-    v<N>/ or its v<N>.tar), whose manifest.sigs.json lists the co-signing publishers."""
+    """Add your signature to TARGET: a root file (root.<N>.json), a withdrawal
+    (withdrawal.<V>.json), or a release (a bundle folder v<N>/ or its v<N>.tar), whose
+    manifest.sigs.json lists the co-signing publishers."""
     key = load_private_key(key_path, read_passphrase(passphrase_file))
+    if target.is_file() and target.suffix == ".json" and _kind(target) == "withdrawal":
+        signed = sign_withdrawal_file(target, key)
+        click.echo(f"signed the withdrawal of v{signed.body.version} with key {public_key_id(key.public_key())} "
+                   f"({len(signed.signatures)} signature(s))")
+        return
     if target.is_file() and target.suffix == ".json":
         _sign_root(target, key)
         return
     signature = sign_release(target, key)
     click.echo(f"signed the release {target} with key {signature.keyid}")
+
+
+def _kind(path: Path) -> str | None:
+    """The ``_type`` a trust file's signed part names (None when it is not one)."""
+    try:
+        signed = json.loads(path.read_bytes()[:MAX_WITHDRAWAL_BYTES * 8]).get("signed", {})
+    except (ValueError, AttributeError):
+        return None
+    return signed.get("_type") if isinstance(signed, dict) else None
+
+
+@keys_command.command("withdraw")
+@click.argument("version", type=click.IntRange(min=1))
+@click.option("--reason", required=True, help="why (shown to operators and devices; at most 1,024 characters)")
+@click.option("--revert-to", type=click.IntRange(min=0), help="the version devices go back to (default: VERSION - 1)")
+@click.option("--key", "key_path", required=True, type=_PUBLIC, help="your publisher.key")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="where it goes (default: withdrawal.<VERSION>.json here)")
+@PASSPHRASE_FILE
+def withdraw_command(version: int, reason: str, revert_to: int | None, key_path: Path, out_path: Path | None,
+                     passphrase_file: Path | None) -> None:
+    """Write a signed withdrawal of release VERSION: devices that installed it go back to
+    --revert-to. It must carry the signatures of the root's publisher threshold, like a release:
+    co-signers add theirs with `fctkit keys sign withdrawal.<VERSION>.json --key KEY`. A server
+    alone cannot make devices go back (that would be a downgrade attack)."""
+    key = load_private_key(key_path, read_passphrase(passphrase_file))
+    path = out_path or Path(withdrawal_file_name(version))
+    signed = write_withdrawal(path, version, version - 1 if revert_to is None else revert_to, reason, key)
+    click.echo(f"withdrawal of v{version} (devices go back to v{signed.body.revert_to}): {path}, signed by "
+               f"{public_key_id(key.public_key())}")
 
 
 def _sign_root(target: Path, key: Ed25519PrivateKey) -> None:

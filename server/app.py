@@ -25,11 +25,13 @@ from fctkit.protos.trust import format_time, root_fingerprint
 
 from fctkit.private_files import make_private, private_umask
 
-from .auth import SERVICE_MODULES, AuthInterceptor, Authenticator, load_or_create_admin_token
+from .auth import SERVICE_MODULES, AuthInterceptor, Authenticator, load_or_create_admin_token, protocol_methods
 from .fleet import FleetService
 from .jsonlog import configure_logging, log_event
+from .metrics import ServerMetrics
 from .registry import Catalog, RegistryService
 from .revocation import OpenStreams
+from .rpc import MeteringInterceptor
 from .root_of_trust import PublisherKeyRules, ReleaseRules, RootOfTrust
 from .storage import SqliteStorage, Storage
 from .storage_schema import redacted_dsn
@@ -68,6 +70,8 @@ class ServerConfig:
     partial_upload_ttl_s: float = 86400.0
     watch_keepalive_s: float = 15.0
     shutdown_grace_s: float = 10.0
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:
@@ -84,6 +88,8 @@ class ServerConfig:
             raise ConfigError("database_connections must be at least 2")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port {self.port} is not 0..65535 (0 picks a free port)")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics port {self.metrics_port} is not 0..65535 (0 picks a free port)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
         if self.tls_ca is not None and self.tls_cert is None:
@@ -144,6 +150,8 @@ class FctkitServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._metrics = None if config.metrics_port is None else ServerMetrics("sqlite" if config.data_dir else "postgres")
         self._storage = open_storage(config)
         try:
             self._rules = rules = config.release_rules(self._storage)
@@ -164,8 +172,9 @@ class FctkitServer:
         self._tasks: set[asyncio.Task] = set()  # health changes in flight (kept referenced until done)
         self._stopping = False
         self._health = health.aio.HealthServicer()
+        metering = [] if self._metrics is None else [MeteringInterceptor(self._metrics, protocol_methods())]
         self._server = grpc.aio.server(
-            interceptors=[AuthInterceptor(authenticator, open_streams)],
+            interceptors=[*metering, AuthInterceptor(authenticator, open_streams)],
             options=[
                 ("grpc.max_receive_message_length", limits.MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", limits.MAX_MESSAGE_BYTES),
@@ -216,6 +225,8 @@ class FctkitServer:
             self.port = self._bind()
         except RuntimeError as exc:  # grpc raises RuntimeError when binding fails
             raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {exc}") from exc
+        if self._metrics is not None:
+            self.metrics_port = self._metrics.listen(self.config.metrics_host, self.config.metrics_port or 0)
         await self._server.start()
         self._sweeper = asyncio.create_task(self._sweep_uploads())
         events = self._storage.listen(self._on_event, self._catch_up, self._database_lost)
@@ -252,6 +263,8 @@ class FctkitServer:
                 task.cancel()
         self._catalog.close()
         await self._server.stop(self.config.shutdown_grace_s)
+        if self._metrics is not None:
+            self._metrics.close()
         round_trips = self._storage.round_trips()
         self._storage.close()
         log_event("stopped", **round_trips)
@@ -289,6 +302,8 @@ class FctkitServer:
                     log_event("unfinished uploads removed", files=removed)
             except Exception as exc:  # storage unreachable now: the next round tries again
                 log_event("upload sweep failed", logging.WARNING, error=f"{type(exc).__name__}: {exc}")
+                if self._metrics is not None:
+                    self._metrics.storage_error(exc)
             await asyncio.sleep(interval)
 
     async def wait_for_termination(self) -> None:

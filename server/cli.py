@@ -71,6 +71,11 @@ _EXISTING = click.Path(path_type=Path, exists=True, dir_okay=False)
                    "against the owner's quota until then).")
 @click.option("--watch-keepalive", "watch_keepalive_s", type=float, default=15.0, show_default=True, help="Seconds between keep-alives on idle WatchVersions streams.")
 @click.option("--shutdown-grace", "shutdown_grace_s", type=float, default=10.0, show_default=True, help="Seconds in-flight calls get to finish on SIGTERM/SIGINT.")
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve Prometheus metrics at http://METRICS-HOST:PORT/metrics (needs `pip install 'fctkit[metrics]'`); "
+                   "0 picks a free port (logged as the 'metrics listening' event). Default: no metrics, nothing more listens.")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Address the metrics listen on (0.0.0.0 for all interfaces; the metrics need no token).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def serve_command(**options) -> None:
     """Run the fctkit gRPC server (Registry, Vault, Fleet; health checking and reflection on).

@@ -6,6 +6,10 @@
   errors become INVALID_ARGUMENT; anything unexpected is logged with its traceback and answered
   INTERNAL with an incident id, so no request can take the server down;
 - one JSON access-log line per call (method, peer, principal, status, milliseconds).
+
+:class:`MeteringInterceptor` (outermost, only with ``fctkit serve --metrics-port``) hands each
+call's status, duration and message bytes, and the storage errors met on the way, to a
+:class:`RpcMeter` (:class:`fctkit.server.metrics.ServerMetrics`).
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import contextvars
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
+from typing import Any, Literal, Protocol
 
 import grpc
 
@@ -30,6 +34,18 @@ _MALFORMED = object()
 
 CALLER: contextvars.ContextVar[Any] = contextvars.ContextVar("fctkit_caller", default=None)
 """Who makes the RPC being served (set by the authorizer; each RPC runs in its own task)."""
+
+
+class RpcMeter(Protocol):
+    """What :class:`MeteringInterceptor` reports each fctkit RPC to."""
+
+    def finished(self, method: str, code: str, seconds: float) -> None: ...
+    def transferred(self, method: str, direction: Literal["received", "sent"], size: int) -> None: ...
+    def storage_error(self, exc: BaseException) -> None: ...
+
+
+METER: contextvars.ContextVar[RpcMeter | None] = contextvars.ContextVar("fctkit_meter", default=None)
+"""The meter of the RPC being served (set by :class:`MeteringInterceptor`), None without metrics."""
 
 
 def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
@@ -90,6 +106,8 @@ def _status_of(exc: Exception, fields: dict[str, Any]) -> tuple[str, str]:
         return exc.code, exc.details
     if isinstance(exc, (InputError, ConfigError)):
         return "INVALID_ARGUMENT", str(exc)
+    if (meter := METER.get()) is not None:
+        meter.storage_error(exc)  # it tells storage errors from other failures
     if storage_unreachable(exc):
         log_event("storage unreachable", level=logging.WARNING, error=f"{type(exc).__name__}: {exc}")
         return "UNAVAILABLE", "the server cannot reach its database or object store right now; retry (another replica may answer)"
@@ -135,3 +153,69 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, authorize: Callabl
 
     make = grpc.stream_stream_rpc_method_handler if streaming_requests else grpc.unary_stream_rpc_method_handler
     return make(streaming, decode, encode)
+
+
+class MeteringInterceptor(grpc.aio.ServerInterceptor):
+    """Reports every call of ``methods`` to ``meter``: status and seconds once the call ends
+    (a stream at its end), request and response message bytes as they are decoded and encoded.
+    Put it first (outermost), so that it sees what authorization and error mapping answered."""
+
+    def __init__(self, meter: RpcMeter, methods: Collection[str]) -> None:
+        self._meter, self._methods = meter, frozenset(methods)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method not in self._methods:
+            return handler
+        return _metered(handler, handler_call_details.method, self._meter)
+
+
+def _metered(handler: grpc.RpcMethodHandler, method: str, meter: RpcMeter) -> grpc.RpcMethodHandler:
+    decode, encode = handler.request_deserializer, handler.response_serializer
+
+    def counted_decode(data: bytes) -> Any:
+        meter.transferred(method, "received", len(data))
+        return decode(data) if decode else data
+
+    def counted_encode(message: Any) -> bytes:
+        data = encode(message) if encode else message
+        meter.transferred(method, "sent", len(data))
+        return data
+
+    @contextlib.contextmanager
+    def measured(context: grpc.aio.ServicerContext) -> Iterator[None]:
+        METER.set(meter)
+        started, code = time.perf_counter(), "OK"
+        try:
+            yield
+        except BaseException as exc:
+            code = _final_code(exc, context)
+            raise
+        finally:
+            meter.finished(method, code, time.perf_counter() - started)
+
+    inner = handler.unary_unary or handler.stream_unary
+    if inner is not None:
+        async def single(request_or_requests, context):
+            with measured(context):
+                return await inner(request_or_requests, context)
+
+        make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
+        return make(single, counted_decode, counted_encode)
+    inner_stream = handler.unary_stream or handler.stream_stream
+
+    async def streaming(request_or_requests, context):
+        with measured(context):
+            async for response in inner_stream(request_or_requests, context):
+                yield response
+
+    make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
+    return make(streaming, counted_decode, counted_encode)
+
+
+def _final_code(exc: BaseException, context: grpc.aio.ServicerContext) -> str:
+    """The status a call that raised ``exc`` ends with (an abort set it on the context)."""
+    if isinstance(exc, grpc.aio.AbortError):
+        code = context.code()
+        return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+    return "UNKNOWN" if isinstance(exc, Exception) else "CANCELLED"

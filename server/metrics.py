@@ -1,0 +1,211 @@
+"""Prometheus metrics of one server replica (``fctkit serve --metrics-port PORT``).
+
+Each replica serves its own metrics over HTTP at ``http://HOST:PORT/metrics`` (the Prometheus
+text format, from ``prometheus-client``: ``pip install 'fctkit[metrics]'``). ``--metrics-host``
+is 127.0.0.1 by default; give the address Prometheus reaches (e.g. 0.0.0.0) and keep the port
+off the public network: the metrics need no token. ``--metrics-port 0`` picks a free port; the
+log's ``metrics listening`` event names it. Without ``--metrics-port`` nothing more listens and
+``prometheus-client`` is not imported. A scrape configuration for three replicas::
+
+    scrape_configs:
+      - job_name: fctkit
+        scrape_interval: 15s
+        static_configs:
+          - targets: ["replica-1:9464", "replica-2:9464", "replica-3:9464"]
+
+The metrics (every replica counts what it served; sum them across replicas):
+
+- ``fctkit_rpc_total{method, code}`` (counter): fctkit RPCs by method (``/fctkit.v1.Vault/Upload``)
+  and final gRPC status (``OK``, ``NOT_FOUND``, ``UNAUTHENTICATED``, ...). A streaming call
+  counts once, when it ends. Health checks and reflection are not counted.
+- ``fctkit_rpc_seconds{method}`` (histogram, buckets 1 ms to 30 s): how long each call took, from
+  its start to its status (a stream's whole life; ``WatchVersions`` streams stay open for long,
+  so they fall in the ``+Inf`` bucket).
+- ``fctkit_transfer_bytes_total{kind, direction}`` (counter): protobuf message bytes the server
+  received or sent (``direction``) for ``kind``: ``vault_blob`` (Vault Upload received, Download
+  sent), ``replica_records`` (PushRecords received, PullRecords sent), ``artifact``
+  (DownloadArtifact sent) and ``bundle`` (PublishBundle received). The payload plus a few bytes
+  of framing per message, counted as it arrives, also for calls that fail later.
+- ``fctkit_storage_errors_total{kind, error}`` (counter): storage exceptions the server met while
+  serving a call or sweeping unfinished uploads, as it logs them: ``kind`` is ``unreachable``
+  (database or object store cannot be reached: the call got UNAVAILABLE), ``database`` (an SQLite
+  or PostgreSQL error) or ``object_store`` (an S3 error); ``error`` is the exception's class.
+- ``fctkit_rollout_percent{version, state}`` and ``fctkit_rollout_devices{version, stage}``
+  (gauges): each rollout's state and share of the fleet, and its devices per stage (offered,
+  downloaded, upgraded, failed, reverted), read from storage at each scrape.
+- ``fctkit_build_info{version, backend}`` (gauge, always 1): the fctkit version and the storage
+  backend (``sqlite`` or ``postgres``).
+- ``process_*`` (prometheus-client's process collector): CPU seconds, resident memory, open file
+  descriptors, start time.
+
+Rollout gauges come from a provider: ``ServerMetrics.set_rollout_source(source)`` takes a
+callable that returns the current rollouts as :class:`RolloutGauges` (version, state, percent,
+devices by stage). It is called at every scrape, on the server's event loop (the scrape thread
+waits for it, at most 5 s: the storage is used from the loop's thread only), so keep it cheap: an
+in-memory snapshot or one query. A scrape whose call fails shows no rollout gauges (the failure is
+logged, and counted as a storage error when it is one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fctkit import __version__
+from fctkit.errors import ConfigError, require
+
+from .database import storage_unreachable
+from .jsonlog import log_event
+
+RPC_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+#: Which RPCs carry which bytes (request bytes received, response bytes sent).
+TRANSFER_KINDS: dict[str, str] = {
+    "/fctkit.v1.Vault/Upload": "vault_blob",
+    "/fctkit.v1.Vault/Download": "vault_blob",
+    "/fctkit.v1.Vault/PushRecords": "replica_records",
+    "/fctkit.v1.Vault/PullRecords": "replica_records",
+    "/fctkit.v1.Registry/DownloadArtifact": "artifact",
+    "/fctkit.v1.Registry/PublishBundle": "bundle",
+}
+
+_STORAGE_MODULES = {"sqlite3": "database", "psycopg": "database", "psycopg_pool": "database",
+                    "botocore": "object_store", "boto3": "object_store"}
+
+
+@dataclass(frozen=True)
+class RolloutGauges:
+    """One rollout as the gauges show it: ``devices`` maps a stage (offered, downloaded,
+    upgraded, failed, reverted) to its number of devices."""
+
+    version: int
+    state: str
+    percent: float
+    devices: Mapping[str, int] = field(default_factory=dict)
+
+
+RolloutSource = Callable[[], Iterable[RolloutGauges]]
+ROLLOUT_READ_TIMEOUT_S = 5.0
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def storage_error_kind(exc: BaseException) -> str | None:
+    """``unreachable``, ``database`` or ``object_store`` for a storage exception, else None."""
+    if storage_unreachable(exc):
+        return "unreachable"
+    return _STORAGE_MODULES.get(type(exc).__module__.split(".")[0])
+
+
+class ServerMetrics:
+    """The metrics of one replica, in a registry of its own (several servers in one process
+    keep apart); :meth:`listen` serves them. It is the :class:`fctkit.server.rpc.RpcMeter`
+    of the replica's :class:`~fctkit.server.rpc.MeteringInterceptor`."""
+
+    def __init__(self, backend: Literal["sqlite", "postgres"]) -> None:
+        prometheus = require("prometheus_client", "metrics")
+        self._prometheus = prometheus
+        self.registry = prometheus.CollectorRegistry()
+        # first: a storage error met while reading the rollouts shows in the same scrape's counter
+        self._rollouts = _RolloutCollector(prometheus.metrics_core.GaugeMetricFamily, self.storage_error)
+        self.registry.register(self._rollouts)
+        self._rpcs = prometheus.Counter("fctkit_rpc", "fctkit RPCs by method and final gRPC status (a stream counts once, at its end)",
+                                        ["method", "code"], registry=self.registry)
+        self._seconds = prometheus.Histogram("fctkit_rpc_seconds", "Duration of fctkit RPCs, from start to status",
+                                             ["method"], buckets=RPC_BUCKETS_S, registry=self.registry)
+        self._bytes = prometheus.Counter("fctkit_transfer_bytes", "Message bytes received or sent, by what they carry",
+                                         ["kind", "direction"], registry=self.registry)
+        self._storage_errors = prometheus.Counter("fctkit_storage_errors", "Storage exceptions met, by kind and class",
+                                                  ["kind", "error"], registry=self.registry)
+        build = prometheus.Gauge("fctkit_build_info", "The fctkit version and storage backend of this replica",
+                                 ["version", "backend"], registry=self.registry)
+        build.labels(__version__, backend).set(1)
+        prometheus.ProcessCollector(registry=self.registry)
+        self._http: Any = None
+
+    def finished(self, method: str, code: str, seconds: float) -> None:
+        self._rpcs.labels(method, code).inc()
+        self._seconds.labels(method).observe(seconds)
+
+    def transferred(self, method: str, direction: Literal["received", "sent"], size: int) -> None:
+        if (kind := TRANSFER_KINDS.get(method)) is not None:
+            self._bytes.labels(kind, direction).inc(size)
+
+    def storage_error(self, exc: BaseException) -> None:
+        """Count ``exc`` if it is a storage exception (others are not counted here)."""
+        if (kind := storage_error_kind(exc)) is not None:
+            self._storage_errors.labels(kind, type(exc).__name__).inc()
+
+    def set_rollout_source(self, source: RolloutSource | None) -> None:
+        """Where the rollout gauges come from (called at every scrape); None: no rollout gauges."""
+        self._rollouts.source = source
+
+    def listen(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread; the port.
+        Called on the server's event loop, the rollout source runs on that loop at each scrape."""
+        self._rollouts.loop = _running_loop()
+        try:
+            self._http, _ = self._prometheus.start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; choose another "
+                              "--metrics-port (0 picks a free one) or stop what listens there") from exc
+        bound = int(self._http.server_port)
+        log_event("metrics listening", host=host, port=bound, path="/metrics")
+        return bound
+
+    def close(self) -> None:
+        """Stop serving (scrapes in flight finish first)."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class _RolloutCollector:
+    """The rollout gauges, read from :attr:`source` at each scrape."""
+
+    def __init__(self, gauge_family: type, storage_error: Callable[[BaseException], None]) -> None:
+        self._family, self._storage_error = gauge_family, storage_error
+        self.source: RolloutSource | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _read(self, source: RolloutSource) -> list[RolloutGauges]:
+        """``source()`` on the server's event loop (its storage is used from that thread only)."""
+        if self.loop is None or self.loop is _running_loop():
+            return list(source())
+
+        async def read() -> list[RolloutGauges]:
+            return list(source())
+
+        return asyncio.run_coroutine_threadsafe(read(), self.loop).result(timeout=ROLLOUT_READ_TIMEOUT_S)
+
+    def describe(self) -> list:
+        return []  # the families depend on the source; nothing to check at registration
+
+    def collect(self) -> Iterator[Any]:
+        if self.source is None:
+            return
+        try:
+            rollouts = self._read(self.source)
+        except Exception as exc:  # one failed read must not fail the whole scrape
+            log_event("rollout metrics unavailable", logging.WARNING, error=f"{type(exc).__name__}: {exc}")
+            self._storage_error(exc)
+            return
+        percent = self._family("fctkit_rollout_percent", "Share of the fleet a rollout offers its version to",
+                                             labels=["version", "state"])
+        devices = self._family("fctkit_rollout_devices", "Devices of a rollout in each stage",
+                                             labels=["version", "stage"])
+        for rollout in rollouts:
+            percent.add_metric([str(rollout.version), rollout.state], rollout.percent)
+            for stage, count in rollout.devices.items():
+                devices.add_metric([str(rollout.version), stage], count)
+        yield percent
+        yield devices
