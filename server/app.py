@@ -31,8 +31,8 @@ from .jsonlog import configure_logging, log_event
 from .metrics import ServerMetrics
 from .registry import Catalog, RegistryService
 from .revocation import OpenStreams
-from .rpc import MeteringInterceptor
 from .root_of_trust import PublisherKeyRules, ReleaseRules, RootOfTrust
+from .rpc import MeteringInterceptor
 from .storage import SqliteStorage, Storage
 from .storage_schema import redacted_dsn
 from .vault import VaultService
