@@ -30,9 +30,13 @@ The metrics (every replica counts what it served; sum them across replicas):
   serving a call or sweeping unfinished uploads, as it logs them: ``kind`` is ``unreachable``
   (database or object store cannot be reached: the call got UNAVAILABLE), ``database`` (an SQLite
   or PostgreSQL error) or ``object_store`` (an S3 error); ``error`` is the exception's class.
-- ``fctkit_rollout_percent{version, state}`` and ``fctkit_rollout_devices{version, stage}``
-  (gauges): each rollout's state and share of the fleet, and its devices per stage (offered,
-  downloaded, upgraded, failed, reverted), read from storage at each scrape.
+- ``fctkit_rollout_percent{version, state}`` (gauge): each rollout's share of the fleet and its
+  state (``staged``, ``paused``, ``halted``, ``complete``).
+- ``fctkit_rollout_devices{version, stage, status}`` (gauge): a rollout's devices by the stage
+  they entered it in (``0``: the cohort, then ``1``, ``2``, ... one per widening) and by
+  ``status``: ``offered``, ``downloaded``, ``upgraded``, ``failed``, ``reverted``.
+- ``fctkit_rollout_health_median{version, stage}`` (gauge): the median health signal (sampled
+  fidelity) the stage's devices reported; absent while none reported.
 - ``fctkit_build_info{version, backend}`` (gauge, always 1): the fctkit version and the storage
   backend (``sqlite`` or ``postgres``).
 - ``process_*`` (prometheus-client's process collector): CPU seconds, resident memory, open file
@@ -50,7 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -77,14 +81,23 @@ _STORAGE_MODULES = {"sqlite3": "database", "psycopg": "database", "psycopg_pool"
 
 
 @dataclass(frozen=True)
+class StageGauges:
+    """One stage of a rollout: ``devices`` maps a status (offered, downloaded, upgraded, failed,
+    reverted) to a number of devices; ``health_median`` None: no device reported."""
+
+    stage: int
+    devices: Mapping[str, int] = field(default_factory=dict)
+    health_median: float | None = None
+
+
+@dataclass(frozen=True)
 class RolloutGauges:
-    """One rollout as the gauges show it: ``devices`` maps a stage (offered, downloaded,
-    upgraded, failed, reverted) to its number of devices."""
+    """One rollout as the gauges show it."""
 
     version: int
     state: str
     percent: float
-    devices: Mapping[str, int] = field(default_factory=dict)
+    stages: Sequence[StageGauges] = ()
 
 
 RolloutSource = Callable[[], Iterable[RolloutGauges]]
@@ -200,12 +213,17 @@ class _RolloutCollector:
             self._storage_error(exc)
             return
         percent = self._family("fctkit_rollout_percent", "Share of the fleet a rollout offers its version to",
-                                             labels=["version", "state"])
-        devices = self._family("fctkit_rollout_devices", "Devices of a rollout in each stage",
-                                             labels=["version", "stage"])
+                               labels=["version", "state"])
+        devices = self._family("fctkit_rollout_devices", "Devices of a rollout by the stage they entered in and status",
+                               labels=["version", "stage", "status"])
+        health = self._family("fctkit_rollout_health_median", "Median health signal the stage's devices reported",
+                              labels=["version", "stage"])
         for rollout in rollouts:
-            percent.add_metric([str(rollout.version), rollout.state], rollout.percent)
-            for stage, count in rollout.devices.items():
-                devices.add_metric([str(rollout.version), stage], count)
-        yield percent
-        yield devices
+            version = str(rollout.version)
+            percent.add_metric([version, rollout.state], rollout.percent)
+            for stage in rollout.stages:
+                for status, count in stage.devices.items():
+                    devices.add_metric([version, str(stage.stage), status], count)
+                if stage.health_median is not None:
+                    health.add_metric([version, str(stage.stage)], stage.health_median)
+        yield from (percent, devices, health)

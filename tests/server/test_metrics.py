@@ -160,18 +160,22 @@ def test_without_metrics_port_nothing_more_listens(start_server):
 
 
 def test_rollout_gauges_come_from_the_source_at_each_scrape_and_replicas_keep_apart():
-    from fctkit.server.metrics import RolloutGauges, ServerMetrics
+    from fctkit.server.metrics import RolloutGauges, ServerMetrics, StageGauges
 
     first, second = ServerMetrics("sqlite"), ServerMetrics("postgres")  # two replicas in one process
-    rollouts = [RolloutGauges(2, "active", 25.0, {"offered": 10, "upgraded": 7, "failed": 1})]
+    stages = [StageGauges(1, {"offered": 3, "upgraded": 3}, 0.97), StageGauges(2, {"offered": 10, "upgraded": 7, "failed": 1})]
+    rollouts = [RolloutGauges(2, "staged", 25.0, stages)]
     first.set_rollout_source(lambda: rollouts)
     ports = first.listen("127.0.0.1", 0), second.listen("127.0.0.1", 0)
     try:
         samples = scrape(ports[0])
-        assert value(samples, "fctkit_rollout_percent", version="2", state="active") == 25.0
-        assert value(samples, "fctkit_rollout_devices", version="2", stage="upgraded") == 7
-        assert value(samples, "fctkit_rollout_devices", version="2", stage="failed") == 1
-        rollouts[0] = RolloutGauges(2, "paused", 25.0, {"offered": 10, "upgraded": 8})
+        assert value(samples, "fctkit_rollout_percent", version="2", state="staged") == 25.0
+        assert value(samples, "fctkit_rollout_devices", version="2", stage="1", status="upgraded") == 3
+        assert value(samples, "fctkit_rollout_devices", version="2", stage="2", status="upgraded") == 7
+        assert value(samples, "fctkit_rollout_devices", version="2", stage="2", status="failed") == 1
+        assert value(samples, "fctkit_rollout_health_median", version="2", stage="1") == 0.97
+        assert ("fctkit_rollout_health_median", frozenset({("version", "2"), ("stage", "2")})) not in samples
+        rollouts[0] = RolloutGauges(2, "paused", 25.0, stages)
         assert value(scrape(ports[0]), "fctkit_rollout_percent", version="2", state="paused") == 25.0
         assert not any(name.startswith("fctkit_rollout") for name, _ in scrape(ports[1]))
         assert value(scrape(ports[1]), "fctkit_build_info", version=__version__, backend="postgres") == 1
@@ -199,13 +203,13 @@ def test_without_prometheus_client_the_error_names_the_extra(monkeypatch):
 
 
 def test_the_rollout_source_runs_on_the_servers_event_loop():
-    from fctkit.server.metrics import RolloutGauges, ServerMetrics
+    from fctkit.server.metrics import RolloutGauges, ServerMetrics, StageGauges
 
     readers: list[int] = []
 
     def source() -> list[RolloutGauges]:
         readers.append(threading.get_ident())
-        return [RolloutGauges(3, "staged", 5.0, {"offered": 2})]
+        return [RolloutGauges(3, "staged", 5.0, [StageGauges(1, {"offered": 2})])]
 
     async def serve_and_scrape() -> dict:
         metrics = ServerMetrics("sqlite")
@@ -218,4 +222,4 @@ def test_the_rollout_source_runs_on_the_servers_event_loop():
 
     samples = asyncio.run(serve_and_scrape())
     assert readers == [threading.get_ident()]  # asyncio.run's loop runs in this thread, the HTTP server in another
-    assert value(samples, "fctkit_rollout_devices", version="3", stage="offered") == 2
+    assert value(samples, "fctkit_rollout_devices", version="3", stage="1", status="offered") == 2
