@@ -38,6 +38,7 @@ from .bundle import MANIFEST_FILE, SIGNATURE_FILE, check_version_is_newer, file_
 from .bundle_vocabulary import SIGNATURES_FILE
 from .resumable_transfer import Transfer, chunks_of, download_to_file, stream_download
 from .retry_policy import RetryPolicy, sleep_before_retry, status_error
+from .rollout_client import RolloutCalls
 from .trust import Timestamp, verify_release_manifest, verify_snapshot_manifest
 
 
@@ -145,7 +146,7 @@ def channel_target(servers: str) -> str:
     return "ipv4:" + ",".join(addresses)
 
 
-class FctkitClient:
+class FctkitClient(RolloutCalls):
     """One connection to an fctkit server, authenticated with a device or admin token. ``target``
     may name several replicas (``10.0.0.1:50051,10.0.0.2:50051`` or any gRPC target URI): calls
     are spread over them and fail over when one goes away."""
@@ -316,13 +317,13 @@ class FctkitClient:
             finally:
                 call.cancel()
 
-    def publish_bundle(self, archive: Path) -> registry_pb2.VersionInfo:
-        """Admin: publish a bundle archive (from ``fctkit.protos.bundle.pack_bundle``)."""
+    def publish_bundle(self, archive: Path, *, rollout_percent: float | None = None) -> registry_pb2.VersionInfo:
+        """Admin: publish a bundle archive (from ``fctkit.protos.bundle.pack_bundle``); ``rollout_percent``: staged."""
         archive = Path(archive)
         sha256, size = file_sha256(archive)
 
         def requests() -> Iterator[registry_pb2.PublishBundleRequest]:
-            yield registry_pb2.PublishBundleRequest(header=registry_pb2.PublishHeader(archive_size=size, archive_sha256=sha256))
+            yield registry_pb2.PublishBundleRequest(header=registry_pb2.PublishHeader(archive_size=size, archive_sha256=sha256, rollout_percent=rollout_percent))
             with archive.open("rb") as fh:
                 for chunk in chunks_of(fh, 0, self.chunk_size):
                     yield registry_pb2.PublishBundleRequest(chunk=chunk)

@@ -1,11 +1,23 @@
 from . import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class RolloutAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLLOUT_ACTION_UNSPECIFIED: _ClassVar[RolloutAction]
+    ROLLOUT_ACTION_PAUSE: _ClassVar[RolloutAction]
+    ROLLOUT_ACTION_RESUME: _ClassVar[RolloutAction]
+    ROLLOUT_ACTION_COMPLETE: _ClassVar[RolloutAction]
+ROLLOUT_ACTION_UNSPECIFIED: RolloutAction
+ROLLOUT_ACTION_PAUSE: RolloutAction
+ROLLOUT_ACTION_RESUME: RolloutAction
+ROLLOUT_ACTION_COMPLETE: RolloutAction
 
 class ArtifactInfo(_message.Message):
     __slots__ = ("name", "role", "file", "sha256", "size", "source_version", "target_version", "precision")
@@ -184,12 +196,14 @@ class WatchVersionsResponse(_message.Message):
     def __init__(self, published: _Optional[_Union[VersionInfo, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAlive, _Mapping]] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
-    __slots__ = ("archive_size", "archive_sha256")
+    __slots__ = ("archive_size", "archive_sha256", "rollout_percent")
     ARCHIVE_SIZE_FIELD_NUMBER: _ClassVar[int]
     ARCHIVE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_PERCENT_FIELD_NUMBER: _ClassVar[int]
     archive_size: int
     archive_sha256: str
-    def __init__(self, archive_size: _Optional[int] = ..., archive_sha256: _Optional[str] = ...) -> None: ...
+    rollout_percent: float
+    def __init__(self, archive_size: _Optional[int] = ..., archive_sha256: _Optional[str] = ..., rollout_percent: _Optional[float] = ...) -> None: ...
 
 class PublishBundleRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -234,3 +248,95 @@ class PublishRootResponse(_message.Message):
     root_version: int
     fingerprint: str
     def __init__(self, root_version: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class RolloutCohort(_message.Message):
+    __slots__ = ("device_ids",)
+    DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
+    device_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, device_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RolloutGuard(_message.Message):
+    __slots__ = ("halt_below", "halt_min_devices")
+    HALT_BELOW_FIELD_NUMBER: _ClassVar[int]
+    HALT_MIN_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    halt_below: float
+    halt_min_devices: int
+    def __init__(self, halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ...) -> None: ...
+
+class SetRolloutRequest(_message.Message):
+    __slots__ = ("version", "percent", "action", "cohort", "guard")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PERCENT_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    COHORT_FIELD_NUMBER: _ClassVar[int]
+    GUARD_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    percent: float
+    action: RolloutAction
+    cohort: RolloutCohort
+    guard: RolloutGuard
+    def __init__(self, version: _Optional[int] = ..., percent: _Optional[float] = ..., action: _Optional[_Union[RolloutAction, str]] = ..., cohort: _Optional[_Union[RolloutCohort, _Mapping]] = ..., guard: _Optional[_Union[RolloutGuard, _Mapping]] = ...) -> None: ...
+
+class GetRolloutRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class HealthSummary(_message.Message):
+    __slots__ = ("devices", "median", "min", "p10")
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_FIELD_NUMBER: _ClassVar[int]
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    P10_FIELD_NUMBER: _ClassVar[int]
+    devices: int
+    median: float
+    min: float
+    p10: float
+    def __init__(self, devices: _Optional[int] = ..., median: _Optional[float] = ..., min: _Optional[float] = ..., p10: _Optional[float] = ...) -> None: ...
+
+class RolloutStage(_message.Message):
+    __slots__ = ("stage", "percent", "started_at", "offered", "downloaded", "upgraded", "failed", "reverted", "health")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    PERCENT_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    OFFERED_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOADED_FIELD_NUMBER: _ClassVar[int]
+    UPGRADED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    REVERTED_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    percent: float
+    started_at: str
+    offered: int
+    downloaded: int
+    upgraded: int
+    failed: int
+    reverted: int
+    health: HealthSummary
+    def __init__(self, stage: _Optional[int] = ..., percent: _Optional[float] = ..., started_at: _Optional[str] = ..., offered: _Optional[int] = ..., downloaded: _Optional[int] = ..., upgraded: _Optional[int] = ..., failed: _Optional[int] = ..., reverted: _Optional[int] = ..., health: _Optional[_Union[HealthSummary, _Mapping]] = ...) -> None: ...
+
+class RolloutStatus(_message.Message):
+    __slots__ = ("version", "state", "percent", "cohort_size", "halt_below", "halt_min_devices", "halt_reason", "stages", "gate_cases_json", "updated_at")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PERCENT_FIELD_NUMBER: _ClassVar[int]
+    COHORT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HALT_BELOW_FIELD_NUMBER: _ClassVar[int]
+    HALT_MIN_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    HALT_REASON_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    GATE_CASES_JSON_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    state: str
+    percent: float
+    cohort_size: int
+    halt_below: float
+    halt_min_devices: int
+    halt_reason: str
+    stages: _containers.RepeatedCompositeFieldContainer[RolloutStage]
+    gate_cases_json: str
+    updated_at: str
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., percent: _Optional[float] = ..., cohort_size: _Optional[int] = ..., halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ..., halt_reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[RolloutStage, _Mapping]]] = ..., gate_cases_json: _Optional[str] = ..., updated_at: _Optional[str] = ...) -> None: ...

@@ -76,6 +76,16 @@ class RegistryStub:
                 request_serializer=fctkit_dot_v1_dot_registry__pb2.PublishRootRequest.SerializeToString,
                 response_deserializer=fctkit_dot_v1_dot_registry__pb2.PublishRootResponse.FromString,
                 _registered_method=True)
+        self.SetRollout = channel.unary_unary(
+                '/fctkit.v1.Registry/SetRollout',
+                request_serializer=fctkit_dot_v1_dot_registry__pb2.SetRolloutRequest.SerializeToString,
+                response_deserializer=fctkit_dot_v1_dot_registry__pb2.RolloutStatus.FromString,
+                _registered_method=True)
+        self.GetRollout = channel.unary_unary(
+                '/fctkit.v1.Registry/GetRollout',
+                request_serializer=fctkit_dot_v1_dot_registry__pb2.GetRolloutRequest.SerializeToString,
+                response_deserializer=fctkit_dot_v1_dot_registry__pb2.RolloutStatus.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -156,6 +166,25 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRollout(self, request, context):
+        """Admin only. Change the staged rollout of a published version: start or widen it (`percent`),
+        pause, resume or complete it, replace its cohort or its guard; every change given at once,
+        or none (INVALID_ARGUMENT for bad values, NOT_FOUND for an unknown version or device,
+        FAILED_PRECONDITION for a change its state refuses: narrowing, pausing a complete rollout,
+        staging a version that was published to every device). Returns the rollout's status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRollout(self, request, context):
+        """Admin only. A version's rollout: state, stages with what the devices reported per stage, the
+        health signal's distribution and the gate's measurements. NOT_FOUND for an unknown version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +227,16 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.PublishRoot,
                     request_deserializer=fctkit_dot_v1_dot_registry__pb2.PublishRootRequest.FromString,
                     response_serializer=fctkit_dot_v1_dot_registry__pb2.PublishRootResponse.SerializeToString,
+            ),
+            'SetRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRollout,
+                    request_deserializer=fctkit_dot_v1_dot_registry__pb2.SetRolloutRequest.FromString,
+                    response_serializer=fctkit_dot_v1_dot_registry__pb2.RolloutStatus.SerializeToString,
+            ),
+            'GetRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRollout,
+                    request_deserializer=fctkit_dot_v1_dot_registry__pb2.GetRolloutRequest.FromString,
+                    response_serializer=fctkit_dot_v1_dot_registry__pb2.RolloutStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -418,6 +457,60 @@ class Registry:
             '/fctkit.v1.Registry/PublishRoot',
             fctkit_dot_v1_dot_registry__pb2.PublishRootRequest.SerializeToString,
             fctkit_dot_v1_dot_registry__pb2.PublishRootResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fctkit.v1.Registry/SetRollout',
+            fctkit_dot_v1_dot_registry__pb2.SetRolloutRequest.SerializeToString,
+            fctkit_dot_v1_dot_registry__pb2.RolloutStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fctkit.v1.Registry/GetRollout',
+            fctkit_dot_v1_dot_registry__pb2.GetRolloutRequest.SerializeToString,
+            fctkit_dot_v1_dot_registry__pb2.RolloutStatus.FromString,
             options,
             channel_credentials,
             insecure,

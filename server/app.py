@@ -31,6 +31,7 @@ from .jsonlog import configure_logging, log_event
 from .metrics import ServerMetrics
 from .registry import Catalog, RegistryService
 from .revocation import OpenStreams
+from .rollouts import Rollouts
 from .root_of_trust import PublisherKeyRules, ReleaseRules, RootOfTrust
 from .rpc import MeteringInterceptor
 from .storage import SqliteStorage, Storage
@@ -70,6 +71,7 @@ class ServerConfig:
     partial_upload_ttl_s: float = 86400.0
     watch_keepalive_s: float = 15.0
     shutdown_grace_s: float = 10.0
+    reports_per_minute: int = 120
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -97,6 +99,8 @@ class ServerConfig:
         for name in ("quota_bytes", "replica_quota_bytes", "max_blob_bytes", "max_bundle_bytes", "partial_upload_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if not 1 <= self.reports_per_minute <= 100_000:
+            raise ConfigError(f"reports_per_minute is {self.reports_per_minute}; from 1 to 100000 reports per device and minute")
         if self.watch_keepalive_s <= 0 or self.shutdown_grace_s < 0:
             raise ConfigError("watch_keepalive_s must be positive and shutdown_grace_s not negative")
 
@@ -181,19 +185,18 @@ class FctkitServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        registry_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryService(self._storage, self._catalog, rules,
-                            max_bundle_bytes=config.max_bundle_bytes, keepalive_s=config.watch_keepalive_s),
-            self._server,
-        )
+        self._rollouts = Rollouts(self._storage, self._catalog.wake)  # what each device is offered (issue 36)
+        registry = RegistryService(self._storage, self._catalog, rules, max_bundle_bytes=config.max_bundle_bytes,
+                                   keepalive_s=config.watch_keepalive_s, rollouts=self._rollouts)
+        registry_pb2_grpc.add_RegistryServicer_to_server(registry, self._server)
         self._vault = VaultService(self._storage, quota_bytes=config.quota_bytes, max_blob_bytes=config.max_blob_bytes,
                                    partial_upload_ttl_s=config.partial_upload_ttl_s,
                                    replica_quota_bytes=config.replica_quota_bytes)
         vault_pb2_grpc.add_VaultServicer_to_server(self._vault, self._server)
         self._sweeper: asyncio.Task | None = None
         fleet_pb2_grpc.add_FleetServicer_to_server(
-            FleetService(self._storage, enrolment_key=rules.enrolment_key, latest_version=lambda: self._catalog.latest,
-                         open_streams=open_streams),
+            FleetService(self._storage, enrolment_key=rules.enrolment_key, latest_version=registry.latest_offered,
+                         open_streams=open_streams, rollouts=self._rollouts, reports_per_minute=config.reports_per_minute),
             self._server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -274,6 +277,8 @@ class FctkitServer:
         kind, _, subject = payload.partition(":")
         if kind == "version":
             self._refresh_catalog()
+        elif kind == "rollout":  # a rollout changed there: what devices here are offered changes with it
+            self._rollouts.reload()
         elif kind == "revoked" and self._open_streams.end(subject):
             log_event("revoked device's streams ended", device_id=subject, by="another replica")
 
@@ -281,6 +286,7 @@ class FctkitServer:
         """After (re)connecting to the other replicas' events: what was published or revoked
         meanwhile; health is SERVING again."""
         self._refresh_catalog()
+        self._rollouts.reload()
         for device_id in self._storage.revoked_among(self._open_streams.devices()):
             self._open_streams.end(device_id)
         if not self._stopping:

@@ -42,6 +42,8 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     "/fctkit.v1.Registry/PublishBundle": ADMIN,
     "/fctkit.v1.Registry/GetTrust": READERS,
     "/fctkit.v1.Registry/PublishRoot": ADMIN,
+    "/fctkit.v1.Registry/SetRollout": ADMIN,
+    "/fctkit.v1.Registry/GetRollout": ADMIN,
     "/fctkit.v1.Vault/Upload": DEVICE,
     "/fctkit.v1.Vault/Download": DEVICE,
     "/fctkit.v1.Vault/Stat": DEVICE,

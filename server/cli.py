@@ -70,6 +70,8 @@ _EXISTING = click.Path(path_type=Path, exists=True, dir_okay=False)
               help="Seconds an unfinished vault upload may stay idle before its bytes are given back (they count "
                    "against the owner's quota until then).")
 @click.option("--watch-keepalive", "watch_keepalive_s", type=float, default=15.0, show_default=True, help="Seconds between keep-alives on idle WatchVersions streams.")
+@click.option("--max-reports-per-minute", "reports_per_minute", type=int, default=120, show_default=True,
+              help="Fleet reports each device may send per minute (per replica); more are answered RESOURCE_EXHAUSTED.")
 @click.option("--shutdown-grace", "shutdown_grace_s", type=float, default=10.0, show_default=True, help="Seconds in-flight calls get to finish on SIGTERM/SIGINT.")
 @click.option("--metrics-port", type=int, default=None,
               help="Serve Prometheus metrics at http://METRICS-HOST:PORT/metrics (needs `pip install 'fctkit[metrics]'`); "
@@ -166,15 +168,19 @@ def enrol_code_command(connect, ttl: int, label: str, owner: str) -> None:
 
 @admin_command.command("publish")
 @click.argument("bundle", type=click.Path(path_type=Path, exists=True))
+@click.option("--percent", type=click.FloatRange(0, 100), default=None,
+              help="Publish as a staged rollout at this percent of devices (0: only a cohort, named with "
+                   "`fctkit admin rollout VERSION --devices FILE`). Default: offered to every device at once.")
 @click.pass_obj
-def publish_command(connect, bundle: Path) -> None:
+def publish_command(connect, bundle: Path, percent: float | None) -> None:
     """Publish BUNDLE (a bundle directory or its .tar archive); the server verifies it first."""
     from fctkit.protos.bundle import pack_bundle
 
     with connect() as client, tempfile.TemporaryDirectory() as tmp:
         archive = pack_bundle(bundle, Path(tmp) / "bundle.tar") if bundle.is_dir() else bundle
-        info = client.publish_bundle(archive)
-    click.echo(f"published version {info.version} ({len(info.artifacts)} artifacts, mode {info.mode})")
+        info = client.publish_bundle(archive, rollout_percent=percent)
+    staged = "" if percent is None else f", staged rollout at {percent:g}%"
+    click.echo(f"published version {info.version} ({len(info.artifacts)} artifacts, mode {info.mode}{staged})")
 
 
 @admin_command.command("publish-root")
@@ -242,3 +248,13 @@ def list_versions_command(connect, as_json: bool) -> None:
             row["artifacts"] = ",".join(a.name for a in version.artifacts)
             row["parents"] = ",".join(map(str, version.parents))
     _emit(rows, as_json, ("version", "parents", "mode", "embedding_dim", "published_at", "artifacts"))
+
+
+def _add_rollout_commands() -> None:
+    from .rollout_cli import rollout_command, rollout_status_command
+
+    admin_command.add_command(rollout_command)
+    admin_command.add_command(rollout_status_command)
+
+
+_add_rollout_commands()

@@ -6,13 +6,16 @@ works once and until it expires. Each code names the owner its device joins (the
 ``owner``, or a new owner of its own); enrolment hands the device its owner id and the
 publisher's public key to pin (under a root: the root's first publisher key, for clients that
 pin one key; root-mode devices take the root from GetTrust instead). Reports carry the device's
-trust state (its root version, and whether its timestamp went stale: a possible freeze).
+trust state (its root version, and whether its timestamp went stale: a possible freeze) and,
+after an upgrade, its health (checked by :mod:`.report_checks`, kept per device and version; a
+rollout's guard may halt it at the report that tips it); reports are limited per device and minute.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import logging
 import math
 import secrets
@@ -27,7 +30,11 @@ from fctkit.protos.bundle import public_key_id
 
 from .auth import current_device_id, hash_secret, new_device_token
 from .jsonlog import log_event
+from .report_checks import DEFAULT_REPORTS_PER_MINUTE, ReportLimiter, health_report
 from .revocation import OpenStreams
+from .rollout_changes import guard_verdict
+from .rollout_store import HALTED, Rollout
+from .rollouts import Rollouts
 from .storage import DeviceRecord, DeviceReport, OwnerKeyMismatch, Storage
 from .validation import counter_field, invalid, page_size, sha256_field, text_field, timestamp
 
@@ -73,8 +80,12 @@ def _trust_fields(request: fleet_pb2.ReportRequest) -> dict[str, int | bool]:
 
 class FleetService(fleet_pb2_grpc.FleetServicer):
     def __init__(self, storage: Storage, *, enrolment_key: Callable[[], Ed25519PublicKey | None],
-                 latest_version: Callable[[], int], open_streams: OpenStreams | None = None) -> None:
+                 latest_version: Callable[[str], int], open_streams: OpenStreams | None = None,
+                 rollouts: Rollouts | None = None, reports_per_minute: int = DEFAULT_REPORTS_PER_MINUTE) -> None:
+        """``latest_version(device_id)``: the latest version offered to the device."""
         self._storage = storage
+        self._rollouts = rollouts or Rollouts(storage)
+        self._limiter = ReportLimiter(reports_per_minute)
         self._open_streams = open_streams or OpenStreams()
         self._enrolment_key = enrolment_key
         self._latest_version = latest_version
@@ -116,6 +127,7 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
 
     async def Report(self, request, context):
         device_id = current_device_id()
+        self._limiter.admit(device_id)
         if request.upgrade_state not in fleet_pb2.UpgradeState.values() or request.upgrade_state == fleet_pb2.UPGRADE_STATE_UNSPECIFIED:
             raise invalid(f"upgrade_state {request.upgrade_state} is not one of IDLE, DOWNLOADING, UPGRADING, BACKFILLING, FAILED")
         if not (math.isfinite(request.progress) and 0.0 <= request.progress <= 1.0):
@@ -129,10 +141,26 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
             detail=text_field(request.detail, "detail", limits.MAX_DETAIL_CHARS),
             **_trust_fields(request),
         )
+        health = health_report(request)
         now = timestamp()
         if owner_id := self._storage.record_report(device_id, report, now):
             self._compact_replica(owner_id)
-        return fleet_pb2.ReportResponse(recorded_at=now, latest_version=self._latest_version())
+        if health is not None:
+            self._storage.record_health(device_id, health, now)
+            self._guard(health.version, device_id, now)
+        return fleet_pb2.ReportResponse(recorded_at=now, latest_version=self._latest_version(device_id))
+
+    def _guard(self, version: int, device_id: str, now: str) -> None:
+        """Halt ``version``'s rollout when its guard trips at this report (on one replica at a time)."""
+        def halted(current: Rollout | None) -> Rollout | None:
+            reason = None if current is None else guard_verdict(current, self._storage.health_reports(version), device_id)
+            return current if reason is None else dataclasses.replace(current, state=HALTED, halt_reason=reason, updated_at=now)
+
+        if (rollout := self._rollouts.get(version)) is None or rollout.halt_min_devices == 0:
+            return  # no guard here; a guard set on another replica arrives with its notification, within a second
+        after = self._rollouts.change(version, halted)
+        if after is not None and after.state == HALTED and rollout.state != HALTED:
+            log_event("rollout halted", logging.WARNING, version=version, reason=after.halt_reason)
 
     async def RevokeDevice(self, request, context):
         device_id = text_field(request.device_id, "device_id").strip()

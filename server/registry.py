@@ -1,5 +1,7 @@
 """The Registry service: published model versions, upgrade plans, artifact streaming with
-resume, version watching, bundle publishing, and the root of trust (GetTrust, PublishRoot).
+resume, version watching, bundle publishing, the root of trust (GetTrust, PublishRoot) and staged
+rollouts (SetRollout, GetRollout: :mod:`.rollout_service`). A device is listed, planned, watched
+and sent only the versions its rollouts offer it (:mod:`.rollouts`); the admin sees every version.
 
 Publishing receives the bundle archive into ``tmp/publish-*``, checks its size and SHA-256,
 unpacks it safely, verifies it exactly as a device would (signatures under the publisher key
@@ -26,7 +28,11 @@ from fctkit.protos.bundle_vocabulary import MANIFEST_FILE, SIGNATURES_FILE
 from fctkit.protos.trust import MAX_SIGNATURES_BYTES, ReleaseTrust, Signed, parse_release_signatures, root_fingerprint
 
 from fctkit.protos.planner import PlannedHop, plan_upgrade
+from .auth import current_principal
 from .jsonlog import log_event
+from .rollout_changes import check_percent, new_rollout
+from .rollout_service import RolloutRpcs
+from .rollouts import Rollouts
 from .root_of_trust import ReleaseRules, RootOfTrust
 from .storage import StaleVersion, Storage, VersionRecord
 from .streams import FileSink, check_offset, file_chunks, open_stored, read_header, receive_chunks
@@ -119,9 +125,18 @@ class Catalog:
         except KeyError:
             raise RpcStatusError("NOT_FOUND", f"version {version} is not published (latest: {self.latest})") from None
 
-    def after(self, version: int, limit: int | None = None) -> list[PublishedVersion]:
-        found = [self._versions[v] for v in sorted(self._versions) if v > version]
+    def after(self, version: int, limit: int | None = None, before: int | None = None) -> list[PublishedVersion]:
+        """The versions after ``version`` (and before ``before``, when given), in order."""
+        found = [self._versions[v] for v in sorted(self._versions) if v > version and (before is None or v < before)]
         return found if limit is None else found[:limit]
+
+    def latest_before(self, cap: int | None) -> int:
+        """The latest version before ``cap`` (None: the latest); 0 when none."""
+        return self.latest if cap is None else max((v for v in self._versions if v < cap), default=0)
+
+    def wake(self) -> None:
+        """Wake the watchers (what they are offered changed)."""
+        self._notify()
 
     def add(self, published: PublishedVersion) -> None:
         self._versions[published.version] = published
@@ -143,11 +158,12 @@ class Catalog:
         changed.set()
 
 
-class RegistryService(registry_pb2_grpc.RegistryServicer):
+class RegistryService(RolloutRpcs, registry_pb2_grpc.RegistryServicer):
     def __init__(self, storage: Storage, catalog: Catalog, rules: ReleaseRules, *, max_bundle_bytes: int,
-                 keepalive_s: float) -> None:
+                 keepalive_s: float, rollouts: Rollouts | None = None) -> None:
         self._storage = storage
         self._catalog = catalog
+        self._rollouts = rollouts or Rollouts(storage, catalog.wake)
         self._rules = rules
         self._max_bundle = max_bundle_bytes
         self._keepalive_s = keepalive_s
@@ -160,10 +176,11 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             self._catch_up()
             trust = {"timestamp": self._rules.timestamp(self._catalog.manifest_bytes()),
                      "latest_root_version": self._rules.latest_root_version()}
-        found = self._catalog.after(request.after_version, limit + 1)
+        cap = self._cap()
+        found = self._catalog.after(request.after_version, limit + 1, cap)
         return registry_pb2.ListVersionsResponse(
-            versions=[v.info() for v in found[:limit]], more=len(found) > limit, latest_version=self._catalog.latest,
-            **trust)
+            versions=[v.info() for v in found[:limit]], more=len(found) > limit,
+            latest_version=self._catalog.latest_before(cap), **trust)
 
     async def GetManifest(self, request, context):
         record = self._catalog.get(version_field(request.version, "version")).record
@@ -181,6 +198,24 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         new = self._root_of_trust().publish_root(request.root)
         return registry_pb2.PublishRootResponse(root_version=new.body.version, fingerprint=root_fingerprint(new))
 
+    def _cap(self, claimed_version: int = 0) -> int | None:
+        """The first version not offered to the calling device (None: all are; the admin sees every one)."""
+        principal = current_principal()
+        if principal is None or principal.device_id is None:
+            return None
+        return self._rollouts.cap(principal.device_id, self._catalog.latest, claimed_version)
+
+    def latest_offered(self, device_id: str) -> int:
+        """The latest version offered to ``device_id`` (what its report's answer names)."""
+        return self._catalog.latest_before(self._rollouts.cap(device_id, self._catalog.latest))
+
+    def _offered(self, version: int, cap: int | None) -> int:
+        if cap is not None and version >= cap:
+            raise RpcStatusError("FAILED_PRECONDITION", f"version {version} is not offered to this device yet: "
+                                 f"version {cap} is in a staged rollout that does not include it (versions from {cap} on "
+                                 f"wait for it); the latest offered to it is {self._catalog.latest_before(cap)}")
+        return version
+
     def _catch_up(self) -> None:
         """Take in releases published on another replica and not yet notified here: a timestamp names them all."""
         if self._storage.latest_version() > self._catalog.latest:
@@ -197,7 +232,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
 
     async def PlanUpgrade(self, request, context):
         source = self._catalog.get(version_field(request.from_version, "from_version")).version
-        target = self._catalog.get(request.to_version or self._catalog.latest).version
+        cap = self._cap(source)
+        target = self._offered(self._catalog.get(request.to_version or self._catalog.latest_before(cap)).version, cap)
         hops = plan_upgrade(self._catalog.manifests(), source, target)
         if hops is None:
             raise RpcStatusError(
@@ -208,7 +244,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
 
     async def DownloadArtifact(self, request, context):
         name = text_field(request.artifact_name, "artifact_name")
-        published = self._catalog.get(version_field(request.version, "version"))
+        published = self._catalog.get(self._offered(version_field(request.version, "version"), self._cap()))
         artifact = published.artifact(name)
         size = chunk_size(request.chunk_size)
         offset = check_offset(request.offset, artifact.size)
@@ -227,13 +263,14 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         sent = request.after_version
         while not self._catalog.closed:
             changed = self._catalog.changed
-            for published in self._catalog.after(sent):
+            cap = self._cap()
+            for published in self._catalog.after(sent, before=cap):
                 yield registry_pb2.WatchVersionsResponse(published=published.info())
                 sent = published.version
             try:
                 await asyncio.wait_for(changed.wait(), self._keepalive_s)
             except TimeoutError:
-                keepalive = registry_pb2.KeepAlive(server_time=timestamp(), latest_version=self._catalog.latest)
+                keepalive = registry_pb2.KeepAlive(server_time=timestamp(), latest_version=self._catalog.latest_before(cap))
                 yield registry_pb2.WatchVersionsResponse(keepalive=keepalive)
 
     async def PublishBundle(self, requests, context):
@@ -241,6 +278,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         if not 0 < header.archive_size <= self._max_bundle:
             raise invalid(f"header.archive_size is {header.archive_size}; bundles hold 1 to {self._max_bundle} bytes")
         expected_sha256 = sha256_field(header.archive_sha256, "header.archive_sha256")
+        percent = check_percent(header.rollout_percent) if header.HasField("rollout_percent") else None
         staging = Path(tempfile.mkdtemp(prefix="publish-", dir=self._storage.tmp_dir))
         try:
             archive = staging / "bundle.tar"
@@ -251,12 +289,12 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                 raise invalid(f"the stream ended after {end} of {header.archive_size} bytes; publish again")
             if digest.hexdigest() != expected_sha256:
                 raise invalid("the archive's SHA-256 differs from header.archive_sha256; publish again")
-            published = await self._verify_and_store(archive, staging / "bundle")
+            published = await self._verify_and_store(archive, staging / "bundle", percent)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return registry_pb2.PublishBundleResponse(version=published.info())
 
-    async def _verify_and_store(self, archive: Path, unpack_to: Path) -> PublishedVersion:
+    async def _verify_and_store(self, archive: Path, unpack_to: Path, percent: float | None) -> PublishedVersion:
         trust = self._rules.release_trust()  # read here: the storage belongs to the event loop's thread
         verified, co_signatures = await asyncio.to_thread(self._verify, archive, unpack_to, self._catalog.latest, trust)
         async with self._publishing:
@@ -267,12 +305,15 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                 lambda: [store.put(verified.root / a.file, a.sha256) for a in manifest.artifacts if not store.has(a.sha256)]
             )
             record = VersionRecord(manifest.version, verified.manifest_bytes, verified.signature, timestamp(), co_signatures)
+            rollout = None if percent is None else new_rollout(manifest.version, percent, record.published_at)
             try:
-                self._storage.add_version(record, [a.sha256 for a in manifest.artifacts])
+                self._storage.add_version(record, [a.sha256 for a in manifest.artifacts], rollout)
             except StaleVersion as stale:  # another replica published this version or a later one meanwhile
                 _check_newer(stale.version, stale.latest)
                 raise
             published = PublishedVersion(record, manifest)
+            if rollout is not None:
+                self._rollouts.published(rollout)
             self._catalog.add(published)
         return published
 

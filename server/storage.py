@@ -42,6 +42,7 @@ from .content_store import ContentStore, Contents
 from .database import Database
 from .device_store import DeviceRecord, DeviceReport, DeviceStore, OwnerKeyMismatch
 from .replica_store import PushOutcome, ReplicaQuotaExceeded, ReplicaRecord, ReplicaStore
+from .rollout_store import DeviceState, HealthReport, Rollout, RolloutStore
 from .storage_schema import open_database
 from .partial_uploads import PartialFiles, PartialUploads
 from .trust_store import StoredTimestamp, TrustStore
@@ -69,8 +70,16 @@ class Storage(Protocol):
     def revoked_among(self, device_ids: Collection[str]) -> list[str]: ...
 
     def versions(self) -> list[VersionRecord]: ...
-    def add_version(self, record: VersionRecord, artifact_sha256s: Sequence[str]) -> None: ...
+    def add_version(self, record: VersionRecord, artifact_sha256s: Sequence[str], rollout: Rollout | None = None) -> None: ...
     def latest_version(self) -> int: ...
+
+    def rollouts(self) -> dict[int, Rollout]: ...
+    def change_rollout(self, version: int, change: Callable[[Rollout | None], Rollout | None]) -> Rollout | None: ...
+    def device_version(self, device_id: str) -> int: ...
+    def rollout_devices(self) -> list[DeviceState]: ...
+    def enrolled_devices(self, device_ids: list[str]) -> set[str]: ...
+    def record_health(self, device_id: str, health: HealthReport, now: str) -> None: ...
+    def health_reports(self, version: int) -> dict[str, HealthReport]: ...
 
     def roots(self, after_version: int = 0, limit: int | None = None) -> list[tuple[int, bytes]]: ...
     def latest_root(self) -> tuple[int, bytes] | None: ...
@@ -132,6 +141,7 @@ class ServerStorage:
         self._vault = BlobStore(self._db, self.blobs, self._devices.device_owner)
         self._replica = ReplicaStore(self._db)
         self._trust = TrustStore(self._db)
+        self._rollouts = RolloutStore(self._db)
 
     def listen(self, on_event: Callable[[str], None], on_connected: Callable[[], None],
                on_lost: Callable[[], None]) -> Coroutine[Any, Any, None] | None:
@@ -152,11 +162,36 @@ class ServerStorage:
     def versions(self) -> list[VersionRecord]:
         return self._versions.versions()
 
-    def add_version(self, record: VersionRecord, artifact_sha256s: Sequence[str]) -> None:
-        self._versions.add_version(record, artifact_sha256s)
+    def add_version(self, record: VersionRecord, artifact_sha256s: Sequence[str], rollout: Rollout | None = None) -> None:
+        """Publish ``record``; with ``rollout``, staged (stored in the same transaction)."""
+        self._versions.add_version(record, artifact_sha256s, rollout)
 
     def latest_version(self) -> int:
         return self._versions.latest_version()
+
+    # -- rollouts (issue 36) ----------------------------------------------------------------
+
+    def rollouts(self) -> dict[int, Rollout]:
+        return self._rollouts.rollouts()
+
+    def change_rollout(self, version: int, change: Callable[[Rollout | None], Rollout | None]) -> Rollout | None:
+        """Read-modify-write ``version``'s rollout under its lock (every replica takes turns)."""
+        return self._rollouts.change(version, change)
+
+    def device_version(self, device_id: str) -> int:
+        return self._rollouts.device_version(device_id)
+
+    def rollout_devices(self) -> list[DeviceState]:
+        return self._rollouts.device_states()
+
+    def enrolled_devices(self, device_ids: list[str]) -> set[str]:
+        return self._rollouts.enrolled(device_ids)
+
+    def record_health(self, device_id: str, health: HealthReport, now: str) -> None:
+        self._rollouts.record_health(device_id, health, now)
+
+    def health_reports(self, version: int) -> dict[str, HealthReport]:
+        return self._rollouts.health(version)
 
     # -- root of trust ------------------------------------------------------------------------
 

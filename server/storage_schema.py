@@ -7,13 +7,15 @@ revocation; schema 4 keeps one blob record per owner and SHA-256; schema 5 store
 blocks of rows, each old record a block of one, and compacts it (:mod:`.replica_compaction`);
 schema 6 gets the leases of uploads in progress (:mod:`.upload_sessions`); schema 7 gets the root
 of trust (:mod:`.trust_store`: roots, the current timestamp, each release's co-signatures, each
-device's reported trust state; existing releases get no co-signatures and stay valid). A
-database of a schema this server does not know is refused.
+device's reported trust state; existing releases get no co-signatures and stay valid); schema 8
+gets staged rollouts and the devices' upgrade health (:mod:`.rollout_store`; existing releases
+have no rollout: every device is offered them). A database of a schema this server does not
+know is refused.
 
 PostgreSQL databases start at schema 6 or later: the same tables in PostgreSQL's types, created
 once under an advisory lock however many replicas start at once, the version kept in
 ``fctkit_schema``; a schema-6 database gets the upload leases the same way, and a schema-6 or 7
-one the trust tables and columns.
+one the trust tables and columns, and a schema 6 to 8 one the rollout tables.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from fctkit.errors import ConfigError
 from . import upload_sessions
 from .database import PostgresDatabase, SqliteDatabase
 from .replica_compaction import REPLICA_SCHEMA, compact_replica
+from .rollout_store import ROLLOUT_SCHEMA
 from .trust_store import TRUST_COLUMNS, TRUST_SCHEMA, add_trust_columns
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (
     version INTEGER PRIMARY KEY,
@@ -93,7 +96,7 @@ CREATE TABLE IF NOT EXISTS replica_owners (
     last_sequence INTEGER NOT NULL,
     sealed_bytes INTEGER NOT NULL
 );
-""" + REPLICA_SCHEMA + TRUST_SCHEMA
+""" + REPLICA_SCHEMA + TRUST_SCHEMA + ";" + ROLLOUT_SCHEMA
 
 
 def execute_script(db: sqlite3.Connection | PostgresDatabase, script: str) -> None:
@@ -167,8 +170,12 @@ def _trust(db: sqlite3.Connection) -> None:
     execute_script(db, add_trust_columns({t: {row[1] for row in db.execute(f"PRAGMA table_info({t})")} for t in tables}))
 
 
+def _rollouts(db: sqlite3.Connection) -> None:
+    """Schema 8 -> 9: nothing to alter (the rollout tables come with the schema; no version has a rollout)."""
+
+
 _MIGRATIONS = {1: _add_owners, 2: _add_replica_compaction, 3: _add_revocation, 4: _one_blob_per_owner, 5: _replica_blocks,
-               6: _upload_leases, 7: _trust}  # schema found -> the step to the next one
+               6: _upload_leases, 7: _trust, 8: _rollouts}  # schema found -> the step to the next one
 
 
 def open_database(path: Path) -> SqliteDatabase:
@@ -222,13 +229,14 @@ def open_postgres(dsn: str, *, max_connections: int = 20) -> PostgresDatabase:
             db.execute("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
             db.execute("CREATE TABLE IF NOT EXISTS fctkit_schema (version INTEGER NOT NULL)")
             found = db.execute("SELECT MAX(version) FROM fctkit_schema").fetchone()[0] or 0
-            if found not in (0, 6, 7, SCHEMA_VERSION):
+            if found not in (0, 6, 7, 8, SCHEMA_VERSION):
                 raise ConfigError(f"{redacted_dsn(dsn)}: metadata schema {found} is not the {SCHEMA_VERSION} this "
                                   "server understands; run the fctkit version that wrote it")
             if found != SCHEMA_VERSION:
                 script = _SCHEMA + upload_sessions.UPLOADS_SCHEMA
                 if found:  # the tables of today come with the schema; columns are added to older ones
                     script = (upload_sessions.ADD_LEASES + ";" if found == 6 else "") + add_trust_columns() + ";" + TRUST_SCHEMA
+                    script += ";" + ROLLOUT_SCHEMA
                 execute_script(db, postgres_schema(script))
                 db.execute("INSERT INTO fctkit_schema VALUES (?)", (SCHEMA_VERSION,))
     except BaseException:

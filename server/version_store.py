@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from .content_store import Contents
 from .database import Database
+from .rollout_store import Rollout, write_rollout
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,9 @@ class VersionStore:
     def latest_version(self) -> int:
         return int(self._db.execute("SELECT COALESCE(MAX(version), 0) FROM versions").fetchone()[0])
 
-    def add_version(self, record: VersionRecord, artifact_sha256s: Sequence[str]) -> None:
-        """Make a version visible, in one transaction. Its artifacts must already be in the
-        artifacts store (put them first, e.g. from a worker thread)."""
+    def add_version(self, record: VersionRecord, artifact_sha256s: Sequence[str], rollout: Rollout | None = None) -> None:
+        """Make a version visible (with ``rollout``: staged), in one transaction. Its artifacts
+        must already be in the artifacts store (put them first, e.g. from a worker thread)."""
         missing = [s for s in artifact_sha256s if not self._artifacts.has(s)]
         if missing:
             raise FileNotFoundError(f"artifacts not in the store: {', '.join(missing)}")
@@ -60,6 +61,8 @@ class VersionStore:
                 "INSERT INTO version_artifacts (version, sha256) VALUES (?, ?)",
                 [(record.version, sha256) for sha256 in sorted(set(artifact_sha256s))],
             )
+            if rollout is not None:
+                write_rollout(self._db, rollout)  # announced before the version: replicas never list it unstaged
             self._db.notify(f"version:{record.version}")
 
     def referenced_artifacts(self) -> set[str]:

@@ -1,0 +1,39 @@
+"""The admin's rollout calls of :class:`~fctkit.protos.client.FctkitClient` (issue 36): change a
+version's staged rollout and read its status. A mixin: the client supplies ``_unary`` and the
+Registry stub."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import registry_pb2
+
+ROLLOUT_ACTIONS = {"pause": registry_pb2.ROLLOUT_ACTION_PAUSE, "resume": registry_pb2.ROLLOUT_ACTION_RESUME,
+                   "complete": registry_pb2.ROLLOUT_ACTION_COMPLETE}
+
+
+class RolloutCalls:
+    """``set_rollout`` and ``rollout_status`` (admin token)."""
+
+    registry: Any
+    _unary: Callable[..., Any]
+
+    def set_rollout(self, version: int, *, percent: float | None = None, action: str | None = None,
+                    cohort: Sequence[str] | None = None, halt_below: float | None = None,
+                    halt_min_devices: int = 0) -> registry_pb2.RolloutStatus:
+        """Admin: widen (``percent``), ``action`` (pause, resume or complete), replace the cohort
+        (``cohort``: device ids) or the guard (``halt_below`` with ``halt_min_devices``) of
+        ``version``'s rollout, all at once or nothing; returns its status."""
+        request = registry_pb2.SetRolloutRequest(version=version, percent=percent,
+                                                 action=ROLLOUT_ACTIONS[action] if action else 0)
+        if cohort is not None:
+            request.cohort.device_ids.extend(cohort)
+            request.cohort.SetInParent()
+        if halt_below is not None:
+            request.guard.CopyFrom(registry_pb2.RolloutGuard(halt_below=halt_below, halt_min_devices=halt_min_devices))
+        return self._unary(self.registry.SetRollout, request, retry=False)
+
+    def rollout_status(self, version: int) -> registry_pb2.RolloutStatus:
+        """Admin: ``version``'s rollout: state, stages and what the devices reported per stage."""
+        return self._unary(self.registry.GetRollout, registry_pb2.GetRolloutRequest(version=version))

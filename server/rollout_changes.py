@@ -1,0 +1,122 @@
+"""What an admin's rollout request and the guard do to a rollout, checked (issue 36).
+
+:func:`changed_rollout` applies one ``SetRolloutRequest`` to a version's stored rollout: start or
+widen (never narrow), pause, resume, complete, replace the cohort or the guard, all at once or
+none (an :class:`~fctkit.errors.RpcStatusError` says why, and nothing is stored).
+:func:`guard_verdict` is the guard: the reason to halt a staged rollout whose reporting devices'
+median ``mean_cosine`` fell below ``halt_below``, or None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import statistics
+
+from fctkit.errors import RpcStatusError
+from fctkit.protos import registry_pb2
+
+from .rollout_store import COMPLETE, HALTED, PAUSED, STAGED, HealthReport, Rollout, Stage
+from .rollouts import in_rollout
+from .validation import invalid
+
+DEVICE_ID = re.compile(r"dev-[0-9a-f]{16}")
+MAX_COHORT = 10_000
+MAX_HALT_MIN_DEVICES = 1_000_000
+
+
+def check_percent(percent: float) -> float:
+    if not (math.isfinite(percent) and 0.0 <= percent <= 100.0):
+        raise invalid(f"percent is {percent}; a rollout covers 0 to 100 percent of the devices")
+    return percent
+
+
+def check_cohort(device_ids: list[str]) -> frozenset[str]:
+    """The cohort's ids, well-formed (``dev-`` and 16 hex digits) and at most :data:`MAX_COHORT`."""
+    if len(device_ids) > MAX_COHORT:
+        raise invalid(f"the cohort names {len(device_ids)} devices; at most {MAX_COHORT}")
+    malformed = [d for d in device_ids if not DEVICE_ID.fullmatch(d)]
+    if malformed:
+        raise invalid(f"malformed device id {malformed[0][:80]!r} in the cohort ({len(malformed)} in all): device ids "
+                      "are dev- and 16 hex digits, as `fctkit admin list-devices` shows them")
+    return frozenset(device_ids)
+
+
+def new_rollout(version: int, percent: float, now: str) -> Rollout:
+    """The rollout of a version published staged at ``percent``."""
+    return Rollout(version, check_percent(percent), STAGED, (Stage(percent, now),), updated_at=now)
+
+
+def changed_rollout(current: Rollout | None, request: registry_pb2.SetRolloutRequest, now: str) -> Rollout:
+    """``current`` with ``request`` applied (``current`` None: the version was published to every device)."""
+    v = request.version
+    if current is None:
+        raise RpcStatusError("FAILED_PRECONDITION", f"version {v} was published to every device (no staged rollout): "
+                             "it cannot be taken back to a percent; publish the next version with "
+                             "`fctkit admin publish BUNDLE --percent P` to stage it")
+    rollout = current
+    if request.HasField("cohort"):
+        rollout = dataclasses.replace(rollout, cohort=check_cohort(list(request.cohort.device_ids)))
+    if request.HasField("guard"):
+        rollout = dataclasses.replace(rollout, **_guard(request.guard))
+    if request.HasField("percent"):
+        rollout = _widened(rollout, check_percent(request.percent), now)
+    rollout = _acted(rollout, request.action, now)
+    return dataclasses.replace(rollout, updated_at=now) if rollout != current else current
+
+
+def _guard(guard: registry_pb2.RolloutGuard) -> dict:
+    if not (math.isfinite(guard.halt_below) and -1.0 <= guard.halt_below <= 1.0):
+        raise invalid(f"halt_below is {guard.halt_below}; a mean cosine, from -1 to 1")
+    if not 1 <= guard.halt_min_devices <= MAX_HALT_MIN_DEVICES:
+        raise invalid(f"halt_min_devices is {guard.halt_min_devices}; from 1 to {MAX_HALT_MIN_DEVICES} reporting devices")
+    return {"halt_below": guard.halt_below, "halt_min_devices": guard.halt_min_devices}
+
+
+def _widened(rollout: Rollout, percent: float, now: str) -> Rollout:
+    v = rollout.version
+    if rollout.state != STAGED:
+        hint = "it is offered to every device already" if rollout.state == COMPLETE else "resume it first (--resume)"
+        raise RpcStatusError("FAILED_PRECONDITION", f"the rollout of version {v} is {rollout.state}: {hint}")
+    if percent < rollout.percent:
+        raise RpcStatusError("FAILED_PRECONDITION", f"the rollout of version {v} is at {rollout.percent:g}%: narrowing it to "
+                             f"{percent:g}% would take the version back from devices that may have it; pause it "
+                             "(--pause) to offer it to nobody new")
+    if percent == rollout.percent:
+        return rollout
+    return dataclasses.replace(rollout, percent=percent, stages=(*rollout.stages, Stage(percent, now)))
+
+
+def _acted(rollout: Rollout, action: int, now: str) -> Rollout:
+    v, state = rollout.version, rollout.state
+    if action == registry_pb2.ROLLOUT_ACTION_UNSPECIFIED:
+        return rollout
+    if action == registry_pb2.ROLLOUT_ACTION_PAUSE:
+        if state in (COMPLETE, HALTED):
+            raise RpcStatusError("FAILED_PRECONDITION", f"the rollout of version {v} is {state}: there is nothing to pause")
+        return dataclasses.replace(rollout, state=PAUSED)
+    if action == registry_pb2.ROLLOUT_ACTION_RESUME:
+        if state not in (PAUSED, HALTED):
+            raise RpcStatusError("FAILED_PRECONDITION", f"the rollout of version {v} is {state}, not paused or halted: "
+                                 "there is nothing to resume")
+        return dataclasses.replace(rollout, state=STAGED, halt_reason="")
+    if action == registry_pb2.ROLLOUT_ACTION_COMPLETE:
+        last = () if rollout.percent == 100.0 else (Stage(100.0, now),)  # completing is the last stage: everyone
+        return dataclasses.replace(rollout, state=COMPLETE, percent=100.0, stages=(*rollout.stages, *last), halt_reason="")
+    raise invalid(f"action {action} is not one of PAUSE, RESUME, COMPLETE")
+
+
+def guard_verdict(rollout: Rollout, health: dict[str, HealthReport], device_id: str) -> str | None:
+    """Why the guard halts ``rollout`` now (at ``device_id``'s report), or None: no guard, not
+    staged, too few devices of the rollout reported a sampled health, or their median holds."""
+    if rollout.halt_min_devices == 0 or rollout.state != STAGED:
+        return None
+    signal = sorted(h.mean_cosine for d, h in health.items() if h.sample_size > 0 and in_rollout(rollout, d))
+    if len(signal) < rollout.halt_min_devices:
+        return None
+    median = statistics.median(signal)
+    if median >= rollout.halt_below:
+        return None
+    return (f"median mean_cosine {median:.4f} of {len(signal)} reporting devices fell below {rollout.halt_below:g} "
+            f"(halted at the report of {device_id})")

@@ -1,0 +1,112 @@
+"""``fctkit admin rollout`` and ``fctkit admin rollout-status`` (issue 36): stage, widen, pause,
+resume and complete a version's rollout, name its cohort and its guard, and show per stage what
+the devices reported. Both take the admin's ``connect`` from the ``admin`` group."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import click
+
+from fctkit.errors import InputError
+
+_DEVICE_ID = re.compile(r"dev-[0-9a-f]{16}")
+_STAGE_COLUMNS = ("stage", "percent", "started_at", "offered", "downloaded", "upgraded", "failed", "reverted",
+                  "reporting", "median", "min", "p10")
+
+
+def read_cohort(path: Path) -> list[str]:
+    """The device ids of ``path``, one per line (blank lines and ``#`` comments skipped); a
+    malformed line is refused with its number."""
+    ids = []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        text = line.split("#", 1)[0].strip()
+        if text and not _DEVICE_ID.fullmatch(text):
+            raise InputError(f"{path}:{number}: {text[:80]!r} is not a device id (dev- and 16 hex digits, as "
+                             "`fctkit admin list-devices` shows them); nothing was changed")
+        if text:
+            ids.append(text)
+    return ids
+
+
+@click.command("rollout")
+@click.argument("version", type=click.IntRange(1))
+@click.option("--percent", type=click.FloatRange(0, 100), default=None,
+              help="Start or widen the staged rollout to this percent of devices (never narrower: pause instead).")
+@click.option("--pause", "action", flag_value="pause", help="Offer the version to nobody new (devices on it stay).")
+@click.option("--resume", "action", flag_value="resume", help="Stage again after a pause or a halt by the guard.")
+@click.option("--complete", "action", flag_value="complete", help="Offer the version to every device.")
+@click.option("--devices", "cohort_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="The cohort: a file of device ids, one per line, in the rollout whatever the percent (e.g. testers).")
+@click.option("--halt-below", type=click.FloatRange(-1, 1), default=None,
+              help="Guard: halt the rollout when the median health (mean cosine) of reporting devices falls below this.")
+@click.option("--halt-min-devices", type=click.IntRange(1), default=None,
+              help="Guard: only once at least this many devices of the rollout reported (with --halt-below).")
+@click.pass_obj
+def rollout_command(connect, version: int, percent: float | None, action: str | None, cohort_file: Path | None,
+                    halt_below: float | None, halt_min_devices: int | None) -> None:
+    """Change the staged rollout of VERSION (published with `fctkit admin publish BUNDLE --percent P`):
+    every option given at once, or none. Devices outside it keep being offered the versions before it."""
+    if (halt_below is None) != (halt_min_devices is None):
+        raise click.UsageError("--halt-below and --halt-min-devices go together")
+    if percent is None and action is None and cohort_file is None and halt_below is None:
+        raise click.UsageError("nothing to change: give --percent, --pause, --resume, --complete, --devices or --halt-below")
+    cohort = None if cohort_file is None else read_cohort(cohort_file)
+    with connect() as client:
+        status = client.set_rollout(version, percent=percent, action=action, cohort=cohort, halt_below=halt_below,
+                                    halt_min_devices=halt_min_devices or 0)
+    click.echo(_headline(status))
+
+
+@click.command("rollout-status")
+@click.argument("version", type=click.IntRange(1))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.pass_obj
+def rollout_status_command(connect, version: int, as_json: bool) -> None:
+    """The rollout of VERSION: its state and, per stage, the devices offered, downloaded, upgraded,
+    failed and reverted, and their health signal beside what the gate measured."""
+    from google.protobuf.json_format import MessageToDict
+
+    with connect() as client:
+        status = client.rollout_status(version)
+    gate = json.loads(status.gate_cases_json or "{}")
+    if as_json:
+        data = MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        data.pop("gate_cases_json")
+        click.echo(json.dumps({**data, "gate_cases": gate}, indent=2))
+        return
+    click.echo(_headline(status))
+    if status.halt_reason:
+        click.echo(f"halted: {status.halt_reason}")
+    rows = [_stage_row(stage) for stage in status.stages]
+    if rows:
+        widths = [max(len(c), *(len(r[c]) for r in rows)) for c in _STAGE_COLUMNS]
+        for row in [dict(zip(_STAGE_COLUMNS, _STAGE_COLUMNS)), *rows]:
+            click.echo("  ".join(row[c].ljust(w) for c, w in zip(_STAGE_COLUMNS, widths)))
+    cases = ", ".join(f"{case} {' '.join(f'{k} {v:.4f}' for k, v in metrics.items() if _number(v))}"
+                      for case, metrics in gate.items() if isinstance(metrics, dict)) or "no cases recorded"
+    click.echo(f"gate (the server's evaluation data): {cases}")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _headline(status) -> str:
+    if status.state == "none":
+        return f"version {status.version}: no rollout (offered to every device)"
+    guard = (f"; guard: halt below {status.halt_below:g} once {status.halt_min_devices} devices reported"
+             if status.halt_min_devices else "")
+    return (f"version {status.version}: {status.state} at {status.percent:g}% (cohort of {status.cohort_size})"
+            f"{guard}")
+
+
+def _stage_row(stage) -> dict[str, str]:
+    health = stage.health
+    numbers = {k: f"{getattr(health, k):.4f}" if health.devices else "-" for k in ("median", "min", "p10")}
+    return {"stage": "cohort" if stage.stage == 0 else str(stage.stage), "percent": f"{stage.percent:g}",
+            "started_at": stage.started_at or "-", "offered": str(stage.offered), "downloaded": str(stage.downloaded),
+            "upgraded": str(stage.upgraded), "failed": str(stage.failed), "reverted": str(stage.reverted),
+            "reporting": str(health.devices), **numbers}

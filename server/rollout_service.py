@@ -1,0 +1,49 @@
+"""The Registry's rollout RPCs (admin only, issue 36): ``SetRollout`` changes a version's staged
+rollout, ``GetRollout`` reports it. Mixed into :class:`~.registry.RegistryService`, whose
+catalog, storage and :class:`~.rollouts.Rollouts` they use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fctkit.errors import RpcStatusError
+from fctkit.protos import registry_pb2
+
+from .rollout_changes import changed_rollout, check_cohort
+from .rollout_status import rollout_status
+from .rollouts import Rollouts
+from .storage import Storage
+from .validation import timestamp, version_field
+
+
+class RolloutRpcs:
+    """``SetRollout`` and ``GetRollout`` over the service's ``_catalog``, ``_storage`` and ``_rollouts``."""
+
+    _catalog: Any  # the registry's Catalog
+    _storage: Storage
+    _rollouts: Rollouts
+
+    async def SetRollout(self, request: registry_pb2.SetRolloutRequest, context) -> registry_pb2.RolloutStatus:
+        version = self._catalog.get(version_field(request.version, "version")).version
+        if request.HasField("cohort"):
+            cohort = check_cohort(list(request.cohort.device_ids))
+            unknown = sorted(cohort - self._storage.enrolled_devices(sorted(cohort)))
+            if unknown:
+                raise RpcStatusError("NOT_FOUND", f"the cohort names {len(unknown)} device(s) not enrolled or revoked, e.g. "
+                                     f"{unknown[0]!r}: see `fctkit admin list-devices`; nothing changed")
+        now = timestamp()
+        self._rollouts.change(version, lambda current: changed_rollout(current, request, now))
+        return self._rollout_status(version)
+
+    async def GetRollout(self, request: registry_pb2.GetRolloutRequest, context) -> registry_pb2.RolloutStatus:
+        return self._rollout_status(self._catalog.get(version_field(request.version, "version")).version)
+
+    def rollout_statuses(self) -> list[registry_pb2.RolloutStatus]:
+        """The status of every version published with a rollout (what the metrics' rollout gauges show)."""
+        rollouts, devices = self._storage.rollouts(), self._storage.rollout_devices()
+        return [rollout_status(v, r, self._catalog.get(v).manifest.gate, devices, self._storage.health_reports(v))
+                for v, r in sorted(rollouts.items()) if v <= self._catalog.latest]
+
+    def _rollout_status(self, version: int) -> registry_pb2.RolloutStatus:
+        return rollout_status(version, self._storage.rollouts().get(version), self._catalog.get(version).manifest.gate,
+                              self._storage.rollout_devices(), self._storage.health_reports(version))

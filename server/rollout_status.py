@@ -1,0 +1,79 @@
+"""A rollout's status as ``GetRollout`` answers it (issue 36): per stage, the devices that entered
+the rollout in it and what they reported, and the distribution of their health signal.
+
+A device counts for the stage it entered in: stage 0 when it is in the cohort, else the first
+percent stage above its :func:`~.rollouts.bucket`. Of those (enrolled, not revoked):
+*downloaded* got the bundle (reported upgrading, backfilling or failed towards the version, runs it,
+or reported a health for it), *upgraded* runs the version or a later one, *failed* reported a
+failed upgrade to it, *reverted* reported a health for it but runs an earlier version now.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from fctkit.protos import fleet_pb2, registry_pb2
+
+from .rollout_store import DeviceState, HealthReport, Rollout
+from .rollouts import bucket
+
+_GOT_BUNDLE = (fleet_pb2.UPGRADE_STATE_UPGRADING, fleet_pb2.UPGRADE_STATE_BACKFILLING, fleet_pb2.UPGRADE_STATE_FAILED)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of sorted ``values``, interpolated linearly (numpy's default)."""
+    position = q * (len(values) - 1)
+    low = int(position)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (position - low)
+
+
+def health_summary(signal: list[float]) -> registry_pb2.HealthSummary:
+    if not signal:
+        return registry_pb2.HealthSummary()
+    ordered = sorted(signal)
+    return registry_pb2.HealthSummary(devices=len(ordered), median=statistics.median(ordered), min=ordered[0],
+                                      p10=percentile(ordered, 0.1))
+
+
+def entry_stage(rollout: Rollout, device_id: str) -> int | None:
+    """The stage ``device_id`` entered the rollout in (0: the cohort), or None: it is not in."""
+    if device_id in rollout.cohort:
+        return 0
+    where = bucket(device_id, rollout.version)
+    return next((i + 1 for i, stage in enumerate(rollout.stages) if where < stage.percent), None)
+
+
+def _stage(number: int, percent: float, started_at: str, devices: list[DeviceState],
+           health: dict[str, HealthReport], version: int) -> registry_pb2.RolloutStage:
+    reported = [d for d in devices if d.device_id in health]
+    return registry_pb2.RolloutStage(
+        stage=number, percent=percent, started_at=started_at, offered=len(devices),
+        downloaded=sum(d.version >= version or d.device_id in health
+                       or (d.target_version == version and d.upgrade_state in _GOT_BUNDLE) for d in devices),
+        upgraded=sum(d.version >= version for d in devices),
+        failed=sum(d.target_version == version and d.upgrade_state == fleet_pb2.UPGRADE_STATE_FAILED for d in devices),
+        reverted=sum(d.version < version for d in reported),
+        health=health_summary([health[d.device_id].mean_cosine for d in reported if health[d.device_id].sample_size > 0]),
+    )
+
+
+def rollout_status(version: int, rollout: Rollout | None, gate: dict, devices: list[DeviceState],
+                   health: dict[str, HealthReport]) -> registry_pb2.RolloutStatus:
+    """The status of ``version``'s rollout (None: published to every device, no stages)."""
+    gate_cases = json.dumps(gate.get("cases", {}), sort_keys=True)
+    if rollout is None:
+        return registry_pb2.RolloutStatus(version=version, state="none", percent=100.0, gate_cases_json=gate_cases)
+    by_stage: dict[int, list[DeviceState]] = {}
+    for device in devices:
+        stage = entry_stage(rollout, device.device_id)
+        if stage is not None:
+            by_stage.setdefault(stage, []).append(device)
+    stages = [_stage(0, 0.0, "", by_stage.get(0, []), health, version)] if rollout.cohort else []
+    stages += [_stage(i + 1, s.percent, s.started_at, by_stage.get(i + 1, []), health, version)
+               for i, s in enumerate(rollout.stages)]
+    return registry_pb2.RolloutStatus(
+        version=version, state=rollout.state, percent=rollout.percent, cohort_size=len(rollout.cohort),
+        halt_below=rollout.halt_below, halt_min_devices=rollout.halt_min_devices, halt_reason=rollout.halt_reason,
+        stages=stages, gate_cases_json=gate_cases, updated_at=rollout.updated_at)

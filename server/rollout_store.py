@@ -1,0 +1,194 @@
+"""Staged rollouts and the devices' upgrade health in the metadata database (schema 9, issue 36).
+
+``rollouts`` holds one row per version published with a rollout (percent, state, guard, why the
+guard halted it), ``rollout_stages`` each percent it was widened to and when, ``rollout_cohort``
+the devices named explicitly, and ``device_health`` the latest health each device reported for
+each version. A version without a ``rollouts`` row is offered to every device. Every change is a
+read-modify-write under the version's lock (:meth:`RolloutStore.change`), announced to the other
+replicas as ``rollout:V``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .database import Database
+
+ROLLOUT_SCHEMA = """
+CREATE TABLE IF NOT EXISTS rollouts (
+    version INTEGER PRIMARY KEY REFERENCES versions(version),
+    percent REAL NOT NULL,
+    state TEXT NOT NULL,
+    halt_below REAL NOT NULL DEFAULT 0,
+    halt_min_devices INTEGER NOT NULL DEFAULT 0,
+    halt_reason TEXT NOT NULL DEFAULT '',
+    updated_at TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rollout_stages (
+    version INTEGER NOT NULL REFERENCES rollouts(version),
+    stage INTEGER NOT NULL,
+    percent REAL NOT NULL,
+    started_at TEXT NOT NULL,
+    PRIMARY KEY (version, stage)
+);
+CREATE TABLE IF NOT EXISTS rollout_cohort (
+    version INTEGER NOT NULL REFERENCES rollouts(version),
+    device_id TEXT NOT NULL,
+    PRIMARY KEY (version, device_id)
+);
+CREATE TABLE IF NOT EXISTS device_health (
+    device_id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    rows_upgraded INTEGER NOT NULL,
+    failures INTEGER NOT NULL,
+    seconds REAL NOT NULL,
+    sample_size INTEGER NOT NULL,
+    mean_cosine REAL NOT NULL,
+    p10_cosine REAL NOT NULL,
+    recall_at_1 REAL NOT NULL,
+    mean_reciprocal_rank REAL NOT NULL,
+    reported_at TEXT NOT NULL,
+    PRIMARY KEY (device_id, version)
+);
+CREATE INDEX IF NOT EXISTS device_health_by_version ON device_health (version);
+"""
+
+STAGED, PAUSED, HALTED, COMPLETE = "staged", "paused", "halted", "complete"
+
+
+@dataclass(frozen=True)
+class Stage:
+    percent: float
+    started_at: str
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A version's rollout. ``halt_min_devices`` 0: no guard."""
+
+    version: int
+    percent: float
+    state: str
+    stages: tuple[Stage, ...] = ()
+    cohort: frozenset[str] = field(default_factory=frozenset)
+    halt_below: float = 0.0
+    halt_min_devices: int = 0
+    halt_reason: str = ""
+    updated_at: str = ""
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """What one device reported about its upgrade to ``version`` (``sample_size`` 0: no sample)."""
+
+    version: int
+    rows_upgraded: int
+    failures: int
+    seconds: float
+    sample_size: int
+    mean_cosine: float
+    p10_cosine: float
+    recall_at_1: float
+    mean_reciprocal_rank: float
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    """A device's last reported place, as rollout status counts it."""
+
+    device_id: str
+    version: int
+    target_version: int
+    upgrade_state: int
+
+
+_HEALTH_COLUMNS = ("version", "rows_upgraded", "failures", "seconds", "sample_size", "mean_cosine", "p10_cosine",
+                   "recall_at_1", "mean_reciprocal_rank")
+
+
+class RolloutStore:
+    """Rollouts and device health on the metadata database."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def rollouts(self) -> dict[int, Rollout]:
+        """Every rollout, by version."""
+        stages: dict[int, list[Stage]] = {}
+        for version, percent, started_at in self._db.execute(
+                "SELECT version, percent, started_at FROM rollout_stages ORDER BY version, stage"):
+            stages.setdefault(version, []).append(Stage(percent, started_at))
+        cohorts: dict[int, set[str]] = {}
+        for version, device_id in self._db.execute("SELECT version, device_id FROM rollout_cohort"):
+            cohorts.setdefault(version, set()).add(device_id)
+        rows = self._db.execute("SELECT version, percent, state, halt_below, halt_min_devices, halt_reason, updated_at "
+                                "FROM rollouts ORDER BY version")
+        return {v: Rollout(v, p, s, tuple(stages.get(v, ())), frozenset(cohorts.get(v, ())), hb, hm, why, at)
+                for v, p, s, hb, hm, why, at in rows}
+
+    def rollout(self, version: int) -> Rollout | None:
+        return self.rollouts().get(version)
+
+    def change(self, version: int, change: Callable[[Rollout | None], Rollout | None]) -> Rollout | None:
+        """Apply ``change`` to the stored rollout of ``version`` (None: none) under the version's
+        lock and store what it returns (None or the same: nothing changes). An exception from
+        ``change`` leaves everything as it was."""
+        with self._db.transaction(f"rollout:{version}"):
+            current = self.rollout(version)
+            changed = change(current)
+            if changed is not None and changed != current:
+                write_rollout(self._db, changed)
+            return changed
+
+    def device_version(self, device_id: str) -> int:
+        row = self._db.execute("SELECT version FROM devices WHERE device_id = ?", (device_id,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def device_states(self) -> list[DeviceState]:
+        """Every enrolled, unrevoked device's last reported version, target and upgrade state."""
+        rows = self._db.execute("SELECT device_id, version, target_version, upgrade_state FROM devices "
+                                "WHERE revoked_at IS NULL ORDER BY seq")
+        return [DeviceState(*row) for row in rows]
+
+    def enrolled(self, device_ids: list[str]) -> set[str]:
+        """Those of ``device_ids`` that are enrolled and not revoked."""
+        found: set[str] = set()
+        for start in range(0, len(device_ids), 500):
+            part = device_ids[start:start + 500]
+            marks = ", ".join("?" * len(part))
+            found |= {row[0] for row in self._db.execute(
+                f"SELECT device_id FROM devices WHERE revoked_at IS NULL AND device_id IN ({marks})", part)}
+        return found
+
+    def record_health(self, device_id: str, health: HealthReport, now: str) -> None:
+        """Keep ``health`` as the device's latest for its version."""
+        values = [getattr(health, c) for c in _HEALTH_COLUMNS]
+        updates = ", ".join(f"{c} = excluded.{c}" for c in (*_HEALTH_COLUMNS[1:], "reported_at"))
+        self._db.execute(
+            f"INSERT INTO device_health (device_id, {', '.join(_HEALTH_COLUMNS)}, reported_at) "
+            f"VALUES (?, {', '.join('?' * len(_HEALTH_COLUMNS))}, ?) ON CONFLICT (device_id, version) DO UPDATE SET {updates}",
+            (device_id, *values, now))
+
+    def health(self, version: int) -> dict[str, HealthReport]:
+        """The latest health each device reported for ``version``, by device id."""
+        rows = self._db.execute(f"SELECT device_id, {', '.join(_HEALTH_COLUMNS)} FROM device_health WHERE version = ?",
+                                (version,))
+        return {row[0]: HealthReport(*row[1:]) for row in rows}
+
+
+def write_rollout(db: Database, rollout: Rollout) -> None:
+    """Store ``rollout`` whole (inside the caller's transaction) and tell the other replicas."""
+    r = rollout
+    db.execute("INSERT INTO rollouts (version, percent, state, halt_below, halt_min_devices, halt_reason, updated_at) "
+               "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (version) DO UPDATE SET percent = excluded.percent, "
+               "state = excluded.state, halt_below = excluded.halt_below, halt_min_devices = excluded.halt_min_devices, "
+               "halt_reason = excluded.halt_reason, updated_at = excluded.updated_at",
+               (r.version, r.percent, r.state, r.halt_below, r.halt_min_devices, r.halt_reason, r.updated_at))
+    db.execute("DELETE FROM rollout_stages WHERE version = ?", (r.version,))
+    db.executemany("INSERT INTO rollout_stages (version, stage, percent, started_at) VALUES (?, ?, ?, ?)",
+                   [(r.version, i + 1, s.percent, s.started_at) for i, s in enumerate(r.stages)])
+    db.execute("DELETE FROM rollout_cohort WHERE version = ?", (r.version,))
+    db.executemany("INSERT INTO rollout_cohort (version, device_id) VALUES (?, ?)",
+                   [(r.version, d) for d in sorted(r.cohort)])
+    db.notify(f"rollout:{r.version}")

@@ -1,0 +1,86 @@
+"""Which versions each device is offered under staged rollouts (issue 36).
+
+A device is *in* the rollout of version V when its id is in V's cohort or when
+:func:`bucket` (SHA-256 of the version and the device id, mapped to [0, 100)) is below the
+rollout's percent: widening keeps every device that was in. V is *offered* to a device when V has
+no rollout, when the rollout is complete, when the device already runs V or later, or when the
+rollout is staged and the device is in it (a paused or halted rollout offers V to nobody new). A
+device is offered the versions before the first one not offered to it: a later version never lets
+it skip one it was not offered.
+
+:class:`Rollouts` keeps every rollout in memory, reloaded when another replica announces a change
+(``rollout:V``) and whenever a version newer than the ones it read is published (a publish stores
+its rollout in the same transaction, so a catalog that shows V never meets V without its rollout).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+from .rollout_store import COMPLETE, STAGED, Rollout
+from .storage import Storage
+
+
+def bucket(device_id: str, version: int) -> float:
+    """Where ``device_id`` falls for ``version``'s rollout, in [0, 100): the device is in at any percent above it."""
+    digest = hashlib.sha256(f"fctkit-rollout:{version}:{device_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 * 100.0
+
+
+def in_rollout(rollout: Rollout, device_id: str) -> bool:
+    return device_id in rollout.cohort or bucket(device_id, rollout.version) < rollout.percent
+
+
+def offered(rollout: Rollout, device_id: str, device_version: int) -> bool:
+    """Whether the rollout's version is offered to the device (which runs ``device_version``)."""
+    if rollout.state == COMPLETE or device_version >= rollout.version:
+        return True
+    return rollout.state == STAGED and in_rollout(rollout, device_id)
+
+
+class Rollouts:
+    """Every rollout, in memory; ``on_change`` runs after each change (watchers wake up)."""
+
+    def __init__(self, storage: Storage, on_change: Callable[[], None] = lambda: None) -> None:
+        self._storage = storage
+        self._on_change = on_change
+        self._by_version: dict[int, Rollout] = {}
+        self._read_through = 0
+        self.reload()
+
+    def reload(self) -> None:
+        """Read every rollout again (another replica changed one)."""
+        self._read_through = self._storage.latest_version()  # first: a version at most this one has its rollout stored
+        self._by_version = self._storage.rollouts()
+        self._on_change()
+
+    def get(self, version: int) -> Rollout | None:
+        return self._by_version.get(version)
+
+    def change(self, version: int, change: Callable[[Rollout | None], Rollout | None]) -> Rollout | None:
+        """Apply ``change`` to the stored rollout (see :meth:`RolloutStore.change`) and take the result in."""
+        changed = self._storage.change_rollout(version, change)
+        self._put(version, changed)
+        return changed
+
+    def published(self, rollout: Rollout) -> None:
+        """A version was just published here with ``rollout``."""
+        self._put(rollout.version, rollout)
+
+    def _put(self, version: int, rollout: Rollout | None) -> None:
+        if rollout is not None and rollout != self._by_version.get(version):
+            self._by_version[version] = rollout
+            self._on_change()
+
+    def cap(self, device_id: str, latest: int, claimed_version: int = 0) -> int | None:
+        """The first version not offered to ``device_id`` (it is offered the versions before it);
+        None: every version. ``latest``: the newest version the caller lists;
+        ``claimed_version``: a version the device says it runs (its report may lag)."""
+        if latest > self._read_through:
+            self.reload()
+        held = sorted(v for v, r in self._by_version.items() if r.state != COMPLETE and v <= latest)
+        if not held:
+            return None
+        device_version = max(self._storage.device_version(device_id), claimed_version)
+        return next((v for v in held if not offered(self._by_version[v], device_id, device_version)), None)
