@@ -11,6 +11,7 @@ import socket
 import sqlite3
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -223,3 +224,32 @@ def test_the_rollout_source_runs_on_the_servers_event_loop():
     samples = asyncio.run(serve_and_scrape())
     assert readers == [threading.get_ident()]  # asyncio.run's loop runs in this thread, the HTTP server in another
     assert value(samples, "fctkit_rollout_devices", version="3", stage="1", status="offered") == 2
+
+
+def test_bundle_and_artifact_bytes_and_a_cancelled_stream_counted_once(metered, archives, tmp_path):
+    port = metrics_port(metered)
+    before = scrape(port)
+    with FctkitClient(metered.target, ADMIN_TOKEN) as admin:
+        info = admin.publish_bundle(archives[1])
+    artifact = max(info.artifacts, key=lambda a: a.size)
+    device, _ = enrolled_client(metered, name="watcher")
+    with device:
+        device.download_artifact(1, artifact.name, tmp_path / "artifact")
+        watch = device.watch_versions()
+        assert next(watch).version == 1
+        watch.close()  # the client cancels the stream
+    watch_method = "/fctkit.v1.Registry/WatchVersions"
+    deadline = time.monotonic() + 10
+    while (after := scrape(port)) and value(after, "fctkit_rpc_total", method=watch_method, code="CANCELLED") \
+            == value(before, "fctkit_rpc_total", method=watch_method, code="CANCELLED") and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    def added(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert added("fctkit_rpc_total", method=watch_method, code="CANCELLED") == 1
+    assert added("fctkit_rpc_seconds_count", method=watch_method) == 1
+    archive_size = archives[1].stat().st_size
+    assert archive_size <= added("fctkit_transfer_bytes_total", kind="bundle", direction="received") < archive_size + 65536
+    assert artifact.size <= added("fctkit_transfer_bytes_total", kind="artifact", direction="sent") < artifact.size + 4096
+    assert added("fctkit_rpc_total", method="/fctkit.v1.Registry/PublishBundle", code="OK") == 1
