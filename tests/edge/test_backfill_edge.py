@@ -56,7 +56,7 @@ def server(tmp_path_factory, release):
 def _enrolled_v1_device(server, release, root, name: str, rows: slice = slice(None)) -> tuple[Device, np.ndarray, list[str], np.ndarray]:
     features = release.eval_features
     images, labels = features["images"][rows], features["labels"][rows]
-    device = Device.init(root / name, settings=DeviceSettings(batch_size=128))
+    device = Device.init(root / name, settings=DeviceSettings(batch_size=128, health_sample=0))  # no health sample: the backfill alone re-embeds rows
     device.progress = False
     device.enrol(server.target, enrolment_code(server, name), device_name=name, trust_on_first_use=True)
     assert device.sync().installed_after == 1
@@ -209,7 +209,7 @@ def test_fastfill_sigma_orders_the_backfill(release, tmp_path_factory):
         publish(process, bundles[0].bundle.root, root)
         features = release.eval_features
         images, labels = features["images"], features["labels"]
-        device = Device.init(root / "dev", settings=DeviceSettings(batch_size=128))
+        device = Device.init(root / "dev", settings=DeviceSettings(batch_size=128, health_sample=0))  # no health sample: the backfill alone re-embeds rows
         device.progress = False
         device.enrol(process.target, enrolment_code(process), device_name="ff", trust_on_first_use=True)
         device.sync()
