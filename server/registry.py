@@ -294,7 +294,7 @@ class RegistryService(RolloutRpcs, registry_pb2_grpc.RegistryServicer):
             shutil.rmtree(staging, ignore_errors=True)
         return registry_pb2.PublishBundleResponse(version=published.info())
 
-    async def _verify_and_store(self, archive: Path, unpack_to: Path, percent: float | None) -> PublishedVersion:
+    async def _verify_and_store(self, archive: Path, unpack_to: Path, percent: float | None = None) -> PublishedVersion:
         trust = self._rules.release_trust()  # read here: the storage belongs to the event loop's thread
         verified, co_signatures = await asyncio.to_thread(self._verify, archive, unpack_to, self._catalog.latest, trust)
         async with self._publishing:
