@@ -28,7 +28,7 @@ from fctkit.private_files import make_private, private_umask
 from .auth import SERVICE_MODULES, AuthInterceptor, Authenticator, load_or_create_admin_token, protocol_methods
 from .fleet import FleetService
 from .jsonlog import configure_logging, log_event
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, gauges_of
 from .registry import Catalog, RegistryService
 from .revocation import OpenStreams
 from .rollouts import Rollouts
@@ -189,6 +189,8 @@ class FctkitServer:
         registry = RegistryService(self._storage, self._catalog, rules, max_bundle_bytes=config.max_bundle_bytes,
                                    keepalive_s=config.watch_keepalive_s, rollouts=self._rollouts)
         registry_pb2_grpc.add_RegistryServicer_to_server(registry, self._server)
+        if self._metrics is not None:  # the rollout gauges: what GetRollout answers for each rollout
+            self._metrics.set_rollout_source(lambda: map(gauges_of, registry.rollout_statuses()))
         self._vault = VaultService(self._storage, quota_bytes=config.quota_bytes, max_blob_bytes=config.max_blob_bytes,
                                    partial_upload_ttl_s=config.partial_upload_ttl_s,
                                    replica_quota_bytes=config.replica_quota_bytes)

@@ -44,7 +44,8 @@ The metrics (every replica counts what it served; sum them across replicas):
 
 Rollout gauges come from a provider: ``ServerMetrics.set_rollout_source(source)`` takes a
 callable that returns the current rollouts as :class:`RolloutGauges` (version, state, percent,
-devices by stage). It is called at every scrape, on the server's event loop (the scrape thread
+devices by stage; :func:`gauges_of` turns a ``RolloutStatus`` message into them). The server
+connects it to ``RegistryService.rollout_statuses`` (what ``GetRollout`` answers, every rollout). It is called at every scrape, on the server's event loop (the scrape thread
 waits for it, at most 5 s: the storage is used from the loop's thread only), so keep it cheap: an
 in-memory snapshot or one query. A scrape whose call fails shows no rollout gauges (the failure is
 logged, and counted as a storage error when it is one).
@@ -101,6 +102,15 @@ class RolloutGauges:
 
 
 RolloutSource = Callable[[], Iterable[RolloutGauges]]
+STAGE_STATUSES = ("offered", "downloaded", "upgraded", "failed", "reverted")
+
+
+def gauges_of(status: Any) -> RolloutGauges:
+    """The gauges of a ``fctkit.v1.RolloutStatus`` (what ``GetRollout`` answers)."""
+    stages = [StageGauges(stage.stage, {name: getattr(stage, name) for name in STAGE_STATUSES},
+                          stage.health.median if stage.health.devices else None)
+              for stage in status.stages]
+    return RolloutGauges(status.version, status.state, status.percent, stages)
 ROLLOUT_READ_TIMEOUT_S = 5.0
 
 

@@ -253,3 +253,36 @@ def test_bundle_and_artifact_bytes_and_a_cancelled_stream_counted_once(metered, 
     assert archive_size <= added("fctkit_transfer_bytes_total", kind="bundle", direction="received") < archive_size + 65536
     assert artifact.size <= added("fctkit_transfer_bytes_total", kind="artifact", direction="sent") < artifact.size + 4096
     assert added("fctkit_rpc_total", method="/fctkit.v1.Registry/PublishBundle", code="OK") == 1
+
+
+def test_rollout_gauges_show_what_rollout_status_answers(metered, archives):
+    port = metrics_port(metered)
+    with FctkitClient(metered.target, ADMIN_TOKEN) as admin:
+        admin.publish_bundle(archives[2], rollout_percent=25.0)
+        for name in ("one", "two", "three"):
+            enrolled_client(metered, name=f"fleet-{name}")[0].close()
+        admin.set_rollout(2, percent=100.0)  # every device enters: some in each run
+        status = admin.rollout_status(2)
+    samples = scrape(port)
+    assert [s.percent for s in status.stages] == [25.0, 100.0]
+    assert value(samples, "fctkit_rollout_percent", version="2", state="staged") == 100.0
+    shown = {(dict(labels)["stage"], dict(labels)["status"]): v for (name, labels), v in samples.items()
+             if name == "fctkit_rollout_devices" and dict(labels)["version"] == "2"}
+    expected = {(str(stage.stage), status_name): getattr(stage, status_name)
+                for stage in status.stages for status_name in ("offered", "downloaded", "upgraded", "failed", "reverted")}
+    assert shown == expected
+    assert sum(v for (_, status_name), v in shown.items() if status_name == "offered") == \
+        sum(stage.offered for stage in status.stages) >= 3
+
+
+def test_gauges_of_a_rollout_status_message():
+    from fctkit.protos import registry_pb2
+    from fctkit.server.metrics import RolloutGauges, StageGauges, gauges_of
+
+    status = registry_pb2.RolloutStatus(version=3, state="halted", percent=5.0, stages=[
+        registry_pb2.RolloutStage(stage=1, percent=5.0, offered=4, downloaded=3, upgraded=2, failed=1,
+                                  health=registry_pb2.HealthSummary(devices=2, median=0.25)),
+        registry_pb2.RolloutStage(stage=2, percent=20.0, offered=1)])
+    assert gauges_of(status) == RolloutGauges(3, "halted", 5.0, [
+        StageGauges(1, {"offered": 4, "downloaded": 3, "upgraded": 2, "failed": 1, "reverted": 0}, 0.25),
+        StageGauges(2, {"offered": 1, "downloaded": 0, "upgraded": 0, "failed": 0, "reverted": 0}, None)])
