@@ -5,7 +5,8 @@ text format, from ``prometheus-client``: ``pip install 'fctkit[metrics]'``). ``-
 is 127.0.0.1 by default; give the address Prometheus reaches (e.g. 0.0.0.0) and keep the port
 off the public network: the metrics need no token. ``--metrics-port 0`` picks a free port; the
 log's ``metrics listening`` event names it. Without ``--metrics-port`` nothing more listens and
-``prometheus-client`` is not imported. A scrape configuration for three replicas::
+``prometheus-client`` is not imported. A scrape configuration for three replicas, each started
+with ``fctkit serve --metrics-port 9464 --metrics-host 0.0.0.0`` (and its storage options)::
 
     scrape_configs:
       - job_name: fctkit
@@ -45,10 +46,12 @@ The metrics (every replica counts what it served; sum them across replicas):
 Rollout gauges come from a provider: ``ServerMetrics.set_rollout_source(source)`` takes a
 callable that returns the current rollouts as :class:`RolloutGauges` (version, state, percent,
 devices by stage; :func:`gauges_of` turns a ``RolloutStatus`` message into them). The server
-connects it to ``RegistryService.rollout_statuses`` (what ``GetRollout`` answers, every rollout). It is called at every scrape, on the server's event loop (the scrape thread
-waits for it, at most 5 s: the storage is used from the loop's thread only), so keep it cheap: an
-in-memory snapshot or one query. A scrape whose call fails shows no rollout gauges (the failure is
-logged, and counted as a storage error when it is one).
+connects it to ``RegistryService.rollout_statuses``: what ``GetRollout`` answers, for every
+rollout. It is called at every scrape, on the server's event loop (the scrape thread waits for
+it, at most 5 s: the storage is used from the loop's thread only). It reads every device's last
+report and each rollout's health reports, so its cost grows with the fleet: for a large fleet,
+scrape every minute rather than every 15 s. A scrape whose call fails shows no rollout gauges
+(the failure is logged, and counted as a storage error when it is one).
 """
 
 from __future__ import annotations
