@@ -37,9 +37,10 @@ def health_report(request: fleet_pb2.ReportRequest) -> HealthReport | None:
             raise invalid(f"health.{name} is {getattr(h, name)}; at most {MAX_COUNT}")
     if not (math.isfinite(h.seconds) and 0.0 <= h.seconds <= MAX_UPGRADE_SECONDS):
         raise invalid(f"health.seconds is {h.seconds}; from 0 to {MAX_UPGRADE_SECONDS:g} (a year)")
-    if h.sample_size > min(MAX_SAMPLE, h.rows_upgraded):
-        raise invalid(f"health.sample_size is {h.sample_size}; a sample of the {h.rows_upgraded} rows upgraded "
-                      f"(at most {MAX_SAMPLE})")
+    rows = max(h.rows_upgraded, request.gallery_size)  # a resumed upgrade moves fewer rows than it may sample
+    if h.sample_size > min(MAX_SAMPLE, rows):
+        raise invalid(f"health.sample_size is {h.sample_size}; a sample of the gallery's {rows} rows "
+                      f"(rows_upgraded or gallery_size, whichever is larger; at most {MAX_SAMPLE})")
     ranges = {"mean_cosine": (-1.0, 1.0), "p10_cosine": (-1.0, 1.0), "recall_at_1": (0.0, 1.0),
               "mean_reciprocal_rank": (0.0, 1.0)}
     for name, (low, high) in ranges.items():
