@@ -233,8 +233,9 @@ def test_a_graph_its_declaration_does_not_feed_is_refused_before_signing(text_re
 
 def test_through_a_server_texts_are_sealed_as_they_came_and_backfilled_with_the_new_tokenizer(text_release, tmp_path):
     """v1 and v2 (with their tokenizer artifacts) published on a real loopback server; a device
-    adds texts at v1 (originals in the vault), syncs to v2 and backfills every row: the rows are
-    then v2's own passage embeddings of the texts, as the numpy reference computes them."""
+    adds texts at v1 (originals in the vault), syncs to v2 (whose health check re-embeds a sample
+    of the texts) and backfills every other row: the rows are then v2's own passage embeddings of
+    the texts, as the numpy reference computes them."""
     from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, publish
 
     token = tmp_path / "admin.token"
@@ -252,7 +253,9 @@ def test_through_a_server_texts_are_sealed_as_they_came_and_backfilled_with_the_
         device.add(texts, item_ids=[f"t{i}" for i in range(40)])
         publish(server, text_release["out"] / "v2", tmp_path / "archives")
         assert device.sync().installed_after == 2
-        assert device.backfill(budget=40, order="random").backfilled == 40
+        sampled = device.status()["upgrade_health"]["sample_size"]  # the health check re-embedded these from the vault
+        assert sampled == device.settings.health_sample == 32
+        assert device.backfill(budget=40, order="random").backfilled == 40 - sampled  # every row now v2's own
         rows = device.gallery.load()
         order = np.argsort([int(i[1:]) for i in rows.item_ids])
         np.testing.assert_allclose(np.stack(rows.embeddings)[order], reference_v2(texts, text_release["w2"], "passage: "),
