@@ -45,12 +45,13 @@ class GalleryUpgrades:
             ).fetchall()
             return self._vectors.open_pointers(rows)
 
-    def space_index(self, version: int) -> list[tuple[int, str, str, bool]]:
-        """(row id, item id, via, original in the vault) of each live row in ``version``'s space,
-        by row id; nothing is decrypted."""
+    def adapted_rows(self, version: int, *, in_vault: bool, limit: int = -1) -> list[tuple[int, str]]:
+        """(row id, item id) of the first ``limit`` (-1: all) live rows adapted into ``version``'s space
+        (via forward), by row id; ``in_vault``: only those whose original is in the vault. Nothing is decrypted."""
         live, _ = self._tables()
-        return self._db.execute(f"SELECT v.row_id, i.item_id, v.via, i.vault_sha256 IS NOT NULL FROM {live} v "
-                                f"JOIN items i USING (row_id) WHERE v.version = ? ORDER BY v.row_id", (version,)).fetchall()
+        vault = "AND i.vault_sha256 IS NOT NULL " if in_vault else ""
+        return self._db.execute(f"SELECT v.row_id, i.item_id FROM {live} v JOIN items i USING (row_id) WHERE v.version = ? "
+                                f"AND v.via = 'forward' {vault}ORDER BY v.row_id LIMIT ?", (version, limit)).fetchall()
 
     def space_rows(self, version: int, after_row_id: int, limit: int, *, only: Sequence[int] | None = None) -> LoadedRows:
         """The next ``limit`` live rows (by row id, after ``after_row_id``) in ``version``'s space,

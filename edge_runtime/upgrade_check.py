@@ -113,10 +113,9 @@ class HealthCheck:
         if self.sample <= 0:
             return replace(done, reason="the health check is turned off (health_sample 0 in device.json, or --no-health-check)")
         gallery, version = self.parts.gallery, done.version
-        index = gallery.space_index(version)
-        adapted = [(row_id, item_id) for row_id, item_id, via, in_vault in index if via == "forward" and in_vault]
+        adapted = gallery.adapted_rows(version, in_vault=True)
         if not adapted:
-            return replace(done, reason=_no_originals(sum(via == "forward" for _, _, via, _ in index), version))
+            return replace(done, reason=_no_originals(bool(gallery.adapted_rows(version, in_vault=False, limit=1)), version))
         picked = sample_rows([item for _, item in adapted], min(self.sample, len(adapted)),
                              health_seed(self.device_id, gallery.gallery_id, version))
         rows = gallery.space_rows(version, 0, len(picked), only=[adapted[i][0] for i in picked])
@@ -148,11 +147,11 @@ class HealthCheck:
                 yield page.row_ids, take_rows(page.embeddings, range(len(page)))
 
 
-def _no_originals(adapted: int, version: int) -> str:
-    if not adapted:
+def _no_originals(any_adapted: bool, version: int) -> str:
+    if not any_adapted:
         return f"no row was adapted by the upgrade to v{version}: nothing to measure"
-    return (f"none of the {adapted} adapted rows has its original in the vault (a device without a server, or "
-            "originals not uploaded yet): nothing to re-embed")
+    return ("none of the adapted rows has its original in the vault (a device without a server, or originals not "
+            "uploaded yet): nothing to re-embed")
 
 
 def health_seed(device_id: str | None, gallery_id: bytes, version: int) -> int:

@@ -13,7 +13,9 @@ Agreement between old-space and adapted-space neighbourhoods cannot serve: any o
 keeps every inner product, so a completely wrong rotation would score a perfect overlap. This
 signal compares with φ_new itself.
 
-:func:`sample_rows` draws the sample deterministically from a seed and the row ids.
+:func:`streamed_health` measures the same over a gallery read block by block (the device's
+:mod:`.upgrade_check` reads its adapted rows a page at a time). :func:`sample_rows` draws the
+sample deterministically from a seed and the row ids.
 
 Privacy: only the aggregates of :class:`UpgradeHealth` (sample size, mean and 10th-percentile
 cosine, R@1, mean reciprocal rank) are meant to leave the device. No vector, row id, sampled

@@ -20,7 +20,8 @@ from tests.edge.conftest import ServerProcess, device_cli_steps, enrolment_code,
 from fctkit.edge_runtime import Device
 from fctkit.edge_runtime import upgrade_check
 from fctkit.edge_runtime.upgrade_check import HealthRecord, health_seed, stored_health
-from fctkit.edge_runtime.upgrade_health import sample_rows, upgrade_health
+from fctkit.edge_runtime.upgrade_health import sample_rows, streamed_health, upgrade_health
+from fctkit.errors import InputError
 from fctkit.protos.client import FctkitClient
 
 ROWS, SAMPLE = 40, 8
@@ -64,7 +65,8 @@ def _vectors_by_row(device: Device) -> tuple[np.ndarray, list[str], np.ndarray, 
 
 
 def test_a_sync_upgrade_reports_the_sampled_fidelity_and_keeps_the_sample_backfilled(
-        server, tiny_bundles, make_device, images, reports, tmp_path):
+        server, tiny_bundles, make_device, images, reports, tmp_path, monkeypatch):
+    monkeypatch.setattr(upgrade_check, "BLOCK_ROWS", 7)  # the adapted gallery is read in 6 pages
     device = _enrolled(make_device, server, "health", images, health_sample=SAMPLE)
     device.close()  # a copy of the device as it is at v1, to upgrade without the check: the adapted gallery by hand
     shutil.copytree(device.root, tmp_path / "copy")
@@ -138,6 +140,23 @@ def test_a_device_offline_at_upgrade_time_sends_its_record_at_the_next_sync(
     assert reports[-1].version == 2 and reports[-1].rows_upgraded == ROWS and reports[-1].sample_size == 0
 
 
+@pytest.mark.parametrize("metric", ["cosine", "l2"])
+def test_the_streamed_measure_over_row_id_pages_equals_the_measure_over_the_array(metric):
+    rng = np.random.default_rng(5)
+    adapted = rng.standard_normal((50, 6)).astype(np.float32)
+    adapted[31] = adapted[12]  # a tie: the earlier row wins, by row id as by position
+    row_ids = np.sort(rng.choice(np.arange(1, 500), size=50, replace=False))  # gaps, as removed rows leave
+    sample = np.array([3, 12, 31, 40, 49])
+    reembedded = (adapted[sample] + 0.7 * rng.standard_normal((5, 6))).astype(np.float32)
+    pages = [(row_ids[i:i + 8], adapted[i:i + 8]) for i in range(0, 50, 8)]
+    streamed = streamed_health(iter(pages), row_ids[sample], adapted[sample], reembedded, metric)
+    assert streamed == upgrade_health(adapted, sample, reembedded, metric)
+    with pytest.raises(InputError, match="5 sampled keys do not match 4"):
+        streamed_health(iter(pages), row_ids[sample], adapted[sample[:4]], reembedded, metric)
+    with pytest.raises(InputError, match="does not match the sampled rows' dimension 6"):
+        streamed_health(iter([(row_ids[:8], adapted[:8, :5])]), row_ids[sample], adapted[sample], reembedded, metric)
+
+
 def test_health_messages_hold_aggregates_only():
     record = HealthRecord(3, 10, 1, 2.5, 4, 0.9, 0.8, 0.75, 0.8, reason="")
     message = record.message()
@@ -162,6 +181,6 @@ def test_without_vault_originals_the_cli_reports_sample_size_zero_and_why(tiny_b
     assert upgraded["rows_upgraded"] == 6 and upgraded["installed_version"] == 2
     health = upgraded["upgrade_health"]
     assert (health["version"], health["rows_upgraded"], health["failures"], health["sample_size"]) == (2, 6, 0, 0)
-    assert "none of the 6 adapted rows has its original in the vault" in health["reason"]
+    assert "none of the adapted rows has its original in the vault" in health["reason"]
     assert status["upgrade_health"] == health
     assert unchecked["upgrade_health"]["version"] == 3 and "turned off" in unchecked["upgrade_health"]["reason"]
