@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from fctkit.errors import DeviceError, RpcStatusError
+from fctkit.errors import DeviceError
 from fctkit.private_files import make_private
 from fctkit.protos.client import ClientTls, FctkitClient, RetryPolicy
 
@@ -68,7 +68,7 @@ from .replication import ReplicationResult, apply_pending, replicate
 from .scoring import TransitionState, store_hubness_offsets
 from .search import ExactIndex
 from .upgrade import DeviceUpgrade
-from .upgrade_check import HealthCheck, health_message
+from .upgrade_check import HealthCheck, send_report
 from .upgrade_plan import UpgradePlan, hop_list
 
 __all__ = ["AddedItems", "Device", "DeviceSettings", "Match", "SyncResult"]
@@ -400,13 +400,10 @@ class Device:
         self.search.reset()
 
     def _report(self, client, state: int, target: int = 0, progress: float = 0.0) -> None:
-        """Tell the fleet service where this device stands; best effort while the server is away."""
-        try:
-            client.report(self.version, len(self.gallery), state, target_version=target, progress=min(progress, 1.0),
-                          health=health_message(self.gallery), **self.trust.report_fields())
-        except RpcStatusError as exc:
-            if exc.code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-                raise
+        """Tell the fleet service where this device stands, with the last upgrade's health (best effort:
+        :func:`~.upgrade_check.send_report`)."""
+        send_report(client, self.gallery, self.version, state, target_version=target, progress=min(progress, 1.0),
+                    **self.trust.report_fields())
 
     # -- backfill and transition scoring ----------------------------------------------------
 

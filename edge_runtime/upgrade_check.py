@@ -17,8 +17,9 @@ Once an upgrade of the gallery has finished (:meth:`~.upgrade.DeviceUpgrade.fini
 4. keeps the sampled rows as backfilled (the new model's own vectors, tagged native), so the
    downloads are not wasted;
 5. stores the result in the gallery's authenticated settings (``upgrade_health``, HMAC'd like every
-   setting) and sends it in every Fleet.Report from then on until the next upgrade replaces it:
-   a device offline at upgrade time sends it at its next sync. `fctkit device status` shows it.
+   setting) and sends it in every Fleet.Report from then on until the next upgrade replaces it
+   (:func:`send_report`): a device offline at upgrade time sends it at its next sync.
+   `fctkit device status` shows it.
 
 No sample (the check turned off, no adapted row with its original in the vault, the vault out of
 reach): ``sample_size`` 0 and the reason. A check that fails is recorded as such. Neither ever
@@ -38,7 +39,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -172,3 +173,26 @@ def health_message(gallery: Gallery) -> fleet_pb2.UpgradeHealth | None:
     """What every Fleet.Report carries after an upgrade (None before the first one)."""
     record = stored_health(gallery)
     return None if record is None else record.message()
+
+
+def send_report(client, gallery: Gallery, version: int, state: int, **fields: Any) -> None:
+    """Fleet.Report: the device's ``version``, gallery size and upgrade ``state`` (``fields``: the
+    rest of :meth:`~fctkit.protos.client.FctkitClient.report`'s), with the last upgrade's health.
+    Best effort: a server away or limiting reports is skipped until the next report, and a health
+    record the server refuses (INVALID_ARGUMENT) is left out rather than stopping every sync."""
+    health = health_message(gallery)
+    try:
+        _best_effort_report(client, gallery, version, state, health, fields)
+    except RpcStatusError as exc:
+        if exc.code != "INVALID_ARGUMENT" or health is None:
+            raise
+        _best_effort_report(client, gallery, version, state, None, fields)
+
+
+def _best_effort_report(client, gallery: Gallery, version: int, state: int, health: fleet_pb2.UpgradeHealth | None,
+                        fields: dict[str, Any]) -> None:
+    try:
+        client.report(version, len(gallery), state, health=health, **fields)
+    except RpcStatusError as exc:
+        if exc.code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"):
+            raise

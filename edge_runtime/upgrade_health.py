@@ -107,7 +107,8 @@ def self_retrieval_ranks(adapted: np.ndarray, sample: np.ndarray, reembedded: np
 def _health(blocks: Iterable[tuple[np.ndarray, np.ndarray]], sample: np.ndarray, sampled: np.ndarray,
             reembedded: np.ndarray, metric: str) -> UpgradeHealth:
     ranks = _ranks(blocks, sample, sampled, reembedded, metric)
-    cosines = np.einsum("ij,ij->i", _unit(sampled), _unit(reembedded))
+    # clipped: rounding can put a row's cosine with itself a hair past 1, outside what a report may carry
+    cosines = np.clip(np.einsum("ij,ij->i", _unit(sampled), _unit(reembedded)), -1.0, 1.0)
     return UpgradeHealth(
         sample_size=len(ranks),
         mean_cosine=float(cosines.mean()),

@@ -157,6 +157,18 @@ def test_the_streamed_measure_over_row_id_pages_equals_the_measure_over_the_arra
         streamed_health(iter([(row_ids[:8], adapted[:8, :5])]), row_ids[sample], adapted[sample], reembedded, metric)
 
 
+def test_a_health_record_the_server_refuses_is_left_out_and_the_sync_goes_on(server, tiny_bundles, make_device, images,
+                                                                               reports, tmp_path):
+    device = _enrolled(make_device, server, "refused", images)
+    publish(server, tiny_bundles[2], tmp_path)
+    device.sync()
+    bad = dataclasses.replace(stored_health(device.gallery), mean_cosine=2.0)  # outside [-1, 1]: INVALID_ARGUMENT
+    device.gallery.set_meta({upgrade_check.HEALTH_KEY: json.dumps(dataclasses.asdict(bad))})
+    reports.clear()
+    assert device.sync().installed_after == 2
+    assert reports == [bad.message(), None]  # refused with the record, accepted without it
+
+
 def test_health_messages_hold_aggregates_only():
     record = HealthRecord(3, 10, 1, 2.5, 4, 0.9, 0.8, 0.75, 0.8, reason="")
     message = record.message()
