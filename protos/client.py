@@ -24,7 +24,7 @@ import io
 import ipaddress
 import json
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -87,6 +87,7 @@ class VersionListing:
     versions: list[registry_pb2.VersionInfo]
     timestamp: bytes
     latest_root_version: int
+    withdrawals: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,7 @@ class FctkitClient(RolloutCalls):
             first = page if first is None else first
             found.extend(page.versions)
             if not page.more or not page.versions:
-                return VersionListing(found, first.timestamp, first.latest_root_version)
+                return VersionListing(found, first.timestamp, first.latest_root_version, list(first.withdrawals))
             after_version = page.versions[-1].version
 
     def get_manifest(self, version: int) -> tuple[bytes, bytes]:

@@ -78,18 +78,20 @@ class ListVersionsRequest(_message.Message):
     def __init__(self, after_version: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class ListVersionsResponse(_message.Message):
-    __slots__ = ("versions", "more", "latest_version", "timestamp", "latest_root_version")
+    __slots__ = ("versions", "more", "latest_version", "timestamp", "latest_root_version", "withdrawals")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     LATEST_ROOT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WITHDRAWALS_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
     more: bool
     latest_version: int
     timestamp: bytes
     latest_root_version: int
-    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., more: _Optional[bool] = ..., latest_version: _Optional[int] = ..., timestamp: _Optional[bytes] = ..., latest_root_version: _Optional[int] = ...) -> None: ...
+    withdrawals: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., more: _Optional[bool] = ..., latest_version: _Optional[int] = ..., timestamp: _Optional[bytes] = ..., latest_root_version: _Optional[int] = ..., withdrawals: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class GetManifestRequest(_message.Message):
     __slots__ = ("version",)
@@ -340,3 +342,17 @@ class RolloutStatus(_message.Message):
     gate_cases_json: str
     updated_at: str
     def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., percent: _Optional[float] = ..., cohort_size: _Optional[int] = ..., halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ..., halt_reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[RolloutStage, _Mapping]]] = ..., gate_cases_json: _Optional[str] = ..., updated_at: _Optional[str] = ...) -> None: ...
+
+class WithdrawRequest(_message.Message):
+    __slots__ = ("withdrawal",)
+    WITHDRAWAL_FIELD_NUMBER: _ClassVar[int]
+    withdrawal: bytes
+    def __init__(self, withdrawal: _Optional[bytes] = ...) -> None: ...
+
+class WithdrawResponse(_message.Message):
+    __slots__ = ("version", "revert_to")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REVERT_TO_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    revert_to: int
+    def __init__(self, version: _Optional[int] = ..., revert_to: _Optional[int] = ...) -> None: ...

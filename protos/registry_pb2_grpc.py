@@ -86,6 +86,11 @@ class RegistryStub:
                 request_serializer=fctkit_dot_v1_dot_registry__pb2.GetRolloutRequest.SerializeToString,
                 response_deserializer=fctkit_dot_v1_dot_registry__pb2.RolloutStatus.FromString,
                 _registered_method=True)
+        self.Withdraw = channel.unary_unary(
+                '/fctkit.v1.Registry/Withdraw',
+                request_serializer=fctkit_dot_v1_dot_registry__pb2.WithdrawRequest.SerializeToString,
+                response_deserializer=fctkit_dot_v1_dot_registry__pb2.WithdrawResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -185,6 +190,18 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Withdraw(self, request, context):
+        """Admin only. Withdraw a release: `withdrawal` is withdrawal.<V>.json (`fctkit keys withdraw`),
+        signed like a release (the latest root's publisher threshold, or the --publisher-key). From
+        then on V is offered to no device, and every device that installed it learns of the
+        withdrawal from ListVersions and goes back to `revert_to`. INVALID_ARGUMENT for a malformed
+        or under-signed withdrawal, NOT_FOUND for an unknown version, ALREADY_EXISTS when V was
+        already withdrawn (the same bytes again: OK, nothing changes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -237,6 +254,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.GetRollout,
                     request_deserializer=fctkit_dot_v1_dot_registry__pb2.GetRolloutRequest.FromString,
                     response_serializer=fctkit_dot_v1_dot_registry__pb2.RolloutStatus.SerializeToString,
+            ),
+            'Withdraw': grpc.unary_unary_rpc_method_handler(
+                    servicer.Withdraw,
+                    request_deserializer=fctkit_dot_v1_dot_registry__pb2.WithdrawRequest.FromString,
+                    response_serializer=fctkit_dot_v1_dot_registry__pb2.WithdrawResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -511,6 +533,33 @@ class Registry:
             '/fctkit.v1.Registry/GetRollout',
             fctkit_dot_v1_dot_registry__pb2.GetRolloutRequest.SerializeToString,
             fctkit_dot_v1_dot_registry__pb2.RolloutStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Withdraw(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fctkit.v1.Registry/Withdraw',
+            fctkit_dot_v1_dot_registry__pb2.WithdrawRequest.SerializeToString,
+            fctkit_dot_v1_dot_registry__pb2.WithdrawResponse.FromString,
             options,
             channel_credentials,
             insecure,
