@@ -441,17 +441,13 @@ class FctkitClient(RolloutCalls):
         return Enrolment(response.device_id, response.token, response.publisher_public_key, response.publisher_key_id,
                          response.owner_id)
 
-    def report(self, version: int, gallery_size: int, upgrade_state: int, *, target_version: int = 0,
-               progress: float = 0.0, detail: str = "", root_version: int = 0, trust_stale: bool = False,
-               seconds_since_fresh: int = 0, health: fleet_pb2.UpgradeHealth | None = None) -> fleet_pb2.ReportResponse:
+    def report(self, version: int, gallery_size: int, upgrade_state: int, **fields: Any) -> fleet_pb2.ReportResponse:
         """Device: report the installed version, gallery size and upgrade state
-        (``fleet_pb2.UPGRADE_STATE_IDLE`` …), how fresh its trust metadata is, and after an
-        upgrade its ``health`` (what it did, and the sampled fidelity of the adapter)."""
-        request = fleet_pb2.ReportRequest(
-            version=version, gallery_size=gallery_size, upgrade_state=upgrade_state,
-            target_version=target_version, progress=progress, detail=detail, root_version=root_version,
-            trust_stale=trust_stale, seconds_since_fresh=seconds_since_fresh, health=health,
-        )
+        (``fleet_pb2.UPGRADE_STATE_IDLE`` …); ``fields`` are the other ``ReportRequest`` fields:
+        ``target_version``, ``progress``, ``detail``, the trust (``root_version``, ``trust_stale``,
+        ``seconds_since_fresh``), after an upgrade its ``health``, after a withdrawal
+        ``reverted_from`` and ``revert_method``."""
+        request = fleet_pb2.ReportRequest(version=version, gallery_size=gallery_size, upgrade_state=upgrade_state, **fields)
         return self._unary(self.fleet.Report, request)
 
     def list_devices(self) -> list[fleet_pb2.DeviceInfo]:

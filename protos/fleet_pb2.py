@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66\x63tkit/v1/fleet.proto\x12\tfctkit.v1\"O\n\x1a\x43reateEnrolmentCodeRequest\x12\x13\n\x0bttl_seconds\x18\x01 \x01(\r\x12\r\n\x05label\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\"Q\n\x1b\x43reateEnrolmentCodeResponse\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x12\n\nexpires_at\x18\x02 \x01(\t\x12\x10\n\x08owner_id\x18\x03 \x01(\t\"G\n\x0c\x45nrolRequest\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x14\n\x0cowner_key_id\x18\x03 \x01(\t\"{\n\rEnrolResponse\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x1c\n\x14publisher_public_key\x18\x03 \x01(\x0c\x12\x18\n\x10publisher_key_id\x18\x04 \x01(\t\x12\x10\n\x08owner_id\x18\x05 \x01(\t\"\x92\x02\n\rReportRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x14\n\x0cgallery_size\x18\x02 \x01(\x04\x12.\n\rupgrade_state\x18\x03 \x01(\x0e\x32\x17.fctkit.v1.UpgradeState\x12\x16\n\x0etarget_version\x18\x04 \x01(\r\x12\x10\n\x08progress\x18\x05 \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12\x14\n\x0croot_version\x18\x07 \x01(\r\x12\x13\n\x0btrust_stale\x18\x08 \x01(\x08\x12\x1b\n\x13seconds_since_fresh\x18\t \x01(\x04\x12(\n\x06health\x18\n \x01(\x0b\x32\x18.fctkit.v1.UpgradeHealth\"\xcb\x01\n\rUpgradeHealth\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x15\n\rrows_upgraded\x18\x02 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x13\n\x0bsample_size\x18\x05 \x01(\r\x12\x13\n\x0bmean_cosine\x18\x06 \x01(\x01\x12\x12\n\np10_cosine\x18\x07 \x01(\x01\x12\x13\n\x0brecall_at_1\x18\x08 \x01(\x01\x12\x1c\n\x14mean_reciprocal_rank\x18\t \x01(\x01\"=\n\x0eReportResponse\x12\x13\n\x0brecorded_at\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\r\"\x92\x03\n\nDeviceInfo\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05label\x18\x03 \x01(\t\x12\x13\n\x0b\x65nrolled_at\x18\x04 \x01(\t\x12\x16\n\x0elast_report_at\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\r\x12\x14\n\x0cgallery_size\x18\x07 \x01(\x04\x12.\n\rupgrade_state\x18\x08 \x01(\x0e\x32\x17.fctkit.v1.UpgradeState\x12\x16\n\x0etarget_version\x18\t \x01(\r\x12\x10\n\x08progress\x18\n \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x0b \x01(\t\x12\x13\n\x0bvault_bytes\x18\x0c \x01(\x04\x12\x13\n\x0bvault_blobs\x18\r \x01(\x04\x12\x10\n\x08owner_id\x18\x0e \x01(\t\x12\x12\n\nrevoked_at\x18\x0f \x01(\t\x12\x14\n\x0croot_version\x18\x10 \x01(\r\x12\x13\n\x0btrust_stale\x18\x11 \x01(\x08\x12\x1b\n\x13seconds_since_fresh\x18\x12 \x01(\x04\";\n\x12ListDevicesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"V\n\x13ListDevicesResponse\x12&\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x15.fctkit.v1.DeviceInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"(\n\x13RevokeDeviceRequest\x12\x11\n\tdevice_id\x18\x01 \x01(\t\"*\n\x14RevokeDeviceResponse\x12\x12\n\nrevoked_at\x18\x01 \x01(\t*\xba\x01\n\x0cUpgradeState\x12\x1d\n\x19UPGRADE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12UPGRADE_STATE_IDLE\x10\x01\x12\x1d\n\x19UPGRADE_STATE_DOWNLOADING\x10\x02\x12\x1b\n\x17UPGRADE_STATE_UPGRADING\x10\x03\x12\x1d\n\x19UPGRADE_STATE_BACKFILLING\x10\x04\x12\x18\n\x14UPGRADE_STATE_FAILED\x10\x05\x32\x87\x03\n\x05\x46leet\x12\x64\n\x13\x43reateEnrolmentCode\x12%.fctkit.v1.CreateEnrolmentCodeRequest\x1a&.fctkit.v1.CreateEnrolmentCodeResponse\x12:\n\x05\x45nrol\x12\x17.fctkit.v1.EnrolRequest\x1a\x18.fctkit.v1.EnrolResponse\x12=\n\x06Report\x12\x18.fctkit.v1.ReportRequest\x1a\x19.fctkit.v1.ReportResponse\x12L\n\x0bListDevices\x12\x1d.fctkit.v1.ListDevicesRequest\x1a\x1e.fctkit.v1.ListDevicesResponse\x12O\n\x0cRevokeDevice\x12\x1e.fctkit.v1.RevokeDeviceRequest\x1a\x1f.fctkit.v1.RevokeDeviceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66\x63tkit/v1/fleet.proto\x12\tfctkit.v1\"O\n\x1a\x43reateEnrolmentCodeRequest\x12\x13\n\x0bttl_seconds\x18\x01 \x01(\r\x12\r\n\x05label\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\"Q\n\x1b\x43reateEnrolmentCodeResponse\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x12\n\nexpires_at\x18\x02 \x01(\t\x12\x10\n\x08owner_id\x18\x03 \x01(\t\"G\n\x0c\x45nrolRequest\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x14\n\x0cowner_key_id\x18\x03 \x01(\t\"{\n\rEnrolResponse\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x1c\n\x14publisher_public_key\x18\x03 \x01(\x0c\x12\x18\n\x10publisher_key_id\x18\x04 \x01(\t\x12\x10\n\x08owner_id\x18\x05 \x01(\t\"\xc0\x02\n\rReportRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x14\n\x0cgallery_size\x18\x02 \x01(\x04\x12.\n\rupgrade_state\x18\x03 \x01(\x0e\x32\x17.fctkit.v1.UpgradeState\x12\x16\n\x0etarget_version\x18\x04 \x01(\r\x12\x10\n\x08progress\x18\x05 \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12\x14\n\x0croot_version\x18\x07 \x01(\r\x12\x13\n\x0btrust_stale\x18\x08 \x01(\x08\x12\x1b\n\x13seconds_since_fresh\x18\t \x01(\x04\x12(\n\x06health\x18\n \x01(\x0b\x32\x18.fctkit.v1.UpgradeHealth\x12\x15\n\rreverted_from\x18\x0b \x01(\r\x12\x15\n\rrevert_method\x18\x0c \x01(\t\"\xcb\x01\n\rUpgradeHealth\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x15\n\rrows_upgraded\x18\x02 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x13\n\x0bsample_size\x18\x05 \x01(\r\x12\x13\n\x0bmean_cosine\x18\x06 \x01(\x01\x12\x12\n\np10_cosine\x18\x07 \x01(\x01\x12\x13\n\x0brecall_at_1\x18\x08 \x01(\x01\x12\x1c\n\x14mean_reciprocal_rank\x18\t \x01(\x01\"=\n\x0eReportResponse\x12\x13\n\x0brecorded_at\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\r\"\x92\x03\n\nDeviceInfo\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05label\x18\x03 \x01(\t\x12\x13\n\x0b\x65nrolled_at\x18\x04 \x01(\t\x12\x16\n\x0elast_report_at\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\r\x12\x14\n\x0cgallery_size\x18\x07 \x01(\x04\x12.\n\rupgrade_state\x18\x08 \x01(\x0e\x32\x17.fctkit.v1.UpgradeState\x12\x16\n\x0etarget_version\x18\t \x01(\r\x12\x10\n\x08progress\x18\n \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x0b \x01(\t\x12\x13\n\x0bvault_bytes\x18\x0c \x01(\x04\x12\x13\n\x0bvault_blobs\x18\r \x01(\x04\x12\x10\n\x08owner_id\x18\x0e \x01(\t\x12\x12\n\nrevoked_at\x18\x0f \x01(\t\x12\x14\n\x0croot_version\x18\x10 \x01(\r\x12\x13\n\x0btrust_stale\x18\x11 \x01(\x08\x12\x1b\n\x13seconds_since_fresh\x18\x12 \x01(\x04\";\n\x12ListDevicesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"V\n\x13ListDevicesResponse\x12&\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x15.fctkit.v1.DeviceInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"(\n\x13RevokeDeviceRequest\x12\x11\n\tdevice_id\x18\x01 \x01(\t\"*\n\x14RevokeDeviceResponse\x12\x12\n\nrevoked_at\x18\x01 \x01(\t*\xba\x01\n\x0cUpgradeState\x12\x1d\n\x19UPGRADE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12UPGRADE_STATE_IDLE\x10\x01\x12\x1d\n\x19UPGRADE_STATE_DOWNLOADING\x10\x02\x12\x1b\n\x17UPGRADE_STATE_UPGRADING\x10\x03\x12\x1d\n\x19UPGRADE_STATE_BACKFILLING\x10\x04\x12\x18\n\x14UPGRADE_STATE_FAILED\x10\x05\x32\x87\x03\n\x05\x46leet\x12\x64\n\x13\x43reateEnrolmentCode\x12%.fctkit.v1.CreateEnrolmentCodeRequest\x1a&.fctkit.v1.CreateEnrolmentCodeResponse\x12:\n\x05\x45nrol\x12\x17.fctkit.v1.EnrolRequest\x1a\x18.fctkit.v1.EnrolResponse\x12=\n\x06Report\x12\x18.fctkit.v1.ReportRequest\x1a\x19.fctkit.v1.ReportResponse\x12L\n\x0bListDevices\x12\x1d.fctkit.v1.ListDevicesRequest\x1a\x1e.fctkit.v1.ListDevicesResponse\x12O\n\x0cRevokeDevice\x12\x1e.fctkit.v1.RevokeDeviceRequest\x1a\x1f.fctkit.v1.RevokeDeviceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fctkit.v1.fleet_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_UPGRADESTATE']._serialized_start=1585
-  _globals['_UPGRADESTATE']._serialized_end=1771
+  _globals['_UPGRADESTATE']._serialized_start=1631
+  _globals['_UPGRADESTATE']._serialized_end=1817
   _globals['_CREATEENROLMENTCODEREQUEST']._serialized_start=36
   _globals['_CREATEENROLMENTCODEREQUEST']._serialized_end=115
   _globals['_CREATEENROLMENTCODERESPONSE']._serialized_start=117
@@ -42,21 +42,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENROLRESPONSE']._serialized_start=273
   _globals['_ENROLRESPONSE']._serialized_end=396
   _globals['_REPORTREQUEST']._serialized_start=399
-  _globals['_REPORTREQUEST']._serialized_end=673
-  _globals['_UPGRADEHEALTH']._serialized_start=676
-  _globals['_UPGRADEHEALTH']._serialized_end=879
-  _globals['_REPORTRESPONSE']._serialized_start=881
-  _globals['_REPORTRESPONSE']._serialized_end=942
-  _globals['_DEVICEINFO']._serialized_start=945
-  _globals['_DEVICEINFO']._serialized_end=1347
-  _globals['_LISTDEVICESREQUEST']._serialized_start=1349
-  _globals['_LISTDEVICESREQUEST']._serialized_end=1408
-  _globals['_LISTDEVICESRESPONSE']._serialized_start=1410
-  _globals['_LISTDEVICESRESPONSE']._serialized_end=1496
-  _globals['_REVOKEDEVICEREQUEST']._serialized_start=1498
-  _globals['_REVOKEDEVICEREQUEST']._serialized_end=1538
-  _globals['_REVOKEDEVICERESPONSE']._serialized_start=1540
-  _globals['_REVOKEDEVICERESPONSE']._serialized_end=1582
-  _globals['_FLEET']._serialized_start=1774
-  _globals['_FLEET']._serialized_end=2165
+  _globals['_REPORTREQUEST']._serialized_end=719
+  _globals['_UPGRADEHEALTH']._serialized_start=722
+  _globals['_UPGRADEHEALTH']._serialized_end=925
+  _globals['_REPORTRESPONSE']._serialized_start=927
+  _globals['_REPORTRESPONSE']._serialized_end=988
+  _globals['_DEVICEINFO']._serialized_start=991
+  _globals['_DEVICEINFO']._serialized_end=1393
+  _globals['_LISTDEVICESREQUEST']._serialized_start=1395
+  _globals['_LISTDEVICESREQUEST']._serialized_end=1454
+  _globals['_LISTDEVICESRESPONSE']._serialized_start=1456
+  _globals['_LISTDEVICESRESPONSE']._serialized_end=1542
+  _globals['_REVOKEDEVICEREQUEST']._serialized_start=1544
+  _globals['_REVOKEDEVICEREQUEST']._serialized_end=1584
+  _globals['_REVOKEDEVICERESPONSE']._serialized_start=1586
+  _globals['_REVOKEDEVICERESPONSE']._serialized_end=1628
+  _globals['_FLEET']._serialized_start=1820
+  _globals['_FLEET']._serialized_end=2211
 # @@protoc_insertion_point(module_scope)

@@ -67,7 +67,7 @@ class EnrolResponse(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., publisher_public_key: _Optional[bytes] = ..., publisher_key_id: _Optional[str] = ..., owner_id: _Optional[str] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
-    __slots__ = ("version", "gallery_size", "upgrade_state", "target_version", "progress", "detail", "root_version", "trust_stale", "seconds_since_fresh", "health")
+    __slots__ = ("version", "gallery_size", "upgrade_state", "target_version", "progress", "detail", "root_version", "trust_stale", "seconds_since_fresh", "health", "reverted_from", "revert_method")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     GALLERY_SIZE_FIELD_NUMBER: _ClassVar[int]
     UPGRADE_STATE_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,8 @@ class ReportRequest(_message.Message):
     TRUST_STALE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_FRESH_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    REVERTED_FROM_FIELD_NUMBER: _ClassVar[int]
+    REVERT_METHOD_FIELD_NUMBER: _ClassVar[int]
     version: int
     gallery_size: int
     upgrade_state: UpgradeState
@@ -88,7 +90,9 @@ class ReportRequest(_message.Message):
     trust_stale: bool
     seconds_since_fresh: int
     health: UpgradeHealth
-    def __init__(self, version: _Optional[int] = ..., gallery_size: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., target_version: _Optional[int] = ..., progress: _Optional[float] = ..., detail: _Optional[str] = ..., root_version: _Optional[int] = ..., trust_stale: _Optional[bool] = ..., seconds_since_fresh: _Optional[int] = ..., health: _Optional[_Union[UpgradeHealth, _Mapping]] = ...) -> None: ...
+    reverted_from: int
+    revert_method: str
+    def __init__(self, version: _Optional[int] = ..., gallery_size: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., target_version: _Optional[int] = ..., progress: _Optional[float] = ..., detail: _Optional[str] = ..., root_version: _Optional[int] = ..., trust_stale: _Optional[bool] = ..., seconds_since_fresh: _Optional[int] = ..., health: _Optional[_Union[UpgradeHealth, _Mapping]] = ..., reverted_from: _Optional[int] = ..., revert_method: _Optional[str] = ...) -> None: ...
 
 class UpgradeHealth(_message.Message):
     __slots__ = ("version", "rows_upgraded", "failures", "seconds", "sample_size", "mean_cosine", "p10_cosine", "recall_at_1", "mean_reciprocal_rank")
