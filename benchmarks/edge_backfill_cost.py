@@ -61,7 +61,7 @@ def measure(rows: int, batch: int, work: Path) -> dict:
     with LoopbackServer(work) as server:
         v1, v2 = build_bundles(work / "bundles", server.key)
         server.publish(v1)
-        device = Device.init(work / "device", publisher_key=server.publisher_pub, settings=DeviceSettings(batch_size=batch))
+        device = Device.init(work / "device", publisher_key=server.publisher_pub, settings=DeviceSettings(batch_size=batch, health_sample=0))
         device.progress = False
         device.enrol(server.target, server.code())
         device.sync(replicate=False)
