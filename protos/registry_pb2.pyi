@@ -298,7 +298,14 @@ class HealthSummary(_message.Message):
     def __init__(self, devices: _Optional[int] = ..., median: _Optional[float] = ..., min: _Optional[float] = ..., p10: _Optional[float] = ...) -> None: ...
 
 class RolloutStage(_message.Message):
-    __slots__ = ("stage", "percent", "started_at", "offered", "downloaded", "upgraded", "failed", "reverted", "health")
+    __slots__ = ("stage", "percent", "started_at", "offered", "downloaded", "upgraded", "failed", "reverted", "health", "revert_methods")
+    class RevertMethodsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PERCENT_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +315,7 @@ class RolloutStage(_message.Message):
     FAILED_FIELD_NUMBER: _ClassVar[int]
     REVERTED_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    REVERT_METHODS_FIELD_NUMBER: _ClassVar[int]
     stage: int
     percent: float
     started_at: str
@@ -317,10 +325,11 @@ class RolloutStage(_message.Message):
     failed: int
     reverted: int
     health: HealthSummary
-    def __init__(self, stage: _Optional[int] = ..., percent: _Optional[float] = ..., started_at: _Optional[str] = ..., offered: _Optional[int] = ..., downloaded: _Optional[int] = ..., upgraded: _Optional[int] = ..., failed: _Optional[int] = ..., reverted: _Optional[int] = ..., health: _Optional[_Union[HealthSummary, _Mapping]] = ...) -> None: ...
+    revert_methods: _containers.ScalarMap[str, int]
+    def __init__(self, stage: _Optional[int] = ..., percent: _Optional[float] = ..., started_at: _Optional[str] = ..., offered: _Optional[int] = ..., downloaded: _Optional[int] = ..., upgraded: _Optional[int] = ..., failed: _Optional[int] = ..., reverted: _Optional[int] = ..., health: _Optional[_Union[HealthSummary, _Mapping]] = ..., revert_methods: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("version", "state", "percent", "cohort_size", "halt_below", "halt_min_devices", "halt_reason", "stages", "gate_cases_json", "updated_at")
+    __slots__ = ("version", "state", "percent", "cohort_size", "halt_below", "halt_min_devices", "halt_reason", "stages", "gate_cases_json", "updated_at", "withdrawn_reason", "revert_to")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PERCENT_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +340,8 @@ class RolloutStatus(_message.Message):
     STAGES_FIELD_NUMBER: _ClassVar[int]
     GATE_CASES_JSON_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    WITHDRAWN_REASON_FIELD_NUMBER: _ClassVar[int]
+    REVERT_TO_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: str
     percent: float
@@ -341,7 +352,9 @@ class RolloutStatus(_message.Message):
     stages: _containers.RepeatedCompositeFieldContainer[RolloutStage]
     gate_cases_json: str
     updated_at: str
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., percent: _Optional[float] = ..., cohort_size: _Optional[int] = ..., halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ..., halt_reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[RolloutStage, _Mapping]]] = ..., gate_cases_json: _Optional[str] = ..., updated_at: _Optional[str] = ...) -> None: ...
+    withdrawn_reason: str
+    revert_to: int
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., percent: _Optional[float] = ..., cohort_size: _Optional[int] = ..., halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ..., halt_reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[RolloutStage, _Mapping]]] = ..., gate_cases_json: _Optional[str] = ..., updated_at: _Optional[str] = ..., withdrawn_reason: _Optional[str] = ..., revert_to: _Optional[int] = ...) -> None: ...
 
 class WithdrawRequest(_message.Message):
     __slots__ = ("withdrawal",)
