@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,32 +58,22 @@ from .device_files import (
 from .device_parts import DeviceParts
 from .device_status import device_status
 from .device_trust import DeviceTrust, initial_pin
-from .device_trust_sync import TrustChoice, enrol_device, trusted_client, trusted_versions
+from .device_sync import SyncResult, sync_device
+from .device_trust_sync import TrustChoice, enrol_device, trusted_client
 from .engine import Engine
 from .gallery import Gallery
 from .gallery_rows import LoadedRows
 from .gallery_search import GallerySearch, Match
 from .repair import damage_report, repair_gallery, valid_names
 from .replication import ReplicationResult, apply_pending, replicate
+from .revert_records import expire_rollback, revert_report_fields, withdrawal_status
 from .scoring import TransitionState, store_hubness_offsets
 from .search import ExactIndex
 from .upgrade import DeviceUpgrade
 from .upgrade_check import HealthCheck, send_report
-from .upgrade_plan import UpgradePlan, hop_list
+from .upgrade_plan import UpgradePlan
 
 __all__ = ["AddedItems", "Device", "DeviceSettings", "Match", "SyncResult"]
-
-
-@dataclass
-class SyncResult:
-    installed_before: int
-    installed_after: int
-    hops: str = "(none)"
-    rows_upgraded: int = 0
-    uploaded: int = 0
-    still_queued: int = 0
-    notes: list[str] = field(default_factory=list)
-    replication: ReplicationResult | None = None
 
 
 class Device:
@@ -104,6 +94,8 @@ class Device:
         self.trust = DeviceTrust(root, settings.clock_tolerance_s)  # its .clock is replaceable (tests)
         self.bundles = InstalledBundles(root, self.trust, settings.engine)
         self.search = GallerySearch(self.gallery, self.bundles, settings.search_backend)
+        if not self.gallery.settings.damaged():  # a closed rollback window's kept vectors go at an open or a sync
+            expire_rollback(self.gallery)
         self.progress = True
 
     # -- creation ---------------------------------------------------------------------------
@@ -303,32 +295,10 @@ class Device:
     # -- sync and upgrade -------------------------------------------------------------------
 
     def sync(self, *, upgrade: bool = True, replicate: bool = True) -> SyncResult:
-        """Upload queued originals, install (first time) or upgrade to the latest version, then
-        (``replicate``, on a device of an owner) pull and push the owner's gallery replica."""
-        from fctkit.protos import fleet_pb2
-
-        self._refuse_damaged_settings()
-        result = SyncResult(self.version, self.version)
-        with self.client() as client:
-            result.uploaded, result.still_queued = self.flush_outbox()
-            upgrades = self._upgrades(client)
-            result.rows_upgraded += upgrades.resume()
-            latest = trusted_versions(self.trust, client, self.version)  # a trust refusal stops here
-            if latest:
-                target = latest[-1].version
-                self._report(client, fleet_pb2.UPGRADE_STATE_DOWNLOADING, target)
-                if self.version == 0:
-                    self.bundles.download(client, target, 0)
-                    self.gallery.set_meta({"query_version": str(target)})
-                else:
-                    plan = upgrades.server_plan(client, target)
-                    result.hops = hop_list(plan.hops)
-                    if upgrade:
-                        result.rows_upgraded += upgrades.start(plan)
-            result.installed_after = self.version
-            self._replicate(client, result, replicate)
-            self._report(client, fleet_pb2.UPGRADE_STATE_IDLE)
-        return result
+        """Upload queued originals, take the listing's signed withdrawals (going back from a withdrawn
+        version, :mod:`.revert`), install (first time) or upgrade to the latest version not withdrawn,
+        then (``replicate``, on a device of an owner) pull and push the owner's gallery replica."""
+        return sync_device(self, upgrade=upgrade, replicate=replicate)
 
     def _replicate(self, client, result: SyncResult, wanted: bool) -> None:
         if not wanted:
@@ -403,7 +373,7 @@ class Device:
         """Tell the fleet service where this device stands, with the last upgrade's health (best effort:
         :func:`~.upgrade_check.send_report`)."""
         send_report(client, self.gallery, self.version, state, target_version=target, progress=min(progress, 1.0),
-                    **self.trust.report_fields())
+                    **self.trust.report_fields(), **revert_report_fields(self.gallery))
 
     # -- backfill and transition scoring ----------------------------------------------------
 
@@ -494,4 +464,4 @@ class Device:
     def status(self) -> dict[str, Any]:
         """What the device holds and does (:func:`~.device_status.device_status`)."""
         status = device_status(self.root, self.settings, self.parts, self.search, owner_key_id(self._owner_key), self.check)
-        return {**status, "trust": self.trust.status()}
+        return {**status, "trust": self.trust.status(), "withdrawals": withdrawal_status(self.gallery)}

@@ -143,9 +143,15 @@ def refresh_trust(trust: DeviceTrust, client: Any, listing: VersionListing | Non
 def trusted_versions(trust: DeviceTrust, client: Any, after_version: int) -> list[Any]:
     """The versions after ``after_version`` that the freshly refreshed timestamp offers: one
     ListVersions (its answer carries the timestamp), and GetTrust only when the root changed."""
+    return trusted_listing(trust, client, after_version).versions
+
+
+def trusted_listing(trust: DeviceTrust, client: Any, after_version: int) -> VersionListing:
+    """:func:`trusted_versions`' listing: its ``versions`` cut to those the timestamp offers, its
+    ``withdrawals`` as the server sent them (each verified by the device before use, :mod:`.revert`)."""
     listing = client.version_listing(after_version)
     refresh_trust(trust, client, listing)
-    return trust.on_offer(listing.versions)
+    return replace(listing, versions=trust.on_offer(listing.versions))
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ REQUIRED = ("schema_version", "gallery_id", "key_check", "query_version", "live_
 #: without these the gallery cannot be opened at all
 ESSENTIAL = ("schema_version", "gallery_id", "key_check")
 #: every setting name but the numbered ``uncertainty:vN`` (a damaged name is recognised by its MAC)
-KNOWN = (*REQUIRED, "upgrade", "transition", "backfill", "upgrade_health")
+KNOWN = (*REQUIRED, "upgrade", "transition", "backfill", "upgrade_health", "rollback", "withdrawn", "revert")
 RECOVERED_BYTES = 512  # longest value whose damaged byte is searched for (about 0.1 s per 100 bytes)
 
 

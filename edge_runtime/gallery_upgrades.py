@@ -13,8 +13,8 @@ import numpy as np
 
 from fctkit.errors import GalleryError
 
-from .gallery_extras import RowExtras
-from .gallery_rows import LoadedRows, UpgradedRows, rows_by_tag, take_rows
+from .gallery_extras import ROLLBACK_FIELDS, RowExtras
+from .gallery_rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
 from .gallery_vectors import VectorBlocks
 from .sqlite_file import id_chunks, read_snapshot, transaction
 
@@ -88,29 +88,54 @@ class GalleryUpgrades:
         ``staged``: into the staged vector table (forward mode, switched later); else in place,
         the change logged for replication unless ``logged`` is False (repair's lost side-info)."""
         with transaction(self._db):
-            live, other = self._tables()
-            if staged:  # set-based, one statement per new block: the rows' ids go in as one JSON array
-                sql = (f"INSERT INTO {other} (row_id, version, via, block_id) SELECT row_id, ?, ?, ? FROM {live} "
-                       f"WHERE row_id IN (SELECT value FROM json_each(?)) AND version = ? AND via = ?")
-            else:  # the rows leave their old blocks (retired there) for the new ones
-                self._vectors.retire(live, [r for b in batches for r in b.row_ids])
-                sql = (f"UPDATE {live} SET version = ?, via = ?, block_id = ? "
-                       f"WHERE row_id IN (SELECT value FROM json_each(?)) AND version = ? AND via = ?")
-            written = 0
-            try:
-                for b in batches:
-                    block_of = self._vectors.write(other if staged else live, b.new_tag, b.row_ids, b.item_ids, b.embeddings, b.side_infos)
-                    for block_id in np.unique(block_of):
-                        rows = json.dumps(np.asarray(b.row_ids, dtype=np.int64)[block_of == block_id].tolist())
-                        params = (b.new_tag.version, b.new_tag.via, int(block_id), rows, b.old_tag.version, b.old_tag.via)
-                        written += self._db.execute(sql, params).rowcount
-            except sqlite3.IntegrityError:
-                raise GalleryError("a row of this batch is already upgraded (staged); run the upgrade again") from None
-            expected = sum(len(b.row_ids) for b in batches)
-            if written != expected:
-                raise GalleryError(f"{expected - written} row(s) changed while being upgraded; run the upgrade again")
-            if not staged and logged:  # in place: live rows changed (staged ones change at the switch)
-                self._log_changes([i for b in batches for i in b.item_ids])
+            self._write_rows(batches, staged=staged, logged=logged)
+
+    def revert_rows(self, batches: Sequence[UpgradedRows], meta: dict[str, str | None]) -> None:
+        """A revert in one transaction (:mod:`.revert`): the rows written back in place (each guarded
+        by its live tag, logged for replication), the rollback vectors dropped, ``meta`` set."""
+        with transaction(self._db):
+            self._write_rows(batches, staged=False, logged=True)
+            self._db.execute(f"DELETE FROM row_extras WHERE field IN {ROLLBACK_FIELDS}")
+            self._set_meta(meta)
+
+    def drop_rollback(self, meta: dict[str, str | None]) -> int:
+        """Delete the rollback vectors and set ``meta`` (one transaction); returns the extras deleted."""
+        with transaction(self._db):
+            dropped = self._db.execute(f"DELETE FROM row_extras WHERE field IN {ROLLBACK_FIELDS}").rowcount
+            self._set_meta(meta)
+        return dropped
+
+    def live_rows(self) -> dict[int, tuple[str, VersionTag]]:
+        """Every live row's item id and current tag, by row id (nothing decrypted)."""
+        live, _ = self._tables()
+        return {r: (item, VersionTag(o, v, via)) for r, item, o, v, via in self._db.execute(
+            f"SELECT v.row_id, i.item_id, i.origin_version, v.version, v.via FROM {live} v JOIN items i USING (row_id)")}
+
+    def _write_rows(self, batches: Sequence[UpgradedRows], *, staged: bool, logged: bool) -> None:
+        """Inside a transaction: :meth:`write_upgrades`' writes."""
+        live, other = self._tables()
+        if staged:  # set-based, one statement per new block: the rows' ids go in as one JSON array
+            sql = (f"INSERT INTO {other} (row_id, version, via, block_id) SELECT row_id, ?, ?, ? FROM {live} "
+                   f"WHERE row_id IN (SELECT value FROM json_each(?)) AND version = ? AND via = ?")
+        else:  # the rows leave their old blocks (retired there) for the new ones
+            self._vectors.retire(live, [r for b in batches for r in b.row_ids])
+            sql = (f"UPDATE {live} SET version = ?, via = ?, block_id = ? "
+                   f"WHERE row_id IN (SELECT value FROM json_each(?)) AND version = ? AND via = ?")
+        written = 0
+        try:
+            for b in batches:
+                block_of = self._vectors.write(other if staged else live, b.new_tag, b.row_ids, b.item_ids, b.embeddings, b.side_infos)
+                for block_id in np.unique(block_of):
+                    rows = json.dumps(np.asarray(b.row_ids, dtype=np.int64)[block_of == block_id].tolist())
+                    params = (b.new_tag.version, b.new_tag.via, int(block_id), rows, b.old_tag.version, b.old_tag.via)
+                    written += self._db.execute(sql, params).rowcount
+        except sqlite3.IntegrityError:
+            raise GalleryError("a row of this batch is already upgraded (staged); run the upgrade again") from None
+        expected = sum(len(b.row_ids) for b in batches)
+        if written != expected:
+            raise GalleryError(f"{expected - written} row(s) changed while being upgraded; run the upgrade again")
+        if not staged and logged:  # in place: live rows changed (staged ones change at the switch)
+            self._log_changes([i for b in batches for i in b.item_ids])
 
     def staged_damage(self) -> list[tuple[int, str, str]]:
         """(row id, item id, reason) of the staged rows (an upgrade's, not yet switched) whose
@@ -137,11 +162,14 @@ class GalleryUpgrades:
             self._db.execute(f"DELETE FROM {staged} WHERE row_id IN ({marks})", chunk)
         return len(rows)
 
-    def switch_to(self, target_version: int, meta: dict[str, str | None], *, keep_previous: int | None = None) -> None:
+    def switch_to(self, target_version: int, meta: dict[str, str | None], *, keep_previous: int | None = None,
+                  keep_rollback: bool = False) -> None:
         """Commit a forward-mode upgrade in one transaction: the staged vector table becomes
         live and the query version is set; refused while any row is not yet in the target space.
         Earlier previous-space embeddings are dropped; ``keep_previous``: the live rows in that
-        version's space keep their embedding as ``previous_embedding`` (a transition begins)."""
+        version's space keep their embedding as ``previous_embedding`` (a transition begins);
+        ``keep_rollback``: every live row keeps its embedding and side-info as it was, sealed under
+        its tag (``rollback_embedding``, ``rollback_side_info``: a rollback window begins, :mod:`.revert`)."""
         with transaction(self._db):
             left = self.remaining(target_version)
             if left:
@@ -152,23 +180,29 @@ class GalleryUpgrades:
             self._db.execute(f"INSERT INTO {staged} SELECT * FROM {live} v WHERE NOT EXISTS "
                              f"(SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id)")
             self._vectors.move_referenced(live, staged)
-            self._db.execute("DELETE FROM row_extras WHERE field = 'previous_embedding'")
+            self._db.execute(f"DELETE FROM row_extras WHERE field IN ('previous_embedding', {ROLLBACK_FIELDS[1:-1]})")
             if keep_previous is not None:
-                self._keep_previous(live, keep_previous)
+                self._keep(live, keep_previous, {"previous_embedding": None})
+            if keep_rollback:
+                self._keep(live, None, {"rollback_embedding": None, "rollback_side_info": None})
             self._vectors.drop_set(live)
             self._db.execute(f"DELETE FROM {live}")
             self._set_meta({**meta, "query_version": str(target_version), "live_vectors": staged})
 
 
-    def _keep_previous(self, live: str, version: int) -> None:
-        """Inside the switch: the live rows in ``version``'s space keep their embedding as a
-        ``previous_embedding`` extra (sealed per row as that tag's embedding)."""
+    def _keep(self, live: str, version: int | None, fields: dict[str, None]) -> None:
+        """Inside the switch: the live rows (in ``version``'s space; None: all) keep their embedding
+        (``*_embedding`` fields) and side-info (``*_side_info``) as extras, each sealed as that tag's
+        own record."""
+        where = "" if version is None else "WHERE v.version = ? "
         rows = self._vectors.open_pointers(self._db.execute(
             f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, NULL FROM {live} v "
-            f"JOIN items i USING (row_id) WHERE v.version = ? ORDER BY row_id", (version,)).fetchall())
+            f"JOIN items i USING (row_id) {where}ORDER BY row_id", () if version is None else (version,)).fetchall())
         for tag, picked in rows_by_tag(rows.tags).items():
-            self._extras.insert("previous_embedding", rows.row_ids[picked].tolist(), [rows.item_ids[i] for i in picked], tag,
-                                take_rows(rows.embeddings, picked))
+            for name in fields:
+                values = rows.embeddings if name.endswith("_embedding") else rows.side_infos
+                self._extras.insert(name, rows.row_ids[picked].tolist(), [rows.item_ids[i] for i in picked], tag,
+                                    take_rows(values, picked))
 
 
 def _not_yet_in(staged: str) -> str:

@@ -41,6 +41,7 @@ from .backfill import record_uncertainty
 from .engine import Engine
 from .gallery import Gallery
 from .gallery_rows import LoadedRows, UpgradedRows, rows_by_tag, take_rows
+from .revert_records import ROLLBACK_KEY, refuse_withdrawn, revert_meta, rollback_meta
 from .scoring import transition_for
 from .sqlite_file import file_bytes, require_room
 from .upgrade_check import UpgradeRun
@@ -110,6 +111,7 @@ class DeviceUpgrade:
         if self.gallery.upgrade_state is not None:
             raise DeviceError("another upgrade is in progress: run `fctkit device upgrade` to finish it first")
         check_version_is_newer(plan.target, self.parts.version or None)
+        refuse_withdrawn(self.gallery, plan.target)
         if any(h.forward is not None for h in plan.hops):
             self._require_room(0, f"upgrading the gallery's rows to v{plan.target}")
         record_uncertainty(self.parts, self.bundles.engine(plan.target))  # FastFill σ needs φ_old, ψ: before the rewrite
@@ -151,10 +153,15 @@ class DeviceUpgrade:
             done = run_upgrade(self.gallery, plan, engines, batch_size=self.batch_size, on_batch=on_batch) if rewrite else 0
         if plan.mode == "forward":
             version = self.gallery.query_version
-            transition = transition_for(self.bundles.engine(plan.target).manifest, self.bundles.manifest(version), version)
-            self.gallery.switch_to(plan.target, {"upgrade": None, "transition": transition and transition.to_json()},
-                                   keep_previous=transition and transition.previous_version)
-        else:
+            target = self.bundles.engine(plan.target).manifest
+            transition = transition_for(target, self.bundles.manifest(version), version)
+            rollback = rollback_meta(target, version)  # a window: every row keeps its vectors (:mod:`.revert`)
+            self.gallery.switch_to(plan.target, {"upgrade": None, "transition": transition and transition.to_json(),
+                                                 **rollback, **revert_meta(None)},
+                                   keep_previous=transition and transition.previous_version,
+                                   keep_rollback=rollback[ROLLBACK_KEY] is not None)
+        else:  # rows rewritten in place: no vectors kept, a withdrawal reverts through backward or the vault
+            self.gallery.drop_rollback({ROLLBACK_KEY: None, **revert_meta(None)})  # before the upgrade record goes
             self.gallery.extras.drop("previous_embedding", {"upgrade": None, "query_version": str(plan.target), "transition": None})
         if self.check is not None:
             self.check(UpgradeRun(plan.target, done, self.gallery.remaining(plan.target), time.monotonic() - started))

@@ -81,6 +81,7 @@ def build_bundle(
     hubness: HubnessPolicy | None = None,
     parity: Mapping[str, Mapping[str, Any]] | None = None,
     preprocessing: Preprocessing | None = None,
+    rollback_window_days: int | None = None,
 ) -> VerifiedBundle:
     """Copy the ONNX files into a new bundle directory ``out_dir``, describe them in a
     manifest, sign it, and return the bundle verified as a device would verify it.
@@ -100,7 +101,9 @@ def build_bundle(
     ``hubness`` graph (:func:`fctkit.export.hubness_onnx`). ``parity``: per artifact name,
     the export's parity check (max_abs_error, tolerance, against), recorded in the manifest.
     ``preprocessing``: how devices feed raw items to the embed/side_info graphs
-    (:mod:`fctkit.protos.preprocessing_spec`); its tokenizers are ``tokenizer`` artifacts."""
+    (:mod:`fctkit.protos.preprocessing_spec`); its tokenizers are ``tokenizer`` artifacts.
+    ``rollback_window_days``: how long devices keep the rows' previous vectors after upgrading
+    to it, so that a withdrawal reverts them exactly (0: none; None: not written, the default)."""
     cases, ecc, quantization = _gate_tables(gate)
     if force and not (force_reason and force_reason.strip()):
         raise GateError("--force needs a reason (--reason '...'): the override is recorded in the signed manifest")
@@ -132,6 +135,7 @@ def build_bundle(
             hubness=hubness,
             parity=None if parity is None else json.loads(json.dumps({k: dict(v) for k, v in parity.items()})),
             preprocessing=preprocessing,
+            rollback_window_days=rollback_window_days,
         )
         manifest_bytes = manifest.canonical_bytes()
         (staging / MANIFEST_FILE).write_bytes(manifest_bytes)

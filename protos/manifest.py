@@ -23,7 +23,9 @@ _MANIFEST_KEYS = (
     "side_info_dim", "artifacts", "gate", "created_at", "kit_version", "publisher_key_id",
 )
 #: Keys a manifest may omit; absent keys are not written, so older manifests keep their bytes.
-_OPTIONAL_MANIFEST_KEYS = ("compatible_prefix_dim", "transition", "hubness", "parity", "preprocessing")
+_OPTIONAL_MANIFEST_KEYS = ("compatible_prefix_dim", "transition", "hubness", "parity", "preprocessing", "rollback_window_days")
+#: how long a device keeps every row's previous vectors after upgrading to a bundle that does not say
+DEFAULT_ROLLBACK_WINDOW_DAYS = 7
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,9 @@ class Manifest:
     #: how raw items (image files, texts) become the embed/side_info graphs' inputs
     #: (fctkit.protos.preprocessing_spec); None: devices pass arrays as they are
     preprocessing: Preprocessing | None = None
+    #: days a device keeps every row's vectors from before its upgrade to this version, so that a
+    #: withdrawal reverts it exactly (0: none); None (absent): :data:`DEFAULT_ROLLBACK_WINDOW_DAYS`
+    rollback_window_days: int | None = None
 
     def __post_init__(self) -> None:
         check_manifest(self)
@@ -82,8 +87,14 @@ class Manifest:
                                           ("transition", self.transition and self.transition.to_json()),
                                           ("hubness", self.hubness and self.hubness.to_json()),
                                           ("parity", self.parity),
-                                          ("preprocessing", self.preprocessing and self.preprocessing.to_json()))
+                                          ("preprocessing", self.preprocessing and self.preprocessing.to_json()),
+                                          ("rollback_window_days", self.rollback_window_days))
               if value is not None}
+
+    @property
+    def rollback_days(self) -> int:
+        """The rollback window in days (the default when the manifest does not say)."""
+        return DEFAULT_ROLLBACK_WINDOW_DAYS if self.rollback_window_days is None else self.rollback_window_days
 
     @property
     def compatible_dims(self) -> int:
@@ -124,6 +135,8 @@ class Manifest:
             parity=typed(optional["parity"], dict, f"{where}.parity") if "parity" in optional else None,
             preprocessing=(Preprocessing.from_json(optional["preprocessing"], f"{where}.preprocessing")
                            if "preprocessing" in optional else None),
+            rollback_window_days=(typed(optional["rollback_window_days"], int, f"{where}.rollback_window_days")
+                                  if "rollback_window_days" in optional else None),
         )
         if manifest.canonical_bytes() != data:
             raise BundleFormatError(

@@ -25,6 +25,10 @@ _GATE_KEYS = ("cases", "ecc", "forced", "force_reason")
 _QUANTIZATION_KEYS = ("precision", "scheme", "artifacts", "metric", "fp32", "quantized")
 
 
+#: the longest rollback window a bundle may ask of devices (they keep twice the vectors meanwhile)
+MAX_ROLLBACK_WINDOW_DAYS = 365
+
+
 def check_manifest(m: Any) -> None:
     """Raise :class:`BundleFormatError` for the first rule the manifest ``m`` breaks."""
     _check_header(m)
@@ -54,6 +58,10 @@ def _check_header(m: Any) -> None:
         raise BundleFormatError(f"{MANIFEST_FILE}: distance {m.distance!r} is not one of {', '.join(DISTANCES)}")
     if not isinstance(m.normalize, bool):
         raise BundleFormatError(f"{MANIFEST_FILE}: normalize must be true or false")
+    window = m.rollback_window_days
+    if window is not None and (not is_int(window) or not 0 <= window <= MAX_ROLLBACK_WINDOW_DAYS):
+        raise BundleFormatError(f"{MANIFEST_FILE}: rollback_window_days must be an integer from 0 (none) to "
+                                f"{MAX_ROLLBACK_WINDOW_DAYS}, got {window!r}")
     if not is_int(m.embedding_dim) or m.embedding_dim <= 0:
         raise BundleFormatError(f"{MANIFEST_FILE}: embedding_dim must be a positive integer")
     if not is_int(m.side_info_dim) or m.side_info_dim < 0:

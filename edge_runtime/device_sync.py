@@ -1,0 +1,87 @@
+"""A device's sync (:meth:`~.device.Device.sync`): upload queued originals, resume an interrupted
+upgrade, take the listing's withdrawals (:mod:`.revert`), install or upgrade to the latest version
+on offer that is not withdrawn, replicate, report. :class:`SyncResult` is what it says it did."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .bundle_store import InstalledBundles
+from .device_parts import DeviceParts
+from .device_trust import DeviceTrust
+from .device_trust_sync import trusted_listing
+from .gallery import Gallery
+from .replication import ReplicationResult
+from .revert import take_withdrawals
+from .revert_records import expire_rollback, withdrawal_log
+from .upgrade import DeviceUpgrade
+from .upgrade_plan import hop_list
+
+
+@dataclass
+class SyncResult:
+    installed_before: int
+    installed_after: int
+    hops: str = "(none)"
+    rows_upgraded: int = 0
+    uploaded: int = 0
+    still_queued: int = 0
+    notes: list[str] = field(default_factory=list)
+    replication: ReplicationResult | None = None
+
+
+class SyncingDevice(Protocol):
+    """What a sync uses of :class:`~.device.Device` (which calls :func:`sync_device` with itself)."""
+
+    gallery: Gallery
+    bundles: InstalledBundles
+    trust: DeviceTrust
+
+    @property
+    def version(self) -> int: ...
+    @property
+    def parts(self) -> DeviceParts: ...
+    def client(self, *, attempts: int = 6) -> Any: ...
+    def flush_outbox(self, *, attempts: int = 2) -> tuple[int, int]: ...
+    def _refuse_damaged_settings(self) -> None: ...
+    def _upgrades(self, client: Any = None) -> DeviceUpgrade: ...
+    def _upgraded(self) -> None: ...
+    def _report(self, client: Any, state: int, target: int = 0, progress: float = 0.0) -> None: ...
+    def _replicate(self, client: Any, result: SyncResult, wanted: bool) -> None: ...
+
+
+def sync_device(device: SyncingDevice, *, upgrade: bool, replicate: bool) -> SyncResult:
+    """One sync of ``device`` (see the module docstring)."""
+    from fctkit.protos import fleet_pb2
+
+    device._refuse_damaged_settings()
+    result = SyncResult(device.version, device.version)
+    with device.client() as client:
+        result.uploaded, result.still_queued = device.flush_outbox()
+        upgrades = device._upgrades(client)
+        result.rows_upgraded += upgrades.resume()
+        listing = trusted_listing(device.trust, client, device.version)  # a trust refusal stops here
+        if expire_rollback(device.gallery):
+            result.notes.append("the rollback window closed: the vectors kept from before the last upgrade were dropped")
+        reverted_from = device.version
+        result.notes += take_withdrawals(device.parts, device.trust, listing.withdrawals, client)
+        if device.version != reverted_from:
+            device._upgraded()  # searches reload; the rows back in the earlier space get their offsets
+        withdrawn = withdrawal_log(device.gallery)
+        latest = [v for v in listing.versions if v.version > device.version and not withdrawn.withdrawn(v.version)]
+        if latest:
+            target = latest[-1].version
+            device._report(client, fleet_pb2.UPGRADE_STATE_DOWNLOADING, target)
+            if device.version == 0:
+                device.bundles.download(client, target, 0)
+                device.gallery.set_meta({"query_version": str(target)})
+            else:
+                plan = upgrades.server_plan(client, target)
+                result.hops = hop_list(plan.hops)
+                if upgrade:
+                    result.rows_upgraded += upgrades.start(plan)
+        result.installed_after = device.version
+        device._replicate(client, result, replicate)
+        device._report(client, fleet_pb2.UPGRADE_STATE_IDLE)
+    return result

@@ -1,0 +1,190 @@
+"""Withdrawals on a device (issue 36 §3): at each sync the device verifies the signed withdrawals its
+listing carries and, when the version answering its queries is withdrawn, goes back to the
+withdrawal's ``revert_to``.
+
+- A withdrawal is checked like a release (:func:`~fctkit.protos.trust.verify_withdrawal` with the
+  device's current root, or its pinned publisher key): one that fails is refused, recorded for
+  status and changes nothing (a server alone cannot send a device back). A verified one is
+  recorded: that version is never installed again (:func:`~.revert_records.refuse_withdrawn`).
+- **exact**: within the rollback window (:mod:`.revert_records`) each row gets back the embedding
+  and side-info it had before the upgrade, the very sealed values kept at the switch
+  (:meth:`~.gallery_upgrades.GalleryUpgrades.switch_to`), bit for bit.
+- otherwise (no window, closed, or kept for another version; the status and sync notes say so):
+  **backward** through the withdrawn bundle's ``backward`` graph to ``revert_to`` when it has one,
+  else **reembedded**: each row's original is fetched from the vault and embedded by ``revert_to``'s
+  model, as backfill does. Rows with neither are left out of searches and reported.
+
+Every vector is computed first; then one transaction writes every row back (each guarded by the
+tag it was read with), drops the kept vectors, switches the query version and records the revert.
+Queries never see the two spaces mixed, and a process killed at any point leaves either nothing
+done (the next sync starts again) or everything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fctkit.errors import BundleFormatError, DeviceError, TrustError
+from fctkit.protos.trust import parse_withdrawal, verify_withdrawal
+from fctkit.protos.trust.withdrawal import Withdrawal
+
+from .backfill import gallery_vectors, vault_originals
+from .device_parts import DeviceParts
+from .device_trust import DeviceTrust
+from .gallery_rows import UpgradedRows, VersionTag
+from .revert_records import (
+    ROLLBACK_KEY,
+    RevertRecord,
+    WithdrawalLog,
+    log_meta,
+    revert_meta,
+    rollback_window,
+    withdrawal_log,
+)
+
+BATCH = 64  # originals fetched and embedded at a time
+
+
+@dataclass
+class MovedRows:
+    """Rows with their vectors in the space they go back to, and the item ids that cannot go."""
+
+    batches: list[UpgradedRows]
+    moved: set[int]
+    not_moved: list[str]
+
+
+def take_withdrawals(parts: DeviceParts, trust: DeviceTrust, documents: Sequence[bytes], client: Any,
+                     now: float | None = None) -> list[str]:
+    """Verify the listing's withdrawals, record them, and revert when the query version is
+    withdrawn; returns notes for the sync's output."""
+    log = withdrawal_log(parts.gallery)
+    log.refused = []
+    accepted = []
+    for document in documents:
+        try:
+            accepted.append(verify_withdrawal(trust.release_trust(), parse_withdrawal(document)).body)
+        except (TrustError, BundleFormatError) as exc:
+            log.refused.append(f"a withdrawal was refused and changed nothing: {exc}")
+    for withdrawal in accepted:
+        log.versions.setdefault(str(withdrawal.version), {"revert_to": withdrawal.revert_to, "reason": withdrawal.reason,
+                                                          "withdrawn_at": withdrawal.withdrawn_at.isoformat()})
+    if log != withdrawal_log(parts.gallery):
+        parts.gallery.set_meta(log_meta(log))
+    notes = list(log.refused)
+    current = next((w for w in accepted if w.version == parts.version), None)
+    if current is not None:
+        notes.append(revert_note(revert(parts, current, client, log, now)))
+    return notes
+
+
+def revert_note(record: RevertRecord) -> str:
+    lost = f"; {len(record.rows_not_moved)} row(s) could not be moved and are left out of searches" if record.rows_not_moved else ""
+    return (f"v{record.reverted_from} was withdrawn ({record.reason!r}): reverted to v{record.revert_to} "
+            f"({record.method}, {record.rows_moved} row(s)){lost}{'; ' + record.note if record.note else ''}")
+
+
+def revert(parts: DeviceParts, withdrawal: Withdrawal, client: Any, log: WithdrawalLog | None = None,
+           now: float | None = None) -> RevertRecord:
+    """Go back from the withdrawn version to ``withdrawal.revert_to`` (see the module docstring)."""
+    gallery, version, target = parts.gallery, withdrawal.version, withdrawal.revert_to
+    if gallery.upgrade_state is not None:
+        raise DeviceError("an upgrade is under way: finish it (`fctkit device upgrade --dir DIR`), then sync again")
+    if target == 0 or target not in parts.bundles.versions():
+        raise DeviceError(f"v{version} was withdrawn, but this device does not hold the bundle of v{target} to go back to: "
+                          f"it stays on v{version} until a later version is published")
+    window = rollback_window(gallery)
+    exact = window is not None and window.version == version and window.previous_version == target and window.is_open(now)
+    note = "" if exact else _no_window_note(window, version, target, now)
+    kept = _kept_rows(parts) if exact else MovedRows([], set(), [])
+    live = gallery.live_rows()
+    left = {r: entry for r, entry in live.items() if entry[1].version == version and r not in kept.moved}
+    backward = _backward_artifact(parts, version, target)
+    rest = _through_backward(parts, version, target, left) if backward else _reembedded(parts, client, target, left)
+    method = "exact" if exact else "backward" if backward else "reembedded"
+    record = RevertRecord(version, target, method, withdrawal.reason, time.time() if now is None else now,
+                          len(kept.moved) + len(rest.moved), rest.not_moved, note)
+    meta = {"query_version": str(target), "transition": None, ROLLBACK_KEY: None, **revert_meta(record),
+            **log_meta(log if log is not None else withdrawal_log(gallery))}
+    gallery.revert_rows(kept.batches + rest.batches, meta)
+    return record
+
+
+def _no_window_note(window, version: int, target: int, now: float | None) -> str:
+    if window is None or window.version != version:
+        return f"no rollback window kept v{target}'s vectors (the bundle has none, or it was dropped)"
+    if window.previous_version != target:
+        return f"the rollback window kept v{window.previous_version}'s vectors, not v{target}'s"
+    return f"the rollback window closed at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(window.until))}: its vectors are gone"
+
+
+def _kept_rows(parts: DeviceParts) -> MovedRows:
+    """The rows' vectors kept at the upgrade, as batches back to their kept tags (those whose kept
+    vectors fail to open are left to the other ways)."""
+    gallery = parts.gallery
+    embeddings, side_infos = gallery.extras.load("rollback_embedding"), gallery.extras.load("rollback_side_info")
+    side_of = {int(r): i for i, r in enumerate(side_infos.row_ids)}
+    live = gallery.live_rows()
+    picked = [i for i, r in enumerate(embeddings.row_ids) if int(r) in side_of and int(r) in live
+              and side_infos.tags[side_of[int(r)]] == embeddings.tags[i]]
+    row_ids = [int(embeddings.row_ids[i]) for i in picked]
+    return MovedRows(_batches(row_ids, live, [embeddings.tags[i] for i in picked],
+                              _stack([embeddings.embeddings[i] for i in picked]),
+                              _stack([side_infos.embeddings[side_of[r]] for r in row_ids])), set(row_ids), [])
+
+
+def _backward_artifact(parts: DeviceParts, version: int, target: int):
+    matches = [a for a in parts.bundles.manifest(version).artifacts
+               if a.role == "backward" and a.source_version == version and a.target_version == target]
+    return matches[0] if len(matches) == 1 else None
+
+
+def _through_backward(parts: DeviceParts, version: int, target: int, left: dict[int, tuple[str, VersionTag]]) -> MovedRows:
+    """Rows of the withdrawn space mapped by its bundle's backward graph B into ``target``'s space
+    (tagged 'backward', side-info as it was, like unified mode's rows)."""
+    if not left:
+        return MovedRows([], set(), [])
+    engine = parts.bundles.engine(version)
+    rows = parts.gallery.space_rows(version, 0, len(left), only=sorted(left))
+    if rows.corrupt:
+        raise DeviceError(f"row {rows.corrupt[0][0]} cannot be read ({rows.corrupt[0][2]}): run `fctkit device repair --dir DIR`, then sync again")
+    row_ids = [int(r) for r in rows.row_ids]
+    mapped = engine.run(_backward_artifact(parts, version, target), _stack(list(rows.embeddings)))
+    tags = [VersionTag(left[r][1].origin_version, target, "backward") for r in row_ids]
+    return MovedRows(_batches(row_ids, left, tags, mapped, _stack(list(rows.side_infos))), set(row_ids), [])
+
+
+def _reembedded(parts: DeviceParts, client: Any, target: int, left: dict[int, tuple[str, VersionTag]]) -> MovedRows:
+    """Rows whose originals are in the vault, embedded again by ``target``'s model; the rest are not moved."""
+    engine = parts.bundles.engine(target)
+    with_original = [r for r in sorted(left) if parts.gallery.replica_log.vault_sha256(left[r][0]) is not None]
+    not_moved = [left[r][0] for r in sorted(left) if r not in set(with_original)]
+    batches: list[UpgradedRows] = []
+    for start in range(0, len(with_original), BATCH):
+        chunk = with_original[start:start + BATCH]
+        images, _ = vault_originals(parts, client, [left[r][0] for r in chunk], engine)
+        embeddings, side_infos, via = gallery_vectors(engine, images)
+        tags = [VersionTag(left[r][1].origin_version, target, via) for r in chunk]
+        batches += _batches(chunk, left, tags, embeddings, side_infos)
+    return MovedRows(batches, set(with_original), not_moved)
+
+
+def _batches(row_ids: list[int], live: dict[int, tuple[str, VersionTag]], new_tags: list[VersionTag],
+             embeddings: np.ndarray, side_infos: np.ndarray) -> list[UpgradedRows]:
+    """One write per (live tag, new tag) pair, each guarded by the live tag."""
+    pairs = [(live[r][1], t) for r, t in zip(row_ids, new_tags, strict=True)]
+    groups: dict[tuple[VersionTag, VersionTag], list[int]] = {}
+    for i, pair in enumerate(pairs):
+        groups.setdefault(pair, []).append(i)
+    return [UpgradedRows([row_ids[i] for i in index], [live[row_ids[i]][0] for i in index], old, new,
+                         embeddings[index], side_infos[index]) for (old, new), index in groups.items()]
+
+
+def _stack(vectors: list[np.ndarray]) -> np.ndarray:
+    return np.stack(vectors).astype(np.float32, copy=False) if vectors else np.zeros((0, 0), np.float32)
+

@@ -1,0 +1,144 @@
+"""What a device remembers about rollback windows and withdrawals (issue 36 §3), each kept in the
+gallery's authenticated settings (HMAC'd like every setting, :mod:`.gallery_settings`):
+
+- ``rollback`` (:class:`RollbackWindow`): after a forward-mode upgrade to a bundle whose window
+  (manifest ``rollback_window_days``, :data:`~fctkit.protos.manifest.DEFAULT_ROLLBACK_WINDOW_DAYS`
+  when absent) is not 0, until when every row keeps its vectors from before the upgrade;
+- ``withdrawn`` (:class:`WithdrawalLog`): the versions whose signed withdrawal the device verified
+  (never installed again) and the withdrawals it refused at its last sync, for status;
+- ``revert`` (:class:`RevertRecord`): the last revert, sent in every Fleet.Report until the next upgrade.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fctkit.errors import DeviceError, GalleryError
+from fctkit.protos.manifest import Manifest
+
+from .gallery import Gallery
+
+ROLLBACK_KEY, WITHDRAWN_KEY, REVERT_KEY = "rollback", "withdrawn", "revert"
+SECONDS_PER_DAY = 86400.0
+METHODS = ("exact", "backward", "reembedded")
+
+
+@dataclass(frozen=True)
+class RollbackWindow:
+    """The rows' vectors of ``previous_version`` are kept until ``until`` (epoch seconds) after the upgrade to ``version``."""
+
+    version: int
+    previous_version: int
+    until: float
+
+    def is_open(self, now: float | None = None) -> bool:
+        return (time.time() if now is None else now) < self.until
+
+
+@dataclass(frozen=True)
+class RevertRecord:
+    """A revert from the withdrawn ``reverted_from`` to ``revert_to``; ``rows_not_moved``: item ids
+    left in the withdrawn version's space (no kept vectors and no original to embed again)."""
+
+    reverted_from: int
+    revert_to: int
+    method: str
+    reason: str
+    reverted_at: float
+    rows_moved: int
+    rows_not_moved: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+@dataclass
+class WithdrawalLog:
+    """``versions``: withdrawn version -> {revert_to, reason, withdrawn_at}; ``refused``: why each
+    withdrawal offered at the last sync was refused (nothing else was changed by it)."""
+
+    versions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)
+
+    def withdrawn(self, version: int) -> bool:
+        return str(version) in self.versions
+
+
+def _read(gallery: Gallery, key: str) -> dict[str, Any] | None:
+    text = gallery.meta(key)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise GalleryError(f"the gallery's {key!r} record is not JSON ({exc}): run `fctkit device repair --dir DIR`") from exc
+
+
+def rollback_window(gallery: Gallery) -> RollbackWindow | None:
+    record = _read(gallery, ROLLBACK_KEY)
+    return None if record is None else RollbackWindow(**record)
+
+
+def rollback_meta(target: Manifest, leaving_version: int, now: float | None = None) -> dict[str, str | None]:
+    """The ``rollback`` setting an upgrade to ``target`` from ``leaving_version`` leaves (None: no window)."""
+    days = target.rollback_days
+    if days <= 0 or leaving_version <= 0:
+        return {ROLLBACK_KEY: None}
+    until = (time.time() if now is None else now) + days * SECONDS_PER_DAY
+    return {ROLLBACK_KEY: json.dumps(asdict(RollbackWindow(target.version, leaving_version, until)), sort_keys=True)}
+
+
+def expire_rollback(gallery: Gallery, now: float | None = None) -> bool:
+    """Drop the kept vectors once the window closed (one transaction); returns whether it did."""
+    window = rollback_window(gallery)
+    if window is None or window.is_open(now):
+        return False
+    gallery.drop_rollback({ROLLBACK_KEY: None})
+    return True
+
+
+def withdrawal_log(gallery: Gallery) -> WithdrawalLog:
+    record = _read(gallery, WITHDRAWN_KEY)
+    return WithdrawalLog() if record is None else WithdrawalLog(**record)
+
+
+def log_meta(log: WithdrawalLog) -> dict[str, str | None]:
+    return {WITHDRAWN_KEY: json.dumps(asdict(log), sort_keys=True)}
+
+
+def refuse_withdrawn(gallery: Gallery, version: int) -> None:
+    """A version whose withdrawal this device verified is never installed again."""
+    log = withdrawal_log(gallery)
+    if log.withdrawn(version):
+        reason = log.versions[str(version)]["reason"]
+        raise DeviceError(f"v{version} was withdrawn by its publishers ({reason!r}): it is not installed again; "
+                          "install a later version")
+
+
+def last_revert(gallery: Gallery) -> RevertRecord | None:
+    record = _read(gallery, REVERT_KEY)
+    return None if record is None else RevertRecord(**record)
+
+
+def revert_meta(record: RevertRecord | None) -> dict[str, str | None]:
+    return {REVERT_KEY: None if record is None else json.dumps(asdict(record), sort_keys=True)}
+
+
+def revert_report_fields(gallery: Gallery) -> dict[str, Any]:
+    """``reverted_from`` and ``revert_method`` for every Fleet.Report until the next upgrade."""
+    record = last_revert(gallery)
+    return {} if record is None else {"reverted_from": record.reverted_from, "revert_method": record.method}
+
+
+def withdrawal_status(gallery: Gallery, now: float | None = None) -> dict[str, Any]:
+    """What ``fctkit device status`` shows: the rollback window, the withdrawn versions, the
+    refused withdrawals and the last revert (version, reason, method, when, rows not moved)."""
+    window, log, revert = rollback_window(gallery), withdrawal_log(gallery), last_revert(gallery)
+    return {
+        "rollback_window": None if window is None else {**asdict(window), "open": window.is_open(now),
+                                                        "rows_kept": gallery.extras.count("rollback_embedding")},
+        "withdrawn_versions": {f"v{v}": entry for v, entry in sorted(log.versions.items(), key=lambda e: int(e[0]))},
+        "withdrawals_refused": log.refused,
+        "last_revert": None if revert is None else asdict(revert),
+    }
