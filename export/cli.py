@@ -18,7 +18,7 @@ from .compatible_release import COMPATIBLE_METHODS
 from .features_release import UserGraphs
 from .keys import load_private_key, load_root_file, read_passphrase
 from .keys_cli import PASSPHRASE_FILE
-from .release import build_release
+from .release import DEFAULT_EXPORT_ROLLBACK_DAYS, build_release
 from .release_plan import METHODS
 from .user_preprocessing import load_graph_preprocessing
 
@@ -168,6 +168,9 @@ _GRAPH = dict(type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--transition-days", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="+transition variants: devices end transition scoring this many days after upgrading at the latest "
                    "(0: only after a full backfill or `fctkit device end-transition`)")
+@click.option("--rollback-window-days", default=DEFAULT_EXPORT_ROLLBACK_DAYS, show_default=True, type=click.IntRange(0, 365),
+              help="devices keep every row's previous vectors this many days after upgrading, so that a withdrawal "
+                   "reverts them exactly (0: none; they then revert through a backward graph or the vault originals)")
 @click.option("--chain", is_flag=True, help="export v1, v2, v3 from the run's chain models (h2, g2, h3 and direct h13)")
 @_FIRST_VERSION
 @_FP16
@@ -181,7 +184,7 @@ _GRAPH = dict(type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--progress/--no-progress", default=True, show_default=True, help="progress bar while exporting")
 def export_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, old_graph: Path | None, new_graph: Path | None,
                    side_info_graph: Path | None, sample: Path | None, preprocessing_file: Path | None,
-                   tokenizers: tuple[str, ...], parity_tolerance: float, transition_days: float,
+                   tokenizers: tuple[str, ...], parity_tolerance: float, transition_days: float, rollback_window_days: int,
                    chain: bool, first_version: int, fp16: bool, quantize: str | None, force: bool, reason: str | None,
                    passphrase_file: Path | None, progress: bool) -> None:
     """Export a `fctkit train` RUN_DIR as signed, versioned bundles ready for `fctkit admin publish`:
@@ -203,7 +206,7 @@ def export_command(run_dir: Path, key_path: Path, out_dir: Path, method: str, ol
     private_key = load_private_key(key_path, read_passphrase(passphrase_file))
     released = build_release(run_dir, out_dir, private_key=private_key, method=method, first_version=first_version,
                              chain=chain, fp16=fp16, force=force, force_reason=reason, progress=progress, graphs=graphs,
-                             transition_days=transition_days, quantize=quantize)
+                             transition_days=transition_days, quantize=quantize, rollback_window_days=rollback_window_days)
     seen: dict[str, int] = {}
     for item in released:
         m = item.bundle.manifest

@@ -31,6 +31,9 @@ from .roles import RoleExport, export_role, role_module
 from .trained_run import TrainedRun
 from .user_preprocessing import bundle_preprocessing
 
+#: the rollback window `fctkit export` writes into new bundles: a withdrawal within a week reverts devices exactly
+DEFAULT_EXPORT_ROLLBACK_DAYS = 7
+
 
 @dataclass(frozen=True)
 class ReleasedBundle:
@@ -56,6 +59,7 @@ def build_release(
     graphs: UserGraphs | None = None,
     transition_days: float = 30.0,
     quantize: str | None = None,
+    rollback_window_days: int = DEFAULT_EXPORT_ROLLBACK_DAYS,
 ) -> list[ReleasedBundle]:
     """Export and sign every version of the release into ``out_dir/v{N}/`` and ``out_dir/v{N}.tar``.
 
@@ -63,6 +67,7 @@ def build_release(
     them, before anything is exported); ``transition_days``: how long a declared transition
     lasts on a device at most (0: until a full backfill or an explicit end). ``quantize``
     ("int8", "fp16"): the forward adapter in that precision, judged again (:mod:`.quantize`).
+    ``rollback_window_days``: how long devices keep the rows' previous vectors after upgrading (0: none).
 
     A role exported from the same saved file (ψ shared by v1 and v2) is exported once and the
     same ONNX bytes go into every bundle that lists it. Raises :class:`GateError` before
@@ -115,6 +120,7 @@ def _build_versions(run: TrainedRun, plans: Sequence[VersionPlan], out_dir: Path
                     distance=run.distance, normalize=run.distance == "cosine",
                     artifacts=[e.artifact for _, e in exports] + tokenizers, gate=gate, private_key=private_key,
                     force=force, force_reason=force_reason, preprocessing=preprocessing, **plan.declarations,
+                    rollback_window_days=rollback_window_days,
                     parity={role.name: {"max_abs_error": e.parity.max_abs_error, "tolerance": e.parity.tolerance,
                                         "against": e.parity.against} for role, e in exports},
                 )

@@ -24,8 +24,10 @@ _MANIFEST_KEYS = (
 )
 #: Keys a manifest may omit; absent keys are not written, so older manifests keep their bytes.
 _OPTIONAL_MANIFEST_KEYS = ("compatible_prefix_dim", "transition", "hubness", "parity", "preprocessing", "rollback_window_days")
-#: how long a device keeps every row's previous vectors after upgrading to a bundle that does not say
-DEFAULT_ROLLBACK_WINDOW_DAYS = 7
+#: how long a device keeps every row's previous vectors after upgrading to a bundle that does not say:
+#: none, as before the field existed (a bundle already published never asked devices for the room);
+#: `fctkit export` writes its own default (7 days) into new bundles
+DEFAULT_ROLLBACK_WINDOW_DAYS = 0
 
 
 @dataclass(frozen=True)
