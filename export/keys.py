@@ -37,6 +37,7 @@ from fctkit.protos.trust import (
     release_signatures_bytes,
     sign_bytes,
 )
+from fctkit.protos.trust.withdrawal import withdrawal_file_name, write_withdrawal
 
 PRIVATE_KEY_FILE = "publisher.key"
 PUBLIC_KEY_FILE = "publisher.pub"
@@ -192,23 +193,6 @@ def sign_root_file(path: str | os.PathLike, private_key: Ed25519PrivateKey) -> S
     """Add this key's signature to a root file in place."""
     signed = load_root_file(path).signed_by(private_key)
     write_root(path, signed, replace=True)
-    return signed
-
-
-def withdrawal_file_name(version: int) -> str:
-    return f"withdrawal.{version}.json"
-
-
-def write_withdrawal(path: str | os.PathLike, version: int, revert_to: int, reason: str,
-                     private_key: Ed25519PrivateKey, now: datetime | None = None) -> Signed[Withdrawal]:
-    """Write ``withdrawal.<version>.json`` signed by this publisher key (others co-sign it with
-    :func:`sign_withdrawal_file`); an existing file is never replaced."""
-    path = Path(path)
-    if path.exists():
-        raise TrustError(f"{path} already exists: co-sign it with `fctkit keys sign {path} --key KEY`")
-    moment = (now or datetime.now(UTC)).replace(microsecond=0)
-    signed = Signed(Withdrawal(version, revert_to, reason, moment)).signed_by(private_key)
-    write_atomic(path, signed.to_bytes())
     return signed
 
 

@@ -275,12 +275,15 @@ class FctkitServer:
         log_event("stopped", **round_trips)
 
     def _on_event(self, payload: str) -> None:
-        """What another replica did: a publish (watchers here get it) or a revocation (its streams here end)."""
+        """What another replica did: a publish (watchers here get it), a rollout change or a withdrawal
+        (what devices here are offered changes), or a revocation (its streams here end)."""
         kind, _, subject = payload.partition(":")
         if kind == "version":
             self._refresh_catalog()
         elif kind == "rollout":  # a rollout changed there: what devices here are offered changes with it
             self._rollouts.reload()
+        elif kind == "withdrawal":  # a withdrawal stored there: the version is offered to no device here either
+            self._rollouts.withdrawals.reload()
         elif kind == "revoked" and self._open_streams.end(subject):
             log_event("revoked device's streams ended", device_id=subject, by="another replica")
 
@@ -289,6 +292,7 @@ class FctkitServer:
         meanwhile; health is SERVING again."""
         self._refresh_catalog()
         self._rollouts.reload()
+        self._rollouts.withdrawals.reload()
         for device_id in self._storage.revoked_among(self._open_streams.devices()):
             self._open_streams.end(device_id)
         if not self._stopping:

@@ -8,7 +8,8 @@ publisher's public key to pin (under a root: the root's first publisher key, for
 pin one key; root-mode devices take the root from GetTrust instead). Reports carry the device's
 trust state (its root version, and whether its timestamp went stale: a possible freeze) and,
 after an upgrade, its health (checked by :mod:`.report_checks`, kept per device and version; a
-rollout's guard may halt it at the report that tips it); reports are limited per device and minute.
+rollout's guard may halt it at the report that tips it) and, after a withdrawal, the version it
+went back from and how (kept per device and withdrawn version); reports are limited per device and minute.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from fctkit.protos.bundle import public_key_id
 
 from .auth import current_device_id, hash_secret, new_device_token
 from .jsonlog import log_event
-from .report_checks import DEFAULT_REPORTS_PER_MINUTE, ReportLimiter, health_report
+from .report_checks import DEFAULT_REPORTS_PER_MINUTE, ReportLimiter, health_report, revert_report
 from .revocation import OpenStreams
 from .rollout_changes import guard_verdict
 from .rollout_store import HALTED, Rollout
@@ -142,12 +143,15 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
             **_trust_fields(request),
         )
         health = health_report(request)
+        revert = revert_report(request, self._rollouts.withdrawals.withdrawn)
         now = timestamp()
         if owner_id := self._storage.record_report(device_id, report, now):
             self._compact_replica(owner_id)
         if health is not None:
             self._storage.record_health(device_id, health, now)
             self._guard(health.version, device_id, now)
+        if revert is not None:
+            self._storage.record_revert(device_id, *revert, now)
         return fleet_pb2.ReportResponse(recorded_at=now, latest_version=self._latest_version(device_id))
 
     def _guard(self, version: int, device_id: str, now: str) -> None:

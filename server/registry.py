@@ -1,7 +1,10 @@
 """The Registry service: published model versions, upgrade plans, artifact streaming with
-resume, version watching, bundle publishing, the root of trust (GetTrust, PublishRoot) and staged
-rollouts (SetRollout, GetRollout: :mod:`.rollout_service`). A device is listed, planned, watched
-and sent only the versions its rollouts offer it (:mod:`.rollouts`); the admin sees every version.
+resume, version watching, bundle publishing, the root of trust (GetTrust, PublishRoot), staged
+rollouts (SetRollout, GetRollout: :mod:`.rollout_service`) and withdrawals (Withdraw:
+:mod:`.withdraw_service`). A device is listed, planned, watched and sent only the versions its
+rollouts offer it (:mod:`.rollouts`) and never a withdrawn one (a device on it may still download
+its artifacts; upgrade plans never route through a withdrawn bundle's adapters); every
+ListVersions page carries every published withdrawal. The admin sees every version.
 
 Publishing receives the bundle archive into ``tmp/publish-*``, checks its size and SHA-256,
 unpacks it safely, verifies it exactly as a device would (signatures under the publisher key
@@ -37,6 +40,7 @@ from .root_of_trust import ReleaseRules, RootOfTrust
 from .storage import StaleVersion, Storage, VersionRecord
 from .streams import FileSink, check_offset, file_chunks, open_stored, read_header, receive_chunks
 from .validation import chunk_size, invalid, page_size, quoted, sha256_field, text_field, timestamp, version_field
+from .withdraw_service import WithdrawRpcs
 
 
 def artifact_info(artifact: Artifact) -> registry_pb2.ArtifactInfo:
@@ -125,14 +129,16 @@ class Catalog:
         except KeyError:
             raise RpcStatusError("NOT_FOUND", f"version {version} is not published (latest: {self.latest})") from None
 
-    def after(self, version: int, limit: int | None = None, before: int | None = None) -> list[PublishedVersion]:
-        """The versions after ``version`` (and before ``before``, when given), in order."""
-        found = [self._versions[v] for v in sorted(self._versions) if v > version and (before is None or v < before)]
+    def after(self, version: int, limit: int | None = None, before: int | None = None,
+              skip: frozenset[int] = frozenset()) -> list[PublishedVersion]:
+        """The versions after ``version`` (and before ``before``, when given), but those in ``skip``, in order."""
+        found = [self._versions[v] for v in sorted(self._versions)
+                 if v > version and (before is None or v < before) and v not in skip]
         return found if limit is None else found[:limit]
 
-    def latest_before(self, cap: int | None) -> int:
-        """The latest version before ``cap`` (None: the latest); 0 when none."""
-        return self.latest if cap is None else max((v for v in self._versions if v < cap), default=0)
+    def latest_before(self, cap: int | None, skip: frozenset[int] = frozenset()) -> int:
+        """The latest version before ``cap`` (None: any), but those in ``skip``; 0 when none."""
+        return max((v for v in self._versions if (cap is None or v < cap) and v not in skip), default=0)
 
     def wake(self) -> None:
         """Wake the watchers (what they are offered changed)."""
@@ -158,7 +164,7 @@ class Catalog:
         changed.set()
 
 
-class RegistryService(RolloutRpcs, registry_pb2_grpc.RegistryServicer):
+class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServicer):
     def __init__(self, storage: Storage, catalog: Catalog, rules: ReleaseRules, *, max_bundle_bytes: int,
                  keepalive_s: float, rollouts: Rollouts | None = None) -> None:
         self._storage = storage
@@ -176,11 +182,12 @@ class RegistryService(RolloutRpcs, registry_pb2_grpc.RegistryServicer):
             self._catch_up()
             trust = {"timestamp": self._rules.timestamp(self._catalog.manifest_bytes()),
                      "latest_root_version": self._rules.latest_root_version()}
-        cap = self._cap()
-        found = self._catalog.after(request.after_version, limit + 1, cap)
+        cap, hidden = self._cap(), self._hidden()
+        found = self._catalog.after(request.after_version, limit + 1, cap, hidden)
         return registry_pb2.ListVersionsResponse(
             versions=[v.info() for v in found[:limit]], more=len(found) > limit,
-            latest_version=self._catalog.latest_before(cap), **trust)
+            latest_version=self._catalog.latest_before(cap, hidden), withdrawals=self._rollouts.withdrawals.documents(),
+            **trust)
 
     async def GetManifest(self, request, context):
         record = self._catalog.get(version_field(request.version, "version")).record
@@ -205,11 +212,31 @@ class RegistryService(RolloutRpcs, registry_pb2_grpc.RegistryServicer):
             return None
         return self._rollouts.cap(principal.device_id, self._catalog.latest, claimed_version)
 
+    def _hidden(self) -> frozenset[int]:
+        """The versions the caller is never offered: the withdrawn ones for a device, none for the admin."""
+        principal = current_principal()
+        return frozenset() if principal is None or principal.device_id is None else self._rollouts.withdrawals.versions
+
+    def _runs(self, version: int) -> bool:
+        """Whether the calling device last reported running ``version``."""
+        principal = current_principal()
+        if principal is None or principal.device_id is None:
+            return False
+        return self._storage.device_version(principal.device_id) == version
+
     def latest_offered(self, device_id: str) -> int:
         """The latest version offered to ``device_id`` (what its report's answer names)."""
-        return self._catalog.latest_before(self._rollouts.cap(device_id, self._catalog.latest))
+        return self._catalog.latest_before(self._rollouts.cap(device_id, self._catalog.latest),
+                                           self._rollouts.withdrawals.versions)
 
-    def _offered(self, version: int, cap: int | None) -> int:
+    def _offered(self, version: int, cap: int | None, *, kept_by_its_devices: bool = False) -> int:
+        """``version``, when it is offered to the calling device (``kept_by_its_devices``: a device
+        that runs a withdrawn version may still fetch it); FAILED_PRECONDITION says why not."""
+        if version in self._hidden() and not (kept_by_its_devices and self._runs(version)):
+            withdrawal = self._rollouts.withdrawals.get(version)
+            raise RpcStatusError("FAILED_PRECONDITION", f"version {version} was withdrawn by its publishers "
+                                 f"({withdrawal.reason if withdrawal else 'see ListVersions'}): it is offered to no device; "
+                                 f"the latest offered to this device is {self._catalog.latest_before(cap, self._hidden())}")
         if cap is not None and version >= cap:
             raise RpcStatusError("FAILED_PRECONDITION", f"version {version} is not offered to this device yet: "
                                  f"version {cap} is in a staged rollout that does not include it (versions from {cap} on "
@@ -232,9 +259,16 @@ class RegistryService(RolloutRpcs, registry_pb2_grpc.RegistryServicer):
 
     async def PlanUpgrade(self, request, context):
         source = self._catalog.get(version_field(request.from_version, "from_version")).version
-        cap = self._cap(source)
-        target = self._offered(self._catalog.get(request.to_version or self._catalog.latest_before(cap)).version, cap)
-        hops = plan_upgrade(self._catalog.manifests(), source, target)
+        cap, hidden = self._cap(source), self._hidden()
+        target = self._offered(self._catalog.get(request.to_version or self._catalog.latest_before(cap, hidden)).version, cap)
+        withdrawn = self._rollouts.withdrawals.versions
+        hops = plan_upgrade([m for m in self._catalog.manifests() if m.version not in withdrawn], source, target)
+        if hops is None and plan_upgrade(self._catalog.manifests(), source, target) is not None:
+            raise RpcStatusError(
+                "FAILED_PRECONDITION", f"every chain of adapters from version {source} to {target} passes through a "
+                f"withdrawn version ({', '.join(f'v{v}' for v in sorted(withdrawn))}), whose adapters are no longer "
+                f"used: publish a release with a direct {source}->{target} adapter, or backfill the device"
+            )
         if hops is None:
             raise RpcStatusError(
                 "NOT_FOUND", f"no chain of published adapters leads from version {source} to {target} "
@@ -244,7 +278,8 @@ class RegistryService(RolloutRpcs, registry_pb2_grpc.RegistryServicer):
 
     async def DownloadArtifact(self, request, context):
         name = text_field(request.artifact_name, "artifact_name")
-        published = self._catalog.get(self._offered(version_field(request.version, "version"), self._cap()))
+        version = version_field(request.version, "version")
+        published = self._catalog.get(self._offered(version, self._cap(), kept_by_its_devices=True))
         artifact = published.artifact(name)
         size = chunk_size(request.chunk_size)
         offset = check_offset(request.offset, artifact.size)
@@ -263,14 +298,14 @@ class RegistryService(RolloutRpcs, registry_pb2_grpc.RegistryServicer):
         sent = request.after_version
         while not self._catalog.closed:
             changed = self._catalog.changed
-            cap = self._cap()
-            for published in self._catalog.after(sent, before=cap):
+            cap, hidden = self._cap(), self._hidden()
+            for published in self._catalog.after(sent, before=cap, skip=hidden):
                 yield registry_pb2.WatchVersionsResponse(published=published.info())
                 sent = published.version
             try:
                 await asyncio.wait_for(changed.wait(), self._keepalive_s)
             except TimeoutError:
-                keepalive = registry_pb2.KeepAlive(server_time=timestamp(), latest_version=self._catalog.latest_before(cap))
+                keepalive = registry_pb2.KeepAlive(server_time=timestamp(), latest_version=self._catalog.latest_before(cap, hidden))
                 yield registry_pb2.WatchVersionsResponse(keepalive=keepalive)
 
     async def PublishBundle(self, requests, context):

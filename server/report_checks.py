@@ -1,5 +1,6 @@
-"""Checks on device reports (issue 36): the ``health`` of an upgrade, validated before anything
-is stored, and a per-device limit on how often a device may report.
+"""Checks on device reports (issue 36): the ``health`` of an upgrade and the revert from a
+withdrawn version (``reverted_from``, ``revert_method``), validated before anything is stored, and
+a per-device limit on how often a device may report.
 
 The limit is kept by each replica in memory (a sliding minute per device): a device spread over
 ``k`` replicas by a load balancer gets at most ``k`` times the limit, which still bounds what one
@@ -23,6 +24,24 @@ MAX_UPGRADE_SECONDS = 366 * 86400.0  # an upgrade longer than a year is not a me
 MAX_COUNT = 1 << 53  # rows beyond any gallery, and the largest integer a double holds exactly
 MAX_SAMPLE = 1_000_000
 DEFAULT_REPORTS_PER_MINUTE = 120
+REVERT_METHODS = ("exact", "backward", "reembedded")
+
+
+def revert_report(request: fleet_pb2.ReportRequest, withdrawn: Callable[[int], bool]) -> tuple[int, str] | None:
+    """The report's revert, checked: (the withdrawn version it went back from, how), or None when
+    ``reverted_from`` is 0; INVALID_ARGUMENT when the method is not one of :data:`REVERT_METHODS`,
+    or names a version that ``withdrawn`` says is not withdrawn."""
+    version, method = request.reverted_from, request.revert_method
+    if version == 0:
+        if method:
+            raise invalid(f"revert_method is {method[:40]!r} with reverted_from 0: name the withdrawn version it went back from")
+        return None
+    if method not in REVERT_METHODS:
+        raise invalid(f"revert_method is {method[:40]!r}; one of {', '.join(REVERT_METHODS)} with reverted_from {version}")
+    if not withdrawn(version):
+        raise invalid(f"reverted_from is {version}, which is not withdrawn: a device goes back only from a version "
+                      "its publishers withdrew (ListVersions carries the withdrawals)")
+    return version, method
 
 
 def health_report(request: fleet_pb2.ReportRequest) -> HealthReport | None:

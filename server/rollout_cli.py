@@ -1,6 +1,7 @@
-"""``fctkit admin rollout`` and ``fctkit admin rollout-status`` (issue 36): stage, widen, pause,
-resume and complete a version's rollout, name its cohort and its guard, and show per stage what
-the devices reported. Both take the admin's ``connect`` from the ``admin`` group."""
+"""``fctkit admin rollout``, ``fctkit admin rollout-status`` and ``fctkit admin withdraw`` (issue
+36): stage, widen, pause, resume and complete a version's rollout, name its cohort and its guard,
+show per stage what the devices reported (and how they went back from a withdrawn version), and
+publish a signed withdrawal. Each takes the admin's ``connect`` from the ``admin`` group."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from pathlib import Path
 import click
 
 from fctkit.errors import InputError
+from fctkit.protos.durable_files import read_regular_file
+from fctkit.protos.manifest_signature import load_private_key, read_passphrase
+from fctkit.protos.trust import MAX_WITHDRAWAL_BYTES
+from fctkit.protos.trust.withdrawal import withdrawal_file_name, write_withdrawal
 
 _DEVICE_ID = re.compile(r"dev-[0-9a-f]{16}")
 _STAGE_COLUMNS = ("stage", "percent", "started_at", "offered", "downloaded", "upgraded", "failed", "reverted",
-                  "reporting", "median", "min", "p10")
+                  "reporting", "median", "min", "p10", "reverted_by")
 
 
 def read_cohort(path: Path) -> list[str]:
@@ -78,6 +83,8 @@ def rollout_status_command(connect, version: int, as_json: bool) -> None:
         click.echo(json.dumps({**data, "gate_cases": gate}, indent=2))
         return
     click.echo(_headline(status))
+    if status.state == "withdrawn":
+        click.echo(f"withdrawn: {status.withdrawn_reason} (devices that installed it go back to v{status.revert_to})")
     if status.halt_reason:
         click.echo(f"halted: {status.halt_reason}")
     rows = [_stage_row(stage) for stage in status.stages]
@@ -97,6 +104,8 @@ def _number(value: object) -> bool:
 def _headline(status) -> str:
     if status.state == "none":
         return f"version {status.version}: no rollout (offered to every device)"
+    if status.state == "withdrawn":
+        return f"version {status.version}: withdrawn (offered to no device; it had reached {status.percent:g}%)"
     guard = (f"; guard: halt below {status.halt_below:g} once {status.halt_min_devices} devices reported"
              if status.halt_min_devices else "")
     return (f"version {status.version}: {status.state} at {status.percent:g}% (cohort of {status.cohort_size})"
@@ -109,4 +118,41 @@ def _stage_row(stage) -> dict[str, str]:
     return {"stage": "cohort" if stage.stage == 0 else str(stage.stage), "percent": f"{stage.percent:g}",
             "started_at": stage.started_at or "-", "offered": str(stage.offered), "downloaded": str(stage.downloaded),
             "upgraded": str(stage.upgraded), "failed": str(stage.failed), "reverted": str(stage.reverted),
-            "reporting": str(health.devices), **numbers}
+            "reporting": str(health.devices), **numbers,
+            "reverted_by": ", ".join(f"{m} {n}" for m, n in sorted(stage.revert_methods.items())) or "-"}
+
+
+@click.command("withdraw")
+@click.argument("version", type=click.IntRange(1), required=False)
+@click.option("--reason", default=None, help="Why (shown to operators and devices; at most 1,024 characters).")
+@click.option("--key", "key_path", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="Your publisher.key: write withdrawal.<VERSION>.json signed with it and publish it.")
+@click.option("--revert-to", type=click.IntRange(0), default=None,
+              help="The version devices that installed VERSION go back to (default: VERSION - 1; 0: none).")
+@click.option("--file", "withdrawal_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="Publish this withdrawal.<V>.json as it is (e.g. co-signed by a threshold of publishers).")
+@click.option("--passphrase-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="File holding the --key passphrase (or set $FCTKIT_KEY_PASSPHRASE).")
+@click.pass_obj
+def withdraw_command(connect, version: int | None, reason: str | None, key_path: Path | None, revert_to: int | None,
+                     withdrawal_file: Path | None, passphrase_file: Path | None) -> None:
+    """Withdraw release VERSION: from now on it is offered to no device, and devices that installed
+    it go back to --revert-to. Either VERSION --reason --key (writes withdrawal.<VERSION>.json
+    here, signed with that key, and publishes it) or --file (a withdrawal already signed, e.g. by
+    a threshold of publishers with `fctkit keys sign`). The server checks the signatures as a
+    device would: it cannot withdraw a release on its own."""
+    if withdrawal_file is not None:
+        if version is not None or reason is not None or key_path is not None or revert_to is not None:
+            raise click.UsageError("--file publishes a withdrawal as it is: give no VERSION, --reason, --key or --revert-to")
+        data = read_regular_file(withdrawal_file, MAX_WITHDRAWAL_BYTES)
+    else:
+        if version is None or reason is None or key_path is None:
+            raise click.UsageError("give VERSION --reason TEXT --key publisher.key, or --file withdrawal.<V>.json")
+        path = Path(withdrawal_file_name(version))
+        key = load_private_key(key_path, read_passphrase(passphrase_file))
+        write_withdrawal(path, version, version - 1 if revert_to is None else revert_to, reason, key)
+        click.echo(f"wrote {path}")
+        data = path.read_bytes()
+    with connect() as client:
+        response = client.withdraw(data)
+    click.echo(f"withdrew version {response.version}: devices that installed it go back to v{response.revert_to}")

@@ -1,5 +1,5 @@
 """The Registry's rollout RPCs (admin only, issue 36): ``SetRollout`` changes a version's staged
-rollout, ``GetRollout`` reports it. Mixed into :class:`~.registry.RegistryService`, whose
+rollout (never a withdrawn version's), ``GetRollout`` reports it (with its withdrawal, if any). Mixed into :class:`~.registry.RegistryService`, whose
 catalog, storage and :class:`~.rollouts.Rollouts` they use."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from fctkit.protos import registry_pb2
 
 from .rollout_changes import changed_rollout, check_cohort
 from .rollout_status import rollout_status
+from .rollout_store import DeviceState, Rollout
 from .rollouts import Rollouts
 from .storage import Storage
 from .validation import timestamp, version_field
@@ -25,6 +26,9 @@ class RolloutRpcs:
 
     async def SetRollout(self, request: registry_pb2.SetRolloutRequest, context) -> registry_pb2.RolloutStatus:
         version = self._catalog.get(version_field(request.version, "version")).version
+        if self._rollouts.withdrawals.withdrawn(version):
+            raise RpcStatusError("FAILED_PRECONDITION", f"version {version} was withdrawn: its rollout can no longer "
+                                 "change; publish a fixed release as the next version")
         if request.HasField("cohort"):
             cohort = check_cohort(list(request.cohort.device_ids))
             unknown = sorted(cohort - self._storage.enrolled_devices(sorted(cohort)))
@@ -41,9 +45,13 @@ class RolloutRpcs:
     def rollout_statuses(self) -> list[registry_pb2.RolloutStatus]:
         """The status of every version published with a rollout (what the metrics' rollout gauges show)."""
         rollouts, devices = self._storage.rollouts(), self._storage.rollout_devices()
-        return [rollout_status(v, r, self._catalog.get(v).manifest.gate, devices, self._storage.health_reports(v))
-                for v, r in sorted(rollouts.items()) if v <= self._catalog.latest]
+        return [self._rollout_status(v, r, devices) for v, r in sorted(rollouts.items()) if v <= self._catalog.latest]
 
-    def _rollout_status(self, version: int) -> registry_pb2.RolloutStatus:
-        return rollout_status(version, self._storage.rollouts().get(version), self._catalog.get(version).manifest.gate,
-                              self._storage.rollout_devices(), self._storage.health_reports(version))
+    def _rollout_status(self, version: int, rollout: Rollout | None = None,
+                        devices: list[DeviceState] | None = None) -> registry_pb2.RolloutStatus:
+        rollout = rollout or self._storage.rollouts().get(version)
+        withdrawal = self._storage.withdrawals().get(version)
+        return rollout_status(version, rollout, self._catalog.get(version).manifest.gate,
+                              self._storage.rollout_devices() if devices is None else devices,
+                              self._storage.health_reports(version), withdrawal,
+                              self._storage.device_reverts(version) if withdrawal else {})

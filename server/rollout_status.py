@@ -5,18 +5,24 @@ A device counts for the stage it entered in: stage 0 when it is in the cohort, e
 percent stage above its :func:`~.rollouts.bucket`. Of those (enrolled, not revoked):
 *downloaded* got the bundle (reported upgrading, backfilling or failed towards the version, runs it,
 or reported a health for it), *upgraded* runs the version or a later one, *failed* reported a
-failed upgrade to it, *reverted* reported a health for it but runs an earlier version now.
+failed upgrade to it, *reverted* reported going back from it after its withdrawal (counted by
+method as well) or reported a health for it but runs an earlier version now.
+
+A withdrawn version's state is ``withdrawn`` with the withdrawal's reason and ``revert_to``; one
+published to every device (no rollout) and withdrawn shows every device as one stage at 100%.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 
 from fctkit.protos import fleet_pb2, registry_pb2
 
-from .rollout_store import DeviceState, HealthReport, Rollout
+from .rollout_store import DeviceState, HealthReport, Rollout, Stage
 from .rollouts import bucket
+from .withdrawal_store import StoredWithdrawal
 
 _GOT_BUNDLE = (fleet_pb2.UPGRADE_STATE_UPGRADING, fleet_pb2.UPGRADE_STATE_BACKFILLING, fleet_pb2.UPGRADE_STATE_FAILED)
 
@@ -46,34 +52,44 @@ def entry_stage(rollout: Rollout, device_id: str) -> int | None:
 
 
 def _stage(number: int, percent: float, started_at: str, devices: list[DeviceState],
-           health: dict[str, HealthReport], version: int) -> registry_pb2.RolloutStage:
+           health: dict[str, HealthReport], version: int, reverts: dict[str, str]) -> registry_pb2.RolloutStage:
     reported = [d for d in devices if d.device_id in health]
+    methods = Counter(reverts[d.device_id] for d in devices if d.device_id in reverts)
     return registry_pb2.RolloutStage(
         stage=number, percent=percent, started_at=started_at, offered=len(devices),
         downloaded=sum(d.version >= version or d.device_id in health
                        or (d.target_version == version and d.upgrade_state in _GOT_BUNDLE) for d in devices),
         upgraded=sum(d.version >= version for d in devices),
         failed=sum(d.target_version == version and d.upgrade_state == fleet_pb2.UPGRADE_STATE_FAILED for d in devices),
-        reverted=sum(d.version < version for d in reported),
+        reverted=sum(d.device_id in reverts or (d.device_id in health and d.version < version) for d in devices),
+        revert_methods=methods,
         health=health_summary([health[d.device_id].mean_cosine for d in reported if health[d.device_id].sample_size > 0]),
     )
 
 
 def rollout_status(version: int, rollout: Rollout | None, gate: dict, devices: list[DeviceState],
-                   health: dict[str, HealthReport]) -> registry_pb2.RolloutStatus:
-    """The status of ``version``'s rollout (None: published to every device, no stages)."""
+                   health: dict[str, HealthReport], withdrawal: StoredWithdrawal | None = None,
+                   reverts: dict[str, str] | None = None) -> registry_pb2.RolloutStatus:
+    """The status of ``version``'s rollout (None: published to every device, no stages), and of its
+    withdrawal (``reverts``: how each device reported going back from it)."""
     gate_cases = json.dumps(gate.get("cases", {}), sort_keys=True)
-    if rollout is None:
+    reverts = reverts or {}
+    withdrawn = {} if withdrawal is None else {"state": "withdrawn", "withdrawn_reason": withdrawal.reason,
+                                               "revert_to": withdrawal.revert_to}
+    if rollout is None and withdrawal is None:
         return registry_pb2.RolloutStatus(version=version, state="none", percent=100.0, gate_cases_json=gate_cases)
+    if rollout is None:  # offered to every device at once: they all entered at one stage
+        rollout = Rollout(version, 100.0, "complete", (Stage(100.0, ""),))
     by_stage: dict[int, list[DeviceState]] = {}
     for device in devices:
         stage = entry_stage(rollout, device.device_id)
         if stage is not None:
             by_stage.setdefault(stage, []).append(device)
-    stages = [_stage(0, 0.0, "", by_stage.get(0, []), health, version)] if rollout.cohort else []
-    stages += [_stage(i + 1, s.percent, s.started_at, by_stage.get(i + 1, []), health, version)
+    stages = [_stage(0, 0.0, "", by_stage.get(0, []), health, version, reverts)] if rollout.cohort else []
+    stages += [_stage(i + 1, s.percent, s.started_at, by_stage.get(i + 1, []), health, version, reverts)
                for i, s in enumerate(rollout.stages)]
+    fields = {"state": rollout.state, **withdrawn}
     return registry_pb2.RolloutStatus(
-        version=version, state=rollout.state, percent=rollout.percent, cohort_size=len(rollout.cohort),
+        version=version, percent=rollout.percent, cohort_size=len(rollout.cohort),
         halt_below=rollout.halt_below, halt_min_devices=rollout.halt_min_devices, halt_reason=rollout.halt_reason,
-        stages=stages, gate_cases_json=gate_cases, updated_at=rollout.updated_at)
+        stages=stages, gate_cases_json=gate_cases, updated_at=rollout.updated_at, **fields)

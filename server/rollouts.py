@@ -11,6 +11,10 @@ it skip one it was not offered.
 :class:`Rollouts` keeps every rollout in memory, reloaded when another replica announces a change
 (``rollout:V``) and whenever a version newer than the ones it read is published (a publish stores
 its rollout in the same transaction, so a catalog that shows V never meets V without its rollout).
+
+A withdrawn version (:class:`~.withdrawals.Withdrawals`, kept here as ``Rollouts.withdrawals``) is
+offered to no device and holds none back: a device is offered the versions after it as if it
+had never been published (their own rollouts apply).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Callable
 
 from .rollout_store import COMPLETE, STAGED, Rollout
 from .storage import Storage
+from .withdrawals import Withdrawals
 
 
 def bucket(device_id: str, version: int) -> float:
@@ -47,6 +52,7 @@ class Rollouts:
         self._on_change = on_change
         self._by_version: dict[int, Rollout] = {}
         self._read_through = 0
+        self.withdrawals = Withdrawals(storage, on_change)
         self.reload()
 
     def reload(self) -> None:
@@ -79,7 +85,8 @@ class Rollouts:
         ``claimed_version``: a version the device says it runs (its report may lag)."""
         if latest > self._read_through:
             self.reload()
-        held = sorted(v for v, r in self._by_version.items() if r.state != COMPLETE and v <= latest)
+        withdrawn = self.withdrawals.versions
+        held = sorted(v for v, r in self._by_version.items() if r.state != COMPLETE and v <= latest and v not in withdrawn)
         if not held:
             return None
         device_version = max(self._storage.device_version(device_id), claimed_version)

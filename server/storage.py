@@ -48,6 +48,7 @@ from .partial_uploads import PartialFiles, PartialUploads
 from .trust_store import StoredTimestamp, TrustStore
 from .upload_sessions import Reservation
 from .version_store import StaleVersion, VersionRecord, VersionStore
+from .withdrawal_store import StoredWithdrawal, WithdrawalOutcome, WithdrawalStore
 
 __all__ = ["BlobRecord", "DeviceRecord", "DeviceReport", "OwnerKeyMismatch", "PushOutcome", "ReplicaQuotaExceeded", "ReplicaRecord",
            "Reservation", "ServerStorage", "SqliteStorage", "StaleVersion", "Storage", "StoredTimestamp", "VersionRecord"]
@@ -80,6 +81,10 @@ class Storage(Protocol):
     def enrolled_devices(self, device_ids: list[str]) -> set[str]: ...
     def record_health(self, device_id: str, health: HealthReport, now: str) -> None: ...
     def health_reports(self, version: int) -> dict[str, HealthReport]: ...
+    def withdrawals(self) -> dict[int, StoredWithdrawal]: ...
+    def add_withdrawal(self, withdrawal: StoredWithdrawal) -> WithdrawalOutcome: ...
+    def record_revert(self, device_id: str, version: int, method: str, now: str) -> None: ...
+    def device_reverts(self, version: int) -> dict[str, str]: ...
 
     def roots(self, after_version: int = 0, limit: int | None = None) -> list[tuple[int, bytes]]: ...
     def latest_root(self) -> tuple[int, bytes] | None: ...
@@ -142,6 +147,7 @@ class ServerStorage:
         self._replica = ReplicaStore(self._db)
         self._trust = TrustStore(self._db)
         self._rollouts = RolloutStore(self._db)
+        self._withdrawals = WithdrawalStore(self._db)
 
     def listen(self, on_event: Callable[[str], None], on_connected: Callable[[], None],
                on_lost: Callable[[], None]) -> Coroutine[Any, Any, None] | None:
@@ -192,6 +198,20 @@ class ServerStorage:
 
     def health_reports(self, version: int) -> dict[str, HealthReport]:
         return self._rollouts.health(version)
+
+    def withdrawals(self) -> dict[int, StoredWithdrawal]:
+        return self._withdrawals.withdrawals()
+
+    def add_withdrawal(self, withdrawal: StoredWithdrawal) -> WithdrawalOutcome:
+        """Store ``withdrawal`` unless its version or its ``revert_to`` is withdrawn (see the outcome)."""
+        return self._withdrawals.add(withdrawal)
+
+    def record_revert(self, device_id: str, version: int, method: str, now: str) -> None:
+        self._withdrawals.record_revert(device_id, version, method, now)
+
+    def device_reverts(self, version: int) -> dict[str, str]:
+        """How each device went back from withdrawn ``version`` (device id -> method)."""
+        return self._withdrawals.reverts(version)
 
     # -- root of trust ------------------------------------------------------------------------
 

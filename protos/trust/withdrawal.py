@@ -2,18 +2,22 @@
 used, and which version devices that installed it go back to. It is signed like a release —
 by a threshold of the root's publisher keys (or by the one key of a device from before roots) —
 so a server on its own cannot make devices go back: that would be a downgrade attack.
-``withdrawal.<V>.json`` is a :class:`~.trust_format.Signed` withdrawal."""
+``withdrawal.<V>.json`` is a :class:`~.trust_format.Signed` withdrawal; :func:`write_withdrawal`
+writes one signed by a first publisher key (`fctkit keys withdraw` and `fctkit admin withdraw`)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, ClassVar
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from fctkit.errors import TrustFormatError
+from fctkit.errors import TrustError, TrustFormatError
 
+from ..durable_files import write_atomic
 from ..manifest_signature import public_key_id
 from ..strict_json import exact_keys, typed
 from .root_metadata import Root
@@ -73,3 +77,20 @@ def verify_withdrawal(trust: Signed[Root] | Ed25519PublicKey, withdrawal: Signed
         require_threshold(withdrawal.signed_bytes, withdrawal.signatures, {keyid: trust}, (keyid,), 1,
                           f"{what} (the pinned publisher key)")
     return withdrawal
+
+
+def withdrawal_file_name(version: int) -> str:
+    return f"withdrawal.{version}.json"
+
+
+def write_withdrawal(path: str | os.PathLike, version: int, revert_to: int, reason: str,
+                     private_key: Ed25519PrivateKey, now: datetime | None = None) -> Signed[Withdrawal]:
+    """Write ``withdrawal.<version>.json`` signed by this publisher key (others co-sign it with
+    `fctkit keys sign`); an existing file is never replaced."""
+    path = Path(path)
+    if path.exists():
+        raise TrustError(f"{path} already exists: co-sign it with `fctkit keys sign {path} --key KEY`")
+    moment = (now or datetime.now(UTC)).replace(microsecond=0)
+    signed = Signed(Withdrawal(version, revert_to, reason, moment)).signed_by(private_key)
+    write_atomic(path, signed.to_bytes())
+    return signed

@@ -22,6 +22,7 @@ from fctkit.protos.client import FctkitClient
 from fctkit.server.cli import admin_command
 from fctkit.server.rollouts import bucket
 from fctkit.server.storage import VersionRecord
+from fctkit.server.storage_schema import SCHEMA_VERSION
 from tests.server.conftest import ADMIN_TOKEN, enrolled_client, status_code
 
 IDLE, UPGRADING, FAILED = fleet_pb2.UPGRADE_STATE_IDLE, fleet_pb2.UPGRADE_STATE_UPGRADING, fleet_pb2.UPGRADE_STATE_FAILED
@@ -322,4 +323,4 @@ def test_a_schema_8_database_gets_the_rollout_tables(tmp_path, open_storage, bac
     finally:
         storage.close()
     if backend.name == "sqlite":
-        assert backend.query(data_dir, "PRAGMA user_version") == [(9,)]
+        assert backend.query(data_dir, "PRAGMA user_version") == [(SCHEMA_VERSION,)]
