@@ -11,6 +11,7 @@ withdrawal of a withdrawn version is ALREADY_EXISTS. Mixed into :class:`~.regist
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fctkit.errors import BundleError, RpcStatusError, TrustError
@@ -34,15 +35,17 @@ def checked_withdrawal(data: bytes, rules: ReleaseRules) -> Signed[Withdrawal]:
 
 
 class WithdrawRpcs:
-    """``Withdraw`` over the service's ``_catalog``, ``_rules`` and ``_rollouts``."""
+    """``Withdraw`` over the service's ``_catalog``, ``_rules``, ``_rollouts`` and ``_catch_up``."""
 
     _catalog: Any  # the registry's Catalog
     _rules: ReleaseRules
     _rollouts: Rollouts
+    _catch_up: Callable[[], None]  # takes in releases published on other replicas
 
     async def Withdraw(self, request: registry_pb2.WithdrawRequest, context) -> registry_pb2.WithdrawResponse:
         signed = checked_withdrawal(request.withdrawal, self._rules)
         body = signed.body
+        self._catch_up()
         self._catalog.get(body.version)  # NOT_FOUND unless published
         if body.revert_to:
             try:

@@ -135,6 +135,17 @@ def test_a_withdrawal_reverting_to_a_withdrawn_version_is_refused(start_server, 
         assert withdrawn_versions(a) == [2, 3]
 
 
+def test_revert_to_must_be_published_or_0(start_server, archives, publisher_key):
+    server = start_server()
+    with admin(server) as a:
+        a.publish_bundle(archives[2])  # the first release this server holds
+        message = status_message(lambda: a.withdraw(withdrawal(2, 1, publisher_key)))
+        assert "INVALID_ARGUMENT" in message and "v1, which is not published" in message
+        assert withdrawn_versions(a) == []
+        assert a.withdraw(withdrawal(2, 0, publisher_key)).revert_to == 0
+        assert withdrawn_versions(a) == [2]
+
+
 # -- what devices are offered ---------------------------------------------------------------------------
 
 
