@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from fctkit.export.bundle_builder import build_bundle
 from fctkit.export.keys import save_private_key, sign_release, sign_withdrawal_file
 from fctkit.protos import fleet_pb2, registry_pb2
 from fctkit.protos.bundle import pack_bundle
@@ -28,7 +29,7 @@ from fctkit.server.storage import VersionRecord
 from fctkit.server.storage_schema import SCHEMA_VERSION
 from fctkit.server.withdrawal_store import StoredWithdrawal
 from tests.security.conftest import build_root, key, signed
-from tests.server.conftest import ADMIN_TOKEN, chain_bundle, enrolled_client, status_code
+from tests.server.conftest import ADMIN_TOKEN, IMAGE_DIM, _sources, chain_bundle, enrolled_client, status_code
 
 IDLE = fleet_pb2.UPGRADE_STATE_IDLE
 NOW = datetime(2026, 11, 27, 12, 0, tzinfo=UTC)
@@ -202,6 +203,26 @@ def test_a_withdrawn_version_is_offered_to_nobody_new_and_later_versions_are_off
     assert on_v1.plan_upgrade(1).to_version == 4
     with admin(server) as a:
         assert status_code(lambda: a.set_rollout(3, percent=50)) == "FAILED_PRECONDITION"  # rolling out a withdrawn version
+
+
+def test_a_plan_around_a_withdrawn_version_takes_a_direct_adapter(start_server, archives, publisher_key, tmp_path):
+    sources = _sources(tmp_path / "src4", 4, ((3, 4), (2, 4)), IMAGE_DIM)  # v4 also carries a direct 2->4
+    ecc = {s.artifact_name: True for s in sources if s.role == "forward"}
+    v4 = build_bundle(tmp_path / "v4", version=4, parents=(3,), mode="forward", distance="cosine", normalize=True,
+                      artifacts=sources, gate={"cases": {}, "ecc": ecc}, private_key=publisher_key).root
+    server = start_server()
+    with admin(server) as a:
+        for version in (1, 2, 3):
+            a.publish_bundle(archives[version])
+        a.publish_bundle(pack_bundle(v4, tmp_path / "v4.tar"))
+    device, _ = enrolled_client(server)
+    device.report(2, 10, IDLE)
+    assert [(h.source_version, h.target_version) for h in device.plan_upgrade(2, 3).hops] == [(2, 3)]
+    with admin(server) as a:
+        a.withdraw(withdrawal(3, 2, publisher_key))
+    plan = device.plan_upgrade(2)
+    assert plan.to_version == 4 and [(h.source_version, h.target_version, h.bundle_version) for h in plan.hops] == [(2, 4, 4)]
+    assert [(h.source_version, h.target_version) for h in device.plan_upgrade(1, 4).hops] == [(1, 2), (2, 4)]
 
 
 def withdrawn_versions_of(page: registry_pb2.ListVersionsResponse) -> list[int]:
