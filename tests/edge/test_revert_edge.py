@@ -188,3 +188,49 @@ def test_a_closed_window_is_dropped_when_the_device_opens(upgraded, monkeypatch)
     with Device.open(root) as reopened:
         assert rollback_window(reopened.gallery) is None and reopened.gallery.extras.count("rollback_embedding") == 0
         assert reopened.version == 2 and len(reopened.gallery) == ROWS
+
+
+def test_a_sync_takes_the_servers_withdrawal_and_reverts_exactly_or_from_the_vault(edge_server, bundles, publisher_key,
+                                                                                   make_device, images, tmp_path):
+    """On loopback: a real `fctkit serve`, v1 and v2 published, two devices upgraded; the publisher withdraws
+    v2. The next sync of a device inside its window reverts exactly; one whose window closed embeds its
+    rows again from their vault originals; both answer every query as before, and their reports say how."""
+    from tests.edge.conftest import ADMIN_TOKEN, enrolment_code, publish
+
+    from fctkit.protos.client import FctkitClient
+
+    publish(edge_server, bundles[1], tmp_path)
+    devices = {name: make_device(name, health_sample=0) for name in ("inside", "closed")}
+    queries, before = images(QUERIES, 8), {}
+    for seed, (name, device) in enumerate(devices.items()):
+        device.enrol(edge_server.target, enrolment_code(edge_server), device_name=name)
+        assert device.sync().installed_after == 1
+        device.add(images(80, seed=20 + seed), item_ids=[f"{name}{i}" for i in range(80)])  # originals go to the vault
+        before[name] = top10(device, queries), device.gallery.load()
+    publish(edge_server, bundles[2], tmp_path)
+    for device in devices.values():
+        assert device.sync().installed_after == 2
+    closed = devices["closed"]
+    assert expire_rollback(closed.gallery, now=rollback_window(closed.gallery).until + 1)
+
+    with FctkitClient(edge_server.target, ADMIN_TOKEN) as admin:
+        admin.withdraw(withdrawal(tmp_path, publisher_key, 2, 1, "v2 hurts recall on the fleet"))
+    results = {name: device.sync() for name, device in devices.items()}
+    assert "reverted to v1 (exact, 80 row(s))" in " ".join(results["inside"].notes)
+    assert "reverted to v1 (reembedded, 80 row(s))" in " ".join(results["closed"].notes)
+    assert "no rollback window kept v1's vectors" in " ".join(results["closed"].notes)  # it says so
+    for name, device in devices.items():
+        answers, rows_before = before[name]
+        assert results[name].installed_after == device.version == 1 and top10(device, queries) == answers
+        rows = device.gallery.load()
+        assert rows.item_ids == rows_before.item_ids and rows.tags == rows_before.tags and len(device.gallery) == 80
+        np.testing.assert_allclose(np.stack(rows.embeddings), np.stack(rows_before.embeddings), atol=1e-6)
+    assert np.array_equal(np.stack(devices["inside"].gallery.load().embeddings), np.stack(before["inside"][1].embeddings))
+    assert devices["closed"].status()["withdrawals"]["last_revert"]["method"] == "reembedded"
+
+    assert devices["inside"].sync().installed_after == 1  # v2 is not offered again, nor installed
+    with FctkitClient(edge_server.target, ADMIN_TOKEN) as admin:
+        fleet = {d.name: d for d in admin.list_devices()}
+        methods = {m: n for stage in admin.rollout_status(2).stages for m, n in stage.revert_methods.items()}
+    assert fleet["inside"].version == fleet["closed"].version == 1
+    assert methods == {"exact": 1, "reembedded": 1}
