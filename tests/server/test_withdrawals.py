@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import time
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
