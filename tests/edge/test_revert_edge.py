@@ -234,3 +234,33 @@ def test_a_sync_takes_the_servers_withdrawal_and_reverts_exactly_or_from_the_vau
         methods = {m: n for stage in admin.rollout_status(2).stages for m, n in stage.revert_methods.items()}
     assert fleet["inside"].version == fleet["closed"].version == 1
     assert methods == {"exact": 1, "reembedded": 1}
+
+
+def test_without_a_window_a_bundle_with_a_backward_graph_reverts_through_it(make_device, publisher_key, images, tmp_path):
+    from tests.server.conftest import EMBED_DIM, linear_onnx
+
+    from fctkit.export.bundle_builder import ArtifactSource
+
+    sources = _sources(tmp_path / "v2-src", 2, TINY_CHAIN[2], IMAGE_DIM)
+    back = linear_onnx(tmp_path / "v2-src" / "b.onnx", {"new": EMBED_DIM}, EMBED_DIM, seed=77, output="embedding")
+    sources.append(ArtifactSource(back, "backward", 2, 1))
+    v2 = build_bundle(tmp_path / "v2b", version=2, parents=(1,), mode="forward", distance="cosine", normalize=True,
+                      artifacts=sources, gate={"cases": {}, "ecc": {s.artifact_name: True for s in sources
+                                                                    if s.role in ("forward", "backward")}},
+                      private_key=publisher_key, rollback_window_days=0).root
+    device = make_device("dev", health_sample=0)
+    device.upgrade(windowed_bundle(tmp_path / "v1", publisher_key, 1, 7))
+    device.add(images(50, 5), upload=False)
+    device.upgrade(v2)
+    adapted = device.gallery.load()
+    engine = device.engine(2)
+    expected = engine.run(engine.manifest.artifact("backward"), np.stack(adapted.embeddings))
+    notes = take_withdrawals(device.parts, device.trust, [withdrawal(tmp_path, publisher_key, 2, 1)], client=None)
+    device._upgraded()
+    assert "reverted to v1 (backward, 50 row(s))" in notes[0] and device.version == 1
+    rows = device.gallery.load()
+    assert {str(t) for t in rows.tags} == {"v1 (backward)"} and rows.item_ids == adapted.item_ids
+    assert np.array_equal(np.stack(rows.embeddings), expected)
+    assert np.array_equal(np.stack(rows.side_infos), np.stack(adapted.side_infos))
+    assert revert_report_fields(device.gallery) == {"reverted_from": 2, "revert_method": "backward"}
+    assert all(len(matches) == 5 for matches in device.query(images(4, 6), k=5))  # searched in v1's space again
