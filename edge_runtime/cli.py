@@ -281,9 +281,11 @@ def _reason(exc: GalleryDamagedError) -> str:
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_NO_HEALTH
 def sync_command(root, passphrase_env, no_upgrade, no_replicate, watch, quiet, no_health_check) -> None:
-    """Upload queued originals, install or upgrade to the latest published version, then pull
-    and push the owner's encrypted gallery replica. The output ends with the last upgrade's
-    health check (upgrade_health)."""
+    """Upload queued originals, take the publisher's signed withdrawals (a device on a withdrawn
+    version goes back to the one it names; the notes say how: exact, backward or reembedded, and
+    which withdrawals were refused), install or upgrade to the latest published version not
+    withdrawn, then pull and push the owner's encrypted gallery replica. The output ends with the
+    last upgrade's health check (upgrade_health)."""
     with _open(root, passphrase_env, quiet, no_health_check) as device:
         _echo(_with_health(device, dataclasses.asdict(device.sync(upgrade=not no_upgrade, replicate=not no_replicate))))
         if watch:
@@ -339,7 +341,9 @@ def upgrade_command(root, passphrase_env, bundle_dirs, quiet, no_health_check) -
 @_PASSPHRASE
 def status_command(root, passphrase_env) -> None:
     """The installed version, rows per space, queued uploads, any upgrade in progress, the
-    owner, the replica (cursor, pending records, unpushed changes) and the trust: root version
+    owner, the replica (cursor, pending records, unpushed changes), the withdrawals (the rollback
+    window and the rows it keeps, withdrawn versions and why, refused withdrawals, the last revert:
+    from and to which version, method, when, rows not moved) and the trust: root version
     and fingerprint, timestamp version, freshness. Exits 3 whenever `check` would report damage
     (damaged settings or rows, rows gone from the file, anything else); else 4 when the trust is
     stale ("stale: possible freeze": no fresh timestamp for longer than the root allows) or the

@@ -117,7 +117,11 @@ def test_a_withdrawal_within_the_window_reverts_exactly(upgraded, tmp_path, publ
     status = device.status()["withdrawals"]
     assert status["withdrawn_versions"]["v2"]["reason"] == "the adapter hurts recall"
     assert status["last_revert"]["method"] == "exact" and status["last_revert"]["rows_not_moved"] == []
-    json.dumps(status)  # what `fctkit device status --json` prints
+    from tests.edge.conftest import device_cli
+
+    shown = device_cli("status", "--dir", str(device.root))
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["withdrawals"]["last_revert"]["method"] == "exact"
 
     with pytest.raises(DeviceError, match="v2 was withdrawn"):  # never installed again
         device.upgrade(bundles[2])
