@@ -87,7 +87,8 @@ def build_release(
     try:
         exporter = partial(_Exporter, run, _RealInputs(run, chain), fp16=fp16, quantize=quantize, ready=ready,
                            bar=_progress_bar(sum(len(p.roles) for p in plans), progress))
-        built = _build_versions(run, plans, out_dir, private_key, method, exporter, force, force_reason)
+        built = _build_versions(run, plans, out_dir, private_key, method, exporter, force, force_reason,
+                                rollback_window_days)
     except BaseException:
         if created and not any(out_dir.iterdir()):
             out_dir.rmdir()
@@ -101,7 +102,7 @@ def build_release(
 
 def _build_versions(run: TrainedRun, plans: Sequence[VersionPlan], out_dir: Path, private_key: Ed25519PrivateKey,
                     method: str, exporter: Callable[..., _Exporter], force: bool,
-                    force_reason: str | None) -> list[tuple[int, tuple[tuple[RolePlan, RoleExport], ...]]]:
+                    force_reason: str | None, rollback_window_days: int) -> list[tuple[int, tuple[tuple[RolePlan, RoleExport], ...]]]:
     """``exporter(folder=...)``: the :class:`_Exporter` of the release, given its scratch folder."""
     built = []
     # Everything is built in a scratch folder and moved into place at the end: a refused or
