@@ -152,7 +152,8 @@ def _through_backward(parts: DeviceParts, version: int, target: int, left: dict[
     engine = parts.bundles.engine(version)
     rows = parts.gallery.space_rows(version, 0, len(left), only=sorted(left))
     if rows.corrupt:
-        raise DeviceError(f"row {rows.corrupt[0][0]} cannot be read ({rows.corrupt[0][2]}): run `fctkit device repair --dir DIR`, then sync again")
+        row_id, _, reason = rows.corrupt[0]
+        raise DeviceError(f"row {row_id} cannot be read ({reason}): run `fctkit device repair --dir DIR`, then sync again")
     row_ids = [int(r) for r in rows.row_ids]
     mapped = engine.run(_backward_artifact(parts, version, target), _stack(list(rows.embeddings)))
     tags = [VersionTag(left[r][1].origin_version, target, "backward") for r in row_ids]
