@@ -79,7 +79,10 @@ def take_withdrawals(parts: DeviceParts, trust: DeviceTrust, documents: Sequence
     notes = list(log.refused)
     current = next((w for w in accepted if w.version == parts.version), None)
     if current is not None:
-        notes.append(revert_note(revert(parts, current, client, log, now)))
+        try:
+            notes.append(revert_note(revert(parts, current, client, log, now)))
+        except DeviceError as exc:  # the sync goes on (its report says the device is still on the version)
+            notes.append(f"not reverted: {exc}")
     return notes
 
 
@@ -95,8 +98,10 @@ def revert(parts: DeviceParts, withdrawal: Withdrawal, client: Any, log: Withdra
     gallery, version, target = parts.gallery, withdrawal.version, withdrawal.revert_to
     if gallery.upgrade_state is not None:
         raise DeviceError("an upgrade is under way: finish it (`fctkit device upgrade --dir DIR`), then sync again")
+    if target not in parts.bundles.versions() and target and client is not None:
+        parts.bundles.download(client, target, 0)  # older than the query version: the verified withdrawal names it
     if target == 0 or target not in parts.bundles.versions():
-        raise DeviceError(f"v{version} was withdrawn, but this device does not hold the bundle of v{target} to go back to: "
+        raise DeviceError(f"v{version} was withdrawn, but this device cannot get the bundle of v{target} to go back to: "
                           f"it stays on v{version} until a later version is published")
     window = rollback_window(gallery)
     exact = window is not None and window.version == version and window.previous_version == target and window.is_open(now)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sqlite3
 import time
 from pathlib import Path
@@ -172,6 +173,17 @@ def test_after_the_window_the_vectors_are_dropped_and_the_revert_says_so(upgrade
     assert device.version == 1 and device.query(queries[:3], k=5) == [[], [], []]  # v2 rows stay out of v1's searches
 
 
+def test_a_device_that_cannot_get_the_version_back_stays_and_says_so(upgraded, tmp_path, publisher_key):
+    device, queries, _ = upgraded
+    answers = top10(device, queries)
+    shutil.rmtree(device.root / "bundles" / "v1")
+    notes = take_withdrawals(device.parts, device.trust, [withdrawal(tmp_path, publisher_key, 2, 1)], client=None)
+    assert notes == ["not reverted: v2 was withdrawn, but this device cannot get the bundle of v1 to go back to: "
+                     "it stays on v2 until a later version is published"]
+    assert device.version == 2 and top10(device, queries) == answers and revert_report_fields(device.gallery) == {}
+    assert device.gallery.extras.count("rollback_embedding") == ROWS and withdrawal_log(device.gallery).withdrawn(2)
+
+
 def test_a_bundle_without_a_window_keeps_nothing(make_device, bundles, images):
     device = make_device("dev", health_sample=0)
     device.upgrade(bundles[1])
@@ -204,7 +216,7 @@ def test_a_sync_takes_the_servers_withdrawal_and_reverts_exactly_or_from_the_vau
     from fctkit.protos.client import FctkitClient
 
     publish(edge_server, bundles[1], tmp_path)
-    devices = {name: make_device(name, health_sample=0) for name in ("inside", "closed")}
+    devices = {name: make_device(name, health_sample=0) for name in ("inside", "closed", "restored")}
     queries, before = images(QUERIES, 8), {}
     for seed, (name, device) in enumerate(devices.items()):
         device.enrol(edge_server.target, enrolment_code(edge_server), device_name=name)
@@ -216,12 +228,14 @@ def test_a_sync_takes_the_servers_withdrawal_and_reverts_exactly_or_from_the_vau
         assert device.sync().installed_after == 2
     closed = devices["closed"]
     assert expire_rollback(closed.gallery, now=rollback_window(closed.gallery).until + 1)
+    shutil.rmtree(devices["restored"].root / "bundles" / "v1")  # e.g. a device restored at v2: v1 comes from the server
 
     with FctkitClient(edge_server.target, ADMIN_TOKEN) as admin:
         admin.withdraw(withdrawal(tmp_path, publisher_key, 2, 1, "v2 hurts recall on the fleet"))
     results = {name: device.sync() for name, device in devices.items()}
     assert "reverted to v1 (exact, 80 row(s))" in " ".join(results["inside"].notes)
     assert "reverted to v1 (reembedded, 80 row(s))" in " ".join(results["closed"].notes)
+    assert "reverted to v1 (exact, 80 row(s))" in " ".join(results["restored"].notes)
     assert "no rollback window kept v1's vectors" in " ".join(results["closed"].notes)  # it says so
     for name, device in devices.items():
         answers, rows_before = before[name]
@@ -236,8 +250,8 @@ def test_a_sync_takes_the_servers_withdrawal_and_reverts_exactly_or_from_the_vau
     with FctkitClient(edge_server.target, ADMIN_TOKEN) as admin:
         fleet = {d.name: d for d in admin.list_devices()}
         methods = {m: n for stage in admin.rollout_status(2).stages for m, n in stage.revert_methods.items()}
-    assert fleet["inside"].version == fleet["closed"].version == 1
-    assert methods == {"exact": 1, "reembedded": 1}
+    assert fleet["inside"].version == fleet["closed"].version == fleet["restored"].version == 1
+    assert methods == {"exact": 2, "reembedded": 1}
 
 
 def test_without_a_window_a_bundle_with_a_backward_graph_reverts_through_it(make_device, publisher_key, images, tmp_path):
