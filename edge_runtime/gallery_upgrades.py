@@ -92,10 +92,11 @@ class GalleryUpgrades:
 
     def revert_rows(self, batches: Sequence[UpgradedRows], meta: dict[str, str | None]) -> None:
         """A revert in one transaction (:mod:`.revert`): the rows written back in place (each guarded
-        by its live tag, logged for replication), the rollback vectors dropped, ``meta`` set."""
+        by its live tag, logged for replication), the rollback vectors and a transition's previous
+        embeddings dropped, ``meta`` set."""
         with transaction(self._db):
             self._write_rows(batches, staged=False, logged=True)
-            self._db.execute(f"DELETE FROM row_extras WHERE field IN {ROLLBACK_FIELDS}")
+            self._db.execute(f"DELETE FROM row_extras WHERE field IN ('previous_embedding', {ROLLBACK_FIELDS[1:-1]})")
             self._set_meta(meta)
 
     def drop_rollback(self, meta: dict[str, str | None]) -> int:

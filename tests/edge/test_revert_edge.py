@@ -282,3 +282,23 @@ def test_without_a_window_a_bundle_with_a_backward_graph_reverts_through_it(make
     assert np.array_equal(np.stack(rows.side_infos), np.stack(adapted.side_infos))
     assert revert_report_fields(device.gallery) == {"reverted_from": 2, "revert_method": "backward"}
     assert all(len(matches) == 5 for matches in device.query(images(4, 6), k=5))  # searched in v1's space again
+
+
+def test_an_exact_revert_ends_a_transition_the_upgrade_began(make_device, publisher_key, images, tmp_path):
+    from fctkit.protos.search_policy import TransitionPolicy
+
+    sources = _sources(tmp_path / "v2t-src", 2, TINY_CHAIN[2], IMAGE_DIM)
+    v2 = build_bundle(tmp_path / "v2t", version=2, parents=(1,), mode="forward", distance="cosine", normalize=True,
+                      artifacts=sources, gate={"cases": {}, "ecc": {s.artifact_name: True for s in sources if s.role == "forward"}},
+                      private_key=publisher_key, transition=TransitionPolicy(1, 0.5, 30.0), rollback_window_days=3)
+    device = make_device("dev", health_sample=0)
+    device.upgrade(windowed_bundle(tmp_path / "v1", publisher_key, 1, 7))
+    device.add(images(70, 9), upload=False)
+    queries = images(20, 10)
+    answers = top10(device, queries)
+    device.upgrade(v2.root)
+    assert device.transition is not None and device.gallery.extras.count("previous_embedding") == 70
+    take_withdrawals(device.parts, device.trust, [withdrawal(tmp_path, publisher_key, 2, 1)], client=None)
+    device._upgraded()
+    assert device.version == 1 and device.transition is None and device.gallery.extras.count("previous_embedding") == 0
+    assert top10(device, queries) == answers
