@@ -464,4 +464,5 @@ class Device:
     def status(self) -> dict[str, Any]:
         """What the device holds and does (:func:`~.device_status.device_status`)."""
         status = device_status(self.root, self.settings, self.parts, self.search, owner_key_id(self._owner_key), self.check)
-        return {**status, "trust": self.trust.status(), "withdrawals": withdrawal_status(self.gallery)}
+        withdrawals = {} if "damaged_settings" in status else {"withdrawals": withdrawal_status(self.gallery)}
+        return {**status, "trust": self.trust.status(), **withdrawals}

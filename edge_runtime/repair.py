@@ -45,7 +45,9 @@ from .gallery_rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, tak
 from .gallery_schema import VECTOR_TABLES
 from .gallery_settings import REQUIRED, stored_name
 
-DROPPED_WHEN_DAMAGED = ("transition", "backfill", "upgrade")
+#: ``rollback`` with its kept vectors (a withdrawal then reverts through backward or the vault), ``revert`` (reports
+#: stop naming it), ``withdrawn`` (the next sync's listing carries the withdrawals again)
+DROPPED_WHEN_DAMAGED = ("transition", "backfill", "upgrade", "rollback", "revert", "withdrawn")
 DROPPED_PREFIXES = ("uncertainty:v",)
 REBUILD = ("rebuild it from the owner's replica: move the device directory DIR away, then run "
            "`fctkit device init --dir NEW --import-key DIR/owner.key`, "
@@ -221,8 +223,9 @@ def repair_gallery(gallery: Gallery, open_original: OpenOriginal, installed_vers
     result.rows_missing = rows.missing
     result.extras_dropped = len(bad_extras)
     result.queued_originals_dropped = list(dict.fromkeys(item for item, _ in damaged_originals(gallery, open_original)))
-    if "transition" in damaged:
-        bad_extras += [("previous_embedding", r) for r in gallery.extras.load("previous_embedding").row_ids.tolist()]
+    for setting, fields in (("transition", ("previous_embedding",)), ("rollback", ("rollback_embedding", "rollback_side_info"))):
+        if setting in damaged:
+            bad_extras += [(name, r) for name in fields for r in gallery.extras.load(name).row_ids.tolist()]
     if result.rows_forgotten or result.rows_missing:  # the next pull brings back what the owner's replica has
         settings = {**settings, "replica_cursor": "0"}
     gallery.forget_rows(lost, drop_queued=result.queued_originals_dropped, drop_extras=bad_extras,

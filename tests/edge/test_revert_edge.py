@@ -27,7 +27,7 @@ from fctkit.edge_runtime.revert_records import (
     withdrawal_log,
     withdrawal_status,
 )
-from fctkit.errors import BundleFormatError, DeviceError
+from fctkit.errors import BundleFormatError, DeviceError, GalleryDamagedError
 from fctkit.export.bundle_builder import build_bundle
 from fctkit.export.keys import write_withdrawal
 from fctkit.protos.bundle import verify_bundle
@@ -302,3 +302,18 @@ def test_an_exact_revert_ends_a_transition_the_upgrade_began(make_device, publis
     device._upgraded()
     assert device.version == 1 and device.transition is None and device.gallery.extras.count("previous_embedding") == 0
     assert top10(device, queries) == answers
+
+
+def test_a_damaged_rollback_setting_is_reported_and_repair_drops_the_window(upgraded):
+    from tests.edge.conftest import flip_stored_byte
+
+    device, _, _ = upgraded
+    with sqlite3.connect(device.gallery.path) as db:
+        assert flip_stored_byte(db, "meta", "mac", "key = 'rollback'", 3) == 1
+    assert device.status()["damaged_settings"] == ["rollback"]
+    with pytest.raises(GalleryDamagedError, match="rollback"):  # nothing is installed or upgraded before a repair
+        device.upgrade()
+    device.repair()
+    assert rollback_window(device.gallery) is None and device.gallery.extras.count("rollback_embedding") == 0
+    assert device.gallery.extras.count("rollback_side_info") == 0
+    assert device.version == 2 and len(device.gallery) == ROWS and device.status()["withdrawals"]["rollback_window"] is None
