@@ -38,6 +38,7 @@ from .device_parts import DeviceParts
 from .device_trust import DeviceTrust
 from .gallery_rows import UpgradedRows, VersionTag
 from .revert_records import (
+    LISTED_ITEMS,
     ROLLBACK_KEY,
     RevertRecord,
     WithdrawalLog,
@@ -87,7 +88,7 @@ def take_withdrawals(parts: DeviceParts, trust: DeviceTrust, documents: Sequence
 
 
 def revert_note(record: RevertRecord) -> str:
-    lost = f"; {len(record.rows_not_moved)} row(s) could not be moved and are left out of searches" if record.rows_not_moved else ""
+    lost = f"; {record.rows_not_moved} row(s) could not be moved and are left out of searches" if record.rows_not_moved else ""
     return (f"v{record.reverted_from} was withdrawn ({record.reason!r}): reverted to v{record.revert_to} "
             f"({record.method}, {record.rows_moved} row(s)){lost}{'; ' + record.note if record.note else ''}")
 
@@ -113,7 +114,7 @@ def revert(parts: DeviceParts, withdrawal: Withdrawal, client: Any, log: Withdra
     rest = _through_backward(parts, version, target, left) if backward else _reembedded(parts, client, target, left)
     method = "exact" if exact else "backward" if backward else "reembedded"
     record = RevertRecord(version, target, method, withdrawal.reason, time.time() if now is None else now,
-                          len(kept.moved) + len(rest.moved), rest.not_moved, note)
+                          len(kept.moved) + len(rest.moved), len(rest.not_moved), rest.not_moved[:LISTED_ITEMS], note)
     meta = {"query_version": str(target), "transition": None, ROLLBACK_KEY: None, **revert_meta(record),
             **log_meta(log if log is not None else withdrawal_log(gallery))}
     gallery.revert_rows(kept.batches + rest.batches, meta)

@@ -24,6 +24,7 @@ from .gallery import Gallery
 ROLLBACK_KEY, WITHDRAWN_KEY, REVERT_KEY = "rollback", "withdrawn", "revert"
 SECONDS_PER_DAY = 86400.0
 METHODS = ("exact", "backward", "reembedded")
+LISTED_ITEMS = 100  # item ids a revert record lists of the rows it could not move (it counts them all)
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,9 @@ class RollbackWindow:
 
 @dataclass(frozen=True)
 class RevertRecord:
-    """A revert from the withdrawn ``reverted_from`` to ``revert_to``; ``rows_not_moved``: item ids
-    left in the withdrawn version's space (no kept vectors and no original to embed again)."""
+    """A revert from the withdrawn ``reverted_from`` to ``revert_to``; ``rows_not_moved``: how many
+    rows were left in the withdrawn version's space (no kept vectors and no original to embed
+    again), ``items_not_moved`` the first :data:`LISTED_ITEMS` of their item ids."""
 
     reverted_from: int
     revert_to: int
@@ -49,7 +51,8 @@ class RevertRecord:
     reason: str
     reverted_at: float
     rows_moved: int
-    rows_not_moved: list[str] = field(default_factory=list)
+    rows_not_moved: int = 0
+    items_not_moved: list[str] = field(default_factory=list)
     note: str = ""
 
 
@@ -133,7 +136,7 @@ def revert_report_fields(gallery: Gallery) -> dict[str, Any]:
 
 def withdrawal_status(gallery: Gallery, now: float | None = None) -> dict[str, Any]:
     """What ``fctkit device status`` shows: the rollback window, the withdrawn versions, the
-    refused withdrawals and the last revert (version, reason, method, when, rows not moved)."""
+    refused withdrawals and the last revert (versions, reason, method, when, rows not moved)."""
     window, log, revert = rollback_window(gallery), withdrawal_log(gallery), last_revert(gallery)
     return {
         "rollback_window": None if window is None else {**asdict(window), "open": window.is_open(now),
