@@ -317,3 +317,26 @@ def test_a_damaged_rollback_setting_is_reported_and_repair_drops_the_window(upgr
     assert rollback_window(device.gallery) is None and device.gallery.extras.count("rollback_embedding") == 0
     assert device.gallery.extras.count("rollback_side_info") == 0
     assert device.version == 2 and len(device.gallery) == ROWS and device.status()["withdrawals"]["rollback_window"] is None
+
+
+def test_under_a_root_a_withdrawal_needs_the_publisher_threshold(upgraded, tmp_path):
+    """The root's rule, unit level: a root asking 2 of 3 publisher keys (tests/security's helpers) stands in for
+    the device's trust; one signature is refused and changes nothing, two send the device back."""
+    from types import SimpleNamespace
+
+    from fctkit.export.keys import sign_withdrawal_file
+    from tests.security.conftest import build_root, key, signed
+
+    two_of_three = signed(build_root(1, root=("r1",), root_threshold=1, publishers=("alice", "bob", "carol"),
+                                     publisher_threshold=2), "r1")
+    trust = SimpleNamespace(release_trust=lambda: two_of_three)
+    device, queries, (answers, _) = upgraded
+    path = tmp_path / "withdrawal.2.json"
+    write_withdrawal(path, 2, 1, "fleet recall fell", key("alice"))
+    notes = take_withdrawals(device.parts, trust, [path.read_bytes()], client=None)
+    assert len(notes) == 1 and "refused and changed nothing" in notes[0] and "1 valid signature" in notes[0]
+    assert device.version == 2 and not withdrawal_log(device.gallery).versions
+    sign_withdrawal_file(path, key("bob"))
+    notes = take_withdrawals(device.parts, trust, [path.read_bytes()], client=None)
+    device._upgraded()
+    assert "reverted to v1 (exact" in notes[0] and device.version == 1 and top10(device, queries) == answers
