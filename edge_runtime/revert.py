@@ -41,6 +41,7 @@ from .revert_records import (
     LISTED_ITEMS,
     ROLLBACK_KEY,
     RevertRecord,
+    RollbackWindow,
     WithdrawalLog,
     log_meta,
     revert_meta,
@@ -121,7 +122,7 @@ def revert(parts: DeviceParts, withdrawal: Withdrawal, client: Any, log: Withdra
     return record
 
 
-def _no_window_note(window, version: int, target: int, now: float | None) -> str:
+def _no_window_note(window: RollbackWindow | None, version: int, target: int, now: float | None) -> str:
     if window is None or window.version != version:
         return f"no rollback window kept v{target}'s vectors (the bundle has none, or it was dropped)"
     if window.previous_version != target:
@@ -167,10 +168,13 @@ def _through_backward(parts: DeviceParts, version: int, target: int, left: dict[
 
 
 def _reembedded(parts: DeviceParts, client: Any, target: int, left: dict[int, tuple[str, VersionTag]]) -> MovedRows:
-    """Rows whose originals are in the vault, embedded again by ``target``'s model; the rest are not moved."""
+    """Rows whose originals are in the vault, embedded again by ``target``'s model; the rest (all of
+    them without a ``client``) are not moved."""
     engine = parts.bundles.engine(target)
-    with_original = [r for r in sorted(left) if parts.gallery.replica_log.vault_sha256(left[r][0]) is not None]
-    not_moved = [left[r][0] for r in sorted(left) if r not in set(with_original)]
+    vault = parts.gallery.replica_log.vault_sha256
+    with_original = [r for r in sorted(left) if client is not None and vault(left[r][0]) is not None]
+    fetched = set(with_original)
+    not_moved = [left[r][0] for r in sorted(left) if r not in fetched]
     batches: list[UpgradedRows] = []
     for start in range(0, len(with_original), BATCH):
         chunk = with_original[start:start + BATCH]
