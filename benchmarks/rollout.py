@@ -11,7 +11,10 @@ guard, a signed withdrawal and the devices' revert, on a real server and a fleet
    on the record (its ECC fails, as it should);
 2. a real `fctkit serve` with a root of trust on loopback; v1 published to everyone; N devices
    enrol by the root's fingerprint, install v1 and add their share of the digits evaluation
-   images (originals sealed in the vault, which the health check needs);
+   images: ``--rows-per-device`` (64) drawn at random per device, devices overlapping, since the
+   split has 719 images (originals sealed in the vault, which the health check needs). A gallery
+   no larger than the health sample (32) would be re-embedded whole by the check, so that even a
+   broken adapter never reached its answers;
 3. v2 published at 5%, widened to 25% and 100%, every device syncing after each stage (each
    upgrade re-embeds up to 32 sampled rows from the vault and reports its health);
 4. each device's top-10 answers to a fixed query set and its rows recorded; v3 published at
@@ -140,13 +143,15 @@ def broken_v3(v2: Path, out: Path, key, seed: int) -> Path:
 # --------------------------------------------------------------------------- the fleet
 
 
-def enrol_fleet(server: LoopbackServer, run_dir: Path, devices: int, work: Path, seed: int) -> tuple[list[Member], np.ndarray]:
-    """``devices`` devices on v1, each holding its share of the evaluation images."""
+def enrol_fleet(server: LoopbackServer, run_dir: Path, args: argparse.Namespace, work: Path) -> tuple[list[Member], np.ndarray]:
+    """``args.devices`` devices on v1, each holding ``args.rows_per_device`` evaluation images
+    drawn at random (without repeats on a device; devices overlap)."""
     from fctkit.export.trained_run import TrainedRun
 
     trained = TrainedRun.open(run_dir)
     images, labels = trained.eval_images, trained.eval_features["labels"]
-    shares = np.array_split(np.random.default_rng(seed).permutation(len(labels)), devices)
+    rng = np.random.default_rng(args.seed)
+    shares = [rng.choice(len(labels), min(args.rows_per_device, len(labels)), replace=False) for _ in range(args.devices)]
     fleet = []
     for i, rows in enumerate(shares):
         name = f"device-{i + 1:03d}"
@@ -200,11 +205,13 @@ def distribution(values: list[float]) -> dict[str, float]:
     return {"count": len(values), "min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def describe(name: str, d: dict[str, float], samples: list[int]) -> str:
+def describe(name: str, values: list[float], samples: list[int]) -> str:
+    d = distribution(values)
     if not d["count"]:
         return f"  {name}: no device reported"
+    few = f"; each: {', '.join(f'{v:.4f}' for v in sorted(values))}" if len(values) <= 10 else ""
     return (f"  {name}: {d['count']} devices, mean cosine min {d['min']:.3f}, median {d['median']:.3f}, max {d['max']:.3f} "
-            f"(rows sampled per device: {min(samples)} to {max(samples)})")
+            f"(rows sampled per device: {min(samples)} to {max(samples)}){few}")
 
 
 def print_status(status) -> None:
@@ -229,7 +236,7 @@ def run(args: argparse.Namespace, work: Path, check: Checks, phases: Phases) -> 
             v3 = broken_v3(v2, work / "v3", server.key, args.seed)
         with phases(f"publish v1 to everyone; enrol {args.devices} devices, install v1, add their shares"):
             publish(server, v1, None)
-            fleet, images = enrol_fleet(server, run_dir, args.devices, work, args.seed)
+            fleet, images = enrol_fleet(server, run_dir, args, work)
         rows_at_start = {m.name: rows_of(m.device) for m in fleet}
         print(f"  {sum(n for n, _ in rows_at_start.values())} rows on {len(fleet)} devices "
               f"({min(n for n, _ in rows_at_start.values())} to {max(n for n, _ in rows_at_start.values())} each)")
@@ -284,8 +291,8 @@ def run(args: argparse.Namespace, work: Path, check: Checks, phases: Phases) -> 
 
         print("\nhealth signal (mean cosine of h(old) vs φ_new on each device's sampled rows):")
         good, bad = distribution([c for c, _ in v2_health.values()]), distribution([c for c, _ in v3_health.values()])
-        print(describe("v2 (good FCT)", good, [k for _, k in v2_health.values()]))
-        print(describe("v3 (random orthogonal)", bad, [k for _, k in v3_health.values()]))
+        print(describe("v2 (good FCT)", [c for c, _ in v2_health.values()], [k for _, k in v2_health.values()]))
+        print(describe("v3 (random orthogonal)", [c for c, _ in v3_health.values()], [k for _, k in v3_health.values()]))
         if good["count"] and bad["count"]:
             gap = good["min"] - bad["max"]
             print(f"  gap worst v2 - best v3: {gap:+.3f}")
@@ -349,6 +356,9 @@ def run(args: argparse.Namespace, work: Path, check: Checks, phases: Phases) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=100, help="devices in the fleet (>= 50 for the acceptance figures)")
+    parser.add_argument("--rows-per-device", type=int, default=64,
+                        help="evaluation images each device holds (more than the health sample of 32, which the "
+                             "health check re-embeds natively)")
     parser.add_argument("--queries", type=int, default=100, help="fixed query images every device answers (top-10)")
     parser.add_argument("--v3-percent", type=float, default=5.0, help="v3's first (and only) stage")
     parser.add_argument("--halt-below", type=float, default=0.65, help="v3's guard: halt when the median mean cosine is below this")
@@ -356,12 +366,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", type=Path, default=None, help="work in this new or empty folder and keep it (default: a temporary one)")
     args = parser.parse_args(argv)
-    if args.devices < 2 or args.queries < 1 or args.halt_min_devices < 1:
-        parser.error("--devices must be >= 2, --queries and --halt-min-devices >= 1")
+    if args.devices < 2 or min(args.queries, args.halt_min_devices, args.rows_per_device) < 1:
+        parser.error("--devices must be >= 2; --rows-per-device, --queries and --halt-min-devices >= 1")
     if args.keep and args.keep.exists() and any(args.keep.iterdir()):
         parser.error(f"--keep {args.keep} is not empty: give a new or empty folder")
+    import logging
+
     import torch
 
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # "torchvision is not installed" at every export
     torch.set_num_threads(1)  # 8x8 images: one thread beats two on busy shared cores (as the demo does)
     check, phases = Checks(), Phases()
     start = time.perf_counter()
