@@ -82,12 +82,14 @@ class TrustUpdate:
 @dataclass(frozen=True)
 class VersionListing:
     """What ``ListVersions`` answered over all its pages: the versions, and from a server with a
-    root the current timestamp and latest root version (unverified bytes; empty and 0 otherwise)."""
+    root the current timestamp and latest root version (unverified bytes; empty and 0 otherwise),
+    the signed withdrawals and the (unsigned) confirmed versions."""
 
     versions: list[registry_pb2.VersionInfo]
     timestamp: bytes
     latest_root_version: int
     withdrawals: list[bytes] = field(default_factory=list)
+    confirmed_versions: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -219,7 +221,8 @@ class FctkitClient(RolloutCalls):
             first = page if first is None else first
             found.extend(page.versions)
             if not page.more or not page.versions:
-                return VersionListing(found, first.timestamp, first.latest_root_version, list(first.withdrawals))
+                return VersionListing(found, first.timestamp, first.latest_root_version, list(first.withdrawals),
+                                      list(first.confirmed_versions))
             after_version = page.versions[-1].version
 
     def get_manifest(self, version: int) -> tuple[bytes, bytes]:

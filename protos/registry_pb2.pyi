@@ -78,20 +78,22 @@ class ListVersionsRequest(_message.Message):
     def __init__(self, after_version: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class ListVersionsResponse(_message.Message):
-    __slots__ = ("versions", "more", "latest_version", "timestamp", "latest_root_version", "withdrawals")
+    __slots__ = ("versions", "more", "latest_version", "timestamp", "latest_root_version", "withdrawals", "confirmed_versions")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     LATEST_ROOT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WITHDRAWALS_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
     more: bool
     latest_version: int
     timestamp: bytes
     latest_root_version: int
     withdrawals: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., more: _Optional[bool] = ..., latest_version: _Optional[int] = ..., timestamp: _Optional[bytes] = ..., latest_root_version: _Optional[int] = ..., withdrawals: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    confirmed_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., more: _Optional[bool] = ..., latest_version: _Optional[int] = ..., timestamp: _Optional[bytes] = ..., latest_root_version: _Optional[int] = ..., withdrawals: _Optional[_Iterable[bytes]] = ..., confirmed_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetManifestRequest(_message.Message):
     __slots__ = ("version",)
@@ -329,7 +331,7 @@ class RolloutStage(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., percent: _Optional[float] = ..., started_at: _Optional[str] = ..., offered: _Optional[int] = ..., downloaded: _Optional[int] = ..., upgraded: _Optional[int] = ..., failed: _Optional[int] = ..., reverted: _Optional[int] = ..., health: _Optional[_Union[HealthSummary, _Mapping]] = ..., revert_methods: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("version", "state", "percent", "cohort_size", "halt_below", "halt_min_devices", "halt_reason", "stages", "gate_cases_json", "updated_at", "withdrawn_reason", "revert_to")
+    __slots__ = ("version", "state", "percent", "cohort_size", "halt_below", "halt_min_devices", "halt_reason", "stages", "gate_cases_json", "updated_at", "withdrawn_reason", "revert_to", "confirmed_at")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PERCENT_FIELD_NUMBER: _ClassVar[int]
@@ -342,6 +344,7 @@ class RolloutStatus(_message.Message):
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     WITHDRAWN_REASON_FIELD_NUMBER: _ClassVar[int]
     REVERT_TO_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMED_AT_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: str
     percent: float
@@ -354,7 +357,14 @@ class RolloutStatus(_message.Message):
     updated_at: str
     withdrawn_reason: str
     revert_to: int
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., percent: _Optional[float] = ..., cohort_size: _Optional[int] = ..., halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ..., halt_reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[RolloutStage, _Mapping]]] = ..., gate_cases_json: _Optional[str] = ..., updated_at: _Optional[str] = ..., withdrawn_reason: _Optional[str] = ..., revert_to: _Optional[int] = ...) -> None: ...
+    confirmed_at: str
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., percent: _Optional[float] = ..., cohort_size: _Optional[int] = ..., halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ..., halt_reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[RolloutStage, _Mapping]]] = ..., gate_cases_json: _Optional[str] = ..., updated_at: _Optional[str] = ..., withdrawn_reason: _Optional[str] = ..., revert_to: _Optional[int] = ..., confirmed_at: _Optional[str] = ...) -> None: ...
+
+class ConfirmVersionRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class WithdrawRequest(_message.Message):
     __slots__ = ("withdrawal",)

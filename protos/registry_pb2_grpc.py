@@ -91,6 +91,11 @@ class RegistryStub:
                 request_serializer=fctkit_dot_v1_dot_registry__pb2.WithdrawRequest.SerializeToString,
                 response_deserializer=fctkit_dot_v1_dot_registry__pb2.WithdrawResponse.FromString,
                 _registered_method=True)
+        self.ConfirmVersion = channel.unary_unary(
+                '/fctkit.v1.Registry/ConfirmVersion',
+                request_serializer=fctkit_dot_v1_dot_registry__pb2.ConfirmVersionRequest.SerializeToString,
+                response_deserializer=fctkit_dot_v1_dot_registry__pb2.RolloutStatus.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -202,6 +207,18 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConfirmVersion(self, request, context):
+        """Admin only. Confirm a version ("it is good"): from then on every ListVersions page names it
+        in `confirmed_versions`, and a device running it drops the vectors it kept for a revert (its
+        rollback window ends early). Unsigned: it can only make a later revert inexact (backward or
+        re-embedded), never move a device. Confirming again changes nothing (the first time stays).
+        NOT_FOUND for an unknown version; FAILED_PRECONDITION for a withdrawn version or one not
+        offered to any device yet (a staged rollout at 0% without a cohort). Returns the rollout's status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -259,6 +276,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.Withdraw,
                     request_deserializer=fctkit_dot_v1_dot_registry__pb2.WithdrawRequest.FromString,
                     response_serializer=fctkit_dot_v1_dot_registry__pb2.WithdrawResponse.SerializeToString,
+            ),
+            'ConfirmVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfirmVersion,
+                    request_deserializer=fctkit_dot_v1_dot_registry__pb2.ConfirmVersionRequest.FromString,
+                    response_serializer=fctkit_dot_v1_dot_registry__pb2.RolloutStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -560,6 +582,33 @@ class Registry:
             '/fctkit.v1.Registry/Withdraw',
             fctkit_dot_v1_dot_registry__pb2.WithdrawRequest.SerializeToString,
             fctkit_dot_v1_dot_registry__pb2.WithdrawResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConfirmVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fctkit.v1.Registry/ConfirmVersion',
+            fctkit_dot_v1_dot_registry__pb2.ConfirmVersionRequest.SerializeToString,
+            fctkit_dot_v1_dot_registry__pb2.RolloutStatus.FromString,
             options,
             channel_credentials,
             insecure,

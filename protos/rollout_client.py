@@ -1,5 +1,5 @@
 """The admin's rollout calls of :class:`~fctkit.protos.client.FctkitClient` (issue 36): change a
-version's staged rollout, read its status, withdraw a release. A mixin: the client supplies
+version's staged rollout, read its status, confirm a version, withdraw a release. A mixin: the client supplies
 ``_unary`` and the Registry stub."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ ROLLOUT_ACTIONS = {"pause": registry_pb2.ROLLOUT_ACTION_PAUSE, "resume": registr
 
 
 class RolloutCalls:
-    """``set_rollout``, ``rollout_status`` and ``withdraw`` (admin token)."""
+    """``set_rollout``, ``rollout_status``, ``confirm_version`` and ``withdraw`` (admin token)."""
 
     registry: Any
     _unary: Callable[..., Any]
@@ -37,6 +37,10 @@ class RolloutCalls:
     def rollout_status(self, version: int) -> registry_pb2.RolloutStatus:
         """Admin: ``version``'s rollout: state, stages and what the devices reported per stage."""
         return self._unary(self.registry.GetRollout, registry_pb2.GetRolloutRequest(version=version))
+
+    def confirm_version(self, version: int) -> registry_pb2.RolloutStatus:
+        """Admin: confirm ``version`` (devices running it drop the vectors kept for a revert); returns its status."""
+        return self._unary(self.registry.ConfirmVersion, registry_pb2.ConfirmVersionRequest(version=version))
 
     def withdraw(self, withdrawal: bytes) -> registry_pb2.WithdrawResponse:
         """Admin: publish a signed ``withdrawal.<V>.json`` (`fctkit keys withdraw`): V is offered to

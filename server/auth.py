@@ -45,6 +45,7 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     "/fctkit.v1.Registry/SetRollout": ADMIN,
     "/fctkit.v1.Registry/GetRollout": ADMIN,
     "/fctkit.v1.Registry/Withdraw": ADMIN,
+    "/fctkit.v1.Registry/ConfirmVersion": ADMIN,
     "/fctkit.v1.Vault/Upload": DEVICE,
     "/fctkit.v1.Vault/Download": DEVICE,
     "/fctkit.v1.Vault/Stat": DEVICE,

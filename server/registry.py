@@ -1,10 +1,11 @@
 """The Registry service: published model versions, upgrade plans, artifact streaming with
 resume, version watching, bundle publishing, the root of trust (GetTrust, PublishRoot), staged
-rollouts (SetRollout, GetRollout: :mod:`.rollout_service`) and withdrawals (Withdraw:
+rollouts (SetRollout, GetRollout, ConfirmVersion: :mod:`.rollout_service`) and withdrawals (Withdraw:
 :mod:`.withdraw_service`). A device is listed, planned, watched and sent only the versions its
 rollouts offer it (:mod:`.rollouts`) and never a withdrawn one (a device on it may still download
 its artifacts; upgrade plans never route through a withdrawn bundle's adapters); every
-ListVersions page carries every published withdrawal. The admin sees every version.
+ListVersions page carries every published withdrawal and the confirmed versions. The admin sees
+every version.
 
 Publishing receives the bundle archive into ``tmp/publish-*``, checks its size and SHA-256,
 unpacks it safely, verifies it exactly as a device would (signatures under the publisher key
@@ -187,7 +188,7 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
         return registry_pb2.ListVersionsResponse(
             versions=[v.info() for v in found[:limit]], more=len(found) > limit,
             latest_version=self._catalog.latest_before(cap, hidden), withdrawals=self._rollouts.withdrawals.documents(),
-            **trust)
+            confirmed_versions=self._rollouts.confirmed_versions(), **trust)
 
     async def GetManifest(self, request, context):
         record = self._catalog.get(version_field(request.version, "version")).record

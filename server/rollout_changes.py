@@ -4,7 +4,8 @@
 widen (never narrow), pause, resume, complete, replace the cohort or the guard, all at once or
 none (an :class:`~fctkit.errors.RpcStatusError` says why, and nothing is stored).
 :func:`guard_verdict` is the guard: the reason to halt a staged rollout whose reporting devices'
-median ``mean_cosine`` fell below ``halt_below``, or None.
+median ``mean_cosine`` fell below ``halt_below``, or None. :func:`check_confirmable` refuses to
+confirm a version that no device was offered yet.
 """
 
 from __future__ import annotations
@@ -105,6 +106,16 @@ def _acted(rollout: Rollout, action: int, now: str) -> Rollout:
         last = () if rollout.percent == 100.0 else (Stage(100.0, now),)  # completing is the last stage: everyone
         return dataclasses.replace(rollout, state=COMPLETE, percent=100.0, stages=(*rollout.stages, *last), halt_reason="")
     raise invalid(f"action {action} is not one of PAUSE, RESUME, COMPLETE")
+
+
+def check_confirmable(version: int, rollout: Rollout | None) -> None:
+    """FAILED_PRECONDITION unless ``version`` (its rollout: ``rollout``, None when published to
+    every device) was offered to some device: complete, widened above 0%, or with a cohort."""
+    if rollout is None or rollout.state == COMPLETE or rollout.percent > 0 or rollout.cohort:
+        return
+    raise RpcStatusError("FAILED_PRECONDITION", f"version {version} is offered to no device yet (its rollout is "
+                         f"{rollout.state} at 0% without a cohort): there is nothing to confirm before devices run it; "
+                         f"widen it first (`fctkit admin rollout {version} --percent P`), then confirm; nothing changed")
 
 
 def guard_verdict(rollout: Rollout, health: dict[str, HealthReport], device_id: str) -> str | None:

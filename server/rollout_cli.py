@@ -1,7 +1,8 @@
-"""``fctkit admin rollout``, ``fctkit admin rollout-status`` and ``fctkit admin withdraw`` (issue
-36): stage, widen, pause, resume and complete a version's rollout, name its cohort and its guard,
-show per stage what the devices reported (and how they went back from a withdrawn version), and
-publish a signed withdrawal. Each takes the admin's ``connect`` from the ``admin`` group."""
+"""``fctkit admin rollout``, ``fctkit admin rollout-status``, ``fctkit admin rollout-confirm`` and
+``fctkit admin withdraw`` (issue 36): stage, widen, pause, resume and complete a version's
+rollout, name its cohort and its guard, show per stage what the devices reported (and how they
+went back from a withdrawn version), confirm a version (its devices drop the vectors kept for a
+revert), and publish a signed withdrawal. Each takes the admin's ``connect`` from the ``admin`` group."""
 
 from __future__ import annotations
 
@@ -97,11 +98,30 @@ def rollout_status_command(connect, version: int, as_json: bool) -> None:
     click.echo(f"gate (the server's evaluation data): {cases}")
 
 
+@click.command("rollout-confirm")
+@click.argument("version", type=click.IntRange(1))
+@click.pass_obj
+def rollout_confirm_command(connect, version: int) -> None:
+    """Confirm VERSION ("it is good"): devices running it drop the vectors they keep for an exact
+    revert at their next sync, as when its rollback window ends. It can still be withdrawn
+    (`fctkit admin withdraw`): its devices then go back through the bundle's backward adapter or
+    by re-embedding from the vault. Needs no publisher key: it moves no device. Refused for an
+    unknown or withdrawn version and for one offered to no device yet; confirming again changes nothing."""
+    with connect() as client:
+        status = client.confirm_version(version)
+    click.echo(_headline(status))
+    click.echo(f"devices running v{version} drop the vectors kept for a revert at their next sync")
+
+
 def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _headline(status) -> str:
+    return _state(status) + (f"; confirmed at {status.confirmed_at}" if status.confirmed_at else "")
+
+
+def _state(status) -> str:
     if status.state == "none":
         return f"version {status.version}: no rollout (offered to every device)"
     if status.state == "withdrawn":

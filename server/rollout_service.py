@@ -1,6 +1,8 @@
 """The Registry's rollout RPCs (admin only, issue 36): ``SetRollout`` changes a version's staged
-rollout (never a withdrawn version's), ``GetRollout`` reports it (with its withdrawal, if any). Mixed into :class:`~.registry.RegistryService`, whose
-catalog, storage and :class:`~.rollouts.Rollouts` they use."""
+rollout (never a withdrawn version's), ``GetRollout`` reports it (with its withdrawal and its
+confirmation, if any), ``ConfirmVersion`` confirms a version offered to devices and not withdrawn.
+Mixed into :class:`~.registry.RegistryService`, whose catalog, storage and
+:class:`~.rollouts.Rollouts` they use."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any
 from fctkit.errors import RpcStatusError
 from fctkit.protos import registry_pb2
 
-from .rollout_changes import changed_rollout, check_cohort
+from .rollout_changes import changed_rollout, check_cohort, check_confirmable
 from .rollout_status import rollout_status
 from .rollout_store import DeviceState, Rollout
 from .rollouts import Rollouts
@@ -39,6 +41,14 @@ class RolloutRpcs:
         self._rollouts.change(version, lambda current: changed_rollout(current, request, now))
         return self._rollout_status(version)
 
+    async def ConfirmVersion(self, request: registry_pb2.ConfirmVersionRequest, context) -> registry_pb2.RolloutStatus:
+        version = self._catalog.get(version_field(request.version, "version")).version
+        if self._rollouts.withdrawals.withdrawn(version):
+            raise RpcStatusError("FAILED_PRECONDITION", f"version {version} was withdrawn: it cannot be confirmed; "
+                                 "its devices go back to the version its withdrawal names; nothing changed")
+        self._rollouts.confirm(version, timestamp(), lambda rollout: check_confirmable(version, rollout))
+        return self._rollout_status(version)
+
     async def GetRollout(self, request: registry_pb2.GetRolloutRequest, context) -> registry_pb2.RolloutStatus:
         return self._rollout_status(self._catalog.get(version_field(request.version, "version")).version)
 
@@ -51,7 +61,9 @@ class RolloutRpcs:
                         devices: list[DeviceState] | None = None) -> registry_pb2.RolloutStatus:
         rollout = rollout or self._storage.rollouts().get(version)
         withdrawal = self._storage.withdrawals().get(version)
-        return rollout_status(version, rollout, self._catalog.get(version).manifest.gate,
-                              self._storage.rollout_devices() if devices is None else devices,
-                              self._storage.health_reports(version), withdrawal,
-                              self._storage.device_reverts(version) if withdrawal else {})
+        status = rollout_status(version, rollout, self._catalog.get(version).manifest.gate,
+                                self._storage.rollout_devices() if devices is None else devices,
+                                self._storage.health_reports(version), withdrawal,
+                                self._storage.device_reverts(version) if withdrawal else {})
+        status.confirmed_at = self._storage.confirmations().get(version, "")
+        return status

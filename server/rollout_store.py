@@ -1,9 +1,11 @@
-"""Staged rollouts and the devices' upgrade health in the metadata database (schema 9, issue 36).
+"""Staged rollouts, confirmations and the devices' upgrade health in the metadata database
+(schema 9; ``confirmations`` schema 11; issue 36).
 
 ``rollouts`` holds one row per version published with a rollout (percent, state, guard, why the
 guard halted it), ``rollout_stages`` each percent it was widened to and when, ``rollout_cohort``
-the devices named explicitly, and ``device_health`` the latest health each device reported for
-each version. A version without a ``rollouts`` row is offered to every device. Every change is a
+the devices named explicitly, ``device_health`` the latest health each device reported for
+each version, and ``confirmations`` when an admin confirmed a version (devices on it drop the
+vectors kept for a revert). A version without a ``rollouts`` row is offered to every device. Every change is a
 read-modify-write under the version's lock (:meth:`RolloutStore.change`), announced to the other
 replicas as ``rollout:V``.
 """
@@ -52,6 +54,12 @@ CREATE TABLE IF NOT EXISTS device_health (
     PRIMARY KEY (device_id, version)
 );
 CREATE INDEX IF NOT EXISTS device_health_by_version ON device_health (version);
+"""
+CONFIRMATION_SCHEMA = """
+CREATE TABLE IF NOT EXISTS confirmations (
+    version INTEGER PRIMARY KEY REFERENCES versions(version),
+    confirmed_at TEXT NOT NULL
+);
 """
 
 STAGED, PAUSED, HALTED, COMPLETE = "staged", "paused", "halted", "complete"
@@ -140,6 +148,23 @@ class RolloutStore:
             if changed is not None and changed != current:
                 write_rollout(self._db, changed)
             return changed
+
+    def confirmations(self) -> dict[int, str]:
+        """When each confirmed version was confirmed, by version."""
+        return dict(self._db.execute("SELECT version, confirmed_at FROM confirmations ORDER BY version"))
+
+    def confirm(self, version: int, now: str, check: Callable[[Rollout | None], None]) -> str:
+        """Record ``version`` as confirmed at ``now`` unless it was already (announced as
+        ``rollout:V``), under the version's lock, after ``check`` accepted its rollout (an exception
+        from it stores nothing); returns when it was confirmed."""
+        with self._db.transaction(f"rollout:{version}"):
+            check(self.rollout(version))
+            row = self._db.execute("SELECT confirmed_at FROM confirmations WHERE version = ?", (version,)).fetchone()
+            if row is not None:
+                return row[0]
+            self._db.execute("INSERT INTO confirmations (version, confirmed_at) VALUES (?, ?)", (version, now))
+            self._db.notify(f"rollout:{version}")
+            return now
 
     def device_version(self, device_id: str) -> int:
         row = self._db.execute("SELECT version FROM devices WHERE device_id = ?", (device_id,)).fetchone()

@@ -15,6 +15,9 @@ its rollout in the same transaction, so a catalog that shows V never meets V wit
 A withdrawn version (:class:`~.withdrawals.Withdrawals`, kept here as ``Rollouts.withdrawals``) is
 offered to no device and holds none back: a device is offered the versions after it as if it
 had never been published (their own rollouts apply).
+
+The confirmed versions (an admin said "it is good": devices on them drop the vectors kept for a
+revert) are kept here too, reloaded with the rollouts (a confirmation is announced as ``rollout:V``).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class Rollouts:
         self._on_change = on_change
         self._by_version: dict[int, Rollout] = {}
         self._read_through = 0
+        self._confirmed: dict[int, str] = {}
         self.withdrawals = Withdrawals(storage, on_change)
         self.reload()
 
@@ -59,6 +63,7 @@ class Rollouts:
         """Read every rollout again (another replica changed one)."""
         self._read_through = self._storage.latest_version()  # first: a version at most this one has its rollout stored
         self._by_version = self._storage.rollouts()
+        self._confirmed = self._storage.confirmations()
         self._on_change()
 
     def get(self, version: int) -> Rollout | None:
@@ -69,6 +74,18 @@ class Rollouts:
         changed = self._storage.change_rollout(version, change)
         self._put(version, changed)
         return changed
+
+    def confirm(self, version: int, now: str, check: Callable[[Rollout | None], None]) -> str:
+        """Store ``version`` as confirmed (see :meth:`RolloutStore.confirm`); returns when it was confirmed."""
+        confirmed_at = self._storage.confirm_version(version, now, check)
+        self._confirmed[version] = confirmed_at
+        return confirmed_at
+
+    def confirmed_versions(self) -> list[int]:
+        """The confirmed versions that are not withdrawn (a withdrawal overrides a confirmation: a
+        device on the version keeps its vectors to revert exactly), increasing."""
+        withdrawn = self.withdrawals.versions
+        return [v for v in sorted(self._confirmed) if v not in withdrawn]
 
     def published(self, rollout: Rollout) -> None:
         """A version was just published here with ``rollout``."""

@@ -76,6 +76,8 @@ class Storage(Protocol):
 
     def rollouts(self) -> dict[int, Rollout]: ...
     def change_rollout(self, version: int, change: Callable[[Rollout | None], Rollout | None]) -> Rollout | None: ...
+    def confirmations(self) -> dict[int, str]: ...
+    def confirm_version(self, version: int, now: str, check: Callable[[Rollout | None], None]) -> str: ...
     def device_version(self, device_id: str) -> int: ...
     def rollout_devices(self) -> list[DeviceState]: ...
     def enrolled_devices(self, device_ids: list[str]) -> set[str]: ...
@@ -183,6 +185,14 @@ class ServerStorage:
     def change_rollout(self, version: int, change: Callable[[Rollout | None], Rollout | None]) -> Rollout | None:
         """Read-modify-write ``version``'s rollout under its lock (every replica takes turns)."""
         return self._rollouts.change(version, change)
+
+    def confirmations(self) -> dict[int, str]:
+        """When each confirmed version was confirmed."""
+        return self._rollouts.confirmations()
+
+    def confirm_version(self, version: int, now: str, check: Callable[[Rollout | None], None]) -> str:
+        """Record ``version`` confirmed once ``check`` accepted its rollout (see :meth:`RolloutStore.confirm`)."""
+        return self._rollouts.confirm(version, now, check)
 
     def device_version(self, device_id: str) -> int:
         return self._rollouts.device_version(device_id)

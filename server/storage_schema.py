@@ -10,14 +10,15 @@ of trust (:mod:`.trust_store`: roots, the current timestamp, each release's co-s
 device's reported trust state; existing releases get no co-signatures and stay valid); schema 8
 gets staged rollouts and the devices' upgrade health (:mod:`.rollout_store`; existing releases
 have no rollout: every device is offered them); schema 10 gets withdrawals and the devices' reverts
-(:mod:`.withdrawal_store`; nothing is withdrawn). A database of a schema this server does not
-know is refused.
+(:mod:`.withdrawal_store`; nothing is withdrawn); schema 11 gets the confirmed versions
+(:mod:`.rollout_store`; none is confirmed). A database of a schema this server does not know is
+refused.
 
 PostgreSQL databases start at schema 6 or later: the same tables in PostgreSQL's types, created
 once under an advisory lock however many replicas start at once, the version kept in
 ``fctkit_schema``; a schema-6 database gets the upload leases the same way, and a schema-6 or 7
-one the trust tables and columns, a schema 6 to 8 one the rollout tables, and a schema 6 to 9 one
-the withdrawal tables.
+one the trust tables and columns, a schema 6 to 8 one the rollout tables, a schema 6 to 9 one
+the withdrawal tables, and a schema 6 to 10 one the confirmations table.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ from fctkit.errors import ConfigError
 from . import upload_sessions
 from .database import PostgresDatabase, SqliteDatabase
 from .replica_compaction import REPLICA_SCHEMA, compact_replica
-from .rollout_store import ROLLOUT_SCHEMA
+from .rollout_store import CONFIRMATION_SCHEMA, ROLLOUT_SCHEMA
 from .trust_store import TRUST_COLUMNS, TRUST_SCHEMA, add_trust_columns
 from .withdrawal_store import WITHDRAWAL_SCHEMA
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (
     version INTEGER PRIMARY KEY,
@@ -99,7 +100,7 @@ CREATE TABLE IF NOT EXISTS replica_owners (
     last_sequence INTEGER NOT NULL,
     sealed_bytes INTEGER NOT NULL
 );
-""" + REPLICA_SCHEMA + TRUST_SCHEMA + ";" + ROLLOUT_SCHEMA + ";" + WITHDRAWAL_SCHEMA
+""" + REPLICA_SCHEMA + TRUST_SCHEMA + ";" + ROLLOUT_SCHEMA + ";" + WITHDRAWAL_SCHEMA + ";" + CONFIRMATION_SCHEMA
 
 
 def execute_script(db: sqlite3.Connection | PostgresDatabase, script: str) -> None:
@@ -181,8 +182,12 @@ def _withdrawals(db: sqlite3.Connection) -> None:
     """Schema 9 -> 10: nothing to alter (the withdrawal tables come with the schema; nothing is withdrawn)."""
 
 
+def _confirmations(db: sqlite3.Connection) -> None:
+    """Schema 10 -> 11: nothing to alter (the confirmations table comes with the schema; nothing is confirmed)."""
+
+
 _MIGRATIONS = {1: _add_owners, 2: _add_replica_compaction, 3: _add_revocation, 4: _one_blob_per_owner, 5: _replica_blocks,
-               6: _upload_leases, 7: _trust, 8: _rollouts, 9: _withdrawals}  # schema found -> the step to the next one
+               6: _upload_leases, 7: _trust, 8: _rollouts, 9: _withdrawals, 10: _confirmations}  # schema found -> the step to the next one
 
 
 def open_database(path: Path) -> SqliteDatabase:
@@ -236,14 +241,14 @@ def open_postgres(dsn: str, *, max_connections: int = 20) -> PostgresDatabase:
             db.execute("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
             db.execute("CREATE TABLE IF NOT EXISTS fctkit_schema (version INTEGER NOT NULL)")
             found = db.execute("SELECT MAX(version) FROM fctkit_schema").fetchone()[0] or 0
-            if found not in (0, 6, 7, 8, 9, SCHEMA_VERSION):
+            if found not in (0, 6, 7, 8, 9, 10, SCHEMA_VERSION):
                 raise ConfigError(f"{redacted_dsn(dsn)}: metadata schema {found} is not the {SCHEMA_VERSION} this "
                                   "server understands; run the fctkit version that wrote it")
             if found != SCHEMA_VERSION:
                 script = _SCHEMA + upload_sessions.UPLOADS_SCHEMA
                 if found:  # the tables of today come with the schema; columns are added to older ones
                     script = (upload_sessions.ADD_LEASES + ";" if found == 6 else "") + add_trust_columns() + ";" + TRUST_SCHEMA
-                    script += ";" + ROLLOUT_SCHEMA + ";" + WITHDRAWAL_SCHEMA
+                    script += ";" + ROLLOUT_SCHEMA + ";" + WITHDRAWAL_SCHEMA + ";" + CONFIRMATION_SCHEMA
                 execute_script(db, postgres_schema(script))
                 db.execute("INSERT INTO fctkit_schema VALUES (?)", (SCHEMA_VERSION,))
     except BaseException:
