@@ -342,7 +342,7 @@ def upgrade_command(root, passphrase_env, bundle_dirs, quiet, no_health_check) -
 def status_command(root, passphrase_env) -> None:
     """The installed version, rows per space, queued uploads, any upgrade in progress, the
     owner, the replica (cursor, pending records, unpushed changes), the withdrawals (the rollback
-    window and the rows it keeps, withdrawn versions and why, refused withdrawals, the last revert:
+    window, open or confirmed, and the rows it keeps, withdrawn versions and why, refused withdrawals, the last revert:
     from and to which version, method, when, rows not moved) and the trust: root version
     and fingerprint, timestamp version, freshness. Exits 3 whenever `check` would report damage
     (damaged settings or rows, rows gone from the file, anything else); else 4 when the trust is

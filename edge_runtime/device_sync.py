@@ -1,6 +1,7 @@
 """A device's sync (:meth:`~.device.Device.sync`): upload queued originals, resume an interrupted
-upgrade, take the listing's withdrawals (:mod:`.revert`), install or upgrade to the latest version
-on offer that is not withdrawn, replicate, report. :class:`SyncResult` is what it says it did."""
+upgrade, take the listing's withdrawals (:mod:`.revert`), drop the vectors kept for a revert when
+the listing names the version confirmed, install or upgrade to the latest version on offer that
+is not withdrawn, replicate, report. :class:`SyncResult` is what it says it did."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from .device_trust_sync import trusted_listing
 from .gallery import Gallery
 from .replication import ReplicationResult
 from .revert import take_withdrawals
-from .revert_records import expire_rollback, withdrawal_log
+from .revert_records import confirm_rollback, expire_rollback, withdrawal_log
 from .upgrade import DeviceUpgrade
 from .upgrade_plan import hop_list
 
@@ -68,6 +69,9 @@ def sync_device(device: SyncingDevice, *, upgrade: bool, replicate: bool) -> Syn
         result.notes += take_withdrawals(device.parts, device.trust, listing.withdrawals, client)
         if device.version != reverted_from:
             device._upgraded()  # searches reload; the rows back in the earlier space get their offsets
+        if confirmed := confirm_rollback(device.gallery, listing.confirmed_versions):  # after a revert: it wins
+            result.notes.append(f"v{confirmed.version} was confirmed: the vectors kept of v{confirmed.previous_version} "
+                                "for a revert were dropped (a later withdrawal reverts through backward or the vault)")
         withdrawn = withdrawal_log(device.gallery)
         latest = [v for v in listing.versions if v.version > device.version and not withdrawn.withdrawn(v.version)]
         if latest:

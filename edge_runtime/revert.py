@@ -9,7 +9,7 @@ withdrawal's ``revert_to``.
 - **exact**: within the rollback window (:mod:`.revert_records`) each row gets back the embedding
   and side-info it had before the upgrade, the very sealed values kept at the switch
   (:meth:`~.gallery_upgrades.GalleryUpgrades.switch_to`), bit for bit.
-- otherwise (no window, closed, or kept for another version; the status and sync notes say so):
+- otherwise (no window, closed, confirmed, or kept for another version; the status and sync notes say so):
   **backward** through the withdrawn bundle's ``backward`` graph to ``revert_to`` when it has one,
   else **reembedded**: each row's original is fetched from the vault and embedded by ``revert_to``'s
   model, as backfill does. Rows with neither are left out of searches and reported.
@@ -127,6 +127,9 @@ def _no_window_note(window: RollbackWindow | None, version: int, target: int, no
         return f"no rollback window kept v{target}'s vectors (the bundle has none, or it was dropped)"
     if window.previous_version != target:
         return f"the rollback window kept v{window.previous_version}'s vectors, not v{target}'s"
+    if window.confirmed_at is not None:
+        return (f"v{version} was confirmed at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(window.confirmed_at))}: "
+                f"the vectors kept of v{target} were dropped then")
     return f"the rollback window closed at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(window.until))}: its vectors are gone"
 
 

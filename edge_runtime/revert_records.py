@@ -3,7 +3,9 @@ gallery's authenticated settings (HMAC'd like every setting, :mod:`.gallery_sett
 
 - ``rollback`` (:class:`RollbackWindow`): after a forward-mode upgrade to a bundle whose window
   (manifest ``rollback_window_days``, :data:`~fctkit.protos.manifest.DEFAULT_ROLLBACK_WINDOW_DAYS`
-  when absent) is not 0, until when every row keeps its vectors from before the upgrade;
+  when absent) is not 0, until when every row keeps its vectors from before the upgrade; when
+  the server lists the version as confirmed (:func:`confirm_rollback`) the vectors go at once and
+  the record stays, saying when, until the window's end;
 - ``withdrawn`` (:class:`WithdrawalLog`): the versions whose signed withdrawal the device verified
   (never installed again) and the withdrawals it refused at its last sync, for status;
 - ``revert`` (:class:`RevertRecord`): the last revert, sent in every Fleet.Report until the next upgrade.
@@ -13,7 +15,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Collection
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fctkit.errors import DeviceError, GalleryError
@@ -34,9 +37,14 @@ class RollbackWindow:
     version: int
     previous_version: int
     until: float
+    confirmed_at: float | None = None  # the version was confirmed then: the kept vectors were dropped early
 
     def is_open(self, now: float | None = None) -> bool:
-        return (time.time() if now is None else now) < self.until
+        """Whether the kept vectors are there (the window has not ended, nor been confirmed)."""
+        return self.confirmed_at is None and not self.ended(now)
+
+    def ended(self, now: float | None = None) -> bool:
+        return (time.time() if now is None else now) >= self.until
 
 
 @dataclass(frozen=True)
@@ -93,12 +101,24 @@ def rollback_meta(target: Manifest, leaving_version: int, now: float | None = No
 
 
 def expire_rollback(gallery: Gallery, now: float | None = None) -> bool:
-    """Drop the kept vectors once the window closed (one transaction); returns whether it did."""
+    """Drop the kept vectors and the record once the window closed (one transaction); returns whether it did."""
     window = rollback_window(gallery)
-    if window is None or window.is_open(now):
+    if window is None or not window.ended(now):
         return False
     gallery.drop_rollback({ROLLBACK_KEY: None})
     return True
+
+
+def confirm_rollback(gallery: Gallery, confirmed_versions: Collection[int], now: float | None = None) -> RollbackWindow | None:
+    """When the version the window was kept for is among ``confirmed_versions`` (the server's
+    unsigned word: at worst it makes a later revert inexact), drop the kept vectors and mark the
+    record confirmed, in one transaction; returns the confirmed window, or None (nothing done)."""
+    window = rollback_window(gallery)
+    if window is None or not window.is_open(now) or window.version not in confirmed_versions:
+        return None
+    confirmed = replace(window, confirmed_at=time.time() if now is None else now)
+    gallery.drop_rollback({ROLLBACK_KEY: json.dumps(asdict(confirmed), sort_keys=True)})
+    return confirmed
 
 
 def withdrawal_log(gallery: Gallery) -> WithdrawalLog:
@@ -134,12 +154,16 @@ def revert_report_fields(gallery: Gallery) -> dict[str, Any]:
     return {} if record is None else {"reverted_from": record.reverted_from, "revert_method": record.method}
 
 
+def _state(window: RollbackWindow, now: float | None) -> str:
+    return "confirmed" if window.confirmed_at is not None else "open" if window.is_open(now) else "ended"
+
+
 def withdrawal_status(gallery: Gallery, now: float | None = None) -> dict[str, Any]:
     """What ``fctkit device status`` shows: the rollback window, the withdrawn versions, the
     refused withdrawals and the last revert (versions, reason, method, when, rows not moved)."""
     window, log, revert = rollback_window(gallery), withdrawal_log(gallery), last_revert(gallery)
     return {
-        "rollback_window": None if window is None else {**asdict(window), "open": window.is_open(now),
+        "rollback_window": None if window is None else {**asdict(window), "open": window.is_open(now), "state": _state(window, now),
                                                         "rows_kept": gallery.extras.count("rollback_embedding")},
         "withdrawn_versions": {f"v{v}": entry for v, entry in sorted(log.versions.items(), key=lambda e: int(e[0]))},
         "withdrawals_refused": log.refused,
