@@ -16,7 +16,7 @@ from fctkit.server.auth import METHOD_ROLES, protocol_methods
 PROTO_ROOT = generate.PROTO_ROOT
 EXPECTED_RPCS = {
     "Registry": ["ListVersions", "GetManifest", "PlanUpgrade", "DownloadArtifact", "WatchVersions", "PublishBundle",
-                 "GetTrust", "PublishRoot", "SetRollout", "GetRollout", "Withdraw"],
+                 "GetTrust", "PublishRoot", "SetRollout", "GetRollout", "Withdraw", "ConfirmVersion"],
     "Vault": ["Upload", "Download", "Stat", "List", "Delete", "PushRecords", "PullRecords"],
     "Fleet": ["CreateEnrolmentCode", "Enrol", "Report", "ListDevices", "RevokeDevice"],
 }
@@ -66,7 +66,7 @@ def test_every_rpc_has_an_access_rule():
     assert METHOD_ROLES["/fctkit.v1.Registry/PublishBundle"] == METHOD_ROLES["/fctkit.v1.Registry/PublishRoot"] == {"admin"}
     assert METHOD_ROLES["/fctkit.v1.Registry/GetTrust"] == {"admin", "device"}
     assert METHOD_ROLES["/fctkit.v1.Registry/SetRollout"] == METHOD_ROLES["/fctkit.v1.Registry/GetRollout"] == {"admin"}
-    assert METHOD_ROLES["/fctkit.v1.Registry/Withdraw"] == {"admin"}
+    assert METHOD_ROLES["/fctkit.v1.Registry/Withdraw"] == METHOD_ROLES["/fctkit.v1.Registry/ConfirmVersion"] == {"admin"}
     assert METHOD_ROLES["/fctkit.v1.Fleet/Enrol"] == frozenset()
     assert all(roles == {"device"} for method, roles in METHOD_ROLES.items() if method.startswith("/fctkit.v1.Vault/"))
 
