@@ -54,7 +54,8 @@ def read_cohort(path: Path) -> list[str]:
 def rollout_command(connect, version: int, percent: float | None, action: str | None, cohort_file: Path | None,
                     halt_below: float | None, halt_min_devices: int | None) -> None:
     """Change the staged rollout of VERSION (published with `fctkit admin publish BUNDLE --percent P`):
-    every option given at once, or none. Devices outside it keep being offered the versions before it."""
+    every option given at once, or none. Devices outside it keep being offered the versions before it.
+    Once it has proved itself, `fctkit admin rollout-confirm VERSION` ends its rollback window early."""
     if (halt_below is None) != (halt_min_devices is None):
         raise click.UsageError("--halt-below and --halt-min-devices go together")
     if percent is None and action is None and cohort_file is None and halt_below is None:
