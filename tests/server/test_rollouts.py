@@ -259,12 +259,18 @@ def test_the_guard_halts_the_rollout_at_the_report_that_tips_it(start_server, ar
 
 def test_status_counts_each_device_in_the_stage_it_entered_in(start_server, archives):
     server, devices = staged(start_server, archives, 20, devices=30)
-    ids = list(devices)
-    first = [d for d in ids if bucket(d, 2) < 20]
-    second = [d for d in ids if 20 <= bucket(d, 2) < 70]
-    outside = [d for d in ids if bucket(d, 2) >= 70]
+
+    def split() -> tuple[list[str], list[str], list[str]]:
+        ids = list(devices)
+        return ([d for d in ids if bucket(d, 2) < 20], [d for d in ids if 20 <= bucket(d, 2) < 70],
+                [d for d in ids if bucket(d, 2) >= 70])
+
+    first, second, outside = split()
+    while len(first) < 3 or len(second) < 3 or not outside:  # device ids are random: enrol until each stage has enough
+        assert len(devices) < 300
+        devices.update(enrol(server, 1))
+        first, second, outside = split()
     cohort = outside[:1]
-    assert len(first) >= 3 and len(second) >= 3
     with admin(server) as a:
         a.set_rollout(2, percent=70, cohort=cohort)
         devices[first[0]].report(2, 100, IDLE, health=health(2, 0.9))  # upgraded
