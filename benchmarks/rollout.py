@@ -3,6 +3,8 @@ guard, a signed withdrawal and the devices' revert, on a real server and a fleet
 
     python benchmarks/rollout.py                         # 100 devices
     python benchmarks/rollout.py --devices 12 --queries 20 --v3-percent 50 --halt-min-devices 1   # a smoke run
+    python benchmarks/rollout.py --database postgresql://USER@HOST/DB --object-store s3://BUCKET/PREFIX \
+        [--s3-endpoint-url URL]                          # on PostgreSQL + S3 (credentials: the AWS_* variables)
 
 1. v1 and v2 trained on digits the demo's way (old backbone + SimCLR ψ; new backbone + FCT h)
    and exported with ``build_release`` (rollback window 7 days); v3 is deliberately broken: v2's
@@ -13,10 +15,10 @@ guard, a signed withdrawal and the devices' revert, on a real server and a fleet
    enrol by the root's fingerprint, install v1 and add their share of the digits evaluation
    images: ``--rows-per-device`` (64) drawn at random per device, devices overlapping, since the
    split has 719 images (originals sealed in the vault, which the health check needs). A gallery
-   no larger than the health sample (32) would be re-embedded whole by the check, so that even a
-   broken adapter never reached its answers;
+   no larger than the health sample (``--health-sample``, 32) would be re-embedded whole by the
+   check, so that even a broken adapter never reached its answers;
 3. v2 published at 5%, widened to 25% and 100%, every device syncing after each stage (each
-   upgrade re-embeds up to 32 sampled rows from the vault and reports its health);
+   upgrade re-embeds up to ``--health-sample`` sampled rows from the vault and reports its health);
 4. each device's top-10 answers to a fixed query set and its rows recorded; v3 published at
    5% (``--v3-percent``) with the guard (``--halt-below``, ``--halt-min-devices``); every device syncs;
 5. v3 withdrawn by the publisher (a signed ``withdrawal.3.json``); every device syncs again.
@@ -155,7 +157,7 @@ def enrol_fleet(server: LoopbackServer, run_dir: Path, args: argparse.Namespace,
     fleet = []
     for i, rows in enumerate(shares):
         name = f"device-{i + 1:03d}"
-        device = Device.init(work / "devices" / name, settings=DeviceSettings(batch_size=256))
+        device = Device.init(work / "devices" / name, settings=DeviceSettings(batch_size=256, health_sample=args.health_sample))
         device.progress = False
         device.enrol(server.target, server.code(), device_name=name, root_fingerprint=server.fingerprint)
         device.sync()
@@ -229,8 +231,19 @@ def print_status(status) -> None:
 # --------------------------------------------------------------------------- the run
 
 
+def storage_args(args: argparse.Namespace) -> list[str]:
+    """`fctkit serve`'s storage arguments for ``--database``/``--object-store``; none: a data directory."""
+    if not args.database:
+        return []
+    return ["--database", args.database, "--object-store", args.object_store,
+            *(["--s3-endpoint-url", args.s3_endpoint_url] if args.s3_endpoint_url else [])]
+
+
 def run(args: argparse.Namespace, work: Path, check: Checks, phases: Phases) -> None:
-    with LoopbackServer(work / "server", root_of_trust=True) as server:
+    storage = storage_args(args)
+    if storage:
+        print(f"server storage: PostgreSQL + S3 ({args.object_store})")
+    with LoopbackServer(work / "server", root_of_trust=True, storage=storage) as server:
         with phases("train v1 and v2 on digits, export them (rollback window 7 days); build the broken v3"):
             run_dir, v1, v2 = train_and_release(work / "train", server.key, args.seed)
             v3 = broken_v3(v2, work / "v3", server.key, args.seed)
@@ -357,17 +370,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=100, help="devices in the fleet (>= 50 for the acceptance figures)")
     parser.add_argument("--rows-per-device", type=int, default=64,
-                        help="evaluation images each device holds (more than the health sample of 32, which the "
+                        help="evaluation images each device holds (more than --health-sample, the rows the "
                              "health check re-embeds natively)")
+    parser.add_argument("--health-sample", type=int, default=32,
+                        help="rows each device's health check re-embeds after an upgrade (its device.json health_sample)")
     parser.add_argument("--queries", type=int, default=100, help="fixed query images every device answers (top-10)")
     parser.add_argument("--v3-percent", type=float, default=5.0, help="v3's first (and only) stage")
     parser.add_argument("--halt-below", type=float, default=0.65, help="v3's guard: halt when the median mean cosine is below this")
     parser.add_argument("--halt-min-devices", type=int, default=2, help="v3's guard: once this many devices of it reported")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--database", default=None,
+                        help="serve on the scale-out backend: this PostgreSQL database (postgresql://...; with --object-store)")
+    parser.add_argument("--object-store", default=None, help="with --database: s3://BUCKET/PREFIX (the bucket must exist)")
+    parser.add_argument("--s3-endpoint-url", default=None, help="with --object-store: an S3-compatible endpoint (default: $AWS_ENDPOINT_URL, else AWS)")
     parser.add_argument("--keep", type=Path, default=None, help="work in this new or empty folder and keep it (default: a temporary one)")
     args = parser.parse_args(argv)
-    if args.devices < 2 or min(args.queries, args.halt_min_devices, args.rows_per_device) < 1:
-        parser.error("--devices must be >= 2; --rows-per-device, --queries and --halt-min-devices >= 1")
+    if args.devices < 2 or min(args.queries, args.halt_min_devices, args.rows_per_device, args.health_sample) < 1:
+        parser.error("--devices must be >= 2; --rows-per-device, --health-sample, --queries and --halt-min-devices >= 1")
+    if (args.database is None) != (args.object_store is None) or (args.s3_endpoint_url and not args.object_store):
+        parser.error("--database and --object-store go together (the scale-out backend); --s3-endpoint-url needs them")
     if args.keep and args.keep.exists() and any(args.keep.iterdir()):
         parser.error(f"--keep {args.keep} is not empty: give a new or empty folder")
     import logging
