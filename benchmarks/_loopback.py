@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import subprocess
-import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fctkit.demo import DemoServer
-from fctkit.errors import FctkitError
 
 
 class LoopbackServer(DemoServer):
@@ -30,7 +25,6 @@ class LoopbackServer(DemoServer):
         --object-store s3://BUCKET/PREFIX``, the scale-out backend); empty: a data directory."""
         from fctkit.export.keys import save_public_key
 
-        self.storage = tuple(storage)
         self.work = Path(work)
         self.work.mkdir(parents=True, exist_ok=True)
         self.key = Ed25519PrivateKey.generate()
@@ -38,7 +32,7 @@ class LoopbackServer(DemoServer):
         self.fingerprint = ""
         if root_of_trust:
             extra_args = (*self._root_args(publisher_pub), *extra_args)
-        super().__init__(self.work / "server-data", None if root_of_trust else publisher_pub, extra_args)
+        super().__init__(self.work / "server-data", None if root_of_trust else publisher_pub, extra_args, storage)
 
     def _root_args(self, publisher_pub: Path) -> tuple[str, ...]:
         from fctkit.export.keys import generate_keys, init_root, load_public_key
@@ -53,32 +47,6 @@ class LoopbackServer(DemoServer):
 
     def __enter__(self) -> LoopbackServer:
         return self.start(timeout_s=60)
-
-    def start(self, timeout_s: float = 120.0) -> LoopbackServer:
-        """The demo's start for a data directory; with ``storage``, the same launch on that storage
-        (DemoServer always passes ``--data``, which the server refuses next to ``--database``)."""
-        if not self.storage:
-            return super().start(timeout_s)
-        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_urlsafe(32) + "\n")
-        command = [sys.executable, "-m", "fctkit.cli", "serve", *self.storage, "--port", "0",
-                   *(("--publisher-key", str(self.publisher_pub)) if self.publisher_pub else ()),
-                   "--admin-token-file", str(self.token_file), "--shutdown-grace", "2", *self.extra_args]
-        with self.log_path.open("w") as log:
-            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL,
-                                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            events = [json.loads(line) for line in self.log_path.read_text(errors="replace").splitlines()
-                      if line.startswith("{") and '"listening"' in line]
-            if ports := [int(e["port"]) for e in events if e.get("event") == "listening"]:
-                self.port = ports[0]
-                return self
-            if self.process.poll() is not None:
-                raise FctkitError(f"the server exited with {self.process.returncode}; see {self.log_path}")
-            time.sleep(0.05)
-        raise FctkitError(f"the server did not start within {timeout_s:.0f} s; see {self.log_path}")
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -25,9 +25,14 @@ class DemoServer:
     (a publisher.pub) or a root: pass ``("--root", ROOT, "--timestamp-key", KEY)`` in ``extra_args``
     (appended to its command line, like ``("--replica-quota-bytes", "1099511627776")``)."""
 
-    def __init__(self, data_dir: Path, publisher_pub: Path | None, extra_args: Sequence[str] = ()) -> None:
+    def __init__(self, data_dir: Path, publisher_pub: Path | None, extra_args: Sequence[str] = (),
+                 storage: Sequence[str] = ()) -> None:
+        """``storage``: `fctkit serve` storage arguments in place of ``--data DATA_DIR`` (e.g.
+        ``--database URL --object-store s3://BUCKET/PREFIX``); ``data_dir``'s folder still holds
+        the token and the log."""
         self.data_dir = data_dir
         self.extra_args = tuple(extra_args)
+        self.storage = tuple(storage) or ("--data", str(data_dir))
         self.token_file = data_dir.parent / "admin.token"
         self.log_path = data_dir.parent / "server.log"
         self.publisher_pub = publisher_pub
@@ -46,7 +51,7 @@ class DemoServer:
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(secrets.token_urlsafe(32) + "\n")
-        command = [sys.executable, "-m", "fctkit.cli", "serve", "--data", str(self.data_dir), "--port", "0",
+        command = [sys.executable, "-m", "fctkit.cli", "serve", *self.storage, "--port", "0",
                    *(("--publisher-key", str(self.publisher_pub)) if self.publisher_pub else ()),
                    "--admin-token-file", str(self.token_file),
                    "--shutdown-grace", "2", *self.extra_args]
