@@ -283,19 +283,22 @@ def run(args: argparse.Namespace, work: Path, check: Checks, phases: Phases) -> 
         with phases(f"v3 (broken) at {args.v3_percent:g}% with the guard (halt below {args.halt_below}, "
                     f"at least {args.halt_min_devices} devices): every device syncs"):
             publish(server, v3, args.v3_percent)
+            testers = {m.device_id for m in fleet[:args.v3_cohort]}  # in v3's first stage whatever their bucket
             with server.admin() as admin:
-                admin.set_rollout(3, halt_below=args.halt_below, halt_min_devices=args.halt_min_devices)
+                admin.set_rollout(3, halt_below=args.halt_below, halt_min_devices=args.halt_min_devices,
+                                  cohort=sorted(testers) if testers else None)
             sync_all(fleet)
         took_v3 = [m for m in fleet if m.device.version == 3]
         v3_health = {m.name: (h.mean_cosine, h.sample_size) for m in took_v3
                      if (h := stored_health(m.device.gallery)) and h.version == 3 and h.sample_size}
         changed = [sum(a != b for a, b in zip(top10(m.device, queries), m.answers_before_v3)) for m in took_v3]
-        in_stage = [m for m in fleet if bucket(m.device_id, 3) < args.v3_percent]
+        in_stage = [m for m in fleet if m.device_id in testers or bucket(m.device_id, 3) < args.v3_percent]
         for m in fleet:
             m.offered_while_v3_live = offered_versions(m.device)
         with server.admin() as admin:
             v3_status = admin.rollout_status(3)
-        print(f"  v3's first stage holds {len(in_stage)} devices (the server's bucket); {len(took_v3)} took v3, "
+        print(f"  v3's first stage holds {len(in_stage)} devices (the server's bucket, {len(testers)} testers); "
+              f"{len(took_v3)} took v3, "
               f"{len(in_stage) - len(took_v3)} held back by the halt")
         if took_v3:
             print(f"  on v3, the devices that took it answered {sum(changed)} of {len(changed) * args.queries} queries' "
@@ -318,14 +321,15 @@ def run(args: argparse.Namespace, work: Path, check: Checks, phases: Phases) -> 
 
         print("\nthe guard:")
         check(v3_status.state == "halted", f"v3's rollout state is {v3_status.state!r} (halted by the guard)")
-        check([s.percent for s in v3_status.stages] == [args.v3_percent], f"v3's stages {[s.percent for s in v3_status.stages]}")
-        check(len(took_v3) >= args.halt_min_devices and all(bucket(m.device_id, 3) < args.v3_percent for m in took_v3),
-              f"only devices of the first stage took v3 ({len(took_v3)}, all with bucket < {args.v3_percent:g})")
+        expected_stages = [0.0, args.v3_percent] if testers else [args.v3_percent]  # stage 0: the testers
+        check([s.percent for s in v3_status.stages] == expected_stages, f"v3's stages {[s.percent for s in v3_status.stages]}")
+        check(len(took_v3) >= args.halt_min_devices and all(m in in_stage for m in took_v3),
+              f"only devices of the first stage took v3 ({len(took_v3)}, all testers or with bucket < {args.v3_percent:g})")
         check(bool(took_v3) and min(changed) > 0, "v3 changed the answers of every device that took it (the revert has work to do)")
         outside = [m for m in fleet if m not in took_v3]
         check(all(3 not in m.versions_seen and 3 not in m.device.installed_versions() for m in outside),
               f"the {len(outside)} other devices never ran v3 nor hold its bundle")
-        check(all(3 not in m.offered_while_v3_live for m in fleet if bucket(m.device_id, 3) >= args.v3_percent),
+        check(all(3 not in m.offered_while_v3_live for m in fleet if m not in in_stage),
               "ListVersions through each outside device's own client did not offer v3 while it was live")
 
         with phases("withdraw v3 (signed by the publisher); every device syncs"):
@@ -376,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="rows each device's health check re-embeds after an upgrade (its device.json health_sample)")
     parser.add_argument("--queries", type=int, default=100, help="fixed query images every device answers (top-10)")
     parser.add_argument("--v3-percent", type=float, default=5.0, help="v3's first (and only) stage")
+    parser.add_argument("--v3-cohort", type=int, default=0,
+                        help="the first N devices are v3's testers (in its stage whatever the percent draws)")
     parser.add_argument("--halt-below", type=float, default=0.65, help="v3's guard: halt when the median mean cosine is below this")
     parser.add_argument("--halt-min-devices", type=int, default=2, help="v3's guard: once this many devices of it reported")
     parser.add_argument("--seed", type=int, default=0)
