@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tests.edge.conftest import TINY_CHAIN
-from tests.edge.test_revert_edge import QUERIES, top10, windowed_bundle, withdrawal
+from tests.edge.test_revert_edge import QUERIES, devices_at_v1, top10, windowed_bundle, withdrawal
 from tests.server.conftest import IMAGE_DIM, _sources
 
 from fctkit.edge_runtime.revert import take_withdrawals
@@ -80,18 +80,12 @@ def test_a_sync_takes_the_servers_confirmation_then_a_withdrawal_reembeds(edge_s
     confirms v2: the next sync of each drops its kept vectors, and status says "confirmed". The
     publisher then withdraws v2: each device goes back to v1 by embedding its vault originals
     again (no kept vectors, no backward graph) and answers every query as before the upgrade."""
-    from tests.edge.conftest import ADMIN_TOKEN, enrolment_code, publish
+    from tests.edge.conftest import ADMIN_TOKEN, publish
 
     from fctkit.protos.client import FctkitClient
 
     publish(edge_server, windowed[1], tmp_path)
-    devices = {name: make_device(name, health_sample=0) for name in ("a", "b")}
-    queries, before = images(QUERIES, 8), {}
-    for seed, (name, device) in enumerate(devices.items()):
-        device.enrol(edge_server.target, enrolment_code(edge_server), device_name=name)
-        assert device.sync().installed_after == 1
-        device.add(images(40, seed=30 + seed), item_ids=[f"{name}{i}" for i in range(40)])  # originals go to the vault
-        before[name] = top10(device, queries), device.gallery.load()
+    devices, queries, before = devices_at_v1(edge_server, make_device, images, ("a", "b"), 40)
     publish(edge_server, windowed[2], tmp_path)
     at_v2 = {}
     for name, device in devices.items():

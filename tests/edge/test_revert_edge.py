@@ -60,6 +60,22 @@ def withdrawal(tmp_path: Path, key: Ed25519PrivateKey, version: int, revert_to: 
     return path.read_bytes()
 
 
+def devices_at_v1(server, make_device, images, names, rows: int):
+    """Devices enrolled on ``server`` (v1 published) without the health check, each holding ``rows``
+    items whose originals went to the vault; returns them, the queries, and per device its top-10
+    answers and gallery rows as they were at v1."""
+    from tests.edge.conftest import enrolment_code
+
+    devices = {name: make_device(name, health_sample=0) for name in names}
+    queries, before = images(QUERIES, 8), {}
+    for seed, (name, device) in enumerate(devices.items()):
+        device.enrol(server.target, enrolment_code(server), device_name=name)
+        assert device.sync().installed_after == 1
+        device.add(images(rows, seed=20 + seed), item_ids=[f"{name}{i}" for i in range(rows)])
+        before[name] = top10(device, queries), device.gallery.load()
+    return devices, queries, before
+
+
 def top10(device, queries: np.ndarray) -> list[list[str]]:
     return [[m.item_id for m in matches] for matches in device.query(queries, k=10)]
 
@@ -211,18 +227,12 @@ def test_a_sync_takes_the_servers_withdrawal_and_reverts_exactly_or_from_the_vau
     """On loopback: a real `fctkit serve`, v1 and v2 published, two devices upgraded; the publisher withdraws
     v2. The next sync of a device inside its window reverts exactly; one whose window closed embeds its
     rows again from their vault originals; both answer every query as before, and their reports say how."""
-    from tests.edge.conftest import ADMIN_TOKEN, enrolment_code, publish
+    from tests.edge.conftest import ADMIN_TOKEN, publish
 
     from fctkit.protos.client import FctkitClient
 
     publish(edge_server, bundles[1], tmp_path)
-    devices = {name: make_device(name, health_sample=0) for name in ("inside", "closed", "restored")}
-    queries, before = images(QUERIES, 8), {}
-    for seed, (name, device) in enumerate(devices.items()):
-        device.enrol(edge_server.target, enrolment_code(edge_server), device_name=name)
-        assert device.sync().installed_after == 1
-        device.add(images(80, seed=20 + seed), item_ids=[f"{name}{i}" for i in range(80)])  # originals go to the vault
-        before[name] = top10(device, queries), device.gallery.load()
+    devices, queries, before = devices_at_v1(edge_server, make_device, images, ("inside", "closed", "restored"), 80)
     publish(edge_server, bundles[2], tmp_path)
     for device in devices.values():
         assert device.sync().installed_after == 2
