@@ -258,6 +258,22 @@ class Backend:
             for statement in statements:
                 connection.execute(statement)
 
+    def aged(self, data_dir: Path, open_storage: Callable[[Path], object], schema: int, *statements: str,
+             versions: tuple[int, ...] = ()) -> object:
+        """A storage in ``data_dir`` with ``versions`` published, made to look like schema ``schema``'s
+        (``statements`` drop what later schemas added, then the schema number is set back) and
+        opened again: migrated, as a server upgrading it would find it."""
+        from fctkit.server.storage import VersionRecord
+
+        storage = open_storage(data_dir)
+        for version in versions:
+            storage.add_version(VersionRecord(version, b"{}", b"sig", "now"), [])
+        storage.close()
+        marker = ([f"PRAGMA user_version={schema}"] if self.name == "sqlite"
+                  else ["DELETE FROM fctkit_schema", f"INSERT INTO fctkit_schema VALUES ({schema})"])
+        self.alter(data_dir, *statements, *marker)
+        return open_storage(data_dir)
+
     def metadata_dump(self, data_dir: Path) -> bytes:
         """Everything the metadata store holds, as bytes (to check that no secret is stored)."""
         if self.name == "sqlite":

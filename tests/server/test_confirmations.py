@@ -14,7 +14,6 @@ from click.testing import CliRunner
 
 from fctkit.protos import fleet_pb2
 from fctkit.server.cli import admin_command
-from fctkit.server.storage import VersionRecord
 from fctkit.server.storage_schema import SCHEMA_VERSION
 from tests.server.conftest import enrolled_client, status_code
 from tests.server.test_withdrawals import admin, listing, status_message, withdrawal
@@ -102,14 +101,7 @@ def test_replicas_agree_on_a_confirmation_within_a_second(start_replicas, archiv
 
 def test_a_schema_10_database_gets_the_confirmations_table(tmp_path, open_storage, backend):
     data_dir = tmp_path / "data"
-    storage = open_storage(data_dir)
-    storage.add_version(VersionRecord(1, b"{}", b"sig", "now"), [])
-    storage.close()
-    aged = ["DROP TABLE confirmations"]
-    aged += ["PRAGMA user_version=10"] if backend.name == "sqlite" else ["DELETE FROM fctkit_schema",
-                                                                          "INSERT INTO fctkit_schema VALUES (10)"]
-    backend.alter(data_dir, *aged)
-    storage = open_storage(data_dir)
+    storage = backend.aged(data_dir, open_storage, 10, "DROP TABLE confirmations", versions=(1,))
     try:
         assert [r.version for r in storage.versions()] == [1] and storage.confirmations() == {}
         assert storage.confirm_version(1, "now", lambda rollout: None) == "now"

@@ -12,7 +12,6 @@ import json
 import math
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -313,13 +312,8 @@ def test_replicas_agree_on_a_rollout_within_a_second(start_replicas, archives):
 
 def test_a_schema_8_database_gets_the_rollout_tables(tmp_path, open_storage, backend):
     data_dir = tmp_path / "data"
-    storage = open_storage(data_dir)
-    storage.add_version(VersionRecord(1, b"{}", b"sig", "now"), [])
-    storage.close()
-    aged = [f"DROP TABLE {t}" for t in ("device_health", "rollout_cohort", "rollout_stages", "rollouts")]
-    aged += ["PRAGMA user_version=8"] if backend.name == "sqlite" else ["DELETE FROM fctkit_schema", "INSERT INTO fctkit_schema VALUES (8)"]
-    backend.alter(data_dir, *aged)
-    storage = open_storage(data_dir)
+    storage = backend.aged(data_dir, open_storage, 8, *(f"DROP TABLE {t}" for t in (
+        "device_health", "rollout_cohort", "rollout_stages", "rollouts")), versions=(1,))
     try:
         assert [r.version for r in storage.versions()] == [1] and storage.rollouts() == {}
         from fctkit.server.rollout_changes import new_rollout

@@ -328,14 +328,9 @@ def test_start_up_takes_the_first_root_or_the_next_and_refuses_the_rest(tmp_path
 
 def test_a_schema_7_database_keeps_its_releases(tmp_path, open_storage, backend):
     data_dir = tmp_path / "data"
-    storage = open_storage(data_dir)
-    storage.add_version(VersionRecord(1, b"{}", b"sig", "now"), [])
-    storage.close()
-    aged = ["DROP TABLE roots", "DROP TABLE timestamps", "ALTER TABLE versions DROP COLUMN co_signatures",
-            *(f"ALTER TABLE devices DROP COLUMN {c}" for c in ("root_version", "trust_stale", "seconds_since_fresh"))]
-    aged += ["PRAGMA user_version=7"] if backend.name == "sqlite" else ["DELETE FROM fctkit_schema", "INSERT INTO fctkit_schema VALUES (7)"]
-    backend.alter(data_dir, *aged)
-    storage = open_storage(data_dir)
+    storage = backend.aged(
+        data_dir, open_storage, 7, "DROP TABLE roots", "DROP TABLE timestamps", "ALTER TABLE versions DROP COLUMN co_signatures",
+        *(f"ALTER TABLE devices DROP COLUMN {c}" for c in ("root_version", "trust_stale", "seconds_since_fresh")), versions=(1,))
     try:
         assert storage.versions() == [VersionRecord(1, b"{}", b"sig", "now", b"")]
         assert storage.roots() == [] and storage.timestamp() is None

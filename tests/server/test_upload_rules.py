@@ -369,11 +369,8 @@ def test_a_long_via_is_quoted_short():
 
 def test_a_schema_6_database_gets_the_upload_leases(tmp_path, open_storage, backend):
     data_dir = tmp_path / "data"
-    open_storage(data_dir).close()
-    aged = ["ALTER TABLE uploads DROP COLUMN lease_token", "ALTER TABLE uploads DROP COLUMN lease_at"]
-    aged += ["PRAGMA user_version=6"] if backend.name == "sqlite" else ["DELETE FROM fctkit_schema", "INSERT INTO fctkit_schema VALUES (6)"]
-    backend.alter(data_dir, *aged)
-    storage = open_storage(data_dir)
+    storage = backend.aged(data_dir, open_storage, 6, "ALTER TABLE uploads DROP COLUMN lease_token",
+                           "ALTER TABLE uploads DROP COLUMN lease_at")
     try:
         assert storage.begin_upload("own-1", "ab" * 32, "dev-1", "token", time.time()) is False
         assert storage.begin_upload("own-1", "ab" * 32, "dev-2", "other", time.time()) is None  # the lease holds

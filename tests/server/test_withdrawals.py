@@ -24,7 +24,6 @@ from fctkit.protos.bundle import pack_bundle
 from fctkit.protos.client import FctkitClient
 from fctkit.protos.trust import Signed, Withdrawal, parse_withdrawal
 from fctkit.server.cli import admin_command
-from fctkit.server.storage import VersionRecord
 from fctkit.server.storage_schema import SCHEMA_VERSION
 from fctkit.server.withdrawal_store import StoredWithdrawal
 from tests.security.conftest import build_root, key, signed
@@ -316,14 +315,7 @@ def test_admin_withdraw_file_publishes_a_co_signed_withdrawal(root_server, admin
 
 def test_a_schema_9_database_gets_the_withdrawal_tables(tmp_path, open_storage, backend):
     data_dir = tmp_path / "data"
-    storage = open_storage(data_dir)
-    storage.add_version(VersionRecord(1, b"{}", b"sig", "now"), [])
-    storage.add_version(VersionRecord(2, b"{}", b"sig", "now"), [])
-    storage.close()
-    aged = ["DROP TABLE device_reverts", "DROP TABLE withdrawals"]
-    aged += ["PRAGMA user_version=9"] if backend.name == "sqlite" else ["DELETE FROM fctkit_schema", "INSERT INTO fctkit_schema VALUES (9)"]
-    backend.alter(data_dir, *aged)
-    storage = open_storage(data_dir)
+    storage = backend.aged(data_dir, open_storage, 9, "DROP TABLE device_reverts", "DROP TABLE withdrawals", versions=(1, 2))
     try:
         assert [r.version for r in storage.versions()] == [1, 2] and storage.withdrawals() == {}
         first = StoredWithdrawal(2, 1, "why", b"signed bytes", "now")
