@@ -3,6 +3,10 @@
 
     python benchmarks/edge_upgrade.py                      # 1,000,000 rows (the acceptance size)
     python benchmarks/edge_upgrade.py --rows 200000 --markdown BENCHMARKS-edge.md
+    python benchmarks/edge_upgrade.py --dim 1280 --side-dim 128 --adapters fct,fct-int8   # real image widths
+
+``--dim`` sets φ's width (old and new), ``--side-dim`` ψ's (both 128 by default); the FCT
+mixer keeps the kit's default widths at any φ (``FCTConfig``: branches 256, mixer 2048).
 
 For each adapter (the FCT mixer at the paper's widths — branches 256, mixer 2048, 128-d φ
 and ψ, 11.4 MFLOP/row —, that mixer quantised to int8 as ``fctkit export --quantize int8``
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shutil
 import sqlite3
@@ -49,6 +54,21 @@ from fctkit.edge_runtime.crypto import Sealer
 
 D_OLD = D_NEW = D_SIDE = 128
 IMAGE_DIM = 16
+FLOOR_BYTES = 1 << 29  # the floors are measured on at most this many bytes of embeddings, then scaled
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """Widths of the benchmark's spaces: φ (old and new, equal) and ψ."""
+
+    embedding: int = D_OLD
+    side: int = D_SIDE
+
+    def __str__(self) -> str:
+        return f"{self.embedding}-d φ, {self.side}-d ψ"
+
+
+DEFAULT_DIMS = Dims()
 
 
 # --------------------------------------------------------------------------- graphs
@@ -85,17 +105,24 @@ def _mlp(rng, prefix: str, x: str, dims: list[int], weights: dict, nodes: list, 
     return x
 
 
-def fct_graph(path: Path, seed: int) -> Path:
-    """h(φ, ψ): two Lin-ReLU-Lin-ReLU branches (256), concat, mixer 512→2048→2048→128 (BN folded)."""
+def fct_graph(path: Path, seed: int, dims: Dims = DEFAULT_DIMS) -> Path:
+    """h(φ, ψ) at the kit's default FCTConfig widths: two Lin-ReLU-Lin-ReLU branches (256),
+    concat, mixer 512→2048→2048→φ (BN folded)."""
     from onnx import helper
 
     rng, weights, nodes = np.random.default_rng(seed), {}, []
-    a = _mlp(rng, "old_", "old", [D_OLD, 256, 256], weights, nodes, last_relu=True)
-    b = _mlp(rng, "side_", "side", [D_SIDE, 256, 256], weights, nodes, last_relu=True)
+    a = _mlp(rng, "old_", "old", [dims.embedding, 256, 256], weights, nodes, last_relu=True)
+    b = _mlp(rng, "side_", "side", [dims.side, 256, 256], weights, nodes, last_relu=True)
     nodes.append(helper.make_node("Concat", [a, b], ["joined"], axis=1))
-    out = _mlp(rng, "mix_", "joined", [512, 2048, 2048, D_NEW], weights, nodes, last_relu=False)
+    out = _mlp(rng, "mix_", "joined", [512, 2048, 2048, dims.embedding], weights, nodes, last_relu=False)
     nodes.append(helper.make_node("Identity", [out], ["embedding"]))
-    return _save(path, nodes, {"old": D_OLD, "side": D_SIDE}, "embedding", D_NEW, weights)
+    return _save(path, nodes, {"old": dims.embedding, "side": dims.side}, "embedding", dims.embedding, weights)
+
+
+def fct_flops_per_row(dims: Dims) -> int:
+    """Multiply-adds x 2 of :func:`fct_graph` for one row."""
+    layers = [(dims.embedding, 256), (256, 256), (dims.side, 256), (256, 256), (512, 2048), (2048, 2048), (2048, dims.embedding)]
+    return 2 * sum(a * b for a, b in layers)
 
 
 def linear_graph(path: Path, inputs: dict[str, int], out_dim: int, output: str, seed: int) -> Path:
@@ -108,12 +135,12 @@ def linear_graph(path: Path, inputs: dict[str, int], out_dim: int, output: str, 
     return _save(path, nodes, inputs, output, out_dim, weights)
 
 
-def adapter_graph(folder: Path, adapter: str) -> Path:
+def adapter_graph(folder: Path, adapter: str, dims: Dims = DEFAULT_DIMS) -> Path:
     """The forward graph of ``adapter`` ("fct", "fct-int8", "linear") in ``folder`` as h.onnx;
     fct-int8 is the fct graph quantised as ``fctkit export --quantize int8`` does it."""
     if adapter == "linear":
-        return linear_graph(folder / "h.onnx", {"old": D_OLD}, D_NEW, "embedding", 7)
-    fp32 = fct_graph(folder / ("h.onnx" if adapter == "fct" else "h-fp32.onnx"), 7)
+        return linear_graph(folder / "h.onnx", {"old": dims.embedding}, dims.embedding, "embedding", 7)
+    fp32 = fct_graph(folder / ("h.onnx" if adapter == "fct" else "h-fp32.onnx"), 7, dims)
     if adapter == "fct":
         return fp32
     from fctkit.export.quantize import quantize_graph
@@ -121,34 +148,35 @@ def adapter_graph(folder: Path, adapter: str) -> Path:
     return quantize_graph(fp32, folder / "h.onnx", "int8")
 
 
-def int8_output_error(folder: Path, rows: int = 20_000) -> dict:
+def int8_output_error(folder: Path, rows: int = 20_000, dims: Dims = DEFAULT_DIMS) -> dict:
     """How far the int8 mixer's outputs are from fp32's on the same random rows: the median
     and worst relative L2 error and the mean cosine between the two (accuracy on a real task
     is the export gate's: see BENCHMARKS.md)."""
     from fctkit.export.onnx_export import run_onnx
 
     rng = np.random.default_rng(3)
-    inputs = [rng.standard_normal((rows, D_OLD), dtype=np.float32), rng.standard_normal((rows, D_SIDE), dtype=np.float32)]
+    inputs = [rng.standard_normal((rows, dims.embedding), dtype=np.float32), rng.standard_normal((rows, dims.side), dtype=np.float32)]
     fp32, int8 = (run_onnx(folder / name, inputs)[0] for name in ("h-fp32.onnx", "h.onnx"))
     error = np.linalg.norm(int8 - fp32, axis=1) / np.linalg.norm(fp32, axis=1)
     cosine = np.sum(int8 * fp32, axis=1) / (np.linalg.norm(int8, axis=1) * np.linalg.norm(fp32, axis=1))
     return {"median_relative_error": float(np.median(error)), "max_relative_error": float(error.max()), "mean_cosine": float(cosine.mean())}
 
 
-def build_bundles(folder: Path, adapter: str, key, *, v2_extra: tuple = (), **v2_declarations) -> tuple[Path, Path]:
-    """Bundles v1 and v2 (forward 1 -> 2 by ``adapter``); ``v2_extra`` artifact sources and
-    ``v2_declarations`` (transition=, hubness=) go into v2."""
+def build_bundles(folder: Path, adapter: str, key, *, dims: Dims = DEFAULT_DIMS, v2_extra: tuple = (),
+                  **v2_declarations) -> tuple[Path, Path]:
+    """Bundles v1 and v2 (forward 1 -> 2 by ``adapter``) at ``dims``; ``v2_extra`` artifact
+    sources and ``v2_declarations`` (transition=, hubness=) go into v2."""
     from fctkit.export.bundle_builder import ArtifactSource, build_bundle
 
     folder.mkdir(parents=True, exist_ok=True)
 
     def base(version: int) -> list[ArtifactSource]:
         return [
-            ArtifactSource(linear_graph(folder / f"embed{version}.onnx", {"image": IMAGE_DIM}, D_OLD, "embedding", version), "embed"),
-            ArtifactSource(linear_graph(folder / f"side{version}.onnx", {"image": IMAGE_DIM}, D_SIDE, "side_info", 10 + version), "side_info"),
+            ArtifactSource(linear_graph(folder / f"embed{version}.onnx", {"image": IMAGE_DIM}, dims.embedding, "embedding", version), "embed"),
+            ArtifactSource(linear_graph(folder / f"side{version}.onnx", {"image": IMAGE_DIM}, dims.side, "side_info", 10 + version), "side_info"),
         ]
 
-    h = adapter_graph(folder, adapter)
+    h = adapter_graph(folder, adapter, dims)
     common = dict(mode="forward", distance="cosine", normalize=True, private_key=key)
     v1 = build_bundle(folder / "v1", version=1, parents=(), artifacts=base(1), gate={"cases": {}, "ecc": {}}, **common).root
     sources = [*base(2), ArtifactSource(h, "forward", 1, 2), *v2_extra]
@@ -160,26 +188,26 @@ def build_bundles(folder: Path, adapter: str, key, *, v2_extra: tuple = (), **v2
 # --------------------------------------------------------------------------- measurements
 
 
-def fill(device: Device, rows: int, seed: int, chunk: int = 20_000) -> float:
+def fill(device: Device, rows: int, seed: int, chunk: int = 20_000, dims: Dims = DEFAULT_DIMS) -> float:
     rng = np.random.default_rng(seed)
     start = time.perf_counter()
     tag = VersionTag(1, 1, "native")
     for first in tqdm(range(0, rows, chunk), desc="fill gallery", unit="chunk", file=sys.stderr):
         n = min(chunk, rows - first)
-        emb = rng.standard_normal((n, D_OLD), dtype=np.float32)
-        side = rng.standard_normal((n, D_SIDE), dtype=np.float32)
+        emb = rng.standard_normal((n, dims.embedding), dtype=np.float32)
+        side = rng.standard_normal((n, dims.side), dtype=np.float32)
         device.gallery.add_rows([NewRow(f"r{first + i:08d}", emb[i], side[i]) for i in range(n)], tag)
     return time.perf_counter() - start
 
 
-def filled_device(work: Path, key, pub: Path, rows: int, seed: int) -> Device:
+def filled_device(work: Path, key, pub: Path, rows: int, seed: int, dims: Dims = DEFAULT_DIMS) -> Device:
     """A device at v1 (linear bundles built in ``work/bundles``) with ``rows`` random rows."""
-    v1, _ = build_bundles(work / "bundles", "linear", key)
+    v1, _ = build_bundles(work / "bundles", "linear", key, dims=dims)
     device = Device.init(work / "device", publisher_key=pub, settings=DeviceSettings(batch_size=1024))
     device.progress = False
     device.install_bundle(v1)
     device.gallery.set_meta({"query_version": "1"})
-    fill(device, rows, seed=seed)
+    fill(device, rows, seed=seed, dims=dims)
     return device
 
 
@@ -246,34 +274,43 @@ def bulk_floor_seconds(embeddings: np.ndarray, folder: Path, chunk_bytes: int = 
     return seconds
 
 
-def measure_adapter(adapter: str, rows: int, batch: int, threads: int, work: Path, key, pub: Path) -> dict:
-    v1, v2 = build_bundles(work / f"{adapter}-bundles", adapter, key)
+def floor_sample(rows: int, dims: Dims) -> int:
+    """How many rows the floors are measured on: all of them up to FLOOR_BYTES of embeddings
+    (1M rows at 128-d), fewer at wider rows so that their copies fit in memory; scaled to N."""
+    return min(rows, max(1, FLOOR_BYTES // (4 * dims.embedding)))
+
+
+def measure_adapter(adapter: str, rows: int, batch: int, threads: int, work: Path, key, pub: Path,
+                    dims: Dims = DEFAULT_DIMS) -> dict:
+    v1, v2 = build_bundles(work / f"{adapter}-bundles", adapter, key, dims=dims)
     device = Device.init(work / f"{adapter}-device", publisher_key=pub, settings=DeviceSettings(batch_size=batch, threads=threads))
     device.install_bundle(v1)
     device.gallery.set_meta({"query_version": "1"})
-    fill_s = fill(device, rows, seed=1)
+    fill_s = fill(device, rows, seed=1, dims=dims)
     loaded = device.gallery.load(with_labels=False)
     mixer = adapter.startswith("fct")
     inputs = [loaded.embeddings, loaded.side_infos] if mixer else [loaded.embeddings]
     model = work / f"{adapter}-bundles" / "h.onnx"
     bare = [bare_transform_seconds(model, inputs, batch, threads)]
-    floor_s = sealed_store_floor_seconds(loaded.embeddings, loaded.side_infos, work)
-    bulk_floor_s = bulk_floor_seconds(loaded.embeddings, work)
+    sample = floor_sample(rows, dims)
+    floor_s = sealed_store_floor_seconds(loaded.embeddings[:sample], loaded.side_infos[:sample], work) * rows / sample
+    bulk_floor_s = bulk_floor_seconds(loaded.embeddings[:sample], work) * rows / sample
     del loaded, inputs
     start = time.perf_counter()
     upgraded = device.upgrade(v2)
     upgrade_s = time.perf_counter() - start
     assert upgraded == rows and device.version == 2
-    loaded = device.gallery.load(with_labels=False)
-    inputs = [np.zeros_like(loaded.embeddings), loaded.side_infos] if mixer else [loaded.embeddings]
+    loaded = device.gallery.load(with_labels=False)  # φ_new has φ_old's width: the same cost, no copy
+    inputs = [loaded.embeddings, loaded.side_infos] if mixer else [loaded.embeddings]
     bare.append(bare_transform_seconds(model, inputs, batch, threads))
+    del loaded, inputs
     device.close()
     shutil.rmtree(work / f"{adapter}-device")
     bare_s = statistics.mean(bare)
-    fidelity = int8_output_error(work / f"{adapter}-bundles") if adapter == "fct-int8" else {}
-    return {**fidelity, "adapter": adapter, "rows": rows, "fill_s": fill_s, "bare_s": bare_s, "bare_runs_s": bare, "upgrade_s": upgrade_s,
-            "bare_rows_per_s": rows / bare_s, "upgrade_rows_per_s": rows / upgrade_s, "ratio": bare_s / upgrade_s,
-            "floor_s": floor_s, "ceiling_ratio": (bare_s + floor_s) / upgrade_s,
+    fidelity = int8_output_error(work / f"{adapter}-bundles", dims=dims) if adapter == "fct-int8" else {}
+    return {**fidelity, "adapter": adapter, "rows": rows, "dims": dims, "fill_s": fill_s, "bare_s": bare_s, "bare_runs_s": bare,
+            "upgrade_s": upgrade_s, "bare_rows_per_s": rows / bare_s, "upgrade_rows_per_s": rows / upgrade_s, "ratio": bare_s / upgrade_s,
+            "floor_rows": sample, "floor_s": floor_s, "ceiling_ratio": (bare_s + floor_s) / upgrade_s,
             "bulk_floor_s": bulk_floor_s, "best_possible_ratio": bare_s / (bare_s + bulk_floor_s)}
 
 
@@ -326,8 +363,12 @@ def reembed_seconds_per_row(work: Path, images: int, threads: int) -> float:
 
 
 def markdown(results: list[dict], reembed_s: float | None, args: argparse.Namespace) -> str:
+    dims = Dims(args.dim, args.side_dim)
+    sample = floor_sample(args.rows, dims)
     lines = [
-        f"Rows: {args.rows:,}, batch {args.batch}, ONNX Runtime threads {args.threads or 'default'}, CPU provider.",
+        f"Rows: {args.rows:,} ({dims}; FCT mixer {fct_flops_per_row(dims) / 1e6:.1f} MFLOP/row), batch {args.batch}, "
+        f"ONNX Runtime threads {args.threads or 'default'}, CPU provider."
+        + (f" Floors measured on the first {sample:,} rows, scaled to {args.rows:,}." if sample < args.rows else ""),
         "",
         "| adapter | bare ORT rows/s | device upgrade rows/s | upgrade / bare | per-row sealed floor rows/s "
         "| upgrade / (bare + per-row floor) | bulk floor rows/s | best possible upgrade / bare | gallery fill s |",
@@ -381,6 +422,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--dim", type=int, default=D_OLD, help="Width of φ (old and new).")
+    parser.add_argument("--side-dim", type=int, default=D_SIDE, help="Width of the side-info ψ.")
     parser.add_argument("--adapters", default="fct,fct-int8,linear",
                         help="Comma-separated: fct (the FCT mixer), fct-int8 (it, quantised to int8), linear.")
     parser.add_argument("--reembed-images", type=int, default=32)
@@ -390,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
     with bench_workspace("fctkit-edge-upgrade-") as (work, key, pub):
         results = []
         for adapter in args.adapters.split(","):
-            result = measure_adapter(adapter, args.rows, args.batch, args.threads, work, key, pub)
+            result = measure_adapter(adapter, args.rows, args.batch, args.threads, work, key, pub, Dims(args.dim, args.side_dim))
             print(f"{adapter}: bare {result['bare_rows_per_s']:,.0f} rows/s, upgrade {result['upgrade_rows_per_s']:,.0f} rows/s, "
                   f"ratio {result['ratio']:.2f}, vs bare + per-row sealed floor {result['ceiling_ratio']:.2f}, "
                   f"best possible for any encrypted durable store {result['best_possible_ratio']:.2f} (bare runs {', '.join(f'{s:.1f}' for s in result['bare_runs_s'])} s)", flush=True)

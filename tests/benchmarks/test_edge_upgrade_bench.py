@@ -39,3 +39,15 @@ def test_bulk_floor_leaves_nothing_behind(bench, tmp_path: Path) -> None:
 
     seconds = bench.bulk_floor_seconds(np.ones((5000, 128), dtype=np.float32), tmp_path, chunk_bytes=64 << 10)
     assert seconds > 0 and list(tmp_path.iterdir()) == []
+
+
+def test_wider_rows_reach_the_graphs_the_gallery_and_the_ratio_table(tmp_path: Path) -> None:
+    table = tmp_path / "costs.md"
+    with benchmark_script("photo_costs.py") as costs:
+        costs.main(["--rows", "1500", "--query-rows", "1500", "--queries", "10", "--dim", "320", "--side-dim", "48",
+                    "--batch", "512", "--threads", "1", "--markdown", str(table)])
+    text = table.read_text()
+    assert "Rows: 1,500 (320-d φ, 48-d ψ;" in text and "1,500 rows, 320-d, cosine" in text
+    ratios = re.findall(r"^\| (upgrade|query p50), .*\*\*([\d.]+)\*\* \|$", text, flags=re.M)
+    assert [kind for kind, _ in ratios].count("upgrade") == 2 and [kind for kind, _ in ratios].count("query p50") >= 2
+    assert all(float(value) > 0 for _, value in ratios)
