@@ -53,7 +53,7 @@ def test_a_tiny_lite_graph_with_the_kits_preprocessing_matches_the_pytorch_pipel
     assert (image.name, image.shape[1:], features.name, features.shape[1:]) == ("image", (3, SIZE, SIZE), "features", (64,))
     reference = bench.torch_reference(module, model.declaration, files)
     apart = np.abs(reference[:, None] - reference[None]).max(axis=2)
-    assert apart[~np.eye(len(files), dtype=bool)].min() > 0.01  # every two pictures differ 100× the tolerance
+    assert apart[~np.eye(len(files), dtype=bool)].min() > 0.5  # any two pictures differ 5,000× the tolerance
     kit = bench.kit_embedder(model, threads=1, batch_size=3)(files)
     np.testing.assert_allclose(kit, reference, atol=1e-4, rtol=0)
     parity = bench.check_parity(module, model, files)

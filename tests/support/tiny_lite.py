@@ -1,7 +1,8 @@
 """What the EfficientNet-Lite photo tests share: a tiny network of the real Lite architecture
-(``efficientnet-lite-pytorch``; a few dozen pixels, a few thousand weights) whose random weights and
-BatchNorm statistics are far from the identity, so that eval and training mode give different
-features; and textured synthetic pictures of any size as JPEG or PNG bytes."""
+(``efficientnet-lite-pytorch``; a few dozen pixels, ~100k weights) with random weights and BatchNorm
+statistics measured on random pixels, so that its features vary from picture to picture and
+training mode (statistics of the batch) gives other features than eval mode; and textured
+synthetic pictures of any size as JPEG or PNG bytes."""
 
 from __future__ import annotations
 
@@ -24,13 +25,19 @@ def tiny_lite(size: int, width: float, seed: int) -> Any:
         for module in network.modules():
             if isinstance(module, torch.nn.Conv2d):
                 module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * (2.0 / module.weight[0].numel()) ** 0.5)
-            elif isinstance(module, torch.nn.BatchNorm2d):
-                # the package's fresh BatchNorm (mean 0, var 1) and init make features ~1e-8: nothing to compare
-                count = module.num_features
-                module.running_mean.copy_(torch.randn(count, generator=generator) * 0.5)
-                module.running_var.copy_(torch.rand(count, generator=generator) + 0.5)
-                module.weight.copy_(torch.rand(count, generator=generator) + 0.5)
-                module.bias.copy_(torch.randn(count, generator=generator) * 0.2)
+        # The package's init gives features of ~1e-8 and, with random statistics, half of them dead and the rest
+        # nearly collinear (an adapter fitted on them amplifies float32 noise 10⁶-fold). Statistics measured on a
+        # batch, then a random affine, give features that vary from picture to picture.
+        norms = [m for m in network.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+        momenta = [m.momentum for m in norms]
+        for module in norms:
+            module.momentum = None  # the running statistics become the calibration batch's own
+        network.train()
+        network.extract_features(torch.randn(64, 3, size, size, generator=generator))
+        for module, momentum in zip(norms, momenta, strict=True):
+            module.momentum = momentum
+            module.weight.copy_(torch.rand(module.num_features, generator=generator) + 0.5)
+            module.bias.copy_(torch.rand(module.num_features, generator=generator) * 0.5)
     return network.eval()
 
 
