@@ -31,15 +31,16 @@ DEFAULT_METHODS = ("residual", "least-squares", "procrustes")
 
 
 def task_baselines(task) -> dict:
-    """old/old and new/new on a task's evaluation split (cosine; R@1, R@5, R@10, MRR)."""
+    """old/old and new/new on a task's evaluation split (cosine; R@1, R@5, R@10, MRR; class level: top-1, top-5, mAP)."""
     from fctkit.trainer.evaluation import evaluate_retrieval
 
     split = task.evaluation
     result = {}
     for case, field in (("old/old", "old"), ("new/new", "new")):
-        r = evaluate_retrieval(getattr(split.query, field), None, getattr(split.gallery, field), None,
+        r = evaluate_retrieval(getattr(split.query, field), split.query.labels, getattr(split.gallery, field), split.gallery.labels,
                                positives=split.positives, distance="cosine", topk=(1, 5, 10))
-        result[case] = {"R@1": r.recall[1], "R@5": r.recall[5], "R@10": r.recall[10], "MRR": r.mrr}
+        result[case] = ({"R@1": r.recall[1], "R@5": r.recall[5], "R@10": r.recall[10], "MRR": r.mrr} if split.positives is not None
+                        else {"top1": r.cmc[1], "top5": r.cmc[5], "mAP": r.mean_ap})
     return result
 
 
