@@ -109,9 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("tasks", type=Path, nargs="+", help="task files that differ only in ψ; the name is after '-side-'")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-selection", action="store_true",
+                        help="fit every candidate with the method's default settings (no nested search; faster)")
     args = parser.parse_args(argv)
     candidates = {path.stem.rsplit("-side-", 1)[-1]: path for path in args.tasks}
-    result = choose_side_info(candidates, args.out, args.seed)
+    result = choose_side_info(candidates, args.out, args.seed, {"selection.enabled": False} if args.no_selection else None)
     for name, row in result["held_out"].items():
         print(f"{name}: held-out {row['metric']} {row[CHOSEN_BY]:.4f} (new/new {row['new/new']:.4f}, old/old {row['old/old']:.4f})")
     print(f"chosen: {result['chosen']}")
