@@ -88,27 +88,40 @@ def run_seed(task: Path, out: Path, seed: int, methods: list[str], query_map: bo
     return read_run(out / f"seed{seed}") | {"seconds": time.perf_counter() - start}
 
 
+METRICS = {"instance": ("recall@1", "recall@10", "mrr"), "class": ("top1", "top10", "mAP")}
+HEADERS = {"instance": ("R@1", "R@10", "MRR"), "class": ("top-1", "top-10", "mAP")}
+
+
 def read_run(folder: Path) -> dict:
-    """A finished run's facts and, per case, R@1, R@10 and MRR (from its report.json)."""
+    """A finished run's facts and, per case, R@1, R@10 and MRR (class level: top-1, top-10 and
+    mAP) from its report.json; ``level`` says which."""
     report = json.loads((folder / "report.json").read_text())
-    cases = {}
+    cases, level = {}, "instance"
     for case in report["cases"]:
         name = re.sub(r", (w|β) [0-9.]+ \[", " [", case["name"])  # reports before the weight moved to a column
         result = case["result"]
-        cases[name] = {"recall@1": result["recall"]["1"], "recall@10": result["recall"]["10"], "mrr": result["mrr"]}
-    return {"facts": report["facts"], "cases": cases}
+        if result.get("relevance", "explicit") == "explicit":
+            cases[name] = {"recall@1": result["recall"]["1"], "recall@10": result["recall"]["10"], "mrr": result["mrr"]}
+        else:
+            level = "class"
+            cases[name] = {"top1": result["cmc"]["1"], "top10": result["cmc"]["10"], "mAP": result["mean_ap"]}
+    return {"facts": report["facts"], "cases": cases, "level": level}
 
 
 def summarise(runs: dict[int, dict]) -> dict:
-    names = list(next(iter(runs.values()))["cases"])
+    """Per case: mean ± sd of the level's three metrics, the first as a share of new/new, and the
+    seeds where ECC held on the first two (keys ``share_of_new_new_r1``, ``ecc_r1``, ``ecc_r10``
+    at either level)."""
+    first = next(iter(runs.values()))
+    at1, at10, _ = metrics = METRICS[first.get("level", "instance")]
     summary = {}
-    for name in names:
+    for name in first["cases"]:
         rows = [run["cases"][name] for run in runs.values()]
-        shares = [row["recall@1"] / run["cases"]["new/new"]["recall@1"] for row, run in zip(rows, runs.values())]
-        summary[name] = {metric: _mean_sd([row[metric] for row in rows]) for metric in ("recall@1", "recall@10", "mrr")}
+        shares = [row[at1] / run["cases"]["new/new"][at1] for row, run in zip(rows, runs.values())]
+        summary[name] = {metric: _mean_sd([row[metric] for row in rows]) for metric in metrics}
         summary[name]["share_of_new_new_r1"] = _mean_sd(shares)
-        summary[name]["ecc_r1"] = sum(row["recall@1"] > run["cases"]["old/old"]["recall@1"] for row, run in zip(rows, runs.values()))
-        summary[name]["ecc_r10"] = sum(row["recall@10"] > run["cases"]["old/old"]["recall@10"] for row, run in zip(rows, runs.values()))
+        summary[name]["ecc_r1"] = sum(row[at1] > run["cases"]["old/old"][at1] for row, run in zip(rows, runs.values()))
+        summary[name]["ecc_r10"] = sum(row[at10] > run["cases"]["old/old"][at10] for row, run in zip(rows, runs.values()))
     return summary
 
 
@@ -116,10 +129,11 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def markdown(summary: dict, n_seeds: int) -> str:
-    lines = [f"| case | R@1 | R@10 | MRR | R@1 ÷ new/new | ECC R@1 | ECC R@10 |", "|---|---:|---:|---:|---:|---:|---:|"]
+def markdown(summary: dict, n_seeds: int, level: str = "instance") -> str:
+    at1, at10, third = HEADERS[level]
+    lines = [f"| case | {at1} | {at10} | {third} | {at1} ÷ new/new | ECC {at1} | ECC {at10} |", "|---|---:|---:|---:|---:|---:|---:|"]
     for name, row in summary.items():
-        cells = [f"{m:.3f} ± {s:.3f}" for m, s in (row["recall@1"], row["recall@10"], row["mrr"], row["share_of_new_new_r1"])]
+        cells = [f"{m:.3f} ± {s:.3f}" for m, s in (*(row[k] for k in METRICS[level]), row["share_of_new_new_r1"])]
         judged = name not in ("old/old", "new/new", "new/old")
         ecc = [f"{row['ecc_r1']}/{n_seeds}", f"{row['ecc_r10']}/{n_seeds}"] if judged else ["", ""]
         lines.append(f"| {name} | " + " | ".join(cells + ecc) + " |")
@@ -147,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         runs[seed] = run_seed(args.task, args.out, seed, args.methods, not args.no_query_map, extra)
         print(f"  {runs[seed]['seconds']:.0f} s", flush=True)
     summary = summarise(runs)
-    table = markdown(summary, len(runs))
+    table = markdown(summary, len(runs), next(iter(runs.values())).get("level", "instance"))
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.md").write_text(table + "\n")

@@ -78,6 +78,26 @@ def held_out_task(task: Any, held_out_fraction: float, seed: int) -> Any:
     return RetrievalTask(f"{task.name}-held-out", task.level, task.primary_metric, fit, judged, task.source)
 
 
+def ridge_on_held_out(task: Any, ridges: Sequence[float]) -> dict[float, float]:
+    """The primary metric (recall@1) of ridge least squares ``[φ_old, ψ] → φ_new`` (unit rows), fitted on
+    a held-out task's training part and judged on its held-out part, for each ridge: the residual
+    adapter starts from this fit (``residual.ridge``), and with fewer training pairs than input
+    dims a small ridge overfits."""
+    def unit(x: np.ndarray) -> np.ndarray:
+        return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+    fit, judged = task.train.gallery, task.evaluation
+    inputs = np.hstack([unit(fit.old), unit(fit.side)]) if fit.side.shape[1] else unit(fit.old)
+    gallery = np.hstack([unit(judged.gallery.old), unit(judged.gallery.side)]) if fit.side.shape[1] else unit(judged.gallery.old)
+    positive = np.array([judged.positives.of(q)[0][0] for q in range(len(judged.query))])
+    scores = {}
+    for ridge in ridges:
+        weights = np.linalg.solve(inputs.T @ inputs + ridge * np.eye(inputs.shape[1]), inputs.T @ unit(fit.new))
+        nearest = (unit(judged.query.new) @ unit(gallery @ weights).T).argmax(axis=1)
+        scores[ridge] = float(np.mean(nearest == positive))
+    return scores
+
+
 def choose_side_info(candidates: Mapping[str, Path], out: Path, seed: int = 0, overrides: Mapping[str, Any] | None = None,
                      held_out_fraction: float = 0.25, method: str = CHOSEN_BY) -> dict[str, Any]:
     """Fit ``method`` on each candidate's held-out task; the candidate with the best held-out
@@ -109,14 +129,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("tasks", type=Path, nargs="+", help="task files that differ only in ψ; the name is after '-side-'")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ridges", type=float, nargs="*", default=[1e-3, 1e-2, 1e-1, 0.3, 1.0, 3.0, 10.0],
+                        help="also judge the least-squares start's ridge on the chosen ψ's held-out task (default %(default)s)")
+    parser.add_argument("--reuse", action="store_true", help="read <out>/side-info-choice.json of an earlier run; fit nothing")
     parser.add_argument("--no-selection", action="store_true",
                         help="fit every candidate with the method's default settings (no nested search; faster)")
     args = parser.parse_args(argv)
     candidates = {path.stem.rsplit("-side-", 1)[-1]: path for path in args.tasks}
-    result = choose_side_info(candidates, args.out, args.seed, {"selection.enabled": False} if args.no_selection else None)
+    done = args.out / "side-info-choice.json"
+    if args.reuse and done.is_file():
+        result = json.loads(done.read_text())
+    else:
+        result = choose_side_info(candidates, args.out, args.seed, {"selection.enabled": False} if args.no_selection else None)
     for name, row in result["held_out"].items():
         print(f"{name}: held-out {row['metric']} {row[CHOSEN_BY]:.4f} (new/new {row['new/new']:.4f}, old/old {row['old/old']:.4f})")
     print(f"chosen: {result['chosen']}")
+    if args.ridges:
+        from fctkit.trainer.tasks import load_task
+
+        scores = ridge_on_held_out(load_task(args.out / f"{result['chosen']}-held-out.npz"), args.ridges)
+        best = max(scores, key=lambda r: scores[r])
+        result |= {"ridge_on_held_out": {str(r): v for r, v in scores.items()}, "ridge": best}
+        (args.out / "side-info-choice.json").write_text(json.dumps(result, indent=2) + "\n")
+        print("least squares on held-out training data, R@1 by ridge: " + ", ".join(f"{r:g} {v:.3f}" for r, v in scores.items())
+              + f"; chosen residual.ridge = {best:g}")
     return 0
 
 
