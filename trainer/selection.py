@@ -28,10 +28,15 @@ class SelectionConfig:
     learning_rates: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
     widths: tuple[int, ...] = (256, 1024)  # residual MLP width; FCT mixer width
     weight_decays: tuple[float, ...] = (0.0, 1e-4, 1e-3)
+    # the residual adapter's least-squares start; empty: not searched (residual.ridge stands). Worth
+    # searching when training pairs are fewer than input dims: e.g. (1e-3, 0.1, 1.0) for 1280-d image models
+    ridges: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.holdout_fraction < 1:
             raise ConfigError("selection.holdout_fraction must be in (0, 1)")
+        if any(r <= 0 for r in self.ridges):
+            raise ConfigError(f"selection.ridges must be > 0, got {list(self.ridges)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +53,8 @@ def knobs_for(method: str, config: Any, selection: SelectionConfig) -> list[Knob
         knobs = [Knob("objective.temperature", selection.temperatures), Knob("train.lr", selection.learning_rates)]
         if config.form == "mlp":
             knobs.append(Knob("width", selection.widths))
-        return knobs + [Knob("train.weight_decay", selection.weight_decays)]
+        knobs.append(Knob("train.weight_decay", selection.weight_decays))
+        return [Knob("ridge", selection.ridges)] + knobs if selection.ridges else knobs
     if method in ("fct", "fct-no-side-info"):
         knobs = [Knob("objective.temperature", selection.temperatures)] if config.objective.kind != "mse" else []
         return knobs + [Knob("train.lr", selection.learning_rates), Knob("mixer_width", selection.widths),

@@ -141,3 +141,20 @@ def test_task_settings_are_checked():
         load_pipeline_config(None, {"fastfill.objective.kind": "infonce"})
     with pytest.raises(ConfigError, match="triplet"):
         load_pipeline_config(None, {"residual.objective.kind": "triplet"})
+
+
+def test_the_residual_adapters_ridge_is_searched_only_when_asked_and_must_be_positive(tmp_path):
+    from fctkit.trainer.residual import ResidualConfig
+    from fctkit.trainer.selection import Knob, SelectionConfig, knobs_for
+
+    assert all(k.path != "ridge" for k in knobs_for("residual", ResidualConfig(), SelectionConfig()))
+    assert knobs_for("residual", ResidualConfig(), SelectionConfig(ridges=(1e-3, 1.0)))[0] == Knob("ridge", (1e-3, 1.0))
+    with pytest.raises(ConfigError, match="selection.ridges must be > 0"):
+        SelectionConfig(ridges=(0.0,))
+    # In a run, the chosen ridge is reported with the other settings chosen on held-out training data.
+    path = save_task(tmp_path / "task.npz", synthetic_instance_task(n_train=300, n_eval=100, seed=seed()))
+    config = load_pipeline_config(None, {"data.name": "task", "data.task": str(path), "progress": False, "device": "cpu",
+                                         "methods": ["residual"], "residual.train.epochs": 2, "backfill.orderings": [],
+                                         **SMALL_SEARCH, "selection.ridges": [1e-3, 1.0]})
+    run = run_pipeline(config, tmp_path / "run", log=lambda _: None)
+    assert "ridge = " in run.report.facts["selected [residual adapter]"]
