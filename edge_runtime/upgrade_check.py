@@ -15,7 +15,10 @@ Once an upgrade of the gallery has finished (:meth:`~.upgrade.DeviceUpgrade.fini
    rank of the row's own adapted vector when its new embedding queries the whole adapted gallery
    (self-retrieval), the gallery read :data:`BLOCK_ROWS` rows at a time (never all at once);
 4. keeps the sampled rows as backfilled (the new model's own vectors, tagged native), so the
-   downloads are not wasted;
+   downloads are not wasted — but only where native and adapted rows rank fairly together
+   (:func:`keeps_sample`): not for an instance-level bundle without a hubness offset, nor during
+   transition scoring, where a few native rows would take the first place of most answers
+   (measured on the photo example: 94 of 500 with 32 native rows among 5,000);
 5. stores the result in the gallery's authenticated settings (``upgrade_health``, HMAC'd like every
    setting) and sends it in every Fleet.Report from then on until the next upgrade replaces it
    (:func:`send_report`): a device offline at upgrade time sends it at its next sync.
@@ -131,7 +134,8 @@ class HealthCheck:
         vectors = gallery_vectors(engine, images)
         health = streamed_health(self._adapted_blocks(version), rows.row_ids, take_rows(rows.embeddings, range(len(rows))),
                                  vectors[0], engine.manifest.distance)
-        gallery.write_upgrades(reembedded_rows(rows, range(len(rows)), vectors, version), staged=False)
+        if keeps_sample(engine.manifest):
+            gallery.write_upgrades(reembedded_rows(rows, range(len(rows)), vectors, version), staged=False)
         return replace(done, **asdict(health))
 
     def _adapted_blocks(self, version: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -146,6 +150,19 @@ class HealthCheck:
             after = max(read)
             if len(page):
                 yield page.row_ids, take_rows(page.embeddings, range(len(page)))
+
+
+def keeps_sample(manifest: Any) -> bool:
+    """Whether the check's re-embedded rows may replace their adapted ones: a bundle with a hubness
+    offset (which puts both kinds of row on one scale), or one judged at class level (a gate without
+    recall@k: its adapter is fitted to the new model's geometry) outside a transition. An
+    instance-level adapter (InfoNCE) keeps identity, not the new model's scale of similarities, and
+    transition scoring fuses a previous embedding the native rows no longer have."""
+    if manifest.hubness is not None:
+        return True
+    cases = manifest.gate.get("cases", {}) if isinstance(manifest.gate, dict) else {}
+    instance_level = any("recall@1" in metrics for metrics in cases.values() if isinstance(metrics, dict))
+    return manifest.transition is None and not instance_level
 
 
 def _no_originals(any_adapted: bool, version: int) -> str:

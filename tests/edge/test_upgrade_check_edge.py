@@ -196,3 +196,32 @@ def test_without_vault_originals_the_cli_reports_sample_size_zero_and_why(tiny_b
     assert "none of the adapted rows has its original in the vault" in health["reason"]
     assert status["upgrade_health"] == health
     assert unchecked["upgrade_health"]["version"] == 3 and "turned off" in unchecked["upgrade_health"]["reason"]
+
+
+def test_the_sample_is_kept_backfilled_only_where_native_and_adapted_rows_rank_fairly_together(tiny_bundles):
+    from types import SimpleNamespace
+
+    from fctkit.protos.manifest import Manifest
+    from fctkit.protos.search_policy import HubnessPolicy, TransitionPolicy
+
+    manifest = Manifest.from_bytes((tiny_bundles[2] / "manifest.json").read_bytes())
+    assert upgrade_check.keeps_sample(manifest)  # the tiny bundles: class level (top-1 only), no transition
+    instance = {"cases": {"new/new": {"recall@1": 0.4, "top1": 0.4}, "old/old": {"recall@1": 0.5, "top1": 0.5}}}
+
+    def bundle(gate=manifest.gate, hubness=None, transition=None):  # the fields the rule reads
+        return SimpleNamespace(gate=gate, hubness=hubness, transition=transition)
+
+    assert not upgrade_check.keeps_sample(bundle(instance))
+    assert upgrade_check.keeps_sample(bundle(instance, hubness=HubnessPolicy(0.5)))
+    assert not upgrade_check.keeps_sample(bundle(transition=TransitionPolicy(1, 0.5, 30.0)))
+
+
+def test_an_instance_level_upgrade_is_measured_but_its_rows_stay_adapted(server, tiny_bundles, make_device, images,
+                                                                         monkeypatch, tmp_path):
+    monkeypatch.setattr(upgrade_check, "keeps_sample", lambda manifest: False)  # as for an InfoNCE bundle without hubness
+    device = _enrolled(make_device, server, "instance", images, health_sample=SAMPLE)
+    publish(server, tiny_bundles[2], tmp_path)
+    assert device.sync().installed_after == 2
+    record = stored_health(device.gallery)
+    assert (record.version, record.sample_size, record.reason) == (2, SAMPLE, "")
+    assert device.status()["rows_by_space"] == {"v1->v2 (forward)": ROWS}
