@@ -16,7 +16,8 @@ Steps (everything under ``--out``):
 3. ``side-info/``, ``side-choice/``: ψ chosen between a SimCLR encoder trained on the training
    (v1-era) photos, as in the FCT paper, and pretrained Lite1, by the recommended adapter's R@1 on
    held-out *training* photos (``benchmarks/photo_side_info.py``); the evaluation photos are never read.
-4. ``run/``: ``fctkit train`` on the chosen ψ's task with the method the README recommends for
+4. ``run/``: the residual adapter's ridge chosen on the same held-out training photos
+   (``ridge_on_held_out``), then ``fctkit train`` on the chosen ψ's task with the method the README recommends for
    instance-level search: the residual adapter with InfoNCE on the query positives, with the
    hubness offset and transition scoring judged (settings not searched, for speed). v2 carries
    ``residual+query-positives+hubness`` unless only ``…+transition`` holds ECC (or no hubness
@@ -31,9 +32,9 @@ Steps (everything under ``--out``):
 
 Printed and written to ``summary.json`` (one run): R@1/R@10 of the upgraded device (v2 queries)
 ÷ v2 re-embedded (new/new), beside old/old, and the same among the device's adapted rows alone
-(the ``--health-sample`` rows its post-upgrade health check re-embeds with Lite2 and keeps are
-left out: an InfoNCE adapter's rows and Lite2's own do not mix without the hubness offset, and
-those few native rows can take the first place of most answers); the upgrade's seconds per row ÷ a Lite2 re-embedding
+(rows its post-upgrade health check re-embedded with Lite2 and kept are left out: an InfoNCE
+adapter's rows and Lite2's own do not mix without the hubness offset; the device keeps them only
+for a bundle with the offset, see ``edge_runtime/upgrade_check.py``); the upgrade's seconds per row ÷ a Lite2 re-embedding
 per photo on the device (decode + preprocess + embed, the first ``--timing-items`` photos; goal ≥
 100× cheaper); ``device add``'s photo ingest (decode, both models, sealing, queuing the original;
 the whole CLI call) ÷ bare ONNX Runtime decoding and embedding the same files with the same two
@@ -80,11 +81,12 @@ from fctkit.edge_runtime import DeviceSettings
 from fctkit.errors import FctkitError
 from image_onnx_models import TOLERANCE, ExportedImageModel, kit_embedder, lite_network, load_exported, pooled_features_class, torch_reference
 from photo_near_duplicates import NEW, OLD, SIDE_CANDIDATES, PhotoItems, embed_items, photo_split, photo_task
-from photo_side_info import choose_side_info, train_simclr_side_info
+from photo_side_info import choose_side_info, ridge_on_held_out, train_simclr_side_info
 
 METHODS = ("residual+query-positives+hubness", "residual+query-positives+transition")  # in order of preference
 PLAIN = "residual+query-positives"
 TRAINING = {"transition.enabled": True, "backfill.orderings": ["random"]}
+RIDGES = (1e-3, 1e-2, 0.1, 0.3, 1.0, 3.0)  # the residual adapter's least-squares start; 1e-3 overfits 1,000 pairs at 2,560-d
 FIXED = {"selection.enabled": False}  # as train_task: settings not searched, for speed
 OWN_FILES, OWN_FOLDERS = ("preprocessing.json", "add-profile.txt"), ("photos", "queries", "sample", "tasks", "side-info", "side-choice")
 
@@ -330,7 +332,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64,
                         help="images per ONNX Runtime call, on the device and in the bare timing (default %(default)s)")
     parser.add_argument("--health-sample", type=int, default=DeviceSettings().health_sample,
-                        help="rows the device re-embeds from the vault after the upgrade to check it, kept as v2 rows "
+                        help="rows the device re-embeds from the vault after the upgrade to check it "
                              "(device.json's health_sample; default %(default)s, the device's; 0: no check)")
     parser.add_argument("--seed", type=int, default=0, help="which photos, tiles and edits, and the training seed (default %(default)s)")
     parser.add_argument("--profile", action="store_true", help="run `device add` under cProfile (add-profile.txt; slower)")
@@ -354,7 +356,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     side = choice["chosen"]
     log(f"ψ: {side} chosen on held-out training photos (" + ", ".join(
         f"{n} {r[choice['method']]:.3f}" for n, r in choice["held_out"].items()) + f" {choice['method']} R@1)")
-    gate = train_task(out / "tasks" / f"side-{side}.npz", out / "run", args.seed, TRAINING)
+    from fctkit.trainer.tasks import load_task
+
+    ridges = ridge_on_held_out(load_task(out / "side-choice" / f"{side}-held-out.npz"), RIDGES)
+    ridge = max(ridges, key=lambda r: ridges[r])
+    log(f"residual.ridge = {ridge:g}, chosen on the same held-out training photos (R@1 of its least-squares start: "
+        + ", ".join(f"{r:g} {v:.3f}" for r, v in ridges.items()) + ")")
+    gate = train_task(out / "tasks" / f"side-{side}.npz", out / "run", args.seed, {**TRAINING, "residual.ridge": ridge})
     method, holds = chosen_method(gate)
     log("gate: ECC " + ", ".join(f"{m} {'holds' if gate_holds(gate, m) else 'FAILS'}" for m in METHODS) + f"; v2 carries {method}")
     references = parity_sample(models, side, evaluation, out)
