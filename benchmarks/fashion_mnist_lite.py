@@ -1,10 +1,15 @@
 """Fashion-MNIST with real pretrained backbones: EfficientNet-Lite0 (v1) → Lite2 (v2), ψ = Lite1,
 on the 28×28 images upscaled by each model's own preprocessing (224, 260 and 240 px).
 
-    python benchmarks/fashion_mnist_lite.py --out runs/bench/fmnist-lite --seed 0
+    python benchmarks/fashion_mnist_lite.py --out runs/bench/fmnist-lite --seed 0      # both task files (~13 min)
+    python benchmarks/photo_side_info.py runs/bench/fmnist-lite/fashion-mnist-lite-near-duplicates-seed0.npz \\
+        --out runs/bench/fmnist-lite/side-choice --no-selection                       # residual.ridge, held out
     python benchmarks/instance_tasks.py runs/bench/fmnist-lite/fashion-mnist-lite-near-duplicates-seed0.npz \\
-        --out runs/bench/fmnist-lite/near-duplicates --seeds 0 1 2 --methods residual --no-query-map \\
-        --set query_positives.enabled=true --set transition.enabled=true --set hubness.enabled=true
+        --out runs/bench/fmnist-lite/near-duplicates --seeds 0 1 2 --methods residual --no-query-map --set selection.enabled=false \\
+        --set query_positives.enabled=true --set transition.enabled=true --set hubness.enabled=true --set residual.ridge=0.3
+    python benchmarks/instance_tasks.py runs/bench/fmnist-lite/fashion-mnist-lite-classes-seed0.npz \\
+        --out runs/bench/fmnist-lite/classes --seeds 0 1 2 --methods residual least-squares --no-query-map \\
+        --set transition.enabled=true --set selection.enabled=false --set residual.ridge=0.3
 
 Two tasks from one set of embeddings (each image written as a lossless RGB PNG and embedded the
 way a device embeds it: :func:`image_onnx_models.kit_embedder`):

@@ -1,9 +1,11 @@
 """Near-duplicate photo search on real photographs: EfficientNet-Lite0 (v1) → Lite2 (v2).
 
-    python benchmarks/photo_near_duplicates.py --out runs/bench/photos --seed 0        # builds the task files
+    python benchmarks/photo_near_duplicates.py --out runs/bench/photos --seed 0        # the task files (~17 min)
+    python benchmarks/photo_side_info.py runs/bench/photos/photo-near-duplicates-seed0-side-{lite1,simclr}.npz \\
+        --out runs/bench/photos/side-choice --no-selection                            # ψ and residual.ridge, held out
     python benchmarks/instance_tasks.py runs/bench/photos/photo-near-duplicates-seed0-side-lite1.npz \\
-        --out runs/bench/photos/runs --seeds 0 1 2 --methods residual --no-query-map \\
-        --set query_positives.enabled=true --set transition.enabled=true --set hubness.enabled=true
+        --out runs/bench/photos/runs --seeds 0 1 2 --methods residual --no-query-map --set selection.enabled=false \\
+        --set query_positives.enabled=true --set transition.enabled=true --set hubness.enabled=true --set residual.ridge=0.3
 
 The photos are the Debian wallpapers (:mod:`photo_data`), split by *source photo* with the seed:
 half for evaluation, half for training, so no adapter ever sees a tile of an evaluation photo.
@@ -82,7 +84,7 @@ def photo_split(seed: int, eval_items: int, eval_queries: int, train_items: int,
 
 
 def embed_items(models: Mapping[str, ExportedImageModel], items: PhotoItems, threads: int = 0,
-                log=print) -> dict[tuple[str, str], np.ndarray]:
+                log=lambda message: print(message, flush=True)) -> dict[tuple[str, str], np.ndarray]:
     """Every model's vectors of the gallery tiles and of the queries, by (model name, 'gallery'|'query')."""
     vectors = {}
     for name, model in models.items():
@@ -153,10 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0, help="which photos evaluate, which tiles, which edits (default %(default)s)")
-    parser.add_argument("--eval-items", type=int, default=4000, help="evaluation gallery tiles (default %(default)s)")
-    parser.add_argument("--eval-queries", type=int, default=1000, help="evaluation queries (default %(default)s)")
-    parser.add_argument("--train-items", type=int, default=3000, help="training tiles, each with a query (default %(default)s)")
-    parser.add_argument("--simclr-epochs", type=int, default=15, help="SimCLR ψ training epochs (default %(default)s)")
+    parser.add_argument("--eval-items", type=int, default=2000, help="evaluation gallery tiles (default %(default)s)")
+    parser.add_argument("--eval-queries", type=int, default=500, help="evaluation queries (default %(default)s)")
+    parser.add_argument("--train-items", type=int, default=1500, help="training tiles, each with a query (default %(default)s)")
+    parser.add_argument("--simclr-epochs", type=int, default=10, help="SimCLR ψ training epochs (default %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0: its default)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
