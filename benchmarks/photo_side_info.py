@@ -79,27 +79,24 @@ def held_out_task(task: Any, held_out_fraction: float, seed: int) -> Any:
 
 
 def ridge_on_held_out(task: Any, ridges: Sequence[float]) -> dict[float, float]:
-    """Recall@1 of the residual adapter's least-squares start ``[φ_old, ψ] → φ_new`` (centred, the
-    ridge relative to the mean squared input norm: ``residual.ridge``'s meaning) fitted on a held-out
-    task's training part and judged on its held-out part, for each ridge. With fewer training pairs
-    than input dims a small ridge overfits, and the adapter's training starts from that fit."""
-    from fctkit.trainer.closed_form import least_squares_map
+    """Recall@1 of the residual adapter's least-squares start ``[φ_old, ψ] → φ_new``
+    (:func:`~fctkit.trainer.closed_form.relative_ridge_map`, ``residual.ridge``'s meaning) fitted on a
+    held-out task's training part and judged on its held-out part, for each ridge. With fewer
+    training pairs than input dims a small ridge overfits, and the adapter's training starts from that fit."""
+    from fctkit.trainer.closed_form import relative_ridge_map
 
     def unit(x: np.ndarray) -> np.ndarray:
         return x / np.linalg.norm(x, axis=1, keepdims=True)
 
     def inputs(items: Any) -> np.ndarray:
-        return np.hstack([items.old, items.side]).astype(np.float64) if items.side.shape[1] else items.old.astype(np.float64)
+        return np.hstack([items.old, items.side]) if items.side.shape[1] else items.old
 
     fit, judged = task.train.gallery, task.evaluation
-    x, y = inputs(fit), fit.new.astype(np.float64)
-    x_mean, y_mean = x.mean(axis=0), y.mean(axis=0)
-    spread = float(np.mean(np.sum((x - x_mean) ** 2, axis=1)))
     positive = np.array([judged.positives.of(q)[0][0] for q in range(len(judged.query))])
     scores = {}
     for ridge in ridges:
-        matrix = least_squares_map(x - x_mean, y - y_mean, ridge * spread)
-        adapted = (inputs(judged.gallery) - x_mean) @ matrix + y_mean
+        matrix, bias = relative_ridge_map(inputs(fit), fit.new, ridge)
+        adapted = inputs(judged.gallery).astype(np.float64) @ matrix + bias
         scores[ridge] = float(np.mean((unit(judged.query.new) @ unit(adapted).T).argmax(axis=1) == positive))
     return scores
 

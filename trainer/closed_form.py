@@ -44,6 +44,17 @@ def least_squares_map(old: np.ndarray, new: np.ndarray, ridge: float = 0.0) -> n
     return np.linalg.lstsq(old, new, rcond=None)[0]
 
 
+def relative_ridge_map(inputs: np.ndarray, target: np.ndarray, ridge: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(W, b)`` of ridge least squares ``inputs W + b ≈ target`` on centred data, the ridge
+    relative to the mean squared centred input norm (so one value suits any feature scale): the
+    residual adapter's start (``residual.ridge``)."""
+    x, y = inputs.astype(np.float64), target.astype(np.float64)
+    x_mean, y_mean = x.mean(axis=0), y.mean(axis=0)
+    scaled = ridge * float(np.mean(np.sum((x - x_mean) ** 2, axis=1)))
+    matrix = least_squares_map(x - x_mean, y - y_mean, scaled)
+    return matrix, y_mean - x_mean @ matrix
+
+
 def procrustes_map(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     """``W`` (d_old × d_new) minimising ``‖old W − new‖`` with ``W`` (semi-)orthogonal.
 

@@ -30,7 +30,7 @@ from torch import nn
 from fctkit.errors import ConfigError, InputError
 
 from .adapter_base import OldSideAdapter, config_of
-from .closed_form import least_squares_map
+from .closed_form import relative_ridge_map
 from fctkit.feature_checks import check_features
 from .fitting import History, TrainConfig, fit
 from .losses import ObjectiveConfig, objective_loss
@@ -112,10 +112,7 @@ class ResidualAdapter(OldSideAdapter):
         return model, history
 
     def _start_at_least_squares(self, inputs: np.ndarray, target: np.ndarray) -> None:
-        x, y = inputs.astype(np.float64), target.astype(np.float64)
-        x_mean, y_mean = x.mean(axis=0), y.mean(axis=0)
-        ridge = self.config.ridge * float(np.mean(np.sum((x - x_mean) ** 2, axis=1)))
-        matrix = least_squares_map(x - x_mean, y - y_mean, ridge)
+        matrix, bias = relative_ridge_map(inputs, target, self.config.ridge)
         with torch.no_grad():
             self.base.weight.copy_(torch.from_numpy(matrix.T))
-            self.base.bias.copy_(torch.from_numpy(y_mean - x_mean @ matrix))
+            self.base.bias.copy_(torch.from_numpy(bias))
