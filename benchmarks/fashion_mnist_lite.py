@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from fashion_mnist_near_duplicates import augment, ensure_fashion_mnist
-from image_onnx_models import kit_embedder, load_exported
+from image_onnx_models import embed_sets, load_exported
 from instance_tasks import save_built_task
 
 OLD, NEW, SIDE = "lite0", "lite2", "lite1"
@@ -56,21 +56,13 @@ def png_files(images: np.ndarray) -> list[bytes]:
     return files
 
 
-def embedded(models: dict, images: np.ndarray, what: str, threads: int) -> dict[str, np.ndarray]:
-    files = png_files(images)
-    vectors = {}
-    for name, model in models.items():
-        start = time.perf_counter()
-        vectors[name] = kit_embedder(model, threads)(files)
-        print(f"{name}: {len(files)} {what} in {time.perf_counter() - start:.0f} s", flush=True)
-    return vectors
-
-
-def task_set(ids: list[str], vectors: dict[str, np.ndarray], side: bool, labels: np.ndarray | None = None):
+def task_set(ids: list[str], vectors: dict[tuple[str, str], np.ndarray], part: str, side: bool,
+             labels: np.ndarray | None = None):
+    """The task set of ``ids`` from :func:`image_onnx_models.embed_sets`'s vectors of ``part``."""
     from fctkit.trainer.tasks import TaskSet
 
-    n = len(ids)
-    return TaskSet(np.array(ids), vectors[OLD], vectors[NEW], vectors[SIDE] if side else np.zeros((n, 0), np.float32), labels)
+    no_side = np.zeros((len(ids), 0), np.float32)
+    return TaskSet(np.array(ids), vectors[OLD, part], vectors[NEW, part], vectors[SIDE, part] if side else no_side, labels)
 
 
 def build(args: argparse.Namespace) -> None:
@@ -89,14 +81,14 @@ def build(args: argparse.Namespace) -> None:
         drawn = rng.permutation(len(data))[:items + args.class_queries]
         gallery, others = drawn[:items], drawn[items:]
         queried = np.sort(rng.choice(items, size=queries, replace=False))
-        gallery_vectors = embedded(models, data.images[gallery], f"{part} gallery images", args.threads)
-        copies = embedded(models, augment(data.images[gallery[queried]], rng), f"{part} augmented copies", args.threads)
-        plain = embedded(models, data.images[others], f"{part} class queries", args.threads)
+        sets = {"gallery": data.images[gallery], "augmented copy": augment(data.images[gallery[queried]], rng),
+                "class query": data.images[others]}
+        vectors = embed_sets(models, {f"{part} {name}": png_files(images) for name, images in sets.items()}, args.threads)
         ids = [f"{part}-{i}" for i in gallery]
-        near[part] = TaskSplit(task_set([f"q-{ids[q]}" for q in queried], copies, False), task_set(ids, gallery_vectors, True),
-                               Positives.from_lists([[int(q)] for q in queried], items))
-        classes[part] = TaskSplit(task_set([f"c-{part}-{i}" for i in others], plain, False, data.labels[others]),
-                                  task_set(ids, gallery_vectors, True, data.labels[gallery]))
+        near[part] = TaskSplit(task_set([f"q-{ids[q]}" for q in queried], vectors, f"{part} augmented copy", False),
+                               task_set(ids, vectors, f"{part} gallery", True), Positives.from_lists([[int(q)] for q in queried], items))
+        classes[part] = TaskSplit(task_set([f"c-{part}-{i}" for i in others], vectors, f"{part} class query", False, data.labels[others]),
+                                  task_set(ids, vectors, f"{part} gallery", True, data.labels[gallery]))
     facts = {"seed": args.seed, "old": OLD, "new": NEW, "side": SIDE, "eval gallery": args.eval_items,
              "eval queries": args.eval_queries, "train pairs": args.train_items, "class queries": args.class_queries}
     stem = f"fashion-mnist-lite-{{}}-seed{args.seed}.npz"

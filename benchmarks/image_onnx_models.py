@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import io
 import json
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,9 @@ def lite_declaration(size: int) -> dict[str, Any]:
             "scale": 1.0, "mean": [127.0] * 3, "std": [128.0] * 3, "layout": "NCHW"}
 
 
+@functools.cache
 def pooled_features_class() -> type:
+    """The wrapper class (defined on first use, so that importing this module needs no torch)."""
     import torch
 
     class PooledFeatures(torch.nn.Module):
@@ -111,10 +114,10 @@ def export_graph(module: Any, size: int, path: Path) -> Path:
     return path
 
 
-def export_lite(name: str, out: Path) -> ExportedImageModel:
-    """Export one pretrained model into ``<out>/<name>/model.onnx``."""
+def export_lite(name: str, network: Any, out: Path) -> ExportedImageModel:
+    """Export ``network`` (:func:`lite_network` of ``name``) into ``<out>/<name>/model.onnx``."""
     size = LITE_SIZES[name]
-    graph = export_graph(pooled_features_class()(lite_network(name)), size, out / name / "model.onnx")
+    graph = export_graph(pooled_features_class()(network), size, out / name / "model.onnx")
     return ExportedImageModel(name, graph, lite_declaration(size))
 
 
@@ -166,6 +169,19 @@ def kit_embedder(model: ExportedImageModel, threads: int = 0, batch_size: int = 
     return embed
 
 
+def embed_sets(models: Mapping[str, ExportedImageModel], sets: Mapping[str, Sequence[bytes]], threads: int = 0,
+               log: Callable[[str], None] = lambda message: print(message, flush=True)) -> dict[tuple[str, str], np.ndarray]:
+    """Every model's vectors of every set of files (one session per model), by (model name, set name)."""
+    vectors = {}
+    for name, model in models.items():
+        embed = kit_embedder(model, threads)
+        for part, files in sets.items():
+            start = time.perf_counter()
+            vectors[name, part] = embed(files)
+            log(f"{name}: {len(files)} {part} images in {time.perf_counter() - start:.0f} s")
+    return vectors
+
+
 def check_parity(module: Any, model: ExportedImageModel, files: Sequence[bytes]) -> dict[str, float]:
     """The largest |kit − PyTorch| over ``files`` and the features' scale."""
     kit = kit_embedder(model)(files)
@@ -194,9 +210,10 @@ def export_all(names: Sequence[str], out: Path, parity_images: int, tolerance: f
     files, models, report = parity_photos(parity_images), {}, {}
     for name in names:
         start = time.perf_counter()
-        model = export_lite(name, out)
+        network = lite_network(name)
+        model = export_lite(name, network, out)
         report[name] = {"export_seconds": round(time.perf_counter() - start, 1),
-                        **check_parity(pooled_features_class()(lite_network(name)), model, files)}
+                        **check_parity(pooled_features_class()(network), model, files)}
         models[name] = model
         print(f"{name}: exported, max |kit − PyTorch| {report[name]['max_abs_error']:.1e}", flush=True)
     within = all(r["max_abs_error"] <= tolerance for r in report.values())

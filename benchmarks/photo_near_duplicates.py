@@ -32,14 +32,14 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from debian_data import BenchmarkSetupError
-from image_onnx_models import ExportedImageModel, kit_embedder, load_exported
+from image_onnx_models import ExportedImageModel, embed_sets, load_exported
 from photo_data import debian_photos, edited_copy, jpeg_bytes, photo_tiles, split_photos
 
 OLD, NEW, SIDE_CANDIDATES = "lite0", "lite2", ("lite1", "simclr")
@@ -86,14 +86,7 @@ def photo_split(seed: int, eval_items: int, eval_queries: int, train_items: int,
 def embed_items(models: Mapping[str, ExportedImageModel], items: PhotoItems, threads: int = 0,
                 log=lambda message: print(message, flush=True)) -> dict[tuple[str, str], np.ndarray]:
     """Every model's vectors of the gallery tiles and of the queries, by (model name, 'gallery'|'query')."""
-    vectors = {}
-    for name, model in models.items():
-        embed = kit_embedder(model, threads)
-        for part, files in (("gallery", items.files), ("query", items.query_files)):
-            start = time.perf_counter()
-            vectors[name, part] = embed(files)
-            log(f"{name}: {len(files)} {part} images in {time.perf_counter() - start:.0f} s")
-    return vectors
+    return embed_sets(models, {"gallery": items.files, "query": items.query_files}, threads, log)
 
 
 def photo_task(train: PhotoItems, evaluation: PhotoItems, vectors_train: Mapping, vectors_eval: Mapping,

@@ -131,7 +131,7 @@ def test_the_real_lite0_exports_and_matches_pytorch_on_jpeg_files(bench, tmp_pat
     assert isinstance(network._swish, torch.nn.ReLU6) and not network.training  # set_swish() would give wrong features
     rng = np.random.default_rng(7)
     jpegs = [encoded(textured_picture(rng, w, h), "JPEG", quality=85) for w, h in [(300, 260), (250, 331), (224, 224), (401, 233)]]
-    model = bench.export_lite("lite0", tmp_path)
+    model = bench.export_lite("lite0", network, tmp_path)
     assert (model.graph, model.declaration) == (tmp_path / "lite0" / "model.onnx", bench.lite_declaration(224))
     parity = bench.check_parity(bench.pooled_features_class()(network), model, jpegs)
     assert parity["max_abs_error"] < 1e-4 and parity["max_abs_feature"] > 1.0, parity
