@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, publish
+from tests.edge.conftest import ServerProcess, enrolment_code, publish
 from tests.edge.conftest import device_cli
 from tests.support.releases import digits_release
 
@@ -39,12 +39,9 @@ def release(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, release):
+def server(tmp_path_factory, release, admin_token_file):
     root = tmp_path_factory.mktemp("backfill-server")
-    token = root / "admin.token"
-    token.write_text(ADMIN_TOKEN + "\n")
-    token.chmod(0o600)
-    process = ServerProcess(root / "data", release.public_key_path, token).start()
+    process = ServerProcess(root / "data", release.public_key_path, admin_token_file).start()
     archives = root / "archives"
     archives.mkdir()
     publish(process, release.bundle_dirs[1], archives)
@@ -192,7 +189,7 @@ def test_sigkilled_backfill_resumes_to_the_same_gallery(upgraded, reference):
     killed.close()
 
 
-def test_fastfill_sigma_orders_the_backfill(release, tmp_path_factory):
+def test_fastfill_sigma_orders_the_backfill(release, tmp_path_factory, admin_token_file):
     """A FastFill release (σ graph 1->2) on a second server: σ is recorded at the upgrade and
     the uncertainty ordering takes the rows of largest σ first."""
     from fctkit.export.keys import load_private_key
@@ -201,10 +198,7 @@ def test_fastfill_sigma_orders_the_backfill(release, tmp_path_factory):
     root = tmp_path_factory.mktemp("fastfill")
     bundles = build_release(release.run_dir, root / "bundles", private_key=load_private_key(release.private_key_path),
                             method="fastfill")
-    token = root / "admin.token"
-    token.write_text(ADMIN_TOKEN + "\n")
-    token.chmod(0o600)
-    process = ServerProcess(root / "data", release.public_key_path, token).start()
+    process = ServerProcess(root / "data", release.public_key_path, admin_token_file).start()
     try:
         publish(process, bundles[0].bundle.root, root)
         features = release.eval_features

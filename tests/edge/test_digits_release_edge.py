@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, publish
+from tests.edge.conftest import ServerProcess, enrolment_code, publish
 from tests.support.releases import UNIFIED_METHOD, digits_release, unified_override
 
 from fctkit.edge_runtime import Device, DeviceSettings
@@ -25,12 +25,9 @@ def release(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def release_server(tmp_path_factory, release):
+def release_server(tmp_path_factory, release, admin_token_file):
     root = tmp_path_factory.mktemp("digits-server")
-    token = root / "admin.token"
-    token.write_text(ADMIN_TOKEN + "\n")
-    token.chmod(0o600)
-    server = ServerProcess(root / "data", release.public_key_path, token).start()
+    server = ServerProcess(root / "data", release.public_key_path, admin_token_file).start()
     yield server
     if server.alive():
         server.stop()

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, publish
+from tests.edge.conftest import ServerProcess, enrolment_code, publish
 from tests.edge.test_replication_edge import state
 from tests.support.releases import digits_release
 
@@ -27,11 +27,8 @@ def release(tmp_path_factory):
     return digits_release(Path(os.environ.get("FCTKIT_TEST_RELEASE_CACHE") or tmp_path_factory.getbasetemp()))
 
 
-def test_owner_devices_converge_restore_and_leave_no_vector_on_the_server(release, tmp_path):
-    token = tmp_path / "admin.token"
-    token.write_text(ADMIN_TOKEN + "\n")
-    token.chmod(0o600)
-    server = ServerProcess(tmp_path / "data", release.public_key_path, token).start()
+def test_owner_devices_converge_restore_and_leave_no_vector_on_the_server(release, tmp_path, admin_token_file):
+    server = ServerProcess(tmp_path / "data", release.public_key_path, admin_token_file).start()
     opened: list[Device] = []
 
     def device(name: str, **init) -> Device:

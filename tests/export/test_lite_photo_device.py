@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.edge.conftest import enrolment_code, publish
-from tests.server.conftest import ADMIN_TOKEN, ServerProcess
+from tests.server.conftest import ServerProcess, admin_token_file  # noqa: F401 (a fixture)
 from tests.support.benchmark_scripts import benchmark_script
 from tests.support.raw_items import device_ok, features_run, onnx_forward, unit
 from tests.support.tiny_lite import encoded, textured_picture, tiny_lite
@@ -74,11 +74,8 @@ def release(bench, tmp_path_factory) -> SimpleNamespace:
 
 
 @pytest.fixture
-def server(release, tmp_path):
-    token = tmp_path / "admin.token"
-    token.write_text(ADMIN_TOKEN + "\n")
-    token.chmod(0o600)
-    process = ServerProcess(tmp_path / "server", release.public, token).start()
+def server(release, tmp_path, admin_token_file):
+    process = ServerProcess(tmp_path / "server", release.public, admin_token_file).start()
     yield process
     if process.alive():
         process.stop()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from tests.server.conftest import admin_token_file  # noqa: F401 (a fixture)
 from tests.support.raw_items import device_cli, device_ok, features_run, onnx_forward, unit
 
 from fctkit.cli import cli
@@ -231,17 +232,15 @@ def test_a_graph_its_declaration_does_not_feed_is_refused_before_signing(text_re
     assert "unknown key(s) poolling" in str(done.exception) and not (tmp_path / "out").exists()
 
 
-def test_through_a_server_texts_are_sealed_as_they_came_and_backfilled_with_the_new_tokenizer(text_release, tmp_path):
+def test_through_a_server_texts_are_sealed_as_they_came_and_backfilled_with_the_new_tokenizer(text_release, tmp_path,
+                                                                                            admin_token_file):
     """v1 and v2 (with their tokenizer artifacts) published on a real loopback server; a device
     adds texts at v1 (originals in the vault), syncs to v2 (whose health check re-embeds a sample
     of the texts) and backfills every other row: the rows are then v2's own passage embeddings of
     the texts, as the numpy reference computes them."""
-    from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, publish
+    from tests.edge.conftest import ServerProcess, enrolment_code, publish
 
-    token = tmp_path / "admin.token"
-    token.write_text(ADMIN_TOKEN + "\n")
-    token.chmod(0o600)
-    server = ServerProcess(tmp_path / "data", text_release["public"], token).start()
+    server = ServerProcess(tmp_path / "data", text_release["public"], admin_token_file).start()
     (tmp_path / "archives").mkdir()
     try:
         publish(server, text_release["out"] / "v1", tmp_path / "archives")
