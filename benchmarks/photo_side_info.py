@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from example_steps import train_task
 from image_onnx_models import ExportedImageModel, export_graph
 
 SIMCLR_SIDE = 64
-RECOMMENDED = {"methods": ["residual"], "query_positives.enabled": True, "hubness.enabled": True}
 CHOSEN_BY = "residual+query-positives+hubness"
 
 
@@ -84,29 +84,35 @@ def ridge_on_held_out(task: Any, ridges: Sequence[float]) -> dict[float, float]:
     held-out task's training part and judged on its held-out part, for each ridge. With fewer
     training pairs than input dims a small ridge overfits, and the adapter's training starts from that fit."""
     from fctkit.trainer.closed_form import relative_ridge_map
-
-    def unit(x: np.ndarray) -> np.ndarray:
-        return x / np.linalg.norm(x, axis=1, keepdims=True)
+    from fctkit.trainer.evaluation import evaluate_retrieval
 
     def inputs(items: Any) -> np.ndarray:
         return np.hstack([items.old, items.side]) if items.side.shape[1] else items.old
 
     fit, judged = task.train.gallery, task.evaluation
-    positive = np.array([judged.positives.of(q)[0][0] for q in range(len(judged.query))])
     scores = {}
     for ridge in ridges:
         matrix, bias = relative_ridge_map(inputs(fit), fit.new, ridge)
         adapted = inputs(judged.gallery).astype(np.float64) @ matrix + bias
-        scores[ridge] = float(np.mean((unit(judged.query.new) @ unit(adapted).T).argmax(axis=1) == positive))
+        result = evaluate_retrieval(judged.query.new, None, adapted.astype(np.float32), None, positives=judged.positives,
+                                    distance="cosine", topk=(1,))
+        scores[ridge] = float(result.recall[1])
     return scores
+
+
+def choose_ridge(held_out: Path, ridges: Sequence[float]) -> tuple[float, dict[float, float]]:
+    """The ridge with the best :func:`ridge_on_held_out` on the held-out task file, and every score."""
+    from fctkit.trainer.tasks import load_task
+
+    scores = ridge_on_held_out(load_task(held_out), ridges)
+    return max(scores, key=lambda r: scores[r]), scores
 
 
 def choose_side_info(candidates: Mapping[str, Path], out: Path, seed: int = 0, overrides: Mapping[str, Any] | None = None,
                      held_out_fraction: float = 0.25, method: str = CHOSEN_BY) -> dict[str, Any]:
-    """Fit ``method`` on each candidate's held-out task; the candidate with the best held-out
-    primary metric is ``chosen``. Writes ``<out>/side-info-choice.json``."""
-    from fctkit.trainer.pipeline import run_pipeline
-    from fctkit.trainer.pipeline_config import load_pipeline_config
+    """Fit the recommended instance-level method (:func:`example_steps.train_task`: settings fixed
+    unless ``overrides`` say ``selection.enabled``) on each candidate's held-out task; the candidate
+    with the best held-out primary metric of ``method`` is ``chosen``. Writes ``<out>/side-info-choice.json``."""
     from fctkit.trainer.tasks import load_task, save_task
 
     out.mkdir(parents=True, exist_ok=True)
@@ -114,10 +120,7 @@ def choose_side_info(candidates: Mapping[str, Path], out: Path, seed: int = 0, o
     for name, path in candidates.items():
         task = held_out_task(load_task(path), held_out_fraction, seed)
         task_path = save_task(out / f"{name}-held-out.npz", task)
-        settings = {"seed": seed, "data.name": "task", "data.task": str(task_path), "progress": False, "device": "cpu",
-                    "evaluation.distance": "cosine", "backfill.orderings": ["random"], **RECOMMENDED, **(overrides or {})}
-        run_pipeline(load_pipeline_config(None, settings), out / name, log=lambda _: None)
-        gate = json.loads((out / name / "gate.json").read_text())
+        gate = train_task(task_path, out / name, seed, {"backfill.orderings": ["random"], **(overrides or {})})
         held_out[name] = {"metric": gate["metric"], method: gate["cases"][method][gate["metric"]],
                           "new/new": gate["cases"]["new/new"][gate["metric"]], "old/old": gate["cases"]["old/old"][gate["metric"]],
                           "queries": len(task.evaluation.query), "gallery": len(task.evaluation.gallery)}
@@ -143,15 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.reuse and done.is_file():
         result = json.loads(done.read_text())
     else:
-        result = choose_side_info(candidates, args.out, args.seed, {"selection.enabled": False} if args.no_selection else None)
+        result = choose_side_info(candidates, args.out, args.seed, None if args.no_selection else {"selection.enabled": True})
     for name, row in result["held_out"].items():
         print(f"{name}: held-out {row['metric']} {row[CHOSEN_BY]:.4f} (new/new {row['new/new']:.4f}, old/old {row['old/old']:.4f})")
     print(f"chosen: {result['chosen']}")
     if args.ridges:
-        from fctkit.trainer.tasks import load_task
-
-        scores = ridge_on_held_out(load_task(args.out / f"{result['chosen']}-held-out.npz"), args.ridges)
-        best = max(scores, key=lambda r: scores[r])
+        best, scores = choose_ridge(args.out / f"{result['chosen']}-held-out.npz", args.ridges)
         result |= {"ridge_on_held_out": {str(r): v for r, v in scores.items()}, "ridge": best}
         (args.out / "side-info-choice.json").write_text(json.dumps(result, indent=2) + "\n")
         print("least squares on held-out training data, R@1 by ridge: " + ", ".join(f"{r:g} {v:.3f}" for r, v in scores.items())

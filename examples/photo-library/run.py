@@ -17,7 +17,7 @@ Steps (everything under ``--out``):
    (v1-era) photos, as in the FCT paper, and pretrained Lite1, by the recommended adapter's R@1 on
    held-out *training* photos (``benchmarks/photo_side_info.py``); the evaluation photos are never read.
 4. ``run/``: the residual adapter's ridge chosen on the same held-out training photos
-   (``ridge_on_held_out``), then ``fctkit train`` on the chosen ψ's task with the method the README recommends for
+   (``choose_ridge``), then ``fctkit train`` on the chosen ψ's task with the method the README recommends for
    instance-level search: the residual adapter with InfoNCE on the query positives, with the
    hubness offset and transition scoring judged (settings not searched, for speed). v2 carries
    ``residual+query-positives+hubness`` unless only ``…+transition`` holds ECC (or no hubness
@@ -81,13 +81,12 @@ from fctkit.edge_runtime import DeviceSettings
 from fctkit.errors import FctkitError
 from image_onnx_models import TOLERANCE, ExportedImageModel, kit_embedder, lite_network, load_exported, pooled_features_class, torch_reference
 from photo_near_duplicates import NEW, OLD, SIDE_CANDIDATES, PhotoItems, embed_items, photo_split, photo_task
-from photo_side_info import choose_side_info, ridge_on_held_out, train_simclr_side_info
+from photo_side_info import choose_ridge, choose_side_info, train_simclr_side_info
 
 METHODS = ("residual+query-positives+hubness", "residual+query-positives+transition")  # in order of preference
 PLAIN = "residual+query-positives"
 TRAINING = {"transition.enabled": True, "backfill.orderings": ["random"]}
 RIDGES = (1e-3, 1e-2, 0.1, 0.3, 1.0, 3.0)  # the residual adapter's least-squares start; 1e-3 overfits 1,000 pairs at 2,560-d
-FIXED = {"selection.enabled": False}  # as train_task: settings not searched, for speed
 OWN_FILES, OWN_FOLDERS = ("preprocessing.json", "add-profile.txt"), ("photos", "queries", "sample", "tasks", "side-info", "side-choice")
 
 
@@ -352,14 +351,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log(f"photos: {len(evaluation.ids)} library tiles, {len(evaluation.query_ids)} queries, {len(train.ids)} training pairs")
     models = image_models(out, train, args.seed, args.simclr_epochs)
     vectors = {"train": embed_items(models, train, args.threads, log), "eval": embed_items(models, evaluation, args.threads, log)}
-    choice = choose_side_info(side_info_tasks(out, train, evaluation, vectors), out / "side-choice", args.seed, FIXED)
+    choice = choose_side_info(side_info_tasks(out, train, evaluation, vectors), out / "side-choice", args.seed)
     side = choice["chosen"]
     log(f"ψ: {side} chosen on held-out training photos (" + ", ".join(
         f"{n} {r[choice['method']]:.3f}" for n, r in choice["held_out"].items()) + f" {choice['method']} R@1)")
-    from fctkit.trainer.tasks import load_task
-
-    ridges = ridge_on_held_out(load_task(out / "side-choice" / f"{side}-held-out.npz"), RIDGES)
-    ridge = max(ridges, key=lambda r: ridges[r])
+    ridge, ridges = choose_ridge(out / "side-choice" / f"{side}-held-out.npz", RIDGES)
     log(f"residual.ridge = {ridge:g}, chosen on the same held-out training photos (R@1 of its least-squares start: "
         + ", ".join(f"{r:g} {v:.3f}" for r, v in ridges.items()) + ")")
     gate = train_task(out / "tasks" / f"side-{side}.npz", out / "run", args.seed, {**TRAINING, "residual.ridge": ridge})
