@@ -135,6 +135,27 @@ def usable_synsets(synsets: list[LemmaSynset]) -> tuple[list[tuple[LemmaSynset, 
     return kept, dropped
 
 
+def distractor_pool(synsets: list[LemmaSynset], unused: list[tuple[LemmaSynset, str]],
+                    seed: int) -> list[tuple[LemmaSynset, str]]:
+    """Gallery texts for no query: ``unused`` (usable synsets in neither split, in the split's
+    shuffle order), then — shuffled by ``seed`` — the definitions of synsets dropped only because
+    their lemma text repeats an earlier synset's (polysemy: "bank" the slope, after "bank" the
+    institution). Every definition in the pool is unique and unlike any split's."""
+    taken = {text for _, text in unused}
+    kept_keys = {synset.key for synset, _ in unused}
+    usable_texts, _ = usable_synsets(synsets)
+    used_texts = {text for _, text in usable_texts}
+    extra, seen = [], set()
+    for synset in synsets:
+        text = definition(synset.gloss)
+        if (text and '"' not in text and text not in used_texts and text not in seen and synset.key not in kept_keys
+                and synset.query.casefold() != text.casefold()):
+            seen.add(text)
+            extra.append((synset, text))
+    order = np.random.default_rng(seed + 1).permutation(len(extra))
+    return unused + [extra[i] for i in order if extra[i][1] not in taken]
+
+
 # --- embeddings ------------------------------------------------------------------------------
 
 
@@ -236,11 +257,14 @@ def build_task(args: argparse.Namespace) -> tuple[object, dict]:
     order = np.random.default_rng(args.seed).permutation(len(usable))
     rows = {"eval": order[:args.eval_queries], "train": order[args.eval_queries:wanted]}
     print(f"{len(synsets)} synsets, {len(usable)} usable; eval {len(rows['eval'])}, train {len(rows['train'])}", flush=True)
+    pool = distractor_pool(synsets, [usable[i] for i in order[wanted:]], args.seed)[:args.distractors]
     for reason, count in dropped.most_common():
         print(f"  dropped {count}: {reason}", flush=True)
 
-    texts = {(split, "query"): [usable[i][0].query for i in index] for split, index in rows.items()}
+    texts = {(split, "query"): [usable[i][0].query for i in index] for split, index in rows.items() if split != "pool"}
     texts |= {(split, "gallery"): [usable[i][1] for i in index] for split, index in rows.items()}
+    if pool:
+        texts["pool", "gallery"] = [text for _, text in pool]
     models = {"old": ("all-MiniLM-L6-v2", sentence_transformer_encoder(old_model_dir(), args.batch_size)),
               "new": ("all-mpnet-base-v2", sentence_transformer_encoder(new_model_dir(args.out), args.batch_size)),
               "side": ("multilingual-e5-small-q4", e5_passage_encoder())}
@@ -252,8 +276,11 @@ def build_task(args: argparse.Namespace) -> tuple[object, dict]:
                 vectors[role, split, part] = embed_cached(encode, model, f"{split}-{part}", items, args.out)
         timings[f"embed {model} (s)"] = round(time.perf_counter() - started, 1)
 
+    if pool:
+        save_distractors(args, [synset.key for synset, _ in pool],
+                         {role: vectors[role, "pool", "gallery"] for role in ("old", "new", "side")})
     splits = {}
-    for split, index in rows.items():
+    for split, index in ((s, rows[s]) for s in ("eval", "train")):
         ids = np.array([usable[i][0].key for i in index])
         query = TaskSet(ids, vectors["old", split, "query"], vectors["new", split, "query"], np.zeros((len(ids), 0), np.float32))
         gallery = TaskSet(ids, vectors["old", split, "gallery"], vectors["new", split, "gallery"], vectors["side", split, "gallery"])
@@ -266,6 +293,20 @@ def build_task(args: argparse.Namespace) -> tuple[object, dict]:
     return task, facts
 
 
+def distractor_path(args: argparse.Namespace) -> Path:
+    return args.out / f"{TASK_NAME}-seed{args.seed}.distractors.npz"
+
+
+def save_distractors(args: argparse.Namespace, keys: list[str], vectors: dict[str, np.ndarray]) -> None:
+    """Glosses of synsets in neither split (the next ones in the split's shuffle), embedded like
+    the gallery: what ``instance_scaling.py`` adds to the evaluation gallery to grow it."""
+    path = distractor_path(args)
+    scratch = path.with_suffix(".partial.npz")
+    np.savez(scratch, ids=np.array(keys), **vectors)
+    os.replace(scratch, path)
+    print(f"{len(keys)} distractor glosses in {path}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/bench/wordnet-lemma"))
@@ -273,9 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-queries", type=int, default=3000, help="evaluation synsets (queries = gallery items)")
     parser.add_argument("--train-queries", type=int, default=6000, help="training synsets, disjoint from the evaluation ones")
     parser.add_argument("--batch-size", type=int, default=64, help="embedding batch size (MiniLM, mpnet)")
+    parser.add_argument("--distractors", type=int, default=0,
+                        help="also embed this many glosses of synsets in neither split (at most the usable rest) and "
+                             "write them to <out>/wordnet-lemma-gloss-seed<seed>.distractors.npz, for "
+                             "benchmarks/instance_scaling.py (cached and resumable like the task's embeddings)")
     args = parser.parse_args(argv)
-    if args.eval_queries < 1 or args.train_queries < 1 or args.batch_size < 1:
-        parser.error("--eval-queries, --train-queries and --batch-size must be at least 1")
+    if args.eval_queries < 1 or args.train_queries < 1 or args.batch_size < 1 or args.distractors < 0:
+        parser.error("--eval-queries, --train-queries and --batch-size must be at least 1, --distractors at least 0")
     size = "" if args.train_queries == 6000 else f"-train{args.train_queries}"  # the default keeps its old name
     return build_and_save(lambda: build_task(args), args.out / f"{TASK_NAME}-seed{args.seed}{size}.npz")
 

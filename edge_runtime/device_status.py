@@ -41,7 +41,7 @@ def device_status(root: Path, settings: DeviceSettings, parts: DeviceParts, sear
     if version:
         engine = parts.engine()
         result.update(mode=engine.manifest.mode, distance=engine.manifest.distance, provider=engine.provider,
-                      scoring=scoring_of(engine.manifest, search.transition).kind)
+                      scoring=scoring_of(engine.manifest, search.transition).name)
         searchable = search.searchable()[2]
         damaged, missing = len(searchable.corrupt), searchable.missing
         if damaged or missing:

@@ -16,6 +16,12 @@ Each scoring becomes one exact inner-product search over prepared vectors (unit 
 
       row = [ĝ, −β·r(g)]    query = [q̂, 1]    q·row = cos(q, g) − β·r(g)
 
+- **transition over a hubness offset** (a bundle that declares both; ``β > 0`` in a transition
+  :class:`Scoring`): the transition vectors with the offset as a last column, ``−(1−w)·β·r(g)``
+  (``−β·r(g)`` for a row without a previous embedding) against a query's ``1``, so
+  ``q·row = w·cos(q_prev, g_prev) + (1−w)·(cos(q, g) − β·r(g))``. When the transition ends,
+  the bundle's hubness scoring goes on alone.
+
 A match's distance is ``1 − score``.
 """
 
@@ -68,12 +74,18 @@ class TransitionState:
 
 @dataclass(frozen=True)
 class Scoring:
-    """``kind``: "plain" (the bundle's distance), "transition" or "hubness"."""
+    """``kind``: "plain" (the bundle's distance), "transition" or "hubness"; ``beta`` > 0 with
+    "transition": the bundle's hubness offset inside the transition's adapted score."""
 
     kind: str = "plain"
     weight: float = 0.0
     beta: float = 0.0
     previous_version: int = 0
+
+    @property
+    def name(self) -> str:
+        """What a device's status calls it: the kind, ``transition+hubness`` for both."""
+        return f"{self.kind}+hubness" if self.kind == "transition" and self.beta > 0 else self.kind
 
 
 def aligned(row_ids: np.ndarray, extras: LoadedRows, width: int, tags: list | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -106,16 +118,21 @@ def prepared_rows(scoring: Scoring, rows: np.ndarray, previous: np.ndarray | Non
     w = scoring.weight
     previous_part = np.sqrt(w) * normalise(previous) * has_previous[:, None]
     current_part = rows * np.where(has_previous, np.sqrt(1.0 - w), 1.0 / np.sqrt(1.0 - w))[:, None]
-    return np.hstack([previous_part, current_part]).astype(np.float32)
+    parts = [previous_part, current_part]
+    if scoring.beta > 0:
+        offset_part = -scoring.beta * np.asarray(offsets, np.float32) * np.where(has_previous, 1.0 - w, 1.0)
+        parts.append(offset_part.reshape(-1, 1))
+    return np.hstack(parts).astype(np.float32)
 
 
 def prepared_queries(scoring: Scoring, queries: np.ndarray, previous_queries: np.ndarray | None = None) -> np.ndarray:
     """The query vectors that go with :func:`prepared_rows`."""
     queries = normalise(np.asarray(queries, dtype=np.float32))
+    ones = [np.ones((len(queries), 1), np.float32)] if scoring.beta > 0 else []
     if scoring.kind == "hubness":
-        return np.hstack([queries, np.ones((len(queries), 1), np.float32)])
+        return np.hstack([queries, *ones])
     w = scoring.weight
-    return np.hstack([np.sqrt(w) * normalise(previous_queries), np.sqrt(1.0 - w) * queries]).astype(np.float32)
+    return np.hstack([np.sqrt(w) * normalise(previous_queries), np.sqrt(1.0 - w) * queries, *ones]).astype(np.float32)
 
 
 # -- what the device keeps for them ---------------------------------------------------------
@@ -135,7 +152,8 @@ def transition_for(target: Manifest, previous: Manifest | None, leaving_version:
 def scoring_of(manifest: Manifest, transition: TransitionState | None) -> Scoring:
     """How queries to ``manifest``'s version are scored now."""
     if transition is not None and transition.version == manifest.version and not transition.expired():
-        return Scoring("transition", weight=transition.weight, previous_version=transition.previous_version)
+        beta = manifest.hubness.beta if manifest.hubness is not None else 0.0
+        return Scoring("transition", weight=transition.weight, beta=beta, previous_version=transition.previous_version)
     if manifest.hubness is not None:
         return Scoring("hubness", beta=manifest.hubness.beta)
     return Scoring()
@@ -163,11 +181,16 @@ def searched_rows(gallery: Gallery, rows: LoadedRows, scoring: Scoring, engine: 
     previous embeddings or stored offsets read from the gallery; an offset that is missing or
     fails to open is computed again here (not stored)."""
     embeddings = take_rows(rows.embeddings, range(len(rows)))
+    offsets = _row_offsets(gallery, rows, engine, embeddings) if scoring.beta > 0 else None
     if scoring.kind == "transition":
         previous, has_previous = aligned(rows.row_ids, gallery.extras.load("previous_embedding"), previous_dim)
-        return prepared_rows(scoring, embeddings, previous, has_previous)
+        return prepared_rows(scoring, embeddings, previous, has_previous, offsets)
+    return prepared_rows(scoring, embeddings, offsets=offsets)
+
+
+def _row_offsets(gallery: Gallery, rows: LoadedRows, engine: Engine, embeddings: np.ndarray) -> np.ndarray:
     stored, has_offset = aligned(rows.row_ids, gallery.extras.load("hubness_offset"), 1, tags=rows.tags)
     offsets = stored[:, 0]
     if not has_offset.all():
         offsets[~has_offset] = hubness_offsets(engine, embeddings[~has_offset])
-    return prepared_rows(scoring, embeddings, offsets=offsets)
+    return offsets

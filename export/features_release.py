@@ -10,7 +10,7 @@ v2          ``embed`` = the new model's graph, the same ``side_info`` graph, ``f
             variant's adapter (``+query-positives``: the adapter trained on the task's query
             positives); ``+query-map``: the ``query_map`` role; ``+transition``: the
             transition declaration (weight from the run); ``+hubness``: the ``hubness`` graph
-            (the run's reference queries) and its β
+            (the run's reference queries) and its β; ``+hubness+transition``: both
 ==========  ==================================================================================
 
 The variant is a key of the run's gate (``residual``, ``residual+query-map+transition``, …),
@@ -76,7 +76,7 @@ class Variant:
     key: str
     method: str
     joint: str | None  # "query-map" or "query-positives": trained further on the task's query positives
-    scoring: str | None
+    scoring: tuple[str, ...]  # of SCORING_PARTS, as the key names them: () plain, ("hubness", "transition") both
 
     @classmethod
     def parse(cls, key: str, trained: dict) -> Variant:
@@ -86,12 +86,19 @@ class Variant:
         unknown = [p for p in parts if p not in (*JOINT_FITS, *SCORING_PARTS)]
         if unknown:
             raise InputError(f"variant {key!r}: unknown part(s) {unknown}")
-        scoring = [p for p in parts if p in SCORING_PARTS]
-        return cls(key, method, joint_fit_of(key), scoring[0] if scoring else None)
+        return cls(key, method, joint_fit_of(key), tuple(p for p in parts if p in SCORING_PARTS))
 
     @property
     def query_map(self) -> bool:
         return self.joint == "query-map"
+
+    @property
+    def transition(self) -> bool:
+        return "transition" in self.scoring
+
+    @property
+    def hubness(self) -> bool:
+        return "hubness" in self.scoring
 
     @property
     def adapter_file(self) -> str:
@@ -105,24 +112,26 @@ class Variant:
     def case(self) -> str:
         """The name of the variant's case in the manifest's gate."""
         searched = "Q(new)/h(old)" if self.query_map else "new/h(old)"
-        return {None: searched, "transition": f"w·old/old + (1−w)·{searched}", "hubness": f"{searched} − β·r"}[self.scoring]
+        searched = f"({searched} − β·r)" if self.hubness and self.transition else f"{searched} − β·r" if self.hubness else searched
+        return f"w·old/old + (1−w)·{searched}" if self.transition else searched
 
 
 def declarations(variant: Variant, gate: dict, previous_version: int, transition_days: float) -> dict[str, Any]:
-    """The variant's transition or hubness declaration for the new version's manifest."""
-    if variant.scoring == "transition":
+    """The variant's transition and hubness declarations for the new version's manifest."""
+    declared: dict[str, Any] = {}
+    if variant.transition:
         weight = gate["transition_weight"][variant.key]
         if not 0.0 < weight < 1.0:
             raise InputError(f"the run chose transition weight {weight} for {variant.key!r} on held-out training data "
                              "(fusing with the old space did not help): export the variant without +transition")
-        return {"transition": TransitionPolicy(previous_version, float(weight), float(transition_days))}
-    if variant.scoring == "hubness":
+        declared["transition"] = TransitionPolicy(previous_version, float(weight), float(transition_days))
+    if variant.hubness:
         beta = gate["hubness_beta"][variant.key]
         if beta <= 0:
             raise InputError(f"the run chose hubness β = {beta} for {variant.key!r} on held-out training data (no offset "
                              "helped): export the variant without +hubness")
-        return {"hubness": HubnessPolicy(float(beta))}
-    return {}
+        declared["hubness"] = HubnessPolicy(float(beta))
+    return declared
 
 
 def check_user_graphs(graphs: UserGraphs, features: dict[str, np.ndarray]) -> dict[str, RoleExport]:

@@ -112,10 +112,10 @@ def _variant(run: TrainedRun, method: str, graph: Path) -> Any:
 
     forward.transform = transform  # an instance attribute: this loaded copy only
     base = WithQueryMap(forward, run.load(variant.query_map_file)) if variant.query_map else forward
-    if variant.scoring == "hubness":
+    if variant.hubness:
         reference = np.load(run.root / "adapters" / f"{method}.reference.npy", allow_pickle=False)
-        return Hubness(base, float(run.gate["hubness_beta"][method]), reference, int(run.gate["hubness_k"]))
-    if variant.scoring == "transition":
+        base = Hubness(base, float(run.gate["hubness_beta"][method]), reference, int(run.gate["hubness_k"]))
+    if variant.transition:
         return Transition(base, float(run.gate["transition_weight"][method]))
     return base
 

@@ -128,7 +128,7 @@ def _features_plan(run: TrainedRun, key: str, v1: int, transition_days: float) -
         transforms.append(RolePlan("backward", variant.adapter_file, ("new",), v2, v1))
     if variant.query_map:
         transforms.append(RolePlan("query_map", variant.query_map_file, ("new",)))
-    if variant.scoring == "hubness":
+    if variant.hubness:
         transforms.append(RolePlan("hubness", f"adapters/{key}.reference.npy", ()))  # the graph holds these queries
     cases = gate["cases"]
     gated = {p.name: gate["ecc"][key] is True for p in transforms if p.role in GATED_ROLES}

@@ -9,8 +9,9 @@
   where ``r`` is what the bundle's ``hubness`` graph computes from the row (the mean of its
   k largest cosines to reference queries shipped as constants in that graph).
 
-Both belong to forward-mode, cosine bundles; a bundle declares at most one of them, since
-the trainer chooses each against plain search and their combination is not evaluated.
+Both belong to forward-mode, cosine bundles. A bundle may declare both: during the transition
+a device ranks by ``weight · cos(previous) + (1 − weight) · (cos(query, adapted row) − beta · r)``,
+and by ``cos − beta · r`` once it ends (the trainer chose the weight with the offset in place).
 """
 
 from __future__ import annotations
@@ -76,11 +77,8 @@ def check_search_policies(manifest: Any) -> None:
     m = manifest
     hubness_graphs = [a for a in m.artifacts if a.role == "hubness"]
     declared = [name for name in ("transition", "hubness") if getattr(m, name) is not None]
-    if len(declared) == 2:
-        raise BundleFormatError(f"bundle v{m.version}: declares both transition scoring and a hubness offset; "
-                                "their combination is not evaluated by the trainer: declare one")
     if declared and (m.mode != "forward" or m.distance != "cosine"):
-        raise BundleFormatError(f"bundle v{m.version}: {declared[0]} scoring belongs to a forward-mode cosine bundle, "
+        raise BundleFormatError(f"bundle v{m.version}: {' and '.join(declared)} scoring belongs to a forward-mode cosine bundle, "
                                 f"not mode {m.mode!r} with distance {m.distance!r}")
     if m.transition is not None:
         sources = {a.source_version for a in m.artifacts if a.role == "forward"}

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from fctkit.backfill_order import backfill_order
 from fctkit.config import to_mapping
@@ -50,13 +51,14 @@ from .pipeline_config import PipelineConfig
 from .report import Report
 from .retrieval_result import RetrievalResult, metric_label, metric_value
 from .run_data import load_image_splits, load_run_task, npz_features
-from .run_outputs import quiet_progress, write_json
+from .run_outputs import StageClock, quiet_progress, write_json
 from .searches import (EvalSet, Evaluator, Features, Hubness, Transition, WithQueryMap, adapted_retrieval, forward_transform,
-                       fused_retrieval, gate_metrics, hubness_retrieval, offset_galleries, searched_as, task_features)
+                       gate_metrics, offset_galleries, scored_retrieval, searched_as, task_features)
 from .selection import holdout_split, knobs_for
 from .side_info import extract_side_info, save_side_info, train_side_info
 from .tasks import RetrievalTask
-from .tuning import choose_hubness, choose_transition, fit_on_fit_part, fit_on_holdout, fit_on_positives, select_settings
+from .tuning import (HeldOutFit, choose_hubness, choose_transition, fit_on_fit_part, fit_on_holdout, fit_on_positives,
+                     select_settings)
 
 
 # --- stage 1: features -------------------------------------------------------------------
@@ -92,9 +94,11 @@ def image_features(config: PipelineConfig, out: Path, log: Callable[[str], None]
 
 
 def fit_adapters(config: PipelineConfig, train: Features, log: Callable[[str], None],
-                 task: RetrievalTask | None = None, report: Report | None = None) -> dict[str, Adapter]:
+                 task: RetrievalTask | None = None, report: Report | None = None,
+                 clock: StageClock | None = None) -> dict[str, Adapter]:
     """Every enabled method, fitted on the training split (all classes, like FCT); on a task,
     with the settings chosen on held-out training data (recorded as report facts)."""
+    clock = clock or StageClock(log)
     fitted: dict[str, Adapter] = {}
     level = task.level if task is not None else "class"
     scoring = config.transition.enabled or config.hubness.enabled
@@ -106,26 +110,37 @@ def fit_adapters(config: PipelineConfig, train: Features, log: Callable[[str], N
         knobs = knobs_for(method, section, config.selection)
         fit_part_adapter = None  # the method fitted on the holdout's fit part, once
         if task is not None and config.selection.enabled and knobs:
-            log(f"choosing settings of {METHOD_LABELS[method]} on held-out training data ({task.primary_metric})")
-            section, fit_part_adapter = select_settings(config, method, section, knobs, task, holdout, report)
-        log(f"fitting {METHOD_LABELS[method]}")
-        fitted[method] = fit_method(method, section, train)
+            with clock.stage(f"choosing settings of {METHOD_LABELS[method]} on held-out training data ({task.primary_metric})"):
+                section, fit_part_adapter = select_settings(config, method, section, knobs, task, holdout, report)
+        with clock.stage(f"fitting {METHOD_LABELS[method]}"):
+            fitted[method] = fit_method(method, section, train)
         for joint, joint_config in (("query-map", config.query_map), ("query-positives", config.query_positives)):
             if task is not None and joint_config.enabled and method in QUERY_MAP_METHODS:
-                log(f"fitting {method_label(f'{method}+{joint}')} on the task's query positives")
-                fitted[f"{method}+{joint}"] = fit_on_positives(config, copy.deepcopy(fitted[method]), task.train, joint)
+                with clock.stage(f"fitting {method_label(f'{method}+{joint}')} on the task's query positives"):
+                    fitted[f"{method}+{joint}"] = fit_on_positives(config, copy.deepcopy(fitted[method]), task.train, joint)
         if task is None or not scoring:
             continue
-        if fit_part_adapter is None:
-            fit_part_adapter = fit_on_fit_part(method, section, holdout)
-        for variant in [v for v in (method, *(f"{method}+{joint}" for joint in JOINT_FITS)) if v in fitted]:
-            log(f"choosing the transition weight / hubness offset of {method_label(variant)} on held-out training data")
-            refit = fit_on_holdout(config, fit_part_adapter, holdout, variant)
-            if config.transition.enabled:
-                fitted[f"{variant}+transition"] = choose_transition(config, task, variant, fitted[variant], refit, report)
-            if config.hubness.enabled:
-                fitted[f"{variant}+hubness"] = choose_hubness(config, task, variant, fitted[variant], refit, report)
+        with clock.stage(f"choosing the transition weight / hubness offset of {METHOD_LABELS[method]} on held-out training data"):
+            if fit_part_adapter is None:
+                fit_part_adapter = fit_on_fit_part(method, section, holdout)
+            for variant in [v for v in (method, *(f"{method}+{joint}" for joint in JOINT_FITS)) if v in fitted]:
+                fitted |= scoring_variants(config, task, variant, fitted[variant],
+                                           fit_on_holdout(config, fit_part_adapter, holdout, variant), report)
     return fitted
+
+
+def scoring_variants(config: PipelineConfig, task: RetrievalTask, variant: str, adapter: Adapter,
+                     refit: HeldOutFit, report: Report | None) -> dict[str, Adapter]:
+    """``variant`` with transition scoring, with the hubness offset, and with both (the weight
+    chosen again with the offset in the adapted score), as the config enables them."""
+    scored: dict[str, Any] = {}
+    if config.transition.enabled:
+        scored[f"{variant}+transition"] = choose_transition(config, task, variant, adapter, refit, report)
+    if config.hubness.enabled:
+        hub = scored[f"{variant}+hubness"] = choose_hubness(config, task, variant, adapter, refit, report)
+        if config.transition.enabled:
+            scored[f"{variant}+hubness+transition"] = choose_transition(config, task, f"{variant}+hubness", hub, refit, report)
+    return scored
 
 
 # --- stage 3: evaluation -----------------------------------------------------------------
@@ -145,18 +160,20 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
     gate: dict[str, Any] = {"cases": {}, "ecc": {}, "metric": metric}
     baseline, ceiling = metric_value(old_old, metric), metric_value(new_new, metric)
 
-    for method, adapter in adapters.items():
+    for method, adapter in tqdm(adapters.items(), desc="evaluating", unit="method", disable=not config.progress, leave=False):
         label = method_label(method)
-        if isinstance(adapter, Hubness):
-            adapted = Evaluator(dataclasses.replace(config.evaluation, distance="l2"), data)(*hubness_retrieval(adapter, data))
-            report.add_case(f"{searched_as(adapter.base)} − β·r [{label}]", adapted, method=method, beta=adapter.beta)
-            gate.setdefault("hubness_beta", {})[method] = adapter.beta
-            gate["hubness_k"] = adapter.k
-        elif isinstance(adapter, Transition):
-            adapted = evaluate(*fused_retrieval(adapter.base, data, adapter.weight))
-            report.add_case(f"w·cos(old, old) + (1−w)·{searched_as(adapter.base)} [{label}]", adapted, method=method,
-                            weight=adapter.weight)
-            gate.setdefault("transition_weight", {})[method] = adapter.weight
+        if isinstance(adapter, (Hubness, Transition)):
+            adapted = evaluate(*scored_retrieval(adapter, data))
+            hub = adapter if isinstance(adapter, Hubness) else adapter.base if isinstance(adapter.base, Hubness) else None
+            if hub is not None:
+                gate.setdefault("hubness_beta", {})[method] = hub.beta
+                gate["hubness_k"] = hub.k
+            if isinstance(adapter, Transition):
+                gate.setdefault("transition_weight", {})[method] = adapter.weight
+                report.add_case(f"w·cos(old, old) + (1−w)·{searched_as(adapter.base)} [{label}]", adapted, method=method,
+                                weight=adapter.weight, **({"beta": hub.beta} if hub is not None else {}))
+            else:
+                report.add_case(f"{searched_as(adapter.base)} − β·r [{label}]", adapted, method=method, beta=adapter.beta)
         elif isinstance(adapter, WithQueryMap):
             queries_mapped, adapted_gallery = adapted_retrieval(adapter, data)
             adapted = evaluate(queries_mapped, adapted_gallery)
@@ -258,6 +275,8 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
     start = time.perf_counter()
     out = Path(out)
     task = load_run_task(config)  # a bad task file fails here, before anything is written
+    config = config.for_task(task.level if task is not None else None)
+    clock = StageClock(log)
     (out / "adapters").mkdir(parents=True, exist_ok=True)
     (out / "features").mkdir(exist_ok=True)
     quiet_progress(config)
@@ -271,21 +290,25 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
         train, evaluation = npz_features(config)
         data = EvalSet.labelled(evaluation)
     else:
-        train, evaluation = image_features(config, out, log)
+        with clock.stage("features: backbones and side-info model"):
+            train, evaluation = image_features(config, out, log)
         data = EvalSet.labelled(evaluation)
-    adapters = fit_adapters(config, train, log, task, report)
+    adapters = fit_adapters(config, train, log, task, report, clock)
     for method, adapter in adapters.items():
-        if isinstance(adapter, Hubness):  # β goes to gate.json; the reference queries are what a bundle's hubness graph holds
-            np.save(out / "adapters" / f"{method}.reference.npy", adapter.reference.astype(np.float32))
+        hub = adapter.base if isinstance(adapter, Transition) else adapter
+        if isinstance(hub, Hubness):  # β goes to gate.json; the reference queries are what a bundle's hubness graph holds
+            np.save(out / "adapters" / f"{method}.reference.npy", hub.reference.astype(np.float32))
         elif not isinstance(adapter, Transition):  # its weight is in gate.json; its adapter is saved under its own name
             adapter.save(out / "adapters" / f"{method}.pt")
 
-    log("evaluating")
-    gate = evaluate_methods(config, data, adapters, report, task.primary_metric if task is not None else "top1")
-    gate["backfill_area"] = evaluate_backfill(config, data, adapters, report, gate["metric"])
+    with clock.stage("evaluating"):
+        gate = evaluate_methods(config, data, adapters, report, task.primary_metric if task is not None else "top1")
+    with clock.stage("backfill curves"):
+        gate["backfill_area"] = evaluate_backfill(config, data, adapters, report, gate["metric"])
     if config.chain.enabled:
-        log(f"chain over classes {config.chain.classes}")
-        gate["chain"] = run_chain(config, out, report, log)
+        with clock.stage(f"chain over classes {config.chain.classes}"):
+            gate["chain"] = run_chain(config, out, report, log)
+    clock.report_to(report)
 
     gallery = data.gallery
     labels = {} if gallery.labels is None else {"labels": gallery.labels}

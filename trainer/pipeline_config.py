@@ -39,7 +39,7 @@ class TransitionConfig:
     """Transition scoring: while a device still holds the old model and its rows' old vectors,
     it may rank by ``w·cos_old + (1 − w)·cos_adapted``; ``w`` is chosen on held-out training data."""
 
-    enabled: bool = False
+    enabled: bool | None = None  # None: on for an instance-level task searched by cosine (see PipelineConfig.for_task)
     weights: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
     def __post_init__(self) -> None:
@@ -52,7 +52,7 @@ class HubnessConfig:
     """A per-item hubness offset r(g) (CSLS-style, :mod:`.hubness`): rank by cos − β·r, with r
     from the task's training queries and β chosen on held-out training data."""
 
-    enabled: bool = False
+    enabled: bool | None = None  # None: on for an instance-level task searched by cosine (see PipelineConfig.for_task)
     k: int = 10
     betas: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 1.5, 2.0)
 
@@ -98,6 +98,19 @@ class PipelineConfig:
                 raise ConfigError(f"{joint.section} needs a retrieval task (data.name = 'task'): it learns from the task's positives")
         if self.chain.enabled and self.data.name in ("features", "task"):
             raise ConfigError("chain needs image data (it trains v1/v2/v3 backbones); disable chain for features and tasks")
+
+
+    def for_task(self, level: str | None) -> PipelineConfig:
+        """This config with the options left unset (``None``) decided for the run's data: for an
+        instance-level task, training on query positives, and — when it is searched by cosine —
+        the hubness offset and transition scoring are on (what the README recommends there; they
+        cost evaluations, not fits); for anything else they are off."""
+        instance = level == "instance"
+        scored = instance and self.evaluation.distance == "cosine"
+        decided = {"query_positives": instance, "hubness": scored, "transition": scored}
+        changes = {name: dataclasses.replace(getattr(self, name), enabled=on)
+                   for name, on in decided.items() if getattr(self, name).enabled is None}
+        return dataclasses.replace(self, **changes) if changes else self
 
 
 def load_pipeline_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:

@@ -43,7 +43,9 @@ class QueryPositivesConfig:
     """Training a forward adapter further on the task's (query, positive) pairs, with the
     new model's queries as they are: a gallery-side adapter that has seen the task's queries."""
 
-    enabled: bool = False  # `fctkit train`: also fit each forward method's adapter on the task's query positives
+    # `fctkit train`: also fit each forward method's adapter on the task's query positives
+    # (None: on for an instance-level task, see PipelineConfig.for_task)
+    enabled: bool | None = None
     task_weight: float = 1.0  # w: the query terms against h's own compatibility term
     temperature: float = 0.05
     train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(epochs=30, lr=1e-3, weight_decay=1e-4,
@@ -64,7 +66,7 @@ class QueryPositivesConfig:
 class QueryMapConfig(QueryPositivesConfig):
     """The same training with a query map Q learned jointly on the new model's queries."""
 
-    enabled: bool = False  # `fctkit train`: also fit each forward method's adapter jointly with a query map
+    enabled: bool | None = False  # `fctkit train`: also fit each forward method's adapter jointly with a query map
     width: int = 256
 
     @property

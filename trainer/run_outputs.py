@@ -1,9 +1,12 @@
 """What a training run (`fctkit train`, `fctkit train-compatible`) writes and shows besides its
-report: its JSON files, and no progress bars when the run is quiet."""
+report: its JSON files, how long each stage took, and no progress bars when the run is quiet."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,4 +34,27 @@ def quiet_progress(config: RunConfig) -> None:
             section.train.progress = False
 
 
-__all__ = ["quiet_progress", "write_json"]
+class StageClock:
+    """Wall-clock seconds per stage of a run, logged as each starts and kept for its report."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.log = log
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        self.log(name)
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+
+    def report_to(self, report: Any) -> None:
+        """One report fact per stage, ``time: <stage>`` = seconds, and the total."""
+        for name, seconds in self.seconds.items():
+            report.add_fact(f"time: {name}", f"{seconds:.1f} s")
+        report.add_fact("time: all stages above", f"{sum(self.seconds.values()):.1f} s")
+
+
+__all__ = ["StageClock", "quiet_progress", "write_json"]

@@ -2,9 +2,8 @@
 numpy out; the adapters run through their own ``transform``).
 
 An :class:`EvalSet` holds the queries, the gallery and their relevance. From an adapter (plain,
-:class:`WithQueryMap`, :class:`Transition` or :class:`Hubness`) :func:`adapted_retrieval`,
-:func:`fused_retrieval` and :func:`hubness_retrieval` give the (queries, rows) pair whose
-ranking is what the device would return; :class:`Evaluator` ranks them with the run's settings.
+:class:`WithQueryMap`, :class:`Transition` or :class:`Hubness`) :func:`scored_retrieval` gives the (queries, rows, distance) whose ranking is what the device
+would return; :class:`Evaluator` ranks them with the run's settings.
 """
 
 from __future__ import annotations
@@ -85,7 +84,7 @@ class WithQueryMap:
 class Transition:
     """Transition scoring with ``base``: rank by ``weight·cos_old + (1 − weight)·cos_adapted``."""
 
-    base: Adapter | WithQueryMap
+    base: Adapter | WithQueryMap | Hubness  # a Hubness base: its offset is part of the adapted score
     weight: float
 
 
@@ -126,17 +125,35 @@ def fused_retrieval(adapter: Adapter | WithQueryMap, data: EvalSet, weight: floa
     """(queries, gallery) whose cosine is ``w·cos(q_old, g_old) + (1 − w)·cos(q_adapted, g_adapted)``:
     each side is the concatenation of its two unit vectors scaled by √w and √(1 − w)."""
     query, gallery = adapted_retrieval(adapter, data)
+    return _fused(data.queries.old, query, weight), _fused(data.gallery.old, gallery, weight)
 
-    def joined(old: np.ndarray, adapted: np.ndarray) -> np.ndarray:
-        return np.hstack([np.sqrt(weight) * _unit(old), np.sqrt(1.0 - weight) * _unit(adapted)])
 
-    return joined(data.queries.old, query), joined(data.gallery.old, gallery)
+def _fused(old: np.ndarray, adapted: np.ndarray, weight: float) -> np.ndarray:
+    return np.hstack([np.sqrt(weight) * _unit(old), np.sqrt(1.0 - weight) * _unit(adapted)])
 
 
 def hubness_retrieval(hub: Hubness, data: EvalSet) -> tuple[np.ndarray, np.ndarray]:
     """(queries, rows) whose L2 ranking is cos − β·r (see :func:`.hubness.offset_vectors`)."""
     query, gallery = adapted_retrieval(hub.base, data)
     return offset_vectors(query, gallery, hubness_offsets(gallery, hub.reference, hub.k), hub.beta)
+
+
+def scored_retrieval(adapter: Adapter | WithQueryMap | Transition | Hubness,
+                     data: EvalSet) -> tuple[np.ndarray, np.ndarray, Distance | None]:
+    """(queries, rows, distance) whose ranking is what a device running ``adapter`` returns;
+    distance ``None``: the run's own. Transition over a hubness base ranks by
+    ``w·cos_old + (1 − w)·(cos_adapted − β·r)`` — and by ``cos_adapted − β·r`` once it ends."""
+    if isinstance(adapter, Hubness):
+        return (*hubness_retrieval(adapter, data), "l2")
+    if not isinstance(adapter, Transition):
+        return (*adapted_retrieval(adapter, data), None)
+    if not isinstance(adapter.base, Hubness):
+        return (*fused_retrieval(adapter.base, data, adapter.weight), "cosine")
+    hub, weight = adapter.base, adapter.weight
+    query, gallery = adapted_retrieval(hub.base, data)
+    fused_query, fused_gallery = _fused(data.queries.old, query, weight), _fused(data.gallery.old, gallery, weight)
+    offsets = hubness_offsets(gallery, hub.reference, hub.k)
+    return (*offset_vectors(fused_query, fused_gallery, offsets, (1.0 - weight) * hub.beta), "l2")
 
 
 def offset_galleries(hub: Hubness, queries: np.ndarray, adapted: np.ndarray,
@@ -152,7 +169,9 @@ def _unit(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
-def searched_as(adapter: Adapter | WithQueryMap) -> str:
+def searched_as(adapter: Adapter | WithQueryMap | Hubness) -> str:
+    if isinstance(adapter, Hubness):
+        return f"({searched_as(adapter.base)} − β·r)"
     return "cos(Q(new), h(old))" if isinstance(adapter, WithQueryMap) else "cos(new, h(old))"
 
 
@@ -163,10 +182,11 @@ class Evaluator:
     config: EvaluationConfig
     data: EvalSet
 
-    def __call__(self, query: np.ndarray, gallery: np.ndarray) -> RetrievalResult:
+    def __call__(self, query: np.ndarray, gallery: np.ndarray, distance: Distance | None = None) -> RetrievalResult:
+        """Rank ``gallery`` for each ``query`` by ``distance`` (default: the run's)."""
         n = min(query.shape[1], gallery.shape[1])  # differing dims: compare the first n (λ-orth truncation)
         return evaluate_retrieval(
-            query[:, :n], gallery=gallery[:, :n], **self.data.relevance, distance=self.config.distance,
+            query[:, :n], gallery=gallery[:, :n], **self.data.relevance, distance=distance or self.config.distance,
             topk=self.config.topk, leave_one_out=self.data.leave_one_out, chunk_size=self.config.chunk_size,
         )
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from fctkit.errors import ConfigError, InputError
 
@@ -87,19 +88,27 @@ class Selection:
     outcome: Any = None  # what ``score`` made for the best config (e.g. the adapter it fitted)
 
 
-def coordinate_search(config: Any, knobs: Sequence[Knob], score: Callable[[Any], tuple[float, Any]]) -> Selection:
+def coordinate_search(config: Any, knobs: Sequence[Knob], score: Callable[[Any], tuple[float, Any]],
+                      progress: bool = False, description: str = "settings") -> Selection:
     """Best config found by trying each knob's values in turn (see the module docstring).
-    ``score(config)`` returns the score and what it made to get it; the best one's is kept."""
+    ``score(config)`` returns the score and what it made to get it; the best one's is kept.
+    ``progress``: a bar over the fits (at most one per value, fewer when a value is the current one)."""
+    bar = tqdm(total=1 + sum(len(k.values) for k in knobs), desc=description, unit="fit", disable=not progress, leave=False)
     best, (best_score, best_outcome), tried = config, score(config), 1
+    bar.update()
     for knob in knobs:
         for value in knob.values:
             if value == value_at(best, knob.path):
+                bar.update()
                 continue
             candidate = with_value(best, knob.path, value)
             candidate_score, outcome = score(candidate)
             tried += 1
+            bar.update()
+            bar.set_postfix(best=f"{max(best_score, candidate_score):.4f}")
             if candidate_score > best_score:
                 best, best_score, best_outcome = candidate, candidate_score, outcome
+    bar.close()
     return Selection(best, best_score, tried, {k.path: value_at(best, k.path) for k in knobs}, best_outcome)
 
 

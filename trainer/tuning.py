@@ -21,7 +21,7 @@ from .query_map import fit_jointly
 from .report import Report
 from .retrieval_result import metric_value
 from .searches import (EvalSet, Evaluator, Hubness, Transition, WithQueryMap, adapted_retrieval, device_queries,
-                       fused_retrieval, hubness_retrieval, task_features)
+                       scored_retrieval, task_features)
 from .selection import Holdout, coordinate_search
 from .tasks import RetrievalTask, TaskSplit
 
@@ -38,7 +38,7 @@ def select_settings(config: PipelineConfig, method: str, section: Any, knobs: li
         query, gallery = adapted_retrieval(adapter, judge)
         return metric_value(evaluate(query, gallery), task.primary_metric), adapter
 
-    chosen = coordinate_search(section, knobs, score)
+    chosen = coordinate_search(section, knobs, score, progress=config.progress, description=f"selecting {method_label(method)}")
     if report is not None:
         settings = ", ".join(f"{path} = {value}" for path, value in chosen.chosen.items())
         report.add_fact(f"selected [{method_label(method)}]",
@@ -86,12 +86,16 @@ def fit_on_positives(config: PipelineConfig, adapter: Adapter, train: TaskSplit,
     return adapter if query_map is None else WithQueryMap(adapter, query_map)
 
 
-def choose_transition(config: PipelineConfig, task: RetrievalTask, variant: str, final: Adapter | WithQueryMap,
+def choose_transition(config: PipelineConfig, task: RetrievalTask, variant: str, final: Adapter | WithQueryMap | Hubness,
                       refit: HeldOutFit, report: Report | None) -> Transition:
-    """The weight with the best primary metric on held-out training data."""
+    """The weight with the best primary metric on held-out training data. With a
+    :class:`Hubness` ``final``, its β is kept and its offset is part of the adapted score."""
     judge = EvalSet.of_task(refit.holdout.held_out)
     evaluate = Evaluator(config.evaluation, judge)
-    scores = {w: metric_value(evaluate(*fused_retrieval(refit.adapter, judge, w)), task.primary_metric)
+    base = refit.adapter
+    if isinstance(final, Hubness):
+        base = Hubness(refit.adapter, final.beta, device_queries(refit.adapter, refit.holdout.fit.query.new), final.k)
+    scores = {w: metric_value(evaluate(*scored_retrieval(Transition(base, w), judge)), task.primary_metric)
               for w in config.transition.weights}
     weight = max(config.transition.weights, key=lambda w: (scores[w], -w))
     if report is not None:
@@ -105,9 +109,9 @@ def choose_hubness(config: PipelineConfig, task: RetrievalTask, variant: str, fi
                    refit: HeldOutFit, report: Report | None) -> Hubness:
     """β with the best primary metric on held-out training data (offsets from the fit part's queries)."""
     judge = EvalSet.of_task(refit.holdout.held_out)
-    evaluate = Evaluator(dataclasses.replace(config.evaluation, distance="l2"), judge)
+    evaluate = Evaluator(config.evaluation, judge)
     reference = device_queries(refit.adapter, refit.holdout.fit.query.new)
-    scores = {beta: metric_value(evaluate(*hubness_retrieval(Hubness(refit.adapter, beta, reference, config.hubness.k), judge)),
+    scores = {beta: metric_value(evaluate(*scored_retrieval(Hubness(refit.adapter, beta, reference, config.hubness.k), judge)),
                                  task.primary_metric) for beta in config.hubness.betas}
     beta = max(config.hubness.betas, key=lambda b: (scores[b], -b))
     if report is not None:

@@ -207,9 +207,52 @@ def test_hubness_offsets_are_computed_on_the_device_stored_and_used(make_device,
     assert found(device, queries, 30)[0] == ids
 
 
+def test_a_bundle_with_both_fuses_over_the_offset_and_keeps_the_offset_after_the_transition(
+        make_device, tiny_bundles, images, publisher_key, publisher_pub, tmp_path):
+    """``w·cos_prev + (1 − w)·(cos − β·r)`` during the transition (a row without a previous
+    embedding: ``cos − β·r``), then ``cos − β·r`` alone once it ends."""
+    v2 = scoring_bundle(tmp_path, publisher_key, transition=TransitionPolicy(1, WEIGHT, 2.0), hubness=HubnessPolicy(BETA))
+    device = make_device()
+    device.upgrade(tiny_bundles[1])
+    pictures = {f"a{i}": x for i, x in enumerate(images(20, seed=21))}
+    device.add(np.stack(list(pictures.values())), item_ids=list(pictures), upload=False)
+    device.upgrade(v2)
+    later = {f"b{i}": x for i, x in enumerate(images(4, seed=22))}
+    device.add(np.stack(list(later.values())), item_ids=list(later), upload=False)
+    assert device.status()["scoring"] == "transition+hubness"
+    with sqlite3.connect(device.gallery.path) as db:
+        db.execute("DELETE FROM row_extras WHERE field = 'previous_embedding' AND "
+                   "row_id = (SELECT row_id FROM items WHERE item_id = 'a3')")
+    rows = device.gallery.load()
+    reference = np.random.default_rng(5).standard_normal((20, 8))
+    offsets = hubness_offsets(rows.embeddings, reference, K)
+    queries = images(6, seed=23)
+    engine, previous = Engine(verify_bundle(v2, publisher_pub)), device.engine(1)
+    adapted = unit(engine.embed(queries)) @ unit(rows.embeddings).T - BETA * offsets
+    previous_scores = unit(previous.embed(queries)) @ unit(previous.embed(np.stack([(pictures | later)[i] for i in rows.item_ids]))).T
+    fused = WEIGHT * previous_scores + (1 - WEIGHT) * adapted
+    without = [j for j, i in enumerate(rows.item_ids) if i == "a3"]
+    fused[:, without] = adapted[:, without]
+    ids, expected = ranking(fused, rows.item_ids, 24)
+    got_ids, distances = found(device, queries, 24)
+    assert got_ids == ids
+    np.testing.assert_allclose(distances, 1.0 - expected, atol=1e-5)
+    assert ranking(adapted, rows.item_ids, 24)[0] != ids  # the fusion changes the ranking here
+
+    assert device.end_transition() is True
+    assert device.status()["scoring"] == "hubness"
+    ids, expected = ranking(adapted, rows.item_ids, 24)
+    got_ids, distances = found(device, queries, 24)
+    assert got_ids == ids
+    np.testing.assert_allclose(distances, 1.0 - expected, atol=1e-5)
+
+
 def test_search_declarations_are_checked_in_the_manifest(publisher_key, tmp_path):
     cases = [
-        (dict(transition=TransitionPolicy(1, WEIGHT), hubness=HubnessPolicy(BETA)), "declares both"),
+        (dict(transition=TransitionPolicy(1, WEIGHT), hubness=HubnessPolicy(BETA), with_graph=False),
+         "needs exactly one hubness artifact"),
+        (dict(transition=TransitionPolicy(1, WEIGHT), hubness=HubnessPolicy(BETA), mode="unified"),
+         "transition and hubness scoring belongs to a forward-mode cosine bundle"),
         (dict(hubness=HubnessPolicy(BETA), with_graph=False), "needs exactly one hubness artifact"),
         (dict(with_graph=True), "needs exactly one hubness artifact"),
         (dict(transition=TransitionPolicy(2, WEIGHT)), "no forward adapter from it"),

@@ -3,6 +3,7 @@ held-out training data, ECC judged on the task's primary metric."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -41,7 +42,8 @@ def test_the_mse_baseline_fails_ecc_on_recall_at_1_and_the_contrastive_adapter_h
 def test_transition_scoring_is_judged_with_a_weight_chosen_on_training_data(task_run):
     gate = task_run.gate
     weights = gate["transition_weight"]
-    assert set(weights) == {"residual+transition", "least-squares+transition"}
+    scored = {"residual", "least-squares", "residual+query-positives"}
+    assert set(weights) == {f"{v}+transition" for v in scored} | {f"{v}+hubness+transition" for v in scored}
     assert weights["least-squares+transition"] > 0  # the old space rescues the failing baseline
     # Fusing with the old space never loses to the adapter alone by much, and lifts the baseline over old/old.
     cases = gate["cases"]
@@ -52,12 +54,38 @@ def test_transition_scoring_is_judged_with_a_weight_chosen_on_training_data(task
 
 def test_hubness_offsets_are_chosen_on_training_data_and_keep_a_backfilling_gallery_searchable(task_run):
     gate, cases = task_run.gate, task_run.gate["cases"]
-    assert set(gate["hubness_beta"]) == {"residual+hubness", "least-squares+hubness"}
+    scored = {"residual", "least-squares", "residual+query-positives"}
+    assert set(gate["hubness_beta"]) == {f"{v}+hubness" for v in scored} | {f"{v}+hubness+transition" for v in scored}
     assert cases["residual+hubness"]["recall@1"] > cases["residual"]["recall@1"] - 0.02
     curves = task_run.report.backfill_curves
     plain, offset = curves["random"], curves["random + hubness offset"]
     assert offset.area > plain.area + 0.1  # measured 0.75 vs 0.51: backfilled rows no longer crowd out adapted ones
     assert "hubness β [residual adapter]" in task_run.report.facts
+
+
+def test_transition_over_the_hubness_offset_ranks_by_the_fused_score(task_run):
+    """w·cos_old + (1 − w)·(cos_adapted − β·r), recomputed here from the run's adapter, gives the
+    R@1 the gate recorded for the combined variant."""
+    from fctkit.trainer.hubness import hubness_offsets
+    from fctkit.trainer.searches import forward_transform
+
+    key = "residual+query-positives+hubness+transition"
+    fused = task_run.adapters[key]
+    hub, weight = fused.base, fused.weight
+    assert (task_run.gate["transition_weight"][key], task_run.gate["hubness_beta"][key]) == (weight, hub.beta)
+    queries, gallery = task_run.evaluation.queries, task_run.evaluation.gallery
+    adapted = forward_transform(hub.base, gallery)
+
+    def unit(x):
+        return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+    offsets = hubness_offsets(adapted, hub.reference, hub.k)
+    scores = weight * unit(queries.old) @ unit(gallery.old).T + (1 - weight) * (unit(queries.new) @ unit(adapted).T - hub.beta * offsets)
+    positives = task_run.evaluation.relevance["positives"]
+    top = scores.argmax(axis=1)
+    hits = [top[q] in positives.indices[positives.indptr[q]:positives.indptr[q + 1]] for q in range(len(top))]
+    assert np.mean(hits) == pytest.approx(task_run.gate["cases"][key]["recall@1"], abs=1 / 800)
+    assert "transition weight [residual adapter + query positives + hubness offset]" in task_run.report.facts
 
 
 def test_the_report_shows_instance_metrics_and_the_settings_chosen_on_training_data(task_run):
@@ -81,8 +109,8 @@ def test_selection_never_reads_the_evaluation_split(tmp_path, monkeypatch):
     seen: list[int] = []
     original = tuning.coordinate_search
 
-    def spy(config, knobs, score):
-        result = original(config, knobs, score)
+    def spy(config, knobs, score, **options):
+        result = original(config, knobs, score, **options)
         seen.append(result.tried)
         return result
 
@@ -113,6 +141,29 @@ def test_the_example_config_names_a_task_and_defaults_to_the_instance_methods():
 
     task = load_run_task(load_pipeline_config(None, {"data.name": "task", "data.task": str(REPO / config.data.task)}))
     assert run_methods(config, task) == INSTANCE_METHODS
+
+
+def test_an_instance_task_with_the_defaults_trains_only_what_the_readme_recommends(tmp_path):
+    """No `methods`, no options: the residual adapter (alone, on query positives, with the hubness
+    offset, transition scoring and both) and the least-squares baseline; never FCT's MLP or
+    λ-orth, which fail ECC on instance-level tasks. The report says how long each stage took."""
+    task = save_task(tmp_path / "task.npz", synthetic_instance_task(n_train=600, n_eval=200, seed=seed()))
+    config = load_pipeline_config(None, {"data.name": "task", "data.task": str(task), "progress": False, "device": "cpu",
+                                         "evaluation.distance": "cosine", "residual.train.epochs": 3,
+                                         "query_positives.train.epochs": 3, "backfill.orderings": [], **SMALL_SEARCH})
+    run = run_pipeline(config, tmp_path / "run", log=lambda _: None)
+    residual = ["residual", "residual+query-positives"]
+    scored = [*residual, "least-squares"]
+    assert set(run.gate["ecc"]) == {*scored, *(f"{v}+{s}" for v in scored for s in ("transition", "hubness", "hubness+transition"))}
+    resolved = json.loads(run.files["config"].read_text())
+    assert [resolved[s]["enabled"] for s in ("query_positives", "hubness", "transition", "query_map")] == [True, True, True, False]
+    stages = [name for name in run.report.facts if name.startswith("time: ")]
+    assert {"time: fitting residual adapter", "time: evaluating", "time: all stages above"} <= set(stages)
+    assert any(name.startswith("time: choosing settings of residual adapter") for name in stages)
+    # the same defaults with l2 distance: no cosine scores to fuse or offset, so no scoring variants
+    l2 = dataclasses.replace(config, evaluation=dataclasses.replace(config.evaluation, distance="l2")).for_task("instance")
+    assert (l2.hubness.enabled, l2.transition.enabled, l2.query_positives.enabled) == (False, False, True)
+    assert config.for_task("class").query_positives.enabled is False
 
 
 def test_a_bad_task_file_fails_before_anything_is_written(tmp_path):
