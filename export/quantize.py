@@ -25,7 +25,6 @@ import numpy as np
 
 from fctkit.errors import DataUnavailableError, GateError, InputError, require
 
-from .features_release import Variant
 from .onnx_export import check_parity, describe_export, run_onnx, to_fp16
 from .onnx_graph import load_onnx_model
 from .roles import RoleExport
@@ -98,26 +97,14 @@ def quantized_metrics(run: TrainedRun, method: str, graph: Path) -> tuple[dict, 
 
 
 def _variant(run: TrainedRun, method: str, graph: Path) -> Any:
-    """The trained variant as the trainer evaluates it, rebuilt from the run's files, with the
-    forward adapter's ``transform`` replaced by ``graph`` (the rest stays the torch modules)."""
-    from fctkit.trainer.searches import Hubness, Transition, WithQueryMap
-
-    variant = Variant.parse(method, run.gate["ecc"])
-    forward = run.load(variant.adapter_file)
+    """The trained variant with the forward adapter's ``transform`` computed from ``graph``."""
     inputs = len(load_onnx_model(graph).graph.input)
 
     def transform(old: np.ndarray, side: np.ndarray | None = None) -> np.ndarray:
         arrays = [old, side][:inputs]
         return run_onnx(graph, [np.asarray(a, np.float32) for a in arrays])[0]
 
-    forward.transform = transform  # an instance attribute: this loaded copy only
-    base = WithQueryMap(forward, run.load(variant.query_map_file)) if variant.query_map else forward
-    if variant.hubness:
-        reference = np.load(run.root / "adapters" / f"{method}.reference.npy", allow_pickle=False)
-        base = Hubness(base, float(run.gate["hubness_beta"][method]), reference, int(run.gate["hubness_k"]))
-    if variant.transition:
-        return Transition(base, float(run.gate["transition_weight"][method]))
-    return base
+    return run.variant(method, forward_transform=transform)
 
 
 def _evaluation_set(run: TrainedRun) -> Any:

@@ -102,6 +102,29 @@ class TrainedRun:
         return load_side_info(path) if relative.endswith("side_info.pt") else load_backbone(path)
 
 
+    def variant(self, key: str, forward_transform: Any = None) -> Any:
+        """The run's variant ``key`` (``residual+query-positives+hubness+transition``, …) as the
+        trainer judged it — :class:`~fctkit.trainer.searches.Transition`, ``Hubness``,
+        ``WithQueryMap`` or the adapter — rebuilt from the run's files, ready for
+        :func:`~fctkit.trainer.searches.scored_retrieval`. ``forward_transform`` replaces the
+        forward adapter's ``transform`` in this loaded copy (e.g. a quantised graph's)."""
+        from fctkit.trainer.searches import Hubness, Transition, WithQueryMap
+
+        from .features_release import Variant
+
+        variant = Variant.parse(key, self.gate["ecc"])
+        forward = self.load(variant.adapter_file)
+        if forward_transform is not None:
+            forward.transform = forward_transform  # an instance attribute: this loaded copy only
+        base = WithQueryMap(forward, self.load(variant.query_map_file)) if variant.query_map else forward
+        if variant.hubness:
+            reference = np.load(self.root / "adapters" / f"{key}.reference.npy", allow_pickle=False)
+            base = Hubness(base, float(self.gate["hubness_beta"][key]), reference, int(self.gate["hubness_k"]))
+        if variant.transition:
+            return Transition(base, float(self.gate["transition_weight"][key]))
+        return base
+
+
 def read_run_json(path: Path) -> dict:
     """The JSON object in a run folder's file; :class:`InputError` when it is unreadable or not an object."""
     try:
