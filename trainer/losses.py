@@ -104,6 +104,26 @@ def info_nce(prediction: torch.Tensor, target: torch.Tensor, temperature: float)
     return supervised_contrastive(prediction, target, None, temperature)
 
 
+def info_nce_with_negatives(query: torch.Tensor, candidates: torch.Tensor, negatives: torch.Tensor,
+                            valid: torch.Tensor, temperature: float) -> torch.Tensor:
+    """:func:`info_nce` where each query also ranks ``negatives`` (extra candidates shared by the
+    batch, e.g. mined hard negatives) below its own candidate; ``valid`` (batch, n_negatives)
+    masks the ones that must not count for a query (its own positive)."""
+    q, c, extra = (F.normalize(x, dim=1) for x in (query, candidates, negatives))
+    logits = torch.cat([q @ c.T, (q @ extra.T).masked_fill(~valid, float("-inf"))], dim=1) / temperature
+    labels = torch.arange(len(q), device=q.device)
+    return 0.5 * (F.cross_entropy(logits, labels) + F.cross_entropy(c @ q.T / temperature, labels))
+
+
+def neighbourhood_kl(query: torch.Tensor, student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(softmax(q·teacherᵀ/τ) ‖ softmax(q·studentᵀ/τ)) over the batch's candidates, averaged
+    over queries: the student rows (adapted) must rank the batch for each query the way the
+    teacher rows (the new model's) do, not only put the positive first."""
+    q, s, t = (F.normalize(x, dim=1) for x in (query, student, teacher))
+    target = F.log_softmax(q @ t.T / temperature, dim=1)
+    return F.kl_div(F.log_softmax(q @ s.T / temperature, dim=1), target, log_target=True, reduction="batchmean")
+
+
 ObjectiveKind = Literal["auto", "mse", "infonce", "mse+infonce"]
 
 

@@ -35,7 +35,7 @@ from fctkit.errors import ConfigError, InputError
 from .adapter_base import Adapter, config_of
 from fctkit.feature_checks import check_features
 from .fitting import History, TrainConfig, fit
-from .losses import info_nce
+from .losses import info_nce, info_nce_with_negatives, neighbourhood_kl
 
 
 @dataclasses.dataclass
@@ -48,12 +48,18 @@ class QueryPositivesConfig:
     enabled: bool | None = None
     task_weight: float = 1.0  # w: the query terms against h's own compatibility term
     temperature: float = 0.05
+    # per training pair, this many of its positive's nearest training-gallery items by the old
+    # model (h-mapped) join the batch's candidates as negatives for the query term
+    hard_negatives: int = 0
+    # weight of a KL term matching each query's softmax over the batch's adapted rows to its
+    # softmax over the same rows embedded by the new model (the new model's neighbourhoods)
+    distill_weight: float = 0.0
     train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(epochs=30, lr=1e-3, weight_decay=1e-4,
                                                                                 warmup_epochs=2, patience=6))
 
     def __post_init__(self) -> None:
-        if self.task_weight < 0 or self.temperature <= 0:
-            raise ConfigError(f"{self.section}: task_weight must be >= 0 and temperature > 0")
+        if self.task_weight < 0 or self.temperature <= 0 or self.hard_negatives < 0 or self.distill_weight < 0:
+            raise ConfigError(f"{self.section}: task_weight, hard_negatives and distill_weight must be >= 0 and temperature > 0")
         if getattr(self, "width", 1) < 1:
             raise ConfigError(f"{self.section}: width must be >= 1")
 
@@ -103,10 +109,42 @@ class QueryMap(Adapter):
         return self._run(self, check_features("new", new, dim=self.d_new))
 
 
+@dataclasses.dataclass(frozen=True)
+class MinedNegatives:
+    """Hard negatives for :func:`fit_jointly`: the training gallery's ``old`` (and ``side``)
+    rows, and per training pair the rows mined for it (``rows``, (pairs, m)) and its own
+    positive's row (``positive``), which never counts as its negative."""
+
+    old: np.ndarray
+    side: np.ndarray | None
+    rows: np.ndarray
+    positive: np.ndarray
+
+    @classmethod
+    def nearest(cls, gallery_old: np.ndarray, gallery_side: np.ndarray | None, positive: np.ndarray, m: int,
+                chunk_size: int = 2048) -> MinedNegatives:
+        """Each pair's ``m`` nearest gallery rows to its positive by the old model's cosine."""
+        unit = gallery_old / np.maximum(np.linalg.norm(gallery_old, axis=1, keepdims=True), 1e-12)
+        m = min(m, len(unit) - 1)
+        rows = np.empty((len(positive), m), np.int64)
+        for start in range(0, len(positive), chunk_size):
+            items = positive[start:start + chunk_size]
+            cosines = unit[items] @ unit.T
+            cosines[np.arange(len(items)), items] = -np.inf
+            rows[start:start + chunk_size] = np.argpartition(-cosines, m - 1, axis=1)[:, :m] if m else rows[:0]
+        return cls(gallery_old, gallery_side, rows, positive.astype(np.int64))
+
+
 class _Joint(nn.Module):
     def __init__(self, adapter: nn.Module, query_side: nn.Module) -> None:
         super().__init__()
         self.adapter, self.query_side = adapter, query_side
+
+
+def _mined_tensors(negatives: MinedNegatives, adapter: Adapter) -> tuple[torch.Tensor, ...]:
+    """The gallery rows the mined indices point into, as CPU tensors (gathered per batch)."""
+    arrays = [negatives.old] + ([negatives.side] if getattr(adapter, "d_side", 0) else [])
+    return tuple(torch.as_tensor(np.asarray(a, np.float32)) for a in arrays)
 
 
 def fit_jointly(
@@ -116,6 +154,7 @@ def fit_jointly(
     gallery_side: np.ndarray | None,
     gallery_new: np.ndarray,
     config: QueryPositivesConfig | dict[str, Any] | None = None,
+    negatives: MinedNegatives | None = None,
 ) -> tuple[QueryMap | None, History]:
     """Train ``adapter`` further (in place) on aligned positive pairs: row i of ``query_new`` is
     a training query, row i of the gallery arrays one of its positives. With a
@@ -123,7 +162,10 @@ def fit_jointly(
     :class:`QueryPositivesConfig` the queries stay as the new model made them (Q = identity)
     and ``None`` is returned.
 
-    ``adapter`` must take ``(old[, side])`` like the forward adapters."""
+    ``adapter`` must take ``(old[, side])`` like the forward adapters. ``negatives`` (with
+    ``config.hard_negatives`` > 0): the mined rows each query must also rank below its positive.
+    ``config.distill_weight`` > 0 adds :func:`~.losses.neighbourhood_kl` towards the new model's
+    ranking of the batch."""
     if not isinstance(config, QueryPositivesConfig):
         config = config_of(QueryMapConfig, config)
     query_new = check_features("query_new", query_new)
@@ -136,12 +178,27 @@ def fit_jointly(
     query_map = QueryMap(config, d_new=query_new.shape[1]) if isinstance(config, QueryMapConfig) else None
     joint = _Joint(adapter, query_map if query_map is not None else nn.Identity())
     tau, weight = config.temperature, config.task_weight
+    mined = _mined_tensors(negatives, adapter) if config.hard_negatives and negatives is not None else None
+    if mined is not None:
+        arrays += [negatives.rows, negatives.positive]
 
-    def loss(model: _Joint, query: torch.Tensor, *gallery: torch.Tensor) -> torch.Tensor:
+    def loss(model: _Joint, query: torch.Tensor, *batch: torch.Tensor) -> torch.Tensor:
+        gallery, extra = (batch[:-2], batch[-2:]) if mined is not None else (batch, ())
         *inputs, target = gallery
         adapted = model.adapter(*inputs)
         mapped = model.query_side(query)
-        return info_nce(adapted, target, tau) + weight * (info_nce(mapped, adapted, tau) + info_nce(mapped, target, tau))
+        if extra:
+            rows, positive = extra
+            pool = rows.reshape(-1)
+            negatives_adapted = model.adapter(*(t[pool.cpu()].to(query.device) for t in mined))
+            valid = pool.reshape(1, -1) != positive.reshape(-1, 1)
+            query_term = info_nce_with_negatives(mapped, adapted, negatives_adapted, valid, tau)
+        else:
+            query_term = info_nce(mapped, adapted, tau)
+        total = info_nce(adapted, target, tau) + weight * (query_term + info_nce(mapped, target, tau))
+        if config.distill_weight:
+            total = total + config.distill_weight * neighbourhood_kl(mapped, adapted, target, tau)
+        return total
 
     label = "query map + adapter" if query_map is not None else "adapter on query positives"
     history = fit(joint, arrays, loss, config.train, description=f"fit {label}")

@@ -17,7 +17,7 @@ from .adapter_base import Adapter
 from .method_names import joint_fit_of, method_label
 from .methods import fit_method, quiet_training, run_seeded
 from .pipeline_config import PipelineConfig
-from .query_map import fit_jointly
+from .query_map import MinedNegatives, fit_jointly
 from .report import Report
 from .retrieval_result import metric_value
 from .searches import (EvalSet, Evaluator, Hubness, Transition, WithQueryMap, adapted_retrieval, device_queries,
@@ -80,9 +80,10 @@ def fit_on_positives(config: PipelineConfig, adapter: Adapter, train: TaskSplit,
     queries = np.repeat(np.arange(len(train.query)), np.diff(positives.indptr))
     items = positives.indices
     gallery = train.gallery
-    query_map, _ = fit_jointly(adapter, train.query.new[queries], gallery.old[items],
-                               gallery.side[items] if gallery.side.shape[1] else None, gallery.new[items],
-                               run_seeded(config, section))
+    side = gallery.side if gallery.side.shape[1] else None
+    negatives = (MinedNegatives.nearest(gallery.old, side, items, section.hard_negatives) if section.hard_negatives else None)
+    query_map, _ = fit_jointly(adapter, train.query.new[queries], gallery.old[items], None if side is None else side[items],
+                               gallery.new[items], run_seeded(config, section), negatives)
     return adapter if query_map is None else WithQueryMap(adapter, query_map)
 
 
