@@ -9,8 +9,9 @@ Each seed is one full run (adapters fitted on the task's training split, every t
 method's settings chosen on held-out training data by the task's primary metric, the report on
 the evaluation split) with a different training seed and held-out cut; the task's split is the
 same. The summary gives, per case, mean ± sd over the seeds of R@1, R@10 and MRR, R@1 as a
-share of new/new, and in how many seeds ECC held on R@1 and on R@10; it is written to
-``<out>/summary.{md,json}``.
+share of new/new, in how many seeds ECC held on R@1 and on R@10, and — where the run judged it
+there — the variant's primary metric on held-out *training* data (what to choose variants by:
+the evaluation split only reports); it is written to ``<out>/summary.{md,json}``.
 """
 
 from __future__ import annotations
@@ -96,16 +97,37 @@ def read_run(folder: Path) -> dict:
     """A finished run's facts and, per case, R@1, R@10 and MRR (class level: top-1, top-10 and
     mAP) from its report.json; ``level`` says which."""
     report = json.loads((folder / "report.json").read_text())
+    held_out = held_out_scores(report["facts"])
     cases, level = {}, "instance"
     for case in report["cases"]:
         name = re.sub(r", (w|β) [0-9.]+ \[", " [", case["name"])  # reports before the weight moved to a column
         result = case["result"]
         if result.get("relevance", "explicit") == "explicit":
             cases[name] = {"recall@1": result["recall"]["1"], "recall@10": result["recall"]["10"], "mrr": result["mrr"]}
+            label = name.rpartition(" [")[2].rstrip("]")
+            if label in held_out and not name.startswith("Q(new)/new"):
+                cases[name]["held-out"] = held_out[label]
         else:
             level = "class"
             cases[name] = {"top1": result["cmc"]["1"], "top10": result["cmc"]["10"], "mAP": result["mean_ap"]}
     return {"facts": report["facts"], "cases": cases, "level": level}
+
+
+HELD_OUT_FACT = re.compile(r"^(?:w|β) = [0-9.]+ \(\S+ ([0-9.]+) on held-out training data; (?:w|β) = 0: ([0-9.]+)\)")
+
+
+def held_out_scores(facts: dict) -> dict[str, float]:
+    """The primary metric each variant scored on held-out *training* data, by its report label,
+    read from the run's transition-weight and hubness-β facts (the chosen setting's score, and
+    the score without it: the variant it builds on)."""
+    scores = {}
+    for name, value in facts.items():
+        for fact, part in (("transition weight [", " + transition scoring"), ("hubness β [", " + hubness offset")):
+            found = HELD_OUT_FACT.match(str(value))
+            if name.startswith(fact) and found:
+                label = name[len(fact):-1]
+                scores[label + part], scores[label] = float(found[1]), float(found[2])
+    return scores
 
 
 def summarise(runs: dict[int, dict]) -> dict:
@@ -122,6 +144,8 @@ def summarise(runs: dict[int, dict]) -> dict:
         summary[name]["share_of_new_new_r1"] = _mean_sd(shares)
         summary[name]["ecc_r1"] = sum(row[at1] > run["cases"]["old/old"][at1] for row, run in zip(rows, runs.values()))
         summary[name]["ecc_r10"] = sum(row[at10] > run["cases"]["old/old"][at10] for row, run in zip(rows, runs.values()))
+        if all("held-out" in row for row in rows):
+            summary[name]["held-out"] = _mean_sd([row["held-out"] for row in rows])
     return summary
 
 
@@ -131,12 +155,14 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
 
 def markdown(summary: dict, n_seeds: int, level: str = "instance") -> str:
     at1, at10, third = HEADERS[level]
-    lines = [f"| case | {at1} | {at10} | {third} | {at1} ÷ new/new | ECC {at1} | ECC {at10} |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"| case | {at1} | {at10} | {third} | {at1} ÷ new/new | ECC {at1} | ECC {at10} | held-out {at1} |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, row in summary.items():
         cells = [f"{m:.3f} ± {s:.3f}" for m, s in (*(row[k] for k in METRICS[level]), row["share_of_new_new_r1"])]
         judged = name not in ("old/old", "new/new", "new/old")
         ecc = [f"{row['ecc_r1']}/{n_seeds}", f"{row['ecc_r10']}/{n_seeds}"] if judged else ["", ""]
-        lines.append(f"| {name} | " + " | ".join(cells + ecc) + " |")
+        held = [f"{row['held-out'][0]:.3f}"] if "held-out" in row else [""]
+        lines.append(f"| {name} | " + " | ".join(cells + ecc + held) + " |")
     return "\n".join(lines)
 
 

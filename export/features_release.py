@@ -38,17 +38,16 @@ import numpy as np
 from fctkit.errors import ExportError, InputError, require
 from fctkit.protos.bundle import Role
 from fctkit.protos.search_policy import HubnessPolicy, TransitionPolicy
-from fctkit.trainer.method_names import JOINT_FITS, joint_fit_of
 
 from .hubness_graph import hubness_onnx
 from .onnx_export import ExportResult, ParityReport
 from .onnx_graph import graph_io_specs, load_onnx_model
 from .roles import RoleExport
 from .user_preprocessing import GraphPreprocessing, check_preprocessed_graph, checked_against_sample, read_item_sample
+from .variants import Variant
 
 #: the graphs a team names, the run's feature each must reproduce, and its bundle role
 GRAPH_FEATURES: dict[str, tuple[str, Role]] = {"old": ("old", "embed"), "new": ("new", "embed"), "side_info": ("side", "side_info")}
-SCORING_PARTS = ("transition", "hubness")
 
 
 @dataclass(frozen=True)
@@ -67,53 +66,6 @@ class UserGraphs:
     side_info: Path | None = None
     tolerance: float = 1e-3
     preprocessing: GraphPreprocessing | None = None
-
-
-@dataclass(frozen=True)
-class Variant:
-    """A gate key such as ``residual+query-map+transition``, taken apart."""
-
-    key: str
-    method: str
-    joint: str | None  # "query-map" or "query-positives": trained further on the task's query positives
-    scoring: tuple[str, ...]  # of SCORING_PARTS, as the key names them: () plain, ("hubness", "transition") both
-
-    @classmethod
-    def parse(cls, key: str, trained: dict) -> Variant:
-        if key not in trained:
-            raise InputError(f"the run has no variant {key!r}; it has: {', '.join(sorted(trained))}")
-        method, *parts = key.split("+")
-        unknown = [p for p in parts if p not in (*JOINT_FITS, *SCORING_PARTS)]
-        if unknown:
-            raise InputError(f"variant {key!r}: unknown part(s) {unknown}")
-        return cls(key, method, joint_fit_of(key), tuple(p for p in parts if p in SCORING_PARTS))
-
-    @property
-    def query_map(self) -> bool:
-        return self.joint == "query-map"
-
-    @property
-    def transition(self) -> bool:
-        return "transition" in self.scoring
-
-    @property
-    def hubness(self) -> bool:
-        return "hubness" in self.scoring
-
-    @property
-    def adapter_file(self) -> str:
-        return f"adapters/{self.method}{f'+{self.joint}' if self.joint else ''}.pt"
-
-    @property
-    def query_map_file(self) -> str:
-        return f"adapters/{self.method}+query-map.query_map.pt"
-
-    @property
-    def case(self) -> str:
-        """The name of the variant's case in the manifest's gate."""
-        searched = "Q(new)/h(old)" if self.query_map else "new/h(old)"
-        searched = f"({searched} − β·r)" if self.hubness and self.transition else f"{searched} − β·r" if self.hubness else searched
-        return f"w·old/old + (1−w)·{searched}" if self.transition else searched
 
 
 def declarations(variant: Variant, gate: dict, previous_version: int, transition_days: float) -> dict[str, Any]:

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from fctkit.errors import InputError
 from fctkit.protos.bundle import GATED_ROLES, Mode, Role, artifact_name
 
-from .features_release import Variant, declarations
+from .features_release import declarations
+from .variants import Variant
 from .trained_run import TrainedRun
 
 FORWARD_METHODS = ("fct", "fct-no-side-info", "fastfill", "least-squares", "procrustes")

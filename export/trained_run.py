@@ -110,7 +110,7 @@ class TrainedRun:
         forward adapter's ``transform`` in this loaded copy (e.g. a quantised graph's)."""
         from fctkit.trainer.searches import Hubness, Transition, WithQueryMap
 
-        from .features_release import Variant
+        from .variants import Variant
 
         variant = Variant.parse(key, self.gate["ecc"])
         forward = self.load(variant.adapter_file)
