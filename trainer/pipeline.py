@@ -58,7 +58,7 @@ from .selection import holdout_split, knobs_for
 from .side_info import extract_side_info, save_side_info, train_side_info
 from .tasks import RetrievalTask
 from .tuning import (HeldOutFit, choose_hubness, choose_transition, fit_on_fit_part, fit_on_holdout, fit_on_positives,
-                     select_settings)
+                     held_out_scores, recommended, select_settings)
 
 
 # --- stage 1: features -------------------------------------------------------------------
@@ -203,6 +203,11 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
         gate["cases"][method] = gate_metrics(adapted)
     gate["cases"]["old/old"] = gate_metrics(old_old)
     gate["cases"]["new/new"] = gate_metrics(new_new)
+    held_out = held_out_scores(adapters)
+    if held_out:
+        gate["held_out"], gate["recommended"] = held_out, recommended(held_out)
+        report.add_fact(f"recommended (by {metric_label(metric)} on held-out training data)", "; ".join(
+            f"{name}: {key} ({held_out[key]:.4f})" for name, key in gate["recommended"].items()))
     if gallery.side.shape[1]:
         report.add_fact("CKA(φ_old, ψ)", round(linear_cka(gallery.old, gallery.side), 4))
     return gate

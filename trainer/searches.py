@@ -80,12 +80,22 @@ class WithQueryMap:
         self.query_map.save(path.with_name(path.stem + ".query_map.pt"))
 
 
+@dataclasses.dataclass(frozen=True)
+class HeldOutScores:
+    """The primary metric on held-out training data with the chosen weight or β (``chosen``) and
+    without the scoring (``without``: the variant it builds on)."""
+
+    chosen: float
+    without: float
+
+
 @dataclasses.dataclass
 class Transition:
     """Transition scoring with ``base``: rank by ``weight·cos_old + (1 − weight)·cos_adapted``."""
 
     base: Adapter | WithQueryMap | Hubness  # a Hubness base: its offset is part of the adapted score
     weight: float
+    held_out: HeldOutScores | None = None
 
 
 @dataclasses.dataclass
@@ -97,6 +107,7 @@ class Hubness:
     beta: float
     reference: np.ndarray
     k: int
+    held_out: HeldOutScores | None = None
 
 
 def forward_transform(adapter: Adapter, features: Features) -> np.ndarray:

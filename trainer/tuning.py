@@ -20,8 +20,8 @@ from .pipeline_config import PipelineConfig
 from .query_map import MinedNegatives, fit_jointly
 from .report import Report
 from .retrieval_result import metric_value
-from .searches import (EvalSet, Evaluator, Hubness, Transition, WithQueryMap, adapted_retrieval, device_queries,
-                       scored_retrieval, task_features)
+from .searches import (EvalSet, Evaluator, HeldOutScores, Hubness, Transition, WithQueryMap, adapted_retrieval,
+                       device_queries, scored_retrieval, task_features)
 from .selection import Holdout, coordinate_search
 from .tasks import RetrievalTask, TaskSplit
 
@@ -103,7 +103,7 @@ def choose_transition(config: PipelineConfig, task: RetrievalTask, variant: str,
         report.add_fact(f"transition weight [{method_label(variant)}]",
                         f"w = {weight} ({task.primary_metric} {scores[weight]:.4f} on held-out training data; "
                         f"w = 0: {scores.get(0.0, float('nan')):.4f})")
-    return Transition(final, weight)
+    return Transition(final, weight, HeldOutScores(scores[weight], scores.get(0.0, float("nan"))))
 
 
 def choose_hubness(config: PipelineConfig, task: RetrievalTask, variant: str, final: Adapter | WithQueryMap,
@@ -118,4 +118,31 @@ def choose_hubness(config: PipelineConfig, task: RetrievalTask, variant: str, fi
     if report is not None:
         report.add_fact(f"hubness β [{method_label(variant)}]", f"β = {beta} ({task.primary_metric} {scores[beta]:.4f} on "
                         f"held-out training data; β = 0: {scores.get(0.0, float('nan')):.4f}), k = {config.hubness.k}")
-    return Hubness(final, beta, device_queries(final, task.train.query.new), config.hubness.k)
+    return Hubness(final, beta, device_queries(final, task.train.query.new), config.hubness.k,
+                   HeldOutScores(scores[beta], scores.get(0.0, float("nan"))))
+
+
+def held_out_scores(adapters: dict[str, Any]) -> dict[str, float]:
+    """Each variant's primary metric on held-out training data, from the scoring choices made
+    there (a variant's own score is the "without" of the scorings built on it)."""
+    scores: dict[str, float] = {}
+    for key, adapter in adapters.items():
+        held = getattr(adapter, "held_out", None)
+        if held is None:
+            continue
+        scores[key] = held.chosen
+        if not np.isnan(held.without):
+            scores.setdefault(key.rsplit("+", 1)[0], held.without)
+    return scores
+
+
+def recommended(held_out: dict[str, float]) -> dict[str, str]:
+    """The variants to publish, chosen on held-out training data only: the best that needs no
+    old model on the device (``gallery side``) and the best while devices still keep it
+    (``during the transition``, which may be the same). Ties go to the variant with fewer parts."""
+    def best(keys: list[str]) -> str | None:
+        return max(keys, key=lambda k: (held_out[k], -k.count("+")), default=None)
+
+    choice = {"gallery side": best([k for k in held_out if "transition" not in k.split("+")]),
+              "during the transition": best(list(held_out))}
+    return {name: key for name, key in choice.items() if key is not None}

@@ -157,6 +157,12 @@ def test_an_instance_task_with_the_defaults_trains_only_what_the_readme_recommen
     assert set(run.gate["ecc"]) == {*scored, *(f"{v}+{s}" for v in scored for s in ("transition", "hubness", "hubness+transition"))}
     resolved = json.loads(run.files["config"].read_text())
     assert [resolved[s]["enabled"] for s in ("query_positives", "hubness", "transition", "query_map")] == [True, True, True, False]
+    held_out = run.gate["held_out"]  # every variant scored on held-out training data, none on the evaluation split
+    assert set(held_out) == set(run.gate["ecc"])
+    recommended = run.gate["recommended"]
+    assert recommended["gallery side"] == max((k for k in held_out if "transition" not in k), key=held_out.get)
+    assert held_out[recommended["during the transition"]] == max(held_out.values())
+    assert "recommended (by R@1 on held-out training data)" in run.report.facts
     stages = [name for name in run.report.facts if name.startswith("time: ")]
     assert {"time: fitting residual adapter", "time: evaluating", "time: all stages above"} <= set(stages)
     assert any(name.startswith("time: choosing settings of residual adapter") for name in stages)
@@ -164,6 +170,15 @@ def test_an_instance_task_with_the_defaults_trains_only_what_the_readme_recommen
     l2 = dataclasses.replace(config, evaluation=dataclasses.replace(config.evaluation, distance="l2")).for_task("instance")
     assert (l2.hubness.enabled, l2.transition.enabled, l2.query_positives.enabled) == (False, False, True)
     assert config.for_task("class").query_positives.enabled is False
+
+
+def test_the_recommendation_prefers_the_simpler_variant_on_a_tie():
+    from fctkit.trainer.tuning import recommended
+
+    scores = {"residual": 0.4, "residual+hubness": 0.5, "residual+query-positives+hubness": 0.5, "residual+transition": 0.5}
+    assert recommended(scores) == {"gallery side": "residual+hubness", "during the transition": "residual+hubness"}
+    assert recommended({"residual": 0.4, "residual+transition": 0.45})["during the transition"] == "residual+transition"
+    assert recommended({}) == {}
 
 
 def test_a_bad_task_file_fails_before_anything_is_written(tmp_path):
