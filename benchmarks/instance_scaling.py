@@ -8,7 +8,9 @@ in galleries of growing size, each variant's R@1, R@10 and MRR as a share of new
         --run runs/bench/wordnet-lemma/run-seed0 --distractors runs/bench/wordnet-lemma/wordnet-lemma-gloss-seed0.distractors.npz \\
         --sizes 3000 20000 100000 --out runs/bench/wordnet-lemma/scaling
 
-The adapter is the one the run trained (nothing is fitted here); only the gallery changes. A
+The adapter is the one the run trained (nothing is fitted here); only the gallery changes. With
+several runs (``--run A B C``, e.g. three training seeds) each figure is their mean, and the
+R@1 share's standard deviation over the runs is shown beside it. A
 size above the evaluation gallery's adds the first rows of ``--distractors`` (gallery items of
 no query, embedded like the gallery: ``ids``, ``old``, ``new`` and ``side`` when the task has
 side-info); a size below it keeps the queries whose positives fit (in a seeded order), their
@@ -18,7 +20,7 @@ grown gallery's rows from the run's reference queries, transition scoring fuses 
 vectors. A size larger than the task and its distractors is reported as not measured.
 
 Writes ``<out>/scaling.{json,md,png}``: per size and variant R@1, R@10, MRR and their shares of
-new/new at that size, old/old beside them.
+new/new at that size (each run's own figures too), old/old beside them.
 """
 
 from __future__ import annotations
@@ -89,6 +91,20 @@ def shares(results: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     return {name: {label: r[label] / max(ceiling[label], 1e-12) for label, _ in METRICS} for name, r in results.items()}
 
 
+def over_runs(per_run: list[dict[str, dict[str, float]]], statistic) -> dict[str, dict[str, float]]:
+    """``statistic`` (mean, sd) over the runs of each case's metrics."""
+    return {name: {label: float(statistic([r[name][label] for r in per_run])) for label in per_run[0][name]}
+            for name in per_run[0]}
+
+
+def size_entry(per_run_results: list[dict[str, dict[str, float]]], queries: int) -> dict:
+    """One size of the summary: the mean over runs of the results and of their shares of
+    new/new, the shares' sd over runs, and each run's own figures."""
+    per_run_shares = [shares(r) for r in per_run_results]
+    return {"results": over_runs(per_run_results, np.mean), "share": over_runs(per_run_shares, np.mean),
+            "share_sd": over_runs(per_run_shares, np.std), "per_run": per_run_results, "queries": queries}
+
+
 def markdown(table: dict, sizes: list[int], variants: list[str]) -> str:
     head = "| variant | " + " | ".join(f"{s:,} R@1 / R@10 / MRR" for s in sizes) + " |"
     lines = [head, "|" + "---|" * (len(sizes) + 1)]
@@ -96,11 +112,13 @@ def markdown(table: dict, sizes: list[int], variants: list[str]) -> str:
         cells = []
         for size in sizes:
             entry = table.get(str(size))
+            spread = f" (± {entry['share_sd'][name]['R@1']:.3f})" if entry and len(entry["per_run"]) > 1 else ""
             cells.append("not measured" if entry is None else
-                         " / ".join(f"{entry['share'][name][label]:.3f}" for label, _ in METRICS))
+                         " / ".join(f"{entry['share'][name][label]:.3f}" for label, _ in METRICS) + spread)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     absolute = [f"{s:,}: new/new R@1 {table[str(s)]['results']['new/new']['R@1']:.4f}" for s in sizes if str(s) in table]
-    return "\n".join(lines) + "\n\nShares of new/new at the same size; " + "; ".join(absolute) + ".\n"
+    return ("\n".join(lines) + "\n\nShares of new/new at the same size (mean over the runs; ± the R@1 share's sd over "
+            "runs); " + "; ".join(absolute) + ".\n")
 
 
 def plot(table: dict, variants: list[str], path: Path) -> None:
@@ -125,7 +143,8 @@ def plot(table: dict, variants: list[str], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("task", type=Path, help="the task file the run was trained on (its evaluation split is searched)")
-    parser.add_argument("--run", type=Path, required=True, help="the `fctkit train` output folder")
+    parser.add_argument("--run", type=Path, nargs="+", required=True,
+                        help="`fctkit train` output folder(s) on the task (e.g. one per training seed): figures are their mean")
     parser.add_argument("--distractors", type=Path, help=".npz of gallery items of no query (ids, old, new[, side])")
     parser.add_argument("--sizes", type=int, nargs="+", required=True, help="gallery sizes to search")
     parser.add_argument("--variants", nargs="+", help=f"gate keys of the run (default: those of {', '.join(DEFAULT_VARIANTS)} it has)")
@@ -136,12 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     from fctkit.export.trained_run import TrainedRun
     from fctkit.trainer.tasks import load_task
 
-    run = TrainedRun.open(args.run)
+    runs = [TrainedRun.open(folder) for folder in args.run]
     split = load_task(args.task).evaluation
-    variants = args.variants or [v for v in DEFAULT_VARIANTS if v in run.gate["ecc"]]
-    missing = [v for v in variants if v not in run.gate["ecc"]]
+    trained = set.intersection(*(set(run.gate["ecc"]) for run in runs))
+    variants = args.variants or [v for v in DEFAULT_VARIANTS if v in trained]
+    missing = [v for v in variants if v not in trained]
     if missing:
-        parser.error(f"the run has no variant {', '.join(missing)}; it has {', '.join(sorted(run.gate['ecc']))}")
+        parser.error(f"not every run has the variant(s) {', '.join(missing)}; all have {', '.join(sorted(trained))}")
     distractors = dict(np.load(args.distractors, allow_pickle=False)) if args.distractors else None
     available = len(split.gallery) + (len(distractors["ids"]) if distractors else 0)
     table: dict[str, dict] = {}
@@ -151,10 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         searched = gallery_of_size(split, distractors, size, args.seed)
         print(f"gallery of {size:,} items, {len(searched.query):,} queries", flush=True)
-        results = measure(run, searched, variants)
-        table[str(size)] = {"results": results, "share": shares(results), "queries": len(searched.query)}
+        table[str(size)] = size_entry([measure(run, searched, variants) for run in runs], len(searched.query))
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = {"task": str(args.task), "run": str(args.run), "distractors": str(args.distractors), "variants": variants,
+    summary = {"task": str(args.task), "runs": [str(r) for r in args.run], "distractors": str(args.distractors), "variants": variants,
                "sizes": table}
     (args.out / "scaling.json").write_text(json.dumps(summary, indent=2) + "\n")
     (args.out / "scaling.md").write_text(markdown(table, sorted(args.sizes), variants))

@@ -66,3 +66,13 @@ def test_a_smaller_gallery_keeps_the_positives_of_the_queries_it_keeps(scaled):
     for q, query_id in enumerate(smaller.query.ids):
         originals = split.gallery.ids[split.positives.of(position[str(query_id)])[0]]
         assert {str(i) for i in smaller.gallery.ids[smaller.positives.of(q)[0]]} == {str(i) for i in originals}
+
+
+def test_several_runs_give_their_mean_and_spread(scaled):
+    _, root, bench = scaled
+    run = str(root / "run")
+    assert bench.main([str(root / "task.npz"), "--run", run, run, "--sizes", str(N_EVAL), "--out", str(root / "twice")]) == 0
+    entry = json.loads((root / "twice" / "scaling.json").read_text())["sizes"][str(N_EVAL)]
+    assert len(entry["per_run"]) == 2 and entry["per_run"][0] == entry["per_run"][1]
+    assert all(v == 0.0 for case in entry["share_sd"].values() for v in case.values())
+    assert "(± 0.000)" in (root / "twice" / "scaling.md").read_text()
