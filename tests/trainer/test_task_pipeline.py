@@ -201,7 +201,7 @@ def test_task_settings_are_checked():
         load_pipeline_config(None, {"query_map.enabled": True})
     with pytest.raises(ConfigError, match="query_positives needs a retrieval task"):
         load_pipeline_config(None, {"query_positives.enabled": True})
-    with pytest.raises(ConfigError, match="query_positives: task_weight must be >= 0"):
+    with pytest.raises(ConfigError, match="query_positives: task_weight, hard_negatives and distill_weight must be >= 0"):
         load_pipeline_config(None, {"query_positives.task_weight": -1})
     with pytest.raises(ConfigError, match="FastFill trains with its own"):
         load_pipeline_config(None, {"fastfill.objective.kind": "infonce"})
