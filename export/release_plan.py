@@ -30,8 +30,8 @@ from fctkit.errors import InputError
 from fctkit.protos.bundle import GATED_ROLES, Mode, Role, artifact_name
 
 from .features_release import declarations
-from .variants import Variant
 from .trained_run import TrainedRun
+from .variants import Variant
 
 FORWARD_METHODS = ("fct", "fct-no-side-info", "fastfill", "least-squares", "procrustes")
 UNIFIED_METHODS = ("lambda-orth", "lambda-orth-relaxed")

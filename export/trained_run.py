@@ -101,7 +101,6 @@ class TrainedRun:
             return load_adapter(path)
         return load_side_info(path) if relative.endswith("side_info.pt") else load_backbone(path)
 
-
     def variant(self, key: str, forward_transform: Any = None) -> Any:
         """The run's variant ``key`` (``residual+query-positives+hubness+transition``, …) as the
         trainer judged it — :class:`~fctkit.trainer.searches.Transition`, ``Hubness``,

@@ -53,7 +53,7 @@ from .retrieval_result import RetrievalResult, metric_label, metric_value
 from .run_data import load_image_splits, load_run_task, npz_features
 from .run_outputs import StageClock, quiet_progress, write_json
 from .searches import (EvalSet, Evaluator, Features, Hubness, Transition, WithQueryMap, adapted_retrieval, forward_transform,
-                       gate_metrics, offset_galleries, scored_retrieval, searched_as, task_features)
+                       gate_metrics, hubness_of, offset_galleries, scored_retrieval, searched_as, task_features)
 from .selection import holdout_split, knobs_for
 from .side_info import extract_side_info, save_side_info, train_side_info
 from .tasks import RetrievalTask
@@ -164,7 +164,7 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
         label = method_label(method)
         if isinstance(adapter, (Hubness, Transition)):
             adapted = evaluate(*scored_retrieval(adapter, data))
-            hub = adapter if isinstance(adapter, Hubness) else adapter.base if isinstance(adapter.base, Hubness) else None
+            hub = hubness_of(adapter)
             if hub is not None:
                 gate.setdefault("hubness_beta", {})[method] = hub.beta
                 gate["hubness_k"] = hub.k
@@ -300,8 +300,8 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
         data = EvalSet.labelled(evaluation)
     adapters = fit_adapters(config, train, log, task, report, clock)
     for method, adapter in adapters.items():
-        hub = adapter.base if isinstance(adapter, Transition) else adapter
-        if isinstance(hub, Hubness):  # β goes to gate.json; the reference queries are what a bundle's hubness graph holds
+        hub = hubness_of(adapter)
+        if hub is not None:  # β goes to gate.json; the reference queries are what a bundle's hubness graph holds
             np.save(out / "adapters" / f"{method}.reference.npy", hub.reference.astype(np.float32))
         elif not isinstance(adapter, Transition):  # its weight is in gate.json; its adapter is saved under its own name
             adapter.save(out / "adapters" / f"{method}.pt")

@@ -128,12 +128,14 @@ class MinedNegatives:
         """Each pair's ``m`` nearest gallery rows to its positive by the old model's cosine."""
         unit = gallery_old / np.maximum(np.linalg.norm(gallery_old, axis=1, keepdims=True), 1e-12)
         m = min(m, len(unit) - 1)
+        if m < 1:
+            raise InputError("mining hard negatives needs m >= 1 and a training gallery of at least 2 rows")
         rows = np.empty((len(positive), m), np.int64)
         for start in range(0, len(positive), chunk_size):
             items = positive[start:start + chunk_size]
             cosines = unit[items] @ unit.T
             cosines[np.arange(len(items)), items] = -np.inf
-            rows[start:start + chunk_size] = np.argpartition(-cosines, m - 1, axis=1)[:, :m] if m else rows[:0]
+            rows[start:start + chunk_size] = np.argpartition(-cosines, m - 1, axis=1)[:, :m]
         return cls(gallery_old, gallery_side, rows, positive.astype(np.int64))
 
 

@@ -149,6 +149,13 @@ def hubness_retrieval(hub: Hubness, data: EvalSet) -> tuple[np.ndarray, np.ndarr
     return offset_vectors(query, gallery, hubness_offsets(gallery, hub.reference, hub.k), hub.beta)
 
 
+def hubness_of(adapter: Any) -> Hubness | None:
+    """The hubness offset a variant searches with: the variant itself, or a transition's base."""
+    if isinstance(adapter, Transition):
+        adapter = adapter.base
+    return adapter if isinstance(adapter, Hubness) else None
+
+
 def scored_retrieval(adapter: Adapter | WithQueryMap | Transition | Hubness,
                      data: EvalSet) -> tuple[np.ndarray, np.ndarray, Distance | None]:
     """(queries, rows, distance) whose ranking is what a device running ``adapter`` returns;
