@@ -68,22 +68,26 @@ def gallery_of_size(split, distractors: dict[str, np.ndarray] | None, size: int,
     return TaskSplit(split.query, grown, Positives(p.indptr, p.indices, p.grades, size))
 
 
-def measure(run, split, variants: list[str]) -> dict[str, dict[str, float]]:
-    """R@1, R@10, MRR of old/old, new/new and each variant on ``split``, searched as a device would."""
+def measure(split, runs: list[dict[str, object]]) -> list[dict[str, dict[str, float]]]:
+    """Per run (its variants, loaded: name → what :meth:`TrainedRun.variant` gives), R@1, R@10 and
+    MRR of old/old, new/new (searched once: they do not depend on the run) and each variant on
+    ``split``, searched as a device would."""
+    from fctkit.trainer.retrieval_result import metric_value
     from fctkit.trainer.searches import EvalSet, Evaluator, EvaluationConfig, scored_retrieval
 
     data = EvalSet.of_task(split)
     evaluate = Evaluator(EvaluationConfig(distance="cosine", topk=(1, 10)), data)
-    searches = {"old/old": (data.queries.old, data.gallery.old, None), "new/new": (data.queries.new, data.gallery.new, None)}
-    results = {}
-    for name in ["old/old", "new/new", *variants]:
+
+    def scores(name: str, query: np.ndarray, rows: np.ndarray, distance: str | None = None) -> dict[str, float]:
         started = time.perf_counter()
-        query, rows, distance = searches[name] if name in searches else scored_retrieval(run.variant(name), data)
         result = evaluate(query, rows, distance)
-        results[name] = {label: float(result.recall[1] if key == "recall@1" else result.recall[10] if key == "recall@10" else result.mrr)
-                         for label, key in METRICS} | {"seconds": round(time.perf_counter() - started, 1)}
-        print(f"  {name}: R@1 {results[name]['R@1']:.4f}", flush=True)
-    return results
+        print(f"  {name}: R@1 {metric_value(result, 'recall@1'):.4f}", flush=True)
+        return {label: float(metric_value(result, key)) for label, key in METRICS} | {"seconds": round(time.perf_counter() - started, 1)}
+
+    baselines = {"old/old": scores("old/old", data.queries.old, data.gallery.old),
+                 "new/new": scores("new/new", data.queries.new, data.gallery.new)}
+    return [baselines | {name: scores(name, *scored_retrieval(variant, data)) for name, variant in variants.items()}
+            for variants in runs]
 
 
 def shares(results: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -162,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [v for v in variants if v not in trained]
     if missing:
         parser.error(f"not every run has the variant(s) {', '.join(missing)}; all have {', '.join(sorted(trained))}")
+    loaded = [{name: run.variant(name) for name in variants} for run in runs]  # once: every size searches them
     distractors = dict(np.load(args.distractors, allow_pickle=False)) if args.distractors else None
     available = len(split.gallery) + (len(distractors["ids"]) if distractors else 0)
     table: dict[str, dict] = {}
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         searched = gallery_of_size(split, distractors, size, args.seed)
         print(f"gallery of {size:,} items, {len(searched.query):,} queries", flush=True)
-        table[str(size)] = size_entry([measure(run, searched, variants) for run in runs], len(searched.query))
+        table[str(size)] = size_entry(measure(searched, loaded), len(searched.query))
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {"task": str(args.task), "runs": [str(r) for r in args.run], "distractors": str(args.distractors), "variants": variants,
                "sizes": table}

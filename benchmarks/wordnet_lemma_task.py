@@ -135,25 +135,22 @@ def usable_synsets(synsets: list[LemmaSynset]) -> tuple[list[tuple[LemmaSynset, 
     return kept, dropped
 
 
-def distractor_pool(synsets: list[LemmaSynset], unused: list[tuple[LemmaSynset, str]],
+def distractor_pool(synsets: list[LemmaSynset], usable: list[tuple[LemmaSynset, str]], unused: list[tuple[LemmaSynset, str]],
                     seed: int) -> list[tuple[LemmaSynset, str]]:
-    """Gallery texts for no query: ``unused`` (usable synsets in neither split, in the split's
-    shuffle order), then — shuffled by ``seed`` — the definitions of synsets dropped only because
-    their lemma text repeats an earlier synset's (polysemy: "bank" the slope, after "bank" the
-    institution). Every definition in the pool is unique and unlike any split's."""
-    taken = {text for _, text in unused}
-    kept_keys = {synset.key for synset, _ in unused}
-    usable_texts, _ = usable_synsets(synsets)
-    used_texts = {text for _, text in usable_texts}
+    """Gallery texts for no query: ``unused`` (the usable synsets in neither split, in the split's
+    shuffle order), then — shuffled by ``seed`` — the definitions of synsets that are not
+    ``usable`` only because their lemma text repeats an earlier synset's (polysemy: "bank" the
+    institution, after "bank" the slope). Every definition in the pool is unique and unlike any
+    usable synset's, so none is another query's positive."""
+    usable_texts = {text for _, text in usable}
     extra, seen = [], set()
     for synset in synsets:
         text = definition(synset.gloss)
-        if (text and '"' not in text and text not in used_texts and text not in seen and synset.key not in kept_keys
-                and synset.query.casefold() != text.casefold()):
+        if text and '"' not in text and text not in usable_texts and text not in seen and synset.query.casefold() != text.casefold():
             seen.add(text)
             extra.append((synset, text))
     order = np.random.default_rng(seed + 1).permutation(len(extra))
-    return unused + [extra[i] for i in order if extra[i][1] not in taken]
+    return unused + [extra[i] for i in order]
 
 
 # --- embeddings ------------------------------------------------------------------------------
@@ -257,11 +254,11 @@ def build_task(args: argparse.Namespace) -> tuple[object, dict]:
     order = np.random.default_rng(args.seed).permutation(len(usable))
     rows = {"eval": order[:args.eval_queries], "train": order[args.eval_queries:wanted]}
     print(f"{len(synsets)} synsets, {len(usable)} usable; eval {len(rows['eval'])}, train {len(rows['train'])}", flush=True)
-    pool = distractor_pool(synsets, [usable[i] for i in order[wanted:]], args.seed)[:args.distractors]
+    pool = distractor_pool(synsets, usable, [usable[i] for i in order[wanted:]], args.seed)[:args.distractors]
     for reason, count in dropped.most_common():
         print(f"  dropped {count}: {reason}", flush=True)
 
-    texts = {(split, "query"): [usable[i][0].query for i in index] for split, index in rows.items() if split != "pool"}
+    texts = {(split, "query"): [usable[i][0].query for i in index] for split, index in rows.items()}
     texts |= {(split, "gallery"): [usable[i][1] for i in index] for split, index in rows.items()}
     if pool:
         texts["pool", "gallery"] = [text for _, text in pool]
@@ -280,7 +277,7 @@ def build_task(args: argparse.Namespace) -> tuple[object, dict]:
         save_distractors(args, [synset.key for synset, _ in pool],
                          {role: vectors[role, "pool", "gallery"] for role in ("old", "new", "side")})
     splits = {}
-    for split, index in ((s, rows[s]) for s in ("eval", "train")):
+    for split, index in rows.items():
         ids = np.array([usable[i][0].key for i in index])
         query = TaskSet(ids, vectors["old", split, "query"], vectors["new", split, "query"], np.zeros((len(ids), 0), np.float32))
         gallery = TaskSet(ids, vectors["old", split, "gallery"], vectors["new", split, "gallery"], vectors["side", split, "gallery"])
@@ -293,14 +290,10 @@ def build_task(args: argparse.Namespace) -> tuple[object, dict]:
     return task, facts
 
 
-def distractor_path(args: argparse.Namespace) -> Path:
-    return args.out / f"{TASK_NAME}-seed{args.seed}.distractors.npz"
-
-
 def save_distractors(args: argparse.Namespace, keys: list[str], vectors: dict[str, np.ndarray]) -> None:
-    """Glosses of synsets in neither split (the next ones in the split's shuffle), embedded like
-    the gallery: what ``instance_scaling.py`` adds to the evaluation gallery to grow it."""
-    path = distractor_path(args)
+    """The distractor pool's glosses (:func:`distractor_pool`), embedded like the gallery: what
+    ``instance_scaling.py`` adds to the evaluation gallery to grow it."""
+    path = args.out / f"{TASK_NAME}-seed{args.seed}.distractors.npz"
     scratch = path.with_suffix(".partial.npz")
     np.savez(scratch, ids=np.array(keys), **vectors)
     os.replace(scratch, path)

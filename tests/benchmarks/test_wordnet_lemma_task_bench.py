@@ -23,6 +23,6 @@ def test_the_distractor_pool_holds_unique_definitions_of_no_query(bench):
     assert [s.key for s, _ in usable] == ["n:1", "n:3", "n:5", "n:6"]
     assert dropped["repeated lemma text (polysemy; first synset kept)"] == 1 and dropped["repeated definition (first synset kept)"] == 1
     unused = [u for u in usable if u[0].key in ("n:6",)]  # n:1, n:3, n:5 went to the task's splits
-    pool = bench.distractor_pool(synsets, unused, seed=0)
+    pool = bench.distractor_pool(synsets, usable, unused, seed=0)
     # the unused usable synset first, then the polysemous "bank" (its definition is no split's)
     assert [(s.key, text) for s, text in pool] == [("n:6", "a wild canid"), ("n:2", "a financial institution")]
