@@ -12,6 +12,7 @@ from fctkit.errors import ConfigError
 
 from .adapters import FastFillConfig, FCTConfig
 from .backbones import BackboneConfig
+from .fitting import CLASS_LEVEL_BATCH_SIZE, INSTANCE_LEVEL_BATCH_SIZE
 from .lambda_orth import LambdaOrthConfig
 from .method_names import METHOD_LABELS
 from .query_map import QueryMapConfig, QueryPositivesConfig
@@ -104,12 +105,16 @@ class PipelineConfig:
         """This config with the options left unset (``None``) decided for the run's data: for an
         instance-level task, training on query positives, and — when it is searched by cosine —
         the hubness offset and transition scoring are on (what the README recommends there; they
-        cost evaluations, not fits); for anything else they are off."""
+        cost evaluations, not fits) and the residual adapter trains on batches of 1,024 (more
+        in-batch negatives); for anything else they are off and its batches hold 256."""
         instance = level == "instance"
         scored = instance and self.evaluation.distance == "cosine"
         decided = {"query_positives": instance, "hubness": scored, "transition": scored}
-        changes = {name: dataclasses.replace(getattr(self, name), enabled=on)
-                   for name, on in decided.items() if getattr(self, name).enabled is None}
+        changes: dict[str, Any] = {name: dataclasses.replace(getattr(self, name), enabled=on)
+                                   for name, on in decided.items() if getattr(self, name).enabled is None}
+        if self.residual.train.batch_size is None:
+            batch_size = INSTANCE_LEVEL_BATCH_SIZE if instance else CLASS_LEVEL_BATCH_SIZE
+            changes["residual"] = dataclasses.replace(self.residual, train=dataclasses.replace(self.residual.train, batch_size=batch_size))
         return dataclasses.replace(self, **changes) if changes else self
 
 

@@ -15,8 +15,9 @@ Steps (everything under ``--out``):
    first ``--queries`` of them as queries.
 3. ``run/``: ``fctkit train`` on the task with the method the README recommends for asymmetric
    text: the residual adapter with InfoNCE, trained on the query positives, with the hubness
-   offset (``[query_positives]``, ``[hubness]``; settings not searched, for speed).
-4. ``bundles/``: ``fctkit export --method residual+query-positives+hubness`` with both graphs,
+   offset and transition scoring (the instance-level defaults; settings not searched, for speed).
+4. ``bundles/``: ``fctkit export --method <the gate's recommended gallery-side variant>`` (on
+   this task ``residual+query-positives+hubness``, judged on held-out training pairs) with both graphs,
    their tokenizers, the declarations and a JSON Lines parity sample whose features come from
    sentence-transformers. A gate that fails ECC is overridden with ``--force`` and said so.
 5. A real ``fctkit serve`` on loopback publishes v1; a device enrols, adds the ``--items``
@@ -80,7 +81,6 @@ from wordnet_lemma_task import read_lemma_synsets, usable_synsets
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-METHOD = "residual+query-positives+hubness"
 PARITY_TOLERANCE = 1e-4
 
 
@@ -338,14 +338,15 @@ def main(argv: list[str] | None = None) -> int:
         texts = wordnet_texts(args.train, args.items, args.seed)
         vectors = build_task(models, texts, args.queries, out / "task.npz")
         gate = train_task(out / "task.npz", out / "run", args.seed)
-        holds = gate_holds(gate, METHOD)
-        log(f"gate: ECC {'holds' if holds else 'FAILS'} for {METHOD} on recall@1")
+        method = gate["recommended"]["gallery side"]
+        holds = gate_holds(gate, method)
+        log(f"gate: recommends {method} (held-out training pairs); ECC {'holds' if holds else 'FAILS'} for it on recall@1")
         parity_sample(models, texts, out / "sample.jsonl")
         keys = publisher_keys(out / "keys")
         graphs = ["--old-graph", str(models["old"].graph), "--new-graph", str(models["new"].graph),
                   "--preprocessing", str(out / "models" / "preprocessing.json"),
                   "--tokenizer", f"old={models['old'].tokenizer}", "--tokenizer", f"new={models['new'].tokenizer}"]
-        export_bundles(out / "run", METHOD, keys, out / "bundles", graphs, out / "sample.jsonl", PARITY_TOLERANCE,
+        export_bundles(out / "run", method, keys, out / "bundles", graphs, out / "sample.jsonl", PARITY_TOLERANCE,
                        None if holds else "examples/text-search quick run: the ECC gate failed on a small training set")
         log("export: v1 and v2 signed")
         measured = deploy(out, keys, texts, vectors, models, args.queries, min(args.timing_items, args.items))
@@ -353,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     summary = {"items": args.items, "queries": args.queries, "train": args.train,
-               "timing_items": min(args.timing_items, args.items), "method": METHOD, "gate_ecc_holds": holds,
-               "gate": gate["cases"].get(METHOD), "ratios": ratios(measured), "measured": measured}
+               "timing_items": min(args.timing_items, args.items), "method": method, "gate_ecc_holds": holds,
+               "gate": gate["cases"].get(method), "ratios": ratios(measured), "measured": measured}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     for name, value in summary["ratios"].items():
         print(f"{name}: {value:.3f}")

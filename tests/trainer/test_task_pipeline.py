@@ -148,15 +148,17 @@ def test_an_instance_task_with_the_defaults_trains_only_what_the_readme_recommen
     offset, transition scoring and both) and the least-squares baseline; never FCT's MLP or
     λ-orth, which fail ECC on instance-level tasks. The report says how long each stage took."""
     task = save_task(tmp_path / "task.npz", synthetic_instance_task(n_train=600, n_eval=200, seed=seed()))
-    config = load_pipeline_config(None, {"data.name": "task", "data.task": str(task), "progress": False, "device": "cpu",
-                                         "evaluation.distance": "cosine", "residual.train.epochs": 3,
-                                         "query_positives.train.epochs": 3, "backfill.orderings": [], **SMALL_SEARCH})
+    settings = {"data.name": "task", "data.task": str(task), "progress": False, "device": "cpu",
+                "evaluation.distance": "cosine", "residual.train.epochs": 3, "query_positives.train.epochs": 3,
+                "backfill.orderings": [], **SMALL_SEARCH}
+    config = load_pipeline_config(None, settings)
     run = run_pipeline(config, tmp_path / "run", log=lambda _: None)
     residual = ["residual", "residual+query-positives"]
     scored = [*residual, "least-squares"]
     assert set(run.gate["ecc"]) == {*scored, *(f"{v}+{s}" for v in scored for s in ("transition", "hubness", "hubness+transition"))}
     resolved = json.loads(run.files["config"].read_text())
     assert [resolved[s]["enabled"] for s in ("query_positives", "hubness", "transition", "query_map")] == [True, True, True, False]
+    assert resolved["residual"]["train"]["batch_size"] == 1024  # more in-batch negatives on an instance-level task
     held_out = run.gate["held_out"]  # every variant scored on held-out training data, none on the evaluation split
     assert set(held_out) == set(run.gate["ecc"])
     recommended = run.gate["recommended"]
@@ -169,7 +171,10 @@ def test_an_instance_task_with_the_defaults_trains_only_what_the_readme_recommen
     # the same defaults with l2 distance: no cosine scores to fuse or offset, so no scoring variants
     l2 = dataclasses.replace(config, evaluation=dataclasses.replace(config.evaluation, distance="l2")).for_task("instance")
     assert (l2.hubness.enabled, l2.transition.enabled, l2.query_positives.enabled) == (False, False, True)
-    assert config.for_task("class").query_positives.enabled is False
+    class_level = config.for_task("class")
+    assert (class_level.query_positives.enabled, class_level.residual.train.batch_size) == (False, 256)
+    chosen = load_pipeline_config(None, {**settings, "residual.train.batch_size": 64}).for_task("instance")
+    assert chosen.residual.train.batch_size == 64  # a size the user set is kept
 
 
 def test_the_recommendation_prefers_the_simpler_variant_on_a_tie():
