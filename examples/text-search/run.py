@@ -2,7 +2,7 @@
 
     python examples/text-search/run.py --install          # once: the extra packages (see below), then runs
     python examples/text-search/run.py                    # quick: 1,000 gallery texts, 2,000 training pairs
-    python examples/text-search/run.py --items 20000 --queries 1000 --train 6000   # the size (~50 min on two CPU cores)
+    python examples/text-search/run.py --items 20000 --queries 1000 --train 6000   # the size (~45 min on two CPU cores)
 
 Steps (everything under ``--out``):
 
