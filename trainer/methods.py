@@ -26,14 +26,14 @@ def run_methods(config: PipelineConfig, task: RetrievalTask | None) -> tuple[str
 
 def method_config(config: PipelineConfig, method: str, has_side: bool, level: str) -> Any:
     """The method's config as the run fits it: seeded by the run, side-info when the data has
-    it, and the objective ``auto`` resolved (MSE for class level, InfoNCE for instance level)."""
+    it (and the method's ``side_info`` is not turned off), and the objective ``auto`` resolved (MSE for class level, InfoNCE for instance level)."""
     if method in ("least-squares", "procrustes"):
         return ClosedFormConfig(method=method.replace("-", "_"))
     section = {"fct": config.fct, "fct-no-side-info": config.fct, "fastfill": config.fastfill, "residual": config.residual,
                "lambda-orth": config.lambda_orth, "lambda-orth-relaxed": config.lambda_orth_relaxed}[method]
     section = run_seeded(config, section)
     if method in ("fct", "fct-no-side-info", "fastfill", "residual"):
-        section = dataclasses.replace(section, side_info=has_side and method != "fct-no-side-info")
+        section = dataclasses.replace(section, side_info=section.side_info and has_side and method != "fct-no-side-info")
     if method in ("fct", "fct-no-side-info") and section.objective.kind == "auto":
         section = dataclasses.replace(section, objective=dataclasses.replace(
             section.objective, kind="infonce" if level == "instance" else "mse"))

@@ -229,3 +229,13 @@ def test_the_residual_adapters_ridge_is_searched_only_when_asked_and_must_be_pos
                                          **SMALL_SEARCH, "selection.ridges": [1e-3, 1.0]})
     run = run_pipeline(config, tmp_path / "run", log=lambda _: None)
     assert "ridge = " in run.report.facts["selected [residual adapter]"]
+
+
+def test_a_method_reads_side_information_only_when_the_data_has_it_and_its_config_allows_it():
+    from fctkit.trainer.methods import method_config
+
+    default, turned_off = load_pipeline_config(), load_pipeline_config(None, {"residual.side_info": False})
+    assert method_config(default, "residual", has_side=True, level="instance").side_info is True
+    assert method_config(default, "residual", has_side=False, level="instance").side_info is False
+    assert method_config(turned_off, "residual", has_side=True, level="instance").side_info is False
+    assert method_config(default, "fct-no-side-info", has_side=True, level="class").side_info is False
