@@ -26,7 +26,8 @@ def run_methods(config: PipelineConfig, task: RetrievalTask | None) -> tuple[str
 
 def method_config(config: PipelineConfig, method: str, has_side: bool, level: str) -> Any:
     """The method's config as the run fits it: seeded by the run, side-info when the data has
-    it (and the method's ``side_info`` is not turned off), and the objective ``auto`` resolved (MSE for class level, InfoNCE for instance level)."""
+    it (and the method's ``side_info`` is not turned off), and the objective ``auto`` resolved
+    (MSE for class level, InfoNCE for instance level)."""
     if method in ("least-squares", "procrustes"):
         return ClosedFormConfig(method=method.replace("-", "_"))
     section = {"fct": config.fct, "fct-no-side-info": config.fct, "fastfill": config.fastfill, "residual": config.residual,
