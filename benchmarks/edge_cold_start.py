@@ -32,7 +32,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from fctkit.edge_runtime import Device
-from fctkit.edge_runtime.gallery_vectors import BLOCK_ROWS
+from fctkit.edge_runtime.gallery.vectors import BLOCK_ROWS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from edge_upgrade import D_OLD, D_SIDE, IMAGE_DIM, bench_workspace, emit, filled_device  # noqa: E402

@@ -58,7 +58,7 @@ from fctkit.edge_runtime.revert_records import last_revert  # noqa: E402
 from fctkit.edge_runtime.upgrade_check import stored_health  # noqa: E402
 from fctkit.protos.bundle import pack_bundle  # noqa: E402
 from fctkit.protos.trust.withdrawal import write_withdrawal  # noqa: E402
-from fctkit.server.rollouts import bucket  # noqa: E402
+from fctkit.server.rollout.offers import bucket  # noqa: E402
 
 V2_STAGES = (5.0, 25.0, 100.0)
 

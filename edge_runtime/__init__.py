@@ -21,7 +21,7 @@ from .compatible_search import comparable_dims, compatible_rows
 from .device import Device, DeviceSettings, Match, SyncResult
 from .engine import Engine, EngineConfig, select_providers
 from .gallery import Gallery
-from .gallery_rows import LoadedRows, NewRow, VersionTag
+from .gallery.rows import LoadedRows, NewRow, VersionTag
 from .replication import ReplicationResult
 from .search import ExactIndex, Neighbours
 from .upgrade import run_upgrade

@@ -23,7 +23,7 @@ from fctkit.feature_checks import nonfinite_items
 
 from .device_parts import DeviceParts
 from .engine import Engine
-from .gallery_rows import LoadedRows, NewRow, VersionTag
+from .gallery.rows import LoadedRows, NewRow, VersionTag
 from .scoring import TransitionState, store_hubness_offsets
 from .upgrade_plan import UpgradePlan, transform_rows
 from .vault_blob import original_items, seal_image, stored_original

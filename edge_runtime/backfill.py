@@ -35,7 +35,7 @@ from fctkit.backfill_order import backfill_order
 from fctkit.errors import DeviceError, GalleryError, InputError
 from fctkit.feature_checks import nonfinite_items
 
-from .gallery_rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
+from .gallery.rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
 from .vault_blob import original_items
 
 if TYPE_CHECKING:

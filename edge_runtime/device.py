@@ -62,8 +62,8 @@ from .device_sync import SyncResult, sync_device
 from .device_trust_sync import TrustChoice, enrol_device, trusted_client
 from .engine import Engine
 from .gallery import Gallery
-from .gallery_rows import LoadedRows
-from .gallery_search import GallerySearch, Match
+from .gallery.rows import LoadedRows
+from .queries import GallerySearch, Match
 from .repair import damage_report, repair_gallery, valid_names
 from .replication import ReplicationResult, apply_pending, replicate
 from .revert_records import expire_rollback, revert_report_fields, withdrawal_status
@@ -79,7 +79,7 @@ __all__ = ["AddedItems", "Device", "DeviceSettings", "Match", "SyncResult"]
 class Device:
     """One device directory; open with :meth:`init` (new) or :meth:`open` (existing). A facade:
     the work is done by the gallery, the installed bundles (:mod:`.bundle_store`), the search
-    (:mod:`.gallery_search`) and the operations in :mod:`.upgrade`, :mod:`.backfill`,
+    (:mod:`.queries`) and the operations in :mod:`.upgrade`, :mod:`.backfill`,
     :mod:`.replication` and :mod:`.repair`, each handed what it needs."""
 
     def __init__(self, root: Path, key: bytes, settings: DeviceSettings, owner_key: bytes) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from .device_files import PUBLISHER_FILE, DeviceSettings
 from .device_parts import DeviceParts
-from .gallery_search import GallerySearch
+from .queries import GallerySearch
 from .repair import side_info_lost
 from .scoring import scoring_of
 from .upgrade_check import stored_health

@@ -41,8 +41,8 @@ import numpy as np
 from fctkit.errors import CorruptRecordError
 
 from .crypto import Sealer
-from .gallery_replica import ReplicaRows
-from .gallery_rows import VersionTag
+from .gallery.replica_log import ReplicaRows
+from .gallery.rows import VersionTag
 
 MAGIC = b"FCTR1"
 BLOCK_MAGIC = b"FCTB1"

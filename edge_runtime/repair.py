@@ -40,10 +40,10 @@ from fctkit.errors import CorruptRecordError, FctkitError, GalleryDamagedError, 
 from fctkit.feature_checks import nonfinite_items
 
 from .gallery import Gallery
-from .gallery_extras import EXTRA_FIELDS
-from .gallery_rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
-from .gallery_schema import VECTOR_TABLES
-from .gallery_settings import REQUIRED, stored_name
+from .gallery.extras import EXTRA_FIELDS
+from .gallery.rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
+from .gallery.schema import VECTOR_TABLES
+from .gallery.settings import REQUIRED, stored_name
 
 #: ``rollback`` with its kept vectors (a withdrawal then reverts through backward or the vault), ``revert`` (reports
 #: stop naming it), ``withdrawn`` (the next sync's listing carries the withdrawals again)

@@ -53,8 +53,8 @@ import numpy as np
 from fctkit.errors import DeviceError, GalleryError
 from fctkit.protos import limits
 
-from .gallery_replica import BlockMerge, ItemState, OutgoingBlock, PendingBlock, ReplicaRows
-from .gallery_rows import VersionTag
+from .gallery.replica_log import BlockMerge, ItemState, OutgoingBlock, PendingBlock, ReplicaRows
+from .gallery.rows import VersionTag
 from .records import RecordHeader, beats, open_block, seal_block, sealed_sha256
 from .upgrade_plan import UpgradePlan, transform_rows
 

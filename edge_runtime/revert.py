@@ -8,7 +8,7 @@ withdrawal's ``revert_to``.
   recorded: that version is never installed again (:func:`~.revert_records.refuse_withdrawn`).
 - **exact**: within the rollback window (:mod:`.revert_records`) each row gets back the embedding
   and side-info it had before the upgrade, the very sealed values kept at the switch
-  (:meth:`~.gallery_upgrades.GalleryUpgrades.switch_to`), bit for bit.
+  (:meth:`~.gallery.upgrades.GalleryUpgrades.switch_to`), bit for bit.
 - otherwise (no window, closed, confirmed, or kept for another version; the status and sync notes say so):
   **backward** through the withdrawn bundle's ``backward`` graph to ``revert_to`` when it has one,
   else **reembedded**: each row's original is fetched from the vault and embedded by ``revert_to``'s
@@ -36,7 +36,7 @@ from fctkit.protos.trust.withdrawal import Withdrawal
 from .backfill import gallery_vectors, vault_originals
 from .device_parts import DeviceParts
 from .device_trust import DeviceTrust
-from .gallery_rows import UpgradedRows, VersionTag
+from .gallery.rows import UpgradedRows, VersionTag
 from .revert_records import (
     LISTED_ITEMS,
     ROLLBACK_KEY,

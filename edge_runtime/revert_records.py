@@ -1,5 +1,5 @@
 """What a device remembers about rollback windows and withdrawals (issue 36 §3), each kept in the
-gallery's authenticated settings (HMAC'd like every setting, :mod:`.gallery_settings`):
+gallery's authenticated settings (HMAC'd like every setting, :mod:`.gallery.settings`):
 
 - ``rollback`` (:class:`RollbackWindow`): after a forward-mode upgrade to a bundle whose window
   (manifest ``rollback_window_days``, :data:`~fctkit.protos.manifest.DEFAULT_ROLLBACK_WINDOW_DAYS`

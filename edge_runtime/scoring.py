@@ -38,7 +38,7 @@ from fctkit.protos.bundle import Manifest
 
 from .engine import Engine
 from .gallery import Gallery
-from .gallery_rows import LoadedRows, take_rows
+from .gallery.rows import LoadedRows, take_rows
 from .search import normalise
 
 SECONDS_PER_DAY = 86400.0

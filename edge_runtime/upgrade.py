@@ -40,7 +40,7 @@ from fctkit.protos.bundle import check_version_is_newer
 from .backfill import record_uncertainty
 from .engine import Engine
 from .gallery import Gallery
-from .gallery_rows import LoadedRows, UpgradedRows, rows_by_tag, take_rows
+from .gallery.rows import LoadedRows, UpgradedRows, rows_by_tag, take_rows
 from .revert_records import ROLLBACK_KEY, refuse_withdrawn, revert_meta, rollback_meta, withdrawal_log
 from .scoring import transition_for
 from .sqlite_file import file_bytes, require_room

@@ -50,7 +50,7 @@ from fctkit.errors import DeviceError, RpcStatusError
 
 from .backfill import gallery_vectors, reembedded_rows, vault_originals
 from .gallery import Gallery
-from .gallery_rows import take_rows
+from .gallery.rows import take_rows
 from .upgrade_health import sample_rows, streamed_health
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from fctkit.errors import DeviceError, GalleryError, RpcStatusError
 
 from .engine import Engine
 from .gallery import Gallery
-from .gallery_rows import VersionTag
+from .gallery.rows import VersionTag
 
 
 @dataclass(frozen=True)

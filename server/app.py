@@ -31,7 +31,7 @@ from .jsonlog import configure_logging, log_event
 from .metrics import ServerMetrics, gauges_of
 from .registry import Catalog, RegistryService
 from .revocation import OpenStreams
-from .rollouts import Rollouts
+from .rollout.offers import Rollouts
 from .root_of_trust import PublisherKeyRules, ReleaseRules, RootOfTrust
 from .rpc import MeteringInterceptor
 from .storage import SqliteStorage, Storage

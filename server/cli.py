@@ -251,7 +251,7 @@ def list_versions_command(connect, as_json: bool) -> None:
 
 
 def _add_rollout_commands() -> None:
-    from .rollout_cli import rollout_command, rollout_confirm_command, rollout_status_command, withdraw_command
+    from .rollout.cli import rollout_command, rollout_confirm_command, rollout_status_command, withdraw_command
 
     admin_command.add_command(rollout_command)
     admin_command.add_command(rollout_status_command)

@@ -7,7 +7,7 @@ works once and until it expires. Each code names the owner its device joins (the
 publisher's public key to pin (under a root: the root's first publisher key, for clients that
 pin one key; root-mode devices take the root from GetTrust instead). Reports carry the device's
 trust state (its root version, and whether its timestamp went stale: a possible freeze) and,
-after an upgrade, its health (checked by :mod:`.report_checks`, kept per device and version; a
+after an upgrade, its health (checked by :mod:`.rollout.report_checks`, kept per device and version; a
 rollout's guard may halt it at the report that tips it) and, after a withdrawal, the version it
 went back from and how (kept per device and withdrawn version); reports are limited per device and minute.
 """
@@ -31,11 +31,11 @@ from fctkit.protos.bundle import public_key_id
 
 from .auth import current_device_id, hash_secret, new_device_token
 from .jsonlog import log_event
-from .report_checks import DEFAULT_REPORTS_PER_MINUTE, ReportLimiter, health_report, revert_report
+from .rollout.report_checks import DEFAULT_REPORTS_PER_MINUTE, ReportLimiter, health_report, revert_report
 from .revocation import OpenStreams
-from .rollout_changes import guard_verdict
+from .rollout.changes import guard_verdict
 from .rollout_store import HALTED, Rollout
-from .rollouts import Rollouts
+from .rollout.offers import Rollouts
 from .storage import DeviceRecord, DeviceReport, OwnerKeyMismatch, Storage
 from .validation import counter_field, invalid, page_size, sha256_field, text_field, timestamp
 

@@ -1,8 +1,8 @@
 """The Registry service: published model versions, upgrade plans, artifact streaming with
 resume, version watching, bundle publishing, the root of trust (GetTrust, PublishRoot), staged
-rollouts (SetRollout, GetRollout, ConfirmVersion: :mod:`.rollout_service`) and withdrawals (Withdraw:
-:mod:`.withdraw_service`). A device is listed, planned, watched and sent only the versions its
-rollouts offer it (:mod:`.rollouts`) and never a withdrawn one (a device on it may still download
+rollouts (SetRollout, GetRollout, ConfirmVersion: :mod:`.rollout.service`) and withdrawals (Withdraw:
+:mod:`.rollout.withdraw_service`). A device is listed, planned, watched and sent only the versions its
+rollouts offer it (:mod:`.rollout.offers`) and never a withdrawn one (a device on it may still download
 its artifacts; upgrade plans never route through a withdrawn bundle's adapters); every
 ListVersions page carries every published withdrawal and the confirmed versions. The admin sees
 every version.
@@ -34,14 +34,14 @@ from fctkit.protos.trust import MAX_SIGNATURES_BYTES, ReleaseTrust, Signed, pars
 from fctkit.protos.planner import PlannedHop, plan_upgrade
 from .auth import current_principal
 from .jsonlog import log_event
-from .rollout_changes import check_percent, new_rollout
-from .rollout_service import RolloutRpcs
-from .rollouts import Rollouts
+from .rollout.changes import check_percent, new_rollout
+from .rollout.service import RolloutRpcs
+from .rollout.offers import Rollouts
 from .root_of_trust import ReleaseRules, RootOfTrust
 from .storage import StaleVersion, Storage, VersionRecord
 from .streams import FileSink, check_offset, file_chunks, open_stored, read_header, receive_chunks
 from .validation import chunk_size, invalid, page_size, quoted, sha256_field, text_field, timestamp, version_field
-from .withdraw_service import WithdrawRpcs
+from .rollout.withdraw_service import WithdrawRpcs
 
 
 def artifact_info(artifact: Artifact) -> registry_pb2.ArtifactInfo:

@@ -110,7 +110,7 @@ def _vectors(member: _Member, images: np.ndarray, query: Callable[[Device, np.nd
     device = member.device
     loaded = device.gallery.load(with_labels=False)
     position = {item: i for i, item in enumerate(loaded.item_ids)}
-    from fctkit.edge_runtime.gallery_rows import take_rows
+    from fctkit.edge_runtime.gallery.rows import take_rows
 
     gallery = take_rows(loaded.embeddings, [position[i] for i in member.ids])
     return query(device, images[member.rows]), gallery

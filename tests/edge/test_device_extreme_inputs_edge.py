@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 
-from fctkit.edge_runtime.gallery_rows import NewRow, VersionTag
+from fctkit.edge_runtime.gallery.rows import NewRow, VersionTag
 from fctkit.errors import GalleryError, InputError, ItemError
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from fctkit.edge_runtime.crypto import Sealer
-from fctkit.edge_runtime.gallery_blocks import BlockSealer, SealedBlock, block_slices, check_item_ids, decode_item_ids, encode_item_ids
-from fctkit.edge_runtime.gallery_rows import VersionTag
+from fctkit.edge_runtime.gallery.blocks import BlockSealer, SealedBlock, block_slices, check_item_ids, decode_item_ids, encode_item_ids
+from fctkit.edge_runtime.gallery.rows import VersionTag
 from fctkit.errors import CorruptRecordError, GalleryError, InputError
 
 TAG = VersionTag(1, 2, "forward")

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fctkit.edge_runtime import gallery_block_migration
+from fctkit.edge_runtime.gallery import block_migration as gallery_block_migration
 from fctkit.edge_runtime.gallery import Gallery
-from fctkit.edge_runtime.gallery_rows import LoadedRows, NewRow, VersionTag
-from fctkit.edge_runtime.gallery_vectors import BLOCK_ROWS
+from fctkit.edge_runtime.gallery.rows import LoadedRows, NewRow, VersionTag
+from fctkit.edge_runtime.gallery.vectors import BLOCK_ROWS
 from tests.edge.conftest import start_worker
 from tests.support.old_galleries import downgrade_to_schema_4
 
@@ -101,7 +101,7 @@ def _schema(path: Path) -> str:
 # The worker prints "ready" once imported and "step" after each committed migration step.
 WORKER = """
 import sys
-from fctkit.edge_runtime import gallery_block_migration
+from fctkit.edge_runtime.gallery import block_migration as gallery_block_migration
 from fctkit.edge_runtime.gallery import Gallery
 real_step = gallery_block_migration._reseal_next
 def step(*args):

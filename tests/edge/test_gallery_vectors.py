@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fctkit.edge_runtime.gallery import Gallery
-from fctkit.edge_runtime.gallery_rows import NewRow, UpgradedRows, VersionTag
+from fctkit.edge_runtime.gallery.rows import NewRow, UpgradedRows, VersionTag
 from fctkit.errors import InputError
 
 KEY = bytes(range(32))

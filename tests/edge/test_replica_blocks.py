@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from fctkit.edge_runtime.crypto import Sealer
-from fctkit.edge_runtime.gallery_replica import ReplicaRows
-from fctkit.edge_runtime.gallery_rows import VersionTag
+from fctkit.edge_runtime.gallery.replica_log import ReplicaRows
+from fctkit.edge_runtime.gallery.rows import VersionTag
 from fctkit.edge_runtime.records import decode_block, encode_block, open_block, seal_block
 from fctkit.edge_runtime.replication import block_parts
 from fctkit.errors import CorruptRecordError

@@ -372,7 +372,7 @@ def test_a_schema_5_gallery_pushes_its_sealed_records_as_they_were_and_keeps_its
     """Changes sealed before blocks keep their bytes and change ids (the server may hold them
     already: a lost acknowledgement), and a single-row record kept pending stays pending."""
     from fctkit.edge_runtime.records import RowContent, seal_record
-    from fctkit.edge_runtime.gallery_rows import VersionTag
+    from fctkit.edge_runtime.gallery.rows import VersionTag
     from tests.support.old_galleries import downgrade_to_schema_5
 
     device = enrolled(make_device, server, "old-phone", "kim")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from fctkit.protos import fleet_pb2
 from fctkit.protos.client import FctkitClient
-from fctkit.server.rollouts import bucket
+from fctkit.server.rollout.offers import bucket
 from tests.server.conftest import ADMIN_TOKEN, ServerProcess, enrolled_client
 from tests.server.test_rollouts import health, listed
 from tests.server.test_scale_out_failover import PATIENT

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from fctkit.protos import fleet_pb2, registry_pb2
 from fctkit.protos.client import FctkitClient
 from fctkit.server.cli import admin_command
-from fctkit.server.rollouts import bucket
+from fctkit.server.rollout.offers import bucket
 from fctkit.server.storage import VersionRecord
 from fctkit.server.storage_schema import SCHEMA_VERSION
 from tests.server.conftest import ADMIN_TOKEN, enrolled_client, status_code
@@ -316,7 +316,7 @@ def test_a_schema_8_database_gets_the_rollout_tables(tmp_path, open_storage, bac
         "device_health", "rollout_cohort", "rollout_stages", "rollouts")), versions=(1,))
     try:
         assert [r.version for r in storage.versions()] == [1] and storage.rollouts() == {}
-        from fctkit.server.rollout_changes import new_rollout
+        from fctkit.server.rollout.changes import new_rollout
 
         storage.add_version(VersionRecord(2, b"{}", b"sig", "now"), [], new_rollout(2, 5.0, "now"))
         assert storage.rollouts()[2].percent == 5.0 and storage.rollouts()[2].state == "staged"

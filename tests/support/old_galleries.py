@@ -1,6 +1,6 @@
 """Galleries as older fctkit versions wrote them, for the migration tests: a gallery rewritten in
 place to schema 5 (replication tables before blocks) or schema 4 (also every vector its own
-sealed record in the vector tables, the record format :mod:`fctkit.edge_runtime.gallery_sealing`
+sealed record in the vector tables, the record format :mod:`fctkit.edge_runtime.gallery.sealing`
 still opens)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 
 from fctkit.edge_runtime.crypto import Sealer
 from fctkit.edge_runtime.gallery import Gallery
-from fctkit.edge_runtime.gallery_sealing import RowSealer
-from fctkit.edge_runtime.gallery_settings import setting_mac
+from fctkit.edge_runtime.gallery.sealing import RowSealer
+from fctkit.edge_runtime.gallery.settings import setting_mac
 
 
 def downgrade_to_schema_5(path: Path, key: bytes) -> None:

@@ -18,9 +18,9 @@ import statistics
 from fctkit.errors import RpcStatusError
 from fctkit.protos import registry_pb2
 
-from .rollout_store import COMPLETE, HALTED, PAUSED, STAGED, HealthReport, Rollout, Stage
-from .rollouts import in_rollout
-from .validation import invalid
+from ..rollout_store import COMPLETE, HALTED, PAUSED, STAGED, HealthReport, Rollout, Stage
+from .offers import in_rollout
+from ..validation import invalid
 
 DEVICE_ID = re.compile(r"dev-[0-9a-f]{16}")
 MAX_COHORT = 10_000

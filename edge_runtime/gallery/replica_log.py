@@ -1,7 +1,7 @@
-"""The gallery's side of replication and the vault (:mod:`.replication`, :mod:`.backfill`): the
+"""The gallery's side of replication and the vault (:mod:`..replication`, :mod:`..backfill`): the
 outbox of sealed originals to upload, the log of changes sealed in blocks and pushed, pulled
 blocks merged in (set-based: one pass per block), pulled blocks kept for a version not installed
-yet, and removed items whose originals are to be deleted. Tables: :mod:`.gallery_schema`.
+yet, and removed items whose originals are to be deleted. Tables: :mod:`.schema`.
 
 A :class:`ReplicaLog` belongs to one :class:`~fctkit.edge_runtime.gallery.Gallery`
 (``gallery.replica_log``) and shares its connection; the rows it writes go through the gallery
@@ -20,11 +20,11 @@ import numpy as np
 
 from fctkit.errors import GalleryError, InputError
 
-from .gallery_blocks import decode_item_ids, encode_item_ids
-from .gallery_schema import VECTOR_TABLES
-from .gallery_rows import LoadedRows, VersionTag, rows_by_tag, take_rows
-from .gallery_vectors import LabelOpener, VectorBlocks
-from .sqlite_file import id_chunks, read_snapshot, transaction
+from .blocks import decode_item_ids, encode_item_ids
+from .schema import VECTOR_TABLES
+from .rows import LoadedRows, VersionTag, rows_by_tag, take_rows
+from .vectors import LabelOpener, VectorBlocks
+from ..sqlite_file import id_chunks, read_snapshot, transaction
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
-from .rollout_store import COMPLETE, STAGED, Rollout
-from .storage import Storage
+from ..rollout_store import COMPLETE, STAGED, Rollout
+from ..storage import Storage
 from .withdrawals import Withdrawals
 
 

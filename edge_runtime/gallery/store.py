@@ -1,13 +1,13 @@
 """The encrypted on-device gallery: one SQLite file (WAL) of sealed blocks and per-row metadata.
 
-Tables and migrations: :mod:`.gallery_schema` (schema 4 -> 5: :mod:`.gallery_block_migration`);
-row values: :mod:`.gallery_rows`. Vectors live in blocks of up to 4,096 rows of one version
-tag, each field sealed as one AES-GCM record (:mod:`.gallery_vectors`, :mod:`.gallery_blocks`),
+Tables and migrations: :mod:`.schema` (schema 4 -> 5: :mod:`.block_migration`);
+row values: :mod:`.rows`. Vectors live in blocks of up to 4,096 rows of one version
+tag, each field sealed as one AES-GCM record (:mod:`.vectors`, :mod:`.blocks`),
 so a whole gallery opens at block speed; labels and per-row extras are sealed per row
-(:mod:`.gallery_sealing`). Two parts have their own class: :attr:`Gallery.extras`
-(:mod:`.gallery_extras`) and :attr:`Gallery.replica_log` (outbox, changes to push, pulled
-records: :mod:`.gallery_replica`); the upgrade reads and writes come from the base class
-:class:`~.gallery_upgrades.GalleryUpgrades`.
+(:mod:`.sealing`). Two parts have their own class: :attr:`Gallery.extras`
+(:mod:`.extras`) and :attr:`Gallery.replica_log` (outbox, changes to push, pulled
+records: :mod:`.replica_log`); the upgrade reads and writes come from the base class
+:class:`~.upgrades.GalleryUpgrades`.
 
 Every write that changes a live row logs a change in the same transaction (adding, the
 switch commit of an upgrade, in-place upgrades and backfills, removal as a tombstone); one
@@ -21,9 +21,9 @@ so backfilled and adapted rows sit side by side; a replicated row of a version n
 yet waits in ``pending_blocks``.
 
 A damaged block is reported as its rows (row id, item id, reason); the other blocks load.
-Settings carry HMACs (:mod:`.gallery_settings`): a damaged one is named, never used;
+Settings carry HMACs (:mod:`.settings`): a damaged one is named, never used;
 ``meta.row_count`` makes rows gone from the file a reported loss. SQLite errors on a damaged
-file are :class:`GalleryDamagedError` (:mod:`.sqlite_file`).
+file are :class:`GalleryDamagedError` (:mod:`..sqlite_file`).
 """
 
 from __future__ import annotations
@@ -41,22 +41,22 @@ import numpy as np
 
 from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryDamagedError, GalleryError, InputError
 
-from .crypto import Sealer
-from .gallery_extras import RowExtras
-from .gallery_replica import InsertedRows, ReplicaLog
-from .gallery_rows import LoadedRows, NewRow, VersionTag, tag_name
-from .gallery_schema import (SCHEMA_VERSION, VECTOR_TABLES, check_essential, create_tables, migrate,
+from ..crypto import Sealer
+from .extras import RowExtras
+from .replica_log import InsertedRows, ReplicaLog
+from .rows import LoadedRows, NewRow, VersionTag, tag_name
+from .schema import (SCHEMA_VERSION, VECTOR_TABLES, check_essential, create_tables, migrate,
                              migrate_replica_to_blocks, vector_tables)
-from .gallery_block_migration import migrate_to_blocks
-from .gallery_blocks import check_item_ids
-from .gallery_sealing import RowSealer
-from .gallery_settings import GallerySettings, stored_name
-from .gallery_repairs import GalleryRepairs
-from .gallery_upgrades import GalleryUpgrades
-from .gallery_vectors import VectorBlocks, reconciled_with_items
-from .sqlite_file import connect, id_chunks, text_match
-from .sqlite_file import read_snapshot as _read_snapshot
-from .sqlite_file import transaction as _transaction
+from .block_migration import migrate_to_blocks
+from .blocks import check_item_ids
+from .sealing import RowSealer
+from .settings import GallerySettings, stored_name
+from .repairs import GalleryRepairs
+from .upgrades import GalleryUpgrades
+from .vectors import VectorBlocks, reconciled_with_items
+from ..sqlite_file import connect, id_chunks, text_match
+from ..sqlite_file import read_snapshot as _read_snapshot
+from ..sqlite_file import transaction as _transaction
 
 _KEY_CHECK = b"fctkit-gallery-key-check"
 
@@ -157,18 +157,18 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
 
     @property
     def extras(self) -> RowExtras:
-        """Values sealed beside the rows (:mod:`.gallery_extras`)."""
+        """Values sealed beside the rows (:mod:`.extras`)."""
         return self._extras
 
     @property
     def replica_log(self) -> ReplicaLog:
-        """The outbox, the log of changes to push and the pulled records (:mod:`.gallery_replica`)."""
+        """The outbox, the log of changes to push and the pulled records (:mod:`.replica_log`)."""
         return self._replica_log
 
     # -- metadata --------------------------------------------------------------------------
 
     def meta(self, key: str, default: str | None = None) -> str | None:
-        """An authenticated setting (:mod:`.gallery_settings`); a damaged one raises :class:`GalleryDamagedError`."""
+        """An authenticated setting (:mod:`.settings`); a damaged one raises :class:`GalleryDamagedError`."""
         return self.settings.get(key, default)
 
     def set_meta(self, values: dict[str, str | None]) -> None:
@@ -269,7 +269,7 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
                              [(r, tag.version, tag.via, int(b)) for r, b in zip(row_ids, block_of, strict=True)])
 
     def _insert_rows(self, live: str, inserted: InsertedRows) -> None:
-        """Inside a transaction: replicated rows of one tag under free row ids (:mod:`.gallery_replica`),
+        """Inside a transaction: replicated rows of one tag under free row ids (:mod:`.replica_log`),
         their vectors sealed in blocks."""
         rows, tag = inserted.rows, inserted.tag
         check_item_ids(rows.item_ids)
@@ -344,7 +344,7 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
             self._db.execute("INSERT OR IGNORE INTO tombstones VALUES (?, ?)", (item_id, original))
         return row is not None
 
-    # -- repair (:mod:`.repair`) ------------------------------------------------------------
+    # -- repair (:mod:`..repair`) ------------------------------------------------------------
 
     def forget_rows(self, rows: Sequence[tuple[int, str]], *, drop_queued: Sequence[str] = (),
                     drop_extras: Sequence[tuple[str, int]] = (), settings: dict[str, str | None] | None = None,
@@ -411,7 +411,7 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
         return [] if found == ["ok"] else [str(p) for p in found]
 
     def file_damage(self) -> dict[str, Any]:
-        """Damage beyond the rows and SQLite's integrity check (:func:`~.repair.damage_report`): id
+        """Damage beyond the rows and SQLite's integrity check (:func:`~..repair.damage_report`): id
         counters, row pointers naming the wrong block (live and staged), staged rows that
         fail to open."""
         return {"damaged_id_counters": self._vectors.damaged_sequences(),

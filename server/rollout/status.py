@@ -2,7 +2,7 @@
 the rollout in it and what they reported, and the distribution of their health signal.
 
 A device counts for the stage it entered in: stage 0 when it is in the cohort, else the first
-percent stage above its :func:`~.rollouts.bucket`. Of those (enrolled, not revoked):
+percent stage above its :func:`~.offers.bucket`. Of those (enrolled, not revoked):
 *downloaded* got the bundle (reported upgrading, backfilling or failed towards the version, runs it,
 or reported a health for it), *upgraded* runs the version or a later one, *failed* reported a
 failed upgrade to it, *reverted* reported going back from it after its withdrawal (counted by
@@ -20,9 +20,9 @@ from collections import Counter
 
 from fctkit.protos import fleet_pb2, registry_pb2
 
-from .rollout_store import DeviceState, HealthReport, Rollout, Stage
-from .rollouts import bucket
-from .withdrawal_store import StoredWithdrawal
+from ..rollout_store import DeviceState, HealthReport, Rollout, Stage
+from .offers import bucket
+from ..withdrawal_store import StoredWithdrawal
 
 _GOT_BUNDLE = (fleet_pb2.UPGRADE_STATE_UPGRADING, fleet_pb2.UPGRADE_STATE_BACKFILLING, fleet_pb2.UPGRADE_STATE_FAILED)
 

@@ -1,9 +1,9 @@
 """The gallery's vectors in sealed blocks (schema 5, issue 22): table ``vector_blocks``.
 
 Each block holds up to :data:`BLOCK_ROWS` rows of one version tag and one vector set
-(``vectors_0`` or ``vectors_1``, the live and staged sets of :mod:`.gallery`): the rows' ids and
+(``vectors_0`` or ``vectors_1``, the live and staged sets of :mod:`.store`): the rows' ids and
 item ids in plaintext, and their embeddings and side-info each sealed as one record
-(:mod:`.gallery_blocks`). The per-row tables ``vectors_0`` / ``vectors_1`` keep each row's tag and
+(:mod:`.blocks`). The per-row tables ``vectors_0`` / ``vectors_1`` keep each row's tag and
 the block holding its vectors, so rows stay queryable one by one; the blocks carry the bytes.
 
 Blocks are never changed in place. A row removed from a set (deleted, upgraded in place, or
@@ -29,10 +29,10 @@ import numpy as np
 
 from fctkit.errors import CorruptRecordError, GalleryDamagedError, GalleryError
 
-from .crypto import Sealer
-from .gallery_blocks import ROW_ID_DTYPE, BlockSealer, SealedBlock, block_slices, decode_item_ids, encode_item_ids
-from .gallery_rows import LoadedRows, VersionTag
-from .sqlite_file import id_chunks
+from ..crypto import Sealer
+from .blocks import ROW_ID_DTYPE, BlockSealer, SealedBlock, block_slices, decode_item_ids, encode_item_ids
+from .rows import LoadedRows, VersionTag
+from ..sqlite_file import id_chunks
 
 BLOCK_ROWS = 4096
 RECENT_BLOCKS = 2  # opened blocks kept in memory per connection (upgrade batches read a block in parts)

@@ -1,8 +1,8 @@
 """The Registry's rollout RPCs (admin only, issue 36): ``SetRollout`` changes a version's staged
 rollout (never a withdrawn version's), ``GetRollout`` reports it (with its withdrawal and its
 confirmation, if any), ``ConfirmVersion`` confirms a version offered to devices and not withdrawn.
-Mixed into :class:`~.registry.RegistryService`, whose catalog, storage and
-:class:`~.rollouts.Rollouts` they use."""
+Mixed into :class:`~..registry.RegistryService`, whose catalog, storage and
+:class:`~.offers.Rollouts` they use."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import Any
 from fctkit.errors import RpcStatusError
 from fctkit.protos import registry_pb2
 
-from .rollout_changes import changed_rollout, check_cohort, check_confirmable
-from .rollout_status import rollout_status
-from .rollout_store import DeviceState, Rollout
-from .rollouts import Rollouts
-from .storage import Storage
-from .validation import timestamp, version_field
+from .changes import changed_rollout, check_cohort, check_confirmable
+from .status import rollout_status
+from ..rollout_store import DeviceState, Rollout
+from .offers import Rollouts
+from ..storage import Storage
+from ..validation import timestamp, version_field
 
 
 class RolloutRpcs:

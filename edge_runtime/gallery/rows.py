@@ -1,4 +1,4 @@
-"""The gallery's row values (:mod:`.gallery`): version tags, rows to add, loaded and upgraded rows."""
+"""The gallery's row values (:mod:`.store`): version tags, rows to add, loaded and upgraded rows."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ VIAS = ("native", "forward", "backward")
 
 @dataclass(frozen=True)
 class VersionTag:
-    """Which space a row's vectors are in (see :mod:`.gallery`)."""
+    """Which space a row's vectors are in (see :mod:`.store`)."""
 
     origin_version: int
     version: int

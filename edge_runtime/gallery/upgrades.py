@@ -13,10 +13,10 @@ import numpy as np
 
 from fctkit.errors import GalleryError
 
-from .gallery_extras import ROLLBACK_FIELDS, RowExtras
-from .gallery_rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
-from .gallery_vectors import VectorBlocks
-from .sqlite_file import id_chunks, read_snapshot, transaction
+from .extras import ROLLBACK_FIELDS, RowExtras
+from .rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
+from .vectors import VectorBlocks
+from ..sqlite_file import id_chunks, read_snapshot, transaction
 
 
 class GalleryUpgrades:
@@ -91,7 +91,7 @@ class GalleryUpgrades:
             self._write_rows(batches, staged=staged, logged=logged)
 
     def revert_rows(self, batches: Sequence[UpgradedRows], meta: dict[str, str | None]) -> None:
-        """A revert in one transaction (:mod:`.revert`): the rows written back in place (each guarded
+        """A revert in one transaction (:mod:`..revert`): the rows written back in place (each guarded
         by its live tag, logged for replication), the rollback vectors and a transition's previous
         embeddings dropped, ``meta`` set."""
         with transaction(self._db):
@@ -170,7 +170,7 @@ class GalleryUpgrades:
         Earlier previous-space embeddings are dropped; ``keep_previous``: the live rows in that
         version's space keep their embedding as ``previous_embedding`` (a transition begins);
         ``keep_rollback``: every live row keeps its embedding and side-info as it was, sealed under
-        its tag (``rollback_embedding``, ``rollback_side_info``: a rollback window begins, :mod:`.revert`)."""
+        its tag (``rollback_embedding``, ``rollback_side_info``: a rollback window begins, :mod:`..revert`)."""
         with transaction(self._db):
             left = self.remaining(target_version)
             if left:

@@ -5,7 +5,7 @@ publisher threshold of the latest root, or under the ``--publisher-key`` of a se
 without a root. The server cannot withdraw anything on its own: it only stores and hands out
 what the publishers signed. The version must be published, its ``revert_to`` 0 or a published
 version below it and not withdrawn itself; the same bytes again change nothing, another
-withdrawal of a withdrawn version is ALREADY_EXISTS. Mixed into :class:`~.registry.RegistryService`.
+withdrawal of a withdrawn version is ALREADY_EXISTS. Mixed into :class:`~..registry.RegistryService`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from fctkit.errors import BundleError, RpcStatusError, TrustError
 from fctkit.protos import registry_pb2
 from fctkit.protos.trust import Signed, Withdrawal, parse_withdrawal, verify_withdrawal
 
-from .jsonlog import log_event
-from .root_of_trust import ReleaseRules
-from .rollouts import Rollouts
-from .validation import invalid, timestamp
-from .withdrawal_store import StoredWithdrawal
+from ..jsonlog import log_event
+from ..root_of_trust import ReleaseRules
+from .offers import Rollouts
+from ..validation import invalid, timestamp
+from ..withdrawal_store import StoredWithdrawal
 
 
 def checked_withdrawal(data: bytes, rules: ReleaseRules) -> Signed[Withdrawal]:

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from fctkit.errors import RpcStatusError
 from fctkit.protos import fleet_pb2
 
-from .rollout_store import HealthReport
-from .validation import invalid
+from ..rollout_store import HealthReport
+from ..validation import invalid
 
 MAX_UPGRADE_SECONDS = 366 * 86400.0  # an upgrade longer than a year is not a measurement
 MAX_COUNT = 1 << 53  # rows beyond any gallery, and the largest integer a double holds exactly

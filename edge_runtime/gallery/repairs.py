@@ -1,5 +1,5 @@
 """The gallery's repair reads and writes (:class:`GalleryRepairs`, a base of
-:class:`~fctkit.edge_runtime.gallery.Gallery`; :mod:`.repair` uses them): rows opened one by one
+:class:`~fctkit.edge_runtime.gallery.Gallery`; :mod:`..repair` uses them): rows opened one by one
 through their pointers, the side-info widths a re-seal needs, and per-row entries set back from
 their authenticated block."""
 
@@ -10,10 +10,10 @@ from collections.abc import Callable, Sequence
 
 from fctkit.errors import CorruptRecordError
 
-from .gallery_rows import LoadedRows
-from .gallery_sealing import RowSealer
-from .gallery_vectors import VectorBlocks
-from .sqlite_file import id_chunks, read_snapshot, transaction
+from .rows import LoadedRows
+from .sealing import RowSealer
+from .vectors import VectorBlocks
+from ..sqlite_file import id_chunks, read_snapshot, transaction
 
 
 class GalleryRepairs:

@@ -1,7 +1,7 @@
-"""Schema 4 -> 5: the row-sealed vectors of an older gallery re-sealed as blocks (:mod:`.gallery_vectors`).
+"""Schema 4 -> 5: the row-sealed vectors of an older gallery re-sealed as blocks (:mod:`.vectors`).
 
 Runs when a schema-4 gallery is opened, in steps that each commit on their own, so it is
-crash-safe and resumable: a step takes the next :data:`~.gallery_vectors.BLOCK_ROWS` rows of a
+crash-safe and resumable: a step takes the next :data:`~.vectors.BLOCK_ROWS` rows of a
 vector table not yet in a block (by row id), opens their per-row records, seals them as
 blocks and points the rows to them, emptying their old BLOBs, in one transaction. A row
 whose record fails to open points to block 0 (no such block): it stays listed as a damaged
@@ -15,12 +15,12 @@ import sqlite3
 
 from tqdm import tqdm
 
-from .gallery_rows import rows_by_tag, take_rows
-from .gallery_schema import VECTOR_TABLES, execute_script, still_at
-from .gallery_sealing import RowSealer
-from .gallery_settings import GallerySettings
-from .gallery_vectors import BLOCK_ROWS, BLOCKS_SCHEMA, VectorBlocks
-from .sqlite_file import transaction
+from .rows import rows_by_tag, take_rows
+from .schema import VECTOR_TABLES, execute_script, still_at
+from .sealing import RowSealer
+from .settings import GallerySettings
+from .vectors import BLOCK_ROWS, BLOCKS_SCHEMA, VectorBlocks
+from ..sqlite_file import transaction
 
 DAMAGED_BLOCK = 0  # the block id of rows whose old records failed to open (no block has it)
 

@@ -10,19 +10,19 @@ from pathlib import Path
 
 import numpy as np
 
-from .gallery_rows import LoadedRows, VersionTag, rows_by_tag
-from .gallery_schema import vector_tables
-from .gallery_sealing import RowSealer
-from .gallery_settings import GallerySettings
-from .gallery_vectors import VectorBlocks
-from .sqlite_file import read_snapshot, transaction
+from .rows import LoadedRows, VersionTag, rows_by_tag
+from .schema import vector_tables
+from .sealing import RowSealer
+from .settings import GallerySettings
+from .vectors import VectorBlocks
+from ..sqlite_file import read_snapshot, transaction
 
 #: the row's embedding in the previous version's space while a transition lasts (sealed as that
 #: tag's "embedding", so it is the very record the row had), and the row's hubness offset in its
 #: current space; each field's name in the records' authenticated data
 EXTRA_FIELDS = {"previous_embedding": "embedding", "hubness_offset": "hubness_offset",
                 "rollback_embedding": "embedding", "rollback_side_info": "side_info"}
-#: during a rollback window (:mod:`.revert`): each row's embedding and side-info as they were before
+#: during a rollback window (:mod:`..revert`): each row's embedding and side-info as they were before
 #: the last upgrade, sealed as that tag's own records (an SQL tuple)
 ROLLBACK_FIELDS = "('rollback_embedding', 'rollback_side_info')"
 

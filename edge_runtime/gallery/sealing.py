@@ -1,6 +1,6 @@
-"""The gallery's per-row records sealed under the device key (:mod:`.gallery`): labels, per-row
-extras (:mod:`.gallery_extras`), and the vectors of galleries up to schema 4 (re-sealed as blocks
-when opened, :mod:`.gallery_block_migration`; schema 5 keeps vectors in :mod:`.gallery_vectors`).
+"""The gallery's per-row records sealed under the device key (:mod:`.store`): labels, per-row
+extras (:mod:`.extras`), and the vectors of galleries up to schema 4 (re-sealed as blocks
+when opened, :mod:`.block_migration`; schema 5 keeps vectors in :mod:`.vectors`).
 
 Every record is sealed with AES-256-GCM under the device key; its authenticated data is
 ``gallery id | row id | item id | origin | version | via | field``. A modified, truncated,
@@ -16,8 +16,8 @@ import numpy as np
 
 from fctkit.errors import CorruptRecordError, GalleryError
 
-from .crypto import Sealer
-from .gallery_rows import LoadedRows, VersionTag
+from ..crypto import Sealer
+from .rows import LoadedRows, VersionTag
 
 
 class RowSealer:
@@ -107,7 +107,7 @@ def _label_tag(origin_version: int) -> VersionTag:
 
 def _stack(vectors: list[bytes]) -> np.ndarray:
     """An (n, d) float32 array; when rows of different spaces have different dims, an
-    object array of 1-D vectors (use :func:`~.gallery_rows.take_rows` to get a dense block of one space)."""
+    object array of 1-D vectors (use :func:`~.rows.take_rows` to get a dense block of one space)."""
     if not vectors:
         return np.zeros((0, 0), dtype=np.float32)
     if len({len(v) for v in vectors}) == 1:

@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 from fctkit.errors import RpcStatusError
 
-from .storage import Storage
-from .withdrawal_store import StoredWithdrawal
-from .validation import invalid
+from ..storage import Storage
+from ..withdrawal_store import StoredWithdrawal
+from ..validation import invalid
 
 
 class Withdrawals:

@@ -11,7 +11,7 @@ import numpy as np
 from .bundle_store import InstalledBundles
 from .compatible_search import comparable_dims, compatible_rows
 from .gallery import Gallery
-from .gallery_rows import LoadedRows, take_rows
+from .gallery.rows import LoadedRows, take_rows
 from .scoring import Scoring, TransitionState, prepared_queries, scoring_of, searched_rows
 from .search import ExactIndex
 

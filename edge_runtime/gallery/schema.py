@@ -1,4 +1,4 @@
-"""The gallery file's tables (:mod:`.gallery`), the migrations from older schemas and the check
+"""The gallery file's tables (:mod:`.store`), the migrations from older schemas and the check
 of the settings needed to open it at all.
 
 Row format::
@@ -17,9 +17,9 @@ Row format::
                                             model), 'forward' (adapted by h/F from origin_version),
                                             'backward' (B(φ_new), unified mode)
                 block_id INTEGER            the sealed block holding the row's vectors (schema 5,
-                                            :mod:`.gallery_vectors`; up to schema 4 each row held its
+                                            :mod:`.vectors`; up to schema 4 each row held its
                                             own sealed embedding and side_info BLOBs)
-    vector_blocks                           the blocks (:mod:`.gallery_vectors`)
+    vector_blocks                           the blocks (:mod:`.vectors`)
 
 Replication (schema 2, :mod:`fctkit.edge_runtime.replication`; blocks since schema 6)::
 
@@ -37,8 +37,8 @@ Replication (schema 2, :mod:`fctkit.edge_runtime.replication`; blocks since sche
     meta.replica_cursor                          the owner's last sequence number merged
 
 Schema 1 galleries are migrated when opened: every row gets a change, so the whole gallery is
-pushed once. Schema 3 adds ``row_extras`` (:mod:`.gallery_extras`), schema 4 the settings' MACs
-(:mod:`.gallery_settings`), schema 5 the vector blocks (:mod:`.gallery_block_migration`), schema 6
+pushed once. Schema 3 adds ``row_extras`` (:mod:`.extras`), schema 4 the settings' MACs
+(:mod:`.settings`), schema 5 the vector blocks (:mod:`.block_migration`), schema 6
 the replica's blocks (changes already sealed and pulled records kept stay single-row records).
 """
 
@@ -50,10 +50,10 @@ from pathlib import Path
 
 from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryError
 
-from .crypto import Sealer
-from .gallery_settings import ESSENTIAL, GallerySettings, add_macs, authentic, setting_mac
-from .gallery_vectors import BLOCKS_SCHEMA
-from .sqlite_file import transaction
+from ..crypto import Sealer
+from .settings import ESSENTIAL, GallerySettings, add_macs, authentic, setting_mac
+from .vectors import BLOCKS_SCHEMA
+from ..sqlite_file import transaction
 
 SCHEMA_VERSION = 6
 VECTOR_TABLES = ("vectors_0", "vectors_1")
@@ -103,7 +103,7 @@ def create_tables(db: sqlite3.Connection) -> None:
 
 def migrate(db: sqlite3.Connection, sealer: Sealer) -> None:
     """Bring a gallery of an older schema to schema 4, one transaction per step (4 -> 5, which
-    re-seals every row, is :mod:`.gallery_block_migration`)."""
+    re-seals every row, is :mod:`.block_migration`)."""
     for step in (_add_replication, _add_row_extras, _add_macs):
         step(db, sealer)
 

@@ -1,6 +1,6 @@
 """Vector blocks: the rows of one field in one version tag, sealed as one record (issue 22).
 
-The sealing of the block-sealed gallery (schema 5); the blocks' table is :mod:`.gallery_vectors`.
+The sealing of the block-sealed gallery (schema 5); the blocks' table is :mod:`.vectors`.
 
 A block holds the float32 values of ``n`` rows of one field (``embedding``, ``side_info``, …)
 in one version tag, sealed with AES-256-GCM under the device key: one cipher call, one nonce
@@ -24,8 +24,8 @@ import numpy as np
 
 from fctkit.errors import CorruptRecordError, GalleryError, InputError
 
-from .crypto import Sealer
-from .gallery_rows import VersionTag
+from ..crypto import Sealer
+from .rows import VersionTag
 
 ROW_ID_DTYPE = np.dtype("<i8")
 VALUE_DTYPE = np.dtype("<f4")

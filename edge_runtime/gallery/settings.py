@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from fctkit.errors import GalleryDamagedError
 
-from .crypto import Sealer
+from ..crypto import Sealer
 
 #: must be present in every gallery of schema 4 (the others are optional: absent = not set)
 REQUIRED = ("schema_version", "gallery_id", "key_check", "query_version", "live_vectors", "replica_cursor", "row_count")
