@@ -39,9 +39,13 @@ class LoopbackServer(DemoServer):
         from fctkit.protos.trust import root_fingerprint
 
         timestamp_key, timestamp_pub = generate_keys(self.work / "timestamp")
-        root_file, signed, _ = init_root(self.work / "root", root_keys=1, root_threshold=1,
-                                         publisher_keys=[load_public_key(publisher_pub)],
-                                         timestamp_keys=[load_public_key(timestamp_pub)])
+        root_file, signed, _ = init_root(
+            self.work / "root",
+            root_keys=1,
+            root_threshold=1,
+            publisher_keys=[load_public_key(publisher_pub)],
+            timestamp_keys=[load_public_key(timestamp_pub)],
+        )
         self.fingerprint = root_fingerprint(signed)
         return ("--root", str(root_file), "--timestamp-key", str(timestamp_key))
 

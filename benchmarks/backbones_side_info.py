@@ -68,14 +68,28 @@ def main() -> None:
         timings[name] = time.perf_counter() - start
         return result
 
-    old = timed("old backbone", lambda: train_backbone(old_train.images, old_train.labels,
-                                                       BackboneConfig("small", 32, **epochs), args.seed, args.device))
-    new = timed("new backbone", lambda: train_backbone(train.images, train.labels,
-                                                       BackboneConfig("wide", 64, **epochs), args.seed, args.device))
-    simclr = timed("simclr side-info", lambda: train_side_info(old_train.images, None,
-                                                              SideInfoConfig("simclr", 32, **epochs), args.seed, args.device))
-    alternate = timed("alternate side-info", lambda: train_side_info(
-        old_train.images, old_train.labels, SideInfoConfig("alternate", 32, **epochs), args.seed + 1, args.device))
+    old = timed(
+        "old backbone",
+        lambda: train_backbone(
+            old_train.images, old_train.labels, BackboneConfig("small", 32, **epochs), args.seed, args.device
+        ),
+    )
+    new = timed(
+        "new backbone",
+        lambda: train_backbone(
+            train.images, train.labels, BackboneConfig("wide", 64, **epochs), args.seed, args.device
+        ),
+    )
+    simclr = timed(
+        "simclr side-info",
+        lambda: train_side_info(old_train.images, None, SideInfoConfig("simclr", 32, **epochs), args.seed, args.device),
+    )
+    alternate = timed(
+        "alternate side-info",
+        lambda: train_side_info(
+            old_train.images, old_train.labels, SideInfoConfig("alternate", 32, **epochs), args.seed + 1, args.device
+        ),
+    )
     torch.manual_seed(args.seed)
     untrained = SideInfoModel(SideInfoConfig("simclr", 32))
 
@@ -89,7 +103,11 @@ def main() -> None:
         return lambda s: extract_features(m, s.images)
 
     figures = {
-        "dataset": args.dataset, "train": len(train), "old_train": len(old_train), "query": len(query), "gallery": len(gallery),
+        "dataset": args.dataset,
+        "train": len(train),
+        "old_train": len(old_train),
+        "query": len(query),
+        "gallery": len(gallery),
         "top1_all_classes": {
             "pixels (baseline)": retrieval(pixels, query, gallery),
             "old backbone": retrieval(model(old), query, gallery),
@@ -103,8 +121,10 @@ def main() -> None:
             "alternate psi": retrieval(model(alternate), old_query, old_gallery),
         },
         "epochs_run": {
-            "old backbone": len(old.history.train_loss), "new backbone": len(new.history.train_loss),
-            "simclr side-info": len(simclr.history.train_loss), "alternate side-info": len(alternate.history.train_loss),
+            "old backbone": len(old.history.train_loss),
+            "new backbone": len(new.history.train_loss),
+            "simclr side-info": len(simclr.history.train_loss),
+            "alternate side-info": len(alternate.history.train_loss),
         },
         "simclr_loss_first_last": [simclr.history.train_loss[0], simclr.history.train_loss[-1]],
         "seconds": timings,
@@ -116,7 +136,9 @@ def main() -> None:
         "new backbone": linear_cka(phi_old, extract_features(new, query.images)),
     }
 
-    print(f"{args.dataset}: train {len(train)} (old classes {len(old_train)}), query {len(query)}, gallery {len(gallery)}")
+    print(
+        f"{args.dataset}: train {len(train)} (old classes {len(old_train)}), query {len(query)}, gallery {len(gallery)}"
+    )
     for section in ("top1_all_classes", "top1_old_classes"):
         base = figures[section]["pixels (baseline)"]
         print(f"\n{section.replace('_', ' ')}  (ratio = top-1 / raw-pixel top-1 measured in this run)")
@@ -127,8 +149,10 @@ def main() -> None:
         print(f"  {name:26s} {value:.3f}")
     print("\ntraining wall time  (ratio = seconds / old-backbone seconds in this run)")
     for name, seconds in timings.items():
-        print(f"  {name:26s} {seconds:7.2f} s   ratio {seconds / timings['old backbone']:.2f}   "
-              f"epochs {figures['epochs_run'][name]}")
+        print(
+            f"  {name:26s} {seconds:7.2f} s   ratio {seconds / timings['old backbone']:.2f}   "
+            f"epochs {figures['epochs_run'][name]}"
+        )
     print(f"  {'total':26s} {sum(timings.values()):7.2f} s")
     if args.json:
         with open(args.json, "w") as fh:

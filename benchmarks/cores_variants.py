@@ -44,34 +44,56 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "CoReS + HOC, fine-tune (the default selection)": ("cores-hoc", {}),
     "CoReS + HOC, fine-tune, last epoch": ("cores-hoc", {"cores.ecc_selection": False}),
     "CoReS + HOC, K = 10 (no spare vertices), fine-tune": ("cores-hoc", {"cores.reserved_classes": 10}),
-    "CoReS + HOC, K = 10, fine-tune, last epoch": ("cores-hoc", {"cores.reserved_classes": 10, "cores.ecc_selection": False}),
+    "CoReS + HOC, K = 10, fine-tune, last epoch": (
+        "cores-hoc",
+        {"cores.reserved_classes": 10, "cores.ecc_selection": False},
+    ),
     "BCT (reference)": ("bct", {}),
     "independent training (reference)": ("independent", {}),
 }
 
 
-def top1(query: np.ndarray, query_labels: np.ndarray, gallery: np.ndarray, gallery_labels: np.ndarray,
-         leave_one_out: bool) -> float:
-    return evaluate_retrieval(query, query_labels, gallery, gallery_labels, distance="cosine", topk=(1,),
-                              leave_one_out=leave_one_out).cmc[1]
+def top1(
+    query: np.ndarray, query_labels: np.ndarray, gallery: np.ndarray, gallery_labels: np.ndarray, leave_one_out: bool
+) -> float:
+    return evaluate_retrieval(
+        query, query_labels, gallery, gallery_labels, distance="cosine", topk=(1,), leave_one_out=leave_one_out
+    ).cmc[1]
 
 
 def measure(config_path: str, method: str, overrides: dict[str, object], seed: int, out: Path) -> dict[str, object]:
-    config = load_compatible_config(config_path, {"seed": seed, "sequence": [], "methods": [method], "adapters": [],
-                                                  "progress": False, "device": "cpu", **overrides})
+    config = load_compatible_config(
+        config_path,
+        {
+            "seed": seed,
+            "sequence": [],
+            "methods": [method],
+            "adapters": [],
+            "progress": False,
+            "device": "cpu",
+            **overrides,
+        },
+    )
     run_compatible(config, out, log=lambda _: None)
     gate = json.loads((out / "gate.json").read_text())
     results = json.loads((out / "results.json").read_text())["upgrade"]
     splits = load_image_splits(config)
     old_classes = np.unique(splits.labels[splits.train])[: config.upgrade[0]]
-    evaluation = evaluation_items(splits.labels, splits.train, splits.evaluation, config.upgrade[-1], config.evaluation_classes)
+    evaluation = evaluation_items(
+        splits.labels, splits.train, splits.evaluation, config.upgrade[-1], config.evaluation_classes
+    )
     images, labels = splits.images[evaluation], splits.labels[evaluation]
-    old, new = (extract_features(load_compatible_model(out / "models" / "upgrade" / method / f"v{k}.pt"), images) for k in (1, 2))
+    old, new = (
+        extract_features(load_compatible_model(out / "models" / "upgrade" / method / f"v{k}.pt"), images)
+        for k in (1, 2)
+    )
     seen = np.isin(labels, old_classes)
     cases = gate["cases"][method]
     row = {name: cases[name]["top1"] for name in ("old/old", "new/old", "new/new")}
     known = results["cases_on_gallery_classes"].get(method)
-    row["old classes: old/old"], row["old classes: new/old"] = (known["v1/v1"]["cmc"]["1"], known["v2/v1"]["cmc"]["1"]) if known else (None, None)
+    row["old classes: old/old"], row["old classes: new/old"] = (
+        (known["v1/v1"]["cmc"]["1"], known["v2/v1"]["cmc"]["1"]) if known else (None, None)
+    )
     # queries of one group against the whole old gallery; a query is left out of the gallery by position
     for group, mask in (("seen", seen), ("unseen", ~seen)):
         for case, query in (("old/old", old), ("new/old", new)):
@@ -99,19 +121,38 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--variants", nargs="+", default=None, help="indices into the variant list (default: all)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    parser.add_argument("--evaluation-classes", choices=["trained", "held-out"], default=None,
-                        help="evaluate on the last version's classes (the config's default) or on the classes no version trains on")
-    parser.add_argument("--upgrade", type=int, nargs=2, default=None, help="classes of v1 and v2 (default: the config's)")
-    parser.add_argument("--first-version-items", type=float, default=None,
-                        help="fraction of its classes' training items v1 trains on (with --upgrade 10 10: a data-growth upgrade)")
+    parser.add_argument(
+        "--evaluation-classes",
+        choices=["trained", "held-out"],
+        default=None,
+        help="evaluate on the last version's classes (the config's default) or on the classes no version trains on",
+    )
+    parser.add_argument(
+        "--upgrade", type=int, nargs=2, default=None, help="classes of v1 and v2 (default: the config's)"
+    )
+    parser.add_argument(
+        "--first-version-items",
+        type=float,
+        default=None,
+        help="fraction of its classes' training items v1 trains on (with --upgrade 10 10: a data-growth upgrade)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     chosen = [list(VARIANTS)[int(i)] for i in args.variants] if args.variants else list(VARIANTS)
-    protocol = {key: value for key, value in (("evaluation_classes", args.evaluation_classes), ("upgrade", args.upgrade),
-                                              ("first_version_items", args.first_version_items)) if value}
+    protocol = {
+        key: value
+        for key, value in (
+            ("evaluation_classes", args.evaluation_classes),
+            ("upgrade", args.upgrade),
+            ("first_version_items", args.first_version_items),
+        )
+        if value
+    }
     figures: dict[str, dict[int, dict[str, object]]] = {}
-    print("| variant | seed | old/old | new/old | ratio | new/new | ECC | old classes: old/old → new/old | "
-          "seen-class queries: old/old → new/old | unseen-class queries: old/old → new/old |")
+    print(
+        "| variant | seed | old/old | new/old | ratio | new/new | ECC | old classes: old/old → new/old | "
+        "seen-class queries: old/old → new/old | unseen-class queries: old/old → new/old |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in chosen:
         figures[name] = {}
@@ -120,11 +161,14 @@ def main() -> None:
                 method, overrides = VARIANTS[name]
                 row = measure(args.config, method, {**overrides, **protocol}, seed, Path(tmp))
             figures[name][seed] = row
-            print(f"| {name} | {seed} | {row['old/old']:.4f} | {row['new/old']:.4f} | {row['new/old'] / row['old/old']:.3f} | "
-                  f"{row['new/new']:.4f} | {'yes' if row['new/old'] > row['old/old'] else 'no'} | "
-                  f"{_pair(row, 'old classes: old/old', 'old classes: new/old', 4)} | "
-                  f"{_pair(row, 'old/old seen queries', 'new/old seen queries', 3)} | "
-                  f"{_pair(row, 'old/old unseen queries', 'new/old unseen queries', 3)} |", flush=True)
+            print(
+                f"| {name} | {seed} | {row['old/old']:.4f} | {row['new/old']:.4f} | {row['new/old'] / row['old/old']:.3f} | "
+                f"{row['new/new']:.4f} | {'yes' if row['new/old'] > row['old/old'] else 'no'} | "
+                f"{_pair(row, 'old classes: old/old', 'old classes: new/old', 4)} | "
+                f"{_pair(row, 'old/old seen queries', 'new/old seen queries', 3)} | "
+                f"{_pair(row, 'old/old unseen queries', 'new/old unseen queries', 3)} |",
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2, default=str) + "\n")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "img"
 
@@ -29,19 +29,37 @@ OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "img"
 #   WordNet:       python benchmarks/text_wordnet.py --threads 1   (split 0)
 CLASS_LEVEL = {
     "digits": {
-        "old/old": 0.8289, "new/new": 0.9917,
-        "FCT + ψ": 0.9791, "FCT, no ψ": 0.9736, "FastFill": 0.9861, "least squares": 0.9805,
-        "Procrustes": 0.8275, "λ-orth B⊥": 0.9875, "λ-orth B_λ": 0.9889,
+        "old/old": 0.8289,
+        "new/new": 0.9917,
+        "FCT + ψ": 0.9791,
+        "FCT, no ψ": 0.9736,
+        "FastFill": 0.9861,
+        "least squares": 0.9805,
+        "Procrustes": 0.8275,
+        "λ-orth B⊥": 0.9875,
+        "λ-orth B_λ": 0.9889,
     },
     "Fashion-MNIST": {
-        "old/old": 0.7123, "new/new": 0.8772,
-        "FCT + ψ": 0.8357, "FCT, no ψ": 0.8197, "FastFill": 0.8323, "least squares": 0.8067,
-        "Procrustes": 0.6740, "λ-orth B⊥": 0.8115, "λ-orth B_λ": 0.7890,
+        "old/old": 0.7123,
+        "new/new": 0.8772,
+        "FCT + ψ": 0.8357,
+        "FCT, no ψ": 0.8197,
+        "FastFill": 0.8323,
+        "least squares": 0.8067,
+        "Procrustes": 0.6740,
+        "λ-orth B⊥": 0.8115,
+        "λ-orth B_λ": 0.7890,
     },
     "WordNet supersenses\n(MiniLM → mpnet)": {
-        "old/old": 0.4517, "new/new": 0.5161,
-        "FCT + ψ": 0.5127, "FCT, no ψ": 0.5005, "FastFill": 0.3835, "least squares": 0.5136,
-        "Procrustes": 0.4855, "λ-orth B⊥": 0.5158, "λ-orth B_λ": 0.5152,
+        "old/old": 0.4517,
+        "new/new": 0.5161,
+        "FCT + ψ": 0.5127,
+        "FCT, no ψ": 0.5005,
+        "FastFill": 0.3835,
+        "least squares": 0.5136,
+        "Procrustes": 0.4855,
+        "λ-orth B⊥": 0.5158,
+        "λ-orth B_λ": 0.5152,
     },
 }
 
@@ -51,14 +69,22 @@ CLASS_LEVEL = {
 #   OMP_NUM_THREADS=1 fctkit train-compatible --config configs/digits-compatible.toml --out ...
 COMPATIBLE = {
     "Fashion-MNIST (classes 0–4 → 0–9)": {
-        "independent": (0.7238, 0.0896), "BCT": (0.7238, 0.4763), "BT²": (0.7238, 0.7137),
-        "CoReS": (0.6813, 0.3929), "CoReS + HOC": (0.6813, 0.5212),
-        "FCT h(old, ψ)": (0.7238, 0.7879), "λ-orth B⊥": (0.7238, 0.6104),
+        "independent": (0.7238, 0.0896),
+        "BCT": (0.7238, 0.4763),
+        "BT²": (0.7238, 0.7137),
+        "CoReS": (0.6813, 0.3929),
+        "CoReS + HOC": (0.6813, 0.5212),
+        "FCT h(old, ψ)": (0.7238, 0.7879),
+        "λ-orth B⊥": (0.7238, 0.6104),
     },
     "digits (classes 0–4 → 0–9, seed 0)": {
-        "independent": (0.8414, 0.0779), "BCT": (0.8414, 0.8637), "BT²": (0.8414, 0.8707),
-        "CoReS": (0.8623, 0.8512), "CoReS + HOC": (0.8623, 0.8178),
-        "FCT h(old, ψ)": (0.8414, 0.9889), "λ-orth B⊥": (0.8414, 0.9221),
+        "independent": (0.8414, 0.0779),
+        "BCT": (0.8414, 0.8637),
+        "BT²": (0.8414, 0.8707),
+        "CoReS": (0.8623, 0.8512),
+        "CoReS + HOC": (0.8623, 0.8178),
+        "FCT h(old, ψ)": (0.8414, 0.9889),
+        "λ-orth B⊥": (0.8414, 0.9221),
     },
 }
 
@@ -68,14 +94,18 @@ COMPATIBLE = {
 PHOTOS = {
     "Debian photos, near-duplicates": {
         "old/old": 1.149,
-        "residual": (0.360, 0.018), "+ query pos.": (0.486, 0.011),
-        "+ query pos.\n+ hubness": (0.650, 0.014), "+ query pos.\n+ transition": (1.121, 0.058),
+        "residual": (0.360, 0.018),
+        "+ query pos.": (0.486, 0.011),
+        "+ query pos.\n+ hubness": (0.650, 0.014),
+        "+ query pos.\n+ transition": (1.121, 0.058),
         "residual\n+ transition": (1.127, 0.031),
     },
     "Fashion-MNIST, near-duplicates": {
         "old/old": 1.543,
-        "residual": (0.667, 0.035), "+ query pos.": (1.808, 0.049),
-        "+ query pos.\n+ hubness": (2.453, 0.049), "+ query pos.\n+ transition": (2.272, 0.019),
+        "residual": (0.667, 0.035),
+        "+ query pos.": (1.808, 0.049),
+        "+ query pos.\n+ hubness": (2.453, 0.049),
+        "+ query pos.\n+ transition": (2.272, 0.019),
         "residual\n+ transition": (1.525, 0.025),
     },
 }
@@ -105,15 +135,20 @@ def class_level() -> Path:
     figure, axis = plt.subplots(figsize=(9, 5))
     width = 0.8 / len(methods)
     colours = plt.get_cmap("tab10").colors
-    for g, (name, row) in enumerate(CLASS_LEVEL.items()):
+    for g, (_name, row) in enumerate(CLASS_LEVEL.items()):
         bound = row["new/new"]
         for i, method in enumerate(methods):
             x = g + (i - (len(methods) - 1) / 2) * width
-            axis.bar(x, row[method] / bound, width * 0.95, color=colours[i],
-                     label=method if g == 0 else None)
+            axis.bar(x, row[method] / bound, width * 0.95, color=colours[i], label=method if g == 0 else None)
         floor = row["old/old"] / bound
-        axis.hlines(floor, g - 0.42, g + 0.42, colors="black", linestyles="--",
-                    label="old/old (ECC: beat this)" if g == 0 else None)
+        axis.hlines(
+            floor,
+            g - 0.42,
+            g + 0.42,
+            colors="black",
+            linestyles="--",
+            label="old/old (ECC: beat this)" if g == 0 else None,
+        )
     axis.axhline(1.0, color="grey", linewidth=0.8)
     axis.set_xticks(range(len(CLASS_LEVEL)), list(CLASS_LEVEL))
     axis.set_ylim(0.6, 1.05)
@@ -128,12 +163,11 @@ def compatible() -> Path:
     figure, axis = plt.subplots(figsize=(9, 4.8))
     width = 0.8 / len(methods)
     colours = plt.get_cmap("tab10").colors
-    for g, (name, row) in enumerate(COMPATIBLE.items()):
+    for g, (_name, row) in enumerate(COMPATIBLE.items()):
         for i, method in enumerate(methods):
             old_old, new_old = row[method]
             x = g + (i - (len(methods) - 1) / 2) * width
-            axis.bar(x, new_old / old_old, width * 0.95, color=colours[i],
-                     label=method if g == 0 else None)
+            axis.bar(x, new_old / old_old, width * 0.95, color=colours[i], label=method if g == 0 else None)
     axis.axhline(1.0, color="black", linestyle="--", label="new/old = old/old (ECC above)")
     axis.set_xticks(range(len(COMPATIBLE)), list(COMPATIBLE))
     axis.set_ylim(0, 1.25)
@@ -150,8 +184,9 @@ def photos() -> Path:
         variants = [v for v in row if v != "old/old"]
         means = [row[v][0] for v in variants]
         sds = [row[v][1] for v in variants]
-        axis.bar(range(len(variants)), means, 0.7, yerr=sds, capsize=3,
-                 color=[colours[i] for i in range(len(variants))])
+        axis.bar(
+            range(len(variants)), means, 0.7, yerr=sds, capsize=3, color=[colours[i] for i in range(len(variants))]
+        )
         axis.axhline(row["old/old"], color="black", linestyle="--", label="old/old (Lite0; ECC line)")
         axis.axhline(1.0, color="grey", linewidth=0.8, label="new/new (Lite2 re-embedded)")
         axis.set_xticks(range(len(variants)), variants, fontsize=8)

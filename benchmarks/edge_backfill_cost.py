@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _loopback import LoopbackServer, report  # noqa: E402
-from edge_upgrade import D_NEW, D_OLD, D_SIDE, fct_graph, linear_graph  # noqa: E402
+from _loopback import LoopbackServer, report
+from edge_upgrade import D_NEW, D_OLD, D_SIDE, fct_graph, linear_graph
 
-from fctkit.edge_runtime import Device, DeviceSettings  # noqa: E402
+from fctkit.edge_runtime import Device, DeviceSettings
 
 PIXELS = 28 * 28
 
@@ -44,16 +44,29 @@ def build_bundles(folder: Path, key) -> tuple[Path, Path]:
 
     def base(version: int) -> list[ArtifactSource]:
         return [
-            ArtifactSource(linear_graph(folder / f"embed{version}.onnx", {"image": PIXELS}, D_OLD, "embedding", version), "embed"),
-            ArtifactSource(linear_graph(folder / f"side{version}.onnx", {"image": PIXELS}, D_SIDE, "side_info", 10 + version), "side_info"),
+            ArtifactSource(
+                linear_graph(folder / f"embed{version}.onnx", {"image": PIXELS}, D_OLD, "embedding", version), "embed"
+            ),
+            ArtifactSource(
+                linear_graph(folder / f"side{version}.onnx", {"image": PIXELS}, D_SIDE, "side_info", 10 + version),
+                "side_info",
+            ),
         ]
 
-    common = dict(mode="forward", distance="cosine", normalize=True, private_key=key)
-    v1 = build_bundle(folder / "v1", version=1, parents=(), artifacts=base(1), gate={"cases": {}, "ecc": {}}, **common).root
+    common = {"mode": "forward", "distance": "cosine", "normalize": True, "private_key": key}
+    v1 = build_bundle(
+        folder / "v1", version=1, parents=(), artifacts=base(1), gate={"cases": {}, "ecc": {}}, **common
+    ).root
     h = fct_graph(folder / "h.onnx", 7)
     assert D_NEW == D_OLD
-    v2 = build_bundle(folder / "v2", version=2, parents=(1,), artifacts=[*base(2), ArtifactSource(h, "forward", 1, 2)],
-                      gate={"cases": {}, "ecc": {"forward_1_to_2": True}}, **common).root
+    v2 = build_bundle(
+        folder / "v2",
+        version=2,
+        parents=(1,),
+        artifacts=[*base(2), ArtifactSource(h, "forward", 1, 2)],
+        gate={"cases": {}, "ecc": {"forward_1_to_2": True}},
+        **common,
+    ).root
     return v1, v2
 
 
@@ -61,13 +74,20 @@ def measure(rows: int, batch: int, work: Path) -> dict:
     with LoopbackServer(work) as server:
         v1, v2 = build_bundles(work / "bundles", server.key)
         server.publish(v1)
-        device = Device.init(work / "device", publisher_key=server.publisher_pub, settings=DeviceSettings(batch_size=batch, health_sample=0))
+        device = Device.init(
+            work / "device",
+            publisher_key=server.publisher_pub,
+            settings=DeviceSettings(batch_size=batch, health_sample=0),
+        )
         device.progress = False
         device.enrol(server.target, server.code())
         device.sync(replicate=False)
         images = np.random.default_rng(0).integers(0, 256, (rows, PIXELS)).astype(np.float32) / 255
         for first in range(0, rows, 1000):
-            device.add(images[first:first + 1000], item_ids=[f"i{first + k:07d}" for k in range(len(images[first:first + 1000]))])
+            device.add(
+                images[first : first + 1000],
+                item_ids=[f"i{first + k:07d}" for k in range(len(images[first : first + 1000]))],
+            )
         server.publish(v2)
         device.sync(upgrade=False, replicate=False)  # download and verify v2 (not timed)
         start = time.perf_counter()
@@ -79,24 +99,33 @@ def measure(rows: int, batch: int, work: Path) -> dict:
         assert upgraded == rows and result.backfilled == rows
         assert device.status()["rows_by_space"] == {"v2": rows}
         device.close()
-    return {"rows": rows, "batch": batch, "upgrade_s": upgrade_s, "backfill_s": backfill_s,
-            "upgrade_ms_per_row": 1000 * upgrade_s / rows, "backfill_ms_per_row": 1000 * backfill_s / rows,
-            "sealed_bytes_downloaded_per_row": result.bytes_downloaded / rows, "backfill_over_upgrade": backfill_s / upgrade_s}
+    return {
+        "rows": rows,
+        "batch": batch,
+        "upgrade_s": upgrade_s,
+        "backfill_s": backfill_s,
+        "upgrade_ms_per_row": 1000 * upgrade_s / rows,
+        "backfill_ms_per_row": 1000 * backfill_s / rows,
+        "sealed_bytes_downloaded_per_row": result.bytes_downloaded / rows,
+        "backfill_over_upgrade": backfill_s / upgrade_s,
+    }
 
 
 def markdown(r: dict) -> str:
-    return "\n".join([
-        f"Backfill vs forward upgrade on one device, {r['rows']:,} rows of 28x28 images, batch {r['batch']}, same run "
-        "(`python benchmarks/edge_backfill_cost.py`; linear embed graphs, so the backfill row is the kit's floor):",
-        "",
-        "| per row | ms | what it includes |",
-        "|---|---|---|",
-        f"| forward upgrade (FCT mixer) | {r['upgrade_ms_per_row']:.3f} | decrypt + h(φ, ψ) + seal + commit + switch |",
-        f"| backfill | {r['backfill_ms_per_row']:.3f} | download {r['sealed_bytes_downloaded_per_row']:,.0f} sealed bytes + open + "
-        "re-embed + seal + commit |",
-        f"| ratio backfill / upgrade | {r['backfill_over_upgrade']:.1f}x | |",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"Backfill vs forward upgrade on one device, {r['rows']:,} rows of 28x28 images, batch {r['batch']}, same run "
+            "(`python benchmarks/edge_backfill_cost.py`; linear embed graphs, so the backfill row is the kit's floor):",
+            "",
+            "| per row | ms | what it includes |",
+            "|---|---|---|",
+            f"| forward upgrade (FCT mixer) | {r['upgrade_ms_per_row']:.3f} | decrypt + h(φ, ψ) + seal + commit + switch |",
+            f"| backfill | {r['backfill_ms_per_row']:.3f} | download {r['sealed_bytes_downloaded_per_row']:,.0f} sealed bytes + open + "
+            "re-embed + seal + commit |",
+            f"| ratio backfill / upgrade | {r['backfill_over_upgrade']:.1f}x | |",
+            "",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

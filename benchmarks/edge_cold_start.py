@@ -35,7 +35,7 @@ from fctkit.edge_runtime import Device
 from fctkit.edge_runtime.gallery.vectors import BLOCK_ROWS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from edge_upgrade import D_OLD, D_SIDE, IMAGE_DIM, bench_workspace, emit, filled_device  # noqa: E402
+from edge_upgrade import D_OLD, D_SIDE, IMAGE_DIM, bench_workspace, emit, filled_device
 
 
 def aes_floor_seconds(rows: int, row_bytes: int) -> float:
@@ -85,8 +85,9 @@ print(json.dumps({"seconds": seconds, "peak_bytes": rss("VmHWM:") - before, "hel
 
 def cold_start(device_dir: Path) -> dict:
     """Open + first query in a fresh process (the page cache warm, the process cold), with its peak memory."""
-    out = subprocess.run([sys.executable, "-c", _COLD_START, str(device_dir), str(IMAGE_DIM)], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _COLD_START, str(device_dir), str(IMAGE_DIM)], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -110,8 +111,10 @@ def main(argv: list[str] | None = None) -> None:
         raw = args.rows * row_bytes
         lines = [
             f"{args.rows:,} rows x ({D_OLD}-d embedding + {D_SIDE}-d side-info) float32 = {raw / 2**20:,.0f} MiB, "
-            f"blocks of {BLOCK_ROWS:,} rows, one run.", "",
-            "| measure | seconds | ÷ bulk AES-GCM |", "|---|---:|---:|",
+            f"blocks of {BLOCK_ROWS:,} rows, one run.",
+            "",
+            "| measure | seconds | ÷ bulk AES-GCM |",
+            "|---|---:|---:|",
             f"| bulk AES-GCM decrypt of the same bytes (floor) | {aes_s:.3f} | 1.00 |",
             f"| SQLite read of the sealed BLOBs alone | {blob_s:.3f} | {blob_s / aes_s:.2f} |",
             f"| `gallery.load()` (read + decrypt + place) | {load_s:.3f} | {load_s / aes_s:.2f} |",

@@ -31,7 +31,7 @@ from fctkit.edge_runtime import ExactIndex
 from fctkit.edge_runtime.search import normalise
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from edge_upgrade import D_OLD, D_SIDE, DEFAULT_DIMS, IMAGE_DIM, Dims, bench_workspace, emit, filled_device  # noqa: E402
+from edge_upgrade import D_OLD, D_SIDE, DEFAULT_DIMS, IMAGE_DIM, Dims, bench_workspace, emit, filled_device
 
 
 def latencies(fn, queries: np.ndarray) -> np.ndarray:
@@ -39,7 +39,7 @@ def latencies(fn, queries: np.ndarray) -> np.ndarray:
     times = []
     for i in range(len(queries)):
         start = time.perf_counter()
-        fn(queries[i:i + 1])
+        fn(queries[i : i + 1])
         times.append(time.perf_counter() - start)
     return np.asarray(times)
 
@@ -83,7 +83,9 @@ def measure(rows: int, queries: int, dims: Dims = DEFAULT_DIMS) -> QueryTimes:
         numpy_index = ExactIndex(loaded.embeddings, "cosine", backend="numpy")
         faiss_index = ExactIndex(loaded.embeddings, "cosine", backend="faiss")
         # the device's answers equal faiss's on the same vectors
-        assert np.array_equal(faiss_index.search(vectors[:20], 10).indices, numpy_index.search(vectors[:20], 10).indices)
+        assert np.array_equal(
+            faiss_index.search(vectors[:20], 10).indices, numpy_index.search(vectors[:20], 10).indices
+        )
         times = {}
         for threads in dict.fromkeys((faiss.omp_get_max_threads(), 1)):
             faiss.omp_set_num_threads(threads)
@@ -100,13 +102,17 @@ def measure(rows: int, queries: int, dims: Dims = DEFAULT_DIMS) -> QueryTimes:
 def markdown(result: QueryTimes) -> str:
     lines = [
         f"{result.rows:,} rows, {result.dims.embedding}-d, cosine, k = 10, {result.queries} single queries; first query "
-        f"(decrypts the gallery once) {result.first_s:.2f} s.", "",
-        "| faiss OpenMP threads | search | p50 ms | p99 ms | p50 / faiss p50 |", "|---|---|---:|---:|---:|",
+        f"(decrypts the gallery once) {result.first_s:.2f} s.",
+        "",
+        "| faiss OpenMP threads | search | p50 ms | p99 ms | p50 / faiss p50 |",
+        "|---|---|---:|---:|---:|",
     ]
     for threads, cases in result.times.items():
         for name, times in cases.items():
             p50, p99 = np.percentile(times, 50), np.percentile(times, 99)
-            lines.append(f"| {threads} | {name} | {p50 * 1e3:.2f} | {p99 * 1e3:.2f} | {result.p50_ratio(threads, name):.2f} |")
+            lines.append(
+                f"| {threads} | {name} | {p50 * 1e3:.2f} | {p99 * 1e3:.2f} | {result.p50_ratio(threads, name):.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

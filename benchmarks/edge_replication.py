@@ -40,7 +40,7 @@ from tqdm import tqdm
 from fctkit.edge_runtime import Device, DeviceSettings, NewRow, VersionTag
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _loopback import LoopbackServer, report  # noqa: E402
+from _loopback import LoopbackServer, report
 
 DIM = 128
 MESSAGE_BYTES = 1 << 20
@@ -132,8 +132,13 @@ def measure(rows: int, work: Path, profile: bool = False) -> dict:
         first.enrol(server.target, server.code("bench"))
         fill(first, rows)
         key_file = first.export_owner_key(work / "owner.key", "benchmark")
-        second = Device.init(work / "second", publisher_key=server.publisher_pub, settings=DeviceSettings(),
-                             owner_key_file=key_file, owner_key_passphrase="benchmark")
+        second = Device.init(
+            work / "second",
+            publisher_key=server.publisher_pub,
+            settings=DeviceSettings(),
+            owner_key_file=key_file,
+            owner_key_passphrase="benchmark",
+        )
         second.enrol(server.target, server.code("bench"))
         second.gallery.set_meta({"query_version": "1"})
         pushed, pulled = ReplicationResult(), ReplicationResult()
@@ -147,36 +152,49 @@ def measure(rows: int, work: Path, profile: bool = False) -> dict:
         second.close()
     up_s, down_s = plain_stream_seconds(sealed_bytes)
     return {
-        "rows": rows, "sealed_bytes": sealed_bytes, "bytes_per_row": sealed_bytes / rows,
-        "push_s": push_s, "pull_s": pull_s, "plain_up_s": up_s, "plain_down_s": down_s,
-        "push_rows_per_s": rows / push_s, "pull_rows_per_s": rows / pull_s,
-        "plain_up_rows_per_s": rows / up_s, "plain_down_rows_per_s": rows / down_s,
-        "push_ratio": up_s / push_s, "pull_ratio": down_s / pull_s,
+        "rows": rows,
+        "sealed_bytes": sealed_bytes,
+        "bytes_per_row": sealed_bytes / rows,
+        "push_s": push_s,
+        "pull_s": pull_s,
+        "plain_up_s": up_s,
+        "plain_down_s": down_s,
+        "push_rows_per_s": rows / push_s,
+        "pull_rows_per_s": rows / pull_s,
+        "plain_up_rows_per_s": rows / up_s,
+        "plain_down_rows_per_s": rows / down_s,
+        "push_ratio": up_s / push_s,
+        "pull_ratio": down_s / pull_s,
     }
 
 
 def markdown(result: dict) -> str:
     r = result
-    return "\n".join([
-        f"Replication of {r['rows']:,} rows (128-d embedding + 128-d side-info, {r['bytes_per_row']:.0f} sealed bytes per row) "
-        "between two devices of one owner over loopback, against a plain gRPC byte stream of the same bytes in the same run "
-        "(`python benchmarks/edge_replication.py`):",
-        "",
-        "| direction | replication rows/s | plain gRPC stream rows/s | ratio |",
-        "|---|---|---|---|",
-        f"| push (seal + PushRecords + commit) | {r['push_rows_per_s']:,.0f} | {r['plain_up_rows_per_s']:,.0f} | {r['push_ratio']:.3f} |",
-        f"| pull (PullRecords + open + merge + commit) | {r['pull_rows_per_s']:,.0f} | {r['plain_down_rows_per_s']:,.0f} | {r['pull_ratio']:.3f} |",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"Replication of {r['rows']:,} rows (128-d embedding + 128-d side-info, {r['bytes_per_row']:.0f} sealed bytes per row) "
+            "between two devices of one owner over loopback, against a plain gRPC byte stream of the same bytes in the same run "
+            "(`python benchmarks/edge_replication.py`):",
+            "",
+            "| direction | replication rows/s | plain gRPC stream rows/s | ratio |",
+            "|---|---|---|---|",
+            f"| push (seal + PushRecords + commit) | {r['push_rows_per_s']:,.0f} | {r['plain_up_rows_per_s']:,.0f} | {r['push_ratio']:.3f} |",
+            f"| pull (PullRecords + open + merge + commit) | {r['pull_rows_per_s']:,.0f} | {r['plain_down_rows_per_s']:,.0f} | {r['pull_ratio']:.3f} |",
+            "",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--markdown", type=Path, default=None, help="Also append the table to this file.")
-    parser.add_argument("--profile", action="store_true",
-                        help="Profile push and pull (the device side; the server runs in its own process) and print "
-                             "the costliest functions; the timings then include the profiler's overhead.")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="Profile push and pull (the device side; the server runs in its own process) and print "
+        "the costliest functions; the timings then include the profiler's overhead.",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fctkit-replication-bench-") as tmp:
         result = measure(args.rows, Path(tmp), args.profile)

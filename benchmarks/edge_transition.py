@@ -32,8 +32,8 @@ import numpy as np
 from fctkit.edge_runtime import Device, DeviceSettings
 
 sys.path.insert(0, str(Path(__file__).parent))
-from edge_query import latencies  # noqa: E402
-from edge_upgrade import D_NEW, IMAGE_DIM, bench_workspace, build_bundles, emit, fill  # noqa: E402
+from edge_query import latencies
+from edge_upgrade import D_NEW, IMAGE_DIM, bench_workspace, build_bundles, emit, fill
 
 WEIGHT, BETA, REFERENCES, K = 0.5, 0.5, 1000, 10
 
@@ -61,11 +61,18 @@ def measure(device: Device, images: np.ndarray) -> dict[str, float]:
     held = index.vectors.nbytes + rows.embeddings.nbytes + rows.side_infos.nbytes
     with sqlite3.connect(root / "gallery.sqlite") as db:  # the sealed vectors stored (a file keeps freed pages)
         live = db.execute("SELECT value FROM meta WHERE key = 'live_vectors'").fetchone()[0]
-        sealed = db.execute("SELECT SUM(LENGTH(embedding) + LENGTH(side_info)) FROM vector_blocks WHERE vector_set = ?",
-                            (live,)).fetchone()[0]
+        sealed = db.execute(
+            "SELECT SUM(LENGTH(embedding) + LENGTH(side_info)) FROM vector_blocks WHERE vector_set = ?", (live,)
+        ).fetchone()[0]
         sealed += db.execute("SELECT COALESCE(SUM(LENGTH(sealed)), 0) FROM row_extras").fetchone()[0]
-    result = {"p50": float(np.percentile(times, 50)), "p99": float(np.percentile(times, 99)), "first": first,
-              "held": held, "file": sealed, "scoring": device.status()["scoring"]}
+    result = {
+        "p50": float(np.percentile(times, 50)),
+        "p99": float(np.percentile(times, 99)),
+        "first": first,
+        "held": held,
+        "file": sealed,
+        "scoring": device.status()["scoring"],
+    }
     device.close()
     return result
 
@@ -84,8 +91,9 @@ def main(argv: list[str] | None = None) -> None:
         v1, v2_transition = build_bundles(work / "transition", "linear", key, transition=TransitionPolicy(1, WEIGHT))
         reference = np.random.default_rng(5).standard_normal((REFERENCES, D_NEW))
         graph = hubness_onnx(reference, K, work / "hubness.onnx")
-        _, v2_hubness = build_bundles(work / "hubness", "linear", key, v2_extra=(ArtifactSource(graph, "hubness"),),
-                                      hubness=HubnessPolicy(BETA))
+        _, v2_hubness = build_bundles(
+            work / "hubness", "linear", key, v2_extra=(ArtifactSource(graph, "hubness"),), hubness=HubnessPolicy(BETA)
+        )
         images = np.random.default_rng(4).standard_normal((args.queries, IMAGE_DIM), dtype=np.float32)
 
         device, upgrade_transition = upgraded_device(work / "dev-transition", v1, v2_transition, pub, args.rows)
@@ -100,15 +108,21 @@ def main(argv: list[str] | None = None) -> None:
 
         lines = [
             f"{args.rows:,} rows, {D_NEW}-d (previous and new), cosine, k = 10, {args.queries} single queries; upgrade "
-            f"with a transition {upgrade_transition:.1f} s, with hubness offsets {upgrade_hubness:.1f} s.", "",
+            f"with a transition {upgrade_transition:.1f} s, with hubness offsets {upgrade_hubness:.1f} s.",
+            "",
             "| scoring | p50 ms | p99 ms | p50 ÷ plain | first query s | ÷ plain | vectors held MiB | ÷ plain | sealed on disk MiB | ÷ plain |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for name, case in (("plain (baseline: after end_transition)", plain), (f"transition (w = {WEIGHT})", fused),
-                           (f"hubness (β = {BETA}, {REFERENCES} references, k = {K})", hubness)):
-            lines.append(f"| {name} | {case['p50'] * 1e3:.2f} | {case['p99'] * 1e3:.2f} | {case['p50'] / plain['p50']:.2f} | "
-                         f"{case['first']:.2f} | {case['first'] / plain['first']:.2f} | {case['held'] / 2**20:.1f} | "
-                         f"{case['held'] / plain['held']:.2f} | {case['file'] / 2**20:.1f} | {case['file'] / plain['file']:.2f} |")
+        for name, case in (
+            ("plain (baseline: after end_transition)", plain),
+            (f"transition (w = {WEIGHT})", fused),
+            (f"hubness (β = {BETA}, {REFERENCES} references, k = {K})", hubness),
+        ):
+            lines.append(
+                f"| {name} | {case['p50'] * 1e3:.2f} | {case['p99'] * 1e3:.2f} | {case['p50'] / plain['p50']:.2f} | "
+                f"{case['first']:.2f} | {case['first'] / plain['first']:.2f} | {case['held'] / 2**20:.1f} | "
+                f"{case['held'] / plain['held']:.2f} | {case['file'] / 2**20:.1f} | {case['file'] / plain['file']:.2f} |"
+            )
         emit("\n".join(lines) + "\n", args.markdown)
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import os
 import shutil
 import sqlite3
@@ -79,7 +80,8 @@ def _save(path: Path, nodes, inputs: dict[str, int], output: str, out_dim: int, 
     from onnx import TensorProto, helper, numpy_helper
 
     graph = helper.make_graph(
-        nodes, path.stem,
+        nodes,
+        path.stem,
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", d]) for n, d in inputs.items()],
         [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", out_dim])],
         initializer=[numpy_helper.from_array(w.astype(np.float32), n) for n, w in weights.items()],
@@ -93,7 +95,7 @@ def _save(path: Path, nodes, inputs: dict[str, int], output: str, out_dim: int, 
 def _mlp(rng, prefix: str, x: str, dims: list[int], weights: dict, nodes: list, last_relu: bool) -> str:
     from onnx import helper
 
-    for i, (d_in, d_out) in enumerate(zip(dims, dims[1:])):
+    for i, (d_in, d_out) in enumerate(itertools.pairwise(dims)):
         w, b, y = f"{prefix}W{i}", f"{prefix}b{i}", f"{prefix}y{i}"
         weights[w] = rng.standard_normal((d_in, d_out)) * np.sqrt(2.0 / d_in)
         weights[b] = np.zeros(d_out)
@@ -121,7 +123,15 @@ def fct_graph(path: Path, seed: int, dims: Dims = DEFAULT_DIMS) -> Path:
 
 def fct_flops_per_row(dims: Dims) -> int:
     """Multiply-adds x 2 of :func:`fct_graph` for one row."""
-    layers = [(dims.embedding, 256), (256, 256), (dims.side, 256), (256, 256), (512, 2048), (2048, 2048), (2048, dims.embedding)]
+    layers = [
+        (dims.embedding, 256),
+        (256, 256),
+        (dims.side, 256),
+        (256, 256),
+        (512, 2048),
+        (2048, 2048),
+        (2048, dims.embedding),
+    ]
     return 2 * sum(a * b for a, b in layers)
 
 
@@ -155,15 +165,23 @@ def int8_output_error(folder: Path, rows: int = 20_000, dims: Dims = DEFAULT_DIM
     from fctkit.export.onnx_export import run_onnx
 
     rng = np.random.default_rng(3)
-    inputs = [rng.standard_normal((rows, dims.embedding), dtype=np.float32), rng.standard_normal((rows, dims.side), dtype=np.float32)]
+    inputs = [
+        rng.standard_normal((rows, dims.embedding), dtype=np.float32),
+        rng.standard_normal((rows, dims.side), dtype=np.float32),
+    ]
     fp32, int8 = (run_onnx(folder / name, inputs)[0] for name in ("h-fp32.onnx", "h.onnx"))
     error = np.linalg.norm(int8 - fp32, axis=1) / np.linalg.norm(fp32, axis=1)
     cosine = np.sum(int8 * fp32, axis=1) / (np.linalg.norm(int8, axis=1) * np.linalg.norm(fp32, axis=1))
-    return {"median_relative_error": float(np.median(error)), "max_relative_error": float(error.max()), "mean_cosine": float(cosine.mean())}
+    return {
+        "median_relative_error": float(np.median(error)),
+        "max_relative_error": float(error.max()),
+        "mean_cosine": float(cosine.mean()),
+    }
 
 
-def build_bundles(folder: Path, adapter: str, key, *, dims: Dims = DEFAULT_DIMS, v2_extra: tuple = (),
-                  **v2_declarations) -> tuple[Path, Path]:
+def build_bundles(
+    folder: Path, adapter: str, key, *, dims: Dims = DEFAULT_DIMS, v2_extra: tuple = (), **v2_declarations
+) -> tuple[Path, Path]:
     """Bundles v1 and v2 (forward 1 -> 2 by ``adapter``) at ``dims``; ``v2_extra`` artifact
     sources and ``v2_declarations`` (transition=, hubness=) go into v2."""
     from fctkit.export.bundle_builder import ArtifactSource, build_bundle
@@ -172,16 +190,35 @@ def build_bundles(folder: Path, adapter: str, key, *, dims: Dims = DEFAULT_DIMS,
 
     def base(version: int) -> list[ArtifactSource]:
         return [
-            ArtifactSource(linear_graph(folder / f"embed{version}.onnx", {"image": IMAGE_DIM}, dims.embedding, "embedding", version), "embed"),
-            ArtifactSource(linear_graph(folder / f"side{version}.onnx", {"image": IMAGE_DIM}, dims.side, "side_info", 10 + version), "side_info"),
+            ArtifactSource(
+                linear_graph(
+                    folder / f"embed{version}.onnx", {"image": IMAGE_DIM}, dims.embedding, "embedding", version
+                ),
+                "embed",
+            ),
+            ArtifactSource(
+                linear_graph(
+                    folder / f"side{version}.onnx", {"image": IMAGE_DIM}, dims.side, "side_info", 10 + version
+                ),
+                "side_info",
+            ),
         ]
 
     h = adapter_graph(folder, adapter, dims)
-    common = dict(mode="forward", distance="cosine", normalize=True, private_key=key)
-    v1 = build_bundle(folder / "v1", version=1, parents=(), artifacts=base(1), gate={"cases": {}, "ecc": {}}, **common).root
+    common = {"mode": "forward", "distance": "cosine", "normalize": True, "private_key": key}
+    v1 = build_bundle(
+        folder / "v1", version=1, parents=(), artifacts=base(1), gate={"cases": {}, "ecc": {}}, **common
+    ).root
     sources = [*base(2), ArtifactSource(h, "forward", 1, 2), *v2_extra]
-    v2 = build_bundle(folder / "v2", version=2, parents=(1,), artifacts=sources,
-                      gate={"cases": {}, "ecc": {"forward_1_to_2": True}}, **common, **v2_declarations).root
+    v2 = build_bundle(
+        folder / "v2",
+        version=2,
+        parents=(1,),
+        artifacts=sources,
+        gate={"cases": {}, "ecc": {"forward_1_to_2": True}},
+        **common,
+        **v2_declarations,
+    ).root
     return v1, v2
 
 
@@ -221,7 +258,7 @@ def bare_transform_seconds(model: Path, inputs: list[np.ndarray], batch: int, th
     session.run(None, {n: x[:batch] for n, x in zip(names, inputs)})  # warm-up
     start = time.perf_counter()
     for first in range(0, len(inputs[0]), batch):
-        session.run(None, {n: x[first:first + batch] for n, x in zip(names, inputs)})
+        session.run(None, {n: x[first : first + batch] for n, x in zip(names, inputs)})
     return time.perf_counter() - start
 
 
@@ -232,8 +269,10 @@ def sealed_store_floor_seconds(embeddings: np.ndarray, side_infos: np.ndarray, f
     version guards, no change log: what any one-record-per-vector store must pay on this machine."""
     sealer = Sealer(bytes(32))
     aads = [f"gallery|{i}|r{i:08d}|1|2|forward|".encode() for i in range(len(embeddings))]
-    old = [sealer.seal_many([r.tobytes() for r in block], [a + field for a in aads])
-           for block, field in ((embeddings, b"embedding"), (side_infos, b"side_info"))]
+    old = [
+        sealer.seal_many([r.tobytes() for r in block], [a + field for a in aads])
+        for block, field in ((embeddings, b"embedding"), (side_infos, b"side_info"))
+    ]
     path = folder / "floor.sqlite3"
     for stale in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
         stale.unlink(missing_ok=True)
@@ -241,8 +280,13 @@ def sealed_store_floor_seconds(embeddings: np.ndarray, side_infos: np.ndarray, f
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("CREATE TABLE vectors (row_id INTEGER PRIMARY KEY, embedding BLOB, side_info BLOB)")
     start = time.perf_counter()
-    opened = [[sealer.open(r, a + field) for r, a in zip(records, aads)] for records, field in zip(old, (b"embedding", b"side_info"))]
-    sealed = [sealer.seal_many(plain, [a + field for a in aads]) for plain, field in zip(opened, (b"embedding", b"side_info"))]
+    opened = [
+        [sealer.open(r, a + field) for r, a in zip(records, aads)]
+        for records, field in zip(old, (b"embedding", b"side_info"))
+    ]
+    sealed = [
+        sealer.seal_many(plain, [a + field for a in aads]) for plain, field in zip(opened, (b"embedding", b"side_info"))
+    ]
     db.execute("BEGIN")
     db.executemany("INSERT INTO vectors VALUES (?, ?, ?)", zip(range(len(aads)), *sealed))
     db.execute("COMMIT")
@@ -258,7 +302,7 @@ def bulk_floor_seconds(embeddings: np.ndarray, folder: Path, chunk_bytes: int = 
     one file and fsync it. Only the embeddings count (ψ unchanged, no index, no metadata)."""
     aesgcm = AESGCM(bytes(32))
     plain = embeddings.tobytes()
-    chunks = [plain[i:i + chunk_bytes] for i in range(0, len(plain), chunk_bytes)]
+    chunks = [plain[i : i + chunk_bytes] for i in range(0, len(plain), chunk_bytes)]
     nonces = [i.to_bytes(12, "big") for i in range(len(chunks))]
     sealed_old = [aesgcm.encrypt(n, c, b"old") for n, c in zip(nonces, chunks)]
     path = folder / "bulk-floor.bin"
@@ -280,10 +324,13 @@ def floor_sample(rows: int, dims: Dims) -> int:
     return min(rows, max(1, FLOOR_BYTES // (4 * dims.embedding)))
 
 
-def measure_adapter(adapter: str, rows: int, batch: int, threads: int, work: Path, key, pub: Path,
-                    dims: Dims = DEFAULT_DIMS) -> dict:
+def measure_adapter(
+    adapter: str, rows: int, batch: int, threads: int, work: Path, key, pub: Path, dims: Dims = DEFAULT_DIMS
+) -> dict:
     v1, v2 = build_bundles(work / f"{adapter}-bundles", adapter, key, dims=dims)
-    device = Device.init(work / f"{adapter}-device", publisher_key=pub, settings=DeviceSettings(batch_size=batch, threads=threads))
+    device = Device.init(
+        work / f"{adapter}-device", publisher_key=pub, settings=DeviceSettings(batch_size=batch, threads=threads)
+    )
     device.install_bundle(v1)
     device.gallery.set_meta({"query_version": "1"})
     fill_s = fill(device, rows, seed=1, dims=dims)
@@ -308,10 +355,24 @@ def measure_adapter(adapter: str, rows: int, batch: int, threads: int, work: Pat
     shutil.rmtree(work / f"{adapter}-device")
     bare_s = statistics.mean(bare)
     fidelity = int8_output_error(work / f"{adapter}-bundles", dims=dims) if adapter == "fct-int8" else {}
-    return {**fidelity, "adapter": adapter, "rows": rows, "dims": dims, "fill_s": fill_s, "bare_s": bare_s, "bare_runs_s": bare,
-            "upgrade_s": upgrade_s, "bare_rows_per_s": rows / bare_s, "upgrade_rows_per_s": rows / upgrade_s, "ratio": bare_s / upgrade_s,
-            "floor_rows": sample, "floor_s": floor_s, "ceiling_ratio": (bare_s + floor_s) / upgrade_s,
-            "bulk_floor_s": bulk_floor_s, "best_possible_ratio": bare_s / (bare_s + bulk_floor_s)}
+    return {
+        **fidelity,
+        "adapter": adapter,
+        "rows": rows,
+        "dims": dims,
+        "fill_s": fill_s,
+        "bare_s": bare_s,
+        "bare_runs_s": bare,
+        "upgrade_s": upgrade_s,
+        "bare_rows_per_s": rows / bare_s,
+        "upgrade_rows_per_s": rows / upgrade_s,
+        "ratio": bare_s / upgrade_s,
+        "floor_rows": sample,
+        "floor_s": floor_s,
+        "ceiling_ratio": (bare_s + floor_s) / upgrade_s,
+        "bulk_floor_s": bulk_floor_s,
+        "best_possible_ratio": bare_s / (bare_s + bulk_floor_s),
+    }
 
 
 def resnet50(embedding_dim: int = 128):
@@ -323,17 +384,28 @@ def resnet50(embedding_dim: int = 128):
             super().__init__()
             c_out = width * 4
             self.body = nn.Sequential(
-                nn.Conv2d(c_in, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-                nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-                nn.Conv2d(width, c_out, 1, bias=False), nn.BatchNorm2d(c_out),
+                nn.Conv2d(c_in, width, 1, bias=False),
+                nn.BatchNorm2d(width),
+                nn.ReLU(inplace=True),
+                nn.Conv2d(width, width, 3, stride, 1, bias=False),
+                nn.BatchNorm2d(width),
+                nn.ReLU(inplace=True),
+                nn.Conv2d(width, c_out, 1, bias=False),
+                nn.BatchNorm2d(c_out),
             )
-            self.skip = (nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
-                         if stride != 1 or c_in != c_out else nn.Identity())
+            self.skip = (
+                nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+                if stride != 1 or c_in != c_out
+                else nn.Identity()
+            )
 
         def forward(self, x):
             return torch.relu(self.body(x) + self.skip(x))
 
-    layers, c_in = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)], 64
+    layers, c_in = (
+        [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)],
+        64,
+    )
     for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
         for i in range(blocks):
             layers.append(Bottleneck(c_in, width, stride if i == 0 else 1))
@@ -375,23 +447,31 @@ def markdown(results: list[dict], reembed_s: float | None, args: argparse.Namesp
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        lines.append(f"| {r['adapter']} | {r['bare_rows_per_s']:,.0f} | {r['upgrade_rows_per_s']:,.0f} | {r['ratio']:.2f} "
-                     f"| {r['rows'] / r['floor_s']:,.0f} | {r['ceiling_ratio']:.2f} | {r['rows'] / r['bulk_floor_s']:,.0f} "
-                     f"| {r['best_possible_ratio']:.2f} | {r['fill_s']:.0f} |")
+        lines.append(
+            f"| {r['adapter']} | {r['bare_rows_per_s']:,.0f} | {r['upgrade_rows_per_s']:,.0f} | {r['ratio']:.2f} "
+            f"| {r['rows'] / r['floor_s']:,.0f} | {r['ceiling_ratio']:.2f} | {r['rows'] / r['bulk_floor_s']:,.0f} "
+            f"| {r['best_possible_ratio']:.2f} | {r['fill_s']:.0f} |"
+        )
     by_name = {r["adapter"]: r for r in results}
     if {"fct", "fct-int8"} <= set(by_name):
         fp32, int8 = by_name["fct"], by_name["fct-int8"]
-        lines += ["", f"int8 FCT mixer (ONNX Runtime dynamic quantisation, int8 weights per channel) ÷ fp32, same run: "
-                  f"device upgrade **{int8['upgrade_rows_per_s'] / fp32['upgrade_rows_per_s']:.2f}x** rows/s (target ≥ 1.5x), "
-                  f"bare ORT {int8['bare_rows_per_s'] / fp32['bare_rows_per_s']:.2f}x. Outputs against fp32 on 20,000 random rows: "
-                  f"median relative L2 error {int8['median_relative_error']:.4f}, worst {int8['max_relative_error']:.4f}, "
-                  f"mean cosine {int8['mean_cosine']:.5f}."]
+        lines += [
+            "",
+            f"int8 FCT mixer (ONNX Runtime dynamic quantisation, int8 weights per channel) ÷ fp32, same run: "
+            f"device upgrade **{int8['upgrade_rows_per_s'] / fp32['upgrade_rows_per_s']:.2f}x** rows/s (target ≥ 1.5x), "
+            f"bare ORT {int8['bare_rows_per_s'] / fp32['bare_rows_per_s']:.2f}x. Outputs against fp32 on 20,000 random rows: "
+            f"median relative L2 error {int8['median_relative_error']:.4f}, worst {int8['max_relative_error']:.4f}, "
+            f"mean cosine {int8['mean_cosine']:.5f}.",
+        ]
     if reembed_s is not None:
         fct = next(r for r in results if r["adapter"] == "fct")
         per_row = fct["upgrade_s"] / fct["rows"]
-        lines += ["", f"Re-embedding with ResNet-50-128 (224x224, ONNX Runtime): {1 / reembed_s:,.1f} images/s, "
-                  f"{reembed_s * 1e3:.1f} ms per row; FCT upgrade {per_row * 1e6:.1f} µs per row: "
-                  f"**{reembed_s / per_row:,.0f}x cheaper** (target ≥ 100x)."]
+        lines += [
+            "",
+            f"Re-embedding with ResNet-50-128 (224x224, ONNX Runtime): {1 / reembed_s:,.1f} images/s, "
+            f"{reembed_s * 1e3:.1f} ms per row; FCT upgrade {per_row * 1e6:.1f} µs per row: "
+            f"**{reembed_s / per_row:,.0f}x cheaper** (target ≥ 100x).",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -424,8 +504,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--dim", type=int, default=D_OLD, help="Width of φ (old and new).")
     parser.add_argument("--side-dim", type=int, default=D_SIDE, help="Width of the side-info ψ.")
-    parser.add_argument("--adapters", default="fct,fct-int8,linear",
-                        help="Comma-separated: fct (the FCT mixer), fct-int8 (it, quantised to int8), linear.")
+    parser.add_argument(
+        "--adapters",
+        default="fct,fct-int8,linear",
+        help="Comma-separated: fct (the FCT mixer), fct-int8 (it, quantised to int8), linear.",
+    )
     parser.add_argument("--reembed-images", type=int, default=32)
     parser.add_argument("--skip-reembed", action="store_true")
     parser.add_argument("--markdown", type=Path, help="Also write the table to this file.")
@@ -433,10 +516,15 @@ def main(argv: list[str] | None = None) -> None:
     with bench_workspace("fctkit-edge-upgrade-") as (work, key, pub):
         results = []
         for adapter in args.adapters.split(","):
-            result = measure_adapter(adapter, args.rows, args.batch, args.threads, work, key, pub, Dims(args.dim, args.side_dim))
-            print(f"{adapter}: bare {result['bare_rows_per_s']:,.0f} rows/s, upgrade {result['upgrade_rows_per_s']:,.0f} rows/s, "
-                  f"ratio {result['ratio']:.2f}, vs bare + per-row sealed floor {result['ceiling_ratio']:.2f}, "
-                  f"best possible for any encrypted durable store {result['best_possible_ratio']:.2f} (bare runs {', '.join(f'{s:.1f}' for s in result['bare_runs_s'])} s)", flush=True)
+            result = measure_adapter(
+                adapter, args.rows, args.batch, args.threads, work, key, pub, Dims(args.dim, args.side_dim)
+            )
+            print(
+                f"{adapter}: bare {result['bare_rows_per_s']:,.0f} rows/s, upgrade {result['upgrade_rows_per_s']:,.0f} rows/s, "
+                f"ratio {result['ratio']:.2f}, vs bare + per-row sealed floor {result['ceiling_ratio']:.2f}, "
+                f"best possible for any encrypted durable store {result['best_possible_ratio']:.2f} (bare runs {', '.join(f'{s:.1f}' for s in result['bare_runs_s'])} s)",
+                flush=True,
+            )
             results.append(result)
         reembed = None if args.skip_reembed else reembed_seconds_per_row(work, args.reembed_images, args.threads)
         emit(markdown(results, reembed, args), args.markdown)

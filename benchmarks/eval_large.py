@@ -69,8 +69,22 @@ def child(args: argparse.Namespace) -> None:
 
 
 def measure(method: str, n: int, args: argparse.Namespace) -> dict:
-    command = [sys.executable, __file__, "--child", method, "--n", str(n), "--dim", str(args.dim),
-               "--classes", str(args.classes), "--seed", str(args.seed), "--chunk-size", str(args.chunk_size)]
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        method,
+        "--n",
+        str(n),
+        "--dim",
+        str(args.dim),
+        "--classes",
+        str(args.classes),
+        "--seed",
+        str(args.seed),
+        "--chunk-size",
+        str(args.chunk_size),
+    ]
     if args.workers is not None:
         command += ["--workers", str(args.workers)]
     print(f"running {method} at {n} x {n} x {args.dim} ...", file=sys.stderr, flush=True)
@@ -98,22 +112,32 @@ def main() -> None:
     baseline = measure("baseline", args.baseline_n, args)
     ours_small = measure("ours", args.baseline_n, args)
     ours_large = measure("ours", args.n, args)
-    same = baseline["metrics"]["cmc"] == ours_small["metrics"]["cmc"] and abs(
-        baseline["metrics"]["mean_ap"] - ours_small["metrics"]["mean_ap"]) < 1e-9
+    same = (
+        baseline["metrics"]["cmc"] == ours_small["metrics"]["cmc"]
+        and abs(baseline["metrics"]["mean_ap"] - ours_small["metrics"]["mean_ap"]) < 1e-9
+    )
 
     print(f"\nretrieval evaluation, {args.dim}-d, {args.classes} classes, chunk {args.chunk_size}")
     print(f"{'method':<10}{'n x n':>16}{'wall s':>10}{'queries/s':>12}{'peak RSS MiB':>14}{'top-1':>8}{'mAP':>8}")
     for row in (baseline, ours_small, ours_large):
         m = row["metrics"]
-        print(f"{row['method']:<10}{row['n']:>8} x {row['n']:<6}{row['wall_s']:>10.1f}{row['queries_per_s']:>12.0f}"
-              f"{row['peak_rss_mib']:>14.0f}{m['cmc']['1']:>8.4f}{m['mean_ap']:>8.4f}")
+        print(
+            f"{row['method']:<10}{row['n']:>8} x {row['n']:<6}{row['wall_s']:>10.1f}{row['queries_per_s']:>12.0f}"
+            f"{row['peak_rss_mib']:>14.0f}{m['cmc']['1']:>8.4f}{m['mean_ap']:>8.4f}"
+        )
     print(f"\nsame metrics as the baseline at {args.baseline_n}: {'yes' if same else 'NO'}")
-    print(f"throughput ratio ours / baseline at {args.baseline_n}: {ours_small['queries_per_s'] / baseline['queries_per_s']:.2f}x")
-    print(f"throughput ratio ours at {args.n} / baseline at {args.baseline_n}: "
-          f"{ours_large['queries_per_s'] / baseline['queries_per_s']:.3f}x "
-          f"(each query ranks a {args.n / args.baseline_n:.0f}x larger gallery)")
-    print(f"peak RSS of ours at {args.n}: {ours_large['peak_rss_mib']:.0f} MiB "
-          f"({ours_large['data_rss_mib']:.0f} MiB of it is the generated input)")
+    print(
+        f"throughput ratio ours / baseline at {args.baseline_n}: {ours_small['queries_per_s'] / baseline['queries_per_s']:.2f}x"
+    )
+    print(
+        f"throughput ratio ours at {args.n} / baseline at {args.baseline_n}: "
+        f"{ours_large['queries_per_s'] / baseline['queries_per_s']:.3f}x "
+        f"(each query ranks a {args.n / args.baseline_n:.0f}x larger gallery)"
+    )
+    print(
+        f"peak RSS of ours at {args.n}: {ours_large['peak_rss_mib']:.0f} MiB "
+        f"({ours_large['data_rss_mib']:.0f} MiB of it is the generated input)"
+    )
     if not same:
         sys.exit(1)
 

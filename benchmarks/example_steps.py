@@ -48,9 +48,9 @@ def clear_previous_run(out: Path, files: Sequence[str] = (), folders: Sequence[s
 def pip_install(extras: str, *more: str) -> None:
     """``pip install -c constraints.txt -e '.[extras]'`` and, with ``--no-deps``, ``more``."""
     pip = [sys.executable, "-m", "pip", "install", "-q"]
-    subprocess.run(pip + ["-c", str(REPO / "constraints.txt"), "-e", f"{REPO}[{extras}]"], check=True)
+    subprocess.run([*pip, "-c", str(REPO / "constraints.txt"), "-e", f"{REPO}[{extras}]"], check=True)
     if more:
-        subprocess.run(pip + ["--no-deps", *more], check=True)
+        subprocess.run([*pip, "--no-deps", *more], check=True)
 
 
 def train_task(task: Path, run: Path, seed: int, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -58,10 +58,22 @@ def train_task(task: Path, run: Path, seed: int, settings: Mapping[str, Any] | N
     from fctkit.trainer.pipeline import run_pipeline
     from fctkit.trainer.pipeline_config import load_pipeline_config
 
-    config = load_pipeline_config(None, {"seed": seed, "data.name": "task", "data.task": str(task), "methods": ["residual"],
-                                         "query_positives.enabled": True, "hubness.enabled": True,
-                                         "selection.enabled": False, "progress": False, "device": "cpu",
-                                         "evaluation.distance": "cosine", **(settings or {})})
+    config = load_pipeline_config(
+        None,
+        {
+            "seed": seed,
+            "data.name": "task",
+            "data.task": str(task),
+            "methods": ["residual"],
+            "query_positives.enabled": True,
+            "hubness.enabled": True,
+            "selection.enabled": False,
+            "progress": False,
+            "device": "cpu",
+            "evaluation.distance": "cosine",
+            **(settings or {}),
+        },
+    )
     start = time.perf_counter()
     run_pipeline(config, run, log=lambda _: None)
     log(f"train: {time.perf_counter() - start:.0f} s")
@@ -75,13 +87,37 @@ def gate_holds(gate: Mapping[str, Any], method: str) -> bool:
     return bool(gate["ecc"][method])
 
 
-def export_bundles(run: Path, method: str, keys: Path, out: Path, graph_arguments: Sequence[str], sample: Path,
-                   tolerance: float, force_reason: str | None = None) -> None:
+def export_bundles(
+    run: Path,
+    method: str,
+    keys: Path,
+    out: Path,
+    graph_arguments: Sequence[str],
+    sample: Path,
+    tolerance: float,
+    force_reason: str | None = None,
+) -> None:
     """``fctkit export`` (the real command) of v1 and v2; ``graph_arguments``: the graphs, their
     declarations and tokenizers; ``force_reason``: publish although the gate fails, recorded."""
-    command = [sys.executable, "-m", "fctkit.cli", "export", str(run), "--key", str(keys / "publisher.key"), "--out", str(out),
-               "--method", method, *graph_arguments, "--sample", str(sample), "--parity-tolerance", str(tolerance),
-               "--no-progress"]
+    command = [
+        sys.executable,
+        "-m",
+        "fctkit.cli",
+        "export",
+        str(run),
+        "--key",
+        str(keys / "publisher.key"),
+        "--out",
+        str(out),
+        "--method",
+        method,
+        *graph_arguments,
+        "--sample",
+        str(sample),
+        "--parity-tolerance",
+        str(tolerance),
+        "--no-progress",
+    ]
     if force_reason is not None:
         command += ["--force", "--reason", force_reason]
     done = subprocess.run(command, check=False, capture_output=True, text=True)

@@ -40,14 +40,16 @@ def rows_per_second(run, arrays: list[np.ndarray], batch: int, repeats: int) -> 
     for _ in range(repeats):
         start = time.perf_counter()
         for i in range(0, n, batch):
-            run([a[i:i + batch] for a in arrays])
+            run([a[i : i + batch] for a in arrays])
         best = min(best, time.perf_counter() - start)
     return n / best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=5, help="training epochs of every model (export facts hardly depend on it)")
+    parser.add_argument(
+        "--epochs", type=int, default=5, help="training epochs of every model (export facts hardly depend on it)"
+    )
     parser.add_argument("--branch-width", type=int, default=256)
     parser.add_argument("--mixer-width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=256, help="batch size of the throughput comparison")
@@ -64,22 +66,49 @@ def main() -> None:
     splits = make_splits(data.labels, seed=args.seed)
     train, query, gallery = (data.subset(s) for s in (splits.train, splits.query, splits.gallery))
     old_rows = old_class_subset(train.labels)
-    backbone = dict(epochs=args.epochs, progress=False)
-    old = train_backbone(train.images[old_rows], train.labels[old_rows], BackboneConfig("small", embedding_dim=32, **backbone), seed=args.seed, device="cpu")
-    new = train_backbone(train.images, train.labels, BackboneConfig("wide", embedding_dim=64, **backbone), seed=args.seed + 1, device="cpu")
-    side = train_side_info(train.images[old_rows], config=SideInfoConfig(dim=32, epochs=args.epochs, progress=False), seed=args.seed + 2, device="cpu")
+    backbone = {"epochs": args.epochs, "progress": False}
+    old = train_backbone(
+        train.images[old_rows],
+        train.labels[old_rows],
+        BackboneConfig("small", embedding_dim=32, **backbone),
+        seed=args.seed,
+        device="cpu",
+    )
+    new = train_backbone(
+        train.images,
+        train.labels,
+        BackboneConfig("wide", embedding_dim=64, **backbone),
+        seed=args.seed + 1,
+        device="cpu",
+    )
+    side = train_side_info(
+        train.images[old_rows],
+        config=SideInfoConfig(dim=32, epochs=args.epochs, progress=False),
+        seed=args.seed + 2,
+        device="cpu",
+    )
     f_old, f_new, f_side = (extract_features(m, train.images) for m in (old, new, side))
-    adapter_train = TrainConfig(epochs=args.epochs * 4, warmup_epochs=1, lr=1e-3, progress=False, device="cpu", seed=args.seed)
-    widths = dict(branch_width=args.branch_width, mixer_width=args.mixer_width, train=adapter_train)
+    adapter_train = TrainConfig(
+        epochs=args.epochs * 4, warmup_epochs=1, lr=1e-3, progress=False, device="cpu", seed=args.seed
+    )
+    widths = {"branch_width": args.branch_width, "mixer_width": args.mixer_width, "train": adapter_train}
     models = {
         "embed v1 (small CNN)": ("embed", old, None),
         "embed v2 (wide CNN)": ("embed", new, None),
         "side_info (SimCLR)": ("side_info", side, None),
         "forward h (FCT)": ("forward", FCTAdapter.fit(f_old, f_new, f_side, FCTConfig(**widths))[0], (1, 2)),
         "side_forward g (FCT)": ("side_forward", FCTAdapter.fit(f_old, f_side, f_side, FCTConfig(**widths))[0], (1, 2)),
-        "forward h (FastFill)": ("forward", FastFillAdapter.fit(f_old, f_new, f_side, FastFillConfig(**widths))[0], (1, 2)),
+        "forward h (FastFill)": (
+            "forward",
+            FastFillAdapter.fit(f_old, f_new, f_side, FastFillConfig(**widths))[0],
+            (1, 2),
+        ),
         "uncertainty σ (FastFill)": ("uncertainty", None, (1, 2)),
-        "forward F (λ-orth, affine)": ("forward", LambdaOrthAdapter.fit(f_old, f_new, train.labels, LambdaOrthConfig(train=adapter_train))[0], (1, 2)),
+        "forward F (λ-orth, affine)": (
+            "forward",
+            LambdaOrthAdapter.fit(f_old, f_new, train.labels, LambdaOrthConfig(train=adapter_train))[0],
+            (1, 2),
+        ),
         "backward B⊥ (λ-orth)": ("backward", None, (2, 1)),
         "forward (least squares)": ("forward", ClosedFormAdapter.fit(f_old, f_new)[0], (1, 2)),
     }
@@ -93,13 +122,15 @@ def main() -> None:
         for label, (role, trained, hop) in models.items():
             module, names = role_module(role, trained)
             real = [real_for[n] for n in names]
-            versions = dict(source_version=hop[0], target_version=hop[1]) if hop else {}
+            versions = {"source_version": hop[0], "target_version": hop[1]} if hop else {}
             fp32 = export_role(role, trained, Path(folder) / f"{len(rows)}.onnx", real, **versions)
             fp16 = export_role(role, trained, Path(folder) / f"{len(rows)}.fp16.onnx", real, fp16=True, **versions)
             bench = [np.concatenate([a] * max(1, 2048 // len(a))) for a in real]
             session = _session(fp32.export.path, args.threads)
             input_names = [i.name for i in session.get_inputs()]
-            ort_rate = rows_per_second(lambda b: session.run(None, dict(zip(input_names, b))), bench, args.batch, args.repeats)
+            ort_rate = rows_per_second(
+                lambda b: session.run(None, dict(zip(input_names, b))), bench, args.batch, args.repeats
+            )
             torch_rate = rows_per_second(lambda b: run_torch(module, b), bench, args.batch, args.repeats)
             exports[label] = (fp32, fp16)
             rows.append(_row(label, fp32, fp16, ort_rate, torch_rate))
@@ -111,7 +142,11 @@ def main() -> None:
     if args.markdown:
         args.markdown.write_text(text)
     if args.json:
-        args.json.write_text(json.dumps({"roles": rows, "retrieval": retrieval, "args": {k: str(v) for k, v in vars(args).items()}}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {"roles": rows, "retrieval": retrieval, "args": {k: str(v) for k, v in vars(args).items()}}, indent=2
+            )
+        )
 
 
 def _session(path: Path, threads: int) -> ort.InferenceSession:
@@ -141,20 +176,38 @@ def _retrieval(models, exports, query, gallery, old, new, side) -> dict:
     """top-1 of new/h(old) and B(new)/F(old) computed with torch, fp32 ONNX and fp16 ONNX."""
     h = models["forward h (FCT)"][1]
     lam = models["forward F (λ-orth, affine)"][1]
-    keys = ["embed v1 (small CNN)", "embed v2 (wide CNN)", "side_info (SimCLR)", "forward h (FCT)",
-            "forward F (λ-orth, affine)", "backward B⊥ (λ-orth)"]
+    keys = [
+        "embed v1 (small CNN)",
+        "embed v2 (wide CNN)",
+        "side_info (SimCLR)",
+        "forward h (FCT)",
+        "forward F (λ-orth, affine)",
+        "backward B⊥ (λ-orth)",
+    ]
 
     def cases(embed_old, embed_new, side_info, run_h, run_f, run_b):
         q_new, g_old, g_side = embed_new(query.images), embed_old(gallery.images), side_info(gallery.images)
         top1 = lambda q, g: evaluate_retrieval(q, query.labels, g, gallery.labels, distance="cosine").top1  # noqa: E731
-        return {"old/old": top1(embed_old(query.images), g_old), "new/new": top1(q_new, embed_new(gallery.images)),
-                "new/h(old)": top1(q_new, run_h(g_old, g_side)), "B(new)/F(old)": top1(run_b(q_new), run_f(g_old))}
+        return {
+            "old/old": top1(embed_old(query.images), g_old),
+            "new/new": top1(q_new, embed_new(gallery.images)),
+            "new/h(old)": top1(q_new, run_h(g_old, g_side)),
+            "B(new)/F(old)": top1(run_b(q_new), run_f(g_old)),
+        }
 
-    result = {"torch": cases(lambda x: extract_features(old, x), lambda x: extract_features(new, x),
-                             lambda x: extract_features(side, x), h.transform, lam.transform, lam.transform_new)}
+    result = {
+        "torch": cases(
+            lambda x: extract_features(old, x),
+            lambda x: extract_features(new, x),
+            lambda x: extract_features(side, x),
+            h.transform,
+            lam.transform,
+            lam.transform_new,
+        )
+    }
     for index, precision in enumerate(("onnx fp32", "onnx fp16")):
         path = {k: exports[k][index].export.path for k in keys}
-        one = lambda key: (lambda *arrays: run_onnx(path[key], list(arrays))[0])  # noqa: E731
+        one = lambda key: lambda *arrays: run_onnx(path[key], list(arrays))[0]  # noqa: E731
         result[precision] = cases(one(keys[0]), one(keys[1]), one(keys[2]), one(keys[3]), one(keys[4]), one(keys[5]))
     return result
 

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from debian_data import ensure_debian_package
+
 from fctkit.errors import FctkitError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,26 +42,39 @@ def summary_markdown(gate: dict, max_items: int) -> str:
     """Each method's adapted top-1 (new/h(old), or B(new)/F(old) for λ-orth) against new/new, and ECC."""
     cases = gate["cases"]
     new_new, old_old = cases["new/new"]["top1"], cases["old/old"]["top1"]
-    lines = [f"Fashion-MNIST, {max_items or 70000} images; old/old top-1 {old_old:.4f}, new/new top-1 {new_new:.4f}", "",
-             "| method | adapted top-1 | fraction of new/new | ECC |", "|---|---|---|---|"]
+    lines = [
+        f"Fashion-MNIST, {max_items or 70000} images; old/old top-1 {old_old:.4f}, new/new top-1 {new_new:.4f}",
+        "",
+        "| method | adapted top-1 | fraction of new/new | ECC |",
+        "|---|---|---|---|",
+    ]
     ranked = sorted(gate["ecc"], key=lambda m: -cases[m]["top1"])
     for method in ranked:
         top1 = cases[method]["top1"]
         lines.append(f"| {method} | {top1:.4f} | {top1 / new_new:.3f} | {'PASS' if gate['ecc'][method] else 'FAIL'} |")
     best = ranked[0]
-    lines += ["", f"best: {best}, {cases[best]['top1'] / new_new:.3f} × new/new, ECC {'holds' if gate['ecc'][best] else 'fails'}"]
+    lines += [
+        "",
+        f"best: {best}, {cases[best]['top1'] / new_new:.3f} × new/new, ECC {'holds' if gate['ecc'][best] else 'fails'}",
+    ]
     if gate.get("backfill_area"):
         lines.append("backfill M̃: " + ", ".join(f"{k} {v:.4f}" for k, v in gate["backfill_area"].items()))
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench-fashion-mnist"))
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "fashion-mnist.toml")
-    parser.add_argument("--max-items", type=int, default=None, help="stratified subsample (default: the config's); 0 = all")
+    parser.add_argument(
+        "--max-items", type=int, default=None, help="stratified subsample (default: the config's); 0 = all"
+    )
     parser.add_argument("--seed", type=int, default=None, help="run seed (default: the config's)")
-    parser.add_argument("--no-chain", action="store_true", help="skip the v1 → v2 → v3 chain (it trains three more backbones)")
+    parser.add_argument(
+        "--no-chain", action="store_true", help="skip the v1 → v2 → v3 chain (it trains three more backbones)"
+    )
     args = parser.parse_args(argv)
     try:
         ensure_debian_package(PACKAGE, fashion_mnist_present, "fashion-mnist idx files")
@@ -80,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     print(result.report.to_markdown())
     summary = summary_markdown(result.gate, config.data.max_items)
     (args.out / "summary.md").write_text(summary)
-    (args.out / "summary.json").write_text(json.dumps({"seconds": round(result.seconds, 1), "gate": result.gate}, indent=2, default=float) + "\n")
+    (args.out / "summary.json").write_text(
+        json.dumps({"seconds": round(result.seconds, 1), "gate": result.gate}, indent=2, default=float) + "\n"
+    )
     print(summary)
     print(f"{result.seconds:.0f} s; full report: {args.out / 'report.md'}")
     return 0

@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from fashion_mnist_near_duplicates import augment, ensure_fashion_mnist
 from image_onnx_models import embed_sets, load_exported
 from instance_tasks import save_built_task
@@ -56,13 +55,16 @@ def png_files(images: np.ndarray) -> list[bytes]:
     return files
 
 
-def task_set(ids: list[str], vectors: dict[tuple[str, str], np.ndarray], part: str, side: bool,
-             labels: np.ndarray | None = None):
+def task_set(
+    ids: list[str], vectors: dict[tuple[str, str], np.ndarray], part: str, side: bool, labels: np.ndarray | None = None
+):
     """The task set of ``ids`` from :func:`image_onnx_models.embed_sets`'s vectors of ``part``."""
     from fctkit.trainer.tasks import TaskSet
 
     no_side = np.zeros((len(ids), 0), np.float32)
-    return TaskSet(np.array(ids), vectors[OLD, part], vectors[NEW, part], vectors[SIDE, part] if side else no_side, labels)
+    return TaskSet(
+        np.array(ids), vectors[OLD, part], vectors[NEW, part], vectors[SIDE, part] if side else no_side, labels
+    )
 
 
 def build(args: argparse.Namespace) -> None:
@@ -78,34 +80,71 @@ def build(args: argparse.Namespace) -> None:
     near, classes = {}, {}
     for part, (items, queries) in sizes.items():
         data, rng = parts[part], np.random.default_rng([args.seed, part == "train"])
-        drawn = rng.permutation(len(data))[:items + args.class_queries]
+        drawn = rng.permutation(len(data))[: items + args.class_queries]
         gallery, others = drawn[:items], drawn[items:]
         queried = np.sort(rng.choice(items, size=queries, replace=False))
-        sets = {"gallery": data.images[gallery], "augmented copy": augment(data.images[gallery[queried]], rng),
-                "class query": data.images[others]}
-        vectors = embed_sets(models, {f"{part} {name}": png_files(images) for name, images in sets.items()}, args.threads)
+        sets = {
+            "gallery": data.images[gallery],
+            "augmented copy": augment(data.images[gallery[queried]], rng),
+            "class query": data.images[others],
+        }
+        vectors = embed_sets(
+            models, {f"{part} {name}": png_files(images) for name, images in sets.items()}, args.threads
+        )
         ids = [f"{part}-{i}" for i in gallery]
-        near[part] = TaskSplit(task_set([f"q-{ids[q]}" for q in queried], vectors, f"{part} augmented copy", False),
-                               task_set(ids, vectors, f"{part} gallery", True), Positives.from_lists([[int(q)] for q in queried], items))
-        classes[part] = TaskSplit(task_set([f"c-{part}-{i}" for i in others], vectors, f"{part} class query", False, data.labels[others]),
-                                  task_set(ids, vectors, f"{part} gallery", True, data.labels[gallery]))
-    facts = {"seed": args.seed, "old": OLD, "new": NEW, "side": SIDE, "eval gallery": args.eval_items,
-             "eval queries": args.eval_queries, "train pairs": args.train_items, "class queries": args.class_queries}
+        near[part] = TaskSplit(
+            task_set([f"q-{ids[q]}" for q in queried], vectors, f"{part} augmented copy", False),
+            task_set(ids, vectors, f"{part} gallery", True),
+            Positives.from_lists([[int(q)] for q in queried], items),
+        )
+        classes[part] = TaskSplit(
+            task_set([f"c-{part}-{i}" for i in others], vectors, f"{part} class query", False, data.labels[others]),
+            task_set(ids, vectors, f"{part} gallery", True, data.labels[gallery]),
+        )
+    facts = {
+        "seed": args.seed,
+        "old": OLD,
+        "new": NEW,
+        "side": SIDE,
+        "eval gallery": args.eval_items,
+        "eval queries": args.eval_queries,
+        "train pairs": args.train_items,
+        "class queries": args.class_queries,
+    }
     stem = f"fashion-mnist-lite-{{}}-seed{args.seed}.npz"
-    save_built_task(args.out / stem.format("near-duplicates"), RetrievalTask("fashion-mnist-lite-near-duplicates", "instance",
-                                                                            "recall@1", near["train"], near["test"]), facts, started)
-    save_built_task(args.out / stem.format("classes"), RetrievalTask("fashion-mnist-lite-classes", "class", "top1",
-                                                                    classes["train"], classes["test"]), dict(facts), started)
+    save_built_task(
+        args.out / stem.format("near-duplicates"),
+        RetrievalTask("fashion-mnist-lite-near-duplicates", "instance", "recall@1", near["train"], near["test"]),
+        facts,
+        started,
+    )
+    save_built_task(
+        args.out / stem.format("classes"),
+        RetrievalTask("fashion-mnist-lite-classes", "class", "top1", classes["train"], classes["test"]),
+        dict(facts),
+        started,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-items", type=int, default=2000, help="test images in the evaluation gallery (default %(default)s)")
-    parser.add_argument("--eval-queries", type=int, default=500, help="of them queried by an augmented copy (default %(default)s)")
-    parser.add_argument("--train-items", type=int, default=1500, help="train images, each with a copy (default %(default)s)")
-    parser.add_argument("--class-queries", type=int, default=500, help="other images per split, the class-level queries (default %(default)s)")
+    parser.add_argument(
+        "--eval-items", type=int, default=2000, help="test images in the evaluation gallery (default %(default)s)"
+    )
+    parser.add_argument(
+        "--eval-queries", type=int, default=500, help="of them queried by an augmented copy (default %(default)s)"
+    )
+    parser.add_argument(
+        "--train-items", type=int, default=1500, help="train images, each with a copy (default %(default)s)"
+    )
+    parser.add_argument(
+        "--class-queries",
+        type=int,
+        default=500,
+        help="other images per split, the class-level queries (default %(default)s)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0: its default)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,7 @@ when missing and we are root; otherwise the kit's DataUnavailableError says what
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -55,10 +56,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from debian_data import BenchmarkSetupError, ensure_debian_package
 from fashion_mnist import fashion_mnist_present
 from instance_tasks import build_and_save
+
 from fctkit.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,18 +90,23 @@ def ensure_fashion_mnist() -> None:
     raise the kit's DataUnavailableError (its message says how to provide them)."""
     from fctkit.trainer.datasets import find_fashion_mnist
 
-    try:
+    with contextlib.suppress(BenchmarkSetupError, subprocess.CalledProcessError, OSError):
         ensure_debian_package(PACKAGE, fashion_mnist_present, "fashion-mnist idx files")
-    except (BenchmarkSetupError, subprocess.CalledProcessError, OSError):
-        pass
     find_fashion_mnist()
 
 
 # --- augmentation ------------------------------------------------------------------------------
 
 
-def augment(images: np.ndarray, rng: np.random.Generator, *, max_shift: int = MAX_SHIFT, max_angle: float = MAX_ANGLE,
-            contrast: tuple[float, float] = CONTRAST, noise_sigma: float = NOISE_SIGMA) -> np.ndarray:
+def augment(
+    images: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    max_shift: int = MAX_SHIFT,
+    max_angle: float = MAX_ANGLE,
+    contrast: tuple[float, float] = CONTRAST,
+    noise_sigma: float = NOISE_SIGMA,
+) -> np.ndarray:
     """One augmented copy of each image of ``images`` (N, 1, H, W) float32 in [0, 1].
 
     Per image, in this order, every random draw from ``rng`` (same rng state → same output):
@@ -126,7 +132,7 @@ def augment(images: np.ndarray, rng: np.random.Generator, *, max_shift: int = MA
     out = np.empty_like(images)
     for i in range(n):
         dy, dx = offsets[i]
-        shifted = padded[i, :, dy:dy + h, dx:dx + w]
+        shifted = padded[i, :, dy : dy + h, dx : dx + w]
         out[i] = rotate(shifted, angles[i], axes=(1, 2), reshape=False, order=1, mode="constant", cval=0.0)
     mean = out.mean(axis=(1, 2, 3), keepdims=True)
     out = mean + factors[:, None, None, None].astype(np.float32) * (out - mean)
@@ -140,7 +146,7 @@ def augment(images: np.ndarray, rng: np.random.Generator, *, max_shift: int = MA
 def scaled(section, scale: float):
     """A backbone / side-info config section with its epochs multiplied by ``scale`` (at least
     one; the warm-up is kept below the scaled epochs)."""
-    epochs = max(1, int(round(section.epochs * scale)))
+    epochs = max(1, round(section.epochs * scale))
     return dataclasses.replace(section, epochs=epochs, warmup_epochs=min(section.warmup_epochs, max(0, epochs - 1)))
 
 
@@ -156,10 +162,16 @@ MODEL_FILES = {"old": "old_backbone.pt", "new": "new_backbone.pt", "side": "side
 
 
 def models_meta(config, seed: int, scale: float) -> dict:
-    old_cfg, new_cfg, side_cfg = (scaled(s, scale) for s in (config.old_backbone, config.new_backbone, config.side_info))
-    return {"seed": seed, "epochs_scale": scale, "config": str(CONFIG.relative_to(REPO)),
-            "old_class_fraction": config.data.old_class_fraction,
-            "epochs": {"old": old_cfg.epochs, "new": new_cfg.epochs, "side": side_cfg.epochs}}
+    old_cfg, new_cfg, side_cfg = (
+        scaled(s, scale) for s in (config.old_backbone, config.new_backbone, config.side_info)
+    )
+    return {
+        "seed": seed,
+        "epochs_scale": scale,
+        "config": str(CONFIG.relative_to(REPO)),
+        "old_class_fraction": config.data.old_class_fraction,
+        "epochs": {"old": old_cfg.epochs, "new": new_cfg.epochs, "side": side_cfg.epochs},
+    }
 
 
 def check_models_meta(models_dir: Path, meta: dict) -> None:
@@ -172,12 +184,16 @@ def check_models_meta(models_dir: Path, meta: dict) -> None:
         return
     found = json.loads(path.read_text())
     if (found.get("seed"), found.get("epochs_scale")) != (meta["seed"], meta["epochs_scale"]):
-        raise InputError(f"the models in {models_dir} were trained with seed {found.get('seed')} and epochs scale "
-                         f"{found.get('epochs_scale')}, not seed {meta['seed']} and scale {meta['epochs_scale']}; "
-                         f"pass those or use another --out")
+        raise InputError(
+            f"the models in {models_dir} were trained with seed {found.get('seed')} and epochs scale "
+            f"{found.get('epochs_scale')}, not seed {meta['seed']} and scale {meta['epochs_scale']}; "
+            f"pass those or use another --out"
+        )
 
 
-def train_models(config, train_images: np.ndarray, train_labels: np.ndarray, seed: int, scale: float, models_dir: Path) -> Models:
+def train_models(
+    config, train_images: np.ndarray, train_labels: np.ndarray, seed: int, scale: float, models_dir: Path
+) -> Models:
     """Train the three models, saving each as soon as it is trained; a model already saved in
     ``models_dir`` (by an earlier, interrupted run with the same seed and scale) is loaded instead,
     so a killed build resumes where it stopped."""
@@ -188,7 +204,9 @@ def train_models(config, train_images: np.ndarray, train_labels: np.ndarray, see
 
     check_models_meta(models_dir, models_meta(config, seed, scale))
     device = str(resolve_device(config.device))
-    old_cfg, new_cfg, side_cfg = (scaled(s, scale) for s in (config.old_backbone, config.new_backbone, config.side_info))
+    old_cfg, new_cfg, side_cfg = (
+        scaled(s, scale) for s in (config.old_backbone, config.new_backbone, config.side_info)
+    )
     old_items = old_class_subset(train_labels, config.data.old_class_fraction)
     old_classes = sorted(set(train_labels[old_items].tolist()))
 
@@ -203,20 +221,34 @@ def train_models(config, train_images: np.ndarray, train_labels: np.ndarray, see
         save(model, path)
         return model
 
-    old = trained("old", f"old backbone ({old_cfg.architecture}, {old_cfg.embedding_dim}-d, {old_cfg.epochs} epochs) on "
-                  f"{len(old_items)} train images of classes {old_classes}",
-                  lambda ckpt: train_backbone(train_images[old_items], train_labels[old_items], old_cfg, seed, config.device,
-                                              checkpoint=ckpt),
-                  save_backbone, load_backbone)
-    new = trained("new", f"new backbone ({new_cfg.architecture}, {new_cfg.embedding_dim}-d, {new_cfg.epochs} epochs) on "
-                  f"{len(train_images)} train images of all {len(np.unique(train_labels))} classes",
-                  lambda ckpt: train_backbone(train_images, train_labels, new_cfg, seed + 1, config.device, checkpoint=ckpt),
-                  save_backbone, load_backbone)
-    side = trained("side", f"side-info model ψ ({side_cfg.kind}, {side_cfg.dim}-d, {side_cfg.epochs} epochs) on the "
-                   f"old-class train images",
-                   lambda ckpt: train_side_info(train_images[old_items], train_labels[old_items], side_cfg, seed + 2,
-                                                config.device, checkpoint=ckpt),
-                   save_side_info, load_side_info)
+    old = trained(
+        "old",
+        f"old backbone ({old_cfg.architecture}, {old_cfg.embedding_dim}-d, {old_cfg.epochs} epochs) on "
+        f"{len(old_items)} train images of classes {old_classes}",
+        lambda ckpt: train_backbone(
+            train_images[old_items], train_labels[old_items], old_cfg, seed, config.device, checkpoint=ckpt
+        ),
+        save_backbone,
+        load_backbone,
+    )
+    new = trained(
+        "new",
+        f"new backbone ({new_cfg.architecture}, {new_cfg.embedding_dim}-d, {new_cfg.epochs} epochs) on "
+        f"{len(train_images)} train images of all {len(np.unique(train_labels))} classes",
+        lambda ckpt: train_backbone(train_images, train_labels, new_cfg, seed + 1, config.device, checkpoint=ckpt),
+        save_backbone,
+        load_backbone,
+    )
+    side = trained(
+        "side",
+        f"side-info model ψ ({side_cfg.kind}, {side_cfg.dim}-d, {side_cfg.epochs} epochs) on the "
+        f"old-class train images",
+        lambda ckpt: train_side_info(
+            train_images[old_items], train_labels[old_items], side_cfg, seed + 2, config.device, checkpoint=ckpt
+        ),
+        save_side_info,
+        load_side_info,
+    )
     log(f"models in {models_dir}")
     return Models(old, new, side, side_cfg.kind)
 
@@ -227,22 +259,35 @@ def load_models(config, seed: int, scale: float, models_dir: Path) -> Models:
     from fctkit.trainer.side_info import load_side_info
     from fctkit.trainer.torch_utils import resolve_device
 
-    missing = [str(models_dir / name) for name in [*MODEL_FILES.values(), "models.json"] if not (models_dir / name).is_file()]
+    missing = [
+        str(models_dir / name) for name in [*MODEL_FILES.values(), "models.json"] if not (models_dir / name).is_file()
+    ]
     if missing:
         raise DataUnavailableError(f"--reuse-models: {', '.join(missing)} missing; run once without --reuse-models")
     check_models_meta(models_dir, models_meta(config, seed, scale))
     device = str(resolve_device(config.device))
     side = load_side_info(models_dir / MODEL_FILES["side"], device)
     log(f"reusing the models in {models_dir} (seed {seed}, epochs scale {scale})")
-    return Models(load_backbone(models_dir / MODEL_FILES["old"], device), load_backbone(models_dir / MODEL_FILES["new"], device),
-                  side, side.kind)
+    return Models(
+        load_backbone(models_dir / MODEL_FILES["old"], device),
+        load_backbone(models_dir / MODEL_FILES["new"], device),
+        side,
+        side.kind,
+    )
 
 
 # --- the task ----------------------------------------------------------------------------------
 
 
-def task_split(models: Models, gallery_images: np.ndarray, gallery_ids: np.ndarray, query_images: np.ndarray,
-               query_ids: np.ndarray, query_to_gallery_row: np.ndarray, what: str):
+def task_split(
+    models: Models,
+    gallery_images: np.ndarray,
+    gallery_ids: np.ndarray,
+    query_images: np.ndarray,
+    query_ids: np.ndarray,
+    query_to_gallery_row: np.ndarray,
+    what: str,
+):
     """Embed the gallery (φ_old, φ_new, ψ) and the queries (φ_old, φ_new); query i's one positive
     is gallery row ``query_to_gallery_row[i]``."""
     from fctkit.trainer.backbones import extract_features
@@ -255,9 +300,15 @@ def task_split(models: Models, gallery_images: np.ndarray, gallery_ids: np.ndarr
         side = extract_side_info(models.side, gallery_images)
     else:
         side = np.zeros((len(gallery_images), 0), np.float32)
-    gallery = TaskSet(gallery_ids, extract_features(models.old, gallery_images), extract_features(models.new, gallery_images), side)
-    query = TaskSet(query_ids, extract_features(models.old, query_images), extract_features(models.new, query_images),
-                    np.zeros((len(query_images), 0), np.float32))
+    gallery = TaskSet(
+        gallery_ids, extract_features(models.old, gallery_images), extract_features(models.new, gallery_images), side
+    )
+    query = TaskSet(
+        query_ids,
+        extract_features(models.old, query_images),
+        extract_features(models.new, query_images),
+        np.zeros((len(query_images), 0), np.float32),
+    )
     positives = Positives.from_lists([[int(row)] for row in query_to_gallery_row], len(gallery_images))
     return TaskSplit(query, gallery, positives)
 
@@ -292,28 +343,60 @@ def build_task(args: argparse.Namespace):
     train_queries = augment(train.images[train_items], aug_train)
 
     # evaluation: gallery = every test image in index order, so query i's positive is row eval_items[i]
-    evaluation = task_split(models, test.images, np.array([f"test-{i}" for i in range(len(test))]), eval_queries,
-                            np.array([f"q-test-{i}" for i in eval_items]), eval_items, "evaluation split")
+    evaluation = task_split(
+        models,
+        test.images,
+        np.array([f"test-{i}" for i in range(len(test))]),
+        eval_queries,
+        np.array([f"q-test-{i}" for i in eval_items]),
+        eval_items,
+        "evaluation split",
+    )
     # training: gallery = the chosen train images, query i ↔ gallery row i
-    training = task_split(models, train.images[train_items], np.array([f"train-{i}" for i in train_items]), train_queries,
-                          np.array([f"q-train-{i}" for i in train_items]), np.arange(len(train_items)), "training split")
+    training = task_split(
+        models,
+        train.images[train_items],
+        np.array([f"train-{i}" for i in train_items]),
+        train_queries,
+        np.array([f"q-train-{i}" for i in train_items]),
+        np.arange(len(train_items)),
+        "training split",
+    )
     task = RetrievalTask(TASK_NAME, "instance", "recall@1", training, evaluation)
-    facts = {"seed": args.seed, "epochs_scale": args.epochs_scale, "models": str(models_dir),
-             "eval": {"queries": len(evaluation.query), "gallery": len(evaluation.gallery)},
-             "train": {"queries": len(training.query), "gallery": len(training.gallery)},
-             "dims": {"old": int(evaluation.gallery.old.shape[1]), "new": int(evaluation.gallery.new.shape[1]),
-                      "side": int(evaluation.gallery.side.shape[1])},
-             "augmentation": {"max_shift": MAX_SHIFT, "max_angle": MAX_ANGLE, "contrast": list(CONTRAST), "noise_sigma": NOISE_SIGMA}}
+    facts = {
+        "seed": args.seed,
+        "epochs_scale": args.epochs_scale,
+        "models": str(models_dir),
+        "eval": {"queries": len(evaluation.query), "gallery": len(evaluation.gallery)},
+        "train": {"queries": len(training.query), "gallery": len(training.gallery)},
+        "dims": {
+            "old": int(evaluation.gallery.old.shape[1]),
+            "new": int(evaluation.gallery.new.shape[1]),
+            "side": int(evaluation.gallery.side.shape[1]),
+        },
+        "augmentation": {
+            "max_shift": MAX_SHIFT,
+            "max_angle": MAX_ANGLE,
+            "contrast": list(CONTRAST),
+            "noise_sigma": NOISE_SIGMA,
+        },
+    }
     return task, facts
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench/fmnist-neardup"))
     parser.add_argument("--seed", type=int, default=0, help="seed of the models, the item choice and the augmentation")
     parser.add_argument("--eval-queries", type=int, default=N_TEST, help="test images queried (gallery: all 10,000)")
-    parser.add_argument("--train-items", type=int, default=10_000, help="train images in the training split (one query each)")
-    parser.add_argument("--epochs-scale", type=float, default=1.0, help="multiplies the configured backbone and side-info epochs")
+    parser.add_argument(
+        "--train-items", type=int, default=10_000, help="train images in the training split (one query each)"
+    )
+    parser.add_argument(
+        "--epochs-scale", type=float, default=1.0, help="multiplies the configured backbone and side-info epochs"
+    )
     parser.add_argument("--reuse-models", action="store_true", help="load <out>/models/ instead of training")
     args = parser.parse_args(argv)
     if args.eval_queries < 1 or args.train_items < 1 or args.epochs_scale <= 0:

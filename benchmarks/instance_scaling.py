@@ -33,9 +33,15 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_VARIANTS = ("least-squares", "residual+query-positives", "residual+query-positives+hubness",
-                    "residual+query-positives+transition", "residual+query-positives+hubness+transition",
-                    "residual+query-map", "residual+query-map+hubness")
+DEFAULT_VARIANTS = (
+    "least-squares",
+    "residual+query-positives",
+    "residual+query-positives+hubness",
+    "residual+query-positives+transition",
+    "residual+query-positives+hubness+transition",
+    "residual+query-map",
+    "residual+query-map+hubness",
+)
 METRICS = (("R@1", "recall@1"), ("R@10", "recall@10"), ("MRR", "mrr"))
 
 
@@ -62,8 +68,12 @@ def gallery_of_size(split, distractors: dict[str, np.ndarray] | None, size: int,
     gallery = split.gallery
     pool = {name: distractors[name][:grow] for name in ("ids", "old", "new")}
     side = distractors["side"][:grow] if gallery.side.shape[1] else np.zeros((grow, 0), np.float32)
-    grown = TaskSet(np.concatenate([gallery.ids.astype(str), pool["ids"].astype(str)]),
-                    np.vstack([gallery.old, pool["old"]]), np.vstack([gallery.new, pool["new"]]), np.vstack([gallery.side, side]))
+    grown = TaskSet(
+        np.concatenate([gallery.ids.astype(str), pool["ids"].astype(str)]),
+        np.vstack([gallery.old, pool["old"]]),
+        np.vstack([gallery.new, pool["new"]]),
+        np.vstack([gallery.side, side]),
+    )
     p = split.positives
     return TaskSplit(split.query, grown, Positives(p.indptr, p.indices, p.grades, size))
 
@@ -73,7 +83,7 @@ def measure(split, runs: list[dict[str, object]]) -> list[dict[str, dict[str, fl
     MRR of old/old, new/new (searched once: they do not depend on the run) and each variant on
     ``split``, searched as a device would."""
     from fctkit.trainer.retrieval_result import metric_value
-    from fctkit.trainer.searches import EvalSet, Evaluator, EvaluationConfig, scored_retrieval
+    from fctkit.trainer.searches import EvalSet, EvaluationConfig, Evaluator, scored_retrieval
 
     data = EvalSet.of_task(split)
     evaluate = Evaluator(EvaluationConfig(distance="cosine", topk=(1, 10)), data)
@@ -82,12 +92,18 @@ def measure(split, runs: list[dict[str, object]]) -> list[dict[str, dict[str, fl
         started = time.perf_counter()
         result = evaluate(query, rows, distance)
         print(f"  {name}: R@1 {metric_value(result, 'recall@1'):.4f}", flush=True)
-        return {label: float(metric_value(result, key)) for label, key in METRICS} | {"seconds": round(time.perf_counter() - started, 1)}
+        return {label: float(metric_value(result, key)) for label, key in METRICS} | {
+            "seconds": round(time.perf_counter() - started, 1)
+        }
 
-    baselines = {"old/old": scores("old/old", data.queries.old, data.gallery.old),
-                 "new/new": scores("new/new", data.queries.new, data.gallery.new)}
-    return [baselines | {name: scores(name, *scored_retrieval(variant, data)) for name, variant in variants.items()}
-            for variants in runs]
+    baselines = {
+        "old/old": scores("old/old", data.queries.old, data.gallery.old),
+        "new/new": scores("new/new", data.queries.new, data.gallery.new),
+    }
+    return [
+        baselines | {name: scores(name, *scored_retrieval(variant, data)) for name, variant in variants.items()}
+        for variants in runs
+    ]
 
 
 def shares(results: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -97,16 +113,23 @@ def shares(results: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
 
 def over_runs(per_run: list[dict[str, dict[str, float]]], statistic) -> dict[str, dict[str, float]]:
     """``statistic`` (mean, sd) over the runs of each case's metrics."""
-    return {name: {label: float(statistic([r[name][label] for r in per_run])) for label in per_run[0][name]}
-            for name in per_run[0]}
+    return {
+        name: {label: float(statistic([r[name][label] for r in per_run])) for label in per_run[0][name]}
+        for name in per_run[0]
+    }
 
 
 def size_entry(per_run_results: list[dict[str, dict[str, float]]], queries: int) -> dict:
     """One size of the summary: the mean over runs of the results and of their shares of
     new/new, the shares' sd over runs, and each run's own figures."""
     per_run_shares = [shares(r) for r in per_run_results]
-    return {"results": over_runs(per_run_results, np.mean), "share": over_runs(per_run_shares, np.mean),
-            "share_sd": over_runs(per_run_shares, np.std), "per_run": per_run_results, "queries": queries}
+    return {
+        "results": over_runs(per_run_results, np.mean),
+        "share": over_runs(per_run_shares, np.mean),
+        "share_sd": over_runs(per_run_shares, np.std),
+        "per_run": per_run_results,
+        "queries": queries,
+    }
 
 
 def markdown(table: dict, sizes: list[int], variants: list[str]) -> str:
@@ -117,12 +140,19 @@ def markdown(table: dict, sizes: list[int], variants: list[str]) -> str:
         for size in sizes:
             entry = table.get(str(size))
             spread = f" (± {entry['share_sd'][name]['R@1']:.3f})" if entry and len(entry["per_run"]) > 1 else ""
-            cells.append("not measured" if entry is None else
-                         " / ".join(f"{entry['share'][name][label]:.3f}" for label, _ in METRICS) + spread)
+            cells.append(
+                "not measured"
+                if entry is None
+                else " / ".join(f"{entry['share'][name][label]:.3f}" for label, _ in METRICS) + spread
+            )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    absolute = [f"{s:,}: new/new R@1 {table[str(s)]['results']['new/new']['R@1']:.4f}" for s in sizes if str(s) in table]
-    return ("\n".join(lines) + "\n\nShares of new/new at the same size (mean over the runs; ± the R@1 share's sd over "
-            "runs); " + "; ".join(absolute) + ".\n")
+    absolute = [
+        f"{s:,}: new/new R@1 {table[str(s)]['results']['new/new']['R@1']:.4f}" for s in sizes if str(s) in table
+    ]
+    return (
+        "\n".join(lines) + "\n\nShares of new/new at the same size (mean over the runs; ± the R@1 share's sd over "
+        "runs); " + "; ".join(absolute) + ".\n"
+    )
 
 
 def plot(table: dict, variants: list[str], path: Path) -> None:
@@ -145,14 +175,27 @@ def plot(table: dict, variants: list[str], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("task", type=Path, help="the task file the run was trained on (its evaluation split is searched)")
-    parser.add_argument("--run", type=Path, nargs="+", required=True,
-                        help="`fctkit train` output folder(s) on the task (e.g. one per training seed): figures are their mean")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "task", type=Path, help="the task file the run was trained on (its evaluation split is searched)"
+    )
+    parser.add_argument(
+        "--run",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="`fctkit train` output folder(s) on the task (e.g. one per training seed): figures are their mean",
+    )
     parser.add_argument("--distractors", type=Path, help=".npz of gallery items of no query (ids, old, new[, side])")
     parser.add_argument("--sizes", type=int, nargs="+", required=True, help="gallery sizes to search")
-    parser.add_argument("--variants", nargs="+", help=f"gate keys of the run (default: those of {', '.join(DEFAULT_VARIANTS)} it has)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sample kept for sizes below the evaluation gallery")
+    parser.add_argument(
+        "--variants", nargs="+", help=f"gate keys of the run (default: those of {', '.join(DEFAULT_VARIANTS)} it has)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the sample kept for sizes below the evaluation gallery"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -172,14 +215,21 @@ def main(argv: list[str] | None = None) -> int:
     table: dict[str, dict] = {}
     for size in sorted(args.sizes):
         if size > available:
-            print(f"gallery of {size:,}: not measured (the task and its distractors hold {available:,} items)", flush=True)
+            print(
+                f"gallery of {size:,}: not measured (the task and its distractors hold {available:,} items)", flush=True
+            )
             continue
         searched = gallery_of_size(split, distractors, size, args.seed)
         print(f"gallery of {size:,} items, {len(searched.query):,} queries", flush=True)
         table[str(size)] = size_entry(measure(searched, loaded), len(searched.query))
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = {"task": str(args.task), "runs": [str(r) for r in args.run], "distractors": str(args.distractors), "variants": variants,
-               "sizes": table}
+    summary = {
+        "task": str(args.task),
+        "runs": [str(r) for r in args.run],
+        "distractors": str(args.distractors),
+        "variants": variants,
+        "sizes": table,
+    }
     (args.out / "scaling.json").write_text(json.dumps(summary, indent=2) + "\n")
     (args.out / "scaling.md").write_text(markdown(table, sorted(args.sizes), variants))
     if table:

@@ -38,10 +38,20 @@ def task_baselines(task) -> dict:
     split = task.evaluation
     result = {}
     for case, field in (("old/old", "old"), ("new/new", "new")):
-        r = evaluate_retrieval(getattr(split.query, field), split.query.labels, getattr(split.gallery, field), split.gallery.labels,
-                               positives=split.positives, distance="cosine", topk=(1, 5, 10))
-        result[case] = ({"R@1": r.recall[1], "R@5": r.recall[5], "R@10": r.recall[10], "MRR": r.mrr} if split.positives is not None
-                        else {"top1": r.cmc[1], "top5": r.cmc[5], "mAP": r.mean_ap})
+        r = evaluate_retrieval(
+            getattr(split.query, field),
+            split.query.labels,
+            getattr(split.gallery, field),
+            split.gallery.labels,
+            positives=split.positives,
+            distance="cosine",
+            topk=(1, 5, 10),
+        )
+        result[case] = (
+            {"R@1": r.recall[1], "R@5": r.recall[5], "R@10": r.recall[10], "MRR": r.mrr}
+            if split.positives is not None
+            else {"top1": r.cmc[1], "top5": r.cmc[5], "mAP": r.mean_ap}
+        )
     return result
 
 
@@ -66,7 +76,10 @@ def save_built_task(path: Path, task, facts: dict, started: float) -> Path:
     from fctkit.trainer.tasks import save_task
 
     for name, split in (("eval", task.evaluation), ("train", task.train)):
-        print(f"{name}: {len(split.query)} queries / {len(split.gallery)} gallery items", end="; " if name == "eval" else "\n")
+        print(
+            f"{name}: {len(split.query)} queries / {len(split.gallery)} gallery items",
+            end="; " if name == "eval" else "\n",
+        )
     gallery = task.evaluation.gallery
     print(f"dims old {gallery.old.shape[1]}, new {gallery.new.shape[1]}, side {gallery.side.shape[1]} (gallery only)")
     path = save_task(path, task)
@@ -81,11 +94,22 @@ def save_built_task(path: Path, task, facts: dict, started: float) -> Path:
 
 
 def run_seed(task: Path, out: Path, seed: int, methods: list[str], query_map: bool, extra: dict) -> dict:
-    overrides = {"seed": seed, "data.name": "task", "data.task": str(task), "methods": methods, "progress": False,
-                 "evaluation.distance": "cosine", "evaluation.topk": [1, 5, 10], "query_map.enabled": query_map,
-                 "backfill.orderings": ["random"], **extra}
+    overrides = {
+        "seed": seed,
+        "data.name": "task",
+        "data.task": str(task),
+        "methods": methods,
+        "progress": False,
+        "evaluation.distance": "cosine",
+        "evaluation.topk": [1, 5, 10],
+        "query_map.enabled": query_map,
+        "backfill.orderings": ["random"],
+        **extra,
+    }
     start = time.perf_counter()
-    run_pipeline(load_pipeline_config(None, overrides), out / f"seed{seed}", log=lambda m: print(f"  [{seed}] {m}", flush=True))
+    run_pipeline(
+        load_pipeline_config(None, overrides), out / f"seed{seed}", log=lambda m: print(f"  [{seed}] {m}", flush=True)
+    )
     return read_run(out / f"seed{seed}") | {"seconds": time.perf_counter() - start}
 
 
@@ -125,7 +149,7 @@ def held_out_scores(facts: dict) -> dict[str, float]:
         for fact, part in (("transition weight [", " + transition scoring"), ("hubness β [", " + hubness offset")):
             found = HELD_OUT_FACT.match(str(value))
             if name.startswith(fact) and found:
-                label = name[len(fact):-1]
+                label = name[len(fact) : -1]
                 scores[label + part], scores[label] = float(found[1]), float(found[2])
     return scores
 
@@ -143,7 +167,9 @@ def summarise(runs: dict[int, dict]) -> dict:
         summary[name] = {metric: _mean_sd([row[metric] for row in rows]) for metric in metrics}
         summary[name]["share_of_new_new_r1"] = _mean_sd(shares)
         summary[name]["ecc_r1"] = sum(row[at1] > run["cases"]["old/old"][at1] for row, run in zip(rows, runs.values()))
-        summary[name]["ecc_r10"] = sum(row[at10] > run["cases"]["old/old"][at10] for row, run in zip(rows, runs.values()))
+        summary[name]["ecc_r10"] = sum(
+            row[at10] > run["cases"]["old/old"][at10] for row, run in zip(rows, runs.values())
+        )
         if all("held-out" in row for row in rows):
             summary[name]["held-out"] = _mean_sd([row["held-out"] for row in rows])
     return summary
@@ -155,8 +181,10 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
 
 def markdown(summary: dict, n_seeds: int, level: str = "instance") -> str:
     at1, at10, third = HEADERS[level]
-    lines = [f"| case | {at1} | {at10} | {third} | {at1} ÷ new/new | ECC {at1} | ECC {at10} | held-out {at1} |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| case | {at1} | {at10} | {third} | {at1} ÷ new/new | ECC {at1} | ECC {at10} | held-out {at1} |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, row in summary.items():
         cells = [f"{m:.3f} ± {s:.3f}" for m, s in (*(row[k] for k in METRICS[level]), row["share_of_new_new_r1"])]
         judged = name not in ("old/old", "new/new", "new/old")
@@ -173,9 +201,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS))
     parser.add_argument("--no-query-map", action="store_true", help="skip the jointly trained query map")
-    parser.add_argument("--summarise-only", action="store_true", help="read <out>/seed*/report.json of finished runs; train nothing")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=JSON",
-                        help="extra pipeline override, e.g. --set 'selection.widths=[512]'")
+    parser.add_argument(
+        "--summarise-only", action="store_true", help="read <out>/seed*/report.json of finished runs; train nothing"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="extra pipeline override, e.g. --set 'selection.widths=[512]'",
+    )
     args = parser.parse_args(argv)
     extra = {key: json.loads(value) for key, _, value in (item.partition("=") for item in args.overrides)}
     runs = {}
@@ -191,8 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.md").write_text(table + "\n")
-    (args.out / "summary.json").write_text(json.dumps({"task": str(args.task), "seeds": args.seeds, "summary": summary,
-                                                       "runs": runs}, indent=2, default=str) + "\n")
+    (args.out / "summary.json").write_text(
+        json.dumps(
+            {"task": str(args.task), "seeds": args.seeds, "summary": summary, "runs": runs}, indent=2, default=str
+        )
+        + "\n"
+    )
     return 0
 
 

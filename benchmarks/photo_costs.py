@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import edge_query  # noqa: E402
-import edge_upgrade  # noqa: E402
-from edge_upgrade import Dims, bench_workspace, emit, measure_adapter  # noqa: E402
+import edge_query
+import edge_upgrade
+from edge_upgrade import Dims, bench_workspace, emit, measure_adapter
 
 QUERY_CASES = (edge_query.DEVICE_QUERY, "ExactIndex, faiss backend")
 
@@ -37,13 +37,17 @@ QUERY_CASES = (edge_query.DEVICE_QUERY, "ExactIndex, faiss backend")
 def ratio_table(upgrades: list[dict], query: edge_query.QueryTimes) -> str:
     lines = ["| cost | rows | measured | baseline | ratio |", "|---|---:|---:|---:|---:|"]
     for r in upgrades:
-        lines.append(f"| upgrade, {r['adapter']} ({r['dims']}) ÷ bare ORT transform | {r['rows']:,} "
-                     f"| {r['upgrade_rows_per_s']:,.0f} rows/s | {r['bare_rows_per_s']:,.0f} rows/s | **{r['ratio']:.2f}** |")
+        lines.append(
+            f"| upgrade, {r['adapter']} ({r['dims']}) ÷ bare ORT transform | {r['rows']:,} "
+            f"| {r['upgrade_rows_per_s']:,.0f} rows/s | {r['bare_rows_per_s']:,.0f} rows/s | **{r['ratio']:.2f}** |"
+        )
     for threads, cases in query.times.items():
         base = cases[edge_query.BASELINE]
         for name in QUERY_CASES:
-            lines.append(f"| query p50, {name}, faiss threads {threads} ({query.dims.embedding}-d) ÷ faiss IndexFlatIP "
-                         f"| {query.rows:,} | {_ms(cases[name])} | {_ms(base)} | **{query.p50_ratio(threads, name):.2f}** |")
+            lines.append(
+                f"| query p50, {name}, faiss threads {threads} ({query.dims.embedding}-d) ÷ faiss IndexFlatIP "
+                f"| {query.rows:,} | {_ms(cases[name])} | {_ms(base)} | **{query.p50_ratio(threads, name):.2f}** |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -66,9 +70,15 @@ def main(argv: list[str] | None = None) -> None:
     dims = Dims(args.dim, args.side_dim)
     query = edge_query.measure(args.query_rows, args.queries, dims)
     with bench_workspace("fctkit-photo-costs-") as (work, key, pub):
-        upgrades = [measure_adapter(a, args.rows, args.batch, args.threads, work, key, pub, dims) for a in args.adapters.split(",")]
+        upgrades = [
+            measure_adapter(a, args.rows, args.batch, args.threads, work, key, pub, dims)
+            for a in args.adapters.split(",")
+        ]
     details = edge_upgrade.markdown(upgrades, None, args)
-    emit("\n".join([ratio_table(upgrades, query), "Upgrade:", "", details, "Query:", "", edge_query.markdown(query)]), args.markdown)
+    emit(
+        "\n".join([ratio_table(upgrades, query), "Upgrade:", "", details, "Query:", "", edge_query.markdown(query)]),
+        args.markdown,
+    )
 
 
 if __name__ == "__main__":

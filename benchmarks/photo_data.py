@@ -24,11 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from debian_data import BenchmarkSetupError, ensure_debian_package
 
 PACKAGES = ("lomiri-wallpapers-16.04", "mate-backgrounds", "plasma-workspace-wallpapers")
-LOMIRI, MATE, PLASMA = Path("/usr/share/backgrounds"), Path("/usr/share/backgrounds/mate"), Path("/usr/share/wallpapers")
+LOMIRI, MATE, PLASMA = (
+    Path("/usr/share/backgrounds"),
+    Path("/usr/share/backgrounds/mate"),
+    Path("/usr/share/wallpapers"),
+)
 PHOTO_SUFFIXES = (".jpg", ".jpeg", ".png")
 FRACTIONS = (2, 3, 4, 5, 6, 8, 10, 12)  # tile side = the photo's shorter side / each of these
 MIN_DETAIL = 3.0  # mean |grey-level step| between neighbouring pixels at 64×64: below it, sky, blur or flat colour
@@ -73,7 +76,9 @@ def debian_photos() -> list[Photo]:
     from PIL import Image
 
     for package, folder in zip(PACKAGES, (LOMIRI, MATE, PLASMA), strict=True):
-        ensure_debian_package(package, lambda f=folder: any(f.rglob("*.jpg")) or any(f.rglob("*.png")), f"photos in {folder}")
+        ensure_debian_package(
+            package, lambda f=folder: any(f.rglob("*.jpg")) or any(f.rglob("*.png")), f"photos in {folder}"
+        )
     photos = []
     for name, path in sorted(_photo_files().items()):
         with Image.open(path) as image:
@@ -84,8 +89,14 @@ def debian_photos() -> list[Photo]:
     return photos
 
 
-def photo_tiles(photo: Photo, *, side: int = TILE_SIDE, fractions: Sequence[int] = FRACTIONS,
-                per_photo: int | None = None, min_detail: float = MIN_DETAIL) -> Iterator[tuple[str, Any]]:
+def photo_tiles(
+    photo: Photo,
+    *,
+    side: int = TILE_SIDE,
+    fractions: Sequence[int] = FRACTIONS,
+    per_photo: int | None = None,
+    min_detail: float = MIN_DETAIL,
+) -> Iterator[tuple[str, Any]]:
     """``(tile_id, image)`` for square windows of ``photo`` on a grid at each scale, resized to
     ``side`` px; ``tile_id`` is ``<photo>/s<fraction>-<row>-<column>``. Tiles with less than
     ``min_detail`` (:func:`detail`) are left out: nobody searches for a patch of clear sky, and no
@@ -104,7 +115,12 @@ def photo_tiles(photo: Photo, *, side: int = TILE_SIDE, fractions: Sequence[int]
             for column in range(columns):
                 if per_photo is not None and made >= per_photo:
                     return
-                box = (left0 + column * window, top0 + row * window, left0 + (column + 1) * window, top0 + (row + 1) * window)
+                box = (
+                    left0 + column * window,
+                    top0 + row * window,
+                    left0 + (column + 1) * window,
+                    top0 + (row + 1) * window,
+                )
                 tile = image.crop(box).resize((side, side), Image.Resampling.BILINEAR)
                 if detail(tile) >= min_detail:
                     yield f"{photo.name}/s{fraction}-{row}-{column}", tile
@@ -120,9 +136,11 @@ def detail(image: Any) -> float:
 def split_photos(photos: Sequence[Photo], eval_fraction: float, seed: int) -> tuple[list[Photo], list[Photo]]:
     """(training photos, evaluation photos): a seeded split by source photo."""
     order = np.random.default_rng(seed).permutation(len(photos))
-    n_eval = int(round(len(photos) * eval_fraction))
+    n_eval = round(len(photos) * eval_fraction)
     if not 0 < n_eval < len(photos):
-        raise BenchmarkSetupError(f"eval fraction {eval_fraction} leaves no training or no evaluation photo of {len(photos)}")
+        raise BenchmarkSetupError(
+            f"eval fraction {eval_fraction} leaves no training or no evaluation photo of {len(photos)}"
+        )
     return [photos[i] for i in sorted(order[n_eval:])], [photos[i] for i in sorted(order[:n_eval])]
 
 
@@ -144,12 +162,17 @@ def edited_copy(image: Any, rng: np.random.Generator) -> bytes:
     image = image.crop((int(left), int(top), int(left + keep_w * width), int(top + keep_h * height)))
     angle = float(rng.uniform(-6, 6))
     rotated = image.rotate(angle, resample=Image.Resampling.BILINEAR)
-    margin = int(math.ceil(math.tan(math.radians(abs(angle))) * max(image.size) / 2))
+    margin = math.ceil(math.tan(math.radians(abs(angle))) * max(image.size) / 2)
     image = rotated.crop((margin, margin, image.size[0] - margin, image.size[1] - margin))
     scale = rng.uniform(0.5, 1.0)
-    image = image.resize((max(32, int(image.size[0] * scale)), max(32, int(image.size[1] * scale))), Image.Resampling.BILINEAR)
-    for enhancer, low, high in ((ImageEnhance.Brightness, 0.75, 1.25), (ImageEnhance.Contrast, 0.75, 1.25),
-                                (ImageEnhance.Color, 0.6, 1.4)):
+    image = image.resize(
+        (max(32, int(image.size[0] * scale)), max(32, int(image.size[1] * scale))), Image.Resampling.BILINEAR
+    )
+    for enhancer, low, high in (
+        (ImageEnhance.Brightness, 0.75, 1.25),
+        (ImageEnhance.Contrast, 0.75, 1.25),
+        (ImageEnhance.Color, 0.6, 1.4),
+    ):
         image = enhancer(image).enhance(float(rng.uniform(low, high)))
     return jpeg_bytes(image, int(rng.integers(30, 76)))
 

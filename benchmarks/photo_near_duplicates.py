@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from debian_data import BenchmarkSetupError
 from image_onnx_models import ExportedImageModel, embed_sets, load_exported
 from photo_data import debian_photos, edited_copy, jpeg_bytes, photo_tiles, split_photos
@@ -76,21 +75,36 @@ def photo_items(photos, count: int, queries: int, seed: int) -> PhotoItems:
     return PhotoItems(drawn, [files[i] for i in drawn], query_ids, [edits[i] for i in query_ids])
 
 
-def photo_split(seed: int, eval_items: int, eval_queries: int, train_items: int,
-                eval_fraction: float = 0.5) -> tuple[PhotoItems, PhotoItems]:
+def photo_split(
+    seed: int, eval_items: int, eval_queries: int, train_items: int, eval_fraction: float = 0.5
+) -> tuple[PhotoItems, PhotoItems]:
     """(training items, evaluation items) from disjoint source photos; every training tile has a query."""
     train_photos, eval_photos = split_photos(debian_photos(), eval_fraction, seed)
-    return photo_items(train_photos, train_items, train_items, seed + 100), photo_items(eval_photos, eval_items, eval_queries, seed)
+    return photo_items(train_photos, train_items, train_items, seed + 100), photo_items(
+        eval_photos, eval_items, eval_queries, seed
+    )
 
 
-def embed_items(models: Mapping[str, ExportedImageModel], items: PhotoItems, threads: int = 0,
-                log=lambda message: print(message, flush=True)) -> dict[tuple[str, str], np.ndarray]:
+def embed_items(
+    models: Mapping[str, ExportedImageModel],
+    items: PhotoItems,
+    threads: int = 0,
+    log=lambda message: print(message, flush=True),
+) -> dict[tuple[str, str], np.ndarray]:
     """Every model's vectors of the gallery tiles and of the queries, by (model name, 'gallery'|'query')."""
     return embed_sets(models, {"gallery": items.files, "query": items.query_files}, threads, log)
 
 
-def photo_task(train: PhotoItems, evaluation: PhotoItems, vectors_train: Mapping, vectors_eval: Mapping,
-               old: str = OLD, new: str = NEW, side: str | None = "lite1", name: str = "photo-near-duplicates") -> Any:
+def photo_task(
+    train: PhotoItems,
+    evaluation: PhotoItems,
+    vectors_train: Mapping,
+    vectors_eval: Mapping,
+    old: str = OLD,
+    new: str = NEW,
+    side: str | None = "lite1",
+    name: str = "photo-near-duplicates",
+) -> Any:
     """The instance-level task (kit format): each query's one positive is the tile it was edited from."""
     from fctkit.trainer.relevance import Positives
     from fctkit.trainer.tasks import RetrievalTask, TaskSet, TaskSplit
@@ -99,16 +113,27 @@ def photo_task(train: PhotoItems, evaluation: PhotoItems, vectors_train: Mapping
         position = {item_id: row for row, item_id in enumerate(items.ids)}
         n, nq = len(items.ids), len(items.query_ids)
         side_vectors = vectors[side, "gallery"] if side else np.zeros((n, 0), np.float32)
-        gallery = TaskSet(np.array([prefix + i for i in items.ids]), vectors[old, "gallery"], vectors[new, "gallery"], side_vectors)
-        query = TaskSet(np.array([f"q-{prefix}{i}" for i in items.query_ids]), vectors[old, "query"], vectors[new, "query"],
-                        np.zeros((nq, 0), np.float32))
+        gallery = TaskSet(
+            np.array([prefix + i for i in items.ids]), vectors[old, "gallery"], vectors[new, "gallery"], side_vectors
+        )
+        query = TaskSet(
+            np.array([f"q-{prefix}{i}" for i in items.query_ids]),
+            vectors[old, "query"],
+            vectors[new, "query"],
+            np.zeros((nq, 0), np.float32),
+        )
         return TaskSplit(query, gallery, Positives.from_lists([[position[i]] for i in items.query_ids], n))
 
-    return RetrievalTask(name, "instance", "recall@1", split(train, vectors_train, "train-"), split(evaluation, vectors_eval, ""))
+    return RetrievalTask(
+        name, "instance", "recall@1", split(train, vectors_train, "train-"), split(evaluation, vectors_eval, "")
+    )
 
 
 def save_vectors(path: Path, vectors: Mapping[str, Mapping[tuple[str, str], np.ndarray]]) -> None:
-    np.savez(path, **{f"{split}.{model}.{part}": array for split, by in vectors.items() for (model, part), array in by.items()})
+    np.savez(
+        path,
+        **{f"{split}.{model}.{part}": array for split, by in vectors.items() for (model, part), array in by.items()},
+    )
 
 
 def load_vectors(path: Path) -> dict[str, dict[tuple[str, str], np.ndarray]]:
@@ -133,11 +158,23 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         vectors = load_vectors(vectors_file)
     else:
         models = dict(load_exported(args.out / "models", (OLD, NEW, "lite1")))
-        models["simclr"] = train_simclr_side_info(train.files, args.out / "models", seed=args.seed, epochs=args.simclr_epochs)
-        vectors = {"train": embed_items(models, train, args.threads), "eval": embed_items(models, evaluation, args.threads)}
+        models["simclr"] = train_simclr_side_info(
+            train.files, args.out / "models", seed=args.seed, epochs=args.simclr_epochs
+        )
+        vectors = {
+            "train": embed_items(models, train, args.threads),
+            "eval": embed_items(models, evaluation, args.threads),
+        }
         save_vectors(vectors_file, vectors)
-    facts = {"seed": args.seed, "photos": "Debian wallpapers (benchmarks/photo_data.py)", "old": OLD, "new": NEW,
-             "eval gallery": len(evaluation.ids), "eval queries": len(evaluation.query_ids), "train pairs": len(train.ids)}
+    facts = {
+        "seed": args.seed,
+        "photos": "Debian wallpapers (benchmarks/photo_data.py)",
+        "old": OLD,
+        "new": NEW,
+        "eval gallery": len(evaluation.ids),
+        "eval queries": len(evaluation.query_ids),
+        "train pairs": len(train.ids),
+    }
     for side in SIDE_CANDIDATES:
         task = photo_task(train, evaluation, vectors["train"], vectors["eval"], side=side)
         save_built_task(stem.with_name(f"{stem.name}-side-{side}.npz"), task, dict(facts, side=side), started)
@@ -147,10 +184,14 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--seed", type=int, default=0, help="which photos evaluate, which tiles, which edits (default %(default)s)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="which photos evaluate, which tiles, which edits (default %(default)s)"
+    )
     parser.add_argument("--eval-items", type=int, default=2000, help="evaluation gallery tiles (default %(default)s)")
     parser.add_argument("--eval-queries", type=int, default=500, help="evaluation queries (default %(default)s)")
-    parser.add_argument("--train-items", type=int, default=1500, help="training tiles, each with a query (default %(default)s)")
+    parser.add_argument(
+        "--train-items", type=int, default=1500, help="training tiles, each with a query (default %(default)s)"
+    )
     parser.add_argument("--simclr-epochs", type=int, default=10, help="SimCLR ψ training epochs (default %(default)s)")
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0: its default)")
     args = parser.parse_args(argv)

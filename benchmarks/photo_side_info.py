@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from example_steps import train_task
 from image_onnx_models import ExportedImageModel, export_graph
 
@@ -33,8 +32,18 @@ CHOSEN_BY = "residual+query-positives+hubness"
 
 
 def simclr_declaration() -> dict[str, Any]:
-    return {"kind": "image", "input": "image", "mode": "RGB", "resize": SIMCLR_SIDE, "crop": [SIMCLR_SIDE, SIMCLR_SIDE],
-            "resample": "bilinear", "scale": 1 / 255, "mean": [0.0] * 3, "std": [1.0] * 3, "layout": "NCHW"}
+    return {
+        "kind": "image",
+        "input": "image",
+        "mode": "RGB",
+        "resize": SIMCLR_SIDE,
+        "crop": [SIMCLR_SIDE, SIMCLR_SIDE],
+        "resample": "bilinear",
+        "scale": 1 / 255,
+        "mean": [0.0] * 3,
+        "std": [1.0] * 3,
+        "layout": "NCHW",
+    }
 
 
 def small_images(files: Sequence[bytes], side: int = SIMCLR_SIDE) -> np.ndarray:
@@ -46,18 +55,38 @@ def small_images(files: Sequence[bytes], side: int = SIMCLR_SIDE) -> np.ndarray:
     return np.stack([decode_image(data, declaration) for data in files])
 
 
-def train_simclr_side_info(files: Sequence[bytes], out: Path, seed: int = 0, epochs: int = 15,
-                           dim: int = 64) -> ExportedImageModel:
+def train_simclr_side_info(
+    files: Sequence[bytes], out: Path, seed: int = 0, epochs: int = 15, dim: int = 64
+) -> ExportedImageModel:
     """SimCLR ψ trained on ``files`` (the v1-era photos), exported to ``<out>/simclr/model.onnx``."""
     from fctkit.trainer.side_info import SideInfoConfig, train_side_info
 
-    config = SideInfoConfig(kind="simclr", dim=dim, architecture="small", width=32, pool_grid=2, projection_dim=128,
-                            epochs=epochs, batch_size=256, patience=epochs, progress=False)
+    config = SideInfoConfig(
+        kind="simclr",
+        dim=dim,
+        architecture="small",
+        width=32,
+        pool_grid=2,
+        projection_dim=128,
+        epochs=epochs,
+        batch_size=256,
+        patience=epochs,
+        progress=False,
+    )
     start = time.perf_counter()
     model = train_side_info(small_images(files), None, config, seed=seed, device="cpu")
     graph = export_graph(model, SIMCLR_SIDE, out / "simclr" / "model.onnx")
-    (out / "simclr" / "training.json").write_text(json.dumps({"images": len(files), "epochs": epochs, "dim": dim, "seed": seed,
-                                                              "seconds": round(time.perf_counter() - start, 1)}))
+    (out / "simclr" / "training.json").write_text(
+        json.dumps(
+            {
+                "images": len(files),
+                "epochs": epochs,
+                "dim": dim,
+                "seed": seed,
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+        )
+    )
     return ExportedImageModel("simclr", graph, simclr_declaration())
 
 
@@ -69,7 +98,9 @@ def held_out_task(task: Any, held_out_fraction: float, seed: int) -> Any:
     split = task.train
     groups = np.array([str(i).split("/", 1)[0] for i in split.gallery.ids])
     names = np.unique(groups)
-    held = set(np.random.default_rng(seed).choice(names, size=max(1, int(round(len(names) * held_out_fraction))), replace=False))
+    held = set(
+        np.random.default_rng(seed).choice(names, size=max(1, round(len(names) * held_out_fraction)), replace=False)
+    )
     held_gallery = np.array([g in held for g in groups])
     first_positive = np.array([split.positives.of(q)[0][0] for q in range(len(split.query))])
     held_query = held_gallery[first_positive]
@@ -94,8 +125,15 @@ def ridge_on_held_out(task: Any, ridges: Sequence[float]) -> dict[float, float]:
     for ridge in ridges:
         matrix, bias = relative_ridge_map(inputs(fit), fit.new, ridge)
         adapted = inputs(judged.gallery).astype(np.float64) @ matrix + bias
-        result = evaluate_retrieval(judged.query.new, None, adapted.astype(np.float32), None, positives=judged.positives,
-                                    distance="cosine", topk=(1,))
+        result = evaluate_retrieval(
+            judged.query.new,
+            None,
+            adapted.astype(np.float32),
+            None,
+            positives=judged.positives,
+            distance="cosine",
+            topk=(1,),
+        )
         scores[ridge] = float(result.recall[1])
     return scores
 
@@ -108,8 +146,14 @@ def choose_ridge(held_out: Path, ridges: Sequence[float]) -> tuple[float, dict[f
     return max(scores, key=lambda r: scores[r]), scores
 
 
-def choose_side_info(candidates: Mapping[str, Path], out: Path, seed: int = 0, overrides: Mapping[str, Any] | None = None,
-                     held_out_fraction: float = 0.25, method: str = CHOSEN_BY) -> dict[str, Any]:
+def choose_side_info(
+    candidates: Mapping[str, Path],
+    out: Path,
+    seed: int = 0,
+    overrides: Mapping[str, Any] | None = None,
+    held_out_fraction: float = 0.25,
+    method: str = CHOSEN_BY,
+) -> dict[str, Any]:
     """Fit the recommended instance-level method (:func:`example_steps.train_task`: settings fixed
     unless ``overrides`` say ``selection.enabled``) on each candidate's held-out task; the candidate
     with the best held-out primary metric of ``method`` is ``chosen``. Writes ``<out>/side-info-choice.json``."""
@@ -121,41 +165,71 @@ def choose_side_info(candidates: Mapping[str, Path], out: Path, seed: int = 0, o
         task = held_out_task(load_task(path), held_out_fraction, seed)
         task_path = save_task(out / f"{name}-held-out.npz", task)
         gate = train_task(task_path, out / name, seed, {"backfill.orderings": ["random"], **(overrides or {})})
-        held_out[name] = {"metric": gate["metric"], method: gate["cases"][method][gate["metric"]],
-                          "new/new": gate["cases"]["new/new"][gate["metric"]], "old/old": gate["cases"]["old/old"][gate["metric"]],
-                          "queries": len(task.evaluation.query), "gallery": len(task.evaluation.gallery)}
+        held_out[name] = {
+            "metric": gate["metric"],
+            method: gate["cases"][method][gate["metric"]],
+            "new/new": gate["cases"]["new/new"][gate["metric"]],
+            "old/old": gate["cases"]["old/old"][gate["metric"]],
+            "queries": len(task.evaluation.query),
+            "gallery": len(task.evaluation.gallery),
+        }
     chosen = max(held_out, key=lambda n: held_out[n][method])
-    result = {"chosen": chosen, "method": method, "held_out_fraction": held_out_fraction, "seed": seed, "held_out": held_out}
+    result = {
+        "chosen": chosen,
+        "method": method,
+        "held_out_fraction": held_out_fraction,
+        "seed": seed,
+        "held_out": held_out,
+    }
     (out / "side-info-choice.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("tasks", type=Path, nargs="+", help="task files that differ only in ψ; the name is after '-side-'")
+    parser.add_argument(
+        "tasks", type=Path, nargs="+", help="task files that differ only in ψ; the name is after '-side-'"
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ridges", type=float, nargs="*", default=[1e-3, 1e-2, 1e-1, 0.3, 1.0, 3.0, 10.0],
-                        help="also judge the least-squares start's ridge on the chosen ψ's held-out task (default %(default)s)")
-    parser.add_argument("--reuse", action="store_true", help="read <out>/side-info-choice.json of an earlier run; fit nothing")
-    parser.add_argument("--no-selection", action="store_true",
-                        help="fit every candidate with the method's default settings (no nested search; faster)")
+    parser.add_argument(
+        "--ridges",
+        type=float,
+        nargs="*",
+        default=[1e-3, 1e-2, 1e-1, 0.3, 1.0, 3.0, 10.0],
+        help="also judge the least-squares start's ridge on the chosen ψ's held-out task (default %(default)s)",
+    )
+    parser.add_argument(
+        "--reuse", action="store_true", help="read <out>/side-info-choice.json of an earlier run; fit nothing"
+    )
+    parser.add_argument(
+        "--no-selection",
+        action="store_true",
+        help="fit every candidate with the method's default settings (no nested search; faster)",
+    )
     args = parser.parse_args(argv)
     candidates = {path.stem.rsplit("-side-", 1)[-1]: path for path in args.tasks}
     done = args.out / "side-info-choice.json"
     if args.reuse and done.is_file():
         result = json.loads(done.read_text())
     else:
-        result = choose_side_info(candidates, args.out, args.seed, None if args.no_selection else {"selection.enabled": True})
+        result = choose_side_info(
+            candidates, args.out, args.seed, None if args.no_selection else {"selection.enabled": True}
+        )
     for name, row in result["held_out"].items():
-        print(f"{name}: held-out {row['metric']} {row[CHOSEN_BY]:.4f} (new/new {row['new/new']:.4f}, old/old {row['old/old']:.4f})")
+        print(
+            f"{name}: held-out {row['metric']} {row[CHOSEN_BY]:.4f} (new/new {row['new/new']:.4f}, old/old {row['old/old']:.4f})"
+        )
     print(f"chosen: {result['chosen']}")
     if args.ridges:
         best, scores = choose_ridge(args.out / f"{result['chosen']}-held-out.npz", args.ridges)
         result |= {"ridge_on_held_out": {str(r): v for r, v in scores.items()}, "ridge": best}
         (args.out / "side-info-choice.json").write_text(json.dumps(result, indent=2) + "\n")
-        print("least squares on held-out training data, R@1 by ridge: " + ", ".join(f"{r:g} {v:.3f}" for r, v in scores.items())
-              + f"; chosen residual.ridge = {best:g}")
+        print(
+            "least squares on held-out training data, R@1 by ridge: "
+            + ", ".join(f"{r:g} {v:.3f}" for r, v in scores.items())
+            + f"; chosen residual.ridge = {best:g}"
+        )
     return 0
 
 

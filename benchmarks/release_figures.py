@@ -74,14 +74,21 @@ def main() -> None:
     hop_by_hop = _hop_by_hop(bundles, phi, psi)
     if hop_by_hop is not None:
         last = bundles[-1].manifest
-        rows.append((f"v{last.version} v3/h3(h2(v1)) hop by hop", measure(phi[last.version], hop_by_hop),
-                     last.gate["cases"]["v3/h3(h2(v1))"]))
+        rows.append(
+            (
+                f"v{last.version} v3/h3(h2(v1)) hop by hop",
+                measure(phi[last.version], hop_by_hop),
+                last.gate["cases"]["v3/h3(h2(v1))"],
+            )
+        )
 
-    print(f"| case (through the bundles' ONNX graphs) | top-1 bundle | top-1 run | ratio | mAP bundle | mAP run |")
+    print("| case (through the bundles' ONNX graphs) | top-1 bundle | top-1 run | ratio | mAP bundle | mAP run |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, got, want in rows:
-        print(f"| {name} | {got['top1']:.4f} | {want['top1']:.4f} | {got['top1'] / want['top1']:.3f} | "
-              f"{got['mAP']:.4f} | {want['mAP']:.4f} |")
+        print(
+            f"| {name} | {got['top1']:.4f} | {want['top1']:.4f} | {got['top1'] / want['top1']:.3f} | "
+            f"{got['mAP']:.4f} | {want['mAP']:.4f} |"
+        )
 
 
 def _case_for(cases: dict, source: int, target: int, first: int) -> str:

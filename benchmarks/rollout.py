@@ -49,16 +49,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _loopback import LoopbackServer  # noqa: E402
-from edge_upgrade import _save  # noqa: E402
-from upgrade_health_signal import random_isometry  # noqa: E402
+from _loopback import LoopbackServer
+from edge_upgrade import _save
+from upgrade_health_signal import random_isometry
 
-from fctkit.edge_runtime import Device, DeviceSettings  # noqa: E402
-from fctkit.edge_runtime.revert_records import last_revert  # noqa: E402
-from fctkit.edge_runtime.upgrade_check import stored_health  # noqa: E402
-from fctkit.protos.bundle import pack_bundle  # noqa: E402
-from fctkit.protos.trust.withdrawal import write_withdrawal  # noqa: E402
-from fctkit.server.rollout.offers import bucket  # noqa: E402
+from fctkit.edge_runtime import Device, DeviceSettings
+from fctkit.edge_runtime.revert_records import last_revert
+from fctkit.edge_runtime.upgrade_check import stored_health
+from fctkit.protos.bundle import pack_bundle
+from fctkit.protos.trust.withdrawal import write_withdrawal
+from fctkit.server.rollout.offers import bucket
 
 V2_STAGES = (5.0, 25.0, 100.0)
 
@@ -132,20 +132,37 @@ def broken_v3(v2: Path, out: Path, key, seed: int) -> Path:
     dim = manifest.embedding_dim
     out.mkdir(parents=True, exist_ok=True)
     weights = {"Q": random_isometry(dim, dim, seed), "zero": np.zeros(dim, dtype=np.float32)}
-    h = _save(out / "forward_2_to_3.onnx", [helper.make_node("Gemm", ["old", "Q", "zero"], ["embedding"])],
-              {"old": dim}, "embedding", dim, weights)
+    h = _save(
+        out / "forward_2_to_3.onnx",
+        [helper.make_node("Gemm", ["old", "Q", "zero"], ["embedding"])],
+        {"old": dim},
+        "embedding",
+        dim,
+        weights,
+    )
     artifacts = [ArtifactSource(v2 / a.file, a.role) for a in manifest.artifacts if a.role in ("embed", "side_info")]
-    return build_bundle(out / "v3", version=3, parents=(2,), mode=manifest.mode, distance=manifest.distance,
-                        normalize=manifest.normalize, artifacts=[*artifacts, ArtifactSource(h, "forward", 2, 3)],
-                        gate={"cases": {}, "ecc": {"forward_2_to_3": False}}, private_key=key, force=True,
-                        force_reason="rollout benchmark: a deliberately broken adapter (random orthogonal map)",
-                        rollback_window_days=7).root
+    return build_bundle(
+        out / "v3",
+        version=3,
+        parents=(2,),
+        mode=manifest.mode,
+        distance=manifest.distance,
+        normalize=manifest.normalize,
+        artifacts=[*artifacts, ArtifactSource(h, "forward", 2, 3)],
+        gate={"cases": {}, "ecc": {"forward_2_to_3": False}},
+        private_key=key,
+        force=True,
+        force_reason="rollout benchmark: a deliberately broken adapter (random orthogonal map)",
+        rollback_window_days=7,
+    ).root
 
 
 # --------------------------------------------------------------------------- the fleet
 
 
-def enrol_fleet(server: LoopbackServer, run_dir: Path, args: argparse.Namespace, work: Path) -> tuple[list[Member], np.ndarray]:
+def enrol_fleet(
+    server: LoopbackServer, run_dir: Path, args: argparse.Namespace, work: Path
+) -> tuple[list[Member], np.ndarray]:
     """``args.devices`` devices on v1, each holding ``args.rows_per_device`` evaluation images
     drawn at random (without repeats on a device; devices overlap)."""
     from fctkit.export.trained_run import TrainedRun
@@ -153,11 +170,15 @@ def enrol_fleet(server: LoopbackServer, run_dir: Path, args: argparse.Namespace,
     trained = TrainedRun.open(run_dir)
     images, labels = trained.eval_images, trained.eval_features["labels"]
     rng = np.random.default_rng(args.seed)
-    shares = [rng.choice(len(labels), min(args.rows_per_device, len(labels)), replace=False) for _ in range(args.devices)]
+    shares = [
+        rng.choice(len(labels), min(args.rows_per_device, len(labels)), replace=False) for _ in range(args.devices)
+    ]
     fleet = []
     for i, rows in enumerate(shares):
         name = f"device-{i + 1:03d}"
-        device = Device.init(work / "devices" / name, settings=DeviceSettings(batch_size=256, health_sample=args.health_sample))
+        device = Device.init(
+            work / "devices" / name, settings=DeviceSettings(batch_size=256, health_sample=args.health_sample)
+        )
         device.progress = False
         device.enrol(server.target, server.code(), device_name=name, root_fingerprint=server.fingerprint)
         device.sync()
@@ -212,20 +233,33 @@ def describe(name: str, values: list[float], samples: list[int]) -> str:
     if not d["count"]:
         return f"  {name}: no device reported"
     few = f"; each: {', '.join(f'{v:.4f}' for v in sorted(values))}" if len(values) <= 10 else ""
-    return (f"  {name}: {d['count']} devices, mean cosine min {d['min']:.3f}, median {d['median']:.3f}, max {d['max']:.3f} "
-            f"(rows sampled per device: {min(samples)} to {max(samples)}){few}")
+    return (
+        f"  {name}: {d['count']} devices, mean cosine min {d['min']:.3f}, median {d['median']:.3f}, max {d['max']:.3f} "
+        f"(rows sampled per device: {min(samples)} to {max(samples)}){few}"
+    )
 
 
 def print_status(status) -> None:
-    print(f"  server: v{status.version} state {status.state!r}, percent {status.percent:g}"
-          + (f", halt reason: {status.halt_reason}" if status.halt_reason else "")
-          + (f", withdrawn: {status.withdrawn_reason!r} (revert to v{status.revert_to})" if status.withdrawn_reason else ""))
+    print(
+        f"  server: v{status.version} state {status.state!r}, percent {status.percent:g}"
+        + (f", halt reason: {status.halt_reason}" if status.halt_reason else "")
+        + (
+            f", withdrawn: {status.withdrawn_reason!r} (revert to v{status.revert_to})"
+            if status.withdrawn_reason
+            else ""
+        )
+    )
     for s in status.stages:
-        health = (f"health {s.health.devices} devices, median {s.health.median:.3f}, min {s.health.min:.3f}"
-                  if s.health.devices else "no health yet")
+        health = (
+            f"health {s.health.devices} devices, median {s.health.median:.3f}, min {s.health.min:.3f}"
+            if s.health.devices
+            else "no health yet"
+        )
         methods = f", revert methods {dict(s.revert_methods)}" if s.revert_methods else ""
-        print(f"    stage {s.stage} ({s.percent:g}%): offered {s.offered}, downloaded {s.downloaded}, upgraded {s.upgraded}, "
-              f"failed {s.failed}, reverted {s.reverted}; {health}{methods}")
+        print(
+            f"    stage {s.stage} ({s.percent:g}%): offered {s.offered}, downloaded {s.downloaded}, upgraded {s.upgraded}, "
+            f"failed {s.failed}, reverted {s.reverted}; {health}{methods}"
+        )
 
 
 # --------------------------------------------------------------------------- the run
@@ -235,8 +269,13 @@ def storage_args(args: argparse.Namespace) -> list[str]:
     """`fctkit serve`'s storage arguments for ``--database``/``--object-store``; none: a data directory."""
     if not args.database:
         return []
-    return ["--database", args.database, "--object-store", args.object_store,
-            *(["--s3-endpoint-url", args.s3_endpoint_url] if args.s3_endpoint_url else [])]
+    return [
+        "--database",
+        args.database,
+        "--object-store",
+        args.object_store,
+        *(["--s3-endpoint-url", args.s3_endpoint_url] if args.s3_endpoint_url else []),
+    ]
 
 
 def run(args: argparse.Namespace, work: Path, check: Checks, phases: Phases) -> None:
@@ -251,8 +290,10 @@ def run(args: argparse.Namespace, work: Path, check: Checks, phases: Phases) -> 
             publish(server, v1, None)
             fleet, images = enrol_fleet(server, run_dir, args, work)
         rows_at_start = {m.name: rows_of(m.device) for m in fleet}
-        print(f"  {sum(n for n, _ in rows_at_start.values())} rows on {len(fleet)} devices "
-              f"({min(n for n, _ in rows_at_start.values())} to {max(n for n, _ in rows_at_start.values())} each)")
+        print(
+            f"  {sum(n for n, _ in rows_at_start.values())} rows on {len(fleet)} devices "
+            f"({min(n for n, _ in rows_at_start.values())} to {max(n for n, _ in rows_at_start.values())} each)"
+        )
         queries = images[np.random.default_rng(args.seed + 1).choice(len(images), args.queries, replace=False)]
 
         v2_health: dict[str, tuple[float, int]] = {}
@@ -274,63 +315,99 @@ def run(args: argparse.Namespace, work: Path, check: Checks, phases: Phases) -> 
             v2_status = admin.rollout_status(2)
         print_status(v2_status)
         check(all(m.device.version == 2 for m in fleet), "v2 at 100%: every device upgraded to v2")
-        check([s.percent for s in v2_status.stages] == list(V2_STAGES), f"v2's stages {[s.percent for s in v2_status.stages]}")
+        check(
+            [s.percent for s in v2_status.stages] == list(V2_STAGES),
+            f"v2's stages {[s.percent for s in v2_status.stages]}",
+        )
 
         for m in fleet:
             m.answers_before_v3 = top10(m.device, queries)
         rows_before_v3 = {m.name: rows_of(m.device) for m in fleet}
 
-        with phases(f"v3 (broken) at {args.v3_percent:g}% with the guard (halt below {args.halt_below}, "
-                    f"at least {args.halt_min_devices} devices): every device syncs"):
+        with phases(
+            f"v3 (broken) at {args.v3_percent:g}% with the guard (halt below {args.halt_below}, "
+            f"at least {args.halt_min_devices} devices): every device syncs"
+        ):
             publish(server, v3, args.v3_percent)
-            testers = {m.device_id for m in fleet[:args.v3_cohort]}  # in v3's first stage whatever their bucket
+            testers = {m.device_id for m in fleet[: args.v3_cohort]}  # in v3's first stage whatever their bucket
             with server.admin() as admin:
-                admin.set_rollout(3, halt_below=args.halt_below, halt_min_devices=args.halt_min_devices,
-                                  cohort=sorted(testers) if testers else None)
+                admin.set_rollout(
+                    3,
+                    halt_below=args.halt_below,
+                    halt_min_devices=args.halt_min_devices,
+                    cohort=sorted(testers) if testers else None,
+                )
             sync_all(fleet)
         took_v3 = [m for m in fleet if m.device.version == 3]
-        v3_health = {m.name: (h.mean_cosine, h.sample_size) for m in took_v3
-                     if (h := stored_health(m.device.gallery)) and h.version == 3 and h.sample_size}
+        v3_health = {
+            m.name: (h.mean_cosine, h.sample_size)
+            for m in took_v3
+            if (h := stored_health(m.device.gallery)) and h.version == 3 and h.sample_size
+        }
         changed = [sum(a != b for a, b in zip(top10(m.device, queries), m.answers_before_v3)) for m in took_v3]
         in_stage = [m for m in fleet if m.device_id in testers or bucket(m.device_id, 3) < args.v3_percent]
         for m in fleet:
             m.offered_while_v3_live = offered_versions(m.device)
         with server.admin() as admin:
             v3_status = admin.rollout_status(3)
-        print(f"  v3's first stage holds {len(in_stage)} devices (the server's bucket, {len(testers)} testers); "
-              f"{len(took_v3)} took v3, "
-              f"{len(in_stage) - len(took_v3)} held back by the halt")
+        print(
+            f"  v3's first stage holds {len(in_stage)} devices (the server's bucket, {len(testers)} testers); "
+            f"{len(took_v3)} took v3, "
+            f"{len(in_stage) - len(took_v3)} held back by the halt"
+        )
         if took_v3:
-            print(f"  on v3, the devices that took it answered {sum(changed)} of {len(changed) * args.queries} queries' "
-                  f"top-10 differently from before (per device: {min(changed)} to {max(changed)} of {args.queries})")
+            print(
+                f"  on v3, the devices that took it answered {sum(changed)} of {len(changed) * args.queries} queries' "
+                f"top-10 differently from before (per device: {min(changed)} to {max(changed)} of {args.queries})"
+            )
         print_status(v3_status)
 
         print("\nhealth signal (mean cosine of h(old) vs φ_new on each device's sampled rows):")
         good, bad = distribution([c for c, _ in v2_health.values()]), distribution([c for c, _ in v3_health.values()])
         print(describe("v2 (good FCT)", [c for c, _ in v2_health.values()], [k for _, k in v2_health.values()]))
-        print(describe("v3 (random orthogonal)", [c for c, _ in v3_health.values()], [k for _, k in v3_health.values()]))
+        print(
+            describe("v3 (random orthogonal)", [c for c, _ in v3_health.values()], [k for _, k in v3_health.values()])
+        )
         if good["count"] and bad["count"]:
             gap = good["min"] - bad["max"]
             print(f"  gap worst v2 - best v3: {gap:+.3f}")
-            check(gap > 0 and bad["max"] < args.halt_below < good["min"],
-                  f"the signal separates v3 from v2 (worst v2 {good['min']:.3f} > halt {args.halt_below} > best v3 {bad['max']:.3f})")
-        check(good["count"] == len(fleet), f"every device reported a sampled v2 health ({good['count']} of {len(fleet)})")
-        check(len(in_stage) >= args.halt_min_devices,
-              f"v3's {args.v3_percent:g}% stage holds {len(in_stage)} devices, enough to trip the guard (>= {args.halt_min_devices}; "
-              "device ids are random: a small fleet can draw too few)")
+            check(
+                gap > 0 and bad["max"] < args.halt_below < good["min"],
+                f"the signal separates v3 from v2 (worst v2 {good['min']:.3f} > halt {args.halt_below} > best v3 {bad['max']:.3f})",
+            )
+        check(
+            good["count"] == len(fleet), f"every device reported a sampled v2 health ({good['count']} of {len(fleet)})"
+        )
+        check(
+            len(in_stage) >= args.halt_min_devices,
+            f"v3's {args.v3_percent:g}% stage holds {len(in_stage)} devices, enough to trip the guard (>= {args.halt_min_devices}; "
+            "device ids are random: a small fleet can draw too few)",
+        )
 
         print("\nthe guard:")
         check(v3_status.state == "halted", f"v3's rollout state is {v3_status.state!r} (halted by the guard)")
         expected_stages = [0.0, args.v3_percent] if testers else [args.v3_percent]  # stage 0: the testers
-        check([s.percent for s in v3_status.stages] == expected_stages, f"v3's stages {[s.percent for s in v3_status.stages]}")
-        check(len(took_v3) >= args.halt_min_devices and all(m in in_stage for m in took_v3),
-              f"only devices of the first stage took v3 ({len(took_v3)}, all testers or with bucket < {args.v3_percent:g})")
-        check(bool(took_v3) and min(changed) > 0, "v3 changed the answers of every device that took it (the revert has work to do)")
+        check(
+            [s.percent for s in v3_status.stages] == expected_stages,
+            f"v3's stages {[s.percent for s in v3_status.stages]}",
+        )
+        check(
+            len(took_v3) >= args.halt_min_devices and all(m in in_stage for m in took_v3),
+            f"only devices of the first stage took v3 ({len(took_v3)}, all testers or with bucket < {args.v3_percent:g})",
+        )
+        check(
+            bool(took_v3) and min(changed) > 0,
+            "v3 changed the answers of every device that took it (the revert has work to do)",
+        )
         outside = [m for m in fleet if m not in took_v3]
-        check(all(3 not in m.versions_seen and 3 not in m.device.installed_versions() for m in outside),
-              f"the {len(outside)} other devices never ran v3 nor hold its bundle")
-        check(all(3 not in m.offered_while_v3_live for m in fleet if m not in in_stage),
-              "ListVersions through each outside device's own client did not offer v3 while it was live")
+        check(
+            all(3 not in m.versions_seen and 3 not in m.device.installed_versions() for m in outside),
+            f"the {len(outside)} other devices never ran v3 nor hold its bundle",
+        )
+        check(
+            all(3 not in m.offered_while_v3_live for m in fleet if m not in in_stage),
+            "ListVersions through each outside device's own client did not offer v3 while it was live",
+        )
 
         with phases("withdraw v3 (signed by the publisher); every device syncs"):
             signed = work / "withdrawal.3.json"
@@ -344,55 +421,106 @@ def run(args: argparse.Namespace, work: Path, check: Checks, phases: Phases) -> 
 
         print("\nafter the withdrawal:")
         methods = {m.name: (r.method if (r := last_revert(m.device.gallery)) else None) for m in took_v3}
-        print(f"  revert methods of the {len(took_v3)} devices that took v3: "
-              f"{ {k: list(methods.values()).count(k) for k in sorted(set(methods.values()), key=str)} }")
+        print(
+            f"  revert methods of the {len(took_v3)} devices that took v3: "
+            f"{ {k: list(methods.values()).count(k) for k in sorted(set(methods.values()), key=str)} }"
+        )
         check(all(m.device.version == 2 for m in fleet), "every device is on v2")
-        check(all(top10(m.device, queries) == m.answers_before_v3 for m in took_v3),
-              f"every device that took v3 answers every one of {args.queries} queries' top-10 as before v3")
+        check(
+            all(top10(m.device, queries) == m.answers_before_v3 for m in took_v3),
+            f"every device that took v3 answers every one of {args.queries} queries' top-10 as before v3",
+        )
         check(all(methods[m.name] == "exact" for m in took_v3), "every revert was exact (inside the rollback window)")
-        check(all(top10(m.device, queries) == m.answers_before_v3 for m in outside),
-              "every other device's answers are unchanged too")
+        check(
+            all(top10(m.device, queries) == m.answers_before_v3 for m in outside),
+            "every other device's answers are unchanged too",
+        )
         check(all(3 not in offered_versions(m.device) for m in fleet), "no device is offered v3 any more")
-        check(withdrawn.state == "withdrawn" and sum(s.revert_methods.get("exact", 0) for s in withdrawn.stages) == len(took_v3),
-              "the server's rollout status says withdrawn and counts the exact reverts")
+        check(
+            withdrawn.state == "withdrawn"
+            and sum(s.revert_methods.get("exact", 0) for s in withdrawn.stages) == len(took_v3),
+            "the server's rollout status says withdrawn and counts the exact reverts",
+        )
 
         print("\nrows:")
         rows_now = {m.name: rows_of(m.device) for m in fleet}
         for label, recorded in (("at enrolment", rows_at_start), ("before v3", rows_before_v3)):
             lost = sum(len(set(recorded[n][1]) - set(rows_now[n][1])) for n in recorded)
             doubled = sum(rows_now[n][0] - len(set(rows_now[n][1])) for n in rows_now)
-            print(f"  against {label}: {sum(n for n, _ in recorded.values())} rows then, "
-                  f"{sum(n for n, _ in rows_now.values())} now; {lost} lost, {doubled} doubled")
-        check(all(rows_now[n][0] == rows_at_start[n][0] == len(set(rows_now[n][1])) and
-                  sorted(rows_now[n][1]) == sorted(rows_at_start[n][1]) == sorted(m.item_ids)
-                  for m in fleet for n in [m.name]), "0 rows lost or doubled on any device (counts and item ids)")
+            print(
+                f"  against {label}: {sum(n for n, _ in recorded.values())} rows then, "
+                f"{sum(n for n, _ in rows_now.values())} now; {lost} lost, {doubled} doubled"
+            )
+        check(
+            all(
+                rows_now[n][0] == rows_at_start[n][0] == len(set(rows_now[n][1]))
+                and sorted(rows_now[n][1]) == sorted(rows_at_start[n][1]) == sorted(m.item_ids)
+                for m in fleet
+                for n in [m.name]
+            ),
+            "0 rows lost or doubled on any device (counts and item ids)",
+        )
         for m in fleet:
             m.device.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=100, help="devices in the fleet (>= 50 for the acceptance figures)")
-    parser.add_argument("--rows-per-device", type=int, default=64,
-                        help="evaluation images each device holds (more than --health-sample, the rows the "
-                             "health check re-embeds natively)")
-    parser.add_argument("--health-sample", type=int, default=32,
-                        help="rows each device's health check re-embeds after an upgrade (its device.json health_sample)")
+    parser.add_argument(
+        "--devices", type=int, default=100, help="devices in the fleet (>= 50 for the acceptance figures)"
+    )
+    parser.add_argument(
+        "--rows-per-device",
+        type=int,
+        default=64,
+        help="evaluation images each device holds (more than --health-sample, the rows the "
+        "health check re-embeds natively)",
+    )
+    parser.add_argument(
+        "--health-sample",
+        type=int,
+        default=32,
+        help="rows each device's health check re-embeds after an upgrade (its device.json health_sample)",
+    )
     parser.add_argument("--queries", type=int, default=100, help="fixed query images every device answers (top-10)")
     parser.add_argument("--v3-percent", type=float, default=5.0, help="v3's first (and only) stage")
-    parser.add_argument("--v3-cohort", type=int, default=0,
-                        help="the first N devices are v3's testers (in its stage whatever the percent draws)")
-    parser.add_argument("--halt-below", type=float, default=0.65, help="v3's guard: halt when the median mean cosine is below this")
-    parser.add_argument("--halt-min-devices", type=int, default=2, help="v3's guard: once this many devices of it reported")
+    parser.add_argument(
+        "--v3-cohort",
+        type=int,
+        default=0,
+        help="the first N devices are v3's testers (in its stage whatever the percent draws)",
+    )
+    parser.add_argument(
+        "--halt-below", type=float, default=0.65, help="v3's guard: halt when the median mean cosine is below this"
+    )
+    parser.add_argument(
+        "--halt-min-devices", type=int, default=2, help="v3's guard: once this many devices of it reported"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--database", default=None,
-                        help="serve on the scale-out backend: this PostgreSQL database (postgresql://...; with --object-store)")
-    parser.add_argument("--object-store", default=None, help="with --database: s3://BUCKET/PREFIX (the bucket must exist)")
-    parser.add_argument("--s3-endpoint-url", default=None, help="with --object-store: an S3-compatible endpoint (default: $AWS_ENDPOINT_URL, else AWS)")
-    parser.add_argument("--keep", type=Path, default=None, help="work in this new or empty folder and keep it (default: a temporary one)")
+    parser.add_argument(
+        "--database",
+        default=None,
+        help="serve on the scale-out backend: this PostgreSQL database (postgresql://...; with --object-store)",
+    )
+    parser.add_argument(
+        "--object-store", default=None, help="with --database: s3://BUCKET/PREFIX (the bucket must exist)"
+    )
+    parser.add_argument(
+        "--s3-endpoint-url",
+        default=None,
+        help="with --object-store: an S3-compatible endpoint (default: $AWS_ENDPOINT_URL, else AWS)",
+    )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="work in this new or empty folder and keep it (default: a temporary one)",
+    )
     args = parser.parse_args(argv)
     if args.devices < 2 or min(args.queries, args.halt_min_devices, args.rows_per_device, args.health_sample) < 1:
-        parser.error("--devices must be >= 2; --rows-per-device, --health-sample, --queries and --halt-min-devices >= 1")
+        parser.error(
+            "--devices must be >= 2; --rows-per-device, --health-sample, --queries and --halt-min-devices >= 1"
+        )
     if (args.database is None) != (args.object_store is None) or (args.s3_endpoint_url and not args.object_store):
         parser.error("--database and --object-store go together (the scale-out backend); --s3-endpoint-url needs them")
     if args.keep and args.keep.exists() and any(args.keep.iterdir()):

@@ -61,7 +61,8 @@ def _big_bundle(folder: Path, size_mib: float, key) -> Path:
     in_dim = max(1, int(size_mib * (1 << 20) / 4 / out_dim))
     weight = np.random.default_rng(0).standard_normal((in_dim, out_dim)).astype(np.float32)
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["image", "W"], ["embedding"])], "big",
+        [helper.make_node("MatMul", ["image", "W"], ["embedding"])],
+        "big",
         [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", in_dim])],
         [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", out_dim])],
         initializer=[numpy_helper.from_array(weight, "W")],
@@ -70,16 +71,35 @@ def _big_bundle(folder: Path, size_mib: float, key) -> Path:
     model.ir_version = 8
     onnx.save(model, str(folder / "embed.onnx"))
     bundle = build_bundle(
-        folder / "bundle", version=1, parents=(), mode="forward", distance="cosine", normalize=True,
-        artifacts=[ArtifactSource(folder / "embed.onnx", "embed")], gate={"cases": {}, "ecc": {}}, private_key=key,
+        folder / "bundle",
+        version=1,
+        parents=(),
+        mode="forward",
+        distance="cosine",
+        normalize=True,
+        artifacts=[ArtifactSource(folder / "embed.onnx", "embed")],
+        gate={"cases": {}, "ecc": {}},
+        private_key=key,
     )
     return pack_bundle(bundle.root, folder / "bundle.tar")
 
 
 def _start_fctkit_server(folder: Path, public_key_path: Path, token_file: Path) -> tuple[subprocess.Popen, int]:
     log = folder / "server.log"
-    command = [sys.executable, "-m", "fctkit.cli", "serve", "--data", str(folder / "data"), "--port", "0",
-               "--publisher-key", str(public_key_path), "--admin-token-file", str(token_file)]
+    command = [
+        sys.executable,
+        "-m",
+        "fctkit.cli",
+        "serve",
+        "--data",
+        str(folder / "data"),
+        "--port",
+        "0",
+        "--publisher-key",
+        str(public_key_path),
+        "--admin-token-file",
+        str(token_file),
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))
     port = _wait_for_port(process, log)
     return process, port
@@ -109,7 +129,9 @@ def _plain_server(data_path: str, chunk: int, ready: multiprocessing.Queue) -> N
 
     async def main() -> None:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        handler = grpc.method_handlers_generic_handler("bench.Plain", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})
+        handler = grpc.method_handlers_generic_handler(
+            "bench.Plain", {"Stream": grpc.unary_stream_rpc_method_handler(stream)}
+        )
         server.add_generic_rpc_handlers((handler,))
         ready.put(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
@@ -124,8 +146,16 @@ def _plain_server(data_path: str, chunk: int, ready: multiprocessing.Queue) -> N
 # -- the clients -------------------------------------------------------------------------------
 
 
-def _client_worker(kind: str, target: str, tokens: list[str], expected_sha256: str, size: int, chunk: int,
-                   start: multiprocessing.Barrier, results: multiprocessing.Queue) -> None:
+def _client_worker(
+    kind: str,
+    target: str,
+    tokens: list[str],
+    expected_sha256: str,
+    size: int,
+    chunk: int,
+    start: multiprocessing.Barrier,
+    results: multiprocessing.Queue,
+) -> None:
     """``len(tokens)`` concurrent clients in threads, one channel each, released together."""
     import grpc
 
@@ -172,12 +202,16 @@ def _client_worker(kind: str, target: str, tokens: list[str], expected_sha256: s
     results.put(outcomes)
 
 
-def _run_clients(kind: str, target: str, tokens: list[str], workers: int, expected_sha256: str, size: int, chunk: int) -> dict:
+def _run_clients(
+    kind: str, target: str, tokens: list[str], workers: int, expected_sha256: str, size: int, chunk: int
+) -> dict:
     ctx = multiprocessing.get_context("spawn")
     start, results = ctx.Barrier(workers), ctx.Queue()
     shares = [tokens[i::workers] for i in range(workers)]
-    processes = [ctx.Process(target=_client_worker, args=(kind, target, share, expected_sha256, size, chunk, start, results))
-                 for share in shares]
+    processes = [
+        ctx.Process(target=_client_worker, args=(kind, target, share, expected_sha256, size, chunk, start, results))
+        for share in shares
+    ]
     for process in processes:
         process.start()
     outcomes = [o for _ in processes for o in results.get(timeout=3600)]
@@ -185,7 +219,12 @@ def _run_clients(kind: str, target: str, tokens: list[str], workers: int, expect
         process.join()
     began, ended = min(o[1] for o in outcomes), max(o[2] for o in outcomes)
     ok = sum(o[0] for o in outcomes)
-    return {"clients": len(outcomes), "ok": ok, "seconds": ended - began, "mib_per_s": ok * size / (1 << 20) / (ended - began)}
+    return {
+        "clients": len(outcomes),
+        "ok": ok,
+        "seconds": ended - began,
+        "mib_per_s": ok * size / (1 << 20) / (ended - began),
+    }
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -196,8 +235,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--size-mib", type=float, default=25.0, help="size of the downloaded artifact")
     parser.add_argument("--workers", type=int, default=max(1, min(4, os.cpu_count() or 1)), help="client processes")
-    parser.add_argument("--chunk-kib", type=int, default=1024, help="bytes per streamed message, both servers (at most 1024)")
-    parser.add_argument("--rounds", type=int, default=1, help="alternate baseline/fctkit this many times; sums are compared")
+    parser.add_argument(
+        "--chunk-kib", type=int, default=1024, help="bytes per streamed message, both servers (at most 1024)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="alternate baseline/fctkit this many times; sums are compared"
+    )
     parser.add_argument("--markdown", default="BENCHMARKS-server.md", help="where to write the figures ('' to skip)")
     args = parser.parse_args()
 
@@ -225,18 +268,26 @@ def main() -> None:
             target, plain_target = f"127.0.0.1:{port}", f"127.0.0.1:{plain_port.get(timeout=60)}"
             with FctkitClient(target, token_file.read_text()) as admin:
                 info = admin.publish_bundle(archive)
-                tokens = [FctkitClient(target).enrol(admin.create_enrolment_code().code, f"load-{i}").token
-                          for i in range(args.clients)]
+                tokens = [
+                    FctkitClient(target).enrol(admin.create_enrolment_code().code, f"load-{i}").token
+                    for i in range(args.clients)
+                ]
                 manifest = Manifest.from_bytes(admin.get_manifest(info.version)[0])
             embed = manifest.artifact("embed")
-            print(f"{args.clients} clients x {embed.size / (1 << 20):.1f} MiB, {args.workers} client processes, "
-                  f"{os.cpu_count()} CPUs", flush=True)
+            print(
+                f"{args.clients} clients x {embed.size / (1 << 20):.1f} MiB, {args.workers} client processes, "
+                f"{os.cpu_count()} CPUs",
+                flush=True,
+            )
             runs: dict[str, list[dict]] = {"plain": [], "fctkit": []}
             for _ in range(args.rounds):
                 for kind, where in (("plain", plain_target), ("fctkit", target)):
                     run = _run_clients(kind, where, tokens, args.workers, embed.sha256, embed.size, chunk)
                     runs[kind].append(run)
-                    print(f"  {kind:7s} {run['ok']}/{run['clients']} ok  {run['seconds']:6.1f} s  {run['mib_per_s']:7.1f} MiB/s", flush=True)
+                    print(
+                        f"  {kind:7s} {run['ok']}/{run['clients']} ok  {run['seconds']:6.1f} s  {run['mib_per_s']:7.1f} MiB/s",
+                        flush=True,
+                    )
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(60)
@@ -245,8 +296,10 @@ def main() -> None:
     rate = {k: sum(r["ok"] for r in v) * embed.size / (1 << 20) / sum(r["seconds"] for r in v) for k, v in runs.items()}
     all_ok = all(r["ok"] == r["clients"] == args.clients for v in runs.values() for r in v)
     ratio = rate["fctkit"] / rate["plain"]
-    print(f"fctkit {rate['fctkit']:.1f} MiB/s vs plain gRPC {rate['plain']:.1f} MiB/s: ratio {ratio:.2f} "
-          f"(target >= 0.5); every download verified: {all_ok}")
+    print(
+        f"fctkit {rate['fctkit']:.1f} MiB/s vs plain gRPC {rate['plain']:.1f} MiB/s: ratio {ratio:.2f} "
+        f"(target >= 0.5); every download verified: {all_ok}"
+    )
     if args.markdown:
         _write_markdown(args, embed.size, runs, rate, ratio, all_ok)
     sys.exit(0 if all_ok else 1)
@@ -271,7 +324,11 @@ def _write_markdown(args, size: int, runs: dict, rate: dict, ratio: float, all_o
     for kind, label in (("plain", "plain gRPC stream (baseline)"), ("fctkit", "fctkit Registry.DownloadArtifact")):
         for run in runs[kind]:
             lines.append(f"| {label} | {run['ok']}/{run['clients']} | {run['seconds']:.1f} | {run['mib_per_s']:.1f} |")
-    lines += ["", f"**Ratio fctkit / plain: {ratio:.2f}** (target >= 0.5); every download verified: {'yes' if all_ok else 'NO'}.", ""]
+    lines += [
+        "",
+        f"**Ratio fctkit / plain: {ratio:.2f}** (target >= 0.5); every download verified: {'yes' if all_ok else 'NO'}.",
+        "",
+    ]
     Path(args.markdown).write_text("\n".join(lines))
     print(f"wrote {args.markdown}")
 

@@ -116,7 +116,9 @@ def _one_operation(client: Any, plan: LoadPlan, kind: str, item_id: str) -> None
     if kind == DOWNLOAD:
         transfer = client.fetch_artifact(plan.version, plan.artifact, _Discard())  # raises on a SHA-256 mismatch
         if (transfer.sha256, transfer.size) != (plan.artifact_sha256, plan.artifact_size):
-            raise RuntimeError(f"downloaded {transfer.size} bytes, sha256 {transfer.sha256}: not the published artifact")
+            raise RuntimeError(
+                f"downloaded {transfer.size} bytes, sha256 {transfer.sha256}: not the published artifact"
+            )
     else:
         client.upload_blob(os.urandom(plan.blob_bytes), item_id)
 
@@ -179,7 +181,9 @@ def run_load(plan: LoadPlan, tokens: list[str], workers: int) -> tuple[list[Outc
     workers = max(1, min(workers, len(tokens)))
     start, results = ctx.Barrier(workers), ctx.Queue()
     shares = [list(enumerate(tokens))[k::workers] for k in range(workers)]
-    processes = [ctx.Process(target=_client_worker, args=(plan, share, start, results), daemon=True) for share in shares]
+    processes = [
+        ctx.Process(target=_client_worker, args=(plan, share, start, results), daemon=True) for share in shares
+    ]
     for process in processes:
         process.start()
     limit = READY_TIMEOUT_S + HANG_GRACE_S + (plan.seconds if plan.ops_per_client <= 0 else 5.0 * plan.ops_per_client)
@@ -196,8 +200,9 @@ def run_load(plan: LoadPlan, tokens: list[str], workers: int) -> tuple[list[Outc
         for process in processes:
             process.join(30)
     except queue.Empty:  # a client process died, or the calls hang
-        raise RuntimeError(f"the clients did not finish within {limit:.0f} s: a hang, or a client process "
-                           "died; see the replicas' logs") from None
+        raise RuntimeError(
+            f"the clients did not finish within {limit:.0f} s: a hang, or a client process died; see the replicas' logs"
+        ) from None
     finally:
         for process in processes:
             if process.is_alive():
@@ -248,8 +253,17 @@ def build_archive(folder: Path, artifact_mib: float, key: Any) -> Path:
 
     image_dim = max(IMAGE_DIM, int(artifact_mib * (1 << 20) / (4 * EMBED_DIM)))
     sources = _sources(folder / "src", 1, CHAIN[1], image_dim)
-    bundle = build_bundle(folder / "v1", version=1, parents=(), mode="forward", distance="cosine", normalize=True,
-                          artifacts=sources, gate={"cases": {}, "ecc": {}}, private_key=key)
+    bundle = build_bundle(
+        folder / "v1",
+        version=1,
+        parents=(),
+        mode="forward",
+        distance="cosine",
+        normalize=True,
+        artifacts=sources,
+        gate={"cases": {}, "ecc": {}},
+        private_key=key,
+    )
     return pack_bundle(bundle.root, folder / "v1.tar")
 
 
@@ -261,8 +275,9 @@ def replica(services: Services, data_dir: Path, args: argparse.Namespace, name: 
     from tests.server.conftest import Backend, ServerProcess
 
     backend = Backend("postgres", services.cluster, services.s3)
-    return ServerProcess(data_dir, services.publisher_pub, services.admin_token_file, *server_args(args),
-                         backend=backend, log_name=name)
+    return ServerProcess(
+        data_dir, services.publisher_pub, services.admin_token_file, *server_args(args), backend=backend, log_name=name
+    )
 
 
 def set_up_round(services: Services, data_dir: Path, args: argparse.Namespace) -> tuple[LoadPlan, list[str], dict]:
@@ -279,9 +294,18 @@ def set_up_round(services: Services, data_dir: Path, args: argparse.Namespace) -
             tokens = enrol_devices(admin, setup.target, args.clients, args.devices_per_owner)
     finally:
         stop_replicas([setup])
-    plan = LoadPlan(target="", version=version, artifact=embed.name, artifact_sha256=embed.sha256,
-                    artifact_size=embed.size, blob_bytes=args.blob_kib * 1024, upload_fraction=args.upload_fraction,
-                    seconds=args.seconds, ops_per_client=args.ops_per_client, tag=data_dir.parent.name)
+    plan = LoadPlan(
+        target="",
+        version=version,
+        artifact=embed.name,
+        artifact_sha256=embed.sha256,
+        artifact_size=embed.size,
+        blob_bytes=args.blob_kib * 1024,
+        upload_fraction=args.upload_fraction,
+        seconds=args.seconds,
+        ops_per_client=args.ops_per_client,
+        tag=data_dir.parent.name,
+    )
     return plan, tokens, stopped_counters([setup])
 
 
@@ -325,8 +349,10 @@ def calibrate(services: Services, data_dir: Path, args: argparse.Namespace, plan
     result: dict[str, Any] = {"operations_each": args.calibration_ops, "idle_replica": {k: idle[k] for k in keys}}
     for kind in KINDS:
         counters, seconds = session(kind, args.calibration_ops)
-        result[kind] = {**{f"{k}_per_op": (counters[k] - idle[k]) / args.calibration_ops for k in keys},
-                        "p50_ms": _percentile_ms(seconds, 50)}
+        result[kind] = {
+            **{f"{k}_per_op": (counters[k] - idle[k]) / args.calibration_ops for k in keys},
+            "p50_ms": _percentile_ms(seconds, 50),
+        }
     return result
 
 
@@ -353,9 +379,11 @@ def stopped_counters(replicas: list[Any]) -> dict:
     """The ``stopped`` events' counters, summed (and each replica's)."""
     each = [next((e for e in reversed(r.events()) if e.get("event") == "stopped"), {}) for r in replicas]
     keys = ("database_round_trips", "object_store_requests")
-    return {**{k: sum(int(e.get(k, 0)) for e in each) for k in keys},
-            "per_replica": [{k: e.get(k) for k in keys} for e in each],
-            "missing_stopped_event": sum(1 for e in each if not e)}
+    return {
+        **{k: sum(int(e.get(k, 0)) for e in each) for k in keys},
+        "per_replica": [{k: e.get(k) for k in keys} for e in each],
+        "missing_stopped_event": sum(1 for e in each if not e),
+    }
 
 
 # -- CPU accounting (Linux /proc) ---------------------------------------------------------------
@@ -410,8 +438,12 @@ def cpu_used(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
     postgres = sum(s - before["postgres"].get(pid, 0.0) for pid, s in after["postgres"].items())
     busy = after["machine"][0] - before["machine"][0]
     total = after["machine"][1] - before["machine"][1]
-    return {"replicas_s": after["replicas"] - before["replicas"], "postgres_s": postgres,
-            "moto_s": after["moto"] - before["moto"], "machine_busy_fraction": busy / total if total else 0.0}
+    return {
+        "replicas_s": after["replicas"] - before["replicas"],
+        "postgres_s": postgres,
+        "moto_s": after["moto"] - before["moto"],
+        "machine_busy_fraction": busy / total if total else 0.0,
+    }
 
 
 # -- a round ------------------------------------------------------------------------------------
@@ -438,7 +470,9 @@ def run_round(count: int, services: Services, args: argparse.Namespace, with_cal
         raise
     finally:
         exit_codes = stop_replicas(replicas)
-    summary = summarise_round(count, plan, outcomes, stopped_counters(replicas), setup, cpu, replica_logs(replicas), exit_codes)
+    summary = summarise_round(
+        count, plan, outcomes, stopped_counters(replicas), setup, cpu, replica_logs(replicas), exit_codes
+    )
     return {**summary, "calibration": calibration} if calibration else summary
 
 
@@ -447,8 +481,10 @@ def print_replica_logs(replicas: list[Any], tail: int = 5) -> None:
     for k, server in enumerate(replicas):
         lines = server.log_text(server.log_offset).splitlines() if server.process is not None else []
         problems = [line for line in lines if '"level": "warning"' in line or '"level": "error"' in line]
-        print(f"replica {k} (alive: {server.alive()}): {len(lines)} log lines, {len(problems)} warnings/errors",
-              file=sys.stderr)
+        print(
+            f"replica {k} (alive: {server.alive()}): {len(lines)} log lines, {len(problems)} warnings/errors",
+            file=sys.stderr,
+        )
         for line in problems[:10] + lines[-tail:]:
             print(f"  {line}", file=sys.stderr)
 
@@ -462,8 +498,12 @@ def replica_logs(replicas: list[Any]) -> dict:
         served.append(len(calls))
         codes.update(f"{e.get('method')} {e.get('code')}" for e in calls if e.get("code") != "OK")
         problems += [json.dumps(e) for e in events if e.get("level") in ("warning", "error", "critical")]
-    return {"calls_per_replica": served, "non_ok_calls": dict(codes), "warning_or_error_lines": problems[:10],
-            "warning_or_error_count": len(problems)}
+    return {
+        "calls_per_replica": served,
+        "non_ok_calls": dict(codes),
+        "warning_or_error_lines": problems[:10],
+        "warning_or_error_count": len(problems),
+    }
 
 
 def _percentile_ms(values: list[float], q: float) -> float | None:
@@ -482,9 +522,17 @@ def summarise_kind(outcomes: list[Outcome], kind: str, window: tuple[float, floa
     counted = sum(1 for o in ok if o.began + o.seconds <= window[1])
     length = window[1] - window[0]
     failed = [o for o in mine if not o.ok]
-    return {"ok": len(ok), "ok_within_window": counted, "failed": len(failed), "first_error": failed[0].error if failed else "",
-            "ops_per_s": counted / length, "mb_per_s": counted * size / 1e6 / length, "bytes_per_op": size,
-            "p50_ms": _percentile_ms([o.seconds for o in ok], 50), "p99_ms": _percentile_ms([o.seconds for o in ok], 99)}
+    return {
+        "ok": len(ok),
+        "ok_within_window": counted,
+        "failed": len(failed),
+        "first_error": failed[0].error if failed else "",
+        "ops_per_s": counted / length,
+        "mb_per_s": counted * size / 1e6 / length,
+        "bytes_per_op": size,
+        "p50_ms": _percentile_ms([o.seconds for o in ok], 50),
+        "p99_ms": _percentile_ms([o.seconds for o in ok], 99),
+    }
 
 
 def measurement_window(plan: LoadPlan, outcomes: list[Outcome]) -> tuple[float, float]:
@@ -495,22 +543,40 @@ def measurement_window(plan: LoadPlan, outcomes: list[Outcome]) -> tuple[float, 
     return began, (last if plan.ops_per_client > 0 else began + plan.seconds)
 
 
-def summarise_round(count: int, plan: LoadPlan, outcomes: list[Outcome], counters: dict, setup: dict,
-                    cpu: dict, logs: dict, exit_codes: list[int | None]) -> dict:
+def summarise_round(
+    count: int,
+    plan: LoadPlan,
+    outcomes: list[Outcome],
+    counters: dict,
+    setup: dict,
+    cpu: dict,
+    logs: dict,
+    exit_codes: list[int | None],
+) -> dict:
     window = measurement_window(plan, outcomes)
     drained = max((o.began + o.seconds for o in outcomes), default=window[1]) - window[1]
-    kinds = {DOWNLOAD: summarise_kind(outcomes, DOWNLOAD, window, plan.artifact_size),
-             UPLOAD: summarise_kind(outcomes, UPLOAD, window, plan.blob_bytes)}
+    kinds = {
+        DOWNLOAD: summarise_kind(outcomes, DOWNLOAD, window, plan.artifact_size),
+        UPLOAD: summarise_kind(outcomes, UPLOAD, window, plan.blob_bytes),
+    }
     operations = len(outcomes)
     return {
-        "replicas": count, "window_s": window[1] - window[0], "drain_after_window_s": drained, "operations": operations, **kinds,
+        "replicas": count,
+        "window_s": window[1] - window[0],
+        "drain_after_window_s": drained,
+        "operations": operations,
+        **kinds,
         "failures": sum(k["failed"] for k in kinds.values()),
-        "database_round_trips": counters["database_round_trips"], "object_store_requests": counters["object_store_requests"],
+        "database_round_trips": counters["database_round_trips"],
+        "object_store_requests": counters["object_store_requests"],
         "database_round_trips_per_op": counters["database_round_trips"] / operations if operations else None,
         "object_store_requests_per_op": counters["object_store_requests"] / operations if operations else None,
-        "counters_per_replica": counters["per_replica"], "replicas_without_stopped_event": counters["missing_stopped_event"],
-        "replica_exit_codes": exit_codes, "setup_counters": {k: setup[k] for k in ("database_round_trips", "object_store_requests")},
-        "cpu": cpu, **logs,
+        "counters_per_replica": counters["per_replica"],
+        "replicas_without_stopped_event": counters["missing_stopped_event"],
+        "replica_exit_codes": exit_codes,
+        "setup_counters": {k: setup[k] for k in ("database_round_trips", "object_store_requests")},
+        "cpu": cpu,
+        **logs,
     }
 
 
@@ -535,7 +601,8 @@ def table(rounds: list[dict]) -> str:
         lines.append(
             f"| {r['replicas']} | {d['ops_per_s']:.1f} | {_fmt(d_ratio, '.2f')} | {_fmt(d['p99_ms'], '.0f')} "
             f"| {u['ops_per_s']:.1f} | {_fmt(u_ratio, '.2f')} | {_fmt(u['p99_ms'], '.0f')} | {r['failures']} "
-            f"| {_fmt(r['database_round_trips_per_op'], '.2f')} | {_fmt(r['object_store_requests_per_op'], '.2f')} |")
+            f"| {_fmt(r['database_round_trips_per_op'], '.2f')} | {_fmt(r['object_store_requests_per_op'], '.2f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -549,7 +616,8 @@ def details(rounds: list[dict]) -> str:
             f"{d['mb_per_s']:.1f} MB/s p50 {_fmt(d['p50_ms'], '.0f')} ms; uploads {u['ok']} ok {u['mb_per_s']:.2f} MB/s "
             f"p50 {_fmt(u['p50_ms'], '.0f')} ms; calls per replica {r['calls_per_replica']}; CPU s: clients "
             f"{cpu['clients_s']:.1f}, replicas {cpu['replicas_s']:.1f}, PostgreSQL {cpu['postgres_s']:.1f}, "
-            f"moto {cpu['moto_s']:.1f}; machine busy {cpu['machine_busy_fraction']:.0%}")
+            f"moto {cpu['moto_s']:.1f}; machine busy {cpu['machine_busy_fraction']:.0%}"
+        )
         for kind in KINDS:
             if r[kind]["failed"]:
                 lines.append(f"  {kind} failures: {r[kind]['failed']}, first: {r[kind]['first_error']}")
@@ -558,37 +626,52 @@ def details(rounds: list[dict]) -> str:
         for line in r["warning_or_error_lines"]:
             lines.append(f"  replica log: {line}")
         if r["replicas_without_stopped_event"] or any(c != 0 for c in r["replica_exit_codes"]):
-            lines.append(f"  replica exit codes {r['replica_exit_codes']}; "
-                         f"{r['replicas_without_stopped_event']} without a 'stopped' event")
+            lines.append(
+                f"  replica exit codes {r['replica_exit_codes']}; "
+                f"{r['replicas_without_stopped_event']} without a 'stopped' event"
+            )
     return "\n".join(lines)
 
 
 def calibration_note(calibration: dict) -> str:
-    parts = [f"{kind} {c['database_round_trips_per_op']:.1f} DB round trips, {c['object_store_requests_per_op']:.1f} "
-             f"S3 requests, p50 {_fmt(c['p50_ms'], '.0f')} ms" for kind, c in ((k, calibration[k]) for k in KINDS)]
+    parts = [
+        f"{kind} {c['database_round_trips_per_op']:.1f} DB round trips, {c['object_store_requests_per_op']:.1f} "
+        f"S3 requests, p50 {_fmt(c['p50_ms'], '.0f')} ms"
+        for kind, c in ((k, calibration[k]) for k in KINDS)
+    ]
     idle = calibration["idle_replica"]
-    return (f"Each kind alone ({calibration['operations_each']} in a row, 1 replica, 1 client, counters less an idle "
-            f"replica's): {'; '.join(parts)}. A replica that starts and stops: {idle['database_round_trips']} DB round "
-            f"trips, {idle['object_store_requests']} S3 requests (included in the per-op figures of the table).")
+    return (
+        f"Each kind alone ({calibration['operations_each']} in a row, 1 replica, 1 client, counters less an idle "
+        f"replica's): {'; '.join(parts)}. A replica that starts and stops: {idle['database_round_trips']} DB round "
+        f"trips, {idle['object_store_requests']} S3 requests (included in the per-op figures of the table)."
+    )
 
 
 def machine_note(args: argparse.Namespace) -> str:
     cores = os.cpu_count() or 0
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
-    return (f"{platform.machine()}, {cores} CPU cores ({usable} usable by this process). The {args.clients} client "
-            f"threads ({args.workers} Python processes), every replica, PostgreSQL and moto share these cores: the "
-            f"client threads are themselves CPU-bound, and the gain from more replicas is capped by the cores: a "
-            f"replica is one Python process using about one core, so beyond {usable} replicas no gain is to be "
-            f"expected here (on a real cluster each replica has cores of its own).")
+    return (
+        f"{platform.machine()}, {cores} CPU cores ({usable} usable by this process). The {args.clients} client "
+        f"threads ({args.workers} Python processes), every replica, PostgreSQL and moto share these cores: the "
+        f"client threads are themselves CPU-bound, and the gain from more replicas is capped by the cores: a "
+        f"replica is one Python process using about one core, so beyond {usable} replicas no gain is to be "
+        f"expected here (on a real cluster each replica has cores of its own)."
+    )
 
 
 def write_results(path: Path, args: argparse.Namespace, rounds: list[dict], extra: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     result = {
-        "benchmark": "server_scale_out", "command": "python benchmarks/server_scale_out.py " + shlex.join(sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.machine(), "cpu_count": os.cpu_count(),
-        "load_average": os.getloadavg(), "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        **extra, "baseline": f"the {rounds[0]['replicas']}-replica round of the same run", "rounds": rounds,
+        "benchmark": "server_scale_out",
+        "command": "python benchmarks/server_scale_out.py " + shlex.join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **extra,
+        "baseline": f"the {rounds[0]['replicas']}-replica round of the same run",
+        "rounds": rounds,
     }
     path.write_text(json.dumps(result, indent=2) + "\n")
 
@@ -605,20 +688,58 @@ def _replica_counts(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--replicas", type=_replica_counts, default=[1, 2, 3], help="replica counts, one round each (default 1,2,3); the first is the baseline")
+    parser.add_argument(
+        "--replicas",
+        type=_replica_counts,
+        default=[1, 2, 3],
+        help="replica counts, one round each (default 1,2,3); the first is the baseline",
+    )
     parser.add_argument("--clients", type=int, default=200, help="concurrent devices (threads), enrolled per round")
-    parser.add_argument("--workers", type=int, default=max(1, min(4, os.cpu_count() or 1)), help="client processes the threads are spread over")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=max(1, min(4, os.cpu_count() or 1)),
+        help="client processes the threads are spread over",
+    )
     parser.add_argument("--seconds", type=float, default=20.0, help="load duration per round")
-    parser.add_argument("--ops-per-client", type=int, default=0, help="> 0: a fixed number of operations per client instead of --seconds")
-    parser.add_argument("--upload-fraction", type=float, default=0.5, help="share of operations that are vault uploads (the rest: artifact downloads)")
+    parser.add_argument(
+        "--ops-per-client",
+        type=int,
+        default=0,
+        help="> 0: a fixed number of operations per client instead of --seconds",
+    )
+    parser.add_argument(
+        "--upload-fraction",
+        type=float,
+        default=0.5,
+        help="share of operations that are vault uploads (the rest: artifact downloads)",
+    )
     parser.add_argument("--artifact-mib", type=float, default=1.5, help="size of the downloaded embed artifact")
-    parser.add_argument("--blob-kib", type=int, default=64, help="size of each uploaded vault blob (random, distinct per upload)")
+    parser.add_argument(
+        "--blob-kib", type=int, default=64, help="size of each uploaded vault blob (random, distinct per upload)"
+    )
     parser.add_argument("--devices-per-owner", type=int, default=10, help="devices enrolled into each owner")
-    parser.add_argument("--quota-bytes", type=int, default=1 << 40, help="per-owner vault quota of the replicas (large: quotas must not bite)")
-    parser.add_argument("--database-connections", type=int, default=20, help="PostgreSQL pool size of each replica (the server's default)")
-    parser.add_argument("--calibration-ops", type=int, default=20,
-                        help="operations of each kind run alone (one replica, one client) to give per-kind counters; 0: skip")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench/server_scale_out.json"), help="where to write the results (JSON)")
+    parser.add_argument(
+        "--quota-bytes",
+        type=int,
+        default=1 << 40,
+        help="per-owner vault quota of the replicas (large: quotas must not bite)",
+    )
+    parser.add_argument(
+        "--database-connections",
+        type=int,
+        default=20,
+        help="PostgreSQL pool size of each replica (the server's default)",
+    )
+    parser.add_argument(
+        "--calibration-ops",
+        type=int,
+        default=20,
+        help="operations of each kind run alone (one replica, one client) to give per-kind counters; 0: skip",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("runs/bench/server_scale_out.json"), help="where to write the results (JSON)"
+    )
     args = parser.parse_args(argv)
     if args.clients < 1 or args.devices_per_owner < 1 or not 0.0 <= args.upload_fraction <= 1.0:
         parser.error("--clients and --devices-per-owner must be >= 1, --upload-fraction within 0..1")
@@ -650,15 +771,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: replicas, moto and PostgreSQL stopped", file=sys.stderr)
         return 130
-    mix = {"mix": f"{args.upload_fraction:.0%} vault uploads of {args.blob_kib} KiB, the rest downloads of "
-                  f"the {rounds[0][DOWNLOAD]['bytes_per_op'] / (1 << 20):.2f} MiB embed artifact"}
-    print(f"\nMix: {mix['mix']}; {args.clients} clients over {args.workers} processes; "
-          + (f"{args.ops_per_client} ops per client." if args.ops_per_client > 0 else f"{args.seconds:g} s per round."))
+    mix = {
+        "mix": f"{args.upload_fraction:.0%} vault uploads of {args.blob_kib} KiB, the rest downloads of "
+        f"the {rounds[0][DOWNLOAD]['bytes_per_op'] / (1 << 20):.2f} MiB embed artifact"
+    }
+    print(
+        f"\nMix: {mix['mix']}; {args.clients} clients over {args.workers} processes; "
+        + (f"{args.ops_per_client} ops per client." if args.ops_per_client > 0 else f"{args.seconds:g} s per round.")
+    )
     print(table(rounds))
-    print(f"Operations/s: those done within the window (ops still running at its end finish and count in p99 and "
-          f"failures only). Ratios: operations/s over the {rounds[0]['replicas']}-replica round of this run. DB round trips and S3 "
-          "requests per op: the replicas' 'stopped' counters over every operation of the round (publish and "
-          "enrolment ran on a separate setup replica, not counted).")
+    print(
+        f"Operations/s: those done within the window (ops still running at its end finish and count in p99 and "
+        f"failures only). Ratios: operations/s over the {rounds[0]['replicas']}-replica round of this run. DB round trips and S3 "
+        "requests per op: the replicas' 'stopped' counters over every operation of the round (publish and "
+        "enrolment ran on a separate setup replica, not counted)."
+    )
     calibration = rounds[0].pop("calibration", None)
     if calibration:
         print(calibration_note(calibration))

@@ -45,9 +45,10 @@ from typing import Any
 
 import numpy as np
 from debian_data import BenchmarkSetupError
-from fctkit.errors import ExportError, FctkitError
 from text_wordnet import ensure_wordnet, new_model_dir, old_model_dir
 from wordnet_lemma_task import read_lemma_synsets, usable_synsets
+
+from fctkit.errors import ExportError, FctkitError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -79,7 +80,9 @@ def check_mean_pooled(model: Any, model_dir: Path) -> None:
     if kinds != ["Transformer", "Pooling", "Normalize"]:
         raise BenchmarkSetupError(f"{model_dir}: expected the modules Transformer, Pooling, Normalize, found {kinds}")
     if model[1].pooling_mode != "mean":
-        raise BenchmarkSetupError(f"{model_dir}: the declaration says mean pooling, the model pools with {model[1].pooling_mode!r}")
+        raise BenchmarkSetupError(
+            f"{model_dir}: the declaration says mean pooling, the model pools with {model[1].pooling_mode!r}"
+        )
 
 
 def text_declaration(model: Any, inputs: Sequence[str]) -> dict[str, Any]:
@@ -87,11 +90,22 @@ def text_declaration(model: Any, inputs: Sequence[str]) -> dict[str, Any]:
     tokenizer = model.tokenizer
     if tokenizer.pad_token_id is None:
         raise BenchmarkSetupError(f"{model} has no pad token; the declaration needs its id")
-    return {"kind": "text", "output": OUTPUT, "max_length": int(model.max_seq_length), "overflow": "truncate",
-            "padding": "longest", "pad_id": int(tokenizer.pad_token_id), "add_special_tokens": True,
-            "input_ids": "input_ids", "attention_mask": "attention_mask",
-            "token_type_ids": "token_type_ids" if "token_type_ids" in inputs else None,
-            "pooling": "mean", "normalize": True, "query_prefix": "", "passage_prefix": ""}
+    return {
+        "kind": "text",
+        "output": OUTPUT,
+        "max_length": int(model.max_seq_length),
+        "overflow": "truncate",
+        "padding": "longest",
+        "pad_id": int(tokenizer.pad_token_id),
+        "add_special_tokens": True,
+        "input_ids": "input_ids",
+        "attention_mask": "attention_mask",
+        "token_type_ids": "token_type_ids" if "token_type_ids" in inputs else None,
+        "pooling": "mean",
+        "normalize": True,
+        "query_prefix": "",
+        "passage_prefix": "",
+    }
 
 
 # --- export ----------------------------------------------------------------------------------
@@ -120,9 +134,17 @@ def export_graph(transformer: Any, inputs: tuple[str, ...], path: Path) -> None:
     example = tuple(torch.ones((2, 7), dtype=torch.int64) for _ in inputs)
     axes = {name: {0: "batch", 1: "tokens"} for name in inputs}
     with torch.no_grad():
-        torch.onnx.export(TokenEmbeddings().eval(), example, str(path), input_names=list(inputs), output_names=[OUTPUT],
-                          dynamic_axes={**axes, OUTPUT: {0: "batch", 1: "tokens"}}, opset_version=OPSET, dynamo=False,
-                          do_constant_folding=True)
+        torch.onnx.export(
+            TokenEmbeddings().eval(),
+            example,
+            str(path),
+            input_names=list(inputs),
+            output_names=[OUTPUT],
+            dynamic_axes={**axes, OUTPUT: {0: "batch", 1: "tokens"}},
+            opset_version=OPSET,
+            dynamo=False,
+            do_constant_folding=True,
+        )
     if not path.is_file():
         raise ExportError(f"torch.onnx.export wrote no {path}")
 
@@ -145,7 +167,9 @@ def export_model(name: str, model_dir: Path, out: Path) -> ExportedModel:
     shutil.copyfile(model_dir / "tokenizer.json", folder / "tokenizer.json")
     declaration = text_declaration(model, inputs)
     (folder / "preprocessing.json").write_text(json.dumps(declaration, indent=2) + "\n")
-    return ExportedModel(name, model_dir, folder / "model.onnx", folder / "tokenizer.json", declaration, inputs, seconds)
+    return ExportedModel(
+        name, model_dir, folder / "model.onnx", folder / "tokenizer.json", declaration, inputs, seconds
+    )
 
 
 # --- parity ----------------------------------------------------------------------------------
@@ -161,12 +185,13 @@ def parity_texts(count: int, seed: int) -> list[str]:
     half = len(picked) // 2
     texts = [s.query for s, _ in picked[:half]] + [text for _, text in picked[half:]]
     long_text = " ".join(text for _, text in picked)
-    return texts + [long_text, " ".join(reversed(long_text.split()))]
+    return [*texts, long_text, " ".join(reversed(long_text.split()))]
 
 
 def kit_preprocessor(exported: ExportedModel) -> tuple[Any, Any]:
     """The device's path for this graph: its Preprocessor and an ONNX Runtime session."""
     import onnxruntime as ort
+
     from fctkit.export.onnx_graph import graph_io_specs, load_onnx_model
     from fctkit.protos.bundle import Artifact, file_sha256
     from fctkit.protos.preprocessing import Preprocessor
@@ -196,10 +221,16 @@ def check_parity(exported: ExportedModel, texts: list[str], batch_size: int) -> 
         raise ExportError(f"{exported.name}: the kit's preprocessing refused parity texts: {embedded.bad[:3]}")
     error = np.abs(embedded.vectors - reference)
     truncated = sum(len(preprocessor.prepare(t)[0]) == exported.declaration["max_length"] for t in texts)
-    return {"texts": len(texts), "truncated_texts": int(truncated), "dim": int(reference.shape[1]),
-            "max_abs_error": float(error.max()), "mean_abs_error": float(error.mean()),
-            "min_cosine": float((embedded.vectors * reference).sum(axis=1).min()),
-            "sentence_transformers_seconds": round(reference_seconds, 3), "kit_onnx_seconds": round(kit_seconds, 3)}
+    return {
+        "texts": len(texts),
+        "truncated_texts": int(truncated),
+        "dim": int(reference.shape[1]),
+        "max_abs_error": float(error.max()),
+        "mean_abs_error": float(error.mean()),
+        "min_cosine": float((embedded.vectors * reference).sum(axis=1).min()),
+        "sentence_transformers_seconds": round(reference_seconds, 3),
+        "kit_onnx_seconds": round(kit_seconds, 3),
+    }
 
 
 # --- command line ----------------------------------------------------------------------------
@@ -211,17 +242,36 @@ def model_dirs(out: Path, only: Sequence[str]) -> dict[str, Path]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="See the module docstring for what is written.",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("runs/text-search/models"),
-                        help="folder for <old|new>/{model.onnx,tokenizer.json,preprocessing.json}, preprocessing.json, "
-                             "parity.json; mpnet is reassembled under <out>/models (default: %(default)s)")
-    parser.add_argument("--only", choices=MODELS, action="append", help="export only this model (repeatable; default both)")
-    parser.add_argument("--parity-texts", type=int, default=64, help="WordNet texts compared with sentence-transformers "
-                                                                      "(two of them over the limit; default %(default)s)")
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed |kit − sentence-transformers| on a "
-                                                                      "coordinate of the unit vectors (default %(default)g)")
-    parser.add_argument("--batch-size", type=int, default=32, help="texts per batch on both sides (default %(default)s)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="See the module docstring for what is written.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/text-search/models"),
+        help="folder for <old|new>/{model.onnx,tokenizer.json,preprocessing.json}, preprocessing.json, "
+        "parity.json; mpnet is reassembled under <out>/models (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--only", choices=MODELS, action="append", help="export only this model (repeatable; default both)"
+    )
+    parser.add_argument(
+        "--parity-texts",
+        type=int,
+        default=64,
+        help="WordNet texts compared with sentence-transformers (two of them over the limit; default %(default)s)",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-4,
+        help="largest allowed |kit − sentence-transformers| on a coordinate of the unit vectors (default %(default)g)",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="texts per batch on both sides (default %(default)s)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="which WordNet texts (default %(default)s)")
     args = parser.parse_args(argv)
     if args.parity_texts < 4:
@@ -238,10 +288,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, model_dir in model_dirs(args.out, only).items():
             exported = export_model(name, model_dir, args.out)
             declarations[name] = exported.declaration
-            report[name] = {"model": str(model_dir), "graph": str(exported.graph), "inputs": list(exported.inputs),
-                            "export_seconds": round(exported.export_seconds, 1),
-                            "graph_mb": round(exported.graph.stat().st_size / 2**20, 1),
-                            **check_parity(exported, texts, args.batch_size)}
+            report[name] = {
+                "model": str(model_dir),
+                "graph": str(exported.graph),
+                "inputs": list(exported.inputs),
+                "export_seconds": round(exported.export_seconds, 1),
+                "graph_mb": round(exported.graph.stat().st_size / 2**20, 1),
+                **check_parity(exported, texts, args.batch_size),
+            }
             print(json.dumps({name: report[name]}), flush=True)
     except FctkitError as error:
         print(f"error: {error}", file=sys.stderr)

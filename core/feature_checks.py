@@ -27,9 +27,13 @@ def check_features(name: str, array: Any, *, dim: int | None = None, rows: int |
     if not np.issubdtype(array.dtype, np.number) or np.issubdtype(array.dtype, np.complexfloating):
         raise InputError(f"{name}: expected real numbers, got dtype {array.dtype}")
     if dim is not None and array.shape[1] != dim:
-        raise InputError(f"{name}: expected {dim} dims, got {array.shape[1]}; use features of the model this adapter was fitted on")
+        raise InputError(
+            f"{name}: expected {dim} dims, got {array.shape[1]}; use features of the model this adapter was fitted on"
+        )
     if rows is not None and array.shape[0] != rows:
-        raise InputError(f"{name}: has {array.shape[0]} rows but the other inputs have {rows}; rows must be aligned item by item")
+        raise InputError(
+            f"{name}: has {array.shape[0]} rows but the other inputs have {rows}; rows must be aligned item by item"
+        )
     array = np.ascontiguousarray(array, dtype=np.float32)
     if not np.isfinite(array).all():
         bad = int((~np.isfinite(array)).any(axis=1).sum())
@@ -43,7 +47,9 @@ def nonfinite_items(item_ids: Sequence[str], *arrays: np.ndarray) -> list[str]:
     finite = np.ones(len(item_ids), dtype=bool)
     for array in arrays:
         if array.dtype == object:
-            finite &= np.fromiter((np.isfinite(np.asarray(r, np.float64)).all() for r in array), dtype=bool, count=len(array))
+            finite &= np.fromiter(
+                (np.isfinite(np.asarray(r, np.float64)).all() for r in array), dtype=bool, count=len(array)
+            )
         elif len(array):  # no rows: nothing to check (a (0, d) reshape cannot infer d)
             finite &= np.isfinite(array.reshape(len(array), -1)).all(axis=1)
     return [item_ids[i] for i in np.flatnonzero(~finite).tolist()]
@@ -51,7 +57,9 @@ def nonfinite_items(item_ids: Sequence[str], *arrays: np.ndarray) -> list[str]:
 
 def nonfinite_message(item_ids: Sequence[str], what: str) -> str:
     """``what`` (e.g. "cannot be upgraded") said of the rows ``item_ids``, named (the first ten)."""
-    listed = ", ".join(repr(i) for i in item_ids[:10]) + (f" and {len(item_ids) - 10} more" if len(item_ids) > 10 else "")
+    listed = ", ".join(repr(i) for i in item_ids[:10]) + (
+        f" and {len(item_ids) - 10} more" if len(item_ids) > 10 else ""
+    )
     return f"{len(item_ids)} item(s) {what} ({listed}): their vectors hold NaN or inf"
 
 

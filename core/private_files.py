@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import stat
-from pathlib import Path
 
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
 
@@ -33,4 +32,4 @@ def private_umask() -> int:
     return os.umask(0o077)
 
 
-__all__ = ["make_private", "private_umask", "PRIVATE_DIR", "PRIVATE_FILE"]
+__all__ = ["PRIVATE_DIR", "PRIVATE_FILE", "make_private", "private_umask"]

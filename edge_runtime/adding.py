@@ -40,8 +40,15 @@ class AddedItems:
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
-def add_items(parts: DeviceParts, items, item_ids: Sequence[str] | None, labels: Sequence[str | None] | None,
-              on_bad_item: OnBadItem = "refuse", *, in_vault: dict[str, str] | None = None) -> AddedItems:
+def add_items(
+    parts: DeviceParts,
+    items,
+    item_ids: Sequence[str] | None,
+    labels: Sequence[str | None] | None,
+    on_bad_item: OnBadItem = "refuse",
+    *,
+    in_vault: dict[str, str] | None = None,
+) -> AddedItems:
     """Embed ``items`` with the installed bundle and store them (see the module docstring).
     ``in_vault``: item id -> SHA-256 of items whose original is in the vault already (not queued again)."""
     in_vault = in_vault or {}
@@ -65,16 +72,27 @@ def add_items(parts: DeviceParts, items, item_ids: Sequence[str] | None, labels:
         return AddedItems([], skipped)
     embeddings, side_infos, via = engine.row_vectors(vectors["embed"], vectors["side_info"])
     tag = VersionTag(parts.version, parts.version, via)
-    rows = [NewRow(item_ids[i], embeddings[k], side_infos[k], None if labels[i] is None else str(labels[i]))
-            for k, i in enumerate(good)]
-    outbox = [(item_ids[i], seal_image(parts.owner_sealer, item_ids[i], stored_original(items[i]))) for i in good
-              if item_ids[i] not in in_vault]
+    rows = [
+        NewRow(item_ids[i], embeddings[k], side_infos[k], None if labels[i] is None else str(labels[i]))
+        for k, i in enumerate(good)
+    ]
+    outbox = [
+        (item_ids[i], seal_image(parts.owner_sealer, item_ids[i], stored_original(items[i])))
+        for i in good
+        if item_ids[i] not in in_vault
+    ]
     kept = None
     if previous is not None:  # kept for transition scoring
         u = transition.previous_version
         kept = (VersionTag(u, u, "native"), vectors["previous"])
-    parts.gallery.add_rows(rows, tag, outbox, query_version=engine.manifest.version, previous=kept,
-                           in_vault={item_ids[i]: in_vault[item_ids[i]] for i in good if item_ids[i] in in_vault})
+    parts.gallery.add_rows(
+        rows,
+        tag,
+        outbox,
+        query_version=engine.manifest.version,
+        previous=kept,
+        in_vault={item_ids[i]: in_vault[item_ids[i]] for i in good if item_ids[i] in in_vault},
+    )
     store_hubness_offsets(parts.gallery, engine)
     return AddedItems([item_ids[i] for i in good], skipped)
 
@@ -90,7 +108,9 @@ def restore_from_vault(parts: DeviceParts, originals: dict[str, tuple[str | None
         return []
     ids = list(opened)
     items = original_items([opened[i] for i in ids], raw=engine.takes_items)
-    added = add_items(parts, items, ids, [originals[i][0] for i in ids], "skip", in_vault={i: originals[i][1] for i in ids})
+    added = add_items(
+        parts, items, ids, [originals[i][0] for i in ids], "skip", in_vault={i: originals[i][1] for i in ids}
+    )
     return added.item_ids
 
 
@@ -122,7 +142,11 @@ def side_infos_again(parts: DeviceParts, rows: LoadedRows, *, online: bool) -> d
                 originals[item_id] = parts.open_original(item_id, blob)
             except FctkitError:
                 continue
-    shas = {i: sha for i in wanted if i not in originals and (sha := parts.gallery.replica_log.vault_sha256(i))} if online else {}
+    shas = (
+        {i: sha for i in wanted if i not in originals and (sha := parts.gallery.replica_log.vault_sha256(i))}
+        if online
+        else {}
+    )
     if shas:
         try:
             originals.update(_from_vault(parts, shas))
@@ -132,8 +156,13 @@ def side_infos_again(parts: DeviceParts, rows: LoadedRows, *, online: bool) -> d
     for tag in {rows.tags[wanted[i]] for i in originals}:
         ids = [i for i in originals if rows.tags[wanted[i]] == tag]
         try:
-            found.update(zip([int(rows.row_ids[wanted[i]]) for i in ids], _side_infos(parts, tag, [originals[i] for i in ids])))
-        except (FctkitError, ValueError):  # a bundle damaged or gone, no path, originals it refuses: the rows keep their mark
+            found.update(
+                zip([int(rows.row_ids[wanted[i]]) for i in ids], _side_infos(parts, tag, [originals[i] for i in ids]))
+            )
+        except (
+            FctkitError,
+            ValueError,
+        ):  # a bundle damaged or gone, no path, originals it refuses: the rows keep their mark
             continue
     return found
 
@@ -162,11 +191,15 @@ def checked_items(engine: Engine, items):
             raise InputError("give at least one item")
         kinds = {type(i).__name__ for i in items if not isinstance(i, (bytes, bytearray, str))}
         if kinds:
-            raise InputError(f"bundle v{engine.manifest.version} takes raw items (image file bytes or texts), got {sorted(kinds)}")
+            raise InputError(
+                f"bundle v{engine.manifest.version} takes raw items (image file bytes or texts), got {sorted(kinds)}"
+            )
         return items
     if not isinstance(items, np.ndarray) and len(items) and isinstance(items[0], (bytes, bytearray, str)):
-        raise InputError(f"bundle v{engine.manifest.version} declares no preprocessing: it takes arrays (.npy/.npz), not "
-                         "image files or texts")
+        raise InputError(
+            f"bundle v{engine.manifest.version} declares no preprocessing: it takes arrays (.npy/.npz), not "
+            "image files or texts"
+        )
     items = np.asarray(items)
     if items.ndim < 2 or len(items) == 0:
         raise InputError(f"images must be an array of at least one image, got shape {items.shape}")
@@ -189,15 +222,21 @@ def _unusable_arrays(items) -> tuple[object, dict[int, str]]:
     return items, {int(i): "holds NaN, inf or a value beyond float32's range" for i in bad}
 
 
-def _embedded(parts: DeviceParts, engine: Engine, previous: Engine | None, items,
-              keep_going: bool) -> tuple[list[int], list[tuple[int, str]], dict[str, np.ndarray]]:
+def _embedded(
+    parts: DeviceParts, engine: Engine, previous: Engine | None, items, keep_going: bool
+) -> tuple[list[int], list[tuple[int, str]], dict[str, np.ndarray]]:
     """The positions of the good items, (position, reason) of the bad ones, and each role's
     vectors of the good ones ('embed', 'side_info', and 'previous' during a transition)."""
     from tqdm import tqdm
 
     items, bad = _unusable_arrays(items)
-    with tqdm(total=len(items), desc=f"embed v{engine.manifest.version}", unit="item", leave=False,
-              disable=not parts.progress or len(items) < 2048) as bar:
+    with tqdm(
+        total=len(items),
+        desc=f"embed v{engine.manifest.version}",
+        unit="item",
+        leave=False,
+        disable=not parts.progress or len(items) < 2048,
+    ) as bar:
         runs = {"embed": engine.embed_items("embed", items, keep_going=keep_going, progress=bar.update)}
     if engine.manifest.side_info_dim:
         runs["side_info"] = engine.embed_items("side_info", items, keep_going=keep_going)
@@ -207,7 +246,9 @@ def _embedded(parts: DeviceParts, engine: Engine, previous: Engine | None, items
         for index, reason in done.bad:
             bad.setdefault(index, reason)
         for index in nonfinite_items(done.good, done.vectors) if done.vectors is not None else ():
-            bad.setdefault(index, "embeds to vectors that are not finite (its values are too large for the model): scale it down")
+            bad.setdefault(
+                index, "embeds to vectors that are not finite (its values are too large for the model): scale it down"
+            )
     good = [i for i in range(len(items)) if i not in bad]
     if bad and not keep_going:
         return good, sorted(bad.items()), {}
@@ -237,5 +278,8 @@ def usable_queries(engines: Sequence[Engine], items, query_ids: Sequence[str], o
 def bad_items_error(problems: list[tuple[str, str]], outcome: str) -> ItemError:
     listed = "; ".join(f"{item_id!r} {reason}" for item_id, reason in problems[:10])
     more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
-    return ItemError(f"{len(problems)} item(s) cannot be embedded, {outcome}: {listed}{more}; fix or drop them, or "
-                     "skip them (--on-bad-item skip)", tuple(problems))
+    return ItemError(
+        f"{len(problems)} item(s) cannot be embedded, {outcome}: {listed}{more}; fix or drop them, or "
+        "skip them (--on-bad-item skip)",
+        tuple(problems),
+    )

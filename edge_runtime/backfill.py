@@ -21,9 +21,8 @@ first upgrade batch) and kept sealed in the gallery's metadata. Rows without a r
 
 from __future__ import annotations
 
-import dataclasses
-
 import base64
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -68,8 +67,18 @@ def default_order(engine: Engine) -> str:
     return "uncertainty" if has_sigma else "class-mean-l2"
 
 
-def plan_rows(rows: LoadedRows, version: int, order: str, *, candidates: Sequence[bool], sizes: Sequence[int],
-              budget: int | None, budget_bytes: int | None, sigma: np.ndarray | None, seed: int) -> list[int]:
+def plan_rows(
+    rows: LoadedRows,
+    version: int,
+    order: str,
+    *,
+    candidates: Sequence[bool],
+    sizes: Sequence[int],
+    budget: int | None,
+    budget_bytes: int | None,
+    sigma: np.ndarray | None,
+    seed: int,
+) -> list[int]:
     """Row ids to backfill: the gallery ordered by ``order`` (computed over every comparable
     row), restricted to ``candidates`` and cut at ``budget`` rows and ``budget_bytes``."""
     if order not in ORDERINGS:
@@ -102,9 +111,17 @@ def _integer_labels(labels: Sequence[str | None]) -> np.ndarray | None:
     return np.unique(np.asarray(labels, dtype=str), return_inverse=True)[1].astype(np.int64)
 
 
-def run_backfill(device: DeviceParts, searchable: Callable[[], LoadedRows], *, budget: int | None = None,
-                 budget_bytes: int | None = None, order: str | None = None, seed: int = 0, batch_size: int = 64,
-                 on_batch: Callable[[int], None] | None = None) -> BackfillResult:
+def run_backfill(
+    device: DeviceParts,
+    searchable: Callable[[], LoadedRows],
+    *,
+    budget: int | None = None,
+    budget_bytes: int | None = None,
+    order: str | None = None,
+    seed: int = 0,
+    batch_size: int = 64,
+    on_batch: Callable[[int], None] | None = None,
+) -> BackfillResult:
     """Backfill the device's gallery (see the module docstring); resumes a recorded plan first.
     ``searchable()`` gives the rows queries compare with (a new plan orders those).
 
@@ -132,10 +149,17 @@ def run_backfill(device: DeviceParts, searchable: Callable[[], LoadedRows], *, b
     done_before = [r for r in present if _is_native(rows.tags[position[r]], version)]
     todo = [position[r] for r in present if not _is_native(rows.tags[position[r]], version)]
     downloaded = 0
-    with device.connect() as client, tqdm(total=len(todo), desc=f"backfill v{version} ({plan['order']})", unit="row",
-                                         disable=not device.progress or not todo) as bar:
+    with (
+        device.connect() as client,
+        tqdm(
+            total=len(todo),
+            desc=f"backfill v{version} ({plan['order']})",
+            unit="row",
+            disable=not device.progress or not todo,
+        ) as bar,
+    ):
         for start in range(0, len(todo), batch_size):
-            batch = todo[start:start + batch_size]
+            batch = todo[start : start + batch_size]
             images, size = vault_originals(device, client, [rows.item_ids[i] for i in batch], engine)
             downloaded += size
             gallery.write_upgrades(reembedded_rows(rows, batch, gallery_vectors(engine, images), version), staged=False)
@@ -162,8 +186,15 @@ def _stored_plan(device: DeviceParts, version: int) -> dict | None:
     return plan
 
 
-def _new_plan(device: DeviceParts, searchable: LoadedRows, engine: Engine, order: str, budget: int | None,
-              budget_bytes: int | None, seed: int) -> list[int]:
+def _new_plan(
+    device: DeviceParts,
+    searchable: LoadedRows,
+    engine: Engine,
+    order: str,
+    budget: int | None,
+    budget_bytes: int | None,
+    seed: int,
+) -> list[int]:
     rows = _comparable_rows(searchable)
     labels = device.gallery.labels(rows.row_ids.tolist())  # the search keeps no labels (class-mean order needs them)
     rows = dataclasses.replace(rows, labels=[labels.get(int(r)) for r in rows.row_ids])
@@ -172,16 +203,27 @@ def _new_plan(device: DeviceParts, searchable: LoadedRows, engine: Engine, order
     candidates = [sha is not None and not _is_native(tag, version) for sha, tag in zip(shas, rows.tags, strict=True)]
     sizes = _blob_sizes(device, shas) if budget_bytes is not None else [0] * len(rows)
     sigma = recorded_uncertainty(device, version, rows.row_ids) if order == "uncertainty" else None
-    return plan_rows(rows, version, order, candidates=candidates, sizes=sizes, budget=budget,
-                     budget_bytes=budget_bytes, sigma=sigma, seed=seed)
+    return plan_rows(
+        rows,
+        version,
+        order,
+        candidates=candidates,
+        sizes=sizes,
+        budget=budget,
+        budget_bytes=budget_bytes,
+        sigma=sigma,
+        seed=seed,
+    )
 
 
 def _comparable_rows(rows: LoadedRows) -> LoadedRows:
     """The searchable rows, refused when one of them cannot be read."""
     if rows.corrupt:
         row_id, item_id, reason = rows.corrupt[0]
-        raise GalleryError(f"row {row_id} ({item_id!r}) cannot be read: {reason}; run `fctkit device repair --dir DIR` "
-                           f"(it restores damaged rows from the owner's replica or removes them), then backfill again")
+        raise GalleryError(
+            f"row {row_id} ({item_id!r}) cannot be read: {reason}; run `fctkit device repair --dir DIR` "
+            f"(it restores damaged rows from the owner's replica or removes them), then backfill again"
+        )
     return rows
 
 
@@ -206,15 +248,24 @@ def vault_originals(device: DeviceParts, client, item_ids: Sequence[str], engine
     return original_items(opened, raw=engine.takes_items), sum(len(b) for b in blobs)
 
 
-def reembedded_rows(rows: LoadedRows, batch: Sequence[int], vectors: tuple[np.ndarray, np.ndarray, str],
-                    version: int) -> list[UpgradedRows]:
+def reembedded_rows(
+    rows: LoadedRows, batch: Sequence[int], vectors: tuple[np.ndarray, np.ndarray, str], version: int
+) -> list[UpgradedRows]:
     """The rows at positions ``batch`` of ``rows`` with their new ``vectors`` (:func:`gallery_vectors`
     of their originals), one group per old tag (each write is guarded by the tag read)."""
     embeddings, side_infos, via = vectors
     groups = []
     for tag, index in rows_by_tag([rows.tags[i] for i in batch]).items():
-        groups.append(UpgradedRows([int(rows.row_ids[batch[k]]) for k in index], [rows.item_ids[batch[k]] for k in index],
-                                   tag, VersionTag(tag.origin_version, version, via), embeddings[index], side_infos[index]))
+        groups.append(
+            UpgradedRows(
+                [int(rows.row_ids[batch[k]]) for k in index],
+                [rows.item_ids[batch[k]] for k in index],
+                tag,
+                VersionTag(tag.origin_version, version, via),
+                embeddings[index],
+                side_infos[index],
+            )
+        )
     return groups
 
 
@@ -240,7 +291,7 @@ def record_uncertainty(device: DeviceParts, target_engine: Engine) -> int:
         index = [i for i, t in enumerate(rows.tags) if t.version == version and rows.item_ids[i] not in lost]
         if not index:
             continue
-        inputs = (take_rows(rows.embeddings, index), take_rows(rows.side_infos, index))[:len(artifact.inputs)]
+        inputs = (take_rows(rows.embeddings, index), take_rows(rows.side_infos, index))[: len(artifact.inputs)]
         sigma = target_engine.run(artifact, *inputs)
         ids.append(rows.row_ids[index])
         sigmas.append(sigma.reshape(len(index), -1).mean(axis=1))
@@ -257,11 +308,13 @@ def recorded_uncertainty(device: DeviceParts, version: int, row_ids: np.ndarray)
     one get more than the largest σ (unknown: backfilled first)."""
     text = device.gallery.meta(_SIGMA_PREFIX + str(version))
     if text is None:
-        raise InputError(f"no FastFill σ was recorded for v{version} (its bundle has no uncertainty graph, or the "
-                         "gallery was upgraded without it); choose another --order, e.g. class-mean-l2")
+        raise InputError(
+            f"no FastFill σ was recorded for v{version} (its bundle has no uncertainty graph, or the "
+            "gallery was upgraded without it); choose another --order, e.g. class-mean-l2"
+        )
     payload = device.sealer.open(base64.b64decode(text), _sigma_aad(device, version), f"σ of v{version}")
     n = len(payload) // 12
-    known = dict(zip(np.frombuffer(payload[:8 * n], "<i8").tolist(), np.frombuffer(payload[8 * n:], "<f4").tolist()))
+    known = dict(zip(np.frombuffer(payload[: 8 * n], "<i8").tolist(), np.frombuffer(payload[8 * n :], "<f4").tolist()))
     unknown = max(known.values(), default=0.0) + 1.0
     return np.array([known.get(int(r), unknown) for r in row_ids], dtype=np.float64)
 

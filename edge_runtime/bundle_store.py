@@ -16,19 +16,27 @@ from typing import Any, Protocol
 
 from fctkit.errors import BundleError, DeviceError, FctkitError
 from fctkit.private_files import make_private
-from fctkit.protos.bundle import MANIFEST_FILE, SIGNATURE_FILE, VerifiedBundle, check_version_is_newer, unpack_bundle, verify_bundle
+from fctkit.protos.bundle import (
+    MANIFEST_FILE,
+    SIGNATURE_FILE,
+    VerifiedBundle,
+    check_version_is_newer,
+    unpack_bundle,
+    verify_bundle,
+)
 from fctkit.protos.bundle_vocabulary import MAX_MANIFEST_BYTES, SIGNATURE_SIZE, SIGNATURES_FILE
 from fctkit.protos.durable_files import read_regular_file
-from fctkit.protos.trust import MAX_SIGNATURES_BYTES, ReleaseTrust, Timestamp, verify_release_manifest
 from fctkit.protos.planner import plan_upgrade
+from fctkit.protos.trust import MAX_SIGNATURES_BYTES, ReleaseTrust, Timestamp, verify_release_manifest
 
 from .engine import Engine, EngineConfig
 from .sqlite_file import is_no_space, no_space
 from .upgrade_plan import Hop
 
-
-REINSTALL = ("put the published bundle back: `fctkit device repair --dir DIR` downloads it again from the server, or "
-             "`fctkit device upgrade --dir DIR --bundle BUNDLE` takes it from a folder or .tar")
+REINSTALL = (
+    "put the published bundle back: `fctkit device repair --dir DIR` downloads it again from the server, or "
+    "`fctkit device upgrade --dir DIR --bundle BUNDLE` takes it from a folder or .tar"
+)
 
 
 class BundleTrust(Protocol):
@@ -87,7 +95,11 @@ class InstalledBundles:
         """Installed bundles whose files fail verification against their signed manifest, and
         ``needed()`` versions not installed (none when it raises: a damaged setting, reported
         on its own): version -> what is wrong (`fctkit device check`)."""
-        found = {v: f"bundle v{v} is not installed; {REINSTALL}" for v in _versions(needed) if v and not self.folder(v).is_dir()}
+        found = {
+            v: f"bundle v{v} is not installed; {REINSTALL}"
+            for v in _versions(needed)
+            if v and not self.folder(v).is_dir()
+        }
         found.update({v: f"{damage}; {REINSTALL}" for v in self.versions() if (damage := self._damage(v)) is not None})
         return dict(sorted(found.items()))
 
@@ -154,8 +166,10 @@ class InstalledBundles:
 
     def _holds_signed(self, version: int, verified: VerifiedBundle) -> bool:
         folder = self.folder(version)
-        return any((folder / name).is_file() and (folder / name).read_bytes() == value
-                   for name, value in ((MANIFEST_FILE, verified.manifest_bytes), (SIGNATURE_FILE, verified.signature)))
+        return any(
+            (folder / name).is_file() and (folder / name).read_bytes() == value
+            for name, value in ((MANIFEST_FILE, verified.manifest_bytes), (SIGNATURE_FILE, verified.signature))
+        )
 
     def _put(self, version: int, source: Path) -> None:
         """Copy a verified bundle into ``bundles/vN`` (verified again there), replacing what was there."""
@@ -192,8 +206,13 @@ class InstalledBundles:
     def _fetch(self, client, version: int, staging: Path, installed_version: int | None = None) -> VerifiedBundle:
         """Download ``version`` as the device installs it: the manifest the accepted timestamp
         names, signed by the current root's publisher threshold (or the pinned key)."""
-        return client.download_bundle(version, staging, self.trust.release_trust(), installed_version=installed_version,
-                                      timestamp=self.trust.snapshot())
+        return client.download_bundle(
+            version,
+            staging,
+            self.trust.release_trust(),
+            installed_version=installed_version,
+            timestamp=self.trust.snapshot(),
+        )
 
     def _installed_trust(self, folder: Path) -> ReleaseTrust:
         """The first accepted root (or key) the installed bundle in ``folder`` is signed for; the
@@ -201,8 +220,10 @@ class InstalledBundles:
         first keeps the artifacts' hashes to one pass."""
         trusts = self.trust.accepted_trusts()
         try:
-            signed = (read_regular_file(folder / MANIFEST_FILE, MAX_MANIFEST_BYTES),
-                      read_regular_file(folder / SIGNATURE_FILE, SIGNATURE_SIZE + 1))
+            signed = (
+                read_regular_file(folder / MANIFEST_FILE, MAX_MANIFEST_BYTES),
+                read_regular_file(folder / SIGNATURE_FILE, SIGNATURE_SIZE + 1),
+            )
             co_signatures = folder / SIGNATURES_FILE
             extra = read_regular_file(co_signatures, MAX_SIGNATURES_BYTES + 1) if co_signatures.exists() else None
         except (OSError, BundleError):
@@ -219,9 +240,20 @@ class InstalledBundles:
         """The cheapest hops from ``source`` to ``target`` over the installed bundles, planned as
         the server plans (:func:`fctkit.protos.planner.plan_upgrade`); None when none connects."""
         planned = plan_upgrade([self.engine(v).manifest for v in self.versions()], source, target)
-        return None if planned is None else [
-            Hop(h.source_version, h.target_version, h.bundle_version, h.forward.name if h.forward else None,
-                h.side_forward.name if h.side_forward else None) for h in planned]
+        return (
+            None
+            if planned is None
+            else [
+                Hop(
+                    h.source_version,
+                    h.target_version,
+                    h.bundle_version,
+                    h.forward.name if h.forward else None,
+                    h.side_forward.name if h.side_forward else None,
+                )
+                for h in planned
+            ]
+        )
 
     @staticmethod
     def bytes_of(bundles: Sequence[str | os.PathLike]) -> int:
@@ -259,4 +291,6 @@ def _unpacked(bundles: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
     """The bundles as folders: a ``.tar`` archive (as `fctkit export` writes and the server
     serves) is unpacked, safely, into a temporary folder that goes afterwards."""
     with tempfile.TemporaryDirectory(prefix="fctkit-bundles-") as scratch:
-        yield [unpack_bundle(b, Path(scratch) / f"{i}") if Path(b).is_file() else Path(b) for i, b in enumerate(bundles)]
+        yield [
+            unpack_bundle(b, Path(scratch) / f"{i}") if Path(b).is_file() else Path(b) for i, b in enumerate(bundles)
+        ]

@@ -23,17 +23,33 @@ from .sqlite_file import RECOVERY
 from .upgrade_check import stored_health
 
 DAMAGED_EXIT = 3  # answers were given, but damaged rows were left out (see `fctkit device check`)
-STALE_EXIT = 4  # `status`: no fresh timestamp for longer than the root allows (possible freeze), or a clock that may be wrong
+STALE_EXIT = (
+    4  # `status`: no fresh timestamp for longer than the root allows (possible freeze), or a clock that may be wrong
+)
 
-_DIR = click.option("--dir", "root", type=click.Path(path_type=Path), default=lambda: os.environ.get("FCTKIT_DEVICE", "device"),
-                    show_default="$FCTKIT_DEVICE or ./device", help="The device directory.")
-_PASSPHRASE = click.option("--passphrase-env", metavar="VAR", default=None,
-                           help="Environment variable holding the key file's passphrase.")
-_NO_HEALTH = click.option("--no-health-check", is_flag=True,
-                          help="After an upgrade, do not re-embed a sample of rows from the vault to measure its health "
-                               "(health_sample 0 in device.json turns it off for good).")
-_KEY_PASSPHRASE = click.option("--key-passphrase-env", metavar="VAR", default=None,
-                               help="Environment variable holding the exported owner key's passphrase (else prompted).")
+_DIR = click.option(
+    "--dir",
+    "root",
+    type=click.Path(path_type=Path),
+    default=lambda: os.environ.get("FCTKIT_DEVICE", "device"),
+    show_default="$FCTKIT_DEVICE or ./device",
+    help="The device directory.",
+)
+_PASSPHRASE = click.option(
+    "--passphrase-env", metavar="VAR", default=None, help="Environment variable holding the key file's passphrase."
+)
+_NO_HEALTH = click.option(
+    "--no-health-check",
+    is_flag=True,
+    help="After an upgrade, do not re-embed a sample of rows from the vault to measure its health "
+    "(health_sample 0 in device.json turns it off for good).",
+)
+_KEY_PASSPHRASE = click.option(
+    "--key-passphrase-env",
+    metavar="VAR",
+    default=None,
+    help="Environment variable holding the exported owner key's passphrase (else prompted).",
+)
 
 
 def _passphrase(var: str | None) -> str | None:
@@ -96,32 +112,83 @@ def device_command() -> None:
 @device_command.command("init")
 @_DIR
 @_PASSPHRASE
-@click.option("--root", "trust_root", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Pin this root of trust (root.N.json from the publisher, signed by a threshold of its own root keys); "
-                   "excludes --publisher-key.")
-@click.option("--publisher-key", type=click.Path(exists=True, dir_okay=False),
-              help="Pin this publisher key now (offline devices, before roots of trust); excludes --root.")
-@click.option("--providers", default=",".join(PREFERENCE), show_default=True, help="Execution providers allowed, in preference order.")
-@click.option("--batch-size", type=int, default=1024, show_default=True, help="Rows per ONNX Runtime call and per upgrade commit.")
-@click.option("--threads", type=int, default=0, show_default=True, help="ONNX Runtime intra-op threads (0: its default).")
+@click.option(
+    "--root",
+    "trust_root",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Pin this root of trust (root.N.json from the publisher, signed by a threshold of its own root keys); "
+    "excludes --publisher-key.",
+)
+@click.option(
+    "--publisher-key",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Pin this publisher key now (offline devices, before roots of trust); excludes --root.",
+)
+@click.option(
+    "--providers",
+    default=",".join(PREFERENCE),
+    show_default=True,
+    help="Execution providers allowed, in preference order.",
+)
+@click.option(
+    "--batch-size", type=int, default=1024, show_default=True, help="Rows per ONNX Runtime call and per upgrade commit."
+)
+@click.option(
+    "--threads", type=int, default=0, show_default=True, help="ONNX Runtime intra-op threads (0: its default)."
+)
 @click.option("--search-backend", type=click.Choice(["auto", "numpy", "faiss"]), default="auto", show_default=True)
-@click.option("--import-key", "import_key", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="The owner key exported by another device of the owner (`fctkit device export-key`): join it, or restore.")
+@click.option(
+    "--import-key",
+    "import_key",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="The owner key exported by another device of the owner (`fctkit device export-key`): join it, or restore.",
+)
 @_KEY_PASSPHRASE
-def init_command(root, passphrase_env, trust_root, publisher_key, providers, batch_size, threads, search_backend, import_key,
-                 key_passphrase_env) -> None:
+def init_command(
+    root,
+    passphrase_env,
+    trust_root,
+    publisher_key,
+    providers,
+    batch_size,
+    threads,
+    search_backend,
+    import_key,
+    key_passphrase_env,
+) -> None:
     """Create a device: a new 0600 device key (passphrase-wrapped with --passphrase-env), an
     owner key (new, or imported with --import-key) and an empty gallery."""
-    settings = DeviceSettings(providers=tuple(p.strip() for p in providers.split(",") if p.strip()),
-                              batch_size=batch_size, threads=threads, search_backend=search_backend)
+    settings = DeviceSettings(
+        providers=tuple(p.strip() for p in providers.split(",") if p.strip()),
+        batch_size=batch_size,
+        threads=threads,
+        search_backend=search_backend,
+    )
     settings.engine  # validates the engine choices before anything is written
     if trust_root and publisher_key:
-        raise click.UsageError("--root and --publisher-key exclude each other: pin a root of trust, or (before roots) one key")
+        raise click.UsageError(
+            "--root and --publisher-key exclude each other: pin a root of trust, or (before roots) one key"
+        )
     owner_passphrase = _key_passphrase(key_passphrase_env, confirm=False) if import_key else None
-    with Device.init(root, passphrase=_passphrase(passphrase_env), publisher_key=publisher_key, settings=settings,
-                     owner_key_file=import_key, owner_key_passphrase=owner_passphrase, trust_root=trust_root) as device:
-        _echo({"device": str(device.root), "gallery_id": device.gallery.gallery_id.hex(), "owner_key_imported": bool(import_key),
-               "root_version": device.trust.status()["root_version"]})
+    with Device.init(
+        root,
+        passphrase=_passphrase(passphrase_env),
+        publisher_key=publisher_key,
+        settings=settings,
+        owner_key_file=import_key,
+        owner_key_passphrase=owner_passphrase,
+        trust_root=trust_root,
+    ) as device:
+        _echo(
+            {
+                "device": str(device.root),
+                "gallery_id": device.gallery.gallery_id.hex(),
+                "owner_key_imported": bool(import_key),
+                "root_version": device.trust.status()["root_version"],
+            }
+        )
 
 
 @device_command.command("export-key")
@@ -143,20 +210,55 @@ def export_key_command(root, passphrase_env, out, key_passphrase_env) -> None:
 @click.option("--server", required=True, help="host:port of the fctkit server.")
 @click.option("--code", required=True, help="The enrolment code an admin created (`fctkit admin enrol-code`).")
 @click.option("--name", default="", help="A name for this device in the fleet.")
-@click.option("--tls-ca", "--tls-root", "tls_root", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="PEM CA certificate to trust: connect with TLS (the same flag as `fctkit admin --tls-ca`; "
-                   "--tls-root is its older name).")
-@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="PEM client certificate, for a server that requires one (`fctkit serve --tls-ca`); with --tls-key.")
-@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None, help="PEM private key of --tls-cert.")
-@click.option("--root", "trust_root", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Start from this root file (from the publisher, offline) and walk the server's newer roots from it.")
-@click.option("--root-fingerprint", metavar="SHA256", default=None,
-              help="Pin the server's root with this fingerprint (printed by `fctkit keys init-root`); refuse any other.")
-@click.option("--trust-on-first-use", is_flag=True,
-              help="Accept whatever root (or, from a server without one, publisher key) the server offers, unchecked.")
-def enrol_command(root, passphrase_env, server, code, name, tls_root, tls_cert, tls_key, trust_root, root_fingerprint,
-                  trust_on_first_use) -> None:
+@click.option(
+    "--tls-ca",
+    "--tls-root",
+    "tls_root",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="PEM CA certificate to trust: connect with TLS (the same flag as `fctkit admin --tls-ca`; "
+    "--tls-root is its older name).",
+)
+@click.option(
+    "--tls-cert",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="PEM client certificate, for a server that requires one (`fctkit serve --tls-ca`); with --tls-key.",
+)
+@click.option(
+    "--tls-key", type=click.Path(exists=True, dir_okay=False), default=None, help="PEM private key of --tls-cert."
+)
+@click.option(
+    "--root",
+    "trust_root",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Start from this root file (from the publisher, offline) and walk the server's newer roots from it.",
+)
+@click.option(
+    "--root-fingerprint",
+    metavar="SHA256",
+    default=None,
+    help="Pin the server's root with this fingerprint (printed by `fctkit keys init-root`); refuse any other.",
+)
+@click.option(
+    "--trust-on-first-use",
+    is_flag=True,
+    help="Accept whatever root (or, from a server without one, publisher key) the server offers, unchecked.",
+)
+def enrol_command(
+    root,
+    passphrase_env,
+    server,
+    code,
+    name,
+    tls_root,
+    tls_cert,
+    tls_key,
+    trust_root,
+    root_fingerprint,
+    trust_on_first_use,
+) -> None:
     """Enrol with a server: get a device token and take its root of trust. The server and TLS
     files are kept in the device's settings: later syncs connect the same way (enrol again with
     a new code to change them).
@@ -170,17 +272,30 @@ def enrol_command(root, passphrase_env, server, code, name, tls_root, tls_cert, 
     if sum((trust_root is not None, root_fingerprint is not None, trust_on_first_use)) > 1:
         raise click.UsageError("--root, --root-fingerprint and --trust-on-first-use exclude each other. " + CHOOSE)
     with _open(root, passphrase_env) as device:
-        device_id = device.enrol(server, code, device_name=name, tls_ca=tls_root, tls_cert=tls_cert, tls_key=tls_key,
-                                 trust_root=trust_root, root_fingerprint=root_fingerprint,
-                                 trust_on_first_use=trust_on_first_use)
+        device_id = device.enrol(
+            server,
+            code,
+            device_name=name,
+            tls_ca=tls_root,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            trust_root=trust_root,
+            root_fingerprint=root_fingerprint,
+            trust_on_first_use=trust_on_first_use,
+        )
         _echo({"device_id": device_id, "owner_id": device.settings.owner_id, "trust": device.trust.status()})
 
 
 _SOURCES = click.argument("sources", nargs=-1, required=True, type=click.Path(path_type=Path))
-_ON_BAD_ITEM = click.option("--on-bad-item", type=click.Choice(ON_BAD_ITEM), default="refuse", show_default=True,
-                            help="An item the bundle's preprocessing cannot take (a corrupt image, an empty text, a text "
-                                 "over the limit): refuse the whole call (nothing is stored), or skip it. Either way it "
-                                 "is reported by id.")
+_ON_BAD_ITEM = click.option(
+    "--on-bad-item",
+    type=click.Choice(ON_BAD_ITEM),
+    default="refuse",
+    show_default=True,
+    help="An item the bundle's preprocessing cannot take (a corrupt image, an empty text, a text "
+    "over the limit): refuse the whole call (nothing is stored), or skip it. Either way it "
+    "is reported by id.",
+)
 
 
 def _skipped(skipped: list[tuple[str, str]]) -> list[dict[str, str]]:
@@ -201,10 +316,17 @@ def add_command(root, passphrase_env, sources, no_upload, on_bad_item, quiet) ->
     declares preprocessing — or one .npy / .npz (images, optional labels and ids) of arrays."""
     source = read_items(sources)
     with _open(root, passphrase_env, quiet) as device:
-        added = device.add_items(source.items, item_ids=source.ids, labels=source.labels, upload=not no_upload,
-                                 on_bad_item=on_bad_item)
-        _echo({"added": len(added.item_ids), "skipped": _skipped(added.skipped), "rows": len(device.gallery),
-               "queued_uploads": device.gallery.replica_log.outbox_size()})
+        added = device.add_items(
+            source.items, item_ids=source.ids, labels=source.labels, upload=not no_upload, on_bad_item=on_bad_item
+        )
+        _echo(
+            {
+                "added": len(added.item_ids),
+                "skipped": _skipped(added.skipped),
+                "rows": len(device.gallery),
+                "queued_uploads": device.gallery.replica_log.outbox_size(),
+            }
+        )
 
 
 @device_command.command("query")
@@ -232,9 +354,12 @@ def query_command(root, passphrase_env, sources, k, on_bad_item) -> None:
     if damaged or missing:  # never a silently shorter answer
         first = f" (first: row {damaged[0][0]}, {damaged[0][2]})" if damaged else ""
         gone = f" and {missing} row(s) are gone from the gallery file" if missing else ""
-        click.echo(f"warning: {len(damaged)} damaged row(s) were left out of these answers or answered without their "
-                   f"label{first}{gone}; run "
-                   f"`fctkit device check --dir DIR`, then `fctkit device repair --dir DIR`", err=True)
+        click.echo(
+            f"warning: {len(damaged)} damaged row(s) were left out of these answers or answered without their "
+            f"label{first}{gone}; run "
+            f"`fctkit device check --dir DIR`, then `fctkit device repair --dir DIR`",
+            err=True,
+        )
         sys.exit(DAMAGED_EXIT)
 
 
@@ -262,8 +387,11 @@ def repair_command(root, passphrase_env) -> None:
         with _open(root, passphrase_env) as device:
             report = device.repair()
     except GalleryDamagedError as exc:  # opening or repairing: its own advice would be to run repair again
-        raise GalleryDamagedError(f"the repair could not finish: {_reason(exc)}. Running it again will not help: "
-                                  f"restore a backup of the device directory, or {REBUILD}", exc.settings) from None
+        raise GalleryDamagedError(
+            f"the repair could not finish: {_reason(exc)}. Running it again will not help: "
+            f"restore a backup of the device directory, or {REBUILD}",
+            exc.settings,
+        ) from None
     _echo_report(report, damaged=bool(report["damaged_after"]))
 
 
@@ -318,9 +446,14 @@ def end_transition_command(root, passphrase_env) -> None:
 @device_command.command("upgrade")
 @_DIR
 @_PASSPHRASE
-@click.option("--bundle", "bundle_dirs", type=click.Path(path_type=Path), multiple=True,
-              help="Install this local bundle (a folder or its .tar archive; verified) and upgrade to the newest "
-                   "one given; repeat it to bring intermediate versions for a chained path.")
+@click.option(
+    "--bundle",
+    "bundle_dirs",
+    type=click.Path(path_type=Path),
+    multiple=True,
+    help="Install this local bundle (a folder or its .tar archive; verified) and upgrade to the newest "
+    "one given; repeat it to bring intermediate versions for a chained path.",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_NO_HEALTH
 def upgrade_command(root, passphrase_env, bundle_dirs, quiet, no_health_check) -> None:
@@ -330,7 +463,9 @@ def upgrade_command(root, passphrase_env, bundle_dirs, quiet, no_health_check) -
     with the last upgrade's health check (upgrade_health)."""
     with _open(root, passphrase_env, quiet, no_health_check) as device:
         if not bundle_dirs and device.gallery.upgrade_state is None and device.settings.server:
-            _echo(_with_health(device, dataclasses.asdict(device.sync())))  # a deferred upgrade: plan it with the server now
+            _echo(
+                _with_health(device, dataclasses.asdict(device.sync()))
+            )  # a deferred upgrade: plan it with the server now
             return
         rows = device.upgrade(list(bundle_dirs) or None)
         _echo(_with_health(device, {"rows_upgraded": rows, "installed_version": device.version}))
@@ -364,8 +499,12 @@ def status_command(root, passphrase_env) -> None:
 @_PASSPHRASE
 @click.option("--budget", type=click.IntRange(min=0), default=None, help="Rows to re-embed at most.")
 @click.option("--budget-bytes", type=click.IntRange(min=0), default=None, help="Vault bytes to download at most.")
-@click.option("--order", type=click.Choice(["random", "uncertainty", "class-mean", "class-mean-l2", "class-mean-cosine", "kmeans"]),
-              default=None, help="Which rows first (class-mean = class-mean-l2; default: uncertainty when the bundle has FastFill σ, else class-mean-l2).")
+@click.option(
+    "--order",
+    type=click.Choice(["random", "uncertainty", "class-mean", "class-mean-l2", "class-mean-cosine", "kmeans"]),
+    default=None,
+    help="Which rows first (class-mean = class-mean-l2; default: uncertainty when the bundle has FastFill σ, else class-mean-l2).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random and k-means orderings.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def backfill_command(root, passphrase_env, budget, budget_bytes, order, seed, quiet) -> None:

@@ -47,7 +47,9 @@ def comparable_dims(manifest_of: ManifestOf, version: int) -> dict[int, int]:
     return dims
 
 
-def compatible_rows(versions: Sequence[int], embeddings: np.ndarray, dims: dict[int, int]) -> tuple[list[int], np.ndarray]:
+def compatible_rows(
+    versions: Sequence[int], embeddings: np.ndarray, dims: dict[int, int]
+) -> tuple[list[int], np.ndarray]:
     """The positions of the rows (by their version tag) searchable under ``dims`` and their
     vectors, all cut to the common prefix (``embeddings`` dense or ragged)."""
     keep = [i for i, v in enumerate(versions) if v in dims]
@@ -58,6 +60,8 @@ def compatible_rows(versions: Sequence[int], embeddings: np.ndarray, dims: dict[
         return keep, np.ascontiguousarray(embeddings[keep, :prefix], dtype=np.float32)
     short = [i for i in keep if len(embeddings[i]) < prefix]
     if short:
-        raise GalleryError(f"row {short[0]} has {len(embeddings[short[0]])} dims, fewer than the {prefix} its version is "
-                           "compared on; the gallery does not match the installed bundles")
+        raise GalleryError(
+            f"row {short[0]} has {len(embeddings[short[0]])} dims, fewer than the {prefix} its version is "
+            "compared on; the gallery does not match the installed bundles"
+        )
     return keep, np.stack([np.asarray(embeddings[i][:prefix], dtype=np.float32) for i in keep])

@@ -68,7 +68,8 @@ class Sealer:
         nonces = os.urandom(NONCE_BYTES * len(plaintexts))
         encrypt = self._aead.encrypt
         return [
-            nonces[i * NONCE_BYTES:(i + 1) * NONCE_BYTES] + encrypt(nonces[i * NONCE_BYTES:(i + 1) * NONCE_BYTES], p, a)
+            nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES]
+            + encrypt(nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES], p, a)
             for i, (p, a) in enumerate(zip(plaintexts, aads, strict=True))
         ]
 
@@ -88,7 +89,9 @@ class Sealer:
         length): no intermediate copy. When authentication fails ``out`` holds garbage: the
         caller must not use it."""
         if len(record) != NONCE_BYTES + TAG_BYTES + out.nbytes:
-            raise CorruptRecordError(f"{what}: {len(record)} bytes do not hold {out.nbytes} bytes of plaintext (truncated or resized)")
+            raise CorruptRecordError(
+                f"{what}: {len(record)} bytes do not hold {out.nbytes} bytes of plaintext (truncated or resized)"
+            )
         try:
             view = memoryview(record)  # no copy of the ciphertext
             self._aead.decrypt_into(view[:NONCE_BYTES], view[NONCE_BYTES:], aad, out)
@@ -97,7 +100,9 @@ class Sealer:
 
 
 def _authentication_failed(what: str) -> CorruptRecordError:
-    return CorruptRecordError(f"{what}: authentication failed (modified, swapped with another record, or sealed under another key)")
+    return CorruptRecordError(
+        f"{what}: authentication failed (modified, swapped with another record, or sealed under another key)"
+    )
 
 
 def new_key() -> bytes:
@@ -137,8 +142,13 @@ def write_key_file(path: str | os.PathLike, key: bytes, passphrase: str | None =
         salt = os.urandom(16)
         wrapped = Sealer(_scrypt(passphrase, salt)).seal(key, aad)
         body = {
-            "format": KEY_FILE_FORMAT, "wrapping": "scrypt-aes256gcm", "n": SCRYPT_N, "r": SCRYPT_R, "p": SCRYPT_P,
-            "salt": base64.b64encode(salt).decode(), "wrapped_key": base64.b64encode(wrapped).decode(),
+            "format": KEY_FILE_FORMAT,
+            "wrapping": "scrypt-aes256gcm",
+            "n": SCRYPT_N,
+            "r": SCRYPT_R,
+            "p": SCRYPT_P,
+            "salt": base64.b64encode(salt).decode(),
+            "wrapped_key": base64.b64encode(wrapped).decode(),
         }
     if kind != "device":
         body["kind"] = kind  # device key files predate the field: absent means device
@@ -190,8 +200,10 @@ def read_key_file(path: str | os.PathLike, passphrase: str | None = None, *, kin
     if len(key) != KEY_BYTES:
         raise DeviceKeyError(f"{path}: the key is {len(key)} bytes, expected {KEY_BYTES}")
     if "check" in body and body["check"] != _key_check(kind, key):  # files from before the check have none
-        raise DeviceKeyError(f"{path} is damaged: its {kind} key fails the file's checksum (a changed character?); "
-                             f"restore the file from a backup or an exported key (nothing was changed)")
+        raise DeviceKeyError(
+            f"{path} is damaged: its {kind} key fails the file's checksum (a changed character?); "
+            f"restore the file from a backup or an exported key (nothing was changed)"
+        )
     return key
 
 

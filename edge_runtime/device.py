@@ -57,8 +57,8 @@ from .device_files import (
 )
 from .device_parts import DeviceParts
 from .device_status import device_status
-from .device_trust import DeviceTrust, initial_pin
 from .device_sync import SyncResult, sync_device
+from .device_trust import DeviceTrust, initial_pin
 from .device_trust_sync import TrustChoice, enrol_device, trusted_client
 from .engine import Engine
 from .gallery import Gallery
@@ -101,9 +101,17 @@ class Device:
     # -- creation ---------------------------------------------------------------------------
 
     @classmethod
-    def init(cls, root: str | os.PathLike, *, passphrase: str | None = None, publisher_key: str | os.PathLike | None = None,
-             settings: DeviceSettings | None = None, owner_key_file: str | os.PathLike | None = None,
-             owner_key_passphrase: str | None = None, trust_root: str | os.PathLike | None = None) -> Device:
+    def init(
+        cls,
+        root: str | os.PathLike,
+        *,
+        passphrase: str | None = None,
+        publisher_key: str | os.PathLike | None = None,
+        settings: DeviceSettings | None = None,
+        owner_key_file: str | os.PathLike | None = None,
+        owner_key_passphrase: str | None = None,
+        trust_root: str | os.PathLike | None = None,
+    ) -> Device:
         """Create a device directory: a new device key, an empty gallery, optionally a pinned
         root of trust (``trust_root``, a root file signed by a threshold of its own root keys) or
         publisher key; the owner key is imported from ``owner_key_file`` (written by
@@ -112,7 +120,9 @@ class Device:
         if (root / SETTINGS_FILE).exists():
             raise DeviceError(f"{root} is already a device: open it (nothing was changed)")
         pin = initial_pin(trust_root, publisher_key)  # a bad root or key file is refused before anything is written
-        owner_key = new_key() if owner_key_file is None else read_key_file(owner_key_file, owner_key_passphrase, kind="owner")
+        owner_key = (
+            new_key() if owner_key_file is None else read_key_file(owner_key_file, owner_key_passphrase, kind="owner")
+        )
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         key = new_key()
         write_key_file(root / KEY_FILE, key, passphrase)
@@ -153,8 +163,15 @@ class Device:
     @property
     def parts(self) -> DeviceParts:
         """What the device's operations are handed (built anew: settings can change)."""
-        return DeviceParts(self.gallery, self.bundles, self._sealer, self.owner_sealer, self.settings.owner_id,
-                           self.client, self.progress)
+        return DeviceParts(
+            self.gallery,
+            self.bundles,
+            self._sealer,
+            self.owner_sealer,
+            self.settings.owner_id,
+            self.client,
+            self.progress,
+        )
 
     # -- server link ------------------------------------------------------------------------
 
@@ -163,9 +180,19 @@ class Device:
         """The pinned publisher key of a device from before roots."""
         return self.trust.publisher_key()
 
-    def enrol(self, server: str, code: str, *, device_name: str = "", tls_ca: str | None = None,
-              tls_cert: str | None = None, tls_key: str | None = None, trust_root: str | os.PathLike | None = None,
-              root_fingerprint: str | None = None, trust_on_first_use: bool = False) -> str:
+    def enrol(
+        self,
+        server: str,
+        code: str,
+        *,
+        device_name: str = "",
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        trust_root: str | os.PathLike | None = None,
+        root_fingerprint: str | None = None,
+        trust_on_first_use: bool = False,
+    ) -> str:
         """Trade an enrolment code for a device token and take the server's root of trust; returns
         the device id. A device that pins nothing yet needs exactly one of ``trust_root`` (a root
         file), ``root_fingerprint`` or ``trust_on_first_use`` (:mod:`.device_trust_sync`); one that
@@ -173,15 +200,30 @@ class Device:
         (FAILED_PRECONDITION) a device whose owner key is not its owner's other devices' key.
         ``tls_ca`` (the CA to trust) and ``tls_cert``/``tls_key`` (this device's certificate, for a
         server that requires one) are paths kept in the settings for later connections."""
-        tls_ca, tls_cert, tls_key = (None if path is None else str(Path(path).resolve()) for path in (tls_ca, tls_cert, tls_key))
-        enrolment = enrol_device(self.trust, owner_key_id(self._owner_key), server, code, device_name,
-                                 ClientTls.from_files(tls_ca, tls_cert, tls_key),
-                                 TrustChoice(trust_root, root_fingerprint, trust_on_first_use))
+        tls_ca, tls_cert, tls_key = (
+            None if path is None else str(Path(path).resolve()) for path in (tls_ca, tls_cert, tls_key)
+        )
+        enrolment = enrol_device(
+            self.trust,
+            owner_key_id(self._owner_key),
+            server,
+            code,
+            device_name,
+            ClientTls.from_files(tls_ca, tls_cert, tls_key),
+            TrustChoice(trust_root, root_fingerprint, trust_on_first_use),
+        )
         if self.settings.owner_id and self.settings.owner_id != enrolment.owner_id:
             self.gallery.replica_log.reset_replication()  # a new owner: its replica starts from this gallery
-        self.settings = replace(self.settings, server=server, device_id=enrolment.device_id, device_name=device_name,
-                                tls_root_certificates=tls_ca, tls_client_cert=tls_cert, tls_client_key=tls_key,
-                                owner_id=enrolment.owner_id or None)
+        self.settings = replace(
+            self.settings,
+            server=server,
+            device_id=enrolment.device_id,
+            device_name=device_name,
+            tls_root_certificates=tls_ca,
+            tls_client_cert=tls_cert,
+            tls_client_key=tls_key,
+            owner_id=enrolment.owner_id or None,
+        )
         write_settings(self.root / SETTINGS_FILE, self.settings)
         return enrolment.device_id
 
@@ -224,8 +266,14 @@ class Device:
 
     # -- adding and querying ----------------------------------------------------------------
 
-    def add(self, images, *, item_ids: Sequence[str] | None = None, labels: Sequence[str | None] | None = None,
-            upload: bool = True) -> list[str]:
+    def add(
+        self,
+        images,
+        *,
+        item_ids: Sequence[str] | None = None,
+        labels: Sequence[str | None] | None = None,
+        upload: bool = True,
+    ) -> list[str]:
         """Embed ``images`` locally (φ and ψ of the installed bundle: arrays, or raw items — image
         file bytes, texts — when it declares preprocessing), store them as sealed rows, and queue
         each original, sealed under a fresh data key, for the vault (in the same transaction);
@@ -233,8 +281,15 @@ class Device:
         (:class:`~fctkit.errors.ItemError`, nothing stored)."""
         return self.add_items(images, item_ids=item_ids, labels=labels, upload=upload).item_ids
 
-    def add_items(self, items, *, item_ids: Sequence[str] | None = None, labels: Sequence[str | None] | None = None,
-                  upload: bool = True, on_bad_item: OnBadItem = "refuse") -> AddedItems:
+    def add_items(
+        self,
+        items,
+        *,
+        item_ids: Sequence[str] | None = None,
+        labels: Sequence[str | None] | None = None,
+        upload: bool = True,
+        on_bad_item: OnBadItem = "refuse",
+    ) -> AddedItems:
         """:meth:`add`, with the choice of refusing the call or skipping the items the bundle's
         preprocessing cannot take (``on_bad_item``); says which were skipped and why."""
         added = add_items(self.parts, items, item_ids, labels, on_bad_item)
@@ -280,14 +335,18 @@ class Device:
         both versions' models and scored as :mod:`.scoring` says)."""
         return self.search.query(images, k)
 
-    def query_items(self, items, query_ids: Sequence[str], k: int = 5,
-                    on_bad_item: OnBadItem = "refuse") -> tuple[list[tuple[str, list[Match]]], list[tuple[str, str]]]:
+    def query_items(
+        self, items, query_ids: Sequence[str], k: int = 5, on_bad_item: OnBadItem = "refuse"
+    ) -> tuple[list[tuple[str, list[Match]]], list[tuple[str, str]]]:
         """:meth:`query` with ids: (query id, matches) of each query answered, and (query id,
         reason) of each the bundle's preprocessing cannot take (refused unless ``on_bad_item`` is 'skip')."""
         version = self.version
         transition = self.transition
-        engines = [self.engine()] + ([self.engine(transition.previous_version)]
-                                     if transition is not None and transition.version == version else [])
+        engines = [self.engine()] + (
+            [self.engine(transition.previous_version)]
+            if transition is not None and transition.version == version
+            else []
+        )
         usable, ids, skipped = usable_queries(engines, items, query_ids, on_bad_item)
         answers = self.search.query(usable, k) if len(ids) else []
         return list(zip(ids, answers, strict=True)), skipped
@@ -358,9 +417,13 @@ class Device:
         def report(target: int, progress: float) -> None:
             self._report(client, fleet_pb2.UPGRADE_STATE_UPGRADING, target, progress=progress)
 
-        return DeviceUpgrade(self.parts, batch_size=self.settings.batch_size, after=self._upgraded,
-                             report=report if client is not None else None,
-                             check=HealthCheck(self.parts, self.settings.device_id, self.settings.health_sample))
+        return DeviceUpgrade(
+            self.parts,
+            batch_size=self.settings.batch_size,
+            after=self._upgraded,
+            report=report if client is not None else None,
+            check=HealthCheck(self.parts, self.settings.device_id, self.settings.health_sample),
+        )
 
     def _upgraded(self) -> None:
         """After an upgrade: replica records that waited for its version land, every row gets its
@@ -372,20 +435,44 @@ class Device:
     def _report(self, client, state: int, target: int = 0, progress: float = 0.0) -> None:
         """Tell the fleet service where this device stands, with the last upgrade's health (best effort:
         :func:`~.upgrade_check.send_report`)."""
-        send_report(client, self.gallery, self.version, state, target_version=target, progress=min(progress, 1.0),
-                    **self.trust.report_fields(), **revert_report_fields(self.gallery))
+        send_report(
+            client,
+            self.gallery,
+            self.version,
+            state,
+            target_version=target,
+            progress=min(progress, 1.0),
+            **self.trust.report_fields(),
+            **revert_report_fields(self.gallery),
+        )
 
     # -- backfill and transition scoring ----------------------------------------------------
 
-    def backfill(self, budget: int | None = None, *, budget_bytes: int | None = None, order: str | None = None,
-                 seed: int = 0, batch_size: int = 64, on_batch=None) -> BackfillResult:
+    def backfill(
+        self,
+        budget: int | None = None,
+        *,
+        budget_bytes: int | None = None,
+        order: str | None = None,
+        seed: int = 0,
+        batch_size: int = 64,
+        on_batch=None,
+    ) -> BackfillResult:
         """Re-embed the rows most worth it from their vault originals (see
         :mod:`fctkit.edge_runtime.backfill`): ``order`` one of random, uncertainty,
         class-mean-l2, class-mean-cosine, kmeans (default: uncertainty when the bundle has
         σ, else class-mean-l2), within ``budget`` rows and/or ``budget_bytes`` of vault
         downloads. Resumes an interrupted backfill first."""
-        result = run_backfill(self.parts, lambda: self.searchable()[1], budget=budget, budget_bytes=budget_bytes,
-                              order=order, seed=seed, batch_size=batch_size, on_batch=on_batch)
+        result = run_backfill(
+            self.parts,
+            lambda: self.searchable()[1],
+            budget=budget,
+            budget_bytes=budget_bytes,
+            order=order,
+            seed=seed,
+            batch_size=batch_size,
+            on_batch=on_batch,
+        )
         self.search.reset()
         store_hubness_offsets(self.gallery, self.engine())
         if self.transition is not None and self.gallery.not_native(self.version) == 0:
@@ -435,22 +522,39 @@ class Device:
         online, needed = bool(self.settings.server), lambda: [self.version]
         connect = lambda: trusted_client(self.trust, self.client)  # noqa: E731
         bundles = self.bundles.fetch_again(connect, needed) if online else self.bundles.damaged(needed)
-        result = repair_gallery(self.gallery, self.open_original, self.installed_versions(),
-                                lambda rows: side_infos_again(self.parts, rows, online=online))
-        report: dict[str, Any] = {**asdict(result), "damaged_bundles": {f"v{v}": reason for v, reason in bundles.items()}}
+        result = repair_gallery(
+            self.gallery,
+            self.open_original,
+            self.installed_versions(),
+            lambda rows: side_infos_again(self.parts, rows, online=online),
+        )
+        report: dict[str, Any] = {
+            **asdict(result),
+            "damaged_bundles": {f"v{v}": reason for v, reason in bundles.items()},
+        }
         del report["vault_originals"]  # labels and hashes: the device's business, not the report's
         lost = result.rows_forgotten
         if (lost or result.rows_missing) and not (self.settings.owner_id and self.settings.server):
-            report.update(replication=None, next="this device has no owner's replica (not enrolled): the damaged rows are removed here")
-        elif (lost or result.rows_missing) and self.gallery.upgrade_state is not None:  # replication waits for the upgrade
-            report.update(replication=None, next="finish the upgrade (`fctkit device upgrade --dir DIR`); the next sync brings the rows back")
+            report.update(
+                replication=None,
+                next="this device has no owner's replica (not enrolled): the damaged rows are removed here",
+            )
+        elif (
+            lost or result.rows_missing
+        ) and self.gallery.upgrade_state is not None:  # replication waits for the upgrade
+            report.update(
+                replication=None,
+                next="finish the upgrade (`fctkit device upgrade --dir DIR`); the next sync brings the rows back",
+            )
         elif lost or result.rows_missing:
             report["replication"] = asdict(self.replicate())  # which reloads searches and stores missing offsets
         if not report.get("replication") and self.version not in bundles:
             self._rows_arrived()  # searches reload; dropped hubness offsets are computed again
         back = set(self.gallery.replica_log.load_items(valid_names(lost))[0].item_ids) if lost else set()
         from_vault = {i: result.vault_originals[i] for i in lost if i not in back and i in result.vault_originals}
-        if from_vault and online and self.gallery.upgrade_state is None and self.version not in bundles:  # the replica lacked them
+        if (
+            from_vault and online and self.gallery.upgrade_state is None and self.version not in bundles
+        ):  # the replica lacked them
             back |= set(restore_from_vault(self.parts, from_vault))
             self._rows_arrived()
         report["rows_restored"] = [i for i in lost if i in back]
@@ -463,6 +567,8 @@ class Device:
 
     def status(self) -> dict[str, Any]:
         """What the device holds and does (:func:`~.device_status.device_status`)."""
-        status = device_status(self.root, self.settings, self.parts, self.search, owner_key_id(self._owner_key), self.check)
+        status = device_status(
+            self.root, self.settings, self.parts, self.search, owner_key_id(self._owner_key), self.check
+        )
         withdrawals = {} if "damaged_settings" in status else {"withdrawals": withdrawal_status(self.gallery)}
         return {**status, "trust": self.trust.status(), **withdrawals}

@@ -14,7 +14,13 @@ from fctkit.protos.trust import DEFAULT_CLOCK_TOLERANCE_S
 
 from .engine import PREFERENCE, EngineConfig
 
-SETTINGS_FILE, KEY_FILE, TOKEN_FILE, PUBLISHER_FILE, GALLERY_FILE = "device.json", "device.key", "token", "publisher.pub", "gallery.sqlite"
+SETTINGS_FILE, KEY_FILE, TOKEN_FILE, PUBLISHER_FILE, GALLERY_FILE = (
+    "device.json",
+    "device.key",
+    "token",
+    "publisher.pub",
+    "gallery.sqlite",
+)
 OWNER_KEY_FILE = "owner.key"
 MAX_HEALTH_SAMPLE = 4096  # rows an upgrade's health check may download and re-embed
 
@@ -59,8 +65,10 @@ def read_settings(path: Path) -> DeviceSettings:
         if type(settings.health_sample) is not int or not 0 <= settings.health_sample <= MAX_HEALTH_SAMPLE:
             raise ConfigError(f"health_sample must be a whole number of rows from 0 (off) to {MAX_HEALTH_SAMPLE}")
     except (ValueError, TypeError, ConfigError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise DeviceError(f"{path} is damaged ({exc}); restore it, or edit it back to valid settings "
-                          f"(the keys and the gallery were not touched)") from None
+        raise DeviceError(
+            f"{path} is damaged ({exc}); restore it, or edit it back to valid settings "
+            f"(the keys and the gallery were not touched)"
+        ) from None
     return settings
 
 

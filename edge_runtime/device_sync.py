@@ -64,14 +64,18 @@ def sync_device(device: SyncingDevice, *, upgrade: bool, replicate: bool) -> Syn
         result.rows_upgraded += upgrades.resume()
         listing = trusted_listing(device.trust, client, device.version)  # a trust refusal stops here
         if expire_rollback(device.gallery):
-            result.notes.append("the rollback window closed: the vectors kept from before the last upgrade were dropped")
+            result.notes.append(
+                "the rollback window closed: the vectors kept from before the last upgrade were dropped"
+            )
         reverted_from = device.version
         result.notes += take_withdrawals(device.parts, device.trust, listing.withdrawals, client)
         if device.version != reverted_from:
             device._upgraded()  # searches reload; the rows back in the earlier space get their offsets
         if confirmed := confirm_rollback(device.gallery, listing.confirmed_versions):  # after a revert: it wins
-            result.notes.append(f"v{confirmed.version} was confirmed: the vectors kept of v{confirmed.previous_version} "
-                                "for a revert were dropped (a later withdrawal reverts through backward or the vault)")
+            result.notes.append(
+                f"v{confirmed.version} was confirmed: the vectors kept of v{confirmed.previous_version} "
+                "for a revert were dropped (a later withdrawal reverts through backward or the vault)"
+            )
         withdrawn = withdrawal_log(device.gallery)
         latest = [v for v in listing.versions if v.version > device.version and not withdrawn.withdrawn(v.version)]
         if latest:

@@ -56,8 +56,10 @@ from .sqlite_file import is_no_space, no_space
 
 TRUST_DIR, STATE_FILE, REFUSAL_FILE = "trust", "state.json", "trust_refusal.json"
 MAX_STATE_BYTES = 2 * MAX_TIMESTAMP_BYTES  # the timestamp in base64, and a few small fields
-RESTORE = ("restore the device folder's trust/ from a backup; or move trust/ aside and enrol again with a new code and "
-           "--root-fingerprint (this device trusts nothing else meanwhile, and still answers queries)")
+RESTORE = (
+    "restore the device folder's trust/ from a backup; or move trust/ aside and enrol again with a new code and "
+    "--root-fingerprint (this device trusts nothing else meanwhile, and still answers queries)"
+)
 
 
 def utc_now() -> datetime:
@@ -74,11 +76,16 @@ class TrustState:
     fresh_at: datetime | None = None
 
     def to_bytes(self) -> bytes:
-        return json.dumps({
-            "root_version": self.root_version, "timestamp_version": self.timestamp_version,
-            "timestamp": None if self.timestamp is None else base64.b64encode(self.timestamp).decode(),
-            "fresh_at": None if self.fresh_at is None else format_time(self.fresh_at),
-        }, indent=2, sort_keys=True).encode()
+        return json.dumps(
+            {
+                "root_version": self.root_version,
+                "timestamp_version": self.timestamp_version,
+                "timestamp": None if self.timestamp is None else base64.b64encode(self.timestamp).decode(),
+                "fresh_at": None if self.fresh_at is None else format_time(self.fresh_at),
+            },
+            indent=2,
+            sort_keys=True,
+        ).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> TrustState:
@@ -89,16 +96,21 @@ class TrustState:
         if not all(type(v) is int for v in versions) or versions[0] < 1 or versions[1] < 0:
             raise ValueError("root_version must be an integer ≥ 1 and timestamp_version one ≥ 0")
         stamp, fresh = item["timestamp"], item["fresh_at"]
-        return cls(versions[0], versions[1], None if stamp is None else base64.b64decode(stamp, validate=True),
-                   None if fresh is None else parse_time(fresh, "fresh_at"))
+        return cls(
+            versions[0],
+            versions[1],
+            None if stamp is None else base64.b64decode(stamp, validate=True),
+            None if fresh is None else parse_time(fresh, "fresh_at"),
+        )
 
 
 class DeviceTrust:
     """The trust files of the device folder ``root``; ``clock()`` is the device clock (UTC),
     replaceable in tests; ``clock_tolerance_s`` how far past expiry metadata is still accepted."""
 
-    def __init__(self, root: Path, clock_tolerance_s: int = DEFAULT_CLOCK_TOLERANCE_S,
-                 clock: Callable[[], datetime] = utc_now) -> None:
+    def __init__(
+        self, root: Path, clock_tolerance_s: int = DEFAULT_CLOCK_TOLERANCE_S, clock: Callable[[], datetime] = utc_now
+    ) -> None:
         self.root = root
         self.folder = root / TRUST_DIR
         self.clock = clock
@@ -120,7 +132,9 @@ class DeviceTrust:
 
     def describe_pin(self) -> str:
         if self.pins_root:
-            return f"root v{self.current_root().body.version} (fingerprint {root_fingerprint(self.current_root())[:16]}…)"
+            return (
+                f"root v{self.current_root().body.version} (fingerprint {root_fingerprint(self.current_root())[:16]}…)"
+            )
         return "a publisher key (publisher.pub)" if self.pins_key else "nothing"
 
     def publisher_key(self):
@@ -139,8 +153,14 @@ class DeviceTrust:
         """Every root this device accepted, newest first (the current one first)."""
         if self._accepted is None:
             current = self.current_root()
-            self._accepted = [current, *(self._read_root(v) for v in range(current.body.version - 1, 0, -1)
-                                         if (self.folder / f"root.{v}.json").exists())]
+            self._accepted = [
+                current,
+                *(
+                    self._read_root(v)
+                    for v in range(current.body.version - 1, 0, -1)
+                    if (self.folder / f"root.{v}.json").exists()
+                ),
+            ]
         return self._accepted
 
     def snapshot(self) -> Timestamp | None:
@@ -236,7 +256,10 @@ class DeviceTrust:
                 raise TrustError(f"{path} is missing: this device no longer knows which root it trusts; {RESTORE}")
             try:
                 state = TrustState.from_bytes(read_regular_file(path, MAX_STATE_BYTES))
-                if state.timestamp is not None and parse_timestamp(state.timestamp).body.version != state.timestamp_version:
+                if (
+                    state.timestamp is not None
+                    and parse_timestamp(state.timestamp).body.version != state.timestamp_version
+                ):
                     raise ValueError("the timestamp it holds is not the version it names")
             except (OSError, ValueError, TypeError, binascii.Error, BundleError, TrustError) as exc:
                 raise TrustError(f"{path} is damaged ({exc}); {RESTORE}") from None
@@ -259,22 +282,35 @@ class DeviceTrust:
     def status(self) -> dict[str, Any]:
         """What ``device status`` shows of the trust: the root, the timestamp, freshness, the clock."""
         if not self.pins_root:
-            return {"root_version": 0, "publisher_key_pinned": self.pins_key,
-                    "note": "no root of trust: this device pins one publisher key, and moves to the server's root at "
-                            "its next sync" if self.pins_key else "nothing pinned yet: enrol, or init with --root"}
+            return {
+                "root_version": 0,
+                "publisher_key_pinned": self.pins_key,
+                "note": "no root of trust: this device pins one publisher key, and moves to the server's root at "
+                "its next sync"
+                if self.pins_key
+                else "nothing pinned yet: enrol, or init with --root",
+            }
         try:
             state, root, now = self.state(), self.current_root(), self.clock()
         except TrustError as exc:
             return {"root_version": None, "damaged": str(exc)}
-        result: dict[str, Any] = {"root_version": root.body.version, "root_fingerprint": root_fingerprint(root)[:16],
-                                  "timestamp_version": state.timestamp_version, "stale": False,
-                                  "clock_tolerance_s": self.clock_tolerance_s}
+        result: dict[str, Any] = {
+            "root_version": root.body.version,
+            "root_fingerprint": root_fingerprint(root)[:16],
+            "timestamp_version": state.timestamp_version,
+            "stale": False,
+            "clock_tolerance_s": self.clock_tolerance_s,
+        }
         if state.fresh_at is None:
             result["freshness"] = "no timestamp accepted yet: sync with the server"
         elif self.clock_went_back(now):
-            result.update(freshness="unknown", clock=(
-                f"the device clock reads {format_time(now)}, earlier than when the last timestamp was accepted "
-                f"({format_time(state.fresh_at)}): the clock may be wrong; set it, then sync"))
+            result.update(
+                freshness="unknown",
+                clock=(
+                    f"the device clock reads {format_time(now)}, earlier than when the last timestamp was accepted "
+                    f"({format_time(state.fresh_at)}): the clock may be wrong; set it, then sync"
+                ),
+            )
         else:
             fresh = freshness(root.body, state.fresh_at, now)
             result.update(freshness=fresh.describe(), stale=fresh.stale, seconds_since_fresh=int(fresh.age_s))
@@ -282,8 +318,11 @@ class DeviceTrust:
         if refusal is not None:
             result["last_refusal"] = refusal["message"]
             if refusal["error"] == ExpiredMetadataError.__name__:
-                result.setdefault("clock", "the last sync refused metadata as expired: either the server serves stale "
-                                           f"metadata or the device clock (now {format_time(now)}) may be wrong; check it")
+                result.setdefault(
+                    "clock",
+                    "the last sync refused metadata as expired: either the server serves stale "
+                    f"metadata or the device clock (now {format_time(now)}) may be wrong; check it",
+                )
         return result
 
     def clock_went_back(self, now: datetime) -> bool:
@@ -298,8 +337,11 @@ class DeviceTrust:
         if state.fresh_at is None or self.clock_went_back(now):
             return {"root_version": self.current_root().body.version, "trust_stale": False, "seconds_since_fresh": 0}
         fresh = freshness(self.current_root().body, state.fresh_at, now)
-        return {"root_version": self.current_root().body.version, "trust_stale": fresh.stale,
-                "seconds_since_fresh": max(int(fresh.age_s), 0)}
+        return {
+            "root_version": self.current_root().body.version,
+            "trust_stale": fresh.stale,
+            "seconds_since_fresh": max(int(fresh.age_s), 0),
+        }
 
     def _refusal(self) -> dict[str, str] | None:
         path = self.root / REFUSAL_FILE
@@ -319,11 +361,15 @@ def read_root_file(path: str | os.PathLike) -> Signed[Root]:
     return verify_self_signed(parse_root(data, str(path)))
 
 
-def initial_pin(trust_root: str | os.PathLike | None, publisher_key: str | os.PathLike | None) -> Callable[[Path], None]:
+def initial_pin(
+    trust_root: str | os.PathLike | None, publisher_key: str | os.PathLike | None
+) -> Callable[[Path], None]:
     """``device init``: check the root file (or the publisher key file) now; the returned
     function pins it in a new device folder."""
     if trust_root is not None and publisher_key is not None:
-        raise DeviceError("pin a root of trust (--root) or a publisher key (--publisher-key), not both; nothing was created")
+        raise DeviceError(
+            "pin a root of trust (--root) or a publisher key (--publisher-key), not both; nothing was created"
+        )
     if trust_root is not None:
         root = read_root_file(trust_root)
         return lambda folder: DeviceTrust(folder).pin(root)

@@ -40,10 +40,12 @@ from .device_files import PUBLISHER_FILE, TOKEN_FILE, write_private
 from .device_trust import DeviceTrust, TrustState, read_root_file
 
 NO_ROOT = ("FAILED_PRECONDITION", "UNIMPLEMENTED")
-CHOOSE = ("this device pins no root of trust yet: give exactly one of --root ROOT.json (the root file, from the "
-          "publisher, offline), --root-fingerprint SHA256 (the fingerprint `fctkit keys init-root` printed: the server's "
-          "root is checked against it), or --trust-on-first-use (accept whatever root or publisher key this server offers, "
-          "unchecked: a server or network that is not honest at this moment owns the device for good)")
+CHOOSE = (
+    "this device pins no root of trust yet: give exactly one of --root ROOT.json (the root file, from the "
+    "publisher, offline), --root-fingerprint SHA256 (the fingerprint `fctkit keys init-root` printed: the server's "
+    "root is checked against it), or --trust-on-first-use (accept whatever root or publisher key this server offers, "
+    "unchecked: a server or network that is not honest at this moment owns the device for good)"
+)
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,15 @@ class TrustChoice:
         """Exactly one choice for a device that pins nothing; none for one that already pins."""
         given = sum((self.root_file is not None, self.fingerprint is not None, self.trust_on_first_use))
         if given > 1:
-            raise InputError("--root, --root-fingerprint and --trust-on-first-use exclude each other: give one. " + CHOOSE)
+            raise InputError(
+                "--root, --root-fingerprint and --trust-on-first-use exclude each other: give one. " + CHOOSE
+            )
         pinned = trust.pins_root or trust.pins_key
         if pinned and given:
-            raise InputError(f"this device already pins {trust.describe_pin()}: enrol without --root, --root-fingerprint "
-                             "or --trust-on-first-use (it checks the server against what it pins)")
+            raise InputError(
+                f"this device already pins {trust.describe_pin()}: enrol without --root, --root-fingerprint "
+                "or --trust-on-first-use (it checks the server against what it pins)"
+            )
         if not pinned and not given:
             raise InputError(CHOOSE)
 
@@ -85,8 +91,15 @@ def fetch_trust(client: Any, after_root_version: int) -> TrustUpdate | None:
         raise
 
 
-def accept(trust: DeviceTrust, start: Signed[Root], chain: Sequence[bytes], timestamp: bytes, last_version: int,
-           *, start_is_new: bool) -> Accepted:
+def accept(
+    trust: DeviceTrust,
+    start: Signed[Root],
+    chain: Sequence[bytes],
+    timestamp: bytes,
+    last_version: int,
+    *,
+    start_is_new: bool,
+) -> Accepted:
     """Walk from ``start`` over ``chain``, then check ``timestamp`` against the last root reached.
     The very timestamp already accepted under the same root (most syncs) is only checked for expiry."""
     now: datetime = trust.clock()
@@ -112,8 +125,10 @@ def offered_update(trust: DeviceTrust, client: Any, listing: VersionListing | No
             return accept(trust, current, [], listing.timestamp, state.timestamp_version, start_is_new=False)
         update = fetch_trust(client, current.body.version)
         if update is None:
-            raise RootChainError(f"this device trusts root v{current.body.version}, but the server serves no root of trust: "
-                                 "refused (a server that lost its root, or not the device's server); nothing was installed")
+            raise RootChainError(
+                f"this device trusts root v{current.body.version}, but the server serves no root of trust: "
+                "refused (a server that lost its root, or not the device's server); nothing was installed"
+            )
         return accept(trust, current, update.roots, update.timestamp, state.timestamp_version, start_is_new=False)
     update = fetch_trust(client, 0)
     if update is None:
@@ -162,8 +177,9 @@ def trusted_client(trust: DeviceTrust, connect: Callable[[], Any]) -> Iterator[A
         yield client
 
 
-def enrol_device(trust: DeviceTrust, owner_key_id: str, server: str, code: str, device_name: str, tls: ClientTls,
-                 choice: TrustChoice) -> Enrolment:
+def enrol_device(
+    trust: DeviceTrust, owner_key_id: str, server: str, code: str, device_name: str, tls: ClientTls, choice: TrustChoice
+) -> Enrolment:
     """Trade the code for a token, take the server's trust as ``choice`` says, then write the
     trust and the token; a refusal writes nothing (the code is spent: ask for a new one)."""
     choice.check(trust)
@@ -177,8 +193,9 @@ def enrol_device(trust: DeviceTrust, owner_key_id: str, server: str, code: str, 
     return enrolment
 
 
-def _trust_to_write(trust: DeviceTrust, client: Any, choice: TrustChoice, start: Signed[Root] | None,
-                    offered_key: bytes) -> Callable[[], None]:
+def _trust_to_write(
+    trust: DeviceTrust, client: Any, choice: TrustChoice, start: Signed[Root] | None, offered_key: bytes
+) -> Callable[[], None]:
     """What to write once everything was checked (nothing is written here)."""
     if trust.pins_root or trust.pins_key:
         accepted = offered_update(trust, client)
@@ -189,14 +206,16 @@ def _trust_to_write(trust: DeviceTrust, client: Any, choice: TrustChoice, start:
     if update is None:
         if choice.trust_on_first_use:
             return _legacy_key(trust, offered_key, pinned=False)
-        raise RootChainError("this server has no root of trust (it was started with --publisher-key only): refused, "
-                             "as --root and --root-fingerprint ask for one; enrol with --trust-on-first-use to pin its "
-                             "publisher key as offered, or ask its admin to serve a root")
+        raise RootChainError(
+            "this server has no root of trust (it was started with --publisher-key only): refused, "
+            "as --root and --root-fingerprint ask for one; enrol with --trust-on-first-use to pin its "
+            "publisher key as offered, or ask its admin to serve a root"
+        )
     chain: Sequence[bytes] = update.roots
     if start is None:
         index = _starting_root(update.roots, choice.fingerprint)
         start = pin_root(update.roots[index], choice.fingerprint, trust_on_first_use=choice.fingerprint is None)
-        chain = update.roots[index + 1:]
+        chain = update.roots[index + 1 :]
     accepted = accept(trust, start, chain, update.timestamp, 0, start_is_new=True)
     return lambda: trust.save(accepted.new_roots, accepted.state)
 
@@ -210,8 +229,10 @@ def _starting_root(roots: Sequence[bytes], fingerprint: str | None) -> int:
     for index, data in enumerate(roots):
         if root_fingerprint(parse_root(data, f"root.{index + 1}.json")) == fingerprint.lower():
             return index
-    raise RootChainError(f"none of the {len(roots)} root(s) the server offers has the fingerprint {fingerprint[:16]}… "
-                         "this device was given: refused (a wrong or forged root, or not your server); nothing was saved")
+    raise RootChainError(
+        f"none of the {len(roots)} root(s) the server offers has the fingerprint {fingerprint[:16]}… "
+        "this device was given: refused (a wrong or forged root, or not your server); nothing was saved"
+    )
 
 
 def _legacy_key(trust: DeviceTrust, offered: bytes, *, pinned: bool) -> Callable[[], None]:

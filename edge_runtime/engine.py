@@ -78,7 +78,9 @@ class Engine:
             options.intra_op_num_threads = self.config.threads
             options.inter_op_num_threads = 1
             providers = select_providers(self.config.providers, ort.get_available_providers())
-            session = ort.InferenceSession(self.bundle.read_artifact(artifact), sess_options=options, providers=providers)
+            session = ort.InferenceSession(
+                self.bundle.read_artifact(artifact), sess_options=options, providers=providers
+            )
             self._sessions[artifact.name] = session
             self.providers_in_use[artifact.name] = session.get_providers()[0]
         return self._sessions[artifact.name]
@@ -93,8 +95,12 @@ class Engine:
         """Run ``artifact`` on ``inputs`` (one array per graph input, same number of rows) in
         batches of ``config.batch_size``; returns the first output as float32."""
         if len(inputs) != len(artifact.inputs):
-            raise InputError(f"{artifact.name} takes {len(artifact.inputs)} input(s) ({', '.join(s.name for s in artifact.inputs)}), got {len(inputs)}")
-        arrays = [_conform(x, spec.shape, spec.name, artifact.name) for x, spec in zip(inputs, artifact.inputs, strict=True)]
+            raise InputError(
+                f"{artifact.name} takes {len(artifact.inputs)} input(s) ({', '.join(s.name for s in artifact.inputs)}), got {len(inputs)}"
+            )
+        arrays = [
+            _conform(x, spec.shape, spec.name, artifact.name) for x, spec in zip(inputs, artifact.inputs, strict=True)
+        ]
         rows = arrays[0].shape[0]
         if any(a.shape[0] != rows for a in arrays):
             raise InputError(f"{artifact.name}: inputs have different numbers of rows {[a.shape[0] for a in arrays]}")
@@ -105,8 +111,8 @@ class Engine:
         result = np.empty((rows, *out_dim), dtype=np.float32)
         step = self.config.batch_size
         for start in range(0, rows, step):
-            feed = {name: a[start:start + step] for name, a in zip(names, arrays, strict=True)}
-            result[start:start + step] = session.run([output], feed)[0]
+            feed = {name: a[start : start + step] for name, a in zip(names, arrays, strict=True)}
+            result[start : start + step] = session.run([output], feed)[0]
             if progress is not None:
                 progress(min(step, rows - start))
         return result
@@ -137,16 +143,29 @@ class Engine:
             self._preprocessors[role] = Preprocessor(declaration, self.manifest.artifact(role), data)
         return self._preprocessors[role]
 
-    def embed_items(self, role: str, items, *, purpose: Purpose = "passage", keep_going: bool = False,
-                    progress: Callable[[int], None] | None = None) -> Embedded:
+    def embed_items(
+        self,
+        role: str,
+        items,
+        *,
+        purpose: Purpose = "passage",
+        keep_going: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> Embedded:
         """The role's vectors of ``items`` (raw items, or arrays for a bundle without preprocessing),
         with the items its preprocessing cannot take left out and listed (see :class:`Embedded`)."""
         artifact = self.manifest.artifact(role)
         preprocessor = self.preprocessor(role)
         if preprocessor is None:
             return Embedded(self.run(artifact, items, progress=progress), list(range(len(items))), [])
-        return preprocessor.embed(items, self.session(artifact).run, purpose=purpose, batch_size=self.config.batch_size,
-                                  keep_going=keep_going, progress=progress)
+        return preprocessor.embed(
+            items,
+            self.session(artifact).run,
+            purpose=purpose,
+            batch_size=self.config.batch_size,
+            keep_going=keep_going,
+            progress=progress,
+        )
 
     def item_problems(self, items, *, purpose: Purpose = "passage") -> list[tuple[int, str]]:
         """(position, reason) of each raw item a preprocessed role cannot take; runs no graph."""
@@ -169,8 +188,11 @@ class Engine:
         done = self.embed_items(role, items, purpose=purpose)
         if done.bad:
             problems = tuple((f"#{index}", reason) for index, reason in done.bad)
-            raise ItemError(f"bundle v{self.manifest.version} cannot embed {len(problems)} item(s): "
-                            + "; ".join(f"item {i} {r}" for i, r in problems[:5]), problems)
+            raise ItemError(
+                f"bundle v{self.manifest.version} cannot embed {len(problems)} item(s): "
+                + "; ".join(f"item {i} {r}" for i, r in problems[:5]),
+                problems,
+            )
         return done.vectors
 
     def row_vectors(self, embeddings: np.ndarray, side_infos: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:

@@ -80,12 +80,19 @@ def _arrays(path: Path) -> ItemSource:
 
 def _image_files(path: Path) -> list[tuple[str, bytes, None]]:
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file()
+            and p.suffix.lower() in IMAGE_SUFFIXES
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
         return [(p.relative_to(path).as_posix(), _read(p), None) for p in files]
     if path.suffix.lower() not in IMAGE_SUFFIXES:
-        raise InputError(f"{path}: give image files ({', '.join(IMAGE_SUFFIXES)}), folders of them, a .jsonl of texts or "
-                         "images, or an .npy/.npz of arrays")
+        raise InputError(
+            f"{path}: give image files ({', '.join(IMAGE_SUFFIXES)}), folders of them, a .jsonl of texts or "
+            "images, or an .npy/.npz of arrays"
+        )
     return [(path.name, _read(path), None)]
 
 
@@ -116,8 +123,10 @@ def _record(line: str, path: Path, number: int) -> tuple[str, Any, str | None]:
         raise InputError(f"{where}: not JSON ({exc})") from exc
     kinds = [k for k in ("text", "image") if isinstance(record, dict) and k in record]
     if not isinstance(record, dict) or len(kinds) != 1 or set(record) - {"id", "label", *kinds}:
-        raise InputError(f"{where}: expected {{\"id\": ..., \"text\": ...}} or {{\"id\": ..., \"image\": path}}, optionally "
-                         f"\"label\"; got {line[:80]!r}")
+        raise InputError(
+            f'{where}: expected {{"id": ..., "text": ...}} or {{"id": ..., "image": path}}, optionally '
+            f'"label"; got {line[:80]!r}'
+        )
     item_id, label = record.get("id"), record.get("label")
     if not isinstance(item_id, str) or not item_id:
         raise InputError(f"{where}: 'id' must be a non-empty string, got {item_id!r}")

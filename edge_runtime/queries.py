@@ -69,16 +69,28 @@ class GallerySearch:
             vectors = prepared_queries(scoring, vectors, self.query_vectors(images, scoring.previous_version))
         elif scoring.kind == "hubness" and len(index):
             vectors = prepared_queries(scoring, vectors)
-        if len(index) and vectors.shape[1] > index.vectors.shape[1] and self.bundles.engine(version).manifest.mode == "compatible":
+        if (
+            len(index)
+            and vectors.shape[1] > index.vectors.shape[1]
+            and self.bundles.engine(version).manifest.mode == "compatible"
+        ):
             vectors = vectors[:, : index.vectors.shape[1]]  # the prefix older rows are compared on (BT²)
         found = index.search(vectors, k)
         self.damaged_labels = []  # reported like damaged rows: never a silent "label": null
-        matched = {int(rows.row_ids[j]): rows.item_ids[j] for idx in found.indices for j in idx}  # labels of matches only
+        matched = {
+            int(rows.row_ids[j]): rows.item_ids[j] for idx in found.indices for j in idx
+        }  # labels of matches only
         labels = self.gallery.labels(matched, self.damaged_labels)
-        self.damaged_labels += [(row_id, item_id, "its per-row entry cannot be found in the items table (the file is damaged)")
-                                for row_id, item_id in matched.items() if row_id not in labels]
+        self.damaged_labels += [
+            (row_id, item_id, "its per-row entry cannot be found in the items table (the file is damaged)")
+            for row_id, item_id in matched.items()
+            if row_id not in labels
+        ]
         return [
-            [Match(rows.item_ids[j], float(d), labels.get(int(rows.row_ids[j])), str(rows.tags[j])) for j, d in zip(idx, dist, strict=True)]
+            [
+                Match(rows.item_ids[j], float(d), labels.get(int(rows.row_ids[j])), str(rows.tags[j]))
+                for j, d in zip(idx, dist, strict=True)
+            ]
             for idx, dist in zip(found.indices, found.distances, strict=True)
         ]
 
@@ -98,11 +110,14 @@ class GallerySearch:
             if self.gallery.query_version == version:
                 self._cache = (key, *self._indexed(version, loaded, transition))
 
-    def _indexed(self, version: int, loaded: LoadedRows, transition: TransitionState | None) -> tuple[ExactIndex, LoadedRows, Scoring]:
+    def _indexed(
+        self, version: int, loaded: LoadedRows, transition: TransitionState | None
+    ) -> tuple[ExactIndex, LoadedRows, Scoring]:
         manifest = self.bundles.engine(version).manifest
         if manifest.mode == "compatible":  # older versions' rows as stored, on the common prefix
-            keep, vectors = compatible_rows([t.version for t in loaded.tags], loaded.embeddings,
-                                            comparable_dims(self.bundles.manifest, version))
+            keep, vectors = compatible_rows(
+                [t.version for t in loaded.tags], loaded.embeddings, comparable_dims(self.bundles.manifest, version)
+            )
             loaded = loaded.subset(keep) if len(keep) != len(loaded) else loaded
             return ExactIndex(vectors, manifest.distance, self.backend), loaded, Scoring()
         if manifest.mode != "unified":
@@ -111,9 +126,10 @@ class GallerySearch:
                 loaded = loaded.subset(keep)
         scoring = scoring_of(manifest, transition)
         if scoring.kind != "plain" and len(loaded):
-            previous_dim = self.bundles.engine(scoring.previous_version).manifest.embedding_dim if scoring.previous_version else 0
+            previous_dim = (
+                self.bundles.engine(scoring.previous_version).manifest.embedding_dim if scoring.previous_version else 0
+            )
             vectors = searched_rows(self.gallery, loaded, scoring, self.bundles.engine(version), previous_dim)
             return ExactIndex(vectors, "inner", self.backend), loaded, scoring
         vectors = take_rows(loaded.embeddings, range(len(loaded))) if len(loaded) else np.zeros((0, 1), np.float32)
         return ExactIndex(vectors, manifest.distance, self.backend), loaded, scoring
-

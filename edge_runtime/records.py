@@ -91,7 +91,11 @@ def beats(incoming: RecordHeader, local_tag: VersionTag | None, local_sha256: st
 
 
 def record_aad(owner_id: str, item_id: str, tag: VersionTag | None) -> bytes:
-    fields = [owner_id, item_id, True] if tag is None else [owner_id, item_id, False, tag.version, tag.origin_version, tag.via]
+    fields = (
+        [owner_id, item_id, True]
+        if tag is None
+        else [owner_id, item_id, False, tag.version, tag.origin_version, tag.via]
+    )
     return b"fctkit-record/1|" + json.dumps(fields, separators=(",", ":")).encode("utf-8")
 
 
@@ -100,8 +104,18 @@ def encode_content(content: RowContent) -> bytes:
     label = b"" if content.label is None else content.label.encode("utf-8")
     embedding = np.ascontiguousarray(content.embedding, dtype="<f4").tobytes()
     side_info = np.ascontiguousarray(content.side_info, dtype="<f4").tobytes()
-    return b"".join((MAGIC, struct.pack(">H", len(sha)), sha, struct.pack(">BI", content.label is not None, len(label)),
-                     label, struct.pack(">I", len(embedding)), embedding, side_info))
+    return b"".join(
+        (
+            MAGIC,
+            struct.pack(">H", len(sha)),
+            sha,
+            struct.pack(">BI", content.label is not None, len(label)),
+            label,
+            struct.pack(">I", len(embedding)),
+            embedding,
+            side_info,
+        )
+    )
 
 
 def decode_content(data: bytes, what: str) -> RowContent:
@@ -111,25 +125,31 @@ def decode_content(data: bytes, what: str) -> RowContent:
         position = len(MAGIC)
         (sha_len,) = struct.unpack_from(">H", data, position)
         position += 2
-        sha = data[position:position + sha_len].decode("ascii")
+        sha = data[position : position + sha_len].decode("ascii")
         position += sha_len
         has_label, label_len = struct.unpack_from(">BI", data, position)
         position += 5
-        label = data[position:position + label_len].decode("utf-8") if has_label else None
+        label = data[position : position + label_len].decode("utf-8") if has_label else None
         position += label_len
         (embedding_len,) = struct.unpack_from(">I", data, position)
         position += 4
-        embedding = data[position:position + embedding_len]
-        side_info = data[position + embedding_len:]
+        embedding = data[position : position + embedding_len]
+        side_info = data[position + embedding_len :]
         if len(embedding) != embedding_len or embedding_len % 4 or len(side_info) % 4:
             raise ValueError("truncated vectors")
     except (ValueError, struct.error, UnicodeDecodeError) as exc:
         raise CorruptRecordError(f"{what}: authenticated but malformed content ({exc})") from exc
-    return RowContent(np.frombuffer(embedding, "<f4").astype(np.float32), np.frombuffer(side_info, "<f4").astype(np.float32),
-                      label, sha or None)
+    return RowContent(
+        np.frombuffer(embedding, "<f4").astype(np.float32),
+        np.frombuffer(side_info, "<f4").astype(np.float32),
+        label,
+        sha or None,
+    )
 
 
-def seal_record(owner: Sealer, owner_id: str, item_id: str, tag: VersionTag | None, content: RowContent | None) -> bytes:
+def seal_record(
+    owner: Sealer, owner_id: str, item_id: str, tag: VersionTag | None, content: RowContent | None
+) -> bytes:
     """The sealed bytes of a row state (``tag``/``content`` None: a tombstone)."""
     return owner.seal(b"" if content is None else encode_content(content), record_aad(owner_id, item_id, tag))
 
@@ -146,8 +166,10 @@ def _open_sealed(owner: Sealer, sealed: bytes, aad: bytes, what: str) -> bytes:
     try:
         return owner.open(sealed, aad, what)
     except CorruptRecordError as exc:
-        raise CorruptRecordError(f"{exc}; if every record fails, this device holds another owner's key: "
-                                 "import the owner's key (`fctkit device init --import-key`)") from None
+        raise CorruptRecordError(
+            f"{exc}; if every record fails, this device holds another owner's key: "
+            "import the owner's key (`fctkit device init --import-key`)"
+        ) from None
 
 
 def sealed_sha256(sealed: bytes) -> str:
@@ -167,12 +189,19 @@ def encode_block(rows: ReplicaRows) -> bytes:
     count, (embedding_width, side_width) = len(rows.item_ids), (rows.embeddings.shape[1], rows.side_infos.shape[1])
     labels = [b"" if label is None else label.encode("utf-8") for label in rows.labels]
     shas = [bytes.fromhex(sha) if sha else bytes(32) for sha in rows.vault_sha256s]
-    return b"".join((
-        BLOCK_MAGIC, struct.pack(">III", count, embedding_width, side_width),
-        np.array([label is not None for label in rows.labels], np.uint8).tobytes(),
-        np.array([len(label) for label in labels], "<u4").tobytes(), *labels,
-        np.array([bool(sha) for sha in rows.vault_sha256s], np.uint8).tobytes(), *shas,
-        np.ascontiguousarray(rows.embeddings, "<f4").tobytes(), np.ascontiguousarray(rows.side_infos, "<f4").tobytes()))
+    return b"".join(
+        (
+            BLOCK_MAGIC,
+            struct.pack(">III", count, embedding_width, side_width),
+            np.array([label is not None for label in rows.labels], np.uint8).tobytes(),
+            np.array([len(label) for label in labels], "<u4").tobytes(),
+            *labels,
+            np.array([bool(sha) for sha in rows.vault_sha256s], np.uint8).tobytes(),
+            *shas,
+            np.ascontiguousarray(rows.embeddings, "<f4").tobytes(),
+            np.ascontiguousarray(rows.side_infos, "<f4").tobytes(),
+        )
+    )
 
 
 def decode_block(data: bytes, item_ids: tuple[str, ...], what: str) -> ReplicaRows:
@@ -187,10 +216,13 @@ def decode_block(data: bytes, item_ids: tuple[str, ...], what: str) -> ReplicaRo
         ends = np.cumsum(reader.array("<u4", count), dtype=np.int64)
         text = reader.take(int(ends[-1]) if count else 0)
         starts = ends - (np.diff(ends, prepend=0) if count else 0)
-        labels = [text[a:b].decode("utf-8") if flag else None for a, b, flag in zip(starts.tolist(), ends.tolist(), has_label.tolist())]
+        labels = [
+            text[a:b].decode("utf-8") if flag else None
+            for a, b, flag in zip(starts.tolist(), ends.tolist(), has_label.tolist())
+        ]
         has_sha = reader.array(np.uint8, count).astype(bool).tolist()
         shas = reader.take(32 * count)
-        vault = [shas[32 * k:32 * k + 32].hex() if flag else None for k, flag in enumerate(has_sha)]
+        vault = [shas[32 * k : 32 * k + 32].hex() if flag else None for k, flag in enumerate(has_sha)]
         embeddings = reader.array("<f4", count * embedding_width).reshape(count, embedding_width)
         side_infos = reader.array("<f4", count * side_width).reshape(count, side_width)
         if reader.position != len(data):
@@ -210,7 +242,7 @@ class _Reader:
         if self.position + size > len(self.data):
             raise ValueError("truncated")
         self.position += size
-        return bytes(self.data[self.position - size:self.position])
+        return bytes(self.data[self.position - size : self.position])
 
     def array(self, dtype, count: int) -> np.ndarray:
         return np.frombuffer(self.take(np.dtype(dtype).itemsize * count), dtype)
@@ -221,8 +253,15 @@ def seal_block(owner: Sealer, owner_id: str, tag: VersionTag | None, rows: Repli
     return owner.seal(b"" if tag is None else encode_block(rows), block_aad(owner_id, rows.item_ids, tag))
 
 
-def open_block(owner: Sealer, owner_id: str, item_ids: tuple[str, ...], tag: VersionTag | None, sealed: bytes,
-               *, block: bool = True) -> ReplicaRows | None:
+def open_block(
+    owner: Sealer,
+    owner_id: str,
+    item_ids: tuple[str, ...],
+    tag: VersionTag | None,
+    sealed: bytes,
+    *,
+    block: bool = True,
+) -> ReplicaRows | None:
     """The rows of a record (None for tombstones): a block, or (``block`` False) a single-row
     record; :class:`CorruptRecordError` when it was altered, re-labelled, or sealed under
     another owner key."""
@@ -230,7 +269,9 @@ def open_block(owner: Sealer, owner_id: str, item_ids: tuple[str, ...], tag: Ver
         content = open_record(owner, owner_id, item_ids[0], tag, sealed)
         if content is None:
             return None
-        return ReplicaRows(item_ids, content.embedding[None], content.side_info[None], [content.label], [content.vault_sha256])
+        return ReplicaRows(
+            item_ids, content.embedding[None], content.side_info[None], [content.label], [content.vault_sha256]
+        )
     what = f"replica block of {len(item_ids)} rows from item {item_ids[0]!r} ({'tombstones' if tag is None else tag})"
     plaintext = _open_sealed(owner, sealed, block_aad(owner_id, item_ids, tag), what)
     return None if tag is None else decode_block(plaintext, item_ids, what)

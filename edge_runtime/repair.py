@@ -49,10 +49,12 @@ from .gallery.settings import REQUIRED, stored_name
 #: stop naming it), ``withdrawn`` (the next sync's listing carries the withdrawals again)
 DROPPED_WHEN_DAMAGED = ("transition", "backfill", "upgrade", "rollback", "revert", "withdrawn")
 DROPPED_PREFIXES = ("uncertainty:v",)
-REBUILD = ("rebuild it from the owner's replica: move the device directory DIR away, then run "
-           "`fctkit device init --dir NEW --import-key DIR/owner.key`, "
-           "`fctkit device enrol --dir NEW --server HOST:PORT --code CODE` (a code for the same owner) and "
-           "`fctkit device sync --dir NEW` (rows not yet pushed from DIR are lost)")
+REBUILD = (
+    "rebuild it from the owner's replica: move the device directory DIR away, then run "
+    "`fctkit device init --dir NEW --import-key DIR/owner.key`, "
+    "`fctkit device enrol --dir NEW --server HOST:PORT --code CODE` (a code for the same owner) and "
+    "`fctkit device sync --dir NEW` (rows not yet pushed from DIR are lost)"
+)
 
 OpenOriginal = Callable[[str, bytes], Any]
 #: rows whose side-info was lost -> row id -> ψ embedded again from the row's original (rows left out: none at hand)
@@ -82,7 +84,9 @@ class RepairResult:
     side_info_lost: list[str] = field(default_factory=list)
 
 
-def damage_report(gallery: Gallery, open_original: OpenOriginal, damaged_bundles: Callable[[], dict[int, str]] = dict) -> dict[str, Any]:
+def damage_report(
+    gallery: Gallery, open_original: OpenOriginal, damaged_bundles: Callable[[], dict[int, str]] = dict
+) -> dict[str, Any]:
     """Everything damaged, all at once: settings, rows (and rows gone from the file), per-row
     extras, queued originals, installed bundles (``damaged_bundles``: version -> what is wrong);
     a part SQLite cannot read is named under ``unreadable``. ``damaged`` counts it all (0: clean)."""
@@ -110,16 +114,24 @@ def damage_report(gallery: Gallery, open_original: OpenOriginal, damaged_bundles
     file = {"sqlite_integrity": gallery.sqlite_problems(), **read("file", gallery.file_damage, {})}
     report.update({k: v for k, v in file.items() if v})
     if file["sqlite_integrity"] or unreadable:
-        report["next"] = (f"SQLite finds damage in {gallery.path}: `fctkit device repair --dir DIR` rebuilds damaged indexes; "
-                          f"if the damage is in a table and stays after repair, restore a backup of the directory or {REBUILD}")
+        report["next"] = (
+            f"SQLite finds damage in {gallery.path}: `fctkit device repair --dir DIR` rebuilds damaged indexes; "
+            f"if the damage is in a table and stays after repair, restore a backup of the directory or {REBUILD}"
+        )
     bundles = damaged_bundles()
     if bundles:
         report["damaged_bundles"] = {f"v{v}": reason for v, reason in bundles.items()}
     if unreadable:
         report["unreadable"] = unreadable
-    report["damaged"] = len(bundles) + (len(settings) + len(report["damaged_rows"]) + report["missing_rows"]
-                         + sum(map(len, extras.values())) + len(originals) + len(unreadable)
-                         + sum(len(v) if isinstance(v, list) else int(v) for v in file.values()))
+    report["damaged"] = len(bundles) + (
+        len(settings)
+        + len(report["damaged_rows"])
+        + report["missing_rows"]
+        + sum(map(len, extras.values()))
+        + len(originals)
+        + len(unreadable)
+        + sum(len(v) if isinstance(v, list) else int(v) for v in file.values())
+    )
     return report
 
 
@@ -128,7 +140,9 @@ def damaged_originals(gallery: Gallery, open_original: OpenOriginal) -> list[tup
     for item_id, blob in gallery.replica_log.outbox():
         try:
             if not isinstance(item_id, str) or not isinstance(blob, bytes) or not _utf8(item_id):
-                raise CorruptRecordError(f"queued original {stored_name(item_id)!r}: its item id or sealed bytes were damaged")
+                raise CorruptRecordError(
+                    f"queued original {stored_name(item_id)!r}: its item id or sealed bytes were damaged"
+                )
             open_original(item_id, blob)
         except FctkitError as exc:
             found.append((stored_name(item_id), str(exc)))
@@ -148,10 +162,15 @@ def _utf8(text: str) -> bool:
     return True
 
 
-def derived_settings(gallery: Gallery, damaged: Sequence[str], installed_versions: Sequence[int]) -> tuple[dict[str, str | None], str | None]:
+def derived_settings(
+    gallery: Gallery, damaged: Sequence[str], installed_versions: Sequence[int]
+) -> tuple[dict[str, str | None], str | None]:
     """New values (None: delete) for the damaged settings that can be derived, and the live
     table to empty when an upgrade is given up; a setting that cannot be derived raises."""
-    found = {**gallery.settings.opened_essentials(), **gallery.settings.recovered()}  # vouched for by opening, or their MACs
+    found = {
+        **gallery.settings.opened_essentials(),
+        **gallery.settings.recovered(),
+    }  # vouched for by opening, or their MACs
     recovered = {k: v for k, v in found.items() if k in damaged}
     damaged = [k for k in damaged if k not in recovered]
     values: dict[str, str | None] = dict(recovered)  # written back as they were
@@ -160,8 +179,9 @@ def derived_settings(gallery: Gallery, damaged: Sequence[str], installed_version
             values[key] = None  # an unknown name is a damaged one: dropped (the setting it was is then missing)
         elif key == "replica_cursor":
             values[key] = "0"
-    live = recovered.get("live_vectors") or (gallery.settings.get("live_vectors") if "live_vectors" not in damaged
-                                             else _derived_live(gallery, damaged))
+    live = recovered.get("live_vectors") or (
+        gallery.settings.get("live_vectors") if "live_vectors" not in damaged else _derived_live(gallery, damaged)
+    )
     if "live_vectors" in damaged:
         values["live_vectors"] = live
     if "query_version" in damaged:
@@ -169,13 +189,18 @@ def derived_settings(gallery: Gallery, damaged: Sequence[str], installed_version
         values["query_version"] = str(max(versions) if versions else max(installed_versions, default=0))
     other = VECTOR_TABLES[1 - VECTOR_TABLES.index(live)]
     upgrade = recovered.get("upgrade") or (None if "upgrade" in damaged else gallery.settings.get("upgrade"))
-    upgrade_given_up = "upgrade" in damaged or (upgrade is not None and "live_vectors" in damaged) or (
-        upgrade is None and gallery.vector_table_rows()[other] > 0)  # staged rows of an upgrade whose setting's name was lost
+    upgrade_given_up = (
+        "upgrade" in damaged
+        or (upgrade is not None and "live_vectors" in damaged)
+        or (upgrade is None and gallery.vector_table_rows()[other] > 0)
+    )  # staged rows of an upgrade whose setting's name was lost
     if upgrade_given_up:
         values["upgrade"] = None
     left = [k for k in damaged if k not in values and k != "row_count"]
     if left:
-        raise GalleryDamagedError(f"{gallery.path}: setting(s) {', '.join(left)} are damaged and cannot be derived; {REBUILD}", tuple(left))
+        raise GalleryDamagedError(
+            f"{gallery.path}: setting(s) {', '.join(left)} are damaged and cannot be derived; {REBUILD}", tuple(left)
+        )
     return values, other if upgrade_given_up else None
 
 
@@ -192,13 +217,20 @@ def _derived_live(gallery: Gallery, damaged: Sequence[str]) -> str:
         state = None if "upgrade" in damaged else gallery.upgrade_state
         holding = [t for t in holding if state is not None and gallery.table_versions(t) != [state["target"]]]
         if len(holding) != 1:
-            raise GalleryDamagedError(f"{gallery.path}: live_vectors is damaged and both vector tables hold rows (an upgrade "
-                                      f"was under way), so the live one cannot be told; {REBUILD}", ("live_vectors",))
+            raise GalleryDamagedError(
+                f"{gallery.path}: live_vectors is damaged and both vector tables hold rows (an upgrade "
+                f"was under way), so the live one cannot be told; {REBUILD}",
+                ("live_vectors",),
+            )
     return holding[0] if holding else VECTOR_TABLES[0]
 
 
-def repair_gallery(gallery: Gallery, open_original: OpenOriginal, installed_versions: Sequence[int],
-                   side_info_again: SideInfoAgain | None = None) -> RepairResult:
+def repair_gallery(
+    gallery: Gallery,
+    open_original: OpenOriginal,
+    installed_versions: Sequence[int],
+    side_info_again: SideInfoAgain | None = None,
+) -> RepairResult:
     """Fix what can be fixed on the device alone (see the module doc): one transaction, then one
     more that re-seals the rows kept whose side-info was lost."""
     damaged = gallery.settings.damaged()
@@ -223,17 +255,37 @@ def repair_gallery(gallery: Gallery, open_original: OpenOriginal, installed_vers
     result.rows_missing = rows.missing
     result.extras_dropped = len(bad_extras)
     result.queued_originals_dropped = list(dict.fromkeys(item for item, _ in damaged_originals(gallery, open_original)))
-    for setting, fields in (("transition", ("previous_embedding",)), ("rollback", ("rollback_embedding", "rollback_side_info"))):
+    for setting, fields in (
+        ("transition", ("previous_embedding",)),
+        ("rollback", ("rollback_embedding", "rollback_side_info")),
+    ):
         if setting in damaged:
             bad_extras += [(name, r) for name in fields for r in gallery.extras.load(name).row_ids.tolist()]
     if result.rows_forgotten or result.rows_missing:  # the next pull brings back what the owner's replica has
         settings = {**settings, "replica_cursor": "0"}
-    gallery.forget_rows(lost, drop_queued=result.queued_originals_dropped, drop_extras=bad_extras,
-                        settings=settings, clear_table=clear_table)
+    gallery.forget_rows(
+        lost,
+        drop_queued=result.queued_originals_dropped,
+        drop_extras=bad_extras,
+        settings=settings,
+        clear_table=clear_table,
+    )
     if len(intact):  # sealed again in new blocks as they are: nothing changed for the replica
-        gallery.write_upgrades([UpgradedRows(intact.row_ids[g].tolist(), [intact.item_ids[k] for k in g], tag, tag,
-                                             take_rows(intact.embeddings, g), take_rows(intact.side_infos, g))
-                                for tag, g in rows_by_tag(intact.tags).items()], staged=False, logged=False)
+        gallery.write_upgrades(
+            [
+                UpgradedRows(
+                    intact.row_ids[g].tolist(),
+                    [intact.item_ids[k] for k in g],
+                    tag,
+                    tag,
+                    take_rows(intact.embeddings, g),
+                    take_rows(intact.side_infos, g),
+                )
+                for tag, g in rows_by_tag(intact.tags).items()
+            ],
+            staged=False,
+            logged=False,
+        )
         result.rows_sealed_again = list(dict.fromkeys(intact.item_ids))
     if len(kept):
         _reseal_side_info(gallery, kept, side_info_again, result)
@@ -248,7 +300,9 @@ def _mend_entries(gallery: Gallery) -> list[str]:
     if not damaged:
         return []
     authentic = gallery.load(with_labels=False, with_side_info=False)  # the blocks alone
-    return gallery.restore_entries(authentic.subset([k for k, r in enumerate(authentic.row_ids.tolist()) if r in damaged]))
+    return gallery.restore_entries(
+        authentic.subset([k for k, r in enumerate(authentic.row_ids.tolist()) if r in damaged])
+    )
 
 
 def side_info_lost(gallery: Gallery) -> list[str]:
@@ -265,7 +319,9 @@ def _side_info_lost(rows: LoadedRows, embedded: LoadedRows, intact: set[int]) ->
     return embedded.subset([k for k, r in enumerate(embedded.row_ids.tolist()) if r in damaged])
 
 
-def _reseal_side_info(gallery: Gallery, kept: LoadedRows, side_info_again: SideInfoAgain | None, result: RepairResult) -> None:
+def _reseal_side_info(
+    gallery: Gallery, kept: LoadedRows, side_info_again: SideInfoAgain | None, result: RepairResult
+) -> None:
     """Write ``kept`` again in place (same tag, same embedding) with ψ embedded again where
     ``side_info_again`` could, else NaN; the NaN rows' change is not logged, so no other device
     of the owner gets the lost side-info."""
@@ -280,9 +336,18 @@ def _reseal_side_info(gallery: Gallery, kept: LoadedRows, side_info_again: SideI
         values.append(np.asarray(value, dtype=np.float32).reshape(-1))
         groups.setdefault((tag, len(values[-1]), not np.isnan(values[-1]).any()), []).append(k)
     for restored in (True, False):
-        batches = [UpgradedRows(kept.row_ids[g].tolist(), [kept.item_ids[k] for k in g], tag, tag, take_rows(kept.embeddings, g),
-                                np.stack([values[k] for k in g]).reshape(len(g), width))
-                   for (tag, width, ok), g in groups.items() if ok == restored]
+        batches = [
+            UpgradedRows(
+                kept.row_ids[g].tolist(),
+                [kept.item_ids[k] for k in g],
+                tag,
+                tag,
+                take_rows(kept.embeddings, g),
+                np.stack([values[k] for k in g]).reshape(len(g), width),
+            )
+            for (tag, width, ok), g in groups.items()
+            if ok == restored
+        ]
         if batches:
             gallery.write_upgrades(batches, staged=False, logged=restored)
         named = list(dict.fromkeys(i for b in batches for i in b.item_ids))

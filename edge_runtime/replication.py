@@ -150,8 +150,11 @@ def block_parts(rows: ReplicaRows) -> list[ReplicaRows]:
     parts, start, size, id_bytes = [], 0, 0, 0
     for k, (item_id, label) in enumerate(zip(rows.item_ids, rows.labels, strict=True)):
         row_size, row_ids = vector_bytes + (len(label.encode("utf-8")) if label else 0), len(item_id.encode("utf-8"))
-        if k > start and (k - start == limits.MAX_BLOCK_ROWS or size + row_size > _BLOCK_BYTES
-                          or id_bytes + row_ids > limits.MAX_ITEM_ID_BATCH_BYTES):
+        if k > start and (
+            k - start == limits.MAX_BLOCK_ROWS
+            or size + row_size > _BLOCK_BYTES
+            or id_bytes + row_ids > limits.MAX_ITEM_ID_BATCH_BYTES
+        ):
             parts.append(rows.take(range(start, k)))
             start, size, id_bytes = k, 0, 0
         size, id_bytes = size + row_size, id_bytes + row_ids
@@ -176,7 +179,9 @@ def push(device: DeviceParts, client, result: ReplicationResult, *, on_batch=Non
                 if on_batch is not None:
                     on_batch("push", sum(len(b.item_ids) for b in batch))
             batch = log.outgoing(PUSH_ROWS)
-            in_flight = (batch, network.submit(client.push_records, [record_message(b) for b in batch])) if batch else None
+            in_flight = (
+                (batch, network.submit(client.push_records, [record_message(b) for b in batch])) if batch else None
+            )
             if not looked_at and in_flight is None:
                 break
     result.originals_deleted += delete_removed_originals(device, client)
@@ -256,12 +261,16 @@ def _pulled(message) -> PendingBlock:
     try:
         tag = None if message.tombstone else VersionTag(message.origin_version, message.version, message.via)
     except GalleryError as exc:
-        raise GalleryError(f"replica record {message.sequence} of item {item_ids[0]!r} has a bad version tag: {exc}") from None
+        raise GalleryError(
+            f"replica record {message.sequence} of item {item_ids[0]!r} has a bad version tag: {exc}"
+        ) from None
     return PendingBlock(message.sequence, block, tag, item_ids, tuple(message.superseded), message.sealed)
 
 
 def _open(device: DeviceParts, record: PendingBlock) -> Incoming:
-    rows = open_block(device.owner_sealer, device.owner_id, record.item_ids, record.tag, record.sealed, block=record.block)
+    rows = open_block(
+        device.owner_sealer, device.owner_id, record.item_ids, record.tag, record.sealed, block=record.block
+    )
     skipped = set(record.skipped)
     live = [k for k in range(len(record.item_ids)) if k not in skipped]
     return Incoming(record, sealed_sha256(record.sealed), rows, live)
@@ -285,7 +294,10 @@ def _place(device: DeviceParts, record: Incoming) -> Incoming:
     live = record.live
     engines = {h.bundle: device.engine(h.bundle) for h in plan.hops if h.forward is not None}
     new_tag, embeddings, side_infos = transform_rows(plan, engines, tag, rows.embeddings[live], rows.side_infos[live])
-    moved = np.zeros((len(rows), embeddings.shape[1]), np.float32), np.zeros((len(rows), side_infos.shape[1]), np.float32)
+    moved = (
+        np.zeros((len(rows), embeddings.shape[1]), np.float32),
+        np.zeros((len(rows), side_infos.shape[1]), np.float32),
+    )
     moved[0][live], moved[1][live] = embeddings, side_infos
     return replace(record, landing=(new_tag, replace(rows, embeddings=moved[0], side_infos=moved[1])))
 
@@ -306,9 +318,15 @@ def _decide(record: Incoming, states: dict[str, ItemState]) -> BlockMerge:
     moved = tag != record.tag
     if moved:  # a row here already at least as good as the moved one stays
         rank = RecordHeader("", tag, "").rank
-        kept = [k for k in winners if (s := states.get(item_ids[k])) is None or s.tag is None or rank > RecordHeader("", s.tag, "").rank]
+        kept = [
+            k
+            for k in winners
+            if (s := states.get(item_ids[k])) is None or s.tag is None or rank > RecordHeader("", s.tag, "").rank
+        ]
         winners, ignored = kept, ignored + len(winners) - len(kept)
-    return BlockMerge(content=rows, rows=winners, tag=tag, record_sha256=None if moved else record.sha256, ignored=ignored)
+    return BlockMerge(
+        content=rows, rows=winners, tag=tag, record_sha256=None if moved else record.sha256, ignored=ignored
+    )
 
 
 def _gone(state: ItemState | None) -> bool:

@@ -61,8 +61,9 @@ class MovedRows:
     not_moved: list[str]
 
 
-def take_withdrawals(parts: DeviceParts, trust: DeviceTrust, documents: Sequence[bytes], client: Any,
-                     now: float | None = None) -> list[str]:
+def take_withdrawals(
+    parts: DeviceParts, trust: DeviceTrust, documents: Sequence[bytes], client: Any, now: float | None = None
+) -> list[str]:
     """Verify the listing's withdrawals, record them, and revert when the query version is
     withdrawn; returns notes for the sync's output."""
     log = withdrawal_log(parts.gallery)
@@ -74,8 +75,14 @@ def take_withdrawals(parts: DeviceParts, trust: DeviceTrust, documents: Sequence
         except (TrustError, BundleFormatError) as exc:
             log.refused.append(f"a withdrawal was refused and changed nothing: {exc}")
     for withdrawal in accepted:
-        log.versions.setdefault(str(withdrawal.version), {"revert_to": withdrawal.revert_to, "reason": withdrawal.reason,
-                                                          "withdrawn_at": withdrawal.withdrawn_at.isoformat()})
+        log.versions.setdefault(
+            str(withdrawal.version),
+            {
+                "revert_to": withdrawal.revert_to,
+                "reason": withdrawal.reason,
+                "withdrawn_at": withdrawal.withdrawn_at.isoformat(),
+            },
+        )
     if log != withdrawal_log(parts.gallery):
         parts.gallery.set_meta(log_meta(log))
     notes = list(log.refused)
@@ -89,13 +96,20 @@ def take_withdrawals(parts: DeviceParts, trust: DeviceTrust, documents: Sequence
 
 
 def revert_note(record: RevertRecord) -> str:
-    lost = f"; {record.rows_not_moved} row(s) could not be moved and are left out of searches" if record.rows_not_moved else ""
-    return (f"v{record.reverted_from} was withdrawn ({record.reason!r}): reverted to v{record.revert_to} "
-            f"({record.method}, {record.rows_moved} row(s)){lost}{'; ' + record.note if record.note else ''}")
+    lost = (
+        f"; {record.rows_not_moved} row(s) could not be moved and are left out of searches"
+        if record.rows_not_moved
+        else ""
+    )
+    return (
+        f"v{record.reverted_from} was withdrawn ({record.reason!r}): reverted to v{record.revert_to} "
+        f"({record.method}, {record.rows_moved} row(s)){lost}{'; ' + record.note if record.note else ''}"
+    )
 
 
-def revert(parts: DeviceParts, withdrawal: Withdrawal, client: Any, log: WithdrawalLog | None = None,
-           now: float | None = None) -> RevertRecord:
+def revert(
+    parts: DeviceParts, withdrawal: Withdrawal, client: Any, log: WithdrawalLog | None = None, now: float | None = None
+) -> RevertRecord:
     """Go back from the withdrawn version to ``withdrawal.revert_to`` (see the module docstring)."""
     gallery, version, target = parts.gallery, withdrawal.version, withdrawal.revert_to
     if gallery.upgrade_state is not None:
@@ -103,10 +117,14 @@ def revert(parts: DeviceParts, withdrawal: Withdrawal, client: Any, log: Withdra
     if target not in parts.bundles.versions() and target and client is not None:
         parts.bundles.download(client, target, 0)  # older than the query version: the verified withdrawal names it
     if target == 0 or target not in parts.bundles.versions():
-        raise DeviceError(f"v{version} was withdrawn, but this device cannot get the bundle of v{target} to go back to: "
-                          f"it stays on v{version} until a later version is published")
+        raise DeviceError(
+            f"v{version} was withdrawn, but this device cannot get the bundle of v{target} to go back to: "
+            f"it stays on v{version} until a later version is published"
+        )
     window = rollback_window(gallery)
-    exact = window is not None and window.version == version and window.previous_version == target and window.is_open(now)
+    exact = (
+        window is not None and window.version == version and window.previous_version == target and window.is_open(now)
+    )
     note = "" if exact else _no_window_note(window, version, target, now)
     kept = _kept_rows(parts) if exact else MovedRows([], set(), [])
     live = gallery.live_rows()
@@ -114,10 +132,24 @@ def revert(parts: DeviceParts, withdrawal: Withdrawal, client: Any, log: Withdra
     backward = _backward_artifact(parts, version, target)
     rest = _through_backward(parts, version, target, left) if backward else _reembedded(parts, client, target, left)
     method = "exact" if exact else "backward" if backward else "reembedded"
-    record = RevertRecord(version, target, method, withdrawal.reason, time.time() if now is None else now,
-                          len(kept.moved) + len(rest.moved), len(rest.not_moved), rest.not_moved[:LISTED_ITEMS], note)
-    meta = {"query_version": str(target), "transition": None, ROLLBACK_KEY: None, **revert_meta(record),
-            **log_meta(log if log is not None else withdrawal_log(gallery))}
+    record = RevertRecord(
+        version,
+        target,
+        method,
+        withdrawal.reason,
+        time.time() if now is None else now,
+        len(kept.moved) + len(rest.moved),
+        len(rest.not_moved),
+        rest.not_moved[:LISTED_ITEMS],
+        note,
+    )
+    meta = {
+        "query_version": str(target),
+        "transition": None,
+        ROLLBACK_KEY: None,
+        **revert_meta(record),
+        **log_meta(log if log is not None else withdrawal_log(gallery)),
+    }
     gallery.revert_rows(kept.batches + rest.batches, meta)
     return record
 
@@ -128,8 +160,10 @@ def _no_window_note(window: RollbackWindow | None, version: int, target: int, no
     if window.previous_version != target:
         return f"the rollback window kept v{window.previous_version}'s vectors, not v{target}'s"
     if window.confirmed_at is not None:
-        return (f"v{version} was confirmed at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(window.confirmed_at))}: "
-                f"the vectors kept of v{target} were dropped then")
+        return (
+            f"v{version} was confirmed at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(window.confirmed_at))}: "
+            f"the vectors kept of v{target} were dropped then"
+        )
     return f"the rollback window closed at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(window.until))}: its vectors are gone"
 
 
@@ -140,21 +174,37 @@ def _kept_rows(parts: DeviceParts) -> MovedRows:
     embeddings, side_infos = gallery.extras.load("rollback_embedding"), gallery.extras.load("rollback_side_info")
     side_of = {int(r): i for i, r in enumerate(side_infos.row_ids)}
     live = gallery.live_rows()
-    picked = [i for i, r in enumerate(embeddings.row_ids) if int(r) in side_of and int(r) in live
-              and side_infos.tags[side_of[int(r)]] == embeddings.tags[i]]
+    picked = [
+        i
+        for i, r in enumerate(embeddings.row_ids)
+        if int(r) in side_of and int(r) in live and side_infos.tags[side_of[int(r)]] == embeddings.tags[i]
+    ]
     row_ids = [int(embeddings.row_ids[i]) for i in picked]
-    return MovedRows(_batches(row_ids, live, [embeddings.tags[i] for i in picked],
-                              _stack([embeddings.embeddings[i] for i in picked]),
-                              _stack([side_infos.embeddings[side_of[r]] for r in row_ids])), set(row_ids), [])
+    return MovedRows(
+        _batches(
+            row_ids,
+            live,
+            [embeddings.tags[i] for i in picked],
+            _stack([embeddings.embeddings[i] for i in picked]),
+            _stack([side_infos.embeddings[side_of[r]] for r in row_ids]),
+        ),
+        set(row_ids),
+        [],
+    )
 
 
 def _backward_artifact(parts: DeviceParts, version: int, target: int):
-    matches = [a for a in parts.bundles.manifest(version).artifacts
-               if a.role == "backward" and a.source_version == version and a.target_version == target]
+    matches = [
+        a
+        for a in parts.bundles.manifest(version).artifacts
+        if a.role == "backward" and a.source_version == version and a.target_version == target
+    ]
     return matches[0] if len(matches) == 1 else None
 
 
-def _through_backward(parts: DeviceParts, version: int, target: int, left: dict[int, tuple[str, VersionTag]]) -> MovedRows:
+def _through_backward(
+    parts: DeviceParts, version: int, target: int, left: dict[int, tuple[str, VersionTag]]
+) -> MovedRows:
     """Rows of the withdrawn space mapped by its bundle's backward graph B into ``target``'s space
     (tagged 'backward', side-info as it was, like unified mode's rows)."""
     if not left:
@@ -163,7 +213,9 @@ def _through_backward(parts: DeviceParts, version: int, target: int, left: dict[
     rows = parts.gallery.space_rows(version, 0, len(left), only=sorted(left))
     if rows.corrupt:
         row_id, _, reason = rows.corrupt[0]
-        raise DeviceError(f"row {row_id} cannot be read ({reason}): run `fctkit device repair --dir DIR`, then sync again")
+        raise DeviceError(
+            f"row {row_id} cannot be read ({reason}): run `fctkit device repair --dir DIR`, then sync again"
+        )
     row_ids = [int(r) for r in rows.row_ids]
     mapped = engine.run(_backward_artifact(parts, version, target), _stack(list(rows.embeddings)))
     tags = [VersionTag(left[r][1].origin_version, target, "backward") for r in row_ids]
@@ -180,7 +232,7 @@ def _reembedded(parts: DeviceParts, client: Any, target: int, left: dict[int, tu
     not_moved = [left[r][0] for r in sorted(left) if r not in fetched]
     batches: list[UpgradedRows] = []
     for start in range(0, len(with_original), BATCH):
-        chunk = with_original[start:start + BATCH]
+        chunk = with_original[start : start + BATCH]
         images, _ = vault_originals(parts, client, [left[r][0] for r in chunk], engine)
         embeddings, side_infos, via = gallery_vectors(engine, images)
         tags = [VersionTag(left[r][1].origin_version, target, via) for r in chunk]
@@ -188,17 +240,30 @@ def _reembedded(parts: DeviceParts, client: Any, target: int, left: dict[int, tu
     return MovedRows(batches, set(with_original), not_moved)
 
 
-def _batches(row_ids: list[int], live: dict[int, tuple[str, VersionTag]], new_tags: list[VersionTag],
-             embeddings: np.ndarray, side_infos: np.ndarray) -> list[UpgradedRows]:
+def _batches(
+    row_ids: list[int],
+    live: dict[int, tuple[str, VersionTag]],
+    new_tags: list[VersionTag],
+    embeddings: np.ndarray,
+    side_infos: np.ndarray,
+) -> list[UpgradedRows]:
     """One write per (live tag, new tag) pair, each guarded by the live tag."""
     pairs = [(live[r][1], t) for r, t in zip(row_ids, new_tags, strict=True)]
     groups: dict[tuple[VersionTag, VersionTag], list[int]] = {}
     for i, pair in enumerate(pairs):
         groups.setdefault(pair, []).append(i)
-    return [UpgradedRows([row_ids[i] for i in index], [live[row_ids[i]][0] for i in index], old, new,
-                         embeddings[index], side_infos[index]) for (old, new), index in groups.items()]
+    return [
+        UpgradedRows(
+            [row_ids[i] for i in index],
+            [live[row_ids[i]][0] for i in index],
+            old,
+            new,
+            embeddings[index],
+            side_infos[index],
+        )
+        for (old, new), index in groups.items()
+    ]
 
 
 def _stack(vectors: list[np.ndarray]) -> np.ndarray:
     return np.stack(vectors).astype(np.float32, copy=False) if vectors else np.zeros((0, 0), np.float32)
-

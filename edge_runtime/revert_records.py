@@ -83,7 +83,9 @@ def _read(gallery: Gallery, key: str) -> dict[str, Any] | None:
     try:
         return json.loads(text)
     except ValueError as exc:
-        raise GalleryError(f"the gallery's {key!r} record is not JSON ({exc}): run `fctkit device repair --dir DIR`") from exc
+        raise GalleryError(
+            f"the gallery's {key!r} record is not JSON ({exc}): run `fctkit device repair --dir DIR`"
+        ) from exc
 
 
 def rollback_window(gallery: Gallery) -> RollbackWindow | None:
@@ -109,7 +111,9 @@ def expire_rollback(gallery: Gallery, now: float | None = None) -> bool:
     return True
 
 
-def confirm_rollback(gallery: Gallery, confirmed_versions: Collection[int], now: float | None = None) -> RollbackWindow | None:
+def confirm_rollback(
+    gallery: Gallery, confirmed_versions: Collection[int], now: float | None = None
+) -> RollbackWindow | None:
     """When the version the window was kept for is among ``confirmed_versions`` (the server's
     unsigned word: at worst it makes a later revert inexact), drop the kept vectors and mark the
     record confirmed, in one transaction; returns the confirmed window, or None (nothing done)."""
@@ -135,8 +139,10 @@ def refuse_withdrawn(gallery: Gallery, version: int) -> None:
     log = withdrawal_log(gallery)
     if log.withdrawn(version):
         reason = log.versions[str(version)]["reason"]
-        raise DeviceError(f"v{version} was withdrawn by its publishers ({reason!r}): it is not installed again; "
-                          "install a later version")
+        raise DeviceError(
+            f"v{version} was withdrawn by its publishers ({reason!r}): it is not installed again; "
+            "install a later version"
+        )
 
 
 def last_revert(gallery: Gallery) -> RevertRecord | None:
@@ -163,8 +169,14 @@ def withdrawal_status(gallery: Gallery, now: float | None = None) -> dict[str, A
     refused withdrawals and the last revert (versions, reason, method, when, rows not moved)."""
     window, log, revert = rollback_window(gallery), withdrawal_log(gallery), last_revert(gallery)
     return {
-        "rollback_window": None if window is None else {**asdict(window), "open": window.is_open(now), "state": _state(window, now),
-                                                        "rows_kept": gallery.extras.count("rollback_embedding")},
+        "rollback_window": None
+        if window is None
+        else {
+            **asdict(window),
+            "open": window.is_open(now),
+            "state": _state(window, now),
+            "rows_kept": gallery.extras.count("rollback_embedding"),
+        },
         "withdrawn_versions": {f"v{v}": entry for v, entry in sorted(log.versions.items(), key=lambda e: int(e[0]))},
         "withdrawals_refused": log.refused,
         "last_revert": None if revert is None else asdict(revert),

@@ -88,7 +88,9 @@ class Scoring:
         return f"{self.kind}+hubness" if self.kind == "transition" and self.beta > 0 else self.kind
 
 
-def aligned(row_ids: np.ndarray, extras: LoadedRows, width: int, tags: list | None = None) -> tuple[np.ndarray, np.ndarray]:
+def aligned(
+    row_ids: np.ndarray, extras: LoadedRows, width: int, tags: list | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """``extras``' values (``width`` each) in the order of the sorted ``row_ids`` (zeros where
     a row has none) and the mask of rows that have one; with ``tags`` (the rows' tags), an
     extra counts only when it was bound to its row's tag."""
@@ -100,15 +102,22 @@ def aligned(row_ids: np.ndarray, extras: LoadedRows, width: int, tags: list | No
     if tags is not None:
         found &= np.array([tags[p] == t for p, t in zip(position, extras.tags, strict=True)])
     if extras.embeddings.shape[1] != width:
-        raise GalleryError(f"stored extras are {extras.embeddings.shape[1]}-d where {width}-d were expected; end the transition")
+        raise GalleryError(
+            f"stored extras are {extras.embeddings.shape[1]}-d where {width}-d were expected; end the transition"
+        )
     values[position[found]] = extras.embeddings[found]
     present = np.zeros(len(row_ids), dtype=bool)
     present[position[found]] = True
     return values, present
 
 
-def prepared_rows(scoring: Scoring, rows: np.ndarray, previous: np.ndarray | None = None,
-                  has_previous: np.ndarray | None = None, offsets: np.ndarray | None = None) -> np.ndarray:
+def prepared_rows(
+    scoring: Scoring,
+    rows: np.ndarray,
+    previous: np.ndarray | None = None,
+    has_previous: np.ndarray | None = None,
+    offsets: np.ndarray | None = None,
+) -> np.ndarray:
     """The row vectors the inner-product search compares (see the module docstring)."""
     rows = normalise(np.asarray(rows, dtype=np.float32))
     if scoring.kind == "hubness":
@@ -176,7 +185,9 @@ def store_hubness_offsets(gallery: Gallery, engine: Engine) -> int:
     return gallery.extras.put("hubness_offset", missing, offsets[:, None])
 
 
-def searched_rows(gallery: Gallery, rows: LoadedRows, scoring: Scoring, engine: Engine, previous_dim: int) -> np.ndarray:
+def searched_rows(
+    gallery: Gallery, rows: LoadedRows, scoring: Scoring, engine: Engine, previous_dim: int
+) -> np.ndarray:
     """The prepared row vectors of ``rows`` (all in ``engine``'s space) for ``scoring``:
     previous embeddings or stored offsets read from the gallery; an offset that is missing or
     fails to open is computed again here (not stored)."""

@@ -65,7 +65,7 @@ class ExactIndex:
             self._faiss_index, self.vectors = _faiss_index(vectors, distance)
         else:
             self.vectors = normalise(vectors) if distance == "cosine" else vectors
-        self._squared_norms = (self.vectors ** 2).sum(axis=1) if distance == "l2" else None
+        self._squared_norms = (self.vectors**2).sum(axis=1) if distance == "l2" else None
 
     def __len__(self) -> int:
         return len(self.vectors)
@@ -73,7 +73,9 @@ class ExactIndex:
     def search(self, queries: np.ndarray, k: int) -> Neighbours:
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         if queries.ndim != 2 or (len(self) and queries.shape[1] != self.vectors.shape[1]):
-            raise InputError(f"queries of shape {queries.shape} do not match gallery vectors of dim {self.vectors.shape[1:]}")
+            raise InputError(
+                f"queries of shape {queries.shape} do not match gallery vectors of dim {self.vectors.shape[1:]}"
+            )
         if not np.isfinite(queries).all():
             raise InputError("queries hold NaN or inf values")
         if k < 1:
@@ -94,7 +96,7 @@ class ExactIndex:
         if self.distance != "l2":
             distances = 1.0 - queries @ self.vectors.T
         else:
-            distances = (queries ** 2).sum(axis=1, keepdims=True) - 2.0 * (queries @ self.vectors.T) + self._squared_norms
+            distances = (queries**2).sum(axis=1, keepdims=True) - 2.0 * (queries @ self.vectors.T) + self._squared_norms
         if k < distances.shape[1]:
             part = np.argpartition(distances, k - 1, axis=1)[:, :k]
         else:
@@ -114,8 +116,8 @@ def _faiss_index(vectors: np.ndarray, distance: str, chunk: int = 65_536):
     index.ntotal = len(vectors)
     held = np.asarray(_HeldByFaiss(index))
     for first in range(0, len(vectors), chunk):
-        part = vectors[first:first + chunk]
-        held[first:first + chunk] = normalise(part) if distance == "cosine" else part
+        part = vectors[first : first + chunk]
+        held[first : first + chunk] = normalise(part) if distance == "cosine" else part
     held.flags.writeable = False
     return index, held
 
@@ -126,8 +128,12 @@ class _HeldByFaiss:
 
     def __init__(self, index) -> None:
         self.index = index
-        self.__array_interface__ = {"shape": (index.ntotal, index.d), "typestr": "<f4", "version": 3,
-                                    "data": (int(index.codes.data()), False)}
+        self.__array_interface__ = {
+            "shape": (index.ntotal, index.d),
+            "typestr": "<f4",
+            "version": 3,
+            "data": (int(index.codes.data()), False),
+        }
 
 
 def _tie_ordered(indices: np.ndarray, distances: np.ndarray) -> Neighbours:

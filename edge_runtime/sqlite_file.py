@@ -20,11 +20,15 @@ from fctkit.errors import GalleryDamagedError, NoSpaceError
 
 PAGE_SIZE = 16384  # a row's two sealed 128-d vectors are ~1.1 KB: several rows per page
 
-RECOVERY = ("run `fctkit device check --dir DIR` for a full report and `fctkit device repair --dir DIR` to restore "
-            "what the owner's replica holds")
+RECOVERY = (
+    "run `fctkit device check --dir DIR` for a full report and `fctkit device repair --dir DIR` to restore "
+    "what the owner's replica holds"
+)
 
 
-LOW_SPACE = 1 << 20  # an SQLite I/O error with less free than this is the full disk (its shared-memory file cannot grow)
+LOW_SPACE = (
+    1 << 20
+)  # an SQLite I/O error with less free than this is the full disk (its shared-memory file cannot grow)
 
 
 def damaged(path: Path | str, exc: sqlite3.Error) -> GalleryDamagedError | NoSpaceError:
@@ -39,8 +43,10 @@ def damaged(path: Path | str, exc: sqlite3.Error) -> GalleryDamagedError | NoSpa
 def no_space(directory: Path, detail: str, needed: int | None = None) -> NoSpaceError:
     """A full disk, said as such: the directory, and how much is needed when that is known."""
     need = f"{needed:,} bytes are needed, " if needed is not None else ""
-    return NoSpaceError(f"no space left on device for {directory} ({detail}): {need}{_free(directory):,} bytes are free; "
-                        "free some space and run the command again (what it was writing was undone)")
+    return NoSpaceError(
+        f"no space left on device for {directory} ({detail}): {need}{_free(directory):,} bytes are free; "
+        "free some space and run the command again (what it was writing was undone)"
+    )
 
 
 def _free(directory: Path) -> int:
@@ -113,7 +119,9 @@ def connect(path: Path, *, new: bool = False) -> GuardedConnection:
     fsync'd commits; plaintext columns are read back byte for byte, so a damaged one is a row
     that fails its authentication, not a decoding error that stops every query."""
     try:
-        db = sqlite3.connect(path, isolation_level=None, timeout=60.0, check_same_thread=False, factory=GuardedConnection)
+        db = sqlite3.connect(
+            path, isolation_level=None, timeout=60.0, check_same_thread=False, factory=GuardedConnection
+        )
     except sqlite3.Error as exc:
         raise damaged(path, exc) from None
     db.path = path
@@ -156,8 +164,10 @@ class transaction:
             self.db.execute("ROLLBACK")
         if exc_type is not None and issubclass(exc_type, sqlite3.IntegrityError):
             # a constraint no caller turned into its own message: a table and its index disagree
-            raise GalleryDamagedError(f"{getattr(self.db, 'path', 'the gallery')} refused a write: SQLite says {exc!r}; a "
-                                      f"table and its index disagree, so the file is damaged (nothing was written). {RECOVERY}") from None
+            raise GalleryDamagedError(
+                f"{getattr(self.db, 'path', 'the gallery')} refused a write: SQLite says {exc!r}; a "
+                f"table and its index disagree, so the file is damaged (nothing was written). {RECOVERY}"
+            ) from None
 
 
 class read_snapshot(transaction):
@@ -180,5 +190,5 @@ def text_match(column: str, value: str) -> tuple[str, str | bytes]:
 def id_chunks(item_ids: Sequence) -> Iterator[tuple[list, str]]:
     """Ids (item ids or row ids) in chunks small enough for one ``IN (...)`` query, each with its ``?,?`` marks."""
     for start in range(0, len(item_ids), SQL_VARIABLES):
-        chunk = list(item_ids[start:start + SQL_VARIABLES])
+        chunk = list(item_ids[start : start + SQL_VARIABLES])
         yield chunk, ",".join("?" * len(chunk))

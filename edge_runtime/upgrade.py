@@ -61,8 +61,15 @@ class DeviceUpgrade:
     ``check(run)``, when given, runs before ``after()`` with what the finished upgrade did (the
     health check of :mod:`.upgrade_check`: it never raises)."""
 
-    def __init__(self, parts: DeviceParts, *, batch_size: int, after: Callable[[], None],
-                 report: Callable[[int, float], None] | None = None, check: Callable[[UpgradeRun], object] | None = None) -> None:
+    def __init__(
+        self,
+        parts: DeviceParts,
+        *,
+        batch_size: int,
+        after: Callable[[], None],
+        report: Callable[[int, float], None] | None = None,
+        check: Callable[[UpgradeRun], object] | None = None,
+    ) -> None:
         self.parts, self.gallery, self.bundles = parts, parts.gallery, parts.bundles
         self.batch_size, self.after, self.report, self.check = batch_size, after, report, check
 
@@ -90,9 +97,14 @@ class DeviceUpgrade:
             self.gallery.set_meta({"query_version": str(target)})
             return done
         installed = ", ".join(f"v{v}" for v in self.bundles.versions())
-        plan = plan_to(self.gallery, target, self.bundles.engine(target).manifest.mode,
-                       lambda source: self.bundles.hops(source, target),
-                       f"the installed bundles ({installed}) hold no adapter path", self.bundles.manifest)
+        plan = plan_to(
+            self.gallery,
+            target,
+            self.bundles.engine(target).manifest.mode,
+            lambda source: self.bundles.hops(source, target),
+            f"the installed bundles ({installed}) hold no adapter path",
+            self.bundles.manifest,
+        )
         return done + self.start(plan)
 
     def server_plan(self, client, target: int) -> UpgradePlan:
@@ -104,8 +116,15 @@ class DeviceUpgrade:
             for bundle in sorted(bundles):
                 self.bundles.download(client, bundle, query_version)
 
-        return plan_to(self.gallery, target, self.bundles.engine(target).manifest.mode, server_hops(client, target),
-                       "the server publishes no adapter path", self.bundles.manifest, fetch=fetch)
+        return plan_to(
+            self.gallery,
+            target,
+            self.bundles.engine(target).manifest.mode,
+            server_hops(client, target),
+            "the server publishes no adapter path",
+            self.bundles.manifest,
+            fetch=fetch,
+        )
 
     def start(self, plan: UpgradePlan) -> int:
         """Record ``plan`` (a newer version only; none may be under way) and run it. In unified and
@@ -116,7 +135,9 @@ class DeviceUpgrade:
         refuse_withdrawn(self.gallery, plan.target)
         if any(h.forward is not None for h in plan.hops):
             self._require_room(0, f"upgrading the gallery's rows to v{plan.target}")
-        record_uncertainty(self.parts, self.bundles.engine(plan.target))  # FastFill σ needs φ_old, ψ: before the rewrite
+        record_uncertainty(
+            self.parts, self.bundles.engine(plan.target)
+        )  # FastFill σ needs φ_old, ψ: before the rewrite
         meta = {"upgrade": plan.to_json()}
         if plan.mode != "forward":
             meta["query_version"] = str(plan.target)
@@ -136,8 +157,10 @@ class DeviceUpgrade:
         engines = {b: self.bundles.engine(b) for b in {h.bundle for h in plan.hops if h.forward is not None}}
         rewrite = any(h.forward is not None for h in plan.hops)  # identity hops only (compatible): rows stay untouched
         if rewrite and self.gallery.damaged_pointers():  # rows are read by their pointers: none may be skipped or lost
-            raise GalleryError(f"rows of {self.gallery.path} point to the wrong vectors (`fctkit device check --dir DIR` lists "
-                               "them): run `fctkit device repair --dir DIR`, then the upgrade again (it resumes)")
+            raise GalleryError(
+                f"rows of {self.gallery.path} point to the wrong vectors (`fctkit device check --dir DIR` lists "
+                "them): run `fctkit device repair --dir DIR`, then the upgrade again (it resumes)"
+            )
         if rewrite and plan.mode == "forward":
             self.gallery.unstage_damaged()  # staged again from their live rows below, never switched live damaged
         left = self.gallery.remaining(plan.target) if rewrite else 0
@@ -151,28 +174,44 @@ class DeviceUpgrade:
                 self.report(plan.target, bar.n / max(left, 1))
                 last_report[0] = time.monotonic()
 
-        with tqdm(total=left, desc=f"upgrade {hop_list(plan.hops)}", unit="row", disable=not self.parts.progress or left == 0) as bar:
-            done = run_upgrade(self.gallery, plan, engines, batch_size=self.batch_size, on_batch=on_batch) if rewrite else 0
+        with tqdm(
+            total=left, desc=f"upgrade {hop_list(plan.hops)}", unit="row", disable=not self.parts.progress or left == 0
+        ) as bar:
+            done = (
+                run_upgrade(self.gallery, plan, engines, batch_size=self.batch_size, on_batch=on_batch)
+                if rewrite
+                else 0
+            )
         if plan.mode == "forward":
             version = self.gallery.query_version
             target = self.bundles.engine(plan.target).manifest
             transition = transition_for(target, self.bundles.manifest(version), version)
             rollback = rollback_meta(target, version)  # a window: every row keeps its vectors (:mod:`.revert`)
-            self.gallery.switch_to(plan.target, {"upgrade": None, "transition": transition and transition.to_json(),
-                                                 **rollback, **revert_meta(None)},
-                                   keep_previous=transition and transition.previous_version,
-                                   keep_rollback=rollback[ROLLBACK_KEY] is not None)
+            self.gallery.switch_to(
+                plan.target,
+                {"upgrade": None, "transition": transition and transition.to_json(), **rollback, **revert_meta(None)},
+                keep_previous=transition and transition.previous_version,
+                keep_rollback=rollback[ROLLBACK_KEY] is not None,
+            )
         else:  # rows rewritten in place: no vectors kept, a withdrawal reverts through backward or the vault
             self.gallery.drop_rollback({ROLLBACK_KEY: None, **revert_meta(None)})  # before the upgrade record goes
-            self.gallery.extras.drop("previous_embedding", {"upgrade": None, "query_version": str(plan.target), "transition": None})
+            self.gallery.extras.drop(
+                "previous_embedding", {"upgrade": None, "query_version": str(plan.target), "transition": None}
+            )
         if self.check is not None:
             self.check(UpgradeRun(plan.target, done, self.gallery.remaining(plan.target), time.monotonic() - started))
         self.after()
         return done
 
 
-def run_upgrade(gallery: Gallery, plan: UpgradePlan, engines: Mapping[int, Engine], *, batch_size: int,
-                on_batch: Callable[[int], None] | None = None) -> int:
+def run_upgrade(
+    gallery: Gallery,
+    plan: UpgradePlan,
+    engines: Mapping[int, Engine],
+    *,
+    batch_size: int,
+    on_batch: Callable[[int], None] | None = None,
+) -> int:
     """Upgrade every row not yet in ``plan.target``'s space; returns the rows upgraded now.
     ``on_batch(rows)`` is called after each committed batch.
 
@@ -200,8 +239,10 @@ def run_upgrade(gallery: Gallery, plan: UpgradePlan, engines: Mapping[int, Engin
         gallery.write_upgrades(upgraded, staged=staged)
         return sum(len(u.row_ids) for u in upgraded)
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fctkit-prefetch") as pool, \
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="fctkit-write") as writer:
+    with (
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="fctkit-prefetch") as pool,
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="fctkit-write") as writer,
+    ):
         try:
             upcoming = pool.submit(reader.rows_to_upgrade, plan.target, 0, batch_size)
             while True:
@@ -209,10 +250,12 @@ def run_upgrade(gallery: Gallery, plan: UpgradePlan, engines: Mapping[int, Engin
                 if batch.corrupt:
                     committed()
                     row_id, item_id, reason = batch.corrupt[0]
-                    raise GalleryError(f"row {row_id} ({item_id!r}) cannot be upgraded: {reason}; run "
-                                       f"`fctkit device check --dir DIR` to list every damaged row, "
-                                       f"`fctkit device repair --dir DIR` to restore them from the owner's replica or "
-                                       f"remove them, then the upgrade again (it resumes)")
+                    raise GalleryError(
+                        f"row {row_id} ({item_id!r}) cannot be upgraded: {reason}; run "
+                        f"`fctkit device check --dir DIR` to list every damaged row, "
+                        f"`fctkit device repair --dir DIR` to restore them from the owner's replica or "
+                        f"remove them, then the upgrade again (it resumes)"
+                    )
                 if not len(batch):
                     committed()
                     if last_row_id == 0 or gallery.remaining(plan.target) == 0:
@@ -241,7 +284,9 @@ def _transform_batch(plan: UpgradePlan, engines: Mapping[int, Engine], batch: Lo
         try:
             new_tag, embeddings, side_infos = transform_rows(plan, engines, tag, embeddings, side_infos)
         except InputError:
-            _refuse_nonfinite(nonfinite_items(item_ids, embeddings, side_infos))  # NaN side-info: lost, marked by repair
+            _refuse_nonfinite(
+                nonfinite_items(item_ids, embeddings, side_infos)
+            )  # NaN side-info: lost, marked by repair
             raise
         _refuse_nonfinite(nonfinite_items(item_ids, embeddings))
         groups.append(UpgradedRows(batch.row_ids[rows].tolist(), item_ids, tag, new_tag, embeddings, side_infos))
@@ -250,6 +295,8 @@ def _transform_batch(plan: UpgradePlan, engines: Mapping[int, Engine], batch: Lo
 
 def _refuse_nonfinite(item_ids: Sequence[str]) -> None:
     if item_ids:
-        raise GalleryError(nonfinite_message(item_ids, "cannot be upgraded") + ", or their side-info was lost to damage "
-                           "(`fctkit device repair` lists them as side_info_lost); remove them (`fctkit device remove "
-                           "--dir DIR ID...`) and add their originals again, then run the upgrade again (it resumes)")
+        raise GalleryError(
+            nonfinite_message(item_ids, "cannot be upgraded") + ", or their side-info was lost to damage "
+            "(`fctkit device repair` lists them as side_info_lost); remove them (`fctkit device remove "
+            "--dir DIR ID...`) and add their originals again, then run the upgrade again (it resumes)"
+        )

@@ -105,26 +105,35 @@ class HealthCheck:
         done = HealthRecord(run.version, run.rows_upgraded, run.failures, round(run.seconds, 3))
         try:
             record = self._measured(done)
-        except Exception as exc:  # noqa: BLE001 (the upgrade has committed: a failing check is reported, never raised)
+        except Exception as exc:
             record = replace(done, reason=f"the health check failed ({type(exc).__name__}: {exc}); the upgrade stands")
         try:
             self.parts.gallery.set_meta({HEALTH_KEY: json.dumps(asdict(record))})
-        except Exception as exc:  # noqa: BLE001 (e.g. a full disk: the upgrade still stands)
+        except Exception as exc:
             record = replace(record, reason=f"{record.reason or 'measured'}; not stored ({exc})")
         return record
 
     def _measured(self, done: HealthRecord) -> HealthRecord:
         if self.sample <= 0:
-            return replace(done, reason="the health check is turned off (health_sample 0 in device.json, or --no-health-check)")
+            return replace(
+                done, reason="the health check is turned off (health_sample 0 in device.json, or --no-health-check)"
+            )
         gallery, version = self.parts.gallery, done.version
         adapted = gallery.adapted_rows(version, in_vault=True)
         if not adapted:
-            return replace(done, reason=_no_originals(bool(gallery.adapted_rows(version, in_vault=False, limit=1)), version))
-        picked = sample_rows([item for _, item in adapted], min(self.sample, len(adapted)),
-                             health_seed(self.device_id, gallery.gallery_id, version))
+            return replace(
+                done, reason=_no_originals(bool(gallery.adapted_rows(version, in_vault=False, limit=1)), version)
+            )
+        picked = sample_rows(
+            [item for _, item in adapted],
+            min(self.sample, len(adapted)),
+            health_seed(self.device_id, gallery.gallery_id, version),
+        )
         rows = gallery.space_rows(version, 0, len(picked), only=[adapted[i][0] for i in picked])
         if not len(rows):
-            return replace(done, reason="the sampled rows cannot be read (damaged): run `fctkit device check --dir DIR`")
+            return replace(
+                done, reason="the sampled rows cannot be read (damaged): run `fctkit device check --dir DIR`"
+            )
         engine = self.parts.engine(version)
         try:
             with self.parts.connect(attempts=2) as client:
@@ -132,8 +141,13 @@ class HealthCheck:
         except (DeviceError, RpcStatusError) as exc:
             return replace(done, reason=f"the sampled originals could not be downloaded from the vault ({exc})")
         vectors = gallery_vectors(engine, images)
-        health = streamed_health(self._adapted_blocks(version), rows.row_ids, take_rows(rows.embeddings, range(len(rows))),
-                                 vectors[0], engine.manifest.distance)
+        health = streamed_health(
+            self._adapted_blocks(version),
+            rows.row_ids,
+            take_rows(rows.embeddings, range(len(rows))),
+            vectors[0],
+            engine.manifest.distance,
+        )
         if keeps_sample(engine.manifest):
             gallery.write_upgrades(reembedded_rows(rows, range(len(rows)), vectors, version), staged=False)
         return replace(done, **asdict(health))
@@ -168,8 +182,10 @@ def keeps_sample(manifest: Any) -> bool:
 def _no_originals(any_adapted: bool, version: int) -> str:
     if not any_adapted:
         return f"no row was adapted by the upgrade to v{version}: nothing to measure"
-    return ("none of the adapted rows has its original in the vault (a device without a server, or originals not "
-            "uploaded yet): nothing to re-embed")
+    return (
+        "none of the adapted rows has its original in the vault (a device without a server, or originals not "
+        "uploaded yet): nothing to re-embed"
+    )
 
 
 def health_seed(device_id: str | None, gallery_id: bytes, version: int) -> int:
@@ -206,8 +222,9 @@ def send_report(client, gallery: Gallery, version: int, state: int, **fields: An
         _best_effort_report(client, gallery, version, state, None, fields)
 
 
-def _best_effort_report(client, gallery: Gallery, version: int, state: int, health: fleet_pb2.UpgradeHealth | None,
-                        fields: dict[str, Any]) -> None:
+def _best_effort_report(
+    client, gallery: Gallery, version: int, state: int, health: fleet_pb2.UpgradeHealth | None, fields: dict[str, Any]
+) -> None:
     try:
         client.report(version, len(gallery), state, health=health, **fields)
     except RpcStatusError as exc:

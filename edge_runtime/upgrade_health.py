@@ -56,20 +56,30 @@ def sample_rows(row_ids: Sequence[str], size: int, seed: int) -> np.ndarray:
     and adding rows changes the sample only where a new id hashes lower."""
     ids = [str(row_id) for row_id in row_ids]
     if not 1 <= size <= len(ids):
-        raise InputError(f"a health sample of {size} rows cannot be drawn from {len(ids)} rows; "
-                         f"ask for between 1 and {len(ids)}")
+        raise InputError(
+            f"a health sample of {size} rows cannot be drawn from {len(ids)} rows; ask for between 1 and {len(ids)}"
+        )
     if not 0 <= seed < 2**64:
         raise InputError(f"the sample seed must be in [0, 2**64), got {seed}")
     if len(set(ids)) != len(ids):
         raise InputError("row ids repeat; each gallery row needs a distinct id to draw a health sample")
     key = seed.to_bytes(8, "little")
-    hashes = np.fromiter((int.from_bytes(hashlib.blake2b(i.encode(), key=key, digest_size=8).digest(), "little")
-                          for i in ids), dtype=np.uint64, count=len(ids))
+    hashes = np.fromiter(
+        (int.from_bytes(hashlib.blake2b(i.encode(), key=key, digest_size=8).digest(), "little") for i in ids),
+        dtype=np.uint64,
+        count=len(ids),
+    )
     return np.sort(np.argsort(hashes, kind="stable")[:size])
 
 
-def upgrade_health(adapted: np.ndarray, sample: np.ndarray, reembedded: np.ndarray, metric: str, *,
-                   block_rows: int = DEFAULT_BLOCK_ROWS) -> UpgradeHealth:
+def upgrade_health(
+    adapted: np.ndarray,
+    sample: np.ndarray,
+    reembedded: np.ndarray,
+    metric: str,
+    *,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+) -> UpgradeHealth:
     """The health of ``adapted`` (N×d, the gallery's rows after the upgrade) measured on the
     rows at positions ``sample`` (k distinct), whose new-model embeddings are ``reembedded``
     (k×d, in the order of ``sample``). ``metric``: the bundle's distance, "cosine" or "l2"."""
@@ -77,8 +87,13 @@ def upgrade_health(adapted: np.ndarray, sample: np.ndarray, reembedded: np.ndarr
     return _health(_array_blocks(adapted, block_rows), sample, adapted[sample], reembedded, metric)
 
 
-def streamed_health(blocks: Iterable[tuple[np.ndarray, np.ndarray]], sample: np.ndarray, sampled: np.ndarray,
-                    reembedded: np.ndarray, metric: str) -> UpgradeHealth:
+def streamed_health(
+    blocks: Iterable[tuple[np.ndarray, np.ndarray]],
+    sample: np.ndarray,
+    sampled: np.ndarray,
+    reembedded: np.ndarray,
+    metric: str,
+) -> UpgradeHealth:
     """:func:`upgrade_health` over a gallery read block by block (one block held at a time).
     ``blocks`` yields (keys, vectors): each row's key — its position or row id, ascending
     through the gallery (the order ties are broken in) — and its adapted vector; ``sample``
@@ -95,8 +110,14 @@ def streamed_health(blocks: Iterable[tuple[np.ndarray, np.ndarray]], sample: np.
     return _health(blocks, sample, sampled, _checked_reembedded(reembedded, sampled.shape), metric)
 
 
-def self_retrieval_ranks(adapted: np.ndarray, sample: np.ndarray, reembedded: np.ndarray, metric: str, *,
-                         block_rows: int = DEFAULT_BLOCK_ROWS) -> np.ndarray:
+def self_retrieval_ranks(
+    adapted: np.ndarray,
+    sample: np.ndarray,
+    reembedded: np.ndarray,
+    metric: str,
+    *,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+) -> np.ndarray:
     """Rank (1 = nearest) of each sampled row's own adapted vector when ``reembedded[i]``
     queries the whole adapted gallery by ``metric``; a tie counts against the row when the
     other row comes first in the gallery (as the device's search breaks ties)."""
@@ -104,8 +125,13 @@ def self_retrieval_ranks(adapted: np.ndarray, sample: np.ndarray, reembedded: np
     return _ranks(_array_blocks(adapted, block_rows), sample, adapted[sample], reembedded, metric)
 
 
-def _health(blocks: Iterable[tuple[np.ndarray, np.ndarray]], sample: np.ndarray, sampled: np.ndarray,
-            reembedded: np.ndarray, metric: str) -> UpgradeHealth:
+def _health(
+    blocks: Iterable[tuple[np.ndarray, np.ndarray]],
+    sample: np.ndarray,
+    sampled: np.ndarray,
+    reembedded: np.ndarray,
+    metric: str,
+) -> UpgradeHealth:
     ranks = _ranks(blocks, sample, sampled, reembedded, metric)
     # clipped: rounding can put a row's cosine with itself a hair past 1, outside what a report may carry
     cosines = np.clip(np.einsum("ij,ij->i", _unit(sampled), _unit(reembedded)), -1.0, 1.0)
@@ -120,22 +146,31 @@ def _health(blocks: Iterable[tuple[np.ndarray, np.ndarray]], sample: np.ndarray,
 
 def _array_blocks(adapted: np.ndarray, block_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     for first in range(0, len(adapted), block_rows):
-        block = adapted[first:first + block_rows]
+        block = adapted[first : first + block_rows]
         yield np.arange(first, first + len(block)), block
 
 
-def _ranks(blocks: Iterable[tuple[np.ndarray, np.ndarray]], sample: np.ndarray, sampled: np.ndarray,
-           reembedded: np.ndarray, metric: str) -> np.ndarray:
+def _ranks(
+    blocks: Iterable[tuple[np.ndarray, np.ndarray]],
+    sample: np.ndarray,
+    sampled: np.ndarray,
+    reembedded: np.ndarray,
+    metric: str,
+) -> np.ndarray:
     queries = _unit(reembedded) if metric == "cosine" else reembedded.astype(np.float64)
     own = np.diagonal(_scores(queries, sampled, metric)).copy()
     ahead = np.zeros(len(sample), dtype=np.int64)
     for keys, block in blocks:
         if block.ndim != 2 or block.shape[1] != sampled.shape[1]:
-            raise InputError(f"a gallery block of shape {block.shape} does not match the sampled rows' dimension "
-                             f"{sampled.shape[1]}; measure rows of one space only")
+            raise InputError(
+                f"a gallery block of shape {block.shape} does not match the sampled rows' dimension "
+                f"{sampled.shape[1]}; measure rows of one space only"
+            )
         if not np.isfinite(block).all():
             bad = int(keys[np.flatnonzero(~np.isfinite(block).all(axis=1))[0]])
-            raise InputError(f"adapted gallery row {bad} holds NaN or inf; repair the gallery before measuring its health")
+            raise InputError(
+                f"adapted gallery row {bad} holds NaN or inf; repair the gallery before measuring its health"
+            )
         scores = _scores(queries, block, metric)
         earlier = keys[None, :] < sample[:, None]
         better = (scores > own[:, None]) | ((scores == own[:, None]) & earlier)
@@ -160,8 +195,9 @@ def _unit(x: np.ndarray) -> np.ndarray:
     return x / np.where(norms > 0, norms, 1.0)[:, None]
 
 
-def _checked(adapted: np.ndarray, sample: np.ndarray, reembedded: np.ndarray, metric: str,
-             block_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _checked(
+    adapted: np.ndarray, sample: np.ndarray, reembedded: np.ndarray, metric: str, block_rows: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if metric not in METRICS:
         raise InputError(f"metric {metric!r} is not one of {', '.join(METRICS)} (the bundle manifest's distance)")
     if block_rows < 1:
@@ -176,8 +212,10 @@ def _checked(adapted: np.ndarray, sample: np.ndarray, reembedded: np.ndarray, me
 def _checked_reembedded(reembedded: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
     reembedded = np.asarray(reembedded)
     if reembedded.shape != shape:
-        raise InputError(f"re-embedded vectors of shape {reembedded.shape} do not match {shape[0]} sampled rows "
-                         f"of dimension {shape[1]}; re-embed each sampled row with the new model")
+        raise InputError(
+            f"re-embedded vectors of shape {reembedded.shape} do not match {shape[0]} sampled rows "
+            f"of dimension {shape[1]}; re-embed each sampled row with the new model"
+        )
     if not np.isfinite(reembedded).all():
         raise InputError("re-embedded vectors hold NaN or inf; the new model failed on a sampled row")
     return reembedded

@@ -38,7 +38,9 @@ class UpgradePlan:
     hops: tuple[Hop, ...]
 
     def to_json(self) -> str:
-        return json.dumps({"target": self.target, "mode": self.mode, "hops": [asdict(h) for h in self.hops]}, sort_keys=True)
+        return json.dumps(
+            {"target": self.target, "mode": self.mode, "hops": [asdict(h) for h in self.hops]}, sort_keys=True
+        )
 
     @classmethod
     def from_state(cls, state: Mapping) -> UpgradePlan:
@@ -50,14 +52,23 @@ class UpgradePlan:
         path: list[Hop] = []
         while version != self.target:
             if version not in by_source:
-                raise GalleryError(f"the upgrade plan to v{self.target} has no path from a row's v{version}; sync again")
+                raise GalleryError(
+                    f"the upgrade plan to v{self.target} has no path from a row's v{version}; sync again"
+                )
             path.append(by_source[version])
             version = by_source[version].target
         return path
 
 
-def plan_to(gallery: Gallery, target: int, mode: str, find_hops: Callable[[int], list[Hop] | None], missing: str,
-            manifest_of: Callable[[int], Any], fetch: Callable[[set[int]], None] | None = None) -> UpgradePlan:
+def plan_to(
+    gallery: Gallery,
+    target: int,
+    mode: str,
+    find_hops: Callable[[int], list[Hop] | None],
+    missing: str,
+    manifest_of: Callable[[int], Any],
+    fetch: Callable[[set[int]], None] | None = None,
+) -> UpgradePlan:
     """One plan to ``target`` with a path from every version the gallery's rows are in (after a
     "compatible" upgrade rows keep their older tag) and from the installed version (rows added
     while the upgrade runs); hops are shared where paths meet. ``find_hops(source)`` gives a
@@ -73,8 +84,10 @@ def plan_to(gallery: Gallery, target: int, mode: str, find_hops: Callable[[int],
         if hops is None:
             if mode == "unified":
                 continue
-            raise DeviceError(f"no upgrade from v{source} to v{target}: {missing} from v{source} "
-                              f"({gallery.remaining(target)} row(s) wait); publish or install one, or back-fill those rows")
+            raise DeviceError(
+                f"no upgrade from v{source} to v{target}: {missing} from v{source} "
+                f"({gallery.remaining(target)} row(s) wait); publish or install one, or back-fill those rows"
+            )
         for hop in hops:
             by_source.setdefault(hop.source, hop)
     plan = UpgradePlan(target, mode, tuple(sorted(by_source.values(), key=lambda h: (h.source, h.target))))
@@ -94,8 +107,16 @@ def server_hops(client, target: int) -> Callable[[int], list[Hop] | None]:
             if exc.code in ("NOT_FOUND", "FAILED_PRECONDITION"):
                 return None
             raise
-        return [Hop(h.source_version, h.target_version, h.bundle_version, None if h.identity else h.forward.name,
-                    h.side_forward.name if h.HasField("side_forward") else None) for h in planned.hops]
+        return [
+            Hop(
+                h.source_version,
+                h.target_version,
+                h.bundle_version,
+                None if h.identity else h.forward.name,
+                h.side_forward.name if h.HasField("side_forward") else None,
+            )
+            for h in planned.hops
+        ]
 
     return find
 
@@ -118,14 +139,17 @@ def check_plan_dims(plan: UpgradePlan, sources: Sequence[int], manifest_of: Call
             forward = _artifact(manifest_of(hop.bundle), hop.forward)
             wanted = forward.inputs[0].shape[-1]
             if wanted != dims:
-                raise GalleryError(f"rows of v{source} are {dims}-d, but the adapter v{hop.source}->v{hop.target} on their "
-                                   f"path to v{plan.target} takes {wanted}-d embeddings (v{hop.source}'s own); publish an "
-                                   f"adapter from v{source}, or back-fill those rows with v{plan.target}'s model")
+                raise GalleryError(
+                    f"rows of v{source} are {dims}-d, but the adapter v{hop.source}->v{hop.target} on their "
+                    f"path to v{plan.target} takes {wanted}-d embeddings (v{hop.source}'s own); publish an "
+                    f"adapter from v{source}, or back-fill those rows with v{plan.target}'s model"
+                )
             dims = forward.outputs[0].shape[-1]
 
 
-def transform_rows(plan: UpgradePlan, engines: Mapping[int, Engine], tag: VersionTag,
-                   embeddings: np.ndarray, side_infos: np.ndarray) -> tuple[VersionTag, np.ndarray, np.ndarray]:
+def transform_rows(
+    plan: UpgradePlan, engines: Mapping[int, Engine], tag: VersionTag, embeddings: np.ndarray, side_infos: np.ndarray
+) -> tuple[VersionTag, np.ndarray, np.ndarray]:
     """Move rows tagged ``tag`` through their path to the plan's target."""
     for hop in plan.path_from(tag.version):
         if hop.forward is not None:

@@ -47,24 +47,26 @@ def seal_image(owner: Sealer, item_id: str, image: np.ndarray) -> bytes:
     return MAGIC + len(wrapped).to_bytes(2, "big") + wrapped + body
 
 
-def open_image(owner: Sealer, item_id: str, blob: bytes, *, device: Sealer | None = None,
-               gallery_id: bytes = b"") -> np.ndarray:
+def open_image(
+    owner: Sealer, item_id: str, blob: bytes, *, device: Sealer | None = None, gallery_id: bytes = b""
+) -> np.ndarray:
     """The image sealed by :func:`seal_image` (or, with ``device`` and ``gallery_id``, a legacy
     FCTB1 envelope); :class:`CorruptRecordError` if anything was altered or the key is not the owner's."""
-    magic = blob[:len(MAGIC)]
+    magic = blob[: len(MAGIC)]
     if magic not in (MAGIC, LEGACY_MAGIC) or len(blob) < len(MAGIC) + 2:
         raise CorruptRecordError(f"vault blob of item {item_id!r} is not an fctkit image envelope")
     if magic == LEGACY_MAGIC:
         if device is None:
-            raise CorruptRecordError(f"item {item_id!r} was sealed under another device's key (before owners); "
-                                     "only that device can open it")
+            raise CorruptRecordError(
+                f"item {item_id!r} was sealed under another device's key (before owners); only that device can open it"
+            )
         wrapping, aad = device, _legacy_key_aad(gallery_id, item_id)
     else:
         wrapping, aad = owner, _owner_key_aad(item_id)
     start = len(MAGIC) + 2
-    size = int.from_bytes(blob[len(MAGIC):start], "big")
-    data_key = wrapping.open(blob[start:start + size], aad, f"item {item_id!r} data key")
-    raw = Sealer(data_key).open(blob[start + size:], _image_aad(item_id), f"item {item_id!r} image")
+    size = int.from_bytes(blob[len(MAGIC) : start], "big")
+    data_key = wrapping.open(blob[start : start + size], aad, f"item {item_id!r} data key")
+    raw = Sealer(data_key).open(blob[start + size :], _image_aad(item_id), f"item {item_id!r} image")
     return np.load(io.BytesIO(raw), allow_pickle=False)
 
 

@@ -12,7 +12,7 @@ import os
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -125,9 +125,14 @@ def build_bundle(
             embedding_dim=_output_dim(described, "embed", preprocessing),
             side_info_dim=_output_dim(described, "side_info", preprocessing),
             artifacts=described,
-            gate={"cases": cases, "ecc": ecc, "forced": bool(failures), "force_reason": force_reason if failures else None,
-                  **quantization},
-            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            gate={
+                "cases": cases,
+                "ecc": ecc,
+                "forced": bool(failures),
+                "force_reason": force_reason if failures else None,
+                **quantization,
+            },
+            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
             kit_version=__version__,
             publisher_key_id=public_key_id(private_key.public_key()),
             compatible_prefix_dim=compatible_prefix_dim,
@@ -173,7 +178,9 @@ def _copy_and_describe(source: ArtifactSource, staging: Path) -> Artifact:
     shutil.copyfile(src, copy)
     if source.role in FILE_ROLES:
         sha256, size = file_sha256(copy)
-        return Artifact(name, source.role, file_name, sha256, size, (), (), source.source_version, source.target_version)
+        return Artifact(
+            name, source.role, file_name, sha256, size, (), (), source.source_version, source.target_version
+        )
     # Describe the copy, not the source, so the manifest matches exactly the bytes bundled.
     model = load_onnx_model(copy)
     inputs, outputs = graph_io_specs(model)
@@ -201,8 +208,13 @@ def _output_dim(artifacts: Sequence[Artifact], role: str, preprocessing: Preproc
 # --------------------------------------------------------------------------- ONNX Runtime check
 
 _ORT_TYPES = {
-    "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
-    "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8", "tensor(uint8)": "uint8",
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(double)": "float64",
+    "tensor(int64)": "int64",
+    "tensor(int32)": "int32",
+    "tensor(int8)": "int8",
+    "tensor(uint8)": "uint8",
     "tensor(bool)": "bool",
 }
 
@@ -304,7 +316,9 @@ def load_bundle_spec(path: str | os.PathLike) -> tuple[BundleSpec, list[Artifact
         return spec, sources, gate_from_report(data, verdicts)
     stray = [a.file for a in spec.artifact if a.ecc is not None]
     if stray:
-        raise ConfigError(f"{path}: 'ecc' (for {', '.join(map(str, stray))}) names report verdicts, but {gate_path} is not a trainer report")
+        raise ConfigError(
+            f"{path}: 'ecc' (for {', '.join(map(str, stray))}) names report verdicts, but {gate_path} is not a trainer report"
+        )
     return spec, sources, data
 
 
@@ -325,7 +339,9 @@ def gate_from_report(report: Mapping[str, Any], ecc_verdicts: Mapping[str, str])
         raise GateError(f"the trainer report is malformed ({exc!r}); regenerate it with the trainer") from exc
     repeated = sorted({n for n in names if names.count(n) > 1} & set(ecc_verdicts.values()))
     if repeated:
-        raise GateError(f"the trainer report has several verdicts named {', '.join(map(repr, repeated))}: give each a distinct name")
+        raise GateError(
+            f"the trainer report has several verdicts named {', '.join(map(repr, repeated))}: give each a distinct name"
+        )
     ecc = {}
     for artifact, verdict in ecc_verdicts.items():
         if verdict not in verdicts:
@@ -338,6 +354,11 @@ def gate_from_report(report: Mapping[str, Any], ecc_verdicts: Mapping[str, str])
 
 
 __all__ = [
-    "ArtifactSource", "ArtifactSpec", "BundleSpec", "build_bundle", "check_graphs_load", "gate_from_report",
+    "ArtifactSource",
+    "ArtifactSpec",
+    "BundleSpec",
+    "build_bundle",
+    "check_graphs_load",
+    "gate_from_report",
     "load_bundle_spec",
 ]

@@ -40,26 +40,40 @@ COMPATIBLE_METHODS = ("bct", "bt2", "cores", "cores-hoc")
 PARITY_ROWS = 512  # held-out evaluation images each graph's parity check runs on
 
 
-def export_compatible_release(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                              private_key: Ed25519PrivateKey, method: str, first_version: int = 1,
-                              fp16: bool = False, force: bool = False, force_reason: str | None = None) -> list[VerifiedBundle]:
+def export_compatible_release(
+    run_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    private_key: Ed25519PrivateKey,
+    method: str,
+    first_version: int = 1,
+    fp16: bool = False,
+    force: bool = False,
+    force_reason: str | None = None,
+) -> list[VerifiedBundle]:
     """Export the run's one-upgrade models of ``method`` as bundles ``v{first_version}`` and
     ``v{first_version + 1}`` (directories and ``.tar`` archives) in ``out_dir``; returns them
     verified as a device verifies them. Nothing is left in ``out_dir`` when it fails."""
     run, out = Path(run_dir), Path(out_dir)
     if method not in COMPATIBLE_METHODS:
-        raise InputError(f"method {method!r} is not a compatible backbone method; choose from {', '.join(COMPATIBLE_METHODS)}")
+        raise InputError(
+            f"method {method!r} is not a compatible backbone method; choose from {', '.join(COMPATIBLE_METHODS)}"
+        )
     if first_version < 1:
         raise InputError(f"first_version must be >= 1, got {first_version}")
     config, gate = _run_files(run)
     if method not in gate["ecc"]:
-        raise InputError(f"{run} did not train {method!r} (it trained: {', '.join(sorted(gate['ecc']))}); add it to `methods`")
+        raise InputError(
+            f"{run} did not train {method!r} (it trained: {', '.join(sorted(gate['ecc']))}); add it to `methods`"
+        )
     holds = gate["ecc"][method] is True
     if not holds and not force:
         cases = gate["cases"][method]
-        raise GateError(f"publishing refused: ECC does not hold for {method} in {run} (new/old {cases['new/old']['top1']:.4f} "
-                        f"<= old/old {cases['old/old']['top1']:.4f}): its queries would degrade the devices' galleries; "
-                        "pass --force --reason '...' to publish anyway on the record")
+        raise GateError(
+            f"publishing refused: ECC does not hold for {method} in {run} (new/old {cases['new/old']['top1']:.4f} "
+            f"<= old/old {cases['old/old']['top1']:.4f}): its queries would degrade the devices' galleries; "
+            "pass --force --reason '...' to publish anyway on the record"
+        )
     models = [_load(run / "models" / "upgrade" / method / f"v{k}.pt") for k in (1, 2)]
     images = _parity_images(config)
     old_dim, new_dim = gate["dims"][method]
@@ -67,7 +81,13 @@ def export_compatible_release(run_dir: str | os.PathLike, out_dir: str | os.Path
     cases = gate["cases"][method]
     plans = [
         (v1, (), models[0], {"cases": {"old/old": cases["old/old"]}, "ecc": {}}, None),
-        (v2, (v1,), models[1], {"cases": cases, "ecc": {artifact_name("embed"): holds}}, old_dim if new_dim != old_dim else None),
+        (
+            v2,
+            (v1,),
+            models[1],
+            {"cases": cases, "ecc": {artifact_name("embed"): holds}},
+            old_dim if new_dim != old_dim else None,
+        ),
     ]
     refuse_existing_versions(out, [v1, v2])
     out.mkdir(parents=True, exist_ok=True)
@@ -77,9 +97,20 @@ def export_compatible_release(run_dir: str | os.PathLike, out_dir: str | os.Path
         scratch = Path(scratch)
         for version, parents, model, version_gate, prefix in plans:
             exported = export_role("embed", model, scratch / f"embed-v{version}.onnx", [images], fp16=fp16)
-            build_bundle(scratch / f"v{version}", version=version, parents=parents, mode="compatible", distance=distance,
-                         normalize=distance == "cosine", artifacts=[exported.artifact], gate=version_gate,
-                         private_key=private_key, force=force, force_reason=force_reason, compatible_prefix_dim=prefix)
+            build_bundle(
+                scratch / f"v{version}",
+                version=version,
+                parents=parents,
+                mode="compatible",
+                distance=distance,
+                normalize=distance == "cosine",
+                artifacts=[exported.artifact],
+                gate=version_gate,
+                private_key=private_key,
+                force=force,
+                force_reason=force_reason,
+                compatible_prefix_dim=prefix,
+            )
             pack_bundle(scratch / f"v{version}", scratch / f"v{version}.tar")
         move_versions_into_place(scratch, out, [v1, v2])
     from fctkit.protos.bundle import verify_bundle
@@ -92,8 +123,10 @@ def export_compatible_release(run_dir: str | os.PathLike, out_dir: str | os.Path
 def _run_files(run: Path) -> tuple[Any, dict]:
     for name in ("config.json", "gate.json"):
         if not (run / name).is_file():
-            raise DataUnavailableError(f"{run} is not a complete `fctkit train-compatible` run: {name} is missing; run "
-                                       f"`fctkit train-compatible --config CONFIG --out {run}` first")
+            raise DataUnavailableError(
+                f"{run} is not a complete `fctkit train-compatible` run: {name} is missing; run "
+                f"`fctkit train-compatible --config CONFIG --out {run}` first"
+            )
     from fctkit.config import from_mapping
     from fctkit.trainer.compatible_config import CompatibleConfig
 

@@ -47,7 +47,11 @@ from .user_preprocessing import GraphPreprocessing, check_preprocessed_graph, ch
 from .variants import Variant
 
 #: the graphs a team names, the run's feature each must reproduce, and its bundle role
-GRAPH_FEATURES: dict[str, tuple[str, Role]] = {"old": ("old", "embed"), "new": ("new", "embed"), "side_info": ("side", "side_info")}
+GRAPH_FEATURES: dict[str, tuple[str, Role]] = {
+    "old": ("old", "embed"),
+    "new": ("new", "embed"),
+    "side_info": ("side", "side_info"),
+}
 
 
 @dataclass(frozen=True)
@@ -74,14 +78,18 @@ def declarations(variant: Variant, gate: dict, previous_version: int, transition
     if variant.transition:
         weight = gate["transition_weight"][variant.key]
         if not 0.0 < weight < 1.0:
-            raise InputError(f"the run chose transition weight {weight} for {variant.key!r} on held-out training data "
-                             "(fusing with the old space did not help): export the variant without +transition")
+            raise InputError(
+                f"the run chose transition weight {weight} for {variant.key!r} on held-out training data "
+                "(fusing with the old space did not help): export the variant without +transition"
+            )
         declared["transition"] = TransitionPolicy(previous_version, float(weight), float(transition_days))
     if variant.hubness:
         beta = gate["hubness_beta"][variant.key]
         if beta <= 0:
-            raise InputError(f"the run chose hubness β = {beta} for {variant.key!r} on held-out training data (no offset "
-                             "helped): export the variant without +hubness")
+            raise InputError(
+                f"the run chose hubness β = {beta} for {variant.key!r} on held-out training data (no offset "
+                "helped): export the variant without +hubness"
+            )
         declared["hubness"] = HubnessPolicy(float(beta))
     return declared
 
@@ -98,47 +106,74 @@ def check_user_graphs(graphs: UserGraphs, features: dict[str, np.ndarray]) -> di
             continue
         feature, role = GRAPH_FEATURES[name]
         rows = sample.get(f"{feature}_input", sample.get("input"))
-        checked[f"graph:{name}"] = check_user_graph(Path(path), role, rows, sample[feature], features[feature].shape[1],
-                                                    graphs.tolerance, f"the {name} graph")
+        checked[f"graph:{name}"] = check_user_graph(
+            Path(path), role, rows, sample[feature], features[feature].shape[1], graphs.tolerance, f"the {name} graph"
+        )
     return checked
 
 
-def _check_preprocessed_graphs(graphs: UserGraphs, preprocessing: GraphPreprocessing,
-                               features: dict[str, np.ndarray]) -> dict[str, RoleExport]:
-    named = {name: path for name, path in (("old", graphs.old), ("new", graphs.new), ("side_info", graphs.side_info)) if path}
+def _check_preprocessed_graphs(
+    graphs: UserGraphs, preprocessing: GraphPreprocessing, features: dict[str, np.ndarray]
+) -> dict[str, RoleExport]:
+    named = {
+        name: path for name, path in (("old", graphs.old), ("new", graphs.new), ("side_info", graphs.side_info)) if path
+    }
     sample = read_item_sample(graphs.sample, preprocessing.kind, [GRAPH_FEATURES[name][0] for name in named])
     checked = {}
     for name, path in named.items():
         feature, role = GRAPH_FEATURES[name]
         checked[f"graph:{name}"] = check_preprocessed_graph(
-            Path(path), role, preprocessing.declarations[name], preprocessing.tokenizers.get(name), sample,
-            sample.features[feature], features[feature].shape[1], graphs.tolerance, f"the {name} graph")
+            Path(path),
+            role,
+            preprocessing.declarations[name],
+            preprocessing.tokenizers.get(name),
+            sample,
+            sample.features[feature],
+            features[feature].shape[1],
+            graphs.tolerance,
+            f"the {name} graph",
+        )
     return checked
 
 
-def check_user_graph(path: Path, role: Role, rows: np.ndarray, expected: np.ndarray, feature_dim: int, tolerance: float,
-                     what: str) -> RoleExport:
+def check_user_graph(
+    path: Path, role: Role, rows: np.ndarray, expected: np.ndarray, feature_dim: int, tolerance: float, what: str
+) -> RoleExport:
     ort = require("onnxruntime", "cpu")
     model = load_onnx_model(path)
     inputs, outputs = graph_io_specs(model)
     if len(inputs) != 1 or not inputs[0].dtype.startswith("float") or inputs[0].dynamic:
-        raise ExportError(f"{what} ({path}) takes {[(s.name, s.dtype, s.shape) for s in inputs]}: without preprocessing a "
-                          "device feeds one float array of fixed shape per item; graphs that take token ids need a "
-                          "preprocessing declaration, as do graphs fed image files: give one with --preprocessing (and "
-                          "--tokenizer)")
+        raise ExportError(
+            f"{what} ({path}) takes {[(s.name, s.dtype, s.shape) for s in inputs]}: without preprocessing a "
+            "device feeds one float array of fixed shape per item; graphs that take token ids need a "
+            "preprocessing declaration, as do graphs fed image files: give one with --preprocessing (and "
+            "--tokenizer)"
+        )
     output = outputs[0]
     if len(output.shape) != 2 or output.feature_dim != feature_dim:
-        raise ExportError(f"{what} ({path}) outputs {output.name!r} of shape {output.shape}, but the run's features are "
-                          f"{feature_dim}-d: name the graph of the model the features came from")
+        raise ExportError(
+            f"{what} ({path}) outputs {output.name!r} of shape {output.shape}, but the run's features are "
+            f"{feature_dim}-d: name the graph of the model the features came from"
+        )
     per_item = tuple(inputs[0].shape[1:])
     if rows.shape[1:] != per_item:
-        raise ExportError(f"{what} ({path}) takes input {inputs[0].name!r} rows of shape {per_item}; the sample's rows are "
-                          f"{rows.shape[1:]}")
+        raise ExportError(
+            f"{what} ({path}) takes input {inputs[0].name!r} rows of shape {per_item}; the sample's rows are "
+            f"{rows.shape[1:]}"
+        )
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     start = time.perf_counter()
     produced = session.run([output.name], {inputs[0].name: rows.astype(np.float32)})[0]
-    result, parity = checked_against_sample(f"{what} ({path})", path, model, produced, expected, tolerance,
-                                            time.perf_counter() - start, "the sample's features")
+    result, parity = checked_against_sample(
+        f"{what} ({path})",
+        path,
+        model,
+        produced,
+        expected,
+        tolerance,
+        time.perf_counter() - start,
+        "the sample's features",
+    )
     return RoleExport(role, result, parity)
 
 
@@ -151,14 +186,20 @@ def hubness_role(reference: np.ndarray, k: int, rows: np.ndarray) -> Callable[[P
         path = hubness_onnx(reference, k, folder / "hubness.onnx")
         seconds = time.perf_counter() - start
         ort = require("onnxruntime", "cpu")
-        produced = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"embedding": rows})[0][:, 0]
+        produced = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"embedding": rows})[
+            0
+        ][:, 0]
         expected = hubness_offsets(rows, reference, k)
         error = float(np.abs(produced - expected).max())
-        parity = ParityReport(path, "fp32", 1e-4, error, float(np.abs(expected).max()), against="numpy (trainer.hubness)")
+        parity = ParityReport(
+            path, "fp32", 1e-4, error, float(np.abs(expected).max()), against="numpy (trainer.hubness)"
+        )
         if not parity.passed:
             raise ExportError(f"the hubness graph differs from the trainer's offsets by {error:.3g}")
         inputs, outputs = graph_io_specs(load_onnx_model(path))
-        return RoleExport("hubness", ExportResult(path, 17, "fp32", inputs, outputs, path.stat().st_size, seconds), parity)
+        return RoleExport(
+            "hubness", ExportResult(path, 17, "fp32", inputs, outputs, path.stat().st_size, seconds), parity
+        )
 
     return build
 
@@ -175,10 +216,20 @@ def _read_sample(graphs: UserGraphs) -> dict[str, np.ndarray]:
     unknown, missing = sorted(set(sample) - allowed), [f for f in features if f not in sample]
     no_input = [f for f in features if f"{f}_input" not in sample and "input" not in sample]
     if unknown or missing or no_input:
-        raise InputError(f"parity sample {path}: " + "; ".join(filter(None, (
-            f"unknown key(s) {unknown}" if unknown else "", f"missing feature(s) {missing}" if missing else "",
-            f"no input rows for {no_input} (give 'input' or '<feature>_input')" if no_input else "")))
-            + f"; it holds {', '.join(sorted(allowed))}")
+        raise InputError(
+            f"parity sample {path}: "
+            + "; ".join(
+                filter(
+                    None,
+                    (
+                        f"unknown key(s) {unknown}" if unknown else "",
+                        f"missing feature(s) {missing}" if missing else "",
+                        f"no input rows for {no_input} (give 'input' or '<feature>_input')" if no_input else "",
+                    ),
+                )
+            )
+            + f"; it holds {', '.join(sorted(allowed))}"
+        )
     counts = {k: len(v) for k, v in sample.items()}
     if len(set(counts.values())) != 1 or not next(iter(counts.values())):
         raise InputError(f"parity sample {path}: every array needs the same, non-zero number of rows, got {counts}")

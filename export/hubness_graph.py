@@ -25,7 +25,9 @@ def hubness_onnx(reference_queries: np.ndarray, k: int, path: str | os.PathLike)
 
     reference = np.asarray(reference_queries, dtype=np.float64)
     if reference.ndim != 2 or not len(reference) or not np.isfinite(reference).all():
-        raise ExportError(f"hubness reference queries must be a finite, non-empty (N, d) array, got shape {reference.shape}")
+        raise ExportError(
+            f"hubness reference queries must be a finite, non-empty (N, d) array, got shape {reference.shape}"
+        )
     norms = np.linalg.norm(reference, axis=1, keepdims=True)
     if np.any(norms == 0):
         raise ExportError("a hubness reference query is all zeros: it has no direction for cosine")
@@ -41,11 +43,15 @@ def hubness_onnx(reference_queries: np.ndarray, k: int, path: str | os.PathLike)
         helper.make_node("ReduceMean", ["top"], ["offset"], keepdims=1, axes=[1]),
     ]
     graph = helper.make_graph(
-        nodes, "hubness_offset",
+        nodes,
+        "hubness_offset",
         [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", unit_t.shape[0]])],
         [helper.make_tensor_value_info("offset", TensorProto.FLOAT, ["batch", 1])],
-        initializer=[numpy_helper.from_array(unit_t, "reference_t"), numpy_helper.from_array(np.array([k], np.int64), "k"),
-                     numpy_helper.from_array(np.array(1e-12, np.float32), "tiny")],
+        initializer=[
+            numpy_helper.from_array(unit_t, "reference_t"),
+            numpy_helper.from_array(np.array([k], np.int64), "k"),
+            numpy_helper.from_array(np.array(1e-12, np.float32), "tiny"),
+        ],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="fctkit")
     model.ir_version = 8

@@ -63,9 +63,7 @@ def save_private_key(key: Ed25519PrivateKey, path: str | os.PathLike, passphrase
     even briefly), encrypted with ``passphrase`` when one is given."""
     if passphrase is not None and not passphrase:
         raise PublisherKeyError("the passphrase is empty: give a real one or none")
-    encryption = (
-        serialization.BestAvailableEncryption(passphrase) if passphrase else serialization.NoEncryption()
-    )
+    encryption = serialization.BestAvailableEncryption(passphrase) if passphrase else serialization.NoEncryption()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
     path = Path(path)
     try:
@@ -95,11 +93,19 @@ def root_file_name(version: int) -> str:
     return f"root.{version}.json"
 
 
-def init_root(out_dir: str | os.PathLike, *, root_keys: int, root_threshold: int,
-              publisher_keys: Sequence[Ed25519PublicKey] = (), publisher_threshold: int = 1,
-              timestamp_keys: Sequence[Ed25519PublicKey] = (), expires_days: int = DEFAULT_ROOT_EXPIRY_DAYS,
-              freshness_s: int = DEFAULT_FRESHNESS_LIMIT_S, passphrase: bytes | None = None,
-              now: datetime | None = None) -> tuple[Path, Signed[Root], list[Path]]:
+def init_root(
+    out_dir: str | os.PathLike,
+    *,
+    root_keys: int,
+    root_threshold: int,
+    publisher_keys: Sequence[Ed25519PublicKey] = (),
+    publisher_threshold: int = 1,
+    timestamp_keys: Sequence[Ed25519PublicKey] = (),
+    expires_days: int = DEFAULT_ROOT_EXPIRY_DAYS,
+    freshness_s: int = DEFAULT_FRESHNESS_LIMIT_S,
+    passphrase: bytes | None = None,
+    now: datetime | None = None,
+) -> tuple[Path, Signed[Root], list[Path]]:
     """Generate ``root_keys`` root keys (``root-<i>.key``, 0600, passphrase-wrapped, and
     ``root-<i>.pub``) and ``root.1.json`` signed by all of them, in ``out_dir``. The root is
     checked before any file is written. Returns (root file, signed root, private key files)."""
@@ -107,10 +113,17 @@ def init_root(out_dir: str | os.PathLike, *, root_keys: int, root_threshold: int
         raise TrustError(f"--root-keys {root_keys}: between 1 and 16 root keys")
     private = [Ed25519PrivateKey.generate() for _ in range(root_keys)]
     root_ids = [public_key_id(k.public_key()) for k in private]
-    root = Root(1, _expiry(now, expires_days), _key_map([k.public_key() for k in private], publisher_keys, timestamp_keys),
-                {"root": RoleKeys(tuple(root_ids), root_threshold),
-                 "publisher": RoleKeys(_ids(publisher_keys), publisher_threshold),
-                 "timestamp": RoleKeys(_ids(timestamp_keys), 1)}, freshness_s)
+    root = Root(
+        1,
+        _expiry(now, expires_days),
+        _key_map([k.public_key() for k in private], publisher_keys, timestamp_keys),
+        {
+            "root": RoleKeys(tuple(root_ids), root_threshold),
+            "publisher": RoleKeys(_ids(publisher_keys), publisher_threshold),
+            "timestamp": RoleKeys(_ids(timestamp_keys), 1),
+        },
+        freshness_s,
+    )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     root_path = out_dir / root_file_name(1)
@@ -127,29 +140,48 @@ def init_root(out_dir: str | os.PathLike, *, root_keys: int, root_threshold: int
     return root_path, signed, key_paths
 
 
-def next_root(current: Root, *, add_publishers: Sequence[Ed25519PublicKey] = (), remove_publishers: Sequence[str] = (),
-              publisher_threshold: int | None = None, add_root_keys: Sequence[Ed25519PublicKey] = (),
-              remove_root_keys: Sequence[str] = (), root_threshold: int | None = None,
-              timestamp_keys: Sequence[Ed25519PublicKey] | None = None, expires_days: int = DEFAULT_ROOT_EXPIRY_DAYS,
-              now: datetime | None = None) -> Root:
+def next_root(
+    current: Root,
+    *,
+    add_publishers: Sequence[Ed25519PublicKey] = (),
+    remove_publishers: Sequence[str] = (),
+    publisher_threshold: int | None = None,
+    add_root_keys: Sequence[Ed25519PublicKey] = (),
+    remove_root_keys: Sequence[str] = (),
+    root_threshold: int | None = None,
+    timestamp_keys: Sequence[Ed25519PublicKey] | None = None,
+    expires_days: int = DEFAULT_ROOT_EXPIRY_DAYS,
+    now: datetime | None = None,
+) -> Root:
     """The next root version: the changes applied, unsigned. Keys are removed by key id."""
-    keys = dict(current.keys) | {public_key_id(k): k for k in (*add_publishers, *add_root_keys, *(timestamp_keys or ()))}
+    keys = dict(current.keys) | {
+        public_key_id(k): k for k in (*add_publishers, *add_root_keys, *(timestamp_keys or ()))
+    }
     roles = {
         "root": _changed(current.role("root"), _ids(add_root_keys), remove_root_keys, root_threshold, "root"),
-        "publisher": _changed(current.role("publisher"), _ids(add_publishers), remove_publishers, publisher_threshold,
-                              "publisher"),
+        "publisher": _changed(
+            current.role("publisher"), _ids(add_publishers), remove_publishers, publisher_threshold, "publisher"
+        ),
         "timestamp": current.role("timestamp") if timestamp_keys is None else RoleKeys(_ids(timestamp_keys), 1),
     }
     used = {k for role in roles.values() for k in role.keyids}
-    return Root(current.version + 1, _expiry(now, expires_days), {k: v for k, v in keys.items() if k in used}, roles,
-                current.freshness_limit_s)
+    return Root(
+        current.version + 1,
+        _expiry(now, expires_days),
+        {k: v for k, v in keys.items() if k in used},
+        roles,
+        current.freshness_limit_s,
+    )
 
 
-def _changed(role: RoleKeys, added: tuple[str, ...], removed: Sequence[str], threshold: int | None, name: str) -> RoleKeys:
+def _changed(
+    role: RoleKeys, added: tuple[str, ...], removed: Sequence[str], threshold: int | None, name: str
+) -> RoleKeys:
     for keyid in removed:
         if keyid not in role.keyids:
-            raise TrustError(f"key {keyid[:16]}… is not a {name} key of this root: nothing to remove "
-                             "(`fctkit keys show` lists them)")
+            raise TrustError(
+                f"key {keyid[:16]}… is not a {name} key of this root: nothing to remove (`fctkit keys show` lists them)"
+            )
     for keyid in added:
         if keyid in role.keyids:
             raise TrustError(f"key {keyid[:16]}… is already a {name} key of this root")
@@ -214,7 +246,9 @@ def sign_release(bundle: str | os.PathLike, private_key: Ed25519PrivateKey) -> S
             pack_bundle(Path(scratch) / "bundle", bundle)
         return signature
     if not (bundle / SIGNATURE_FILE).exists():
-        raise TrustError(f"{bundle} is not a bundle folder or archive (no {SIGNATURE_FILE}): give a release's v<N>/ or v<N>.tar")
+        raise TrustError(
+            f"{bundle} is not a bundle folder or archive (no {SIGNATURE_FILE}): give a release's v<N>/ or v<N>.tar"
+        )
     manifest_bytes, signatures = read_release_signatures(bundle)
     signature = sign_bytes(manifest_bytes, private_key)
     if any(s.keyid == signature.keyid for s in signatures):
@@ -225,8 +259,25 @@ def sign_release(bundle: str | os.PathLike, private_key: Ed25519PrivateKey) -> S
 
 
 __all__ = [
-    "PRIVATE_KEY_FILE", "PUBLIC_KEY_FILE", "PASSPHRASE_ENV", "generate_keys", "save_private_key",
-    "save_public_key", "load_private_key", "load_public_key", "public_key_id", "read_passphrase",
-    "DEFAULT_ROOT_EXPIRY_DAYS", "root_file_name", "init_root", "next_root", "load_root_file", "write_root",
-    "sign_root_file", "sign_release", "withdrawal_file_name", "write_withdrawal", "sign_withdrawal_file",
+    "DEFAULT_ROOT_EXPIRY_DAYS",
+    "PASSPHRASE_ENV",
+    "PRIVATE_KEY_FILE",
+    "PUBLIC_KEY_FILE",
+    "generate_keys",
+    "init_root",
+    "load_private_key",
+    "load_public_key",
+    "load_root_file",
+    "next_root",
+    "public_key_id",
+    "read_passphrase",
+    "root_file_name",
+    "save_private_key",
+    "save_public_key",
+    "sign_release",
+    "sign_root_file",
+    "sign_withdrawal_file",
+    "withdrawal_file_name",
+    "write_root",
+    "write_withdrawal",
 ]

@@ -87,8 +87,10 @@ class ParityReport:
     def summary(self) -> str:
         batches = ", ".join(f"{name}: {err:.2e}" for name, err in self.per_batch.items())
         verdict = "ok" if self.passed else "FAILED"
-        return (f"parity {verdict} for {self.path.name} ({self.precision}): max abs error {self.max_abs_error:.2e} "
-                f"(tolerance {self.tolerance:.1e}, output scale {self.max_abs_reference:.3g}; {batches})")
+        return (
+            f"parity {verdict} for {self.path.name} ({self.precision}): max abs error {self.max_abs_error:.2e} "
+            f"(tolerance {self.tolerance:.1e}, output scale {self.max_abs_reference:.3g}; {batches})"
+        )
 
 
 def export_onnx(
@@ -110,7 +112,9 @@ def export_onnx(
     _check_names(list(output_names), "output")
     generator = torch.Generator().manual_seed(0)
     # Batch 3: torch.export would specialise a batch of 1 (or 2) into the graph.
-    example = tuple(torch.randn((3, *s.shape), generator=generator).to(_torch_dtype(torch, s.dtype)) for s in input_specs)
+    example = tuple(
+        torch.randn((3, *s.shape), generator=generator).to(_torch_dtype(torch, s.dtype)) for s in input_specs
+    )
     batch = torch.export.Dim("batch")
     path.parent.mkdir(parents=True, exist_ok=True)
     with _temporary_sibling(path) as staging, _eval_mode(module), warnings.catch_warnings():
@@ -118,9 +122,15 @@ def export_onnx(
         start = time.perf_counter()
         try:
             torch.onnx.export(
-                module, example, str(staging), input_names=[s.name for s in input_specs],
-                output_names=list(output_names), dynamic_shapes=tuple({0: batch} for _ in input_specs),
-                opset_version=opset, external_data=False, verbose=False,
+                module,
+                example,
+                str(staging),
+                input_names=[s.name for s in input_specs],
+                output_names=list(output_names),
+                dynamic_shapes=tuple({0: batch} for _ in input_specs),
+                opset_version=opset,
+                external_data=False,
+                verbose=False,
             )
         except Exception as exc:  # the exporter raises many unrelated types; all mean "not exportable"
             raise ExportError(
@@ -145,8 +155,13 @@ def describe_export(path: Path, model: Any, seconds: float) -> ExportResult:
     """The :class:`ExportResult` of the graph ``model`` written at ``path`` in ``seconds``."""
     inputs, outputs = graph_io_specs(model)
     return ExportResult(
-        path=path, opset=_opset(model), precision=graph_precision(model), inputs=inputs, outputs=outputs,
-        size_bytes=path.stat().st_size, export_seconds=seconds,
+        path=path,
+        opset=_opset(model),
+        precision=graph_precision(model),
+        inputs=inputs,
+        outputs=outputs,
+        size_bytes=path.stat().st_size,
+        export_seconds=seconds,
     )
 
 
@@ -172,12 +187,20 @@ def check_parity(
         raise InputError(f"{onnx_path.name} takes {len(graph_inputs)} input(s), {len(real)} array(s) were given")
     for node, array in zip(graph_inputs, real):
         if list(array.shape[1:]) != list(node.shape[1:]):
-            raise InputError(f"input {node.name!r} of {onnx_path.name} needs rows of shape {node.shape[1:]}, got {array.shape[1:]}")
+            raise InputError(
+                f"input {node.name!r} of {onnx_path.name} needs rows of shape {node.shape[1:]}, got {array.shape[1:]}"
+            )
     names = [node.name for node in graph_inputs]
     precision = graph_precision(load_onnx_model(onnx_path))
     return compare_with_torch(
-        module, lambda arrays: session.run(None, dict(zip(names, arrays))), real, path=onnx_path,
-        precision=precision, tolerance=tolerance, batch_sizes=batch_sizes, seed=seed,
+        module,
+        lambda arrays: session.run(None, dict(zip(names, arrays))),
+        real,
+        path=onnx_path,
+        precision=precision,
+        tolerance=tolerance,
+        batch_sizes=batch_sizes,
+        seed=seed,
     )
 
 
@@ -209,8 +232,12 @@ def compare_with_torch(
     if tolerance is None:
         tolerance = RELATIVE_TOLERANCES.get(precision, FP32_TOLERANCE) * max(1.0, scale)
     report = ParityReport(
-        path=path, precision=precision, tolerance=tolerance, max_abs_error=max(errors.values()),
-        max_abs_reference=scale, per_batch=errors,
+        path=path,
+        precision=precision,
+        tolerance=tolerance,
+        max_abs_error=max(errors.values()),
+        max_abs_reference=scale,
+        per_batch=errors,
     )
     if not report.passed:
         error = ExportError(report.summary() + ": the graph does not compute what the torch module computes")
@@ -239,8 +266,10 @@ def run_onnx(onnx_path: str | os.PathLike, arrays: Sequence[np.ndarray], *, batc
     """Run an ONNX graph over arrays (one per input) in batches; returns its outputs."""
     session = onnx_session(onnx_path)
     names = [node.name for node in session.get_inputs()]
-    chunks = [session.run(None, {n: a[i:i + batch_size] for n, a in zip(names, arrays)})
-              for i in range(0, len(arrays[0]), batch_size)]
+    chunks = [
+        session.run(None, {n: a[i : i + batch_size] for n, a in zip(names, arrays)})
+        for i in range(0, len(arrays[0]), batch_size)
+    ]
     return [np.concatenate([c[k] for c in chunks]) for k in range(len(chunks[0]))]
 
 
@@ -336,6 +365,19 @@ def _temporary_sibling(path: Path) -> Iterator[Path]:
 
 
 __all__ = [
-    "FP32_TOLERANCE", "FP16_RELATIVE_TOLERANCE", "INT8_RELATIVE_TOLERANCE", "PARITY_BATCH_SIZES", "describe_export", "to_fp16", "InputSpec", "ExportResult",
-    "ParityReport", "export_onnx", "check_parity", "compare_with_torch", "run_torch", "run_onnx", "onnx_session",
+    "FP16_RELATIVE_TOLERANCE",
+    "FP32_TOLERANCE",
+    "INT8_RELATIVE_TOLERANCE",
+    "PARITY_BATCH_SIZES",
+    "ExportResult",
+    "InputSpec",
+    "ParityReport",
+    "check_parity",
+    "compare_with_torch",
+    "describe_export",
+    "export_onnx",
+    "onnx_session",
+    "run_onnx",
+    "run_torch",
+    "to_fp16",
 ]

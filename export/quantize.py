@@ -58,7 +58,9 @@ def quantize_graph(source: Path, path: Path, precision: str) -> Path:
         root = logging.getLogger()
         level, root.level = root.level, logging.ERROR  # it advises, on the root logger, a pre-processing step for CNNs
         try:
-            quantization.quantize_dynamic(str(source), str(path), per_channel=True, weight_type=quantization.QuantType.QInt8)
+            quantization.quantize_dynamic(
+                str(source), str(path), per_channel=True, weight_type=quantization.QuantType.QInt8
+            )
         finally:
             root.setLevel(level)
     else:
@@ -78,11 +80,20 @@ def judged_gate(run: TrainedRun, method: str, gate: dict, quantized: RoleExport,
         raise GateError(
             f"publishing refused: with the {precision} forward adapter ECC does not hold on {metric} "
             f"({value:.4f} vs old/old {baseline:.4f}; fp32 {fp32:.4f}); export without --quantize, or pass "
-            "--force --reason '...' to override on the record")
-    return {"cases": {**gate["cases"], case: metrics, f"{case} [fp32]": gate["cases"][case]},
-            "ecc": {name: holds for name in gate["ecc"]},
-            "quantization": {"precision": precision, "scheme": SCHEMES[precision], "artifacts": [quantized.artifact.artifact_name],
-                             "metric": metric, "fp32": fp32, "quantized": value}}
+            "--force --reason '...' to override on the record"
+        )
+    return {
+        "cases": {**gate["cases"], case: metrics, f"{case} [fp32]": gate["cases"][case]},
+        "ecc": dict.fromkeys(gate["ecc"], holds),
+        "quantization": {
+            "precision": precision,
+            "scheme": SCHEMES[precision],
+            "artifacts": [quantized.artifact.artifact_name],
+            "metric": metric,
+            "fp32": fp32,
+            "quantized": value,
+        },
+    }
 
 
 def quantized_metrics(run: TrainedRun, method: str, graph: Path) -> tuple[dict, bool]:
@@ -92,7 +103,9 @@ def quantized_metrics(run: TrainedRun, method: str, graph: Path) -> tuple[dict, 
     from fctkit.trainer.report import Report
 
     searched = _variant(run, method, graph)
-    gate = evaluate_methods(run.config, _evaluation_set(run), {method: searched}, Report("quantised"), run.gate["metric"])
+    gate = evaluate_methods(
+        run.config, _evaluation_set(run), {method: searched}, Report("quantised"), run.gate["metric"]
+    )
     return gate["cases"][method], bool(gate["ecc"][method])
 
 
@@ -122,4 +135,11 @@ def _evaluation_set(run: TrainedRun) -> Any:
     return EvalSet.labelled(Features(features["old"], features["side"], features["new"], features.get("labels")))
 
 
-__all__ = ["QUANTIZATIONS", "check_quantization", "judged_gate", "quantize_graph", "quantized_forward", "quantized_metrics"]
+__all__ = [
+    "QUANTIZATIONS",
+    "check_quantization",
+    "judged_gate",
+    "quantize_graph",
+    "quantized_forward",
+    "quantized_metrics",
+]

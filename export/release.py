@@ -85,10 +85,18 @@ def build_release(
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        exporter = partial(_Exporter, run, _RealInputs(run, chain), fp16=fp16, quantize=quantize, ready=ready,
-                           bar=_progress_bar(sum(len(p.roles) for p in plans), progress))
-        built = _build_versions(run, plans, out_dir, private_key, method, exporter, force, force_reason,
-                                rollback_window_days)
+        exporter = partial(
+            _Exporter,
+            run,
+            _RealInputs(run, chain),
+            fp16=fp16,
+            quantize=quantize,
+            ready=ready,
+            bar=_progress_bar(sum(len(p.roles) for p in plans), progress),
+        )
+        built = _build_versions(
+            run, plans, out_dir, private_key, method, exporter, force, force_reason, rollback_window_days
+        )
     except BaseException:
         if created and not any(out_dir.iterdir()):
             out_dir.rmdir()
@@ -100,9 +108,17 @@ def build_release(
     ]
 
 
-def _build_versions(run: TrainedRun, plans: Sequence[VersionPlan], out_dir: Path, private_key: Ed25519PrivateKey,
-                    method: str, exporter: Callable[..., _Exporter], force: bool,
-                    force_reason: str | None, rollback_window_days: int) -> list[tuple[int, tuple[tuple[RolePlan, RoleExport], ...]]]:
+def _build_versions(
+    run: TrainedRun,
+    plans: Sequence[VersionPlan],
+    out_dir: Path,
+    private_key: Ed25519PrivateKey,
+    method: str,
+    exporter: Callable[..., _Exporter],
+    force: bool,
+    force_reason: str | None,
+    rollback_window_days: int,
+) -> list[tuple[int, tuple[tuple[RolePlan, RoleExport], ...]]]:
     """``exporter(folder=...)``: the :class:`_Exporter` of the release, given its scratch folder."""
     built = []
     # Everything is built in a scratch folder and moved into place at the end: a refused or
@@ -117,13 +133,28 @@ def _build_versions(run: TrainedRun, plans: Sequence[VersionPlan], out_dir: Path
                 gate = judged_gate(run, method, plan.gate, quantized[0], force) if quantized else plan.gate
                 preprocessing, tokenizers = bundle_preprocessing([e for _, e in exports])
                 build_bundle(
-                    scratch / f"v{plan.version}", version=plan.version, parents=plan.parents, mode=plan.mode,
-                    distance=run.distance, normalize=run.distance == "cosine",
-                    artifacts=[e.artifact for _, e in exports] + tokenizers, gate=gate, private_key=private_key,
-                    force=force, force_reason=force_reason, preprocessing=preprocessing, **plan.declarations,
+                    scratch / f"v{plan.version}",
+                    version=plan.version,
+                    parents=plan.parents,
+                    mode=plan.mode,
+                    distance=run.distance,
+                    normalize=run.distance == "cosine",
+                    artifacts=[e.artifact for _, e in exports] + tokenizers,
+                    gate=gate,
+                    private_key=private_key,
+                    force=force,
+                    force_reason=force_reason,
+                    preprocessing=preprocessing,
+                    **plan.declarations,
                     rollback_window_days=rollback_window_days,
-                    parity={role.name: {"max_abs_error": e.parity.max_abs_error, "tolerance": e.parity.tolerance,
-                                        "against": e.parity.against} for role, e in exports},
+                    parity={
+                        role.name: {
+                            "max_abs_error": e.parity.max_abs_error,
+                            "tolerance": e.parity.tolerance,
+                            "against": e.parity.against,
+                        }
+                        for role, e in exports
+                    },
                 )
                 pack_bundle(scratch / f"v{plan.version}", scratch / f"v{plan.version}.tar")
                 built.append((plan.version, exports))
@@ -160,8 +191,18 @@ def export_release(
     quantize: str | None = None,
 ) -> list[VerifiedBundle]:
     """The release's bundles, verified as a device verifies them; see :func:`build_release`."""
-    released = build_release(run_dir, out_dir, private_key=private_key, method=method, first_version=first_version,
-                             chain=chain, fp16=fp16, force=force, force_reason=force_reason, quantize=quantize)
+    released = build_release(
+        run_dir,
+        out_dir,
+        private_key=private_key,
+        method=method,
+        first_version=first_version,
+        chain=chain,
+        fp16=fp16,
+        force=force,
+        force_reason=force_reason,
+        quantize=quantize,
+    )
     return [r.bundle for r in released]
 
 
@@ -200,31 +241,51 @@ class _Exporter:
             path = self.folder / f"{len(self.done):02d}-{plan.name}.onnx"
             self.bar.set_description(f"export {plan.name} from {plan.source}")
             trained, real = self.run.load(plan.source), [np.asarray(self.real[k], np.float32) for k in plan.inputs]
-            self.done[key] = export_role(plan.role, trained, path, real, source_version=plan.source_version,
-                                         target_version=plan.target_version, fp16=self.fp16)
+            self.done[key] = export_role(
+                plan.role,
+                trained,
+                path,
+                real,
+                source_version=plan.source_version,
+                target_version=plan.target_version,
+                fp16=self.fp16,
+            )
             if self.quantize and plan.role == "forward":
-                self.done[key] = quantized_forward(self.done[key], role_module("forward", trained)[0], real, self.quantize)
+                self.done[key] = quantized_forward(
+                    self.done[key], role_module("forward", trained)[0], real, self.quantize
+                )
         self.bar.update(1)
         return self.done[key]
 
 
-def _ready_graphs(run: TrainedRun, plans: Sequence[VersionPlan], graphs: UserGraphs | None) -> dict[str, Callable[[Path], RoleExport]]:
+def _ready_graphs(
+    run: TrainedRun, plans: Sequence[VersionPlan], graphs: UserGraphs | None
+) -> dict[str, Callable[[Path], RoleExport]]:
     """The graphs a features-mode release takes as they are (the team's, checked now, before
     anything is exported) or builds without torch (the hubness graph)."""
     if not run.features_mode:
         if graphs is not None:
-            raise InputError(f"{run.root} was trained on images: its bundles carry the run's own backbones; drop the graph options")
+            raise InputError(
+                f"{run.root} was trained on images: its bundles carry the run's own backbones; drop the graph options"
+            )
         return {}
     if graphs is None:
-        raise InputError(f"{run.root} was trained on pre-extracted features: name the embed graphs of the models they came "
-                         "from (--old-graph, --new-graph, --side-info-graph when the features have side-info) and a --sample "
-                         "that checks them")
+        raise InputError(
+            f"{run.root} was trained on pre-extracted features: name the embed graphs of the models they came "
+            "from (--old-graph, --new-graph, --side-info-graph when the features have side-info) and a --sample "
+            "that checks them"
+        )
     has_side = run.eval_features["side"].shape[1] > 0
     if has_side != (graphs.side_info is not None):
-        raise InputError("the run's features have side-info: name its graph with --side-info-graph" if has_side else
-                         "the run's features have no side-info: drop --side-info-graph")
+        raise InputError(
+            "the run's features have side-info: name its graph with --side-info-graph"
+            if has_side
+            else "the run's features have no side-info: drop --side-info-graph"
+        )
     checked = check_user_graphs(graphs, run.eval_features)
-    ready: dict[str, Callable[[Path], RoleExport]] = {source: (lambda _folder, e=export: e) for source, export in checked.items()}
+    ready: dict[str, Callable[[Path], RoleExport]] = {
+        source: (lambda _folder, e=export: e) for source, export in checked.items()
+    }
     for role in (r for plan in plans for r in plan.roles if r.role == "hubness"):
         reference = np.load(run.root / role.source, allow_pickle=False)
         ready[role.source] = hubness_role(reference, int(run.gate["hubness_k"]), run.eval_features["new"][:1000])
@@ -243,8 +304,11 @@ def _check_quantize(quantize: str | None, fp16: bool, chain: bool) -> None:
 
 def _check_gates(plans: Sequence[VersionPlan], force: bool) -> None:
     """Refuse before exporting anything when a version's ECC gate fails and ``force`` is not set."""
-    failing = [f"v{plan.version} {name}" for plan in plans
-               for name in gate_failures(gated_artifacts(plan.roles, plan.mode, plan.parents), plan.gate["ecc"])]
+    failing = [
+        f"v{plan.version} {name}"
+        for plan in plans
+        for name in gate_failures(gated_artifacts(plan.roles, plan.mode, plan.parents), plan.gate["ecc"])
+    ]
     if failing and not force:
         raise GateError(
             f"publishing refused: the run's ECC (M(new, h(old)) > M(old, old)) does not hold for {', '.join(failing)}; "

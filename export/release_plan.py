@@ -67,8 +67,9 @@ class VersionPlan:
     declarations: dict = field(default_factory=dict)  # transition= / hubness= (fctkit.protos.search_policy)
 
 
-def plan_release(run: TrainedRun, *, method: str = "fct", first_version: int = 1, chain: bool = False,
-                 transition_days: float = 30.0) -> list[VersionPlan]:
+def plan_release(
+    run: TrainedRun, *, method: str = "fct", first_version: int = 1, chain: bool = False, transition_days: float = 30.0
+) -> list[VersionPlan]:
     """The versions, roles and gates of a release, without exporting anything. For a
     features-mode run ``method`` is a variant the run trained (``residual+query-map+transition``…;
     :mod:`.features_release`) and its embed graphs are the team's own."""
@@ -93,7 +94,9 @@ def _two_version_plan(run: TrainedRun, method: str, v1: int) -> list[VersionPlan
     gate = run.gate
     if method not in gate.get("ecc", {}):
         trained = ", ".join(sorted(gate.get("ecc", {}))) or "none"
-        raise InputError(f"the run did not train {method!r} (it trained: {trained}); add it to `methods` and train again")
+        raise InputError(
+            f"the run did not train {method!r} (it trained: {trained}); add it to `methods` and train again"
+        )
     v2 = v1 + 1
     mode: Mode = "unified" if method in UNIFIED_METHODS else "forward"
     has_side = run.eval_features["side"].shape[1] > 0
@@ -109,11 +112,23 @@ def _two_version_plan(run: TrainedRun, method: str, v1: int) -> list[VersionPlan
     cases = gate["cases"]
     gated = {p.name: gate["ecc"][method] is True for p in transforms if p.role in GATED_ROLES}
     return [
-        VersionPlan(v1, (), mode, (RolePlan("embed", "models/old_backbone.pt", ("images",)), *side),
-                    {"cases": {"old/old": cases["old/old"]}, "ecc": {}}),
-        VersionPlan(v2, (v1,), mode, (RolePlan("embed", "models/new_backbone.pt", ("images",)), *side, *transforms),
-                    {"cases": {"old/old": cases["old/old"], "new/new": cases["new/new"], ADAPTED_CASE[mode]: cases[method]},
-                     "ecc": gated}),
+        VersionPlan(
+            v1,
+            (),
+            mode,
+            (RolePlan("embed", "models/old_backbone.pt", ("images",)), *side),
+            {"cases": {"old/old": cases["old/old"]}, "ecc": {}},
+        ),
+        VersionPlan(
+            v2,
+            (v1,),
+            mode,
+            (RolePlan("embed", "models/new_backbone.pt", ("images",)), *side, *transforms),
+            {
+                "cases": {"old/old": cases["old/old"], "new/new": cases["new/new"], ADAPTED_CASE[mode]: cases[method]},
+                "ecc": gated,
+            },
+        ),
     ]
 
 
@@ -134,16 +149,32 @@ def _features_plan(run: TrainedRun, key: str, v1: int, transition_days: float) -
     cases = gate["cases"]
     gated = {p.name: gate["ecc"][key] is True for p in transforms if p.role in GATED_ROLES}
     return [
-        VersionPlan(v1, (), mode, (RolePlan("embed", "graph:old", ()), *side), {"cases": {"old/old": cases["old/old"]}, "ecc": {}}),
-        VersionPlan(v2, (v1,), mode, (RolePlan("embed", "graph:new", ()), *side, *transforms),
-                    {"cases": {"old/old": cases["old/old"], "new/new": cases["new/new"], variant.case: cases[key]}, "ecc": gated},
-                    declarations(variant, gate, v1, transition_days)),
+        VersionPlan(
+            v1,
+            (),
+            mode,
+            (RolePlan("embed", "graph:old", ()), *side),
+            {"cases": {"old/old": cases["old/old"]}, "ecc": {}},
+        ),
+        VersionPlan(
+            v2,
+            (v1,),
+            mode,
+            (RolePlan("embed", "graph:new", ()), *side, *transforms),
+            {
+                "cases": {"old/old": cases["old/old"], "new/new": cases["new/new"], variant.case: cases[key]},
+                "ecc": gated,
+            },
+            declarations(variant, gate, v1, transition_days),
+        ),
     ]
 
 
 def _chain_plan(run: TrainedRun, method: str, v1: int) -> list[VersionPlan]:
     if method != "fct":
-        raise InputError(f"chain releases use the chain's FCT adapters (h2, g2, h3, h13); --method {method} does not apply")
+        raise InputError(
+            f"chain releases use the chain's FCT adapters (h2, g2, h3, h13); --method {method} does not apply"
+        )
     chain = run.gate.get("chain")
     if not isinstance(chain, dict) or "ecc" not in chain:
         raise InputError(
@@ -154,8 +185,10 @@ def _chain_plan(run: TrainedRun, method: str, v1: int) -> list[VersionPlan]:
 
     def own(v: int) -> tuple[RolePlan, RolePlan]:
         k = v - v1 + 1
-        return (RolePlan("embed", f"models/chain_v{k}_backbone.pt", ("images",)),
-                RolePlan("side_info", f"models/chain_v{k}_side_info.pt", ("images",)))
+        return (
+            RolePlan("embed", f"models/chain_v{k}_backbone.pt", ("images",)),
+            RolePlan("side_info", f"models/chain_v{k}_side_info.pt", ("images",)),
+        )
 
     h2 = RolePlan("forward", "adapters/chain_h2.pt", ("v1_embedding", "v1_side"), v1, v2)
     g2 = RolePlan("side_forward", "adapters/chain_g2.pt", ("v1_embedding", "v1_side"), v1, v2)
@@ -164,13 +197,34 @@ def _chain_plan(run: TrainedRun, method: str, v1: int) -> list[VersionPlan]:
     ecc = chain["ecc"]
     return [
         VersionPlan(v1, (), "forward", own(v1), {"cases": {"v1/v1": chain["v1/v1"]}, "ecc": {}}),
-        VersionPlan(v2, (v1,), "forward", (*own(v2), h2, g2),
-                    {"cases": {k: chain[k] for k in ("v1/v1", "v2/v2", "v2/h2(v1)")}, "ecc": {h2.name: ecc["chain_h2"] is True}}),
-        VersionPlan(v3, (v1, v2), "forward", (*own(v3), h3, h13),
-                    {"cases": {"v2/v2": chain["v2/v2"], "v3/v3": chain["v3/v3"], "v3/h3(v2)": chain["v3/h3(v2)"],
-                               "v3/h13(v1)": chain["direct"], "v3/h3(h2(v1))": chain["hop_by_hop"], "v1/v1": chain["v1/v1"]},
-                     "ecc": {h3.name: ecc["chain_h3"] is True, h13.name: ecc["chain_h13"] is True}}),
+        VersionPlan(
+            v2,
+            (v1,),
+            "forward",
+            (*own(v2), h2, g2),
+            {
+                "cases": {k: chain[k] for k in ("v1/v1", "v2/v2", "v2/h2(v1)")},
+                "ecc": {h2.name: ecc["chain_h2"] is True},
+            },
+        ),
+        VersionPlan(
+            v3,
+            (v1, v2),
+            "forward",
+            (*own(v3), h3, h13),
+            {
+                "cases": {
+                    "v2/v2": chain["v2/v2"],
+                    "v3/v3": chain["v3/v3"],
+                    "v3/h3(v2)": chain["v3/h3(v2)"],
+                    "v3/h13(v1)": chain["direct"],
+                    "v3/h3(h2(v1))": chain["hop_by_hop"],
+                    "v1/v1": chain["v1/v1"],
+                },
+                "ecc": {h3.name: ecc["chain_h3"] is True, h13.name: ecc["chain_h13"] is True},
+            },
+        ),
     ]
 
 
-__all__ = ["FORWARD_METHODS", "UNIFIED_METHODS", "METHODS", "RolePlan", "VersionPlan", "plan_release"]
+__all__ = ["FORWARD_METHODS", "METHODS", "UNIFIED_METHODS", "RolePlan", "VersionPlan", "plan_release"]

@@ -32,8 +32,10 @@ def tensorrt_unavailable_reason() -> str | None:
     try:
         import tensorrt  # noqa: F401
     except ImportError:
-        return ("tensorrt is not installed: on a machine with an NVIDIA GPU run "
-                "pip install 'fctkit[trt]' -c constraints.txt (NVIDIA's wheels)")
+        return (
+            "tensorrt is not installed: on a machine with an NVIDIA GPU run "
+            "pip install 'fctkit[trt]' -c constraints.txt (NVIDIA's wheels)"
+        )
     try:
         import torch
     except ImportError:
@@ -112,8 +114,12 @@ def build_engine(
         raise ExportError(f"TensorRT failed to build an engine from {onnx_path.name} (see the TensorRT log above)")
     engine_path.write_bytes(bytes(serialized))
     return EngineResult(
-        path=engine_path, onnx_path=onnx_path, precision=precision, max_batch=max_batch,
-        size_bytes=engine_path.stat().st_size, build_seconds=time.perf_counter() - start,
+        path=engine_path,
+        onnx_path=onnx_path,
+        precision=precision,
+        max_batch=max_batch,
+        size_bytes=engine_path.stat().st_size,
+        build_seconds=time.perf_counter() - start,
     )
 
 
@@ -172,7 +178,12 @@ def check_engine_parity(
     """The ONNX export's parity check, run through the TensorRT engine."""
     runner = TensorRTRunner(engine.path)
     return compare_with_torch(
-        module, runner, inputs_list, path=engine.path, precision=engine.precision, tolerance=tolerance,
+        module,
+        runner,
+        inputs_list,
+        path=engine.path,
+        precision=engine.precision,
+        tolerance=tolerance,
         batch_sizes=[b for b in batch_sizes if b <= engine.max_batch],
     )
 

@@ -96,7 +96,9 @@ class TrainedRun:
 
         path = self.root / relative
         if not path.is_file():
-            raise DataUnavailableError(f"{path} is missing: this run did not train it (check its config) or is incomplete")
+            raise DataUnavailableError(
+                f"{path} is missing: this run did not train it (check its config) or is incomplete"
+            )
         if relative.startswith("adapters/"):
             return load_adapter(path)
         return load_side_info(path) if relative.endswith("side_info.pt") else load_backbone(path)
@@ -137,7 +139,9 @@ def read_run_json(path: Path) -> dict:
 
 def _read_run_npz(path: Path, keys: Sequence[str], optional: Sequence[str] = ()) -> dict[str, np.ndarray]:
     if not path.is_file():
-        raise DataUnavailableError(f"{path} is missing: train the run again (with `[chain] enabled = true` for chain features)")
+        raise DataUnavailableError(
+            f"{path} is missing: train the run again (with `[chain] enabled = true` for chain features)"
+        )
     try:
         with np.load(path, allow_pickle=False) as data:
             missing = sorted(set(keys) - set(data.files))

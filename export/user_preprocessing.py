@@ -59,12 +59,18 @@ class GraphPreprocessing:
 def load_graph_preprocessing(path: Path, tokenizer_options: Sequence[str], graphs: Sequence[str]) -> GraphPreprocessing:
     """Read the declaration file for ``graphs`` and match ``--tokenizer`` options to its text graphs."""
     data = _read_table(path)
-    tables = {g: data for g in graphs} if "kind" in data else data
+    tables = dict.fromkeys(graphs, data) if "kind" in data else data
     unknown, missing = sorted(set(tables) - set(GRAPH_NAMES)), [g for g in graphs if g not in tables]
     if unknown or missing:
-        raise ConfigError(f"{path}: give one declaration (a table with 'kind') or one table per graph among "
-                          f"{', '.join(graphs)}; " + "; ".join(filter(None, (
-                              f"unknown table(s) {unknown}" if unknown else "", f"missing {missing}" if missing else ""))))
+        raise ConfigError(
+            f"{path}: give one declaration (a table with 'kind') or one table per graph among "
+            f"{', '.join(graphs)}; "
+            + "; ".join(
+                filter(
+                    None, (f"unknown table(s) {unknown}" if unknown else "", f"missing {missing}" if missing else "")
+                )
+            )
+        )
     declarations = {}
     for graph in graphs:
         table = tables[graph]
@@ -84,7 +90,9 @@ def _read_table(path: Path) -> dict:
         text = Path(path).read_text(encoding="utf-8")
         data = tomllib.loads(text) if Path(path).suffix == ".toml" else json.loads(text)
     except (OSError, UnicodeDecodeError, ValueError) as exc:  # tomllib.TOMLDecodeError is a ValueError
-        raise ConfigError(f"cannot read the preprocessing declaration {path} (JSON, or TOML named *.toml): {exc}") from exc
+        raise ConfigError(
+            f"cannot read the preprocessing declaration {path} (JSON, or TOML named *.toml): {exc}"
+        ) from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a table of declarations, got {type(data).__name__}")
     return data
@@ -124,7 +132,9 @@ def read_item_sample(path: Path, kind: str, features: Sequence[str]) -> ItemSamp
     items, purposes, rows = [], [], {f: [] for f in features}
     allowed = {kind, "purpose", "id", *features}
     try:
-        lines = [(n, line) for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+        lines = [
+            (n, line) for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1) if line.strip()
+        ]
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read the parity sample {path}: {exc}") from exc
     for number, line in lines:
@@ -134,8 +144,10 @@ def read_item_sample(path: Path, kind: str, features: Sequence[str]) -> ItemSamp
         except ValueError as exc:
             raise InputError(f"{where}: not JSON ({exc})") from exc
         if not isinstance(record, dict) or kind not in record or set(record) - allowed or set(features) - set(record):
-            raise InputError(f"{where}: expected {{{kind!r}: ..., {', '.join(repr(f) for f in features)}: [numbers], "
-                             f"optional 'purpose', 'id'}}, got keys {sorted(record) if isinstance(record, dict) else record!r}")
+            raise InputError(
+                f"{where}: expected {{{kind!r}: ..., {', '.join(repr(f) for f in features)}: [numbers], "
+                f"optional 'purpose', 'id'}}, got keys {sorted(record) if isinstance(record, dict) else record!r}"
+            )
         items.append(_sample_item(record[kind], kind, Path(path).parent, where))
         purposes.append(record.get("purpose", "passage"))
         if purposes[-1] not in ("passage", "query"):
@@ -165,15 +177,27 @@ def _matrix(rows: list, where: str) -> np.ndarray:
     return matrix
 
 
-def check_preprocessed_graph(path: Path, role: Role, declaration: Declaration, tokenizer: Path | None, sample: ItemSample,
-                             expected: np.ndarray, feature_dim: int, tolerance: float, what: str) -> RoleExport:
+def check_preprocessed_graph(
+    path: Path,
+    role: Role,
+    declaration: Declaration,
+    tokenizer: Path | None,
+    sample: ItemSample,
+    expected: np.ndarray,
+    feature_dim: int,
+    tolerance: float,
+    what: str,
+) -> RoleExport:
     """The team's graph checked as devices will run it: against its declaration, then on the
     sample's raw items through the devices' preprocessing, against the team's features."""
     model = load_onnx_model(path)
     inputs, outputs = graph_io_specs(model)
     artifact = Artifact(role, role, f"{role}.onnx", *file_sha256(path), inputs, outputs, None, None)
-    files = (artifact, Artifact("tokenizer", "tokenizer", "tokenizer.json", *file_sha256(tokenizer), (), (), None, None)) \
-        if tokenizer is not None else (artifact,)
+    files = (
+        (artifact, Artifact("tokenizer", "tokenizer", "tokenizer.json", *file_sha256(tokenizer), (), (), None, None))
+        if tokenizer is not None
+        else (artifact,)
+    )
     try:
         check_declared_graph(declaration, artifact, files)
         preprocessor = Preprocessor(declaration, artifact, tokenizer.read_bytes() if tokenizer is not None else None)
@@ -181,29 +205,50 @@ def check_preprocessed_graph(path: Path, role: Role, declaration: Declaration, t
     except BundleFormatError as exc:
         raise ExportError(f"{what} ({path}) does not fit its preprocessing declaration: {exc}") from exc
     if dim != feature_dim:
-        raise ExportError(f"{what} ({path}) outputs {output.name!r} of shape {output.shape}, but the run's features are "
-                          f"{feature_dim}-d: name the graph of the model the features came from")
+        raise ExportError(
+            f"{what} ({path}) outputs {output.name!r} of shape {output.shape}, but the run's features are "
+            f"{feature_dim}-d: name the graph of the model the features came from"
+        )
     start = time.perf_counter()
     produced = _embedded(preprocessor, model, sample, dim, f"{what} ({path})")
-    result, parity = checked_against_sample(f"{what} ({path})", path, model, produced, expected, tolerance,
-                                            time.perf_counter() - start,
-                                            "the sample's features, from its raw items through the declared preprocessing")
+    result, parity = checked_against_sample(
+        f"{what} ({path})",
+        path,
+        model,
+        produced,
+        expected,
+        tolerance,
+        time.perf_counter() - start,
+        "the sample's features, from its raw items through the declared preprocessing",
+    )
     return RoleExport(role, result, parity, declaration=declaration, tokenizer=tokenizer)
 
 
-def checked_against_sample(what: str, path: Path, model: Any, produced: np.ndarray, expected: np.ndarray, tolerance: float,
-                           seconds: float, against: str) -> tuple[ExportResult, ParityReport]:
+def checked_against_sample(
+    what: str,
+    path: Path,
+    model: Any,
+    produced: np.ndarray,
+    expected: np.ndarray,
+    tolerance: float,
+    seconds: float,
+    against: str,
+) -> tuple[ExportResult, ParityReport]:
     """A team's graph's outputs on the sample, checked against the features their pipeline
     computed: finite and within ``tolerance``; the export result and parity the manifest records."""
     if not np.isfinite(produced).all():
         raise ExportError(f"{what} produces NaN or inf on the sample: the graph is broken or needs other inputs")
     error = float(np.abs(produced - expected).max())
     if error > tolerance:
-        raise ExportError(f"{what} differs from the sample's features by up to {error:.3g} (tolerance "
-                          f"{tolerance:g}): it is not the model those features came from, or its preprocessing differs")
+        raise ExportError(
+            f"{what} differs from the sample's features by up to {error:.3g} (tolerance "
+            f"{tolerance:g}): it is not the model those features came from, or its preprocessing differs"
+        )
     precision = graph_precision(model)
     inputs, outputs = graph_io_specs(model)
-    result = ExportResult(path, int(model.opset_import[0].version), precision, inputs, outputs, path.stat().st_size, seconds)
+    result = ExportResult(
+        path, int(model.opset_import[0].version), precision, inputs, outputs, path.stat().st_size, seconds
+    )
     return result, ParityReport(path, precision, tolerance, error, float(np.abs(expected).max()), against=against)
 
 
@@ -233,7 +278,9 @@ def bundle_preprocessing(exports: Sequence[RoleExport]) -> tuple[Preprocessing |
             continue
         if isinstance(declaration, TextPreprocessing):
             name = "tokenizer" if export.role == "embed" else f"{export.role}_tokenizer"
-            source = tokenizers.setdefault(file_sha256(export.tokenizer)[0], ArtifactSource(export.tokenizer, "tokenizer", name=name))
+            source = tokenizers.setdefault(
+                file_sha256(export.tokenizer)[0], ArtifactSource(export.tokenizer, "tokenizer", name=name)
+            )
             declaration = replace(declaration, tokenizer=source.artifact_name)
         roles.append((export.role, declaration))
     return (Preprocessing(tuple(roles)) if roles else None), list(tokenizers.values())

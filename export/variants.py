@@ -57,7 +57,13 @@ class Variant:
     def case(self) -> str:
         """The name of the variant's case in the manifest's gate."""
         searched = "Q(new)/h(old)" if self.query_map else "new/h(old)"
-        searched = f"({searched} − β·r)" if self.hubness and self.transition else f"{searched} − β·r" if self.hubness else searched
+        searched = (
+            f"({searched} − β·r)"
+            if self.hubness and self.transition
+            else f"{searched} − β·r"
+            if self.hubness
+            else searched
+        )
         return f"w·old/old + (1−w)·{searched}" if self.transition else searched
 
 

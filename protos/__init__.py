@@ -1,13 +1,22 @@
 """fctkit.protos — the wire formats shared by server, devices and trainer."""
 
 # The signed model bundle format (stdlib + cryptography only; see fctkit.protos.bundle).
-from fctkit.protos.bundle import Artifact, Manifest, TensorSpec, VerifiedBundle, unpack_bundle, verify_bundle  # noqa: E402
+from fctkit.protos.bundle import Artifact, Manifest, TensorSpec, VerifiedBundle, unpack_bundle, verify_bundle
 
 # Upgrade planning over bundle manifests (the server's catalogue, a device's installed bundles).
-from fctkit.protos.planner import PlannedHop, plan_upgrade  # noqa: E402
+from fctkit.protos.planner import PlannedHop, plan_upgrade
 
-__all__ = [*globals().get("__all__", []), "Artifact", "Manifest", "TensorSpec", "VerifiedBundle", "unpack_bundle", "verify_bundle",
-           "PlannedHop", "plan_upgrade"]
+__all__ = [
+    *globals().get("__all__", []),
+    "Artifact",
+    "Manifest",
+    "TensorSpec",
+    "VerifiedBundle",
+    "unpack_bundle",
+    "verify_bundle",
+    "PlannedHop",
+    "plan_upgrade",
+]
 
 # The gRPC client library (fctkit.protos.client) imports grpc: loaded only when asked for.
 _CLIENT_NAMES = ("FctkitClient", "RetryPolicy", "Transfer", "Enrolment")

@@ -16,7 +16,17 @@ from typing import Any
 
 from fctkit.errors import BundleFormatError
 
-from .bundle_vocabulary import DTYPES, FILE_ROLES, HEX64, PRECISIONS, RESERVED_FILES, ROLES, SAFE_NAME, TRANSFORM_ROLES, Role
+from .bundle_vocabulary import (
+    DTYPES,
+    FILE_ROLES,
+    HEX64,
+    PRECISIONS,
+    RESERVED_FILES,
+    ROLES,
+    SAFE_NAME,
+    TRANSFORM_ROLES,
+    Role,
+)
 from .strict_json import exact_keys, is_int, optional_int, typed
 
 
@@ -36,9 +46,13 @@ class TensorSpec:
         if not isinstance(self.shape, tuple) or not self.shape:
             raise BundleFormatError(f"{where}: the shape must be a non-empty tuple, got {self.shape!r}")
         if self.shape[0] is not None:
-            raise BundleFormatError(f"{where}: the first axis must be the dynamic batch axis (None), got {self.shape!r}")
+            raise BundleFormatError(
+                f"{where}: the first axis must be the dynamic batch axis (None), got {self.shape!r}"
+            )
         if not all(d is None or (is_int(d) and d > 0) for d in self.shape[1:]):
-            raise BundleFormatError(f"{where}: every axis after the batch must be a positive integer or dynamic, got {self.shape!r}")
+            raise BundleFormatError(
+                f"{where}: every axis after the batch must be a positive integer or dynamic, got {self.shape!r}"
+            )
         if self.dtype not in DTYPES:
             raise BundleFormatError(f"{where}: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
 
@@ -104,7 +118,9 @@ class Artifact:
         for kind, specs in (("inputs", self.inputs), ("outputs", self.outputs)):
             if self.is_file and specs != ():
                 raise BundleFormatError(f"{where}: a {self.role} artifact is a file, not a graph: it has no {kind}")
-            if not self.is_file and (not isinstance(specs, tuple) or not specs or not all(isinstance(s, TensorSpec) for s in specs)):
+            if not self.is_file and (
+                not isinstance(specs, tuple) or not specs or not all(isinstance(s, TensorSpec) for s in specs)
+            ):
                 raise BundleFormatError(f"{where}: {kind} must be a non-empty tuple of TensorSpec")
             names = [s.name for s in specs]
             if len(set(names)) != len(names):
@@ -143,7 +159,18 @@ class Artifact:
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> Artifact:
-        keys = ("name", "role", "file", "sha256", "size", "inputs", "outputs", "source_version", "target_version", "precision")
+        keys = (
+            "name",
+            "role",
+            "file",
+            "sha256",
+            "size",
+            "inputs",
+            "outputs",
+            "source_version",
+            "target_version",
+            "precision",
+        )
         data = exact_keys(data, keys, where)
         return cls(
             name=typed(data["name"], str, f"{where}.name"),
@@ -151,8 +178,14 @@ class Artifact:
             file=typed(data["file"], str, f"{where}.file"),
             sha256=typed(data["sha256"], str, f"{where}.sha256"),
             size=typed(data["size"], int, f"{where}.size"),
-            inputs=tuple(TensorSpec.from_json(s, f"{where}.inputs[{i}]") for i, s in enumerate(typed(data["inputs"], list, f"{where}.inputs"))),
-            outputs=tuple(TensorSpec.from_json(s, f"{where}.outputs[{i}]") for i, s in enumerate(typed(data["outputs"], list, f"{where}.outputs"))),
+            inputs=tuple(
+                TensorSpec.from_json(s, f"{where}.inputs[{i}]")
+                for i, s in enumerate(typed(data["inputs"], list, f"{where}.inputs"))
+            ),
+            outputs=tuple(
+                TensorSpec.from_json(s, f"{where}.outputs[{i}]")
+                for i, s in enumerate(typed(data["outputs"], list, f"{where}.outputs"))
+            ),
             source_version=optional_int(data["source_version"], f"{where}.source_version"),
             target_version=optional_int(data["target_version"], f"{where}.target_version"),
             precision=typed(data["precision"], str, f"{where}.precision"),

@@ -31,7 +31,13 @@ declaration needs numpy, and Pillow or ``tokenizers`` when first used).
 from __future__ import annotations
 
 from .artifact_spec import Artifact, TensorSpec
-from .bundle_archive import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_MEMBERS, DEFAULT_MAX_TOTAL_BYTES, pack_bundle, unpack_bundle
+from .bundle_archive import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_MEMBERS,
+    DEFAULT_MAX_TOTAL_BYTES,
+    pack_bundle,
+    unpack_bundle,
+)
 from .bundle_verification import VerifiedBundle, check_version_is_newer, verify_bundle
 from .bundle_vocabulary import (
     DISTANCES,
@@ -58,9 +64,40 @@ from .manifest_rules import gate_failures, gated_artifacts
 from .manifest_signature import load_public_key, public_key_id, verify_manifest
 
 __all__ = [
-    "MANIFEST_FILE", "SIGNATURE_FILE", "FORMAT_VERSION", "SIGNATURE_SIZE", "Role", "Mode", "Distance",
-    "ROLES", "MODES", "DISTANCES", "TRANSFORM_ROLES", "GATED_ROLES", "TensorSpec", "Artifact", "Manifest",
-    "VerifiedBundle", "artifact_name", "gate_failures", "gated_artifacts", "load_public_key", "public_key_id", "verify_manifest",
-    "verify_bundle", "check_version_is_newer", "file_sha256", "fsync_dir", "staged_directory", "pack_bundle", "unpack_bundle",
-    "DTYPES", "FILE_ROLES", "PRECISIONS", "MAX_MANIFEST_BYTES", "DEFAULT_MAX_MEMBERS", "DEFAULT_MAX_FILE_BYTES", "DEFAULT_MAX_TOTAL_BYTES",
+    "DEFAULT_MAX_FILE_BYTES",
+    "DEFAULT_MAX_MEMBERS",
+    "DEFAULT_MAX_TOTAL_BYTES",
+    "DISTANCES",
+    "DTYPES",
+    "FILE_ROLES",
+    "FORMAT_VERSION",
+    "GATED_ROLES",
+    "MANIFEST_FILE",
+    "MAX_MANIFEST_BYTES",
+    "MODES",
+    "PRECISIONS",
+    "ROLES",
+    "SIGNATURE_FILE",
+    "SIGNATURE_SIZE",
+    "TRANSFORM_ROLES",
+    "Artifact",
+    "Distance",
+    "Manifest",
+    "Mode",
+    "Role",
+    "TensorSpec",
+    "VerifiedBundle",
+    "artifact_name",
+    "check_version_is_newer",
+    "file_sha256",
+    "fsync_dir",
+    "gate_failures",
+    "gated_artifacts",
+    "load_public_key",
+    "pack_bundle",
+    "public_key_id",
+    "staged_directory",
+    "unpack_bundle",
+    "verify_bundle",
+    "verify_manifest",
 ]

@@ -31,7 +31,9 @@ def pack_bundle(root: str | os.PathLike, archive: str | os.PathLike) -> Path:
     Only the manifest, the signature and the artifacts the manifest lists are packed; a
     stray file is an error. The archive is written to a temporary name and renamed."""
     root, archive = Path(root), Path(archive)
-    manifest_bytes = read_regular_file(root / MANIFEST_FILE, MAX_MANIFEST_BYTES) if (root / MANIFEST_FILE).exists() else None
+    manifest_bytes = (
+        read_regular_file(root / MANIFEST_FILE, MAX_MANIFEST_BYTES) if (root / MANIFEST_FILE).exists() else None
+    )
     if manifest_bytes is None:
         raise BundleFormatError(f"{root} has no {MANIFEST_FILE}: not a bundle")
     manifest = Manifest.from_bytes(manifest_bytes)
@@ -100,7 +102,9 @@ def unpack_bundle(
                 with source, open(staging / member.name, "xb") as out:
                     shutil.copyfileobj(source, out)
                     if out.tell() != member.size:
-                        raise BundleFormatError(f"{archive}: member {member.name} is truncated; fetch the archive again")
+                        raise BundleFormatError(
+                            f"{archive}: member {member.name} is truncated; fetch the archive again"
+                        )
         except (tarfile.TarError, EOFError) as exc:
             raise BundleFormatError(f"{archive} is truncated or corrupt ({exc}); fetch it again") from exc
         for required in (MANIFEST_FILE, SIGNATURE_FILE):
@@ -109,7 +113,9 @@ def unpack_bundle(
     return dest
 
 
-def _check_member(member: tarfile.TarInfo, seen: set[str], max_members: int, max_file_bytes: int, archive: Path) -> None:
+def _check_member(
+    member: tarfile.TarInfo, seen: set[str], max_members: int, max_file_bytes: int, archive: Path
+) -> None:
     if len(seen) >= max_members:
         raise BundleFormatError(f"{archive}: more than {max_members} members; refused")
     if not member.isreg():
@@ -123,5 +129,7 @@ def _check_member(member: tarfile.TarInfo, seen: set[str], max_members: int, max
         raise BundleFormatError(f"{archive}: member {member.name!r} appears twice; refused")
     limit = MAX_MANIFEST_BYTES if member.name == MANIFEST_FILE else max_file_bytes
     if member.size > limit:
-        raise BundleFormatError(f"{archive}: member {member.name!r} is {member.size} bytes, more than the {limit} allowed")
+        raise BundleFormatError(
+            f"{archive}: member {member.name!r} is {member.size} bytes, more than the {limit} allowed"
+        )
     seen.add(member.name)

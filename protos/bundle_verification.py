@@ -53,6 +53,7 @@ class VerifiedBundle:
                 return artifact
         raise BundleFormatError(f"bundle v{self.manifest.version} has no artifact named {name!r}")
 
+
 def verify_bundle(root: str | os.PathLike, trust: Any, *, installed_version: int | None = None) -> VerifiedBundle:
     """Verify a bundle directory: signatures under ``trust`` (a pinned publisher key, or a root
     whose publisher threshold must have signed: :func:`~fctkit.protos.trust.verify_release_manifest`),
@@ -60,8 +61,10 @@ def verify_bundle(root: str | os.PathLike, trust: Any, *, installed_version: int
     :class:`VerifiedBundle` or raises a :class:`~fctkit.errors.BundleError` subclass naming what failed."""
     root = Path(root)
     if not root.is_dir():
-        raise BundleFormatError(f"{root} is not a bundle directory (a .tar archive: `fctkit device upgrade --bundle` takes "
-                                f"it as it is; `fctkit bundle verify` too)")
+        raise BundleFormatError(
+            f"{root} is not a bundle directory (a .tar archive: `fctkit device upgrade --bundle` takes "
+            f"it as it is; `fctkit bundle verify` too)"
+        )
     manifest_path, signature_path = root / MANIFEST_FILE, root / SIGNATURE_FILE
     if not manifest_path.exists():
         raise BundleFormatError(f"{root} has no {MANIFEST_FILE}: not a bundle, or an incomplete copy")

@@ -15,7 +15,9 @@ SIGNATURES_FILE = "manifest.sigs.json"
 FORMAT_VERSION = 1
 SIGNATURE_SIZE = 64
 
-Role = Literal["embed", "side_info", "forward", "side_forward", "backward", "uncertainty", "query_map", "hubness", "tokenizer"]
+Role = Literal[
+    "embed", "side_info", "forward", "side_forward", "backward", "uncertainty", "query_map", "hubness", "tokenizer"
+]
 Mode = Literal["forward", "unified", "compatible"]
 Distance = Literal["l2", "cosine"]
 ROLES: tuple[str, ...] = get_args(Role)

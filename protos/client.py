@@ -57,13 +57,22 @@ class ClientTls:
             raise ConfigError("a client certificate needs its private key: pass --tls-cert with --tls-key")
 
     @classmethod
-    def from_files(cls, ca: str | Path | None = None, cert: str | Path | None = None,
-                   key: str | Path | None = None) -> ClientTls | None:
+    def from_files(
+        cls, ca: str | Path | None = None, cert: str | Path | None = None, key: str | Path | None = None
+    ) -> ClientTls | None:
         """The TLS settings in these PEM files, or ``None`` (plaintext) when no file is given."""
         if ca is None and cert is None and key is None:
             return None
-        return cls(*(None if path is None else read_setting_file(path, what) for path, what in
-                     ((ca, "TLS CA certificate"), (cert, "TLS client certificate"), (key, "TLS client key"))))
+        return cls(
+            *(
+                None if path is None else read_setting_file(path, what)
+                for path, what in (
+                    (ca, "TLS CA certificate"),
+                    (cert, "TLS client certificate"),
+                    (key, "TLS client key"),
+                )
+            )
+        )
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
@@ -109,21 +118,36 @@ class Enrolment:
 # (transfers from their offset, pushes by change id). Reconnection backs off to at most 3 s, so a
 # restarted replica takes calls again within seconds.
 def _unary_methods() -> list[dict[str, str]]:
-    return [{"service": service.full_name, "method": method.name}
-            for module in (registry_pb2, vault_pb2, fleet_pb2) for service in module.DESCRIPTOR.services_by_name.values()
-            for method in service.methods if not (method.client_streaming or method.server_streaming)]
+    return [
+        {"service": service.full_name, "method": method.name}
+        for module in (registry_pb2, vault_pb2, fleet_pb2)
+        for service in module.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+        if not (method.client_streaming or method.server_streaming)
+    ]
 
 
 _SERVICE_CONFIG = {
     "loadBalancingConfig": [{"round_robin": {}}],
-    "methodConfig": [{
-        "name": _unary_methods(),
-        "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "2s", "backoffMultiplier": 2,
-                        "retryableStatusCodes": ["UNAVAILABLE"]},
-    }],
+    "methodConfig": [
+        {
+            "name": _unary_methods(),
+            "retryPolicy": {
+                "maxAttempts": 5,
+                "initialBackoff": "0.1s",
+                "maxBackoff": "2s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }
+    ],
 }
-FAILOVER_OPTIONS = (("grpc.service_config", json.dumps(_SERVICE_CONFIG)), ("grpc.enable_retries", 1),
-                    ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 3000))
+FAILOVER_OPTIONS = (
+    ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
+    ("grpc.enable_retries", 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 3000),
+)
 
 
 _TARGET_SCHEMES = ("ipv4:", "ipv6:", "dns:", "unix:", "unix-abstract:", "vsock:")
@@ -142,8 +166,10 @@ def channel_target(servers: str) -> str:
         try:
             ipaddress.IPv4Address(host)
         except ValueError:
-            raise InputError(f"server list {servers!r}: {address!r} is not an IPv4 address:port; list addresses, or "
-                             "give one DNS name that resolves to every replica (dns:///name:port)") from None
+            raise InputError(
+                f"server list {servers!r}: {address!r} is not an IPv4 address:port; list addresses, or "
+                "give one DNS name that resolves to every replica (dns:///name:port)"
+            ) from None
         if not port.isdigit():
             raise InputError(f"server list {servers!r}: {address!r} has no port")
     return "ipv4:" + ",".join(addresses)
@@ -191,7 +217,9 @@ class FctkitClient(RolloutCalls):
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    def _retrying(self, attempt: Callable[[], Any], retry_on: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)) -> Any:
+    def _retrying(
+        self, attempt: Callable[[], Any], retry_on: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)
+    ) -> Any:
         delays = self.retry.delays()
         while True:
             try:
@@ -217,12 +245,19 @@ class FctkitClient(RolloutCalls):
         found: list[registry_pb2.VersionInfo] = []
         first = None
         while True:
-            page = self._unary(self.registry.ListVersions, registry_pb2.ListVersionsRequest(after_version=after_version))
+            page = self._unary(
+                self.registry.ListVersions, registry_pb2.ListVersionsRequest(after_version=after_version)
+            )
             first = page if first is None else first
             found.extend(page.versions)
             if not page.more or not page.versions:
-                return VersionListing(found, first.timestamp, first.latest_root_version, list(first.withdrawals),
-                                      list(first.confirmed_versions))
+                return VersionListing(
+                    found,
+                    first.timestamp,
+                    first.latest_root_version,
+                    list(first.withdrawals),
+                    list(first.confirmed_versions),
+                )
             after_version = page.versions[-1].version
 
     def get_manifest(self, version: int) -> tuple[bytes, bytes]:
@@ -265,15 +300,24 @@ class FctkitClient(RolloutCalls):
 
     def fetch_artifact(self, version: int, name: str, sink: BinaryIO) -> Transfer:
         """Stream an artifact into ``sink`` (any writable binary file), SHA-256 checked."""
-        return stream_download(self._artifact_stream(version, name), _artifact_digest, sink, 0, hashlib.sha256(), self.retry)
+        return stream_download(
+            self._artifact_stream(version, name), _artifact_digest, sink, 0, hashlib.sha256(), self.retry
+        )
 
     def download_artifact(self, version: int, name: str, dest: Path, known: tuple[str, int] | None = None) -> Transfer:
         """Download an artifact to ``dest``, resuming a ``dest.part`` left by an interrupted try;
         ``known``: its (SHA-256, size) from the verified manifest, which the server must announce."""
         return download_to_file(self._artifact_stream(version, name), _artifact_digest, dest, self.retry, known)
 
-    def download_bundle(self, version: int, dest: Path, trust: Any, *, installed_version: int | None = None,
-                        timestamp: Timestamp | None = None):
+    def download_bundle(
+        self,
+        version: int,
+        dest: Path,
+        trust: Any,
+        *,
+        installed_version: int | None = None,
+        timestamp: Timestamp | None = None,
+    ):
         """Fetch bundle ``version`` into the directory ``dest`` (manifest, signatures, every
         artifact; files already complete are kept, partial ones resumed) and verify it as a
         device must: the manifest is the one ``timestamp`` names (when given: no mix-and-match),
@@ -295,7 +339,11 @@ class FctkitClient(RolloutCalls):
             (dest / SIGNATURES_FILE).unlink(missing_ok=True)
         for artifact in manifest.artifacts:
             target = dest / artifact.file
-            if target.is_file() and target.stat().st_size == artifact.size and file_sha256(target)[0] == artifact.sha256:
+            if (
+                target.is_file()
+                and target.stat().st_size == artifact.size
+                and file_sha256(target)[0] == artifact.sha256
+            ):
                 continue
             target.unlink(missing_ok=True)
             self.download_artifact(version, artifact.name, target, (artifact.sha256, artifact.size))
@@ -327,7 +375,11 @@ class FctkitClient(RolloutCalls):
         sha256, size = file_sha256(archive)
 
         def requests() -> Iterator[registry_pb2.PublishBundleRequest]:
-            yield registry_pb2.PublishBundleRequest(header=registry_pb2.PublishHeader(archive_size=size, archive_sha256=sha256, rollout_percent=rollout_percent))
+            yield registry_pb2.PublishBundleRequest(
+                header=registry_pb2.PublishHeader(
+                    archive_size=size, archive_sha256=sha256, rollout_percent=rollout_percent
+                )
+            )
             with archive.open("rb") as fh:
                 for chunk in chunks_of(fh, 0, self.chunk_size):
                     yield registry_pb2.PublishBundleRequest(chunk=chunk)
@@ -348,10 +400,14 @@ class FctkitClient(RolloutCalls):
         sha256 = hashlib.sha256(data).hexdigest()
 
         def attempt() -> Transfer:
-            state = self.vault.Stat(vault_pb2.StatBlobRequest(sha256=sha256), metadata=self._metadata, timeout=self.timeout_s)
+            state = self.vault.Stat(
+                vault_pb2.StatBlobRequest(sha256=sha256), metadata=self._metadata, timeout=self.timeout_s
+            )
             if state.state == vault_pb2.BLOB_STATE_STORED:
                 return Transfer(sha256, len(data), len(data), state.blob)
-            offset = state.received if state.state == vault_pb2.BLOB_STATE_PARTIAL and state.received <= len(data) else 0
+            offset = (
+                state.received if state.state == vault_pb2.BLOB_STATE_PARTIAL and state.received <= len(data) else 0
+            )
 
             def requests() -> Iterator[vault_pb2.UploadBlobRequest]:
                 header = vault_pb2.UploadHeader(sha256=sha256, size=len(data), item_id=item_id, offset=offset)
@@ -386,7 +442,11 @@ class FctkitClient(RolloutCalls):
 
     def list_blobs(self, owner_id: str = "") -> list[vault_pb2.BlobInfo]:
         """Every blob of this device's owner (all pages); naming another owner is PERMISSION_DENIED."""
-        return self._all_pages(self.vault.List, lambda page_token: vault_pb2.ListBlobsRequest(page_token=page_token, owner_id=owner_id), "blobs")
+        return self._all_pages(
+            self.vault.List,
+            lambda page_token: vault_pb2.ListBlobsRequest(page_token=page_token, owner_id=owner_id),
+            "blobs",
+        )
 
     # -- replica ----------------------------------------------------------------------------
 
@@ -410,8 +470,9 @@ class FctkitClient(RolloutCalls):
         record received while the server is UNAVAILABLE."""
         delays = self.retry.delays()
         while True:
-            call = self.vault.PullRecords(vault_pb2.PullRecordsRequest(after_sequence=after_sequence, owner_id=owner_id),
-                                          metadata=self._metadata)
+            call = self.vault.PullRecords(
+                vault_pb2.PullRecordsRequest(after_sequence=after_sequence, owner_id=owner_id), metadata=self._metadata
+            )
             try:
                 for batch in call:
                     delays = self.retry.delays()
@@ -430,7 +491,9 @@ class FctkitClient(RolloutCalls):
 
     # -- fleet ------------------------------------------------------------------------------
 
-    def create_enrolment_code(self, ttl_seconds: int = 0, label: str = "", *, owner: str = "") -> fleet_pb2.CreateEnrolmentCodeResponse:
+    def create_enrolment_code(
+        self, ttl_seconds: int = 0, label: str = "", *, owner: str = ""
+    ) -> fleet_pb2.CreateEnrolmentCodeResponse:
         """Admin: a one-time enrolment code (``ttl_seconds`` 0: one day) for a device of
         ``owner`` (empty: a new owner of its own; the response names it)."""
         request = fleet_pb2.CreateEnrolmentCodeRequest(ttl_seconds=ttl_seconds, label=label, owner=owner)
@@ -441,8 +504,13 @@ class FctkitClient(RolloutCalls):
         ``owner_key_id`` lets the server refuse a device whose owner key is not the owner's."""
         request = fleet_pb2.EnrolRequest(code=code, device_name=device_name, owner_key_id=owner_key_id)
         response = self._unary(self.fleet.Enrol, request, retry=False)
-        return Enrolment(response.device_id, response.token, response.publisher_public_key, response.publisher_key_id,
-                         response.owner_id)
+        return Enrolment(
+            response.device_id,
+            response.token,
+            response.publisher_public_key,
+            response.publisher_key_id,
+            response.owner_id,
+        )
 
     def report(self, version: int, gallery_size: int, upgrade_state: int, **fields: Any) -> fleet_pb2.ReportResponse:
         """Device: report the installed version, gallery size and upgrade state
@@ -450,7 +518,9 @@ class FctkitClient(RolloutCalls):
         ``target_version``, ``progress``, ``detail``, the trust (``root_version``, ``trust_stale``,
         ``seconds_since_fresh``), after an upgrade its ``health``, after a withdrawal
         ``reverted_from`` and ``revert_method``."""
-        request = fleet_pb2.ReportRequest(version=version, gallery_size=gallery_size, upgrade_state=upgrade_state, **fields)
+        request = fleet_pb2.ReportRequest(
+            version=version, gallery_size=gallery_size, upgrade_state=upgrade_state, **fields
+        )
         return self._unary(self.fleet.Report, request)
 
     def list_devices(self) -> list[fleet_pb2.DeviceInfo]:
@@ -489,8 +559,11 @@ def _record_batches(records: Sequence[vault_pb2.SealedRecord]) -> Iterator[list[
     for record in records:
         item_ids = list(record.item_ids) or [record.item_id]
         more_rows, more_sealed, more_ids = len(item_ids), len(record.sealed), len("".join(item_ids).encode("utf-8"))
-        if batch and (rows + more_rows > limits.MAX_RECORDS_PER_MESSAGE or sealed + more_sealed > limits.MAX_RECORD_BATCH_BYTES
-                      or ids + more_ids > limits.MAX_ITEM_ID_BATCH_BYTES):
+        if batch and (
+            rows + more_rows > limits.MAX_RECORDS_PER_MESSAGE
+            or sealed + more_sealed > limits.MAX_RECORD_BATCH_BYTES
+            or ids + more_ids > limits.MAX_ITEM_ID_BATCH_BYTES
+        ):
             yield batch
             batch, rows, sealed, ids = [], 0, 0, 0
         batch.append(record)

@@ -64,7 +64,9 @@ def stale_stubs() -> list[str]:
         fresh = generate(Path(tmp))
         expected = {p.name: p.read_bytes() for p in fresh}
     committed = {p.name for p in PACKAGE_DIR.iterdir() if re.fullmatch(r"\w+_pb2(_grpc)?\.pyi?", p.name)}
-    stale = [n for n, data in expected.items() if not (PACKAGE_DIR / n).is_file() or (PACKAGE_DIR / n).read_bytes() != data]
+    stale = [
+        n for n, data in expected.items() if not (PACKAGE_DIR / n).is_file() or (PACKAGE_DIR / n).read_bytes() != data
+    ]
     return sorted(stale + [n for n in committed if n not in expected])
 
 

@@ -19,11 +19,29 @@ from .search_policy import HubnessPolicy, TransitionPolicy
 from .strict_json import canonical_json, exact_keys, reject_constant, typed
 
 _MANIFEST_KEYS = (
-    "format_version", "version", "parents", "mode", "distance", "normalize", "embedding_dim",
-    "side_info_dim", "artifacts", "gate", "created_at", "kit_version", "publisher_key_id",
+    "format_version",
+    "version",
+    "parents",
+    "mode",
+    "distance",
+    "normalize",
+    "embedding_dim",
+    "side_info_dim",
+    "artifacts",
+    "gate",
+    "created_at",
+    "kit_version",
+    "publisher_key_id",
 )
 #: Keys a manifest may omit; absent keys are not written, so older manifests keep their bytes.
-_OPTIONAL_MANIFEST_KEYS = ("compatible_prefix_dim", "transition", "hubness", "parity", "preprocessing", "rollback_window_days")
+_OPTIONAL_MANIFEST_KEYS = (
+    "compatible_prefix_dim",
+    "transition",
+    "hubness",
+    "parity",
+    "preprocessing",
+    "rollback_window_days",
+)
 #: how long a device keeps every row's previous vectors after upgrading to a bundle that does not say:
 #: none, as before the field existed (a bundle already published never asked devices for the room);
 #: `fctkit export` writes its own default (7 days) into new bundles
@@ -85,13 +103,18 @@ class Manifest:
             "created_at": self.created_at,
             "kit_version": self.kit_version,
             "publisher_key_id": self.publisher_key_id,
-        } | {key: value for key, value in (("compatible_prefix_dim", self.compatible_prefix_dim),
-                                          ("transition", self.transition and self.transition.to_json()),
-                                          ("hubness", self.hubness and self.hubness.to_json()),
-                                          ("parity", self.parity),
-                                          ("preprocessing", self.preprocessing and self.preprocessing.to_json()),
-                                          ("rollback_window_days", self.rollback_window_days))
-              if value is not None}
+        } | {
+            key: value
+            for key, value in (
+                ("compatible_prefix_dim", self.compatible_prefix_dim),
+                ("transition", self.transition and self.transition.to_json()),
+                ("hubness", self.hubness and self.hubness.to_json()),
+                ("parity", self.parity),
+                ("preprocessing", self.preprocessing and self.preprocessing.to_json()),
+                ("rollback_window_days", self.rollback_window_days),
+            )
+            if value is not None
+        }
 
     @property
     def rollback_days(self) -> int:
@@ -119,26 +142,43 @@ class Manifest:
         manifest = cls(
             format_version=typed(raw["format_version"], int, f"{where}.format_version"),
             version=typed(raw["version"], int, f"{where}.version"),
-            parents=tuple(typed(p, int, f"{where}.parents[{i}]") for i, p in enumerate(typed(raw["parents"], list, f"{where}.parents"))),
+            parents=tuple(
+                typed(p, int, f"{where}.parents[{i}]")
+                for i, p in enumerate(typed(raw["parents"], list, f"{where}.parents"))
+            ),
             mode=typed(raw["mode"], str, f"{where}.mode"),  # type: ignore[arg-type]
             distance=typed(raw["distance"], str, f"{where}.distance"),  # type: ignore[arg-type]
             normalize=typed(raw["normalize"], bool, f"{where}.normalize"),
             embedding_dim=typed(raw["embedding_dim"], int, f"{where}.embedding_dim"),
             side_info_dim=typed(raw["side_info_dim"], int, f"{where}.side_info_dim"),
-            artifacts=tuple(Artifact.from_json(a, f"{where}.artifacts[{i}]") for i, a in enumerate(typed(raw["artifacts"], list, f"{where}.artifacts"))),
+            artifacts=tuple(
+                Artifact.from_json(a, f"{where}.artifacts[{i}]")
+                for i, a in enumerate(typed(raw["artifacts"], list, f"{where}.artifacts"))
+            ),
             gate=typed(raw["gate"], dict, f"{where}.gate"),
             created_at=typed(raw["created_at"], str, f"{where}.created_at"),
             kit_version=typed(raw["kit_version"], str, f"{where}.kit_version"),
             publisher_key_id=typed(raw["publisher_key_id"], str, f"{where}.publisher_key_id"),
-            compatible_prefix_dim=(typed(optional["compatible_prefix_dim"], int, f"{where}.compatible_prefix_dim")
-                                   if "compatible_prefix_dim" in optional else None),
-            transition=TransitionPolicy.from_json(optional["transition"], f"{where}.transition") if "transition" in optional else None,
+            compatible_prefix_dim=(
+                typed(optional["compatible_prefix_dim"], int, f"{where}.compatible_prefix_dim")
+                if "compatible_prefix_dim" in optional
+                else None
+            ),
+            transition=TransitionPolicy.from_json(optional["transition"], f"{where}.transition")
+            if "transition" in optional
+            else None,
             hubness=HubnessPolicy.from_json(optional["hubness"], f"{where}.hubness") if "hubness" in optional else None,
             parity=typed(optional["parity"], dict, f"{where}.parity") if "parity" in optional else None,
-            preprocessing=(Preprocessing.from_json(optional["preprocessing"], f"{where}.preprocessing")
-                           if "preprocessing" in optional else None),
-            rollback_window_days=(typed(optional["rollback_window_days"], int, f"{where}.rollback_window_days")
-                                  if "rollback_window_days" in optional else None),
+            preprocessing=(
+                Preprocessing.from_json(optional["preprocessing"], f"{where}.preprocessing")
+                if "preprocessing" in optional
+                else None
+            ),
+            rollback_window_days=(
+                typed(optional["rollback_window_days"], int, f"{where}.rollback_window_days")
+                if "rollback_window_days" in optional
+                else None
+            ),
         )
         if manifest.canonical_bytes() != data:
             raise BundleFormatError(
@@ -150,15 +190,19 @@ class Manifest:
     def artifact(self, role: str, *, source_version: int | None = None, target_version: int | None = None) -> Artifact:
         """The one artifact with ``role`` (and the given source/target version, when several match)."""
         matches = [
-            a for a in self.artifacts
+            a
+            for a in self.artifacts
             if a.role == role
             and (source_version is None or a.source_version == source_version)
             and (target_version is None or a.target_version == target_version)
         ]
         if len(matches) == 1:
             return matches[0]
-        wanted = f"{role!r}" + (f" from v{source_version}" if source_version is not None else "") + (
-            f" to v{target_version}" if target_version is not None else "")
+        wanted = (
+            f"{role!r}"
+            + (f" from v{source_version}" if source_version is not None else "")
+            + (f" to v{target_version}" if target_version is not None else "")
+        )
         if not matches:
             have = ", ".join(a.name for a in self.artifacts)
             raise BundleFormatError(f"bundle v{self.version} has no {wanted} artifact (it has: {have})")

@@ -15,7 +15,16 @@ from typing import Any, TypeVar
 from fctkit.errors import BundleFormatError
 
 from .artifact_spec import Artifact, TensorSpec
-from .bundle_vocabulary import DISTANCES, FORMAT_VERSION, GATED_ROLES, HEX64, MANIFEST_FILE, MODES, PRECISIONS, TRANSFORM_ROLES
+from .bundle_vocabulary import (
+    DISTANCES,
+    FORMAT_VERSION,
+    GATED_ROLES,
+    HEX64,
+    MANIFEST_FILE,
+    MODES,
+    PRECISIONS,
+    TRANSFORM_ROLES,
+)
 from .preprocessing_spec import Preprocessing, check_preprocessing, vector_output
 from .search_policy import check_search_policies
 from .strict_json import exact_keys, is_int, is_number, typed
@@ -49,7 +58,9 @@ def _check_header(m: Any) -> None:
     if not is_int(m.version) or m.version <= 0:
         raise BundleFormatError(f"{MANIFEST_FILE}: version must be a positive integer, got {m.version!r}")
     if not isinstance(m.parents, tuple) or not all(is_int(p) and 0 < p < m.version for p in m.parents):
-        raise BundleFormatError(f"{MANIFEST_FILE}: parents must be positive integers lower than version {m.version}, got {m.parents!r}")
+        raise BundleFormatError(
+            f"{MANIFEST_FILE}: parents must be positive integers lower than version {m.version}, got {m.parents!r}"
+        )
     if len(set(m.parents)) != len(m.parents):
         raise BundleFormatError(f"{MANIFEST_FILE}: duplicate parent versions {m.parents!r}")
     if m.mode not in MODES:
@@ -60,8 +71,10 @@ def _check_header(m: Any) -> None:
         raise BundleFormatError(f"{MANIFEST_FILE}: normalize must be true or false")
     window = m.rollback_window_days
     if window is not None and (not is_int(window) or not 0 <= window <= MAX_ROLLBACK_WINDOW_DAYS):
-        raise BundleFormatError(f"{MANIFEST_FILE}: rollback_window_days must be an integer from 0 (none) to "
-                                f"{MAX_ROLLBACK_WINDOW_DAYS}, got {window!r}")
+        raise BundleFormatError(
+            f"{MANIFEST_FILE}: rollback_window_days must be an integer from 0 (none) to "
+            f"{MAX_ROLLBACK_WINDOW_DAYS}, got {window!r}"
+        )
     if not is_int(m.embedding_dim) or m.embedding_dim <= 0:
         raise BundleFormatError(f"{MANIFEST_FILE}: embedding_dim must be a positive integer")
     if not is_int(m.side_info_dim) or m.side_info_dim < 0:
@@ -79,9 +92,13 @@ def _check_header(m: Any) -> None:
     prefix = m.compatible_prefix_dim
     if prefix is not None:
         if m.mode != "compatible":
-            raise BundleFormatError(f"{MANIFEST_FILE}: compatible_prefix_dim is for mode 'compatible' only (mode is {m.mode!r})")
+            raise BundleFormatError(
+                f"{MANIFEST_FILE}: compatible_prefix_dim is for mode 'compatible' only (mode is {m.mode!r})"
+            )
         if not is_int(prefix) or not 0 < prefix <= m.embedding_dim:
-            raise BundleFormatError(f"{MANIFEST_FILE}: compatible_prefix_dim must be an integer in 1..{m.embedding_dim} (the embedding_dim), got {prefix!r}")
+            raise BundleFormatError(
+                f"{MANIFEST_FILE}: compatible_prefix_dim must be an integer in 1..{m.embedding_dim} (the embedding_dim), got {prefix!r}"
+            )
 
 
 def _check_artifacts(m: Any) -> None:
@@ -99,22 +116,34 @@ def _check_artifacts(m: Any) -> None:
     side_infos = [a for a in arts if a.role == "side_info"]
     query_maps = [a for a in arts if a.role == "query_map"]
     if len(embeds) != 1:
-        raise BundleFormatError(f"bundle v{m.version}: needs exactly one embed artifact (the model devices embed with), has {len(embeds)}")
+        raise BundleFormatError(
+            f"bundle v{m.version}: needs exactly one embed artifact (the model devices embed with), has {len(embeds)}"
+        )
     if len(side_infos) > 1 or len(query_maps) > 1:
-        raise BundleFormatError(f"bundle v{m.version}: has {len(side_infos)} side_info and {len(query_maps)} query_map "
-                                f"artifacts, at most one of each is allowed")
+        raise BundleFormatError(
+            f"bundle v{m.version}: has {len(side_infos)} side_info and {len(query_maps)} query_map "
+            f"artifacts, at most one of each is allowed"
+        )
     for query_map in query_maps:  # the new model's query embedding -> the vector searched with
         if m.mode != "forward":
-            raise BundleFormatError(f"bundle v{m.version}: a query_map artifact belongs to a forward-mode bundle, not {m.mode!r}")
-        _require_dim(query_map.inputs[0], m.embedding_dim, f"query_map artifact {query_map.name!r} input", "embedding_dim")
-        _require_dim(query_map.outputs[0], m.embedding_dim, f"query_map artifact {query_map.name!r} output", "embedding_dim")
+            raise BundleFormatError(
+                f"bundle v{m.version}: a query_map artifact belongs to a forward-mode bundle, not {m.mode!r}"
+            )
+        _require_dim(
+            query_map.inputs[0], m.embedding_dim, f"query_map artifact {query_map.name!r} input", "embedding_dim"
+        )
+        _require_dim(
+            query_map.outputs[0], m.embedding_dim, f"query_map artifact {query_map.name!r} output", "embedding_dim"
+        )
     if m.preprocessing is not None and not isinstance(m.preprocessing, Preprocessing):
         raise BundleFormatError(f"{MANIFEST_FILE}: preprocessing must be a Preprocessing section")
     check_preprocessing(m.preprocessing, arts)
     embed_output, embed_dim = vector_output(_declared(m, "embed"), embeds[0])
     if embed_dim != m.embedding_dim:
-        raise BundleFormatError(f"embed artifact {embeds[0].name!r} output {embed_output.name!r} has shape "
-                                f"{embed_output.shape}, but the manifest's embedding_dim is {m.embedding_dim}")
+        raise BundleFormatError(
+            f"embed artifact {embeds[0].name!r} output {embed_output.name!r} has shape "
+            f"{embed_output.shape}, but the manifest's embedding_dim is {m.embedding_dim}"
+        )
     expected_side = vector_output(_declared(m, "side_info"), side_infos[0])[1] if side_infos else 0
     if m.side_info_dim != expected_side:
         raise BundleFormatError(
@@ -160,9 +189,17 @@ def _check_parity(m: Any) -> None:
         if name not in names:
             raise BundleFormatError(f"{where}: names no artifact of this bundle")
         entry = exact_keys(entry, ("max_abs_error", "tolerance", "against"), where)
-        if not (is_number(entry["max_abs_error"]) and entry["max_abs_error"] >= 0 and is_number(entry["tolerance"])
-                and entry["tolerance"] > 0 and isinstance(entry["against"], str) and entry["against"]):
-            raise BundleFormatError(f"{where}: expected max_abs_error >= 0, tolerance > 0 and a non-empty 'against', got {entry}")
+        if not (
+            is_number(entry["max_abs_error"])
+            and entry["max_abs_error"] >= 0
+            and is_number(entry["tolerance"])
+            and entry["tolerance"] > 0
+            and isinstance(entry["against"], str)
+            and entry["against"]
+        ):
+            raise BundleFormatError(
+                f"{where}: expected max_abs_error >= 0, tolerance > 0 and a non-empty 'against', got {entry}"
+            )
 
 
 _Named = TypeVar("_Named")  # an artifact or a plan of one: has ``role`` and ``name``
@@ -170,7 +207,9 @@ _Named = TypeVar("_Named")  # an artifact or a plan of one: has ``role`` and ``n
 
 def _require_dim(spec: TensorSpec, expected: int, where: str, field: str) -> None:
     if len(spec.shape) != 2 or spec.feature_dim != expected:
-        raise BundleFormatError(f"{where} {spec.name!r} has shape {spec.shape}, but the manifest's {field} is {expected}")
+        raise BundleFormatError(
+            f"{where} {spec.name!r} has shape {spec.shape}, but the manifest's {field} is {expected}"
+        )
 
 
 def gated_artifacts(artifacts: Sequence[_Named], mode: str, parents: Sequence[int]) -> list[_Named]:

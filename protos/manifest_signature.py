@@ -60,7 +60,9 @@ def load_private_key(path: str | os.PathLike, passphrase: bytes | None = None) -
     except OSError as exc:
         raise PublisherKeyError(f"cannot read the publisher private key {path}: {exc.strerror}") from exc
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise PublisherKeyError(f"{path} is accessible by group or others (mode {mode & 0o777:o}): run chmod 600 {path}")
+        raise PublisherKeyError(
+            f"{path} is accessible by group or others (mode {mode & 0o777:o}): run chmod 600 {path}"
+        )
     encrypted = b"ENCRYPTED" in data.split(b"\n", 1)[0]
     if encrypted and not passphrase:
         raise PublisherKeyError(
@@ -117,7 +119,9 @@ def verify_manifest(manifest_bytes: bytes, signature: bytes, public_key: Any) ->
     except InvalidSignature:
         claimed = _claimed_key_id(manifest_bytes)
         # a claimed id one byte off the pinned one is a damaged manifest, not another publisher
-        foreign = claimed is not None and sum(a != b for a, b in zip(claimed, pinned)) + abs(len(claimed) - len(pinned)) > 2
+        foreign = (
+            claimed is not None and sum(a != b for a, b in zip(claimed, pinned)) + abs(len(claimed) - len(pinned)) > 2
+        )
         if foreign:
             raise SignatureError(
                 f"the bundle is signed by publisher key {claimed}, but this device pins {pinned}: "

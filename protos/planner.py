@@ -74,7 +74,7 @@ def plan_upgrade(manifests: Iterable[Manifest], from_version: int, to_version: i
         settled.add(here)
         for hop in edges.get(here, ()):
             if hop.target_version not in settled:
-                path_there = path + (hop.target_version,)
-                step = (hop_count + 1, size + hop.download_bytes, path_there, next(tiebreak), hops + (hop,))
+                path_there = (*path, hop.target_version)
+                step = (hop_count + 1, size + hop.download_bytes, path_there, next(tiebreak), (*hops, hop))
                 heapq.heappush(frontier, step)
     return None

@@ -51,7 +51,9 @@ class Preprocessor:
         self.artifact = artifact
         self.output = vector_output(declaration, artifact)[0].name
         self._dtypes = {s.name: np.dtype(s.dtype) for s in artifact.inputs}
-        self._tokenizer = _load_tokenizer(tokenizer_json, declaration) if isinstance(declaration, TextPreprocessing) else None
+        self._tokenizer = (
+            _load_tokenizer(tokenizer_json, declaration) if isinstance(declaration, TextPreprocessing) else None
+        )
 
     @property
     def kind(self) -> str:
@@ -63,8 +65,16 @@ class Preprocessor:
             return decode_image(item, self.declaration)
         return tokenize(self._tokenizer, item, self.declaration, purpose)
 
-    def embed(self, items: Sequence[Any], run: Run, *, purpose: Purpose = "passage", batch_size: int = 256,
-              keep_going: bool = True, progress: Callable[[int], None] | None = None) -> Embedded:
+    def embed(
+        self,
+        items: Sequence[Any],
+        run: Run,
+        *,
+        purpose: Purpose = "passage",
+        batch_size: int = 256,
+        keep_going: bool = True,
+        progress: Callable[[int], None] | None = None,
+    ) -> Embedded:
         """Prepare and embed ``items`` batch by batch. A bad item is recorded and left out; when
         ``keep_going`` is false, the first bad item stops the graph runs (the rest are still
         prepared, so every bad item is reported) and ``vectors`` is None."""
@@ -104,7 +114,9 @@ def decode_image(data: Any, declaration: ImagePreprocessing) -> np.ndarray:
     """A JPEG/PNG file's bytes as the graph's float image: mode, resize, crop, scale, mean/std, layout."""
     image_module = require("PIL.Image", "images")
     if not isinstance(data, (bytes, bytearray)) or not data:
-        raise ItemProblem("is empty" if isinstance(data, (bytes, bytearray)) else f"is a {type(data).__name__}, not image bytes")
+        raise ItemProblem(
+            "is empty" if isinstance(data, (bytes, bytearray)) else f"is a {type(data).__name__}, not image bytes"
+        )
     try:
         with image_module.open(io.BytesIO(data)) as image:
             if image.format not in ("JPEG", "PNG"):
@@ -116,7 +128,9 @@ def decode_image(data: Any, declaration: ImagePreprocessing) -> np.ndarray:
     image = _resized(image, declaration)
     pixels = _cropped(np.asarray(image, dtype=np.float32), declaration.crop)
     pixels = pixels[..., None] if pixels.ndim == 2 else pixels[..., ::-1] if declaration.mode == "BGR" else pixels
-    pixels = (pixels * np.float32(declaration.scale) - np.asarray(declaration.mean, np.float32)) / np.asarray(declaration.std, np.float32)
+    pixels = (pixels * np.float32(declaration.scale) - np.asarray(declaration.mean, np.float32)) / np.asarray(
+        declaration.std, np.float32
+    )
     return np.ascontiguousarray(pixels.transpose(2, 0, 1) if declaration.layout == "NCHW" else pixels)
 
 
@@ -136,8 +150,8 @@ def _cropped(pixels: np.ndarray, crop: tuple[int, int]) -> np.ndarray:
     height, width = pixels.shape[:2]
     if height < crop[0] or width < crop[1]:
         raise ItemProblem(f"is {width}x{height} pixels after resizing, smaller than the {crop[1]}x{crop[0]} crop")
-    top, left = int(round((height - crop[0]) / 2.0)), int(round((width - crop[1]) / 2.0))
-    return pixels[top:top + crop[0], left:left + crop[1]]
+    top, left = round((height - crop[0]) / 2.0), round((width - crop[1]) / 2.0)
+    return pixels[top : top + crop[0], left : left + crop[1]]
 
 
 # -- texts -----------------------------------------------------------------------------------
@@ -171,12 +185,16 @@ def tokenize(tokenizer: Any, text: Any, declaration: TextPreprocessing, purpose:
     if not encoding.ids:
         raise ItemProblem("gives no tokens")
     if len(encoding.ids) > declaration.max_length:
-        raise ItemProblem(f"has {len(encoding.ids)} tokens, more than the max_length {declaration.max_length} "
-                          "(the bundle refuses longer texts rather than truncating them)")
+        raise ItemProblem(
+            f"has {len(encoding.ids)} tokens, more than the max_length {declaration.max_length} "
+            "(the bundle refuses longer texts rather than truncating them)"
+        )
     return np.array([encoding.ids, encoding.type_ids], dtype=np.int64)
 
 
-def pad_tokens(prepared: Sequence[np.ndarray], declaration: TextPreprocessing) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pad_tokens(
+    prepared: Sequence[np.ndarray], declaration: TextPreprocessing
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """input_ids, attention_mask, token_type_ids of a batch, padded on the right."""
     length = declaration.max_length if declaration.padding == "max_length" else max(p.shape[1] for p in prepared)
     ids = np.full((len(prepared), length), declaration.pad_id, dtype=np.int64)

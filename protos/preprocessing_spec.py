@@ -78,13 +78,17 @@ class ImagePreprocessing:
         _choice(self.layout, LAYOUTS, f"{where}.layout")
         _choice(self.resample, RESAMPLING, f"{where}.resample")
         if not is_int(self.resize) or self.resize < 0:
-            raise _fail(f"{where}.resize", f"expected the shorter side in pixels (0: keep the size), got {self.resize!r}")
+            raise _fail(
+                f"{where}.resize", f"expected the shorter side in pixels (0: keep the size), got {self.resize!r}"
+            )
         if not is_number(self.scale) or self.scale <= 0:
             raise _fail(f"{where}.scale", f"expected a number > 0, got {self.scale!r}")
         for name in ("mean", "std"):
             values = getattr(self, name)
             if len(values) != self.channels:
-                raise _fail(f"{where}.{name}", f"expected {self.channels} value(s) (mode {self.mode}), got {list(values)}")
+                raise _fail(
+                    f"{where}.{name}", f"expected {self.channels} value(s) (mode {self.mode}), got {list(values)}"
+                )
         if any(s <= 0 for s in self.std):
             raise _fail(f"{where}.std", f"every value must be > 0, got {list(self.std)}")
 
@@ -105,15 +109,26 @@ class ImagePreprocessing:
         mode = values.get("mode", "RGB")
         for name, default in (("mean", 0.0), ("std", 1.0)):
             given = values.get(name)
-            values[name] = _floats(given, f"{where}.{name}") if given is not None else (default,) * IMAGE_MODES.get(mode, 3)
+            values[name] = (
+                _floats(given, f"{where}.{name}") if given is not None else (default,) * IMAGE_MODES.get(mode, 3)
+            )
         if "scale" in values and is_number(values["scale"]):
             values["scale"] = float(values["scale"])
         return cls(**values)
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "input": self.input, "crop": list(self.crop), "mode": self.mode, "resize": self.resize,
-                "resample": self.resample, "scale": float(self.scale), "mean": list(self.mean), "std": list(self.std),
-                "layout": self.layout}
+        return {
+            "kind": self.kind,
+            "input": self.input,
+            "crop": list(self.crop),
+            "mode": self.mode,
+            "resize": self.resize,
+            "resample": self.resample,
+            "scale": float(self.scale),
+            "mean": list(self.mean),
+            "std": list(self.std),
+            "layout": self.layout,
+        }
 
 
 @dataclass(frozen=True)
@@ -150,15 +165,22 @@ class TextPreprocessing:
         _choice(self.overflow, OVERFLOWS, f"{where}.overflow")
         _choice(self.padding, PADDINGS, f"{where}.padding")
         _choice(self.pooling, POOLINGS, f"{where}.pooling")
-        fed = [n for n in self.fed_inputs.values()]
+        fed = list(self.fed_inputs.values())
         if len(set(fed)) != len(fed):
             raise _fail(where, f"input_ids, attention_mask and token_type_ids name the same graph input: {fed}")
 
     @property
     def fed_inputs(self) -> dict[str, str]:
         """What the device computes -> the graph input it feeds."""
-        return {k: v for k, v in (("input_ids", self.input_ids), ("attention_mask", self.attention_mask),
-                                  ("token_type_ids", self.token_type_ids)) if v is not None}
+        return {
+            k: v
+            for k, v in (
+                ("input_ids", self.input_ids),
+                ("attention_mask", self.attention_mask),
+                ("token_type_ids", self.token_type_ids),
+            )
+            if v is not None
+        }
 
     @classmethod
     def parse(cls, data: Mapping[str, Any], where: str, *, strict: bool) -> TextPreprocessing:
@@ -169,7 +191,10 @@ class TextPreprocessing:
 
 
 Declaration = ImagePreprocessing | TextPreprocessing
-_KINDS: dict[str, type[ImagePreprocessing] | type[TextPreprocessing]] = {"image": ImagePreprocessing, "text": TextPreprocessing}
+_KINDS: dict[str, type[ImagePreprocessing] | type[TextPreprocessing]] = {
+    "image": ImagePreprocessing,
+    "text": TextPreprocessing,
+}
 
 
 def _values(cls: type, data: Mapping[str, Any], where: str, strict: bool) -> dict[str, Any]:
@@ -198,12 +223,18 @@ class Preprocessing:
         names = [role for role, _ in self.roles]
         unknown = [r for r in names if r not in PREPROCESSED_ROLES]
         if unknown or len(set(names)) != len(names) or "embed" not in names:
-            raise _fail("manifest preprocessing", f"declares roles {names}: give 'embed' (and 'side_info' when the bundle "
-                                                  f"has one), each once, among {', '.join(PREPROCESSED_ROLES)}")
+            raise _fail(
+                "manifest preprocessing",
+                f"declares roles {names}: give 'embed' (and 'side_info' when the bundle "
+                f"has one), each once, among {', '.join(PREPROCESSED_ROLES)}",
+            )
         kinds = {d.kind for _, d in self.roles}
         if len(kinds) != 1:
-            raise _fail("manifest preprocessing", f"roles take different kinds of items {sorted(kinds)}: a device adds "
-                                                  "one kind of item, which every graph of the bundle embeds")
+            raise _fail(
+                "manifest preprocessing",
+                f"roles take different kinds of items {sorted(kinds)}: a device adds "
+                "one kind of item, which every graph of the bundle embeds",
+            )
 
     @property
     def kind(self) -> str:
@@ -220,8 +251,14 @@ class Preprocessing:
         data = typed(data, dict, where)
         exact_keys(data, ("format", *[r for r in PREPROCESSED_ROLES if r in data]), where)
         if data["format"] != FORMAT:
-            raise _fail(f"{where}.format", f"{data['format']!r} is not supported (this fctkit reads {FORMAT!r}); upgrade fctkit")
-        return cls(tuple((role, parse_declaration(data[role], f"{where}.{role}")) for role in PREPROCESSED_ROLES if role in data))
+            raise _fail(
+                f"{where}.format", f"{data['format']!r} is not supported (this fctkit reads {FORMAT!r}); upgrade fctkit"
+            )
+        return cls(
+            tuple(
+                (role, parse_declaration(data[role], f"{where}.{role}")) for role in PREPROCESSED_ROLES if role in data
+            )
+        )
 
 
 def vector_output(declaration: Declaration | None, artifact: Artifact) -> tuple[TensorSpec, int]:
@@ -229,15 +266,19 @@ def vector_output(declaration: Declaration | None, artifact: Artifact) -> tuple[
     if not isinstance(declaration, TextPreprocessing):
         spec = artifact.outputs[0]
         if len(spec.shape) != 2 or spec.dynamic:
-            raise _fail(f"{artifact.role} artifact {artifact.name!r}", f"output {spec.name!r} has shape {spec.shape}; "
-                                                                      "expected (batch, dim)")
+            raise _fail(
+                f"{artifact.role} artifact {artifact.name!r}",
+                f"output {spec.name!r} has shape {spec.shape}; expected (batch, dim)",
+            )
         return spec, spec.feature_dim
     spec = _named(artifact.outputs, declaration.output, artifact, "output")
     rank = 2 if declaration.pooling == "none" else 3
     if len(spec.shape) != rank or spec.shape[-1] is None:
         what = "(batch, dim)" if rank == 2 else "(batch, tokens, dim) token embeddings"
-        raise _fail(f"{artifact.role} artifact {artifact.name!r}", f"pooling {declaration.pooling!r} needs output "
-                                                                  f"{spec.name!r} to be {what}; it has shape {spec.shape}")
+        raise _fail(
+            f"{artifact.role} artifact {artifact.name!r}",
+            f"pooling {declaration.pooling!r} needs output {spec.name!r} to be {what}; it has shape {spec.shape}",
+        )
     return spec, int(spec.shape[-1])
 
 
@@ -245,8 +286,11 @@ def _named(specs: tuple[TensorSpec, ...], name: str, artifact: Artifact, kind: s
     for spec in specs:
         if spec.name == name:
             return spec
-    raise _fail(f"{artifact.role} artifact {artifact.name!r}", f"the preprocessing names {kind} {name!r}, which the graph "
-                                                              f"does not have (it has: {', '.join(s.name for s in specs)})")
+    raise _fail(
+        f"{artifact.role} artifact {artifact.name!r}",
+        f"the preprocessing names {kind} {name!r}, which the graph "
+        f"does not have (it has: {', '.join(s.name for s in specs)})",
+    )
 
 
 def check_preprocessing(preprocessing: Preprocessing | None, artifacts: tuple[Artifact, ...]) -> None:
@@ -258,13 +302,17 @@ def check_preprocessing(preprocessing: Preprocessing | None, artifacts: tuple[Ar
             continue
         declaration = declared.pop(artifact.role, None) if artifact.role in PREPROCESSED_ROLES else None
         if preprocessing is not None and artifact.role in PREPROCESSED_ROLES and declaration is None:
-            raise _fail(f"{artifact.role} artifact {artifact.name!r}", "has no preprocessing declaration, but the bundle's "
-                                                                      "other graphs take raw items")
+            raise _fail(
+                f"{artifact.role} artifact {artifact.name!r}",
+                "has no preprocessing declaration, but the bundle's other graphs take raw items",
+            )
         if declaration is not None:
             check_declared_graph(declaration, artifact, artifacts)
         elif any(s.dynamic for s in artifact.inputs + artifact.outputs):
-            raise _fail(f"{artifact.role} artifact {artifact.name!r}", "has dynamic axes after the batch; only a graph a "
-                                                                      "text preprocessing declaration feeds may")
+            raise _fail(
+                f"{artifact.role} artifact {artifact.name!r}",
+                "has dynamic axes after the batch; only a graph a text preprocessing declaration feeds may",
+            )
     if declared:
         raise _fail("manifest preprocessing", f"declares {', '.join(declared)}, which the bundle has no artifact for")
     used = {d.tokenizer for _, d in (preprocessing.roles if preprocessing else ()) if isinstance(d, TextPreprocessing)}
@@ -288,8 +336,11 @@ def _check_image(declaration: ImagePreprocessing, artifact: Artifact) -> None:
         raise _fail(where, f"takes inputs {names}; the image preprocessing feeds exactly one, {declaration.input!r}")
     spec = artifact.inputs[0]
     if not spec.dtype.startswith("float") or spec.shape[1:] != declaration.input_shape:
-        raise _fail(where, f"input {spec.name!r} is {spec.dtype} {spec.shape}; the preprocessing makes float images of "
-                           f"{declaration.input_shape} ({declaration.layout}, mode {declaration.mode}, crop {declaration.crop})")
+        raise _fail(
+            where,
+            f"input {spec.name!r} is {spec.dtype} {spec.shape}; the preprocessing makes float images of "
+            f"{declaration.input_shape} ({declaration.layout}, mode {declaration.mode}, crop {declaration.crop})",
+        )
     vector_output(declaration, artifact)
 
 
@@ -298,18 +349,30 @@ def _check_text(declaration: TextPreprocessing, artifact: Artifact, artifacts: t
     fed = set(declaration.fed_inputs.values())
     names = {s.name for s in artifact.inputs}
     if names != fed:
-        raise _fail(where, f"takes inputs {sorted(names)}; the text preprocessing feeds {sorted(fed)} (graph inputs it does "
-                           "not feed, or feeds that are not graph inputs)")
+        raise _fail(
+            where,
+            f"takes inputs {sorted(names)}; the text preprocessing feeds {sorted(fed)} (graph inputs it does "
+            "not feed, or feeds that are not graph inputs)",
+        )
     for spec in artifact.inputs:
         length = spec.shape[1] if len(spec.shape) == 2 else -1
         if spec.dtype not in ID_DTYPES or length == -1:
-            raise _fail(where, f"input {spec.name!r} is {spec.dtype} {spec.shape}; token inputs are (batch, tokens) of "
-                               f"{' or '.join(ID_DTYPES)}")
+            raise _fail(
+                where,
+                f"input {spec.name!r} is {spec.dtype} {spec.shape}; token inputs are (batch, tokens) of "
+                f"{' or '.join(ID_DTYPES)}",
+            )
         if length is not None and (declaration.padding != "max_length" or length != declaration.max_length):
-            raise _fail(where, f"input {spec.name!r} has a fixed length {length}: declare padding 'max_length' with "
-                               f"max_length {length}")
+            raise _fail(
+                where,
+                f"input {spec.name!r} has a fixed length {length}: declare padding 'max_length' with "
+                f"max_length {length}",
+            )
     tokenizers = [a for a in artifacts if a.name == declaration.tokenizer and a.role == "tokenizer"]
     if not tokenizers:
-        raise _fail(where, f"its preprocessing names tokenizer {declaration.tokenizer!r}, which is no tokenizer artifact "
-                           "of this bundle")
+        raise _fail(
+            where,
+            f"its preprocessing names tokenizer {declaration.tokenizer!r}, which is no tokenizer artifact "
+            "of this bundle",
+        )
     vector_output(declaration, artifact)

@@ -34,9 +34,15 @@ class Transfer:
     header: Any = None  # ArtifactHeader / BlobInfo as sent by the server
 
 
-def stream_download(open_stream: Callable[[int], Any], header_digest: Callable[[Any], tuple[str, int]],
-                    sink: BinaryIO, offset: int, digest: Any, retry: RetryPolicy,
-                    known: tuple[str, int] | None = None) -> Transfer:
+def stream_download(
+    open_stream: Callable[[int], Any],
+    header_digest: Callable[[Any], tuple[str, int]],
+    sink: BinaryIO,
+    offset: int,
+    digest: Any,
+    retry: RetryPolicy,
+    known: tuple[str, int] | None = None,
+) -> Transfer:
     """Write a header-then-chunks stream from ``offset`` into ``sink`` (which holds the
     first ``offset`` bytes already, hashed into ``digest``), reconnecting from the last
     byte received while the server is UNAVAILABLE; verify the SHA-256 at the end. ``known``
@@ -54,20 +60,29 @@ def stream_download(open_stream: Callable[[int], Any], header_digest: Callable[[
                     if known is not None and announced != known:
                         raise HashMismatchError(
                             f"the server announces {announced[1]} bytes with SHA-256 {announced[0][:16]}…, but the signed "
-                            f"metadata says {known[1]} bytes with SHA-256 {known[0][:16]}…: refused before downloading")
+                            f"metadata says {known[1]} bytes with SHA-256 {known[0][:16]}…: refused before downloading"
+                        )
                     if expected is not None and announced != expected:
-                        raise HashMismatchError("the object changed on the server while it was being downloaded; start again")
+                        raise HashMismatchError(
+                            "the object changed on the server while it was being downloaded; start again"
+                        )
                     expected = announced
                     if position > expected[1]:
-                        raise HashMismatchError(f"{position} bytes are held locally but the object has only {expected[1]}; start again")
+                        raise HashMismatchError(
+                            f"{position} bytes are held locally but the object has only {expected[1]}; start again"
+                        )
                     continue
                 chunk = message.chunk
                 if expected is None or chunk.offset != position:
-                    raise RpcStatusError("DATA_LOSS", f"the server sent a chunk at offset {chunk.offset}, expected {position}")
+                    raise RpcStatusError(
+                        "DATA_LOSS", f"the server sent a chunk at offset {chunk.offset}, expected {position}"
+                    )
                 data = chunk.data  # each access copies the bytes out of the message
                 if position + len(data) > expected[1]:
-                    raise HashMismatchError(f"the server sent more than the {expected[1]} bytes announced: refused "
-                                            "(endless data); download again")
+                    raise HashMismatchError(
+                        f"the server sent more than the {expected[1]} bytes announced: refused "
+                        "(endless data); download again"
+                    )
                 sink.write(data)
                 digest.update(data)
                 position += len(data)
@@ -86,8 +101,13 @@ def stream_download(open_stream: Callable[[int], Any], header_digest: Callable[[
     return Transfer(sha256, size, started, header)
 
 
-def download_to_file(open_stream: Callable[[int], Any], header_digest: Callable[[Any], tuple[str, int]], dest: Path,
-                     retry: RetryPolicy, known: tuple[str, int] | None = None) -> Transfer:
+def download_to_file(
+    open_stream: Callable[[int], Any],
+    header_digest: Callable[[Any], tuple[str, int]],
+    dest: Path,
+    retry: RetryPolicy,
+    known: tuple[str, int] | None = None,
+) -> Transfer:
     """Download into ``dest`` through ``dest.part`` (kept between attempts and processes,
     resumed from its size), renamed to ``dest`` once the SHA-256 matches (``known``: see
     :func:`stream_download`)."""

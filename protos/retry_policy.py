@@ -46,7 +46,11 @@ def status_error(error: grpc.RpcError) -> RpcStatusError:
     return RpcStatusError(code.name if code else "UNKNOWN", details or "")
 
 
-def sleep_before_retry(error: grpc.RpcError, delays: Iterator[float], retry_on: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)) -> None:
+def sleep_before_retry(
+    error: grpc.RpcError,
+    delays: Iterator[float],
+    retry_on: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,),
+) -> None:
     """A call failing with a retryable status waits for its next attempt; anything else (or no
     attempts left) raises the kit's error for the status."""
     delay = next(delays, None) if _code(error) in retry_on else None

@@ -9,8 +9,11 @@ from typing import Any
 
 from . import registry_pb2
 
-ROLLOUT_ACTIONS = {"pause": registry_pb2.ROLLOUT_ACTION_PAUSE, "resume": registry_pb2.ROLLOUT_ACTION_RESUME,
-                   "complete": registry_pb2.ROLLOUT_ACTION_COMPLETE}
+ROLLOUT_ACTIONS = {
+    "pause": registry_pb2.ROLLOUT_ACTION_PAUSE,
+    "resume": registry_pb2.ROLLOUT_ACTION_RESUME,
+    "complete": registry_pb2.ROLLOUT_ACTION_COMPLETE,
+}
 
 
 class RolloutCalls:
@@ -19,14 +22,22 @@ class RolloutCalls:
     registry: Any
     _unary: Callable[..., Any]
 
-    def set_rollout(self, version: int, *, percent: float | None = None, action: str | None = None,
-                    cohort: Sequence[str] | None = None, halt_below: float | None = None,
-                    halt_min_devices: int = 0) -> registry_pb2.RolloutStatus:
+    def set_rollout(
+        self,
+        version: int,
+        *,
+        percent: float | None = None,
+        action: str | None = None,
+        cohort: Sequence[str] | None = None,
+        halt_below: float | None = None,
+        halt_min_devices: int = 0,
+    ) -> registry_pb2.RolloutStatus:
         """Admin: widen (``percent``), ``action`` (pause, resume or complete), replace the cohort
         (``cohort``: device ids) or the guard (``halt_below`` with ``halt_min_devices``) of
         ``version``'s rollout, all at once or nothing; returns its status."""
-        request = registry_pb2.SetRolloutRequest(version=version, percent=percent,
-                                                 action=ROLLOUT_ACTIONS[action] if action else 0)
+        request = registry_pb2.SetRolloutRequest(
+            version=version, percent=percent, action=ROLLOUT_ACTIONS[action] if action else 0
+        )
         if cohort is not None:
             request.cohort.device_ids.extend(cohort)
             request.cohort.SetInParent()

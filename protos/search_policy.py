@@ -33,20 +33,31 @@ class TransitionPolicy:
     def __post_init__(self) -> None:
         where = "manifest transition"
         if not is_int(self.previous_version) or self.previous_version <= 0:
-            raise BundleFormatError(f"{where}: previous_version must be a positive integer, got {self.previous_version!r}")
+            raise BundleFormatError(
+                f"{where}: previous_version must be a positive integer, got {self.previous_version!r}"
+            )
         if not is_number(self.weight) or not 0.0 < self.weight < 1.0:
             raise BundleFormatError(f"{where}: weight must be a number strictly between 0 and 1, got {self.weight!r}")
         if not is_number(self.max_days) or self.max_days < 0:
-            raise BundleFormatError(f"{where}: max_days must be a finite number >= 0 (0: no time limit), got {self.max_days!r}")
+            raise BundleFormatError(
+                f"{where}: max_days must be a finite number >= 0 (0: no time limit), got {self.max_days!r}"
+            )
 
     def to_json(self) -> dict[str, Any]:
-        return {"previous_version": self.previous_version, "weight": float(self.weight), "max_days": float(self.max_days)}
+        return {
+            "previous_version": self.previous_version,
+            "weight": float(self.weight),
+            "max_days": float(self.max_days),
+        }
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> TransitionPolicy:
         data = exact_keys(data, ("previous_version", "weight", "max_days"), where)
-        return cls(typed(data["previous_version"], int, f"{where}.previous_version"),
-                   _number(data["weight"], f"{where}.weight"), _number(data["max_days"], f"{where}.max_days"))
+        return cls(
+            typed(data["previous_version"], int, f"{where}.previous_version"),
+            _number(data["weight"], f"{where}.weight"),
+            _number(data["max_days"], f"{where}.max_days"),
+        )
 
 
 @dataclass(frozen=True)
@@ -78,25 +89,35 @@ def check_search_policies(manifest: Any) -> None:
     hubness_graphs = [a for a in m.artifacts if a.role == "hubness"]
     declared = [name for name in ("transition", "hubness") if getattr(m, name) is not None]
     if declared and (m.mode != "forward" or m.distance != "cosine"):
-        raise BundleFormatError(f"bundle v{m.version}: {' and '.join(declared)} scoring belongs to a forward-mode cosine bundle, "
-                                f"not mode {m.mode!r} with distance {m.distance!r}")
+        raise BundleFormatError(
+            f"bundle v{m.version}: {' and '.join(declared)} scoring belongs to a forward-mode cosine bundle, "
+            f"not mode {m.mode!r} with distance {m.distance!r}"
+        )
     if m.transition is not None:
         sources = {a.source_version for a in m.artifacts if a.role == "forward"}
         if m.transition.previous_version not in sources:
-            raise BundleFormatError(f"bundle v{m.version}: transition from v{m.transition.previous_version}, but the "
-                                    f"bundle has no forward adapter from it (it adapts: {sorted(sources) or 'none'})")
+            raise BundleFormatError(
+                f"bundle v{m.version}: transition from v{m.transition.previous_version}, but the "
+                f"bundle has no forward adapter from it (it adapts: {sorted(sources) or 'none'})"
+            )
     if (m.hubness is None) != (not hubness_graphs) or len(hubness_graphs) > 1:
-        raise BundleFormatError(f"bundle v{m.version}: a hubness declaration needs exactly one hubness artifact and the "
-                                f"artifact needs the declaration (has {len(hubness_graphs)} artifact(s), declaration "
-                                f"{'present' if m.hubness else 'absent'})")
+        raise BundleFormatError(
+            f"bundle v{m.version}: a hubness declaration needs exactly one hubness artifact and the "
+            f"artifact needs the declaration (has {len(hubness_graphs)} artifact(s), declaration "
+            f"{'present' if m.hubness else 'absent'})"
+        )
     for graph in hubness_graphs:
         rows, offset = graph.inputs[0], graph.outputs[0]
         if len(graph.inputs) != 1 or len(rows.shape) != 2 or rows.feature_dim != m.embedding_dim:
-            raise BundleFormatError(f"hubness artifact {graph.name!r}: takes one (batch, {m.embedding_dim}) input "
-                                    f"(the rows' embeddings), got {[s.shape for s in graph.inputs]}")
+            raise BundleFormatError(
+                f"hubness artifact {graph.name!r}: takes one (batch, {m.embedding_dim}) input "
+                f"(the rows' embeddings), got {[s.shape for s in graph.inputs]}"
+            )
         if offset.shape != (None, 1):
-            raise BundleFormatError(f"hubness artifact {graph.name!r}: its output is one offset per row, shape "
-                                    f"(batch, 1), got {offset.shape}")
+            raise BundleFormatError(
+                f"hubness artifact {graph.name!r}: its output is one offset per row, shape "
+                f"(batch, 1), got {offset.shape}"
+            )
 
 
-__all__ = ["TransitionPolicy", "HubnessPolicy", "check_search_policies"]
+__all__ = ["HubnessPolicy", "TransitionPolicy", "check_search_policies"]

@@ -16,10 +16,11 @@ from fctkit.errors import BundleFormatError
 from .bundle_vocabulary import MANIFEST_FILE
 
 
-
 def canonical_json(value: Any) -> bytes:
     try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode(
+            "ascii"
+        )
     except (TypeError, ValueError) as exc:
         raise BundleFormatError(f"the manifest holds a value JSON cannot represent exactly: {exc}") from exc
 
@@ -34,11 +35,14 @@ def exact_keys(data: Any, keys: Sequence[str], where: str) -> dict:
     missing, unknown = sorted(set(keys) - set(data)), sorted(set(data) - set(keys))
     if missing or unknown:
         raise BundleFormatError(
-            f"{where}: " + "; ".join(
-                part for part in (
+            f"{where}: "
+            + "; ".join(
+                part
+                for part in (
                     f"missing key(s) {', '.join(missing)}" if missing else "",
                     f"unknown key(s) {', '.join(unknown)}" if unknown else "",
-                ) if part
+                )
+                if part
             )
         )
     return data

@@ -7,9 +7,18 @@ Run it with ``fctkit serve`` (see :mod:`fctkit.server.cli`) or in-process::
     port = await server.start(); ...; await server.stop()
 """
 
-from fctkit.server.app import FctkitServer, ServerConfig, serve
 from fctkit.protos.planner import PlannedHop, plan_upgrade
+from fctkit.server.app import FctkitServer, ServerConfig, serve
 from fctkit.server.scale_out import ScaleOutStorage
 from fctkit.server.storage import SqliteStorage, Storage
 
-__all__ = ["FctkitServer", "ServerConfig", "serve", "PlannedHop", "plan_upgrade", "ScaleOutStorage", "SqliteStorage", "Storage"]
+__all__ = [
+    "FctkitServer",
+    "PlannedHop",
+    "ScaleOutStorage",
+    "ServerConfig",
+    "SqliteStorage",
+    "Storage",
+    "plan_upgrade",
+    "serve",
+]

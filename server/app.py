@@ -18,14 +18,13 @@ from grpc_reflection.v1alpha import reflection
 
 from fctkit.config import read_setting_file
 from fctkit.errors import ConfigError
+from fctkit.private_files import make_private, private_umask
 from fctkit.protos import fleet_pb2_grpc, limits, registry_pb2_grpc, vault_pb2_grpc
 from fctkit.protos.bundle import load_public_key, public_key_id
 from fctkit.protos.manifest_signature import load_private_key, read_passphrase
 from fctkit.protos.trust import format_time, root_fingerprint
 
-from fctkit.private_files import make_private, private_umask
-
-from .auth import SERVICE_MODULES, AuthInterceptor, Authenticator, load_or_create_admin_token, protocol_methods
+from .auth import SERVICE_MODULES, Authenticator, AuthInterceptor, load_or_create_admin_token, protocol_methods
 from .fleet import FleetService
 from .jsonlog import configure_logging, log_event
 from .metrics import ServerMetrics, gauges_of
@@ -80,12 +79,18 @@ class ServerConfig:
         self._check_trust()
         scale_out = (self.database is not None, self.object_store is not None)
         if self.data_dir is not None and any(scale_out):
-            raise ConfigError("choose one storage: --data DIR (embedded), or --database with --object-store (scale-out)")
+            raise ConfigError(
+                "choose one storage: --data DIR (embedded), or --database with --object-store (scale-out)"
+            )
         if self.data_dir is None and not all(scale_out):
-            raise ConfigError("no storage: pass --data DIR, or both --database postgresql://... and --object-store s3://BUCKET/PREFIX")
+            raise ConfigError(
+                "no storage: pass --data DIR, or both --database postgresql://... and --object-store s3://BUCKET/PREFIX"
+            )
         if self.data_dir is None and self.admin_token_file is None:
-            raise ConfigError("the scale-out backend has no data directory to keep the admin token in: pass "
-                              "--admin-token-file (the same file, or its content, on every replica)")
+            raise ConfigError(
+                "the scale-out backend has no data directory to keep the admin token in: pass "
+                "--admin-token-file (the same file, or its content, on every replica)"
+            )
         if self.database_connections < 2:
             raise ConfigError("database_connections must be at least 2")
         if not 0 <= self.port <= 65535:
@@ -96,27 +101,41 @@ class ServerConfig:
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
         if self.tls_ca is not None and self.tls_cert is None:
             raise ConfigError("--tls-ca (require client certificates) needs TLS: pass --tls-cert and --tls-key too")
-        for name in ("quota_bytes", "replica_quota_bytes", "max_blob_bytes", "max_bundle_bytes", "partial_upload_ttl_s"):
+        for name in (
+            "quota_bytes",
+            "replica_quota_bytes",
+            "max_blob_bytes",
+            "max_bundle_bytes",
+            "partial_upload_ttl_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if not 1 <= self.reports_per_minute <= 100_000:
-            raise ConfigError(f"reports_per_minute is {self.reports_per_minute}; from 1 to 100000 reports per device and minute")
+            raise ConfigError(
+                f"reports_per_minute is {self.reports_per_minute}; from 1 to 100000 reports per device and minute"
+            )
         if self.watch_keepalive_s <= 0 or self.shutdown_grace_s < 0:
             raise ConfigError("watch_keepalive_s must be positive and shutdown_grace_s not negative")
 
     def _check_trust(self) -> None:
         if (self.publisher_key is None) == (self.root is None):
-            raise ConfigError("releases are checked against one of: --publisher-key publisher.pub (one key), or "
-                              "--root root.json with --timestamp-key (a root of trust); give exactly one")
+            raise ConfigError(
+                "releases are checked against one of: --publisher-key publisher.pub (one key), or "
+                "--root root.json with --timestamp-key (a root of trust); give exactly one"
+            )
         if self.root is not None and not self.timestamp_keys:
-            raise ConfigError("--root needs --timestamp-key KEY: the online key this server signs timestamps with "
-                              "(one the root's timestamp role lists)")
+            raise ConfigError(
+                "--root needs --timestamp-key KEY: the online key this server signs timestamps with "
+                "(one the root's timestamp role lists)"
+            )
         if self.root is None and (self.timestamp_keys or self.timestamp_passphrase_file is not None):
             raise ConfigError("--timestamp-key goes with --root: a server with --publisher-key signs no timestamps")
         if not MIN_TIMESTAMP_EXPIRY_H <= self.timestamp_expiry_hours <= MAX_TIMESTAMP_EXPIRY_H:
-            raise ConfigError(f"timestamp_expiry_hours is {self.timestamp_expiry_hours}; from {MIN_TIMESTAMP_EXPIRY_H:.3f} "
-                              f"(one minute) to {MAX_TIMESTAMP_EXPIRY_H} (31 days): devices must see a fresh one "
-                              "well within their root's freshness limit")
+            raise ConfigError(
+                f"timestamp_expiry_hours is {self.timestamp_expiry_hours}; from {MIN_TIMESTAMP_EXPIRY_H:.3f} "
+                f"(one minute) to {MAX_TIMESTAMP_EXPIRY_H} (31 days): devices must see a fresh one "
+                "well within their root's freshness limit"
+            )
 
     def release_rules(self, storage: Storage) -> ReleaseRules:
         """What releases must be signed by: the publisher key, or the root (reconciled with storage)."""
@@ -143,9 +162,13 @@ def _enable_reflection(service_names: list[str], server: grpc.aio.Server) -> Non
     reflection.enable_server_reflection(service_names, server)
     servicer = reflection.aio.ReflectionServicer(service_names)
     method = grpc.stream_stream_rpc_method_handler(
-        servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": method}),))
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": method}),)
+    )
 
 
 class FctkitServer:
@@ -155,7 +178,9 @@ class FctkitServer:
         self.config = config
         self.port: int | None = None
         self.metrics_port: int | None = None
-        self._metrics = None if config.metrics_port is None else ServerMetrics("sqlite" if config.data_dir else "postgres")
+        self._metrics = (
+            None if config.metrics_port is None else ServerMetrics("sqlite" if config.data_dir else "postgres")
+        )
         self._storage = open_storage(config)
         try:
             self._rules = rules = config.release_rules(self._storage)
@@ -166,9 +191,13 @@ class FctkitServer:
         self._catalog = Catalog.load(self._storage, rules)
         if isinstance(rules, RootOfTrust):
             latest = rules.latest()
-            log_event("root of trust", root_version=latest.body.version, fingerprint=root_fingerprint(latest),
-                      expires=format_time(latest.body.expires),
-                      timestamp_keys=[public_key_id(k.public_key()) for k in rules.signing_keys(latest)])
+            log_event(
+                "root of trust",
+                root_version=latest.body.version,
+                fingerprint=root_fingerprint(latest),
+                expires=format_time(latest.body.expires),
+                timestamp_keys=[public_key_id(k.public_key()) for k in rules.signing_keys(latest)],
+            )
         admin_token, self.admin_token_path = load_or_create_admin_token(config.admin_token_file, config.data_dir)
         authenticator = Authenticator(admin_token, self._storage.device_for_token, self._storage.device_owner)
         self._open_streams = open_streams = OpenStreams()  # a revoked device's open streams end at once
@@ -186,19 +215,35 @@ class FctkitServer:
             ],
         )
         self._rollouts = Rollouts(self._storage, self._catalog.wake)  # what each device is offered (issue 36)
-        registry = RegistryService(self._storage, self._catalog, rules, max_bundle_bytes=config.max_bundle_bytes,
-                                   keepalive_s=config.watch_keepalive_s, rollouts=self._rollouts)
+        registry = RegistryService(
+            self._storage,
+            self._catalog,
+            rules,
+            max_bundle_bytes=config.max_bundle_bytes,
+            keepalive_s=config.watch_keepalive_s,
+            rollouts=self._rollouts,
+        )
         registry_pb2_grpc.add_RegistryServicer_to_server(registry, self._server)
         if self._metrics is not None:  # the rollout gauges: what GetRollout answers for each rollout
             self._metrics.set_rollout_source(lambda: map(gauges_of, registry.rollout_statuses()))
-        self._vault = VaultService(self._storage, quota_bytes=config.quota_bytes, max_blob_bytes=config.max_blob_bytes,
-                                   partial_upload_ttl_s=config.partial_upload_ttl_s,
-                                   replica_quota_bytes=config.replica_quota_bytes)
+        self._vault = VaultService(
+            self._storage,
+            quota_bytes=config.quota_bytes,
+            max_blob_bytes=config.max_blob_bytes,
+            partial_upload_ttl_s=config.partial_upload_ttl_s,
+            replica_quota_bytes=config.replica_quota_bytes,
+        )
         vault_pb2_grpc.add_VaultServicer_to_server(self._vault, self._server)
         self._sweeper: asyncio.Task | None = None
         fleet_pb2_grpc.add_FleetServicer_to_server(
-            FleetService(self._storage, enrolment_key=rules.enrolment_key, latest_version=registry.latest_offered,
-                         open_streams=open_streams, rollouts=self._rollouts, reports_per_minute=config.reports_per_minute),
+            FleetService(
+                self._storage,
+                enrolment_key=rules.enrolment_key,
+                latest_version=registry.latest_offered,
+                open_streams=open_streams,
+                rollouts=self._rollouts,
+                reports_per_minute=config.reports_per_minute,
+            ),
             self._server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -216,8 +261,15 @@ class FctkitServer:
         else:
             client_ca = self.config.tls_ca
             credentials = grpc.ssl_server_credentials(
-                [(read_setting_file(self.config.tls_key, "TLS key"), read_setting_file(self.config.tls_cert, "TLS certificate"))],
-                root_certificates=None if client_ca is None else read_setting_file(client_ca, "TLS client CA certificate"),
+                [
+                    (
+                        read_setting_file(self.config.tls_key, "TLS key"),
+                        read_setting_file(self.config.tls_cert, "TLS certificate"),
+                    )
+                ],
+                root_certificates=None
+                if client_ca is None
+                else read_setting_file(client_ca, "TLS client CA certificate"),
                 require_client_auth=client_ca is not None,
             )
             port = self._server.add_secure_port(address, credentials)
@@ -239,9 +291,13 @@ class FctkitServer:
             self._listener = asyncio.create_task(events)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log_event(
-            "listening", host=self.config.host, port=self.port, tls=self.config.tls_cert is not None,
+            "listening",
+            host=self.config.host,
+            port=self.port,
+            tls=self.config.tls_cert is not None,
             client_certificates=self.config.tls_ca is not None,
-            latest_version=self._catalog.latest, admin_token_file=str(self.admin_token_path),
+            latest_version=self._catalog.latest,
+            admin_token_file=str(self.admin_token_path),
         )
         return self.port
 
@@ -327,8 +383,12 @@ def open_storage(config: ServerConfig) -> Storage:
         return SqliteStorage(config.data_dir)
     from .scale_out import ScaleOutStorage
 
-    return ScaleOutStorage(config.database, config.object_store, s3_endpoint_url=config.s3_endpoint_url,
-                           max_connections=config.database_connections)
+    return ScaleOutStorage(
+        config.database,
+        config.object_store,
+        s3_endpoint_url=config.s3_endpoint_url,
+        max_connections=config.database_connections,
+    )
 
 
 def _storage_fields(config: ServerConfig) -> dict[str, str]:

@@ -89,13 +89,17 @@ def load_or_create_admin_token(token_file: Path | None, data_dir: Path | None) -
     path = Path(token_file) if token_file else Path(data_dir) / "admin.token"
     if not path.exists():
         if token_file:
-            raise ConfigError(f"admin token file not found: {path}; create it (at least {MIN_ADMIN_TOKEN_CHARS} characters) or leave --admin-token-file out to have one made in the data directory")
+            raise ConfigError(
+                f"admin token file not found: {path}; create it (at least {MIN_ADMIN_TOKEN_CHARS} characters) or leave --admin-token-file out to have one made in the data directory"
+            )
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write("fcta_" + secrets.token_urlsafe(32) + "\n")
     token = path.read_text().strip()
     if len(token) < MIN_ADMIN_TOKEN_CHARS or any(c.isspace() for c in token):
-        raise ConfigError(f"{path}: the admin token must be one line of at least {MIN_ADMIN_TOKEN_CHARS} non-space characters")
+        raise ConfigError(
+            f"{path}: the admin token must be one line of at least {MIN_ADMIN_TOKEN_CHARS} non-space characters"
+        )
     return token, path
 
 
@@ -134,8 +138,12 @@ def current_owner_id() -> str:
 class Authenticator:
     """Resolves bearer tokens: the admin token (compared by hash) or a device token (looked up by hash)."""
 
-    def __init__(self, admin_token: str, device_for_token_hash: Callable[[str], str | None],
-                 device_owner: Callable[[str], str | None] = lambda device_id: None) -> None:
+    def __init__(
+        self,
+        admin_token: str,
+        device_for_token_hash: Callable[[str], str | None],
+        device_owner: Callable[[str], str | None] = lambda device_id: None,
+    ) -> None:
         self._admin_hash = hash_secret(admin_token)
         self._device_for_token_hash = device_for_token_hash
         self._device_owner = device_owner
@@ -155,8 +163,10 @@ class Authenticator:
             return Principal("admin")
         device_id = self._device_for_token_hash(token_hash)
         if device_id is None:
-            raise RpcStatusError("UNAUTHENTICATED", "unknown or revoked token: enrol the device again (with a new "
-                                 "enrolment code) or check the admin token")
+            raise RpcStatusError(
+                "UNAUTHENTICATED",
+                "unknown or revoked token: enrol the device again (with a new enrolment code) or check the admin token",
+            )
         return Principal("device", device_id, self._device_owner(device_id))
 
 

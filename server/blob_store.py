@@ -103,7 +103,9 @@ class BlobStore:
 
     # -- uploads in progress (fctkit.server.upload_sessions) ----------------------------------
 
-    def reserve_upload(self, owner_id: str, device_id: str, sha256: str, size: int, now: float, quota: int) -> Reservation:
+    def reserve_upload(
+        self, owner_id: str, device_id: str, sha256: str, size: int, now: float, quota: int
+    ) -> Reservation:
         with self._db.transaction(owner_lock(owner_id)):
             return upload_sessions.reserve(self._db, owner_id, device_id, sha256, size, now, quota)
 

@@ -22,63 +22,173 @@ _EXISTING = click.Path(path_type=Path, exists=True, dir_okay=False)
 
 
 @click.command("serve")
-@click.option("--data", "data_dir", type=_PATH, default=None,
-              help="Embedded storage: a data directory (SQLite metadata + content files) for one server; created if missing.")
-@click.option("--database", default=None, envvar="FCTKIT_DATABASE", show_envvar=True,
-              help="Scale-out storage: the PostgreSQL database (a libpq URL, postgresql://USER@HOST:PORT/DB) every "
-                   "replica shares; with --object-store. Keep the password out of the URL: libpq reads PGPASSWORD and ~/.pgpass. "
-                   "The schema is created by the first replica to start.")
-@click.option("--object-store", default=None, envvar="FCTKIT_OBJECT_STORE", show_envvar=True,
-              help="Scale-out storage: s3://BUCKET/PREFIX for artifacts, vault blobs and unfinished uploads (the bucket must "
-                   "exist). Credentials and region come from the standard AWS settings (AWS_ACCESS_KEY_ID, "
-                   "AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, AWS_PROFILE, instance roles).")
-@click.option("--s3-endpoint-url", default=None, help="An S3-compatible endpoint other than AWS (MinIO, Ceph, ...); "
-              "default: $AWS_ENDPOINT_URL, else AWS.")
-@click.option("--database-connections", type=int, default=20, show_default=True,
-              help="Most PostgreSQL connections this replica opens (its pool); replicas x this must stay under the "
-                   "server's max_connections.")
-@click.option("--port", type=int, default=50051, show_default=True, help="Port to listen on; 0 picks a free one (logged as the 'listening' event).")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 / [::] for all interfaces).")
-@click.option("--publisher-key", type=_EXISTING, default=None,
-              help="The publisher's public key (PEM or raw 32 bytes): bundles must verify under it. Or use --root.")
-@click.option("--root", type=_EXISTING, default=None,
-              help="A root of trust (root.<N>.json, `fctkit keys init-root`) instead of --publisher-key: bundles must be "
-                   "signed by a threshold of the latest root's publisher keys, and devices get the chain of roots and a "
-                   "signed timestamp (GetTrust). The first start stores root.1.json; a later start takes the stored root "
-                   "of its version or the next one.")
-@click.option("--timestamp-key", "timestamp_keys", type=_EXISTING, multiple=True,
-              help="With --root: the online timestamp private key (as `fctkit keys generate` writes it) this server signs "
-                   "timestamps with; the root's timestamp role must list it. Repeat it to hold the old and the new key "
-                   "while the timestamp key is rotated.")
-@click.option("--timestamp-passphrase-file", type=_EXISTING, default=None,
-              help="File holding the passphrase of the --timestamp-key files (or set $FCTKIT_KEY_PASSPHRASE).")
-@click.option("--timestamp-expiry-hours", type=float, default=24.0, show_default=True,
-              help="How long each signed timestamp stays valid (one minute to 31 days); a new one is signed once half "
-                   "of that is gone, or when the releases on offer change.")
-@click.option("--admin-token-file", type=_PATH, default=None, help="File holding the admin token; default DATA/admin.token, "
-              "created (mode 0600) if missing. Required with --database (every replica reads the same token).")
+@click.option(
+    "--data",
+    "data_dir",
+    type=_PATH,
+    default=None,
+    help="Embedded storage: a data directory (SQLite metadata + content files) for one server; created if missing.",
+)
+@click.option(
+    "--database",
+    default=None,
+    envvar="FCTKIT_DATABASE",
+    show_envvar=True,
+    help="Scale-out storage: the PostgreSQL database (a libpq URL, postgresql://USER@HOST:PORT/DB) every "
+    "replica shares; with --object-store. Keep the password out of the URL: libpq reads PGPASSWORD and ~/.pgpass. "
+    "The schema is created by the first replica to start.",
+)
+@click.option(
+    "--object-store",
+    default=None,
+    envvar="FCTKIT_OBJECT_STORE",
+    show_envvar=True,
+    help="Scale-out storage: s3://BUCKET/PREFIX for artifacts, vault blobs and unfinished uploads (the bucket must "
+    "exist). Credentials and region come from the standard AWS settings (AWS_ACCESS_KEY_ID, "
+    "AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, AWS_PROFILE, instance roles).",
+)
+@click.option(
+    "--s3-endpoint-url",
+    default=None,
+    help="An S3-compatible endpoint other than AWS (MinIO, Ceph, ...); default: $AWS_ENDPOINT_URL, else AWS.",
+)
+@click.option(
+    "--database-connections",
+    type=int,
+    default=20,
+    show_default=True,
+    help="Most PostgreSQL connections this replica opens (its pool); replicas x this must stay under the "
+    "server's max_connections.",
+)
+@click.option(
+    "--port",
+    type=int,
+    default=50051,
+    show_default=True,
+    help="Port to listen on; 0 picks a free one (logged as the 'listening' event).",
+)
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 / [::] for all interfaces)."
+)
+@click.option(
+    "--publisher-key",
+    type=_EXISTING,
+    default=None,
+    help="The publisher's public key (PEM or raw 32 bytes): bundles must verify under it. Or use --root.",
+)
+@click.option(
+    "--root",
+    type=_EXISTING,
+    default=None,
+    help="A root of trust (root.<N>.json, `fctkit keys init-root`) instead of --publisher-key: bundles must be "
+    "signed by a threshold of the latest root's publisher keys, and devices get the chain of roots and a "
+    "signed timestamp (GetTrust). The first start stores root.1.json; a later start takes the stored root "
+    "of its version or the next one.",
+)
+@click.option(
+    "--timestamp-key",
+    "timestamp_keys",
+    type=_EXISTING,
+    multiple=True,
+    help="With --root: the online timestamp private key (as `fctkit keys generate` writes it) this server signs "
+    "timestamps with; the root's timestamp role must list it. Repeat it to hold the old and the new key "
+    "while the timestamp key is rotated.",
+)
+@click.option(
+    "--timestamp-passphrase-file",
+    type=_EXISTING,
+    default=None,
+    help="File holding the passphrase of the --timestamp-key files (or set $FCTKIT_KEY_PASSPHRASE).",
+)
+@click.option(
+    "--timestamp-expiry-hours",
+    type=float,
+    default=24.0,
+    show_default=True,
+    help="How long each signed timestamp stays valid (one minute to 31 days); a new one is signed once half "
+    "of that is gone, or when the releases on offer change.",
+)
+@click.option(
+    "--admin-token-file",
+    type=_PATH,
+    default=None,
+    help="File holding the admin token; default DATA/admin.token, "
+    "created (mode 0600) if missing. Required with --database (every replica reads the same token).",
+)
 @click.option("--tls-cert", type=_EXISTING, default=None, help="PEM certificate chain: serve TLS (with --tls-key).")
 @click.option("--tls-key", type=_EXISTING, default=None, help="PEM private key of --tls-cert.")
-@click.option("--tls-ca", type=_EXISTING, default=None,
-              help="PEM CA certificate: require every client to present a certificate it signed (mutual TLS; "
-                   "clients pass --tls-cert and --tls-key). Needs --tls-cert.")
+@click.option(
+    "--tls-ca",
+    type=_EXISTING,
+    default=None,
+    help="PEM CA certificate: require every client to present a certificate it signed (mutual TLS; "
+    "clients pass --tls-cert and --tls-key). Needs --tls-cert.",
+)
 @click.option("--quota-bytes", type=int, default=1 << 30, show_default=True, help="Vault bytes each owner may store.")
-@click.option("--replica-quota-bytes", type=int, default=1 << 30, show_default=True, help="Sealed gallery-record bytes each owner may store.")
+@click.option(
+    "--replica-quota-bytes",
+    type=int,
+    default=1 << 30,
+    show_default=True,
+    help="Sealed gallery-record bytes each owner may store.",
+)
 @click.option("--max-blob-bytes", type=int, default=64 << 20, show_default=True, help="Largest vault blob.")
-@click.option("--max-bundle-bytes", type=int, default=4 << 30, show_default=True, help="Largest bundle archive accepted for publishing.")
-@click.option("--partial-upload-ttl", "partial_upload_ttl_s", type=float, default=86400.0, show_default=True,
-              help="Seconds an unfinished vault upload may stay idle before its bytes are given back (they count "
-                   "against the owner's quota until then).")
-@click.option("--watch-keepalive", "watch_keepalive_s", type=float, default=15.0, show_default=True, help="Seconds between keep-alives on idle WatchVersions streams.")
-@click.option("--max-reports-per-minute", "reports_per_minute", type=int, default=120, show_default=True,
-              help="Fleet reports each device may send per minute (per replica); more are answered RESOURCE_EXHAUSTED.")
-@click.option("--shutdown-grace", "shutdown_grace_s", type=float, default=10.0, show_default=True, help="Seconds in-flight calls get to finish on SIGTERM/SIGINT.")
-@click.option("--metrics-port", type=int, default=None,
-              help="Serve Prometheus metrics at http://METRICS-HOST:PORT/metrics (needs `pip install 'fctkit[metrics]'`); "
-                   "0 picks a free port (logged as the 'metrics listening' event). Default: no metrics, nothing more listens.")
-@click.option("--metrics-host", default="127.0.0.1", show_default=True,
-              help="Address the metrics listen on (0.0.0.0 for all interfaces; the metrics need no token).")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+@click.option(
+    "--max-bundle-bytes",
+    type=int,
+    default=4 << 30,
+    show_default=True,
+    help="Largest bundle archive accepted for publishing.",
+)
+@click.option(
+    "--partial-upload-ttl",
+    "partial_upload_ttl_s",
+    type=float,
+    default=86400.0,
+    show_default=True,
+    help="Seconds an unfinished vault upload may stay idle before its bytes are given back (they count "
+    "against the owner's quota until then).",
+)
+@click.option(
+    "--watch-keepalive",
+    "watch_keepalive_s",
+    type=float,
+    default=15.0,
+    show_default=True,
+    help="Seconds between keep-alives on idle WatchVersions streams.",
+)
+@click.option(
+    "--max-reports-per-minute",
+    "reports_per_minute",
+    type=int,
+    default=120,
+    show_default=True,
+    help="Fleet reports each device may send per minute (per replica); more are answered RESOURCE_EXHAUSTED.",
+)
+@click.option(
+    "--shutdown-grace",
+    "shutdown_grace_s",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds in-flight calls get to finish on SIGTERM/SIGINT.",
+)
+@click.option(
+    "--metrics-port",
+    type=int,
+    default=None,
+    help="Serve Prometheus metrics at http://METRICS-HOST:PORT/metrics (needs `pip install 'fctkit[metrics]'`); "
+    "0 picks a free port (logged as the 'metrics listening' event). Default: no metrics, nothing more listens.",
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address the metrics listen on (0.0.0.0 for all interfaces; the metrics need no token).",
+)
+@click.option(
+    "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
+)
 def serve_command(**options) -> None:
     """Run the fctkit gRPC server (Registry, Vault, Fleet; health checking and reflection on).
 
@@ -109,20 +219,40 @@ def _admin_token(token_file: Path | None) -> str:
     else:
         token = os.environ.get(ADMIN_TOKEN_ENV, "").strip()
     if not token:
-        raise ConfigError(f"no admin token: pass --admin-token-file (the server's DATA/admin.token) or set ${ADMIN_TOKEN_ENV}")
+        raise ConfigError(
+            f"no admin token: pass --admin-token-file (the server's DATA/admin.token) or set ${ADMIN_TOKEN_ENV}"
+        )
     return token
 
 
 @click.group("admin")
-@click.option("--server", default="127.0.0.1:50051", envvar=SERVER_ENV, show_default=True, help=f"host:port of the server (or ${SERVER_ENV}).")
-@click.option("--admin-token-file", type=_PATH, default=None, help=f"File holding the admin token (else ${ADMIN_TOKEN_ENV}).")
+@click.option(
+    "--server",
+    default="127.0.0.1:50051",
+    envvar=SERVER_ENV,
+    show_default=True,
+    help=f"host:port of the server (or ${SERVER_ENV}).",
+)
+@click.option(
+    "--admin-token-file", type=_PATH, default=None, help=f"File holding the admin token (else ${ADMIN_TOKEN_ENV})."
+)
 @click.option("--tls-ca", type=_EXISTING, default=None, help="PEM CA certificate to trust: connect with TLS.")
-@click.option("--tls-cert", type=_EXISTING, default=None,
-              help="PEM client certificate, for a server that requires one (`fctkit serve --tls-ca`); with --tls-key.")
+@click.option(
+    "--tls-cert",
+    type=_EXISTING,
+    default=None,
+    help="PEM client certificate, for a server that requires one (`fctkit serve --tls-ca`); with --tls-key.",
+)
 @click.option("--tls-key", type=_EXISTING, default=None, help="PEM private key of --tls-cert.")
 @click.pass_context
-def admin_command(ctx: click.Context, server: str, admin_token_file: Path | None, tls_ca: Path | None,
-                  tls_cert: Path | None, tls_key: Path | None) -> None:
+def admin_command(
+    ctx: click.Context,
+    server: str,
+    admin_token_file: Path | None,
+    tls_ca: Path | None,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+) -> None:
     """Administer a running fctkit server: enrolment codes, publishing releases and roots, fleet and version lists."""
 
     def connect():
@@ -155,8 +285,12 @@ def _as_dict(message) -> dict:
 @admin_command.command("enrol-code")
 @click.option("--ttl", type=int, default=0, help="Seconds the code stays valid (0: one day; at most 30 days).")
 @click.option("--label", default="", help="A note (e.g. where the device goes), copied to the device record.")
-@click.option("--owner", default="", help="Enrol the device into this owner (its blobs and gallery replica are shared "
-              "with the owner's other devices); default: a new owner of its own.")
+@click.option(
+    "--owner",
+    default="",
+    help="Enrol the device into this owner (its blobs and gallery replica are shared "
+    "with the owner's other devices); default: a new owner of its own.",
+)
 @click.pass_obj
 def enrol_code_command(connect, ttl: int, label: str, owner: str) -> None:
     """Make a one-time enrolment code for one device."""
@@ -168,9 +302,13 @@ def enrol_code_command(connect, ttl: int, label: str, owner: str) -> None:
 
 @admin_command.command("publish")
 @click.argument("bundle", type=click.Path(path_type=Path, exists=True))
-@click.option("--percent", type=click.FloatRange(0, 100), default=None,
-              help="Publish as a staged rollout at this percent of devices (0: only a cohort, named with "
-                   "`fctkit admin rollout VERSION --devices FILE`). Default: offered to every device at once.")
+@click.option(
+    "--percent",
+    type=click.FloatRange(0, 100),
+    default=None,
+    help="Publish as a staged rollout at this percent of devices (0: only a cohort, named with "
+    "`fctkit admin rollout VERSION --devices FILE`). Default: offered to every device at once.",
+)
 @click.pass_obj
 def publish_command(connect, bundle: Path, percent: float | None) -> None:
     """Publish BUNDLE (a bundle directory or its .tar archive); the server verifies it first."""
@@ -209,8 +347,19 @@ def list_devices_command(connect, as_json: bool) -> None:
     if not as_json:
         for row in rows:
             row["trust"] = _trust_state(row)
-    columns = ("device_id", "owner_id", "name", "version", "gallery_size", "upgrade_state", "last_report_at", "vault_bytes",
-               "revoked_at", "root_version", "trust")
+    columns = (
+        "device_id",
+        "owner_id",
+        "name",
+        "version",
+        "gallery_size",
+        "upgrade_state",
+        "last_report_at",
+        "vault_bytes",
+        "revoked_at",
+        "root_version",
+        "trust",
+    )
     _emit(rows, as_json, columns)
 
 

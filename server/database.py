@@ -101,8 +101,13 @@ def storage_unreachable(exc: BaseException) -> bool:
     return isinstance(exc, DatabaseUnreachable) or bool(names & _UNREACHABLE)
 
 
-_UNREACHABLE = {"psycopg.OperationalError", "psycopg_pool.PoolTimeout", "psycopg_pool.TooManyRequests",
-                "botocore.exceptions.HTTPClientError", "botocore.exceptions.ConnectionError"}
+_UNREACHABLE = {
+    "psycopg.OperationalError",
+    "psycopg_pool.PoolTimeout",
+    "psycopg_pool.TooManyRequests",
+    "botocore.exceptions.HTTPClientError",
+    "botocore.exceptions.ConnectionError",
+}
 
 
 class _Result:
@@ -142,8 +147,15 @@ class PostgresDatabase:
     def __init__(self, dsn: str, *, max_connections: int = 20) -> None:
         from psycopg_pool import ConnectionPool
 
-        self._pool = ConnectionPool(dsn, min_size=1, max_size=max_connections, kwargs={"autocommit": True, "connect_timeout": 5},
-                                    open=True, timeout=POOL_WAIT_S, name="fctkit")
+        self._pool = ConnectionPool(
+            dsn,
+            min_size=1,
+            max_size=max_connections,
+            kwargs={"autocommit": True, "connect_timeout": 5},
+            open=True,
+            timeout=POOL_WAIT_S,
+            name="fctkit",
+        )
         self._pool.wait(timeout=30.0)
         self._current: ContextVar[Any] = ContextVar(f"fctkit-pg-{id(self)}", default=None)
         self._growth: dict[tuple[str, ...], list[int]] = {}  # tables -> [rows added since ANALYZE, rows at it]

@@ -58,16 +58,18 @@ class DeviceStore:
     def __init__(self, db: Database) -> None:
         self._db = db
 
-    def add_enrolment_code(self, code_hash: str, label: str, created_at: str, expires_at: str,
-                           owner_id: str | None = None) -> None:
+    def add_enrolment_code(
+        self, code_hash: str, label: str, created_at: str, expires_at: str, owner_id: str | None = None
+    ) -> None:
         """A one-time code; the device it enrols joins ``owner_id`` (None: an owner of its own)."""
         self._db.execute(
             "INSERT INTO enrolment_codes (code_hash, label, created_at, expires_at, owner_id) VALUES (?, ?, ?, ?, ?)",
             (code_hash, label, created_at, expires_at, owner_id),
         )
 
-    def enrol(self, code_hash: str, now: str, device_id: str, name: str, token_hash: str,
-              owner_key_id: str = "") -> DeviceRecord | None:
+    def enrol(
+        self, code_hash: str, now: str, device_id: str, name: str, token_hash: str, owner_key_id: str = ""
+    ) -> DeviceRecord | None:
         """Use up an unused, unexpired code and add the device, in one transaction; None when
         the code is unknown, used or expired. ``owner_key_id`` (when given) must be the one the
         owner's first device brought (:class:`OwnerKeyMismatch` otherwise, nothing changed)."""
@@ -84,7 +86,9 @@ class DeviceStore:
                 known = self._db.execute("SELECT key_id FROM owner_keys WHERE owner_id=?", (owner_id,)).fetchone()
                 if known is not None and known[0] != owner_key_id:
                     raise OwnerKeyMismatch(owner_id)
-                self._db.execute("INSERT INTO owner_keys VALUES (?, ?) ON CONFLICT DO NOTHING", (owner_id, owner_key_id))
+                self._db.execute(
+                    "INSERT INTO owner_keys VALUES (?, ?) ON CONFLICT DO NOTHING", (owner_id, owner_key_id)
+                )
             self._db.execute(
                 "UPDATE enrolment_codes SET used_at=?, device_id=? WHERE code_hash=?", (now, device_id, code_hash)
             )
@@ -95,7 +99,9 @@ class DeviceStore:
         return self._devices("WHERE d.device_id=?", (device_id,))[0]
 
     def device_for_token(self, token_hash: str) -> str | None:
-        row = self._db.execute("SELECT device_id FROM devices WHERE token_hash=? AND revoked_at IS NULL", (token_hash,)).fetchone()
+        row = self._db.execute(
+            "SELECT device_id FROM devices WHERE token_hash=? AND revoked_at IS NULL", (token_hash,)
+        ).fetchone()
         return row[0] if row else None
 
     def device_owner(self, device_id: str) -> str | None:
@@ -112,9 +118,19 @@ class DeviceStore:
                 owner_id,
                 "UPDATE devices SET last_report_at=?, version=?, gallery_size=?, upgrade_state=?, target_version=?, "
                 "progress=?, detail=?, root_version=?, trust_stale=?, seconds_since_fresh=? WHERE device_id=?",
-                (now, report.version, report.gallery_size, report.upgrade_state, report.target_version,
-                 report.progress, report.detail, report.root_version, int(report.trust_stale), report.seconds_since_fresh,
-                 device_id),
+                (
+                    now,
+                    report.version,
+                    report.gallery_size,
+                    report.upgrade_state,
+                    report.target_version,
+                    report.progress,
+                    report.detail,
+                    report.root_version,
+                    int(report.trust_stale),
+                    report.seconds_since_fresh,
+                    device_id,
+                ),
             )
 
     def revoke_device(self, device_id: str, now: str) -> tuple[str, str | None] | None:
@@ -125,12 +141,16 @@ class DeviceStore:
         if owner_id is None:
             return None
         with self._db.transaction(owner_lock(owner_id)):
-            revoked_at = self._db.execute("SELECT revoked_at FROM devices WHERE device_id=?", (device_id,)).fetchone()[0]
+            revoked_at = self._db.execute("SELECT revoked_at FROM devices WHERE device_id=?", (device_id,)).fetchone()[
+                0
+            ]
             if revoked_at is not None:
                 return revoked_at, None
             upload_sessions.release_device(self._db, device_id)  # its partial files go at the next sweep
             self._db.notify(f"revoked:{device_id}")  # the other replicas end its open streams
-            return now, self._update_device(owner_id, "UPDATE devices SET revoked_at=? WHERE device_id=?", (now, device_id))
+            return now, self._update_device(
+                owner_id, "UPDATE devices SET revoked_at=? WHERE device_id=?", (now, device_id)
+            )
 
     def _update_device(self, owner_id: str | None, statement: str, params: tuple) -> str | None:
         """Run ``statement`` on a device of ``owner_id``; the owner if its devices now share a
@@ -141,8 +161,14 @@ class DeviceStore:
 
     def revoked_among(self, device_ids: Collection[str]) -> list[str]:
         """Those of ``device_ids`` that are revoked."""
-        return [device_id for chunk in unique_chunks(list(device_ids)) for (device_id,) in self._db.execute(
-            f"SELECT device_id FROM devices WHERE revoked_at IS NOT NULL AND device_id IN ({','.join('?' * len(chunk))})", chunk)]
+        return [
+            device_id
+            for chunk in unique_chunks(list(device_ids))
+            for (device_id,) in self._db.execute(
+                f"SELECT device_id FROM devices WHERE revoked_at IS NOT NULL AND device_id IN ({','.join('?' * len(chunk))})",
+                chunk,
+            )
+        ]
 
     def list_devices(self, after_seq: int, limit: int) -> list[DeviceRecord]:
         return self._devices("WHERE d.seq>? ORDER BY d.seq LIMIT ?", (after_seq, limit))
@@ -157,7 +183,18 @@ class DeviceStore:
             params,
         )
         return [
-            DeviceRecord(seq, dev, name, label, enrolled, last, DeviceReport(*report, int(root), bool(stale), int(fresh)),
-                         int(vb), int(vn), owner or "", revoked)
+            DeviceRecord(
+                seq,
+                dev,
+                name,
+                label,
+                enrolled,
+                last,
+                DeviceReport(*report, int(root), bool(stale), int(fresh)),
+                int(vb),
+                int(vn),
+                owner or "",
+                revoked,
+            )
             for seq, dev, name, label, enrolled, last, *report, root, stale, fresh, vb, vn, owner, revoked in rows
         ]

@@ -31,11 +31,11 @@ from fctkit.protos.bundle import public_key_id
 
 from .auth import current_device_id, hash_secret, new_device_token
 from .jsonlog import log_event
-from .rollout.report_checks import DEFAULT_REPORTS_PER_MINUTE, ReportLimiter, health_report, revert_report
 from .revocation import OpenStreams
 from .rollout.changes import guard_verdict
-from .rollout_store import HALTED, Rollout
 from .rollout.offers import Rollouts
+from .rollout.report_checks import DEFAULT_REPORTS_PER_MINUTE, ReportLimiter, health_report, revert_report
+from .rollout_store import HALTED, Rollout
 from .storage import DeviceRecord, DeviceReport, OwnerKeyMismatch, Storage
 from .validation import counter_field, invalid, page_size, sha256_field, text_field, timestamp
 
@@ -57,11 +57,23 @@ def normalise_code(code: str) -> str:
 def device_info(record: DeviceRecord) -> fleet_pb2.DeviceInfo:
     report = record.report
     return fleet_pb2.DeviceInfo(
-        device_id=record.device_id, name=record.name, label=record.label, enrolled_at=record.enrolled_at,
-        last_report_at=record.last_report_at or "", version=report.version, gallery_size=report.gallery_size,
-        upgrade_state=report.upgrade_state, target_version=report.target_version, progress=report.progress,
-        detail=report.detail, vault_bytes=record.vault_bytes, vault_blobs=record.vault_blobs, owner_id=record.owner_id,
-        revoked_at=record.revoked_at or "", root_version=report.root_version, trust_stale=report.trust_stale,
+        device_id=record.device_id,
+        name=record.name,
+        label=record.label,
+        enrolled_at=record.enrolled_at,
+        last_report_at=record.last_report_at or "",
+        version=report.version,
+        gallery_size=report.gallery_size,
+        upgrade_state=report.upgrade_state,
+        target_version=report.target_version,
+        progress=report.progress,
+        detail=report.detail,
+        vault_bytes=record.vault_bytes,
+        vault_blobs=record.vault_blobs,
+        owner_id=record.owner_id,
+        revoked_at=record.revoked_at or "",
+        root_version=report.root_version,
+        trust_stale=report.trust_stale,
         seconds_since_fresh=report.seconds_since_fresh,
     )
 
@@ -71,18 +83,32 @@ def _trust_fields(request: fleet_pb2.ReportRequest) -> dict[str, int | bool]:
     if request.root_version > MAX_ROOT_VERSION:
         raise invalid(f"root_version is {request.root_version}; at most {MAX_ROOT_VERSION}")
     if request.seconds_since_fresh > MAX_SECONDS_SINCE_FRESH:
-        raise invalid(f"seconds_since_fresh is {request.seconds_since_fresh}; at most {MAX_SECONDS_SINCE_FRESH} (100 years)")
+        raise invalid(
+            f"seconds_since_fresh is {request.seconds_since_fresh}; at most {MAX_SECONDS_SINCE_FRESH} (100 years)"
+        )
     if request.root_version == 0 and (request.trust_stale or request.seconds_since_fresh):
-        raise invalid("trust_stale and seconds_since_fresh describe a device's timestamps, which need a root: "
-                      "with root_version 0 (no root) both must be unset")
-    return {"root_version": request.root_version, "trust_stale": request.trust_stale,
-            "seconds_since_fresh": request.seconds_since_fresh}
+        raise invalid(
+            "trust_stale and seconds_since_fresh describe a device's timestamps, which need a root: "
+            "with root_version 0 (no root) both must be unset"
+        )
+    return {
+        "root_version": request.root_version,
+        "trust_stale": request.trust_stale,
+        "seconds_since_fresh": request.seconds_since_fresh,
+    }
 
 
 class FleetService(fleet_pb2_grpc.FleetServicer):
-    def __init__(self, storage: Storage, *, enrolment_key: Callable[[], Ed25519PublicKey | None],
-                 latest_version: Callable[[str], int], open_streams: OpenStreams | None = None,
-                 rollouts: Rollouts | None = None, reports_per_minute: int = DEFAULT_REPORTS_PER_MINUTE) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        enrolment_key: Callable[[], Ed25519PublicKey | None],
+        latest_version: Callable[[str], int],
+        open_streams: OpenStreams | None = None,
+        rollouts: Rollouts | None = None,
+        reports_per_minute: int = DEFAULT_REPORTS_PER_MINUTE,
+    ) -> None:
         """``latest_version(device_id)``: the latest version offered to the device."""
         self._storage = storage
         self._rollouts = rollouts or Rollouts(storage)
@@ -114,23 +140,36 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
         try:
             record = self._storage.enrol(hash_secret(code), timestamp(), device_id, name, hash_secret(token), key_id)
         except OwnerKeyMismatch as mismatch:
-            raise RpcStatusError("FAILED_PRECONDITION", f"this device holds another owner key than owner {mismatch}'s "
-                                 "devices: initialise it with their key (`fctkit device init --import-key`); "
-                                 "the code is still unused") from None
+            raise RpcStatusError(
+                "FAILED_PRECONDITION",
+                f"this device holds another owner key than owner {mismatch}'s "
+                "devices: initialise it with their key (`fctkit device init --import-key`); "
+                "the code is still unused",
+            ) from None
         if record is None:
-            raise RpcStatusError("PERMISSION_DENIED", "unknown, used or expired enrolment code: ask an admin for a new one")
+            raise RpcStatusError(
+                "PERMISSION_DENIED", "unknown, used or expired enrolment code: ask an admin for a new one"
+            )
         key = self._enrolment_key()
         raw = b"" if key is None else key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         return fleet_pb2.EnrolResponse(
-            device_id=device_id, token=token, publisher_public_key=raw,
-            publisher_key_id="" if key is None else public_key_id(key), owner_id=record.owner_id,
+            device_id=device_id,
+            token=token,
+            publisher_public_key=raw,
+            publisher_key_id="" if key is None else public_key_id(key),
+            owner_id=record.owner_id,
         )
 
     async def Report(self, request, context):
         device_id = current_device_id()
         self._limiter.admit(device_id)
-        if request.upgrade_state not in fleet_pb2.UpgradeState.values() or request.upgrade_state == fleet_pb2.UPGRADE_STATE_UNSPECIFIED:
-            raise invalid(f"upgrade_state {request.upgrade_state} is not one of IDLE, DOWNLOADING, UPGRADING, BACKFILLING, FAILED")
+        if (
+            request.upgrade_state not in fleet_pb2.UpgradeState.values()
+            or request.upgrade_state == fleet_pb2.UPGRADE_STATE_UNSPECIFIED
+        ):
+            raise invalid(
+                f"upgrade_state {request.upgrade_state} is not one of IDLE, DOWNLOADING, UPGRADING, BACKFILLING, FAILED"
+            )
         if not (math.isfinite(request.progress) and 0.0 <= request.progress <= 1.0):
             raise invalid(f"progress is {request.progress}; a fraction from 0 to 1")
         report = DeviceReport(
@@ -156,9 +195,16 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
 
     def _guard(self, version: int, device_id: str, now: str) -> None:
         """Halt ``version``'s rollout when its guard trips at this report (on one replica at a time)."""
+
         def halted(current: Rollout | None) -> Rollout | None:
-            reason = None if current is None else guard_verdict(current, self._storage.health_reports(version), device_id)
-            return current if reason is None else dataclasses.replace(current, state=HALTED, halt_reason=reason, updated_at=now)
+            reason = (
+                None if current is None else guard_verdict(current, self._storage.health_reports(version), device_id)
+            )
+            return (
+                current
+                if reason is None
+                else dataclasses.replace(current, state=HALTED, halt_reason=reason, updated_at=now)
+            )
 
         if (rollout := self._rollouts.get(version)) is None or rollout.halt_min_devices == 0:
             return  # no guard here; a guard set on another replica arrives with its notification, within a second
@@ -198,7 +244,11 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
                 await previous
             try:
                 with self._storage.single_flight(f"compact-replica:{owner_id}") as mine:
-                    while mine and (after := self._storage.compact_replica_page(owner_id, after, COMPACTION_PAGE_ITEMS)) is not None:
+                    while (
+                        mine
+                        and (after := self._storage.compact_replica_page(owner_id, after, COMPACTION_PAGE_ITEMS))
+                        is not None
+                    ):
                         await asyncio.sleep(0)
             except Exception as exc:  # nothing is lost: the records stay as they are
                 log_event("replica compaction failed", logging.ERROR, exc_info=True, owner_id=owner_id, error=str(exc))

@@ -80,8 +80,13 @@ TRANSFER_KINDS: dict[str, str] = {
     "/fctkit.v1.Registry/PublishBundle": "bundle",
 }
 
-_STORAGE_MODULES = {"sqlite3": "database", "psycopg": "database", "psycopg_pool": "database",
-                    "botocore": "object_store", "boto3": "object_store"}
+_STORAGE_MODULES = {
+    "sqlite3": "database",
+    "psycopg": "database",
+    "psycopg_pool": "database",
+    "botocore": "object_store",
+    "boto3": "object_store",
+}
 
 
 @dataclass(frozen=True)
@@ -110,10 +115,17 @@ STAGE_STATUSES = ("offered", "downloaded", "upgraded", "failed", "reverted")
 
 def gauges_of(status: Any) -> RolloutGauges:
     """The gauges of a ``fctkit.v1.RolloutStatus`` (what ``GetRollout`` answers)."""
-    stages = [StageGauges(stage.stage, {name: getattr(stage, name) for name in STAGE_STATUSES},
-                          stage.health.median if stage.health.devices else None)
-              for stage in status.stages]
+    stages = [
+        StageGauges(
+            stage.stage,
+            {name: getattr(stage, name) for name in STAGE_STATUSES},
+            stage.health.median if stage.health.devices else None,
+        )
+        for stage in status.stages
+    ]
     return RolloutGauges(status.version, status.state, status.percent, stages)
+
+
 ROLLOUT_READ_TIMEOUT_S = 5.0
 
 
@@ -143,16 +155,37 @@ class ServerMetrics:
         # first: a storage error met while reading the rollouts shows in the same scrape's counter
         self._rollouts = _RolloutCollector(prometheus.metrics_core.GaugeMetricFamily, self.storage_error)
         self.registry.register(self._rollouts)
-        self._rpcs = prometheus.Counter("fctkit_rpc", "fctkit RPCs by method and final gRPC status (a stream counts once, at its end)",
-                                        ["method", "code"], registry=self.registry)
-        self._seconds = prometheus.Histogram("fctkit_rpc_seconds", "Duration of fctkit RPCs, from start to status",
-                                             ["method"], buckets=RPC_BUCKETS_S, registry=self.registry)
-        self._bytes = prometheus.Counter("fctkit_transfer_bytes", "Message bytes received or sent, by what they carry",
-                                         ["kind", "direction"], registry=self.registry)
-        self._storage_errors = prometheus.Counter("fctkit_storage_errors", "Storage exceptions met, by kind and class",
-                                                  ["kind", "error"], registry=self.registry)
-        build = prometheus.Gauge("fctkit_build_info", "The fctkit version and storage backend of this replica",
-                                 ["version", "backend"], registry=self.registry)
+        self._rpcs = prometheus.Counter(
+            "fctkit_rpc",
+            "fctkit RPCs by method and final gRPC status (a stream counts once, at its end)",
+            ["method", "code"],
+            registry=self.registry,
+        )
+        self._seconds = prometheus.Histogram(
+            "fctkit_rpc_seconds",
+            "Duration of fctkit RPCs, from start to status",
+            ["method"],
+            buckets=RPC_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._bytes = prometheus.Counter(
+            "fctkit_transfer_bytes",
+            "Message bytes received or sent, by what they carry",
+            ["kind", "direction"],
+            registry=self.registry,
+        )
+        self._storage_errors = prometheus.Counter(
+            "fctkit_storage_errors",
+            "Storage exceptions met, by kind and class",
+            ["kind", "error"],
+            registry=self.registry,
+        )
+        build = prometheus.Gauge(
+            "fctkit_build_info",
+            "The fctkit version and storage backend of this replica",
+            ["version", "backend"],
+            registry=self.registry,
+        )
         build.labels(__version__, backend).set(1)
         prometheus.ProcessCollector(registry=self.registry)
         self._http: Any = None
@@ -181,8 +214,10 @@ class ServerMetrics:
         try:
             self._http, _ = self._prometheus.start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
-            raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; choose another "
-                              "--metrics-port (0 picks a free one) or stop what listens there") from exc
+            raise ConfigError(
+                f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; choose another "
+                "--metrics-port (0 picks a free one) or stop what listens there"
+            ) from exc
         bound = int(self._http.server_port)
         log_event("metrics listening", host=host, port=bound, path="/metrics")
         return bound
@@ -225,12 +260,19 @@ class _RolloutCollector:
             log_event("rollout metrics unavailable", logging.WARNING, error=f"{type(exc).__name__}: {exc}")
             self._storage_error(exc)
             return
-        percent = self._family("fctkit_rollout_percent", "Share of the fleet a rollout offers its version to",
-                               labels=["version", "state"])
-        devices = self._family("fctkit_rollout_devices", "Devices of a rollout by the stage they entered in and status",
-                               labels=["version", "stage", "status"])
-        health = self._family("fctkit_rollout_health_median", "Median health signal the stage's devices reported",
-                              labels=["version", "stage"])
+        percent = self._family(
+            "fctkit_rollout_percent", "Share of the fleet a rollout offers its version to", labels=["version", "state"]
+        )
+        devices = self._family(
+            "fctkit_rollout_devices",
+            "Devices of a rollout by the stage they entered in and status",
+            labels=["version", "stage", "status"],
+        )
+        health = self._family(
+            "fctkit_rollout_health_median",
+            "Median health signal the stage's devices reported",
+            labels=["version", "stage"],
+        )
         for rollout in rollouts:
             version = str(rollout.version)
             percent.add_metric([version, rollout.state], rollout.percent)

@@ -54,8 +54,12 @@ def s3_client(endpoint_url: str | None = None, *, max_connections: int = 64) -> 
     import boto3
     from botocore.config import Config
 
-    config = Config(max_pool_connections=max_connections, retries={"max_attempts": 5, "mode": "standard"},
-                    connect_timeout=5, read_timeout=60)
+    config = Config(
+        max_pool_connections=max_connections,
+        retries={"max_attempts": 5, "mode": "standard"},
+        connect_timeout=5,
+        read_timeout=60,
+    )
     client = boto3.session.Session().client("s3", endpoint_url=endpoint_url or None, config=config)
     client.fctkit_requests = RequestCounter()
     client.meta.events.register("before-send.s3", client.fctkit_requests)
@@ -78,8 +82,10 @@ def check_bucket(client: Any, location: BucketLocation) -> None:
     try:
         client.head_bucket(Bucket=location.bucket)
     except (ClientError, BotoCoreError) as exc:
-        raise ConfigError(f"cannot reach bucket {location.bucket!r} ({exc}); check --object-store, the endpoint "
-                          "(AWS_ENDPOINT_URL or --s3-endpoint-url) and the credentials") from exc
+        raise ConfigError(
+            f"cannot reach bucket {location.bucket!r} ({exc}); check --object-store, the endpoint "
+            "(AWS_ENDPOINT_URL or --s3-endpoint-url) and the credentials"
+        ) from exc
 
 
 def _missing(error: Exception) -> bool:
@@ -153,7 +159,7 @@ class S3ContentStore:
         """Every stored digest with its last change (seconds since the epoch)."""
         for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=self._prefix):
             for entry in page.get("Contents", ()):
-                name = entry["Key"][len(self._prefix):]
+                name = entry["Key"][len(self._prefix) :]
                 if is_sha256(name):
                     yield name, entry["LastModified"].timestamp()
 
@@ -242,7 +248,9 @@ class S3Partials:
             if end <= offset:
                 continue
             if start < offset:
-                body = self._client.get_object(Bucket=self._bucket, Key=key, Range=f"bytes=0-{offset - start - 1}")["Body"]
+                body = self._client.get_object(Bucket=self._bucket, Key=key, Range=f"bytes=0-{offset - start - 1}")[
+                    "Body"
+                ]
                 with contextlib.closing(body):
                     self.put_part(owner_id, sha256, start, offset, body.read())
             doomed.append(key)
@@ -288,7 +296,7 @@ class S3Partials:
 
     def _delete(self, keys: list[str]) -> None:
         for start in range(0, len(keys), 1000):
-            batch = [{"Key": key} for key in keys[start:start + 1000]]
+            batch = [{"Key": key} for key in keys[start : start + 1000]]
             self._client.delete_objects(Bucket=self._bucket, Delete={"Objects": batch, "Quiet": True})
 
     def sweep(self, reserved: Callable[[], Collection[tuple[str, str]]]) -> int:

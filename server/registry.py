@@ -29,25 +29,31 @@ from fctkit.errors import BundleError, ConfigError, RpcStatusError, TrustError
 from fctkit.protos import limits, registry_pb2, registry_pb2_grpc
 from fctkit.protos.bundle import Artifact, Manifest, VerifiedBundle, unpack_bundle, verify_bundle
 from fctkit.protos.bundle_vocabulary import MANIFEST_FILE, SIGNATURES_FILE
+from fctkit.protos.planner import PlannedHop, plan_upgrade
 from fctkit.protos.trust import MAX_SIGNATURES_BYTES, ReleaseTrust, Signed, parse_release_signatures, root_fingerprint
 
-from fctkit.protos.planner import PlannedHop, plan_upgrade
 from .auth import current_principal
 from .jsonlog import log_event
 from .rollout.changes import check_percent, new_rollout
-from .rollout.service import RolloutRpcs
 from .rollout.offers import Rollouts
+from .rollout.service import RolloutRpcs
+from .rollout.withdraw_service import WithdrawRpcs
 from .root_of_trust import ReleaseRules, RootOfTrust
 from .storage import StaleVersion, Storage, VersionRecord
 from .streams import FileSink, check_offset, file_chunks, open_stored, read_header, receive_chunks
 from .validation import chunk_size, invalid, page_size, quoted, sha256_field, text_field, timestamp, version_field
-from .rollout.withdraw_service import WithdrawRpcs
 
 
 def artifact_info(artifact: Artifact) -> registry_pb2.ArtifactInfo:
     return registry_pb2.ArtifactInfo(
-        name=artifact.name, role=artifact.role, file=artifact.file, sha256=artifact.sha256, size=artifact.size,
-        source_version=artifact.source_version, target_version=artifact.target_version, precision=artifact.precision,
+        name=artifact.name,
+        role=artifact.role,
+        file=artifact.file,
+        sha256=artifact.sha256,
+        size=artifact.size,
+        source_version=artifact.source_version,
+        target_version=artifact.target_version,
+        precision=artifact.precision,
     )
 
 
@@ -63,11 +69,19 @@ class PublishedVersion:
     def info(self) -> registry_pb2.VersionInfo:
         m = self.manifest
         return registry_pb2.VersionInfo(
-            version=m.version, parents=m.parents, mode=m.mode, distance=m.distance, normalize=m.normalize,
-            embedding_dim=m.embedding_dim, side_info_dim=m.side_info_dim,
-            artifacts=[artifact_info(a) for a in m.artifacts], created_at=m.created_at,
-            published_at=self.record.published_at, publisher_key_id=m.publisher_key_id,
-            manifest_sha256=hashlib.sha256(self.record.manifest).hexdigest(), gate_forced=bool(m.gate.get("forced")),
+            version=m.version,
+            parents=m.parents,
+            mode=m.mode,
+            distance=m.distance,
+            normalize=m.normalize,
+            embedding_dim=m.embedding_dim,
+            side_info_dim=m.side_info_dim,
+            artifacts=[artifact_info(a) for a in m.artifacts],
+            created_at=m.created_at,
+            published_at=self.record.published_at,
+            publisher_key_id=m.publisher_key_id,
+            manifest_sha256=hashlib.sha256(self.record.manifest).hexdigest(),
+            gate_forced=bool(m.gate.get("forced")),
         )
 
     def artifact(self, name: str) -> Artifact:
@@ -111,7 +125,9 @@ class Catalog:
                 ) from exc
             missing = [a.name for a in manifest.artifacts if not storage.artifacts.has(a.sha256)]
             if missing:
-                raise ConfigError(f"stored version {record.version} lacks artifact files {missing}: the data directory is damaged")
+                raise ConfigError(
+                    f"stored version {record.version} lacks artifact files {missing}: the data directory is damaged"
+                )
             versions.append(PublishedVersion(record, manifest))
         return versions
 
@@ -130,11 +146,15 @@ class Catalog:
         except KeyError:
             raise RpcStatusError("NOT_FOUND", f"version {version} is not published (latest: {self.latest})") from None
 
-    def after(self, version: int, limit: int | None = None, before: int | None = None,
-              skip: frozenset[int] = frozenset()) -> list[PublishedVersion]:
+    def after(
+        self, version: int, limit: int | None = None, before: int | None = None, skip: frozenset[int] = frozenset()
+    ) -> list[PublishedVersion]:
         """The versions after ``version`` (and before ``before``, when given), but those in ``skip``, in order."""
-        found = [self._versions[v] for v in sorted(self._versions)
-                 if v > version and (before is None or v < before) and v not in skip]
+        found = [
+            self._versions[v]
+            for v in sorted(self._versions)
+            if v > version and (before is None or v < before) and v not in skip
+        ]
         return found if limit is None else found[:limit]
 
     def latest_before(self, cap: int | None, skip: frozenset[int] = frozenset()) -> int:
@@ -166,8 +186,16 @@ class Catalog:
 
 
 class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServicer):
-    def __init__(self, storage: Storage, catalog: Catalog, rules: ReleaseRules, *, max_bundle_bytes: int,
-                 keepalive_s: float, rollouts: Rollouts | None = None) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        catalog: Catalog,
+        rules: ReleaseRules,
+        *,
+        max_bundle_bytes: int,
+        keepalive_s: float,
+        rollouts: Rollouts | None = None,
+    ) -> None:
         self._storage = storage
         self._catalog = catalog
         self._rollouts = rollouts or Rollouts(storage, catalog.wake)
@@ -181,26 +209,37 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
         trust = {}
         if isinstance(self._rules, RootOfTrust):  # the timestamp rides along: one round trip per sync
             self._catch_up()
-            trust = {"timestamp": self._rules.timestamp(self._catalog.manifest_bytes()),
-                     "latest_root_version": self._rules.latest_root_version()}
+            trust = {
+                "timestamp": self._rules.timestamp(self._catalog.manifest_bytes()),
+                "latest_root_version": self._rules.latest_root_version(),
+            }
         cap, hidden = self._cap(), self._hidden()
         found = self._catalog.after(request.after_version, limit + 1, cap, hidden)
         return registry_pb2.ListVersionsResponse(
-            versions=[v.info() for v in found[:limit]], more=len(found) > limit,
-            latest_version=self._catalog.latest_before(cap, hidden), withdrawals=self._rollouts.withdrawals.documents(),
-            confirmed_versions=self._rollouts.confirmed_versions(), **trust)
+            versions=[v.info() for v in found[:limit]],
+            more=len(found) > limit,
+            latest_version=self._catalog.latest_before(cap, hidden),
+            withdrawals=self._rollouts.withdrawals.documents(),
+            confirmed_versions=self._rollouts.confirmed_versions(),
+            **trust,
+        )
 
     async def GetManifest(self, request, context):
         record = self._catalog.get(version_field(request.version, "version")).record
-        return registry_pb2.GetManifestResponse(version=record.version, manifest=record.manifest, signature=record.signature,
-                                                co_signatures=record.co_signatures)
+        return registry_pb2.GetManifestResponse(
+            version=record.version,
+            manifest=record.manifest,
+            signature=record.signature,
+            co_signatures=record.co_signatures,
+        )
 
     async def GetTrust(self, request, context):
         root = self._root_of_trust()
         self._catch_up()
         roots, latest = root.roots_after(request.after_root_version)
-        return registry_pb2.GetTrustResponse(roots=roots, latest_root_version=latest,
-                                             timestamp=root.timestamp(self._catalog.manifest_bytes()))
+        return registry_pb2.GetTrustResponse(
+            roots=roots, latest_root_version=latest, timestamp=root.timestamp(self._catalog.manifest_bytes())
+        )
 
     async def PublishRoot(self, request, context):
         new = self._root_of_trust().publish_root(request.root)
@@ -227,21 +266,28 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
 
     def latest_offered(self, device_id: str) -> int:
         """The latest version offered to ``device_id`` (what its report's answer names)."""
-        return self._catalog.latest_before(self._rollouts.cap(device_id, self._catalog.latest),
-                                           self._rollouts.withdrawals.versions)
+        return self._catalog.latest_before(
+            self._rollouts.cap(device_id, self._catalog.latest), self._rollouts.withdrawals.versions
+        )
 
     def _offered(self, version: int, cap: int | None, *, kept_by_its_devices: bool = False) -> int:
         """``version``, when it is offered to the calling device (``kept_by_its_devices``: a device
         that runs a withdrawn version may still fetch it); FAILED_PRECONDITION says why not."""
         if version in self._hidden() and not (kept_by_its_devices and self._runs(version)):
             withdrawal = self._rollouts.withdrawals.get(version)
-            raise RpcStatusError("FAILED_PRECONDITION", f"version {version} was withdrawn by its publishers "
-                                 f"({withdrawal.reason if withdrawal else 'see ListVersions'}): it is offered to no device; "
-                                 f"the latest offered to this device is {self._catalog.latest_before(cap, self._hidden())}")
+            raise RpcStatusError(
+                "FAILED_PRECONDITION",
+                f"version {version} was withdrawn by its publishers "
+                f"({withdrawal.reason if withdrawal else 'see ListVersions'}): it is offered to no device; "
+                f"the latest offered to this device is {self._catalog.latest_before(cap, self._hidden())}",
+            )
         if cap is not None and version >= cap:
-            raise RpcStatusError("FAILED_PRECONDITION", f"version {version} is not offered to this device yet: "
-                                 f"version {cap} is in a staged rollout that does not include it (versions from {cap} on "
-                                 f"wait for it); the latest offered to it is {self._catalog.latest_before(cap)}")
+            raise RpcStatusError(
+                "FAILED_PRECONDITION",
+                f"version {version} is not offered to this device yet: "
+                f"version {cap} is in a staged rollout that does not include it (versions from {cap} on "
+                f"wait for it); the latest offered to it is {self._catalog.latest_before(cap)}",
+            )
         return version
 
     def _catch_up(self) -> None:
@@ -249,31 +295,40 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
         if self._storage.latest_version() > self._catalog.latest:
             try:
                 self._catalog.refresh(self._storage, self._rules)
-            except ConfigError as exc:  # a stored version that does not verify stays off the timestamp; the log says why
+            except (
+                ConfigError
+            ) as exc:  # a stored version that does not verify stays off the timestamp; the log says why
                 log_event("catalog refresh failed", logging.ERROR, error=str(exc))
 
     def _root_of_trust(self) -> RootOfTrust:
         if not isinstance(self._rules, RootOfTrust):
-            raise RpcStatusError("FAILED_PRECONDITION", "this server was started without a root (with --publisher-key): "
-                                 "it serves no root of trust; restart it with --root root.1.json --timestamp-key KEY")
+            raise RpcStatusError(
+                "FAILED_PRECONDITION",
+                "this server was started without a root (with --publisher-key): "
+                "it serves no root of trust; restart it with --root root.1.json --timestamp-key KEY",
+            )
         return self._rules
 
     async def PlanUpgrade(self, request, context):
         source = self._catalog.get(version_field(request.from_version, "from_version")).version
         cap, hidden = self._cap(source), self._hidden()
-        target = self._offered(self._catalog.get(request.to_version or self._catalog.latest_before(cap, hidden)).version, cap)
+        target = self._offered(
+            self._catalog.get(request.to_version or self._catalog.latest_before(cap, hidden)).version, cap
+        )
         withdrawn = self._rollouts.withdrawals.versions
         hops = plan_upgrade([m for m in self._catalog.manifests() if m.version not in withdrawn], source, target)
         if hops is None and plan_upgrade(self._catalog.manifests(), source, target) is not None:
             raise RpcStatusError(
-                "FAILED_PRECONDITION", f"every chain of adapters from version {source} to {target} passes through a "
+                "FAILED_PRECONDITION",
+                f"every chain of adapters from version {source} to {target} passes through a "
                 f"withdrawn version ({', '.join(f'v{v}' for v in sorted(withdrawn))}), whose adapters are no longer "
-                f"used: publish a release with a direct {source}->{target} adapter, or backfill the device"
+                f"used: publish a release with a direct {source}->{target} adapter, or backfill the device",
             )
         if hops is None:
             raise RpcStatusError(
-                "NOT_FOUND", f"no chain of published adapters leads from version {source} to {target} "
-                "(versions only move forward); the device needs a backfill"
+                "NOT_FOUND",
+                f"no chain of published adapters leads from version {source} to {target} "
+                "(versions only move forward); the device needs a backfill",
             )
         return registry_pb2.PlanUpgradeResponse(from_version=source, to_version=target, hops=[_hop(h) for h in hops])
 
@@ -284,13 +339,19 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
         artifact = published.artifact(name)
         size = chunk_size(request.chunk_size)
         offset = check_offset(request.offset, artifact.size)
-        missing = RpcStatusError("DATA_LOSS", f"artifact {artifact.name} of v{published.version} is missing from the server's data directory")
+        missing = RpcStatusError(
+            "DATA_LOSS", f"artifact {artifact.name} of v{published.version} is missing from the server's data directory"
+        )
         stored = open_stored(lambda: self._storage.artifacts.open(artifact.sha256, offset), missing)
         try:
             yield registry_pb2.DownloadArtifactResponse(
-                header=registry_pb2.ArtifactHeader(version=published.version, artifact=artifact_info(artifact), offset=offset)
+                header=registry_pb2.ArtifactHeader(
+                    version=published.version, artifact=artifact_info(artifact), offset=offset
+                )
             )
-            async for response in file_chunks(stored, offset, artifact.size, size, registry_pb2.DownloadArtifactResponse):
+            async for response in file_chunks(
+                stored, offset, artifact.size, size, registry_pb2.DownloadArtifactResponse
+            ):
                 yield response
         finally:
             stored.close()
@@ -306,7 +367,9 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
             try:
                 await asyncio.wait_for(changed.wait(), self._keepalive_s)
             except TimeoutError:
-                keepalive = registry_pb2.KeepAlive(server_time=timestamp(), latest_version=self._catalog.latest_before(cap, hidden))
+                keepalive = registry_pb2.KeepAlive(
+                    server_time=timestamp(), latest_version=self._catalog.latest_before(cap, hidden)
+                )
                 yield registry_pb2.WatchVersionsResponse(keepalive=keepalive)
 
     async def PublishBundle(self, requests, context):
@@ -320,7 +383,9 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
             archive = staging / "bundle.tar"
             digest = hashlib.sha256()
             with archive.open("wb") as sink:
-                end = await receive_chunks(requests, FileSink(sink), position=0, total=header.archive_size, digest=digest)
+                end = await receive_chunks(
+                    requests, FileSink(sink), position=0, total=header.archive_size, digest=digest
+                )
             if end != header.archive_size:
                 raise invalid(f"the stream ended after {end} of {header.archive_size} bytes; publish again")
             if digest.hexdigest() != expected_sha256:
@@ -338,9 +403,13 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
             _check_newer(manifest.version, self._catalog.latest)  # another publish may have won meanwhile
             store = self._storage.artifacts
             await asyncio.to_thread(
-                lambda: [store.put(verified.root / a.file, a.sha256) for a in manifest.artifacts if not store.has(a.sha256)]
+                lambda: [
+                    store.put(verified.root / a.file, a.sha256) for a in manifest.artifacts if not store.has(a.sha256)
+                ]
             )
-            record = VersionRecord(manifest.version, verified.manifest_bytes, verified.signature, timestamp(), co_signatures)
+            record = VersionRecord(
+                manifest.version, verified.manifest_bytes, verified.signature, timestamp(), co_signatures
+            )
             rollout = None if percent is None else new_rollout(manifest.version, percent, record.published_at)
             try:
                 self._storage.add_version(record, [a.sha256 for a in manifest.artifacts], rollout)
@@ -360,7 +429,9 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
             raise invalid(f"bundle refused: {exc}{_publisher_note(unpack_to, trust)}") from exc
         _check_newer(verified.manifest.version, latest)
         if len(verified.manifest.artifacts) > limits.MAX_ARTIFACTS_PER_BUNDLE:
-            raise invalid(f"the bundle has {len(verified.manifest.artifacts)} artifacts; at most {limits.MAX_ARTIFACTS_PER_BUNDLE}")
+            raise invalid(
+                f"the bundle has {len(verified.manifest.artifacts)} artifacts; at most {limits.MAX_ARTIFACTS_PER_BUNDLE}"
+            )
         return verified, _co_signatures(verified.root)
 
 
@@ -369,7 +440,7 @@ def _co_signatures(bundle: Path) -> bytes:
     path = bundle / SIGNATURES_FILE
     if not path.exists():
         return b""
-    data = path.read_bytes()[:MAX_SIGNATURES_BYTES + 1]
+    data = path.read_bytes()[: MAX_SIGNATURES_BYTES + 1]
     try:
         parse_release_signatures(data)
     except TrustError as exc:
@@ -387,20 +458,27 @@ def _publisher_note(bundle: Path, trust: ReleaseTrust) -> str:
         return ""
     if keyid in trust.body.role("publisher").keyids:
         return ""
-    return (f" (the bundle's publisher key {keyid[:16]}… is not a publisher key of root v{trust.body.version}: "
-            "it was removed, or never added)")
+    return (
+        f" (the bundle's publisher key {keyid[:16]}… is not a publisher key of root v{trust.body.version}: "
+        "it was removed, or never added)"
+    )
 
 
 def _check_newer(version: int, latest: int) -> None:
     if version == latest:
         raise RpcStatusError("ALREADY_EXISTS", f"version {version} is already published; build the next version")
     if version < latest:
-        raise RpcStatusError("FAILED_PRECONDITION", f"version {version} is older than the latest published {latest}; versions only move forward")
+        raise RpcStatusError(
+            "FAILED_PRECONDITION",
+            f"version {version} is older than the latest published {latest}; versions only move forward",
+        )
 
 
 def _hop(hop: PlannedHop) -> registry_pb2.UpgradeHop:
     return registry_pb2.UpgradeHop(
-        source_version=hop.source_version, target_version=hop.target_version, bundle_version=hop.bundle_version,
+        source_version=hop.source_version,
+        target_version=hop.target_version,
+        bundle_version=hop.bundle_version,
         identity=hop.identity,
         forward=artifact_info(hop.forward) if hop.forward else None,
         side_forward=artifact_info(hop.side_forward) if hop.side_forward else None,

@@ -36,15 +36,27 @@ def replica_record(message: vault_pb2.SealedRecord, index: int) -> ReplicaRecord
         if message.via not in VIAS:
             raise invalid(f"{field}.via is {quoted(message.via)}; one of {', '.join(VIAS)}")
         if not 0 < message.origin_version <= message.version:
-            raise invalid(f"{field}: origin_version {message.origin_version} and version {message.version} "
-                          "must satisfy 0 < origin_version <= version")
+            raise invalid(
+                f"{field}: origin_version {message.origin_version} and version {message.version} "
+                "must satisfy 0 < origin_version <= version"
+            )
     if not _SEALED_OVERHEAD <= len(message.sealed) <= max_sealed:
-        raise invalid(f"{field}.sealed has {len(message.sealed)} bytes; a sealed {'block' if message.item_ids else 'record'} "
-                      f"has {_SEALED_OVERHEAD} to {max_sealed}")
+        raise invalid(
+            f"{field}.sealed has {len(message.sealed)} bytes; a sealed {'block' if message.item_ids else 'record'} "
+            f"has {_SEALED_OVERHEAD} to {max_sealed}"
+        )
     if message.sequence or message.superseded:
         raise invalid(f"{field}.sequence and .superseded are set by the server; leave them empty")
-    return ReplicaRecord(message.change_id, item_ids, message.version, message.origin_version, message.via,
-                         message.tombstone, message.sealed, block=bool(message.item_ids))
+    return ReplicaRecord(
+        message.change_id,
+        item_ids,
+        message.version,
+        message.origin_version,
+        message.via,
+        message.tombstone,
+        message.sealed,
+        block=bool(message.item_ids),
+    )
 
 
 def _item_ids(message: vault_pb2.SealedRecord, field: str) -> tuple[tuple[str, ...], int]:
@@ -57,7 +69,9 @@ def _item_ids(message: vault_pb2.SealedRecord, field: str) -> tuple[tuple[str, .
     if message.item_id:
         raise invalid(f"{field}: set item_id (a single-row record) or item_ids (a block), not both")
     if len(message.item_ids) > limits.MAX_BLOCK_ROWS:
-        raise invalid(f"{field}.item_ids holds {len(message.item_ids)} rows; a block holds at most {limits.MAX_BLOCK_ROWS}")
+        raise invalid(
+            f"{field}.item_ids holds {len(message.item_ids)} rows; a block holds at most {limits.MAX_BLOCK_ROWS}"
+        )
     item_ids = text_fields(message.item_ids, f"{field}.item_ids")
     if not all(item_ids):
         raise invalid(f"{field}.item_ids[{item_ids.index('')}] is empty")
@@ -73,9 +87,13 @@ def _checked_batch(request: vault_pb2.PushRecordsRequest) -> list[ReplicaRecord]
         raise invalid(f"a PushRecords message holds {rows} rows; at most {limits.MAX_RECORDS_PER_MESSAGE}")
     sealed_bytes, id_bytes = _sizes(batch)
     if sealed_bytes > limits.MAX_RECORD_BATCH_BYTES:
-        raise invalid(f"a PushRecords message holds {sealed_bytes} sealed bytes; at most {limits.MAX_RECORD_BATCH_BYTES}")
+        raise invalid(
+            f"a PushRecords message holds {sealed_bytes} sealed bytes; at most {limits.MAX_RECORD_BATCH_BYTES}"
+        )
     if id_bytes > limits.MAX_ITEM_ID_BATCH_BYTES:
-        raise invalid(f"a PushRecords message holds {id_bytes} bytes of item ids; at most {limits.MAX_ITEM_ID_BATCH_BYTES}")
+        raise invalid(
+            f"a PushRecords message holds {id_bytes} bytes of item ids; at most {limits.MAX_ITEM_ID_BATCH_BYTES}"
+        )
     return batch
 
 
@@ -85,10 +103,20 @@ def _sizes(records: Sequence[ReplicaRecord]) -> tuple[int, int]:
 
 
 def _message(record: ReplicaRecord) -> vault_pb2.SealedRecord:
-    ids = {"item_ids": record.item_ids, "superseded": record.superseded} if record.block else {"item_id": record.item_ids[0]}
+    ids = (
+        {"item_ids": record.item_ids, "superseded": record.superseded}
+        if record.block
+        else {"item_id": record.item_ids[0]}
+    )
     return vault_pb2.SealedRecord(
-        change_id=record.change_id, version=record.version, origin_version=record.origin_version, via=record.via,
-        tombstone=record.tombstone, sealed=record.sealed, sequence=record.sequence, **ids,
+        change_id=record.change_id,
+        version=record.version,
+        origin_version=record.origin_version,
+        via=record.via,
+        tombstone=record.tombstone,
+        sealed=record.sealed,
+        sequence=record.sequence,
+        **ids,
     )
 
 
@@ -115,26 +143,38 @@ class ReplicaHandlers:
             batch = _checked_batch(request)
             rows += sum(len(r.item_ids) for r in batch)
             if rows > limits.MAX_RECORDS_PER_PUSH:
-                raise invalid(f"a PushRecords call holds at most {limits.MAX_RECORDS_PER_PUSH} rows; push the rest in "
-                              f"another call (the {len(sequences)} records stored so far are kept)")
+                raise invalid(
+                    f"a PushRecords call holds at most {limits.MAX_RECORDS_PER_PUSH} rows; push the rest in "
+                    f"another call (the {len(sequences)} records stored so far are kept)"
+                )
             if not batch:
                 continue
             try:
                 outcome = self._storage.push_records(owner_id, device_id, batch, timestamp(), self._replica_quota)
             except ReplicaQuotaExceeded as exceeded:
-                raise RpcStatusError("RESOURCE_EXHAUSTED", f"replica quota exceeded: {exceeded}; remove items "
-                                     "(tombstones are small) or ask for more") from None
+                raise RpcStatusError(
+                    "RESOURCE_EXHAUSTED",
+                    f"replica quota exceeded: {exceeded}; remove items (tombstones are small) or ask for more",
+                ) from None
             stored, already, last = stored + outcome.stored, already + outcome.already_stored, outcome.last_sequence
             stored_rows, already_rows = stored_rows + outcome.stored_rows, already_rows + outcome.already_stored_rows
             sequences += outcome.sequences
-        return vault_pb2.PushRecordsResponse(stored=stored, already_stored=already, last_sequence=last, sequences=sequences,
-                                             stored_rows=stored_rows, already_stored_rows=already_rows)
+        return vault_pb2.PushRecordsResponse(
+            stored=stored,
+            already_stored=already,
+            last_sequence=last,
+            sequences=sequences,
+            stored_rows=stored_rows,
+            already_stored_rows=already_rows,
+        )
 
     async def PullRecords(self, request: vault_pb2.PullRecordsRequest, context):
         owner_id = self._requested_owner(request.owner_id)
         after = counter_field(request.after_sequence, "after_sequence")
         while True:
-            records = self._storage.pull_records(owner_id, after, limits.MAX_RECORDS_PER_MESSAGE, limits.MAX_RECORD_BATCH_BYTES)
+            records = self._storage.pull_records(
+                owner_id, after, limits.MAX_RECORDS_PER_MESSAGE, limits.MAX_RECORD_BATCH_BYTES
+            )
             batch: list[ReplicaRecord] = []
             id_bytes = 0
             for record in records:

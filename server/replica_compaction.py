@@ -83,18 +83,20 @@ def unique_chunks(values: Sequence, size: int = 500) -> list[list]:
     """``values`` without repeats, in order, cut into lists of at most ``size`` (SQLite's limit
     on the ``?`` of one ``IN (...)`` is what keeps them short)."""
     unique = list(dict.fromkeys(values))
-    return [unique[start:start + size] for start in range(0, len(unique), size)]
+    return [unique[start : start + size] for start in range(0, len(unique), size)]
 
 
 def common_version(db: Database, owner_id: str | None) -> int:
     """The version every (unrevoked) device of the owner reports, or 0 while they differ."""
-    lowest, highest = db.execute("SELECT MIN(version), MAX(version) FROM devices WHERE owner_id=? AND revoked_at IS NULL",
-                                 (owner_id,)).fetchone()
+    lowest, highest = db.execute(
+        "SELECT MIN(version), MAX(version) FROM devices WHERE owner_id=? AND revoked_at IS NULL", (owner_id,)
+    ).fetchone()
     return lowest if lowest == highest and lowest else 0
 
 
-def compact_replica(db: Database, owner_id: str, items: Sequence[str] | None = None, *,
-                    blocks: Sequence[int] | None = None) -> int:
+def compact_replica(
+    db: Database, owner_id: str, items: Sequence[str] | None = None, *, blocks: Sequence[int] | None = None
+) -> int:
     """Mark the owner's superseded rows (all of them when neither ``items`` nor ``blocks`` is given;
     else those of ``items`` and of the items of ``blocks``, just stored; none for empty ones) and drop the sealed bytes of blocks left without a
     live row; returns how many rows. The blocks' entries stay (empty), so a retried push of one
@@ -106,14 +108,20 @@ def compact_replica(db: Database, owner_id: str, items: Sequence[str] | None = N
     else:
         for chunk in unique_chunks(_contested(db, owner_id, items or (), blocks or ())):
             marks = ",".join(f":i{k}" for k in range(len(chunk)))
-            found += db.execute(SUPERSEDED.format(items=f"AND r.item_id IN ({marks})"),
-                                {**params, **{f"i{k}": item for k, item in enumerate(chunk)}}).fetchall()
+            found += db.execute(
+                SUPERSEDED.format(items=f"AND r.item_id IN ({marks})"),
+                {**params, **{f"i{k}": item for k, item in enumerate(chunk)}},
+            ).fetchall()
     if found:
-        db.executemany("UPDATE replica_items SET superseded = 1 WHERE owner_id=? AND sequence=? AND position=?",
-                       [(owner_id, sequence, position) for sequence, position in found])
+        db.executemany(
+            "UPDATE replica_items SET superseded = 1 WHERE owner_id=? AND sequence=? AND position=?",
+            [(owner_id, sequence, position) for sequence, position in found],
+        )
         per_block = Counter(sequence for sequence, _ in found)
-        db.executemany("UPDATE replica_blocks SET live_rows = live_rows - ? WHERE owner_id=? AND sequence=?",
-                       [(count, owner_id, sequence) for sequence, count in per_block.items()])
+        db.executemany(
+            "UPDATE replica_blocks SET live_rows = live_rows - ? WHERE owner_id=? AND sequence=?",
+            [(count, owner_id, sequence) for sequence, count in per_block.items()],
+        )
         _drop_dead_blocks(db, owner_id, list(per_block))
     return len(found)
 
@@ -125,8 +133,11 @@ def _contested(db: Database, owner_id: str, items: Sequence[str], blocks: Sequen
     db.execute("DELETE FROM compacting")
     db.executemany("INSERT INTO compacting VALUES (?) ON CONFLICT DO NOTHING", [(i,) for i in dict.fromkeys(items)])
     for chunk in unique_chunks(blocks):
-        db.execute(f"INSERT INTO compacting SELECT item_id FROM replica_items WHERE owner_id = ? "
-                   f"AND sequence IN ({','.join('?' * len(chunk))}) ON CONFLICT DO NOTHING", (owner_id, *chunk))
+        db.execute(
+            f"INSERT INTO compacting SELECT item_id FROM replica_items WHERE owner_id = ? "
+            f"AND sequence IN ({','.join('?' * len(chunk))}) ON CONFLICT DO NOTHING",
+            (owner_id, *chunk),
+        )
     return [row[0] for row in db.execute(CONTESTED, (owner_id,))]
 
 
@@ -134,10 +145,17 @@ def _drop_dead_blocks(db: Database, owner_id: str, sequences: Sequence[int]) -> 
     """Drop the sealed bytes of those blocks that have no live row left, and give them back to the quota."""
     dead: list[tuple[int, int]] = []
     for chunk in unique_chunks(sequences):
-        dead += db.execute(f"SELECT sequence, length(sealed) FROM replica_blocks WHERE owner_id=? AND live_rows=0 "
-                           f"AND length(sealed) > 0 AND sequence IN ({','.join('?' * len(chunk))})", (owner_id, *chunk)).fetchall()
+        dead += db.execute(
+            f"SELECT sequence, length(sealed) FROM replica_blocks WHERE owner_id=? AND live_rows=0 "
+            f"AND length(sealed) > 0 AND sequence IN ({','.join('?' * len(chunk))})",
+            (owner_id, *chunk),
+        ).fetchall()
     if dead:
-        db.executemany("UPDATE replica_blocks SET sealed = ? WHERE owner_id=? AND sequence=?",
-                       [(b"", owner_id, sequence) for sequence, _ in dead])
-        db.execute("UPDATE replica_owners SET sealed_bytes = sealed_bytes - ? WHERE owner_id=?",
-                   (sum(size for _, size in dead), owner_id))
+        db.executemany(
+            "UPDATE replica_blocks SET sealed = ? WHERE owner_id=? AND sequence=?",
+            [(b"", owner_id, sequence) for sequence, _ in dead],
+        )
+        db.execute(
+            "UPDATE replica_owners SET sealed_bytes = sealed_bytes - ? WHERE owner_id=?",
+            (sum(size for _, size in dead), owner_id),
+        )

@@ -61,8 +61,9 @@ class ReplicaStore:
     def __init__(self, db: Database) -> None:
         self._db = db
 
-    def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str,
-                     quota: int) -> PushOutcome:
+    def push_records(
+        self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str, quota: int
+    ) -> PushOutcome:
         """Store ``records`` in one transaction, each new one under the owner's next sequence
         number; a record whose (device, change id) is already stored is left as it is (and not
         counted against ``quota``: a retried push is answered even at a full quota).
@@ -78,40 +79,73 @@ class ReplicaStore:
                     assigned[record.change_id] = last
                     size += len(record.sealed)
                     sha = hashlib.sha256(record.sealed).hexdigest()
-                    blocks.append((owner_id, last, device_id, record.change_id, int(record.block), record.version,
-                                   record.origin_version, record.via, int(record.tombstone), sha, now,
-                                   len(record.item_ids), len(record.item_ids), record.sealed))
+                    blocks.append(
+                        (
+                            owner_id,
+                            last,
+                            device_id,
+                            record.change_id,
+                            int(record.block),
+                            record.version,
+                            record.origin_version,
+                            record.via,
+                            int(record.tombstone),
+                            sha,
+                            now,
+                            len(record.item_ids),
+                            len(record.item_ids),
+                            record.sealed,
+                        )
+                    )
                     rows += [(owner_id, last, position, item_id) for position, item_id in enumerate(record.item_ids)]
                 sequences.append(assigned[record.change_id])
             if size > quota:
                 raise ReplicaQuotaExceeded(used, size - used, quota)
             self._db.executemany("INSERT INTO replica_blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", blocks)
-            self._db.executemany("INSERT INTO replica_items (owner_id, sequence, position, item_id) VALUES (?, ?, ?, ?)", rows)
-            self._db.execute("INSERT INTO replica_owners VALUES (?, ?, ?) ON CONFLICT (owner_id) DO UPDATE SET "
-                             "last_sequence=excluded.last_sequence, sealed_bytes=excluded.sealed_bytes", (owner_id, last, size))
+            self._db.executemany(
+                "INSERT INTO replica_items (owner_id, sequence, position, item_id) VALUES (?, ?, ?, ?)", rows
+            )
+            self._db.execute(
+                "INSERT INTO replica_owners VALUES (?, ?, ?) ON CONFLICT (owner_id) DO UPDATE SET "
+                "last_sequence=excluded.last_sequence, sealed_bytes=excluded.sealed_bytes",
+                (owner_id, last, size),
+            )
             compact_replica(self._db, owner_id, blocks=[block[1] for block in blocks])
         rows_stored = len(rows)
         self._db.grew(("replica_items", "replica_blocks"), rows_stored)
-        return PushOutcome(len(blocks), len(records) - len(blocks), last, tuple(sequences),
-                           rows_stored, sum(len(r.item_ids) for r in records) - rows_stored)
+        return PushOutcome(
+            len(blocks),
+            len(records) - len(blocks),
+            last,
+            tuple(sequences),
+            rows_stored,
+            sum(len(r.item_ids) for r in records) - rows_stored,
+        )
 
     def _stored_sequences(self, device_id: str, change_ids: Sequence[int]) -> dict[int, int]:
         """change id -> sequence of the device's records already stored among ``change_ids``."""
         found: dict[int, int] = {}
         for chunk in unique_chunks(change_ids):
-            found.update(self._db.execute(
-                f"SELECT change_id, sequence FROM replica_blocks WHERE device_id=? AND change_id IN ({','.join('?' * len(chunk))})",
-                (device_id, *chunk)))
+            found.update(
+                self._db.execute(
+                    f"SELECT change_id, sequence FROM replica_blocks WHERE device_id=? AND change_id IN ({','.join('?' * len(chunk))})",
+                    (device_id, *chunk),
+                )
+            )
         return found
 
-    def pull_records(self, owner_id: str, after_sequence: int, max_rows: int, max_sealed_bytes: int) -> list[ReplicaRecord]:
+    def pull_records(
+        self, owner_id: str, after_sequence: int, max_rows: int, max_sealed_bytes: int
+    ) -> list[ReplicaRecord]:
         """The owner's next records with a live row after ``after_sequence``, in sequence order:
         at most ``max_rows`` rows and ``max_sealed_bytes`` (at least one record), each with its
         superseded positions."""
         picked, rows, size = [], 0, 0
         for sequence, count, length in self._db.execute(
-                "SELECT sequence, rows, length(sealed) FROM replica_blocks WHERE owner_id=? AND sequence>? AND live_rows>0 "
-                "ORDER BY sequence LIMIT ?", (owner_id, after_sequence, max_rows)).fetchall():
+            "SELECT sequence, rows, length(sealed) FROM replica_blocks WHERE owner_id=? AND sequence>? AND live_rows>0 "
+            "ORDER BY sequence LIMIT ?",
+            (owner_id, after_sequence, max_rows),
+        ).fetchall():
             if picked and (rows + count > max_rows or size + length > max_sealed_bytes):
                 break
             picked.append(sequence)
@@ -121,24 +155,45 @@ class ReplicaStore:
     def _record(self, owner_id: str, sequence: int) -> ReplicaRecord:
         change_id, block, version, origin, via, tombstone, sealed = self._db.execute(
             "SELECT change_id, block, version, origin_version, via, tombstone, sealed FROM replica_blocks "
-            "WHERE owner_id=? AND sequence=?", (owner_id, sequence)).fetchone()
-        entries = self._db.execute("SELECT item_id, superseded FROM replica_items WHERE owner_id=? AND sequence=? "
-                                   "ORDER BY position", (owner_id, sequence)).fetchall()
-        return ReplicaRecord(change_id, tuple(item for item, _ in entries), version, origin, via, bool(tombstone), bytes(sealed),
-                             bool(block), sequence, tuple(k for k, (_, dead) in enumerate(entries) if dead))
+            "WHERE owner_id=? AND sequence=?",
+            (owner_id, sequence),
+        ).fetchone()
+        entries = self._db.execute(
+            "SELECT item_id, superseded FROM replica_items WHERE owner_id=? AND sequence=? ORDER BY position",
+            (owner_id, sequence),
+        ).fetchall()
+        return ReplicaRecord(
+            change_id,
+            tuple(item for item, _ in entries),
+            version,
+            origin,
+            via,
+            bool(tombstone),
+            bytes(sealed),
+            bool(block),
+            sequence,
+            tuple(k for k, (_, dead) in enumerate(entries) if dead),
+        )
 
     def replica_usage(self, owner_id: str) -> tuple[int, int]:
         """(sealed bytes, highest sequence number) of the owner's replica."""
-        row = self._db.execute("SELECT sealed_bytes, last_sequence FROM replica_owners WHERE owner_id=?", (owner_id,)).fetchone()
+        row = self._db.execute(
+            "SELECT sealed_bytes, last_sequence FROM replica_owners WHERE owner_id=?", (owner_id,)
+        ).fetchone()
         return (int(row[0]), int(row[1])) if row else (0, 0)
 
     def compact_replica_page(self, owner_id: str, after_item: str, limit: int) -> str | None:
         """Compact the records of the owner's next ``limit`` item ids after ``after_item`` (in
         one transaction); the last item id done, or None when there were none left."""
         with self._db.transaction(owner_lock(owner_id)):
-            items = [row[0] for row in self._db.execute(
-                "SELECT DISTINCT item_id FROM replica_items WHERE owner_id=? AND superseded=0 AND item_id>? "
-                "ORDER BY item_id LIMIT ?", (owner_id, after_item, limit))]
+            items = [
+                row[0]
+                for row in self._db.execute(
+                    "SELECT DISTINCT item_id FROM replica_items WHERE owner_id=? AND superseded=0 AND item_id>? "
+                    "ORDER BY item_id LIMIT ?",
+                    (owner_id, after_item, limit),
+                )
+            ]
             if items:
                 compact_replica(self._db, owner_id, items)
         return items[-1] if items else None

@@ -111,8 +111,17 @@ class DeviceState:
     upgrade_state: int
 
 
-_HEALTH_COLUMNS = ("version", "rows_upgraded", "failures", "seconds", "sample_size", "mean_cosine", "p10_cosine",
-                   "recall_at_1", "mean_reciprocal_rank")
+_HEALTH_COLUMNS = (
+    "version",
+    "rows_upgraded",
+    "failures",
+    "seconds",
+    "sample_size",
+    "mean_cosine",
+    "p10_cosine",
+    "recall_at_1",
+    "mean_reciprocal_rank",
+)
 
 
 class RolloutStore:
@@ -125,15 +134,20 @@ class RolloutStore:
         """Every rollout, by version."""
         stages: dict[int, list[Stage]] = {}
         for version, percent, started_at in self._db.execute(
-                "SELECT version, percent, started_at FROM rollout_stages ORDER BY version, stage"):
+            "SELECT version, percent, started_at FROM rollout_stages ORDER BY version, stage"
+        ):
             stages.setdefault(version, []).append(Stage(percent, started_at))
         cohorts: dict[int, set[str]] = {}
         for version, device_id in self._db.execute("SELECT version, device_id FROM rollout_cohort"):
             cohorts.setdefault(version, set()).add(device_id)
-        rows = self._db.execute("SELECT version, percent, state, halt_below, halt_min_devices, halt_reason, updated_at "
-                                "FROM rollouts ORDER BY version")
-        return {v: Rollout(v, p, s, tuple(stages.get(v, ())), frozenset(cohorts.get(v, ())), hb, hm, why, at)
-                for v, p, s, hb, hm, why, at in rows}
+        rows = self._db.execute(
+            "SELECT version, percent, state, halt_below, halt_min_devices, halt_reason, updated_at "
+            "FROM rollouts ORDER BY version"
+        )
+        return {
+            v: Rollout(v, p, s, tuple(stages.get(v, ())), frozenset(cohorts.get(v, ())), hb, hm, why, at)
+            for v, p, s, hb, hm, why, at in rows
+        }
 
     def rollout(self, version: int) -> Rollout | None:
         return self.rollouts().get(version)
@@ -172,18 +186,24 @@ class RolloutStore:
 
     def device_states(self) -> list[DeviceState]:
         """Every enrolled, unrevoked device's last reported version, target and upgrade state."""
-        rows = self._db.execute("SELECT device_id, version, target_version, upgrade_state FROM devices "
-                                "WHERE revoked_at IS NULL ORDER BY seq")
+        rows = self._db.execute(
+            "SELECT device_id, version, target_version, upgrade_state FROM devices "
+            "WHERE revoked_at IS NULL ORDER BY seq"
+        )
         return [DeviceState(*row) for row in rows]
 
     def enrolled(self, device_ids: list[str]) -> set[str]:
         """Those of ``device_ids`` that are enrolled and not revoked."""
         found: set[str] = set()
         for start in range(0, len(device_ids), 500):
-            part = device_ids[start:start + 500]
+            part = device_ids[start : start + 500]
             marks = ", ".join("?" * len(part))
-            found |= {row[0] for row in self._db.execute(
-                f"SELECT device_id FROM devices WHERE revoked_at IS NULL AND device_id IN ({marks})", part)}
+            found |= {
+                row[0]
+                for row in self._db.execute(
+                    f"SELECT device_id FROM devices WHERE revoked_at IS NULL AND device_id IN ({marks})", part
+                )
+            }
         return found
 
     def record_health(self, device_id: str, health: HealthReport, now: str) -> None:
@@ -193,27 +213,34 @@ class RolloutStore:
         self._db.execute(
             f"INSERT INTO device_health (device_id, {', '.join(_HEALTH_COLUMNS)}, reported_at) "
             f"VALUES (?, {', '.join('?' * len(_HEALTH_COLUMNS))}, ?) ON CONFLICT (device_id, version) DO UPDATE SET {updates}",
-            (device_id, *values, now))
+            (device_id, *values, now),
+        )
 
     def health(self, version: int) -> dict[str, HealthReport]:
         """The latest health each device reported for ``version``, by device id."""
-        rows = self._db.execute(f"SELECT device_id, {', '.join(_HEALTH_COLUMNS)} FROM device_health WHERE version = ?",
-                                (version,))
+        rows = self._db.execute(
+            f"SELECT device_id, {', '.join(_HEALTH_COLUMNS)} FROM device_health WHERE version = ?", (version,)
+        )
         return {row[0]: HealthReport(*row[1:]) for row in rows}
 
 
 def write_rollout(db: Database, rollout: Rollout) -> None:
     """Store ``rollout`` whole (inside the caller's transaction) and tell the other replicas."""
     r = rollout
-    db.execute("INSERT INTO rollouts (version, percent, state, halt_below, halt_min_devices, halt_reason, updated_at) "
-               "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (version) DO UPDATE SET percent = excluded.percent, "
-               "state = excluded.state, halt_below = excluded.halt_below, halt_min_devices = excluded.halt_min_devices, "
-               "halt_reason = excluded.halt_reason, updated_at = excluded.updated_at",
-               (r.version, r.percent, r.state, r.halt_below, r.halt_min_devices, r.halt_reason, r.updated_at))
+    db.execute(
+        "INSERT INTO rollouts (version, percent, state, halt_below, halt_min_devices, halt_reason, updated_at) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (version) DO UPDATE SET percent = excluded.percent, "
+        "state = excluded.state, halt_below = excluded.halt_below, halt_min_devices = excluded.halt_min_devices, "
+        "halt_reason = excluded.halt_reason, updated_at = excluded.updated_at",
+        (r.version, r.percent, r.state, r.halt_below, r.halt_min_devices, r.halt_reason, r.updated_at),
+    )
     db.execute("DELETE FROM rollout_stages WHERE version = ?", (r.version,))
-    db.executemany("INSERT INTO rollout_stages (version, stage, percent, started_at) VALUES (?, ?, ?, ?)",
-                   [(r.version, i + 1, s.percent, s.started_at) for i, s in enumerate(r.stages)])
+    db.executemany(
+        "INSERT INTO rollout_stages (version, stage, percent, started_at) VALUES (?, ?, ?, ?)",
+        [(r.version, i + 1, s.percent, s.started_at) for i, s in enumerate(r.stages)],
+    )
     db.execute("DELETE FROM rollout_cohort WHERE version = ?", (r.version,))
-    db.executemany("INSERT INTO rollout_cohort (version, device_id) VALUES (?, ?)",
-                   [(r.version, d) for d in sorted(r.cohort)])
+    db.executemany(
+        "INSERT INTO rollout_cohort (version, device_id) VALUES (?, ?)", [(r.version, d) for d in sorted(r.cohort)]
+    )
     db.notify(f"rollout:{r.version}")

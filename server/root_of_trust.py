@@ -13,6 +13,7 @@ Two modes, one interface (:class:`ReleaseRules`):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -79,8 +80,13 @@ class RootOfTrust:
 
     description = "any root of the stored chain"
 
-    def __init__(self, storage: Storage, timestamp_keys: Sequence[Ed25519PrivateKey], expiry_s: float,
-                 clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        timestamp_keys: Sequence[Ed25519PrivateKey],
+        expiry_s: float,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
         self._storage = storage
         self._keys = {public_key_id(k.public_key()): k for k in timestamp_keys}
         self._expiry = timedelta(seconds=expiry_s)
@@ -89,13 +95,19 @@ class RootOfTrust:
         self._checked: tuple[tuple[bytes, int], Signed[Timestamp]] | None = None
 
     @classmethod
-    def open(cls, storage: Storage, root_file: Path, timestamp_keys: Sequence[Ed25519PrivateKey], expiry_s: float,
-             clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> RootOfTrust:
+    def open(
+        cls,
+        storage: Storage,
+        root_file: Path,
+        timestamp_keys: Sequence[Ed25519PrivateKey],
+        expiry_s: float,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> RootOfTrust:
         """Start-up: the stored chain is checked, ``root_file`` is stored (the first root, or the
         one after the latest stored) or must equal the stored root of its version, and the
         timestamp keys must be able to sign for the latest root."""
         trust = cls(storage, timestamp_keys, expiry_s, clock)
-        given = parse_root(read_setting_file(root_file, "root file")[:MAX_ROOT_BYTES + 1], str(root_file))
+        given = parse_root(read_setting_file(root_file, "root file")[: MAX_ROOT_BYTES + 1], str(root_file))
         trust._check_chain()
         for _ in range(2):  # a second look when another replica stored this very version meanwhile
             if trust._adopt(given, root_file):
@@ -110,7 +122,7 @@ class RootOfTrust:
         try:
             if chain:
                 verify_self_signed(chain[0], "stored root")
-            for before, after in zip(chain, chain[1:]):
+            for before, after in itertools.pairwise(chain):
                 verify_root_update(before, after)
         except TrustError as exc:
             raise ConfigError(f"the stored chain of roots is damaged: {exc}; restore the metadata database") from exc
@@ -121,19 +133,25 @@ class RootOfTrust:
         try:
             if not stored:
                 if version != 1:
-                    raise ConfigError(f"{path} is root v{version}, but this server's storage holds no root yet: "
-                                      "start it with root.1.json, then add each next root (`fctkit admin publish-root`)")
+                    raise ConfigError(
+                        f"{path} is root v{version}, but this server's storage holds no root yet: "
+                        "start it with root.1.json, then add each next root (`fctkit admin publish-root`)"
+                    )
                 verify_self_signed(given, str(path))
             elif version <= len(stored):
                 if root_fingerprint(given) != root_fingerprint(stored[version - 1]):
-                    raise ConfigError(f"{path} (root v{version}, fingerprint {root_fingerprint(given)[:16]}…) differs from "
-                                      f"the stored root v{version} ({root_fingerprint(stored[version - 1])[:16]}…): "
-                                      "pass the root file this server's chain holds, or the next one")
+                    raise ConfigError(
+                        f"{path} (root v{version}, fingerprint {root_fingerprint(given)[:16]}…) differs from "
+                        f"the stored root v{version} ({root_fingerprint(stored[version - 1])[:16]}…): "
+                        "pass the root file this server's chain holds, or the next one"
+                    )
                 return True
             else:
                 verify_root_update(stored[-1], given)
         except TrustError as exc:
-            raise ConfigError(f"{path} does not continue the stored chain of roots (v1..v{len(stored)}): {exc}") from exc
+            raise ConfigError(
+                f"{path} does not continue the stored chain of roots (v1..v{len(stored)}): {exc}"
+            ) from exc
         return self._storage.add_root(version, given.to_bytes())
 
     def chain(self) -> list[Signed[Root]]:
@@ -171,8 +189,10 @@ class RootOfTrust:
             return
         held = ", ".join(k[:16] + "…" for k in sorted(self._keys)) or "none"
         listed = ", ".join(k[:16] + "…" for k in role.keyids) or "none"
-        raise error(f"root v{root.body.version} lists the timestamp key(s) {listed} (threshold {role.threshold}), but this "
-                    f"server holds {held}: restart the replicas with --timestamp-key NEW.key as well, first")
+        raise error(
+            f"root v{root.body.version} lists the timestamp key(s) {listed} (threshold {role.threshold}), but this "
+            f"server holds {held}: restart the replicas with --timestamp-key NEW.key as well, first"
+        )
 
     # -- releases ---------------------------------------------------------------------------
 
@@ -209,8 +229,11 @@ class RootOfTrust:
             raise RpcStatusError("INVALID_ARGUMENT", f"root refused: {exc}") from exc
         self.require_timestamp_keys(new, lambda message: RpcStatusError("FAILED_PRECONDITION", message))
         if not self._storage.add_root(new.body.version, new.to_bytes()):
-            raise RpcStatusError("FAILED_PRECONDITION", f"root v{new.body.version} was published meanwhile (by another "
-                                 "admin or replica); fetch the chain and build the next root on the latest one")
+            raise RpcStatusError(
+                "FAILED_PRECONDITION",
+                f"root v{new.body.version} was published meanwhile (by another "
+                "admin or replica); fetch the chain and build the next root on the latest one",
+            )
         return new
 
     def timestamp(self, manifests: Mapping[int, bytes]) -> bytes:
@@ -231,16 +254,22 @@ class RootOfTrust:
             data = document.to_bytes()
             if self._storage.put_timestamp(version, data):
                 return data
-        raise RpcStatusError("UNAVAILABLE", "the timestamp kept changing under this replica (replicas racing); try again")
+        raise RpcStatusError(
+            "UNAVAILABLE", "the timestamp kept changing under this replica (replicas racing); try again"
+        )
 
-    def _reusable(self, stored: StoredTimestamp, root: Signed[Root], manifests: Mapping[int, bytes], now: datetime) -> bool:
+    def _reusable(
+        self, stored: StoredTimestamp, root: Signed[Root], manifests: Mapping[int, bytes], now: datetime
+    ) -> bool:
         timestamp = self._checked_timestamp(stored, root, now)
         if timestamp is None:
             return False
         offered = make_timestamp(timestamp.body.version, timestamp.body.expires, manifests)
         return timestamp.body.releases == offered.releases and timestamp.body.expires - now > self._expiry / 2
 
-    def _checked_timestamp(self, stored: StoredTimestamp, root: Signed[Root], now: datetime) -> Signed[Timestamp] | None:
+    def _checked_timestamp(
+        self, stored: StoredTimestamp, root: Signed[Root], now: datetime
+    ) -> Signed[Timestamp] | None:
         """The stored timestamp once it verified under ``root`` (parsed and checked once per
         timestamp and root: most calls reuse it), or None: signed for an earlier root's keys, or expired."""
         key = (stored.data, root.body.version)

@@ -110,15 +110,19 @@ def _status_of(exc: Exception, fields: dict[str, Any]) -> tuple[str, str]:
         meter.storage_error(exc)  # it tells storage errors from other failures
     if storage_unreachable(exc):
         log_event("storage unreachable", level=logging.WARNING, error=f"{type(exc).__name__}: {exc}")
-        return "UNAVAILABLE", "the server cannot reach its database or object store right now; retry (another replica may answer)"
+        return (
+            "UNAVAILABLE",
+            "the server cannot reach its database or object store right now; retry (another replica may answer)",
+        )
     incident = secrets.token_hex(6)
     fields["incident"] = incident
     log_event("unexpected error", level=logging.ERROR, exc_info=True, incident=incident)
     return "INTERNAL", f"internal server error (incident {incident} in the server log)"
 
 
-def wrap_handler(handler: grpc.RpcMethodHandler, method: str, authorize: Callable,
-                 streams: OpenStreams | None = None) -> grpc.RpcMethodHandler:
+def wrap_handler(
+    handler: grpc.RpcMethodHandler, method: str, authorize: Callable, streams: OpenStreams | None = None
+) -> grpc.RpcMethodHandler:
     """``handler`` with decoding checks, ``authorize(context)`` (returns the caller), error
     mapping and access log; a device's streaming calls are tracked in ``streams`` so that
     revoking the device ends them."""
@@ -196,6 +200,7 @@ def _metered(handler: grpc.RpcMethodHandler, method: str, meter: RpcMeter) -> gr
 
     inner = handler.unary_unary or handler.stream_unary
     if inner is not None:
+
         async def single(request_or_requests, context):
             with measured(context):
                 return await inner(request_or_requests, context)

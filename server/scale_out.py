@@ -31,8 +31,9 @@ GARBAGE_GRACE_S = 3600.0  # an unreferenced object younger than this may belong 
 class ScaleOutStorage(ServerStorage):
     """:class:`~.storage.Storage` on PostgreSQL (``database_url``) and a bucket (``object_store``, s3://BUCKET/PREFIX)."""
 
-    def __init__(self, database_url: str, object_store: str, *, s3_endpoint_url: str | None = None,
-                 max_connections: int = 20) -> None:
+    def __init__(
+        self, database_url: str, object_store: str, *, s3_endpoint_url: str | None = None, max_connections: int = 20
+    ) -> None:
         location = BucketLocation.parse(object_store)
         client = s3_client(s3_endpoint_url, max_connections=max(64, max_connections))
         check_bucket(client, location)
@@ -40,15 +41,25 @@ class ScaleOutStorage(ServerStorage):
         scratch = Path(tempfile.mkdtemp(prefix="fctkit-replica-"))
         db = open_postgres(database_url, max_connections=max_connections)
         self._database, self._client = db, client
-        super().__init__(db, S3ContentStore(client, location, "artifacts"), S3ContentStore(client, location, "blobs"),
-                         S3Partials(client, location, scratch), scratch, garbage_grace_s=GARBAGE_GRACE_S)
+        super().__init__(
+            db,
+            S3ContentStore(client, location, "artifacts"),
+            S3ContentStore(client, location, "blobs"),
+            S3Partials(client, location, scratch),
+            scratch,
+            garbage_grace_s=GARBAGE_GRACE_S,
+        )
 
     def round_trips(self) -> dict[str, int]:
         """Database round trips and object-store requests made so far (logged at shutdown)."""
-        return {"database_round_trips": self._database.round_trips, "object_store_requests": self._client.fctkit_requests.count}
+        return {
+            "database_round_trips": self._database.round_trips,
+            "object_store_requests": self._client.fctkit_requests.count,
+        }
 
-    def listen(self, on_event: Callable[[str], None], on_connected: Callable[[], None],
-               on_lost: Callable[[], None]) -> Coroutine[Any, Any, None]:
+    def listen(
+        self, on_event: Callable[[str], None], on_connected: Callable[[], None], on_lost: Callable[[], None]
+    ) -> Coroutine[Any, Any, None]:
         def connected() -> None:
             self._database.reachable = True
             on_connected()
@@ -64,8 +75,9 @@ class ScaleOutStorage(ServerStorage):
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
 
-async def listen_for_events(database_url: str, on_event: Callable[[str], None], on_connected: Callable[[], None],
-                            on_lost: Callable[[], None]) -> None:
+async def listen_for_events(
+    database_url: str, on_event: Callable[[str], None], on_connected: Callable[[], None], on_lost: Callable[[], None]
+) -> None:
     """LISTEN on one connection of its own and hand every payload to ``on_event``; when the
     connection drops call ``on_lost`` and reconnect (backing off to 5 s), calling ``on_connected``
     after each (re)connect."""
@@ -84,6 +96,8 @@ async def listen_for_events(database_url: str, on_event: Callable[[str], None], 
             raise
         except Exception as exc:  # the database went away: say so (health), reconnect, catch up
             on_lost()
-            log_event("event listener lost the database; reconnecting", logging.WARNING, error=str(exc), retry_in_s=delay)
+            log_event(
+                "event listener lost the database; reconnecting", logging.WARNING, error=str(exc), retry_in_s=delay
+            )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)

@@ -38,20 +38,34 @@ from typing import Any, Protocol
 from fctkit.errors import ConfigError
 
 from .blob_store import BlobRecord, BlobStore
-from .content_store import ContentStore, Contents
+from .content_store import Contents, ContentStore
 from .database import Database
 from .device_store import DeviceRecord, DeviceReport, DeviceStore, OwnerKeyMismatch
+from .partial_uploads import PartialFiles, PartialUploads
 from .replica_store import PushOutcome, ReplicaQuotaExceeded, ReplicaRecord, ReplicaStore
 from .rollout_store import DeviceState, HealthReport, Rollout, RolloutStore
 from .storage_schema import open_database
-from .partial_uploads import PartialFiles, PartialUploads
 from .trust_store import StoredTimestamp, TrustStore
 from .upload_sessions import Reservation
 from .version_store import StaleVersion, VersionRecord, VersionStore
 from .withdrawal_store import StoredWithdrawal, WithdrawalOutcome, WithdrawalStore
 
-__all__ = ["BlobRecord", "DeviceRecord", "DeviceReport", "OwnerKeyMismatch", "PushOutcome", "ReplicaQuotaExceeded", "ReplicaRecord",
-           "Reservation", "ServerStorage", "SqliteStorage", "StaleVersion", "Storage", "StoredTimestamp", "VersionRecord"]
+__all__ = [
+    "BlobRecord",
+    "DeviceRecord",
+    "DeviceReport",
+    "OwnerKeyMismatch",
+    "PushOutcome",
+    "ReplicaQuotaExceeded",
+    "ReplicaRecord",
+    "Reservation",
+    "ServerStorage",
+    "SqliteStorage",
+    "StaleVersion",
+    "Storage",
+    "StoredTimestamp",
+    "VersionRecord",
+]
 
 
 class Storage(Protocol):
@@ -64,14 +78,17 @@ class Storage(Protocol):
     partials: PartialUploads
     tmp_dir: Path
 
-    def listen(self, on_event: Callable[[str], None], on_connected: Callable[[], None],
-               on_lost: Callable[[], None]) -> Coroutine[Any, Any, None] | None: ...
+    def listen(
+        self, on_event: Callable[[str], None], on_connected: Callable[[], None], on_lost: Callable[[], None]
+    ) -> Coroutine[Any, Any, None] | None: ...
     def single_flight(self, name: str) -> contextlib.AbstractContextManager[bool]: ...
     def round_trips(self) -> dict[str, int]: ...
     def revoked_among(self, device_ids: Collection[str]) -> list[str]: ...
 
     def versions(self) -> list[VersionRecord]: ...
-    def add_version(self, record: VersionRecord, artifact_sha256s: Sequence[str], rollout: Rollout | None = None) -> None: ...
+    def add_version(
+        self, record: VersionRecord, artifact_sha256s: Sequence[str], rollout: Rollout | None = None
+    ) -> None: ...
     def latest_version(self) -> int: ...
 
     def rollouts(self) -> dict[int, Rollout]: ...
@@ -105,7 +122,9 @@ class Storage(Protocol):
     def list_owner_blobs(self, owner_id: str, after_sha256: str, limit: int) -> list[BlobRecord]: ...
     def delete_owner_blob(self, owner_id: str, sha256: str) -> bool: ...
     def owner_vault_usage(self, owner_id: str) -> tuple[int, int]: ...
-    def reserve_upload(self, owner_id: str, device_id: str, sha256: str, size: int, now: float, quota: int) -> Reservation: ...
+    def reserve_upload(
+        self, owner_id: str, device_id: str, sha256: str, size: int, now: float, quota: int
+    ) -> Reservation: ...
     def finish_upload(self, record: BlobRecord, source: Path) -> None: ...
     def begin_upload(self, owner_id: str, sha256: str, device_id: str, token: str, now: float) -> bool | None: ...
     def renew_upload(self, owner_id: str, sha256: str, token: str, now: float, bytes_arrived: bool) -> bool: ...
@@ -114,15 +133,20 @@ class Storage(Protocol):
     def expire_uploads(self, idle_since: float, leased_since: float) -> int: ...
     def reserved_uploads(self) -> set[tuple[str, str]]: ...
 
-    def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str,
-                     quota: int) -> PushOutcome: ...
-    def pull_records(self, owner_id: str, after_sequence: int, max_rows: int, max_sealed_bytes: int) -> list[ReplicaRecord]: ...
+    def push_records(
+        self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str, quota: int
+    ) -> PushOutcome: ...
+    def pull_records(
+        self, owner_id: str, after_sequence: int, max_rows: int, max_sealed_bytes: int
+    ) -> list[ReplicaRecord]: ...
     def replica_usage(self, owner_id: str) -> tuple[int, int]: ...
 
-    def add_enrolment_code(self, code_hash: str, label: str, created_at: str, expires_at: str,
-                           owner_id: str | None = None) -> None: ...
-    def enrol(self, code_hash: str, now: str, device_id: str, name: str, token_hash: str,
-              owner_key_id: str = "") -> DeviceRecord | None: ...
+    def add_enrolment_code(
+        self, code_hash: str, label: str, created_at: str, expires_at: str, owner_id: str | None = None
+    ) -> None: ...
+    def enrol(
+        self, code_hash: str, now: str, device_id: str, name: str, token_hash: str, owner_key_id: str = ""
+    ) -> DeviceRecord | None: ...
     def device_for_token(self, token_hash: str) -> str | None: ...
     def device_owner(self, device_id: str) -> str | None: ...
     def record_report(self, device_id: str, report: DeviceReport, now: str) -> str | None: ...
@@ -139,8 +163,16 @@ class ServerStorage:
     """:class:`Storage` over a metadata :class:`~.database.Database`, two content stores and the
     unfinished uploads; :class:`SqliteStorage` and :class:`fctkit.server.scale_out.ScaleOutStorage` build one."""
 
-    def __init__(self, db: Database, artifacts: Contents, blobs: Contents, partials: PartialUploads, tmp_dir: Path,
-                 *, garbage_grace_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        db: Database,
+        artifacts: Contents,
+        blobs: Contents,
+        partials: PartialUploads,
+        tmp_dir: Path,
+        *,
+        garbage_grace_s: float = 0.0,
+    ) -> None:
         self._db, self.artifacts, self.blobs, self.partials, self.tmp_dir = db, artifacts, blobs, partials, tmp_dir
         self._garbage_grace_s = garbage_grace_s
         self._versions = VersionStore(self._db, self.artifacts)
@@ -151,8 +183,9 @@ class ServerStorage:
         self._rollouts = RolloutStore(self._db)
         self._withdrawals = WithdrawalStore(self._db)
 
-    def listen(self, on_event: Callable[[str], None], on_connected: Callable[[], None],
-               on_lost: Callable[[], None]) -> Coroutine[Any, Any, None] | None:
+    def listen(
+        self, on_event: Callable[[str], None], on_connected: Callable[[], None], on_lost: Callable[[], None]
+    ) -> Coroutine[Any, Any, None] | None:
         """A task to run that calls ``on_event`` for what other replicas do (``on_connected`` and
         ``on_lost`` as the shared database comes and goes); None: there are no other replicas."""
         return None
@@ -170,7 +203,9 @@ class ServerStorage:
     def versions(self) -> list[VersionRecord]:
         return self._versions.versions()
 
-    def add_version(self, record: VersionRecord, artifact_sha256s: Sequence[str], rollout: Rollout | None = None) -> None:
+    def add_version(
+        self, record: VersionRecord, artifact_sha256s: Sequence[str], rollout: Rollout | None = None
+    ) -> None:
         """Publish ``record``; with ``rollout``, staged (stored in the same transaction)."""
         self._versions.add_version(record, artifact_sha256s, rollout)
 
@@ -277,7 +312,9 @@ class ServerStorage:
     def owner_vault_usage(self, owner_id: str) -> tuple[int, int]:
         return self._vault.owner_vault_usage(owner_id)
 
-    def reserve_upload(self, owner_id: str, device_id: str, sha256: str, size: int, now: float, quota: int) -> Reservation:
+    def reserve_upload(
+        self, owner_id: str, device_id: str, sha256: str, size: int, now: float, quota: int
+    ) -> Reservation:
         return self._vault.reserve_upload(owner_id, device_id, sha256, size, now, quota)
 
     def finish_upload(self, record: BlobRecord, source: Path) -> None:
@@ -309,11 +346,14 @@ class ServerStorage:
 
     # -- replica ----------------------------------------------------------------------------
 
-    def push_records(self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str,
-                     quota: int) -> PushOutcome:
+    def push_records(
+        self, owner_id: str, device_id: str, records: Sequence[ReplicaRecord], now: str, quota: int
+    ) -> PushOutcome:
         return self._replica.push_records(owner_id, device_id, records, now, quota)
 
-    def pull_records(self, owner_id: str, after_sequence: int, max_rows: int, max_sealed_bytes: int) -> list[ReplicaRecord]:
+    def pull_records(
+        self, owner_id: str, after_sequence: int, max_rows: int, max_sealed_bytes: int
+    ) -> list[ReplicaRecord]:
         return self._replica.pull_records(owner_id, after_sequence, max_rows, max_sealed_bytes)
 
     def replica_usage(self, owner_id: str) -> tuple[int, int]:
@@ -324,12 +364,14 @@ class ServerStorage:
 
     # -- fleet ------------------------------------------------------------------------------
 
-    def add_enrolment_code(self, code_hash: str, label: str, created_at: str, expires_at: str,
-                           owner_id: str | None = None) -> None:
+    def add_enrolment_code(
+        self, code_hash: str, label: str, created_at: str, expires_at: str, owner_id: str | None = None
+    ) -> None:
         self._devices.add_enrolment_code(code_hash, label, created_at, expires_at, owner_id)
 
-    def enrol(self, code_hash: str, now: str, device_id: str, name: str, token_hash: str,
-              owner_key_id: str = "") -> DeviceRecord | None:
+    def enrol(
+        self, code_hash: str, now: str, device_id: str, name: str, token_hash: str, owner_key_id: str = ""
+    ) -> DeviceRecord | None:
         return self._devices.enrol(code_hash, now, device_id, name, token_hash, owner_key_id)
 
     def device_for_token(self, token_hash: str) -> str | None:
@@ -373,8 +415,11 @@ class ServerStorage:
                         self.artifacts.delete(sha256)
                         removed["artifacts"] += 1
                 wanted_blobs = self._vault.referenced_blobs()
-                removed["blobs"] = sum(self._vault.drop_unreferenced(sha256) for sha256, changed in list(self.blobs.listing())
-                                       if sha256 not in wanted_blobs and changed <= cutoff)
+                removed["blobs"] = sum(
+                    self._vault.drop_unreferenced(sha256)
+                    for sha256, changed in list(self.blobs.listing())
+                    if sha256 not in wanted_blobs and changed <= cutoff
+                )
         for staging in self.tmp_dir.glob("publish-*"):
             shutil.rmtree(staging, ignore_errors=True)
             removed["staging"] += 1
@@ -399,8 +444,13 @@ class SqliteStorage(ServerStorage):
         except BaseException:
             os.close(self._lock_fd)
             raise
-        super().__init__(db, ContentStore(self.data_dir / "artifacts"), ContentStore(self.data_dir / "blobs"),
-                         PartialFiles(tmp_dir / "uploads"), tmp_dir)
+        super().__init__(
+            db,
+            ContentStore(self.data_dir / "artifacts"),
+            ContentStore(self.data_dir / "blobs"),
+            PartialFiles(tmp_dir / "uploads"),
+            tmp_dir,
+        )
 
     def close(self) -> None:
         super().close()
@@ -415,5 +465,7 @@ def _lock_exclusively(path: Path) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ConfigError(f"{path.parent} is in use by another fctkit server; stop it or choose another --data") from None
+        raise ConfigError(
+            f"{path.parent} is in use by another fctkit server; stop it or choose another --data"
+        ) from None
     return fd

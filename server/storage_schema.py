@@ -38,7 +38,8 @@ from .trust_store import TRUST_COLUMNS, TRUST_SCHEMA, add_trust_columns
 from .withdrawal_store import WITHDRAWAL_SCHEMA
 
 SCHEMA_VERSION = 11
-_SCHEMA = """
+_SCHEMA = (
+    """
 CREATE TABLE IF NOT EXISTS versions (
     version INTEGER PRIMARY KEY,
     manifest BLOB NOT NULL,
@@ -100,7 +101,16 @@ CREATE TABLE IF NOT EXISTS replica_owners (
     last_sequence INTEGER NOT NULL,
     sealed_bytes INTEGER NOT NULL
 );
-""" + REPLICA_SCHEMA + TRUST_SCHEMA + ";" + ROLLOUT_SCHEMA + ";" + WITHDRAWAL_SCHEMA + ";" + CONFIRMATION_SCHEMA
+"""
+    + REPLICA_SCHEMA
+    + TRUST_SCHEMA
+    + ";"
+    + ROLLOUT_SCHEMA
+    + ";"
+    + WITHDRAWAL_SCHEMA
+    + ";"
+    + CONFIRMATION_SCHEMA
+)
 
 
 def execute_script(db: sqlite3.Connection | PostgresDatabase, script: str) -> None:
@@ -113,8 +123,10 @@ def _add_owners(db: sqlite3.Connection) -> None:
     if "owner_id" not in {row[1] for row in db.execute("PRAGMA table_info(enrolment_codes)")}:
         db.execute("ALTER TABLE enrolment_codes ADD COLUMN owner_id TEXT")
     db.execute("UPDATE devices SET owner_id = 'own-' || device_id WHERE owner_id IS NULL")
-    db.execute("UPDATE blobs SET owner_id = (SELECT d.owner_id FROM devices d WHERE d.device_id = blobs.device_id) "
-               "WHERE owner_id IS NULL")
+    db.execute(
+        "UPDATE blobs SET owner_id = (SELECT d.owner_id FROM devices d WHERE d.device_id = blobs.device_id) "
+        "WHERE owner_id IS NULL"
+    )
 
 
 def _add_replica_compaction(db: sqlite3.Connection) -> None:
@@ -152,8 +164,10 @@ def _replica_blocks(db: sqlite3.Connection) -> None:
     execute_script(db, REPLICA_SCHEMA)
     if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'replica_records'").fetchone():
         return  # a database from before replication (schema 1)
-    db.execute("INSERT INTO replica_blocks SELECT owner_id, sequence, device_id, change_id, 0, version, origin_version, via, "
-               "tombstone, sealed_sha256, created_at, 1, 1 - superseded, sealed FROM replica_records")
+    db.execute(
+        "INSERT INTO replica_blocks SELECT owner_id, sequence, device_id, change_id, 0, version, origin_version, via, "
+        "tombstone, sealed_sha256, created_at, 1, 1 - superseded, sealed FROM replica_records"
+    )
     db.execute("INSERT INTO replica_items SELECT owner_id, sequence, 0, item_id, superseded FROM replica_records")
     db.execute("DROP TABLE replica_records")
     for (owner_id,) in db.execute("SELECT owner_id FROM replica_owners").fetchall():
@@ -171,7 +185,9 @@ def _upload_leases(db: sqlite3.Connection) -> None:
 def _trust(db: sqlite3.Connection) -> None:
     """Schema 7 -> 8: the root of trust's columns (its tables come with the schema)."""
     tables = {table for table, _, _ in TRUST_COLUMNS}
-    execute_script(db, add_trust_columns({t: {row[1] for row in db.execute(f"PRAGMA table_info({t})")} for t in tables}))
+    execute_script(
+        db, add_trust_columns({t: {row[1] for row in db.execute(f"PRAGMA table_info({t})")} for t in tables})
+    )
 
 
 def _rollouts(db: sqlite3.Connection) -> None:
@@ -186,8 +202,18 @@ def _confirmations(db: sqlite3.Connection) -> None:
     """Schema 10 -> 11: nothing to alter (the confirmations table comes with the schema; nothing is confirmed)."""
 
 
-_MIGRATIONS = {1: _add_owners, 2: _add_replica_compaction, 3: _add_revocation, 4: _one_blob_per_owner, 5: _replica_blocks,
-               6: _upload_leases, 7: _trust, 8: _rollouts, 9: _withdrawals, 10: _confirmations}  # schema found -> the step to the next one
+_MIGRATIONS = {
+    1: _add_owners,
+    2: _add_replica_compaction,
+    3: _add_revocation,
+    4: _one_blob_per_owner,
+    5: _replica_blocks,
+    6: _upload_leases,
+    7: _trust,
+    8: _rollouts,
+    9: _withdrawals,
+    10: _confirmations,
+}  # schema found -> the step to the next one
 
 
 def open_database(path: Path) -> SqliteDatabase:
@@ -242,12 +268,19 @@ def open_postgres(dsn: str, *, max_connections: int = 20) -> PostgresDatabase:
             db.execute("CREATE TABLE IF NOT EXISTS fctkit_schema (version INTEGER NOT NULL)")
             found = db.execute("SELECT MAX(version) FROM fctkit_schema").fetchone()[0] or 0
             if found not in (0, 6, 7, 8, 9, 10, SCHEMA_VERSION):
-                raise ConfigError(f"{redacted_dsn(dsn)}: metadata schema {found} is not the {SCHEMA_VERSION} this "
-                                  "server understands; run the fctkit version that wrote it")
+                raise ConfigError(
+                    f"{redacted_dsn(dsn)}: metadata schema {found} is not the {SCHEMA_VERSION} this "
+                    "server understands; run the fctkit version that wrote it"
+                )
             if found != SCHEMA_VERSION:
                 script = _SCHEMA + upload_sessions.UPLOADS_SCHEMA
                 if found:  # the tables of today come with the schema; columns are added to older ones
-                    script = (upload_sessions.ADD_LEASES + ";" if found == 6 else "") + add_trust_columns() + ";" + TRUST_SCHEMA
+                    script = (
+                        (upload_sessions.ADD_LEASES + ";" if found == 6 else "")
+                        + add_trust_columns()
+                        + ";"
+                        + TRUST_SCHEMA
+                    )
                     script += ";" + ROLLOUT_SCHEMA + ";" + WITHDRAWAL_SCHEMA + ";" + CONFIRMATION_SCHEMA
                 execute_script(db, postgres_schema(script))
                 db.execute("INSERT INTO fctkit_schema VALUES (?)", (SCHEMA_VERSION,))

@@ -78,7 +78,9 @@ def open_stored(opener: Callable[[], Readable], missing: RpcStatusError) -> Read
         raise missing from None
 
 
-async def file_chunks(source: Readable, offset: int, end: int, chunk_size: int, response_type: type) -> AsyncIterator[Any]:
+async def file_chunks(
+    source: Readable, offset: int, end: int, chunk_size: int, response_type: type
+) -> AsyncIterator[Any]:
     """``response_type(chunk=...)`` messages carrying the object ``source`` (opened at ``offset``)
     up to ``end`` (the caller closes it), each read on a worker thread (an object store's read is
     a network call).
@@ -90,7 +92,9 @@ async def file_chunks(source: Readable, offset: int, end: int, chunk_size: int, 
         data = await asyncio.to_thread(source.read, min(chunk_size, end - position))
         if not data:
             name = str(getattr(source, "name", "?")).rsplit("/", 1)[-1]
-            raise RpcStatusError("DATA_LOSS", f"stored object {name} is shorter than recorded; the server's storage is damaged")
+            raise RpcStatusError(
+                "DATA_LOSS", f"stored object {name} is shorter than recorded; the server's storage is damaged"
+            )
         yield response_type(chunk={"offset": position, "data": data})
         position += len(data)
 

@@ -33,8 +33,11 @@ def add_trust_columns(present: dict[str, set[str]] | None = None) -> str:
     """The statements adding :data:`TRUST_COLUMNS` a table lacks (``present``: table → its columns,
     as SQLite lists them); None: PostgreSQL's ``ADD COLUMN IF NOT EXISTS`` decides."""
     guard = "IF NOT EXISTS " if present is None else ""
-    return ";\n".join(f"ALTER TABLE {table} ADD COLUMN {guard}{column} {kind}"
-                      for table, column, kind in TRUST_COLUMNS if column not in (present or {}).get(table, set()))
+    return ";\n".join(
+        f"ALTER TABLE {table} ADD COLUMN {guard}{column} {kind}"
+        for table, column, kind in TRUST_COLUMNS
+        if column not in (present or {}).get(table, set())
+    )
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,10 @@ class TrustStore:
 
     def roots(self, after_version: int = 0, limit: int | None = None) -> list[tuple[int, bytes]]:
         """The stored roots above ``after_version``, by increasing version."""
-        rows = self._db.execute("SELECT version, root FROM roots WHERE version > ? ORDER BY version LIMIT ?",
-                                (after_version, _NO_LIMIT if limit is None else limit))
+        rows = self._db.execute(
+            "SELECT version, root FROM roots WHERE version > ? ORDER BY version LIMIT ?",
+            (after_version, _NO_LIMIT if limit is None else limit),
+        )
         return [(int(v), bytes(r)) for v, r in rows]
 
     def latest_root(self) -> tuple[int, bytes] | None:

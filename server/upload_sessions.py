@@ -51,18 +51,20 @@ class Reservation:
     reserved: int
 
 
-def reserve(db: Database, owner_id: str, device_id: str, sha256: str, size: int, now: float,
-            quota: int) -> Reservation:
+def reserve(db: Database, owner_id: str, device_id: str, sha256: str, size: int, now: float, quota: int) -> Reservation:
     """Inside the caller's transaction: reserve the upload's ``size`` when it fits the quota (its
     idle clock, ``touched_at``, is left as it was: only arriving bytes move it)."""
     stored = db.execute("SELECT COALESCE(SUM(size), 0) FROM blobs WHERE owner_id=?", (owner_id,)).fetchone()[0]
-    reserved = db.execute("SELECT COALESCE(SUM(size), 0) FROM uploads WHERE owner_id=? AND sha256<>?",
-                          (owner_id, sha256)).fetchone()[0]
+    reserved = db.execute(
+        "SELECT COALESCE(SUM(size), 0) FROM uploads WHERE owner_id=? AND sha256<>?", (owner_id, sha256)
+    ).fetchone()[0]
     fits = stored + reserved + size <= quota
     if fits:
-        db.execute("INSERT INTO uploads (owner_id, sha256, device_id, size, touched_at) VALUES (?, ?, ?, ?, ?) "
-                   "ON CONFLICT (owner_id, sha256) DO UPDATE SET device_id=excluded.device_id, size=excluded.size",
-                   (owner_id, sha256, device_id, size, now))
+        db.execute(
+            "INSERT INTO uploads (owner_id, sha256, device_id, size, touched_at) VALUES (?, ?, ?, ?, ?) "
+            "ON CONFLICT (owner_id, sha256) DO UPDATE SET device_id=excluded.device_id, size=excluded.size",
+            (owner_id, sha256, device_id, size, now),
+        )
     return Reservation(fits, int(stored), int(reserved))
 
 
@@ -70,14 +72,17 @@ def take_lease(db: Database, owner_id: str, sha256: str, device_id: str, token: 
     """Inside the caller's transaction (the owner's lock): give the upload's lease to ``token``.
     None when another call holds a live lease; otherwise whether the upload had a reservation
     (a new upload gets a row of size 0 until it reserves, its idle clock starting now)."""
-    row = db.execute("SELECT size, lease_token, lease_at FROM uploads WHERE owner_id=? AND sha256=?",
-                     (owner_id, sha256)).fetchone()
+    row = db.execute(
+        "SELECT size, lease_token, lease_at FROM uploads WHERE owner_id=? AND sha256=?", (owner_id, sha256)
+    ).fetchone()
     if row is not None and row[1] and row[2] >= now - LEASE_STALE_S:
         return None
-    db.execute("INSERT INTO uploads (owner_id, sha256, device_id, size, touched_at, lease_token, lease_at) "
-               "VALUES (?, ?, ?, 0, ?, ?, ?) ON CONFLICT (owner_id, sha256) DO UPDATE SET "
-               "lease_token=excluded.lease_token, lease_at=excluded.lease_at",
-               (owner_id, sha256, device_id, now, token, now))
+    db.execute(
+        "INSERT INTO uploads (owner_id, sha256, device_id, size, touched_at, lease_token, lease_at) "
+        "VALUES (?, ?, ?, 0, ?, ?, ?) ON CONFLICT (owner_id, sha256) DO UPDATE SET "
+        "lease_token=excluded.lease_token, lease_at=excluded.lease_at",
+        (owner_id, sha256, device_id, now, token, now),
+    )
     return row is not None and row[0] > 0
 
 
@@ -87,23 +92,36 @@ _TOUCHED = "touched_at=CASE WHEN ?=1 THEN ? ELSE touched_at END"  # bytes arrive
 def renew_lease(db: Database, owner_id: str, sha256: str, token: str, now: float, bytes_arrived: bool) -> bool:
     """Renew ``token``'s lease (and the idle clock when bytes arrived since the last renewal);
     False when the lease is no longer ``token``'s."""
-    return db.execute(f"UPDATE uploads SET lease_at=?, {_TOUCHED} WHERE owner_id=? AND sha256=? AND lease_token=?",
-                      (now, int(bytes_arrived), now, owner_id, sha256, token)).rowcount > 0
+    return (
+        db.execute(
+            f"UPDATE uploads SET lease_at=?, {_TOUCHED} WHERE owner_id=? AND sha256=? AND lease_token=?",
+            (now, int(bytes_arrived), now, owner_id, sha256, token),
+        ).rowcount
+        > 0
+    )
 
 
 def end_lease(db: Database, owner_id: str, sha256: str, token: str, now: float, bytes_arrived: bool) -> None:
     """``token``'s call ends: its lease goes, and so does a row that never reserved anything."""
-    db.execute("DELETE FROM uploads WHERE owner_id=? AND sha256=? AND lease_token=? AND size=0", (owner_id, sha256, token))
-    db.execute(f"UPDATE uploads SET lease_token='', lease_at=0, {_TOUCHED} WHERE owner_id=? AND sha256=? AND lease_token=?",
-               (int(bytes_arrived), now, owner_id, sha256, token))
+    db.execute(
+        "DELETE FROM uploads WHERE owner_id=? AND sha256=? AND lease_token=? AND size=0", (owner_id, sha256, token)
+    )
+    db.execute(
+        f"UPDATE uploads SET lease_token='', lease_at=0, {_TOUCHED} WHERE owner_id=? AND sha256=? AND lease_token=?",
+        (int(bytes_arrived), now, owner_id, sha256, token),
+    )
 
 
 def release(db: Database, owner_id: str, sha256: str, token: str | None = None) -> bool:
     """End the upload's reservation (only while ``token`` holds its lease, when given); whether it ended."""
     if token is None:
         return db.execute("DELETE FROM uploads WHERE owner_id=? AND sha256=?", (owner_id, sha256)).rowcount > 0
-    return db.execute("DELETE FROM uploads WHERE owner_id=? AND sha256=? AND lease_token=?",
-                      (owner_id, sha256, token)).rowcount > 0
+    return (
+        db.execute(
+            "DELETE FROM uploads WHERE owner_id=? AND sha256=? AND lease_token=?", (owner_id, sha256, token)
+        ).rowcount
+        > 0
+    )
 
 
 def release_device(db: Database, device_id: str) -> None:
@@ -114,8 +132,9 @@ def release_device(db: Database, device_id: str) -> None:
 def expire(db: Database, idle_since: float, leased_since: float) -> int:
     """End the reservations idle since before ``idle_since`` whose lease, if any, was last renewed
     before ``leased_since`` (no call is receiving them); returns how many."""
-    return db.execute("DELETE FROM uploads WHERE touched_at < ? AND (lease_token = '' OR lease_at < ?)",
-                      (idle_since, leased_since)).rowcount
+    return db.execute(
+        "DELETE FROM uploads WHERE touched_at < ? AND (lease_token = '' OR lease_at < ?)", (idle_since, leased_since)
+    ).rowcount
 
 
 def reserved_keys(db: Database) -> set[tuple[str, str]]:

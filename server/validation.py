@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from fctkit.errors import RpcStatusError
 from fctkit.protos import limits
@@ -77,7 +77,7 @@ def chunk_size(requested: int) -> int:
 
 
 def utc_now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def timestamp(moment: datetime | None = None, *, after_s: float = 0.0) -> str:

@@ -38,13 +38,14 @@ from .streams import Sink, check_offset, file_chunks, open_stored, read_header, 
 from .upload_sessions import LEASE_STALE_S
 from .validation import chunk_size, invalid, page_size, sha256_field, text_field, timestamp
 
-
 LEASE_RENEW_S = LEASE_STALE_S / 5  # how often a call renews its upload's lease
 _RUNNING = "an upload of this blob is in progress (from this or another device of the owner, on any replica)"
 
 
 def _blob_info(record: BlobRecord) -> vault_pb2.BlobInfo:
-    return vault_pb2.BlobInfo(sha256=record.sha256, size=record.size, item_id=record.item_id, created_at=record.created_at)
+    return vault_pb2.BlobInfo(
+        sha256=record.sha256, size=record.size, item_id=record.item_id, created_at=record.created_at
+    )
 
 
 class UploadLease:
@@ -86,7 +87,9 @@ class UploadLease:
 
     def check(self) -> None:
         if self._lost:
-            raise RpcStatusError("ABORTED", "another call took this upload over while this one stalled; call Stat, then resume")
+            raise RpcStatusError(
+                "ABORTED", "another call took this upload over while this one stalled; call Stat, then resume"
+            )
 
     def guarding(self, sink: Sink) -> _LeasedSink:
         return _LeasedSink(self, sink)
@@ -105,8 +108,15 @@ class _LeasedSink:
 
 
 class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
-    def __init__(self, storage: Storage, *, quota_bytes: int, max_blob_bytes: int, partial_upload_ttl_s: float = 86400.0,
-                 replica_quota_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        quota_bytes: int,
+        max_blob_bytes: int,
+        partial_upload_ttl_s: float = 86400.0,
+        replica_quota_bytes: int = 1 << 30,
+    ) -> None:
         self._storage = storage
         self._replica_quota = replica_quota_bytes
         self._quota = quota_bytes
@@ -165,8 +175,10 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
         if not 0 < header.size <= self._max_blob:
             raise invalid(f"header.size is {header.size}; blobs hold 1 to {self._max_blob} bytes")
         if header.offset > header.size:
-            raise invalid(f"header.offset {header.offset} is past header.size {header.size}; send the blob's real size "
-                          "and resume from the bytes the server holds (Stat), or from 0")
+            raise invalid(
+                f"header.offset {header.offset} is past header.size {header.size}; send the blob's real size "
+                "and resume from the bytes the server holds (Stat), or from 0"
+            )
         item_id = text_field(header.item_id, "header.item_id")
         existing = self._own_blob(owner_id, sha256)
         if existing is not None:
@@ -177,8 +189,13 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
             partials = self._storage.partials
             held = await asyncio.to_thread(partials.held, owner_id, sha256)
             if header.offset > (received := held or 0):  # checked before reserving: a refused call holds no quota
-                raise RpcStatusError("FAILED_PRECONDITION", f"the server holds {received} bytes of this blob; resume from offset {received}")
-            if held is not None:  # what lies past the offset goes before the reservation may shrink (parts past a gap too)
+                raise RpcStatusError(
+                    "FAILED_PRECONDITION",
+                    f"the server holds {received} bytes of this blob; resume from offset {received}",
+                )
+            if (
+                held is not None
+            ):  # what lies past the offset goes before the reservation may shrink (parts past a gap too)
                 await asyncio.to_thread(partials.truncate, owner_id, sha256, header.offset)
             self._reserve(owner_id, device_id, sha256, header.size)
             return await self._receive(requests, lease, device_id, header, sha256, item_id)
@@ -194,7 +211,9 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
             assembled = await asyncio.to_thread(partials.assemble, owner_id, sha256, header.size)
         except IncompleteUpload as incomplete:
             if (stored := self._storage.owner_blob(owner_id, sha256)) is not None:
-                return self._already_stored(owner_id, stored)  # the same upload, through another replica, finished first
+                return self._already_stored(
+                    owner_id, stored
+                )  # the same upload, through another replica, finished first
             raise RpcStatusError("FAILED_PRECONDITION", f"{incomplete}; resume from offset {incomplete.held}") from None
         digest, _ = await asyncio.to_thread(file_sha256, assembled)
         if digest != sha256:
@@ -202,7 +221,9 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
             lease.check()
             await asyncio.to_thread(partials.discard, owner_id, sha256)  # while the lease keeps other calls off it
             self._storage.release_upload(owner_id, sha256, lease.token)
-            raise invalid(f"the received bytes hash to {digest}, not the announced {sha256}; upload again from offset 0")
+            raise invalid(
+                f"the received bytes hash to {digest}, not the announced {sha256}; upload again from offset 0"
+            )
         record = BlobRecord(device_id, sha256, header.size, item_id, timestamp(), owner_id)
         await asyncio.to_thread(self._storage.blobs.stage, assembled, sha256)  # the long copy, off the event loop
         self._storage.finish_upload(record, assembled)
@@ -212,7 +233,9 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
 
     def _already_stored(self, owner_id: str, record: BlobRecord) -> vault_pb2.UploadBlobResponse:
         used, _ = self._storage.owner_vault_usage(owner_id)
-        return vault_pb2.UploadBlobResponse(blob=_blob_info(record), already_stored=True, used_bytes=used, quota_bytes=self._quota)
+        return vault_pb2.UploadBlobResponse(
+            blob=_blob_info(record), already_stored=True, used_bytes=used, quota_bytes=self._quota
+        )
 
     async def Download(self, request, context):
         owner_id = current_owner_id()
@@ -236,7 +259,9 @@ class VaultService(ReplicaHandlers, vault_pb2_grpc.VaultServicer):
         sha256 = sha256_field(request.sha256, "sha256")
         record = self._own_blob(owner_id, sha256)
         if record is not None:
-            return vault_pb2.StatBlobResponse(state=vault_pb2.BLOB_STATE_STORED, received=record.size, blob=_blob_info(record))
+            return vault_pb2.StatBlobResponse(
+                state=vault_pb2.BLOB_STATE_STORED, received=record.size, blob=_blob_info(record)
+            )
         held = await asyncio.to_thread(self._storage.partials.held, owner_id, sha256)
         if held is not None:
             return vault_pb2.StatBlobResponse(state=vault_pb2.BLOB_STATE_PARTIAL, received=held)

@@ -37,13 +37,17 @@ class VersionStore:
         self._artifacts = artifacts
 
     def versions(self) -> list[VersionRecord]:
-        rows = self._db.execute("SELECT version, manifest, signature, published_at, co_signatures FROM versions ORDER BY version")
+        rows = self._db.execute(
+            "SELECT version, manifest, signature, published_at, co_signatures FROM versions ORDER BY version"
+        )
         return [VersionRecord(v, bytes(m), bytes(s), p, bytes(c or b"")) for v, m, s, p, c in rows]
 
     def latest_version(self) -> int:
         return int(self._db.execute("SELECT COALESCE(MAX(version), 0) FROM versions").fetchone()[0])
 
-    def add_version(self, record: VersionRecord, artifact_sha256s: Sequence[str], rollout: Rollout | None = None) -> None:
+    def add_version(
+        self, record: VersionRecord, artifact_sha256s: Sequence[str], rollout: Rollout | None = None
+    ) -> None:
         """Make a version visible (with ``rollout``: staged), in one transaction. Its artifacts
         must already be in the artifacts store (put them first, e.g. from a worker thread)."""
         missing = [s for s in artifact_sha256s if not self._artifacts.has(s)]

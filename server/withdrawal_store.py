@@ -62,7 +62,9 @@ class WithdrawalStore:
 
     def withdrawals(self) -> dict[int, StoredWithdrawal]:
         """Every withdrawal, by version."""
-        rows = self._db.execute("SELECT version, revert_to, reason, document, stored_at FROM withdrawals ORDER BY version")
+        rows = self._db.execute(
+            "SELECT version, revert_to, reason, document, stored_at FROM withdrawals ORDER BY version"
+        )
         return {v: StoredWithdrawal(v, r, why, bytes(doc), at) for v, r, why, doc, at in rows}
 
     def add(self, withdrawal: StoredWithdrawal) -> WithdrawalOutcome:
@@ -75,18 +77,23 @@ class WithdrawalStore:
             if withdrawal.revert_to in stored:
                 return WithdrawalOutcome(False, None)
             w = withdrawal
-            self._db.execute("INSERT INTO withdrawals (version, revert_to, reason, document, stored_at) VALUES (?, ?, ?, ?, ?)",
-                             (w.version, w.revert_to, w.reason, w.document, w.stored_at))
+            self._db.execute(
+                "INSERT INTO withdrawals (version, revert_to, reason, document, stored_at) VALUES (?, ?, ?, ?, ?)",
+                (w.version, w.revert_to, w.reason, w.document, w.stored_at),
+            )
             self._db.notify(f"withdrawal:{w.version}")
             return WithdrawalOutcome(True, w)
 
     def record_revert(self, device_id: str, version: int, method: str, now: str) -> None:
         """Keep that ``device_id`` went back from withdrawn ``version`` by ``method`` (its latest word)."""
-        self._db.execute("INSERT INTO device_reverts (device_id, version, method, reported_at) VALUES (?, ?, ?, ?) "
-                         "ON CONFLICT (device_id, version) DO UPDATE SET method = excluded.method, "
-                         "reported_at = excluded.reported_at", (device_id, version, method, now))
+        self._db.execute(
+            "INSERT INTO device_reverts (device_id, version, method, reported_at) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (device_id, version) DO UPDATE SET method = excluded.method, "
+            "reported_at = excluded.reported_at",
+            (device_id, version, method, now),
+        )
 
     def reverts(self, version: int) -> dict[str, str]:
         """How each device that reported going back from ``version`` did it, by device id."""
         rows = self._db.execute("SELECT device_id, method FROM device_reverts WHERE version = ?", (version,))
-        return {device_id: method for device_id, method in rows}
+        return dict(rows)

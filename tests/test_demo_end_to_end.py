@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.seeds import seed
-
 from fctkit.demo import CASES, DemoOptions, run_demo
 from fctkit.demo.phases import Phases
 from fctkit.edge_runtime import Device
+from tests.support.seeds import seed
 
 pytestmark = pytest.mark.slow
 
@@ -81,8 +80,12 @@ INTERRUPT_MOMENTS = {
 @pytest.mark.parametrize("moment", list(INTERRUPT_MOMENTS))
 def test_ctrl_c_stops_the_demo_in_any_phase_and_leaves_no_server_running(tmp_path, moment):
     """SIGINT (Ctrl-C) in each phase: the demo exits 130 and the server it started is gone."""
-    process = subprocess.Popen([sys.executable, "-m", "fctkit.cli", "demo", "--devices", "3", "--quiet", "--out", str(tmp_path / "demo")],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fctkit.cli", "demo", "--devices", "3", "--quiet", "--out", str(tmp_path / "demo")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     server_pid, seen = None, []
     for line in process.stdout:
         seen.append(line)

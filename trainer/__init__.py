@@ -5,18 +5,11 @@ ranking, retrieval_result, compatibility, backfill_curves; :mod:`fctkit.trainer.
 numpy only; everything that trains needs the ``train`` extra (torch).
 """
 
-from .backfill_curves import BackfillCurve, backfill_curve
-from .compatibility import CompatibilityMatrix, compatibility_matrix, ecc
-from .evaluation import QueryRanks, evaluate_retrieval, rank_queries, summarize
-from .evaluation_inputs import Distance
-from .ranking import pairwise_distances
-from .relevance import Positives
-from .retrieval_result import RetrievalResult, metric_value
-from .report import Case, Report, Verdict
-from .cka import linear_cka
 from fctkit.backfill_order import ORDERING_KINDS, backfill_order
-from .tasks import RetrievalTask, TaskSet, TaskSplit, load_task, save_task
-from .synthetic import synthetic_instance_task
+
+from .backfill_curves import BackfillCurve, backfill_curve
+from .cka import linear_cka
+from .compatibility import CompatibilityMatrix, compatibility_matrix, ecc
 from .datasets import (
     FeatureSet,
     ImageDataset,
@@ -29,6 +22,14 @@ from .datasets import (
     old_class_subset,
     save_features,
 )
+from .evaluation import QueryRanks, evaluate_retrieval, rank_queries, summarize
+from .evaluation_inputs import Distance
+from .ranking import pairwise_distances
+from .relevance import Positives
+from .report import Case, Report, Verdict
+from .retrieval_result import RetrievalResult, metric_value
+from .synthetic import synthetic_instance_task
+from .tasks import RetrievalTask, TaskSet, TaskSplit, load_task, save_task
 
 # Names that need torch, imported on first access so `import fctkit.trainer` stays torch-free.
 _LAZY: dict[str, str] = {

@@ -18,8 +18,8 @@ import torch
 
 from fctkit.config import from_mapping, to_mapping
 from fctkit.errors import ConfigError, InputError
-
 from fctkit.feature_checks import check_features
+
 from .torch_utils import load_checkpoint, load_state, predict, save_checkpoint
 
 CHECKPOINT_KIND = "fctkit.adapter"
@@ -79,7 +79,9 @@ class Adapter(torch.nn.Module):
         """Load an adapter file; on a subclass, also check that the file holds that kind."""
         adapter = load_adapter(path)
         if cls is not Adapter and not isinstance(adapter, cls):
-            raise InputError(f"{path}: holds a {adapter.kind!r} adapter, not a {cls.kind!r} one; use fctkit.trainer.load_adapter")
+            raise InputError(
+                f"{path}: holds a {adapter.kind!r} adapter, not a {cls.kind!r} one; use fctkit.trainer.load_adapter"
+            )
         return adapter
 
 
@@ -94,7 +96,9 @@ class OldSideAdapter(Adapter):
     def __init__(self, config: Any, d_old: int, d_side: int, d_out: int) -> None:
         super().__init__(config)
         if d_old < 1 or d_out < 1 or d_side < 0:
-            raise InputError(f"adapter dims must be positive (d_side may be 0): d_old={d_old}, d_side={d_side}, d_out={d_out}")
+            raise InputError(
+                f"adapter dims must be positive (d_side may be 0): d_old={d_old}, d_side={d_side}, d_out={d_out}"
+            )
         self.d_old, self.d_side, self.d_out = d_old, d_side, d_out
 
     def dims(self) -> dict[str, int]:
@@ -141,7 +145,9 @@ def load_adapter(path: str | Path) -> Adapter:
     """Rebuild whichever adapter ``path`` holds (CPU, eval mode)."""
     state_dict, meta = load_checkpoint(path, CHECKPOINT_KIND)
     if set(meta) != {"adapter_kind", "config", "dims", "metrics"}:
-        raise InputError(f"{path}: incomplete adapter file (metadata keys {sorted(meta)}); re-create it with Adapter.save")
+        raise InputError(
+            f"{path}: incomplete adapter file (metadata keys {sorted(meta)}); re-create it with Adapter.save"
+        )
     kinds = adapter_kinds()
     cls = kinds.get(meta["adapter_kind"])
     if cls is None:

@@ -27,10 +27,9 @@ import torch
 from torch import nn
 
 from fctkit.errors import ConfigError, InputError
+from fctkit.feature_checks import check_features, validate_labels
 
 from .adapter_base import OldSideAdapter, config_of
-from fctkit.feature_checks import validate_labels
-from fctkit.feature_checks import check_features
 from .fitting import History, TrainConfig, fit
 from .losses import ObjectiveConfig, heteroscedastic_mse, objective_loss
 
@@ -62,13 +61,19 @@ class FastFillConfig(FCTConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.objective.kind not in ("auto", "mse"):
-            raise ConfigError("FastFill trains with its own heteroscedastic loss: leave fastfill.objective.kind at 'auto'")
+            raise ConfigError(
+                "FastFill trains with its own heteroscedastic loss: leave fastfill.objective.kind at 'auto'"
+            )
 
 
 def _projection(d_in: int, width: int) -> nn.Sequential:
     return nn.Sequential(
-        nn.Linear(d_in, width), nn.BatchNorm1d(width), nn.ReLU(),
-        nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU(),
+        nn.Linear(d_in, width),
+        nn.BatchNorm1d(width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.BatchNorm1d(width),
+        nn.ReLU(),
     )
 
 
@@ -85,8 +90,12 @@ class FCTAdapter(OldSideAdapter):
         self.side_branch = _projection(d_side, width) if d_side else None
         mixer_in = 2 * width if d_side else width
         self.mixer = nn.Sequential(
-            nn.Linear(mixer_in, config.mixer_width), nn.BatchNorm1d(config.mixer_width), nn.ReLU(),
-            nn.Linear(config.mixer_width, config.mixer_width), nn.BatchNorm1d(config.mixer_width), nn.ReLU(),
+            nn.Linear(mixer_in, config.mixer_width),
+            nn.BatchNorm1d(config.mixer_width),
+            nn.ReLU(),
+            nn.Linear(config.mixer_width, config.mixer_width),
+            nn.BatchNorm1d(config.mixer_width),
+            nn.ReLU(),
         )
         self.head = nn.Linear(config.mixer_width, d_out)
         self.batchnorm_frozen = False
@@ -146,18 +155,26 @@ class FCTAdapter(OldSideAdapter):
         d_side = 0
         if config.side_info:
             if side is None:
-                raise InputError("side_info is on but no side-info features were given; pass side=... or set side_info = false")
-            side = check_features("side", side, rows=len(old)) if np.asarray(side).size else np.zeros((len(old), 0), np.float32)
+                raise InputError(
+                    "side_info is on but no side-info features were given; pass side=... or set side_info = false"
+                )
+            side = (
+                check_features("side", side, rows=len(old))
+                if np.asarray(side).size
+                else np.zeros((len(old), 0), np.float32)
+            )
             d_side = side.shape[1]
             if d_side:
                 arrays.append(side)
         torch.manual_seed(config.train.seed)  # weight initialisation is part of "same seed → same weights"
         model = cls(config=config, d_old=old.shape[1], d_side=d_side, d_out=target.shape[1])
-        return model, arrays + [target]
+        return model, [*arrays, target]
 
-    def _train(self, arrays: list[np.ndarray], loss_fn: Callable[..., torch.Tensor], extra_hook: EpochHook | None) -> History:
+    def _train(
+        self, arrays: list[np.ndarray], loss_fn: Callable[..., torch.Tensor], extra_hook: EpochHook | None
+    ) -> History:
         train_config = self.config.train
-        freeze_epoch = int(round(self.config.freeze_bn_from * train_config.epochs))
+        freeze_epoch = round(self.config.freeze_bn_from * train_config.epochs)
 
         def epoch_hook(model: nn.Module, epoch: int) -> None:
             model.batchnorm_frozen = epoch >= freeze_epoch
@@ -185,7 +202,9 @@ class FastFillAdapter(FCTAdapter):
         super().__init__(config, d_old, d_side, d_out)
         self.log_variance_head = nn.Linear(config.mixer_width, 1)
 
-    def forward_with_log_variance(self, old: torch.Tensor, side: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_with_log_variance(
+        self, old: torch.Tensor, side: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.features(old, side)
         return self.head(hidden), self.log_variance_head(hidden).squeeze(1)
 

@@ -25,7 +25,6 @@ from torch import nn
 
 from fctkit.config import from_mapping
 from fctkit.errors import ConfigError, InputError
-
 from fctkit.feature_checks import validate_labels
 
 from .datasets import validate_images
@@ -78,9 +77,18 @@ class BackboneConfig:
             raise ConfigError("classifier_scale must be > 0")
 
     def train_config(self, seed: int, device: str) -> TrainConfig:
-        return TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, weight_decay=self.weight_decay,
-                           warmup_epochs=self.warmup_epochs, val_fraction=self.val_fraction, patience=self.patience,
-                           seed=seed, device=device, progress=self.progress)
+        return TrainConfig(
+            epochs=self.epochs,
+            batch_size=self.batch_size,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            warmup_epochs=self.warmup_epochs,
+            val_fraction=self.val_fraction,
+            patience=self.patience,
+            seed=seed,
+            device=device,
+            progress=self.progress,
+        )
 
 
 def conv_trunk(architecture: str, width: int, in_channels: int = 1, pool_grid: int = 2) -> tuple[nn.Sequential, int]:
@@ -92,7 +100,11 @@ def conv_trunk(architecture: str, width: int, in_channels: int = 1, pool_grid: i
         out = width * multiplier
         for index in range(n_convs):
             stride = 2 if stage > 0 and index == 0 else 1
-            layers += [nn.Conv2d(channels, out, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(out), nn.ReLU()]
+            layers += [
+                nn.Conv2d(channels, out, 3, stride=stride, padding=1, bias=False),
+                nn.BatchNorm2d(out),
+                nn.ReLU(),
+            ]
             channels = out
     layers += [nn.AdaptiveAvgPool2d(pool_grid), nn.Flatten()]
     return nn.Sequential(*layers), channels * pool_grid * pool_grid
@@ -102,8 +114,9 @@ class Encoder(nn.Module):
     """Conv trunk + linear projection to ``dim``: the image encoder shared by backbones and
     the SimCLR side-information model. ``forward`` returns the (optionally L2-normalised) feature."""
 
-    def __init__(self, architecture: str, width: int, dim: int, in_channels: int = 1, normalize: bool = False,
-                 pool_grid: int = 2):
+    def __init__(
+        self, architecture: str, width: int, dim: int, in_channels: int = 1, normalize: bool = False, pool_grid: int = 2
+    ):
         super().__init__()
         self.trunk, channels = conv_trunk(architecture, width, in_channels, pool_grid)
         self.projection = nn.Linear(channels, dim)
@@ -144,10 +157,19 @@ class Backbone(nn.Module):
             raise InputError(f"a backbone needs at least 2 classes to train on, got {list(classes)}")
         self.config = config
         self.classes = tuple(int(c) for c in classes)
-        self.encoder = Encoder(config.architecture, config.width, config.embedding_dim, in_channels,
-                               config.normalize_embedding, config.pool_grid)
-        self.classifier = (CosineClassifier(config.embedding_dim, len(self.classes), config.classifier_scale)
-                           if config.classifier == "cosine" else nn.Linear(config.embedding_dim, len(self.classes)))
+        self.encoder = Encoder(
+            config.architecture,
+            config.width,
+            config.embedding_dim,
+            in_channels,
+            config.normalize_embedding,
+            config.pool_grid,
+        )
+        self.classifier = (
+            CosineClassifier(config.embedding_dim, len(self.classes), config.classifier_scale)
+            if config.classifier == "cosine"
+            else nn.Linear(config.embedding_dim, len(self.classes))
+        )
         self.history: History | None = None  # set by train_backbone
 
     @property
@@ -197,8 +219,15 @@ def random_shift(x: torch.Tensor, max_shift: int) -> torch.Tensor:
     return padded[batch, channel, rows, cols]
 
 
-def train_backbone(images: np.ndarray, labels: np.ndarray, config: BackboneConfig | None = None, seed: int = 0,
-                   device: str = "auto", *, checkpoint: str | Path | None = None) -> Backbone:
+def train_backbone(
+    images: np.ndarray,
+    labels: np.ndarray,
+    config: BackboneConfig | None = None,
+    seed: int = 0,
+    device: str = "auto",
+    *,
+    checkpoint: str | Path | None = None,
+) -> Backbone:
     """Train a backbone with cross-entropy on ``images`` (N, C, H, W) and their ``labels``.
 
     The classes are those present in ``labels`` (pass only the old classes' items for an old
@@ -218,14 +247,21 @@ def train_backbone(images: np.ndarray, labels: np.ndarray, config: BackboneConfi
             x = random_shift(x, config.shift_augment)
         return F.cross_entropy(model.classify(x), y)
 
-    history = fit(backbone, [images, targets], loss_fn, config.train_config(seed, device),
-                  description=f"{config.architecture} backbone", checkpoint=checkpoint)
+    history = fit(
+        backbone,
+        [images, targets],
+        loss_fn,
+        config.train_config(seed, device),
+        description=f"{config.architecture} backbone",
+        checkpoint=checkpoint,
+    )
     backbone.history = history
     return backbone
 
 
-def extract_features(model: nn.Module, images: np.ndarray, batch_size: int = 512, device: str | None = None,
-                     progress: bool = False) -> np.ndarray:
+def extract_features(
+    model: nn.Module, images: np.ndarray, batch_size: int = 512, device: str | None = None, progress: bool = False
+) -> np.ndarray:
     """Run ``model`` (a :class:`Backbone`, side-info model or any embedding module) over numpy
     images in batches; return float32 (N, d). Runs on the model's own device unless ``device`` is given."""
     images = validate_images(images)
@@ -255,4 +291,3 @@ def backbone_from_meta(meta: dict[str, Any], where: str) -> Backbone:
     """The untrained :class:`Backbone` a :func:`save_backbone` file's metadata describes."""
     config = from_mapping(BackboneConfig, meta["config"], where=f"{where}: config")
     return Backbone(config, tuple(meta["classes"]), int(meta["in_channels"]))
-

@@ -74,7 +74,12 @@ def backfill_curve(
         )
     n = adapted.shape[0]
     perm = np.asarray(order)
-    if perm.ndim != 1 or perm.dtype.kind not in "iu" or perm.shape[0] != n or not np.array_equal(np.sort(perm), np.arange(n)):
+    if (
+        perm.ndim != 1
+        or perm.dtype.kind not in "iu"
+        or perm.shape[0] != n
+        or not np.array_equal(np.sort(perm), np.arange(n))
+    ):
         raise InputError(f"order must be a permutation of the {n} gallery indices (integers 0..{n - 1}, each once)")
     steps = check_positive_int(steps, "steps")
     k = metric_k(metric)
@@ -82,11 +87,19 @@ def backfill_curve(
     values = np.empty(steps + 1)
     for s, t in enumerate(tqdm(fractions, desc="backfill curve", unit="step", disable=not progress)):
         gallery = adapted.copy()
-        chosen = perm[: int(round(t * n))]
+        chosen = perm[: round(t * n)]
         gallery[chosen] = backfilled[chosen]
         result = evaluate_retrieval(
-            query, query_labels, gallery, gallery_labels, positives=positives, distance=distance, topk=(k or 1,),
-            leave_one_out=leave_one_out, chunk_size=chunk_size, workers=workers,
+            query,
+            query_labels,
+            gallery,
+            gallery_labels,
+            positives=positives,
+            distance=distance,
+            topk=(k or 1,),
+            leave_one_out=leave_one_out,
+            chunk_size=chunk_size,
+            workers=workers,
         )
         values[s] = metric_value(result, metric)
     area = float(np.sum((values[1:] + values[:-1]) / 2 * np.diff(fractions)))

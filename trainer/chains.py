@@ -47,7 +47,9 @@ def run_chain(config: PipelineConfig, out: Path, report: Report, log: Callable[[
         log(f"chain v{v}: backbone and side-info on {n_classes} classes ({len(seen)} images)")
         images = data.images[data.train][seen]
         backbone = train_backbone(images, train_labels[seen], backbone_config, config.seed + 10 * v, config.device)
-        side_model = train_side_info(images, train_labels[seen], config.side_info, config.seed + 10 * v + 1, config.device)
+        side_model = train_side_info(
+            images, train_labels[seen], config.side_info, config.seed + 10 * v + 1, config.device
+        )
         save_backbone(backbone, out / "models" / f"chain_v{v}_backbone.pt")
         save_side_info(side_model, out / "models" / f"chain_v{v}_side_info.pt")
         for split, target in ((data.train, versions_train), (data.evaluation, versions_eval)):
@@ -65,8 +67,15 @@ def run_chain(config: PipelineConfig, out: Path, report: Report, log: Callable[[
         adapter.save(out / "adapters" / f"{name}.pt")
 
     e1, e2, e3 = versions_eval
-    np.savez(out / "features" / "chain_eval.npz", labels=data.labels[data.evaluation],
-             **{f"v{v}_{kind}": getattr(f, kind) for v, f in enumerate(versions_eval, start=1) for kind in ("embedding", "side")})
+    np.savez(
+        out / "features" / "chain_eval.npz",
+        labels=data.labels[data.evaluation],
+        **{
+            f"v{v}_{kind}": getattr(f, kind)
+            for v, f in enumerate(versions_eval, start=1)
+            for kind in ("embedding", "side")
+        },
+    )
     hop_by_hop = h3.transform(h2.transform(e1.embedding, e1.side), g2.transform(e1.embedding, e1.side))
     direct = h13.transform(e1.embedding, e1.side)
     evaluate = Evaluator.labelled(data.labels[data.evaluation], config.evaluation)
@@ -83,17 +92,29 @@ def run_chain(config: PipelineConfig, out: Path, report: Report, log: Callable[[
     for name, result in cases.items():
         report.add_case(name, result)
     hop, one = cases["v3/h3(h2(v1)) [chain, hop by hop]"], cases["v3/h13(v1) [chain, direct]"]
-    report.add_verdict("ECC [chain, hop by hop]", hop.top1 > cases["v1/v1 [chain]"].top1,
-                       f"top-1 {hop.top1:.4f} vs v1/v1 {cases['v1/v1 [chain]'].top1:.4f}")
-    report.add_verdict("ECC [chain, direct]", one.top1 > cases["v1/v1 [chain]"].top1,
-                       f"top-1 {one.top1:.4f} vs v1/v1 {cases['v1/v1 [chain]'].top1:.4f}")
+    report.add_verdict(
+        "ECC [chain, hop by hop]",
+        hop.top1 > cases["v1/v1 [chain]"].top1,
+        f"top-1 {hop.top1:.4f} vs v1/v1 {cases['v1/v1 [chain]'].top1:.4f}",
+    )
+    report.add_verdict(
+        "ECC [chain, direct]",
+        one.top1 > cases["v1/v1 [chain]"].top1,
+        f"top-1 {one.top1:.4f} vs v1/v1 {cases['v1/v1 [chain]'].top1:.4f}",
+    )
     # Per-hop ECC, keyed by adapter name: each hop's adapted gallery against its source version's own retrieval.
     hop_ecc = {
         "chain_h2": ecc(cases["v2/h2(v1) [chain]"], cases["v1/v1 [chain]"]),
         "chain_h3": ecc(cases["v3/h3(v2) [chain]"], cases["v2/v2 [chain]"]),
         "chain_h13": ecc(one, cases["v1/v1 [chain]"]),
     }
-    return {"hop_by_hop": gate_metrics(hop), "direct": gate_metrics(one), "v1/v1": gate_metrics(cases["v1/v1 [chain]"]),
-            "v2/v2": gate_metrics(cases["v2/v2 [chain]"]), "v3/v3": gate_metrics(cases["v3/v3 [chain]"]),
-            "v2/h2(v1)": gate_metrics(cases["v2/h2(v1) [chain]"]), "v3/h3(v2)": gate_metrics(cases["v3/h3(v2) [chain]"]),
-            "ecc": hop_ecc}
+    return {
+        "hop_by_hop": gate_metrics(hop),
+        "direct": gate_metrics(one),
+        "v1/v1": gate_metrics(cases["v1/v1 [chain]"]),
+        "v2/v2": gate_metrics(cases["v2/v2 [chain]"]),
+        "v3/v3": gate_metrics(cases["v3/v3 [chain]"]),
+        "v2/h2(v1)": gate_metrics(cases["v2/h2(v1) [chain]"]),
+        "v3/h3(v2)": gate_metrics(cases["v3/h3(v2) [chain]"]),
+        "ecc": hop_ecc,
+    }

@@ -32,5 +32,7 @@ def _centred(array: np.ndarray, name: str) -> np.ndarray:
     centred = array - array.mean(axis=0, keepdims=True)
     # A constant representation (e.g. side-info kind "none") has no variance: CKA is undefined.
     if not np.any(np.abs(centred) > 1e-12 * max(1.0, float(np.abs(array).max()))):
-        raise InputError(f"linear_cka: {name} is constant over the items (e.g. zero side-info); CKA is undefined for it")
+        raise InputError(
+            f"linear_cka: {name} is constant over the items (e.g. zero side-info); CKA is undefined for it"
+        )
     return centred

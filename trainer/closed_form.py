@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from fctkit.errors import ConfigError, InputError
+from fctkit.feature_checks import check_features
 
 from .adapter_base import Adapter, config_of
-from fctkit.feature_checks import check_features
 from .fitting import History
 
 

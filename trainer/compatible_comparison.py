@@ -40,14 +40,32 @@ def run_compatible(config: CompatibleConfig, out: str | Path, log: Callable[[str
     for name in runs:
         counts = getattr(config, name)
         if counts:
-            runs[name] = SequenceRun(config, name, counts, splits.images, splits.labels, splits.train, splits.evaluation,
-                                     splits.n_classes, out, log).run()
-    report = upgrade_report(config, runs["upgrade"]) if runs["upgrade"] else Report(f"fctkit train-compatible: {config.data.name}")
+            runs[name] = SequenceRun(
+                config,
+                name,
+                counts,
+                splits.images,
+                splits.labels,
+                splits.train,
+                splits.evaluation,
+                splits.n_classes,
+                out,
+                log,
+            ).run()
+    report = (
+        upgrade_report(config, runs["upgrade"])
+        if runs["upgrade"]
+        else Report(f"fctkit train-compatible: {config.data.name}")
+    )
     files = report.save(out)
     markdown = report.to_markdown() + "\n" + results_markdown(runs["upgrade"], runs["sequence"])
     files["markdown"].write_text(markdown, encoding="utf-8")
     files["results"] = write_json(out / "results.json", {k: v.to_dict() for k, v in runs.items() if v is not None})
-    files["gate"] = write_json(out / "gate.json", compatible_gate(runs["upgrade"], config.evaluation_classes)) if runs["upgrade"] else None
+    files["gate"] = (
+        write_json(out / "gate.json", compatible_gate(runs["upgrade"], config.evaluation_classes))
+        if runs["upgrade"]
+        else None
+    )
     files["config"] = write_json(out / "config.json", to_mapping(config))
     files = {k: v for k, v in files.items() if v is not None}
     seconds = time.perf_counter() - start
@@ -57,15 +75,23 @@ def run_compatible(config: CompatibleConfig, out: str | Path, log: Callable[[str
 
 def upgrade_report(config: CompatibleConfig, result: SequenceResult) -> Report:
     """The one upgrade as a report: cases per method and their ECC verdicts."""
-    report = Report(f"fctkit train-compatible: {config.data.name}, classes {result.class_counts[0]} → {result.class_counts[1]}")
+    report = Report(
+        f"fctkit train-compatible: {config.data.name}, classes {result.class_counts[0]} → {result.class_counts[1]}"
+    )
     for method, cases in result.results.items():
         label = METHOD_LABELS[method]
-        names = {(0, 0): "old/old", (1, 1): "new/new",
-                 (1, 0): {"fct": "new/h(old)", "lambda-orth": "B(new)/old"}.get(method, "new/old")}
+        names = {
+            (0, 0): "old/old",
+            (1, 1): "new/new",
+            (1, 0): {"fct": "new/h(old)", "lambda-orth": "B(new)/old"}.get(method, "new/old"),
+        }
         for key, case in names.items():
             report.add_case(f"{case} [{label}]", cases[key], method=method)
-        report.add_verdict(f"ECC [{label}]", result.ecc(method, 1, 0),
-                           f"{names[(1, 0)]} {cases[(1, 0)].top1:.4f} vs old/old {cases[(0, 0)].top1:.4f}")
+        report.add_verdict(
+            f"ECC [{label}]",
+            result.ecc(method, 1, 0),
+            f"{names[(1, 0)]} {cases[(1, 0)].top1:.4f} vs old/old {cases[(0, 0)].top1:.4f}",
+        )
     return report
 
 
@@ -75,7 +101,9 @@ def compatible_gate(result: SequenceResult, evaluation_classes: str) -> dict[str
     gate: dict[str, Any] = {"cases": {}, "ecc": {}, "dims": {}, "evaluation_classes": evaluation_classes}
     for method in result.results:
         cases = result.results[method]
-        gate["cases"][method] = {name: _metrics(cases[key]) for name, key in (("old/old", (0, 0)), ("new/old", (1, 0)), ("new/new", (1, 1)))}
+        gate["cases"][method] = {
+            name: _metrics(cases[key]) for name, key in (("old/old", (0, 0)), ("new/old", (1, 0)), ("new/new", (1, 1)))
+        }
         gate["ecc"][method] = result.ecc(method, 1, 0)
         gate["dims"][method] = result.dims[method]
     return gate
@@ -89,23 +117,37 @@ def results_markdown(upgrade: SequenceResult | None, sequence: SequenceResult | 
         old_classes = upgrade.class_counts[0]
         fraction = upgrade.facts.get("first_version_items")
         images = f", v1 on {fraction:.0%} of the training images" if fraction else ""
-        lines += [f"## One upgrade: classes {old_classes} → {upgrade.class_counts[1]}{images} (top-1)", "",
-                  ("Evaluation classes held out from every version's training (the CoReS protocol)"
-                   if not upgrade.known else "All evaluation classes")
-                  + " (ECC on top-1, and on mAP@1.0 with both mAPs); the last three columns on the old model's classes only.", "",
-                  "| method | old/old | new/old | new/new | ECC | mAP old/old → new/old, ECC | dims (old → new) "
-                  "| old/old, old classes | new/old, old classes | ECC, old classes |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## One upgrade: classes {old_classes} → {upgrade.class_counts[1]}{images} (top-1)",
+            "",
+            (
+                "Evaluation classes held out from every version's training (the CoReS protocol)"
+                if not upgrade.known
+                else "All evaluation classes"
+            )
+            + " (ECC on top-1, and on mAP@1.0 with both mAPs); the last three columns on the old model's classes only.",
+            "",
+            "| method | old/old | new/old | new/new | ECC | mAP old/old → new/old, ECC | dims (old → new) "
+            "| old/old, old classes | new/old, old classes | ECC, old classes |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for method, cases in upgrade.results.items():
             dims = upgrade.dims[method]
             on_old_classes = ["—"] * 3  # held-out evaluation classes: none of them is an old class
             if upgrade.known:
                 known = upgrade.known[method]
-                on_old_classes = [f"{known[(0, 0)].top1:.4f}", f"{known[(1, 0)].top1:.4f}", _yes(upgrade.ecc(method, 1, 0, True))]
-            lines.append(f"| {METHOD_LABELS[method]} | {cases[(0, 0)].top1:.4f} | {cases[(1, 0)].top1:.4f} | "
-                         f"{cases[(1, 1)].top1:.4f} | {_yes(upgrade.ecc(method, 1, 0))} | {cases[(0, 0)].mean_ap:.4f} → "
-                         f"{cases[(1, 0)].mean_ap:.4f}, {_yes(upgrade.ecc(method, 1, 0, metric='mean_ap'))} | {dims[0]} → {dims[1]} | "
-                         + " | ".join(on_old_classes) + " |")
+                on_old_classes = [
+                    f"{known[(0, 0)].top1:.4f}",
+                    f"{known[(1, 0)].top1:.4f}",
+                    _yes(upgrade.ecc(method, 1, 0, True)),
+                ]
+            lines.append(
+                f"| {METHOD_LABELS[method]} | {cases[(0, 0)].top1:.4f} | {cases[(1, 0)].top1:.4f} | "
+                f"{cases[(1, 1)].top1:.4f} | {_yes(upgrade.ecc(method, 1, 0))} | {cases[(0, 0)].mean_ap:.4f} → "
+                f"{cases[(1, 0)].mean_ap:.4f}, {_yes(upgrade.ecc(method, 1, 0, metric='mean_ap'))} | {dims[0]} → {dims[1]} | "
+                + " | ".join(on_old_classes)
+                + " |"
+            )
         lines.append("")
     if sequence is not None:
         counts = " → ".join(map(str, sequence.class_counts))

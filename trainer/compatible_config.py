@@ -186,7 +186,9 @@ class CompatibleConfig:
     methods: tuple[str, ...] = BACKBONE_METHODS
     adapters: tuple[str, ...] = ADAPTER_METHODS
     old_backbone: BackboneConfig = dataclasses.field(default_factory=lambda: BackboneConfig(architecture="small"))
-    new_backbone: BackboneConfig = dataclasses.field(default_factory=lambda: BackboneConfig(architecture="wide", embedding_dim=64))
+    new_backbone: BackboneConfig = dataclasses.field(
+        default_factory=lambda: BackboneConfig(architecture="wide", embedding_dim=64)
+    )
     bct: BCTConfig = dataclasses.field(default_factory=BCTConfig)
     bt2: BT2Config = dataclasses.field(default_factory=BT2Config)
     cores: CoReSConfig = dataclasses.field(default_factory=CoReSConfig)
@@ -197,7 +199,9 @@ class CompatibleConfig:
 
     def __post_init__(self) -> None:
         if self.data.name == "features":
-            raise ConfigError("train-compatible trains backbones: data.name must be an image dataset (digits, fashion-mnist)")
+            raise ConfigError(
+                "train-compatible trains backbones: data.name must be an image dataset (digits, fashion-mnist)"
+            )
         for name, allowed in (("methods", BACKBONE_METHODS), ("adapters", ADAPTER_METHODS)):
             unknown = sorted(set(getattr(self, name)) - set(allowed))
             if unknown:
@@ -210,12 +214,14 @@ class CompatibleConfig:
                 continue
             steps = counts[1:] if self.first_version_items < 1 and counts[:1] == counts[1:2] else counts
             if len(counts) < 2 or min(counts) < 2 or steps != sorted(set(steps)):
-                raise ConfigError(f"{name}: expected >= 2 strictly growing class counts (each >= 2; the first two may be "
-                                  f"equal when first_version_items < 1), got {list(counts)}")
+                raise ConfigError(
+                    f"{name}: expected >= 2 strictly growing class counts (each >= 2; the first two may be "
+                    f"equal when first_version_items < 1), got {list(counts)}"
+                )
         if not self.upgrade and not self.sequence:
             raise ConfigError("nothing to run: set upgrade and/or sequence")
         if self.evaluation_classes not in ("trained", "held-out"):
-            raise ConfigError(f"evaluation_classes: expected \"trained\" or \"held-out\", got {self.evaluation_classes!r}")
+            raise ConfigError(f'evaluation_classes: expected "trained" or "held-out", got {self.evaluation_classes!r}')
 
 
 def load_compatible_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> CompatibleConfig:

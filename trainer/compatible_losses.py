@@ -15,7 +15,6 @@ from .backbones import Backbone, extract_features
 from .compatible_config import BT2Config
 from .compatible_models import BT2Backbone
 
-
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -37,12 +36,18 @@ def _known(classes: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, t
     return index, classes[index] == labels
 
 
-def bct_loss(previous: Backbone, weight: float, classifier: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> LossFn:
+def bct_loss(
+    previous: Backbone, weight: float, classifier: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+) -> LossFn:
     """BCT: cross-entropy on the new classes plus the *influence loss*, the cross-entropy of the
     new feature through ``previous``'s frozen classifier, on the items of the classes that
     classifier knows. ``classifier`` = (classes, weight, bias) replaces ``previous``'s own head
     (e.g. :func:`synthesised_classifier`, which also knows the new classes)."""
-    classes, w, b = classifier or (torch.as_tensor(previous.classes), previous.classifier.weight.detach(), previous.classifier.bias.detach())
+    classes, w, b = classifier or (
+        torch.as_tensor(previous.classes),
+        previous.classifier.weight.detach(),
+        previous.classifier.bias.detach(),
+    )
 
     def loss(net: Backbone, x: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         features = net.encoder.features(x)
@@ -71,14 +76,18 @@ def hoc_loss(previous: Backbone, weight: float, scale: float) -> LossFn:
             anchors = F.normalize(previous.encoder.features(x), dim=1)
         logits = scale * anchors @ F.normalize(features, dim=1).T
         other_class = labels[:, None] != labels[None, :]
-        logits = logits.masked_fill(~(other_class | torch.eye(len(x), dtype=torch.bool, device=x.device)), float("-inf"))
+        logits = logits.masked_fill(
+            ~(other_class | torch.eye(len(x), dtype=torch.bool, device=x.device)), float("-inf")
+        )
         contrastive = F.cross_entropy(logits, torch.arange(len(x), device=x.device))
         return (1 - weight) * cross_entropy + weight * contrastive
 
     return loss
 
 
-def synthesised_classifier(previous: Backbone, images: np.ndarray, labels: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def synthesised_classifier(
+    previous: Backbone, images: np.ndarray, labels: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``previous``'s frozen classifier extended to the classes of ``labels`` it does not know:
     their rows are the class means of ``previous``'s raw features, scaled to the mean norm of
     its trained rows, with the mean of its biases (BCT's synthesised classifier)."""
@@ -112,8 +121,9 @@ def class_mean_classifier(embeddings: np.ndarray, labels: np.ndarray) -> tuple[n
     return classes, (means / np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)).astype(np.float32)
 
 
-def bt2_loss(old: nn.Module, reference: nn.Module, pseudo: tuple[np.ndarray, np.ndarray], config: BT2Config,
-             device: torch.device) -> LossFn:
+def bt2_loss(
+    old: nn.Module, reference: nn.Module, pseudo: tuple[np.ndarray, np.ndarray], config: BT2Config, device: torch.device
+) -> LossFn:
     """BT²'s loss (:mod:`.compatible_config`): CE on f, cosine of the old-compatible block to φ_old and
     of f to φ_new', class-mean influence on the block."""
     old, reference = frozen(old, device), frozen(reference, device)

@@ -52,12 +52,21 @@ class BT2Backbone(nn.Module):
     """The BT² new model (:mod:`.compatible_config`): ``forward(x)`` is φ_new (e + n dims), whose first
     ``old_dim`` dims are the old-compatible block; ``classify(x)`` gives logits over ``classes``."""
 
-    def __init__(self, config: BackboneConfig, classes: tuple[int, ...], in_channels: int, old_dim: int,
-                 extra_dims: int, scale: float) -> None:
+    def __init__(
+        self,
+        config: BackboneConfig,
+        classes: tuple[int, ...],
+        in_channels: int,
+        old_dim: int,
+        extra_dims: int,
+        scale: float,
+    ) -> None:
         super().__init__()
         n = config.embedding_dim
         if not 1 <= old_dim <= extra_dims + n:
-            raise ConfigError(f"bt2: the old dim {old_dim} must be at most extra_dims + the new' dim = {extra_dims + n}")
+            raise ConfigError(
+                f"bt2: the old dim {old_dim} must be at most extra_dims + the new' dim = {extra_dims + n}"
+            )
         self.config, self.classes = config, tuple(int(c) for c in classes)
         self.old_dim, self.extra_dims, self.scale = old_dim, extra_dims, float(scale)
         self.encoder = Encoder(config.architecture, config.width, n, in_channels, False, config.pool_grid)
@@ -78,7 +87,9 @@ class BT2Backbone(nn.Module):
         """(f, φ_new): the new' feature (raw) and the final embedding."""
         trunk = self.encoder.trunk(_checked_images(x, self.in_channels))
         f = self.encoder.projection(trunk)
-        z = torch.cat([F.normalize(self.extra_head(trunk), dim=1), self.scale * self.new_basis(F.normalize(f, dim=1))], dim=1)
+        z = torch.cat(
+            [F.normalize(self.extra_head(trunk), dim=1), self.scale * self.new_basis(F.normalize(f, dim=1))], dim=1
+        )
         return f, torch.cat([self.old_basis(z[:, : self.old_dim]), z[:, self.old_dim :]], dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,8 +146,14 @@ def load_compatible_model(path: str | Path, device: str = "cpu") -> nn.Module:
 
 def _bt2_from_meta(meta: dict[str, Any], where: str) -> BT2Backbone:
     config = from_mapping(BackboneConfig, meta["config"], where=f"{where}: config")
-    return BT2Backbone(config, tuple(meta["classes"]), int(meta["in_channels"]), int(meta["old_dim"]),
-                       int(meta["extra_dims"]), float(meta["scale"]))
+    return BT2Backbone(
+        config,
+        tuple(meta["classes"]),
+        int(meta["in_channels"]),
+        int(meta["old_dim"]),
+        int(meta["extra_dims"]),
+        float(meta["scale"]),
+    )
 
 
 def save_compatible_model(model: nn.Module, path: str | Path) -> Path:
@@ -145,7 +162,10 @@ def save_compatible_model(model: nn.Module, path: str | Path) -> Path:
 
 def orthogonality_errors(model: BT2Backbone) -> tuple[float, float]:
     """max |BᵀB − I| of B1 and B2 (in float64)."""
-    return tuple(float(torch.max(torch.abs(b.double().T @ b.double() - torch.eye(len(b), dtype=torch.float64)))) for b in model.bases())  # type: ignore[return-value]
+    return tuple(
+        float(torch.max(torch.abs(b.double().T @ b.double() - torch.eye(len(b), dtype=torch.float64))))
+        for b in model.bases()
+    )  # type: ignore[return-value]
 
 
-__all__ = ["BT2Backbone", "simplex_vertices", "cores_backbone", "load_compatible_model", "save_compatible_model"]
+__all__ = ["BT2Backbone", "cores_backbone", "load_compatible_model", "save_compatible_model", "simplex_vertices"]

@@ -19,7 +19,15 @@ from .adapters import FCTAdapter
 from .backbones import Backbone, BackboneConfig, extract_features
 from .compatibility import CompatibilityMatrix, compatibility_matrix, ecc
 from .compatible_config import METHOD_LABELS, CompatibleConfig
-from .compatible_losses import bct_loss, bt2_loss, class_mean_classifier, cross_entropy, frozen, hoc_loss, synthesised_classifier
+from .compatible_losses import (
+    bct_loss,
+    bt2_loss,
+    class_mean_classifier,
+    cross_entropy,
+    frozen,
+    hoc_loss,
+    synthesised_classifier,
+)
 from .compatible_models import BT2Backbone, cores_backbone, save_compatible_model
 from .compatible_training import EccSelector, VersionTraining, train_model
 from .datasets import class_subset, make_splits, validate_images
@@ -29,7 +37,6 @@ from .retrieval_result import RetrievalResult
 from .searches import Evaluator
 from .side_info import extract_side_info, train_side_info
 from .torch_utils import resolve_device, set_seed
-
 
 Pairs = dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]  # (i, j) -> (query rows, gallery rows)
 
@@ -58,17 +65,29 @@ class SequenceResult:
         return {
             "class_counts": list(self.class_counts),
             "matrices": {m: c.to_dict() for m, c in self.matrices.items()},
-            "cases": {m: {f"v{i + 1}/v{j + 1}": r.to_dict() for (i, j), r in cases.items()} for m, cases in self.results.items()},
-            "ecc": {m: {f"v{i + 1}/v{j + 1}": self.ecc(m, i, j) for (i, j) in cases if i > j} for m, cases in self.results.items()},
-            "cases_on_gallery_classes": {m: {f"v{i + 1}/v{j + 1}": r.to_dict() for (i, j), r in cases.items()} for m, cases in self.known.items()},
-            "ecc_on_gallery_classes": {m: {f"v{i + 1}/v{j + 1}": self.ecc(m, i, j, True) for (i, j) in cases if i > j} for m, cases in self.known.items()},
+            "cases": {
+                m: {f"v{i + 1}/v{j + 1}": r.to_dict() for (i, j), r in cases.items()}
+                for m, cases in self.results.items()
+            },
+            "ecc": {
+                m: {f"v{i + 1}/v{j + 1}": self.ecc(m, i, j) for (i, j) in cases if i > j}
+                for m, cases in self.results.items()
+            },
+            "cases_on_gallery_classes": {
+                m: {f"v{i + 1}/v{j + 1}": r.to_dict() for (i, j), r in cases.items()} for m, cases in self.known.items()
+            },
+            "ecc_on_gallery_classes": {
+                m: {f"v{i + 1}/v{j + 1}": self.ecc(m, i, j, True) for (i, j) in cases if i > j}
+                for m, cases in self.known.items()
+            },
             "dims": self.dims,
             "facts": self.facts,
         }
 
 
-def evaluation_items(labels: np.ndarray, train: np.ndarray, evaluation: np.ndarray, last_classes: int,
-                     evaluation_classes: str) -> np.ndarray:
+def evaluation_items(
+    labels: np.ndarray, train: np.ndarray, evaluation: np.ndarray, last_classes: int, evaluation_classes: str
+) -> np.ndarray:
     """The ``evaluation`` items every case is measured on: those of the first ``last_classes``
     training classes ("trained") or of the other classes ("held-out"; see
     :attr:`CompatibleConfig.evaluation_classes`)."""
@@ -79,9 +98,19 @@ def evaluation_items(labels: np.ndarray, train: np.ndarray, evaluation: np.ndarr
 class SequenceRun:
     """Trains every method's versions over one class sequence and evaluates them."""
 
-    def __init__(self, config: CompatibleConfig, name: str, class_counts: tuple[int, ...], images: np.ndarray,
-                 labels: np.ndarray, train: np.ndarray, evaluation: np.ndarray, n_classes: int, out: Path,
-                 log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        config: CompatibleConfig,
+        name: str,
+        class_counts: tuple[int, ...],
+        images: np.ndarray,
+        labels: np.ndarray,
+        train: np.ndarray,
+        evaluation: np.ndarray,
+        n_classes: int,
+        out: Path,
+        log: Callable[[str], None],
+    ) -> None:
         self.config, self.name, self.counts, self.log = config, name, tuple(class_counts), log
         if self.counts[-1] > n_classes:
             raise ConfigError(f"{name}: {self.counts[-1]} classes asked for, the dataset has {n_classes}")
@@ -90,9 +119,11 @@ class SequenceRun:
         self.held_out = config.evaluation_classes == "held-out"
         self.eval_index = evaluation_items(labels, train, evaluation, self.counts[-1], config.evaluation_classes)
         if len(np.unique(labels[self.eval_index])) < 2:
-            raise ConfigError(f"{name}: evaluation_classes = {config.evaluation_classes!r} leaves fewer than 2 evaluation "
-                              f"classes (the last version trains on {self.counts[-1]} of {n_classes}); "
-                              "train the last version on fewer classes")
+            raise ConfigError(
+                f"{name}: evaluation_classes = {config.evaluation_classes!r} leaves fewer than 2 evaluation "
+                f"classes (the last version trains on {self.counts[-1]} of {n_classes}); "
+                "train the last version on fewer classes"
+            )
         self.facts: dict[str, Any] = {}
         self.version_items = [self.train[class_subset(labels[self.train], c)] for c in self.counts]
         if config.first_version_items < 1:
@@ -106,17 +137,23 @@ class SequenceRun:
     def _first_version_subset(self, fraction: float) -> np.ndarray:
         """``fraction`` of each class's items of version 1, the stratified draw of :func:`make_splits`."""
         items = self.version_items[0]
-        kept = items[make_splits(self.labels[items], self.config.seed, train_fraction=fraction, query_fraction=0.0).train]
+        kept = items[
+            make_splits(self.labels[items], self.config.seed, train_fraction=fraction, query_fraction=0.0).train
+        ]
         classes, counts = np.unique(self.labels[kept], return_counts=True)
         if len(classes) < len(np.unique(self.labels[items])) or counts.min() < 2:
-            raise ConfigError(f"first_version_items = {fraction} leaves version 1 fewer than 2 images of some class; raise it")
+            raise ConfigError(
+                f"first_version_items = {fraction} leaves version 1 fewer than 2 images of some class; raise it"
+            )
         return kept
 
     # each version's job: its items, its backbone config and seed
     def job(self, k: int, backbone: BackboneConfig | None = None, items: np.ndarray | None = None) -> VersionTraining:
         items = self.version_items[k] if items is None else items
         config = backbone or (self.config.old_backbone if k == 0 else self.config.new_backbone)
-        return VersionTraining(self.images[items], self.labels[items], config, self.config.seed + 10 * k, self.config.device)
+        return VersionTraining(
+            self.images[items], self.labels[items], config, self.config.seed + 10 * k, self.config.device
+        )
 
     def run(self) -> SequenceResult:
         versions: dict[str, list[nn.Module]] = {"independent": self._independent()}
@@ -126,28 +163,39 @@ class SequenceRun:
         pairs: dict[str, Pairs] = {}
         for method in self.config.methods:
             embeddings = [extract_features(m, self.images[self.eval_index]) for m in versions[method]]
-            pairs[method] = {(i, j): (embeddings[i], embeddings[j]) for i in range(len(self.counts)) for j in range(i + 1)}
+            pairs[method] = {
+                (i, j): (embeddings[i], embeddings[j]) for i in range(len(self.counts)) for j in range(i + 1)
+            }
             for k, model in enumerate(versions[method]):
                 save_compatible_model(model, self.out / method / f"v{k + 1}.pt")
         for adapter in self.config.adapters:
             pairs[adapter] = self._adapter_pairs(adapter, versions["independent"])
         results = {m: {key: self.evaluate(q, g) for key, (q, g) in p.items()} for m, p in pairs.items()}
-        known = {} if self.held_out else {m: {key: self._evaluate_known(key[1], q, g) for key, (q, g) in p.items()}
-                                          for m, p in pairs.items()}
+        known = (
+            {}
+            if self.held_out
+            else {m: {key: self._evaluate_known(key[1], q, g) for key, (q, g) in p.items()} for m, p in pairs.items()}
+        )
         dims = {m: [int(p[(k, k)][0].shape[1]) for k in range(len(self.counts))] for m, p in pairs.items()}
-        matrices = {m: compatibility_matrix(lambda i, j, m=m: results[m][(i, j)].top1, len(self.counts)) for m in results}
+        matrices = {
+            m: compatibility_matrix(lambda i, j, m=m: results[m][(i, j)].top1, len(self.counts)) for m in results
+        }
         return SequenceResult(self.name, self.counts, results, known, matrices, dims, self.facts)
 
     def _evaluate_known(self, j: int, query: np.ndarray, gallery: np.ndarray) -> RetrievalResult:
         """The case on the evaluation items of the classes gallery version j was trained on."""
         mask = np.isin(self.labels[self.eval_index], np.unique(self.labels[self.version_items[j]]))
-        return Evaluator.labelled(self.labels[self.eval_index][mask], self.config.evaluation)(query[mask], gallery[mask])
+        return Evaluator.labelled(self.labels[self.eval_index][mask], self.config.evaluation)(
+            query[mask], gallery[mask]
+        )
 
     def _independent(self) -> list[nn.Module]:
         models = []
         for k in range(len(self.counts)):
             job = self.job(k)
-            self.log(f"{self.name}: independent v{k + 1} ({job.backbone.architecture}, {self.counts[k]} classes, {len(job.labels)} images)")
+            self.log(
+                f"{self.name}: independent v{k + 1} ({job.backbone.architecture}, {self.counts[k]} classes, {len(job.labels)} images)"
+            )
             set_seed(job.seed)
             model = Backbone(job.backbone, tuple(np.unique(job.labels).tolist()), job.images.shape[1])
             train_model(model, job, description=f"independent v{k + 1}")
@@ -163,7 +211,11 @@ class SequenceRun:
             set_seed(job.seed)
             model = Backbone(job.backbone, tuple(np.unique(job.labels).tolist()), job.images.shape[1])
             previous = frozen(previous, resolve_device(job.device))
-            head = synthesised_classifier(previous, job.images, job.labels) if self.config.bct.new_classes == "class-means" else None
+            head = (
+                synthesised_classifier(previous, job.images, job.labels)
+                if self.config.bct.new_classes == "class-means"
+                else None
+            )
             loss = bct_loss(previous, self.config.bct.influence_weight, head)
             train_model(model, job, loss, description=f"BCT v{k + 1}")
             models.append(model)
@@ -180,8 +232,14 @@ class SequenceRun:
             self.log(f"{self.name}: BT² v{k + 1} (old block {old_embeddings.shape[1]} dims, +{bt2.extra_dims} extra)")
             set_seed(job.seed)
             new_dim = reference.embedding_dim
-            model = BT2Backbone(dataclasses.replace(job.backbone, embedding_dim=new_dim), tuple(np.unique(job.labels).tolist()),
-                                job.images.shape[1], old_embeddings.shape[1], bt2.extra_dims, bt2.scale)
+            model = BT2Backbone(
+                dataclasses.replace(job.backbone, embedding_dim=new_dim),
+                tuple(np.unique(job.labels).tolist()),
+                job.images.shape[1],
+                old_embeddings.shape[1],
+                bt2.extra_dims,
+                bt2.scale,
+            )
             loss = bt2_loss(previous, reference, pseudo, bt2, resolve_device(job.device))
             train_model(model, job, loss, description=f"BT² v{k + 1}")
             models.append(model)
@@ -195,7 +253,9 @@ class SequenceRun:
         cross-entropy alone, is the same model for both and trained once)."""
         models: list[nn.Module] = []
         if self.counts[-1] > self.reserved:
-            raise ConfigError(f"cores.reserved_classes = {self.reserved} leaves no room for the {self.counts[-1]} classes of the last version")
+            raise ConfigError(
+                f"cores.reserved_classes = {self.reserved} leaves no room for the {self.counts[-1]} classes of the last version"
+            )
         choices = []
         held_out = self._cores_validation_items()
         for k in range(len(self.counts)):
@@ -205,7 +265,9 @@ class SequenceRun:
             items = self.version_items[k]
             job = self.job(k, self._cores_backbone(k), items[~np.isin(items, held_out)])
             if job.labels.max() >= self.reserved or job.labels.min() < 0:
-                raise InputError(f"CoReS needs class labels 0..{self.reserved - 1} (the simplex's vertices); got {job.labels.min()}..{job.labels.max()}")
+                raise InputError(
+                    f"CoReS needs class labels 0..{self.reserved - 1} (the simplex's vertices); got {job.labels.min()}..{job.labels.max()}"
+                )
             self.log(f"{self.name}: CoReS v{k + 1} (fixed {self.reserved}-vertex simplex, {self.reserved - 1} dims)")
             set_seed(job.seed)
             model = cores_backbone(job.backbone, self.reserved, job.images.shape[1])
@@ -215,11 +277,19 @@ class SequenceRun:
             if self.config.cores.ecc_selection:
                 val_items = items[np.isin(items, held_out)]
                 val_images = self.images[val_items]
-                selector = EccSelector(val_images, self.labels[val_items], [extract_features(m, val_images) for m in models],
-                                       self.config.evaluation)
+                selector = EccSelector(
+                    val_images,
+                    self.labels[val_items],
+                    [extract_features(m, val_images) for m in models],
+                    self.config.evaluation,
+                )
             loss = cross_entropy
             if hoc and models:
-                loss = hoc_loss(frozen(models[-1], resolve_device(job.device)), self.config.cores.hoc_weight, self.config.cores.hoc_scale)
+                loss = hoc_loss(
+                    frozen(models[-1], resolve_device(job.device)),
+                    self.config.cores.hoc_weight,
+                    self.config.cores.hoc_scale,
+                )
             train_model(model, job, loss, description=f"CoReS{' + HOC' if hoc else ''} v{k + 1}", selector=selector)
             if selector is not None:
                 choices.append({"version": k + 1, **selector.choice})
@@ -258,8 +328,13 @@ class SequenceRun:
         if method == "fct" and self.config.side_info.kind != "none":
             self.log(f"{self.name}: side-info ψ ({self.config.side_info.kind}) on v1's data")
             first = self.version_items[0]
-            side_model = train_side_info(self.images[first], self.labels[first], self.config.side_info, self.config.seed + 2, self.config.device)
-            side_train, side_eval = extract_side_info(side_model, train_images), extract_side_info(side_model, eval_images)
+            side_model = train_side_info(
+                self.images[first], self.labels[first], self.config.side_info, self.config.seed + 2, self.config.device
+            )
+            side_train, side_eval = (
+                extract_side_info(side_model, train_images),
+                extract_side_info(side_model, eval_images),
+            )
         position = {int(item): p for p, item in enumerate(self.train)}
         cases: Pairs = {(i, i): (eval_features[i], eval_features[i]) for i in range(len(self.counts))}
         for i in range(1, len(self.counts)):
@@ -269,13 +344,23 @@ class SequenceRun:
                 seed = self.config.seed + 100 * i + j
                 if method == "fct":
                     use_side = side_train is not None
-                    fct = dataclasses.replace(self.config.fct, side_info=use_side, train=dataclasses.replace(self.config.fct.train, seed=seed))
-                    adapter, _ = FCTAdapter.fit(train_features[j][rows], train_features[i][rows],
-                                                side_train[rows] if use_side else None, fct)
-                    cases[(i, j)] = (eval_features[i], adapter.transform(eval_features[j], side_eval if use_side else None))
+                    fct = dataclasses.replace(
+                        self.config.fct, side_info=use_side, train=dataclasses.replace(self.config.fct.train, seed=seed)
+                    )
+                    adapter, _ = FCTAdapter.fit(
+                        train_features[j][rows], train_features[i][rows], side_train[rows] if use_side else None, fct
+                    )
+                    cases[(i, j)] = (
+                        eval_features[i],
+                        adapter.transform(eval_features[j], side_eval if use_side else None),
+                    )
                 else:
-                    lo = dataclasses.replace(self.config.lambda_orth, train=dataclasses.replace(self.config.lambda_orth.train, seed=seed))
-                    adapter, _ = LambdaOrthAdapter.fit(train_features[j][rows], train_features[i][rows], self.labels[self.version_items[i]], lo)
+                    lo = dataclasses.replace(
+                        self.config.lambda_orth, train=dataclasses.replace(self.config.lambda_orth.train, seed=seed)
+                    )
+                    adapter, _ = LambdaOrthAdapter.fit(
+                        train_features[j][rows], train_features[i][rows], self.labels[self.version_items[i]], lo
+                    )
                     cases[(i, j)] = (adapter.transform_new(eval_features[i]), adapter.unified_old(eval_features[j]))
         return cases
 

@@ -38,8 +38,14 @@ def _class_targets(labels: np.ndarray, classes: tuple[int, ...]) -> np.ndarray:
     return np.where(order[index] == labels, index, -1).astype(np.int64)
 
 
-def train_model(model: nn.Module, job: VersionTraining, loss: LossFn = cross_entropy, *, description: str,
-                selector: EccSelector | None = None) -> History:
+def train_model(
+    model: nn.Module,
+    job: VersionTraining,
+    loss: LossFn = cross_entropy,
+    *,
+    description: str,
+    selector: EccSelector | None = None,
+) -> History:
     """Train ``model`` (anything with ``classify`` and ``classes``) on ``job`` with
     ``loss(model, x, targets, labels)`` (targets: indices into ``model.classes``; x shifted
     randomly while training) — the one loop behind every method.
@@ -50,7 +56,9 @@ def train_model(model: nn.Module, job: VersionTraining, loss: LossFn = cross_ent
     """
     targets = _class_targets(job.labels, model.classes)
     if (targets < 0).any():
-        raise InputError(f"{description}: labels {sorted(set(job.labels[targets < 0].tolist()))} are not among the model's classes")
+        raise InputError(
+            f"{description}: labels {sorted(set(job.labels[targets < 0].tolist()))} are not among the model's classes"
+        )
     shift = job.backbone.shift_augment
 
     def loss_fn(net: nn.Module, x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -59,8 +67,14 @@ def train_model(model: nn.Module, job: VersionTraining, loss: LossFn = cross_ent
     train_config = job.backbone.train_config(job.seed, job.device)
     if selector is not None:
         train_config = dataclasses.replace(train_config, val_fraction=0.0)
-    history = fit(model, [job.images, targets, job.labels], loss_fn, train_config, description=description,
-                  on_epoch_start=selector)
+    history = fit(
+        model,
+        [job.images, targets, job.labels],
+        loss_fn,
+        train_config,
+        description=description,
+        on_epoch_start=selector,
+    )
     if selector is not None:
         selector.finish(model, len(history.train_loss))
     model.history = history
@@ -71,8 +85,9 @@ class EccSelector:
     """CoReS's checkpoint selection (:mod:`.compatible_config`). Called by :func:`fit` at the start of
     every epoch (so it sees the weights after the previous one) and by :meth:`finish`."""
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, previous: list[np.ndarray],
-                 evaluation: EvaluationConfig) -> None:
+    def __init__(
+        self, images: np.ndarray, labels: np.ndarray, previous: list[np.ndarray], evaluation: EvaluationConfig
+    ) -> None:
         self.images = images
         self.evaluate = Evaluator.labelled(labels, evaluation)
         self.previous = previous  # earlier versions' embeddings of these validation images

@@ -25,7 +25,6 @@ from typing import Literal
 import numpy as np
 
 from fctkit.errors import DataUnavailableError, DependencyError, InputError
-
 from fctkit.feature_checks import check_features, validate_labels
 
 DATASET_NAMES = ("digits", "fashion-mnist")
@@ -35,7 +34,16 @@ FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
 FASHION_MNIST_ENV = "FCTKIT_FASHION_MNIST_DIR"
 FASHION_MNIST_DIRS = (Path("/usr/share/datasets/fashion-mnist"), Path("/usr/share/dataset-fashion-mnist"))
 FASHION_MNIST_CLASSES = (
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
 )
 _FASHION_MNIST_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -86,7 +94,9 @@ def _load_digits() -> ImageDataset:
     try:
         from sklearn.datasets import load_digits
     except ImportError as exc:
-        raise DependencyError("the digits dataset needs scikit-learn: pip install 'fctkit[train]' -c constraints.txt") from exc
+        raise DependencyError(
+            "the digits dataset needs scikit-learn: pip install 'fctkit[train]' -c constraints.txt"
+        ) from exc
     bunch = load_digits()
     images = (bunch.images.astype(np.float32) / 16.0)[:, None, :, :]
     labels = bunch.target.astype(np.int64)
@@ -144,8 +154,10 @@ def _load_fashion_mnist(part: DatasetPart, root: str | Path | None) -> ImageData
             )
         part_images, part_labels = read_idx(image_path), read_idx(label_path)
         if part_images.ndim != 3 or part_labels.ndim != 1 or len(part_images) != len(part_labels):
-            raise InputError(f"{image_path} / {label_path}: expected (N,H,W) images and (N,) labels, "
-                             f"got {part_images.shape} and {part_labels.shape}")
+            raise InputError(
+                f"{image_path} / {label_path}: expected (N,H,W) images and (N,) labels, "
+                f"got {part_images.shape} and {part_labels.shape}"
+            )
         images.append(part_images)
         labels.append(part_labels)
     all_images = (np.concatenate(images).astype(np.float32) / 255.0)[:, None, :, :]
@@ -177,8 +189,10 @@ def read_idx(path: str | Path) -> np.ndarray:
     shape = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
     expected = header + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if len(raw) != expected:
-        raise InputError(f"{path}: idx header promises {expected} bytes for shape {shape}, file has {len(raw)}; "
-                         f"the file is truncated or damaged")
+        raise InputError(
+            f"{path}: idx header promises {expected} bytes for shape {shape}, file has {len(raw)}; "
+            f"the file is truncated or damaged"
+        )
     return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
 
 
@@ -220,15 +234,26 @@ class FeatureSet:
 
     def subset(self, indices: np.ndarray) -> FeatureSet:
         pick = lambda a: None if a is None else a[indices]  # noqa: E731
-        return dataclasses.replace(self, embeddings=self.embeddings[indices], labels=self.labels[indices],
-                                   ids=pick(self.ids), side_info=pick(self.side_info))
+        return dataclasses.replace(
+            self,
+            embeddings=self.embeddings[indices],
+            labels=self.labels[indices],
+            ids=pick(self.ids),
+            side_info=pick(self.side_info),
+        )
 
 
 FEATURE_KEYS = ("embeddings", "labels", "ids", "side_info")
 
 
-def save_features(path: str | Path, embeddings: np.ndarray, labels: np.ndarray, *, ids: np.ndarray | None = None,
-                  side_info: np.ndarray | None = None) -> Path:
+def save_features(
+    path: str | Path,
+    embeddings: np.ndarray,
+    labels: np.ndarray,
+    *,
+    ids: np.ndarray | None = None,
+    side_info: np.ndarray | None = None,
+) -> Path:
     """Write a feature ``.npz`` that :func:`load_features` reads back (validated before writing)."""
     features = _validated_features(str(path), embeddings, labels, ids, side_info)
     arrays = {k: getattr(features, k) for k in FEATURE_KEYS if getattr(features, k) is not None}
@@ -251,19 +276,26 @@ def load_features(path: str | Path) -> FeatureSet:
                 raise InputError(f"{path}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(FEATURE_KEYS)}")
             missing = [k for k in ("embeddings", "labels") if k not in npz.files]
             if missing:
-                raise InputError(f"{path}: missing key(s) {', '.join(missing)}; save with "
-                                 f"np.savez(path, embeddings=(N,d) array, labels=(N,) array)")
+                raise InputError(
+                    f"{path}: missing key(s) {', '.join(missing)}; save with "
+                    f"np.savez(path, embeddings=(N,d) array, labels=(N,) array)"
+                )
             arrays = {k: npz[k] for k in npz.files}
     except InputError:
         raise
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise InputError(f"{path}: not a readable .npz ({exc}); the file is truncated, damaged, or holds "
-                         f"pickled objects (not allowed)") from exc
-    return _validated_features(str(path), arrays["embeddings"], arrays["labels"], arrays.get("ids"), arrays.get("side_info"))
+        raise InputError(
+            f"{path}: not a readable .npz ({exc}); the file is truncated, damaged, or holds "
+            f"pickled objects (not allowed)"
+        ) from exc
+    return _validated_features(
+        str(path), arrays["embeddings"], arrays["labels"], arrays.get("ids"), arrays.get("side_info")
+    )
 
 
-def _validated_features(source: str, embeddings: np.ndarray, labels: np.ndarray, ids: np.ndarray | None,
-                        side_info: np.ndarray | None) -> FeatureSet:
+def _validated_features(
+    source: str, embeddings: np.ndarray, labels: np.ndarray, ids: np.ndarray | None, side_info: np.ndarray | None
+) -> FeatureSet:
     embeddings = _feature_matrix(f"{source}: embeddings", embeddings)
     labels = validate_labels(labels, len(embeddings), f"{source}: labels")
     if ids is not None:
@@ -295,18 +327,26 @@ def load_feature_versions(paths: Sequence[str | Path]) -> list[FeatureSet]:
     first = versions[0]
     for other in versions[1:]:
         if len(other) != len(first):
-            raise InputError(f"{other.source} has {len(other)} items but {first.source} has {len(first)}; "
-                             f"every version must embed the same items in the same order")
+            raise InputError(
+                f"{other.source} has {len(other)} items but {first.source} has {len(first)}; "
+                f"every version must embed the same items in the same order"
+            )
         if not np.array_equal(other.labels, first.labels):
             row = int(np.flatnonzero(other.labels != first.labels)[0])
-            raise InputError(f"{other.source} and {first.source} disagree on the label of row {row}; "
-                             f"the files must list the same items in the same order")
+            raise InputError(
+                f"{other.source} and {first.source} disagree on the label of row {row}; "
+                f"the files must list the same items in the same order"
+            )
         if (first.ids is None) != (other.ids is None):
-            raise InputError(f"{first.source} and {other.source}: ids are given in one file only; give them in all or none")
+            raise InputError(
+                f"{first.source} and {other.source}: ids are given in one file only; give them in all or none"
+            )
         if first.ids is not None and not np.array_equal(other.ids, first.ids):
             row = int(np.flatnonzero(other.ids != first.ids)[0])
-            raise InputError(f"{other.source} and {first.source} disagree on the id of row {row}; "
-                             f"the files must list the same items in the same order")
+            raise InputError(
+                f"{other.source} and {first.source} disagree on the id of row {row}; "
+                f"the files must list the same items in the same order"
+            )
     return versions
 
 
@@ -332,14 +372,16 @@ def make_splits(labels: np.ndarray, seed: int, *, train_fraction: float = 0.6, q
     """
     labels = validate_labels(labels)
     if not (0 <= train_fraction < 1 and 0 <= query_fraction < 1 and train_fraction + query_fraction < 1):
-        raise InputError(f"need 0 <= train_fraction, query_fraction and train_fraction + query_fraction < 1; "
-                         f"got {train_fraction} and {query_fraction}")
+        raise InputError(
+            f"need 0 <= train_fraction, query_fraction and train_fraction + query_fraction < 1; "
+            f"got {train_fraction} and {query_fraction}"
+        )
     rng = np.random.default_rng(seed)
     parts: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [])
     for cls in np.unique(labels):
         members = rng.permutation(np.flatnonzero(labels == cls))
-        n_train = int(round(len(members) * train_fraction))
-        n_query = int(round(len(members) * query_fraction))
+        n_train = round(len(members) * train_fraction)
+        n_query = round(len(members) * query_fraction)
         n_query = min(n_query, len(members) - n_train)
         for bucket, chunk in zip(parts, np.split(members, [n_train, n_train + n_query])):
             bucket.append(chunk)

@@ -109,8 +109,16 @@ def evaluate_retrieval(
     """
     ks = check_topk(topk)
     ranks = rank_queries(
-        query, query_labels, gallery, gallery_labels, positives=positives, distance=distance,
-        leave_one_out=leave_one_out, chunk_size=chunk_size, workers=workers, progress=progress,
+        query,
+        query_labels,
+        gallery,
+        gallery_labels,
+        positives=positives,
+        distance=distance,
+        leave_one_out=leave_one_out,
+        chunk_size=chunk_size,
+        workers=workers,
+        progress=progress,
         cutoffs=tuple(sorted({*ks, *RECALL_CUTOFFS})),
     )
     return summarize(ranks, ks, distance=distance)
@@ -204,8 +212,15 @@ def rank_queries(
             stop = min(start + chunk_size, len(q))
             block = keys.chunk(start, stop)
             list(pool.map(lambda rows: rank_rows(rows, block, start), _split(range(start, stop), n_workers)))
-    return QueryRanks(first_positive_rank=first, average_precision=ap, n_positives=n_pos, cutoffs=cutoffs,
-                      found_at=found, ndcg10=ndcg, relevance="class" if positives is None else "explicit")
+    return QueryRanks(
+        first_positive_rank=first,
+        average_precision=ap,
+        n_positives=n_pos,
+        cutoffs=cutoffs,
+        found_at=found,
+        ndcg10=ndcg,
+        relevance="class" if positives is None else "explicit",
+    )
 
 
 _DISCOUNT_10 = 1.0 / np.log2(np.arange(2, 12))

@@ -72,7 +72,7 @@ def warmup_cosine(epoch_progress: float, total_epochs: int, warmup_epochs: int) 
 
 def split_validation(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     order = np.random.default_rng(seed).permutation(n)
-    n_val = int(round(n * val_fraction))
+    n_val = round(n * val_fraction)
     if val_fraction > 0 and n_val == 0 and n > 1:
         n_val = 1
     return order[n_val:], order[:n_val]
@@ -126,8 +126,14 @@ def fit(
         torch.set_rng_state(saved["torch_rng"])
         first_epoch = saved["epoch"] + 1
 
-    bar = tqdm(range(first_epoch, config.epochs), desc=description, disable=not config.progress, leave=False,
-               initial=first_epoch, total=config.epochs)
+    bar = tqdm(
+        range(first_epoch, config.epochs),
+        desc=description,
+        disable=not config.progress,
+        leave=False,
+        initial=first_epoch,
+        total=config.epochs,
+    )
     for epoch in bar:
         if on_epoch_start is not None:
             on_epoch_start(model, epoch)
@@ -143,7 +149,9 @@ def fit(
                 continue
             loss = loss_fn(model, *(t[batch_idx] for t in train))
             if not torch.isfinite(loss):
-                raise InputError(f"{description}: loss became {loss.item()} at epoch {epoch}; lower the learning rate or check the inputs for NaN")
+                raise InputError(
+                    f"{description}: loss became {loss.item()} at epoch {epoch}; lower the learning rate or check the inputs for NaN"
+                )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -164,7 +172,9 @@ def fit(
         else:
             history.best_epoch = epoch
         if checkpoint is not None:
-            _save_checkpoint(Path(checkpoint), fingerprint, epoch, model, optimizer, history, best_state, best_val, waited, generator)
+            _save_checkpoint(
+                Path(checkpoint), fingerprint, epoch, model, optimizer, history, best_state, best_val, waited, generator
+            )
     if checkpoint is not None:
         Path(checkpoint).unlink(missing_ok=True)
     if best_state is not None:
@@ -173,11 +183,30 @@ def fit(
     return history
 
 
-def _save_checkpoint(path: Path, fingerprint: dict, epoch: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     history: History, best_state: dict | None, best_val: float, waited: int, generator: torch.Generator) -> None:
-    state = {"fingerprint": fingerprint, "epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "history": dataclasses.asdict(history), "best_state": best_state, "best_val": best_val, "waited": waited,
-             "generator": generator.get_state(), "torch_rng": torch.get_rng_state()}
+def _save_checkpoint(
+    path: Path,
+    fingerprint: dict,
+    epoch: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    history: History,
+    best_state: dict | None,
+    best_val: float,
+    waited: int,
+    generator: torch.Generator,
+) -> None:
+    state = {
+        "fingerprint": fingerprint,
+        "epoch": epoch,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "history": dataclasses.asdict(history),
+        "best_state": best_state,
+        "best_val": best_val,
+        "waited": waited,
+        "generator": generator.get_state(),
+        "torch_rng": torch.get_rng_state(),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
@@ -187,11 +216,15 @@ def _save_checkpoint(path: Path, fingerprint: dict, epoch: int, model: torch.nn.
 def _load_checkpoint(path: Path, fingerprint: dict) -> dict:
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same advice
-        raise InputError(f"training checkpoint {path} cannot be read ({exc}); delete it to train from the start") from None
+    except Exception as exc:
+        raise InputError(
+            f"training checkpoint {path} cannot be read ({exc}); delete it to train from the start"
+        ) from None
     if saved.get("fingerprint") != fingerprint:
-        raise ConfigError(f"training checkpoint {path} was written by a run with other settings or data "
-                          f"({saved.get('fingerprint')}); delete it to train from the start")
+        raise ConfigError(
+            f"training checkpoint {path} was written by a run with other settings or data "
+            f"({saved.get('fingerprint')}); delete it to train from the start"
+        )
     return saved
 
 

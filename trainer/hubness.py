@@ -35,14 +35,15 @@ def hubness_offsets(rows: np.ndarray, reference_queries: np.ndarray, k: int = 10
         raise InputError("hubness offsets need k >= 1 and at least one reference query")
     offsets = np.empty(len(rows))
     for start in range(0, len(rows), chunk_size):
-        cosines = rows[start:start + chunk_size] @ reference.T
+        cosines = rows[start : start + chunk_size] @ reference.T
         top = np.partition(cosines, cosines.shape[1] - k, axis=1)[:, -k:]
-        offsets[start:start + chunk_size] = top.mean(axis=1)
+        offsets[start : start + chunk_size] = top.mean(axis=1)
     return offsets
 
 
-def offset_vectors(queries: np.ndarray, rows: np.ndarray, offsets: np.ndarray, beta: float,
-                   floor: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+def offset_vectors(
+    queries: np.ndarray, rows: np.ndarray, offsets: np.ndarray, beta: float, floor: float | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(queries, rows) whose squared L2 distance ranks by ``cos(q, g) − beta · offset(g)``
     (see the module docstring). ``floor`` (default: the smallest offset) must not exceed any
     offset; pass a common one when rows of several sets are searched together."""

@@ -51,10 +51,9 @@ import torch
 from torch import nn
 
 from fctkit.errors import ConfigError, InputError
+from fctkit.feature_checks import check_features, validate_labels
 
 from .adapter_base import Adapter, config_of
-from fctkit.feature_checks import validate_labels
-from fctkit.feature_checks import check_features
 from .fitting import History, TrainConfig, fit
 from .losses import orthogonality_error, orthogonality_penalty, squared_distance, supervised_contrastive
 
@@ -161,7 +160,9 @@ class ResidualMLP(nn.Module):
     def __init__(self, d_in: int, n: int, hidden_width: int) -> None:
         super().__init__()
         self.n = n
-        self.mlp = nn.Sequential(nn.Linear(d_in, hidden_width), nn.BatchNorm1d(hidden_width), nn.ReLU(), nn.Linear(hidden_width, n))
+        self.mlp = nn.Sequential(
+            nn.Linear(d_in, hidden_width), nn.BatchNorm1d(hidden_width), nn.ReLU(), nn.Linear(hidden_width, n)
+        )
         nn.init.zeros_(self.mlp[-1].weight)
         nn.init.zeros_(self.mlp[-1].bias)
 
@@ -181,7 +182,9 @@ class LambdaOrthAdapter(Adapter):
             raise InputError(f"dims must be positive: d_old={d_old}, d_new={d_new}")
         self.d_old, self.d_new = d_old, d_new
         self.n = n = min(d_old, d_new)
-        self.forward_map: nn.Module = _identity_linear(d_old, n) if config.forward == "affine" else ResidualMLP(d_old, n, config.hidden_width)
+        self.forward_map: nn.Module = (
+            _identity_linear(d_old, n) if config.forward == "affine" else ResidualMLP(d_old, n, config.hidden_width)
+        )
         self.backward_map: nn.Module = OrthogonalMap(n) if config.backward == "orthogonal" else _identity_linear(n, n)
         self.unit_rows: nn.Module = UnitRows() if config.normalize else nn.Identity()
 
@@ -290,11 +293,15 @@ class LambdaOrthAdapter(Adapter):
         return model, history
 
     @staticmethod
-    def loss(model: LambdaOrthAdapter, old: torch.Tensor, new: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def loss(
+        model: LambdaOrthAdapter, old: torch.Tensor, new: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
         config = model.config
         forward_old, backward_new = model(old, new)
         old_target = model.old_target(old)
-        total = config.w1 * squared_distance(forward_old, backward_new) + config.w2 * squared_distance(backward_new, old_target)
+        total = config.w1 * squared_distance(forward_old, backward_new) + config.w2 * squared_distance(
+            backward_new, old_target
+        )
         if config.w3:
             contrastive = supervised_contrastive(forward_old, backward_new, labels, config.tau)
             contrastive = contrastive + supervised_contrastive(forward_old, old_target, labels, config.tau)

@@ -104,8 +104,9 @@ def info_nce(prediction: torch.Tensor, target: torch.Tensor, temperature: float)
     return supervised_contrastive(prediction, target, None, temperature)
 
 
-def info_nce_with_negatives(query: torch.Tensor, candidates: torch.Tensor, negatives: torch.Tensor,
-                            valid: torch.Tensor, temperature: float) -> torch.Tensor:
+def info_nce_with_negatives(
+    query: torch.Tensor, candidates: torch.Tensor, negatives: torch.Tensor, valid: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """:func:`info_nce` where each query also ranks ``negatives`` (extra candidates shared by the
     batch, e.g. mined hard negatives) below its own candidate; ``valid`` (batch, n_negatives)
     masks the ones that must not count for a query (its own positive)."""
@@ -115,7 +116,9 @@ def info_nce_with_negatives(query: torch.Tensor, candidates: torch.Tensor, negat
     return 0.5 * (F.cross_entropy(logits, labels) + F.cross_entropy(c @ q.T / temperature, labels))
 
 
-def neighbourhood_kl(query: torch.Tensor, student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+def neighbourhood_kl(
+    query: torch.Tensor, student: torch.Tensor, teacher: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """KL(softmax(q·teacherᵀ/τ) ‖ softmax(q·studentᵀ/τ)) over the batch's candidates, averaged
     over queries: the student rows (adapted) must rank the batch for each query the way the
     teacher rows (the new model's) do, not only put the positive first."""
@@ -155,8 +158,9 @@ def objective_loss(config: ObjectiveConfig) -> Callable[[torch.Tensor, torch.Ten
         return mse_loss
     if config.kind == "infonce":
         return lambda prediction, target: info_nce(prediction, target, config.temperature)
-    return lambda prediction, target: (relative_mse(prediction, target)
-                                       + config.infonce_weight * info_nce(prediction, target, config.temperature))
+    return lambda prediction, target: (
+        relative_mse(prediction, target) + config.infonce_weight * info_nce(prediction, target, config.temperature)
+    )
 
 
 def relative_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

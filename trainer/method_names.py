@@ -36,8 +36,12 @@ JOINT_FITS = ("query-map", "query-positives")
 
 def method_label(method: str) -> str:
     base, *extras = method.split("+")
-    names = {"query-map": " + query map", "query-positives": " + query positives", "transition": " + transition scoring",
-             "hubness": " + hubness offset"}
+    names = {
+        "query-map": " + query map",
+        "query-positives": " + query positives",
+        "transition": " + transition scoring",
+        "hubness": " + hubness offset",
+    }
     return METHOD_LABELS[base] + "".join(names[e] for e in extras)
 
 

@@ -30,14 +30,23 @@ def method_config(config: PipelineConfig, method: str, has_side: bool, level: st
     (MSE for class level, InfoNCE for instance level)."""
     if method in ("least-squares", "procrustes"):
         return ClosedFormConfig(method=method.replace("-", "_"))
-    section = {"fct": config.fct, "fct-no-side-info": config.fct, "fastfill": config.fastfill, "residual": config.residual,
-               "lambda-orth": config.lambda_orth, "lambda-orth-relaxed": config.lambda_orth_relaxed}[method]
+    section = {
+        "fct": config.fct,
+        "fct-no-side-info": config.fct,
+        "fastfill": config.fastfill,
+        "residual": config.residual,
+        "lambda-orth": config.lambda_orth,
+        "lambda-orth-relaxed": config.lambda_orth_relaxed,
+    }[method]
     section = run_seeded(config, section)
     if method in ("fct", "fct-no-side-info", "fastfill", "residual"):
-        section = dataclasses.replace(section, side_info=section.side_info and has_side and method != "fct-no-side-info")
+        section = dataclasses.replace(
+            section, side_info=section.side_info and has_side and method != "fct-no-side-info"
+        )
     if method in ("fct", "fct-no-side-info") and section.objective.kind == "auto":
-        section = dataclasses.replace(section, objective=dataclasses.replace(
-            section.objective, kind="infonce" if level == "instance" else "mse"))
+        section = dataclasses.replace(
+            section, objective=dataclasses.replace(section.objective, kind="infonce" if level == "instance" else "mse")
+        )
     return section
 
 
@@ -62,4 +71,8 @@ def run_seeded(config: PipelineConfig, section: Any) -> Any:
 
 
 def quiet_training(section: Any) -> Any:
-    return dataclasses.replace(section, train=dataclasses.replace(section.train, progress=False)) if hasattr(section, "train") else section
+    return (
+        dataclasses.replace(section, train=dataclasses.replace(section.train, progress=False))
+        if hasattr(section, "train")
+        else section
+    )

@@ -52,14 +52,36 @@ from .report import Report
 from .retrieval_result import RetrievalResult, metric_label, metric_value
 from .run_data import load_image_splits, load_run_task, npz_features
 from .run_outputs import StageClock, quiet_progress, write_json
-from .searches import (EvalSet, Evaluator, Features, Hubness, Transition, WithQueryMap, adapted_retrieval, forward_transform,
-                       gate_metrics, hubness_of, offset_galleries, scored_retrieval, searched_as, task_features)
+from .searches import (
+    EvalSet,
+    Evaluator,
+    Features,
+    Hubness,
+    Transition,
+    WithQueryMap,
+    adapted_retrieval,
+    forward_transform,
+    gate_metrics,
+    hubness_of,
+    offset_galleries,
+    scored_retrieval,
+    searched_as,
+    task_features,
+)
 from .selection import holdout_split, knobs_for
 from .side_info import extract_side_info, save_side_info, train_side_info
 from .tasks import RetrievalTask
-from .tuning import (HeldOutFit, choose_hubness, choose_transition, fit_on_fit_part, fit_on_holdout, fit_on_positives,
-                     held_out_scores, recommended, select_settings)
-
+from .tuning import (
+    HeldOutFit,
+    choose_hubness,
+    choose_transition,
+    fit_on_fit_part,
+    fit_on_holdout,
+    fit_on_positives,
+    held_out_scores,
+    recommended,
+    select_settings,
+)
 
 # --- stage 1: features -------------------------------------------------------------------
 
@@ -71,11 +93,15 @@ def image_features(config: PipelineConfig, out: Path, log: Callable[[str], None]
     old_items = old_class_subset(train_labels, config.data.old_class_fraction)
 
     log(f"old backbone on {len(old_items)} images of classes {sorted(set(train_labels[old_items].tolist()))}")
-    old_model = train_backbone(train_images[old_items], train_labels[old_items], config.old_backbone, config.seed, config.device)
+    old_model = train_backbone(
+        train_images[old_items], train_labels[old_items], config.old_backbone, config.seed, config.device
+    )
     log(f"new backbone on {len(train_images)} images of all {data.n_classes} classes")
     new_model = train_backbone(train_images, train_labels, config.new_backbone, config.seed + 1, config.device)
     log(f"side-info model ψ ({config.side_info.kind}) on the old data")
-    side_model = train_side_info(train_images[old_items], train_labels[old_items], config.side_info, config.seed + 2, config.device)
+    side_model = train_side_info(
+        train_images[old_items], train_labels[old_items], config.side_info, config.seed + 2, config.device
+    )
 
     models = out / "models"
     save_backbone(old_model, models / "old_backbone.pt")
@@ -84,7 +110,9 @@ def image_features(config: PipelineConfig, out: Path, log: Callable[[str], None]
 
     def embed(index: np.ndarray) -> Features:
         x = images[index]
-        side = extract_side_info(side_model, x) if config.side_info.kind != "none" else np.zeros((len(x), 0), np.float32)
+        side = (
+            extract_side_info(side_model, x) if config.side_info.kind != "none" else np.zeros((len(x), 0), np.float32)
+        )
         return Features(extract_features(old_model, x), side, extract_features(new_model, x), labels[index])
 
     return embed(data.train), embed(data.evaluation)
@@ -93,9 +121,14 @@ def image_features(config: PipelineConfig, out: Path, log: Callable[[str], None]
 # --- stage 2: adapters -------------------------------------------------------------------
 
 
-def fit_adapters(config: PipelineConfig, train: Features, log: Callable[[str], None],
-                 task: RetrievalTask | None = None, report: Report | None = None,
-                 clock: StageClock | None = None) -> dict[str, Adapter]:
+def fit_adapters(
+    config: PipelineConfig,
+    train: Features,
+    log: Callable[[str], None],
+    task: RetrievalTask | None = None,
+    report: Report | None = None,
+    clock: StageClock | None = None,
+) -> dict[str, Adapter]:
     """Every enabled method, fitted on the training split (all classes, like FCT); on a task,
     with the settings chosen on held-out training data (recorded as report facts)."""
     clock = clock or StageClock(log)
@@ -103,34 +136,55 @@ def fit_adapters(config: PipelineConfig, train: Features, log: Callable[[str], N
     level = task.level if task is not None else "class"
     scoring = config.transition.enabled or config.hubness.enabled
     # One cut of the training split serves every choice on held-out data (same seed, same cut).
-    holdout = (holdout_split(task.train, config.selection.holdout_fraction, config.seed)
-               if task is not None and (config.selection.enabled or scoring) else None)
+    holdout = (
+        holdout_split(task.train, config.selection.holdout_fraction, config.seed)
+        if task is not None and (config.selection.enabled or scoring)
+        else None
+    )
     for method in run_methods(config, task):
         section = method_config(config, method, train.side.shape[1] > 0, level)
         knobs = knobs_for(method, section, config.selection)
         fit_part_adapter = None  # the method fitted on the holdout's fit part, once
         if task is not None and config.selection.enabled and knobs:
-            with clock.stage(f"choosing settings of {METHOD_LABELS[method]} on held-out training data ({task.primary_metric})"):
+            with clock.stage(
+                f"choosing settings of {METHOD_LABELS[method]} on held-out training data ({task.primary_metric})"
+            ):
                 section, fit_part_adapter = select_settings(config, method, section, knobs, task, holdout, report)
         with clock.stage(f"fitting {METHOD_LABELS[method]}"):
             fitted[method] = fit_method(method, section, train)
         for joint, joint_config in (("query-map", config.query_map), ("query-positives", config.query_positives)):
             if task is not None and joint_config.enabled and method in QUERY_MAP_METHODS:
                 with clock.stage(f"fitting {method_label(f'{method}+{joint}')} on the task's query positives"):
-                    fitted[f"{method}+{joint}"] = fit_on_positives(config, copy.deepcopy(fitted[method]), task.train, joint)
+                    fitted[f"{method}+{joint}"] = fit_on_positives(
+                        config, copy.deepcopy(fitted[method]), task.train, joint
+                    )
         if task is None or not scoring:
             continue
-        with clock.stage(f"choosing the transition weight / hubness offset of {METHOD_LABELS[method]} on held-out training data"):
+        with clock.stage(
+            f"choosing the transition weight / hubness offset of {METHOD_LABELS[method]} on held-out training data"
+        ):
             if fit_part_adapter is None:
                 fit_part_adapter = fit_on_fit_part(method, section, holdout)
             for variant in [v for v in (method, *(f"{method}+{joint}" for joint in JOINT_FITS)) if v in fitted]:
-                fitted |= scoring_variants(config, task, variant, fitted[variant],
-                                           fit_on_holdout(config, fit_part_adapter, holdout, variant), report)
+                fitted |= scoring_variants(
+                    config,
+                    task,
+                    variant,
+                    fitted[variant],
+                    fit_on_holdout(config, fit_part_adapter, holdout, variant),
+                    report,
+                )
     return fitted
 
 
-def scoring_variants(config: PipelineConfig, task: RetrievalTask, variant: str, adapter: Adapter,
-                     refit: HeldOutFit, report: Report | None) -> dict[str, Adapter]:
+def scoring_variants(
+    config: PipelineConfig,
+    task: RetrievalTask,
+    variant: str,
+    adapter: Adapter,
+    refit: HeldOutFit,
+    report: Report | None,
+) -> dict[str, Adapter]:
     """``variant`` with transition scoring, with the hubness offset, and with both (the weight
     chosen again with the offset in the adapted score), as the config enables them."""
     scored: dict[str, Any] = {}
@@ -139,15 +193,18 @@ def scoring_variants(config: PipelineConfig, task: RetrievalTask, variant: str, 
     if config.hubness.enabled:
         hub = scored[f"{variant}+hubness"] = choose_hubness(config, task, variant, adapter, refit, report)
         if config.transition.enabled:
-            scored[f"{variant}+hubness+transition"] = choose_transition(config, task, f"{variant}+hubness", hub, refit, report)
+            scored[f"{variant}+hubness+transition"] = choose_transition(
+                config, task, f"{variant}+hubness", hub, refit, report
+            )
     return scored
 
 
 # --- stage 3: evaluation -----------------------------------------------------------------
 
 
-def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, Adapter], report: Report,
-                     metric: str = "top1") -> dict[str, Any]:
+def evaluate_methods(
+    config: PipelineConfig, data: EvalSet, adapters: dict[str, Adapter], report: Report, metric: str = "top1"
+) -> dict[str, Any]:
     """Add every case and verdict to ``report``; return the gate (cases + ECC per method, judged
     on ``metric``, the task's primary metric)."""
     evaluate = Evaluator(config.evaluation, data)
@@ -160,7 +217,9 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
     gate: dict[str, Any] = {"cases": {}, "ecc": {}, "metric": metric}
     baseline, ceiling = metric_value(old_old, metric), metric_value(new_new, metric)
 
-    for method, adapter in tqdm(adapters.items(), desc="evaluating", unit="method", disable=not config.progress, leave=False):
+    for method, adapter in tqdm(
+        adapters.items(), desc="evaluating", unit="method", disable=not config.progress, leave=False
+    ):
         label = method_label(method)
         if isinstance(adapter, (Hubness, Transition)):
             adapted = evaluate(*scored_retrieval(adapter, data))
@@ -170,10 +229,17 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
                 gate["hubness_k"] = hub.k
             if isinstance(adapter, Transition):
                 gate.setdefault("transition_weight", {})[method] = adapter.weight
-                report.add_case(f"w·cos(old, old) + (1−w)·{searched_as(adapter.base)} [{label}]", adapted, method=method,
-                                weight=adapter.weight, **({"beta": hub.beta} if hub is not None else {}))
+                report.add_case(
+                    f"w·cos(old, old) + (1−w)·{searched_as(adapter.base)} [{label}]",
+                    adapted,
+                    method=method,
+                    weight=adapter.weight,
+                    **({"beta": hub.beta} if hub is not None else {}),
+                )
             else:
-                report.add_case(f"{searched_as(adapter.base)} − β·r [{label}]", adapted, method=method, beta=adapter.beta)
+                report.add_case(
+                    f"{searched_as(adapter.base)} − β·r [{label}]", adapted, method=method, beta=adapter.beta
+                )
         elif isinstance(adapter, WithQueryMap):
             queries_mapped, adapted_gallery = adapted_retrieval(adapter, data)
             adapted = evaluate(queries_mapped, adapted_gallery)
@@ -183,8 +249,11 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
             cases = _unified_cases(adapter, data, evaluate, report, label)
             adapted = cases["B(new)/F(old)"]
             backward = metric_value(cases["B(new)/old"], metric)
-            report.add_verdict(f"backward compatible [{label}]", backward >= baseline,
-                               f"B(new)/old {metric_label(metric)} {backward:.4f} vs old/old {baseline:.4f}")
+            report.add_verdict(
+                f"backward compatible [{label}]",
+                backward >= baseline,
+                f"B(new)/old {metric_label(metric)} {backward:.4f} vs old/old {baseline:.4f}",
+            )
         else:
             adapted_gallery = forward_transform(adapter, gallery)
             adapted = evaluate(queries.new, adapted_gallery)
@@ -193,12 +262,18 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
                 report.add_case(f"h(old)/h(old) [{label}]", evaluate(adapted_gallery, adapted_gallery), method=method)
         passed = ecc(adapted, old_old, metric)
         value = metric_value(adapted, metric)
-        report.add_verdict(f"ECC [{label}]" if metric == "top1" else f"ECC ({metric}) [{label}]", passed,
-                           f"{metric_label(metric)} {value:.4f} vs old/old {baseline:.4f}; "
-                           f"{value / max(ceiling, 1e-12):.3f} of new/new")
+        report.add_verdict(
+            f"ECC [{label}]" if metric == "top1" else f"ECC ({metric}) [{label}]",
+            passed,
+            f"{metric_label(metric)} {value:.4f} vs old/old {baseline:.4f}; "
+            f"{value / max(ceiling, 1e-12):.3f} of new/new",
+        )
         if adapted.relevance == "explicit" and metric != "recall@10":
-            report.add_verdict(f"ECC (recall@10) [{label}]", ecc(adapted, old_old, "recall@10"),
-                               f"R@10 {adapted.recall[10]:.4f} vs old/old {old_old.recall[10]:.4f}")
+            report.add_verdict(
+                f"ECC (recall@10) [{label}]",
+                ecc(adapted, old_old, "recall@10"),
+                f"R@10 {adapted.recall[10]:.4f} vs old/old {old_old.recall[10]:.4f}",
+            )
         gate["ecc"][method] = passed
         gate["cases"][method] = gate_metrics(adapted)
     gate["cases"]["old/old"] = gate_metrics(old_old)
@@ -206,14 +281,18 @@ def evaluate_methods(config: PipelineConfig, data: EvalSet, adapters: dict[str, 
     held_out = held_out_scores(adapters)
     if held_out:
         gate["held_out"], gate["recommended"] = held_out, recommended(held_out)
-        report.add_fact(f"recommended (by {metric_label(metric)} on held-out training data)", "; ".join(
-            f"{name}: {key} ({held_out[key]:.4f})" for name, key in gate["recommended"].items()))
+        report.add_fact(
+            f"recommended (by {metric_label(metric)} on held-out training data)",
+            "; ".join(f"{name}: {key} ({held_out[key]:.4f})" for name, key in gate["recommended"].items()),
+        )
     if gallery.side.shape[1]:
         report.add_fact("CKA(φ_old, ψ)", round(linear_cka(gallery.old, gallery.side), 4))
     return gate
 
 
-def _unified_cases(adapter: LambdaOrthAdapter, data: EvalSet, evaluate: Evaluator, report: Report, label: str) -> dict[str, RetrievalResult]:
+def _unified_cases(
+    adapter: LambdaOrthAdapter, data: EvalSet, evaluate: Evaluator, report: Report, label: str
+) -> dict[str, RetrievalResult]:
     """λ-orth cases in the unified space: queries B(φ_new) (F(φ_old) for old queries); gallery
     φ_old, F(φ_old) or B(φ_new)."""
     backward_new = adapter.transform_new(data.queries.new)
@@ -229,8 +308,9 @@ def _unified_cases(adapter: LambdaOrthAdapter, data: EvalSet, evaluate: Evaluato
     return cases
 
 
-def evaluate_backfill(config: PipelineConfig, data: EvalSet, adapters: dict[str, Adapter], report: Report,
-                      metric: str = "top1") -> dict[str, float]:
+def evaluate_backfill(
+    config: PipelineConfig, data: EvalSet, adapters: dict[str, Adapter], report: Report, metric: str = "top1"
+) -> dict[str, float]:
     """Backfill curves in forward mode: the gallery starts as h(old) and rows turn into φ_new
     in each ordering's order. Uses FastFill's h when fitted (so σ orders its own rows), else
     the residual adapter's, else FCT's. Orderings by class mean need class labels. With a
@@ -242,7 +322,11 @@ def evaluate_backfill(config: PipelineConfig, data: EvalSet, adapters: dict[str,
     adapter = adapters[name]
     gallery = data.gallery
     adapted = forward_transform(adapter, gallery)
-    sigma = adapter.uncertainty(gallery.old, gallery.side if adapter.d_side else None) if isinstance(adapter, FastFillAdapter) else None
+    sigma = (
+        adapter.uncertainty(gallery.old, gallery.side if adapter.d_side else None)
+        if isinstance(adapter, FastFillAdapter)
+        else None
+    )
     areas: dict[str, float] = {}
     for kind in config.backfill.orderings:
         if (kind == "uncertainty" and sigma is None) or (kind.startswith("class-mean") and gallery.labels is None):
@@ -250,12 +334,22 @@ def evaluate_backfill(config: PipelineConfig, data: EvalSet, adapters: dict[str,
         order = backfill_order(kind, adapted, None if kind == "kmeans" else gallery.labels, sigma, seed=config.seed)
         searches = {kind: (data.queries.new, adapted, gallery.new, config.evaluation.distance)}
         if f"{name}+hubness" in adapters:
-            searches[f"{kind} + hubness offset"] = (*offset_galleries(adapters[f"{name}+hubness"], data.queries.new,
-                                                                       adapted, gallery.new), "l2")
+            searches[f"{kind} + hubness offset"] = (
+                *offset_galleries(adapters[f"{name}+hubness"], data.queries.new, adapted, gallery.new),
+                "l2",
+            )
         for label, (queries, adapted_rows, backfilled_rows, distance) in searches.items():
-            curve = backfill_curve(query=queries, adapted_gallery=adapted_rows, backfilled_gallery=backfilled_rows, order=order,
-                                   **data.relevance, steps=config.backfill.steps, distance=distance,
-                                   leave_one_out=data.leave_one_out, metric=metric)
+            curve = backfill_curve(
+                query=queries,
+                adapted_gallery=adapted_rows,
+                backfilled_gallery=backfilled_rows,
+                order=order,
+                **data.relevance,
+                steps=config.backfill.steps,
+                distance=distance,
+                leave_one_out=data.leave_one_out,
+                metric=metric,
+            )
             report.add_backfill_curve(label, curve)
             areas[label] = curve.area
     return areas
@@ -289,8 +383,11 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
     report = Report(f"fctkit train: {task.name if task is not None else config.data.name}")
     if task is not None:
         train, data = task_features(task.train.gallery), EvalSet.of_task(task.evaluation)
-        report.add_fact("task", f"{task.name}: {task.level}-level, {len(task.evaluation.query)} evaluation queries x "
-                                f"{len(task.evaluation.gallery)} gallery items, primary metric {task.primary_metric}")
+        report.add_fact(
+            "task",
+            f"{task.name}: {task.level}-level, {len(task.evaluation.query)} evaluation queries x "
+            f"{len(task.evaluation.gallery)} gallery items, primary metric {task.primary_metric}",
+        )
     elif config.data.name == "features":
         train, evaluation = npz_features(config)
         data = EvalSet.labelled(evaluation)
@@ -322,5 +419,5 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
     files["gate"] = write_json(out / "gate.json", gate)
     files["config"] = write_json(out / "config.json", to_mapping(config))
     seconds = time.perf_counter() - start
-    log(f"done in {seconds:.1f} s; report in {files['markdown'] if 'markdown' in files else out}")
+    log(f"done in {seconds:.1f} s; report in {files.get('markdown', out)}")
     return PipelineResult(report, gate, adapters, train, data, files, seconds)

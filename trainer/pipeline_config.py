@@ -69,9 +69,13 @@ class PipelineConfig:
     progress: bool = True
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     old_backbone: BackboneConfig = dataclasses.field(default_factory=lambda: BackboneConfig(architecture="small"))
-    new_backbone: BackboneConfig = dataclasses.field(default_factory=lambda: BackboneConfig(architecture="wide", embedding_dim=64))
+    new_backbone: BackboneConfig = dataclasses.field(
+        default_factory=lambda: BackboneConfig(architecture="wide", embedding_dim=64)
+    )
     side_info: SideInfoConfig = dataclasses.field(default_factory=SideInfoConfig)
-    methods: tuple[str, ...] = ()  # () = the defaults for the data: all methods, or INSTANCE_METHODS for an instance-level task
+    methods: tuple[
+        str, ...
+    ] = ()  # () = the defaults for the data: all methods, or INSTANCE_METHODS for an instance-level task
     fct: FCTConfig = dataclasses.field(default_factory=FCTConfig)
     residual: ResidualConfig = dataclasses.field(default_factory=ResidualConfig)
     selection: SelectionConfig = dataclasses.field(default_factory=SelectionConfig)
@@ -81,7 +85,9 @@ class PipelineConfig:
     hubness: HubnessConfig = dataclasses.field(default_factory=HubnessConfig)
     fastfill: FastFillConfig = dataclasses.field(default_factory=FastFillConfig)
     lambda_orth: LambdaOrthConfig = dataclasses.field(default_factory=LambdaOrthConfig)
-    lambda_orth_relaxed: LambdaOrthConfig = dataclasses.field(default_factory=lambda: LambdaOrthConfig(backward="lambda"))
+    lambda_orth_relaxed: LambdaOrthConfig = dataclasses.field(
+        default_factory=lambda: LambdaOrthConfig(backward="lambda")
+    )
     evaluation: EvaluationConfig = dataclasses.field(default_factory=EvaluationConfig)
     backfill: BackfillConfig = dataclasses.field(default_factory=BackfillConfig)
     chain: ChainConfig = dataclasses.field(default_factory=ChainConfig)
@@ -92,14 +98,19 @@ class PipelineConfig:
             raise ConfigError(f"methods: unknown {', '.join(unknown)}; choose from {', '.join(METHOD_LABELS)}")
         for name in ("transition", "hubness"):
             if getattr(self, name).enabled and (self.data.name != "task" or self.evaluation.distance != "cosine"):
-                raise ConfigError(f"{name} works on cosine scores of a retrieval task: set data.name = 'task' "
-                                  "and evaluation.distance = 'cosine'")
+                raise ConfigError(
+                    f"{name} works on cosine scores of a retrieval task: set data.name = 'task' "
+                    "and evaluation.distance = 'cosine'"
+                )
         for joint in (self.query_map, self.query_positives):
             if joint.enabled and self.data.name != "task":
-                raise ConfigError(f"{joint.section} needs a retrieval task (data.name = 'task'): it learns from the task's positives")
+                raise ConfigError(
+                    f"{joint.section} needs a retrieval task (data.name = 'task'): it learns from the task's positives"
+                )
         if self.chain.enabled and self.data.name in ("features", "task"):
-            raise ConfigError("chain needs image data (it trains v1/v2/v3 backbones); disable chain for features and tasks")
-
+            raise ConfigError(
+                "chain needs image data (it trains v1/v2/v3 backbones); disable chain for features and tasks"
+            )
 
     def for_task(self, level: str | None) -> PipelineConfig:
         """This config with the options left unset (``None``) decided for the run's data: for an
@@ -110,11 +121,16 @@ class PipelineConfig:
         instance = level == "instance"
         scored = instance and self.evaluation.distance == "cosine"
         decided = {"query_positives": instance, "hubness": scored, "transition": scored}
-        changes: dict[str, Any] = {name: dataclasses.replace(getattr(self, name), enabled=on)
-                                   for name, on in decided.items() if getattr(self, name).enabled is None}
+        changes: dict[str, Any] = {
+            name: dataclasses.replace(getattr(self, name), enabled=on)
+            for name, on in decided.items()
+            if getattr(self, name).enabled is None
+        }
         if self.residual.train.batch_size is None:
             batch_size = INSTANCE_LEVEL_BATCH_SIZE if instance else CLASS_LEVEL_BATCH_SIZE
-            changes["residual"] = dataclasses.replace(self.residual, train=dataclasses.replace(self.residual.train, batch_size=batch_size))
+            changes["residual"] = dataclasses.replace(
+                self.residual, train=dataclasses.replace(self.residual.train, batch_size=batch_size)
+            )
         return dataclasses.replace(self, **changes) if changes else self
 
 

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from fctkit.errors import ConfigError, InputError
+from fctkit.feature_checks import check_features
 
 from .adapter_base import Adapter, config_of
-from fctkit.feature_checks import check_features
 from .fitting import History, TrainConfig, fit
 from .losses import info_nce, info_nce_with_negatives, neighbourhood_kl
 
@@ -56,12 +56,17 @@ class QueryPositivesConfig:
     distill_weight: float = 0.0
     # batch 1024 (more in-batch negatives) and 8 hard negatives: measured on WordNet lemma → gloss,
     # better on held-out training data than 256 / none (BENCHMARKS.md, "The last 5%")
-    train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(epochs=30, batch_size=1024, lr=1e-3,
-                                                                                weight_decay=1e-4, warmup_epochs=2, patience=6))
+    train: TrainConfig = dataclasses.field(
+        default_factory=lambda: TrainConfig(
+            epochs=30, batch_size=1024, lr=1e-3, weight_decay=1e-4, warmup_epochs=2, patience=6
+        )
+    )
 
     def __post_init__(self) -> None:
         if self.task_weight < 0 or self.temperature <= 0 or self.hard_negatives < 0 or self.distill_weight < 0:
-            raise ConfigError(f"{self.section}: task_weight, hard_negatives and distill_weight must be >= 0 and temperature > 0")
+            raise ConfigError(
+                f"{self.section}: task_weight, hard_negatives and distill_weight must be >= 0 and temperature > 0"
+            )
         if getattr(self, "width", 1) < 1:
             raise ConfigError(f"{self.section}: width must be >= 1")
 
@@ -123,8 +128,14 @@ class MinedNegatives:
     positive: np.ndarray
 
     @classmethod
-    def nearest(cls, gallery_old: np.ndarray, gallery_side: np.ndarray | None, positive: np.ndarray, m: int,
-                chunk_size: int = 2048) -> MinedNegatives:
+    def nearest(
+        cls,
+        gallery_old: np.ndarray,
+        gallery_side: np.ndarray | None,
+        positive: np.ndarray,
+        m: int,
+        chunk_size: int = 2048,
+    ) -> MinedNegatives:
         """Each pair's ``m`` nearest gallery rows to its positive by the old model's cosine."""
         unit = gallery_old / np.maximum(np.linalg.norm(gallery_old, axis=1, keepdims=True), 1e-12)
         m = min(m, len(unit) - 1)
@@ -132,10 +143,10 @@ class MinedNegatives:
             raise InputError("mining hard negatives needs m >= 1 and a training gallery of at least 2 rows")
         rows = np.empty((len(positive), m), np.int64)
         for start in range(0, len(positive), chunk_size):
-            items = positive[start:start + chunk_size]
+            items = positive[start : start + chunk_size]
             cosines = unit[items] @ unit.T
             cosines[np.arange(len(items)), items] = -np.inf
-            rows[start:start + chunk_size] = np.argpartition(-cosines, m - 1, axis=1)[:, :m]
+            rows[start : start + chunk_size] = np.argpartition(-cosines, m - 1, axis=1)[:, :m]
         return cls(gallery_old, gallery_side, rows, positive.astype(np.int64))
 
 

@@ -39,8 +39,9 @@ class Positives:
         return bool(np.any(self.grades != 1.0))
 
     @classmethod
-    def from_lists(cls, positives: Sequence[Sequence[int]], n_gallery: int,
-                   grades: Sequence[Sequence[float]] | None = None) -> Positives:
+    def from_lists(
+        cls, positives: Sequence[Sequence[int]], n_gallery: int, grades: Sequence[Sequence[float]] | None = None
+    ) -> Positives:
         """``positives[i]`` lists query i's gallery rows (``grades[i]`` their grades, if any)."""
         query = np.repeat(np.arange(len(positives)), [len(p) for p in positives])
         flat = np.asarray([g for p in positives for g in p], dtype=np.int64)
@@ -48,8 +49,9 @@ class Positives:
         return cls.from_pairs(query, flat, len(positives), n_gallery, flat_grades)
 
     @classmethod
-    def from_pairs(cls, query: np.ndarray, gallery: np.ndarray, n_queries: int, n_gallery: int,
-                   grades: np.ndarray | None = None) -> Positives:
+    def from_pairs(
+        cls, query: np.ndarray, gallery: np.ndarray, n_queries: int, n_gallery: int, grades: np.ndarray | None = None
+    ) -> Positives:
         """Positives from aligned (query row, gallery row[, grade]) pairs, in any order."""
         query = np.asarray(query).reshape(-1)
         gallery = np.asarray(gallery).reshape(-1)
@@ -77,16 +79,22 @@ _EMPTY_GRADES = np.zeros(0)
 
 
 def relevance_lookup(
-    query_labels: np.ndarray | None, gallery_labels: np.ndarray | None, positives: Positives | None,
-    n_q: int, n_g: int, leave_one_out: bool,
+    query_labels: np.ndarray | None,
+    gallery_labels: np.ndarray | None,
+    positives: Positives | None,
+    n_q: int,
+    n_g: int,
+    leave_one_out: bool,
 ) -> Callable[[int], tuple[np.ndarray, np.ndarray]]:
     """``relevance_of(i) -> (positive gallery rows, their grades)`` from labels or explicit positives."""
     if positives is not None:
         if query_labels is not None or gallery_labels is not None:
             raise InputError("give relevance either as labels or as positives=, not both")
         if positives.n_queries != n_q or positives.n_gallery != n_g:
-            raise InputError(f"positives describe {positives.n_queries} queries x {positives.n_gallery} gallery items; "
-                             f"the embeddings are {n_q} x {n_g}")
+            raise InputError(
+                f"positives describe {positives.n_queries} queries x {positives.n_gallery} gallery items; "
+                f"the embeddings are {n_q} x {n_g}"
+            )
         if leave_one_out and n_q != n_g:
             raise InputError(f"leave_one_out needs query and gallery to be the same items; got {n_q} and {n_g}")
         return positives.of
@@ -111,7 +119,9 @@ def _positives_by_class(codes: np.ndarray) -> dict[int, np.ndarray]:
     return {int(c): idx for c, idx in zip(classes, np.split(order, starts[1:]))}
 
 
-def _encode_labels(query_labels: np.ndarray, gallery_labels: np.ndarray, n_q: int, n_g: int) -> tuple[np.ndarray, np.ndarray]:
+def _encode_labels(
+    query_labels: np.ndarray, gallery_labels: np.ndarray, n_q: int, n_g: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Map both label arrays to shared integer class codes."""
     ql = _as_labels(query_labels, "query", n_q)
     gl = _as_labels(gallery_labels, "gallery", n_g)

@@ -89,9 +89,7 @@ class Report:
         passed = ecc(adapted.result, baseline.result, metric)
         a, b = metric_value(adapted.result, metric), metric_value(baseline.result, metric)
         relation = ">" if passed else "<="
-        self.add_verdict(
-            f"ECC ({metric})", passed, f"{adapted_case} {a:.4f} {relation} {baseline_case} {b:.4f}"
-        )
+        self.add_verdict(f"ECC ({metric})", passed, f"{adapted_case} {a:.4f} {relation} {baseline_case} {b:.4f}")
         return passed
 
     def add_backfill_curve(self, name: str, curve: BackfillCurve) -> None:
@@ -135,7 +133,9 @@ class Report:
         if self.cases:
             parts.append("## Retrieval\n\n" + self._cases_markdown())
         if self.verdicts:
-            rows = [f"| {_cell(v.name)} | {'PASS' if v.passed else 'FAIL'} | {_cell(v.detail)} |" for v in self.verdicts]
+            rows = [
+                f"| {_cell(v.name)} | {'PASS' if v.passed else 'FAIL'} | {_cell(v.detail)} |" for v in self.verdicts
+            ]
             parts.append("## Verdicts\n\n| check | verdict | detail |\n|---|---|---|\n" + "\n".join(rows))
         if self.backfill_curves:
             parts.append("## Backfill\n\n" + self._backfill_markdown())
@@ -151,8 +151,15 @@ class Report:
         extra_keys = list(dict.fromkeys(k for c in self.cases.values() for k in c.extra))
         ir = self.instance_level()
         ir_metrics = [f"recall@{k}" for k in (1, 5, 10)] + ["mrr", "ndcg@10"] if ir else []
-        header = ["case", *(f"top-{k}" for k in ks), "mAP@1.0", *(_IR_HEADERS[m] for m in ir_metrics),
-                  "queries", "skipped", *map(_cell, extra_keys)]
+        header = [
+            "case",
+            *(f"top-{k}" for k in ks),
+            "mAP@1.0",
+            *(_IR_HEADERS[m] for m in ir_metrics),
+            "queries",
+            "skipped",
+            *map(_cell, extra_keys),
+        ]
         lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
         for case in self.cases.values():
             cells = [case.name]
@@ -164,8 +171,12 @@ class Report:
             cells += [str(case.result.n_queries), str(case.result.n_skipped)]
             cells += [_cell(_format_fact(case.extra.get(key, ""))) for key in extra_keys]
             lines.append("| " + " | ".join(cells) + " |")
-        unshown = sorted({m for c in self.cases.values() for m in c.reference}
-                         - {f"top{k}" for k in ks} - {"mean_ap"} - set(ir_metrics))
+        unshown = sorted(
+            {m for c in self.cases.values() for m in c.reference}
+            - {f"top{k}" for k in ks}
+            - {"mean_ap"}
+            - set(ir_metrics)
+        )
         if unshown:
             lines.append(f"\nReferences for metrics not evaluated here: {', '.join(unshown)}.")
         if any(c.reference for c in self.cases.values()):
@@ -205,7 +216,9 @@ class Report:
         try:
             report = cls(data["title"])
             for c in data["cases"]:
-                report.add_case(c["name"], RetrievalResult.from_dict(c["result"]), reference=c["reference"], **c["extra"])
+                report.add_case(
+                    c["name"], RetrievalResult.from_dict(c["result"]), reference=c["reference"], **c["extra"]
+                )
             for v in data["verdicts"]:
                 report.add_verdict(v["name"], v["passed"], v["detail"])
             for b in data["backfill_curves"]:
@@ -258,7 +271,9 @@ class Report:
         hit = "a positive" if self.instance_level() else "an item of their class"
         cmc_ax.set(xlabel="k", ylabel=f"CMC@k: queries with {hit} in the top k", title="CMC", ylim=(0, 1.02))
         if self.cases:
-            cmc_ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=columns, frameon=False)
+            cmc_ax.legend(
+                fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=columns, frameon=False
+            )
             cmc_ax.xaxis.get_major_locator().set_params(integer=True)
         else:
             cmc_ax.text(0.5, 0.5, "no retrieval cases", ha="center", va="center", transform=cmc_ax.transAxes)

@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from fctkit.errors import ConfigError, InputError
+from fctkit.feature_checks import check_features
 
 from .adapter_base import OldSideAdapter, config_of
 from .closed_form import relative_ridge_map
-from fctkit.feature_checks import check_features
 from .fitting import History, TrainConfig, fit
 from .losses import ObjectiveConfig, objective_loss
 
@@ -45,8 +45,11 @@ class ResidualConfig:
     ridge: float = 1e-3  # ridge of the least-squares start, relative to the mean squared input norm
     objective: ObjectiveConfig = dataclasses.field(default_factory=lambda: ObjectiveConfig(kind="infonce"))
     # batch_size None: 1,024 on an instance-level task, 256 otherwise (PipelineConfig.for_task)
-    train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(epochs=40, batch_size=None, lr=3e-3,
-                                                                                weight_decay=1e-4, warmup_epochs=2, patience=8))
+    train: TrainConfig = dataclasses.field(
+        default_factory=lambda: TrainConfig(
+            epochs=40, batch_size=None, lr=3e-3, weight_decay=1e-4, warmup_epochs=2, patience=8
+        )
+    )
 
     def __post_init__(self) -> None:
         if self.form not in ("linear", "low_rank", "mlp"):
@@ -68,7 +71,9 @@ class ResidualAdapter(OldSideAdapter):
         self.residual: nn.Module | None = None
         if config.form == "low_rank":
             self.base.requires_grad_(False)
-            self.residual = nn.Sequential(nn.Linear(d_in, config.rank, bias=False), nn.Linear(config.rank, d_out, bias=False))
+            self.residual = nn.Sequential(
+                nn.Linear(d_in, config.rank, bias=False), nn.Linear(config.rank, d_out, bias=False)
+            )
         elif config.form == "mlp":
             self.residual = nn.Sequential(nn.Linear(d_in, config.width), nn.GELU(), nn.Linear(config.width, d_out))
         if self.residual is not None:
@@ -95,12 +100,16 @@ class ResidualAdapter(OldSideAdapter):
         arrays = [old]
         if config.side_info:
             if side is None:
-                raise InputError("side_info is on but no side-info features were given; pass side=... or set side_info = false")
+                raise InputError(
+                    "side_info is on but no side-info features were given; pass side=... or set side_info = false"
+                )
             side = np.asarray(side)
             if side.size:
                 arrays.append(check_features("side", side, rows=len(old)))
         torch.manual_seed(config.train.seed)
-        model = cls(config, d_old=old.shape[1], d_side=arrays[1].shape[1] if len(arrays) > 1 else 0, d_out=target.shape[1])
+        model = cls(
+            config, d_old=old.shape[1], d_side=arrays[1].shape[1] if len(arrays) > 1 else 0, d_out=target.shape[1]
+        )
         model._start_at_least_squares(np.hstack(arrays), target)
         compare = objective_loss(config.objective)
 
@@ -108,7 +117,7 @@ class ResidualAdapter(OldSideAdapter):
             *inputs, goal = batch
             return compare(module(*inputs), goal)
 
-        history = fit(model, arrays + [target], loss, config.train, description=f"fit residual {config.form}")
+        history = fit(model, [*arrays, target], loss, config.train, description=f"fit residual {config.form}")
         model.metrics["best_val_loss"] = min(history.val_loss) if history.val_loss else history.train_loss[-1]
         return model, history
 

@@ -103,7 +103,7 @@ def parse_metric(metric: str) -> tuple[str, int | None]:
         return metric, None
     if isinstance(metric, str):
         for prefix, kind in (("top", "top"), ("recall@", "recall")):
-            rest = metric[len(prefix):]
+            rest = metric[len(prefix) :]
             if metric.startswith(prefix) and rest.isdigit() and int(rest) >= 1:
                 return kind, int(rest)
     raise InputError(f"unknown metric {metric!r}: use {METRIC_NAMES}")

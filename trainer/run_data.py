@@ -33,7 +33,9 @@ class DataConfig:
         if self.name == "features" and not (self.old_features and self.new_features):
             raise ConfigError("data.name = 'features' needs data.old_features and data.new_features (.npz paths)")
         if (self.name == "task") != bool(self.task):
-            raise ConfigError("data.name = 'task' needs data.task (a task .npz path), and data.task needs data.name = 'task'")
+            raise ConfigError(
+                "data.name = 'task' needs data.task (a task .npz path), and data.task needs data.name = 'task'"
+            )
         if not 0 < self.old_class_fraction <= 1 or not 0 < self.train_fraction < 1:
             raise ConfigError("data.old_class_fraction must be in (0, 1] and data.train_fraction in (0, 1)")
 

@@ -156,8 +156,9 @@ def hubness_of(adapter: Any) -> Hubness | None:
     return adapter if isinstance(adapter, Hubness) else None
 
 
-def scored_retrieval(adapter: Adapter | WithQueryMap | Transition | Hubness,
-                     data: EvalSet) -> tuple[np.ndarray, np.ndarray, Distance | None]:
+def scored_retrieval(
+    adapter: Adapter | WithQueryMap | Transition | Hubness, data: EvalSet
+) -> tuple[np.ndarray, np.ndarray, Distance | None]:
     """(queries, rows, distance) whose ranking is what a device running ``adapter`` returns;
     distance ``None``: the run's own. Transition over a hubness base ranks by
     ``w·cos_old + (1 − w)·(cos_adapted − β·r)`` — and by ``cos_adapted − β·r`` once it ends."""
@@ -174,8 +175,9 @@ def scored_retrieval(adapter: Adapter | WithQueryMap | Transition | Hubness,
     return (*offset_vectors(fused_query, fused_gallery, offsets, (1.0 - weight) * hub.beta), "l2")
 
 
-def offset_galleries(hub: Hubness, queries: np.ndarray, adapted: np.ndarray,
-                      backfilled: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def offset_galleries(
+    hub: Hubness, queries: np.ndarray, adapted: np.ndarray, backfilled: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Queries, adapted rows and backfilled rows with hubness offsets on a common floor."""
     offsets = [hubness_offsets(rows, hub.reference, hub.k) for rows in (adapted, backfilled)]
     floor = min(o.min() for o in offsets)
@@ -204,8 +206,13 @@ class Evaluator:
         """Rank ``gallery`` for each ``query`` by ``distance`` (default: the run's)."""
         n = min(query.shape[1], gallery.shape[1])  # differing dims: compare the first n (λ-orth truncation)
         return evaluate_retrieval(
-            query[:, :n], gallery=gallery[:, :n], **self.data.relevance, distance=distance or self.config.distance,
-            topk=self.config.topk, leave_one_out=self.data.leave_one_out, chunk_size=self.config.chunk_size,
+            query[:, :n],
+            gallery=gallery[:, :n],
+            **self.data.relevance,
+            distance=distance or self.config.distance,
+            topk=self.config.topk,
+            leave_one_out=self.data.leave_one_out,
+            chunk_size=self.config.chunk_size,
         )
 
     @classmethod

@@ -55,11 +55,15 @@ def knobs_for(method: str, config: Any, selection: SelectionConfig) -> list[Knob
         if config.form == "mlp":
             knobs.append(Knob("width", selection.widths))
         knobs.append(Knob("train.weight_decay", selection.weight_decays))
-        return [Knob("ridge", selection.ridges)] + knobs if selection.ridges else knobs
+        return [Knob("ridge", selection.ridges), *knobs] if selection.ridges else knobs
     if method in ("fct", "fct-no-side-info"):
         knobs = [Knob("objective.temperature", selection.temperatures)] if config.objective.kind != "mse" else []
-        return knobs + [Knob("train.lr", selection.learning_rates), Knob("mixer_width", selection.widths),
-                        Knob("train.weight_decay", selection.weight_decays)]
+        return [
+            *knobs,
+            Knob("train.lr", selection.learning_rates),
+            Knob("mixer_width", selection.widths),
+            Knob("train.weight_decay", selection.weight_decays),
+        ]
     if method in ("lambda-orth", "lambda-orth-relaxed"):
         return [Knob("tau", selection.temperatures), Knob("train.lr", selection.learning_rates)]
     return []
@@ -88,12 +92,19 @@ class Selection:
     outcome: Any = None  # what ``score`` made for the best config (e.g. the adapter it fitted)
 
 
-def coordinate_search(config: Any, knobs: Sequence[Knob], score: Callable[[Any], tuple[float, Any]],
-                      progress: bool = False, description: str = "settings") -> Selection:
+def coordinate_search(
+    config: Any,
+    knobs: Sequence[Knob],
+    score: Callable[[Any], tuple[float, Any]],
+    progress: bool = False,
+    description: str = "settings",
+) -> Selection:
     """Best config found by trying each knob's values in turn (see the module docstring).
     ``score(config)`` returns the score and what it made to get it; the best one's is kept.
     ``progress``: a bar over the fits (at most one per value, fewer when a value is the current one)."""
-    bar = tqdm(total=1 + sum(len(k.values) for k in knobs), desc=description, unit="fit", disable=not progress, leave=False)
+    bar = tqdm(
+        total=1 + sum(len(k.values) for k in knobs), desc=description, unit="fit", disable=not progress, leave=False
+    )
     best, (best_score, best_outcome), tried = config, score(config), 1
     bar.update()
     for knob in knobs:
@@ -126,11 +137,13 @@ class Holdout:
 def holdout_split(split: TaskSplit, fraction: float, seed: int) -> Holdout:
     """Cut ``split`` by gallery item (see :class:`Holdout`); deterministic from ``seed``."""
     n = len(split.gallery)
-    held = np.sort(np.random.default_rng(seed).permutation(n)[: max(1, int(round(n * fraction)))])
+    held = np.sort(np.random.default_rng(seed).permutation(n)[: max(1, round(n * fraction))])
     fit_rows = np.setdiff1d(np.arange(n), held)
     if len(fit_rows) < 2:
-        raise InputError(f"the training split has {n} gallery items: too few to hold some out for selection; "
-                         f"add training data or set selection.enabled = false")
+        raise InputError(
+            f"the training split has {n} gallery items: too few to hold some out for selection; "
+            f"add training data or set selection.enabled = false"
+        )
     if split.positives is not None:
         owners = np.repeat(np.arange(len(split.query)), np.diff(split.positives.indptr))
         touching = np.isin(split.positives.indices, held)
@@ -140,6 +153,8 @@ def holdout_split(split: TaskSplit, fraction: float, seed: int) -> Holdout:
         held_queries = np.flatnonzero(np.isin(split.query.labels, split.gallery.labels[held]))
         fit_queries = np.flatnonzero(np.isin(split.query.labels, split.gallery.labels[fit_rows]))
     if len(held_queries) == 0:
-        raise InputError("no training query has a positive among the held-out gallery items; "
-                         "raise selection.holdout_fraction or set selection.enabled = false")
+        raise InputError(
+            "no training query has a positive among the held-out gallery items; "
+            "raise selection.holdout_fraction or set selection.enabled = false"
+        )
     return Holdout(fit_rows, split.subset(fit_queries, fit_rows), split.subset(held_queries, held))

@@ -25,18 +25,25 @@ from torch import nn
 
 from fctkit.config import from_mapping
 from fctkit.errors import ConfigError, InputError
+from fctkit.feature_checks import validate_labels
 
 from .backbones import Architecture, Backbone, BackboneConfig, Encoder, extract_features, train_backbone
 from .cka import linear_cka
-from fctkit.feature_checks import validate_labels
-
 from .datasets import validate_images
 from .fitting import History, TrainConfig, fit
 from .torch_utils import load_model, save_model, set_seed
 
 __all__ = [
-    "AugmentationConfig", "SideInfoConfig", "SideInfoModel", "augment", "nt_xent", "train_side_info",
-    "extract_side_info", "save_side_info", "load_side_info", "linear_cka",
+    "AugmentationConfig",
+    "SideInfoConfig",
+    "SideInfoModel",
+    "augment",
+    "extract_side_info",
+    "linear_cka",
+    "load_side_info",
+    "nt_xent",
+    "save_side_info",
+    "train_side_info",
 ]
 
 SideInfoKind = Literal["simclr", "none", "alternate"]
@@ -97,16 +104,35 @@ class SideInfoConfig:
             raise ConfigError("temperature must be > 0")
 
     def train_config(self, seed: int, device: str) -> TrainConfig:
-        return TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, weight_decay=self.weight_decay,
-                           warmup_epochs=self.warmup_epochs, val_fraction=self.val_fraction, patience=self.patience,
-                           seed=seed, device=device, progress=self.progress)
+        return TrainConfig(
+            epochs=self.epochs,
+            batch_size=self.batch_size,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            warmup_epochs=self.warmup_epochs,
+            val_fraction=self.val_fraction,
+            patience=self.patience,
+            seed=seed,
+            device=device,
+            progress=self.progress,
+        )
 
     def backbone_config(self) -> BackboneConfig:
         """The second old model of kind ``alternate``."""
-        return BackboneConfig(architecture=self.architecture, embedding_dim=self.dim, width=self.width, pool_grid=self.pool_grid,
-                              epochs=self.epochs, lr=self.lr, weight_decay=self.weight_decay,
-                              batch_size=self.batch_size, warmup_epochs=self.warmup_epochs,
-                              val_fraction=self.val_fraction, patience=self.patience, progress=self.progress)
+        return BackboneConfig(
+            architecture=self.architecture,
+            embedding_dim=self.dim,
+            width=self.width,
+            pool_grid=self.pool_grid,
+            epochs=self.epochs,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            batch_size=self.batch_size,
+            warmup_epochs=self.warmup_epochs,
+            val_fraction=self.val_fraction,
+            patience=self.patience,
+            progress=self.progress,
+        )
 
 
 class SideInfoModel(nn.Module):
@@ -124,8 +150,12 @@ class SideInfoModel(nn.Module):
         self.head: nn.Module | None = None
         self.history: History | None = None  # set by train_side_info
         if config.kind == "simclr":
-            self.encoder = Encoder(config.architecture, config.width, config.dim, in_channels, pool_grid=config.pool_grid)
-            self.head = nn.Sequential(nn.Linear(config.dim, config.dim), nn.ReLU(), nn.Linear(config.dim, config.projection_dim))
+            self.encoder = Encoder(
+                config.architecture, config.width, config.dim, in_channels, pool_grid=config.pool_grid
+            )
+            self.head = nn.Sequential(
+                nn.Linear(config.dim, config.dim), nn.ReLU(), nn.Linear(config.dim, config.projection_dim)
+            )
         elif config.kind == "alternate":
             self.encoder = Backbone(config.backbone_config(), classes, in_channels)
 
@@ -185,7 +215,9 @@ def nt_xent(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> torch.Ten
     """SimCLR's normalised-temperature cross-entropy: row i of ``z1`` and row i of ``z2`` are
     two views of one image (positives); every other row of the 2N is a negative."""
     if z1.shape != z2.shape or z1.ndim != 2:
-        raise InputError(f"nt_xent: expected two (N, d) batches of the same shape, got {tuple(z1.shape)} and {tuple(z2.shape)}")
+        raise InputError(
+            f"nt_xent: expected two (N, d) batches of the same shape, got {tuple(z1.shape)} and {tuple(z2.shape)}"
+        )
     n = z1.shape[0]
     z = F.normalize(torch.cat([z1, z2]), dim=1)
     logits = (z @ z.T) / temperature
@@ -195,8 +227,15 @@ def nt_xent(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> torch.Ten
     return F.cross_entropy(logits, targets)
 
 
-def train_side_info(images: np.ndarray, labels: np.ndarray | None = None, config: SideInfoConfig | None = None,
-                    seed: int = 0, device: str = "auto", *, checkpoint: str | Path | None = None) -> SideInfoModel:
+def train_side_info(
+    images: np.ndarray,
+    labels: np.ndarray | None = None,
+    config: SideInfoConfig | None = None,
+    seed: int = 0,
+    device: str = "auto",
+    *,
+    checkpoint: str | Path | None = None,
+) -> SideInfoModel:
     """Train ψ on the old data ``images`` (N, C, H, W); ``checkpoint``: resumable training (see
     :func:`~fctkit.trainer.fitting.fit`).""
 
@@ -211,8 +250,9 @@ def train_side_info(images: np.ndarray, labels: np.ndarray | None = None, config
     if config.kind == "alternate":
         if labels is None:
             raise InputError("side-info kind 'alternate' trains a second old model and needs the old labels")
-        backbone = train_backbone(images, validate_labels(labels, len(images)), config.backbone_config(), seed, device,
-                                  checkpoint=checkpoint)
+        backbone = train_backbone(
+            images, validate_labels(labels, len(images)), config.backbone_config(), seed, device, checkpoint=checkpoint
+        )
         model = SideInfoModel(config, images.shape[1], backbone.classes)
         model.encoder = backbone
         model.history = backbone.history
@@ -225,13 +265,20 @@ def train_side_info(images: np.ndarray, labels: np.ndarray | None = None, config
         z1, z2 = net.project(views).chunk(2)  # both views in one pass share BatchNorm statistics
         return nt_xent(z1, z2, config.temperature)
 
-    model.history = fit(model, [images], loss_fn, config.train_config(seed, device), description="SimCLR side-info",
-                        checkpoint=checkpoint)
+    model.history = fit(
+        model,
+        [images],
+        loss_fn,
+        config.train_config(seed, device),
+        description="SimCLR side-info",
+        checkpoint=checkpoint,
+    )
     return model
 
 
-def extract_side_info(model: SideInfoModel, images: np.ndarray, batch_size: int = 512, device: str | None = None,
-                      progress: bool = False) -> np.ndarray:
+def extract_side_info(
+    model: SideInfoModel, images: np.ndarray, batch_size: int = 512, device: str | None = None, progress: bool = False
+) -> np.ndarray:
     """ψ for numpy images, float32 (N, dim)."""
     return extract_features(model, images, batch_size=batch_size, device=device, progress=progress)
 

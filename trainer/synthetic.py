@@ -47,8 +47,9 @@ def synthetic_instance_task(
     rng = np.random.default_rng(seed)
 
     def old_model(topic: np.ndarray, identity: np.ndarray) -> np.ndarray:
-        seen = np.hstack([topic + old_topic_noise * rng.normal(size=topic.shape),
-                          identity + 0.3 * rng.normal(size=identity.shape)])
+        seen = np.hstack(
+            [topic + old_topic_noise * rng.normal(size=topic.shape), identity + 0.3 * rng.normal(size=identity.shape)]
+        )
         return (seen @ r_old).astype(np.float32)
 
     def new_model(topic: np.ndarray, identity: np.ndarray) -> np.ndarray:

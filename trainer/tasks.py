@@ -69,8 +69,13 @@ class TaskSet:
         return len(self.ids)
 
     def subset(self, rows: np.ndarray) -> TaskSet:
-        return TaskSet(self.ids[rows], self.old[rows], self.new[rows], self.side[rows],
-                       None if self.labels is None else self.labels[rows])
+        return TaskSet(
+            self.ids[rows],
+            self.old[rows],
+            self.new[rows],
+            self.side[rows],
+            None if self.labels is None else self.labels[rows],
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +131,10 @@ def load_task(path: str | os.PathLike) -> RetrievalTask:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {key: npz[key] for key in npz.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise InputError(f"{path}: not a readable task .npz ({exc}); the file is truncated, damaged, or holds "
-                         f"pickled objects (not allowed)") from exc
+        raise InputError(
+            f"{path}: not a readable task .npz ({exc}); the file is truncated, damaged, or holds "
+            f"pickled objects (not allowed)"
+        ) from exc
     return task_from_arrays(arrays, str(path))
 
 
@@ -180,7 +187,9 @@ class _Reader:
         if value is None:
             return None
         if value.ndim != 2 or value.dtype.kind not in "iuf":
-            raise self.error(key, f"expected a 2-D array of numbers (rows x dims), got shape {value.shape}, dtype {value.dtype}")
+            raise self.error(
+                key, f"expected a 2-D array of numbers (rows x dims), got shape {value.shape}, dtype {value.dtype}"
+            )
         if len(value) != rows:
             raise self.error(key, f"has {len(value)} rows but the set has {rows} ids; rows must align with the ids")
         bad = ~np.isfinite(value).all(axis=1)
@@ -191,10 +200,15 @@ class _Reader:
     def ids(self, key: str) -> np.ndarray:
         ids = self.get(key)
         if ids.ndim != 1 or len(ids) == 0 or ids.dtype.kind not in "iuU":
-            raise self.error(key, f"expected a non-empty 1-D array of integer or string ids, got shape {ids.shape}, dtype {ids.dtype}")
+            raise self.error(
+                key,
+                f"expected a non-empty 1-D array of integer or string ids, got shape {ids.shape}, dtype {ids.dtype}",
+            )
         unique, counts = np.unique(ids, return_counts=True)
         if (counts > 1).any():
-            raise self.error(key, f"id {_show(unique[counts > 1][0])} appears {counts[counts > 1][0]} times; ids must be unique")
+            raise self.error(
+                key, f"id {_show(unique[counts > 1][0])} appears {counts[counts > 1][0]} times; ids must be unique"
+            )
         return ids
 
     def task_set(self, split: str, name: str, level: str) -> TaskSet:
@@ -206,7 +220,10 @@ class _Reader:
         if level == "class":
             labels = self.get(f"{prefix}.labels")
             if labels.shape != ids.shape or labels.dtype.kind not in "iuU":
-                raise self.error(f"{prefix}.labels", f"expected {len(ids)} integer or string labels, got shape {labels.shape}, dtype {labels.dtype}")
+                raise self.error(
+                    f"{prefix}.labels",
+                    f"expected {len(ids)} integer or string labels, got shape {labels.shape}, dtype {labels.dtype}",
+                )
         side = np.zeros((len(ids), 0), np.float32) if side is None else side
         return TaskSet(ids, old, new, side, labels)
 
@@ -216,8 +233,11 @@ class _Reader:
             missing = ~np.isin(query.labels, gallery.labels)
             if missing.any():
                 row = int(np.flatnonzero(missing)[0])
-                raise self.error(f"{split}.query.labels", f"query {_show(query.ids[row])} (row {row}) has class "
-                                 f"{_show(query.labels[row])}, which no gallery item of the {split} split has")
+                raise self.error(
+                    f"{split}.query.labels",
+                    f"query {_show(query.ids[row])} (row {row}) has class "
+                    f"{_show(query.labels[row])}, which no gallery item of the {split} split has",
+                )
             return TaskSplit(query, gallery)
         return TaskSplit(query, gallery, self.positives(split, query.ids, gallery.ids))
 
@@ -229,14 +249,23 @@ class _Reader:
         for part, ids in (("query", query_ids), ("gallery", gallery_ids)):
             listed = pairs[part]
             if listed.ndim != 1 or len(listed) != len(pairs["query"]):
-                raise self.error(f"{prefix}.{part}", "positives.query and positives.gallery must be 1-D and of equal length")
-            rows[part] = _rows_of(ids, listed, lambda bad: self.error(f"{prefix}.{part}", f"id {_show(bad)} is not in {split}.{part}.ids"))
+                raise self.error(
+                    f"{prefix}.{part}", "positives.query and positives.gallery must be 1-D and of equal length"
+                )
+            rows[part] = _rows_of(
+                ids, listed, lambda bad: self.error(f"{prefix}.{part}", f"id {_show(bad)} is not in {split}.{part}.ids")
+            )
         if grade is not None and (grade.shape != pairs["query"].shape or grade.dtype.kind not in "iuf"):
-            raise self.error(f"{prefix}.grade", f"expected {len(pairs['query'])} numeric grades, got shape {grade.shape}")
+            raise self.error(
+                f"{prefix}.grade", f"expected {len(pairs['query'])} numeric grades, got shape {grade.shape}"
+            )
         without = np.setdiff1d(np.arange(len(query_ids)), rows["query"])
         if without.size:
-            raise self.error(f"{prefix}.query", f"query {_show(query_ids[without[0]])} has no positive ({without.size} such "
-                             f"queries); list at least one relevant gallery item per query or drop the query")
+            raise self.error(
+                f"{prefix}.query",
+                f"query {_show(query_ids[without[0]])} has no positive ({without.size} such "
+                f"queries); list at least one relevant gallery item per query or drop the query",
+            )
         try:
             return Positives.from_pairs(rows["query"], rows["gallery"], len(query_ids), len(gallery_ids), grade)
         except InputError as exc:
@@ -244,20 +273,28 @@ class _Reader:
 
     def check_dims(self, splits: dict[str, TaskSplit]) -> None:
         for field in ("old", "new", "side"):
-            dims = {f"{s}.{n}.{field}": getattr(getattr(split, n), field).shape[1]
-                    for s, split in splits.items() for n in SETS if field != "side" or n == "gallery"}
+            dims = {
+                f"{s}.{n}.{field}": getattr(getattr(split, n), field).shape[1]
+                for s, split in splits.items()
+                for n in SETS
+                if field != "side" or n == "gallery"
+            }
             if len(set(dims.values())) > 1:
                 listing = ", ".join(f"{k} {d}" for k, d in dims.items())
-                raise InputError(f"{self.source}: the {field} embeddings differ in dimension ({listing}); "
-                                 f"every set must be embedded by the same model")
+                raise InputError(
+                    f"{self.source}: the {field} embeddings differ in dimension ({listing}); "
+                    f"every set must be embedded by the same model"
+                )
 
     def check_disjoint(self, splits: dict[str, TaskSplit]) -> None:
         for name in SETS:
             train_ids, eval_ids = (getattr(splits[s], name).ids for s in SPLITS)
             shared = np.intersect1d(train_ids, eval_ids) if train_ids.dtype.kind == eval_ids.dtype.kind else []
             if len(shared):
-                raise InputError(f"{self.source}: {len(shared)} {name} id(s) are in both train and eval (first "
-                                 f"{_show(shared[0])}); the evaluation split must hold items nothing is fitted on")
+                raise InputError(
+                    f"{self.source}: {len(shared)} {name} id(s) are in both train and eval (first "
+                    f"{_show(shared[0])}); the evaluation split must hold items nothing is fitted on"
+                )
 
     def check_no_unknown_keys(self) -> None:
         unknown = sorted(set(self.arrays) - self.used)
@@ -287,8 +324,12 @@ def _rows_of(ids: np.ndarray, listed: np.ndarray, error) -> np.ndarray:
 
 def task_arrays(task: RetrievalTask) -> dict[str, np.ndarray]:
     """The arrays of a task file for ``task`` (inverse of :func:`task_from_arrays`)."""
-    arrays: dict[str, np.ndarray] = {"format": np.array(TASK_FORMAT), "name": np.array(task.name),
-                                     "level": np.array(task.level), "primary_metric": np.array(task.primary_metric)}
+    arrays: dict[str, np.ndarray] = {
+        "format": np.array(TASK_FORMAT),
+        "name": np.array(task.name),
+        "level": np.array(task.level),
+        "primary_metric": np.array(task.primary_metric),
+    }
     for split_name, split in zip(SPLITS, (task.train, task.evaluation)):
         for set_name in SETS:
             items: TaskSet = getattr(split, set_name)

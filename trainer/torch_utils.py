@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import random
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -38,13 +38,20 @@ def resolve_device(name: DeviceName | str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def as_tensor(array: np.ndarray, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def as_tensor(
+    array: np.ndarray, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     return torch.as_tensor(np.ascontiguousarray(array), dtype=dtype, device=device)
 
 
 @torch.no_grad()
-def predict(module: torch.nn.Module, *inputs: np.ndarray, batch_size: int = 1024, device: torch.device | str = "cpu",
-            progress: bool = False) -> np.ndarray:
+def predict(
+    module: torch.nn.Module,
+    *inputs: np.ndarray,
+    batch_size: int = 1024,
+    device: torch.device | str = "cpu",
+    progress: bool = False,
+) -> np.ndarray:
     """Run ``module`` in eval mode over numpy inputs in batches; return a float32 numpy array.
     ``progress`` shows a tqdm bar over the batches (for large inputs)."""
     was_training = module.training
@@ -101,14 +108,18 @@ def _read_checkpoint(path: str | Path, kinds: tuple[str, ...]) -> tuple[dict[str
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for truncated/foreign files
-        raise InputError(f"{path}: not a readable fctkit model file ({type(exc).__name__}: {exc}); "
-                         f"the file is truncated or damaged, re-save it") from exc
+        raise InputError(
+            f"{path}: not a readable fctkit model file ({type(exc).__name__}: {exc}); "
+            f"the file is truncated or damaged, re-save it"
+        ) from exc
     if not isinstance(payload, dict) or payload.get("kind") not in kinds:
         found = payload.get("kind") if isinstance(payload, dict) else type(payload).__name__
         raise InputError(f"{path}: holds {found!r}, expected a {' or '.join(map(repr, kinds))} file")
     if payload.get("checkpoint_version") != CHECKPOINT_VERSION:
-        raise InputError(f"{path}: checkpoint version {payload.get('checkpoint_version')!r} is not supported "
-                         f"(this fctkit reads version {CHECKPOINT_VERSION})")
+        raise InputError(
+            f"{path}: checkpoint version {payload.get('checkpoint_version')!r} is not supported "
+            f"(this fctkit reads version {CHECKPOINT_VERSION})"
+        )
     if not isinstance(payload.get("state_dict"), dict) or not isinstance(payload.get("meta"), dict):
         raise InputError(f"{path}: incomplete model file (no weights or metadata); re-save it")
     return payload["state_dict"], payload["meta"], payload["kind"]

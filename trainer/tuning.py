@@ -20,14 +20,31 @@ from .pipeline_config import PipelineConfig
 from .query_map import MinedNegatives, fit_jointly
 from .report import Report
 from .retrieval_result import metric_value
-from .searches import (EvalSet, Evaluator, HeldOutScores, Hubness, Transition, WithQueryMap, adapted_retrieval,
-                       device_queries, scored_retrieval, task_features)
+from .searches import (
+    EvalSet,
+    Evaluator,
+    HeldOutScores,
+    Hubness,
+    Transition,
+    WithQueryMap,
+    adapted_retrieval,
+    device_queries,
+    scored_retrieval,
+    task_features,
+)
 from .selection import Holdout, coordinate_search
 from .tasks import RetrievalTask, TaskSplit
 
 
-def select_settings(config: PipelineConfig, method: str, section: Any, knobs: list, task: RetrievalTask,
-                    holdout: Holdout, report: Report | None) -> tuple[Any, Adapter]:
+def select_settings(
+    config: PipelineConfig,
+    method: str,
+    section: Any,
+    knobs: list,
+    task: RetrievalTask,
+    holdout: Holdout,
+    report: Report | None,
+) -> tuple[Any, Adapter]:
     """The best settings on ``holdout``, and the adapter they fitted on its fit part."""
     fit_part = task_features(holdout.fit.gallery)
     judge = EvalSet.of_task(holdout.held_out)
@@ -38,11 +55,15 @@ def select_settings(config: PipelineConfig, method: str, section: Any, knobs: li
         query, gallery = adapted_retrieval(adapter, judge)
         return metric_value(evaluate(query, gallery), task.primary_metric), adapter
 
-    chosen = coordinate_search(section, knobs, score, progress=config.progress, description=f"selecting {method_label(method)}")
+    chosen = coordinate_search(
+        section, knobs, score, progress=config.progress, description=f"selecting {method_label(method)}"
+    )
     if report is not None:
         settings = ", ".join(f"{path} = {value}" for path, value in chosen.chosen.items())
-        report.add_fact(f"selected [{method_label(method)}]",
-                        f"{settings} ({task.primary_metric} {chosen.score:.4f} on held-out training data, {chosen.tried} fits)")
+        report.add_fact(
+            f"selected [{method_label(method)}]",
+            f"{settings} ({task.primary_metric} {chosen.score:.4f} on held-out training data, {chosen.tried} fits)",
+        )
     return chosen.config, chosen.outcome
 
 
@@ -81,14 +102,29 @@ def fit_on_positives(config: PipelineConfig, adapter: Adapter, train: TaskSplit,
     items = positives.indices
     gallery = train.gallery
     side = gallery.side if gallery.side.shape[1] else None
-    negatives = (MinedNegatives.nearest(gallery.old, side, items, section.hard_negatives) if section.hard_negatives else None)
-    query_map, _ = fit_jointly(adapter, train.query.new[queries], gallery.old[items], None if side is None else side[items],
-                               gallery.new[items], run_seeded(config, section), negatives)
+    negatives = (
+        MinedNegatives.nearest(gallery.old, side, items, section.hard_negatives) if section.hard_negatives else None
+    )
+    query_map, _ = fit_jointly(
+        adapter,
+        train.query.new[queries],
+        gallery.old[items],
+        None if side is None else side[items],
+        gallery.new[items],
+        run_seeded(config, section),
+        negatives,
+    )
     return adapter if query_map is None else WithQueryMap(adapter, query_map)
 
 
-def choose_transition(config: PipelineConfig, task: RetrievalTask, variant: str, final: Adapter | WithQueryMap | Hubness,
-                      refit: HeldOutFit, report: Report | None) -> Transition:
+def choose_transition(
+    config: PipelineConfig,
+    task: RetrievalTask,
+    variant: str,
+    final: Adapter | WithQueryMap | Hubness,
+    refit: HeldOutFit,
+    report: Report | None,
+) -> Transition:
     """The weight with the best primary metric on held-out training data. With a
     :class:`Hubness` ``final``, its β is kept and its offset is part of the adapted score."""
     judge = EvalSet.of_task(refit.holdout.held_out)
@@ -96,30 +132,53 @@ def choose_transition(config: PipelineConfig, task: RetrievalTask, variant: str,
     base = refit.adapter
     if isinstance(final, Hubness):
         base = Hubness(refit.adapter, final.beta, device_queries(refit.adapter, refit.holdout.fit.query.new), final.k)
-    scores = {w: metric_value(evaluate(*scored_retrieval(Transition(base, w), judge)), task.primary_metric)
-              for w in config.transition.weights}
+    scores = {
+        w: metric_value(evaluate(*scored_retrieval(Transition(base, w), judge)), task.primary_metric)
+        for w in config.transition.weights
+    }
     weight = max(config.transition.weights, key=lambda w: (scores[w], -w))
     if report is not None:
-        report.add_fact(f"transition weight [{method_label(variant)}]",
-                        f"w = {weight} ({task.primary_metric} {scores[weight]:.4f} on held-out training data; "
-                        f"w = 0: {scores.get(0.0, float('nan')):.4f})")
+        report.add_fact(
+            f"transition weight [{method_label(variant)}]",
+            f"w = {weight} ({task.primary_metric} {scores[weight]:.4f} on held-out training data; "
+            f"w = 0: {scores.get(0.0, float('nan')):.4f})",
+        )
     return Transition(final, weight, HeldOutScores(scores[weight], scores.get(0.0, float("nan"))))
 
 
-def choose_hubness(config: PipelineConfig, task: RetrievalTask, variant: str, final: Adapter | WithQueryMap,
-                   refit: HeldOutFit, report: Report | None) -> Hubness:
+def choose_hubness(
+    config: PipelineConfig,
+    task: RetrievalTask,
+    variant: str,
+    final: Adapter | WithQueryMap,
+    refit: HeldOutFit,
+    report: Report | None,
+) -> Hubness:
     """β with the best primary metric on held-out training data (offsets from the fit part's queries)."""
     judge = EvalSet.of_task(refit.holdout.held_out)
     evaluate = Evaluator(config.evaluation, judge)
     reference = device_queries(refit.adapter, refit.holdout.fit.query.new)
-    scores = {beta: metric_value(evaluate(*scored_retrieval(Hubness(refit.adapter, beta, reference, config.hubness.k), judge)),
-                                 task.primary_metric) for beta in config.hubness.betas}
+    scores = {
+        beta: metric_value(
+            evaluate(*scored_retrieval(Hubness(refit.adapter, beta, reference, config.hubness.k), judge)),
+            task.primary_metric,
+        )
+        for beta in config.hubness.betas
+    }
     beta = max(config.hubness.betas, key=lambda b: (scores[b], -b))
     if report is not None:
-        report.add_fact(f"hubness β [{method_label(variant)}]", f"β = {beta} ({task.primary_metric} {scores[beta]:.4f} on "
-                        f"held-out training data; β = 0: {scores.get(0.0, float('nan')):.4f}), k = {config.hubness.k}")
-    return Hubness(final, beta, device_queries(final, task.train.query.new), config.hubness.k,
-                   HeldOutScores(scores[beta], scores.get(0.0, float("nan"))))
+        report.add_fact(
+            f"hubness β [{method_label(variant)}]",
+            f"β = {beta} ({task.primary_metric} {scores[beta]:.4f} on "
+            f"held-out training data; β = 0: {scores.get(0.0, float('nan')):.4f}), k = {config.hubness.k}",
+        )
+    return Hubness(
+        final,
+        beta,
+        device_queries(final, task.train.query.new),
+        config.hubness.k,
+        HeldOutScores(scores[beta], scores.get(0.0, float("nan"))),
+    )
 
 
 def held_out_scores(adapters: dict[str, Any]) -> dict[str, float]:
@@ -140,9 +199,12 @@ def recommended(held_out: dict[str, float]) -> dict[str, str]:
     """The variants to publish, chosen on held-out training data only: the best that needs no
     old model on the device (``gallery side``) and the best while devices still keep it
     (``during the transition``, which may be the same). Ties go to the variant with fewer parts."""
+
     def best(keys: list[str]) -> str | None:
         return max(keys, key=lambda k: (held_out[k], -k.count("+")), default=None)
 
-    choice = {"gallery side": best([k for k in held_out if "transition" not in k.split("+")]),
-              "during the transition": best(list(held_out))}
+    choice = {
+        "gallery side": best([k for k in held_out if "transition" not in k.split("+")]),
+        "during the transition": best(list(held_out)),
+    }
     return {name: key for name, key in choice.items() if key is not None}

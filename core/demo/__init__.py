@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 from fctkit.errors import InputError, require
 
 from .fleet_story import fleet_story
+from .loopback_server import DemoServer
 from .options import DEMO_CONFIGS, DEMO_METHODS, DemoOptions
 from .phases import Phases
 from .results import CASES, render_table, write_report
-from .loopback_server import DemoServer
 
 if TYPE_CHECKING:
     import click
@@ -62,17 +62,27 @@ def run_demo(options: DemoOptions, log: Callable[[str], None] = print) -> DemoRe
         try:
             with phases("keys: a publisher key, the server's timestamp key, a root of trust naming both"):
                 trust = _root_of_trust(out / "keys")
-            with phases(f"train v1 (old backbone + SimCLR ψ) and v2 (new backbone + {options.method} adapter) on {options.data}"):
+            with phases(
+                f"train v1 (old backbone + SimCLR ψ) and v2 (new backbone + {options.method} adapter) on {options.data}"
+            ):
                 _train(options, out / "run", log)
             with phases("export and sign bundles v1, v2"):
                 from fctkit.export.keys import load_private_key
                 from fctkit.export.release import build_release
 
-                released = build_release(out / "run", out / "release", private_key=load_private_key(trust.publisher_key),
-                                         method=options.method, progress=options.progress)
+                released = build_release(
+                    out / "run",
+                    out / "release",
+                    private_key=load_private_key(trust.publisher_key),
+                    method=options.method,
+                    progress=options.progress,
+                )
             with phases("start `fctkit serve` on a free loopback port"):
-                server = DemoServer(out / "server" / "data", None, ("--root", str(trust.root), "--timestamp-key",
-                                                                   str(trust.timestamp_key)))
+                server = DemoServer(
+                    out / "server" / "data",
+                    None,
+                    ("--root", str(trust.root), "--timestamp-key", str(trust.timestamp_key)),
+                )
                 server.data_dir.parent.mkdir(parents=True)
                 server.start()
                 log(f"    server pid {server.process.pid} listening on {server.target}")
@@ -105,9 +115,13 @@ def _root_of_trust(folder: Path) -> DemoTrust:
 
     publisher_key, publisher_pub = generate_keys(folder / "publisher")
     timestamp_key, timestamp_pub = generate_keys(folder / "timestamp")
-    root_file, signed, _ = init_root(folder / "root", root_keys=1, root_threshold=1,
-                                     publisher_keys=[load_public_key(publisher_pub)],
-                                     timestamp_keys=[load_public_key(timestamp_pub)])
+    root_file, signed, _ = init_root(
+        folder / "root",
+        root_keys=1,
+        root_threshold=1,
+        publisher_keys=[load_public_key(publisher_pub)],
+        timestamp_keys=[load_public_key(timestamp_pub)],
+    )
     return DemoTrust(publisher_key, timestamp_key, root_file, root_fingerprint(signed))
 
 
@@ -129,8 +143,13 @@ def _train(options: DemoOptions, run_dir: Path, log: Callable[[str], None]) -> P
     from fctkit.trainer.pipeline import run_pipeline
     from fctkit.trainer.pipeline_config import load_pipeline_config
 
-    overrides = {"seed": options.seed, "progress": options.progress, "methods": [options.method], "chain.enabled": False,
-                 "backfill.orderings": ["random", "class-mean-l2"]}
+    overrides = {
+        "seed": options.seed,
+        "progress": options.progress,
+        "methods": [options.method],
+        "chain.enabled": False,
+        "backfill.orderings": ["random", "class-mean-l2"],
+    }
     config_file = Path("configs") / f"{options.data}.toml"
     if options.data != "digits" and config_file.is_file():
         config = load_pipeline_config(config_file, overrides)
@@ -164,24 +183,59 @@ def _command() -> click.Command:
     @click.command("demo")
     @click.option("--data", type=click.Choice(sorted(DEMO_CONFIGS)), default="digits", show_default=True)
     @click.option("--devices", type=int, default=3, show_default=True, help="Simulated devices in the fleet.")
-    @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/demo"), show_default=True,
-                  help="Output folder (emptied when it holds an earlier demo).")
-    @click.option("--method", type=click.Choice(DEMO_METHODS), default="fct", show_default=True, help="The adapter method of v2.")
-    @click.option("--backfill-fraction", type=float, default=0.3, show_default=True, help="Share of one device's rows to backfill.")
-    @click.option("--backfill-order", type=click.Choice(["random", "uncertainty", "class-mean-l2", "class-mean-cosine", "kmeans"]),
-                  default="class-mean-l2", show_default=True)
+    @click.option(
+        "--out",
+        type=click.Path(path_type=Path),
+        default=Path("runs/demo"),
+        show_default=True,
+        help="Output folder (emptied when it holds an earlier demo).",
+    )
+    @click.option(
+        "--method", type=click.Choice(DEMO_METHODS), default="fct", show_default=True, help="The adapter method of v2."
+    )
+    @click.option(
+        "--backfill-fraction",
+        type=float,
+        default=0.3,
+        show_default=True,
+        help="Share of one device's rows to backfill.",
+    )
+    @click.option(
+        "--backfill-order",
+        type=click.Choice(["random", "uncertainty", "class-mean-l2", "class-mean-cosine", "kmeans"]),
+        default="class-mean-l2",
+        show_default=True,
+    )
     @click.option("--seed", type=int, default=0, show_default=True)
     @click.option("--quiet", is_flag=True, help="No progress bars.")
-    def demo_command(data: str, devices: int, out: Path, method: str, backfill_fraction: float, backfill_order: str,
-                     seed: int, quiet: bool) -> None:
+    def demo_command(
+        data: str,
+        devices: int,
+        out: Path,
+        method: str,
+        backfill_fraction: float,
+        backfill_order: str,
+        seed: int,
+        quiet: bool,
+    ) -> None:
         """Train v1 and v2, serve them, upgrade a fleet of devices in place, backfill one; print the table."""
-        run_demo(DemoOptions(data, devices, out, method, backfill_fraction, backfill_order, seed, not quiet),
-                 log=click.echo)
+        run_demo(
+            DemoOptions(data, devices, out, method, backfill_fraction, backfill_order, seed, not quiet), log=click.echo
+        )
 
     return demo_command
 
 
 demo_command = _command()
 
-__all__ = ["CASES", "DEMO_CONFIGS", "DEMO_METHODS", "DemoOptions", "DemoResult", "DemoServer", "run_demo", "render_table",
-           "demo_command"]
+__all__ = [
+    "CASES",
+    "DEMO_CONFIGS",
+    "DEMO_METHODS",
+    "DemoOptions",
+    "DemoResult",
+    "DemoServer",
+    "demo_command",
+    "render_table",
+    "run_demo",
+]

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .loopback_server import DemoServer
 from .options import DemoOptions
 from .phases import Phases
 from .results import CASES
-from .loopback_server import DemoServer
 
 if TYPE_CHECKING:
     from fctkit.edge_runtime import BackfillResult, Device
@@ -33,8 +33,15 @@ class _Member:
     ids: list[str]
 
 
-def fleet_story(options: DemoOptions, out: Path, server: DemoServer, archives: list[Path],
-                phases: Phases, log: Callable[[str], None], root_fingerprint: str) -> dict[str, Any]:
+def fleet_story(
+    options: DemoOptions,
+    out: Path,
+    server: DemoServer,
+    archives: list[Path],
+    phases: Phases,
+    log: Callable[[str], None],
+    root_fingerprint: str,
+) -> dict[str, Any]:
     """Phases 4 to 6 of the demo on the trained run in ``out / "run"``; devices enrol by the
     root's fingerprint; returns the report."""
     from fctkit.edge_runtime import Device, DeviceSettings
@@ -45,9 +52,8 @@ def fleet_story(options: DemoOptions, out: Path, server: DemoServer, archives: l
     shares = np.array_split(np.random.default_rng(options.seed).permutation(len(labels)), options.devices)
     fleet: list[_Member] = []
     measures: dict[str, dict[str, Any]] = {}
-    with phases("publish v1"):
-        with server.admin() as admin:
-            admin.publish_bundle(archives[0])
+    with phases("publish v1"), server.admin() as admin:
+        admin.publish_bundle(archives[0])
     with phases(f"enrol {options.devices} devices; each installs v1 and adds its share (sealed uploads)"):
         for i, rows in enumerate(shares):
             phases.step()
@@ -62,15 +68,20 @@ def fleet_story(options: DemoOptions, out: Path, server: DemoServer, archives: l
             ids = [f"{name}-{int(r)}" for r in rows]
             device.add(images[rows], item_ids=ids, labels=[str(int(x)) for x in labels[rows]])
             fleet.append(_Member(name, device, rows, ids))
-            measures[name] = {"rows": len(rows), "bundle_bytes": {"v1": _dir_bytes(device.root / "bundles" / "v1")},
-                              "vault_upload_bytes": _vault_bytes(device), "cases": {}}
-            log(f"    {name}: {len(rows)} rows at v1, {measures[name]['vault_upload_bytes']:,} sealed bytes in the vault")
+            measures[name] = {
+                "rows": len(rows),
+                "bundle_bytes": {"v1": _dir_bytes(device.root / "bundles" / "v1")},
+                "vault_upload_bytes": _vault_bytes(device),
+                "cases": {},
+            }
+            log(
+                f"    {name}: {len(rows)} rows at v1, {measures[name]['vault_upload_bytes']:,} sealed bytes in the vault"
+            )
     distance = trained.distance
     for member in fleet:
         measures[member.name]["cases"]["old/old"] = _vectors(member, images, lambda d, x: d.query_vectors(x))
-    with phases("publish v2"):
-        with server.admin() as admin:
-            admin.publish_bundle(archives[1])
+    with phases("publish v2"), server.admin() as admin:
+        admin.publish_bundle(archives[1])
     upgrade_rows = 0
     with phases("devices sync v2 and upgrade their galleries in place (adapter h on device)"):
         for member in fleet:
@@ -93,7 +104,9 @@ def fleet_story(options: DemoOptions, out: Path, server: DemoServer, archives: l
         measures[member.name]["cases"]["new/new"] = _native_new(member, images)
     backfiller = fleet[0]
     budget = max(1, round(options.backfill_fraction * len(backfiller.rows)))
-    with phases(f"{backfiller.name} backfills {budget} rows ({options.backfill_fraction:.0%}, {options.backfill_order}) from the vault"):
+    with phases(
+        f"{backfiller.name} backfills {budget} rows ({options.backfill_fraction:.0%}, {options.backfill_order}) from the vault"
+    ):
         started = time.perf_counter()
         backfill = backfiller.device.backfill(budget, order=options.backfill_order)
         backfill_s = time.perf_counter() - started
@@ -141,9 +154,18 @@ def _evaluate(pairs: list[_Pair], labels: list[np.ndarray], distance: str) -> di
     return {"top1": round(result.top1, 4), "top5": round(result.cmc[5], 4), "mAP": round(result.mean_ap, 4)}
 
 
-def _assemble(options: DemoOptions, trained: TrainedRun, fleet: list[_Member], measures: dict[str, dict[str, Any]],
-              labels: np.ndarray, distance: str, backfill: BackfillResult, backfill_s: float, upgrade_rows: int,
-              images: np.ndarray) -> dict[str, Any]:
+def _assemble(
+    options: DemoOptions,
+    trained: TrainedRun,
+    fleet: list[_Member],
+    measures: dict[str, dict[str, Any]],
+    labels: np.ndarray,
+    distance: str,
+    backfill: BackfillResult,
+    backfill_s: float,
+    upgrade_rows: int,
+    images: np.ndarray,
+) -> dict[str, Any]:
     per_device: dict[str, Any] = {}
     for member in fleet:
         m = measures[member.name]
@@ -166,15 +188,27 @@ def _assemble(options: DemoOptions, trained: TrainedRun, fleet: list[_Member], m
     per_row_embed_s = _per_row_embed_seconds(fleet[0].device, images[fleet[0].rows])
     upgrade_s = sum(d["upgrade_s"] for d in per_device.values())
     return {
-        "data": options.data, "method": options.method, "devices": options.devices, "distance": distance,
-        "rows": total_rows, "seed": options.seed,
-        "per_device": per_device, "overall": overall,
-        "ecc": {"holds": overall["new/h(old)"]["top1"] > overall["old/old"]["top1"],
-                "rule": "M(new, h(old)) > M(old, old), top-1 over the fleet"},
+        "data": options.data,
+        "method": options.method,
+        "devices": options.devices,
+        "distance": distance,
+        "rows": total_rows,
+        "seed": options.seed,
+        "per_device": per_device,
+        "overall": overall,
+        "ecc": {
+            "holds": overall["new/h(old)"]["top1"] > overall["old/old"]["top1"],
+            "rule": "M(new, h(old)) > M(old, old), top-1 over the fleet",
+        },
         "trainer_figures": trained.gate["cases"],
-        "backfill": {"device": fleet[0].name, "order": backfill.order, "rows": backfill.backfilled,
-                     "fraction": options.backfill_fraction, "bytes_downloaded": backfill.bytes_downloaded,
-                     "seconds": round(backfill_s, 3)},
+        "backfill": {
+            "device": fleet[0].name,
+            "order": backfill.order,
+            "rows": backfill.backfilled,
+            "fraction": options.backfill_fraction,
+            "bytes_downloaded": backfill.bytes_downloaded,
+            "seconds": round(backfill_s, 3),
+        },
         "bytes": {
             "bundle_v1": per_device[fleet[0].name]["bundle_bytes"]["v1"],
             "bundle_v2": per_device[fleet[0].name]["bundle_bytes"]["v2"],
@@ -184,14 +218,17 @@ def _assemble(options: DemoOptions, trained: TrainedRun, fleet: list[_Member], m
             "full_reembed_downloads": vault_bytes,
         },
         "cost": {
-            "upgrade_s": round(upgrade_s, 3), "upgrade_rows": upgrade_rows,
+            "upgrade_s": round(upgrade_s, 3),
+            "upgrade_rows": upgrade_rows,
             "upgrade_per_row_ms": round(1000 * upgrade_s / max(upgrade_rows, 1), 4),
             "backfill_per_row_ms": round(1000 * per_row_backfill_s, 4),
             "embed_per_row_ms": round(1000 * per_row_embed_s, 4),
             "full_reembed_estimate_s": round(per_row_backfill_s * total_rows, 3),
-            "backfill_row_over_upgrade_row": round(per_row_backfill_s / max(upgrade_s / max(upgrade_rows, 1), 1e-12), 2),
+            "backfill_row_over_upgrade_row": round(
+                per_row_backfill_s / max(upgrade_s / max(upgrade_rows, 1), 1e-12), 2
+            ),
             "note": "full re-embed = every device downloads and opens every original and re-embeds it: "
-                    "rows x the per-row cost measured by this run's backfill (download + decrypt + embed + write)",
+            "rows x the per-row cost measured by this run's backfill (download + decrypt + embed + write)",
         },
     }
 

@@ -25,8 +25,9 @@ class DemoServer:
     (a publisher.pub) or a root: pass ``("--root", ROOT, "--timestamp-key", KEY)`` in ``extra_args``
     (appended to its command line, like ``("--replica-quota-bytes", "1099511627776")``)."""
 
-    def __init__(self, data_dir: Path, publisher_pub: Path | None, extra_args: Sequence[str] = (),
-                 storage: Sequence[str] = ()) -> None:
+    def __init__(
+        self, data_dir: Path, publisher_pub: Path | None, extra_args: Sequence[str] = (), storage: Sequence[str] = ()
+    ) -> None:
         """``storage``: `fctkit serve` storage arguments in place of ``--data DATA_DIR`` (e.g.
         ``--database URL --object-store s3://BUCKET/PREFIX``); ``data_dir``'s folder still holds
         the token and the log."""
@@ -51,13 +52,30 @@ class DemoServer:
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(secrets.token_urlsafe(32) + "\n")
-        command = [sys.executable, "-m", "fctkit.cli", "serve", *self.storage, "--port", "0",
-                   *(("--publisher-key", str(self.publisher_pub)) if self.publisher_pub else ()),
-                   "--admin-token-file", str(self.token_file),
-                   "--shutdown-grace", "2", *self.extra_args]
+        command = [
+            sys.executable,
+            "-m",
+            "fctkit.cli",
+            "serve",
+            *self.storage,
+            "--port",
+            "0",
+            *(("--publisher-key", str(self.publisher_pub)) if self.publisher_pub else ()),
+            "--admin-token-file",
+            str(self.token_file),
+            "--shutdown-grace",
+            "2",
+            *self.extra_args,
+        ]
         with self.log_path.open("w") as log:
-            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL,
-                                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.process = subprocess.Popen(
+                command,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for line in self.log_path.read_text(errors="replace").splitlines():

@@ -55,19 +55,24 @@ class BlockSealer:
         self._sealer = sealer
         self._gallery_id = gallery_id
 
-    def seal(self, block_id: int, field: str, tag: VersionTag, row_ids: np.ndarray, item_ids: bytes,
-             values: np.ndarray) -> SealedBlock:
+    def seal(
+        self, block_id: int, field: str, tag: VersionTag, row_ids: np.ndarray, item_ids: bytes, values: np.ndarray
+    ) -> SealedBlock:
         """Seal ``values`` (one row per id of ``row_ids``, unique ids; ``item_ids`` encoded by
         :func:`encode_item_ids`) as block ``block_id``."""
         row_ids = np.asarray(row_ids, dtype=ROW_ID_DTYPE)
         values = np.asarray(values)
         if values.ndim != 2 or len(values) != len(row_ids) or not len(row_ids):
-            raise GalleryError(f"block {block_id}: {values.shape} values for {len(row_ids)} row ids (one row of values per id, at least one)")
+            raise GalleryError(
+                f"block {block_id}: {values.shape} values for {len(row_ids)} row ids (one row of values per id, at least one)"
+            )
         if len(np.unique(row_ids)) != len(row_ids):
             raise GalleryError(f"block {block_id}: a row id is repeated")
         plaintext = np.ascontiguousarray(values, dtype=VALUE_DTYPE).tobytes()
         unsealed = SealedBlock(block_id, field, tag, row_ids, item_ids, values.shape[1], b"")
-        return SealedBlock(block_id, field, tag, row_ids, item_ids, values.shape[1], self._sealer.seal(plaintext, self._aad(unsealed)))
+        return SealedBlock(
+            block_id, field, tag, row_ids, item_ids, values.shape[1], self._sealer.seal(plaintext, self._aad(unsealed))
+        )
 
     def open(self, block: SealedBlock) -> np.ndarray:
         """The block's values, ``(rows, width)`` float32; :class:`CorruptRecordError` when the
@@ -75,11 +80,14 @@ class BlockSealer:
         what = _described(block)
         plaintext = self._sealer.open(block.sealed, self._aad(block), what)
         if len(plaintext) != len(block.row_ids) * block.width * VALUE_DTYPE.itemsize:  # cannot happen unless sealed so
-            raise CorruptRecordError(f"{what}: {len(plaintext)} bytes do not hold {len(block.row_ids)} x {block.width} values")
+            raise CorruptRecordError(
+                f"{what}: {len(plaintext)} bytes do not hold {len(block.row_ids)} x {block.width} values"
+            )
         return np.frombuffer(plaintext, dtype=VALUE_DTYPE).reshape(len(block.row_ids), block.width)
 
-    def open_into(self, blocks: Iterable[SealedBlock], row_ids: np.ndarray, out: np.ndarray
-                  ) -> tuple[np.ndarray, list[tuple[SealedBlock, str]]]:
+    def open_into(
+        self, blocks: Iterable[SealedBlock], row_ids: np.ndarray, out: np.ndarray
+    ) -> tuple[np.ndarray, list[tuple[SealedBlock, str]]]:
         """Open ``blocks`` straight into ``out``, whose rows are those of ``row_ids`` (ascending):
         a block's row ``r`` goes to ``out[i]`` where ``row_ids[i] == r``; rows not in ``row_ids``
         (deleted since) are skipped. Vectorised per block, no per-row Python. Returns a mask of
@@ -93,9 +101,11 @@ class BlockSealer:
             live = (row_ids[at] == block.row_ids) if len(row_ids) else np.zeros(len(block.row_ids), dtype=bool)
             try:
                 if block.width != out.shape[1]:
-                    raise CorruptRecordError(f"block {block.block_id}: {block.width} values per row, not {out.shape[1]}")
+                    raise CorruptRecordError(
+                        f"block {block.block_id}: {block.width} values per row, not {out.shape[1]}"
+                    )
                 if _consecutive(at, live) and out.dtype == VALUE_DTYPE and out.flags.c_contiguous and out.shape[1]:
-                    self._open_straight_into(block, out[at[0]:at[0] + len(at)])  # the common case: no copy at all
+                    self._open_straight_into(block, out[at[0] : at[0] + len(at)])  # the common case: no copy at all
                 else:
                     out[at[live]] = self.open(block)[live]
             except CorruptRecordError as exc:
@@ -114,8 +124,17 @@ class BlockSealer:
     def _aad(self, block: SealedBlock) -> bytes:
         tag = block.tag
         return b"fctkit-gallery-block/1|%s|%d|%s|%d|%d|%s|%d|%d|%s|%s" % (
-            self._gallery_id, block.block_id, block.field.encode(), tag.origin_version, tag.version, tag.via.encode(),
-            len(block.row_ids), block.width, hashlib.sha256(block.row_id_bytes).digest(), hashlib.sha256(block.item_ids).digest())
+            self._gallery_id,
+            block.block_id,
+            block.field.encode(),
+            tag.origin_version,
+            tag.version,
+            tag.via.encode(),
+            len(block.row_ids),
+            block.width,
+            hashlib.sha256(block.row_id_bytes).digest(),
+            hashlib.sha256(block.item_ids).digest(),
+        )
 
 
 def _described(block: SealedBlock) -> str:
@@ -124,7 +143,12 @@ def _described(block: SealedBlock) -> str:
 
 def _consecutive(at: np.ndarray, live: np.ndarray) -> bool:
     """Whether every row of a block is wanted, in consecutive output rows in the block's order."""
-    return bool(len(at)) and bool(live.all()) and int(at[-1]) - int(at[0]) == len(at) - 1 and bool((np.diff(at) == 1).all())
+    return (
+        bool(len(at))
+        and bool(live.all())
+        and int(at[-1]) - int(at[0]) == len(at) - 1
+        and bool((np.diff(at) == 1).all())
+    )
 
 
 def encode_item_ids(item_ids: Sequence[str]) -> bytes:
@@ -140,7 +164,9 @@ def check_item_ids(item_ids: Iterable[str]) -> None:
     """Item ids the gallery can store: non-empty strings without NUL."""
     for item_id in item_ids:
         if not isinstance(item_id, str) or not item_id or "\0" in item_id:
-            raise InputError(f"item id {item_id!r} cannot be stored: item ids are non-empty strings without NUL characters")
+            raise InputError(
+                f"item id {item_id!r} cannot be stored: item ids are non-empty strings without NUL characters"
+            )
 
 
 def block_slices(rows: int, block_rows: int) -> Iterator[slice]:

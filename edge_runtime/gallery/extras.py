@@ -10,18 +10,22 @@ from pathlib import Path
 
 import numpy as np
 
+from ..sqlite_file import read_snapshot, transaction
 from .rows import LoadedRows, VersionTag, rows_by_tag
 from .schema import vector_tables
 from .sealing import RowSealer
 from .settings import GallerySettings
 from .vectors import VectorBlocks
-from ..sqlite_file import read_snapshot, transaction
 
 #: the row's embedding in the previous version's space while a transition lasts (sealed as that
 #: tag's "embedding", so it is the very record the row had), and the row's hubness offset in its
 #: current space; each field's name in the records' authenticated data
-EXTRA_FIELDS = {"previous_embedding": "embedding", "hubness_offset": "hubness_offset",
-                "rollback_embedding": "embedding", "rollback_side_info": "side_info"}
+EXTRA_FIELDS = {
+    "previous_embedding": "embedding",
+    "hubness_offset": "hubness_offset",
+    "rollback_embedding": "embedding",
+    "rollback_side_info": "side_info",
+}
 #: during a rollback window (:mod:`..revert`): each row's embedding and side-info as they were before
 #: the last upgrade, sealed as that tag's own records (an SQL tuple)
 ROLLBACK_FIELDS = "('rollback_embedding', 'rollback_side_info')"
@@ -30,8 +34,14 @@ ROLLBACK_FIELDS = "('rollback_embedding', 'rollback_side_info')"
 class RowExtras:
     """The extras of one gallery connection."""
 
-    def __init__(self, connection: sqlite3.Connection, settings: GallerySettings, sealing: RowSealer,
-                 vectors: VectorBlocks, path: Path) -> None:
+    def __init__(
+        self,
+        connection: sqlite3.Connection,
+        settings: GallerySettings,
+        sealing: RowSealer,
+        vectors: VectorBlocks,
+        path: Path,
+    ) -> None:
         self._db = connection
         self._settings = settings
         self._sealing = sealing
@@ -45,19 +55,43 @@ class RowExtras:
             live, _ = vector_tables(self._settings, self._path)
             written = 0
             for tag, picked in rows_by_tag(rows.tags).items():
-                written += self.insert(field_name, [int(rows.row_ids[i]) for i in picked],
-                                       [rows.item_ids[i] for i in picked], tag, np.asarray(values)[picked], live=live)
+                written += self.insert(
+                    field_name,
+                    [int(rows.row_ids[i]) for i in picked],
+                    [rows.item_ids[i] for i in picked],
+                    tag,
+                    np.asarray(values)[picked],
+                    live=live,
+                )
         return written
 
-    def insert(self, field_name: str, row_ids: Sequence[int], item_ids: Sequence[str], tag: VersionTag,
-               values: np.ndarray, *, live: str | None = None) -> int:
+    def insert(
+        self,
+        field_name: str,
+        row_ids: Sequence[int],
+        item_ids: Sequence[str],
+        tag: VersionTag,
+        values: np.ndarray,
+        *,
+        live: str | None = None,
+    ) -> int:
         """Inside a transaction: seal and store extras; with ``live``, only for rows whose live vectors have ``tag``."""
         sealed = self._sealing.seal_values(row_ids, item_ids, tag, EXTRA_FIELDS[field_name], values)
-        guard = "" if live is None else f" AND EXISTS (SELECT 1 FROM {live} v WHERE v.row_id = ? AND v.version = ? AND v.via = ?)"
-        params = [(r, field_name, tag.origin_version, tag.version, tag.via, blob, r) + (() if live is None else (r, tag.version, tag.via))
-                  for r, blob in zip(row_ids, sealed, strict=True)]
-        return self._db.executemany(f"INSERT OR REPLACE INTO row_extras SELECT ?, ?, ?, ?, ?, ? "
-                                    f"WHERE EXISTS (SELECT 1 FROM items WHERE row_id = ?){guard}", params).rowcount
+        guard = (
+            ""
+            if live is None
+            else f" AND EXISTS (SELECT 1 FROM {live} v WHERE v.row_id = ? AND v.version = ? AND v.via = ?)"
+        )
+        params = [
+            (r, field_name, tag.origin_version, tag.version, tag.via, blob, r)
+            + (() if live is None else (r, tag.version, tag.via))
+            for r, blob in zip(row_ids, sealed, strict=True)
+        ]
+        return self._db.executemany(
+            f"INSERT OR REPLACE INTO row_extras SELECT ?, ?, ?, ?, ?, ? "
+            f"WHERE EXISTS (SELECT 1 FROM items WHERE row_id = ?){guard}",
+            params,
+        ).rowcount
 
     def load(self, field_name: str) -> LoadedRows:
         """The stored extras of ``field_name``, decrypted: ``embeddings`` holds the values and
@@ -65,7 +99,9 @@ class RowExtras:
         with read_snapshot(self._db):
             cursor = self._db.execute(
                 "SELECT row_id, i.item_id, e.origin_version, e.version, e.via, e.sealed, NULL, NULL "
-                "FROM row_extras e JOIN items i USING (row_id) WHERE e.field = ? ORDER BY row_id", (field_name,))
+                "FROM row_extras e JOIN items i USING (row_id) WHERE e.field = ? ORDER BY row_id",
+                (field_name,),
+            )
             return self._sealing.open_rows(cursor, with_labels=False, fields=(EXTRA_FIELDS[field_name], None))
 
     def rows_missing(self, field_name: str, version: int) -> LoadedRows:
@@ -76,7 +112,9 @@ class RowExtras:
                 f"SELECT v.row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, NULL "
                 f"FROM {live} v JOIN items i USING (row_id) LEFT JOIN row_extras e ON e.row_id = v.row_id AND e.field = ? "
                 f"WHERE v.version = ? AND (e.row_id IS NULL OR e.origin_version != i.origin_version OR e.version != v.version "
-                f"OR e.via != v.via) ORDER BY v.row_id", (field_name, version)).fetchall()
+                f"OR e.via != v.via) ORDER BY v.row_id",
+                (field_name, version),
+            ).fetchall()
             return self._vectors.open_pointers(rows)
 
     def drop(self, field_name: str, meta: dict[str, str | None] | None = None) -> int:

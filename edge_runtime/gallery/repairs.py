@@ -10,10 +10,10 @@ from collections.abc import Callable, Sequence
 
 from fctkit.errors import CorruptRecordError
 
+from ..sqlite_file import id_chunks, read_snapshot, transaction
 from .rows import LoadedRows
 from .sealing import RowSealer
 from .vectors import VectorBlocks
-from ..sqlite_file import id_chunks, read_snapshot, transaction
 
 
 class GalleryRepairs:
@@ -33,8 +33,11 @@ class GalleryRepairs:
             live, _ = self._tables()
             found: list[tuple] = []
             for chunk, marks in id_chunks([int(r) for r in row_ids]):
-                found += self._db.execute(f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, i.label "
-                                          f"FROM items i JOIN {live} v USING (row_id) WHERE row_id IN ({marks})", chunk).fetchall()
+                found += self._db.execute(
+                    f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, i.label "
+                    f"FROM items i JOIN {live} v USING (row_id) WHERE row_id IN ({marks})",
+                    chunk,
+                ).fetchall()
             return self._vectors.open_pointers(sorted(found), self._sealing.open_label)
 
     def side_info_widths(self, row_ids: Sequence[int]) -> dict[int, int]:
@@ -42,8 +45,13 @@ class GalleryRepairs:
         live, _ = self._tables()
         found: dict[int, int] = {}
         for chunk, marks in id_chunks([int(r) for r in row_ids]):
-            found.update(self._db.execute(f"SELECT v.row_id, b.side_info_width FROM {live} v JOIN vector_blocks b USING (block_id) "
-                                          f"WHERE v.row_id IN ({marks})", chunk).fetchall())
+            found.update(
+                self._db.execute(
+                    f"SELECT v.row_id, b.side_info_width FROM {live} v JOIN vector_blocks b USING (block_id) "
+                    f"WHERE v.row_id IN ({marks})",
+                    chunk,
+                ).fetchall()
+            )
         return found
 
     def restore_entries(self, rows: LoadedRows) -> list[str]:
@@ -56,10 +64,15 @@ class GalleryRepairs:
             live, _ = self._tables()
             for row_id, item_id, tag in zip(rows.row_ids.tolist(), rows.item_ids, rows.tags, strict=True):
                 try:
-                    self._db.execute("UPDATE items SET item_id = ?, origin_version = ? WHERE row_id = ?", (item_id, tag.origin_version, row_id))
+                    self._db.execute(
+                        "UPDATE items SET item_id = ?, origin_version = ? WHERE row_id = ?",
+                        (item_id, tag.origin_version, row_id),
+                    )
                 except sqlite3.IntegrityError:  # another row holds that item id: this one stays damaged
                     continue
-                self._db.execute(f"UPDATE {live} SET version = ?, via = ? WHERE row_id = ?", (tag.version, tag.via, row_id))
+                self._db.execute(
+                    f"UPDATE {live} SET version = ?, via = ? WHERE row_id = ?", (tag.version, tag.via, row_id)
+                )
                 label = self._db.execute("SELECT label FROM items WHERE row_id = ?", (row_id,)).fetchone()
                 try:
                     if label is not None and label[0] is not None:

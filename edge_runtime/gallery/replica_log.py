@@ -20,11 +20,11 @@ import numpy as np
 
 from fctkit.errors import GalleryError, InputError
 
-from .blocks import decode_item_ids, encode_item_ids
-from .schema import VECTOR_TABLES
-from .rows import LoadedRows, VersionTag, rows_by_tag, take_rows
-from .vectors import LabelOpener, VectorBlocks
 from ..sqlite_file import id_chunks, read_snapshot, transaction
+from .blocks import decode_item_ids, encode_item_ids
+from .rows import LoadedRows, VersionTag, rows_by_tag, take_rows
+from .schema import VECTOR_TABLES
+from .vectors import LabelOpener, VectorBlocks
 
 
 @dataclass(frozen=True)
@@ -51,14 +51,23 @@ class ReplicaRows:
         return len(self.item_ids)
 
     def take(self, positions: Sequence[int]) -> ReplicaRows:
-        return ReplicaRows(tuple(self.item_ids[k] for k in positions), self.embeddings[list(positions)],
-                           self.side_infos[list(positions)], [self.labels[k] for k in positions],
-                           [self.vault_sha256s[k] for k in positions])
+        return ReplicaRows(
+            tuple(self.item_ids[k] for k in positions),
+            self.embeddings[list(positions)],
+            self.side_infos[list(positions)],
+            [self.labels[k] for k in positions],
+            [self.vault_sha256s[k] for k in positions],
+        )
 
     @classmethod
     def tombstones(cls, item_ids: Sequence[str]) -> ReplicaRows:
-        return cls(tuple(item_ids), np.zeros((len(item_ids), 0), np.float32), np.zeros((len(item_ids), 0), np.float32),
-                   [None] * len(item_ids), [None] * len(item_ids))
+        return cls(
+            tuple(item_ids),
+            np.zeros((len(item_ids), 0), np.float32),
+            np.zeros((len(item_ids), 0), np.float32),
+            [None] * len(item_ids),
+            [None] * len(item_ids),
+        )
 
 
 BlockSealer = Callable[[VersionTag | None, ReplicaRows], list[tuple[tuple[str, ...], bytes]]]
@@ -133,8 +142,15 @@ class GalleryRows(Protocol):
 
     def _next_row_id(self) -> int: ...
 
-    def _remove_item(self, item_id: str, *, tombstone: bool = True, delete_original: bool = False,
-                     keep_queued: bool = False, retired: bool = False) -> bool: ...
+    def _remove_item(
+        self,
+        item_id: str,
+        *,
+        tombstone: bool = True,
+        delete_original: bool = False,
+        keep_queued: bool = False,
+        retired: bool = False,
+    ) -> bool: ...
 
     def _log_changes(self, item_ids: Sequence[str] = (), *, tombstone: bool = False) -> None: ...
 
@@ -142,7 +158,9 @@ class GalleryRows(Protocol):
 class ReplicaLog:
     """The outbox, change log, tombstones and pending records of one gallery connection."""
 
-    def __init__(self, gallery: GalleryRows, connection: sqlite3.Connection, vectors: VectorBlocks, open_label: LabelOpener) -> None:
+    def __init__(
+        self, gallery: GalleryRows, connection: sqlite3.Connection, vectors: VectorBlocks, open_label: LabelOpener
+    ) -> None:
         self._gallery = gallery
         self._db = connection
         self._vectors = vectors
@@ -177,10 +195,14 @@ class ReplicaLog:
     def replication_counts(self) -> dict[str, int]:
         """Changes not yet acknowledged by the server (unsealed + sealed), rows of pending records, tombstones."""
         one = lambda sql: self._db.execute(sql).fetchone()[0]  # noqa: E731
-        return {"cursor": self.replica_cursor,
-                "unpushed": one("SELECT (SELECT COUNT(*) FROM changes) + (SELECT COALESCE(SUM(rows), 0) FROM outgoing_blocks)"),
-                "pending": one("SELECT COALESCE(SUM(rows), 0) FROM pending_blocks"),
-                "tombstones": one("SELECT COUNT(*) FROM tombstones")}
+        return {
+            "cursor": self.replica_cursor,
+            "unpushed": one(
+                "SELECT (SELECT COUNT(*) FROM changes) + (SELECT COALESCE(SUM(rows), 0) FROM outgoing_blocks)"
+            ),
+            "pending": one("SELECT COALESCE(SUM(rows), 0) FROM pending_blocks"),
+            "tombstones": one("SELECT COUNT(*) FROM tombstones"),
+        }
 
     def load_items(self, item_ids: Sequence[str]) -> tuple[LoadedRows, dict[str, str | None]]:
         """The live rows of ``item_ids`` (decrypted, with labels) and each one's vault SHA-256."""
@@ -193,7 +215,9 @@ class ReplicaLog:
         for chunk, marks in id_chunks(item_ids):
             found += self._db.execute(
                 f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, i.label, i.vault_sha256 "
-                f"FROM items i JOIN {live} v USING (row_id) WHERE i.item_id IN ({marks})", chunk).fetchall()
+                f"FROM items i JOIN {live} v USING (row_id) WHERE i.item_id IN ({marks})",
+                chunk,
+            ).fetchall()
         found.sort()
         return self._vectors.open_pointers(found, self._open_label), {row[1]: row[7] for row in found}
 
@@ -206,7 +230,9 @@ class ReplicaLog:
         with transaction(self._db):
             changes = self._db.execute(
                 "SELECT change_id, item_id, tombstone FROM changes c WHERE NOT EXISTS "
-                "(SELECT 1 FROM outbox o WHERE o.item_id = c.item_id) ORDER BY change_id LIMIT ?", (limit,)).fetchall()
+                "(SELECT 1 FROM outbox o WHERE o.item_id = c.item_id) ORDER BY change_id LIMIT ?",
+                (limit,),
+            ).fetchall()
             if not changes:
                 return 0
             change_of = {item_id: change_id for change_id, item_id, _ in changes}
@@ -214,12 +240,24 @@ class ReplicaLog:
             rows, vault_shas = self._load_items([item_id for _, item_id, tombstone in changes if not tombstone])
             if rows.corrupt:
                 row_id, item_id, reason = rows.corrupt[0]
-                raise GalleryError(f"row {row_id} ({item_id!r}) cannot be read to replicate it: {reason}; remove it and sync again")
+                raise GalleryError(
+                    f"row {row_id} ({item_id!r}) cannot be read to replicate it: {reason}; remove it and sync again"
+                )
             groups = [(None, ReplicaRows.tombstones(removed))] if removed else []
             for tag, picked in rows_by_tag(rows.tags).items():
                 item_ids = tuple(rows.item_ids[k] for k in picked)
-                groups.append((tag, ReplicaRows(item_ids, take_rows(rows.embeddings, picked), take_rows(rows.side_infos, picked),
-                                                [rows.labels[k] for k in picked], [vault_shas[i] for i in item_ids])))
+                groups.append(
+                    (
+                        tag,
+                        ReplicaRows(
+                            item_ids,
+                            take_rows(rows.embeddings, picked),
+                            take_rows(rows.side_infos, picked),
+                            [rows.labels[k] for k in picked],
+                            [vault_shas[i] for i in item_ids],
+                        ),
+                    )
+                )
             for tag, group in groups:
                 for item_ids, sealed in seal(tag, group):
                     self._keep_outgoing(tag, item_ids, sealed, min(change_of[i] for i in item_ids))
@@ -229,8 +267,10 @@ class ReplicaLog:
         return len(changes)
 
     def _keep_outgoing(self, tag: VersionTag | None, item_ids: tuple[str, ...], sealed: bytes, key: int) -> None:
-        self._db.execute("INSERT INTO outgoing_blocks VALUES (?, 1, ?, ?, ?, ?, ?, ?, ?)",
-                         (key, *(_tag_columns(tag)), int(tag is None), len(item_ids), encode_item_ids(item_ids), sealed))
+        self._db.execute(
+            "INSERT INTO outgoing_blocks VALUES (?, 1, ?, ?, ?, ?, ?, ?, ?)",
+            (key, *(_tag_columns(tag)), int(tag is None), len(item_ids), encode_item_ids(item_ids), sealed),
+        )
         if tag is not None:
             sha = hashlib.sha256(sealed).hexdigest()
             for chunk, marks in id_chunks(item_ids):
@@ -240,12 +280,15 @@ class ReplicaLog:
         """Sealed records to push, oldest first, holding at most ``max_rows`` rows (at least one record)."""
         found, rows = [], 0
         for key, block, version, origin, via, tombstone, item_ids, sealed in self._db.execute(
-                "SELECT block_key, block, version, origin_version, via, tombstone, item_ids, sealed FROM outgoing_blocks "
-                "ORDER BY block_key"):
+            "SELECT block_key, block, version, origin_version, via, tombstone, item_ids, sealed FROM outgoing_blocks "
+            "ORDER BY block_key"
+        ):
             ids = tuple(decode_item_ids(item_ids))
             if found and rows + len(ids) > max_rows:
                 break
-            found.append(OutgoingBlock(key, bool(block), None if tombstone else VersionTag(origin, version, via), ids, sealed))
+            found.append(
+                OutgoingBlock(key, bool(block), None if tombstone else VersionTag(origin, version, via), ids, sealed)
+            )
             rows += len(ids)
         return found
 
@@ -257,9 +300,13 @@ class ReplicaLog:
     def originals_to_delete(self) -> list[tuple[str, str]]:
         """(item id, vault SHA-256) of items removed here whose tombstone the server has acknowledged
         (none while any tombstone waits, unsealed or sealed: the owner's other devices learn first)."""
-        return list(self._db.execute("SELECT item_id, vault_sha256 FROM tombstones t WHERE vault_sha256 IS NOT NULL "
-                                     "AND NOT EXISTS (SELECT 1 FROM changes c WHERE c.item_id = t.item_id) "
-                                     "AND NOT EXISTS (SELECT 1 FROM outgoing_blocks WHERE tombstone = 1)"))
+        return list(
+            self._db.execute(
+                "SELECT item_id, vault_sha256 FROM tombstones t WHERE vault_sha256 IS NOT NULL "
+                "AND NOT EXISTS (SELECT 1 FROM changes c WHERE c.item_id = t.item_id) "
+                "AND NOT EXISTS (SELECT 1 FROM outgoing_blocks WHERE tombstone = 1)"
+            )
+        )
 
     def forget_original(self, item_id: str) -> None:
         """The removed item's original is gone from the vault."""
@@ -268,14 +315,30 @@ class ReplicaLog:
 
     def pending_blocks(self, up_to_version: int) -> list[PendingBlock]:
         """Kept records whose version is at most ``up_to_version``, in sequence order."""
-        return [PendingBlock(seq, bool(block), VersionTag(origin, version, via), tuple(decode_item_ids(ids)),
-                             tuple(int(k) for k in skipped.split(",") if k), sealed)
-                for seq, block, version, origin, via, ids, skipped, sealed in self._db.execute(
-                    "SELECT sequence, block, version, origin_version, via, item_ids, skipped, sealed FROM pending_blocks "
-                    "WHERE version <= ? ORDER BY sequence", (up_to_version,))]
+        return [
+            PendingBlock(
+                seq,
+                bool(block),
+                VersionTag(origin, version, via),
+                tuple(decode_item_ids(ids)),
+                tuple(int(k) for k in skipped.split(",") if k),
+                sealed,
+            )
+            for seq, block, version, origin, via, ids, skipped, sealed in self._db.execute(
+                "SELECT sequence, block, version, origin_version, via, item_ids, skipped, sealed FROM pending_blocks "
+                "WHERE version <= ? ORDER BY sequence",
+                (up_to_version,),
+            )
+        ]
 
-    def merge_blocks(self, records: Sequence, decide: Callable[[object, dict[str, ItemState]], BlockMerge], *,
-                     cursor: int | None = None, done_pending: Sequence[int] = ()) -> dict[str, int]:
+    def merge_blocks(
+        self,
+        records: Sequence,
+        decide: Callable[[object, dict[str, ItemState]], BlockMerge],
+        *,
+        cursor: int | None = None,
+        done_pending: Sequence[int] = (),
+    ) -> dict[str, int]:
         """Merge pulled records in one transaction, one pass per record: ``decide(record, states)``
         (the states of its items, read inside the transaction) says what it does; then the cursor
         is set and the ``done_pending`` sequence numbers are dropped, so a crash leaves either all
@@ -302,8 +365,10 @@ class ReplicaLog:
         """The states of those items that have a row or a tombstone (inside the caller's transaction)."""
         states = {i: ItemState(None, None, True) for i in self._gallery._tombstoned(item_ids)}
         for chunk, marks in id_chunks(item_ids):
-            query = (f"SELECT i.item_id, i.origin_version, v.version, v.via, i.record_sha256 FROM items i "
-                     f"JOIN {live} v USING (row_id) WHERE i.item_id IN ({marks})")
+            query = (
+                f"SELECT i.item_id, i.origin_version, v.version, v.via, i.record_sha256 FROM items i "
+                f"JOIN {live} v USING (row_id) WHERE i.item_id IN ({marks})"
+            )
             for item_id, origin, version, via, sha in self._db.execute(query, chunk):
                 states[item_id] = ItemState(VersionTag(origin, version, via), sha, item_id in states)
         return states
@@ -315,21 +380,35 @@ class ReplicaLog:
             self._gallery._remove_item(item_id)
         if merge.pending is not None:
             kept = merge.pending
-            self._db.execute("INSERT OR IGNORE INTO pending_blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", (
-                kept.sequence, int(kept.block), *_tag_columns(kept.tag), encode_item_ids(kept.item_ids),
-                ",".join(map(str, kept.skipped)), len(kept.item_ids) - len(kept.skipped), kept.sealed))
+            self._db.execute(
+                "INSERT OR IGNORE INTO pending_blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    kept.sequence,
+                    int(kept.block),
+                    *_tag_columns(kept.tag),
+                    encode_item_ids(kept.item_ids),
+                    ",".join(map(str, kept.skipped)),
+                    len(kept.item_ids) - len(kept.skipped),
+                    kept.sealed,
+                ),
+            )
         if not merge.rows:
             return
         rows = merge.content.take(merge.rows)
         replaced = [i for i in rows.item_ids if i in states and states[i].tag is not None]
         if replaced:
-            row_ids = [r for chunk, marks in id_chunks(replaced)
-                       for r, in self._db.execute(f"SELECT row_id FROM items WHERE item_id IN ({marks})", chunk)]
+            row_ids = [
+                r
+                for chunk, marks in id_chunks(replaced)
+                for (r,) in self._db.execute(f"SELECT row_id FROM items WHERE item_id IN ({marks})", chunk)
+            ]
             for table in VECTOR_TABLES:
                 self._vectors.retire(table, row_ids)
             for item_id in replaced:
                 self._gallery._remove_item(item_id, tombstone=False, retired=True)
-        self._gallery._insert_rows(live, InsertedRows(self._gallery._next_row_id(), merge.tag, rows, merge.record_sha256))
+        self._gallery._insert_rows(
+            live, InsertedRows(self._gallery._next_row_id(), merge.tag, rows, merge.record_sha256)
+        )
         if merge.record_sha256 is None:
             self._gallery._log_changes(rows.item_ids)
 
@@ -337,8 +416,11 @@ class ReplicaLog:
         """Start replicating afresh (the device joined another owner): cursor 0, no pending or
         sealed records, every row a change to push again."""
         with transaction(self._db):
-            removed = [i for ids, in self._db.execute("SELECT item_ids FROM outgoing_blocks WHERE tombstone = 1")
-                       for i in decode_item_ids(ids)]
+            removed = [
+                i
+                for (ids,) in self._db.execute("SELECT item_ids FROM outgoing_blocks WHERE tombstone = 1")
+                for i in decode_item_ids(ids)
+            ]
             self._db.execute("DELETE FROM pending_blocks")
             self._db.execute("DELETE FROM outgoing_blocks")
             self._db.execute("DELETE FROM changes WHERE tombstone = 0")

@@ -59,9 +59,14 @@ class LoadedRows:
     def subset(self, keep: Sequence[int]) -> LoadedRows:
         """The rows at positions ``keep`` (damage counts unchanged)."""
         return LoadedRows(
-            row_ids=self.row_ids[list(keep)], item_ids=[self.item_ids[i] for i in keep], tags=[self.tags[i] for i in keep],
-            embeddings=take_rows(self.embeddings, keep), side_infos=self.side_infos[list(keep)],
-            labels=[self.labels[i] for i in keep], corrupt=self.corrupt, missing=self.missing,
+            row_ids=self.row_ids[list(keep)],
+            item_ids=[self.item_ids[i] for i in keep],
+            tags=[self.tags[i] for i in keep],
+            embeddings=take_rows(self.embeddings, keep),
+            side_infos=self.side_infos[list(keep)],
+            labels=[self.labels[i] for i in keep],
+            corrupt=self.corrupt,
+            missing=self.missing,
         )
 
 

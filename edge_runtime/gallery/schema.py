@@ -51,9 +51,9 @@ from pathlib import Path
 from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryError
 
 from ..crypto import Sealer
+from ..sqlite_file import transaction
 from .settings import ESSENTIAL, GallerySettings, add_macs, authentic, setting_mac
 from .vectors import BLOCKS_SCHEMA
-from ..sqlite_file import transaction
 
 SCHEMA_VERSION = 6
 VECTOR_TABLES = ("vectors_0", "vectors_1")
@@ -115,7 +115,9 @@ def check_essential(path: Path, db: sqlite3.Connection, sealer: Sealer, meta: di
     if not bad:
         return
     if not any(authentic(sealer, k, v, m) for k, (v, m) in meta.items()):
-        raise DeviceKeyError(f"{path} was not sealed with this device key: use the gallery's own key file (nothing was changed)")
+        raise DeviceKeyError(
+            f"{path} was not sealed with this device key: use the gallery's own key file (nothing was changed)"
+        )
     settings = GallerySettings(db, sealer, path)
     recovered = settings.recovered()  # a damaged name or byte the MAC still vouches for: used now, rewritten by repair
     meta.update({k: (recovered[k], setting_mac(sealer, k, recovered[k])) for k in bad if k in recovered})
@@ -154,7 +156,9 @@ def still_at(db: sqlite3.Connection, from_schema: str) -> bool:
     """Whether the gallery is (still) at ``from_schema``; inside a transaction, another process
     cannot migrate it meanwhile."""
     row = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    return row is not None and row[0] == from_schema  # None: its name was damaged (its value recovered by check_essential)
+    return (
+        row is not None and row[0] == from_schema
+    )  # None: its name was damaged (its value recovered by check_essential)
 
 
 def _add_replication(db: sqlite3.Connection, sealer: Sealer) -> None:
@@ -165,7 +169,9 @@ def _add_replication(db: sqlite3.Connection, sealer: Sealer) -> None:
         db.execute("ALTER TABLE items ADD COLUMN record_sha256 TEXT")
         execute_script(db, _REPLICATION_SCHEMA)
         db.execute("INSERT INTO changes (item_id, tombstone) SELECT item_id, 0 FROM items ORDER BY row_id")
-        db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [("schema_version", "2"), ("replica_cursor", "0")])
+        db.executemany(
+            "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [("schema_version", "2"), ("replica_cursor", "0")]
+        )
 
 
 def _add_row_extras(db: sqlite3.Connection, sealer: Sealer) -> None:
@@ -201,11 +207,15 @@ def migrate_replica_to_blocks(db: sqlite3.Connection, settings: GallerySettings)
 def _move_replica_to_blocks(db: sqlite3.Connection) -> None:
     """The schema-6 replication tables from the schema-2 ones (a new gallery is created this way too)."""
     execute_script(db, _REPLICA_BLOCKS_SCHEMA)
-    db.execute("INSERT INTO outgoing_blocks SELECT change_id, 0, COALESCE(version, 0), COALESCE(origin_version, 0), "
-               "COALESCE(via, ''), tombstone, 1, CAST(item_id AS BLOB), sealed FROM changes WHERE sealed IS NOT NULL")
+    db.execute(
+        "INSERT INTO outgoing_blocks SELECT change_id, 0, COALESCE(version, 0), COALESCE(origin_version, 0), "
+        "COALESCE(via, ''), tombstone, 1, CAST(item_id AS BLOB), sealed FROM changes WHERE sealed IS NOT NULL"
+    )
     db.execute("DELETE FROM changes WHERE sealed IS NOT NULL")
     for column in ("version", "origin_version", "via", "sealed"):  # DROP COLUMN keeps the AUTOINCREMENT counter
         db.execute(f"ALTER TABLE changes DROP COLUMN {column}")
-    db.execute("INSERT INTO pending_blocks SELECT sequence, 0, version, origin_version, via, CAST(item_id AS BLOB), '', 1, sealed "
-               "FROM pending_records")
+    db.execute(
+        "INSERT INTO pending_blocks SELECT sequence, 0, version, origin_version, via, CAST(item_id AS BLOB), '', 1, sealed "
+        "FROM pending_records"
+    )
     db.execute("DROP TABLE pending_records")

@@ -27,22 +27,25 @@ class RowSealer:
         self._sealer = sealer
         self._gallery_id = gallery_id
 
-    def seal_values(self, row_ids: Sequence[int], item_ids: Sequence[str], tag: VersionTag, field_name: str,
-                    values: np.ndarray) -> list[bytes]:
+    def seal_values(
+        self, row_ids: Sequence[int], item_ids: Sequence[str], tag: VersionTag, field_name: str, values: np.ndarray
+    ) -> list[bytes]:
         """One sealed record per row: its row of ``values`` as float32, bound to ``field_name``."""
         block = np.ascontiguousarray(values, dtype="<f4").reshape(len(row_ids), -1)
         raw, width = block.tobytes(), block.shape[1] * 4
-        plaintexts = [raw[i * width:(i + 1) * width] for i in range(len(row_ids))]
+        plaintexts = [raw[i * width : (i + 1) * width] for i in range(len(row_ids))]
         aads = [_aad(self._gallery_id, r, i, tag, field_name) for r, i in zip(row_ids, item_ids, strict=True)]
         return self._sealer.seal_many(plaintexts, aads)
 
-    def seal_labels(self, row_ids: Sequence[int], item_ids: Sequence[str], origins: Sequence[int],
-                    labels: Sequence[str | None]) -> list[bytes | None]:
+    def seal_labels(
+        self, row_ids: Sequence[int], item_ids: Sequence[str], origins: Sequence[int], labels: Sequence[str | None]
+    ) -> list[bytes | None]:
         """Each row's sealed label (None where it has none), all nonces drawn at once."""
         present = [k for k, label in enumerate(labels) if label is not None]
         sealed = self._sealer.seal_many(
             [labels[k].encode("utf-8") for k in present],
-            [_aad(self._gallery_id, row_ids[k], item_ids[k], _label_tag(origins[k]), "label") for k in present])
+            [_aad(self._gallery_id, row_ids[k], item_ids[k], _label_tag(origins[k]), "label") for k in present],
+        )
         found: list[bytes | None] = [None] * len(labels)
         for k, record in zip(present, sealed, strict=True):
             found[k] = record
@@ -55,8 +58,9 @@ class RowSealer:
         aad = _aad(self._gallery_id, row_id, item_id, _label_tag(origin_version), "label")
         return self._sealer.open(sealed, aad, f"row {row_id} label").decode("utf-8")
 
-    def open_rows(self, cursor: Iterable[tuple], *, with_labels: bool,
-                  fields: tuple[str, str | None] = ("embedding", "side_info")) -> LoadedRows:
+    def open_rows(
+        self, cursor: Iterable[tuple], *, with_labels: bool, fields: tuple[str, str | None] = ("embedding", "side_info")
+    ) -> LoadedRows:
         """Open the (row id, item id, origin, version, via, first, second, label) records of
         ``cursor``; ``fields`` names the AAD fields of the first and second sealed values (the
         second None: there is none)."""
@@ -72,10 +76,16 @@ class RowSealer:
                 if tag is None:
                     tag = known_tags[(origin, version, via)] = VersionTag(origin, version, via)
                 e = open_(emb, _aad(gid, row_id, item_id, tag, first_field), f"row {row_id} {first_field}")
-                s = b"" if second_field is None else open_(side, _aad(gid, row_id, item_id, tag, second_field), f"row {row_id} {second_field}")
+                s = (
+                    b""
+                    if second_field is None
+                    else open_(side, _aad(gid, row_id, item_id, tag, second_field), f"row {row_id} {second_field}")
+                )
                 text = None
                 if with_labels and label is not None:
-                    text = open_(label, _aad(gid, row_id, item_id, _label_tag(origin), "label"), f"row {row_id} label").decode("utf-8")
+                    text = open_(
+                        label, _aad(gid, row_id, item_id, _label_tag(origin), "label"), f"row {row_id} label"
+                    ).decode("utf-8")
             except (CorruptRecordError, GalleryError, TypeError) as exc:  # a damaged record or version tag
                 corrupt.append((row_id, item_id, str(exc)))
                 continue
@@ -86,17 +96,30 @@ class RowSealer:
             side_infos.append(s)
             labels.append(text)
         return LoadedRows(
-            row_ids=np.asarray(row_ids, dtype=np.int64), item_ids=item_ids, tags=tags,
-            embeddings=_stack(embeddings), side_infos=_stack(side_infos), labels=labels, corrupt=corrupt,
+            row_ids=np.asarray(row_ids, dtype=np.int64),
+            item_ids=item_ids,
+            tags=tags,
+            embeddings=_stack(embeddings),
+            side_infos=_stack(side_infos),
+            labels=labels,
+            corrupt=corrupt,
         )
 
 
 def _aad(gallery_id: bytes, row_id: int, item_id: str, tag: VersionTag, field_name: str) -> bytes:
-    if not isinstance(item_id, str) or not all(isinstance(n, int) for n in (row_id, tag.origin_version, tag.version)):  # damaged plaintext columns
+    if not isinstance(item_id, str) or not all(
+        isinstance(n, int) for n in (row_id, tag.origin_version, tag.version)
+    ):  # damaged plaintext columns
         raise CorruptRecordError(f"row {row_id!r}: its row id or item id is damaged ({item_id!r})")
     return b"fctkit-gallery/1|%s|%d|%s|%d|%d|%s|%s" % (
-        gallery_id, row_id, item_id.encode("utf-8", "surrogateescape"), tag.origin_version, tag.version, tag.via.encode(),
-        field_name.encode())
+        gallery_id,
+        row_id,
+        item_id.encode("utf-8", "surrogateescape"),
+        tag.origin_version,
+        tag.version,
+        tag.via.encode(),
+        field_name.encode(),
+    )
 
 
 @functools.cache

@@ -38,13 +38,21 @@ def stored_name(value: object) -> str:
 
 
 def setting_mac(sealer: Sealer, key: str, value: str) -> bytes:
-    return sealer.mac(b"fctkit-setting/1\0" + key.encode("utf-8", "surrogateescape") + b"\0"
-                      + value.encode("utf-8", "surrogateescape"))
+    return sealer.mac(
+        b"fctkit-setting/1\0"
+        + key.encode("utf-8", "surrogateescape")
+        + b"\0"
+        + value.encode("utf-8", "surrogateescape")
+    )
 
 
 def authentic(sealer: Sealer, key: str, value: object, mac: object) -> bool:
-    return (isinstance(key, str) and isinstance(value, str) and isinstance(mac, bytes)
-            and setting_mac(sealer, key, value) == mac)
+    return (
+        isinstance(key, str)
+        and isinstance(value, str)
+        and isinstance(mac, bytes)
+        and setting_mac(sealer, key, value) == mac
+    )
 
 
 class GallerySettings:
@@ -87,7 +95,10 @@ class GallerySettings:
             # whatever type a damaged byte left the name as (repair drops or rewrites it): matched as its bytes
             self._db.execute("DELETE FROM meta WHERE CAST(key AS BLOB) = ?", (key.encode("utf-8", "surrogateescape"),))
             if value is not None:
-                self._db.execute("INSERT INTO meta (key, value, mac) VALUES (?, ?, ?)", (key, value, setting_mac(self._sealer, key, value)))
+                self._db.execute(
+                    "INSERT INTO meta (key, value, mac) VALUES (?, ?, ?)",
+                    (key, value, setting_mac(self._sealer, key, value)),
+                )
 
     def damaged(self) -> list[str]:
         """Every setting that fails its MAC and every required one that is missing (a damaged
@@ -100,7 +111,9 @@ class GallerySettings:
     def opened_essentials(self) -> dict[str, str]:
         """The :data:`ESSENTIAL` settings as stored, for a gallery that opened: opening vouched for
         them (their MACs, one recovered byte, or the key check), so repair can seal them again."""
-        rows = self._db.execute(f"SELECT key, value FROM meta WHERE key IN ({','.join('?' * len(ESSENTIAL))})", ESSENTIAL)
+        rows = self._db.execute(
+            f"SELECT key, value FROM meta WHERE key IN ({','.join('?' * len(ESSENTIAL))})", ESSENTIAL
+        )
         return {key: value for key, value in rows if isinstance(value, str)}
 
     def recovered(self) -> dict[str, str]:
@@ -124,13 +137,20 @@ class GallerySettings:
     def error(self, keys: Iterable[str]) -> GalleryDamagedError:
         keys = tuple(keys)
         if set(keys) & set(ESSENTIAL):
-            advice = ("the gallery cannot be opened: rebuild it from the owner's replica (README, "
-                      "\"Recovering a damaged device\")")
+            advice = (
+                "the gallery cannot be opened: rebuild it from the owner's replica (README, "
+                '"Recovering a damaged device")'
+            )
         else:
-            advice = ("run `fctkit device repair --dir DIR`: it derives them again where it can, and otherwise says how "
-                      "to rebuild the gallery from the owner's replica")
-        return GalleryDamagedError(f"{self._path}: gallery setting(s) {', '.join(keys)} failed authentication or are "
-                                   f"missing (the file was modified or damaged); nothing was changed; {advice}", keys)
+            advice = (
+                "run `fctkit device repair --dir DIR`: it derives them again where it can, and otherwise says how "
+                "to rebuild the gallery from the owner's replica"
+            )
+        return GalleryDamagedError(
+            f"{self._path}: gallery setting(s) {', '.join(keys)} failed authentication or are "
+            f"missing (the file was modified or damaged); nothing was changed; {advice}",
+            keys,
+        )
 
 
 def _one_byte_fixed(text: str, holds: Callable[[str], bool]) -> str | None:
@@ -138,7 +158,7 @@ def _one_byte_fixed(text: str, holds: Callable[[str], bool]) -> str | None:
     raw = text.encode("utf-8", "surrogateescape")
     for at in range(min(len(raw), RECOVERED_BYTES)):
         for byte in range(256):
-            candidate = raw[:at] + bytes([byte]) + raw[at + 1:]
+            candidate = raw[:at] + bytes([byte]) + raw[at + 1 :]
             try:
                 value = candidate.decode("utf-8")
             except UnicodeDecodeError:

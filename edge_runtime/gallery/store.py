@@ -42,21 +42,28 @@ import numpy as np
 from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryDamagedError, GalleryError, InputError
 
 from ..crypto import Sealer
-from .extras import RowExtras
-from .replica_log import InsertedRows, ReplicaLog
-from .rows import LoadedRows, NewRow, VersionTag, tag_name
-from .schema import (SCHEMA_VERSION, VECTOR_TABLES, check_essential, create_tables, migrate,
-                             migrate_replica_to_blocks, vector_tables)
-from .block_migration import migrate_to_blocks
-from .blocks import check_item_ids
-from .sealing import RowSealer
-from .settings import GallerySettings, stored_name
-from .repairs import GalleryRepairs
-from .upgrades import GalleryUpgrades
-from .vectors import VectorBlocks, reconciled_with_items
 from ..sqlite_file import connect, id_chunks, text_match
 from ..sqlite_file import read_snapshot as _read_snapshot
 from ..sqlite_file import transaction as _transaction
+from .block_migration import migrate_to_blocks
+from .blocks import check_item_ids
+from .extras import RowExtras
+from .repairs import GalleryRepairs
+from .replica_log import InsertedRows, ReplicaLog
+from .rows import LoadedRows, NewRow, VersionTag, tag_name
+from .schema import (
+    SCHEMA_VERSION,
+    VECTOR_TABLES,
+    check_essential,
+    create_tables,
+    migrate,
+    migrate_replica_to_blocks,
+    vector_tables,
+)
+from .sealing import RowSealer
+from .settings import GallerySettings, stored_name
+from .upgrades import GalleryUpgrades
+from .vectors import VectorBlocks, reconciled_with_items
 
 _KEY_CHECK = b"fctkit-gallery-key-check"
 
@@ -94,11 +101,17 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
         check = sealer.seal(_KEY_CHECK, b"key-check|" + gallery_id)
         with _transaction(db):
             create_tables(db)
-            GallerySettings(db, sealer, path).put({
-                "schema_version": str(SCHEMA_VERSION), "gallery_id": gallery_id.hex(),
-                "key_check": base64.b64encode(check).decode(), "query_version": "0",
-                "live_vectors": VECTOR_TABLES[0], "replica_cursor": "0", "row_count": "0",
-            })
+            GallerySettings(db, sealer, path).put(
+                {
+                    "schema_version": str(SCHEMA_VERSION),
+                    "gallery_id": gallery_id.hex(),
+                    "key_check": base64.b64encode(check).decode(),
+                    "query_version": "0",
+                    "live_vectors": VECTOR_TABLES[0],
+                    "replica_cursor": "0",
+                    "row_count": "0",
+                }
+            )
         return cls(path, db, sealer, gallery_id)
 
     @classmethod
@@ -123,7 +136,9 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
             mac_column = "mac" if "mac" in columns else "NULL"
             meta = {k: (v, m) for k, v, m in db.execute(f"SELECT key, value, {mac_column} FROM meta")}
         except GalleryDamagedError as exc:
-            raise GalleryDamagedError(f"{path} is not an fctkit gallery or is damaged beyond its records ({exc})") from None
+            raise GalleryDamagedError(
+                f"{path} is not an fctkit gallery or is damaged beyond its records ({exc})"
+            ) from None
         if "mac" in columns:
             check_essential(path, db, sealer, meta)
         schema = meta.get("schema_version", (None, None))[0]
@@ -205,6 +220,7 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
 
     def _tables(self) -> tuple[str, str]:
         return vector_tables(self.settings, self.path)
+
     def __len__(self) -> int:
         return self._db.execute("SELECT COUNT(*) FROM items").fetchone()[0]
 
@@ -212,16 +228,25 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
         """How many rows are in each space (``str(VersionTag)``), staged rows counted at their next tag."""
         with _read_snapshot(self._db):
             live, staged = self._tables()
-            query = (f"SELECT i.origin_version, COALESCE(s.version, v.version), COALESCE(s.via, v.via), COUNT(*) "
-                     f"FROM items i JOIN {live} v USING (row_id) LEFT JOIN {staged} s USING (row_id) GROUP BY 1, 2, 3")
+            query = (
+                f"SELECT i.origin_version, COALESCE(s.version, v.version), COALESCE(s.via, v.via), COUNT(*) "
+                f"FROM items i JOIN {live} v USING (row_id) LEFT JOIN {staged} s USING (row_id) GROUP BY 1, 2, 3"
+            )
             rows = self._db.execute(query).fetchall()
         return {tag_name(o, v, via): n for o, v, via, n in rows}
 
     # -- rows ------------------------------------------------------------------------------
 
-    def add_rows(self, rows: Sequence[NewRow], tag: VersionTag, outbox: Sequence[tuple[str, bytes]] = (), *,
-                 query_version: int | None = None, previous: tuple[VersionTag, np.ndarray] | None = None,
-                 in_vault: dict[str, str] | None = None) -> list[int]:
+    def add_rows(
+        self,
+        rows: Sequence[NewRow],
+        tag: VersionTag,
+        outbox: Sequence[tuple[str, bytes]] = (),
+        *,
+        query_version: int | None = None,
+        previous: tuple[VersionTag, np.ndarray] | None = None,
+        in_vault: dict[str, str] | None = None,
+    ) -> list[int]:
         """Insert rows (and their queued vault uploads) in one transaction; returns the row ids.
         An item id already in the gallery is an error, and so is a ``query_version`` that is no
         longer the gallery's (another process switched it meanwhile): nothing is written.
@@ -231,24 +256,35 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
         with _transaction(self._db):
             if query_version is not None and self.query_version != query_version:
                 raise GalleryError(
-                    f"the gallery switched to v{self.query_version} while these rows were embedded with v{query_version}: add them again")
+                    f"the gallery switched to v{self.query_version} while these rows were embedded with v{query_version}: add them again"
+                )
             live, _ = self._tables()
             first = self._next_row_id()
             ids = list(range(first, first + len(rows)))
             item_ids = [row.item_id for row in rows]
-            labels = self._sealing.seal_labels(ids, item_ids, [tag.origin_version] * len(ids), [row.label for row in rows])
+            labels = self._sealing.seal_labels(
+                ids, item_ids, [tag.origin_version] * len(ids), [row.label for row in rows]
+            )
             try:
-                self._db.executemany("INSERT INTO items (row_id, item_id, origin_version, label) VALUES (?, ?, ?, ?)",
-                                     zip(ids, item_ids, repeat(tag.origin_version), labels))
+                self._db.executemany(
+                    "INSERT INTO items (row_id, item_id, origin_version, label) VALUES (?, ?, ?, ?)",
+                    zip(ids, item_ids, repeat(tag.origin_version), labels),
+                )
             except sqlite3.IntegrityError:
-                raise InputError("an item id is already in the gallery: item ids are unique (nothing was added)") from None
+                raise InputError(
+                    "an item id is already in the gallery: item ids are unique (nothing was added)"
+                ) from None
             removed = self._tombstoned([row.item_id for row in rows])
             if removed:
-                raise InputError(f"item id {removed[0]!r} was removed before: removed ids are never used again "
-                                 "(the removal replicates to the owner's devices); choose new ids (nothing was added)")
+                raise InputError(
+                    f"item id {removed[0]!r} was removed before: removed ids are never used again "
+                    "(the removal replicates to the owner's devices); choose new ids (nothing was added)"
+                )
             self._write_vectors(live, ids, item_ids, [r.embedding for r in rows], [r.side_info for r in rows], tag)
             self._db.executemany("INSERT INTO outbox VALUES (?, ?)", outbox)
-            self._db.executemany("UPDATE items SET vault_sha256 = ? WHERE item_id = ?", [(h, i) for i, h in (in_vault or {}).items()])
+            self._db.executemany(
+                "UPDATE items SET vault_sha256 = ? WHERE item_id = ?", [(h, i) for i, h in (in_vault or {}).items()]
+            )
             self._count_rows(len(rows))
             self._log_changes(item_ids)
             if previous is not None:
@@ -257,16 +293,27 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
 
     def _next_row_id(self) -> int:
         """The first free row id, also above a damaged pointer left without its row (a collision would stop every add)."""
-        return self._db.execute("SELECT MAX(COALESCE((SELECT MAX(row_id) FROM items), 0), COALESCE((SELECT MAX(row_id) FROM "
-                                "vectors_0), 0), COALESCE((SELECT MAX(row_id) FROM vectors_1), 0)) + 1").fetchone()[0]
+        return self._db.execute(
+            "SELECT MAX(COALESCE((SELECT MAX(row_id) FROM items), 0), COALESCE((SELECT MAX(row_id) FROM "
+            "vectors_0), 0), COALESCE((SELECT MAX(row_id) FROM vectors_1), 0)) + 1"
+        ).fetchone()[0]
 
-    def _write_vectors(self, vector_set: str, row_ids: Sequence[int], item_ids: Sequence[str], embeddings: Any,
-                       side_infos: Any, tag: VersionTag) -> None:
+    def _write_vectors(
+        self,
+        vector_set: str,
+        row_ids: Sequence[int],
+        item_ids: Sequence[str],
+        embeddings: Any,
+        side_infos: Any,
+        tag: VersionTag,
+    ) -> None:
         """Inside a transaction: seal the rows' vectors (one per row, or an (n, d) array each) as blocks of
         ``vector_set`` and point the rows to them."""
         block_of = self._vectors.write(vector_set, tag, row_ids, item_ids, embeddings, side_infos)
-        self._db.executemany(f"INSERT INTO {vector_set} VALUES (?, ?, ?, ?)",
-                             [(r, tag.version, tag.via, int(b)) for r, b in zip(row_ids, block_of, strict=True)])
+        self._db.executemany(
+            f"INSERT INTO {vector_set} VALUES (?, ?, ?, ?)",
+            [(r, tag.version, tag.via, int(b)) for r, b in zip(row_ids, block_of, strict=True)],
+        )
 
     def _insert_rows(self, live: str, inserted: InsertedRows) -> None:
         """Inside a transaction: replicated rows of one tag under free row ids (:mod:`.replica_log`),
@@ -275,8 +322,17 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
         check_item_ids(rows.item_ids)
         ids = list(range(inserted.first_row_id, inserted.first_row_id + len(rows)))
         labels = self._sealing.seal_labels(ids, rows.item_ids, [tag.origin_version] * len(ids), rows.labels)
-        self._db.executemany("INSERT INTO items VALUES (?, ?, ?, ?, ?, ?)", zip(
-            ids, rows.item_ids, repeat(tag.origin_version), labels, rows.vault_sha256s, repeat(inserted.record_sha256)))
+        self._db.executemany(
+            "INSERT INTO items VALUES (?, ?, ?, ?, ?, ?)",
+            zip(
+                ids,
+                rows.item_ids,
+                repeat(tag.origin_version),
+                labels,
+                rows.vault_sha256s,
+                repeat(inserted.record_sha256),
+            ),
+        )
         self._write_vectors(live, ids, rows.item_ids, rows.embeddings, rows.side_infos, tag)
         self._count_rows(len(ids))
 
@@ -290,19 +346,24 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
             expected = int(self.meta("row_count"))
             loaded = self._vectors.load(live, side_info=with_side_info)
             if with_labels:
-                items = self._db.execute(f"SELECT row_id, i.item_id, i.origin_version, i.label, v.version, v.via "
-                                         f"FROM items i LEFT JOIN {live} v USING (row_id)")
+                items = self._db.execute(
+                    f"SELECT row_id, i.item_id, i.origin_version, i.label, v.version, v.via "
+                    f"FROM items i LEFT JOIN {live} v USING (row_id)"
+                )
                 loaded = reconciled_with_items(loaded, items, self._sealing.open_label)
         loaded.missing = max(0, expected - len(loaded) - len(loaded.corrupt))
         return loaded
 
-    def labels(self, row_ids: Sequence[int], damaged: list[tuple[int, str, str]] | None = None) -> dict[int, str | None]:
+    def labels(
+        self, row_ids: Sequence[int], damaged: list[tuple[int, str, str]] | None = None
+    ) -> dict[int, str | None]:
         """The labels of these rows (a row whose label fails to open: None, and (row id, item
         id, reason) appended to ``damaged``)."""
         found: dict[int, str | None] = {}
         for chunk, marks in id_chunks([int(r) for r in row_ids]):
             for row_id, item_id, origin, label in self._db.execute(
-                    f"SELECT row_id, item_id, origin_version, label FROM items WHERE row_id IN ({marks})", chunk):
+                f"SELECT row_id, item_id, origin_version, label FROM items WHERE row_id IN ({marks})", chunk
+            ):
                 try:
                     found[row_id] = None if label is None else self._sealing.open_label(row_id, item_id, origin, label)
                 except CorruptRecordError as exc:
@@ -315,7 +376,11 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
         """Remove items (rows, vectors and queued uploads) in one transaction, leaving a
         tombstone (a change to push) for each; returns the rows removed."""
         with _transaction(self._db):
-            present = [(r, i) for i in item_ids for r, in self._db.execute("SELECT row_id FROM items WHERE item_id = ?", (i,))]
+            present = [
+                (r, i)
+                for i in item_ids
+                for (r,) in self._db.execute("SELECT row_id FROM items WHERE item_id = ?", (i,))
+            ]
             for table in VECTOR_TABLES:  # all at once: a block emptied by this call is dropped, not compacted first
                 self._vectors.retire(table, [r for r, _ in present])
             for item_id in dict.fromkeys(i for _, i in present):
@@ -323,8 +388,15 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
             self._log_changes([i for _, i in present], tombstone=True)
         return len(present)
 
-    def _remove_item(self, item_id: str, *, tombstone: bool = True, delete_original: bool = False,
-                     keep_queued: bool = False, retired: bool = False) -> bool:
+    def _remove_item(
+        self,
+        item_id: str,
+        *,
+        tombstone: bool = True,
+        delete_original: bool = False,
+        keep_queued: bool = False,
+        retired: bool = False,
+    ) -> bool:
         """Inside a transaction: delete the item's row, vectors, queued upload (unless
         ``keep_queued``) and unsealed change; with ``tombstone`` remember the removal (with ``delete_original``, the vault original to delete once the
         removal is pushed; ``retired``: the caller retired the row's vectors already). Returns
@@ -346,9 +418,15 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
 
     # -- repair (:mod:`..repair`) ------------------------------------------------------------
 
-    def forget_rows(self, rows: Sequence[tuple[int, str]], *, drop_queued: Sequence[str] = (),
-                    drop_extras: Sequence[tuple[str, int]] = (), settings: dict[str, str | None] | None = None,
-                    clear_table: str | None = None) -> int:
+    def forget_rows(
+        self,
+        rows: Sequence[tuple[int, str]],
+        *,
+        drop_queued: Sequence[str] = (),
+        drop_extras: Sequence[tuple[str, int]] = (),
+        settings: dict[str, str | None] | None = None,
+        clear_table: str | None = None,
+    ) -> int:
         """One repair transaction: forget damaged rows (row id, item id) here only (no tombstone: the owner's other
         devices keep the items, and the replica can bring them back; a queued original stays
         queued), drop damaged queued originals and (field, row id) extras, empty ``clear_table``
@@ -361,8 +439,10 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
             if clear_table is not None:  # an upgrade given up: its staged rows go, the live ones are untouched
                 self._vectors.drop_set(clear_table)
                 self._db.execute(f"DELETE FROM {VECTOR_TABLES[VECTOR_TABLES.index(clear_table)]}")
-            self._db.executemany("DELETE FROM outbox WHERE CAST(item_id AS BLOB) = ?",  # a damaged id: as the bytes read
-                                 [(i.encode("utf-8", "surrogateescape"),) for i in drop_queued])
+            self._db.executemany(
+                "DELETE FROM outbox WHERE CAST(item_id AS BLOB) = ?",  # a damaged id: as the bytes read
+                [(i.encode("utf-8", "surrogateescape"),) for i in drop_queued],
+            )
             self._db.executemany("DELETE FROM row_extras WHERE field = ? AND row_id = ?", drop_extras)
             self._repair_file()
             for table in VECTOR_TABLES:  # e.g. a block whose dead list failed authentication, all its rows forgotten
@@ -381,7 +461,9 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
             known = self._known_rows([r for r, _, _ in misplaced])
             self._vectors.repoint(table, [(r, b, tag) for r, b, tag in misplaced if b is not None and r in known])
             self._vectors.retire_held(table, [(r, b) for r, b, _ in misplaced if b is not None and r not in known])
-            for chunk, marks in id_chunks([r for r, b, _ in misplaced if b is None and r not in known]):  # pointers to nothing
+            for chunk, marks in id_chunks(
+                [r for r, b, _ in misplaced if b is None and r not in known]
+            ):  # pointers to nothing
                 self._db.execute(f"DELETE FROM {table} WHERE row_id IN ({marks})", chunk)
         self._unstage_damaged()
 
@@ -389,7 +471,7 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
         """Those of ``row_ids`` that have a per-row entry."""
         found: set[int] = set()
         for chunk, marks in id_chunks(list(row_ids)):
-            found.update(r for r, in self._db.execute(f"SELECT row_id FROM items WHERE row_id IN ({marks})", chunk))
+            found.update(r for (r,) in self._db.execute(f"SELECT row_id FROM items WHERE row_id IN ({marks})", chunk))
         return found
 
     def damaged_pointers(self) -> list[int]:
@@ -414,8 +496,11 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
         """Damage beyond the rows and SQLite's integrity check (:func:`~..repair.damage_report`): id
         counters, row pointers naming the wrong block (live and staged), staged rows that
         fail to open."""
-        return {"damaged_id_counters": self._vectors.damaged_sequences(),
-                "damaged_row_pointers": self.damaged_pointers(), "damaged_staged_rows": [list(r) for r in self.staged_damage()]}
+        return {
+            "damaged_id_counters": self._vectors.damaged_sequences(),
+            "damaged_row_pointers": self.damaged_pointers(),
+            "damaged_staged_rows": [list(r) for r in self.staged_damage()],
+        }
 
     def _forget_row(self, row_id: int, item_id: str) -> bool:
         """Inside the repair transaction: forget one damaged row, also when its per-row entry is
@@ -439,9 +524,11 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
         """The distinct versions of the rows of one vector table."""
         if table not in VECTOR_TABLES:
             raise GalleryError(f"no vector table {table!r}")
-        return [v for v, in self._db.execute(f"SELECT DISTINCT version FROM {table} ORDER BY version")]
+        return [v for (v,) in self._db.execute(f"SELECT DISTINCT version FROM {table} ORDER BY version")]
 
-    def _log_changes(self, item_ids: Sequence[str] = (), *, tombstone: bool = False, select_sql: str | None = None) -> None:
+    def _log_changes(
+        self, item_ids: Sequence[str] = (), *, tombstone: bool = False, select_sql: str | None = None
+    ) -> None:
         """Inside a transaction: the items changed locally (``item_ids``, or the rows of a
         ``SELECT item_id ...`` query); one unsealed change per item (the content is read when
         the change is sealed for pushing). Set-based: the upgrade's switch logs every row."""
@@ -453,13 +540,17 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
             self._db.execute(f"INSERT INTO temp.changed_items {select_sql}")
         changed = "SELECT item_id FROM temp.changed_items"
         self._db.execute(f"DELETE FROM changes WHERE item_id IN ({changed})")
-        self._db.execute("INSERT INTO changes (item_id, tombstone) SELECT item_id, ? FROM temp.changed_items ORDER BY rowid",
-                         (int(tombstone),))
+        self._db.execute(
+            "INSERT INTO changes (item_id, tombstone) SELECT item_id, ? FROM temp.changed_items ORDER BY rowid",
+            (int(tombstone),),
+        )
         if not tombstone:
             self._db.execute(f"UPDATE items SET record_sha256 = NULL WHERE item_id IN ({changed})")
 
     def _tombstoned(self, item_ids: Sequence[str]) -> list[str]:
         found = []
         for chunk, marks in id_chunks(item_ids):
-            found += [r[0] for r in self._db.execute(f"SELECT item_id FROM tombstones WHERE item_id IN ({marks})", chunk)]
+            found += [
+                r[0] for r in self._db.execute(f"SELECT item_id FROM tombstones WHERE item_id IN ({marks})", chunk)
+            ]
         return found

@@ -13,10 +13,10 @@ import numpy as np
 
 from fctkit.errors import GalleryError
 
+from ..sqlite_file import id_chunks, read_snapshot, transaction
 from .extras import ROLLBACK_FIELDS, RowExtras
 from .rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
 from .vectors import VectorBlocks
-from ..sqlite_file import id_chunks, read_snapshot, transaction
 
 
 class GalleryUpgrades:
@@ -50,10 +50,15 @@ class GalleryUpgrades:
         (via forward), by row id; ``in_vault``: only those whose original is in the vault. Nothing is decrypted."""
         live, _ = self._tables()
         vault = "AND i.vault_sha256 IS NOT NULL " if in_vault else ""
-        return self._db.execute(f"SELECT v.row_id, i.item_id FROM {live} v JOIN items i USING (row_id) WHERE v.version = ? "
-                                f"AND v.via = 'forward' {vault}ORDER BY v.row_id LIMIT ?", (version, limit)).fetchall()
+        return self._db.execute(
+            f"SELECT v.row_id, i.item_id FROM {live} v JOIN items i USING (row_id) WHERE v.version = ? "
+            f"AND v.via = 'forward' {vault}ORDER BY v.row_id LIMIT ?",
+            (version, limit),
+        ).fetchall()
 
-    def space_rows(self, version: int, after_row_id: int, limit: int, *, only: Sequence[int] | None = None) -> LoadedRows:
+    def space_rows(
+        self, version: int, after_row_id: int, limit: int, *, only: Sequence[int] | None = None
+    ) -> LoadedRows:
         """The next ``limit`` live rows (by row id, after ``after_row_id``) in ``version``'s space,
         decrypted (a page of a streamed read); ``only``: among these row ids."""
         among = "" if only is None else "AND v.row_id IN (SELECT value FROM json_each(?)) "
@@ -63,7 +68,8 @@ class GalleryUpgrades:
             rows = self._db.execute(
                 f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, NULL FROM {live} v "
                 f"JOIN items i USING (row_id) WHERE v.version = ? AND v.row_id > ? {among}ORDER BY v.row_id LIMIT ?",
-                params).fetchall()
+                params,
+            ).fetchall()
             return self._vectors.open_pointers(rows)
 
     def row_versions(self, target_version: int) -> list[int]:
@@ -80,7 +86,9 @@ class GalleryUpgrades:
     def not_native(self, version: int) -> int:
         """Live rows that are not ``version``'s own embeddings (adapted, or in another space)."""
         live, _ = self._tables()
-        return self._db.execute(f"SELECT COUNT(*) FROM {live} WHERE NOT (version = ? AND via = 'native')", (version,)).fetchone()[0]
+        return self._db.execute(
+            f"SELECT COUNT(*) FROM {live} WHERE NOT (version = ? AND via = 'native')", (version,)
+        ).fetchone()[0]
 
     def write_upgrades(self, batches: Sequence[UpgradedRows], *, staged: bool, logged: bool = True) -> None:
         """Write upgraded rows in one transaction, each guarded by the tag it was computed
@@ -109,23 +117,33 @@ class GalleryUpgrades:
     def live_rows(self) -> dict[int, tuple[str, VersionTag]]:
         """Every live row's item id and current tag, by row id (nothing decrypted)."""
         live, _ = self._tables()
-        return {r: (item, VersionTag(o, v, via)) for r, item, o, v, via in self._db.execute(
-            f"SELECT v.row_id, i.item_id, i.origin_version, v.version, v.via FROM {live} v JOIN items i USING (row_id)")}
+        return {
+            r: (item, VersionTag(o, v, via))
+            for r, item, o, v, via in self._db.execute(
+                f"SELECT v.row_id, i.item_id, i.origin_version, v.version, v.via FROM {live} v JOIN items i USING (row_id)"
+            )
+        }
 
     def _write_rows(self, batches: Sequence[UpgradedRows], *, staged: bool, logged: bool) -> None:
         """Inside a transaction: :meth:`write_upgrades`' writes."""
         live, other = self._tables()
         if staged:  # set-based, one statement per new block: the rows' ids go in as one JSON array
-            sql = (f"INSERT INTO {other} (row_id, version, via, block_id) SELECT row_id, ?, ?, ? FROM {live} "
-                   f"WHERE row_id IN (SELECT value FROM json_each(?)) AND version = ? AND via = ?")
+            sql = (
+                f"INSERT INTO {other} (row_id, version, via, block_id) SELECT row_id, ?, ?, ? FROM {live} "
+                f"WHERE row_id IN (SELECT value FROM json_each(?)) AND version = ? AND via = ?"
+            )
         else:  # the rows leave their old blocks (retired there) for the new ones
             self._vectors.retire(live, [r for b in batches for r in b.row_ids])
-            sql = (f"UPDATE {live} SET version = ?, via = ?, block_id = ? "
-                   f"WHERE row_id IN (SELECT value FROM json_each(?)) AND version = ? AND via = ?")
+            sql = (
+                f"UPDATE {live} SET version = ?, via = ?, block_id = ? "
+                f"WHERE row_id IN (SELECT value FROM json_each(?)) AND version = ? AND via = ?"
+            )
         written = 0
         try:
             for b in batches:
-                block_of = self._vectors.write(other if staged else live, b.new_tag, b.row_ids, b.item_ids, b.embeddings, b.side_infos)
+                block_of = self._vectors.write(
+                    other if staged else live, b.new_tag, b.row_ids, b.item_ids, b.embeddings, b.side_infos
+                )
                 for block_id in np.unique(block_of):
                     rows = json.dumps(np.asarray(b.row_ids, dtype=np.int64)[block_of == block_id].tolist())
                     params = (b.new_tag.version, b.new_tag.via, int(block_id), rows, b.old_tag.version, b.old_tag.via)
@@ -146,7 +164,11 @@ class GalleryUpgrades:
 
     def _staged_damage(self) -> list[tuple[int, str, str]]:
         _, staged = self._tables()
-        unheld = [(r, "?", f"row {r}: its staged vectors are missing") for r, b, _ in self._vectors.misplaced(staged) if b is None]
+        unheld = [
+            (r, "?", f"row {r}: its staged vectors are missing")
+            for r, b, _ in self._vectors.misplaced(staged)
+            if b is None
+        ]
         return sorted(self._vectors.load(staged).corrupt + unheld)
 
     def unstage_damaged(self) -> int:
@@ -163,8 +185,14 @@ class GalleryUpgrades:
             self._db.execute(f"DELETE FROM {staged} WHERE row_id IN ({marks})", chunk)
         return len(rows)
 
-    def switch_to(self, target_version: int, meta: dict[str, str | None], *, keep_previous: int | None = None,
-                  keep_rollback: bool = False) -> None:
+    def switch_to(
+        self,
+        target_version: int,
+        meta: dict[str, str | None],
+        *,
+        keep_previous: int | None = None,
+        keep_rollback: bool = False,
+    ) -> None:
         """Commit a forward-mode upgrade in one transaction: the staged vector table becomes
         live and the query version is set; refused while any row is not yet in the target space.
         Earlier previous-space embeddings are dropped; ``keep_previous``: the live rows in that
@@ -178,8 +206,10 @@ class GalleryUpgrades:
             live, staged = self._tables()
             self._log_changes(select_sql=f"SELECT item_id FROM items JOIN {staged} USING (row_id) ORDER BY row_id")
             # rows already in the target space needed no transform: carried over unchanged, with their blocks
-            self._db.execute(f"INSERT INTO {staged} SELECT * FROM {live} v WHERE NOT EXISTS "
-                             f"(SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id)")
+            self._db.execute(
+                f"INSERT INTO {staged} SELECT * FROM {live} v WHERE NOT EXISTS "
+                f"(SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id)"
+            )
             self._vectors.move_referenced(live, staged)
             self._db.execute(f"DELETE FROM row_extras WHERE field IN ('previous_embedding', {ROLLBACK_FIELDS[1:-1]})")
             if keep_previous is not None:
@@ -190,24 +220,31 @@ class GalleryUpgrades:
             self._db.execute(f"DELETE FROM {live}")
             self._set_meta({**meta, "query_version": str(target_version), "live_vectors": staged})
 
-
     def _keep(self, live: str, version: int | None, fields: dict[str, None]) -> None:
         """Inside the switch: the live rows (in ``version``'s space; None: all) keep their embedding
         (``*_embedding`` fields) and side-info (``*_side_info``) as extras, each sealed as that tag's
         own record."""
         where = "" if version is None else "WHERE v.version = ? "
-        rows = self._vectors.open_pointers(self._db.execute(
-            f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, NULL FROM {live} v "
-            f"JOIN items i USING (row_id) {where}ORDER BY row_id", () if version is None else (version,)).fetchall())
+        rows = self._vectors.open_pointers(
+            self._db.execute(
+                f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, NULL FROM {live} v "
+                f"JOIN items i USING (row_id) {where}ORDER BY row_id",
+                () if version is None else (version,),
+            ).fetchall()
+        )
         for tag, picked in rows_by_tag(rows.tags).items():
             for name in fields:
                 values = rows.embeddings if name.endswith("_embedding") else rows.side_infos
-                self._extras.insert(name, rows.row_ids[picked].tolist(), [rows.item_ids[i] for i in picked], tag,
-                                    take_rows(values, picked))
+                self._extras.insert(
+                    name,
+                    rows.row_ids[picked].tolist(),
+                    [rows.item_ids[i] for i in picked],
+                    tag,
+                    take_rows(values, picked),
+                )
 
 
 def _not_yet_in(staged: str) -> str:
     """SQL condition on a live vector row ``v``: not in the target version's space (its one
     parameter) and not staged there yet (``staged``: the staged vector table)."""
     return f"v.version != ? AND NOT EXISTS (SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id)"
-

@@ -30,9 +30,9 @@ import numpy as np
 from fctkit.errors import CorruptRecordError, GalleryDamagedError, GalleryError
 
 from ..crypto import Sealer
+from ..sqlite_file import id_chunks
 from .blocks import ROW_ID_DTYPE, BlockSealer, SealedBlock, block_slices, decode_item_ids, encode_item_ids
 from .rows import LoadedRows, VersionTag
-from ..sqlite_file import id_chunks
 
 BLOCK_ROWS = 4096
 RECENT_BLOCKS = 2  # opened blocks kept in memory per connection (upgrade batches read a block in parts)
@@ -71,7 +71,9 @@ class StoredBlock:
         return ~np.isin(self.row_ids, self.dead)
 
     def sealed(self, field: str, record: bytes) -> SealedBlock:
-        return SealedBlock(self.block_id, field, self.tag, self.row_ids, self.item_ids, self.widths[FIELDS.index(field)], record)
+        return SealedBlock(
+            self.block_id, field, self.tag, self.row_ids, self.item_ids, self.widths[FIELDS.index(field)], record
+        )
 
 
 class VectorBlocks:
@@ -86,8 +88,15 @@ class VectorBlocks:
 
     # -- writing (inside a transaction) ----------------------------------------------------
 
-    def write(self, vector_set: str, tag: VersionTag, row_ids: Sequence[int], item_ids: Sequence[str],
-              embeddings: np.ndarray, side_infos: np.ndarray) -> np.ndarray:
+    def write(
+        self,
+        vector_set: str,
+        tag: VersionTag,
+        row_ids: Sequence[int],
+        item_ids: Sequence[str],
+        embeddings: np.ndarray,
+        side_infos: np.ndarray,
+    ) -> np.ndarray:
         """Seal rows (one tag) as new blocks of ``vector_set``; returns each row's block id.
         The caller writes the rows' pointers."""
         row_ids = np.asarray(row_ids, dtype=ROW_ID_DTYPE)
@@ -97,22 +106,50 @@ class VectorBlocks:
         side_infos = np.asarray(side_infos, dtype=np.float32).reshape(len(row_ids), -1)
         block_of = np.empty(len(row_ids), dtype=np.int64)
         for rows in block_slices(len(row_ids), BLOCK_ROWS):
-            block_of[rows] = self._write_block(vector_set, tag, row_ids[rows], list(item_ids[rows]), embeddings[rows], side_infos[rows])
+            block_of[rows] = self._write_block(
+                vector_set, tag, row_ids[rows], list(item_ids[rows]), embeddings[rows], side_infos[rows]
+            )
         return block_of
 
-    def _write_block(self, vector_set: str, tag: VersionTag, row_ids: np.ndarray, item_ids: list[str],
-                     embeddings: np.ndarray, side_infos: np.ndarray) -> int:
+    def _write_block(
+        self,
+        vector_set: str,
+        tag: VersionTag,
+        row_ids: np.ndarray,
+        item_ids: list[str],
+        embeddings: np.ndarray,
+        side_infos: np.ndarray,
+    ) -> int:
         if self.damaged_sequences():
-            raise GalleryDamagedError(f"{self._db.path}: the file's id counters (sqlite_sequence) are damaged, so a new block "
-                                      "could reuse an id (nothing was written): run `fctkit device repair --dir DIR`, then try again")
-        block_id = self._db.execute("SELECT COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'vector_blocks'), 0) + 1").fetchone()[0]
+            raise GalleryDamagedError(
+                f"{self._db.path}: the file's id counters (sqlite_sequence) are damaged, so a new block "
+                "could reuse an id (nothing was written): run `fctkit device repair --dir DIR`, then try again"
+            )
+        block_id = self._db.execute(
+            "SELECT COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'vector_blocks'), 0) + 1"
+        ).fetchone()[0]
         encoded = encode_item_ids(item_ids)
         embedding = self._blocks.seal(block_id, "embedding", tag, row_ids, encoded, embeddings)
         side_info = self._blocks.seal(block_id, "side_info", tag, row_ids, encoded, side_infos)
         no_dead = np.zeros(0, dtype=ROW_ID_DTYPE).tobytes()
-        self._db.execute("INSERT INTO vector_blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (
-            block_id, vector_set, tag.origin_version, tag.version, tag.via, embedding.row_id_bytes, encoded, no_dead,
-            self._dead_mac(block_id, no_dead), embedding.width, side_info.width, embedding.sealed, side_info.sealed))
+        self._db.execute(
+            "INSERT INTO vector_blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                block_id,
+                vector_set,
+                tag.origin_version,
+                tag.version,
+                tag.via,
+                embedding.row_id_bytes,
+                encoded,
+                no_dead,
+                self._dead_mac(block_id, no_dead),
+                embedding.width,
+                side_info.width,
+                embedding.sealed,
+                side_info.sealed,
+            ),
+        )
         return block_id
 
     def retire(self, vector_set: str, row_ids: Sequence[int]) -> None:
@@ -130,10 +167,18 @@ class VectorBlocks:
             alive = ~np.isin(block.row_ids, dead)
             if not alive.any():
                 self._db.execute("DELETE FROM vector_blocks WHERE block_id = ?", (block_id,))
-            elif not (2 * alive.sum() < len(block.row_ids) and block.dead_authentic and self._compact(vector_set, block, alive)):
-                raw = dead.tobytes()  # a dead list that failed authentication stays unauthentic (its rows stay reported)
-                self._db.execute("UPDATE vector_blocks SET dead = ?, dead_mac = ? WHERE block_id = ?",
-                                 (raw, self._dead_mac(block_id, raw) if block.dead_authentic else b"", block_id))
+            elif not (
+                2 * alive.sum() < len(block.row_ids)
+                and block.dead_authentic
+                and self._compact(vector_set, block, alive)
+            ):
+                raw = (
+                    dead.tobytes()
+                )  # a dead list that failed authentication stays unauthentic (its rows stay reported)
+                self._db.execute(
+                    "UPDATE vector_blocks SET dead = ?, dead_mac = ? WHERE block_id = ?",
+                    (raw, self._dead_mac(block_id, raw) if block.dead_authentic else b"", block_id),
+                )
 
     def _compact(self, vector_set: str, block: StoredBlock, alive: np.ndarray) -> bool:
         """Rewrite ``block``'s ``alive`` rows as a new block, point them to it and delete the old
@@ -144,10 +189,13 @@ class VectorBlocks:
             return False
         rows = np.flatnonzero(alive)
         item_ids = decode_item_ids(block.item_ids)
-        new_id = self._write_block(vector_set, block.tag, block.row_ids[rows], [item_ids[i] for i in rows],
-                                   values[0][rows], values[1][rows])
-        self._db.executemany(f"UPDATE {vector_set} SET block_id = ? WHERE row_id = ? AND block_id = ?",
-                             [(new_id, int(r), block.block_id) for r in block.row_ids[rows]])
+        new_id = self._write_block(
+            vector_set, block.tag, block.row_ids[rows], [item_ids[i] for i in rows], values[0][rows], values[1][rows]
+        )
+        self._db.executemany(
+            f"UPDATE {vector_set} SET block_id = ? WHERE row_id = ? AND block_id = ?",
+            [(new_id, int(r), block.block_id) for r in block.row_ids[rows]],
+        )
         self._db.execute("DELETE FROM vector_blocks WHERE block_id = ?", (block.block_id,))
         return True
 
@@ -156,9 +204,12 @@ class VectorBlocks:
         id (a new block would reuse an id) or past any id (SQLite would say the disk is full)."""
         found = []
         for table in SEQUENCED:
-            seq, top = self._db.execute(f"SELECT (SELECT seq FROM sqlite_sequence WHERE name = ?), (SELECT MAX(rowid) FROM {table})",
-                                        (table,)).fetchone()
-            if seq is not None and (type(seq) is not int or not 0 <= seq < 1 << 62) or top is not None and (seq or 0) < top:
+            seq, top = self._db.execute(
+                f"SELECT (SELECT seq FROM sqlite_sequence WHERE name = ?), (SELECT MAX(rowid) FROM {table})", (table,)
+            ).fetchone()
+            if (seq is not None and (type(seq) is not int or not 0 <= seq < 1 << 62)) or (
+                top is not None and (seq or 0) < top
+            ):
                 found.append(table)
         return found
 
@@ -166,7 +217,9 @@ class VectorBlocks:
         """Repair, inside its transaction: each damaged id counter back at its table's highest id."""
         for table in self.damaged_sequences():
             self._db.execute("DELETE FROM sqlite_sequence WHERE name = ?", (table,))
-            self._db.execute(f"INSERT INTO sqlite_sequence (name, seq) SELECT ?, COALESCE(MAX(rowid), 0) FROM {table}", (table,))
+            self._db.execute(
+                f"INSERT INTO sqlite_sequence (name, seq) SELECT ?, COALESCE(MAX(rowid), 0) FROM {table}", (table,)
+            )
 
     def misplaced(self, vector_set: str) -> list[tuple[int, int | None, VersionTag | None]]:
         """(row id, block id, tag) of the rows of ``vector_set`` whose pointer is damaged: it names
@@ -179,7 +232,9 @@ class VectorBlocks:
             for row_id in block.row_ids[block.alive()].tolist():
                 holding.setdefault(row_id, []).append((block.block_id, block.tag))
         found: list[tuple[int, int | None, VersionTag | None]] = []
-        for row_id, version, via, block_id in self._db.execute(f"SELECT row_id, version, via, block_id FROM {vector_set}"):
+        for row_id, version, via, block_id in self._db.execute(
+            f"SELECT row_id, version, via, block_id FROM {vector_set}"
+        ):
             held = holding.pop(row_id, [])
             if not any((b, tag.version, tag.via) == (block_id, version, via) for b, tag in held):
                 found.append((row_id, *held[0]) if held else (row_id, None, None))
@@ -187,8 +242,10 @@ class VectorBlocks:
 
     def repoint(self, vector_set: str, rows: Sequence[tuple[int, int, VersionTag]]) -> None:
         """Repair, inside its transaction: point these (row id, block id, tag) rows to their blocks."""
-        self._db.executemany(f"INSERT OR REPLACE INTO {vector_set} (row_id, version, via, block_id) VALUES (?, ?, ?, ?)",
-                             [(r, tag.version, tag.via, b) for r, b, tag in rows])
+        self._db.executemany(
+            f"INSERT OR REPLACE INTO {vector_set} (row_id, version, via, block_id) VALUES (?, ?, ?, ?)",
+            [(r, tag.version, tag.via, b) for r, b, tag in rows],
+        )
 
     def retire_held(self, vector_set: str, rows: Sequence[tuple[int, int]]) -> None:
         """Repair, inside its transaction: retire these (row id, block id) rows that no pointer names."""
@@ -198,21 +255,26 @@ class VectorBlocks:
         """(row id, block id) of those rows that have a pointer in ``vector_set``."""
         found: list[tuple[int, int]] = []
         for chunk, marks in id_chunks([int(r) for r in row_ids]):
-            found += self._db.execute(f"SELECT row_id, block_id FROM {vector_set} WHERE row_id IN ({marks})", chunk).fetchall()
+            found += self._db.execute(
+                f"SELECT row_id, block_id FROM {vector_set} WHERE row_id IN ({marks})", chunk
+            ).fetchall()
         return found
 
     def sweep(self, vector_set: str) -> int:
         """Delete the blocks of ``vector_set`` that no row points to (repair); returns how many."""
-        return self._db.execute(f"DELETE FROM vector_blocks WHERE vector_set = ? AND block_id NOT IN "
-                                f"(SELECT block_id FROM {vector_set})", (vector_set,)).rowcount
+        return self._db.execute(
+            f"DELETE FROM vector_blocks WHERE vector_set = ? AND block_id NOT IN (SELECT block_id FROM {vector_set})",
+            (vector_set,),
+        ).rowcount
 
     def audit(self, vector_set: str) -> dict[str, int]:
         """How far ``vector_set``'s pointers and blocks disagree (all 0 in a consistent gallery):
         rows pointing to a block that does not hold them alive, and block rows alive that no
         row points to (the crash tests' check)."""
         alive: set[tuple[int, int]] = set()
-        for block_id, row_ids, dead in self._db.execute("SELECT block_id, row_ids, dead FROM vector_blocks WHERE vector_set = ?",
-                                                        (vector_set,)):
+        for block_id, row_ids, dead in self._db.execute(
+            "SELECT block_id, row_ids, dead FROM vector_blocks WHERE vector_set = ?", (vector_set,)
+        ):
             ids = np.frombuffer(row_ids, dtype=ROW_ID_DTYPE)
             alive |= {(int(r), block_id) for r in ids[~np.isin(ids, np.frombuffer(dead, dtype=ROW_ID_DTYPE))]}
         pointers = set(self._db.execute(f"SELECT row_id, block_id FROM {vector_set}").fetchall())
@@ -224,8 +286,11 @@ class VectorBlocks:
     def move_referenced(self, from_set: str, to_set: str) -> None:
         """Blocks of ``from_set`` that rows of ``to_set`` point to join ``to_set`` (an upgrade's switch
         carrying rows that needed no transform)."""
-        self._db.execute(f"UPDATE vector_blocks SET vector_set = ? WHERE vector_set = ? AND block_id IN "
-                         f"(SELECT block_id FROM {to_set})", (to_set, from_set))
+        self._db.execute(
+            f"UPDATE vector_blocks SET vector_set = ? WHERE vector_set = ? AND block_id IN "
+            f"(SELECT block_id FROM {to_set})",
+            (to_set, from_set),
+        )
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -234,18 +299,28 @@ class VectorBlocks:
         (rows in row-id order; no per-row query). A block that fails to open makes its rows
         ``corrupt``; the others load. Without ``side_info`` the side-info stays sealed
         (``side_infos`` is ``(rows, 0)``: a search needs only the embeddings)."""
-        blocks = [self._stored(row) for row in self._db.execute(
-            f"SELECT {_META} FROM vector_blocks WHERE vector_set = ? ORDER BY block_id", (vector_set,))]
+        blocks = [
+            self._stored(row)
+            for row in self._db.execute(
+                f"SELECT {_META} FROM vector_blocks WHERE vector_set = ? ORDER BY block_id", (vector_set,)
+            )
+        ]
         corrupt: list[tuple[int, str, str]] = []
         usable = []
         for block in blocks:
             if block.dead_authentic and block.damaged is None:
                 usable.append(block)
             else:
-                corrupt += _rows_of(block, block.alive(), block.damaged or f"block {block.block_id}: its list of removed rows fails authentication")
+                corrupt += _rows_of(
+                    block,
+                    block.alive(),
+                    block.damaged or f"block {block.block_id}: its list of removed rows fails authentication",
+                )
         usable, corrupt = self._without_doubled_rows(usable, corrupt)
         alive = [b.alive() for b in usable]
-        row_ids = np.sort(np.concatenate([b.row_ids[a] for b, a in zip(usable, alive, strict=True)] or [np.zeros(0, ROW_ID_DTYPE)]))
+        row_ids = np.sort(
+            np.concatenate([b.row_ids[a] for b, a in zip(usable, alive, strict=True)] or [np.zeros(0, ROW_ID_DTYPE)])
+        )
         if len(row_ids) and (row_ids[1:] == row_ids[:-1]).any():  # both blocks authentic: cannot happen unless replayed
             raise CorruptRecordError(f"a row is in two blocks of {vector_set}: the gallery is damaged")
         item_ids = np.empty(len(row_ids), dtype=object)
@@ -268,16 +343,25 @@ class VectorBlocks:
         if not side_info:
             values.append(np.zeros((len(row_ids), 0), dtype=np.float32))
         corrupt = sorted(dict.fromkeys(corrupt), key=lambda c: c[0])
-        return LoadedRows(row_ids=row_ids.astype(np.int64), item_ids=item_ids.tolist(), tags=tags.tolist(),
-                          embeddings=values[0], side_infos=values[1], labels=[None] * len(row_ids), corrupt=corrupt)
+        return LoadedRows(
+            row_ids=row_ids.astype(np.int64),
+            item_ids=item_ids.tolist(),
+            tags=tags.tolist(),
+            embeddings=values[0],
+            side_infos=values[1],
+            labels=[None] * len(row_ids),
+            corrupt=corrupt,
+        )
 
-    def _without_doubled_rows(self, blocks: list[StoredBlock], corrupt: list[tuple[int, str, str]]
-                              ) -> tuple[list[StoredBlock], list[tuple[int, str, str]]]:
+    def _without_doubled_rows(
+        self, blocks: list[StoredBlock], corrupt: list[tuple[int, str, str]]
+    ) -> tuple[list[StoredBlock], list[tuple[int, str, str]]]:
         """When a row id is alive in two blocks (a damaged list of row ids), the blocks holding one
         that fail to open leave ``blocks``: their rows are ``corrupt``, but for the doubled ids,
         whose own rows are in the intact blocks."""
-        ids, counts = np.unique(np.concatenate([b.row_ids[b.alive()] for b in blocks] or [np.zeros(0, ROW_ID_DTYPE)]),
-                                return_counts=True)
+        ids, counts = np.unique(
+            np.concatenate([b.row_ids[b.alive()] for b in blocks] or [np.zeros(0, ROW_ID_DTYPE)]), return_counts=True
+        )
         doubled = ids[counts > 1]
         if not len(doubled):
             return blocks, corrupt
@@ -291,8 +375,9 @@ class VectorBlocks:
                 corrupt = corrupt + _rows_of(block, block.alive() & ~np.isin(block.row_ids, doubled), str(exc))
         return kept, corrupt
 
-    def _open_field(self, blocks: list[StoredBlock], field: str, row_ids: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray, list[tuple[StoredBlock, str]]]:
+    def _open_field(
+        self, blocks: list[StoredBlock], field: str, row_ids: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, list[tuple[StoredBlock, str]]]:
         """One field of ``blocks`` as a matrix in ``row_ids`` order; when the blocks differ in
         width (rows of different spaces) each width is opened as its own matrix and the result is
         ragged (an object array of rows)."""
@@ -314,8 +399,9 @@ class VectorBlocks:
             failed += bad
         return out, filled, failed
 
-    def _open_dense(self, blocks: list[StoredBlock], field: str, row_ids: np.ndarray, width: int
-                    ) -> tuple[np.ndarray, np.ndarray, list[tuple[StoredBlock, str]]]:
+    def _open_dense(
+        self, blocks: list[StoredBlock], field: str, row_ids: np.ndarray, width: int
+    ) -> tuple[np.ndarray, np.ndarray, list[tuple[StoredBlock, str]]]:
         out = np.zeros((len(row_ids), width), dtype=np.float32)
         by_id = {b.block_id: b for b in blocks}
         filled, failed = self._blocks.open_into(self._sealed_field(blocks, field), row_ids, out)
@@ -353,12 +439,25 @@ class VectorBlocks:
         keys = [rows[i][2:5] for i in keep.tolist()]
         tags = {key: VersionTag(*key) for key in set(keys)}
         return LoadedRows(
-            row_ids=row_ids[keep], item_ids=item_ids[keep].tolist(), tags=[tags[key] for key in keys],
-            embeddings=_gathered(keep, block_ids, where, opened, 0), side_infos=_gathered(keep, block_ids, where, opened, 1),
-            labels=[labels[i] for i in keep.tolist()], corrupt=[(rows[i][0], rows[i][1], r) for i, r in sorted(corrupt.items())])
+            row_ids=row_ids[keep],
+            item_ids=item_ids[keep].tolist(),
+            tags=[tags[key] for key in keys],
+            embeddings=_gathered(keep, block_ids, where, opened, 0),
+            side_infos=_gathered(keep, block_ids, where, opened, 1),
+            labels=[labels[i] for i in keep.tolist()],
+            corrupt=[(rows[i][0], rows[i][1], r) for i, r in sorted(corrupt.items())],
+        )
 
-    def _place_members(self, block_id: int, members: np.ndarray, rows: Sequence[tuple], row_ids: np.ndarray,
-                       item_ids: np.ndarray, where: np.ndarray, opened: dict[int, list[np.ndarray]]) -> str:
+    def _place_members(
+        self,
+        block_id: int,
+        members: np.ndarray,
+        rows: Sequence[tuple],
+        row_ids: np.ndarray,
+        item_ids: np.ndarray,
+        where: np.ndarray,
+        opened: dict[int, list[np.ndarray]],
+    ) -> str:
         """Set ``where[members]`` to each member's index in block ``block_id`` (its values into
         ``opened``), for the members that match the block; returns the reason for the others."""
         block = None if block_id < 0 else self._read_meta(block_id)
@@ -375,8 +474,10 @@ class VectorBlocks:
         match = (block.row_ids[index] == row_ids[members]) & (opened[block_id][2][index] == item_ids[members])
         match &= np.fromiter((rows[p][2:5] == tag for p in members.tolist()), dtype=bool, count=len(members))
         where[members[match]] = index[match]
-        return (f"row {{row_id}}: its row, item id or version tag does not match block {block_id} "
-                f"(the plaintext columns were modified)")
+        return (
+            f"row {{row_id}}: its row, item id or version tag does not match block {block_id} "
+            f"(the plaintext columns were modified)"
+        )
 
     def _values(self, block: StoredBlock) -> list[np.ndarray]:
         """The block's opened fields, then its item ids (an object array). The last few blocks
@@ -385,7 +486,9 @@ class VectorBlocks:
         if block.damaged is not None:
             raise CorruptRecordError(block.damaged)
         if block.block_id not in self._recent:
-            self._recent[block.block_id] = [self._blocks.open(block.sealed(f, self._blob(block.block_id, f))) for f in FIELDS]
+            self._recent[block.block_id] = [
+                self._blocks.open(block.sealed(f, self._blob(block.block_id, f))) for f in FIELDS
+            ]
             self._recent[block.block_id].append(np.asarray(decode_item_ids(block.item_ids), dtype=object))
             while len(self._recent) > RECENT_BLOCKS:
                 self._recent.popitem(last=False)
@@ -410,8 +513,12 @@ class VectorBlocks:
             return StoredBlock(block_id, tag, ids, b"", dead_ids, False, (0, 0))
         authentic = isinstance(dead_mac, bytes) and self._dead_mac(block_id, dead) == dead_mac
         item_ids = item_ids if isinstance(item_ids, bytes) else b""
-        widths = (e_width, s_width) if all(type(w) is int and 0 <= w <= MAX_WIDTH for w in (e_width, s_width)) else (0, 0)
-        return StoredBlock(block_id, tag, ids, item_ids, dead_ids, authentic, widths, _damaged_columns(block_id, ids, item_ids, widths))
+        widths = (
+            (e_width, s_width) if all(type(w) is int and 0 <= w <= MAX_WIDTH for w in (e_width, s_width)) else (0, 0)
+        )
+        return StoredBlock(
+            block_id, tag, ids, item_ids, dead_ids, authentic, widths, _damaged_columns(block_id, ids, item_ids, widths)
+        )
 
     def _dead_mac(self, block_id: int, dead: bytes) -> bytes:
         return self._sealer.mac(b"fctkit-block-dead/1|%s|%d|%s" % (self._gallery_id, block_id, dead))
@@ -424,18 +531,26 @@ def reconciled_with_items(loaded: LoadedRows, items: Iterable[tuple], open_label
     vectors are gone."""
     entries = {r: (i, (o, v, via), label) for r, i, o, label, v, via in items}
     keep, labels = [], []
-    corrupt = [(r, entries[r][0] if i == "?" and r in entries else i, why) for r, i, why in loaded.corrupt]  # named where possible
+    corrupt = [
+        (r, entries[r][0] if i == "?" and r in entries else i, why) for r, i, why in loaded.corrupt
+    ]  # named where possible
     reported = {r for r, _, _ in corrupt}
     for k, (row_id, item_id, tag) in enumerate(zip(loaded.row_ids.tolist(), loaded.item_ids, loaded.tags, strict=True)):
         item_id_here, tag_here, label = entries.pop(row_id, (None, None, None))
         try:  # a pointer naming another block or tag is damage of its own (VectorBlocks.misplaced): the row is intact
             if item_id_here != item_id or tag_here is None or tag_here[0] != tag.origin_version:
-                raise CorruptRecordError(f"row {row_id}: its item id or origin version in the per-row tables does not match its block")
+                raise CorruptRecordError(
+                    f"row {row_id}: its item id or origin version in the per-row tables does not match its block"
+                )
             labels.append(None if label is None else open_label(row_id, item_id, tag.origin_version, label))
             keep.append(k)
         except CorruptRecordError as exc:
             corrupt.append((row_id, item_id, str(exc)))
-    corrupt += [(r, i, f"row {r}: its vectors are missing from the gallery file") for r, (i, _, _) in entries.items() if r not in reported]
+    corrupt += [
+        (r, i, f"row {r}: its vectors are missing from the gallery file")
+        for r, (i, _, _) in entries.items()
+        if r not in reported
+    ]
     rows = loaded.subset(keep) if len(keep) != len(loaded) else loaded
     rows.labels, rows.corrupt = labels, sorted(corrupt, key=lambda c: c[0])
     return rows
@@ -466,8 +581,9 @@ def _rows_of(block: StoredBlock, mask: np.ndarray, reason: str) -> list[tuple[in
     return [(int(r), item_ids[i] if i < len(item_ids) else "?", reason) for i, r in enumerate(block.row_ids) if mask[i]]
 
 
-def _gathered(keep: np.ndarray, block_ids: np.ndarray, where: np.ndarray, opened: dict[int, list[np.ndarray]],
-              field: int) -> np.ndarray:
+def _gathered(
+    keep: np.ndarray, block_ids: np.ndarray, where: np.ndarray, opened: dict[int, list[np.ndarray]], field: int
+) -> np.ndarray:
     """The ``field`` values of rows ``keep`` (their blocks opened), dense when all have one width,
     else ragged (rows of different spaces)."""
     if not len(keep):
@@ -482,4 +598,3 @@ def _gathered(keep: np.ndarray, block_ids: np.ndarray, where: np.ndarray, opened
     ragged = np.empty(len(keep), dtype=object)
     ragged[:] = [opened[int(block_ids[p])][field][where[p]] for p in keep.tolist()]
     return ragged
-

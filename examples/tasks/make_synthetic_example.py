@@ -18,8 +18,10 @@ OUT = Path(__file__).with_name("synthetic-instance.npz")
 
 
 def main() -> None:
-    arrays = {key: value.astype(np.float16) if value.dtype == np.float32 else value
-              for key, value in task_arrays(synthetic_instance_task(n_train=1000, n_eval=400, seed=0)).items()}
+    arrays = {
+        key: value.astype(np.float16) if value.dtype == np.float32 else value
+        for key, value in task_arrays(synthetic_instance_task(n_train=1000, n_eval=400, seed=0)).items()
+    }
     task_from_arrays(arrays, str(OUT))  # validate before writing
     np.savez(OUT, **arrays)
     print(f"wrote {OUT} ({OUT.stat().st_size // 1024} KiB)")

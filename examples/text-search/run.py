@@ -66,7 +66,6 @@ from example_steps import (
     recall,
     train_task,
 )
-from fctkit.errors import FctkitError
 from text_onnx_models import (
     ExportedModel,
     check_parity,
@@ -77,6 +76,8 @@ from text_onnx_models import (
 )
 from text_wordnet import MPNET_PARTS, read_wordnet
 from wordnet_lemma_task import read_lemma_synsets, usable_synsets
+
+from fctkit.errors import FctkitError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -109,21 +110,40 @@ def exported_models(out: Path) -> dict[str, ExportedModel]:
         for name, facts in done["models"].items():
             folder = out / name
             declaration = json.loads((folder / "preprocessing.json").read_text())
-            models[name] = ExportedModel(name, Path(facts["model"]), folder / "model.onnx", folder / "tokenizer.json",
-                                         declaration, tuple(facts["inputs"]), facts["export_seconds"])
-        log(f"models: reusing {out} (parity " + ", ".join(f"{n} {f['max_abs_error']:.1e}" for n, f in done["models"].items()) + ")")
+            models[name] = ExportedModel(
+                name,
+                Path(facts["model"]),
+                folder / "model.onnx",
+                folder / "tokenizer.json",
+                declaration,
+                tuple(facts["inputs"]),
+                facts["export_seconds"],
+            )
+        log(
+            f"models: reusing {out} (parity "
+            + ", ".join(f"{n} {f['max_abs_error']:.1e}" for n, f in done["models"].items())
+            + ")"
+        )
         return models
     texts, models, report = parity_texts(64, 0), {}, {}
     for name, model_dir in model_dirs(out, ("old", "new")).items():
         models[name] = export_model(name, model_dir, out)
-        report[name] = {"model": str(model_dir), "inputs": list(models[name].inputs),
-                        "export_seconds": round(models[name].export_seconds, 1), **check_parity(models[name], texts, 32)}
+        report[name] = {
+            "model": str(model_dir),
+            "inputs": list(models[name].inputs),
+            "export_seconds": round(models[name].export_seconds, 1),
+            **check_parity(models[name], texts, 32),
+        }
         log(f"models: {name} exported, max |kit − sentence-transformers| {report[name]['max_abs_error']:.1e}")
     within = all(r["max_abs_error"] <= PARITY_TOLERANCE for r in report.values())
-    parity_file.write_text(json.dumps({"tolerance": PARITY_TOLERANCE, "within_tolerance": within, "models": report}, indent=2))
+    parity_file.write_text(
+        json.dumps({"tolerance": PARITY_TOLERANCE, "within_tolerance": within, "models": report}, indent=2)
+    )
     (out / "preprocessing.json").write_text(json.dumps({n: m.declaration for n, m in models.items()}, indent=2))
     if not within:
-        raise BenchmarkSetupError(f"the exported graphs differ from sentence-transformers beyond {PARITY_TOLERANCE}: {parity_file}")
+        raise BenchmarkSetupError(
+            f"the exported graphs differ from sentence-transformers beyond {PARITY_TOLERANCE}: {parity_file}"
+        )
     return models
 
 
@@ -136,11 +156,17 @@ def wordnet_texts(train: int, items: int, seed: int) -> Texts:
     if train + items > len(usable):
         raise BenchmarkSetupError(f"{train + items} synsets asked for, {len(usable)} usable")
     order = np.random.default_rng(seed).permutation(len(usable))
-    evaluation, training = [usable[i] for i in order[:items]], [usable[i] for i in order[items:items + train]]
+    evaluation, training = [usable[i] for i in order[:items]], [usable[i] for i in order[items : items + train]]
     supersense = {s.key: s.supersense for s in read_wordnet()}
-    return Texts([s.key for s, _ in training], [s.query for s, _ in training], [d for _, d in training],
-                 [s.key for s, _ in evaluation], [s.query for s, _ in evaluation], [d for _, d in evaluation],
-                 np.array([supersense[s.key] for s, _ in evaluation]))
+    return Texts(
+        [s.key for s, _ in training],
+        [s.query for s, _ in training],
+        [d for _, d in training],
+        [s.key for s, _ in evaluation],
+        [s.query for s, _ in evaluation],
+        [d for _, d in evaluation],
+        np.array([supersense[s.key] for s, _ in evaluation]),
+    )
 
 
 def graph_embedder(model: ExportedModel):
@@ -162,8 +188,12 @@ def build_task(models: dict[str, ExportedModel], texts: Texts, queries: int, pat
     from fctkit.trainer.relevance import Positives
     from fctkit.trainer.tasks import RetrievalTask, TaskSet, TaskSplit, save_task
 
-    sets = {"train-query": texts.train_queries, "train-gallery": texts.train_definitions,
-            "query": texts.queries[:queries], "gallery": texts.definitions}
+    sets = {
+        "train-query": texts.train_queries,
+        "train-gallery": texts.train_definitions,
+        "query": texts.queries[:queries],
+        "gallery": texts.definitions,
+    }
     vectors = {}
     for name, model in models.items():
         embed = graph_embedder(model)
@@ -171,14 +201,24 @@ def build_task(models: dict[str, ExportedModel], texts: Texts, queries: int, pat
             vectors[name, part], seconds = embed(items)
             log(f"task: {name} embedded {len(items)} {part} texts in {seconds:.1f} s")
     splits = {}
-    for split, keys, count in (("train", texts.train_keys, len(texts.train_keys)), ("eval", texts.keys, len(texts.keys))):
+    for split, keys, count in (
+        ("train", texts.train_keys, len(texts.train_keys)),
+        ("eval", texts.keys, len(texts.keys)),
+    ):
         prefix = "train-" if split == "train" else ""
         ids, nq = np.array(keys), count if split == "train" else queries
         empty = np.zeros((nq, 0), np.float32)
         query = TaskSet(ids[:nq], vectors["old", prefix + "query"], vectors["new", prefix + "query"], empty)
-        gallery = TaskSet(ids, vectors["old", prefix + "gallery"], vectors["new", prefix + "gallery"], np.zeros((len(ids), 0), np.float32))
+        gallery = TaskSet(
+            ids,
+            vectors["old", prefix + "gallery"],
+            vectors["new", prefix + "gallery"],
+            np.zeros((len(ids), 0), np.float32),
+        )
         splits[split] = TaskSplit(query, gallery, Positives.from_lists([[i] for i in range(nq)], len(ids)))
-    save_task(path, RetrievalTask("wordnet-lemma-gloss-text-search", "instance", "recall@1", splits["train"], splits["eval"]))
+    save_task(
+        path, RetrievalTask("wordnet-lemma-gloss-text-search", "instance", "recall@1", splits["train"], splits["eval"])
+    )
     return vectors
 
 
@@ -194,8 +234,10 @@ def parity_sample(models: dict[str, ExportedModel], texts: Texts, path: Path) ->
     for name, model in models.items():
         encoder = SentenceTransformer(str(model.source), device="cpu")
         features[name] = encoder.encode([t for t, _ in items], convert_to_numpy=True, normalize_embeddings=True)
-    lines = [{"text": t, "purpose": p, "old": features["old"][i].tolist(), "new": features["new"][i].tolist()}
-             for i, (t, p) in enumerate(items)]
+    lines = [
+        {"text": t, "purpose": p, "old": features["old"][i].tolist(), "new": features["new"][i].tolist()}
+        for i, (t, p) in enumerate(items)
+    ]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
@@ -216,7 +258,9 @@ def bare_onnx_seconds(model: ExportedModel, texts: list[str], batch_size: int) -
     preprocessor, session = kit_preprocessor(model)
     feeds = []
     for start in range(0, len(texts), batch_size):
-        ids, mask, types = pad_tokens([preprocessor.prepare(t) for t in texts[start:start + batch_size]], preprocessor.declaration)
+        ids, mask, types = pad_tokens(
+            [preprocessor.prepare(t) for t in texts[start : start + batch_size]], preprocessor.declaration
+        )
         arrays = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
         feeds.append({name: arrays[name] for name in model.inputs})
     begin = time.perf_counter()
@@ -225,8 +269,15 @@ def bare_onnx_seconds(model: ExportedModel, texts: list[str], batch_size: int) -
     return time.perf_counter() - begin
 
 
-def deploy(out: Path, keys: Path, texts: Texts, vectors: dict, models: dict[str, ExportedModel], queries: int,
-           timing_items: int) -> dict[str, Any]:
+def deploy(
+    out: Path,
+    keys: Path,
+    texts: Texts,
+    vectors: dict,
+    models: dict[str, ExportedModel],
+    queries: int,
+    timing_items: int,
+) -> dict[str, Any]:
     """Serve v1, enrol a device, add the gallery texts, publish v2, sync + upgrade, query; the measurements."""
     from fctkit.demo.loopback_server import DemoServer
 
@@ -247,18 +298,27 @@ def deploy(out: Path, keys: Path, texts: Texts, vectors: dict, models: dict[str,
         upgraded = device.upgrade()  # the rows rewritten in place through v2's adapter, hubness offsets stored
         upgrade_seconds = time.perf_counter() - start
         if device.version != 2 or upgraded != len(texts.keys):
-            raise FctkitError(f"the device upgraded {upgraded} of {len(texts.keys)} rows and is at v{device.version}, not v2")
-        log(f"device: v2 downloaded in {download_seconds:.1f} s; {upgraded} rows upgraded in place in {upgrade_seconds:.2f} s")
+            raise FctkitError(
+                f"the device upgraded {upgraded} of {len(texts.keys)} rows and is at v{device.version}, not v2"
+            )
+        log(
+            f"device: v2 downloaded in {download_seconds:.1f} s; {upgraded} rows upgraded in place in {upgrade_seconds:.2f} s"
+        )
         measured = measure_device(device, texts, vectors, models, queries, timing_items)
         device.close()
-        return {"add_seconds_v1": round(add_seconds, 2), "download_seconds_v2": round(download_seconds, 2),
-                "upgrade_seconds": round(upgrade_seconds, 3), **measured}
+        return {
+            "add_seconds_v1": round(add_seconds, 2),
+            "download_seconds_v2": round(download_seconds, 2),
+            "upgrade_seconds": round(upgrade_seconds, 3),
+            **measured,
+        }
     finally:
         server.stop()
 
 
-def measure_device(device: Any, texts: Texts, vectors: dict, models: dict[str, ExportedModel], queries: int,
-                   timing_items: int) -> dict[str, Any]:
+def measure_device(
+    device: Any, texts: Texts, vectors: dict, models: dict[str, ExportedModel], queries: int, timing_items: int
+) -> dict[str, Any]:
     """Retrieval of the upgraded device against v2 everywhere; its v2 embedding cost, timed on the first ``timing_items`` texts."""
     wanted = texts.keys[:queries]
     start = time.perf_counter()
@@ -278,17 +338,31 @@ def measure_device(device: Any, texts: Texts, vectors: dict, models: dict[str, E
     embedded = engine.embed_items("embed", timed, purpose="passage").vectors
     embed_seconds = time.perf_counter() - start
     bare_seconds = bare_onnx_seconds(models["new"], timed, engine.config.batch_size)
-    recall_at = {f"R@{k}": {"device (upgraded, v2 queries)": recall(device_ids, wanted, k), "v2 re-embedded": recall(new_ids, wanted, k),
-                            "v1 (not upgraded)": recall(old_ids, wanted, k)} for k in (1, 10)}
-    top1 = {"device (upgraded)": class_top1(upgraded, texts.supersenses),
-            "v2 re-embedded": class_top1(vectors["new", "gallery"], texts.supersenses),
-            "v1 (not upgraded)": class_top1(vectors["old", "gallery"], texts.supersenses)}
+    recall_at = {
+        f"R@{k}": {
+            "device (upgraded, v2 queries)": recall(device_ids, wanted, k),
+            "v2 re-embedded": recall(new_ids, wanted, k),
+            "v1 (not upgraded)": recall(old_ids, wanted, k),
+        }
+        for k in (1, 10)
+    }
+    top1 = {
+        "device (upgraded)": class_top1(upgraded, texts.supersenses),
+        "v2 re-embedded": class_top1(vectors["new", "gallery"], texts.supersenses),
+        "v1 (not upgraded)": class_top1(vectors["old", "gallery"], texts.supersenses),
+    }
     rows_n = len(texts.keys)
-    return {"instance (lemma → gloss)": recall_at, "class (supersense top-1)": top1,
-            "query_seconds": round(query_seconds, 2), "v2_embed_seconds_device": round(embed_seconds, 2),
-            "v2_embed_seconds_bare_onnxruntime": round(bare_seconds, 2), "device_batch_size": engine.config.batch_size,
-            "v2_device_vs_graph_max_abs_error": float(np.abs(embedded - vectors["new", "gallery"][:len(timed)]).max()),
-            "rows": rows_n, "timed_rows": len(timed)}
+    return {
+        "instance (lemma → gloss)": recall_at,
+        "class (supersense top-1)": top1,
+        "query_seconds": round(query_seconds, 2),
+        "v2_embed_seconds_device": round(embed_seconds, 2),
+        "v2_embed_seconds_bare_onnxruntime": round(bare_seconds, 2),
+        "device_batch_size": engine.config.batch_size,
+        "v2_device_vs_graph_max_abs_error": float(np.abs(embedded - vectors["new", "gallery"][: len(timed)]).max()),
+        "rows": rows_n,
+        "timed_rows": len(timed),
+    }
 
 
 def ratios(measured: dict[str, Any]) -> dict[str, float]:
@@ -296,30 +370,58 @@ def ratios(measured: dict[str, Any]) -> dict[str, float]:
     instance, top1, rows = measured["instance (lemma → gloss)"], measured["class (supersense top-1)"], measured["rows"]
     per_row_upgrade = measured["upgrade_seconds"] / rows
     per_row_embed = measured["v2_embed_seconds_device"] / measured["timed_rows"]
-    return {"R@1 upgraded ÷ v2 re-embedded": instance["R@1"]["device (upgraded, v2 queries)"] / instance["R@1"]["v2 re-embedded"],
-            "R@10 upgraded ÷ v2 re-embedded": instance["R@10"]["device (upgraded, v2 queries)"] / instance["R@10"]["v2 re-embedded"],
-            "supersense top-1 upgraded ÷ v2 re-embedded": top1["device (upgraded)"] / top1["v2 re-embedded"],
-            "v2 re-embedding ÷ upgrade, seconds per row (goal ≥ 100)": per_row_embed / per_row_upgrade,
-            "device v2 embedding throughput ÷ bare ONNX Runtime (goal ≥ 0.9)":
-                measured["v2_embed_seconds_bare_onnxruntime"] / measured["v2_embed_seconds_device"]}
+    return {
+        "R@1 upgraded ÷ v2 re-embedded": instance["R@1"]["device (upgraded, v2 queries)"]
+        / instance["R@1"]["v2 re-embedded"],
+        "R@10 upgraded ÷ v2 re-embedded": instance["R@10"]["device (upgraded, v2 queries)"]
+        / instance["R@10"]["v2 re-embedded"],
+        "supersense top-1 upgraded ÷ v2 re-embedded": top1["device (upgraded)"] / top1["v2 re-embedded"],
+        "v2 re-embedding ÷ upgrade, seconds per row (goal ≥ 100)": per_row_embed / per_row_upgrade,
+        "device v2 embedding throughput ÷ bare ONNX Runtime (goal ≥ 0.9)": measured["v2_embed_seconds_bare_onnxruntime"]
+        / measured["v2_embed_seconds_device"],
+    }
 
 
 # --- command line ----------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="See the module docstring for every step.",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("runs/text-search"), help="working folder (default: %(default)s)")
-    parser.add_argument("--items", type=int, default=1000,
-                        help="gallery texts the device adds with v1 (default %(default)s, a quick run; the issue's size is >= 20000)")
-    parser.add_argument("--queries", type=int, default=300, help="lemma queries, the first of the gallery's synsets (default %(default)s)")
-    parser.add_argument("--train", type=int, default=2000, help="training synsets (query and definition; default %(default)s)")
-    parser.add_argument("--timing-items", type=int, default=2000,
-                        help="gallery texts the device re-embeds with v2 to time it against its upgrade and against bare "
-                             "ONNX Runtime (default %(default)s; per-row figures, so a subset suffices)")
-    parser.add_argument("--seed", type=int, default=0, help="which synsets, and the training seed (default %(default)s)")
-    parser.add_argument("--install", action="store_true", help="pip-install the extra packages first (see the docstring)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="See the module docstring for every step.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("runs/text-search"), help="working folder (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--items",
+        type=int,
+        default=1000,
+        help="gallery texts the device adds with v1 (default %(default)s, a quick run; the issue's size is >= 20000)",
+    )
+    parser.add_argument(
+        "--queries",
+        type=int,
+        default=300,
+        help="lemma queries, the first of the gallery's synsets (default %(default)s)",
+    )
+    parser.add_argument(
+        "--train", type=int, default=2000, help="training synsets (query and definition; default %(default)s)"
+    )
+    parser.add_argument(
+        "--timing-items",
+        type=int,
+        default=2000,
+        help="gallery texts the device re-embeds with v2 to time it against its upgrade and against bare "
+        "ONNX Runtime (default %(default)s; per-row figures, so a subset suffices)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="which synsets, and the training seed (default %(default)s)"
+    )
+    parser.add_argument(
+        "--install", action="store_true", help="pip-install the extra packages first (see the docstring)"
+    )
     args = parser.parse_args(argv)
     if not 0 < args.queries <= args.items or args.train < 100 or args.timing_items < 1:
         parser.error("need 0 < --queries <= --items, --train >= 100 and --timing-items >= 1")
@@ -340,22 +442,49 @@ def main(argv: list[str] | None = None) -> int:
         gate = train_task(out / "task.npz", out / "run", args.seed)
         method = gate["recommended"]["gallery side"]
         holds = gate_holds(gate, method)
-        log(f"gate: recommends {method} (held-out training pairs); ECC {'holds' if holds else 'FAILS'} for it on recall@1")
+        log(
+            f"gate: recommends {method} (held-out training pairs); ECC {'holds' if holds else 'FAILS'} for it on recall@1"
+        )
         parity_sample(models, texts, out / "sample.jsonl")
         keys = publisher_keys(out / "keys")
-        graphs = ["--old-graph", str(models["old"].graph), "--new-graph", str(models["new"].graph),
-                  "--preprocessing", str(out / "models" / "preprocessing.json"),
-                  "--tokenizer", f"old={models['old'].tokenizer}", "--tokenizer", f"new={models['new'].tokenizer}"]
-        export_bundles(out / "run", method, keys, out / "bundles", graphs, out / "sample.jsonl", PARITY_TOLERANCE,
-                       None if holds else "examples/text-search quick run: the ECC gate failed on a small training set")
+        graphs = [
+            "--old-graph",
+            str(models["old"].graph),
+            "--new-graph",
+            str(models["new"].graph),
+            "--preprocessing",
+            str(out / "models" / "preprocessing.json"),
+            "--tokenizer",
+            f"old={models['old'].tokenizer}",
+            "--tokenizer",
+            f"new={models['new'].tokenizer}",
+        ]
+        export_bundles(
+            out / "run",
+            method,
+            keys,
+            out / "bundles",
+            graphs,
+            out / "sample.jsonl",
+            PARITY_TOLERANCE,
+            None if holds else "examples/text-search quick run: the ECC gate failed on a small training set",
+        )
         log("export: v1 and v2 signed")
         measured = deploy(out, keys, texts, vectors, models, args.queries, min(args.timing_items, args.items))
     except FctkitError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    summary = {"items": args.items, "queries": args.queries, "train": args.train,
-               "timing_items": min(args.timing_items, args.items), "method": method, "gate_ecc_holds": holds,
-               "gate": gate["cases"].get(method), "ratios": ratios(measured), "measured": measured}
+    summary = {
+        "items": args.items,
+        "queries": args.queries,
+        "train": args.train,
+        "timing_items": min(args.timing_items, args.items),
+        "method": method,
+        "gate_ecc_holds": holds,
+        "gate": gate["cases"].get(method),
+        "ratios": ratios(measured),
+        "measured": measured,
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     for name, value in summary["ratios"].items():
         print(f"{name}: {value:.3f}")

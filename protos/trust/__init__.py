@@ -42,10 +42,9 @@ What the next layer calls:
 from __future__ import annotations
 
 from .release_signatures import parse_release_signatures, read_release_signatures, release_signatures_bytes
+from .release_trust import ReleaseTrust, verify_release_manifest
 from .root_metadata import DEFAULT_FRESHNESS_LIMIT_S, ROLE_NAMES, RoleKeys, Root, parse_root, root_fingerprint
 from .timestamp_metadata import ReleaseEntry, Timestamp, make_timestamp, parse_timestamp
-from .release_trust import ReleaseTrust, verify_release_manifest
-from .withdrawal import MAX_WITHDRAWAL_BYTES, Withdrawal, parse_withdrawal, verify_withdrawal
 from .trust_format import (
     MAX_ROOT_BYTES,
     MAX_SIGNATURES_BYTES,
@@ -64,22 +63,56 @@ from .trust_rules import (
     pin_root,
     timestamp_keys_changed,
     timestamp_version_floor,
-    verify_release,
     verify_migration,
+    verify_release,
     verify_root_update,
     verify_self_signed,
     verify_snapshot_manifest,
     verify_timestamp,
     walk_root_chain,
 )
+from .withdrawal import MAX_WITHDRAWAL_BYTES, Withdrawal, parse_withdrawal, verify_withdrawal
 
 __all__ = [
-    "DEFAULT_CLOCK_TOLERANCE_S", "DEFAULT_FRESHNESS_LIMIT_S", "MAX_ROOT_BYTES", "MAX_SIGNATURES_BYTES",
-    "MAX_TIMESTAMP_BYTES", "MAX_WITHDRAWAL_BYTES", "ROLE_NAMES", "check_not_expired", "format_time", "freshness",
-    "Freshness", "make_timestamp", "parse_release_signatures", "parse_root", "parse_timestamp", "parse_withdrawal",
-    "pin_root", "read_release_signatures", "release_signatures_bytes", "ReleaseEntry", "ReleaseTrust", "RoleKeys",
-    "Root", "root_fingerprint", "RootWalk", "sign_bytes", "Signature", "Signed", "Timestamp",
-    "timestamp_keys_changed", "timestamp_version_floor", "verify_migration", "verify_release",
-    "verify_release_manifest", "verify_root_update", "verify_self_signed", "verify_snapshot_manifest",
-    "verify_timestamp", "verify_withdrawal", "walk_root_chain", "Withdrawal",
+    "DEFAULT_CLOCK_TOLERANCE_S",
+    "DEFAULT_FRESHNESS_LIMIT_S",
+    "MAX_ROOT_BYTES",
+    "MAX_SIGNATURES_BYTES",
+    "MAX_TIMESTAMP_BYTES",
+    "MAX_WITHDRAWAL_BYTES",
+    "ROLE_NAMES",
+    "Freshness",
+    "ReleaseEntry",
+    "ReleaseTrust",
+    "RoleKeys",
+    "Root",
+    "RootWalk",
+    "Signature",
+    "Signed",
+    "Timestamp",
+    "Withdrawal",
+    "check_not_expired",
+    "format_time",
+    "freshness",
+    "make_timestamp",
+    "parse_release_signatures",
+    "parse_root",
+    "parse_timestamp",
+    "parse_withdrawal",
+    "pin_root",
+    "read_release_signatures",
+    "release_signatures_bytes",
+    "root_fingerprint",
+    "sign_bytes",
+    "timestamp_keys_changed",
+    "timestamp_version_floor",
+    "verify_migration",
+    "verify_release",
+    "verify_release_manifest",
+    "verify_root_update",
+    "verify_self_signed",
+    "verify_snapshot_manifest",
+    "verify_timestamp",
+    "verify_withdrawal",
+    "walk_root_chain",
 ]

@@ -17,8 +17,9 @@ from .trust_format import MAX_SIGNATURES_BYTES, Signature, parse_signatures, str
 def parse_release_signatures(data: bytes, what: str = SIGNATURES_FILE) -> tuple[Signature, ...]:
     """The co-signers' list from ``manifest.sigs.json`` bytes, size-limited before parsing."""
     raw = strict_parse(data, MAX_SIGNATURES_BYTES, what)
-    return strictly(what, lambda: parse_signatures(exact_keys(raw, ("signatures",), what)["signatures"],
-                                                   f"{what}.signatures"))
+    return strictly(
+        what, lambda: parse_signatures(exact_keys(raw, ("signatures",), what)["signatures"], f"{what}.signatures")
+    )
 
 
 def release_signatures_bytes(signatures: tuple[Signature, ...]) -> bytes:

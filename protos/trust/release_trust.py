@@ -23,16 +23,19 @@ ReleaseTrust = Union[Ed25519PublicKey, Signed[Root]]
 """A pinned publisher key (legacy) or a root of trust."""
 
 
-def verify_release_manifest(manifest_bytes: bytes, signature: bytes, co_signatures: bytes | None,
-                            trust: ReleaseTrust) -> Manifest:
+def verify_release_manifest(
+    manifest_bytes: bytes, signature: bytes, co_signatures: bytes | None, trust: ReleaseTrust
+) -> Manifest:
     """The manifest, once its signatures satisfy ``trust``: under a root, ``manifest.sig`` plus the
     co-signatures must come from a threshold of its publisher keys (a key the root no longer
     lists counts for nothing); under a single key, ``manifest.sig`` must verify under it."""
     if not isinstance(trust, Signed):
         return verify_manifest(manifest_bytes, signature, trust)
     if len(signature) != SIGNATURE_SIZE:
-        raise SignatureError(f"{SIGNATURE_FILE} is {len(signature)} bytes, an Ed25519 signature is {SIGNATURE_SIZE}: "
-                             "the signature is truncated or corrupt; fetch the bundle again")
+        raise SignatureError(
+            f"{SIGNATURE_FILE} is {len(signature)} bytes, an Ed25519 signature is {SIGNATURE_SIZE}: "
+            "the signature is truncated or corrupt; fetch the bundle again"
+        )
     signatures = _attributed(trust.body, manifest_bytes, signature)
     if co_signatures:
         signatures += parse_release_signatures(co_signatures)

@@ -64,7 +64,9 @@ class Root:
             "_type": self.KIND,
             "version": self.version,
             "expires": format_time(self.expires),
-            "keys": {keyid: {"keytype": "ed25519", "public": _raw(key).hex()} for keyid, key in sorted(self.keys.items())},
+            "keys": {
+                keyid: {"keytype": "ed25519", "public": _raw(key).hex()} for keyid, key in sorted(self.keys.items())
+            },
             "roles": {name: self.roles[name].to_dict() for name in ROLE_NAMES},
             "freshness_limit_s": self.freshness_limit_s,
         }
@@ -114,8 +116,10 @@ def _parse_key(value: Any, where: str) -> Ed25519PublicKey:
 def _parse_role(value: Any, where: str) -> RoleKeys:
     item = exact_keys(value, ("keyids", "threshold"), where)
     keyids = typed(item["keyids"], list, f"{where}.keyids")
-    return RoleKeys(tuple(parse_sha256_hex(k, f"{where}.keyids") for k in keyids),
-                    typed(item["threshold"], int, f"{where}.threshold"))
+    return RoleKeys(
+        tuple(parse_sha256_hex(k, f"{where}.keyids") for k in keyids),
+        typed(item["threshold"], int, f"{where}.threshold"),
+    )
 
 
 def _check_root(root: Root) -> None:
@@ -144,4 +148,6 @@ def _check_role(root: Root, name: str, role: RoleKeys) -> None:
     if role.threshold < 1:
         raise TrustFormatError(f"role {name}: threshold {role.threshold}, at least 1")
     if name == "root" and role.threshold > len(role.keyids):
-        raise TrustFormatError(f"role root: threshold {role.threshold} with only {len(role.keyids)} key(s) can never be met")
+        raise TrustFormatError(
+            f"role root: threshold {role.threshold} with only {len(role.keyids)} key(s) can never be met"
+        )

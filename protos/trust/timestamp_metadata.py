@@ -29,7 +29,11 @@ class ReleaseEntry:
     manifest_length: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "manifest_sha256": self.manifest_sha256, "manifest_length": self.manifest_length}
+        return {
+            "version": self.version,
+            "manifest_sha256": self.manifest_sha256,
+            "manifest_length": self.manifest_length,
+        }
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,12 @@ class Timestamp:
         return next((entry for entry in self.releases if entry.version == version), None)
 
     def signed_dict(self) -> dict[str, Any]:
-        return {"_type": self.KIND, "version": self.version, "expires": format_time(self.expires),
-                "releases": [entry.to_dict() for entry in self.releases]}
+        return {
+            "_type": self.KIND,
+            "version": self.version,
+            "expires": format_time(self.expires),
+            "releases": [entry.to_dict() for entry in self.releases],
+        }
 
     @classmethod
     def from_signed(cls, data: dict[str, Any], where: str) -> Timestamp:
@@ -65,14 +73,20 @@ class Timestamp:
         releases = typed(data["releases"], list, f"{where}.releases")
         if len(releases) > MAX_RELEASES:
             raise BundleFormatError(f"{where}.releases: more than the {MAX_RELEASES} allowed")
-        return cls(typed(data["version"], int, f"{where}.version"), parse_time(data["expires"], f"{where}.expires"),
-                   tuple(_parse_entry(item, f"{where}.releases[{i}]") for i, item in enumerate(releases)))
+        return cls(
+            typed(data["version"], int, f"{where}.version"),
+            parse_time(data["expires"], f"{where}.expires"),
+            tuple(_parse_entry(item, f"{where}.releases[{i}]") for i, item in enumerate(releases)),
+        )
 
 
 def make_timestamp(version: int, expires: datetime, manifests: Mapping[int, bytes]) -> Timestamp:
     """The timestamp naming these releases' manifests (release version → canonical manifest bytes)."""
-    return Timestamp(version, expires, tuple(
-        ReleaseEntry(v, hashlib.sha256(data).hexdigest(), len(data)) for v, data in sorted(manifests.items())))
+    return Timestamp(
+        version,
+        expires,
+        tuple(ReleaseEntry(v, hashlib.sha256(data).hexdigest(), len(data)) for v, data in sorted(manifests.items())),
+    )
 
 
 def parse_timestamp(data: bytes, what: str = "timestamp.json") -> Signed[Timestamp]:

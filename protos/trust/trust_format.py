@@ -49,8 +49,10 @@ def sign_bytes(data: bytes, private_key: Ed25519PrivateKey) -> Signature:
 def strict_parse(data: bytes, limit: int, what: str) -> Any:
     """JSON from at most ``limit`` bytes (checked before parsing); duplicate keys refused."""
     if len(data) > limit:
-        raise TrustFormatError(f"{what} is {len(data)} bytes, more than the {limit} allowed: refused unread "
-                               "(endless data); fetch it again from a trusted source")
+        raise TrustFormatError(
+            f"{what} is {len(data)} bytes, more than the {limit} allowed: refused unread "
+            "(endless data); fetch it again from a trusted source"
+        )
     try:
         return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -118,8 +120,9 @@ def require_utc(moment: datetime) -> datetime:
     return moment.astimezone(UTC).replace(microsecond=0)
 
 
-def valid_signers(data: bytes, signatures: Iterable[Signature], keys: Mapping[str, Ed25519PublicKey],
-                  allowed: Iterable[str]) -> frozenset[str]:
+def valid_signers(
+    data: bytes, signatures: Iterable[Signature], keys: Mapping[str, Ed25519PublicKey], allowed: Iterable[str]
+) -> frozenset[str]:
     """The distinct allowed key ids whose signature over ``data`` verifies; a key outside
     ``allowed`` or a second signature by one key adds nothing."""
     allowed_ids, signers = set(allowed), set()
@@ -135,18 +138,30 @@ def valid_signers(data: bytes, signatures: Iterable[Signature], keys: Mapping[st
     return frozenset(signers)
 
 
-def require_threshold(data: bytes, signatures: Iterable[Signature], keys: Mapping[str, Ed25519PublicKey],
-                      role_keyids: tuple[str, ...], threshold: int, what: str,
-                      error: type[ThresholdError] = ThresholdError) -> frozenset[str]:
+def require_threshold(
+    data: bytes,
+    signatures: Iterable[Signature],
+    keys: Mapping[str, Ed25519PublicKey],
+    role_keyids: tuple[str, ...],
+    threshold: int,
+    what: str,
+    error: type[ThresholdError] = ThresholdError,
+) -> frozenset[str]:
     """The signers, or ``error`` saying how many valid signatures there were and how many are needed."""
     signatures = tuple(signatures)
     signers = valid_signers(data, signatures, keys, role_keyids)
     if len(signers) >= threshold:
         return signers
     outside = sorted({s.keyid for s in signatures} - set(role_keyids))
-    note = f"; signatures by keys outside the role do not count ({', '.join(k[:12] + '…' for k in outside)})" if outside else ""
-    raise error(f"{what} has {len(signers)} valid signature(s) of the {threshold} needed from its "
-                f"{len(role_keyids)} key(s){note}: have more key holders sign it (`fctkit keys sign`)")
+    note = (
+        f"; signatures by keys outside the role do not count ({', '.join(k[:12] + '…' for k in outside)})"
+        if outside
+        else ""
+    )
+    raise error(
+        f"{what} has {len(signers)} valid signature(s) of the {threshold} needed from its "
+        f"{len(role_keyids)} key(s){note}: have more key holders sign it (`fctkit keys sign`)"
+    )
 
 
 class Body(Protocol):

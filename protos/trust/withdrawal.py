@@ -44,20 +44,33 @@ class Withdrawal:
         if self.version < 1:
             raise TrustFormatError(f"withdrawal of version {self.version}: versions start at 1")
         if not 0 <= self.revert_to < self.version:
-            raise TrustFormatError(f"a withdrawal of v{self.version} reverts to an earlier version, not v{self.revert_to}")
+            raise TrustFormatError(
+                f"a withdrawal of v{self.version} reverts to an earlier version, not v{self.revert_to}"
+            )
         if not self.reason.strip() or len(self.reason) > MAX_REASON_CHARS:
-            raise TrustFormatError(f"a withdrawal needs a reason of 1..{MAX_REASON_CHARS} characters (it is shown to "
-                                   "operators and devices)")
+            raise TrustFormatError(
+                f"a withdrawal needs a reason of 1..{MAX_REASON_CHARS} characters (it is shown to "
+                "operators and devices)"
+            )
 
     def signed_dict(self) -> dict[str, Any]:
-        return {"_type": self.KIND, "version": self.version, "revert_to": self.revert_to, "reason": self.reason,
-                "withdrawn_at": format_time(self.withdrawn_at)}
+        return {
+            "_type": self.KIND,
+            "version": self.version,
+            "revert_to": self.revert_to,
+            "reason": self.reason,
+            "withdrawn_at": format_time(self.withdrawn_at),
+        }
 
     @classmethod
     def from_signed(cls, data: dict[str, Any], where: str) -> Withdrawal:
         data = exact_keys(data, ("_type", "version", "revert_to", "reason", "withdrawn_at"), where)
-        return cls(typed(data["version"], int, f"{where}.version"), typed(data["revert_to"], int, f"{where}.revert_to"),
-                   typed(data["reason"], str, f"{where}.reason"), parse_time(data["withdrawn_at"], f"{where}.withdrawn_at"))
+        return cls(
+            typed(data["version"], int, f"{where}.version"),
+            typed(data["revert_to"], int, f"{where}.revert_to"),
+            typed(data["reason"], str, f"{where}.reason"),
+            parse_time(data["withdrawn_at"], f"{where}.withdrawn_at"),
+        )
 
 
 def parse_withdrawal(data: bytes, what: str = "withdrawal.json") -> Signed[Withdrawal]:
@@ -70,12 +83,24 @@ def verify_withdrawal(trust: Signed[Root] | Ed25519PublicKey, withdrawal: Signed
     what = f"the withdrawal of v{withdrawal.body.version}"
     if isinstance(trust, Signed):
         role = trust.body.role("publisher")
-        require_threshold(withdrawal.signed_bytes, withdrawal.signatures, trust.body.keys, role.keyids, role.threshold,
-                          f"{what} (publisher role of root v{trust.body.version})")
+        require_threshold(
+            withdrawal.signed_bytes,
+            withdrawal.signatures,
+            trust.body.keys,
+            role.keyids,
+            role.threshold,
+            f"{what} (publisher role of root v{trust.body.version})",
+        )
     else:
         keyid = public_key_id(trust)
-        require_threshold(withdrawal.signed_bytes, withdrawal.signatures, {keyid: trust}, (keyid,), 1,
-                          f"{what} (the pinned publisher key)")
+        require_threshold(
+            withdrawal.signed_bytes,
+            withdrawal.signatures,
+            {keyid: trust},
+            (keyid,),
+            1,
+            f"{what} (the pinned publisher key)",
+        )
     return withdrawal
 
 
@@ -83,8 +108,14 @@ def withdrawal_file_name(version: int) -> str:
     return f"withdrawal.{version}.json"
 
 
-def write_withdrawal(path: str | os.PathLike, version: int, revert_to: int, reason: str,
-                     private_key: Ed25519PrivateKey, now: datetime | None = None) -> Signed[Withdrawal]:
+def write_withdrawal(
+    path: str | os.PathLike,
+    version: int,
+    revert_to: int,
+    reason: str,
+    private_key: Ed25519PrivateKey,
+    now: datetime | None = None,
+) -> Signed[Withdrawal]:
     """Write ``withdrawal.<version>.json`` signed by this publisher key (others co-sign it with
     `fctkit keys sign`); an existing file is never replaced."""
     path = Path(path)

@@ -19,8 +19,8 @@ from fctkit.errors import RpcStatusError
 from fctkit.protos import registry_pb2
 
 from ..rollout_store import COMPLETE, HALTED, PAUSED, STAGED, HealthReport, Rollout, Stage
-from .offers import in_rollout
 from ..validation import invalid
+from .offers import in_rollout
 
 DEVICE_ID = re.compile(r"dev-[0-9a-f]{16}")
 MAX_COHORT = 10_000
@@ -39,8 +39,10 @@ def check_cohort(device_ids: list[str]) -> frozenset[str]:
         raise invalid(f"the cohort names {len(device_ids)} devices; at most {MAX_COHORT}")
     malformed = [d for d in device_ids if not DEVICE_ID.fullmatch(d)]
     if malformed:
-        raise invalid(f"malformed device id {malformed[0][:80]!r} in the cohort ({len(malformed)} in all): device ids "
-                      "are dev- and 16 hex digits, as `fctkit admin list-devices` shows them")
+        raise invalid(
+            f"malformed device id {malformed[0][:80]!r} in the cohort ({len(malformed)} in all): device ids "
+            "are dev- and 16 hex digits, as `fctkit admin list-devices` shows them"
+        )
     return frozenset(device_ids)
 
 
@@ -53,9 +55,12 @@ def changed_rollout(current: Rollout | None, request: registry_pb2.SetRolloutReq
     """``current`` with ``request`` applied (``current`` None: the version was published to every device)."""
     v = request.version
     if current is None:
-        raise RpcStatusError("FAILED_PRECONDITION", f"version {v} was published to every device (no staged rollout): "
-                             "it cannot be taken back to a percent; publish the next version with "
-                             "`fctkit admin publish BUNDLE --percent P` to stage it")
+        raise RpcStatusError(
+            "FAILED_PRECONDITION",
+            f"version {v} was published to every device (no staged rollout): "
+            "it cannot be taken back to a percent; publish the next version with "
+            "`fctkit admin publish BUNDLE --percent P` to stage it",
+        )
     rollout = current
     if request.HasField("cohort"):
         rollout = dataclasses.replace(rollout, cohort=check_cohort(list(request.cohort.device_ids)))
@@ -71,7 +76,9 @@ def _guard(guard: registry_pb2.RolloutGuard) -> dict:
     if not (math.isfinite(guard.halt_below) and -1.0 <= guard.halt_below <= 1.0):
         raise invalid(f"halt_below is {guard.halt_below}; a mean cosine, from -1 to 1")
     if not 1 <= guard.halt_min_devices <= MAX_HALT_MIN_DEVICES:
-        raise invalid(f"halt_min_devices is {guard.halt_min_devices}; from 1 to {MAX_HALT_MIN_DEVICES} reporting devices")
+        raise invalid(
+            f"halt_min_devices is {guard.halt_min_devices}; from 1 to {MAX_HALT_MIN_DEVICES} reporting devices"
+        )
     return {"halt_below": guard.halt_below, "halt_min_devices": guard.halt_min_devices}
 
 
@@ -81,9 +88,12 @@ def _widened(rollout: Rollout, percent: float, now: str) -> Rollout:
         hint = "it is offered to every device already" if rollout.state == COMPLETE else "resume it first (--resume)"
         raise RpcStatusError("FAILED_PRECONDITION", f"the rollout of version {v} is {rollout.state}: {hint}")
     if percent < rollout.percent:
-        raise RpcStatusError("FAILED_PRECONDITION", f"the rollout of version {v} is at {rollout.percent:g}%: narrowing it to "
-                             f"{percent:g}% would take the version back from devices that may have it; pause it "
-                             "(--pause) to offer it to nobody new")
+        raise RpcStatusError(
+            "FAILED_PRECONDITION",
+            f"the rollout of version {v} is at {rollout.percent:g}%: narrowing it to "
+            f"{percent:g}% would take the version back from devices that may have it; pause it "
+            "(--pause) to offer it to nobody new",
+        )
     if percent == rollout.percent:
         return rollout
     return dataclasses.replace(rollout, percent=percent, stages=(*rollout.stages, Stage(percent, now)))
@@ -95,16 +105,22 @@ def _acted(rollout: Rollout, action: int, now: str) -> Rollout:
         return rollout
     if action == registry_pb2.ROLLOUT_ACTION_PAUSE:
         if state in (COMPLETE, HALTED):
-            raise RpcStatusError("FAILED_PRECONDITION", f"the rollout of version {v} is {state}: there is nothing to pause")
+            raise RpcStatusError(
+                "FAILED_PRECONDITION", f"the rollout of version {v} is {state}: there is nothing to pause"
+            )
         return dataclasses.replace(rollout, state=PAUSED)
     if action == registry_pb2.ROLLOUT_ACTION_RESUME:
         if state not in (PAUSED, HALTED):
-            raise RpcStatusError("FAILED_PRECONDITION", f"the rollout of version {v} is {state}, not paused or halted: "
-                                 "there is nothing to resume")
+            raise RpcStatusError(
+                "FAILED_PRECONDITION",
+                f"the rollout of version {v} is {state}, not paused or halted: there is nothing to resume",
+            )
         return dataclasses.replace(rollout, state=STAGED, halt_reason="")
     if action == registry_pb2.ROLLOUT_ACTION_COMPLETE:
         last = () if rollout.percent == 100.0 else (Stage(100.0, now),)  # completing is the last stage: everyone
-        return dataclasses.replace(rollout, state=COMPLETE, percent=100.0, stages=(*rollout.stages, *last), halt_reason="")
+        return dataclasses.replace(
+            rollout, state=COMPLETE, percent=100.0, stages=(*rollout.stages, *last), halt_reason=""
+        )
     raise invalid(f"action {action} is not one of PAUSE, RESUME, COMPLETE")
 
 
@@ -113,9 +129,12 @@ def check_confirmable(version: int, rollout: Rollout | None) -> None:
     every device) was offered to some device: complete, widened above 0%, or with a cohort."""
     if rollout is None or rollout.state == COMPLETE or rollout.percent > 0 or rollout.cohort:
         return
-    raise RpcStatusError("FAILED_PRECONDITION", f"version {version} is offered to no device yet (its rollout is "
-                         f"{rollout.state} at 0% without a cohort): there is nothing to confirm before devices run it; "
-                         f"widen it first (`fctkit admin rollout {version} --percent P`), then confirm; nothing changed")
+    raise RpcStatusError(
+        "FAILED_PRECONDITION",
+        f"version {version} is offered to no device yet (its rollout is "
+        f"{rollout.state} at 0% without a cohort): there is nothing to confirm before devices run it; "
+        f"widen it first (`fctkit admin rollout {version} --percent P`), then confirm; nothing changed",
+    )
 
 
 def guard_verdict(rollout: Rollout, health: dict[str, HealthReport], device_id: str) -> str | None:
@@ -129,5 +148,7 @@ def guard_verdict(rollout: Rollout, health: dict[str, HealthReport], device_id: 
     median = statistics.median(signal)
     if median >= rollout.halt_below:
         return None
-    return (f"median mean_cosine {median:.4f} of {len(signal)} reporting devices fell below {rollout.halt_below:g} "
-            f"(halted at the report of {device_id})")
+    return (
+        f"median mean_cosine {median:.4f} of {len(signal)} reporting devices fell below {rollout.halt_below:g} "
+        f"(halted at the report of {device_id})"
+    )

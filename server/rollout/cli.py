@@ -19,8 +19,21 @@ from fctkit.protos.trust import MAX_WITHDRAWAL_BYTES
 from fctkit.protos.trust.withdrawal import withdrawal_file_name, write_withdrawal
 
 _DEVICE_ID = re.compile(r"dev-[0-9a-f]{16}")
-_STAGE_COLUMNS = ("stage", "percent", "started_at", "offered", "downloaded", "upgraded", "failed", "reverted",
-                  "reporting", "median", "min", "p10", "reverted_by")
+_STAGE_COLUMNS = (
+    "stage",
+    "percent",
+    "started_at",
+    "offered",
+    "downloaded",
+    "upgraded",
+    "failed",
+    "reverted",
+    "reporting",
+    "median",
+    "min",
+    "p10",
+    "reverted_by",
+)
 
 
 def read_cohort(path: Path) -> list[str]:
@@ -30,8 +43,10 @@ def read_cohort(path: Path) -> list[str]:
     for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         text = line.split("#", 1)[0].strip()
         if text and not _DEVICE_ID.fullmatch(text):
-            raise InputError(f"{path}:{number}: {text[:80]!r} is not a device id (dev- and 16 hex digits, as "
-                             "`fctkit admin list-devices` shows them); nothing was changed")
+            raise InputError(
+                f"{path}:{number}: {text[:80]!r} is not a device id (dev- and 16 hex digits, as "
+                "`fctkit admin list-devices` shows them); nothing was changed"
+            )
         if text:
             ids.append(text)
     return ids
@@ -39,31 +54,63 @@ def read_cohort(path: Path) -> list[str]:
 
 @click.command("rollout")
 @click.argument("version", type=click.IntRange(1))
-@click.option("--percent", type=click.FloatRange(0, 100), default=None,
-              help="Start or widen the staged rollout to this percent of devices (never narrower: pause instead).")
+@click.option(
+    "--percent",
+    type=click.FloatRange(0, 100),
+    default=None,
+    help="Start or widen the staged rollout to this percent of devices (never narrower: pause instead).",
+)
 @click.option("--pause", "action", flag_value="pause", help="Offer the version to nobody new (devices on it stay).")
 @click.option("--resume", "action", flag_value="resume", help="Stage again after a pause or a halt by the guard.")
 @click.option("--complete", "action", flag_value="complete", help="Offer the version to every device.")
-@click.option("--devices", "cohort_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
-              help="The cohort: a file of device ids, one per line, in the rollout whatever the percent (e.g. testers).")
-@click.option("--halt-below", type=click.FloatRange(-1, 1), default=None,
-              help="Guard: halt the rollout when the median health (mean cosine) of reporting devices falls below this.")
-@click.option("--halt-min-devices", type=click.IntRange(1), default=None,
-              help="Guard: only once at least this many devices of the rollout reported (with --halt-below).")
+@click.option(
+    "--devices",
+    "cohort_file",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    default=None,
+    help="The cohort: a file of device ids, one per line, in the rollout whatever the percent (e.g. testers).",
+)
+@click.option(
+    "--halt-below",
+    type=click.FloatRange(-1, 1),
+    default=None,
+    help="Guard: halt the rollout when the median health (mean cosine) of reporting devices falls below this.",
+)
+@click.option(
+    "--halt-min-devices",
+    type=click.IntRange(1),
+    default=None,
+    help="Guard: only once at least this many devices of the rollout reported (with --halt-below).",
+)
 @click.pass_obj
-def rollout_command(connect, version: int, percent: float | None, action: str | None, cohort_file: Path | None,
-                    halt_below: float | None, halt_min_devices: int | None) -> None:
+def rollout_command(
+    connect,
+    version: int,
+    percent: float | None,
+    action: str | None,
+    cohort_file: Path | None,
+    halt_below: float | None,
+    halt_min_devices: int | None,
+) -> None:
     """Change the staged rollout of VERSION (published with `fctkit admin publish BUNDLE --percent P`):
     every option given at once, or none. Devices outside it keep being offered the versions before it.
     Once it has proved itself, `fctkit admin rollout-confirm VERSION` ends its rollback window early."""
     if (halt_below is None) != (halt_min_devices is None):
         raise click.UsageError("--halt-below and --halt-min-devices go together")
     if percent is None and action is None and cohort_file is None and halt_below is None:
-        raise click.UsageError("nothing to change: give --percent, --pause, --resume, --complete, --devices or --halt-below")
+        raise click.UsageError(
+            "nothing to change: give --percent, --pause, --resume, --complete, --devices or --halt-below"
+        )
     cohort = None if cohort_file is None else read_cohort(cohort_file)
     with connect() as client:
-        status = client.set_rollout(version, percent=percent, action=action, cohort=cohort, halt_below=halt_below,
-                                    halt_min_devices=halt_min_devices or 0)
+        status = client.set_rollout(
+            version,
+            percent=percent,
+            action=action,
+            cohort=cohort,
+            halt_below=halt_below,
+            halt_min_devices=halt_min_devices or 0,
+        )
     click.echo(_headline(status))
 
 
@@ -94,8 +141,14 @@ def rollout_status_command(connect, version: int, as_json: bool) -> None:
         widths = [max(len(c), *(len(r[c]) for r in rows)) for c in _STAGE_COLUMNS]
         for row in [dict(zip(_STAGE_COLUMNS, _STAGE_COLUMNS)), *rows]:
             click.echo("  ".join(row[c].ljust(w) for c, w in zip(_STAGE_COLUMNS, widths)))
-    cases = ", ".join(f"{case} {' '.join(f'{k} {v:.4f}' for k, v in metrics.items() if _number(v))}"
-                      for case, metrics in gate.items() if isinstance(metrics, dict)) or "no cases recorded"
+    cases = (
+        ", ".join(
+            f"{case} {' '.join(f'{k} {v:.4f}' for k, v in metrics.items() if _number(v))}"
+            for case, metrics in gate.items()
+            if isinstance(metrics, dict)
+        )
+        or "no cases recorded"
+    )
     click.echo(f"gate (the server's evaluation data): {cases}")
 
 
@@ -127,36 +180,71 @@ def _state(status) -> str:
         return f"version {status.version}: no rollout (offered to every device)"
     if status.state == "withdrawn":
         return f"version {status.version}: withdrawn (offered to no device; it had reached {status.percent:g}%)"
-    guard = (f"; guard: halt below {status.halt_below:g} once {status.halt_min_devices} devices reported"
-             if status.halt_min_devices else "")
-    return (f"version {status.version}: {status.state} at {status.percent:g}% (cohort of {status.cohort_size})"
-            f"{guard}")
+    guard = (
+        f"; guard: halt below {status.halt_below:g} once {status.halt_min_devices} devices reported"
+        if status.halt_min_devices
+        else ""
+    )
+    return f"version {status.version}: {status.state} at {status.percent:g}% (cohort of {status.cohort_size}){guard}"
 
 
 def _stage_row(stage) -> dict[str, str]:
     health = stage.health
     numbers = {k: f"{getattr(health, k):.4f}" if health.devices else "-" for k in ("median", "min", "p10")}
-    return {"stage": "cohort" if stage.stage == 0 else str(stage.stage), "percent": f"{stage.percent:g}",
-            "started_at": stage.started_at or "-", "offered": str(stage.offered), "downloaded": str(stage.downloaded),
-            "upgraded": str(stage.upgraded), "failed": str(stage.failed), "reverted": str(stage.reverted),
-            "reporting": str(health.devices), **numbers,
-            "reverted_by": ", ".join(f"{m} {n}" for m, n in sorted(stage.revert_methods.items())) or "-"}
+    return {
+        "stage": "cohort" if stage.stage == 0 else str(stage.stage),
+        "percent": f"{stage.percent:g}",
+        "started_at": stage.started_at or "-",
+        "offered": str(stage.offered),
+        "downloaded": str(stage.downloaded),
+        "upgraded": str(stage.upgraded),
+        "failed": str(stage.failed),
+        "reverted": str(stage.reverted),
+        "reporting": str(health.devices),
+        **numbers,
+        "reverted_by": ", ".join(f"{m} {n}" for m, n in sorted(stage.revert_methods.items())) or "-",
+    }
 
 
 @click.command("withdraw")
 @click.argument("version", type=click.IntRange(1), required=False)
 @click.option("--reason", default=None, help="Why (shown to operators and devices; at most 1,024 characters).")
-@click.option("--key", "key_path", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
-              help="Your publisher.key: write withdrawal.<VERSION>.json signed with it and publish it.")
-@click.option("--revert-to", type=click.IntRange(0), default=None,
-              help="The version devices that installed VERSION go back to (default: VERSION - 1; 0: none).")
-@click.option("--file", "withdrawal_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
-              help="Publish this withdrawal.<V>.json as it is (e.g. co-signed by a threshold of publishers).")
-@click.option("--passphrase-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="File holding the --key passphrase (or set $FCTKIT_KEY_PASSPHRASE).")
+@click.option(
+    "--key",
+    "key_path",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    default=None,
+    help="Your publisher.key: write withdrawal.<VERSION>.json signed with it and publish it.",
+)
+@click.option(
+    "--revert-to",
+    type=click.IntRange(0),
+    default=None,
+    help="The version devices that installed VERSION go back to (default: VERSION - 1; 0: none).",
+)
+@click.option(
+    "--file",
+    "withdrawal_file",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    default=None,
+    help="Publish this withdrawal.<V>.json as it is (e.g. co-signed by a threshold of publishers).",
+)
+@click.option(
+    "--passphrase-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="File holding the --key passphrase (or set $FCTKIT_KEY_PASSPHRASE).",
+)
 @click.pass_obj
-def withdraw_command(connect, version: int | None, reason: str | None, key_path: Path | None, revert_to: int | None,
-                     withdrawal_file: Path | None, passphrase_file: Path | None) -> None:
+def withdraw_command(
+    connect,
+    version: int | None,
+    reason: str | None,
+    key_path: Path | None,
+    revert_to: int | None,
+    withdrawal_file: Path | None,
+    passphrase_file: Path | None,
+) -> None:
     """Withdraw release VERSION: from now on it is offered to no device, and devices that installed
     it go back to --revert-to. Either VERSION --reason --key (writes withdrawal.<VERSION>.json
     here, signed with that key, and publishes it) or --file (a withdrawal already signed, e.g. by
@@ -164,7 +252,9 @@ def withdraw_command(connect, version: int | None, reason: str | None, key_path:
     device would: it cannot withdraw a release on its own."""
     if withdrawal_file is not None:
         if version is not None or reason is not None or key_path is not None or revert_to is not None:
-            raise click.UsageError("--file publishes a withdrawal as it is: give no VERSION, --reason, --key or --revert-to")
+            raise click.UsageError(
+                "--file publishes a withdrawal as it is: give no VERSION, --reason, --key or --revert-to"
+            )
         data = read_regular_file(withdrawal_file, MAX_WITHDRAWAL_BYTES)
     else:
         if version is None or reason is None or key_path is None:

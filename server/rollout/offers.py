@@ -103,7 +103,9 @@ class Rollouts:
         if latest > self._read_through:
             self.reload()
         withdrawn = self.withdrawals.versions
-        held = sorted(v for v, r in self._by_version.items() if r.state != COMPLETE and v <= latest and v not in withdrawn)
+        held = sorted(
+            v for v, r in self._by_version.items() if r.state != COMPLETE and v <= latest and v not in withdrawn
+        )
         if not held:
             return None
         device_version = max(self._storage.device_version(device_id), claimed_version)

@@ -34,13 +34,19 @@ def revert_report(request: fleet_pb2.ReportRequest, withdrawn: Callable[[int], b
     version, method = request.reverted_from, request.revert_method
     if version == 0:
         if method:
-            raise invalid(f"revert_method is {method[:40]!r} with reverted_from 0: name the withdrawn version it went back from")
+            raise invalid(
+                f"revert_method is {method[:40]!r} with reverted_from 0: name the withdrawn version it went back from"
+            )
         return None
     if method not in REVERT_METHODS:
-        raise invalid(f"revert_method is {method[:40]!r}; one of {', '.join(REVERT_METHODS)} with reverted_from {version}")
+        raise invalid(
+            f"revert_method is {method[:40]!r}; one of {', '.join(REVERT_METHODS)} with reverted_from {version}"
+        )
     if not withdrawn(version):
-        raise invalid(f"reverted_from is {version}, which is not withdrawn: a device goes back only from a version "
-                      "its publishers withdrew (ListVersions carries the withdrawals)")
+        raise invalid(
+            f"reverted_from is {version}, which is not withdrawn: a device goes back only from a version "
+            "its publishers withdrew (ListVersions carries the withdrawals)"
+        )
     return version, method
 
 
@@ -58,18 +64,33 @@ def health_report(request: fleet_pb2.ReportRequest) -> HealthReport | None:
         raise invalid(f"health.seconds is {h.seconds}; from 0 to {MAX_UPGRADE_SECONDS:g} (a year)")
     rows = max(h.rows_upgraded, request.gallery_size)  # a resumed upgrade moves fewer rows than it may sample
     if h.sample_size > min(MAX_SAMPLE, rows):
-        raise invalid(f"health.sample_size is {h.sample_size}; a sample of the gallery's {rows} rows "
-                      f"(rows_upgraded or gallery_size, whichever is larger; at most {MAX_SAMPLE})")
-    ranges = {"mean_cosine": (-1.0, 1.0), "p10_cosine": (-1.0, 1.0), "recall_at_1": (0.0, 1.0),
-              "mean_reciprocal_rank": (0.0, 1.0)}
+        raise invalid(
+            f"health.sample_size is {h.sample_size}; a sample of the gallery's {rows} rows "
+            f"(rows_upgraded or gallery_size, whichever is larger; at most {MAX_SAMPLE})"
+        )
+    ranges = {
+        "mean_cosine": (-1.0, 1.0),
+        "p10_cosine": (-1.0, 1.0),
+        "recall_at_1": (0.0, 1.0),
+        "mean_reciprocal_rank": (0.0, 1.0),
+    }
     for name, (low, high) in ranges.items():
         value = getattr(h, name)
         if not (math.isfinite(value) and low <= value <= high):
             raise invalid(f"health.{name} is {value}; from {low:g} to {high:g}")
         if h.sample_size == 0 and value != 0.0:
             raise invalid(f"health.{name} is {value} with sample_size 0: without a sample the measures are unset (0)")
-    return HealthReport(h.version, h.rows_upgraded, h.failures, h.seconds, h.sample_size, h.mean_cosine, h.p10_cosine,
-                        h.recall_at_1, h.mean_reciprocal_rank)
+    return HealthReport(
+        h.version,
+        h.rows_upgraded,
+        h.failures,
+        h.seconds,
+        h.sample_size,
+        h.mean_cosine,
+        h.p10_cosine,
+        h.recall_at_1,
+        h.mean_reciprocal_rank,
+    )
 
 
 class ReportLimiter:
@@ -88,8 +109,11 @@ class ReportLimiter:
             recent.popleft()
         if len(recent) >= self._per_minute:
             wait = 60.0 - (now - recent[0])
-            raise RpcStatusError("RESOURCE_EXHAUSTED", f"this device sent {len(recent)} reports in the last minute; at most "
-                                 f"{self._per_minute}: report again in {wait:.0f} s (a report every few seconds is plenty)")
+            raise RpcStatusError(
+                "RESOURCE_EXHAUSTED",
+                f"this device sent {len(recent)} reports in the last minute; at most "
+                f"{self._per_minute}: report again in {wait:.0f} s (a report every few seconds is plenty)",
+            )
         recent.append(now)
         if len(self._recent) > 100_000:  # forget devices that went quiet, so the map stays bounded
             self._recent = {d: q for d, q in self._recent.items() if q and q[-1] > now - 60.0}

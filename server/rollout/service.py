@@ -11,12 +11,12 @@ from typing import Any
 from fctkit.errors import RpcStatusError
 from fctkit.protos import registry_pb2
 
-from .changes import changed_rollout, check_cohort, check_confirmable
-from .status import rollout_status
 from ..rollout_store import DeviceState, Rollout
-from .offers import Rollouts
 from ..storage import Storage
 from ..validation import timestamp, version_field
+from .changes import changed_rollout, check_cohort, check_confirmable
+from .offers import Rollouts
+from .status import rollout_status
 
 
 class RolloutRpcs:
@@ -29,14 +29,20 @@ class RolloutRpcs:
     async def SetRollout(self, request: registry_pb2.SetRolloutRequest, context) -> registry_pb2.RolloutStatus:
         version = self._catalog.get(version_field(request.version, "version")).version
         if self._rollouts.withdrawals.withdrawn(version):
-            raise RpcStatusError("FAILED_PRECONDITION", f"version {version} was withdrawn: its rollout can no longer "
-                                 "change; publish a fixed release as the next version")
+            raise RpcStatusError(
+                "FAILED_PRECONDITION",
+                f"version {version} was withdrawn: its rollout can no longer "
+                "change; publish a fixed release as the next version",
+            )
         if request.HasField("cohort"):
             cohort = check_cohort(list(request.cohort.device_ids))
             unknown = sorted(cohort - self._storage.enrolled_devices(sorted(cohort)))
             if unknown:
-                raise RpcStatusError("NOT_FOUND", f"the cohort names {len(unknown)} device(s) not enrolled or revoked, e.g. "
-                                     f"{unknown[0]!r}: see `fctkit admin list-devices`; nothing changed")
+                raise RpcStatusError(
+                    "NOT_FOUND",
+                    f"the cohort names {len(unknown)} device(s) not enrolled or revoked, e.g. "
+                    f"{unknown[0]!r}: see `fctkit admin list-devices`; nothing changed",
+                )
         now = timestamp()
         self._rollouts.change(version, lambda current: changed_rollout(current, request, now))
         return self._rollout_status(version)
@@ -44,8 +50,11 @@ class RolloutRpcs:
     async def ConfirmVersion(self, request: registry_pb2.ConfirmVersionRequest, context) -> registry_pb2.RolloutStatus:
         version = self._catalog.get(version_field(request.version, "version")).version
         if self._rollouts.withdrawals.withdrawn(version):
-            raise RpcStatusError("FAILED_PRECONDITION", f"version {version} was withdrawn: it cannot be confirmed; "
-                                 "its devices go back to the version its withdrawal names; nothing changed")
+            raise RpcStatusError(
+                "FAILED_PRECONDITION",
+                f"version {version} was withdrawn: it cannot be confirmed; "
+                "its devices go back to the version its withdrawal names; nothing changed",
+            )
         self._rollouts.confirm(version, timestamp(), lambda rollout: check_confirmable(version, rollout))
         return self._rollout_status(version)
 
@@ -57,13 +66,19 @@ class RolloutRpcs:
         rollouts, devices = self._storage.rollouts(), self._storage.rollout_devices()
         return [self._rollout_status(v, r, devices) for v, r in sorted(rollouts.items()) if v <= self._catalog.latest]
 
-    def _rollout_status(self, version: int, rollout: Rollout | None = None,
-                        devices: list[DeviceState] | None = None) -> registry_pb2.RolloutStatus:
+    def _rollout_status(
+        self, version: int, rollout: Rollout | None = None, devices: list[DeviceState] | None = None
+    ) -> registry_pb2.RolloutStatus:
         rollout = rollout or self._storage.rollouts().get(version)
         withdrawal = self._storage.withdrawals().get(version)
-        status = rollout_status(version, rollout, self._catalog.get(version).manifest.gate,
-                                self._storage.rollout_devices() if devices is None else devices,
-                                self._storage.health_reports(version), withdrawal,
-                                self._storage.device_reverts(version) if withdrawal else {})
+        status = rollout_status(
+            version,
+            rollout,
+            self._catalog.get(version).manifest.gate,
+            self._storage.rollout_devices() if devices is None else devices,
+            self._storage.health_reports(version),
+            withdrawal,
+            self._storage.device_reverts(version) if withdrawal else {},
+        )
         status.confirmed_at = self._storage.confirmations().get(version, "")
         return status

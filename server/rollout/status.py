@@ -21,8 +21,8 @@ from collections import Counter
 from fctkit.protos import fleet_pb2, registry_pb2
 
 from ..rollout_store import DeviceState, HealthReport, Rollout, Stage
-from .offers import bucket
 from ..withdrawal_store import StoredWithdrawal
+from .offers import bucket
 
 _GOT_BUNDLE = (fleet_pb2.UPGRADE_STATE_UPGRADING, fleet_pb2.UPGRADE_STATE_BACKFILLING, fleet_pb2.UPGRADE_STATE_FAILED)
 
@@ -39,8 +39,9 @@ def health_summary(signal: list[float]) -> registry_pb2.HealthSummary:
     if not signal:
         return registry_pb2.HealthSummary()
     ordered = sorted(signal)
-    return registry_pb2.HealthSummary(devices=len(ordered), median=statistics.median(ordered), min=ordered[0],
-                                      p10=percentile(ordered, 0.1))
+    return registry_pb2.HealthSummary(
+        devices=len(ordered), median=statistics.median(ordered), min=ordered[0], p10=percentile(ordered, 0.1)
+    )
 
 
 def entry_stage(rollout: Rollout, device_id: str) -> int | None:
@@ -51,31 +52,56 @@ def entry_stage(rollout: Rollout, device_id: str) -> int | None:
     return next((i + 1 for i, stage in enumerate(rollout.stages) if where < stage.percent), None)
 
 
-def _stage(number: int, percent: float, started_at: str, devices: list[DeviceState],
-           health: dict[str, HealthReport], version: int, reverts: dict[str, str]) -> registry_pb2.RolloutStage:
+def _stage(
+    number: int,
+    percent: float,
+    started_at: str,
+    devices: list[DeviceState],
+    health: dict[str, HealthReport],
+    version: int,
+    reverts: dict[str, str],
+) -> registry_pb2.RolloutStage:
     reported = [d for d in devices if d.device_id in health]
     methods = Counter(reverts[d.device_id] for d in devices if d.device_id in reverts)
     return registry_pb2.RolloutStage(
-        stage=number, percent=percent, started_at=started_at, offered=len(devices),
-        downloaded=sum(d.version >= version or d.device_id in health
-                       or (d.target_version == version and d.upgrade_state in _GOT_BUNDLE) for d in devices),
+        stage=number,
+        percent=percent,
+        started_at=started_at,
+        offered=len(devices),
+        downloaded=sum(
+            d.version >= version
+            or d.device_id in health
+            or (d.target_version == version and d.upgrade_state in _GOT_BUNDLE)
+            for d in devices
+        ),
         upgraded=sum(d.version >= version for d in devices),
         failed=sum(d.target_version == version and d.upgrade_state == fleet_pb2.UPGRADE_STATE_FAILED for d in devices),
         reverted=sum(d.device_id in reverts or (d.device_id in health and d.version < version) for d in devices),
         revert_methods=methods,
-        health=health_summary([health[d.device_id].mean_cosine for d in reported if health[d.device_id].sample_size > 0]),
+        health=health_summary(
+            [health[d.device_id].mean_cosine for d in reported if health[d.device_id].sample_size > 0]
+        ),
     )
 
 
-def rollout_status(version: int, rollout: Rollout | None, gate: dict, devices: list[DeviceState],
-                   health: dict[str, HealthReport], withdrawal: StoredWithdrawal | None = None,
-                   reverts: dict[str, str] | None = None) -> registry_pb2.RolloutStatus:
+def rollout_status(
+    version: int,
+    rollout: Rollout | None,
+    gate: dict,
+    devices: list[DeviceState],
+    health: dict[str, HealthReport],
+    withdrawal: StoredWithdrawal | None = None,
+    reverts: dict[str, str] | None = None,
+) -> registry_pb2.RolloutStatus:
     """The status of ``version``'s rollout (None: published to every device, no stages), and of its
     withdrawal (``reverts``: how each device reported going back from it)."""
     gate_cases = json.dumps(gate.get("cases", {}), sort_keys=True)
     reverts = reverts or {}
-    withdrawn = {} if withdrawal is None else {"state": "withdrawn", "withdrawn_reason": withdrawal.reason,
-                                               "revert_to": withdrawal.revert_to}
+    withdrawn = (
+        {}
+        if withdrawal is None
+        else {"state": "withdrawn", "withdrawn_reason": withdrawal.reason, "revert_to": withdrawal.revert_to}
+    )
     if rollout is None and withdrawal is None:
         return registry_pb2.RolloutStatus(version=version, state="none", percent=100.0, gate_cases_json=gate_cases)
     if rollout is None:  # offered to every device at once: they all entered at one stage
@@ -86,10 +112,20 @@ def rollout_status(version: int, rollout: Rollout | None, gate: dict, devices: l
         if stage is not None:
             by_stage.setdefault(stage, []).append(device)
     stages = [_stage(0, 0.0, "", by_stage.get(0, []), health, version, reverts)] if rollout.cohort else []
-    stages += [_stage(i + 1, s.percent, s.started_at, by_stage.get(i + 1, []), health, version, reverts)
-               for i, s in enumerate(rollout.stages)]
+    stages += [
+        _stage(i + 1, s.percent, s.started_at, by_stage.get(i + 1, []), health, version, reverts)
+        for i, s in enumerate(rollout.stages)
+    ]
     fields = {"state": rollout.state, **withdrawn}
     return registry_pb2.RolloutStatus(
-        version=version, percent=rollout.percent, cohort_size=len(rollout.cohort),
-        halt_below=rollout.halt_below, halt_min_devices=rollout.halt_min_devices, halt_reason=rollout.halt_reason,
-        stages=stages, gate_cases_json=gate_cases, updated_at=rollout.updated_at, **fields)
+        version=version,
+        percent=rollout.percent,
+        cohort_size=len(rollout.cohort),
+        halt_below=rollout.halt_below,
+        halt_min_devices=rollout.halt_min_devices,
+        halt_reason=rollout.halt_reason,
+        stages=stages,
+        gate_cases_json=gate_cases,
+        updated_at=rollout.updated_at,
+        **fields,
+    )

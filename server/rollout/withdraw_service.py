@@ -20,9 +20,9 @@ from fctkit.protos.trust import Signed, Withdrawal, parse_withdrawal, verify_wit
 
 from ..jsonlog import log_event
 from ..root_of_trust import ReleaseRules
-from .offers import Rollouts
 from ..validation import invalid, timestamp
 from ..withdrawal_store import StoredWithdrawal
+from .offers import Rollouts
 
 
 def checked_withdrawal(data: bytes, rules: ReleaseRules) -> Signed[Withdrawal]:
@@ -30,8 +30,10 @@ def checked_withdrawal(data: bytes, rules: ReleaseRules) -> Signed[Withdrawal]:
     try:
         return verify_withdrawal(rules.release_trust(), parse_withdrawal(data, "withdrawal"))
     except (BundleError, TrustError) as exc:
-        raise invalid(f"withdrawal refused: {exc}; it must carry the signatures of the publishers "
-                      f"({rules.description}): co-sign it with `fctkit keys sign withdrawal.V.json --key KEY`") from exc
+        raise invalid(
+            f"withdrawal refused: {exc}; it must carry the signatures of the publishers "
+            f"({rules.description}): co-sign it with `fctkit keys sign withdrawal.V.json --key KEY`"
+        ) from exc
 
 
 class WithdrawRpcs:
@@ -51,10 +53,13 @@ class WithdrawRpcs:
             try:
                 self._catalog.get(body.revert_to)
             except RpcStatusError:
-                raise invalid(f"the withdrawal of v{body.version} reverts to v{body.revert_to}, which is not published: "
-                              "devices could not go back to it; write one that reverts to a published version") from None
+                raise invalid(
+                    f"the withdrawal of v{body.version} reverts to v{body.revert_to}, which is not published: "
+                    "devices could not go back to it; write one that reverts to a published version"
+                ) from None
         stored = StoredWithdrawal(body.version, body.revert_to, body.reason, bytes(request.withdrawal), timestamp())
         if self._rollouts.withdrawals.add(stored):
-            log_event("version withdrawn", logging.WARNING, version=body.version, revert_to=body.revert_to,
-                      reason=body.reason)
+            log_event(
+                "version withdrawn", logging.WARNING, version=body.version, revert_to=body.revert_to, reason=body.reason
+            )
         return registry_pb2.WithdrawResponse(version=body.version, revert_to=body.revert_to)

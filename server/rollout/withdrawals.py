@@ -11,8 +11,8 @@ from collections.abc import Callable
 from fctkit.errors import RpcStatusError
 
 from ..storage import Storage
-from ..withdrawal_store import StoredWithdrawal
 from ..validation import invalid
+from ..withdrawal_store import StoredWithdrawal
 
 
 class Withdrawals:
@@ -58,9 +58,14 @@ class Withdrawals:
         if outcome.added:
             return True
         if outcome.stored is None:
-            raise invalid(f"the withdrawal of v{v} reverts to v{withdrawal.revert_to}, which is withdrawn itself: "
-                          f"write one that reverts to a version still on offer (`fctkit keys withdraw {v} --revert-to V`)")
+            raise invalid(
+                f"the withdrawal of v{v} reverts to v{withdrawal.revert_to}, which is withdrawn itself: "
+                f"write one that reverts to a version still on offer (`fctkit keys withdraw {v} --revert-to V`)"
+            )
         if outcome.stored.document == withdrawal.document:
             return False
-        raise RpcStatusError("ALREADY_EXISTS", f"version {v} was withdrawn already (at {outcome.stored.stored_at}, reverting "
-                             f"to v{outcome.stored.revert_to}: {outcome.stored.reason!r}); a withdrawal cannot be replaced")
+        raise RpcStatusError(
+            "ALREADY_EXISTS",
+            f"version {v} was withdrawn already (at {outcome.stored.stored_at}, reverting "
+            f"to v{outcome.stored.revert_to}: {outcome.stored.reason!r}); a withdrawal cannot be replaced",
+        )

@@ -14,8 +14,11 @@ def test_small_run_reports_each_step_against_the_aes_floor_and_the_memory(tmp_pa
     with benchmark_script("edge_cold_start.py") as module:
         module.main(["--rows", "5000", "--markdown", str(table)])
     text = table.read_text()
-    rows = {line.split("|")[1].strip(): [c.strip(" *") for c in line.split("|")[2:-1]]
-            for line in text.splitlines() if line.startswith("| ") and not line.startswith("| measure")}
+    rows = {
+        line.split("|")[1].strip(): [c.strip(" *") for c in line.split("|")[2:-1]]
+        for line in text.splitlines()
+        if line.startswith("| ") and not line.startswith("| measure")
+    }
     assert len(rows) == 4 and rows["bulk AES-GCM decrypt of the same bytes (floor)"][1] == "1.00"
     for seconds, ratio in rows.values():
         assert float(seconds) > 0 and float(ratio.split()[0].strip("*")) > 0

@@ -23,8 +23,11 @@ def test_small_run_reports_ratios_and_both_floors(bench, tmp_path: Path) -> None
     lines = table.read_text().splitlines()
     header = next(line for line in lines if line.startswith("| adapter"))
     assert "bulk floor rows/s" in header and "best possible upgrade / bare" in header
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines
-            if line.startswith("| fct") or line.startswith("| linear")}
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in lines
+        if line.startswith("| fct") or line.startswith("| linear")
+    }
     assert set(rows) == {"fct", "fct-int8", "linear"}
     for cells in rows.values():
         assert len(cells) == 8 and all(re.fullmatch(r"[\d,.]+", c) for c in cells)
@@ -44,8 +47,26 @@ def test_bulk_floor_leaves_nothing_behind(bench, tmp_path: Path) -> None:
 def test_wider_rows_reach_the_graphs_the_gallery_and_the_ratio_table(tmp_path: Path) -> None:
     table = tmp_path / "costs.md"
     with benchmark_script("photo_costs.py") as costs:
-        costs.main(["--rows", "1500", "--query-rows", "1500", "--queries", "10", "--dim", "320", "--side-dim", "48",
-                    "--batch", "512", "--threads", "1", "--markdown", str(table)])
+        costs.main(
+            [
+                "--rows",
+                "1500",
+                "--query-rows",
+                "1500",
+                "--queries",
+                "10",
+                "--dim",
+                "320",
+                "--side-dim",
+                "48",
+                "--batch",
+                "512",
+                "--threads",
+                "1",
+                "--markdown",
+                str(table),
+            ]
+        )
     text = table.read_text()
     assert "Rows: 1,500 (320-d φ, 48-d ψ;" in text and "1,500 rows, 320-d, cosine" in text
     ratios = re.findall(r"^\| (upgrade|query p50), .*\*\*([\d.]+)\*\* \|$", text, flags=re.M)

@@ -15,7 +15,12 @@ def bench():
 
 def test_summary_ranks_methods_and_names_the_best(bench) -> None:
     gate = {
-        "cases": {"old/old": {"top1": 0.7}, "new/new": {"top1": 0.9}, "fct": {"top1": 0.855}, "procrustes": {"top1": 0.6}},
+        "cases": {
+            "old/old": {"top1": 0.7},
+            "new/new": {"top1": 0.9},
+            "fct": {"top1": 0.855},
+            "procrustes": {"top1": 0.6},
+        },
         "ecc": {"procrustes": False, "fct": True},
         "backfill_area": {"random": 0.85, "class-mean-l2": 0.87},
     }
@@ -30,5 +35,7 @@ def test_missing_data_is_reported_with_the_install_command(bench, monkeypatch) -
     import debian_data
 
     monkeypatch.setattr(debian_data.os, "geteuid", lambda: 1000)
-    with pytest.raises(debian_data.BenchmarkSetupError, match="apt-get install -y --no-install-recommends dataset-fashion-mnist"):
+    with pytest.raises(
+        debian_data.BenchmarkSetupError, match="apt-get install -y --no-install-recommends dataset-fashion-mnist"
+    ):
         debian_data.ensure_debian_package("dataset-fashion-mnist", lambda: False, "fashion-mnist idx files")

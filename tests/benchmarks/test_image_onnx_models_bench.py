@@ -50,7 +50,12 @@ def test_a_tiny_lite_graph_with_the_kits_preprocessing_matches_the_pytorch_pipel
 
     module, model = tiny
     (image,), (features,) = graph_io_specs(load_onnx_model(model.graph))
-    assert (image.name, image.shape[1:], features.name, features.shape[1:]) == ("image", (3, SIZE, SIZE), "features", (64,))
+    assert (image.name, image.shape[1:], features.name, features.shape[1:]) == (
+        "image",
+        (3, SIZE, SIZE),
+        "features",
+        (64,),
+    )
     reference = bench.torch_reference(module, model.declaration, files)
     apart = np.abs(reference[:, None] - reference[None]).max(axis=2)
     assert apart[~np.eye(len(files), dtype=bool)].min() > 0.5  # any two pictures differ 5,000× the tolerance
@@ -60,13 +65,27 @@ def test_a_tiny_lite_graph_with_the_kits_preprocessing_matches_the_pytorch_pipel
     assert parity["images"] == len(files) and parity["max_abs_error"] < 1e-4 < 0.1 < parity["max_abs_feature"]
 
 
-@pytest.mark.parametrize("wrong", [{"mean": [120.0] * 3}, {"std": [100.0] * 3}, {"resize": 40}, {"resample": "bicubic"},
-                                   {"mode": "BGR"}, {"scale": 1 / 255}], ids=lambda w: next(iter(w)))
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        {"mean": [120.0] * 3},
+        {"std": [100.0] * 3},
+        {"resize": 40},
+        {"resample": "bicubic"},
+        {"mode": "BGR"},
+        {"scale": 1 / 255},
+    ],
+    ids=lambda w: next(iter(w)),
+)
 def test_a_declaration_other_than_the_pipelines_fails_parity(bench, tiny, files, wrong):
     module, model = tiny
     shipped = bench.ExportedImageModel("wrong", model.graph, {**model.declaration, **wrong})
-    gap = np.abs(bench.kit_embedder(shipped, threads=1)(files) - bench.torch_reference(module, model.declaration, files)).max()
-    assert gap > 0.01, f"a device fed with {wrong} would embed as PyTorch does: the declaration is not what the graph sees"
+    gap = np.abs(
+        bench.kit_embedder(shipped, threads=1)(files) - bench.torch_reference(module, model.declaration, files)
+    ).max()
+    assert gap > 0.01, (
+        f"a device fed with {wrong} would embed as PyTorch does: the declaration is not what the graph sees"
+    )
 
 
 def test_a_declaration_whose_crop_is_not_the_graphs_input_is_refused(bench, tiny):
@@ -76,11 +95,20 @@ def test_a_declaration_whose_crop_is_not_the_graphs_input_is_refused(bench, tiny
     from fctkit.protos.preprocessing_spec import check_declared_graph, parse_declaration
 
     _, model = tiny
-    artifact = Artifact("embed", "embed", "embed.onnx", *file_sha256(model.graph), *graph_io_specs(load_onnx_model(model.graph)),
-                        None, None)
+    artifact = Artifact(
+        "embed",
+        "embed",
+        "embed.onnx",
+        *file_sha256(model.graph),
+        *graph_io_specs(load_onnx_model(model.graph)),
+        None,
+        None,
+    )
     check_declared_graph(parse_declaration(bench.lite_declaration(SIZE), "lite"), artifact, (artifact,))
     with pytest.raises(BundleFormatError, match=r"input 'image' is float32 .*\(3, 28, 28\)"):
-        check_declared_graph(parse_declaration({**bench.lite_declaration(SIZE), "crop": [28, 28]}, "lite"), artifact, (artifact,))
+        check_declared_graph(
+            parse_declaration({**bench.lite_declaration(SIZE), "crop": [28, 28]}, "lite"), artifact, (artifact,)
+        )
 
 
 def test_a_graph_exported_in_training_mode_fails_parity_and_export_graph_leaves_eval_mode(bench, files, tmp_path):
@@ -97,9 +125,17 @@ def test_a_graph_exported_in_training_mode_fails_parity_and_export_graph_leaves_
     module.train()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, torch.zeros(2, 3, SIZE, SIZE), str(tmp_path / "training.onnx"), input_names=[bench.INPUT],
-                          output_names=[bench.OUTPUT], dynamic_axes={bench.INPUT: {0: "batch"}, bench.OUTPUT: {0: "batch"}},
-                          opset_version=bench.OPSET, dynamo=False, training=torch.onnx.TrainingMode.TRAINING)
+        torch.onnx.export(
+            module,
+            torch.zeros(2, 3, SIZE, SIZE),
+            str(tmp_path / "training.onnx"),
+            input_names=[bench.INPUT],
+            output_names=[bench.OUTPUT],
+            dynamic_axes={bench.INPUT: {0: "batch"}, bench.OUTPUT: {0: "batch"}},
+            opset_version=bench.OPSET,
+            dynamo=False,
+            training=torch.onnx.TrainingMode.TRAINING,
+        )
     in_training = bench.ExportedImageModel("training", tmp_path / "training.onnx", declaration)
     assert bench.check_parity(module, in_training, files)["max_abs_error"] > 0.1
 
@@ -116,9 +152,16 @@ def test_the_lite_declarations_are_the_manifests_strict_form(bench, name):
 
     size = bench.LITE_SIZES[name]
     declared = bench.lite_declaration(size)
-    parsed = parse_declaration(json.loads(json.dumps(declared)), name, strict=True)  # every key, as the signed manifest holds
+    parsed = parse_declaration(
+        json.loads(json.dumps(declared)), name, strict=True
+    )  # every key, as the signed manifest holds
     assert parsed.to_json() == declared
-    assert (parsed.input_shape, parsed.scale, parsed.mean, parsed.std) == ((3, size, size), 1.0, (127.0,) * 3, (128.0,) * 3)
+    assert (parsed.input_shape, parsed.scale, parsed.mean, parsed.std) == (
+        (3, size, size),
+        1.0,
+        (127.0,) * 3,
+        (128.0,) * 3,
+    )
 
 
 def test_the_real_lite0_exports_and_matches_pytorch_on_jpeg_files(bench, tmp_path):
@@ -130,7 +173,10 @@ def test_the_real_lite0_exports_and_matches_pytorch_on_jpeg_files(bench, tmp_pat
         pytest.skip(f"the Lite0 weights are not installed (they are in the dev extras): {missing}")
     assert isinstance(network._swish, torch.nn.ReLU6) and not network.training  # set_swish() would give wrong features
     rng = np.random.default_rng(7)
-    jpegs = [encoded(textured_picture(rng, w, h), "JPEG", quality=85) for w, h in [(300, 260), (250, 331), (224, 224), (401, 233)]]
+    jpegs = [
+        encoded(textured_picture(rng, w, h), "JPEG", quality=85)
+        for w, h in [(300, 260), (250, 331), (224, 224), (401, 233)]
+    ]
     model = bench.export_lite("lite0", network, tmp_path)
     assert (model.graph, model.declaration) == (tmp_path / "lite0" / "model.onnx", bench.lite_declaration(224))
     parity = bench.check_parity(bench.pooled_features_class()(network), model, jpegs)

@@ -22,8 +22,22 @@ import pytest
 
 from tests.support.benchmark_scripts import benchmark_script
 
-ARGS = ["--devices", "50", "--rows-per-device", "16", "--health-sample", "8", "--queries", "20",
-        "--v3-percent", "5", "--v3-cohort", "2", "--halt-min-devices", "2"]
+ARGS = [
+    "--devices",
+    "50",
+    "--rows-per-device",
+    "16",
+    "--health-sample",
+    "8",
+    "--queries",
+    "20",
+    "--v3-percent",
+    "5",
+    "--v3-cohort",
+    "2",
+    "--halt-min-devices",
+    "2",
+]
 
 
 @pytest.fixture(params=("sqlite", "postgres"))
@@ -49,4 +63,6 @@ def test_rollout_halts_withdraws_and_reverts_50_devices(storage: list[str], tmp_
     assert "v2 at 100%: every device upgraded to v2" in out and "v3 state 'withdrawn'" in out
     stage = re.search(r"v3's first stage holds (\d+) devices \(the server's bucket, 2 testers\); (\d+) took v3", out)
     assert stage and int(stage[1]) >= 2 and int(stage[2]) == 2, out  # the guard stopped v3 at its second report
-    assert re.search(r"\[ok\] the signal separates v3 from v2 \(worst v2 0\.\d+ > halt 0\.65 > best v3 -?0\.\d+\)", out), out
+    assert re.search(
+        r"\[ok\] the signal separates v3 from v2 \(worst v2 0\.\d+ > halt 0\.65 > best v3 -?0\.\d+\)", out
+    ), out

@@ -47,11 +47,20 @@ def tiny_sentence_model(folder: Path, kind: str, pooling: str = "mean") -> Path:
     vocab = {w: i for i, w in enumerate(special + WORDS)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
-                                   sep_token="[SEP]")
-    sizes = {"vocab_size": len(vocab), "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-             "intermediate_size": 32, "max_position_embeddings": 40}
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]"
+    )
+    sizes = {
+        "vocab_size": len(vocab),
+        "hidden_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 32,
+        "max_position_embeddings": 40,
+    }
     model = BertModel(BertConfig(**sizes)) if kind == "bert" else MPNetModel(MPNetConfig(**sizes, pad_token_id=1))
     model.save_pretrained(folder / "hf")
     fast.save_pretrained(folder / "hf")
@@ -60,15 +69,28 @@ def tiny_sentence_model(folder: Path, kind: str, pooling: str = "mean") -> Path:
     return folder / "st"
 
 
-@pytest.mark.parametrize("kind, inputs, pad_id", [("bert", ["input_ids", "attention_mask", "token_type_ids"], 0),
-                                                  ("mpnet", ["input_ids", "attention_mask"], 1)])
-def test_an_exported_graph_with_the_kits_preprocessing_matches_sentence_transformers(bench, tmp_path, kind, inputs, pad_id):
+@pytest.mark.parametrize(
+    "kind, inputs, pad_id",
+    [("bert", ["input_ids", "attention_mask", "token_type_ids"], 0), ("mpnet", ["input_ids", "attention_mask"], 1)],
+)
+def test_an_exported_graph_with_the_kits_preprocessing_matches_sentence_transformers(
+    bench, tmp_path, kind, inputs, pad_id
+):
     source = tiny_sentence_model(tmp_path / "source", kind)
     exported = bench.export_model("old", source, tmp_path / "out")
     assert list(exported.inputs) == inputs
-    assert {p.name for p in (tmp_path / "out" / "old").iterdir()} == {"model.onnx", "tokenizer.json", "preprocessing.json"}
+    assert {p.name for p in (tmp_path / "out" / "old").iterdir()} == {
+        "model.onnx",
+        "tokenizer.json",
+        "preprocessing.json",
+    }
     declared = json.loads((tmp_path / "out" / "old" / "preprocessing.json").read_text())
-    assert (declared["max_length"], declared["pad_id"], declared["pooling"], declared["normalize"]) == (10, pad_id, "mean", True)
+    assert (declared["max_length"], declared["pad_id"], declared["pooling"], declared["normalize"]) == (
+        10,
+        pad_id,
+        "mean",
+        True,
+    )
     assert declared["token_type_ids"] == ("token_type_ids" if kind == "bert" else None)
     rng = np.random.default_rng(0)
     texts = [" ".join(rng.choice(WORDS, size=rng.integers(1, 7))) for _ in range(20)] + [" ".join(WORDS[:15])]

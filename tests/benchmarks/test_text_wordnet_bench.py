@@ -12,15 +12,20 @@ import pytest
 
 from tests.support.benchmark_scripts import benchmark_script
 
-
 HEADER = "  1 This software and database is being provided to you, the LICENSEE, by  \n"
-NOUN = ("00001740 03 n 01 entity 0 003 ~ 00001930 n 0000 ~ 00002137 n 0000 ~ 04424418 n 0000 | that which is "
-        "perceived or known or inferred to have its own distinct existence (living or nonliving)  \n")
-NOUN_ANIMAL = ("01317541 05 n 01 pet 0 002 @ 00015388 n 0000 ~ 01318053 n 0000 | a domesticated animal kept for "
-               "companionship or amusement  \n")
-VERB = ("00001740 29 v 04 breathe 0 take_a_breath 0 respire 0 suspire 3 001 * 00005041 v 0000 02 + 02 00 + 08 00 "
-        "| draw air into, and expel out of, the lungs; \"I can breathe better when the air is clean\"  \n")
-SATELLITE = "00003356 00 s 01 emergent 0 001 & 00003131 a 0000 | coming into existence; \"an emergent republic\"  \n"
+NOUN = (
+    "00001740 03 n 01 entity 0 003 ~ 00001930 n 0000 ~ 00002137 n 0000 ~ 04424418 n 0000 | that which is "
+    "perceived or known or inferred to have its own distinct existence (living or nonliving)  \n"
+)
+NOUN_ANIMAL = (
+    "01317541 05 n 01 pet 0 002 @ 00015388 n 0000 ~ 01318053 n 0000 | a domesticated animal kept for "
+    "companionship or amusement  \n"
+)
+VERB = (
+    "00001740 29 v 04 breathe 0 take_a_breath 0 respire 0 suspire 3 001 * 00005041 v 0000 02 + 02 00 + 08 00 "
+    '| draw air into, and expel out of, the lungs; "I can breathe better when the air is clean"  \n'
+)
+SATELLITE = '00003356 00 s 01 emergent 0 001 & 00003131 a 0000 | coming into existence; "an emergent republic"  \n'
 ADVERB = "00001740 02 r 01 a_cappella 0 000 | without musical accompaniment  \n"
 
 
@@ -41,8 +46,14 @@ def test_data_lines_give_key_supersense_and_gloss(bench) -> None:
     assert bench.parse_data_line(SATELLITE).key == "s:00003356"
 
 
-@pytest.mark.parametrize("line", ["00001740 03 n 01 entity 0 000 no gloss separator\n",
-                                  "garbage | a gloss\n", "00001740 45 n 01 x 0 000 | lex_filenum out of range\n"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "00001740 03 n 01 entity 0 000 no gloss separator\n",
+        "garbage | a gloss\n",
+        "00001740 45 n 01 x 0 000 | lex_filenum out of range\n",
+    ],
+)
 def test_malformed_lines_are_refused(bench, line: str) -> None:
     with pytest.raises(bench.BenchmarkSetupError):
         bench.parse_data_line(line)

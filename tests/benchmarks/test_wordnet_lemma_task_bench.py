@@ -16,12 +16,21 @@ def bench():
 
 def test_the_distractor_pool_holds_unique_definitions_of_no_query(bench):
     S = bench.LemmaSynset
-    synsets = [S("n:1", ("bank",), "sloping land beside a river"), S("n:2", ("bank",), "a financial institution"),
-               S("n:3", ("dog",), "a domestic canine; \"the dog barked\""), S("n:4", ("cur",), "a domestic canine"),
-               S("n:5", ("cat",), "a feline"), S("n:6", ("fox",), "a wild canid"), S("n:7", ("quote",), 'says "hi" often')]
+    synsets = [
+        S("n:1", ("bank",), "sloping land beside a river"),
+        S("n:2", ("bank",), "a financial institution"),
+        S("n:3", ("dog",), 'a domestic canine; "the dog barked"'),
+        S("n:4", ("cur",), "a domestic canine"),
+        S("n:5", ("cat",), "a feline"),
+        S("n:6", ("fox",), "a wild canid"),
+        S("n:7", ("quote",), 'says "hi" often'),
+    ]
     usable, dropped = bench.usable_synsets(synsets)
     assert [s.key for s, _ in usable] == ["n:1", "n:3", "n:5", "n:6"]
-    assert dropped["repeated lemma text (polysemy; first synset kept)"] == 1 and dropped["repeated definition (first synset kept)"] == 1
+    assert (
+        dropped["repeated lemma text (polysemy; first synset kept)"] == 1
+        and dropped["repeated definition (first synset kept)"] == 1
+    )
     unused = [u for u in usable if u[0].key in ("n:6",)]  # n:1, n:3, n:5 went to the task's splits
     pool = bench.distractor_pool(synsets, usable, unused, seed=0)
     # the unused usable synset first, then the polysemous "bank" (its definition is no split's)

@@ -18,11 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.server.conftest import ADMIN_TOKEN, IMAGE_DIM, ServerProcess, _sources, admin_token_file  # noqa: E402,F401 (a fixture)
-
 from fctkit.edge_runtime import Device, DeviceSettings  # noqa: E402
 from fctkit.export.bundle_builder import build_bundle  # noqa: E402
 from fctkit.export.keys import save_public_key  # noqa: E402
+from tests.server.conftest import ADMIN_TOKEN, IMAGE_DIM, ServerProcess, _sources, admin_token_file  # noqa: E402,F401 (a fixture)
 
 #: version -> adapters (source, target); v3 also has a direct 1->3 adapter.
 TINY_CHAIN: dict[int, tuple[tuple[int, int], ...]] = {1: (), 2: ((1, 2),), 3: ((2, 3), (1, 3))}
@@ -68,14 +67,23 @@ def flip_stored_byte(db, table: str, column: str, where: str, offset: int) -> in
     return len(rows)
 
 
-def make_tiny_bundle(out: Path, key: Ed25519PrivateKey, version: int, hops: tuple[tuple[int, int], ...], *, mode: str = "forward") -> Path:
+def make_tiny_bundle(
+    out: Path, key: Ed25519PrivateKey, version: int, hops: tuple[tuple[int, int], ...], *, mode: str = "forward"
+) -> Path:
     sources = _sources(out.parent / f"{out.name}-src", version, hops, IMAGE_DIM)
     ecc = {s.artifact_name: True for s in sources if s.role == "forward"}
     if mode == "compatible" and version > 1:
         ecc["embed"] = True  # a compatible version's new backbone is gated like an adapter
     return build_bundle(
-        out, version=version, parents=(version - 1,) if version > 1 else (), mode=mode, distance="cosine",
-        normalize=True, artifacts=sources, gate={"cases": {}, "ecc": ecc}, private_key=key,
+        out,
+        version=version,
+        parents=(version - 1,) if version > 1 else (),
+        mode=mode,
+        distance="cosine",
+        normalize=True,
+        artifacts=sources,
+        gate={"cases": {}, "ecc": ecc},
+        private_key=key,
     ).root
 
 
@@ -98,10 +106,22 @@ def make_device(tmp_path, publisher_pub) -> Callable[..., Device]:
     a new device pinning the test publisher key (``settings``: :class:`DeviceSettings` fields)."""
     opened: list[Device] = []
 
-    def make(name: str = "dev", passphrase: str | None = None, *, owner_key_file: Path | None = None,
-             owner_key_passphrase: str | None = None, **settings) -> Device:
-        device = Device.init(tmp_path / name, passphrase=passphrase, publisher_key=publisher_pub, settings=DeviceSettings(**settings),
-                             owner_key_file=owner_key_file, owner_key_passphrase=owner_key_passphrase)
+    def make(
+        name: str = "dev",
+        passphrase: str | None = None,
+        *,
+        owner_key_file: Path | None = None,
+        owner_key_passphrase: str | None = None,
+        **settings,
+    ) -> Device:
+        device = Device.init(
+            tmp_path / name,
+            passphrase=passphrase,
+            publisher_key=publisher_pub,
+            settings=DeviceSettings(**settings),
+            owner_key_file=owner_key_file,
+            owner_key_passphrase=owner_key_passphrase,
+        )
         device.progress = False
         opened.append(device)
         return device
@@ -111,7 +131,17 @@ def make_device(tmp_path, publisher_pub) -> Callable[..., Device]:
         device.close()
 
 
-__all__ = ["ADMIN_TOKEN", "ServerProcess", "device_cli", "device_cli_steps", "make_tiny_bundle", "TINY_CHAIN", "enrolment_code", "publish", "start_worker"]
+__all__ = [
+    "ADMIN_TOKEN",
+    "TINY_CHAIN",
+    "ServerProcess",
+    "device_cli",
+    "device_cli_steps",
+    "enrolment_code",
+    "make_tiny_bundle",
+    "publish",
+    "start_worker",
+]
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +164,9 @@ def enrolment_code(server: ServerProcess, label: str = "", *, owner: str = "") -
 def start_worker(script: str, *args: str) -> tuple[subprocess.Popen, queue.Queue]:
     """Run ``python -c script args...``; its stdout lines arrive on the queue (None at its end),
     so a crash test can SIGKILL it right after a given line."""
-    process = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     lines: queue.Queue = queue.Queue()
 
     def pump() -> None:

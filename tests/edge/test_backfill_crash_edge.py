@@ -12,11 +12,10 @@ import shutil
 import numpy as np
 import pytest
 
+from fctkit.edge_runtime import Device
 from tests.edge.conftest import publish, start_worker
 from tests.edge.test_replication_crash_edge import _device, _kill_somewhere
 from tests.edge.test_replication_edge import state
-
-from fctkit.edge_runtime import Device
 
 pytestmark = pytest.mark.slow
 ROWS, PLAN, KILLS = 320, 40, 20
@@ -39,7 +38,9 @@ print("done", flush=True)
 """
 
 
-def test_sigkilled_backfill_resumes_replicates_and_converges(edge_server, tiny_bundles, tmp_path, publisher_pub, monkeypatch):
+def test_sigkilled_backfill_resumes_replicates_and_converges(
+    edge_server, tiny_bundles, tmp_path, publisher_pub, monkeypatch
+):
     import tests.edge.test_replication_crash_edge as crash
 
     publish(edge_server, tiny_bundles[1], tmp_path)
@@ -80,10 +81,16 @@ def test_sigkilled_backfill_resumes_replicates_and_converges(edge_server, tiny_b
         expected = state(reference)
     assert {item: tag for item, (tag, *_) in got.items()} == {item: tag for item, (tag, *_) in expected.items()}
     for item, (_, embedding, side_info, _) in expected.items():
-        np.testing.assert_allclose(np.frombuffer(got[item][1], "<f4"), np.frombuffer(embedding, "<f4"), rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(np.frombuffer(got[item][2], "<f4"), np.frombuffer(side_info, "<f4"), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.frombuffer(got[item][1], "<f4"), np.frombuffer(embedding, "<f4"), rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            np.frombuffer(got[item][2], "<f4"), np.frombuffer(side_info, "<f4"), rtol=1e-5, atol=1e-6
+        )
 
-    tablet = _device(tmp_path / "tablet", edge_server, "bf-owner", publisher_pub, owner_key_file=key_file, owner_key_passphrase="pw")
+    tablet = _device(
+        tmp_path / "tablet", edge_server, "bf-owner", publisher_pub, owner_key_file=key_file, owner_key_passphrase="pw"
+    )
     tablet.sync()
     assert state(tablet) == got
     tablet.close()

@@ -20,12 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.edge.conftest import ServerProcess, enrolment_code, publish
-from tests.edge.conftest import device_cli
-from tests.support.releases import digits_release
-
 from fctkit.edge_runtime import Device, DeviceSettings
 from fctkit.errors import InputError
+from tests.edge.conftest import ServerProcess, device_cli, enrolment_code, publish
+from tests.support.releases import digits_release
 
 pytestmark = pytest.mark.slow
 FRACTION = 0.3
@@ -50,10 +48,14 @@ def server(tmp_path_factory, release, admin_token_file):
         process.stop()
 
 
-def _enrolled_v1_device(server, release, root, name: str, rows: slice = slice(None)) -> tuple[Device, np.ndarray, list[str], np.ndarray]:
+def _enrolled_v1_device(
+    server, release, root, name: str, rows: slice = slice(None)
+) -> tuple[Device, np.ndarray, list[str], np.ndarray]:
     features = release.eval_features
     images, labels = features["images"][rows], features["labels"][rows]
-    device = Device.init(root / name, settings=DeviceSettings(batch_size=128, health_sample=0))  # no health sample: the backfill alone re-embeds rows
+    device = Device.init(
+        root / name, settings=DeviceSettings(batch_size=128, health_sample=0)
+    )  # no health sample: the backfill alone re-embeds rows
     device.progress = False
     device.enrol(server.target, enrolment_code(server, name), device_name=name, trust_on_first_use=True)
     assert device.sync().installed_after == 1
@@ -134,7 +136,7 @@ def _assert_same_gallery(device: Device, reference) -> None:
 
 
 def test_interrupted_backfill_resumes_without_redoing_rows(upgraded, reference):
-    device, images, ids, labels = upgraded["crash"]
+    device, _images, ids, _labels = upgraded["crash"]
     budget = int(FRACTION * len(ids))
     batches = []
 
@@ -148,7 +150,12 @@ def test_interrupted_backfill_resumes_without_redoing_rows(upgraded, reference):
     assert device.status()["rows_by_space"]["v2"] == 32
     # the recorded plan wins over a new budget or order: the same rows, the rest of them
     resumed = device.backfill(5, order="random", batch_size=16)
-    assert (resumed.planned, resumed.skipped, resumed.backfilled, resumed.order) == (budget, 32, budget - 32, "class-mean-l2")
+    assert (resumed.planned, resumed.skipped, resumed.backfilled, resumed.order) == (
+        budget,
+        32,
+        budget - 32,
+        "class-mean-l2",
+    )
 
     _assert_same_gallery(device, reference)
 
@@ -166,12 +173,16 @@ print("done", flush=True)
 
 
 def test_sigkilled_backfill_resumes_to_the_same_gallery(upgraded, reference):
-    killed, images, ids, labels = upgraded["killed"]
+    killed, _images, ids, _labels = upgraded["killed"]
     budget = int(FRACTION * len(ids))
     killed.close()
     for kill_after in (1, 3, 6):  # SIGKILL after this many committed batches of the run
-        process = subprocess.Popen([sys.executable, "-c", _KILLED_BACKFILL, str(killed.root), str(budget)],
-                                   stdout=subprocess.PIPE, text=True, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_BACKFILL, str(killed.root), str(budget)],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         seen = 0
         for line in process.stdout:
             seen += line.startswith("batch")
@@ -196,14 +207,17 @@ def test_fastfill_sigma_orders_the_backfill(release, tmp_path_factory, admin_tok
     from fctkit.export.release import build_release
 
     root = tmp_path_factory.mktemp("fastfill")
-    bundles = build_release(release.run_dir, root / "bundles", private_key=load_private_key(release.private_key_path),
-                            method="fastfill")
+    bundles = build_release(
+        release.run_dir, root / "bundles", private_key=load_private_key(release.private_key_path), method="fastfill"
+    )
     process = ServerProcess(root / "data", release.public_key_path, admin_token_file).start()
     try:
         publish(process, bundles[0].bundle.root, root)
         features = release.eval_features
         images, labels = features["images"], features["labels"]
-        device = Device.init(root / "dev", settings=DeviceSettings(batch_size=128, health_sample=0))  # no health sample: the backfill alone re-embeds rows
+        device = Device.init(
+            root / "dev", settings=DeviceSettings(batch_size=128, health_sample=0)
+        )  # no health sample: the backfill alone re-embeds rows
         device.progress = False
         device.enrol(process.target, enrolment_code(process), device_name="ff", trust_on_first_use=True)
         device.sync()

@@ -14,17 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from tests.edge.conftest import enrolment_code, publish
-from tests.support.compatible_run import digits_compatible_run
-
+from fctkit.config import from_mapping
 from fctkit.errors import BundleFormatError, GateError, SignatureError
 from fctkit.export.compatible_release import export_compatible_release
 from fctkit.protos.bundle import MANIFEST_FILE, Manifest, verify_bundle
 from fctkit.trainer.backbones import extract_features
-from fctkit.config import from_mapping
 from fctkit.trainer.compatible_config import CompatibleConfig
 from fctkit.trainer.compatible_models import load_compatible_model
 from fctkit.trainer.run_data import load_image_splits
+from tests.edge.conftest import enrolment_code, publish
+from tests.support.compatible_run import digits_compatible_run
 
 GALLERY, QUERIES = 360, 200
 
@@ -51,8 +50,11 @@ def digits_eval(compatible_run):
 def _row_bytes(device) -> list[tuple]:
     """Every stored row of the gallery file as raw bytes: the sealed vectors (both tables) and
     the items (not their replication bookkeeping, which sync updates)."""
-    selects = ("SELECT row_id, item_id, origin_version, label, vault_sha256 FROM items ORDER BY row_id",
-               "SELECT * FROM vectors_0 ORDER BY row_id", "SELECT * FROM vectors_1 ORDER BY row_id")
+    selects = (
+        "SELECT row_id, item_id, origin_version, label, vault_sha256 FROM items ORDER BY row_id",
+        "SELECT * FROM vectors_0 ORDER BY row_id",
+        "SELECT * FROM vectors_1 ORDER BY row_id",
+    )
     with sqlite3.connect(f"file:{device.gallery.path}?mode=ro", uri=True) as db:
         return [row for select in selects for row in db.execute(select)]
 
@@ -95,8 +97,9 @@ def test_export_refuses_a_method_whose_ecc_failed(compatible_run, publisher_key,
         export_compatible_release(run, tmp_path / "out", private_key=publisher_key, method="bct", force=True)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
     # forced with a reason: published, and the override is in v2's signed manifest
-    v1, v2 = export_compatible_release(run, tmp_path / "out", private_key=publisher_key, method="bct", force=True,
-                                       force_reason="pilot devices only")
+    v1, v2 = export_compatible_release(
+        run, tmp_path / "out", private_key=publisher_key, method="bct", force=True, force_reason="pilot devices only"
+    )
     assert v2.manifest.gate["ecc"] == {"embed": False} and v2.manifest.gate["forced"] is True
     assert v2.manifest.gate["force_reason"] == "pilot devices only" and v1.manifest.gate["forced"] is False
 
@@ -114,10 +117,11 @@ def test_a_compatible_bundle_must_record_its_embed_gate(bt2_release, publisher_k
 
 @pytest.mark.slow
 def test_device_upgrade_through_compatible_bundle_keeps_rows_and_queries_hold(
-        edge_server, bt2_release, compatible_run, digits_eval, make_device, tmp_path):
+    edge_server, bt2_release, compatible_run, digits_eval, make_device, tmp_path
+):
     images, labels = digits_eval
     gallery_images, gallery_labels = images[:GALLERY], labels[:GALLERY]
-    queries, query_labels = images[GALLERY:GALLERY + QUERIES], labels[GALLERY:GALLERY + QUERIES]
+    queries, query_labels = images[GALLERY : GALLERY + QUERIES], labels[GALLERY : GALLERY + QUERIES]
     publish(edge_server, bt2_release[0].root, tmp_path)
     device = make_device("compatible", batch_size=64)
     device.enrol(edge_server.target, enrolment_code(edge_server), device_name="compatible")
@@ -160,8 +164,12 @@ def test_comparable_dims_follow_installed_compatible_parents():
     def manifest(mode, parents, dim, prefix=None):
         return SimpleNamespace(mode=mode, parents=parents, embedding_dim=dim, compatible_dims=prefix or dim)
 
-    installed = {1: manifest("compatible", (), 32), 2: manifest("compatible", (1,), 80, 32),
-                 3: manifest("compatible", (2,), 96, 80), 5: manifest("forward", (3,), 96)}
+    installed = {
+        1: manifest("compatible", (), 32),
+        2: manifest("compatible", (1,), 80, 32),
+        3: manifest("compatible", (2,), 96, 80),
+        5: manifest("forward", (3,), 96),
+    }
     assert comparable_dims(installed.get, 3) == {3: 96, 2: 80, 1: 32}
     assert comparable_dims(installed.get, 2) == {2: 80, 1: 32}
     assert comparable_dims(installed.get, 5) == {5: 96}  # a forward bundle searches its own rows only

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from tests.edge.conftest import TINY_CHAIN
-from tests.edge.test_revert_edge import QUERIES, devices_at_v1, top10, windowed_bundle, withdrawal
-from tests.server.conftest import IMAGE_DIM, _sources
 
 from fctkit.edge_runtime.revert import take_withdrawals
 from fctkit.edge_runtime.revert_records import confirm_rollback, rollback_window
 from fctkit.export.bundle_builder import build_bundle
+from tests.edge.conftest import TINY_CHAIN
+from tests.edge.test_revert_edge import QUERIES, devices_at_v1, top10, windowed_bundle, withdrawal
+from tests.server.conftest import IMAGE_DIM, _sources
 
 ROWS = 60
 
@@ -31,21 +31,29 @@ def windowed(tmp_path_factory, publisher_key) -> dict[int, Path]:
 
 def backward_bundle(folder: Path, key: Ed25519PrivateKey) -> Path:
     """v2 with a 7-day window and a backward graph to v1."""
-    from tests.server.conftest import EMBED_DIM, linear_onnx
-
     from fctkit.export.bundle_builder import ArtifactSource
+    from tests.server.conftest import EMBED_DIM, linear_onnx
 
     sources = _sources(folder / "v2-src", 2, TINY_CHAIN[2], IMAGE_DIM)
     back = linear_onnx(folder / "v2-src" / "b.onnx", {"new": EMBED_DIM}, EMBED_DIM, seed=77, output="embedding")
     sources.append(ArtifactSource(back, "backward", 2, 1))
-    return build_bundle(folder / "v2b", version=2, parents=(1,), mode="forward", distance="cosine", normalize=True,
-                        artifacts=sources, gate={"cases": {}, "ecc": {s.artifact_name: True for s in sources
-                                                                      if s.role in ("forward", "backward")}},
-                        private_key=key, rollback_window_days=7).root
+    return build_bundle(
+        folder / "v2b",
+        version=2,
+        parents=(1,),
+        mode="forward",
+        distance="cosine",
+        normalize=True,
+        artifacts=sources,
+        gate={"cases": {}, "ecc": {s.artifact_name: True for s in sources if s.role in ("forward", "backward")}},
+        private_key=key,
+        rollback_window_days=7,
+    ).root
 
 
-def test_a_confirmed_window_drops_its_vectors_and_a_withdrawal_then_goes_backward(make_device, windowed, publisher_key,
-                                                                                  images, tmp_path):
+def test_a_confirmed_window_drops_its_vectors_and_a_withdrawal_then_goes_backward(
+    make_device, windowed, publisher_key, images, tmp_path
+):
     device = make_device("dev", health_sample=0)
     device.upgrade(windowed[1])
     device.add(images(ROWS, 5), upload=False)
@@ -74,15 +82,15 @@ def test_a_confirmed_window_drops_its_vectors_and_a_withdrawal_then_goes_backwar
     assert device.status()["withdrawals"]["rollback_window"] is None
 
 
-def test_a_sync_takes_the_servers_confirmation_then_a_withdrawal_reembeds(edge_server, windowed, publisher_key,
-                                                                          make_device, images, tmp_path):
+def test_a_sync_takes_the_servers_confirmation_then_a_withdrawal_reembeds(
+    edge_server, windowed, publisher_key, make_device, images, tmp_path
+):
     """On loopback: a real `fctkit serve`, v1 then v2 (7-day window); two devices upgrade. The admin
     confirms v2: the next sync of each drops its kept vectors, and status says "confirmed". The
     publisher then withdraws v2: each device goes back to v1 by embedding its vault originals
     again (no kept vectors, no backward graph) and answers every query as before the upgrade."""
-    from tests.edge.conftest import ADMIN_TOKEN, publish
-
     from fctkit.protos.client import FctkitClient
+    from tests.edge.conftest import ADMIN_TOKEN, publish
 
     publish(edge_server, windowed[1], tmp_path)
     devices, queries, before = devices_at_v1(edge_server, make_device, images, ("a", "b"), 40)

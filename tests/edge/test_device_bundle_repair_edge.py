@@ -10,12 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fctkit.edge_runtime import Device
+from fctkit.errors import BundleError, DeviceError, RollbackError
+from fctkit.export.bundle_builder import build_bundle
 from tests.edge.conftest import IMAGE_DIM, TINY_CHAIN, _sources
 from tests.edge.test_replication_edge import enrolled, server  # noqa: F401 (server is a fixture)
-
-from fctkit.edge_runtime import Device
-from fctkit.export.bundle_builder import build_bundle
-from fctkit.errors import BundleError, DeviceError, RollbackError
 
 
 def _flip(path: Path, offset: int = -10) -> None:
@@ -40,9 +39,17 @@ def _impostor_v2(tmp_path: Path, key, version: int = 2) -> Path:
     """Another signed bundle under an installed number (another gate: another manifest)."""
     sources = _sources(tmp_path / f"src{version}", version, TINY_CHAIN[version], IMAGE_DIM)
     ecc = {s.artifact_name: True for s in sources if s.role == "forward"}
-    return build_bundle(tmp_path / f"other-v{version}", version=version, parents=(version - 1,) if version > 1 else (), mode="forward",
-                        distance="cosine", normalize=True, artifacts=sources, gate={"cases": {"another": {"top1": 0.5}}, "ecc": ecc},
-                        private_key=key).root
+    return build_bundle(
+        tmp_path / f"other-v{version}",
+        version=version,
+        parents=(version - 1,) if version > 1 else (),
+        mode="forward",
+        distance="cosine",
+        normalize=True,
+        artifacts=sources,
+        gate={"cases": {"another": {"top1": 0.5}}, "ecc": ecc},
+        private_key=key,
+    ).root
 
 
 def _reopened(root: Path) -> Device:
@@ -52,26 +59,34 @@ def _reopened(root: Path) -> Device:
 
 
 @pytest.mark.parametrize("damaged_file", ["manifest.json", "manifest.sig", "embed.onnx"])
-def test_a_damaged_installed_bundle_is_seen_and_the_genuine_one_reinstalls_from_a_folder(make_device, tiny_bundles, images, damaged_file):
+def test_a_damaged_installed_bundle_is_seen_and_the_genuine_one_reinstalls_from_a_folder(
+    make_device, tiny_bundles, images, damaged_file
+):
     device, queries, answers = _upgraded(make_device, tiny_bundles, images, "flip")
     root = device.root
     device.close()
-    _flip(root / "bundles" / "v2" / damaged_file, offset=len((root / "bundles" / "v2" / damaged_file).read_bytes()) // 2)
+    _flip(
+        root / "bundles" / "v2" / damaged_file, offset=len((root / "bundles" / "v2" / damaged_file).read_bytes()) // 2
+    )
     with _reopened(root) as damaged:
         report = damaged.check()
         assert list(report["damaged_bundles"]) == ["v2"] and report["damaged"] == 1
         with pytest.raises(BundleError, match=r"installed bundle v2 is damaged.*fctkit device repair.*--bundle"):
             damaged.query(queries)
         repaired = damaged.repair()  # no server here: the report says what to do, nothing else is touched
-        assert list(repaired["damaged_bundles"]) == ["v2"] and "upgrade --dir DIR --bundle" in repaired["damaged_bundles"]["v2"]
+        assert (
+            list(repaired["damaged_bundles"]) == ["v2"]
+            and "upgrade --dir DIR --bundle" in repaired["damaged_bundles"]["v2"]
+        )
         assert repaired["rows_forgotten"] == [] and len(damaged.gallery) == 20
         assert damaged.upgrade(tiny_bundles[2]) == 0  # the very signed bundle: re-installed, not a replay
         assert damaged.check()["damaged"] == 0 and _answers(damaged, queries) == answers
         assert not list((root / "bundles").glob("v2.*"))  # no staging or damaged copy left behind
 
 
-def test_the_gallerys_own_bundle_deleted_comes_back_and_another_one_stays_a_replay(make_device, tiny_bundles, images,
-                                                                                  publisher_key, tmp_path):
+def test_the_gallerys_own_bundle_deleted_comes_back_and_another_one_stays_a_replay(
+    make_device, tiny_bundles, images, publisher_key, tmp_path
+):
     device, queries, answers = _upgraded(make_device, tiny_bundles, images, "gone")
     root = device.root
     device.close()
@@ -84,7 +99,9 @@ def test_the_gallerys_own_bundle_deleted_comes_back_and_another_one_stays_a_repl
             damaged.upgrade(_impostor_v2(tmp_path, publisher_key, version=1))
     shutil.rmtree(root / "bundles" / "v2")
     with _reopened(root) as bare:
-        assert bare.check()["damaged_bundles"] == {"v2": "bundle v2 is not installed; " + bare.check()["damaged_bundles"]["v2"].split("; ", 1)[1]}
+        assert bare.check()["damaged_bundles"] == {
+            "v2": "bundle v2 is not installed; " + bare.check()["damaged_bundles"]["v2"].split("; ", 1)[1]
+        }
         with pytest.raises(DeviceError, match="not installed.*fctkit device repair"):
             bare.query(queries)
         bare.upgrade(tiny_bundles[2])

@@ -10,14 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.edge.conftest import device_cli
-from tests.edge.test_device_repair_edge import _add_in_blocks, _npy, _sql
-from tests.edge.test_replication_edge import enrolled, server, state  # noqa: F401 (server is a fixture)
-
 import fctkit.edge_runtime.upgrade as upgrade_module
 from fctkit.edge_runtime import Device
 from fctkit.edge_runtime.sqlite_file import transaction
 from fctkit.errors import GalleryDamagedError, GalleryError
+from tests.edge.conftest import device_cli
+from tests.edge.test_device_repair_edge import _add_in_blocks, _npy, _sql
+from tests.edge.test_replication_edge import enrolled, server, state  # noqa: F401 (server is a fixture)
 
 
 def _device(make_device, tiny_bundles, images, name: str = "dev", n: int = 12, **settings) -> Device:
@@ -79,10 +78,13 @@ def test_a_separator_byte_in_a_blocks_item_ids_damages_that_block_only(make_devi
         assert repaired["rows_removed"] == ["it04", "it05", "it06", "it07"] and repaired["damaged_after"] == 0
 
 
-@pytest.mark.parametrize("edit", [
-    "UPDATE items SET item_id = {bad} WHERE row_id = 6",
-    "UPDATE items SET item_id = CAST(x'697405ff' AS BLOB) WHERE row_id = 6",
-])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "UPDATE items SET item_id = {bad} WHERE row_id = 6",
+        "UPDATE items SET item_id = CAST(x'697405ff' AS BLOB) WHERE row_id = 6",
+    ],
+)
 def test_an_item_id_that_is_not_utf8_names_its_row_and_repair_sets_it_back(make_device, tiny_bundles, images, edit):
     device = _device(make_device, tiny_bundles, images)
     root = device.root
@@ -113,7 +115,9 @@ def test_a_queued_original_whose_item_id_is_not_utf8_is_reported_and_dropped(mak
 
 @pytest.mark.parametrize("key", ["query_version", "row_count", "replica_cursor", "live_vectors"])
 @pytest.mark.parametrize("stored", ["text", "blob"])
-def test_a_damaged_setting_name_is_dropped_and_the_setting_derived_without_a_server(make_device, tiny_bundles, images, key, stored):
+def test_a_damaged_setting_name_is_dropped_and_the_setting_derived_without_a_server(
+    make_device, tiny_bundles, images, key, stored
+):
     device = _device(make_device, tiny_bundles, images)
     queries, root = images(2, seed=9), device.root
     before = _answers(device, queries)
@@ -123,18 +127,26 @@ def test_a_damaged_setting_name_is_dropped_and_the_setting_derived_without_a_ser
     with Device.open(root) as damaged:
         damaged.progress = False
         named = damaged.status()["damaged_settings"]
-        assert named == sorted({key, raw.decode("utf-8", "surrogateescape") if stored == "text" else key})  # missing, and as read
+        assert named == sorted(
+            {key, raw.decode("utf-8", "surrogateescape") if stored == "text" else key}
+        )  # missing, and as read
         assert damaged.check()["damaged_settings"] == named
         repaired = damaged.repair()  # no server: derived or dropped, never "rebuild from the replica"
         assert repaired["damaged_after"] == 0 and damaged.gallery.settings.damaged() == []
         assert _answers(damaged, queries) == before
 
 
-@pytest.mark.parametrize("edit, table", [
-    ("UPDATE sqlite_sequence SET seq = seq - 1 WHERE name = 'vector_blocks'", "vector_blocks"),
-    ("UPDATE sqlite_sequence SET name = 'vector_blockz' WHERE name = 'vector_blocks'", "vector_blocks"),
-    ("UPDATE sqlite_sequence SET seq = 9223372036854775807 WHERE name = 'changes'", "changes"),  # SQLite: "disk is full"
-])
+@pytest.mark.parametrize(
+    "edit, table",
+    [
+        ("UPDATE sqlite_sequence SET seq = seq - 1 WHERE name = 'vector_blocks'", "vector_blocks"),
+        ("UPDATE sqlite_sequence SET name = 'vector_blockz' WHERE name = 'vector_blocks'", "vector_blocks"),
+        (
+            "UPDATE sqlite_sequence SET seq = 9223372036854775807 WHERE name = 'changes'",
+            "changes",
+        ),  # SQLite: "disk is full"
+    ],
+)
 def test_a_damaged_id_counter_is_found_repaired_and_add_says_so(make_device, tiny_bundles, images, edit, table):
     device = _device(make_device, tiny_bundles, images)
     root = device.root
@@ -162,12 +174,15 @@ def test_a_label_that_fails_to_open_is_reported_by_query_and_check(make_device, 
         assert [r for r, _, _ in damaged.check()["damaged_rows"]] == [1]
 
 
-@pytest.mark.parametrize("edit, reported", [
-    ("UPDATE vectors_0 SET block_id = 3 WHERE row_id = 2", [2]),  # row 2 lives in block 1
-    ("UPDATE vectors_0 SET version = 2 WHERE row_id = 2", [2]),
-    ("DELETE FROM vectors_0 WHERE row_id = 2", [2]),
-    ("UPDATE vectors_0 SET row_id = 99 WHERE row_id = 2", [2, 99]),
-])
+@pytest.mark.parametrize(
+    "edit, reported",
+    [
+        ("UPDATE vectors_0 SET block_id = 3 WHERE row_id = 2", [2]),  # row 2 lives in block 1
+        ("UPDATE vectors_0 SET version = 2 WHERE row_id = 2", [2]),
+        ("DELETE FROM vectors_0 WHERE row_id = 2", [2]),
+        ("UPDATE vectors_0 SET row_id = 99 WHERE row_id = 2", [2, 99]),
+    ],
+)
 def test_a_damaged_row_pointer_is_found_and_repair_points_it_back(make_device, tiny_bundles, images, edit, reported):
     device = _device(make_device, tiny_bundles, images)
     queries, root = images(2, seed=9), device.root
@@ -184,7 +199,9 @@ def test_a_damaged_row_pointer_is_found_and_repair_points_it_back(make_device, t
         assert damaged.upgrade() == 12 and damaged.gallery.tag_counts() == {"v1->v2 (forward)": 12}
 
 
-def test_damaged_staged_rows_are_found_and_staged_again_from_their_live_rows(make_device, tiny_bundles, images, monkeypatch):
+def test_damaged_staged_rows_are_found_and_staged_again_from_their_live_rows(
+    make_device, tiny_bundles, images, monkeypatch
+):
     device = _device(make_device, tiny_bundles, images, n=24, batch_size=8)
     root = device.root
     _staged(device, tiny_bundles[2], monkeypatch)
@@ -207,8 +224,10 @@ def test_index_damage_is_reported_by_sqlite_and_repair_rebuilds_the_index(make_d
     path = root / "gallery.sqlite"
     with sqlite3.connect(path) as db:
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        page, size = db.execute("SELECT rootpage, (SELECT page_size FROM pragma_page_size) FROM sqlite_master "
-                                "WHERE name = 'sqlite_autoindex_items_1'").fetchone()
+        page, size = db.execute(
+            "SELECT rootpage, (SELECT page_size FROM pragma_page_size) FROM sqlite_master "
+            "WHERE name = 'sqlite_autoindex_items_1'"
+        ).fetchone()
     data = bytearray(path.read_bytes())
     at = data.index(b"it05", (page - 1) * size, page * size)
     data[at + 3] = ord("z")  # the index's key for it05 now reads it0z: the table and its index disagree
@@ -227,10 +246,11 @@ def _garbage_page(root: Path, table: str) -> None:
     path = root / "gallery.sqlite"
     with sqlite3.connect(path) as db:
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        page, size = db.execute("SELECT rootpage, (SELECT page_size FROM pragma_page_size) FROM sqlite_master WHERE name = ?",
-                                (table,)).fetchone()
+        page, size = db.execute(
+            "SELECT rootpage, (SELECT page_size FROM pragma_page_size) FROM sqlite_master WHERE name = ?", (table,)
+        ).fetchone()
     data = bytearray(path.read_bytes())
-    data[(page - 1) * size:page * size] = b"\xa5" * size
+    data[(page - 1) * size : page * size] = b"\xa5" * size
     path.write_bytes(bytes(data))
 
 
@@ -275,8 +295,9 @@ def test_repair_on_an_enrolled_device_with_a_pointer_moved_to_a_free_row_id(serv
 
 @pytest.mark.parametrize("key", ["schema_version", "gallery_id", "key_check", "query_version"])
 @pytest.mark.parametrize("part", ["key", "value", "mac"])
-def test_an_essential_setting_with_one_damaged_byte_still_opens_and_repair_seals_it_again(make_device, tiny_bundles, images,
-                                                                                           key, part):
+def test_an_essential_setting_with_one_damaged_byte_still_opens_and_repair_seals_it_again(
+    make_device, tiny_bundles, images, key, part
+):
     device = _device(make_device, tiny_bundles, images)
     queries, root = images(2, seed=9), device.root
     before = _answers(device, queries)
@@ -285,12 +306,19 @@ def test_an_essential_setting_with_one_damaged_byte_still_opens_and_repair_seals
         value = db.execute(f"SELECT CAST({part} AS BLOB) FROM meta WHERE key = ?", (key,)).fetchone()[0]
         damaged = bytearray(value)
         damaged[len(damaged) // 2] ^= 0x01  # the MAC vouches for the setting it was
-        db.execute(f"UPDATE meta SET {part} = {'?' if part == 'mac' else 'CAST(? AS TEXT)'} WHERE key = ?", (bytes(damaged), key))
+        db.execute(
+            f"UPDATE meta SET {part} = {'?' if part == 'mac' else 'CAST(? AS TEXT)'} WHERE key = ?",
+            (bytes(damaged), key),
+        )
     with Device.open(root) as opened:
         opened.progress = False
         assert key in opened.check()["damaged_settings"]
         report = opened.repair()
-        assert report["damaged_after"] == 0 and opened.gallery.settings.damaged() == [] and _answers(opened, queries) == before
+        assert (
+            report["damaged_after"] == 0
+            and opened.gallery.settings.damaged() == []
+            and _answers(opened, queries) == before
+        )
 
 
 def test_a_gallery_whose_every_block_fails_is_reported_by_status_and_check(make_device, tiny_bundles, images):
@@ -303,12 +331,16 @@ def test_a_gallery_whose_every_block_fails_is_reported_by_status_and_check(make_
         assert damaged.status()["damaged_rows"] == 6 and len(damaged.check()["damaged_rows"]) == 6
 
 
-def test_a_row_id_doubled_by_a_damaged_block_costs_that_block_only_and_the_upgrade_goes_on(make_device, tiny_bundles, images):
+def test_a_row_id_doubled_by_a_damaged_block_costs_that_block_only_and_the_upgrade_goes_on(
+    make_device, tiny_bundles, images
+):
     device = _device(make_device, tiny_bundles, images)
     root = device.root
     device.close()
     with sqlite3.connect(root / "gallery.sqlite") as db:
-        row_ids = np.frombuffer(db.execute("SELECT row_ids FROM vector_blocks WHERE block_id = 3").fetchone()[0], "<i8").copy()
+        row_ids = np.frombuffer(
+            db.execute("SELECT row_ids FROM vector_blocks WHERE block_id = 3").fetchone()[0], "<i8"
+        ).copy()
         row_ids[0] = 2  # row 9's id now reads 2, a row of block 1
         db.execute("UPDATE vector_blocks SET row_ids = ? WHERE block_id = 3", (row_ids.tobytes(),))
     with Device.open(root) as damaged:
@@ -320,7 +352,9 @@ def test_a_row_id_doubled_by_a_damaged_block_costs_that_block_only_and_the_upgra
         assert damaged.upgrade(tiny_bundles[2]) == 8 and damaged.gallery.tag_counts() == {"v1->v2 (forward)": 8}
 
 
-def test_a_matched_row_whose_items_entry_is_gone_is_reported_not_answered_with_a_null_label(make_device, tiny_bundles, images):
+def test_a_matched_row_whose_items_entry_is_gone_is_reported_not_answered_with_a_null_label(
+    make_device, tiny_bundles, images
+):
     device = _device(make_device, tiny_bundles, images)
     root = device.root
     _sql(device, "DELETE FROM items WHERE row_id = 1")  # as a damaged b-tree page of `items` can leave it: not found
@@ -336,14 +370,20 @@ def test_a_constraint_no_caller_expected_is_damage_and_writes_nothing(make_devic
     with pytest.raises(GalleryDamagedError, match="a table and its index disagree.*nothing was written"):
         with transaction(gallery._db) as db:
             db.execute("DELETE FROM outbox WHERE item_id = ?", (queued[1][0],))
-            db.execute("INSERT INTO outbox VALUES (?, ?)", queued[0])  # as a flipped outbox page makes repair's writes collide
+            db.execute(
+                "INSERT INTO outbox VALUES (?, ?)", queued[0]
+            )  # as a flipped outbox page makes repair's writes collide
     assert gallery.replica_log.outbox() == queued
 
 
 def test_a_repair_that_cannot_open_the_file_does_not_advise_repair(make_device, tiny_bundles, images):
     device = _device(make_device, tiny_bundles, images)
     root = device.root
-    _sql(device, "PRAGMA writable_schema = ON", "UPDATE sqlite_schema SET sql = 'CREATE TABLE row_extras (' WHERE name = 'row_extras'")
+    _sql(
+        device,
+        "PRAGMA writable_schema = ON",
+        "UPDATE sqlite_schema SET sql = 'CREATE TABLE row_extras (' WHERE name = 'row_extras'",
+    )
     assert device_cli("status", "--dir", str(root)).returncode != 0
     repair = device_cli("repair", "--dir", str(root))
     assert repair.returncode == 2 and "could not finish" in repair.stderr and "malformed" in repair.stderr

@@ -44,12 +44,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fctkit.edge_runtime import Device, DeviceSettings
 from tests.edge.conftest import ServerProcess, enrolment_code, publish
 from tests.support.device_damage import (
-    DAMAGED_EXIT, Pristine, Tally, alter_cell, answers_of, damaged_copy, fctkit, flip_bit, gallery_cells, query, readable_embeddings, session,
+    DAMAGED_EXIT,
+    Pristine,
+    Tally,
+    alter_cell,
+    answers_of,
+    damaged_copy,
+    fctkit,
+    flip_bit,
+    gallery_cells,
+    query,
+    readable_embeddings,
+    session,
 )
-
-from fctkit.edge_runtime import Device, DeviceSettings
 
 FLIPS = int(os.environ.get("FCTKIT_FUZZ_DEVICE_FLIPS", "16"))
 TARGETED = int(os.environ.get("FCTKIT_FUZZ_TARGETED", "16"))
@@ -80,8 +90,10 @@ class ReplicaGuard:
         self.fingerprint = self._replica()
 
     def _replica(self) -> str:
-        rows = [self.server.backend.query(self.server.data_dir, f"SELECT * FROM {table} ORDER BY 1")
-                for table in ("replica_blocks", "replica_items")]
+        rows = [
+            self.server.backend.query(self.server.data_dir, f"SELECT * FROM {table} ORDER BY 1")
+            for table in ("replica_blocks", "replica_items")
+        ]
         return hashlib.sha256(repr(rows).encode()).hexdigest()
 
     def after_trial(self) -> None:
@@ -98,12 +110,19 @@ def inputs(tmp_path_factory, tiny_bundles) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("inputs")
     np.save(folder / "queries.npy", _images(2, 8))
     new = _images(6, 77)
-    np.savez(folder / "new.npz", images=new, labels=np.array([f"N{i}" for i in range(6)]), ids=np.array([f"new{i}" for i in range(6)]))
+    np.savez(
+        folder / "new.npz",
+        images=new,
+        labels=np.array([f"N{i}" for i in range(6)]),
+        ids=np.array([f"new{i}" for i in range(6)]),
+    )
     return {"queries": folder / "queries.npy", "new": folder / "new.npz", "v3": tiny_bundles[3]}
 
 
 def _pristine(root: Path, inputs: dict[str, Path], *, enrolled: bool) -> Pristine:
-    return Pristine.of(root, enrolled=enrolled, queries=inputs["queries"], new_items=inputs["new"], next_bundle=inputs["v3"])
+    return Pristine.of(
+        root, enrolled=enrolled, queries=inputs["queries"], new_items=inputs["new"], next_bundle=inputs["v3"]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -118,12 +137,16 @@ def plain(tmp_path_factory, publisher_pub, tiny_bundles, inputs) -> Pristine:
 
 
 @pytest.fixture(scope="module")
-def enrolled(tmp_path_factory, publisher_pub, admin_token_file, tiny_bundles, inputs) -> Iterator[tuple[Pristine, ReplicaGuard]]:
+def enrolled(
+    tmp_path_factory, publisher_pub, admin_token_file, tiny_bundles, inputs
+) -> Iterator[tuple[Pristine, ReplicaGuard]]:
     folder = tmp_path_factory.mktemp("enrolled")
     server = ServerProcess(folder / "data", publisher_pub, admin_token_file).start()
     try:
         publish(server, tiny_bundles[1], folder)
-        with Device.init(folder / "device", publisher_key=publisher_pub, settings=DeviceSettings(batch_size=256)) as device:
+        with Device.init(
+            folder / "device", publisher_key=publisher_pub, settings=DeviceSettings(batch_size=256)
+        ) as device:
             device.progress = False
             device.enrol(server.target, enrolment_code(server, owner="olga"), device_name="phone")
             device.sync()  # v1 installed
@@ -143,7 +166,9 @@ def enrolled(tmp_path_factory, publisher_pub, admin_token_file, tiny_bundles, in
 def _shuffled_others(root: Path, rng: random.Random) -> list[Path]:
     """The device's files but its gallery, in an order that lets a small sample reach keys, settings and bundles
     (not SQLite's -wal and -shm either: a closed device has none, though one may show while a connection is collected)."""
-    files = sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file() and not p.name.startswith("gallery.sqlite"))
+    files = sorted(
+        p.relative_to(root) for p in root.rglob("*") if p.is_file() and not p.name.startswith("gallery.sqlite")
+    )
     rng.shuffle(files)
     return files
 
@@ -176,7 +201,11 @@ def test_random_flips_in_all_device_files_of_plain_and_enrolled_devices(plain, e
 
 def test_targeted_flips_of_every_plaintext_value(plain, enrolled, tmp_path):
     pristine_enrolled, guard = enrolled
-    targets = [(d, cell, rowids) for d in (plain, pristine_enrolled) for cell, rowids in gallery_cells(d.root / "gallery.sqlite").items()]
+    targets = [
+        (d, cell, rowids)
+        for d in (plain, pristine_enrolled)
+        for cell, rowids in gallery_cells(d.root / "gallery.sqlite").items()
+    ]
     rng, tally, refused_by_sqlite = random.Random(400), Tally("targeted flips of plaintext values through the CLI"), 0
     rng.shuffle(targets)  # a small sample still spans tables and both devices
     for trial in range(3 * TARGETED):  # until TARGETED sessions ran, each after an alteration SQLite took
@@ -193,13 +222,17 @@ def test_targeted_flips_of_every_plaintext_value(plain, enrolled, tmp_path):
         tally.add(session(pristine, root, f"{kind} {table}.{column} rowid {rowid}: {what}"), f"{table}.{column}")
         if pristine.enrolled:
             guard.after_trial()
-    print(tally.report() + f"\n  {len(targets)} (device, table, column) targets; {refused_by_sqlite} alterations refused by SQLite"
-          f"; server replica restored {guard.restores} time(s)")
+    print(
+        tally.report()
+        + f"\n  {len(targets)} (device, table, column) targets; {refused_by_sqlite} alterations refused by SQLite"
+        f"; server replica restored {guard.restores} time(s)"
+    )
     failures = tally.failures()
     assert not failures, failures
 
 
 # -- disk full ----------------------------------------------------------------------------
+
 
 @pytest.fixture
 def small_disk(tmp_path) -> Iterator[Path]:
@@ -207,7 +240,9 @@ def small_disk(tmp_path) -> Iterator[Path]:
     mount = tmp_path / "disk"
     mount.mkdir()
     try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True, text=True)
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True, text=True
+        )
         refusal = proc.stderr.strip() if proc.returncode else ""
     except OSError as exc:  # no mount command
         refusal = str(exc)
@@ -244,7 +279,12 @@ def _seen(root: Path, pristine: Pristine) -> tuple:
     run = query(root, pristine.queries)
     with Device.open(root) as device:
         version = device.version
-    return version, sorted(readable_embeddings(root).items()), run.code, answers_of(run) if run.code == 0 else run.stderr
+    return (
+        version,
+        sorted(readable_embeddings(root).items()),
+        run.code,
+        answers_of(run) if run.code == 0 else run.stderr,
+    )
 
 
 OPERATIONS = {
@@ -255,9 +295,14 @@ OPERATIONS = {
 
 
 def _damage_one_block(root: Path) -> None:
-    with closing(sqlite3.connect(root / "gallery.sqlite")) as db, db:  # the rows of one block lost: repair has work to do
-        db.execute("UPDATE vector_blocks SET embedding = zeroblob(length(embedding)) WHERE block_id = "
-                   "(SELECT MIN(block_id) FROM vector_blocks)")
+    with (
+        closing(sqlite3.connect(root / "gallery.sqlite")) as db,
+        db,
+    ):  # the rows of one block lost: repair has work to do
+        db.execute(
+            "UPDATE vector_blocks SET embedding = zeroblob(length(embedding)) WHERE block_id = "
+            "(SELECT MIN(block_id) FROM vector_blocks)"
+        )
 
 
 def _prepared(pristine: Pristine, disk: Path, operation: str) -> Path:
@@ -298,7 +343,10 @@ def test_a_full_disk_during_upgrade_add_and_repair_says_so_and_keeps_the_gallery
             after = _seen(root, plain)
             outcome = _disk_full_outcome(run, run.code == 0 or after == before)
             tally.setdefault(outcome, []).append(f"{operation} with {leave} B free")
-    print("\ndisk full:\n" + "\n".join(f"  {outcome}: {len(cases)} ({', '.join(cases)})" for outcome, cases in tally.items()))
+    print(
+        "\ndisk full:\n"
+        + "\n".join(f"  {outcome}: {len(cases)} ({', '.join(cases)})" for outcome, cases in tally.items())
+    )
     bad = {o: c for o, c in tally.items() if o not in ("completed", "says no space, gallery as it was")}
     assert not bad, bad
 
@@ -309,5 +357,11 @@ def _disk_full_outcome(run, kept: bool) -> str:
     if run.code == 0:
         return "completed"
     message = run.stderr.lower()
-    said = "says no space" if "no space" in message else "calls it damage" if "damaged" in message else f"says {run.stderr.strip()[-120:]!r}"
+    said = (
+        "says no space"
+        if "no space" in message
+        else "calls it damage"
+        if "damaged" in message
+        else f"says {run.stderr.strip()[-120:]!r}"
+    )
     return f"{said}, gallery {'as it was' if kept else 'changed'}"

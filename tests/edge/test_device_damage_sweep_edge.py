@@ -13,10 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.edge.test_device_damage_edge import _staged
-
 from fctkit.edge_runtime import Device
 from fctkit.errors import FctkitError
+from tests.edge.test_device_damage_edge import _staged
 
 Change = tuple[str, int, str, object]  # table, rowid, column, the value changed
 
@@ -28,9 +27,16 @@ def device_dir(make_device, tiny_bundles, images, monkeypatch) -> Path:
     device = make_device("swept", batch_size=6)
     device.upgrade(tiny_bundles[1])
     for k in range(3):
-        device.add(images(6, seed=k), item_ids=[f"a{k}{i}" for i in range(6)], labels=[f"L{k}{i}" for i in range(6)], upload=False)
+        device.add(
+            images(6, seed=k),
+            item_ids=[f"a{k}{i}" for i in range(6)],
+            labels=[f"L{k}{i}" for i in range(6)],
+            upload=False,
+        )
     device.upgrade(tiny_bundles[2])
-    device.add(images(6, seed=7), item_ids=[f"b{i}" for i in range(6)], labels=[f"M{i}" for i in range(6)], upload=False)
+    device.add(
+        images(6, seed=7), item_ids=[f"b{i}" for i in range(6)], labels=[f"M{i}" for i in range(6)], upload=False
+    )
     _staged(device, tiny_bundles[3], monkeypatch)
     root = device.root
     device.close()
@@ -42,14 +48,19 @@ def device_dir(make_device, tiny_bundles, images, monkeypatch) -> Path:
 def _changes(path: Path) -> Iterator[Change]:
     db = sqlite3.connect(path)
     db.text_factory = bytes
-    tables = [t.decode() for t, in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    tables = [t.decode() for (t,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
     for table in tables:
         columns = [c[1].decode() for c in db.execute(f'PRAGMA table_info("{table}")')]
         for row in db.execute(f'SELECT rowid, * FROM "{table}"').fetchall():
             for column, value in zip(columns, row[1:], strict=True):
                 typed = db.execute(f'SELECT typeof("{column}") FROM "{table}" WHERE rowid = ?', (row[0],)).fetchone()[0]
                 if value is not None:
-                    yield table, row[0], column, (value.decode("utf-8", "surrogateescape") if typed == b"text" else value)
+                    yield (
+                        table,
+                        row[0],
+                        column,
+                        (value.decode("utf-8", "surrogateescape") if typed == b"text" else value),
+                    )
     db.close()
 
 
@@ -84,18 +95,26 @@ def _session(root: Path, queries: np.ndarray) -> list[str]:
         return problems
     device.progress = False
     with device:
-        for name, step in (("query", lambda: device.query(queries, k=3)), ("status", device.status), ("check", device.check),
-                           ("repair", device.repair)):
+        for name, step in (
+            ("query", lambda: device.query(queries, k=3)),
+            ("status", device.status),
+            ("check", device.check),
+            ("repair", device.repair),
+        ):
             try:
                 found = step()
             except FctkitError:
                 continue
-            except Exception as exc:  # noqa: BLE001 (what the sweep is for)
+            except Exception as exc:
                 problems.append(f"{name}: {''.join(traceback.format_exception_only(exc)).strip()}")
                 continue
             if name == "status":
                 status = found
-            if name == "check" and found["damaged"] and not any(status.get(k) for k in ("damaged_settings", "damaged_rows", "damaged")):
+            if (
+                name == "check"
+                and found["damaged"]
+                and not any(status.get(k) for k in ("damaged_settings", "damaged_rows", "damaged"))
+            ):
                 problems.append("status reports no damage where check does")
             if name == "repair" and found["damaged_after"]:
                 problems.append(f"repair leaves damage: {_left(device.check())}")

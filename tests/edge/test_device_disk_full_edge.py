@@ -17,11 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.edge.conftest import device_cli, enrolment_code, flip_stored_byte, publish
-from tests.edge.test_replication_edge import server  # noqa: F401 (a fixture: a real server with v1 published)
-
 from fctkit.edge_runtime import Device
 from fctkit.errors import NoSpaceError
+from tests.edge.conftest import device_cli, enrolment_code, flip_stored_byte, publish
+from tests.edge.test_replication_edge import server  # noqa: F401 (a fixture: a real server with v1 published)
 
 NO_SPACE = r"no space left on device for .*disk/dev"
 
@@ -38,7 +37,9 @@ def small_disk(where: Path, size: str = "8m") -> Iterator[Path]:
     if os.geteuid() != 0:
         _cannot("mounting a tmpfs needs root")
     where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)], capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if mounted.returncode:
         _cannot(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
@@ -84,11 +85,15 @@ def test_upgrade_and_add_on_a_full_disk_say_so_and_change_nothing(tmp_path, publ
             answers = [[m.item_id for m in found] for found in device.query(queries, k=3)]
             filler = _fill(disk)
             before = _dump(device.root)
-            with pytest.raises(NoSpaceError, match=NO_SPACE + r".*installing the bundles and upgrading the gallery.*bytes are needed"):
+            with pytest.raises(
+                NoSpaceError, match=NO_SPACE + r".*installing the bundles and upgrading the gallery.*bytes are needed"
+            ):
                 device.upgrade(tiny_bundles[2])  # refused before anything is written
             with pytest.raises(NoSpaceError, match=NO_SPACE + r".*copying the bundle in.*bytes are needed"):
                 device.install_bundle(tiny_bundles[2])  # the copy itself meets the full disk
-            assert device.installed_versions() == [1] and sorted(p.name for p in (device.root / "bundles").iterdir()) == ["v1"]
+            assert device.installed_versions() == [1] and sorted(
+                p.name for p in (device.root / "bundles").iterdir()
+            ) == ["v1"]
             with pytest.raises(NoSpaceError, match=NO_SPACE + ".*database or disk is full"):
                 device.add(images(3000, seed=23), item_ids=[f"n{i}" for i in range(3000)], upload=False)
             assert _dump(device.root) == before and len(device.gallery) == 300
@@ -103,7 +108,9 @@ def test_upgrade_and_add_on_a_full_disk_say_so_and_change_nothing(tmp_path, publ
             device.close()
 
 
-def test_an_upgrade_that_would_fill_the_disk_midway_is_refused_before_it_starts(tmp_path, publisher_pub, tiny_bundles, images):
+def test_an_upgrade_that_would_fill_the_disk_midway_is_refused_before_it_starts(
+    tmp_path, publisher_pub, tiny_bundles, images
+):
     with small_disk(tmp_path / "disk") as disk:
         device = _device(disk, publisher_pub, tiny_bundles, images, n=3000)
         try:
@@ -111,7 +118,9 @@ def test_an_upgrade_that_would_fill_the_disk_midway_is_refused_before_it_starts(
             filler = _fill(disk)
             os.truncate(filler, filler.stat().st_size - 512 * 1024)
             before = _dump(device.root)
-            with pytest.raises(NoSpaceError, match=NO_SPACE + r".*upgrading the gallery's rows to v2.*bytes are needed"):
+            with pytest.raises(
+                NoSpaceError, match=NO_SPACE + r".*upgrading the gallery's rows to v2.*bytes are needed"
+            ):
                 device.upgrade()
             assert _dump(device.root) == before and device.gallery.upgrade_state is None and device.version == 1
         finally:
@@ -129,9 +138,14 @@ def test_opening_a_device_on_a_full_disk_says_no_space_not_damage(tmp_path, publ
                 Device.open(root)
             return str(refused.value)
 
-        for attempt in (in_process, lambda: device_cli("add", "--dir", str(root), str(tmp_path / "items.npy"), "--no-upload").stderr,
-                        lambda: device_cli("repair", "--dir", str(root)).stderr):
-            Device.open(root).close()  # closed: SQLite must make its shared-memory file again, which a full disk refuses
+        for attempt in (
+            in_process,
+            lambda: device_cli("add", "--dir", str(root), str(tmp_path / "items.npy"), "--no-upload").stderr,
+            lambda: device_cli("repair", "--dir", str(root)).stderr,
+        ):
+            Device.open(
+                root
+            ).close()  # closed: SQLite must make its shared-memory file again, which a full disk refuses
             filler = _fill(disk)
             said = attempt()
             assert "no space left on device" in said and "damaged" not in said, said
@@ -140,7 +154,9 @@ def test_opening_a_device_on_a_full_disk_says_no_space_not_damage(tmp_path, publ
             assert len(device.gallery) == 300 and device.check()["damaged"] == 0
 
 
-def test_repair_on_a_full_disk_says_so_and_keeps_the_damaged_gallery_for_later(tmp_path, publisher_pub, tiny_bundles, images):
+def test_repair_on_a_full_disk_says_so_and_keeps_the_damaged_gallery_for_later(
+    tmp_path, publisher_pub, tiny_bundles, images
+):
     with small_disk(tmp_path / "disk") as disk:
         root = _device(disk, publisher_pub, tiny_bundles, images, n=3000).root
         Device.open(root).close()
@@ -155,7 +171,11 @@ def test_repair_on_a_full_disk_says_so_and_keeps_the_damaged_gallery_for_later(t
             assert _dump(root) == before
             os.unlink(filler)
             report = device.repair()
-            assert report["rows_forgotten"] == [] and len(report["side_info_restored"]) == 3000 and report["damaged_after"] == 0
+            assert (
+                report["rows_forgotten"] == []
+                and len(report["side_info_restored"]) == 3000
+                and report["damaged_after"] == 0
+            )
             assert np.isfinite(device.gallery.load().side_infos).all()
 
 

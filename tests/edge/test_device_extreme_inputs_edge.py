@@ -61,7 +61,9 @@ def test_an_upgrade_names_the_rows_of_an_older_gallery_that_are_not_finite(devic
     device.add(images(4, seed=6), item_ids=["ok0", "ok1", "ok2", "ok3"], upload=False)
     broken = np.full(8, np.inf, np.float32)  # what a gallery written before items were checked may hold
     device.gallery.add_rows([NewRow("huge", broken, np.ones(4, np.float32), None)], VersionTag(1, 1, "native"))
-    with pytest.raises(GalleryError, match=r"1 item\(s\) cannot be upgraded \('huge'\).*NaN or inf.*fctkit device remove"):
+    with pytest.raises(
+        GalleryError, match=r"1 item\(s\) cannot be upgraded \('huge'\).*NaN or inf.*fctkit device remove"
+    ):
         device.upgrade(tiny_bundles[2])
     device.remove(["huge"])
     device.upgrade()

@@ -33,10 +33,9 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from tests.edge.conftest import make_tiny_bundle
-
 from fctkit.edge_runtime import Device
 from fctkit.errors import FctkitError
+from tests.edge.conftest import make_tiny_bundle
 
 FLIPS_PER_FILE = int(os.environ.get("FCTKIT_FUZZ_FLIPS", "30"))
 BUNDLE_MUTATIONS = int(os.environ.get("FCTKIT_FUZZ_BUNDLES", "200"))
@@ -60,7 +59,7 @@ def _outcome(root: Path, queries: np.ndarray, baseline: list) -> tuple[str, str]
         answers, reported = _session(root, queries)
     except FctkitError as exc:
         return "refused", str(exc)
-    except Exception as exc:  # noqa: BLE001 - what we count
+    except Exception as exc:
         return "traceback", f"{type(exc).__name__}: {exc}"
     if reported:
         return "reported", ""
@@ -71,7 +70,12 @@ def _outcome(root: Path, queries: np.ndarray, baseline: list) -> tuple[str, str]
 def pristine(make_device, tiny_bundles, images) -> Path:
     device = make_device("pristine", device_name="kitchen", server="127.0.0.1:1")
     device.upgrade(tiny_bundles[1])
-    device.add(images(1000, seed=3), item_ids=[f"it{i:04d}" for i in range(1000)], labels=[f"L{i}" for i in range(1000)], upload=False)
+    device.add(
+        images(1000, seed=3),
+        item_ids=[f"it{i:04d}" for i in range(1000)],
+        labels=[f"L{i}" for i in range(1000)],
+        upload=False,
+    )
     root = device.root
     device.close()  # the WAL is checkpointed into gallery.sqlite
     return root
@@ -111,6 +115,7 @@ def test_random_flips_in_every_device_file_are_refused_or_reported_never_silent(
 
 def _mutations(v2: Path, foreign: Path, v1: Path):
     """(kind, how to make the mutated bundle folder from a copy of v2)."""
+
     def flip(d: Path, rng: random.Random) -> None:
         target = rng.choice(sorted(p for p in d.iterdir() if p.is_file()))
         data = bytearray(target.read_bytes())
@@ -120,7 +125,7 @@ def _mutations(v2: Path, foreign: Path, v1: Path):
     def truncate(d: Path, rng: random.Random) -> None:
         target = rng.choice(sorted(p for p in d.iterdir() if p.is_file()))
         data = target.read_bytes()
-        target.write_bytes(data[:rng.randrange(len(data))])
+        target.write_bytes(data[: rng.randrange(len(data))])
 
     def remove(d: Path, rng: random.Random) -> None:
         rng.choice(sorted(p for p in d.iterdir() if p.is_file())).unlink()
@@ -138,7 +143,9 @@ def _mutations(v2: Path, foreign: Path, v1: Path):
         manifest = json.loads((d / "manifest.json").read_text())
         key = rng.choice(sorted(manifest))
         value = manifest[key]
-        manifest[key] = value + 1 if isinstance(value, int) and not isinstance(value, bool) else ("x" if value != "x" else "y")
+        manifest[key] = (
+            value + 1 if isinstance(value, int) and not isinstance(value, bool) else ("x" if value != "x" else "y")
+        )
         (d / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
     def foreign_signer(d: Path, rng: random.Random) -> None:
@@ -182,7 +189,7 @@ def test_every_mutated_bundle_is_refused_and_the_gallery_bytes_stay(make_device,
             accepted.append(mutate.__name__)
         except FctkitError as exc:
             counts[f"{mutate.__name__}: {type(exc).__name__}"] += 1
-        except Exception as exc:  # noqa: BLE001 - what we count
+        except Exception as exc:
             accepted.append(f"{mutate.__name__}: traceback {type(exc).__name__}: {exc}")
         shutil.rmtree(folder)
         assert _fingerprint(device) == before and device.installed_versions() == [1, 2] and device.version == 2

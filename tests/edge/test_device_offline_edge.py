@@ -119,8 +119,12 @@ def test_engine_reports_its_provider_and_batches(tiny_bundles, publisher_pub, im
     np.testing.assert_allclose(small.embed(pictures), large.embed(pictures), rtol=1e-5, atol=1e-6)
     assert small.provider == "CPUExecutionProvider"
     assert select_providers(("tensorrt", "cuda", "cpu"), ["CUDAExecutionProvider", "CPUExecutionProvider"]) == [
-        "CUDAExecutionProvider", "CPUExecutionProvider"]
-    assert select_providers(("cuda",), ["TensorrtExecutionProvider", "CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+        "CUDAExecutionProvider",
+        "CPUExecutionProvider",
+    ]
+    assert select_providers(("cuda",), ["TensorrtExecutionProvider", "CPUExecutionProvider"]) == [
+        "CPUExecutionProvider"
+    ]
     with pytest.raises(ConfigError):
         EngineConfig(providers=("tpu",))
 
@@ -138,20 +142,30 @@ def test_engine_runs_on_cuda_when_onnxruntime_gpu_is_installed(tiny_bundles, pub
 
 
 def test_unified_mode_switches_queries_first(tmp_path, make_device, publisher_key, images):
+    from fctkit.export.bundle_builder import ArtifactSource, build_bundle
     from tests.edge.conftest import make_tiny_bundle
     from tests.server.conftest import EMBED_DIM, linear_onnx
-
-    from fctkit.export.bundle_builder import ArtifactSource, build_bundle
 
     v1 = make_tiny_bundle(tmp_path / "u1", publisher_key, 1, ())
     src = tmp_path / "u2-src"
     src.mkdir()
     sources = [
         ArtifactSource(linear_onnx(src / "embed.onnx", {"image": 16}, 12, seed=5, output="embedding"), "embed"),
-        ArtifactSource(linear_onnx(src / "b.onnx", {"new": 12}, EMBED_DIM, seed=6, output="embedding"), "backward", 2, 1),
+        ArtifactSource(
+            linear_onnx(src / "b.onnx", {"new": 12}, EMBED_DIM, seed=6, output="embedding"), "backward", 2, 1
+        ),
     ]
-    v2 = build_bundle(tmp_path / "u2", version=2, parents=(1,), mode="unified", distance="cosine", normalize=True,
-                      artifacts=sources, gate={"cases": {}, "ecc": {"backward_2_to_1": True}}, private_key=publisher_key).root
+    v2 = build_bundle(
+        tmp_path / "u2",
+        version=2,
+        parents=(1,),
+        mode="unified",
+        distance="cosine",
+        normalize=True,
+        artifacts=sources,
+        gate={"cases": {}, "ecc": {"backward_2_to_1": True}},
+        private_key=publisher_key,
+    ).root
     device = make_device()
     device.upgrade(v1)
     old_ids = device.add(images(5, seed=4))

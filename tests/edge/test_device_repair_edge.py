@@ -8,11 +8,10 @@ import sqlite3
 import numpy as np
 import pytest
 
-from tests.edge.conftest import device_cli
-from tests.edge.test_replication_edge import enrolled, server, state  # noqa: F401 (server is a fixture)
-
 from fctkit.edge_runtime import Device
 from fctkit.errors import DeviceKeyError, GalleryDamagedError, GalleryError
+from tests.edge.conftest import device_cli
+from tests.edge.test_replication_edge import enrolled, server, state  # noqa: F401 (server is a fixture)
 
 
 def _filled(make_device, tiny_bundles, images, name="dev", n=12) -> Device:
@@ -26,8 +25,12 @@ def _add_in_blocks(device: Device, batch: np.ndarray, prefix: str, *, upload: bo
     """One add call (one sealed block) per ``per_block`` items, so damage to a block is local to its rows."""
     for first in range(0, len(batch), per_block):
         ids = range(first, min(first + per_block, len(batch)))
-        device.add(batch[first:first + per_block], item_ids=[f"{prefix}{i:02d}" for i in ids], labels=[f"L{i}" for i in ids],
-                   upload=upload)
+        device.add(
+            batch[first : first + per_block],
+            item_ids=[f"{prefix}{i:02d}" for i in ids],
+            labels=[f"L{i}" for i in ids],
+            upload=upload,
+        )
 
 
 def _sql(device: Device, *statements: str) -> None:
@@ -42,14 +45,19 @@ def _answers(device: Device, queries: np.ndarray) -> list[list[str]]:
     return [[m.item_id for m in found] for found in device.query(queries, k=4)]
 
 
-@pytest.mark.parametrize("edit, searched", [
-    ("UPDATE meta SET value = '0' WHERE key = 'query_version'", True),
-    ("DELETE FROM meta WHERE key = 'query_version'", True),
-    ("UPDATE meta SET mac = x'00' WHERE key = 'live_vectors'", True),
-    ("UPDATE meta SET value = '7' WHERE key = 'replica_cursor'", False),
-    ("UPDATE meta SET value = '13' WHERE key = 'row_count'", True),
-])
-def test_a_damaged_setting_is_reported_never_used_and_repair_derives_it_again(make_device, tiny_bundles, images, edit, searched):
+@pytest.mark.parametrize(
+    "edit, searched",
+    [
+        ("UPDATE meta SET value = '0' WHERE key = 'query_version'", True),
+        ("DELETE FROM meta WHERE key = 'query_version'", True),
+        ("UPDATE meta SET mac = x'00' WHERE key = 'live_vectors'", True),
+        ("UPDATE meta SET value = '7' WHERE key = 'replica_cursor'", False),
+        ("UPDATE meta SET value = '13' WHERE key = 'row_count'", True),
+    ],
+)
+def test_a_damaged_setting_is_reported_never_used_and_repair_derives_it_again(
+    make_device, tiny_bundles, images, edit, searched
+):
     device = _filled(make_device, tiny_bundles, images)
     queries = images(3, seed=9)
     before, root = _answers(device, queries), device.root
@@ -72,13 +80,18 @@ def test_a_damaged_setting_is_reported_never_used_and_repair_derives_it_again(ma
         assert damaged.upgrade(tiny_bundles[2]) == 12 and damaged.check()["damaged"] == 0
 
 
-def test_a_damaged_essential_setting_names_itself_and_a_wrong_key_stays_a_key_error(make_device, tiny_bundles, images, tmp_path):
+def test_a_damaged_essential_setting_names_itself_and_a_wrong_key_stays_a_key_error(
+    make_device, tiny_bundles, images, tmp_path
+):
     device = _filled(make_device, tiny_bundles, images)
     root = device.root
     # both of the first two characters changed, whatever the random id begins with: one damaged character
     # is recovered through the MAC by design (GallerySettings.recovered), two are not
-    _sql(device, "UPDATE meta SET value = (CASE WHEN substr(value, 1, 1) = '0' THEN '1' ELSE '0' END) || "
-                 "(CASE WHEN substr(value, 2, 1) = '0' THEN '1' ELSE '0' END) || substr(value, 3) WHERE key = 'gallery_id'")
+    _sql(
+        device,
+        "UPDATE meta SET value = (CASE WHEN substr(value, 1, 1) = '0' THEN '1' ELSE '0' END) || "
+        "(CASE WHEN substr(value, 2, 1) = '0' THEN '1' ELSE '0' END) || substr(value, 3) WHERE key = 'gallery_id'",
+    )
     with pytest.raises(GalleryDamagedError, match="gallery_id.*rebuild it from the owner's replica") as caught:
         Device.open(root)
     assert caught.value.settings == ("gallery_id",)
@@ -93,8 +106,11 @@ def test_a_damaged_essential_setting_names_itself_and_a_wrong_key_stays_a_key_er
 def test_a_damaged_block_and_a_block_gone_are_reported_by_query_status_and_check(make_device, tiny_bundles, images):
     device = _filled(make_device, tiny_bundles, images)  # rows 1-4, 5-8, 9-12 in blocks 1, 2, 3
     root = device.root
-    _sql(device, "UPDATE vector_blocks SET embedding = zeroblob(length(embedding)) WHERE block_id = 1",
-         "DELETE FROM vector_blocks WHERE block_id = 3")
+    _sql(
+        device,
+        "UPDATE vector_blocks SET embedding = zeroblob(length(embedding)) WHERE block_id = 1",
+        "DELETE FROM vector_blocks WHERE block_id = 3",
+    )
     with Device.open(root) as damaged:
         assert len(damaged.query(images(1, seed=1), k=20)[0]) == 4
         assert [r[0] for r in damaged.damaged_rows()] == [1, 2, 3, 4] and damaged.missing_rows() == 4
@@ -113,7 +129,9 @@ def test_a_damaged_block_and_a_block_gone_are_reported_by_query_status_and_check
     assert '"rows_removed": [\n    "it00"' in proc.stdout and "not enrolled" in proc.stdout
     with Device.open(root) as repaired:
         assert repaired.check()["damaged"] == 0 and len(repaired.gallery) == 4
-        assert repaired.gallery._db.execute("SELECT COUNT(*) FROM vector_blocks").fetchone()[0] == 1  # the dead block is gone
+        assert (
+            repaired.gallery._db.execute("SELECT COUNT(*) FROM vector_blocks").fetchone()[0] == 1
+        )  # the dead block is gone
 
 
 def test_repair_brings_damaged_and_missing_rows_back_from_the_owners_replica(server, make_device, images):  # noqa: F811
@@ -121,8 +139,12 @@ def test_repair_brings_damaged_and_missing_rows_back_from_the_owners_replica(ser
     _add_in_blocks(device, images(12, seed=4), "p")
     device.sync()
     expected, root = state(device), device.root
-    _sql(device, "UPDATE vector_blocks SET embedding = zeroblob(length(embedding)) WHERE block_id = 1",
-         "DELETE FROM items WHERE row_id = 7", "DELETE FROM vector_blocks WHERE block_id = 3")
+    _sql(
+        device,
+        "UPDATE vector_blocks SET embedding = zeroblob(length(embedding)) WHERE block_id = 1",
+        "DELETE FROM items WHERE row_id = 7",
+        "DELETE FROM vector_blocks WHERE block_id = 3",
+    )
     with Device.open(root) as damaged:
         damaged.progress = False
         report = damaged.repair()
@@ -140,12 +162,11 @@ def test_sqlite_damage_is_a_kit_error_never_a_traceback(make_device, tiny_bundle
     path = root / "gallery.sqlite"
     data = bytearray(path.read_bytes())
     page = 16384
-    data[3 * page:4 * page] = bytes([0xA5]) * page  # one b-tree page of garbage
+    data[3 * page : 4 * page] = bytes([0xA5]) * page  # one b-tree page of garbage
     path.write_bytes(bytes(data))
-    with pytest.raises(GalleryError) as caught:
-        with Device.open(root) as damaged:
-            damaged.query(images(1))
-            damaged.check()
+    with pytest.raises(GalleryError) as caught, Device.open(root) as damaged:
+        damaged.query(images(1))
+        damaged.check()
     assert "damaged" in str(caught.value) or "fail" in str(caught.value)
 
 

@@ -9,11 +9,10 @@ import sqlite3
 import numpy as np
 import pytest
 
-from tests.edge.conftest import flip_stored_byte
-from tests.edge.test_replication_edge import enrolled, server, state  # noqa: F401 (server is a fixture)
-
 from fctkit.edge_runtime import Device
 from fctkit.errors import GalleryError
+from tests.edge.conftest import flip_stored_byte
+from tests.edge.test_replication_edge import enrolled, server, state  # noqa: F401 (server is a fixture)
 
 ROWS = 1000
 
@@ -22,7 +21,12 @@ def _device_with_queued_originals(make_device, tiny_bundles, images, name: str, 
     """A device without a server: ``n`` rows in one block, each original queued on the device."""
     device = make_device(name)
     device.upgrade(tiny_bundles[1])
-    device.add(images(n, seed=11), item_ids=[f"r{i:04d}" for i in range(n)], labels=[f"L{i % 7}" for i in range(n)], upload=False)
+    device.add(
+        images(n, seed=11),
+        item_ids=[f"r{i:04d}" for i in range(n)],
+        labels=[f"L{i % 7}" for i in range(n)],
+        upload=False,
+    )
     return device
 
 
@@ -84,7 +88,9 @@ def test_rows_without_their_original_keep_answering_and_the_upgrade_names_them(m
         status = damaged.status()
         assert status["side_info_lost"]["rows"] == 30 and status["side_info_lost"]["items"][0] == "r0000"
         assert "damaged" not in status and damaged.check()["damaged"] == 0  # marked, not damage: repair converged
-        with pytest.raises(GalleryError, match=r"30 item\(s\) cannot be upgraded \('r0000', .* and 20 more\).*side_info_lost"):
+        with pytest.raises(
+            GalleryError, match=r"30 item\(s\) cannot be upgraded \('r0000', .* and 20 more\).*side_info_lost"
+        ):
             damaged.upgrade(tiny_bundles[2])
         assert len(damaged.gallery) == 30
 
@@ -101,7 +107,9 @@ def test_the_reasons_are_given_per_row_and_the_report_lists_each_item_once(make_
         report = damaged.repair()
     ids = [f"r{i:04d}" for i in range(6)]
     assert report["rows_forgotten"] == ids and report["rows_removed"] == ids
-    assert set(report["forgotten_because"]) == set(ids) and all("block 1" in r for r in report["forgotten_because"].values())
+    assert set(report["forgotten_because"]) == set(ids) and all(
+        "block 1" in r for r in report["forgotten_because"].values()
+    )
 
 
 def test_a_damaged_list_of_removed_rows_costs_no_row_and_brings_no_removed_row_back(make_device, tiny_bundles, images):
@@ -126,13 +134,19 @@ def test_rows_named_by_bytes_that_are_not_utf8_are_repaired_without_a_traceback(
     device = _device_with_queued_originals(make_device, tiny_bundles, images, "names", n=8)
     root = device.root
     device.close()
-    with sqlite3.connect(root / "gallery.sqlite") as db:  # 'r0002' -> 'r\xb9002': not UTF-8, and the block fails to open
+    with sqlite3.connect(
+        root / "gallery.sqlite"
+    ) as db:  # 'r0002' -> 'r\xb9002': not UTF-8, and the block fails to open
         (names,) = db.execute("SELECT item_ids FROM vector_blocks").fetchone()
         db.execute("UPDATE vector_blocks SET item_ids = ?", (names.replace(b"r0002", b"r\xb9002"),))
     with Device.open(root) as damaged:
         damaged.progress = False
         report = damaged.repair()
-        assert len(report["rows_forgotten"]) == 8 and len(report["forgotten_because"]) == 8 and report["damaged_after"] == 0
+        assert (
+            len(report["rows_forgotten"]) == 8
+            and len(report["forgotten_because"]) == 8
+            and report["damaged_after"] == 0
+        )
         assert len(damaged.gallery) == 0 and "r0000" in report["rows_removed"]
 
 
@@ -145,18 +159,29 @@ def test_side_info_comes_back_from_the_vault_originals_when_none_is_queued(serve
     with Device.open(root) as damaged:
         damaged.progress = False
         report = damaged.repair()
-        assert report["side_info_restored"] == sorted(before) and report["side_info_lost"] == [] and report["rows_forgotten"] == []
+        assert (
+            report["side_info_restored"] == sorted(before)
+            and report["side_info_lost"] == []
+            and report["rows_forgotten"] == []
+        )
         after = state(damaged)
-        for item, (tag, embedding, side_info, label) in before.items():
+        for item, (tag, embedding, side_info, _label) in before.items():
             assert after[item][:2] == (tag, embedding)
             assert np.allclose(np.frombuffer(after[item][2], "<f4"), np.frombuffer(side_info, "<f4"), atol=1e-6)
 
 
-@pytest.mark.parametrize("column, edit, label_kept", [
-    ("label", "UPDATE items SET label = substr(label, 1, 20) || x'00' || substr(label, 22) WHERE row_id = 7", False),
-    ("item_id", "UPDATE items SET item_id = 'intruder' WHERE row_id = 7", True),
-    ("origin_version", "UPDATE items SET origin_version = 7 WHERE row_id = 7", True),
-])
+@pytest.mark.parametrize(
+    "column, edit, label_kept",
+    [
+        (
+            "label",
+            "UPDATE items SET label = substr(label, 1, 20) || x'00' || substr(label, 22) WHERE row_id = 7",
+            False,
+        ),
+        ("item_id", "UPDATE items SET item_id = 'intruder' WHERE row_id = 7", True),
+        ("origin_version", "UPDATE items SET origin_version = 7 WHERE row_id = 7", True),
+    ],
+)
 def test_a_damaged_per_row_entry_costs_at_most_the_label(make_device, tiny_bundles, images, column, edit, label_kept):
     device = _device_with_queued_originals(make_device, tiny_bundles, images, f"entry-{column}", n=20)
     queries, root = images(6, seed=16), device.root
@@ -178,12 +203,18 @@ def test_a_damaged_side_info_width_costs_nothing_when_the_originals_are_at_hand(
     device = _device_with_queued_originals(make_device, tiny_bundles, images, "width", n=30)
     before, root = state(device), device.root
     device.close()
-    with sqlite3.connect(root / "gallery.sqlite") as db:  # the width column is not sealed; the record it describes fails
+    with sqlite3.connect(
+        root / "gallery.sqlite"
+    ) as db:  # the width column is not sealed; the record it describes fails
         db.execute("UPDATE vector_blocks SET side_info_width = side_info_width + 1")
     with Device.open(root) as damaged:
         damaged.progress = False
         report = damaged.repair()
-        assert report["side_info_restored"] == sorted(before) and report["side_info_lost"] == [] and report["damaged_after"] == 0
+        assert (
+            report["side_info_restored"] == sorted(before)
+            and report["side_info_lost"] == []
+            and report["damaged_after"] == 0
+        )
         after = state(damaged)  # the same model on the same originals, at the model's own width
         for item, (tag, embedding, side_info, label) in before.items():
             assert after[item][:2] == (tag, embedding) and after[item][3] == label
@@ -201,9 +232,13 @@ def test_the_side_info_of_adapted_rows_comes_back_along_their_path(make_device, 
     with Device.open(root) as damaged:
         damaged.progress = False
         report = damaged.repair()
-        assert report["side_info_restored"] == sorted(before) and report["side_info_lost"] == [] and report["damaged_after"] == 0
+        assert (
+            report["side_info_restored"] == sorted(before)
+            and report["side_info_lost"] == []
+            and report["damaged_after"] == 0
+        )
         after = state(damaged)
-        for item, (tag, embedding, side_info, label) in before.items():
+        for item, (tag, embedding, side_info, _label) in before.items():
             assert after[item][:2] == (tag, embedding)
             assert np.allclose(np.frombuffer(after[item][2], "<f4"), np.frombuffer(side_info, "<f4"), atol=1e-5)
         damaged.upgrade(tiny_bundles[3])

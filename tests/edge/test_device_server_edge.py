@@ -9,12 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, device_cli, device_cli_steps, enrolment_code, publish
-from tests.server.conftest import make_certificates
-
 from fctkit.edge_runtime import Device
 from fctkit.protos.bundle import pack_bundle
 from fctkit.protos.client import ClientTls, FctkitClient
+from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, device_cli, device_cli_steps, enrolment_code, publish
+from tests.server.conftest import make_certificates
 
 
 def _all_server_bytes(server) -> bytes:
@@ -30,12 +29,27 @@ def published_v1(edge_server, tiny_bundles, tmp_path_factory):
 def test_cli_device_without_torch(published_v1, tmp_path, images):
     server, root = published_v1, tmp_path / "cli-dev"
     pictures = (images(6, seed=21) * 1000).astype(np.float32)
-    np.savez(tmp_path / "add.npz", images=pictures, labels=np.array(list("abcdef")), ids=np.array([f"c{i}" for i in range(6)]))
+    np.savez(
+        tmp_path / "add.npz",
+        images=pictures,
+        labels=np.array(list("abcdef")),
+        ids=np.array([f"c{i}" for i in range(6)]),
+    )
     np.save(tmp_path / "q.npy", pictures[:2])
     steps = [
         ("init", "--dir", str(root), "--batch-size", "4"),
-        ("enrol", "--dir", str(root), "--server", server.target, "--code", enrolment_code(server), "--name", "cli",
-         "--trust-on-first-use"),
+        (
+            "enrol",
+            "--dir",
+            str(root),
+            "--server",
+            server.target,
+            "--code",
+            enrolment_code(server),
+            "--name",
+            "cli",
+            "--trust-on-first-use",
+        ),
         ("sync", "--dir", str(root), "--quiet"),
         ("add", "--dir", str(root), str(tmp_path / "add.npz")),
         ("query", "--dir", str(root), str(tmp_path / "q.npy"), "-k", "1"),
@@ -59,7 +73,10 @@ def test_cli_device_without_torch(published_v1, tmp_path, images):
 def test_sync_upgrade_paths_outbox_and_fleet(published_v1, tiny_bundles, tmp_path, images, make_device):
     server = published_v1
     # no health check (tests/edge/test_upgrade_check_edge.py): it would backfill every row of these small galleries
-    early, late = make_device("early", batch_size=5, health_sample=0), make_device("late", batch_size=5, health_sample=0)
+    early, late = (
+        make_device("early", batch_size=5, health_sample=0),
+        make_device("late", batch_size=5, health_sample=0),
+    )
     for seed, (name, device) in enumerate((("early", early), ("late", late))):
         device.enrol(server.target, enrolment_code(server), device_name=name)
         assert device.sync().installed_after == 1
@@ -124,7 +141,9 @@ def test_watch_syncs_when_a_version_is_published(edge_server, publisher_key, tmp
     watcher = threading.Thread(target=lambda: results.extend(device.watch(max_versions=1)), daemon=True)
     watcher.start()
     next_version = start + 1
-    publish(server, make_tiny_bundle(tmp_path / "next", publisher_key, next_version, ((start, next_version),)), tmp_path)
+    publish(
+        server, make_tiny_bundle(tmp_path / "next", publisher_key, next_version, ((start, next_version),)), tmp_path
+    )
     watcher.join(timeout=60)
     assert not watcher.is_alive() and results[0].installed_after == next_version
     assert device.version == next_version and len(device.gallery.load()) == 6
@@ -132,15 +151,34 @@ def test_watch_syncs_when_a_version_is_published(edge_server, publisher_key, tmp
 
 def test_a_device_enrols_and_syncs_with_a_client_certificate(tmp_path, tiny_bundles, publisher_pub, admin_token_file):
     pki = make_certificates(tmp_path / "pki")
-    server = ServerProcess(tmp_path / "mtls-data", publisher_pub, admin_token_file, "--tls-cert", str(pki["server"]),
-                           "--tls-key", str(pki["server_key"]), "--tls-ca", str(pki["ca"])).start()
+    server = ServerProcess(
+        tmp_path / "mtls-data",
+        publisher_pub,
+        admin_token_file,
+        "--tls-cert",
+        str(pki["server"]),
+        "--tls-key",
+        str(pki["server_key"]),
+        "--tls-ca",
+        str(pki["ca"]),
+    ).start()
     try:
         tls = ClientTls(pki["ca"].read_bytes(), pki["client"].read_bytes(), pki["client_key"].read_bytes())
         with FctkitClient(server.target, ADMIN_TOKEN, tls=tls) as admin:
             admin.publish_bundle(pack_bundle(tiny_bundles[1], tmp_path / "v1.tar"))
             codes = [admin.create_enrolment_code().code for _ in range(2)]
         root, ca = tmp_path / "dev", ["--tls-ca", str(pki["ca"])]
-        enrol = ("enrol", "--dir", str(root), "--server", server.target, "--code", codes[0], "--trust-on-first-use", *ca)
+        enrol = (
+            "enrol",
+            "--dir",
+            str(root),
+            "--server",
+            server.target,
+            "--code",
+            codes[0],
+            "--trust-on-first-use",
+            *ca,
+        )
         device_cli_steps([("init", "--dir", str(root))])
         without_certificate = device_cli(*enrol)
         assert without_certificate.returncode == 2 and "UNAVAILABLE" in without_certificate.stderr
@@ -150,6 +188,8 @@ def test_a_device_enrols_and_syncs_with_a_client_certificate(tmp_path, tiny_bund
         outputs = device_cli_steps([(*enrol, *identity), ("sync", "--dir", str(root), "--quiet")])
         assert json.loads(outputs[1])["installed_after"] == 1  # the certificate paths were kept for sync
         settings = json.loads((root / "device.json").read_text())
-        assert settings["tls_client_cert"] == str(pki["client"]) and settings["tls_client_key"] == str(pki["client_key"])
+        assert settings["tls_client_cert"] == str(pki["client"]) and settings["tls_client_key"] == str(
+            pki["client_key"]
+        )
     finally:
         server.stop()

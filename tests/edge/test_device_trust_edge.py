@@ -20,6 +20,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from fctkit.edge_runtime import Device, DeviceSettings, device_trust
+from fctkit.edge_runtime.cli import STALE_EXIT, device_command
+from fctkit.edge_runtime.device_trust_sync import refresh_trust
 from fctkit.errors import (
     DeviceError,
     ExpiredMetadataError,
@@ -31,10 +34,6 @@ from fctkit.errors import (
     ThresholdError,
     TrustError,
 )
-from fctkit.edge_runtime import Device, DeviceSettings
-from fctkit.edge_runtime import device_trust
-from fctkit.edge_runtime.cli import STALE_EXIT, device_command
-from fctkit.edge_runtime.device_trust_sync import refresh_trust
 from fctkit.export.keys import save_private_key, save_public_key
 from fctkit.protos.bundle import load_public_key, public_key_id
 from fctkit.protos.client import FctkitClient, TrustUpdate
@@ -59,7 +58,9 @@ class Offer:
     def get_trust(self, after_root_version: int = 0) -> TrustUpdate:
         if self.roots is None:
             raise RpcStatusError("FAILED_PRECONDITION", "this server has no root of trust")
-        return TrustUpdate([r.to_bytes() for r in self.roots[after_root_version:]], self.stamp.to_bytes(), len(self.roots))
+        return TrustUpdate(
+            [r.to_bytes() for r in self.roots[after_root_version:]], self.stamp.to_bytes(), len(self.roots)
+        )
 
 
 def write(path: Path, document: Signed) -> Path:
@@ -82,10 +83,15 @@ def rooted(tmp_path, root_file):
 
 
 def folder_files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and ".sqlite" not in p.name}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and ".sqlite" not in p.name
+    }
 
 
 # -- the trust files ------------------------------------------------------------------------
+
 
 def test_init_root_pins_the_root_privately_and_status_shows_it(rooted, root_file):
     trust = rooted.root / "trust"
@@ -106,25 +112,45 @@ def test_init_refuses_a_root_below_its_own_threshold_and_both_pins_creating_noth
     with pytest.raises(DeviceError, match="not both"):
         Device.init(tmp_path / "b", trust_root=write(tmp_path / "r.json", root_v(1)), publisher_key=publisher_pub)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
-    result = CliRunner().invoke(device_command, ["init", "--dir", str(tmp_path / "c"), "--root", str(tmp_path / "r.json"),
-                                                 "--publisher-key", str(publisher_pub)])
+    result = CliRunner().invoke(
+        device_command,
+        [
+            "init",
+            "--dir",
+            str(tmp_path / "c"),
+            "--root",
+            str(tmp_path / "r.json"),
+            "--publisher-key",
+            str(publisher_pub),
+        ],
+    )
     assert result.exit_code == 2 and "exclude each other" in result.output and not (tmp_path / "c").exists()
 
 
-@pytest.mark.parametrize("damage, named", [
-    (lambda t: (t / "state.json").write_bytes(b'{"root_version": 1,'), "state.json is damaged"),
-    (lambda t: (t / "state.json").unlink(), "state.json is missing"),
-    (lambda t: (t / "root.1.json").write_bytes((t / "root.1.json").read_bytes().replace(b'"version":1', b'"version":2')),
-     "root.1.json is damaged or missing"),
-    (lambda t: (t / "root.1.json").unlink(), "root.1.json is damaged or missing"),
-])
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        (lambda t: (t / "state.json").write_bytes(b'{"root_version": 1,'), "state.json is damaged"),
+        (lambda t: (t / "state.json").unlink(), "state.json is missing"),
+        (
+            lambda t: (t / "root.1.json").write_bytes(
+                (t / "root.1.json").read_bytes().replace(b'"version":1', b'"version":2')
+            ),
+            "root.1.json is damaged or missing",
+        ),
+        (lambda t: (t / "root.1.json").unlink(), "root.1.json is damaged or missing"),
+    ],
+)
 def test_damaged_trust_files_are_named_and_nothing_else_is_trusted(rooted, publisher_pub, damage, named):
     (rooted.root / "publisher.pub").write_bytes(publisher_pub.read_bytes())  # a key it could wrongly fall back to
     damage(rooted.root / "trust")
     reopened = Device.open(rooted.root)
     try:
-        for attempt in (reopened.trust.release_trust, reopened.trust.accepted_trusts,
-                        lambda: refresh_trust(reopened.trust, Offer([root_v(1)], timestamp(1, {})))):
+        for attempt in (
+            reopened.trust.release_trust,
+            reopened.trust.accepted_trusts,
+            lambda: refresh_trust(reopened.trust, Offer([root_v(1)], timestamp(1, {}))),
+        ):
             with pytest.raises(TrustError, match=named) as error:
                 attempt()
             assert "enrol again" in str(error.value)
@@ -155,6 +181,7 @@ def test_a_crash_between_the_roots_and_the_state_leaves_the_old_state(rooted, mo
 
 # -- the walk and the timestamp at each sync -------------------------------------------------
 
+
 def test_a_sync_walks_the_rotation_and_refuses_what_breaks_a_rule_changing_nothing(rooted):
     trust = rooted.trust
     refresh_trust(trust, Offer([root_v(1), root_v(2, signers=("r1", "r2"))], timestamp(5, {})))
@@ -164,9 +191,21 @@ def test_a_sync_walks_the_rotation_and_refuses_what_breaks_a_rule_changing_nothi
     new_keys = root_v(3, root=("n1", "n2"), signers=("n1", "n2"))
     refusals = [
         (Offer([root_v(1), root_v(2, signers=("r1", "r2")), new_keys], timestamp(5, {})), ThresholdError, "trusted v2"),
-        (Offer([root_v(1), root_v(2, signers=("r1", "r2")), root_v(4)], timestamp(5, {})), RootChainError, "skips a version"),
-        (Offer([root_v(1), root_v(2, signers=("r1", "r2"))], timestamp(4, {})), MetadataRollbackError, "older than the v5"),
-        (Offer([root_v(1), root_v(2, signers=("r1", "r2"))], timestamp(6, {}, signer="mallory")), ThresholdError, "timestamp v6"),
+        (
+            Offer([root_v(1), root_v(2, signers=("r1", "r2")), root_v(4)], timestamp(5, {})),
+            RootChainError,
+            "skips a version",
+        ),
+        (
+            Offer([root_v(1), root_v(2, signers=("r1", "r2"))], timestamp(4, {})),
+            MetadataRollbackError,
+            "older than the v5",
+        ),
+        (
+            Offer([root_v(1), root_v(2, signers=("r1", "r2"))], timestamp(6, {}, signer="mallory")),
+            ThresholdError,
+            "timestamp v6",
+        ),
         (Offer(None), RootChainError, "serves no root of trust"),
     ]
     for offer, error, message in refusals:
@@ -213,6 +252,7 @@ def test_the_same_timestamp_again_is_checked_for_expiry_and_its_freshness_writte
 
 # -- freshness, the clock, the fleet report --------------------------------------------------
 
+
 def test_freshness_the_clock_and_the_report_follow_the_device_clock(rooted):
     trust = rooted.trust
     refresh_trust(trust, Offer([root_v(1)], timestamp(3, {}, expires=NOW + timedelta(days=30))))
@@ -245,6 +285,7 @@ def test_status_exits_with_the_stale_code_and_still_answers(tmp_path, root_file)
 
 # -- migration from publisher.pub ------------------------------------------------------------
 
+
 @pytest.fixture
 def legacy(tmp_path):
     """A device from before roots: it pins the publisher key of "alice"."""
@@ -275,12 +316,17 @@ def test_a_device_pinning_publisher_pub_moves_to_the_root_once(legacy, tiny_keye
 
 # -- installed bundles under the accepted roots ------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny_keyed_bundles(tmp_path_factory) -> dict[str, dict[int, Path]]:
     """Tiny bundles v1 and v2 signed by "alice", and v2 by "bob"."""
     out = tmp_path_factory.mktemp("keyed-bundles")
-    return {"alice": {v: make_tiny_bundle(out / f"alice-v{v}", key("alice"), v, ((1, 2),) if v == 2 else ()) for v in (1, 2)},
-            "bob": {2: make_tiny_bundle(out / "bob-v2", key("bob"), 2, ((1, 2),))}}
+    return {
+        "alice": {
+            v: make_tiny_bundle(out / f"alice-v{v}", key("alice"), v, ((1, 2),) if v == 2 else ()) for v in (1, 2)
+        },
+        "bob": {2: make_tiny_bundle(out / "bob-v2", key("bob"), 2, ((1, 2),))},
+    }
 
 
 def test_a_removed_publisher_keeps_the_model_in_use_but_installs_nothing_new(rooted, tiny_keyed_bundles, images):
@@ -300,6 +346,7 @@ def test_a_removed_publisher_keeps_the_model_in_use_but_installs_nothing_new(roo
 
 # -- enrolment choices ------------------------------------------------------------------------
 
+
 def enrol(root: Path, server: str, *flags: str, code: str = "AAAA-BBBB-CCCC"):
     return CliRunner().invoke(device_command, ["enrol", "--dir", str(root), "--server", server, "--code", code, *flags])
 
@@ -312,8 +359,15 @@ def test_enrol_needs_exactly_one_choice_before_it_contacts_anything(tmp_path, ro
     assert two.exit_code == 2 and "exclude each other" in two.output
     none = enrol(tmp_path / "new", "127.0.0.1:9")
     assert isinstance(none.exception, InputError)
-    assert all(flag in str(none.exception) for flag in ("--root ROOT.json", "--root-fingerprint", "--trust-on-first-use",
-                                                         "accept whatever root or publisher key"))
+    assert all(
+        flag in str(none.exception)
+        for flag in (
+            "--root ROOT.json",
+            "--root-fingerprint",
+            "--trust-on-first-use",
+            "accept whatever root or publisher key",
+        )
+    )
     with Device.init(tmp_path / "pinned", trust_root=root_file):
         pass
     again = enrol(tmp_path / "pinned", "127.0.0.1:9", "--trust-on-first-use")
@@ -325,8 +379,11 @@ def test_a_server_without_a_root_is_refused_unless_trust_on_first_use(edge_serve
     pinned = Device.init(tmp_path / "pinned", trust_root=root_file)
     blank = Device.init(tmp_path / "blank")
     try:
-        for device, choice in ((blank, {"root_fingerprint": root_fingerprint(root_v(1))}), (blank, {"trust_root": root_file}),
-                               (pinned, {})):
+        for device, choice in (
+            (blank, {"root_fingerprint": root_fingerprint(root_v(1))}),
+            (blank, {"trust_root": root_file}),
+            (pinned, {}),
+        ):
             before = folder_files(device.root)
             with pytest.raises(RootChainError, match="no root of trust"):
                 device.enrol(edge_server.target, enrolment_code(edge_server), **choice)
@@ -352,14 +409,22 @@ def test_clock_tolerance_is_a_device_setting(tmp_path, root_file):
 
 # -- a real server with a root, on loopback ----------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def root_server(tmp_path_factory, publisher_pub, admin_token_file, tiny_keyed_bundles):
     """`fctkit serve --root root.1.json --timestamp-key ts.key` (root v1: publisher alice, also
     signed by alice so that devices pinning her key can move to it), v1 by alice published."""
     folder = tmp_path_factory.mktemp("root-server")
     first = write(folder / "root.1.json", signed(root_v(1).body, *ROOT_KEYS, "alice"))
-    server = ServerProcess(folder / "data", publisher_pub, admin_token_file, "--root", str(first),
-                           "--timestamp-key", str(save_private_key(key("ts"), folder / "ts.key"))).start()
+    server = ServerProcess(
+        folder / "data",
+        publisher_pub,
+        admin_token_file,
+        "--root",
+        str(first),
+        "--timestamp-key",
+        str(save_private_key(key("ts"), folder / "ts.key")),
+    ).start()
     publish(server, tiny_keyed_bundles["alice"][1], folder)
     yield server
     server.stop()
@@ -372,8 +437,13 @@ def test_enrol_by_fingerprint_sync_rotate_and_report_on_loopback(root_server, tm
         assert not (wrong.root / "token").exists() and not wrong.trust.pins_root
     Device.init(tmp_path / "dev").close()
     cli = CliRunner()
-    enrolled = enrol(tmp_path / "dev", root_server.target, "--root-fingerprint", root_fingerprint(root_v(1)),
-                     code=enrolment_code(root_server))
+    enrolled = enrol(
+        tmp_path / "dev",
+        root_server.target,
+        "--root-fingerprint",
+        root_fingerprint(root_v(1)),
+        code=enrolment_code(root_server),
+    )
     assert enrolled.exit_code == 0, enrolled.output
     enrolled = json.loads(enrolled.output)
     assert enrolled["trust"]["root_version"] == 1 and enrolled["trust"]["timestamp_version"] >= 1
@@ -394,8 +464,9 @@ def test_enrol_by_fingerprint_sync_rotate_and_report_on_loopback(root_server, tm
     assert trust["root_version"] == 2 and trust["freshness"].startswith("fresh") and not trust["stale"]
 
 
-def test_a_device_pinning_the_publisher_key_moves_to_the_servers_root_at_its_next_sync(tmp_path, admin_token_file,
-                                                                                         tiny_keyed_bundles):
+def test_a_device_pinning_the_publisher_key_moves_to_the_servers_root_at_its_next_sync(
+    tmp_path, admin_token_file, tiny_keyed_bundles
+):
     """A fleet from before roots: the server restarts with a root (v1 signed by alice too)."""
     pub = save_public_key(key("alice").public_key(), tmp_path / "alice.pub")
     server = ServerProcess(tmp_path / "data", pub, admin_token_file).start()
@@ -407,7 +478,12 @@ def test_a_device_pinning_the_publisher_key_moves_to_the_servers_root_at_its_nex
             assert device.sync().installed_after == 1 and not device.trust.pins_root
             server.stop()
             first = write(tmp_path / "root.1.json", signed(root_v(1).body, *ROOT_KEYS, "alice"))
-            server.args = ["--root", str(first), "--timestamp-key", str(save_private_key(key("ts"), tmp_path / "ts.key"))]
+            server.args = [
+                "--root",
+                str(first),
+                "--timestamp-key",
+                str(save_private_key(key("ts"), tmp_path / "ts.key")),
+            ]
             server.start()
             device.sync()
             assert device.trust.state().root_version == 1 and device.trust.state().timestamp_version >= 1

@@ -10,11 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.edge.conftest import ServerProcess, enrolment_code, publish
-from tests.support.releases import UNIFIED_METHOD, digits_release, unified_override
-
 from fctkit.edge_runtime import Device, DeviceSettings
 from fctkit.protos.client import FctkitClient
+from tests.edge.conftest import ServerProcess, enrolment_code, publish
+from tests.support.releases import UNIFIED_METHOD, digits_release, unified_override
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +66,9 @@ def test_devices_upgrade_digits_release_to_the_trainers_figures(release, release
     publish(server, release.bundle_dirs[1], tmp_path)
     devices: dict[str, Device] = {}
     for name, rows in shares.items():
-        device = Device.init(tmp_path / name, settings=DeviceSettings(batch_size=128, health_sample=0))  # adapted rows only
+        device = Device.init(
+            tmp_path / name, settings=DeviceSettings(batch_size=128, health_sample=0)
+        )  # adapted rows only
         device.progress = False
         device.enrol(server.target, enrolment_code(server, name), device_name=name, trust_on_first_use=True)
         assert device.sync().installed_after == 1
@@ -111,10 +112,17 @@ def test_unified_lambda_orth_release_answers_b_new_against_f_old(release, tmp_pa
     from fctkit.export.release import build_release
 
     method = UNIFIED_METHOD
-    build_release(release.run_dir, tmp_path / "unified", private_key=load_private_key(release.private_key_path), method=method,
-                  **unified_override(release.run_dir))
+    build_release(
+        release.run_dir,
+        tmp_path / "unified",
+        private_key=load_private_key(release.private_key_path),
+        method=method,
+        **unified_override(release.run_dir),
+    )
     images, labels = release.eval_features["images"], release.eval_features["labels"]
-    device = Device.init(tmp_path / "device", publisher_key=release.public_key_path, settings=DeviceSettings(batch_size=128))
+    device = Device.init(
+        tmp_path / "device", publisher_key=release.public_key_path, settings=DeviceSettings(batch_size=128)
+    )
     device.progress = False
     device.upgrade(tmp_path / "unified" / "v1")
     ids = [f"u-{i}" for i in range(len(labels))]

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from fctkit.edge_runtime.crypto import Sealer
-from fctkit.edge_runtime.gallery.blocks import BlockSealer, SealedBlock, block_slices, check_item_ids, decode_item_ids, encode_item_ids
+from fctkit.edge_runtime.gallery.blocks import (
+    BlockSealer,
+    SealedBlock,
+    block_slices,
+    check_item_ids,
+    decode_item_ids,
+    encode_item_ids,
+)
 from fctkit.edge_runtime.gallery.rows import VersionTag
 from fctkit.errors import CorruptRecordError, GalleryError, InputError
 
@@ -24,10 +31,14 @@ def sealer() -> BlockSealer:
     return BlockSealer(Sealer(KEY), b"gallery-a")
 
 
-def _block(sealer: BlockSealer, block_id: int = 7, rows: int = 5, width: int = 4, first_row: int = 10) -> tuple[SealedBlock, np.ndarray]:
+def _block(
+    sealer: BlockSealer, block_id: int = 7, rows: int = 5, width: int = 4, first_row: int = 10
+) -> tuple[SealedBlock, np.ndarray]:
     values = np.random.default_rng(block_id).standard_normal((rows, width)).astype(np.float32)
     row_ids = np.arange(first_row, first_row + rows)
-    return sealer.seal(block_id, "embedding", TAG, row_ids, encode_item_ids([f"item-{r}" for r in row_ids]), values), values
+    return sealer.seal(
+        block_id, "embedding", TAG, row_ids, encode_item_ids([f"item-{r}" for r in row_ids]), values
+    ), values
 
 
 def test_a_block_opens_to_the_exact_values(sealer: BlockSealer) -> None:
@@ -36,10 +47,23 @@ def test_a_block_opens_to_the_exact_values(sealer: BlockSealer) -> None:
     assert len(block.sealed) == values.nbytes + 12 + 16  # one nonce and one tag for the whole block
 
 
-@pytest.mark.parametrize("change", [
-    "flipped byte", "truncated", "another block id", "another field", "another tag", "row ids reordered",
-    "a row id dropped", "a row id changed", "an item id changed", "another width", "another gallery", "another key",
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "flipped byte",
+        "truncated",
+        "another block id",
+        "another field",
+        "another tag",
+        "row ids reordered",
+        "a row id dropped",
+        "a row id changed",
+        "an item id changed",
+        "another width",
+        "another gallery",
+        "another key",
+    ],
+)
 def test_every_alteration_fails_to_open(sealer: BlockSealer, change: str) -> None:
     block, _ = _block(sealer)
     opener = sealer
@@ -83,9 +107,9 @@ def test_bad_blocks_are_refused_before_sealing(sealer: BlockSealer) -> None:
 
 
 def test_open_into_places_rows_by_id_skips_deleted_rows_and_keeps_damage_local(sealer: BlockSealer) -> None:
-    first, first_values = _block(sealer, block_id=1, rows=4, first_row=1)     # rows 1-4
-    second, second_values = _block(sealer, block_id=2, rows=4, first_row=5)   # rows 5-8
-    third, _ = _block(sealer, block_id=3, rows=3, first_row=9)                # rows 9-11, damaged below
+    first, first_values = _block(sealer, block_id=1, rows=4, first_row=1)  # rows 1-4
+    second, second_values = _block(sealer, block_id=2, rows=4, first_row=5)  # rows 5-8
+    third, _ = _block(sealer, block_id=3, rows=3, first_row=9)  # rows 9-11, damaged below
     third = replace(third, sealed=third.sealed[:-1] + bytes([third.sealed[-1] ^ 1]))
     live = np.array([1, 2, 4, 5, 6, 7, 8, 9, 10, 11])  # row 3 deleted since
     out = np.full((len(live), 4), np.nan, dtype=np.float32)

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fctkit.edge_runtime.gallery import block_migration as gallery_block_migration
 from fctkit.edge_runtime.gallery import Gallery
+from fctkit.edge_runtime.gallery import block_migration as gallery_block_migration
 from fctkit.edge_runtime.gallery.rows import LoadedRows, NewRow, VersionTag
 from fctkit.edge_runtime.gallery.vectors import BLOCK_ROWS
 from tests.edge.conftest import start_worker
@@ -29,12 +29,19 @@ MIGRATION_KILLS = int(os.environ.get("FCTKIT_CRASH_KILLS", "4"))
 def _schema_4_gallery(tmp_path: Path, rows: int = BLOCK_ROWS + 1500) -> tuple[Path, LoadedRows]:
     path = tmp_path / "gallery.sqlite"
     rng = np.random.default_rng(0)
-    new = [NewRow(f"item-{i}", rng.standard_normal(8).astype(np.float32), rng.standard_normal(3).astype(np.float32), f"L{i % 7}")
-           for i in range(rows)]
+    new = [
+        NewRow(
+            f"item-{i}",
+            rng.standard_normal(8).astype(np.float32),
+            rng.standard_normal(3).astype(np.float32),
+            f"L{i % 7}",
+        )
+        for i in range(rows)
+    ]
     with Gallery.create(path, KEY) as gallery:
         gallery.set_meta({"query_version": "2"})
-        gallery.add_rows(new[:rows // 2], VersionTag(1, 1, "native"))
-        gallery.add_rows(new[rows // 2:], VersionTag(1, 2, "forward"))
+        gallery.add_rows(new[: rows // 2], VersionTag(1, 1, "native"))
+        gallery.add_rows(new[rows // 2 :], VersionTag(1, 2, "forward"))
         expected = gallery.load()
     downgrade_to_schema_4(path, KEY)
     return path, expected
@@ -48,7 +55,9 @@ def _columns(path: Path) -> set[str]:
 def _same(loaded: LoadedRows, expected: LoadedRows) -> None:
     assert loaded.row_ids.tolist() == expected.row_ids.tolist() and loaded.item_ids == expected.item_ids
     assert loaded.tags == expected.tags and loaded.labels == expected.labels
-    assert np.array_equal(loaded.embeddings, expected.embeddings) and np.array_equal(loaded.side_infos, expected.side_infos)
+    assert np.array_equal(loaded.embeddings, expected.embeddings) and np.array_equal(
+        loaded.side_infos, expected.side_infos
+    )
 
 
 def test_a_row_sealed_gallery_is_re_sealed_in_blocks_exactly(tmp_path):
@@ -68,7 +77,9 @@ def test_a_damaged_old_record_stays_a_reported_damaged_row(tmp_path):
         db.execute("UPDATE vectors_0 SET embedding = zeroblob(length(embedding)) WHERE row_id = 7")
     with Gallery.open(path, KEY) as gallery:
         loaded = gallery.load()
-        assert [(r, i) for r, i, _ in loaded.corrupt] == [(7, "item-6")] and "vectors are missing" in loaded.corrupt[0][2]
+        assert [(r, i) for r, i, _ in loaded.corrupt] == [(7, "item-6")] and "vectors are missing" in loaded.corrupt[0][
+            2
+        ]
         _same(loaded, expected.subset([i for i in range(40) if i != 6]))
 
 
@@ -88,7 +99,11 @@ def test_an_interrupted_migration_resumes_where_it_stopped(tmp_path, monkeypatch
     monkeypatch.undo()
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == "4"
-        assert db.execute("SELECT COUNT(*) FROM vectors_0 WHERE block_id IS NOT NULL").fetchone()[0] == steps[0] == BLOCK_ROWS
+        assert (
+            db.execute("SELECT COUNT(*) FROM vectors_0 WHERE block_id IS NOT NULL").fetchone()[0]
+            == steps[0]
+            == BLOCK_ROWS
+        )
     with Gallery.open(path, KEY) as gallery:
         _same(gallery.load(), expected)
 
@@ -154,9 +169,11 @@ def test_sigkill_at_random_moments_of_a_migration_loses_and_duplicates_nothing(t
             attempts += 1
         with Gallery.open(path, KEY) as gallery:
             _same(gallery.load(), expected)
-            rows_in_blocks = sum(len(r) // 8 for r, in gallery._db.execute("SELECT row_ids FROM vector_blocks"))
+            rows_in_blocks = sum(len(r) // 8 for (r,) in gallery._db.execute("SELECT row_ids FROM vector_blocks"))
             assert rows_in_blocks == len(expected)  # no row re-sealed twice
         path.unlink()
-    print(f"\n{kills} SIGKILLs during migrations in {attempts} attempts over {rounds} galleries of {len(expected)} rows "
-          f"(a migration takes {duration:.1f} s here): every gallery complete and exact (0 rows lost or duplicated)")
+    print(
+        f"\n{kills} SIGKILLs during migrations in {attempts} attempts over {rounds} galleries of {len(expected)} rows "
+        f"(a migration takes {duration:.1f} s here): every gallery complete and exact (0 rows lost or duplicated)"
+    )
     assert kills >= max(1, MIGRATION_KILLS // 2)

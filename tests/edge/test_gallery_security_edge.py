@@ -11,10 +11,16 @@ import numpy as np
 import pytest
 
 from fctkit.edge_runtime import Device, Gallery
-from fctkit.edge_runtime.crypto import new_key, read_key_file, write_key_file
+from fctkit.edge_runtime.crypto import Sealer, new_key, read_key_file, write_key_file
 from fctkit.edge_runtime.vault_blob import open_image, seal_image
-from fctkit.edge_runtime.crypto import Sealer
-from fctkit.errors import CorruptRecordError, GalleryError, DeviceKeyError, HashMismatchError, RollbackError, SignatureError
+from fctkit.errors import (
+    CorruptRecordError,
+    DeviceKeyError,
+    GalleryError,
+    HashMismatchError,
+    RollbackError,
+    SignatureError,
+)
 
 
 def _raw_rows(path) -> list[tuple]:
@@ -25,7 +31,9 @@ def _raw_rows(path) -> list[tuple]:
 
 def _block_of(db, item_id: str) -> int:
     live = db.execute("SELECT value FROM meta WHERE key = 'live_vectors'").fetchone()[0]
-    return db.execute(f"SELECT v.block_id FROM {live} v JOIN items i USING (row_id) WHERE i.item_id = ?", (item_id,)).fetchone()[0]
+    return db.execute(
+        f"SELECT v.block_id FROM {live} v JOIN items i USING (row_id) WHERE i.item_id = ?", (item_id,)
+    ).fetchone()[0]
 
 
 def _record(db, item_id: str, field: str = "embedding") -> bytes:
@@ -49,7 +57,9 @@ def _filled(make_device, tiny_bundles, images, n=20, name="dev", per_block=5, **
     batch = images(n, seed=11)
     for first in range(0, n, per_block):
         ids = range(first, min(n, first + per_block))
-        device.add(batch[first:first + per_block], item_ids=[f"item{i:02d}" for i in ids], labels=[f"L{i}" for i in ids])
+        device.add(
+            batch[first : first + per_block], item_ids=[f"item{i:02d}" for i in ids], labels=[f"L{i}" for i in ids]
+        )
     return device
 
 
@@ -110,7 +120,9 @@ def test_one_flipped_byte_reports_that_blocks_rows_and_the_others_load(make_devi
     path.write_bytes(bytes(data))
     with Gallery.open(path, key) as gallery:
         loaded = gallery.load()
-    assert [(c[1]) for c in loaded.corrupt] == [f"item0{i}" for i in range(5, 10)] and "authentication failed" in loaded.corrupt[0][2]
+    assert [(c[1]) for c in loaded.corrupt] == [
+        f"item0{i}" for i in range(5, 10)
+    ] and "authentication failed" in loaded.corrupt[0][2]
     assert len(loaded) == 15 and "item07" not in loaded.item_ids
 
 
@@ -123,7 +135,7 @@ def test_swapped_and_replayed_records_are_detected(make_device, tiny_bundles, im
     _overwrite(db, "item06", a)
     _overwrite(db, "item12", _record(db, "item13", "label"), "label")
     swapped = [f"item0{i}" for i in range(10)]
-    assert sorted(c[1] for c in device.gallery.load().corrupt) == swapped + ["item12"]
+    assert sorted(c[1] for c in device.gallery.load().corrupt) == [*swapped, "item12"]
     with pytest.raises(GalleryError, match="cannot be upgraded"):
         device.upgrade(tiny_bundles[2])
     assert device.remove(swapped) == 10
@@ -236,7 +248,9 @@ def test_invalid_utf8_in_plaintext_columns_is_a_damaged_row_not_a_traceback(make
         live = db.execute("SELECT value FROM meta WHERE key = 'live_vectors'").fetchone()[0]
         db.execute(f"UPDATE {live} SET via = CAST(x'6e6174ff' AS TEXT) WHERE row_id = ?", (second,))
     device.search.reset()
-    loaded = device.gallery.load()  # a damaged pointer leaves the row intact: reported as such, repaired by pointing it back
+    loaded = (
+        device.gallery.load()
+    )  # a damaged pointer leaves the row intact: reported as such, repaired by pointing it back
     assert {row_id for row_id, _, _ in loaded.corrupt} == {first} and len(loaded) == total - 1
     assert device.gallery.damaged_pointers() == [second]
     assert len(device.query(images(2, seed=5), k=3)) == 2
@@ -253,7 +267,12 @@ def test_damage_is_reported_by_query_and_all_at_once_by_check(make_device, tiny_
     assert clean["damaged"] == 0 and clean["rows"] == 20
     with sqlite3.connect(device.gallery.path) as db:
         live = db.execute("SELECT value FROM meta WHERE key = 'live_vectors'").fetchone()[0]
-        assert flip_stored_byte(db, "vector_blocks", "embedding", f"block_id = (SELECT block_id FROM {live} WHERE row_id = 7)", 30) == 1
+        assert (
+            flip_stored_byte(
+                db, "vector_blocks", "embedding", f"block_id = (SELECT block_id FROM {live} WHERE row_id = 7)", 30
+            )
+            == 1
+        )
         assert flip_stored_byte(db, "outbox", "blob", "item_id = 'item03'", 40) == 1
     device.close()
     np.savez(tmp_path / "q.npz", images=images(2, seed=4))

@@ -16,8 +16,15 @@ V1 = VersionTag(1, 1, "native")
 
 def _rows(first: int, n: int, seed: int = 0) -> list[NewRow]:
     rng = np.random.default_rng(seed + first)
-    return [NewRow(f"item-{first + i}", rng.standard_normal(6).astype(np.float32), rng.standard_normal(2).astype(np.float32),
-                   f"L{first + i}") for i in range(n)]
+    return [
+        NewRow(
+            f"item-{first + i}",
+            rng.standard_normal(6).astype(np.float32),
+            rng.standard_normal(2).astype(np.float32),
+            f"L{first + i}",
+        )
+        for i in range(n)
+    ]
 
 
 @pytest.fixture
@@ -31,7 +38,10 @@ def gallery(tmp_path):
 
 def _blocks(g: Gallery) -> list[tuple[int, int, int]]:
     """(block id, rows, dead rows) of every block."""
-    return [(b, len(r) // 8, len(d) // 8) for b, r, d in g._db.execute("SELECT block_id, row_ids, dead FROM vector_blocks ORDER BY block_id")]
+    return [
+        (b, len(r) // 8, len(d) // 8)
+        for b, r, d in g._db.execute("SELECT block_id, row_ids, dead FROM vector_blocks ORDER BY block_id")
+    ]
 
 
 def _vectors(rows: list[NewRow]) -> np.ndarray:
@@ -68,7 +78,9 @@ def test_block_ids_are_never_reused(gallery):
 def test_in_place_upgrades_move_rows_to_new_blocks_and_free_the_old(gallery):
     loaded = gallery.load()
     v2 = VersionTag(1, 2, "backward")
-    batch = UpgradedRows(loaded.row_ids[:10].tolist(), loaded.item_ids[:10], V1, v2, loaded.embeddings[:10] * 2, loaded.side_infos[:10])
+    batch = UpgradedRows(
+        loaded.row_ids[:10].tolist(), loaded.item_ids[:10], V1, v2, loaded.embeddings[:10] * 2, loaded.side_infos[:10]
+    )
     gallery.write_upgrades([batch], staged=False)
     assert _blocks(gallery) == [(2, 10, 0), (3, 10, 0), (4, 10, 0)]
     after = gallery.load()
@@ -80,7 +92,9 @@ def test_a_tampered_dead_list_makes_the_blocks_rows_damaged_not_resurrected(gall
     gallery.delete_rows(["item-0"])
     gallery._db.execute("UPDATE vector_blocks SET dead = x'' WHERE block_id = 1")  # bring item-0 back
     loaded = gallery.load()
-    assert [r for r, _, _ in loaded.corrupt] == list(range(1, 11)) and "removed rows fails authentication" in loaded.corrupt[0][2]
+    assert [r for r, _, _ in loaded.corrupt] == list(
+        range(1, 11)
+    ) and "removed rows fails authentication" in loaded.corrupt[0][2]
     assert "item-0" not in loaded.item_ids and len(loaded) == 20
     gallery.forget_rows([(r, i) for r, i, _ in loaded.corrupt])  # what repair does: the block goes with its rows
     assert [b for b, _, _ in _blocks(gallery)] == [2, 3] and not gallery.load().corrupt
@@ -99,7 +113,9 @@ def test_a_flipped_byte_damages_one_block_only_and_nothing_wrong_is_returned(gal
 def test_a_swapped_item_id_in_the_per_row_table_is_damage(gallery):
     gallery._db.execute("UPDATE items SET item_id = 'item-x' WHERE row_id = 3")
     loaded = gallery.load()
-    assert [(r, i) for r, i, _ in loaded.corrupt] == [(3, "item-2")] and "does not match its block" in loaded.corrupt[0][2]
+    assert [(r, i) for r, i, _ in loaded.corrupt] == [(3, "item-2")] and "does not match its block" in loaded.corrupt[
+        0
+    ][2]
 
 
 def test_item_ids_with_nul_are_refused_before_anything_is_written(gallery):
@@ -117,7 +133,7 @@ def test_a_forward_switch_carries_blocks_already_in_the_target_space(gallery):
     gallery.switch_to(2, {"upgrade": None})
     after = gallery.load()
     assert after.tags == [v2] * 30 and np.array_equal(after.embeddings, loaded.embeddings + 1)
-    assert {s for s, in gallery._db.execute("SELECT vector_set FROM vector_blocks")} == {"vectors_1"}
+    assert {s for (s,) in gallery._db.execute("SELECT vector_set FROM vector_blocks")} == {"vectors_1"}
 
 
 def test_adding_no_rows_writes_no_block(gallery):

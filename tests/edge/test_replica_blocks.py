@@ -23,21 +23,31 @@ TAG = VersionTag(1, 2, "forward")
 
 def rows(count: int, dim: int = 8, label: str | None = "cat", item: str = "item-{k}") -> ReplicaRows:
     rng = np.random.default_rng(count)
-    return ReplicaRows(tuple(item.format(k=k) for k in range(count)), rng.standard_normal((count, dim), dtype=np.float32),
-                       rng.standard_normal((count, 3), dtype=np.float32), [label if k % 2 else None for k in range(count)],
-                       [os.urandom(32).hex() if k % 3 else None for k in range(count)])
+    return ReplicaRows(
+        tuple(item.format(k=k) for k in range(count)),
+        rng.standard_normal((count, dim), dtype=np.float32),
+        rng.standard_normal((count, 3), dtype=np.float32),
+        [label if k % 2 else None for k in range(count)],
+        [os.urandom(32).hex() if k % 3 else None for k in range(count)],
+    )
 
 
 def test_a_block_opens_to_exactly_its_rows():
     block = rows(5)
     opened = open_block(OWNER, "alice", block.item_ids, TAG, seal_block(OWNER, "alice", TAG, block))
-    assert opened.item_ids == block.item_ids and opened.labels == block.labels and opened.vault_sha256s == block.vault_sha256s
+    assert (
+        opened.item_ids == block.item_ids
+        and opened.labels == block.labels
+        and opened.vault_sha256s == block.vault_sha256s
+    )
     np.testing.assert_array_equal(opened.embeddings, block.embeddings)
     np.testing.assert_array_equal(opened.side_infos, block.side_infos)
 
 
-@pytest.mark.parametrize("change", ["reordered", "dropped", "added", "renamed", "other tag", "other owner", "tombstone",
-                                    "truncated", "flipped byte"])
+@pytest.mark.parametrize(
+    "change",
+    ["reordered", "dropped", "added", "renamed", "other tag", "other owner", "tombstone", "truncated", "flipped byte"],
+)
 def test_a_block_read_as_anything_else_fails_authentication(change):
     block = rows(4)
     sealed = seal_block(OWNER, "alice", TAG, block)

@@ -13,10 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fctkit.edge_runtime import Device, DeviceSettings
 from tests.edge.conftest import ServerProcess, enrolment_code, publish, start_worker
 from tests.edge.test_replication_edge import live_rows, state
-
-from fctkit.edge_runtime import Device, DeviceSettings
 
 pytestmark = pytest.mark.slow
 ROWS, SMALL_BATCH, KILLS = 480, 12, 20
@@ -115,7 +114,7 @@ def test_sigkilled_push_and_pull_converge(server, tmp_path, publisher_pub):
     def add_rows(count: int) -> None:
         start = added[0]
         with Device.open(pusher.root) as device:
-            device.add(pictures[start:start + count], item_ids=[f"p{i:04d}" for i in range(start, start + count)])
+            device.add(pictures[start : start + count], item_ids=[f"p{i:04d}" for i in range(start, start + count)])
         added[0] += count
 
     add_rows(ROWS)
@@ -133,7 +132,9 @@ def test_sigkilled_push_and_pull_converge(server, tmp_path, publisher_pub):
     assert [r.sequence for r in records] == list(range(1, len(records) + 1))
     assert sorted(item for item, *_ in live_rows(records)) == sorted(expected)
 
-    reference = _device(tmp_path / "reference", server, "crash-owner", publisher_pub, owner_key_file=key_file, owner_key_passphrase="pw")
+    reference = _device(
+        tmp_path / "reference", server, "crash-owner", publisher_pub, owner_key_file=key_file, owner_key_passphrase="pw"
+    )
     reference.sync()
     assert state(reference) == expected
     reference.close()
@@ -141,8 +142,14 @@ def test_sigkilled_push_and_pull_converge(server, tmp_path, publisher_pub):
     pullers: list[Path] = []
 
     def new_puller() -> None:  # a puller that finished between kills is checked later; a fresh one goes on
-        device = _device(tmp_path / f"puller{len(pullers)}", server, "crash-owner", publisher_pub,
-                         owner_key_file=key_file, owner_key_passphrase="pw")
+        device = _device(
+            tmp_path / f"puller{len(pullers)}",
+            server,
+            "crash-owner",
+            publisher_pub,
+            owner_key_file=key_file,
+            owner_key_passphrase="pw",
+        )
         pullers.append(device.root)
         device.close()
 
@@ -152,5 +159,9 @@ def test_sigkilled_push_and_pull_converge(server, tmp_path, publisher_pub):
         _finish(root)
         with Device.open(root) as puller:
             assert state(puller) == expected and puller.status()["replica"] == {
-                "cursor": len(records), "unpushed": 0, "pending": 0, "tombstones": 0}
+                "cursor": len(records),
+                "unpushed": 0,
+                "pending": 0,
+                "tombstones": 0,
+            }
     assert len(live_rows(_records(reference))) == added[0]  # the restarts pushed nothing back

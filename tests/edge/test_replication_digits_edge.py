@@ -13,11 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fctkit.edge_runtime import Device, DeviceSettings
 from tests.edge.conftest import ServerProcess, enrolment_code, publish
 from tests.edge.test_replication_edge import state
 from tests.support.releases import digits_release
-
-from fctkit.edge_runtime import Device, DeviceSettings
 
 pytestmark = pytest.mark.slow
 
@@ -59,8 +58,10 @@ def test_owner_devices_converge_restore_and_leave_no_vector_on_the_server(releas
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=adding, args=(phone, halves[0], False)),
-                   threading.Thread(target=adding, args=(tablet, halves[1], True))]
+        threads = [
+            threading.Thread(target=adding, args=(phone, halves[0], False)),
+            threading.Thread(target=adding, args=(tablet, halves[1], True)),
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -74,7 +75,9 @@ def test_owner_devices_converge_restore_and_leave_no_vector_on_the_server(releas
         assert phone.version == tablet.version == 2
         assert {tag for tag, *_ in expected.values()} <= {"v1->v2 (forward)", "v2"}
         queries = images[:50]
-        assert [[m.item_id for m in q] for q in phone.query(queries, k=3)] == [[m.item_id for m in q] for q in tablet.query(queries, k=3)]
+        assert [[m.item_id for m in q] for q in phone.query(queries, k=3)] == [
+            [m.item_id for m in q] for q in tablet.query(queries, k=3)
+        ]
 
         restored = device("new-phone", owner_key_file=key_file, owner_key_passphrase="grace's passphrase")
         restored.sync()

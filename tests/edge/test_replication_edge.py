@@ -17,14 +17,13 @@ import threading
 import numpy as np
 import pytest
 
-from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, publish
-from tests.support.old_galleries import downgrade_to_schema_4
-
 from fctkit.edge_runtime import Device
 from fctkit.edge_runtime.crypto import read_key_file
 from fctkit.edge_runtime.replication import record_message, seal_changes
 from fctkit.errors import CorruptRecordError, DeviceKeyError, InputError, RpcStatusError
 from fctkit.protos import vault_pb2
+from tests.edge.conftest import ADMIN_TOKEN, ServerProcess, enrolment_code, publish
+from tests.support.old_galleries import downgrade_to_schema_4
 
 
 @pytest.fixture
@@ -40,8 +39,15 @@ def state(device: Device) -> dict[str, tuple]:
     """The decrypted gallery by item id: (version tag, embedding bytes, side-info bytes, label)."""
     rows = device.gallery.load()
     assert not rows.corrupt
-    return {item: (str(tag), np.asarray(rows.embeddings[k], "<f4").tobytes(), np.asarray(rows.side_infos[k], "<f4").tobytes(),
-                   rows.labels[k]) for k, (item, tag) in enumerate(zip(rows.item_ids, rows.tags, strict=True))}
+    return {
+        item: (
+            str(tag),
+            np.asarray(rows.embeddings[k], "<f4").tobytes(),
+            np.asarray(rows.side_infos[k], "<f4").tobytes(),
+            rows.labels[k],
+        )
+        for k, (item, tag) in enumerate(zip(rows.item_ids, rows.tags, strict=True))
+    }
 
 
 @pytest.fixture
@@ -61,8 +67,12 @@ def enrolled(make_device, server, name: str, owner: str, *, sync: bool = True, *
 
 def live_rows(records) -> list[tuple[str, int, str, int]]:
     """(item id, version, via, sequence) of each live row of pulled records (blocks or single-row records)."""
-    return [(item_id, r.version, r.via, r.sequence) for r in records
-            for k, item_id in enumerate(r.item_ids or [r.item_id]) if k not in set(r.superseded)]
+    return [
+        (item_id, r.version, r.via, r.sequence)
+        for r in records
+        for k, item_id in enumerate(r.item_ids or [r.item_id])
+        if k not in set(r.superseded)
+    ]
 
 
 def converge(*devices: Device, rounds: int = 2) -> None:
@@ -76,15 +86,25 @@ def test_two_devices_of_one_owner_converge_while_one_upgrades(server, tiny_bundl
     key_file = alice.export_owner_key(tmp_path / "alice.owner-key", "correct horse")
     with pytest.raises(DeviceKeyError, match="wrong passphrase"):
         Device.init(tmp_path / "thief", owner_key_file=key_file, owner_key_passphrase="guess")
-    tablet = enrolled(make_device, server, "alice-tablet", "alice", owner_key_file=key_file, owner_key_passphrase="correct horse",
-                      health_sample=0)  # no health check: it would backfill every adapted row of this small gallery
+    tablet = enrolled(
+        make_device,
+        server,
+        "alice-tablet",
+        "alice",
+        owner_key_file=key_file,
+        owner_key_passphrase="correct horse",
+        health_sample=0,
+    )  # no health check: it would backfill every adapted row of this small gallery
     errors: list[BaseException] = []
 
     def adding(device: Device, prefix: str, seed: int, upgrade_midway: bool) -> None:
         try:
             for batch in range(4):
-                device.add(images(5, seed=seed + batch), item_ids=[f"{prefix}{batch}-{i}" for i in range(5)],
-                           labels=[f"{prefix}-label"] * 5)
+                device.add(
+                    images(5, seed=seed + batch),
+                    item_ids=[f"{prefix}{batch}-{i}" for i in range(5)],
+                    labels=[f"{prefix}-label"] * 5,
+                )
                 if upgrade_midway and batch == 1:
                     publish(server, tiny_bundles[2], tmp_path)
                     assert device.sync().installed_after == 2  # the upgrade, while the other keeps adding
@@ -93,8 +113,10 @@ def test_two_devices_of_one_owner_converge_while_one_upgrades(server, tiny_bundl
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=adding, args=(alice, "a", 10, False)),
-               threading.Thread(target=adding, args=(tablet, "t", 50, True))]
+    threads = [
+        threading.Thread(target=adding, args=(alice, "a", 10, False)),
+        threading.Thread(target=adding, args=(tablet, "t", 50, True)),
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -128,16 +150,21 @@ def test_two_devices_of_one_owner_converge_while_one_upgrades(server, tiny_bundl
     sha256 = alice.gallery.replica_log.vault_sha256("a0-0")
     with mallory.client() as client:
         assert client.list_blobs() == []
-        for attempt in (lambda: client.list_blobs(owner_id="alice"), lambda: client.read_blob(sha256),
-                        lambda: list(client.pull_records(owner_id="alice")), lambda: client.delete_blob(sha256)):
+        for attempt in (
+            lambda: client.list_blobs(owner_id="alice"),
+            lambda: client.read_blob(sha256),
+            lambda: list(client.pull_records(owner_id="alice")),
+            lambda: client.delete_blob(sha256),
+        ):
             with pytest.raises(RpcStatusError) as refused:
                 attempt()
             assert refused.value.code == "PERMISSION_DENIED"
         assert [r for batch in client.pull_records() for r in batch.records] == []
 
     # a wiped device: only the exported owner key, a new code for the owner, one sync
-    restored = enrolled(make_device, server, "alice-new-phone", "alice", owner_key_file=key_file,
-                        owner_key_passphrase="correct horse")
+    restored = enrolled(
+        make_device, server, "alice-new-phone", "alice", owner_key_file=key_file, owner_key_passphrase="correct horse"
+    )
     assert restored.version == 2 and state(restored) == state(alice)
     assert restored.status()["replica"]["unpushed"] == 0  # nothing re-embedded, nothing to push back
     np.testing.assert_array_equal(restored.fetch_original("t3-4"), images(5, seed=53)[4])
@@ -248,7 +275,9 @@ def test_tampered_records_and_a_wrong_owner_key_lose_nothing(server, make_device
     assert friend.status()["owner_key_id"] == source.status()["owner_key_id"] and len(state(friend)) == 5
 
     # an owner key swapped after enrolment: the pull stops at the first record, nothing is lost
-    swapped = enrolled(make_device, server, "swapped", "erin", owner_key_file=_export(source), owner_key_passphrase="pw")
+    swapped = enrolled(
+        make_device, server, "swapped", "erin", owner_key_file=_export(source), owner_key_passphrase="pw"
+    )
     swapped.close()
     (swapped.root / "owner.key").unlink()
     write_key_file(swapped.root / "owner.key", new_key(), kind="owner")
@@ -265,11 +294,15 @@ def test_tampered_records_and_a_wrong_owner_key_lose_nothing(server, make_device
     # a record tampered with on the server: authentication fails, the cursor stays before it
     kept = state(friend)
     with sqlite3.connect(server.data_dir / "meta.sqlite3") as db:
-        sealed, sequence = db.execute("SELECT b.sealed, b.sequence FROM replica_blocks b JOIN replica_items i "
-                                      "USING (owner_id, sequence) WHERE i.item_id = 'late'").fetchone()
+        sealed, sequence = db.execute(
+            "SELECT b.sealed, b.sequence FROM replica_blocks b JOIN replica_items i "
+            "USING (owner_id, sequence) WHERE i.item_id = 'late'"
+        ).fetchone()
         tampered = bytearray(sealed)
         tampered[-3] ^= 0x01
-        db.execute("UPDATE replica_blocks SET sealed = ? WHERE sequence = ? AND owner_id = 'erin'", (bytes(tampered), sequence))
+        db.execute(
+            "UPDATE replica_blocks SET sealed = ? WHERE sequence = ? AND owner_id = 'erin'", (bytes(tampered), sequence)
+        )
     with pytest.raises(CorruptRecordError, match="authentication failed"):
         friend.sync()
     assert state(friend) == kept and friend.gallery.replica_log.replica_cursor == sequence - 1
@@ -280,13 +313,15 @@ def test_cli_owner_key_export_import_restore_and_status(server, tmp_path, images
 
     from click.testing import CliRunner
 
+    from fctkit.cli import cli
     from tests.edge.conftest import device_cli
 
-    from fctkit.cli import cli
-
     def admin_code(owner: str) -> str:
-        result = CliRunner().invoke(cli, ["admin", "--server", server.target, "enrol-code", "--owner", owner],
-                                    env={"FCTKIT_ADMIN_TOKEN": ADMIN_TOKEN})
+        result = CliRunner().invoke(
+            cli,
+            ["admin", "--server", server.target, "enrol-code", "--owner", owner],
+            env={"FCTKIT_ADMIN_TOKEN": ADMIN_TOKEN},
+        )
         assert result.exit_code == 0, result.output
         return result.output.splitlines()[0]
 
@@ -299,7 +334,10 @@ def test_cli_owner_key_export_import_restore_and_status(server, tmp_path, images
     first, second, key = tmp_path / "first", tmp_path / "second", tmp_path / "owner.key"
     np.savez(tmp_path / "add.npz", images=images(3, seed=8), ids=np.array(["p0", "p1", "p2"]))
     run("init", "--dir", str(first), "--publisher-key", str(publisher_pub))
-    assert run("enrol", "--dir", str(first), "--server", server.target, "--code", admin_code("frank"))["owner_id"] == "frank"
+    assert (
+        run("enrol", "--dir", str(first), "--server", server.target, "--code", admin_code("frank"))["owner_id"]
+        == "frank"
+    )
     run("sync", "--dir", str(first), "--quiet")
     run("add", "--dir", str(first), str(tmp_path / "add.npz"))
     assert run("sync", "--dir", str(first), "--quiet")["replication"]["pushed"] == 3
@@ -317,7 +355,9 @@ def test_cli_owner_key_export_import_restore_and_status(server, tmp_path, images
     assert run("status", "--dir", str(second))["replica"]["unpushed"] == 1
 
 
-def test_a_gallery_and_device_from_before_owners_are_migrated_and_replicate(server, tiny_bundles, make_device, images, tmp_path):
+def test_a_gallery_and_device_from_before_owners_are_migrated_and_replicate(
+    server, tiny_bundles, make_device, images, tmp_path
+):
     device = make_device("old")
     device.upgrade(tiny_bundles[1])  # installed offline, rows added before any server
     device.add(images(4, seed=12), item_ids=[f"old{i}" for i in range(4)], upload=False)
@@ -346,7 +386,9 @@ def test_a_gallery_and_device_from_before_owners_are_migrated_and_replicate(serv
     assert state(twin) == expected
 
 
-def test_rows_of_an_older_version_are_moved_by_the_installed_adapters(server, tiny_bundles, make_device, images, tmp_path):
+def test_rows_of_an_older_version_are_moved_by_the_installed_adapters(
+    server, tiny_bundles, make_device, images, tmp_path
+):
     """A device that installed v3 directly pulls v1 rows: the direct 1->3 adapter of its bundle
     moves them (as an upgrade would) and it pushes them; the v1 device, upgraded, adopts them."""
     old = enrolled(make_device, server, "stays-at-v1", "judy")
@@ -361,18 +403,22 @@ def test_rows_of_an_older_version_are_moved_by_the_installed_adapters(server, ti
     engine = new.engine(3)
     direct = next(a for a in engine.manifest.artifacts if a.role == "forward" and a.source_version == 1)
     originals = old.gallery.load()
-    np.testing.assert_allclose(moved.embeddings, engine.run(direct, originals.embeddings, originals.side_infos), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        moved.embeddings, engine.run(direct, originals.embeddings, originals.side_infos), rtol=1e-5, atol=1e-6
+    )
     assert new.status()["replica"]["unpushed"] == 0  # pushed back by the restoring sync
     assert old.sync().hops == "v1 -> v3"
     converge(old, new)
     assert state(old) == state(new)
 
 
-def test_a_schema_5_gallery_pushes_its_sealed_records_as_they_were_and_keeps_its_pending_ones(server, make_device, images):
+def test_a_schema_5_gallery_pushes_its_sealed_records_as_they_were_and_keeps_its_pending_ones(
+    server, make_device, images
+):
     """Changes sealed before blocks keep their bytes and change ids (the server may hold them
     already: a lost acknowledgement), and a single-row record kept pending stays pending."""
-    from fctkit.edge_runtime.records import RowContent, seal_record
     from fctkit.edge_runtime.gallery.rows import VersionTag
+    from fctkit.edge_runtime.records import RowContent, seal_record
     from tests.support.old_galleries import downgrade_to_schema_5
 
     device = enrolled(make_device, server, "old-phone", "kim")
@@ -380,25 +426,52 @@ def test_a_schema_5_gallery_pushes_its_sealed_records_as_they_were_and_keeps_its
     rows, root, owner = device.gallery.load(), device.root, device.parts.owner_sealer
     device.close()
     downgrade_to_schema_5(root / "gallery.sqlite", read_key_file(root / "device.key"))
-    old_records = {item: seal_record(owner, "kim", item, rows.tags[k], RowContent(rows.embeddings[k], rows.side_infos[k],
-                                                                                  rows.labels[k], None))
-                   for k, item in enumerate(rows.item_ids) if item in ("k0", "k1", "k2")}
-    future = seal_record(owner, "kim", "later", VersionTag(9, 9, "native"), RowContent(rows.embeddings[0], rows.side_infos[0], None, None))
+    old_records = {
+        item: seal_record(
+            owner, "kim", item, rows.tags[k], RowContent(rows.embeddings[k], rows.side_infos[k], rows.labels[k], None)
+        )
+        for k, item in enumerate(rows.item_ids)
+        if item in ("k0", "k1", "k2")
+    }
+    future = seal_record(
+        owner,
+        "kim",
+        "later",
+        VersionTag(9, 9, "native"),
+        RowContent(rows.embeddings[0], rows.side_infos[0], None, None),
+    )
     with sqlite3.connect(root / "gallery.sqlite") as db:
         for item, sealed in old_records.items():
-            db.execute("UPDATE changes SET sealed = ?, version = 1, origin_version = 1, via = 'native' WHERE item_id = ?", (sealed, item))
+            db.execute(
+                "UPDATE changes SET sealed = ?, version = 1, origin_version = 1, via = 'native' WHERE item_id = ?",
+                (sealed, item),
+            )
         db.execute("INSERT INTO pending_records VALUES (99, 'later', 9, 9, 'native', ?)", (future,))
         change_k0 = db.execute("SELECT change_id FROM changes WHERE item_id = 'k0'").fetchone()[0]
     with Device.open(root) as device:
         assert device.gallery.meta("schema_version") == "6"
         assert device.status()["replica"] == {"cursor": 0, "unpushed": 5, "pending": 1, "tombstones": 0}
-        with device.client() as client:  # k0's record reached the server before the migration; its acknowledgement was lost
-            client.push_records([vault_pb2.SealedRecord(change_id=change_k0, item_id="k0", version=1, origin_version=1,
-                                                        via="native", sealed=old_records["k0"])])
+        with (
+            device.client() as client
+        ):  # k0's record reached the server before the migration; its acknowledgement was lost
+            client.push_records(
+                [
+                    vault_pb2.SealedRecord(
+                        change_id=change_k0,
+                        item_id="k0",
+                        version=1,
+                        origin_version=1,
+                        via="native",
+                        sealed=old_records["k0"],
+                    )
+                ]
+            )
         result = device.sync().replication
         assert (result.pushed, result.already_stored, result.unpushed, result.still_pending) == (4, 1, 0, 1)
         expected, records, key_file = state(device), _all_records(device), _export(device)
-    assert sorted((r.item_id, r.sealed) for r in records if r.item_id) == sorted(old_records.items())  # sent as they were
+    assert sorted((r.item_id, r.sealed) for r in records if r.item_id) == sorted(
+        old_records.items()
+    )  # sent as they were
     assert sorted(item for item, *_ in live_rows(records)) == [f"k{i}" for i in range(5)]
     twin = enrolled(make_device, server, "twin", "kim", owner_key_file=key_file, owner_key_passphrase="pw")
     assert state(twin) == expected

@@ -18,13 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.edge.conftest import start_worker
-from tests.edge.test_revert_edge import top10, windowed_bundle
-
 from fctkit.edge_runtime import Device, Gallery
 from fctkit.edge_runtime.crypto import read_key_file
 from fctkit.edge_runtime.revert_records import last_revert, rollback_window
 from fctkit.export.keys import write_withdrawal
+from tests.edge.conftest import start_worker
+from tests.edge.test_revert_edge import top10, windowed_bundle
 
 ROWS = 6_000
 KILLS = int(os.environ.get("FCTKIT_REVERT_KILLS", "50"))
@@ -103,8 +102,12 @@ def test_sigkill_anywhere_in_a_revert_loses_nothing_and_doubles_nothing(tmp_path
     source = make_device("source", health_sample=0)
     source.upgrade(v1)
     rng_images = np.random.default_rng(11)
-    source.add(rng_images.standard_normal((ROWS, 16)).astype(np.float32), item_ids=[f"r{i:05d}" for i in range(ROWS)],
-               labels=[f"c{i % 10}" for i in range(ROWS)], upload=False)
+    source.add(
+        rng_images.standard_normal((ROWS, 16)).astype(np.float32),
+        item_ids=[f"r{i:05d}" for i in range(ROWS)],
+        labels=[f"c{i % 10}" for i in range(ROWS)],
+        upload=False,
+    )
     queries = rng_images.standard_normal((50, 16)).astype(np.float32)
     answers, before = top10(source, queries), source.gallery.load()
     source.upgrade(v2)
@@ -134,6 +137,8 @@ def test_sigkill_anywhere_in_a_revert_loses_nothing_and_doubles_nothing(tmp_path
         with Device.open(root) as device:
             device.progress = False
             assert top10(device, queries) == answers
-    print(f"\n{kills} SIGKILLs in {attempts} attempts over {rounds} galleries of {ROWS} rows ({reverted_at_kill} landed "
-          "after the commit): every kill left v2 whole or v1 whole, every finished revert equal to before the upgrade")
+    print(
+        f"\n{kills} SIGKILLs in {attempts} attempts over {rounds} galleries of {ROWS} rows ({reverted_at_kill} landed "
+        "after the commit): every kill left v2 whole or v1 whole, every finished revert equal to before the upgrade"
+    )
     assert kills >= KILLS and 0 < reverted_at_kill < kills  # kills landed both before and after the revert's commit

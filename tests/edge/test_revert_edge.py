@@ -16,9 +16,6 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from tests.edge.conftest import TINY_CHAIN
-from tests.server.conftest import IMAGE_DIM, _sources
-
 from fctkit.edge_runtime.revert import take_withdrawals
 from fctkit.edge_runtime.revert_records import (
     expire_rollback,
@@ -32,6 +29,8 @@ from fctkit.export.bundle_builder import build_bundle
 from fctkit.export.keys import write_withdrawal
 from fctkit.protos.bundle import verify_bundle
 from fctkit.protos.manifest import DEFAULT_ROLLBACK_WINDOW_DAYS, Manifest
+from tests.edge.conftest import TINY_CHAIN
+from tests.server.conftest import IMAGE_DIM, _sources
 
 ROWS, QUERIES = 240, 60
 
@@ -40,10 +39,18 @@ def windowed_bundle(out: Path, key: Ed25519PrivateKey, version: int, days: int |
     """A tiny chain bundle (tests/edge/conftest.py's) whose manifest asks for a ``days`` rollback window."""
     hops = TINY_CHAIN[version]
     sources = _sources(out.parent / f"{out.name}-src", version, hops, IMAGE_DIM)
-    return build_bundle(out, version=version, parents=(version - 1,) if version > 1 else (), mode="forward", distance="cosine",
-                        normalize=True, artifacts=sources, gate={"cases": {}, "ecc": {s.artifact_name: True for s in sources
-                                                                                    if s.role == "forward"}},
-                        private_key=key, rollback_window_days=days).root
+    return build_bundle(
+        out,
+        version=version,
+        parents=(version - 1,) if version > 1 else (),
+        mode="forward",
+        distance="cosine",
+        normalize=True,
+        artifacts=sources,
+        gate={"cases": {}, "ecc": {s.artifact_name: True for s in sources if s.role == "forward"}},
+        private_key=key,
+        rollback_window_days=days,
+    ).root
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +61,9 @@ def bundles(tmp_path_factory, publisher_key) -> dict[int, Path]:
     return {**made, "v2-none": windowed_bundle(root / "v2-none", publisher_key, 2, 0)}
 
 
-def withdrawal(tmp_path: Path, key: Ed25519PrivateKey, version: int, revert_to: int, reason: str = "the adapter hurts recall") -> bytes:
+def withdrawal(
+    tmp_path: Path, key: Ed25519PrivateKey, version: int, revert_to: int, reason: str = "the adapter hurts recall"
+) -> bytes:
     path = tmp_path / f"withdrawal.{version}.{key.public_key().public_bytes_raw().hex()[:8]}.{len(reason)}.json"
     write_withdrawal(path, version, revert_to, reason, key)
     return path.read_bytes()
@@ -85,7 +94,12 @@ def upgraded(make_device, bundles, images):
     """A device with ROWS rows at v1, its answers and rows recorded, then upgraded to v2 (window: 7 days)."""
     device = make_device("dev", health_sample=0)
     device.upgrade(bundles[1])
-    device.add(images(ROWS, 1), item_ids=[f"r{i:04d}" for i in range(ROWS)], labels=[f"c{i % 7}" for i in range(ROWS)], upload=False)
+    device.add(
+        images(ROWS, 1),
+        item_ids=[f"r{i:04d}" for i in range(ROWS)],
+        labels=[f"c{i % 7}" for i in range(ROWS)],
+        upload=False,
+    )
     queries = images(QUERIES, 2)
     before = top10(device, queries), device.gallery.load()
     device.upgrade(bundles[2])
@@ -93,7 +107,9 @@ def upgraded(make_device, bundles, images):
     return device, queries, before
 
 
-def test_the_manifest_field_is_optional_bounded_and_old_manifests_keep_their_bytes(tiny_bundles, bundles, publisher_key):
+def test_the_manifest_field_is_optional_bounded_and_old_manifests_keep_their_bytes(
+    tiny_bundles, bundles, publisher_key
+):
     old = verify_bundle(tiny_bundles[2], publisher_key.public_key()).manifest
     assert old.rollback_window_days is None and old.rollback_days == DEFAULT_ROLLBACK_WINDOW_DAYS == 0
     assert b"rollback_window_days" not in old.canonical_bytes()
@@ -109,7 +125,9 @@ def test_within_the_window_every_row_keeps_its_previous_vectors_sealed(upgraded)
     device, _, (_, rows_before) = upgraded
     window = rollback_window(device.gallery)
     assert (window.version, window.previous_version) == (2, 1) and window.until > time.time() + 6.9 * 86400
-    assert device.gallery.extras.count("rollback_embedding") == device.gallery.extras.count("rollback_side_info") == ROWS
+    assert (
+        device.gallery.extras.count("rollback_embedding") == device.gallery.extras.count("rollback_side_info") == ROWS
+    )
     kept = device.gallery.extras.load("rollback_embedding")
     assert not kept.corrupt and np.array_equal(np.stack(kept.embeddings), np.stack(rows_before.embeddings))
     with sqlite3.connect(device.gallery.path) as db:  # sealed: no kept float32 vector appears in the file as plaintext
@@ -143,7 +161,9 @@ def test_a_withdrawal_within_the_window_reverts_exactly(upgraded, tmp_path, publ
     with pytest.raises(DeviceError, match="v2 was withdrawn"):  # never installed again
         device.upgrade(bundles[2])
     assert device.upgrade() == 0 and device.version == 1  # its bundle stays installed, never applied
-    again = take_withdrawals(device.parts, device.trust, [withdrawal(tmp_path, publisher_key, 2, 1, "again")], client=None)
+    again = take_withdrawals(
+        device.parts, device.trust, [withdrawal(tmp_path, publisher_key, 2, 1, "again")], client=None
+    )
     assert again == [] and device.version == 1  # the next sync's listing still carries it: nothing more happens
     device.upgrade(bundles[3])  # a later version is installed as usual (v1 -> v3 directly)
     assert device.version == 3 and revert_report_fields(device.gallery) == {}  # reports say it until the next upgrade
@@ -163,7 +183,9 @@ def test_a_withdrawal_not_signed_by_the_publisher_is_refused_and_changes_nothing
     assert revert_report_fields(device.gallery) == {}
 
 
-def test_a_withdrawal_of_a_version_the_device_is_not_on_only_bars_it(make_device, bundles, tmp_path, publisher_key, images):
+def test_a_withdrawal_of_a_version_the_device_is_not_on_only_bars_it(
+    make_device, bundles, tmp_path, publisher_key, images
+):
     device = make_device("dev", health_sample=0)
     device.upgrade(bundles[1])
     device.add(images(20, 3), upload=False)
@@ -177,14 +199,18 @@ def test_a_withdrawal_of_a_version_the_device_is_not_on_only_bars_it(make_device
 def test_after_the_window_the_vectors_are_dropped_and_the_revert_says_so(upgraded, tmp_path, publisher_key):
     device, queries, _ = upgraded
     until = rollback_window(device.gallery).until
-    assert not expire_rollback(device.gallery, now=until - 1) and device.gallery.extras.count("rollback_embedding") == ROWS
+    assert (
+        not expire_rollback(device.gallery, now=until - 1) and device.gallery.extras.count("rollback_embedding") == ROWS
+    )
     assert expire_rollback(device.gallery, now=until + 1)
     assert device.gallery.extras.count("rollback_embedding") == 0 and rollback_window(device.gallery) is None
     notes = take_withdrawals(device.parts, device.trust, [withdrawal(tmp_path, publisher_key, 2, 1)], client=None)
     # not enrolled: no original is in the vault, so no row can be embedded again; they are reported, never mixed in
     assert "no rollback window kept v1's vectors" in notes[0] and "240 row(s) could not be moved" in notes[0]
     record = device.status()["withdrawals"]["last_revert"]
-    assert record["method"] == "reembedded" and record["rows_not_moved"] == ROWS and len(record["items_not_moved"]) == 100
+    assert (
+        record["method"] == "reembedded" and record["rows_not_moved"] == ROWS and len(record["items_not_moved"]) == 100
+    )
     device._upgraded()
     assert device.version == 1 and device.query(queries[:3], k=5) == [[], [], []]  # v2 rows stay out of v1's searches
 
@@ -194,8 +220,10 @@ def test_a_device_that_cannot_get_the_version_back_stays_and_says_so(upgraded, t
     answers = top10(device, queries)
     shutil.rmtree(device.root / "bundles" / "v1")
     notes = take_withdrawals(device.parts, device.trust, [withdrawal(tmp_path, publisher_key, 2, 1)], client=None)
-    assert notes == ["not reverted: v2 was withdrawn, but this device cannot get the bundle of v1 to go back to: "
-                     "it stays on v2 until a later version is published"]
+    assert notes == [
+        "not reverted: v2 was withdrawn, but this device cannot get the bundle of v1 to go back to: "
+        "it stays on v2 until a later version is published"
+    ]
     assert device.version == 2 and top10(device, queries) == answers and revert_report_fields(device.gallery) == {}
     assert device.gallery.extras.count("rollback_embedding") == ROWS and withdrawal_log(device.gallery).withdrawn(2)
 
@@ -222,14 +250,14 @@ def test_a_closed_window_is_dropped_when_the_device_opens(upgraded, monkeypatch)
         assert reopened.version == 2 and len(reopened.gallery) == ROWS
 
 
-def test_a_sync_takes_the_servers_withdrawal_and_reverts_exactly_or_from_the_vault(edge_server, bundles, publisher_key,
-                                                                                   make_device, images, tmp_path):
+def test_a_sync_takes_the_servers_withdrawal_and_reverts_exactly_or_from_the_vault(
+    edge_server, bundles, publisher_key, make_device, images, tmp_path
+):
     """On loopback: a real `fctkit serve`, v1 and v2 published, two devices upgraded; the publisher withdraws
     v2. The next sync of a device inside its window reverts exactly; one whose window closed embeds its
     rows again from their vault originals; both answer every query as before, and their reports say how."""
-    from tests.edge.conftest import ADMIN_TOKEN, publish
-
     from fctkit.protos.client import FctkitClient
+    from tests.edge.conftest import ADMIN_TOKEN, publish
 
     publish(edge_server, bundles[1], tmp_path)
     devices, queries, before = devices_at_v1(edge_server, make_device, images, ("inside", "closed", "restored"), 80)
@@ -253,7 +281,9 @@ def test_a_sync_takes_the_servers_withdrawal_and_reverts_exactly_or_from_the_vau
         rows = device.gallery.load()
         assert rows.item_ids == rows_before.item_ids and rows.tags == rows_before.tags and len(device.gallery) == 80
         np.testing.assert_allclose(np.stack(rows.embeddings), np.stack(rows_before.embeddings), atol=1e-6)
-    assert np.array_equal(np.stack(devices["inside"].gallery.load().embeddings), np.stack(before["inside"][1].embeddings))
+    assert np.array_equal(
+        np.stack(devices["inside"].gallery.load().embeddings), np.stack(before["inside"][1].embeddings)
+    )
     assert devices["closed"].status()["withdrawals"]["last_revert"]["method"] == "reembedded"
 
     assert devices["inside"].sync().installed_after == 1  # v2 is not offered again, nor installed
@@ -264,18 +294,27 @@ def test_a_sync_takes_the_servers_withdrawal_and_reverts_exactly_or_from_the_vau
     assert methods == {"exact": 2, "reembedded": 1}
 
 
-def test_without_a_window_a_bundle_with_a_backward_graph_reverts_through_it(make_device, publisher_key, images, tmp_path):
-    from tests.server.conftest import EMBED_DIM, linear_onnx
-
+def test_without_a_window_a_bundle_with_a_backward_graph_reverts_through_it(
+    make_device, publisher_key, images, tmp_path
+):
     from fctkit.export.bundle_builder import ArtifactSource
+    from tests.server.conftest import EMBED_DIM, linear_onnx
 
     sources = _sources(tmp_path / "v2-src", 2, TINY_CHAIN[2], IMAGE_DIM)
     back = linear_onnx(tmp_path / "v2-src" / "b.onnx", {"new": EMBED_DIM}, EMBED_DIM, seed=77, output="embedding")
     sources.append(ArtifactSource(back, "backward", 2, 1))
-    v2 = build_bundle(tmp_path / "v2b", version=2, parents=(1,), mode="forward", distance="cosine", normalize=True,
-                      artifacts=sources, gate={"cases": {}, "ecc": {s.artifact_name: True for s in sources
-                                                                    if s.role in ("forward", "backward")}},
-                      private_key=publisher_key, rollback_window_days=0).root
+    v2 = build_bundle(
+        tmp_path / "v2b",
+        version=2,
+        parents=(1,),
+        mode="forward",
+        distance="cosine",
+        normalize=True,
+        artifacts=sources,
+        gate={"cases": {}, "ecc": {s.artifact_name: True for s in sources if s.role in ("forward", "backward")}},
+        private_key=publisher_key,
+        rollback_window_days=0,
+    ).root
     device = make_device("dev", health_sample=0)
     device.upgrade(windowed_bundle(tmp_path / "v1", publisher_key, 1, 7))
     device.add(images(50, 5), upload=False)
@@ -298,9 +337,19 @@ def test_an_exact_revert_ends_a_transition_the_upgrade_began(make_device, publis
     from fctkit.protos.search_policy import TransitionPolicy
 
     sources = _sources(tmp_path / "v2t-src", 2, TINY_CHAIN[2], IMAGE_DIM)
-    v2 = build_bundle(tmp_path / "v2t", version=2, parents=(1,), mode="forward", distance="cosine", normalize=True,
-                      artifacts=sources, gate={"cases": {}, "ecc": {s.artifact_name: True for s in sources if s.role == "forward"}},
-                      private_key=publisher_key, transition=TransitionPolicy(1, 0.5, 30.0), rollback_window_days=3)
+    v2 = build_bundle(
+        tmp_path / "v2t",
+        version=2,
+        parents=(1,),
+        mode="forward",
+        distance="cosine",
+        normalize=True,
+        artifacts=sources,
+        gate={"cases": {}, "ecc": {s.artifact_name: True for s in sources if s.role == "forward"}},
+        private_key=publisher_key,
+        transition=TransitionPolicy(1, 0.5, 30.0),
+        rollback_window_days=3,
+    )
     device = make_device("dev", health_sample=0)
     device.upgrade(windowed_bundle(tmp_path / "v1", publisher_key, 1, 7))
     device.add(images(70, 9), upload=False)
@@ -326,7 +375,11 @@ def test_a_damaged_rollback_setting_is_reported_and_repair_drops_the_window(upgr
     device.repair()
     assert rollback_window(device.gallery) is None and device.gallery.extras.count("rollback_embedding") == 0
     assert device.gallery.extras.count("rollback_side_info") == 0
-    assert device.version == 2 and len(device.gallery) == ROWS and device.status()["withdrawals"]["rollback_window"] is None
+    assert (
+        device.version == 2
+        and len(device.gallery) == ROWS
+        and device.status()["withdrawals"]["rollback_window"] is None
+    )
 
 
 def test_under_a_root_a_withdrawal_needs_the_publisher_threshold(upgraded, tmp_path):
@@ -337,8 +390,9 @@ def test_under_a_root_a_withdrawal_needs_the_publisher_threshold(upgraded, tmp_p
     from fctkit.export.keys import sign_withdrawal_file
     from tests.security.conftest import build_root, key, signed
 
-    two_of_three = signed(build_root(1, root=("r1",), root_threshold=1, publishers=("alice", "bob", "carol"),
-                                     publisher_threshold=2), "r1")
+    two_of_three = signed(
+        build_root(1, root=("r1",), root_threshold=1, publishers=("alice", "bob", "carol"), publisher_threshold=2), "r1"
+    )
     trust = SimpleNamespace(release_trust=lambda: two_of_three)
     device, queries, (answers, _) = upgraded
     path = tmp_path / "withdrawal.2.json"

@@ -10,18 +10,19 @@ import functools
 
 import numpy as np
 
+from fctkit.edge_runtime import Device
 from tests.edge.conftest import enrolment_code, publish
 from tests.edge.test_replication_edge import state
 from tests.server.conftest import scale_out, start_replicas  # noqa: F401 (fixtures)
-
-from fctkit.edge_runtime import Device
 
 
 def _enrol(device: Device, replica, owner: str, name: str) -> None:
     device.enrol(replica.target, enrolment_code(replica, owner=owner), device_name=name)
 
 
-def test_two_replicas_serve_the_whole_flow_and_devices_fail_over(start_replicas, make_device, tiny_bundles, images, tmp_path):
+def test_two_replicas_serve_the_whole_flow_and_devices_fail_over(
+    start_replicas, make_device, tiny_bundles, images, tmp_path
+):
     make = functools.partial(make_device, batch_size=8, health_sample=0)  # no health check: the rows stay adapted
     first, second = start_replicas(2)
     publish(first, tiny_bundles[1], tmp_path)
@@ -45,7 +46,9 @@ def test_two_replicas_serve_the_whole_flow_and_devices_fail_over(start_replicas,
     assert state(tablet) == state(phone)
     assert {tag for tag, *_ in state(phone).values()} == {"v1->v2 (forward)"}
     queries = images(4, seed=99)
-    answers = [[[(m.item_id, round(m.distance, 5)) for m in row] for row in d.query(queries, k=5)] for d in (phone, tablet)]
+    answers = [
+        [[(m.item_id, round(m.distance, 5)) for m in row] for row in d.query(queries, k=5)] for d in (phone, tablet)
+    ]
     assert answers[0] == answers[1] and all(len(row) == 5 for row in answers[0])
 
     # both addresses: one replica killed outright, the devices carry on through the other

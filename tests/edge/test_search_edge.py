@@ -9,7 +9,10 @@ from fctkit.edge_runtime import ExactIndex
 from fctkit.edge_runtime.search import faiss_available
 from fctkit.errors import InputError
 
-BACKENDS = ["numpy", pytest.param("faiss", marks=pytest.mark.skipif(not faiss_available(), reason="faiss-cpu is not installed"))]
+BACKENDS = [
+    "numpy",
+    pytest.param("faiss", marks=pytest.mark.skipif(not faiss_available(), reason="faiss-cpu is not installed")),
+]
 
 
 def _brute_force(gallery, queries, distance, k):
@@ -26,7 +29,10 @@ def _brute_force(gallery, queries, distance, k):
 @pytest.mark.parametrize("distance", ["cosine", "l2"])
 def test_exact_search_matches_brute_force(backend, distance):
     rng = np.random.default_rng(0)
-    gallery, queries = rng.standard_normal((500, 16)).astype(np.float32), rng.standard_normal((40, 16)).astype(np.float32)
+    gallery, queries = (
+        rng.standard_normal((500, 16)).astype(np.float32),
+        rng.standard_normal((40, 16)).astype(np.float32),
+    )
     found = ExactIndex(gallery, distance, backend).search(queries, 7)
     indices, distances = _brute_force(gallery, queries, distance, 7)
     np.testing.assert_array_equal(found.indices, indices)

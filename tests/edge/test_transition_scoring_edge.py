@@ -19,9 +19,6 @@ import time
 import numpy as np
 import pytest
 
-from tests.edge.conftest import TINY_CHAIN, device_cli_steps, enrolment_code, flip_stored_byte, publish
-from tests.server.conftest import IMAGE_DIM, _sources
-
 from fctkit.edge_runtime import Engine
 from fctkit.errors import BundleFormatError
 from fctkit.export.bundle_builder import ArtifactSource, build_bundle
@@ -29,20 +26,39 @@ from fctkit.export.hubness_graph import hubness_onnx
 from fctkit.protos.bundle import verify_bundle
 from fctkit.protos.search_policy import HubnessPolicy, TransitionPolicy
 from fctkit.trainer.hubness import hubness_offsets
+from tests.edge.conftest import TINY_CHAIN, device_cli_steps, enrolment_code, flip_stored_byte, publish
+from tests.server.conftest import IMAGE_DIM, _sources
 
 WEIGHT, BETA, K = 0.4, 0.5, 3
 
 
-def scoring_bundle(folder, key, *, transition: TransitionPolicy | None = None, hubness: HubnessPolicy | None = None,
-                   mode: str = "forward", with_graph: bool | None = None):
+def scoring_bundle(
+    folder,
+    key,
+    *,
+    transition: TransitionPolicy | None = None,
+    hubness: HubnessPolicy | None = None,
+    mode: str = "forward",
+    with_graph: bool | None = None,
+):
     sources = _sources(folder / "src", 2, TINY_CHAIN[2], IMAGE_DIM)
     if with_graph if with_graph is not None else hubness is not None:
         reference = np.random.default_rng(5).standard_normal((20, 8))
         sources.append(ArtifactSource(hubness_onnx(reference, K, folder / "src" / "hubness.onnx"), "hubness"))
     ecc = {s.artifact_name: True for s in sources if s.role == "forward"}
-    return build_bundle(folder / "v2", version=2, parents=(1,), mode=mode, distance="cosine", normalize=True,
-                        artifacts=sources, gate={"cases": {}, "ecc": ecc}, private_key=key,
-                        transition=transition, hubness=hubness).root
+    return build_bundle(
+        folder / "v2",
+        version=2,
+        parents=(1,),
+        mode=mode,
+        distance="cosine",
+        normalize=True,
+        artifacts=sources,
+        gate={"cases": {}, "ecc": ecc},
+        private_key=key,
+        transition=transition,
+        hubness=hubness,
+    ).root
 
 
 def unit(x):
@@ -87,7 +103,12 @@ def expected_transition(device, pictures, queries, k, without_previous=()):
 
 def test_queries_during_a_transition_fuse_the_previous_and_the_adapted_scores(upgraded, images):
     device, pictures = upgraded
-    assert device.status()["transition"] == {"from_version": 1, "weight": WEIGHT, "rows_with_previous": 35, "max_days": 2.0}
+    assert device.status()["transition"] == {
+        "from_version": 1,
+        "weight": WEIGHT,
+        "rows_with_previous": 35,
+        "max_days": 2.0,
+    }
     assert device.status()["scoring"] == "transition"
     queries = images(7, seed=3)
     ids, scores = expected_transition(device, pictures, queries, 6)
@@ -102,9 +123,14 @@ def test_queries_during_a_transition_fuse_the_previous_and_the_adapted_scores(up
 def test_a_row_without_a_readable_previous_embedding_scores_on_its_adapted_vector(upgraded, images):
     device, pictures = upgraded
     with sqlite3.connect(device.gallery.path) as db:  # a0's record tampered, a1's swapped into a2's place
-        assert flip_stored_byte(db, "row_extras", "sealed", "row_id = (SELECT row_id FROM items WHERE item_id = 'a0')", 20) == 1
-        db.execute("UPDATE row_extras SET sealed = (SELECT sealed FROM row_extras e JOIN items i USING (row_id) "
-                   "WHERE i.item_id = 'a1') WHERE row_id = (SELECT row_id FROM items WHERE item_id = 'a2')")
+        assert (
+            flip_stored_byte(db, "row_extras", "sealed", "row_id = (SELECT row_id FROM items WHERE item_id = 'a0')", 20)
+            == 1
+        )
+        db.execute(
+            "UPDATE row_extras SET sealed = (SELECT sealed FROM row_extras e JOIN items i USING (row_id) "
+            "WHERE i.item_id = 'a1') WHERE row_id = (SELECT row_id FROM items WHERE item_id = 'a2')"
+        )
         db.execute("DELETE FROM row_extras WHERE row_id = (SELECT row_id FROM items WHERE item_id = 'b0')")
     queries = images(9, seed=4)
     ids, scores = expected_transition(device, pictures, queries, 35, without_previous={"a0", "a2", "b0"})
@@ -120,7 +146,7 @@ def test_ending_the_transition_drops_the_previous_embeddings_and_plain_search_re
     assert 1 not in device.bundles.loaded_versions() and "transition" not in device.status()
     queries = images(5, seed=6)
     rows = device.gallery.load()
-    ids, scores = ranking(unit(device.engine(2).embed(queries)) @ unit(rows.embeddings).T, rows.item_ids, 4)
+    ids, _scores = ranking(unit(device.engine(2).embed(queries)) @ unit(rows.embeddings).T, rows.item_ids, 4)
     assert found(device, queries, 4)[0] == ids
     assert device.end_transition() is False
 
@@ -168,8 +194,14 @@ def test_the_device_cli_shows_and_ends_a_transition_without_torch(upgraded, imag
     root = str(device.root)
     device.close()
     np.savez(tmp_path / "q.npz", images=images(2, seed=10))
-    status, query, ended, again = device_cli_steps([("status", "--dir", root), ("query", "--dir", root, str(tmp_path / "q.npz")),
-                                                    ("end-transition", "--dir", root), ("status", "--dir", root)])
+    status, query, ended, again = device_cli_steps(
+        [
+            ("status", "--dir", root),
+            ("query", "--dir", root, str(tmp_path / "q.npz")),
+            ("end-transition", "--dir", root),
+            ("status", "--dir", root),
+        ]
+    )
     assert json.loads(status)["transition"]["rows_with_previous"] == 35
     assert len(query.splitlines()) == 2 and all(len(json.loads(line)) == 5 for line in query.splitlines())
     assert json.loads(ended) == {"ended": True}
@@ -179,8 +211,9 @@ def test_the_device_cli_shows_and_ends_a_transition_without_torch(upgraded, imag
 # -- hubness offsets ------------------------------------------------------------------------
 
 
-def test_hubness_offsets_are_computed_on_the_device_stored_and_used(make_device, tiny_bundles, images, publisher_key,
-                                                                  publisher_pub, tmp_path):
+def test_hubness_offsets_are_computed_on_the_device_stored_and_used(
+    make_device, tiny_bundles, images, publisher_key, publisher_pub, tmp_path
+):
     v2 = scoring_bundle(tmp_path, publisher_key, hubness=HubnessPolicy(BETA))
     device = make_device()
     device.upgrade(tiny_bundles[1])
@@ -195,7 +228,9 @@ def test_hubness_offsets_are_computed_on_the_device_stored_and_used(make_device,
 
     queries = images(6, seed=13)
     engine = Engine(verify_bundle(v2, publisher_pub))
-    scores = unit(engine.embed(queries)) @ unit(rows.embeddings).T - BETA * hubness_offsets(rows.embeddings, reference, K)
+    scores = unit(engine.embed(queries)) @ unit(rows.embeddings).T - BETA * hubness_offsets(
+        rows.embeddings, reference, K
+    )
     ids, expected = ranking(scores, rows.item_ids, 30)
     got_ids, distances = found(device, queries, 30)
     assert got_ids == ids
@@ -208,10 +243,13 @@ def test_hubness_offsets_are_computed_on_the_device_stored_and_used(make_device,
 
 
 def test_a_bundle_with_both_fuses_over_the_offset_and_keeps_the_offset_after_the_transition(
-        make_device, tiny_bundles, images, publisher_key, publisher_pub, tmp_path):
+    make_device, tiny_bundles, images, publisher_key, publisher_pub, tmp_path
+):
     """``w·cos_prev + (1 − w)·(cos − β·r)`` during the transition (a row without a previous
     embedding: ``cos − β·r``), then ``cos − β·r`` alone once it ends."""
-    v2 = scoring_bundle(tmp_path, publisher_key, transition=TransitionPolicy(1, WEIGHT, 2.0), hubness=HubnessPolicy(BETA))
+    v2 = scoring_bundle(
+        tmp_path, publisher_key, transition=TransitionPolicy(1, WEIGHT, 2.0), hubness=HubnessPolicy(BETA)
+    )
     device = make_device()
     device.upgrade(tiny_bundles[1])
     pictures = {f"a{i}": x for i, x in enumerate(images(20, seed=21))}
@@ -221,15 +259,19 @@ def test_a_bundle_with_both_fuses_over_the_offset_and_keeps_the_offset_after_the
     device.add(np.stack(list(later.values())), item_ids=list(later), upload=False)
     assert device.status()["scoring"] == "transition+hubness"
     with sqlite3.connect(device.gallery.path) as db:
-        db.execute("DELETE FROM row_extras WHERE field = 'previous_embedding' AND "
-                   "row_id = (SELECT row_id FROM items WHERE item_id = 'a3')")
+        db.execute(
+            "DELETE FROM row_extras WHERE field = 'previous_embedding' AND "
+            "row_id = (SELECT row_id FROM items WHERE item_id = 'a3')"
+        )
     rows = device.gallery.load()
     reference = np.random.default_rng(5).standard_normal((20, 8))
     offsets = hubness_offsets(rows.embeddings, reference, K)
     queries = images(6, seed=23)
     engine, previous = Engine(verify_bundle(v2, publisher_pub)), device.engine(1)
     adapted = unit(engine.embed(queries)) @ unit(rows.embeddings).T - BETA * offsets
-    previous_scores = unit(previous.embed(queries)) @ unit(previous.embed(np.stack([(pictures | later)[i] for i in rows.item_ids]))).T
+    previous_scores = (
+        unit(previous.embed(queries)) @ unit(previous.embed(np.stack([(pictures | later)[i] for i in rows.item_ids]))).T
+    )
     fused = WEIGHT * previous_scores + (1 - WEIGHT) * adapted
     without = [j for j, i in enumerate(rows.item_ids) if i == "a3"]
     fused[:, without] = adapted[:, without]
@@ -249,19 +291,23 @@ def test_a_bundle_with_both_fuses_over_the_offset_and_keeps_the_offset_after_the
 
 def test_search_declarations_are_checked_in_the_manifest(publisher_key, tmp_path):
     cases = [
-        (dict(transition=TransitionPolicy(1, WEIGHT), hubness=HubnessPolicy(BETA), with_graph=False),
-         "needs exactly one hubness artifact"),
-        (dict(transition=TransitionPolicy(1, WEIGHT), hubness=HubnessPolicy(BETA), mode="unified"),
-         "transition and hubness scoring belongs to a forward-mode cosine bundle"),
-        (dict(hubness=HubnessPolicy(BETA), with_graph=False), "needs exactly one hubness artifact"),
-        (dict(with_graph=True), "needs exactly one hubness artifact"),
-        (dict(transition=TransitionPolicy(2, WEIGHT)), "no forward adapter from it"),
-        (dict(transition=TransitionPolicy(1, WEIGHT), mode="unified"), "belongs to a forward-mode cosine bundle"),
+        (
+            {"transition": TransitionPolicy(1, WEIGHT), "hubness": HubnessPolicy(BETA), "with_graph": False},
+            "needs exactly one hubness artifact",
+        ),
+        (
+            {"transition": TransitionPolicy(1, WEIGHT), "hubness": HubnessPolicy(BETA), "mode": "unified"},
+            "transition and hubness scoring belongs to a forward-mode cosine bundle",
+        ),
+        ({"hubness": HubnessPolicy(BETA), "with_graph": False}, "needs exactly one hubness artifact"),
+        ({"with_graph": True}, "needs exactly one hubness artifact"),
+        ({"transition": TransitionPolicy(2, WEIGHT)}, "no forward adapter from it"),
+        ({"transition": TransitionPolicy(1, WEIGHT), "mode": "unified"}, "belongs to a forward-mode cosine bundle"),
     ]
     for i, (options, message) in enumerate(cases):
         with pytest.raises(BundleFormatError, match=message):
             scoring_bundle(tmp_path / str(i), publisher_key, **options)
-    for bad in (dict(weight=0.0), dict(weight=1.0), dict(weight=float("nan")), dict(max_days=-1.0)):
+    for bad in ({"weight": 0.0}, {"weight": 1.0}, {"weight": float("nan")}, {"max_days": -1.0}):
         with pytest.raises(BundleFormatError, match="weight|max_days"):
             TransitionPolicy(**({"previous_version": 1, "weight": WEIGHT} | bad))
     with pytest.raises(BundleFormatError, match="beta"):

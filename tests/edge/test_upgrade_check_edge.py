@@ -15,14 +15,12 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.edge.conftest import ServerProcess, device_cli_steps, enrolment_code, publish
-
-from fctkit.edge_runtime import Device
-from fctkit.edge_runtime import upgrade_check
+from fctkit.edge_runtime import Device, upgrade_check
 from fctkit.edge_runtime.upgrade_check import HealthRecord, health_seed, stored_health
 from fctkit.edge_runtime.upgrade_health import sample_rows, streamed_health, upgrade_health
 from fctkit.errors import InputError
 from fctkit.protos.client import FctkitClient
+from tests.edge.conftest import ServerProcess, device_cli_steps, enrolment_code, publish
 
 ROWS, SAMPLE = 40, 8
 
@@ -61,11 +59,17 @@ def _enrolled(make_device, server, name: str, images, **settings) -> Device:
 def _vectors_by_row(device: Device) -> tuple[np.ndarray, list[str], np.ndarray, list]:
     rows = device.gallery.load(with_labels=False)
     order = np.argsort(rows.row_ids)
-    return rows.row_ids[order], [rows.item_ids[i] for i in order], np.stack(rows.embeddings[order]), [rows.tags[i] for i in order]
+    return (
+        rows.row_ids[order],
+        [rows.item_ids[i] for i in order],
+        np.stack(rows.embeddings[order]),
+        [rows.tags[i] for i in order],
+    )
 
 
 def test_a_sync_upgrade_reports_the_sampled_fidelity_and_keeps_the_sample_backfilled(
-        server, tiny_bundles, make_device, images, reports, tmp_path, monkeypatch):
+    server, tiny_bundles, make_device, images, reports, tmp_path, monkeypatch
+):
     monkeypatch.setattr(upgrade_check, "BLOCK_ROWS", 7)  # the adapted gallery is read in 6 pages
     device = _enrolled(make_device, server, "health", images, health_sample=SAMPLE)
     device.close()  # a copy of the device as it is at v1, to upgrade without the check: the adapted gallery by hand
@@ -77,7 +81,13 @@ def test_a_sync_upgrade_reports_the_sampled_fidelity_and_keeps_the_sample_backfi
 
     assert device.sync().installed_after == 2
     record = stored_health(device.gallery)
-    assert (record.version, record.rows_upgraded, record.failures, record.sample_size, record.reason) == (2, ROWS, 0, SAMPLE, "")
+    assert (record.version, record.rows_upgraded, record.failures, record.sample_size, record.reason) == (
+        2,
+        ROWS,
+        0,
+        SAMPLE,
+        "",
+    )
     assert record.seconds > 0
     assert device.status()["rows_by_space"] == {"v1->v2 (forward)": ROWS - SAMPLE, "v2": SAMPLE}
     # the reports during the upgrade came before the check; the last one, after it, carries the record
@@ -127,7 +137,8 @@ def test_a_failing_check_leaves_the_upgrade_standing(server, tiny_bundles, make_
 
 
 def test_a_device_offline_at_upgrade_time_sends_its_record_at_the_next_sync(
-        server, tiny_bundles, make_device, images, reports, tmp_path):
+    server, tiny_bundles, make_device, images, reports, tmp_path
+):
     device = _enrolled(make_device, server, "offline", images)
     device.use_servers("127.0.0.1:9")  # nothing listens there
     assert device.upgrade(tiny_bundles[2]) == ROWS
@@ -148,7 +159,7 @@ def test_the_streamed_measure_over_row_id_pages_equals_the_measure_over_the_arra
     row_ids = np.sort(rng.choice(np.arange(1, 500), size=50, replace=False))  # gaps, as removed rows leave
     sample = np.array([3, 12, 31, 40, 49])
     reembedded = (adapted[sample] + 0.7 * rng.standard_normal((5, 6))).astype(np.float32)
-    pages = [(row_ids[i:i + 8], adapted[i:i + 8]) for i in range(0, 50, 8)]
+    pages = [(row_ids[i : i + 8], adapted[i : i + 8]) for i in range(0, 50, 8)]
     streamed = streamed_health(iter(pages), row_ids[sample], adapted[sample], reembedded, metric)
     assert streamed == upgrade_health(adapted, sample, reembedded, metric)
     with pytest.raises(InputError, match="5 sampled keys do not match 4"):
@@ -157,8 +168,9 @@ def test_the_streamed_measure_over_row_id_pages_equals_the_measure_over_the_arra
         streamed_health(iter([(row_ids[:8], adapted[:8, :5])]), row_ids[sample], adapted[sample], reembedded, metric)
 
 
-def test_a_health_record_the_server_refuses_is_left_out_and_the_sync_goes_on(server, tiny_bundles, make_device, images,
-                                                                               reports, tmp_path):
+def test_a_health_record_the_server_refuses_is_left_out_and_the_sync_goes_on(
+    server, tiny_bundles, make_device, images, reports, tmp_path
+):
     device = _enrolled(make_device, server, "refused", images)
     publish(server, tiny_bundles[2], tmp_path)
     device.sync()
@@ -173,22 +185,39 @@ def test_health_messages_hold_aggregates_only():
     record = HealthRecord(3, 10, 1, 2.5, 4, 0.9, 0.8, 0.75, 0.8, reason="")
     message = record.message()
     assert [f.name for f in message.DESCRIPTOR.fields] == [
-        "version", "rows_upgraded", "failures", "seconds", "sample_size", "mean_cosine", "p10_cosine", "recall_at_1",
-        "mean_reciprocal_rank"]
+        "version",
+        "rows_upgraded",
+        "failures",
+        "seconds",
+        "sample_size",
+        "mean_cosine",
+        "p10_cosine",
+        "recall_at_1",
+        "mean_reciprocal_rank",
+    ]
     assert (message.version, message.failures, message.sample_size, message.recall_at_1) == (3, 1, 4, 0.75)
 
 
-def test_without_vault_originals_the_cli_reports_sample_size_zero_and_why(tiny_bundles, publisher_pub, tmp_path, images):
+def test_without_vault_originals_the_cli_reports_sample_size_zero_and_why(
+    tiny_bundles, publisher_pub, tmp_path, images
+):
     root = tmp_path / "local"
-    np.savez(tmp_path / "add.npz", images=images(6, seed=3), labels=np.array(list("abcdef")), ids=np.array([f"l{i}" for i in range(6)]))
-    outputs = device_cli_steps([
-        ("init", "--dir", str(root), "--publisher-key", str(publisher_pub), "--batch-size", "4"),
-        ("upgrade", "--dir", str(root), "--bundle", str(tiny_bundles[1]), "--quiet"),
-        ("add", "--dir", str(root), str(tmp_path / "add.npz")),
-        ("upgrade", "--dir", str(root), "--bundle", str(tiny_bundles[2]), "--quiet"),
-        ("status", "--dir", str(root)),
-        ("upgrade", "--dir", str(root), "--bundle", str(tiny_bundles[3]), "--quiet", "--no-health-check"),
-    ])
+    np.savez(
+        tmp_path / "add.npz",
+        images=images(6, seed=3),
+        labels=np.array(list("abcdef")),
+        ids=np.array([f"l{i}" for i in range(6)]),
+    )
+    outputs = device_cli_steps(
+        [
+            ("init", "--dir", str(root), "--publisher-key", str(publisher_pub), "--batch-size", "4"),
+            ("upgrade", "--dir", str(root), "--bundle", str(tiny_bundles[1]), "--quiet"),
+            ("add", "--dir", str(root), str(tmp_path / "add.npz")),
+            ("upgrade", "--dir", str(root), "--bundle", str(tiny_bundles[2]), "--quiet"),
+            ("status", "--dir", str(root)),
+            ("upgrade", "--dir", str(root), "--bundle", str(tiny_bundles[3]), "--quiet", "--no-health-check"),
+        ]
+    )
     upgraded, status, unchecked = (json.loads(outputs[i]) for i in (3, 4, 5))
     assert upgraded["rows_upgraded"] == 6 and upgraded["installed_version"] == 2
     health = upgraded["upgrade_health"]
@@ -216,9 +245,12 @@ def test_the_sample_is_kept_backfilled_only_where_native_and_adapted_rows_rank_f
     assert not upgrade_check.keeps_sample(bundle(transition=TransitionPolicy(1, 0.5, 30.0)))
 
 
-def test_an_instance_level_upgrade_is_measured_but_its_rows_stay_adapted(server, tiny_bundles, make_device, images,
-                                                                         monkeypatch, tmp_path):
-    monkeypatch.setattr(upgrade_check, "keeps_sample", lambda manifest: False)  # as for an InfoNCE bundle without hubness
+def test_an_instance_level_upgrade_is_measured_but_its_rows_stay_adapted(
+    server, tiny_bundles, make_device, images, monkeypatch, tmp_path
+):
+    monkeypatch.setattr(
+        upgrade_check, "keeps_sample", lambda manifest: False
+    )  # as for an InfoNCE bundle without hubness
     device = _enrolled(make_device, server, "instance", images, health_sample=SAMPLE)
     publish(server, tiny_bundles[2], tmp_path)
     assert device.sync().installed_after == 2

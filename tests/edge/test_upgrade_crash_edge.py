@@ -19,10 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.edge.conftest import start_worker
-
 from fctkit.edge_runtime import Device, Gallery
 from fctkit.edge_runtime.crypto import read_key_file
+from tests.edge.conftest import start_worker
 
 ROWS, BATCH = 20_000, 500
 KILLS = int(os.environ.get("FCTKIT_CRASH_KILLS", "36"))
@@ -127,7 +126,7 @@ def test_sigkill_anywhere_then_restart_equals_uninterrupted(tmp_path, make_devic
             kills += killed
             if not killed:
                 break
-        process, lines = start_worker(WORKER, str(root), str(tiny_bundles[2]))
+        process, _lines = start_worker(WORKER, str(root), str(tiny_bundles[2]))
         assert process.wait() == 0, process.stderr.read()
         got = _decrypted(root, key)
         assert got.item_ids == expected.item_ids and got.tags == expected.tags
@@ -135,6 +134,8 @@ def test_sigkill_anywhere_then_restart_equals_uninterrupted(tmp_path, make_devic
         assert np.array_equal(got.side_infos, expected.side_infos)
         with Device.open(root) as device:
             assert device.version == 2 and device.gallery.upgrade_state is None
-    print(f"\n{kills} SIGKILLs in {attempts} attempts over {rounds} galleries of {ROWS} rows: every restart consistent, "
-          f"every finished gallery equal to the uninterrupted upgrade (0 rows lost, duplicated or transformed twice)")
+    print(
+        f"\n{kills} SIGKILLs in {attempts} attempts over {rounds} galleries of {ROWS} rows: every restart consistent, "
+        f"every finished gallery equal to the uninterrupted upgrade (0 rows lost, duplicated or transformed twice)"
+    )
     assert kills >= KILLS * 5 // 6

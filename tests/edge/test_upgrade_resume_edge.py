@@ -10,12 +10,11 @@ import json
 
 import pytest
 
-from tests.edge.conftest import TINY_CHAIN, device_cli_steps, make_tiny_bundle
-from tests.server.conftest import IMAGE_DIM, _sources
-
 from fctkit.edge_runtime import gallery as gallery_module
 from fctkit.errors import RollbackError
 from fctkit.export.bundle_builder import build_bundle
+from tests.edge.conftest import TINY_CHAIN, device_cli_steps, make_tiny_bundle
+from tests.server.conftest import IMAGE_DIM, _sources
 
 
 class Crash(Exception):
@@ -52,20 +51,36 @@ def test_a_bundle_installed_but_never_applied_is_reported_and_applied(make_devic
     assert device.status()["installed_not_applied"]["versions"] == [2]
     root = str(device.root)
     device.close()
-    status, upgraded, after = device_cli_steps([("status", "--dir", root), ("upgrade", "--dir", root), ("status", "--dir", root)])
+    status, upgraded, after = device_cli_steps(
+        [("status", "--dir", root), ("upgrade", "--dir", root), ("status", "--dir", root)]
+    )
     assert json.loads(status)["installed_not_applied"]["versions"] == [2]
     upgraded = json.loads(upgraded)
-    assert (upgraded["rows_upgraded"], upgraded["installed_version"], upgraded["upgrade_health"]["version"]) == (10, 2, 2)
+    assert (upgraded["rows_upgraded"], upgraded["installed_version"], upgraded["upgrade_health"]["version"]) == (
+        10,
+        2,
+        2,
+    )
     assert "installed_not_applied" not in json.loads(after)
 
 
-def test_another_bundle_under_an_installed_version_is_still_a_replay(make_device, tiny_bundles, publisher_key, tmp_path):
+def test_another_bundle_under_an_installed_version_is_still_a_replay(
+    make_device, tiny_bundles, publisher_key, tmp_path
+):
     device = make_device()
     device.upgrade([tiny_bundles[1], tiny_bundles[2]])
     sources = _sources(tmp_path / "src", 2, TINY_CHAIN[2], IMAGE_DIM)
-    impostor = build_bundle(tmp_path / "other-v2", version=2, parents=(1,), mode="forward", distance="cosine", normalize=True,
-                            artifacts=sources, gate={"cases": {"another": {"top1": 0.5}}, "ecc": {"forward_1_to_2": True}},
-                            private_key=publisher_key).root  # the same number, another signed manifest
+    impostor = build_bundle(
+        tmp_path / "other-v2",
+        version=2,
+        parents=(1,),
+        mode="forward",
+        distance="cosine",
+        normalize=True,
+        artifacts=sources,
+        gate={"cases": {"another": {"top1": 0.5}}, "ecc": {"forward_1_to_2": True}},
+        private_key=publisher_key,
+    ).root  # the same number, another signed manifest
     with pytest.raises(RollbackError, match="replay"):
         device.install_bundle(impostor)
     with pytest.raises(RollbackError, match="rollback"):

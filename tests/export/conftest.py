@@ -40,7 +40,10 @@ def linear_onnx(path: Path, inputs: dict[str, int], out_dim: int, *, seed: int, 
         joined = "joined"
     nodes.append(helper.make_node("MatMul", [joined, "W"], [output]))
     graph = helper.make_graph(
-        nodes, "tiny", graph_inputs, [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", out_dim])],
+        nodes,
+        "tiny",
+        graph_inputs,
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", out_dim])],
         initializer=[weight],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -54,15 +57,32 @@ def _tiny_sources(folder: Path, *, seed: int = 0) -> list[ArtifactSource]:
     """embed, side_info, forward 1->2 and backward 2->1 graphs for a v2 bundle."""
     folder.mkdir(parents=True, exist_ok=True)
     return [
-        ArtifactSource(linear_onnx(folder / "embed.onnx", {"image": IMAGE_DIM}, EMBED_DIM, seed=seed, output="embedding"), "embed"),
-        ArtifactSource(linear_onnx(folder / "side.onnx", {"image": IMAGE_DIM}, SIDE_DIM, seed=seed + 1, output="side_info"), "side_info"),
         ArtifactSource(
-            linear_onnx(folder / "h.onnx", {"old_embedding": EMBED_DIM, "old_side_info": SIDE_DIM}, EMBED_DIM, seed=seed + 2, output="new_embedding"),
-            "forward", source_version=1, target_version=2,
+            linear_onnx(folder / "embed.onnx", {"image": IMAGE_DIM}, EMBED_DIM, seed=seed, output="embedding"), "embed"
         ),
         ArtifactSource(
-            linear_onnx(folder / "b.onnx", {"new_embedding": EMBED_DIM}, EMBED_DIM, seed=seed + 3, output="old_embedding"),
-            "backward", source_version=2, target_version=1,
+            linear_onnx(folder / "side.onnx", {"image": IMAGE_DIM}, SIDE_DIM, seed=seed + 1, output="side_info"),
+            "side_info",
+        ),
+        ArtifactSource(
+            linear_onnx(
+                folder / "h.onnx",
+                {"old_embedding": EMBED_DIM, "old_side_info": SIDE_DIM},
+                EMBED_DIM,
+                seed=seed + 2,
+                output="new_embedding",
+            ),
+            "forward",
+            source_version=1,
+            target_version=2,
+        ),
+        ArtifactSource(
+            linear_onnx(
+                folder / "b.onnx", {"new_embedding": EMBED_DIM}, EMBED_DIM, seed=seed + 3, output="old_embedding"
+            ),
+            "backward",
+            source_version=2,
+            target_version=1,
         ),
     ]
 
@@ -77,11 +97,21 @@ def other_key() -> Ed25519PrivateKey:
     return Ed25519PrivateKey.from_private_bytes(bytes(range(1, 33)))
 
 
-def _make_bundle(out: Path, key: Ed25519PrivateKey, *, version: int = 2, seed: int = 0, gate: dict | None = None, **kwargs):
+def _make_bundle(
+    out: Path, key: Ed25519PrivateKey, *, version: int = 2, seed: int = 0, gate: dict | None = None, **kwargs
+):
     sources = _tiny_sources(out.parent / f"{out.name}-sources", seed=seed)
     return build_bundle(
-        out, version=version, parents=(version - 1,), mode="forward", distance="cosine", normalize=True,
-        artifacts=sources, gate=PASSING_GATE if gate is None else gate, private_key=key, **kwargs,
+        out,
+        version=version,
+        parents=(version - 1,),
+        mode="forward",
+        distance="cosine",
+        normalize=True,
+        artifacts=sources,
+        gate=PASSING_GATE if gate is None else gate,
+        private_key=key,
+        **kwargs,
     )
 
 

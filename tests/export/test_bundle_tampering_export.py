@@ -44,13 +44,16 @@ def test_build_then_verify_round_trips_the_manifest(bundle, publisher_key):
     assert [a.name for a in m.artifacts] == ["embed", "side_info", "forward_1_to_2", "backward_2_to_1"]
     forward = m.artifact("forward", source_version=1)
     assert [(s.name, s.shape, s.dtype) for s in forward.inputs] == [
-        ("old_embedding", (None, 8), "float32"), ("old_side_info", (None, 4), "float32")]
+        ("old_embedding", (None, 8), "float32"),
+        ("old_side_info", (None, 4), "float32"),
+    ]
     assert m.publisher_key_id == public_key_id(publisher_key.public_key())
     assert m.gate == {**PASSING_GATE, "forced": False, "force_reason": None}
     assert Manifest.from_bytes(m.canonical_bytes()) == m
     assert (bundle.root / MANIFEST_FILE).read_bytes() == m.canonical_bytes()
     assert sorted(p.name for p in bundle.root.iterdir()) == sorted(
-        [MANIFEST_FILE, SIGNATURE_FILE] + [a.file for a in m.artifacts])
+        [MANIFEST_FILE, SIGNATURE_FILE] + [a.file for a in m.artifacts]
+    )
     assert verified.read_artifact("embed") == (bundle.root / "embed.onnx").read_bytes()
 
 
@@ -143,7 +146,7 @@ def test_a_flipped_byte_in_the_publisher_key_id_is_damage_not_another_publisher(
     path = bundle.root / MANIFEST_FILE
     data = path.read_bytes()
     at = data.index(public_key_id(publisher_key.public_key()).encode()) + 40
-    path.write_bytes(data[:at] + (b"0" if data[at:at + 1] != b"0" else b"1") + data[at + 1:])
+    path.write_bytes(data[:at] + (b"0" if data[at : at + 1] != b"0" else b"1") + data[at + 1 :])
     with pytest.raises(SignatureError, match="the manifest or the signature was modified"):
         verify_bundle(bundle.root, publisher_key.public_key())
 

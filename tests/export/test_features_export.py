@@ -17,8 +17,6 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from tests.support.task_runs import synthetic_task_run
-
 from fctkit.cli import cli
 from fctkit.edge_runtime import Device
 from fctkit.errors import ExportError, GateError, InputError
@@ -27,13 +25,19 @@ from fctkit.export.features_release import UserGraphs
 from fctkit.export.keys import generate_keys, load_private_key
 from fctkit.trainer import load_task
 from fctkit.trainer.synthetic import D_NEW, D_OLD
+from tests.support.task_runs import synthetic_task_run
 
-SEARCH = {"selection.temperatures": [0.05, 0.1], "selection.learning_rates": [3e-3], "selection.widths": [256],
-          "selection.weight_decays": [1e-4]}
+SEARCH = {
+    "selection.temperatures": [0.05, 0.1],
+    "selection.learning_rates": [3e-3],
+    "selection.widths": [256],
+    "selection.weight_decays": [1e-4],
+}
 
 
-def selection_graph(path, columns: slice, *, scale: float = 1.0, nan: bool = False, width: int | None = None,
-                    int_input: bool = False):
+def selection_graph(
+    path, columns: slice, *, scale: float = 1.0, nan: bool = False, width: int | None = None, int_input: bool = False
+):
     """A real ONNX graph from an item row [old | new] to one model's columns (times ``scale``)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -44,13 +48,22 @@ def selection_graph(path, columns: slice, *, scale: float = 1.0, nan: bool = Fal
     nodes = [helper.make_node("MatMul", ["item" if not int_input else "item_f", "W"], ["product"])]
     if int_input:
         nodes.insert(0, helper.make_node("Cast", ["item"], ["item_f"], to=TensorProto.FLOAT))
-    nodes.append(helper.make_node("Div", ["product", "zero"], ["embedding"]) if nan else
-                 helper.make_node("Identity", ["product"], ["embedding"]))
+    nodes.append(
+        helper.make_node("Div", ["product", "zero"], ["embedding"])
+        if nan
+        else helper.make_node("Identity", ["product"], ["embedding"])
+    )
     graph = helper.make_graph(
-        nodes, "select", [helper.make_tensor_value_info("item", TensorProto.INT64 if int_input else TensorProto.FLOAT,
-                                                        ["batch", D_OLD + D_NEW])],
+        nodes,
+        "select",
+        [
+            helper.make_tensor_value_info(
+                "item", TensorProto.INT64 if int_input else TensorProto.FLOAT, ["batch", D_OLD + D_NEW]
+            )
+        ],
         [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", picked.shape[1]])],
-        initializer=[numpy_helper.from_array(picked, "W"), numpy_helper.from_array(np.zeros(1, np.float32), "zero")])
+        initializer=[numpy_helper.from_array(picked, "W"), numpy_helper.from_array(np.zeros(1, np.float32), "zero")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, str(path))
@@ -63,21 +76,37 @@ OLD, NEW = slice(0, D_OLD), slice(D_OLD, D_OLD + D_NEW)
 @pytest.fixture(scope="module")
 def task_release(tmp_path_factory):
     root = tmp_path_factory.mktemp("features-release")
-    run = synthetic_task_run(root, n_train=1200, n_eval=500, **{"query_map.enabled": True, "query_positives.enabled": True},
-                             **SEARCH)
+    run = synthetic_task_run(
+        root, n_train=1200, n_eval=500, **{"query_map.enabled": True, "query_positives.enabled": True}, **SEARCH
+    )
     task = root / "task.npz"
     gallery = load_task(task).evaluation.gallery
     items = np.hstack([gallery.old, gallery.new])
     np.savez(root / "sample.npz", input=items[:64], old=gallery.old[:64], new=gallery.new[:64])
     private, public = generate_keys(root / "keys", None)
-    graphs = UserGraphs(selection_graph(root / "old.onnx", OLD), selection_graph(root / "new.onnx", NEW), root / "sample.npz")
-    return {"root": root, "run": run, "task": load_task(task), "graphs": graphs, "key": load_private_key(private, None),
-            "public": public, "private_path": private}
+    graphs = UserGraphs(
+        selection_graph(root / "old.onnx", OLD), selection_graph(root / "new.onnx", NEW), root / "sample.npz"
+    )
+    return {
+        "root": root,
+        "run": run,
+        "task": load_task(task),
+        "graphs": graphs,
+        "key": load_private_key(private, None),
+        "public": public,
+        "private_path": private,
+    }
 
 
 def released(task_release, variant, out, **options):
-    return build_release(task_release["run"].files["gate"].parent, out, private_key=task_release["key"], method=variant,
-                         graphs=task_release["graphs"], **options)
+    return build_release(
+        task_release["run"].files["gate"].parent,
+        out,
+        private_key=task_release["key"],
+        method=variant,
+        graphs=task_release["graphs"],
+        **options,
+    )
 
 
 def device_top1(task_release, bundles, tmp_path) -> tuple[np.ndarray, str]:
@@ -100,7 +129,9 @@ def device_top1(task_release, bundles, tmp_path) -> tuple[np.ndarray, str]:
 
 def recall_at_1(task_release, top: np.ndarray) -> float:
     positives = task_release["task"].evaluation.positives
-    return float(np.mean([top[q] in positives.indices[positives.indptr[q]:positives.indptr[q + 1]] for q in range(len(top))]))
+    return float(
+        np.mean([top[q] in positives.indices[positives.indptr[q] : positives.indptr[q + 1]] for q in range(len(top))])
+    )
 
 
 def gate_top1(task_release, variant) -> tuple[np.ndarray, np.ndarray]:
@@ -108,20 +139,30 @@ def gate_top1(task_release, variant) -> tuple[np.ndarray, np.ndarray]:
     second (where the margin is ~0 a device may break the tie the other way)."""
     from fctkit.trainer.searches import EvalSet, scored_retrieval
 
-    query, rows, distance = scored_retrieval(task_release["run"].adapters[variant], EvalSet.of_task(task_release["task"].evaluation))
+    query, rows, distance = scored_retrieval(
+        task_release["run"].adapters[variant], EvalSet.of_task(task_release["task"].evaluation)
+    )
     if distance == "l2":
-        scores = 2 * query @ rows.T - (rows ** 2).sum(axis=1)  # −‖q − g‖² up to a per-query constant
+        scores = 2 * query @ rows.T - (rows**2).sum(axis=1)  # −‖q − g‖² up to a per-query constant
     else:
-        scores = (query / np.linalg.norm(query, axis=1, keepdims=True)) @ (rows / np.linalg.norm(rows, axis=1, keepdims=True)).T
+        scores = (query / np.linalg.norm(query, axis=1, keepdims=True)) @ (
+            rows / np.linalg.norm(rows, axis=1, keepdims=True)
+        ).T
     best = np.sort(scores, axis=1)[:, -2:]
     return scores.argmax(axis=1), best[:, 1] - best[:, 0]
 
 
-VARIANTS = [("residual+query-map+transition", "transition"), ("residual+hubness", "hubness"), ("residual", "plain"),
-            ("residual+query-positives+hubness", "hubness"), ("residual+query-positives", "plain"),
-            ("residual+query-map", "plain"), ("residual+query-positives+transition", "transition"),
-            ("residual+query-positives+hubness+transition", "transition+hubness"),
-            ("residual+query-map+hubness+transition", "transition+hubness")]
+VARIANTS = [
+    ("residual+query-map+transition", "transition"),
+    ("residual+hubness", "hubness"),
+    ("residual", "plain"),
+    ("residual+query-positives+hubness", "hubness"),
+    ("residual+query-positives", "plain"),
+    ("residual+query-map", "plain"),
+    ("residual+query-positives+transition", "transition"),
+    ("residual+query-positives+hubness+transition", "transition+hubness"),
+    ("residual+query-map+hubness+transition", "transition+hubness"),
+]
 
 
 @pytest.mark.parametrize("variant, scoring", VARIANTS)
@@ -150,13 +191,19 @@ def test_a_device_runs_what_the_gate_judged(task_release, variant, scoring, tmp_
     assert used == scoring
     expected, margin = gate_top1(task_release, variant)
     differs = np.flatnonzero(top != expected)
-    assert (margin[differs] < 1e-4).all(), f"queries {differs[margin[differs] >= 1e-4][:5]} differ from the gate's ranking"
+    assert (margin[differs] < 1e-4).all(), (
+        f"queries {differs[margin[differs] >= 1e-4][:5]} differ from the gate's ranking"
+    )
     assert recall_at_1(task_release, expected) == pytest.approx(gate["cases"][variant]["recall@1"], abs=1e-9)
-    assert recall_at_1(task_release, top) == pytest.approx(v2.gate["cases"][case]["recall@1"], abs=len(differs) / len(top) + 1e-9)
+    assert recall_at_1(task_release, top) == pytest.approx(
+        v2.gate["cases"][case]["recall@1"], abs=len(differs) / len(top) + 1e-9
+    )
 
 
-@pytest.mark.parametrize("variant, scoring", [("residual+query-positives+hubness", "hubness"),
-                                              ("residual+query-map+transition", "transition")])
+@pytest.mark.parametrize(
+    "variant, scoring",
+    [("residual+query-positives+hubness", "hubness"), ("residual+query-map+transition", "transition")],
+)
 def test_a_device_runs_what_the_int8_gate_judged(task_release, variant, scoring, tmp_path):
     """With --quantize int8 the gate is the quantised forward adapter's, searched with the
     variant's query map and scoring; a device running the bundle reproduces it."""
@@ -182,21 +229,38 @@ def test_the_gate_refuses_an_adapter_that_fails_on_the_primary_metric(task_relea
     # what the device would run with transition scoring holds ECC, so that variant may be published
     bundles = released(task_release, "least-squares+transition", tmp_path / "fused")
     assert bundles[1].bundle.manifest.gate["ecc"] == {"forward_1_to_2": True}
-    forced = released(task_release, "least-squares", tmp_path / "forced", force=True, force_reason="test: on the record")
-    assert forced[1].bundle.manifest.gate == forced[1].bundle.manifest.gate | {"forced": True, "ecc": {"forward_1_to_2": False}}
+    forced = released(
+        task_release, "least-squares", tmp_path / "forced", force=True, force_reason="test: on the record"
+    )
+    assert forced[1].bundle.manifest.gate == forced[1].bundle.manifest.gate | {
+        "forced": True,
+        "ecc": {"forward_1_to_2": False},
+    }
 
 
 def test_wrong_graphs_and_samples_are_refused_before_anything_is_signed(task_release, tmp_path):
     graphs = task_release["graphs"]
     cases = [
-        (graphs.__class__(graphs.old, selection_graph(tmp_path / "wide.onnx", NEW, width=D_NEW + 2), graphs.sample),
-         ExportError, "outputs 'embedding' of shape \\(None, 50\\), but the run's features are 48-d"),
-        (graphs.__class__(selection_graph(tmp_path / "nan.onnx", OLD, nan=True), graphs.new, graphs.sample),
-         ExportError, "NaN or inf"),
-        (graphs.__class__(selection_graph(tmp_path / "other.onnx", OLD, scale=1.5), graphs.new, graphs.sample),
-         ExportError, "differs from the sample's features by up to"),
-        (graphs.__class__(selection_graph(tmp_path / "ids.onnx", OLD, int_input=True), graphs.new, graphs.sample),
-         ExportError, "token ids need a preprocessing declaration"),
+        (
+            graphs.__class__(graphs.old, selection_graph(tmp_path / "wide.onnx", NEW, width=D_NEW + 2), graphs.sample),
+            ExportError,
+            "outputs 'embedding' of shape \\(None, 50\\), but the run's features are 48-d",
+        ),
+        (
+            graphs.__class__(selection_graph(tmp_path / "nan.onnx", OLD, nan=True), graphs.new, graphs.sample),
+            ExportError,
+            "NaN or inf",
+        ),
+        (
+            graphs.__class__(selection_graph(tmp_path / "other.onnx", OLD, scale=1.5), graphs.new, graphs.sample),
+            ExportError,
+            "differs from the sample's features by up to",
+        ),
+        (
+            graphs.__class__(selection_graph(tmp_path / "ids.onnx", OLD, int_input=True), graphs.new, graphs.sample),
+            ExportError,
+            "token ids need a preprocessing declaration",
+        ),
         (graphs.__class__(graphs.new, graphs.old, graphs.sample), ExportError, "but the run's features are 32-d"),
         (graphs.__class__(graphs.old, graphs.new, graphs.sample, side_info=graphs.old), InputError, "no side-info"),
     ]
@@ -211,26 +275,59 @@ def test_wrong_graphs_and_samples_are_refused_before_anything_is_signed(task_rel
     with pytest.raises(InputError, match="has no variant 'residual\\+typo'"):
         released(task_release, "residual+typo", tmp_path / "out")
     with pytest.raises(InputError, match="name the embed graphs"):
-        build_release(task_release["run"].files["gate"].parent, tmp_path / "x", private_key=task_release["key"], method="residual")
+        build_release(
+            task_release["run"].files["gate"].parent, tmp_path / "x", private_key=task_release["key"], method="residual"
+        )
 
 
 def released_with(task_release, out, graphs):
     """A plain residual release with these ``graphs``."""
-    return build_release(task_release["run"].files["gate"].parent, out, private_key=task_release["key"], method="residual",
-                         graphs=graphs)
+    return build_release(
+        task_release["run"].files["gate"].parent, out, private_key=task_release["key"], method="residual", graphs=graphs
+    )
 
 
 def test_the_export_cli_takes_the_graphs_and_says_what_devices_will_run(task_release, tmp_path):
     graphs = task_release["graphs"]
-    result = CliRunner().invoke(cli, [
-        "export", str(task_release["run"].files["gate"].parent), "--key", str(task_release["private_path"]),
-        "--out", str(tmp_path / "out"), "--method", "residual+query-map+transition", "--old-graph", str(graphs.old),
-        "--new-graph", str(graphs.new), "--sample", str(graphs.sample), "--transition-days", "7", "--no-progress"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            str(task_release["run"].files["gate"].parent),
+            "--key",
+            str(task_release["private_path"]),
+            "--out",
+            str(tmp_path / "out"),
+            "--method",
+            "residual+query-map+transition",
+            "--old-graph",
+            str(graphs.old),
+            "--new-graph",
+            str(graphs.new),
+            "--sample",
+            str(graphs.sample),
+            "--transition-days",
+            "7",
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "transition scoring from v1: weight" in result.output and "at most 7 days" in result.output
     manifest = json.loads((tmp_path / "out" / "v2" / "manifest.json").read_text())
     assert manifest["transition"]["max_days"] == 7.0
-    missing = CliRunner().invoke(cli, ["export", str(task_release["run"].files["gate"].parent), "--key",
-                                       str(task_release["private_path"]), "--out", str(tmp_path / "o2"), "--method", "residual",
-                                       "--old-graph", str(graphs.old)])
+    missing = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            str(task_release["run"].files["gate"].parent),
+            "--key",
+            str(task_release["private_path"]),
+            "--out",
+            str(tmp_path / "o2"),
+            "--method",
+            "residual",
+            "--old-graph",
+            str(graphs.old),
+        ],
+    )
     assert missing.exit_code != 0 and "needs --new-graph, --sample as well" in missing.output

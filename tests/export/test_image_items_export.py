@@ -14,15 +14,30 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from tests.support.raw_items import device_cli, device_ok, features_run, onnx_forward, unit
-
 from fctkit.cli import cli
 from fctkit.edge_runtime import Device
+from tests.support.raw_items import device_cli, device_ok, features_run, onnx_forward, unit
 
 DECLARATION = {
-    "old": {"kind": "image", "input": "pixels", "crop": [16, 16], "resize": 16, "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25]},
-    "new": {"kind": "image", "input": "image", "crop": [16, 16], "resize": 18, "mode": "BGR", "layout": "NHWC",
-            "resample": "bicubic", "mean": [0.4, 0.45, 0.5], "std": [0.2, 0.3, 0.25]},
+    "old": {
+        "kind": "image",
+        "input": "pixels",
+        "crop": [16, 16],
+        "resize": 16,
+        "mean": [0.5, 0.5, 0.5],
+        "std": [0.25, 0.25, 0.25],
+    },
+    "new": {
+        "kind": "image",
+        "input": "image",
+        "crop": [16, 16],
+        "resize": 18,
+        "mode": "BGR",
+        "layout": "NHWC",
+        "resample": "bicubic",
+        "mean": [0.4, 0.45, 0.5],
+        "std": [0.2, 0.3, 0.25],
+    },
 }
 RESAMPLE = {"bilinear": 2, "bicubic": 3}
 
@@ -33,8 +48,15 @@ def cnn(dim: int, *, channels_last: bool):
     class Net(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.body = torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(6, 8, 3, stride=2),
-                                            torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, dim))
+            self.body = torch.nn.Sequential(
+                torch.nn.Conv2d(3, 6, 3, padding=1),
+                torch.nn.ReLU(),
+                torch.nn.Conv2d(6, 8, 3, stride=2),
+                torch.nn.ReLU(),
+                torch.nn.AdaptiveAvgPool2d(1),
+                torch.nn.Flatten(),
+                torch.nn.Linear(8, dim),
+            )
 
         def forward(self, x):
             return self.body(x.permute(0, 3, 1, 2) if channels_last else x)
@@ -55,8 +77,8 @@ def reference_pixels(data: bytes, declaration: dict) -> np.ndarray:
     size = declaration["resize"]
     target = (size, int(size * height / short)) if width <= height else (int(size * width / short), size)
     pixels = np.asarray(image.resize(target, resample=RESAMPLE[declaration.get("resample", "bilinear")]), np.float32)
-    top, left = int(round((pixels.shape[0] - 16) / 2)), int(round((pixels.shape[1] - 16) / 2))
-    pixels = pixels[top:top + 16, left:left + 16]
+    top, left = round((pixels.shape[0] - 16) / 2), round((pixels.shape[1] - 16) / 2)
+    pixels = pixels[top : top + 16, left : left + 16]
     if declaration.get("mode") == "BGR":
         pixels = pixels[..., ::-1]
     pixels = (pixels / 255 - np.array(declaration["mean"], np.float32)) / np.array(declaration["std"], np.float32)
@@ -67,7 +89,9 @@ def torch_features(model, files: list[bytes], declaration: dict) -> np.ndarray:
     import torch
 
     with torch.no_grad():
-        return model(torch.from_numpy(np.stack([reference_pixels(f, declaration) for f in files]).astype(np.float32))).numpy()
+        return model(
+            torch.from_numpy(np.stack([reference_pixels(f, declaration) for f in files]).astype(np.float32))
+        ).numpy()
 
 
 def write_images(folder, n: int, rng) -> list[bytes]:
@@ -95,19 +119,47 @@ def image_release(tmp_path_factory):
     rng = np.random.default_rng(5)
     files = write_images(root / "gallery", 120, rng)
     old_model, new_model = cnn(8, channels_last=False), cnn(10, channels_last=True)
-    old, new = torch_features(old_model, files, DECLARATION["old"]), torch_features(new_model, files, DECLARATION["new"])
+    old, new = (
+        torch_features(old_model, files, DECLARATION["old"]),
+        torch_features(new_model, files, DECLARATION["new"]),
+    )
     run = features_run(root / "train", old, new, np.arange(120) % 6)
     export_onnx(old_model, [InputSpec("pixels", (3, 16, 16))], ["embedding"], root / "old.onnx")
     export_onnx(new_model, [InputSpec("image", (16, 16, 3))], ["embedding"], root / "new.onnx")
     names = sorted(p.name for p in (root / "gallery").iterdir())
-    (root / "sample.jsonl").write_text("".join(json.dumps({"image": f"gallery/{n}", "old": old[i].tolist(), "new": new[i].tolist()})
-                                               + "\n" for i, n in enumerate(names[:20])))
+    (root / "sample.jsonl").write_text(
+        "".join(
+            json.dumps({"image": f"gallery/{n}", "old": old[i].tolist(), "new": new[i].tolist()}) + "\n"
+            for i, n in enumerate(names[:20])
+        )
+    )
     (root / "preprocessing.json").write_text(json.dumps(DECLARATION))
     private, public = generate_keys(root / "keys", None)
-    done = CliRunner().invoke(cli, [
-        "export", str(run), "--key", str(private), "--out", str(root / "out"), "--method", "least-squares", "--old-graph",
-        str(root / "old.onnx"), "--new-graph", str(root / "new.onnx"), "--sample", str(root / "sample.jsonl"),
-        "--preprocessing", str(root / "preprocessing.json"), "--force", "--reason", "test: random CNNs", "--no-progress"])
+    done = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            str(run),
+            "--key",
+            str(private),
+            "--out",
+            str(root / "out"),
+            "--method",
+            "least-squares",
+            "--old-graph",
+            str(root / "old.onnx"),
+            "--new-graph",
+            str(root / "new.onnx"),
+            "--sample",
+            str(root / "sample.jsonl"),
+            "--preprocessing",
+            str(root / "preprocessing.json"),
+            "--force",
+            "--reason",
+            "test: random CNNs",
+            "--no-progress",
+        ],
+    )
     assert done.exit_code == 0, done.output
     queries = write_images(root / "queries", 6, rng)
     return {"root": root, "files": files, "old": old, "queries": queries, "new_model": new_model, "public": public}
@@ -116,7 +168,12 @@ def image_release(tmp_path_factory):
 def test_a_device_adds_a_folder_upgrades_and_answers_image_queries_as_the_reference(image_release, tmp_path):
     root, folder = image_release["root"], str(tmp_path / "device")
     v2 = json.loads((root / "out" / "v2" / "manifest.json").read_text())
-    assert sorted(p.suffix for p in (root / "out" / "v2").iterdir()) == [".json", ".onnx", ".onnx", ".sig"]  # no engines
+    assert sorted(p.suffix for p in (root / "out" / "v2").iterdir()) == [
+        ".json",
+        ".onnx",
+        ".onnx",
+        ".sig",
+    ]  # no engines
     assert v2["preprocessing"]["embed"]["layout"] == "NHWC" and "raw items" in v2["parity"]["embed"]["against"]
     device_ok("init", "--dir", folder, "--publisher-key", str(image_release["public"]))
     device_ok("upgrade", "--dir", folder, "--bundle", str(root / "out" / "v1"), "--quiet")

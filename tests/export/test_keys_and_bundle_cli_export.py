@@ -52,7 +52,7 @@ def test_passphrase_protected_key(tmp_path):
 
 
 def test_a_readable_private_key_is_refused(tmp_path):
-    private_path, public_path = generate_keys(tmp_path)
+    private_path, _public_path = generate_keys(tmp_path)
     private_path.chmod(0o644)
     with pytest.raises(PublisherKeyError, match="chmod 600"):
         load_private_key(private_path)
@@ -106,7 +106,7 @@ def test_cli_generate_build_verify_pack(tmp_path, passing_gate, monkeypatch, tin
     build = ["bundle", "build", str(spec), "--key", str(tmp_path / "keys/publisher.key"), "--out", str(tmp_path / "v2")]
     result = _run(build)
     assert result.exit_code != 0 and "passphrase-encrypted" in str(result.exception)
-    result = _run(build + ["--passphrase-file", str(tmp_path / "pass"), "--archive", str(tmp_path / "v2.tar")])
+    result = _run([*build, "--passphrase-file", str(tmp_path / "pass"), "--archive", str(tmp_path / "v2.tar")])
     assert result.exit_code == 0, result.output
     assert "OK bundle v2" in result.output and "forward_1_to_2" in result.output
 
@@ -132,9 +132,9 @@ def test_cli_gate_refusal_and_force(tmp_path, passing_gate, monkeypatch, tiny_so
     build = ["bundle", "build", str(spec), "--key", str(tmp_path / "keys/publisher.key"), "--out", str(tmp_path / "v2")]
     result = _run(build)
     assert result.exit_code != 0 and "publishing refused" in str(result.exception)
-    result = _run(build + ["--force"])
+    result = _run([*build, "--force"])
     assert "needs a reason" in str(result.exception)
-    result = _run(build + ["--force", "--reason", "known regression on class 7, fix in v3"])
+    result = _run([*build, "--force", "--reason", "known regression on class 7, fix in v3"])
     assert result.exit_code == 0, result.output
     assert "WARNING gate overridden (forced): known regression" in result.output
 
@@ -143,7 +143,9 @@ def test_cli_spec_errors_are_clear(tmp_path, tiny_sources):
     generate_keys(tmp_path / "keys")
     spec = _write_spec(tmp_path, tiny_sources, gate=None)
     spec.write_text(spec.read_text().replace("normalize = true", "normalise = true"))
-    result = _run(["bundle", "build", str(spec), "--key", str(tmp_path / "keys/publisher.key"), "--out", str(tmp_path / "o")])
+    result = _run(
+        ["bundle", "build", str(spec), "--key", str(tmp_path / "keys/publisher.key"), "--out", str(tmp_path / "o")]
+    )
     assert result.exit_code != 0 and "unknown key(s) 'normalise'" in str(result.exception)
 
 
@@ -163,8 +165,13 @@ def test_fctkit_bundle_verify_runs_without_torch_or_onnx(tmp_path, publisher_key
         assert not any(m.split(".")[0] in ("torch", "onnx") for m in sys.modules), "torch/onnx imported"
         """
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "OK bundle v2" in proc.stdout and "4 graph(s) load" in proc.stdout
 
@@ -174,7 +181,9 @@ def test_bundle_verify_without_onnxruntime_says_what_to_install(tmp_path, publis
 
     bundle = make_bundle(tmp_path / "v2", publisher_key)
     public = save_public_key(publisher_key.public_key(), tmp_path / "publisher.pub")
-    code = BLOCK_TORCH_AND_ONNX.replace('("torch", "onnx", "onnxscript")', '("torch", "onnx", "onnxscript", "onnxruntime")') + (
+    code = BLOCK_TORCH_AND_ONNX.replace(
+        '("torch", "onnx", "onnxscript")', '("torch", "onnx", "onnxscript", "onnxruntime")'
+    ) + (
         f"from fctkit.cli import main\nmain(['bundle', 'verify', {str(bundle.root)!r}, '--public-key', {str(public)!r}])\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
@@ -199,22 +208,22 @@ def test_cli_gate_from_a_trainer_report(tmp_path, tiny_sources, monkeypatch):
     verdicts = {"forward": "ECC (top1)", "backward": "ECC backward (top1)"}
     spec = _write_spec(tmp_path, tiny_sources, gate=_trainer_report(0.93), verdicts=verdicts)
     build = ["bundle", "build", str(spec), "--key", str(tmp_path / "keys/publisher.key")]
-    result = _run(build + ["--out", str(tmp_path / "ok")])
+    result = _run([*build, "--out", str(tmp_path / "ok")])
     assert result.exit_code == 0, result.output
     manifest = json.loads((tmp_path / "ok/manifest.json").read_text())
     assert manifest["gate"]["cases"]["new/h(old)"] == {"top1": 0.93, "top5": 0.99, "mAP": 0.93 - 0.1}
     assert manifest["gate"]["ecc"] == {"forward_1_to_2": True, "backward_2_to_1": True}
 
     (tmp_path / "gate.json").write_text(json.dumps(_trainer_report(0.85)))  # ECC fails for h
-    result = _run(build + ["--out", str(tmp_path / "refused")])
+    result = _run([*build, "--out", str(tmp_path / "refused")])
     assert "publishing refused" in str(result.exception) and "forward_1_to_2" in str(result.exception)
 
     spec.write_text(spec.read_text().replace('ecc = "ECC (top1)"', 'ecc = "ECC (top5)"', 1))
-    result = _run(build + ["--out", str(tmp_path / "unknown")])
+    result = _run([*build, "--out", str(tmp_path / "unknown")])
     assert "verdict 'ECC (top5)'" in str(result.exception)
     report = _trainer_report(0.93)
     report["verdicts"].append(dict(report["verdicts"][0]))
     (tmp_path / "gate.json").write_text(json.dumps(report))
     spec.write_text(spec.read_text().replace('ecc = "ECC (top5)"', 'ecc = "ECC (top1)"'))
-    result = _run(build + ["--out", str(tmp_path / "ambiguous")])
+    result = _run([*build, "--out", str(tmp_path / "ambiguous")])
     assert "several verdicts named 'ECC (top1)'" in str(result.exception)

@@ -22,14 +22,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from fctkit.cli import cli
+from fctkit.edge_runtime import Device
 from tests.edge.conftest import enrolment_code, publish
 from tests.server.conftest import ServerProcess, admin_token_file  # noqa: F401 (a fixture)
 from tests.support.benchmark_scripts import benchmark_script
 from tests.support.raw_items import device_ok, features_run, onnx_forward, unit
 from tests.support.tiny_lite import encoded, textured_picture, tiny_lite
-
-from fctkit.cli import cli
-from fctkit.edge_runtime import Device
 
 pytest.importorskip("efficientnet_lite_pytorch")
 
@@ -61,14 +60,48 @@ def release(bench, tmp_path_factory) -> SimpleNamespace:
         bench.export_graph(modules[name], size, root / f"{name}.onnx")
         features[name] = bench.torch_reference(modules[name], bench.lite_declaration(size), files)
     run = features_run(root / "train", features["old"], features["new"], np.arange(PHOTOS) % 5)
-    (root / "sample.jsonl").write_text("".join(json.dumps({"image": f"photos/photo{i:03d}.jpg", "old": features["old"][i].tolist(),
-                                                           "new": features["new"][i].tolist()}) + "\n" for i in range(0, PHOTOS, 2)))
-    (root / "preprocessing.json").write_text(json.dumps({n: bench.lite_declaration(size) for n, (size, _, _) in MODELS.items()}))
+    (root / "sample.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "image": f"photos/photo{i:03d}.jpg",
+                    "old": features["old"][i].tolist(),
+                    "new": features["new"][i].tolist(),
+                }
+            )
+            + "\n"
+            for i in range(0, PHOTOS, 2)
+        )
+    )
+    (root / "preprocessing.json").write_text(
+        json.dumps({n: bench.lite_declaration(size) for n, (size, _, _) in MODELS.items()})
+    )
     private, public = generate_keys(root / "keys", None)
-    done = CliRunner().invoke(cli, [
-        "export", str(run), "--key", str(private), "--out", str(root / "out"), "--method", "least-squares",
-        "--old-graph", str(root / "old.onnx"), "--new-graph", str(root / "new.onnx"), "--sample", str(root / "sample.jsonl"),
-        "--preprocessing", str(root / "preprocessing.json"), "--force", "--reason", "test: random tiny Lites", "--no-progress"])
+    done = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            str(run),
+            "--key",
+            str(private),
+            "--out",
+            str(root / "out"),
+            "--method",
+            "least-squares",
+            "--old-graph",
+            str(root / "old.onnx"),
+            "--new-graph",
+            str(root / "new.onnx"),
+            "--sample",
+            str(root / "sample.jsonl"),
+            "--preprocessing",
+            str(root / "preprocessing.json"),
+            "--force",
+            "--reason",
+            "test: random tiny Lites",
+            "--no-progress",
+        ],
+    )
     assert done.exit_code == 0, done.output
     return SimpleNamespace(root=root, pictures=pictures, files=files, modules=modules, features=features, public=public)
 
@@ -97,7 +130,12 @@ def test_jpeg_files_in_the_upgrade_and_jpeg_queries_out_on_a_device_and_a_server
 
     publish(server, out / "v2", tmp_path)
     synced = json.loads(device_ok("sync", "--dir", device, "--quiet"))
-    assert (synced["installed_after"], synced["hops"], synced["rows_upgraded"], synced["still_queued"]) == (2, "v1 -> v2", PHOTOS, 0)
+    assert (synced["installed_after"], synced["hops"], synced["rows_upgraded"], synced["still_queued"]) == (
+        2,
+        "v1 -> v2",
+        PHOTOS,
+        0,
+    )
     assert synced["upgrade_health"]["sample_size"] == HEALTH_SAMPLE, synced["upgrade_health"]
     stored_on_server = b"".join(p.read_bytes() for p in server.data_dir.rglob("*") if p.is_file())
     assert not any(f[-80:-16] in stored_on_server for f in release.files)  # the vault holds sealed originals only
@@ -107,8 +145,12 @@ def test_jpeg_files_in_the_upgrade_and_jpeg_queries_out_on_a_device_and_a_server
         queries = [photo_data.edited_copy(release.pictures[i], rng) for i in range(QUERIES)]
     for i, query in enumerate(queries):
         (tmp_path / f"query{i}.jpg").write_bytes(query)
-    answers = [json.loads(line) for line in device_ok(
-        "query", "--dir", device, *(str(tmp_path / f"query{i}.jpg") for i in range(QUERIES)), "-k", "3").splitlines()]
+    answers = [
+        json.loads(line)
+        for line in device_ok(
+            "query", "--dir", device, *(str(tmp_path / f"query{i}.jpg") for i in range(QUERIES)), "-k", "3"
+        ).splitlines()
+    ]
 
     adapted = onnx_forward(out / "v2", release.features["old"])
     asked = bench.torch_reference(release.modules["new"], bench.lite_declaration(40), queries)
@@ -119,7 +161,9 @@ def test_jpeg_files_in_the_upgrade_and_jpeg_queries_out_on_a_device_and_a_server
     spaces = [str(tag) for tag in stored.tags]
     assert sorted(order) == list(range(PHOTOS)) and sorted(set(spaces)) == ["v1->v2 (forward)", "v2"]
     assert spaces.count("v2") == HEALTH_SAMPLE
-    wanted_rows = np.stack([release.features["new"][i] if s == "v2" else adapted[i] for i, s in zip(order, spaces, strict=True)])
+    wanted_rows = np.stack(
+        [release.features["new"][i] if s == "v2" else adapted[i] for i, s in zip(order, spaces, strict=True)]
+    )
     np.testing.assert_allclose(np.stack(stored.embeddings), wanted_rows, atol=1e-4)
     similarity = unit(asked) @ unit(wanted_rows).T
     assert [a["id"] for a in answers] == [f"query{i}.jpg" for i in range(QUERIES)]

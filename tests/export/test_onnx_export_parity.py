@@ -65,7 +65,9 @@ def test_export_writes_one_checked_file_with_dynamic_batch(exported):
     assert not list(result.path.parent.glob("*.data")) and not list(result.path.parent.glob(".*partial"))
     assert "BatchNormalization" not in {n.op_type for n in model.graph.node}, "BN must be folded in eval mode"
     assert [(s.name, s.shape, s.dtype) for s in result.inputs] == [
-        ("old_embedding", (None, 12), "float32"), ("old_side_info", (None, 5), "float32")]
+        ("old_embedding", (None, 12), "float32"),
+        ("old_side_info", (None, 5), "float32"),
+    ]
     assert [(s.name, s.shape) for s in result.outputs] == [("new_embedding", (None, 6))]
     assert result.precision == "fp32" and result.opset >= 17
     assert result.size_bytes == result.path.stat().st_size > 0 and result.export_seconds > 0
@@ -75,7 +77,11 @@ def test_parity_holds_on_all_batch_sizes_and_the_real_batch(exported, real_batch
     module, result = exported
     report = check_parity(module, result.path, real_batch)
     assert list(report.per_batch) == ["batch_1", "batch_7", "batch_1000", "real_50"]
-    assert report.passed and report.max_abs_error <= FP32_TOLERANCE and report.tolerance == FP32_TOLERANCE * max(1.0, report.max_abs_reference)
+    assert (
+        report.passed
+        and report.max_abs_error <= FP32_TOLERANCE
+        and report.tolerance == FP32_TOLERANCE * max(1.0, report.max_abs_reference)
+    )
     assert report.max_abs_reference > 0.1
     assert module.training, "check_parity must not leave the module in eval mode"
     onnx_out = run_onnx(result.path, real_batch, batch_size=16)[0]

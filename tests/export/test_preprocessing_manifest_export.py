@@ -30,11 +30,18 @@ def linear_graph(path, input_name: str, shape: list, *, dtype: str = "float"):
 
     elem = TensorProto.FLOAT if dtype == "float" else TensorProto.INT64
     flat = int(np.prod([d for d in shape[1:] if isinstance(d, int)]))
-    nodes = [helper.make_node("Flatten", [input_name], ["flat"]), helper.make_node("Cast", ["flat"], ["flatf"], to=TensorProto.FLOAT),
-             helper.make_node("MatMul", ["flatf", "W"], ["embedding"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(input_name, elem, shape)],
-                              [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", 5])],
-                              initializer=[numpy_helper.from_array(np.ones((flat, 5), np.float32), "W")])
+    nodes = [
+        helper.make_node("Flatten", [input_name], ["flat"]),
+        helper.make_node("Cast", ["flat"], ["flatf"], to=TensorProto.FLOAT),
+        helper.make_node("MatMul", ["flatf", "W"], ["embedding"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(input_name, elem, shape)],
+        [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", 5])],
+        initializer=[numpy_helper.from_array(np.ones((flat, 5), np.float32), "W")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, str(path))
@@ -43,9 +50,18 @@ def linear_graph(path, input_name: str, shape: list, *, dtype: str = "float"):
 
 def image_bundle(tmp_path, name="b", *, preprocessing=IMAGE_SECTION, graph=None, extra=()):
     graph = graph or linear_graph(tmp_path / f"{name}.onnx", "pixels", ["batch", 3, 4, 4])
-    return build_bundle(tmp_path / name, version=1, parents=(), mode="forward", distance="cosine", normalize=True,
-                        artifacts=[ArtifactSource(graph, "embed"), *extra], gate=GATE, private_key=KEY,
-                        preprocessing=preprocessing)
+    return build_bundle(
+        tmp_path / name,
+        version=1,
+        parents=(),
+        mode="forward",
+        distance="cosine",
+        normalize=True,
+        artifacts=[ArtifactSource(graph, "embed"), *extra],
+        gate=GATE,
+        private_key=KEY,
+        preprocessing=preprocessing,
+    )
 
 
 def resigned(bundle, edit) -> None:
@@ -93,8 +109,13 @@ def test_graphs_and_tokenizers_must_match_the_declarations(tmp_path):
     spare = ArtifactSource(tokenizer, "tokenizer", name="spare")
     with pytest.raises(BundleFormatError, match="\\['spare'\\] are not named by any declaration"):
         image_bundle(tmp_path, "spare", extra=(spare,))
-    bundle = image_bundle(tmp_path, "text", preprocessing=Preprocessing((("embed", text),)), graph=tokens,
-                          extra=(ArtifactSource(tokenizer, "tokenizer"),))
+    bundle = image_bundle(
+        tmp_path,
+        "text",
+        preprocessing=Preprocessing((("embed", text),)),
+        graph=tokens,
+        extra=(ArtifactSource(tokenizer, "tokenizer"),),
+    )
     assert [(a.role, a.file, a.inputs) for a in bundle.manifest.artifacts][1] == ("tokenizer", "tokenizer.json", ())
     (bundle.root / "tokenizer.json").write_text(word_level_json().replace('"b":5', '"b":6'))
     with pytest.raises(HashMismatchError, match="tokenizer"):
@@ -127,7 +148,9 @@ def test_an_image_is_converted_resized_cropped_and_laid_out_as_declared():
     np.testing.assert_allclose(decode_image(png(pixels), grey), (luminance * 2 - 10) / 4)
     bgr = ImagePreprocessing(input="x", crop=(6, 8), mode="BGR", mean=(0.0,) * 3, std=(1.0,) * 3)
     np.testing.assert_allclose(decode_image(png(pixels), bgr), pixels[..., ::-1].transpose(2, 0, 1) / 255, rtol=1e-6)
-    resized = decode_image(png(pixels), ImagePreprocessing(input="x", crop=(3, 4), resize=3, mean=(0.0,) * 3, std=(1.0,) * 3))
+    resized = decode_image(
+        png(pixels), ImagePreprocessing(input="x", crop=(3, 4), resize=3, mean=(0.0,) * 3, std=(1.0,) * 3)
+    )
     assert resized.shape == (3, 3, 4)  # 6x8 -> shorter side 3: 3x4, then the crop
     with pytest.raises(ItemProblem, match="smaller than the 8x8 crop"):
         decode_image(png(pixels), ImagePreprocessing(input="x", crop=(8, 8), mean=(0.0,) * 3, std=(1.0,) * 3))
@@ -140,7 +163,7 @@ def test_an_image_is_converted_resized_cropped_and_laid_out_as_declared():
 def test_mean_pooling_ignores_padding_so_a_text_embeds_alike_in_any_batch():
     declaration = TextPreprocessing(output="h", max_length=6, pooling="mean", normalize=False)
     short, long = np.array([[2, 7, 3], [0, 0, 0]]), np.array([[2, 7, 8, 9, 3], [0, 0, 0, 0, 0]])
-    ids, mask, types = pad_tokens([short, long], declaration)
+    ids, mask, _types = pad_tokens([short, long], declaration)
     assert ids.tolist() == [[2, 7, 3, 0, 0], [2, 7, 8, 9, 3]] and mask.sum(axis=1).tolist() == [3, 5]
     hidden = np.random.default_rng(1).normal(size=(2, 5, 4)).astype(np.float32)
     np.testing.assert_allclose(pool(hidden, mask, declaration)[0], hidden[0, :3].mean(axis=0), rtol=1e-6)
@@ -155,8 +178,13 @@ def test_a_missing_extra_is_named(tmp_path, monkeypatch):
     tokenizer = tmp_path / "tokenizer.json"
     tokenizer.write_text(word_level_json())
     text = TextPreprocessing(output="embedding", attention_mask=None, pooling="none")
-    bundle = image_bundle(tmp_path, "text", preprocessing=Preprocessing((("embed", text),)), graph=tokens,
-                          extra=(ArtifactSource(tokenizer, "tokenizer"),))
+    bundle = image_bundle(
+        tmp_path,
+        "text",
+        preprocessing=Preprocessing((("embed", text),)),
+        graph=tokens,
+        extra=(ArtifactSource(tokenizer, "tokenizer"),),
+    )
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(DependencyError, match="fctkit\\[text\\]"):
         Preprocessor(text, bundle.manifest.artifact("embed"), tokenizer.read_bytes())

@@ -91,30 +91,55 @@ def test_a_quantised_graph_that_breaks_retrieval_is_refused_unless_forced(releas
     broken = tmp_path / "broken-int8.onnx"
     onnx.save(model, str(broken))
     bad = dataclasses.replace(forward, export=dataclasses.replace(forward.export, path=broken))
-    gate = {"cases": {c: run.gate["cases"][k] for c, k in (("old/old", "old/old"), ("new/new", "new/new"), ("new/h(old)", "fct"))},
-            "ecc": {"forward_1_to_2": True}}
+    gate = {
+        "cases": {
+            c: run.gate["cases"][k] for c, k in (("old/old", "old/old"), ("new/new", "new/new"), ("new/h(old)", "fct"))
+        },
+        "ecc": {"forward_1_to_2": True},
+    }
     with pytest.raises(GateError, match="with the int8 forward adapter ECC does not hold on top1"):
         judged_gate(run, "fct", gate, bad, force=False)
     forced = judged_gate(run, "fct", gate, bad, force=True)
-    assert forced["ecc"] == {"forward_1_to_2": False} and forced["quantization"]["quantized"] < gate["cases"]["old/old"]["top1"]
+    assert (
+        forced["ecc"] == {"forward_1_to_2": False}
+        and forced["quantization"]["quantized"] < gate["cases"]["old/old"]["top1"]
+    )
 
 
 def test_fp16_and_bad_combinations(release, private_key, tmp_path):
-    v1, v2 = export_release(release.run_dir, tmp_path / "fp16", private_key=private_key, method="fastfill", quantize="fp16")
+    _v1, v2 = export_release(
+        release.run_dir, tmp_path / "fp16", private_key=private_key, method="fastfill", quantize="fp16"
+    )
     assert v2.manifest.artifact("forward", source_version=1, target_version=2).precision == "fp16"
     assert v2.manifest.artifact("uncertainty", source_version=1, target_version=2).precision == "fp32"
     assert v2.manifest.gate["quantization"]["precision"] == "fp16"
-    for options, message in (({"quantize": "int4"}, "unknown quantisation 'int4'"),
-                             ({"quantize": "int8", "fp16": True}, "give --fp16 or --quantize, not both"),
-                             ({"quantize": "int8", "chain": True}, "chain releases are exported in fp32 only")):
+    for options, message in (
+        ({"quantize": "int4"}, "unknown quantisation 'int4'"),
+        ({"quantize": "int8", "fp16": True}, "give --fp16 or --quantize, not both"),
+        ({"quantize": "int8", "chain": True}, "chain releases are exported in fp32 only"),
+    ):
         with pytest.raises(InputError, match=message):
             build_release(release.run_dir, tmp_path / "bad", private_key=private_key, **options)
         assert not (tmp_path / "bad").exists()
 
 
 def test_the_cli_says_what_quantising_cost(release, tmp_path):
-    done = CliRunner().invoke(cli, ["export", str(release.run_dir), "--key", str(release.private_key_path), "--out",
-                                    str(tmp_path / "out"), "--method", "fct", "--quantize", "int8", "--no-progress"])
+    done = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            str(release.run_dir),
+            "--key",
+            str(release.private_key_path),
+            "--out",
+            str(tmp_path / "out"),
+            "--method",
+            "fct",
+            "--quantize",
+            "int8",
+            "--no-progress",
+        ],
+    )
     assert done.exit_code == 0, done.output
     manifest = json.loads((tmp_path / "out" / "v2" / "manifest.json").read_text())
     record = manifest["gate"]["quantization"]
@@ -125,10 +150,22 @@ def test_a_manifest_whose_quantization_record_names_an_fp32_graph_is_refused(int
     from fctkit.export.bundle_builder import ArtifactSource, build_bundle
 
     v2 = int8_release[1].bundle
-    sources = [ArtifactSource(v2.artifact_path(a.name), a.role, a.source_version, a.target_version) for a in v2.manifest.artifacts]
+    sources = [
+        ArtifactSource(v2.artifact_path(a.name), a.role, a.source_version, a.target_version)
+        for a in v2.manifest.artifacts
+    ]
     gate = {k: v2.manifest.gate[k] for k in ("cases", "ecc")}
     record = dict(v2.manifest.gate["quantization"], artifacts=["embed"])
     with pytest.raises(BundleFormatError, match="must name this bundle's int8 artifacts"):
-        build_bundle(tmp_path / "b", version=2, parents=(1,), mode="forward", distance="l2", normalize=False, artifacts=sources,
-                     gate={**gate, "quantization": record}, private_key=private_key)
+        build_bundle(
+            tmp_path / "b",
+            version=2,
+            parents=(1,),
+            mode="forward",
+            distance="l2",
+            normalize=False,
+            artifacts=sources,
+            gate={**gate, "quantization": record},
+            private_key=private_key,
+        )
     verify_bundle(v2.root, private_key.public_key())

@@ -59,7 +59,10 @@ def test_forward_release_reproduces_the_runs_figures(release, run, private_key, 
     assert {v1.manifest.mode, v2.manifest.mode} == {"forward"}
     assert (v2.manifest.distance, v2.manifest.normalize) == ("l2", False)
     features = run.eval_features
-    assert (v1.manifest.embedding_dim, v2.manifest.embedding_dim) == (features["old"].shape[1], features["new"].shape[1])
+    assert (v1.manifest.embedding_dim, v2.manifest.embedding_dim) == (
+        features["old"].shape[1],
+        features["new"].shape[1],
+    )
     assert v2.manifest.side_info_dim == features["side"].shape[1]
     # ψ is the same model in both versions: the same graph bytes.
     assert v1.manifest.artifact("side_info").sha256 == v2.manifest.artifact("side_info").sha256
@@ -74,15 +77,24 @@ def test_forward_release_reproduces_the_runs_figures(release, run, private_key, 
     old = onnx(v1, "embed", run.eval_images)
     np.testing.assert_allclose(old, features["old"], atol=1e-4)
     adapted = onnx(v2, "forward_1_to_2", features["old"], features["side"])
-    assert top1(features["new"], adapted, features["labels"]) == pytest.approx(gate["cases"]["fastfill"]["top1"], abs=1e-3)
+    assert top1(features["new"], adapted, features["labels"]) == pytest.approx(
+        gate["cases"]["fastfill"]["top1"], abs=1e-3
+    )
     sigma = onnx(v2, "uncertainty_1_to_2", features["old"], features["side"])
     assert sigma.shape == (len(old),) and np.all(sigma > 0)
 
 
 def test_unified_fp16_release_carries_forward_and_backward(release, run, private_key, tmp_path):
     override = unified_override(release.run_dir)
-    v1, v2 = export_release(release.run_dir, tmp_path, private_key=private_key, method=UNIFIED_METHOD,
-                            first_version=4, fp16=True, **override)
+    v1, v2 = export_release(
+        release.run_dir,
+        tmp_path,
+        private_key=private_key,
+        method=UNIFIED_METHOD,
+        first_version=4,
+        fp16=True,
+        **override,
+    )
     assert {a.precision for b in (v1, v2) for a in b.manifest.artifacts} == {"fp16"}
     assert (v1.manifest.version, v2.manifest.version, v2.manifest.parents) == (4, 5, (4,))
     assert {v1.manifest.mode, v2.manifest.mode} == {"unified"}
@@ -141,7 +153,9 @@ def test_cli_refuses_a_failing_gate_and_records_a_forced_release(release, tmp_pa
     out = tmp_path / "release"
     passphrase = tmp_path / "passphrase"
     passphrase.write_text("correct horse battery staple\n")
-    made = CliRunner().invoke(cli, ["keys", "generate", "--out", str(tmp_path / "keys"), "--passphrase-file", str(passphrase)])
+    made = CliRunner().invoke(
+        cli, ["keys", "generate", "--out", str(tmp_path / "keys"), "--passphrase-file", str(passphrase)]
+    )
     assert made.exit_code == 0, made.output
     key, public_key = tmp_path / "keys" / "publisher.key", tmp_path / "keys" / "publisher.pub"
     base = ["export", str(run_dir), "--key", str(key), "--out", str(out), "--no-progress"]
@@ -156,9 +170,15 @@ def test_cli_refuses_a_failing_gate_and_records_a_forced_release(release, tmp_pa
 
     forced = CliRunner().invoke(cli, [*base, "--force", "--reason", "test: tiny run, override on the record"])
     assert forced.exit_code == 0, forced.output
-    for line in ("bundle v1 (parents none, mode forward)", "bundle v2 (parents v1, mode forward)",
-                 "forward_1_to_2", "adapters/fct.pt", "(same graph as v1)", "ECC gate: forward_1_to_2 FAILS",
-                 "WARNING gate overridden (forced, recorded in the manifest): test: tiny run"):
+    for line in (
+        "bundle v1 (parents none, mode forward)",
+        "bundle v2 (parents v1, mode forward)",
+        "forward_1_to_2",
+        "adapters/fct.pt",
+        "(same graph as v1)",
+        "ECC gate: forward_1_to_2 FAILS",
+        "WARNING gate overridden (forced, recorded in the manifest): test: tiny run",
+    ):
         assert line in forced.output, line
     verified = CliRunner().invoke(cli, ["bundle", "verify", str(out / "v2.tar"), "--public-key", str(public_key)])
     assert verified.exit_code == 0, verified.output
@@ -209,10 +229,16 @@ def test_plan_numbers_versions_and_names_sources(run):
     v5, v6 = plan_release(run, method="fct", first_version=5)
     assert (v5.version, v5.parents, v6.version, v6.parents) == (5, (), 6, (5,))
     assert {r.name: r.source for r in v6.roles} == {
-        "embed": "models/new_backbone.pt", "side_info": "models/side_info.pt", "forward_5_to_6": "adapters/fct.pt"}
+        "embed": "models/new_backbone.pt",
+        "side_info": "models/side_info.pt",
+        "forward_5_to_6": "adapters/fct.pt",
+    }
     assert v5.gate == {"cases": {"old/old": run.gate["cases"]["old/old"]}, "ecc": {}}
     chain = plan_release(run, chain=True, first_version=2)
     assert [p.version for p in chain] == [2, 3, 4]
     assert {r.name: r.source for r in chain[2].roles} == {
-        "embed": "models/chain_v3_backbone.pt", "side_info": "models/chain_v3_side_info.pt",
-        "forward_3_to_4": "adapters/chain_h3.pt", "forward_2_to_4": "adapters/chain_h13.pt"}
+        "embed": "models/chain_v3_backbone.pt",
+        "side_info": "models/chain_v3_side_info.pt",
+        "forward_3_to_4": "adapters/chain_h3.pt",
+        "forward_2_to_4": "adapters/chain_h13.pt",
+    }

@@ -49,24 +49,45 @@ def digits():
     splits = make_splits(data.labels, seed=0)
     train, query, gallery = (data.subset(s) for s in (splits.train, splits.query, splits.gallery))
     old_rows = old_class_subset(train.labels)
-    quick = dict(epochs=3, width=8, progress=False)
-    old = train_backbone(train.images[old_rows], train.labels[old_rows], BackboneConfig("small", embedding_dim=16, **quick), seed=0, device="cpu")
-    new = train_backbone(train.images, train.labels, BackboneConfig("wide", embedding_dim=24, **quick), seed=1, device="cpu")
-    side = train_side_info(train.images[old_rows], config=SideInfoConfig(kind="simclr", dim=8, width=8, epochs=2, progress=False), seed=2, device="cpu")
+    quick = {"epochs": 3, "width": 8, "progress": False}
+    old = train_backbone(
+        train.images[old_rows],
+        train.labels[old_rows],
+        BackboneConfig("small", embedding_dim=16, **quick),
+        seed=0,
+        device="cpu",
+    )
+    new = train_backbone(
+        train.images, train.labels, BackboneConfig("wide", embedding_dim=24, **quick), seed=1, device="cpu"
+    )
+    side = train_side_info(
+        train.images[old_rows],
+        config=SideInfoConfig(kind="simclr", dim=8, width=8, epochs=2, progress=False),
+        seed=2,
+        device="cpu",
+    )
     f_old, f_new, f_side = (extract_features(m, train.images) for m in (old, new, side))
     adapter_train = TrainConfig(epochs=10, warmup_epochs=1, lr=3e-3, batch_size=128, progress=False, device="cpu")
-    widths = dict(branch_width=32, mixer_width=64, train=adapter_train)
+    widths = {"branch_width": 32, "mixer_width": 64, "train": adapter_train}
     models = {
-        "old": old, "new": new, "side": side,
+        "old": old,
+        "new": new,
+        "side": side,
         "h": FCTAdapter.fit(f_old, f_new, f_side, FCTConfig(**widths))[0],
         "g": FCTAdapter.fit(f_old, f_side, f_side, FCTConfig(**widths))[0],
         "fastfill": FastFillAdapter.fit(f_old, f_new, f_side, FastFillConfig(**widths))[0],
-        "lambda": LambdaOrthAdapter.fit(f_old, f_new, train.labels, LambdaOrthConfig(forward="mlp", hidden_width=32, train=adapter_train))[0],
+        "lambda": LambdaOrthAdapter.fit(
+            f_old, f_new, train.labels, LambdaOrthConfig(forward="mlp", hidden_width=32, train=adapter_train)
+        )[0],
         "closed": ClosedFormAdapter.fit(f_old, f_new)[0],
-        "residual": ResidualAdapter.fit(f_old, f_new, f_side, {"form": "mlp", "width": 32, "train": dataclasses.asdict(adapter_train)})[0],
+        "residual": ResidualAdapter.fit(
+            f_old, f_new, f_side, {"form": "mlp", "width": 32, "train": dataclasses.asdict(adapter_train)}
+        )[0],
     }
     joint = ResidualAdapter.fit(f_old, f_new, f_side, {"form": "linear", "train": dataclasses.asdict(adapter_train)})[0]
-    models["query_map"] = fit_jointly(joint, f_new, f_old, f_side, f_new, {"width": 16, "train": dataclasses.asdict(adapter_train)})[0]
+    models["query_map"] = fit_jointly(
+        joint, f_new, f_old, f_side, f_new, {"width": 16, "train": dataclasses.asdict(adapter_train)}
+    )[0]
     q_old, q_new, q_side = (extract_features(models[k], query.images) for k in ("old", "new", "side"))
     real = {"images": [query.images], "old+side": [q_old, q_side], "old": [q_old], "new": [q_new]}
     return Digits(models, query.images, query.labels, gallery.images, gallery.labels, real)
@@ -93,8 +114,14 @@ CASES = {
 def exports(digits, tmp_path_factory):
     folder = tmp_path_factory.mktemp("roles")
     return {
-        key: export_role(role, digits.models[model], folder / f"{key}.onnx", digits.real[real],
-                         source_version=source, target_version=target)
+        key: export_role(
+            role,
+            digits.models[model],
+            folder / f"{key}.onnx",
+            digits.real[real],
+            source_version=source,
+            target_version=target,
+        )
         for key, (role, model, real, source, target) in CASES.items()
     }
 
@@ -137,18 +164,26 @@ def _retrieval_cases(run_embed, run_side, run_h, run_f, run_b, digits):
     q_new = run_embed("new", digits.query_images)
     g_old = run_embed("old", digits.gallery_images)
     g_side = run_side(digits.gallery_images)
-    labels = dict(query_labels=digits.query_labels, gallery_labels=digits.gallery_labels)
+    labels = {"query_labels": digits.query_labels, "gallery_labels": digits.gallery_labels}
     return {
-        "new/h(old)": evaluate_retrieval(q_new, labels["query_labels"], run_h(g_old, g_side), labels["gallery_labels"], distance="cosine"),
-        "B(new)/F(old)": evaluate_retrieval(run_b(q_new), labels["query_labels"], run_f(g_old), labels["gallery_labels"], distance="cosine"),
+        "new/h(old)": evaluate_retrieval(
+            q_new, labels["query_labels"], run_h(g_old, g_side), labels["gallery_labels"], distance="cosine"
+        ),
+        "B(new)/F(old)": evaluate_retrieval(
+            run_b(q_new), labels["query_labels"], run_f(g_old), labels["gallery_labels"], distance="cosine"
+        ),
     }
 
 
 def _torch_cases(digits):
     m = digits.models
     return _retrieval_cases(
-        lambda k, x: extract_features(m[k], x), lambda x: extract_features(m["side"], x),
-        m["h"].transform, m["lambda"].transform, m["lambda"].transform_new, digits,
+        lambda k, x: extract_features(m[k], x),
+        lambda x: extract_features(m["side"], x),
+        m["h"].transform,
+        m["lambda"].transform,
+        m["lambda"].transform_new,
+        digits,
     )
 
 
@@ -170,15 +205,24 @@ def test_retrieval_metrics_from_onnx_equal_those_from_torch(exports, digits):
         got = onnx_cases[case]
         assert abs(got.top1 - expected.top1) <= 0.001, (case, got.top1, expected.top1)
         assert abs(got.cmc[5] - expected.cmc[5]) <= 0.001 and abs(got.mean_ap - expected.mean_ap) <= 0.001, case
-    assert torch_cases["new/h(old)"].top1 > 0.3, "the adapters must have learnt something for this test to mean anything"
+    assert torch_cases["new/h(old)"].top1 > 0.3, (
+        "the adapters must have learnt something for this test to mean anything"
+    )
 
 
 def test_fp16_graphs_keep_top1_within_half_a_point(digits, exports, tmp_path):
     files = {key: e.export.path for key, e in exports.items()}
     for key in ("embed_v1", "embed_v2", "side_info", "forward_fct"):  # the new/h(old) chain
         role, model, real, source, target = CASES[key]
-        half = export_role(role, digits.models[model], tmp_path / f"{key}.fp16.onnx", digits.real[real],
-                           source_version=source, target_version=target, fp16=True)
+        half = export_role(
+            role,
+            digits.models[model],
+            tmp_path / f"{key}.fp16.onnx",
+            digits.real[real],
+            source_version=source,
+            target_version=target,
+            fp16=True,
+        )
         assert half.export.precision == "fp16" and half.parity.passed
         assert half.export.size_bytes < exports[key].export.size_bytes
         files[key] = half.export.path
@@ -190,18 +234,33 @@ def test_fp16_graphs_keep_top1_within_half_a_point(digits, exports, tmp_path):
 def test_role_exports_build_a_verified_bundle_gated_by_real_metrics(exports, digits, tmp_path, publisher_key):
     cases = _torch_cases(digits)
     old_old = evaluate_retrieval(
-        extract_features(digits.models["old"], digits.query_images), digits.query_labels,
-        extract_features(digits.models["old"], digits.gallery_images), digits.gallery_labels, distance="cosine")
+        extract_features(digits.models["old"], digits.query_images),
+        digits.query_labels,
+        extract_features(digits.models["old"], digits.gallery_images),
+        digits.gallery_labels,
+        distance="cosine",
+    )
     ecc_holds = cases["new/h(old)"].top1 > old_old.top1
     gate = {
-        "cases": {name: {"top1": r.top1, "top5": r.cmc[5], "mAP": r.mean_ap} for name, r in {**cases, "old/old": old_old}.items()},
+        "cases": {
+            name: {"top1": r.top1, "top5": r.cmc[5], "mAP": r.mean_ap}
+            for name, r in {**cases, "old/old": old_old}.items()
+        },
         "ecc": {"forward_1_to_2": ecc_holds},
     }
     keys = ("embed_v2", "side_info", "forward_fct", "uncertainty_fastfill", "side_forward_fct")
     bundle = build_bundle(
-        tmp_path / "v2", version=2, parents=(1,), mode="forward", distance="cosine", normalize=True,
-        artifacts=[exports[k].artifact for k in keys], gate=gate, private_key=publisher_key,
-        force=not ecc_holds, force_reason=None if ecc_holds else "tiny test models",
+        tmp_path / "v2",
+        version=2,
+        parents=(1,),
+        mode="forward",
+        distance="cosine",
+        normalize=True,
+        artifacts=[exports[k].artifact for k in keys],
+        gate=gate,
+        private_key=publisher_key,
+        force=not ecc_holds,
+        force_reason=None if ecc_holds else "tiny test models",
     )
     verified = verify_bundle(bundle.root, publisher_key.public_key(), installed_version=1)
     m = verified.manifest
@@ -209,7 +268,13 @@ def test_role_exports_build_a_verified_bundle_gated_by_real_metrics(exports, dig
     assert m.gate["cases"]["new/h(old)"]["top1"] == cases["new/h(old)"].top1
     assert m.gate["forced"] is (not ecc_holds)
     assert m.artifact("uncertainty").outputs[0].shape == (None,)
-    assert set(check_graphs_load(verified)) == {"embed", "side_info", "forward_1_to_2", "uncertainty_1_to_2", "side_forward_1_to_2"}
+    assert set(check_graphs_load(verified)) == {
+        "embed",
+        "side_info",
+        "forward_1_to_2",
+        "uncertainty_1_to_2",
+        "side_forward_1_to_2",
+    }
     table = write_role_table([exports[k] for k in keys], tmp_path / "roles.md").read_text()
     assert table.count("\n") == 2 + len(keys) and "| uncertainty | v1→v2 | fp32 |" in table
 
@@ -222,4 +287,6 @@ def test_roles_refuse_objects_that_cannot_play_them(digits, tmp_path):
     with pytest.raises(InputError, match="source_version= and target_version="):
         export_role("forward", digits.models["h"], tmp_path / "h.onnx", digits.real["old+side"])
     with pytest.raises(InputError, match="takes 2 input"):
-        export_role("forward", digits.models["h"], tmp_path / "h.onnx", digits.real["old"], source_version=1, target_version=2)
+        export_role(
+            "forward", digits.models["h"], tmp_path / "h.onnx", digits.real["old"], source_version=1, target_version=2
+        )

@@ -29,7 +29,8 @@ def test_engine_matches_torch(tmp_path, precision):
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(
-        torch.nn.Linear(24, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 16)).eval()
+        torch.nn.Linear(24, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 16)
+    ).eval()
     onnx_file = export_onnx(module, [InputSpec("embedding", (24,))], ["out"], tmp_path / "m.onnx").path
     engine = build_engine(onnx_file, precision)
     assert engine.path.exists() and engine.size_bytes > 0

@@ -15,18 +15,17 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from tests.server.conftest import admin_token_file  # noqa: F401 (a fixture)
-from tests.support.raw_items import device_cli, device_ok, features_run, onnx_forward, unit
-
 from fctkit.cli import cli
 from fctkit.edge_runtime import Device
 from fctkit.errors import ExportError
 from fctkit.export.keys import generate_keys, load_private_key
+from tests.server.conftest import admin_token_file  # noqa: F401 (a fixture)
+from tests.support.raw_items import device_cli, device_ok, features_run, onnx_forward, unit
 
 WORDS = [f"w{i}" for i in range(40)]
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
 V1_VOCAB = {w: i for i, w in enumerate(SPECIAL + WORDS)}
-V2_VOCAB = {w: i for i, w in enumerate(SPECIAL + ["query", "passage", ":"] + WORDS[::-1])}
+V2_VOCAB = {w: i for i, w in enumerate([*SPECIAL, "query", "passage", ":", *WORDS[::-1]])}
 DECLARATION = """
 [old]
 kind = "text"
@@ -51,7 +50,9 @@ def word_tokenizer(vocab: dict[str, int], path, *, truncate_in_file: bool = Fals
 
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
     if truncate_in_file:  # what the file says is overridden by the declaration
         tokenizer.enable_truncation(4)
     tokenizer.save(str(path))
@@ -64,28 +65,42 @@ def text_graph(path, weights: dict[str, np.ndarray], *, v2: bool):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    nodes = [helper.make_node("Gather", ["E", "input_ids"], ["emb0"]),
-             helper.make_node("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
-             helper.make_node("Unsqueeze", ["maskf", "axis2"], ["m3"])]
-    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "tokens"]) for n in ("input_ids", "attention_mask")]
+    nodes = [
+        helper.make_node("Gather", ["E", "input_ids"], ["emb0"]),
+        helper.make_node("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["maskf", "axis2"], ["m3"]),
+    ]
+    inputs = [
+        helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "tokens"])
+        for n in ("input_ids", "attention_mask")
+    ]
     if v2:
         inputs.append(helper.make_tensor_value_info("token_type_ids", TensorProto.INT64, ["batch", "tokens"]))
-        nodes += [helper.make_node("Gather", ["T", "token_type_ids"], ["typ"]), helper.make_node("Add", ["emb0", "typ"], ["emb"]),
-                  helper.make_node("Mul", ["emb", "m3"], ["masked"]),
-                  helper.make_node("ReduceSum", ["masked", "axis1"], ["total"], keepdims=1),
-                  helper.make_node("ReduceSum", ["m3", "axis1"], ["count"], keepdims=1),
-                  helper.make_node("Div", ["total", "count"], ["context"]), helper.make_node("Add", ["emb", "context"], ["mixed"])]
+        nodes += [
+            helper.make_node("Gather", ["T", "token_type_ids"], ["typ"]),
+            helper.make_node("Add", ["emb0", "typ"], ["emb"]),
+            helper.make_node("Mul", ["emb", "m3"], ["masked"]),
+            helper.make_node("ReduceSum", ["masked", "axis1"], ["total"], keepdims=1),
+            helper.make_node("ReduceSum", ["m3", "axis1"], ["count"], keepdims=1),
+            helper.make_node("Div", ["total", "count"], ["context"]),
+            helper.make_node("Add", ["emb", "context"], ["mixed"]),
+        ]
         source, output, dim = "mixed", "hidden", 20
     else:
         source, output, dim = "emb0", "last_hidden_state", 12
-    nodes += [helper.make_node("MatMul", [source, "W"], ["h"]), helper.make_node("Tanh", ["h"], ["t"]),
-              helper.make_node("Mul", ["t", "m3"], [output])]
+    nodes += [
+        helper.make_node("MatMul", [source, "W"], ["h"]),
+        helper.make_node("Tanh", ["h"], ["t"]),
+        helper.make_node("Mul", ["t", "m3"], [output]),
+    ]
     outputs = [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", "tokens", dim])]
     if v2:
         nodes.append(helper.make_node("MatMul", [output, "X"], ["extra"]))
         outputs.insert(0, helper.make_tensor_value_info("extra", TensorProto.FLOAT, ["batch", "tokens", 3]))
     constants = {**weights, "axis2": np.array([2], np.int64), **({"axis1": np.array([1], np.int64)} if v2 else {})}
-    graph = helper.make_graph(nodes, "text", inputs, outputs, initializer=[numpy_helper.from_array(v, k) for k, v in constants.items()])
+    graph = helper.make_graph(
+        nodes, "text", inputs, outputs, initializer=[numpy_helper.from_array(v, k) for k, v in constants.items()]
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, str(path))
@@ -95,7 +110,7 @@ def text_graph(path, weights: dict[str, np.ndarray], *, v2: bool):
 def tokens(text: str, vocab: dict[str, int], limit: int) -> list[int]:
     """The reference tokenisation: the Whitespace pre-tokeniser's split, [CLS] … [SEP], first ``limit`` tokens."""
     words = [vocab.get(w, vocab["[UNK]"]) for w in re.findall(r"\w+|[^\w\s]+", text)]
-    return [vocab["[CLS]"], *words[:limit - 2], vocab["[SEP]"]]
+    return [vocab["[CLS]"], *words[: limit - 2], vocab["[SEP]"]]
 
 
 def reference_v1(texts, w) -> np.ndarray:
@@ -114,32 +129,81 @@ def reference_v2(texts, w, prefix: str) -> np.ndarray:
 def text_release(tmp_path_factory):
     root = tmp_path_factory.mktemp("text-release")
     rng = np.random.default_rng(3)
-    w1 = {"E": rng.normal(size=(len(V1_VOCAB), 16)).astype(np.float32), "W": rng.normal(size=(16, 12)).astype(np.float32) * 0.4}
-    w2 = {"E": rng.normal(size=(len(V2_VOCAB), 16)).astype(np.float32), "T": rng.normal(size=(2, 16)).astype(np.float32),
-          "W": rng.normal(size=(16, 20)).astype(np.float32) * 0.4, "X": rng.normal(size=(20, 3)).astype(np.float32)}
+    w1 = {
+        "E": rng.normal(size=(len(V1_VOCAB), 16)).astype(np.float32),
+        "W": rng.normal(size=(16, 12)).astype(np.float32) * 0.4,
+    }
+    w2 = {
+        "E": rng.normal(size=(len(V2_VOCAB), 16)).astype(np.float32),
+        "T": rng.normal(size=(2, 16)).astype(np.float32),
+        "W": rng.normal(size=(16, 20)).astype(np.float32) * 0.4,
+        "X": rng.normal(size=(20, 3)).astype(np.float32),
+    }
     labels = np.repeat(np.arange(6), 40)
-    topics = [WORDS[6 * c:6 * c + 6] for c in range(6)]
+    topics = [WORDS[6 * c : 6 * c + 6] for c in range(6)]
     texts = [" ".join(rng.choice(topics[c], size=rng.integers(3, 8))) for c in labels]
     run = features_run(root / "train", reference_v1(texts, w1), reference_v2(texts, w2, "passage: "), labels)
     queries = [" ".join(rng.choice(topics[c], size=4)) for c in range(6)]
-    lines = [{"text": t, "old": reference_v1([t], w1)[0].tolist(), "new": reference_v2([t], w2, "passage: ")[0].tolist()}
-             for t in texts[:24]]
-    lines += [{"text": q, "purpose": "query", "old": reference_v1([q], w1)[0].tolist(),
-               "new": reference_v2([q], w2, "query: ")[0].tolist()} for q in queries]
+    lines = [
+        {"text": t, "old": reference_v1([t], w1)[0].tolist(), "new": reference_v2([t], w2, "passage: ")[0].tolist()}
+        for t in texts[:24]
+    ]
+    lines += [
+        {
+            "text": q,
+            "purpose": "query",
+            "old": reference_v1([q], w1)[0].tolist(),
+            "new": reference_v2([q], w2, "query: ")[0].tolist(),
+        }
+        for q in queries
+    ]
     (root / "sample.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     (root / "preprocessing.toml").write_text(DECLARATION)
     private, public = generate_keys(root / "keys", None)
-    files = {"old": text_graph(root / "old.onnx", w1, v2=False), "new": text_graph(root / "new.onnx", w2, v2=True),
-             "tok1": word_tokenizer(V1_VOCAB, root / "tok1.json"),
-             "tok2": word_tokenizer(V2_VOCAB, root / "tok2.json", truncate_in_file=True)}
-    args = ["export", str(run), "--key", str(private), "--method", "least-squares", "--old-graph", str(files["old"]),
-            "--new-graph", str(files["new"]), "--sample", str(root / "sample.jsonl"), "--preprocessing",
-            str(root / "preprocessing.toml"), "--tokenizer", f"old={files['tok1']}", "--tokenizer", f"new={files['tok2']}",
-            "--force", "--reason", "test: random text models", "--no-progress"]
+    files = {
+        "old": text_graph(root / "old.onnx", w1, v2=False),
+        "new": text_graph(root / "new.onnx", w2, v2=True),
+        "tok1": word_tokenizer(V1_VOCAB, root / "tok1.json"),
+        "tok2": word_tokenizer(V2_VOCAB, root / "tok2.json", truncate_in_file=True),
+    }
+    args = [
+        "export",
+        str(run),
+        "--key",
+        str(private),
+        "--method",
+        "least-squares",
+        "--old-graph",
+        str(files["old"]),
+        "--new-graph",
+        str(files["new"]),
+        "--sample",
+        str(root / "sample.jsonl"),
+        "--preprocessing",
+        str(root / "preprocessing.toml"),
+        "--tokenizer",
+        f"old={files['tok1']}",
+        "--tokenizer",
+        f"new={files['tok2']}",
+        "--force",
+        "--reason",
+        "test: random text models",
+        "--no-progress",
+    ]
     done = CliRunner().invoke(cli, [*args, "--out", str(root / "out")])
     assert done.exit_code == 0, done.output
-    return {"root": root, "w1": w1, "w2": w2, "texts": texts, "queries": queries, "out": root / "out", "public": public,
-            "files": files, "args": args, "key": load_private_key(private, None)}
+    return {
+        "root": root,
+        "w1": w1,
+        "w2": w2,
+        "texts": texts,
+        "queries": queries,
+        "out": root / "out",
+        "public": public,
+        "files": files,
+        "args": args,
+        "key": load_private_key(private, None),
+    }
 
 
 def write_jsonl(path, records):
@@ -157,7 +221,12 @@ def test_the_bundles_carry_each_models_tokenizer_and_declaration(text_release):
         assert "raw items" in manifest.parity["embed"]["against"] and manifest.parity["embed"]["max_abs_error"] < 1e-5
     assert v1.preprocessing.of("embed").overflow == "refuse" and v1.embedding_dim == 12
     declared = v2.preprocessing.of("embed")
-    assert (declared.output, declared.pooling, declared.token_type_ids, declared.query_prefix) == ("hidden", "cls", "token_type_ids", "query: ")
+    assert (declared.output, declared.pooling, declared.token_type_ids, declared.query_prefix) == (
+        "hidden",
+        "cls",
+        "token_type_ids",
+        "query: ",
+    )
     assert v2.embedding_dim == 20 and [s.shape for s in v2.artifact("embed").inputs] == [(None, None)] * 3
 
 
@@ -170,7 +239,9 @@ def test_a_device_adds_texts_upgrades_and_answers_text_queries_as_the_reference(
     added = json.loads(device_ok("add", "--dir", folder, gallery, "--no-upload", "--quiet"))
     assert added["added"] == len(texts) and added["skipped"] == []
     device_ok("upgrade", "--dir", folder, "--bundle", str(text_release["out"] / "v2"), "--quiet")
-    queries = write_jsonl(tmp_path / "queries.jsonl", [{"id": f"q{i}", "text": q} for i, q in enumerate(text_release["queries"])])
+    queries = write_jsonl(
+        tmp_path / "queries.jsonl", [{"id": f"q{i}", "text": q} for i, q in enumerate(text_release["queries"])]
+    )
     answers = [json.loads(line) for line in device_ok("query", "--dir", folder, queries, "-k", "3").splitlines()]
 
     rows = onnx_forward(text_release["out"] / "v2", reference_v1(texts, w1))
@@ -193,13 +264,20 @@ def test_bad_texts_are_refused_or_skipped_by_id_and_nothing_stored_is_touched(te
     folder = str(tmp_path / "device")
     device_ok("init", "--dir", folder, "--publisher-key", str(text_release["public"]))
     device_ok("upgrade", "--dir", folder, "--bundle", str(text_release["out"] / "v1"), "--quiet")
-    device_ok("add", "--dir", folder, write_jsonl(tmp_path / "first.jsonl", [{"id": "a", "text": "w1 w2"}]), "--no-upload")
+    device_ok(
+        "add", "--dir", folder, write_jsonl(tmp_path / "first.jsonl", [{"id": "a", "text": "w1 w2"}]), "--no-upload"
+    )
     long_text = " ".join(["w3"] * 9)  # 11 tokens with [CLS] and [SEP]: v1 refuses over 10
-    batch = write_jsonl(tmp_path / "batch.jsonl", [{"id": "b", "text": "w4 w5", "label": "x"}, {"id": "empty", "text": "  "},
-                                                  {"id": "long", "text": long_text}])
+    batch = write_jsonl(
+        tmp_path / "batch.jsonl",
+        [{"id": "b", "text": "w4 w5", "label": "x"}, {"id": "empty", "text": "  "}, {"id": "long", "text": long_text}],
+    )
     refused = device_cli("add", "--dir", folder, batch, "--no-upload")
     assert refused.returncode == 2
-    assert "'empty' is an empty text" in refused.stderr and "'long' has 11 tokens, more than the max_length 10" in refused.stderr
+    assert (
+        "'empty' is an empty text" in refused.stderr
+        and "'long' has 11 tokens, more than the max_length 10" in refused.stderr
+    )
     with Device.open(folder) as device:
         assert device.gallery.load().item_ids == ["a"] and device.gallery.replica_log.outbox_size() == 1
     skipped = json.loads(device_ok("add", "--dir", folder, batch, "--no-upload", "--on-bad-item", "skip"))
@@ -224,16 +302,18 @@ def test_a_graph_its_declaration_does_not_feed_is_refused_before_signing(text_re
     (tmp_path / "other.toml").write_text(DECLARATION.replace('output = "hidden"', 'output = "extra"'))
     args[args.index(str(tmp_path / "no_types.toml"))] = str(tmp_path / "other.toml")
     done = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "out")])
-    assert isinstance(done.exception, ExportError) and "outputs 'extra' of shape (None, None, 3), but the run's features are 20-d" \
-        in str(done.exception)
-    (tmp_path / "typo.toml").write_text(DECLARATION.replace("pooling = \"cls\"", "pooling = \"cls\"\npoolling = \"mean\""))
+    assert isinstance(
+        done.exception, ExportError
+    ) and "outputs 'extra' of shape (None, None, 3), but the run's features are 20-d" in str(done.exception)
+    (tmp_path / "typo.toml").write_text(DECLARATION.replace('pooling = "cls"', 'pooling = "cls"\npoolling = "mean"'))
     args[args.index(str(tmp_path / "other.toml"))] = str(tmp_path / "typo.toml")
     done = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "out")])
     assert "unknown key(s) poolling" in str(done.exception) and not (tmp_path / "out").exists()
 
 
-def test_through_a_server_texts_are_sealed_as_they_came_and_backfilled_with_the_new_tokenizer(text_release, tmp_path,
-                                                                                            admin_token_file):
+def test_through_a_server_texts_are_sealed_as_they_came_and_backfilled_with_the_new_tokenizer(
+    text_release, tmp_path, admin_token_file
+):
     """v1 and v2 (with their tokenizer artifacts) published on a real loopback server; a device
     adds texts at v1 (originals in the vault), syncs to v2 (whose health check re-embeds a sample
     of the texts) and backfills every other row: the rows are then v2's own passage embeddings of
@@ -257,20 +337,24 @@ def test_through_a_server_texts_are_sealed_as_they_came_and_backfilled_with_the_
         assert device.backfill(budget=40, order="random").backfilled == 40 - sampled  # every row now v2's own
         rows = device.gallery.load()
         order = np.argsort([int(i[1:]) for i in rows.item_ids])
-        np.testing.assert_allclose(np.stack(rows.embeddings)[order], reference_v2(texts, text_release["w2"], "passage: "),
-                                   atol=1e-5)
+        np.testing.assert_allclose(
+            np.stack(rows.embeddings)[order], reference_v2(texts, text_release["w2"], "passage: "), atol=1e-5
+        )
         device.close()
     finally:
         server.stop()
 
 
-SIDE_DECLARATION = DECLARATION + """
+SIDE_DECLARATION = (
+    DECLARATION
+    + """
 [side_info]
 kind = "text"
 output = "last_hidden_state"
 max_length = 10
 pooling = "mean"
 """
+)
 
 
 def text_task(texts: list[str], old, new, side, n_train: int):
@@ -280,9 +364,11 @@ def text_task(texts: list[str], old, new, side, n_train: int):
 
     def split(rows: slice) -> TaskSplit:
         ids, n = np.array([f"t{i}" for i in range(len(texts))])[rows], len(texts[rows])
-        return TaskSplit(TaskSet(ids, *(v["query"][rows] for v in (old, new, side))),
-                         TaskSet(ids, *(v["gallery"][rows] for v in (old, new, side))),
-                         Positives.from_lists([[i] for i in range(n)], n))
+        return TaskSplit(
+            TaskSet(ids, *(v["query"][rows] for v in (old, new, side))),
+            TaskSet(ids, *(v["gallery"][rows] for v in (old, new, side))),
+            Positives.from_lists([[i] for i in range(n)], n),
+        )
 
     return RetrievalTask("texts", "instance", "recall@1", split(slice(0, n_train)), split(slice(n_train, None)))
 
@@ -294,34 +380,80 @@ def side_release(text_release, tmp_path_factory):
     from fctkit.trainer import save_task
     from fctkit.trainer.pipeline import run_pipeline
     from fctkit.trainer.pipeline_config import load_pipeline_config
-
     from tests.support.seeds import seed
 
     root, texts = tmp_path_factory.mktemp("side-release"), text_release["texts"]
     w1, w2 = text_release["w1"], text_release["w2"]
     rng = np.random.default_rng(5)
-    w3 = {"E": rng.normal(size=(len(V1_VOCAB), 16)).astype(np.float32), "W": rng.normal(size=(16, 12)).astype(np.float32) * 0.4}
+    w3 = {
+        "E": rng.normal(size=(len(V1_VOCAB), 16)).astype(np.float32),
+        "W": rng.normal(size=(16, 12)).astype(np.float32) * 0.4,
+    }
     queries = [" ".join(t.split()[:3]) for t in texts]
     old = {"query": reference_v1(queries, w1), "gallery": reference_v1(texts, w1)}
     new = {"query": reference_v2(queries, w2, "query: "), "gallery": reference_v2(texts, w2, "passage: ")}
     side = {"query": reference_v1(queries, w3), "gallery": reference_v1(texts, w3)}
     task = save_task(root / "task.npz", text_task(texts, old, new, side, n_train=160))
-    config = load_pipeline_config(None, {"seed": seed(), "data.name": "task", "data.task": str(task), "methods": ["residual"],
-                                         "transition.enabled": True, "selection.enabled": False, "progress": False,
-                                         "device": "cpu", "evaluation.distance": "cosine"})
+    config = load_pipeline_config(
+        None,
+        {
+            "seed": seed(),
+            "data.name": "task",
+            "data.task": str(task),
+            "methods": ["residual"],
+            "transition.enabled": True,
+            "selection.enabled": False,
+            "progress": False,
+            "device": "cpu",
+            "evaluation.distance": "cosine",
+        },
+    )
     run_pipeline(config, root / "run", log=lambda _: None)
-    lines = [{"text": t, "old": old["gallery"][i].tolist(), "new": new["gallery"][i].tolist(), "side": side["gallery"][i].tolist()}
-             for i, t in enumerate(texts[:16])]
+    lines = [
+        {
+            "text": t,
+            "old": old["gallery"][i].tolist(),
+            "new": new["gallery"][i].tolist(),
+            "side": side["gallery"][i].tolist(),
+        }
+        for i, t in enumerate(texts[:16])
+    ]
     (root / "sample.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     (root / "preprocessing.toml").write_text(SIDE_DECLARATION)
     files = text_release["files"]
-    done = CliRunner().invoke(cli, [
-        "export", str(root / "run"), "--key", str(text_release["root"] / "keys" / "publisher.key"), "--out", str(root / "out"),
-        "--method", "residual+transition", "--old-graph", str(files["old"]), "--new-graph", str(files["new"]),
-        "--side-info-graph", str(text_graph(root / "side.onnx", w3, v2=False)), "--sample", str(root / "sample.jsonl"),
-        "--preprocessing", str(root / "preprocessing.toml"), "--tokenizer", f"old={files['tok1']}",
-        "--tokenizer", f"side_info={files['tok1']}", "--tokenizer", f"new={files['tok2']}",
-        "--force", "--reason", "test: random text models", "--no-progress"])
+    done = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            str(root / "run"),
+            "--key",
+            str(text_release["root"] / "keys" / "publisher.key"),
+            "--out",
+            str(root / "out"),
+            "--method",
+            "residual+transition",
+            "--old-graph",
+            str(files["old"]),
+            "--new-graph",
+            str(files["new"]),
+            "--side-info-graph",
+            str(text_graph(root / "side.onnx", w3, v2=False)),
+            "--sample",
+            str(root / "sample.jsonl"),
+            "--preprocessing",
+            str(root / "preprocessing.toml"),
+            "--tokenizer",
+            f"old={files['tok1']}",
+            "--tokenizer",
+            f"side_info={files['tok1']}",
+            "--tokenizer",
+            f"new={files['tok2']}",
+            "--force",
+            "--reason",
+            "test: random text models",
+            "--no-progress",
+        ],
+    )
     assert done.exit_code == 0, done.output
     return {"out": root / "out", "texts": texts, "old": old["gallery"], "side": side["gallery"], "w2": w2}
 
@@ -344,10 +476,14 @@ def test_side_info_and_transition_scoring_work_on_raw_texts(side_release, text_r
     (graph,) = out.glob("v2/forward_*.onnx")
     forward = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
     names = [i.name for i in forward.get_inputs()]
-    upgraded = forward.run(None, dict(zip(names, (side_release["old"][:200], side_release["side"][:200]), strict=True)))[0]
+    upgraded = forward.run(
+        None, dict(zip(names, (side_release["old"][:200], side_release["side"][:200]), strict=True))
+    )[0]
     rows = device.gallery.load()
     np.testing.assert_allclose(rows.embeddings[:200], upgraded, atol=1e-5)
-    np.testing.assert_allclose(rows.embeddings[200:], reference_v2(texts[200:], side_release["w2"], "passage: "), atol=1e-5)
+    np.testing.assert_allclose(
+        rows.embeddings[200:], reference_v2(texts[200:], side_release["w2"], "passage: "), atol=1e-5
+    )
     np.testing.assert_allclose(rows.side_infos, side_release["side"], atol=1e-5)
     previous = device.gallery.extras.load("previous_embedding")
     assert previous.item_ids == rows.item_ids  # the upgraded rows' v1 embeddings and the new texts' v1 embedding

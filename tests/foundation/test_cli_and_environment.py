@@ -24,7 +24,8 @@ def test_console_script_reports_kit_errors_in_one_line(tmp_path):
     missing = tmp_path / "nope.npz"
     proc = subprocess.run(
         [sys.executable, "-m", "fctkit.cli", "eval", "--query", str(missing), "--gallery", str(missing)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr

@@ -39,8 +39,12 @@ def resolve(command_line: str) -> str | None:
         if sub is None:
             return f"{command.name} has no command {tokens[0]!r} (it has: {', '.join(command.list_commands(context))})"
         command, tokens = sub, tokens[1:]
-    options = {name: param for param in command.params if isinstance(param, click.Option)
-               for name in [*param.opts, *param.secondary_opts]}
+    options = {
+        name: param
+        for param in command.params
+        if isinstance(param, click.Option)
+        for name in [*param.opts, *param.secondary_opts]
+    }
     arguments = [param for param in command.params if isinstance(param, click.Argument)]
     positional, unknown = 0, []
     while tokens:
@@ -88,5 +92,7 @@ def test_every_command_that_connects_names_its_tls_options_the_same_way():
         if "--server" in names:
             connecting[path] = tls <= names
     assert len(connecting) >= 2 and all(connecting.values()), connecting
-    serve = {name for param in cli.get_command(click.Context(cli), "serve").params for name in getattr(param, "opts", [])}
+    serve = {
+        name for param in cli.get_command(click.Context(cli), "serve").params for name in getattr(param, "opts", [])
+    }
     assert tls <= serve

@@ -56,8 +56,11 @@ def _importable(name: str) -> bool:
 
 def test_device_side_imports_with_torch_blocked():
     modules = [m for m in TORCH_FREE_MODULES if _importable(m)]
-    code = BLOCK_TORCH + "\n".join(f"import {m}" for m in modules) + textwrap.dedent(
-        """
+    code = (
+        BLOCK_TORCH
+        + "\n".join(f"import {m}" for m in modules)
+        + textwrap.dedent(
+            """
         assert "torch" not in sys.modules
         from fctkit.cli import main
         try:
@@ -66,6 +69,7 @@ def test_device_side_imports_with_torch_blocked():
             assert exc.code in (0, None), exc.code
         assert "torch" not in sys.modules, "fctkit --help imported torch"
         """
+        )
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert proc.returncode == 0, proc.stderr
@@ -76,7 +80,8 @@ def test_wheel_has_only_the_fctkit_namespace_and_installs_without_torch(tmp_path
     wheel_dir = tmp_path / "wheels"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheel_dir), str(REPO)],
-        check=True, capture_output=True,
+        check=True,
+        capture_output=True,
     )
     (wheel,) = wheel_dir.glob("fctkit-*.whl")
     top_level = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
@@ -88,7 +93,9 @@ def test_wheel_has_only_the_fctkit_namespace_and_installs_without_torch(tmp_path
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     subprocess.run(
         [str(python), "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS), f"{wheel}[cpu]"],
-        check=True, capture_output=True, env=env,
+        check=True,
+        capture_output=True,
+        env=env,
     )
     probe = "import importlib.util, sys\nassert importlib.util.find_spec('torch') is None\n" + "\n".join(
         f"import {m}" for m in TORCH_FREE_MODULES
@@ -102,8 +109,13 @@ def test_wheel_has_only_the_fctkit_namespace_and_installs_without_torch(tmp_path
 @pytest.mark.parametrize("torch_index", ["", "https://download.pytorch.org/whl/cpu"])
 def test_make_passes_the_documented_torch_index_to_pip(torch_index):
     """`make test TORCH_INDEX=…` (README) reaches the install command; without it pip keeps its own indexes."""
-    dry_run = subprocess.run(["make", "-n", "-B", "install", f"TORCH_INDEX={torch_index}"], cwd=REPO,
-                             capture_output=True, text=True, check=True).stdout
+    dry_run = subprocess.run(
+        ["make", "-n", "-B", "install", f"TORCH_INDEX={torch_index}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     install = next(line for line in dry_run.splitlines() if "-c constraints.txt" in line)
     assert ("--extra-index-url" in install) == bool(torch_index)
     assert not torch_index or f"--extra-index-url {torch_index} " in install

@@ -30,9 +30,14 @@ def overlaps(figure) -> list[str]:
 
 def test_the_demo_figure_keeps_its_legend_off_the_bars():
     cases = {case: {"top1": 0.9} for case in demo_results.CASES}
-    report = {"per_device": {f"device-{i}": {"cases": cases} for i in (1, 2, 3)}, "overall": cases,
-              "data": "digits", "method": "fct", "backfill": {"rows": 72, "seconds": 0.4},
-              "cost": {"upgrade_s": 0.2, "full_reembed_estimate_s": 3.8}}
+    report = {
+        "per_device": {f"device-{i}": {"cases": cases} for i in (1, 2, 3)},
+        "overall": cases,
+        "data": "digits",
+        "method": "fct",
+        "backfill": {"rows": 72, "seconds": 0.4},
+        "cost": {"upgrade_s": 0.2, "full_reembed_estimate_s": 3.8},
+    }
     assert overlaps(demo_results.figure(report)) == []
 
 
@@ -41,5 +46,7 @@ def test_the_train_report_keeps_its_legends_off_the_curves():
     x, labels = rng.standard_normal((60, 8)), np.repeat(np.arange(6), 10)
     report = Report("test")
     for i in range(14):  # more cases than colours
-        report.add_case(f"case {i}", evaluate_retrieval(x, labels, x, labels, distance="l2", topk=(1, 5), leave_one_out=True))
+        report.add_case(
+            f"case {i}", evaluate_retrieval(x, labels, x, labels, distance="l2", topk=(1, 5), leave_one_out=True)
+        )
     assert overlaps(report.figure()) == []

@@ -27,14 +27,29 @@ def kid(name: str) -> str:
     return public_key_id(key(name).public_key())
 
 
-def build_root(version: int, *, root: Sequence[str], root_threshold: int, publishers: Sequence[str] = (),
-               publisher_threshold: int = 1, timestamp: Sequence[str] = ("ts",), expires: datetime = NOW + timedelta(days=365),
-               freshness_s: int = 7 * 86400) -> Root:
+def build_root(
+    version: int,
+    *,
+    root: Sequence[str],
+    root_threshold: int,
+    publishers: Sequence[str] = (),
+    publisher_threshold: int = 1,
+    timestamp: Sequence[str] = ("ts",),
+    expires: datetime = NOW + timedelta(days=365),
+    freshness_s: int = 7 * 86400,
+) -> Root:
     names = {*root, *publishers, *timestamp}
-    return Root(version, expires, {kid(n): key(n).public_key() for n in names},
-                {"root": RoleKeys(tuple(kid(n) for n in root), root_threshold),
-                 "publisher": RoleKeys(tuple(kid(n) for n in publishers), publisher_threshold),
-                 "timestamp": RoleKeys(tuple(kid(n) for n in timestamp), 1)}, freshness_s)
+    return Root(
+        version,
+        expires,
+        {kid(n): key(n).public_key() for n in names},
+        {
+            "root": RoleKeys(tuple(kid(n) for n in root), root_threshold),
+            "publisher": RoleKeys(tuple(kid(n) for n in publishers), publisher_threshold),
+            "timestamp": RoleKeys(tuple(kid(n) for n in timestamp), 1),
+        },
+        freshness_s,
+    )
 
 
 def signed(body: Root | Timestamp, *signers: str) -> Signed:
@@ -44,8 +59,9 @@ def signed(body: Root | Timestamp, *signers: str) -> Signed:
     return document
 
 
-def timestamp(version: int, manifests: dict[int, bytes], *, expires: datetime = NOW + timedelta(days=1),
-              signer: str = "ts") -> Signed[Timestamp]:
+def timestamp(
+    version: int, manifests: dict[int, bytes], *, expires: datetime = NOW + timedelta(days=1), signer: str = "ts"
+) -> Signed[Timestamp]:
     return signed(make_timestamp(version, expires, manifests), signer)
 
 

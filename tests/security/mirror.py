@@ -5,8 +5,8 @@ inflate any answer, but it holds no key the real root did not give the server.""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 import threading
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -50,11 +50,14 @@ class Mirror:
     def take_over(self, method: str, answer: Override) -> None:
         self.overrides[f"/fctkit.v1.{method}"] = answer
 
-    def serve_trust(self, change: Callable[[registry_pb2.GetTrustResponse], registry_pb2.GetTrustResponse | None]) -> None:
+    def serve_trust(
+        self, change: Callable[[registry_pb2.GetTrustResponse], registry_pb2.GetTrustResponse | None]
+    ) -> None:
         """Answer GetTrust with ``change(the real answer)`` (changed in place when it returns None),
         and give ListVersions answers that answer's timestamp and latest root version."""
-        get_trust = self._channel.unary_unary("/fctkit.v1.Registry/GetTrust", request_serializer=_identity,
-                                              response_deserializer=_identity)
+        get_trust = self._channel.unary_unary(
+            "/fctkit.v1.Registry/GetTrust", request_serializer=_identity, response_deserializer=_identity
+        )
 
         def changed(request: bytes, forward: Callable[[bytes], Any]) -> registry_pb2.GetTrustResponse:
             response = registry_pb2.GetTrustResponse.FromString(forward(request))
@@ -151,6 +154,9 @@ class _Forwarder(grpc.GenericRpcHandler):
 def _method_kinds() -> dict[str, tuple[bool, bool]]:
     from fctkit.protos import fleet_pb2, vault_pb2
 
-    return {f"/{service.full_name}/{method.name}": (method.client_streaming, method.server_streaming)
-            for module in (registry_pb2, vault_pb2, fleet_pb2) for service in module.DESCRIPTOR.services_by_name.values()
-            for method in service.methods}
+    return {
+        f"/{service.full_name}/{method.name}": (method.client_streaming, method.server_streaming)
+        for module in (registry_pb2, vault_pb2, fleet_pb2)
+        for service in module.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+    }

@@ -52,8 +52,9 @@ QUERIES = np.random.default_rng(6).standard_normal((4, 16)).astype(np.float32)
 
 
 def root(version: int, *, publishers=PUBLISHERS, root_keys=ROOT_KEYS, timestamp=("ts",), signers=ROOT_KEYS) -> Signed:
-    body = build_root(version, root=root_keys, root_threshold=2, publishers=publishers, publisher_threshold=2,
-                      timestamp=timestamp)
+    body = build_root(
+        version, root=root_keys, root_threshold=2, publishers=publishers, publisher_threshold=2, timestamp=timestamp
+    )
     return signed(body, *signers)
 
 
@@ -61,8 +62,11 @@ def root(version: int, *, publishers=PUBLISHERS, root_keys=ROOT_KEYS, timestamp=
 def files(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("attack-keys")
     (folder / "root.1.json").write_bytes(root(1).to_bytes())
-    return {"root1": folder / "root.1.json", "folder": folder,
-            **{name: save_private_key(key(name), folder / f"{name}.key") for name in ("ts", "ts2")}}
+    return {
+        "root1": folder / "root.1.json",
+        "folder": folder,
+        **{name: save_private_key(key(name), folder / f"{name}.key") for name in ("ts", "ts2")},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +78,11 @@ def release(tmp_path_factory):
     def make(version: int, *signers: str, seed: int = 0) -> Path:
         if (version, signers, seed) not in made:
             out = folder / f"v{version}-{'-'.join(signers)}-{seed}"
-            bundle = make_tiny_bundle(out, key(signers[0]), version, TINY_CHAIN[version]) if seed == 0 else \
-                _reseeded(out, signers[0], version, seed)
+            bundle = (
+                make_tiny_bundle(out, key(signers[0]), version, TINY_CHAIN[version])
+                if seed == 0
+                else _reseeded(out, signers[0], version, seed)
+            )
             for co_signer in signers[1:]:
                 sign_release(bundle, key(co_signer))
             made[(version, signers, seed)] = bundle
@@ -91,9 +98,17 @@ def _reseeded(out: Path, signer: str, version: int, seed: int) -> Path:
 
     sources = _sources(out.parent / f"{out.name}-src", version + 10 * seed, TINY_CHAIN[version], IMAGE_DIM)
     ecc = {s.artifact_name: True for s in sources if s.role == "forward"}
-    return build_bundle(out, version=version, parents=(version - 1,) if version > 1 else (), mode="forward",
-                        distance="cosine", normalize=True, artifacts=sources, gate={"cases": {}, "ecc": ecc},
-                        private_key=key(signer)).root
+    return build_bundle(
+        out,
+        version=version,
+        parents=(version - 1,) if version > 1 else (),
+        mode="forward",
+        distance="cosine",
+        normalize=True,
+        artifacts=sources,
+        gate={"cases": {}, "ecc": ecc},
+        private_key=key(signer),
+    ).root
 
 
 def publish(server, bundle: Path, tmp: Path) -> None:
@@ -138,8 +153,13 @@ class World:
 
     def snapshot(self, with_timestamp: bool) -> tuple:
         state = self.device.trust.state()
-        return (self.device.version, self.device.installed_versions(), state.root_version,
-                state.timestamp_version if with_timestamp else None, self.answers())
+        return (
+            self.device.version,
+            self.device.installed_versions(),
+            state.root_version,
+            state.timestamp_version if with_timestamp else None,
+            self.answers(),
+        )
 
     def refused(self, error: type[Exception], match: str, action=None, *, metadata: bool = True) -> None:
         """``action`` (a sync by default) fails with ``error``; nothing the device holds changed:
@@ -164,6 +184,7 @@ def test_a_sync_takes_the_timestamp_from_its_version_list_and_asks_for_roots_onl
 
 
 # -- arbitrary installation, thresholds, removed keys ------------------------------------------
+
 
 def test_arbitrary_bundle_is_refused_from_the_server_and_from_a_folder(world, release):
     mallory = release(2, "mallory")
@@ -201,6 +222,7 @@ def test_a_removed_publisher_key_no_longer_counts(world, release):
 
 # -- the chain of roots -------------------------------------------------------------------------
 
+
 def serve_roots(world: World, *roots: Signed) -> None:
     def change(answer: registry_pb2.GetTrustResponse) -> None:
         del answer.roots[:]
@@ -210,10 +232,13 @@ def serve_roots(world: World, *roots: Signed) -> None:
     world.mirror.serve_trust(change)
 
 
-@pytest.mark.parametrize("case, signers, error, match", [
-    ("old keys only", None, ThresholdError, "its own root keys"),
-    ("new keys only", ("n1", "n2"), ThresholdError, "root keys of the trusted v1"),
-])
+@pytest.mark.parametrize(
+    "case, signers, error, match",
+    [
+        ("old keys only", None, ThresholdError, "its own root keys"),
+        ("new keys only", ("n1", "n2"), ThresholdError, "root keys of the trusted v1"),
+    ],
+)
 def test_a_root_signed_by_one_side_of_a_rotation_is_refused(world, case, signers, error, match):
     new_keys = ("n1", "n2", "n3")
     body = build_root(2, root=new_keys, root_threshold=2, publishers=PUBLISHERS, publisher_threshold=2)
@@ -234,8 +259,11 @@ def test_a_skipped_root_version_is_refused(world):
 def test_oversized_metadata_is_refused_before_it_is_parsed(world):
     world.mirror.serve_trust(lambda answer: setattr(answer, "timestamp", b"{" + b" " * MAX_TIMESTAMP_BYTES + b"}"))
     world.refused(TrustError, "allowed: refused unread")
-    world.mirror.serve_trust(lambda answer: (answer.roots.append(b"[" + b" " * (64 << 10) + b"]"),
-                                             setattr(answer, "latest_root_version", 2)) and None)
+    world.mirror.serve_trust(
+        lambda answer: (
+            (answer.roots.append(b"[" + b" " * (64 << 10) + b"]"), setattr(answer, "latest_root_version", 2)) and None
+        )
+    )
     world.refused(TrustError, "allowed: refused unread")
 
 
@@ -255,6 +283,7 @@ def test_a_wrong_root_enrolment_is_refused_and_writes_nothing(world, tmp_path):
 
 
 # -- freshness: rollback, freeze, fast-forward --------------------------------------------------
+
 
 def test_rollback_and_freeze_by_a_replayed_timestamp_are_refused(world, release):
     with FctkitClient(world.server.target, ADMIN_TOKEN) as admin:
@@ -293,8 +322,14 @@ def test_fast_forward_recovery_after_the_timestamp_key_rotates(world, files, rel
     world.mirror.restore()
     world.refused(MetadataRollbackError, "older than")  # stuck: the fast-forward attack
     world.server.stop()
-    world.server.args = ["--root", str(files["root1"]), "--timestamp-key", str(files["ts"]),
-                         "--timestamp-key", str(files["ts2"])]
+    world.server.args = [
+        "--root",
+        str(files["root1"]),
+        "--timestamp-key",
+        str(files["ts"]),
+        "--timestamp-key",
+        str(files["ts2"]),
+    ]
     world.server.start()
     world.mirror.close()
     world.mirror = Mirror(world.server.target)
@@ -307,6 +342,7 @@ def test_fast_forward_recovery_after_the_timestamp_key_rotates(world, files, rel
 
 # -- mix-and-match ------------------------------------------------------------------------------
 
+
 def test_a_manifest_or_artifacts_from_another_snapshot_are_refused(world, start_server, files, release, tmp_path):
     """A second server (same root, same timestamp key) holds another v2: its manifest or its
     artifacts, served with the first server's timestamp, never install."""
@@ -318,17 +354,21 @@ def test_a_manifest_or_artifacts_from_another_snapshot_are_refused(world, start_
     metadata = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
 
     def from_other(method: str):
-        call = channel.unary_unary(f"/fctkit.v1.{method}", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        call = channel.unary_unary(
+            f"/fctkit.v1.{method}", request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
         return lambda request, forward: call(request, metadata=metadata)
 
     try:
         world.mirror.take_over("Registry/GetManifest", from_other("Registry/GetManifest"))
         world.refused(SnapshotMismatchError, "not the one timestamp", metadata=False)
         world.mirror.restore()
-        stream = channel.unary_stream("/fctkit.v1.Registry/DownloadArtifact", request_serializer=lambda b: b,
-                                      response_deserializer=lambda b: b)
-        world.mirror.stream_overrides["/fctkit.v1.Registry/DownloadArtifact"] = \
-            lambda request: stream(request, metadata=metadata)
+        stream = channel.unary_stream(
+            "/fctkit.v1.Registry/DownloadArtifact", request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
+        world.mirror.stream_overrides["/fctkit.v1.Registry/DownloadArtifact"] = lambda request: stream(
+            request, metadata=metadata
+        )
         world.refused(HashMismatchError, "SHA-256", metadata=False)
     finally:
         channel.close()
@@ -340,8 +380,11 @@ def test_endless_artifact_data_is_refused_at_the_signed_length(world, release):
     before a byte is written; one sending bytes past what it announced is cut off there."""
     publish(world.server, release(2, "alice", "bob"), world.tmp)
     channel = grpc.insecure_channel(world.server.target)
-    real = channel.unary_stream("/fctkit.v1.Registry/DownloadArtifact", request_serializer=lambda b: b,
-                                response_deserializer=registry_pb2.DownloadArtifactResponse.FromString)
+    real = channel.unary_stream(
+        "/fctkit.v1.Registry/DownloadArtifact",
+        request_serializer=lambda b: b,
+        response_deserializer=registry_pb2.DownloadArtifactResponse.FromString,
+    )
     metadata = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
     sent = {"bytes": 0}
 
@@ -353,7 +396,9 @@ def test_endless_artifact_data_is_refused_at_the_signed_length(world, release):
         offset = registry_pb2.DownloadArtifactRequest.FromString(request).offset
         for _ in range(2000):  # 2 GB if nobody stops reading
             sent["bytes"] += 1 << 20
-            yield registry_pb2.DownloadArtifactResponse(chunk={"offset": offset, "data": b"\0" * (1 << 20)}).SerializeToString()
+            yield registry_pb2.DownloadArtifactResponse(
+                chunk={"offset": offset, "data": b"\0" * (1 << 20)}
+            ).SerializeToString()
             offset += 1 << 20
 
     def header_message(header) -> bytes:
@@ -368,14 +413,17 @@ def test_endless_artifact_data_is_refused_at_the_signed_length(world, release):
         world.mirror.stream_overrides[method] = endless
         world.refused(HashMismatchError, "endless data", metadata=False)
         assert sent["bytes"] <= 64 << 20
-        largest = max((f.stat().st_size for f in world.device.root.rglob("*") if f.is_file() and "downloads" in f.parts),
-                      default=0)
+        largest = max(
+            (f.stat().st_size for f in world.device.root.rglob("*") if f.is_file() and "downloads" in f.parts),
+            default=0,
+        )
         assert largest < 1 << 20  # the tiny artifacts are a few KiB: nothing past them was kept
     finally:
         channel.close()
 
 
 # -- the whole flow -----------------------------------------------------------------------------
+
 
 def test_the_whole_flow_two_of_three_then_a_revocation_by_root_rotation(start_server, files, release, tmp_path):
     """Enrol by fingerprint → 2-of-3 publishers sign v2 → devices upgrade → alice's key is revoked
@@ -389,7 +437,7 @@ def test_the_whole_flow_two_of_three_then_a_revocation_by_root_rotation(start_se
             device.progress = False
             device.enrol(server.target, enrolment_code(server), root_fingerprint=root_fingerprint(root(1)))
             assert device.sync().installed_after == 1
-            device.add(IMAGES[4 * i:4 * i + 4], item_ids=[f"d{i}-{j}" for j in range(4)])
+            device.add(IMAGES[4 * i : 4 * i + 4], item_ids=[f"d{i}-{j}" for j in range(4)])
             devices.append(device)
         publish(server, release(2, "bob", "carol"), tmp_path)
         assert [d.sync().installed_after for d in devices] == [2, 2, 2]

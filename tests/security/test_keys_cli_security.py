@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from fctkit.errors import ReleaseSignatureError, ThresholdError, TrustError
-from fctkit.export.keys_cli import keys_command
 from fctkit.export.keys import generate_keys, load_private_key, load_root_file
+from fctkit.export.keys_cli import keys_command
 from fctkit.protos.bundle import public_key_id
 from fctkit.protos.trust import pin_root, read_release_signatures, verify_release, walk_root_chain
 from tests.security.conftest import NOW
@@ -76,8 +76,16 @@ def test_the_whole_offline_flow(workdir, root_v1, make_bundle):
     bob_id = public_key_id(load_private_key(workdir / "bob" / "publisher.key", PASSPHRASE.encode()).public_key())
     assert bob_id in verify_release(trusted, manifest, signatures)
 
-    output = keys("remove-publisher", last, "--key", workdir / "bob" / "publisher.pub",
-                  "--sign-with", workdir / "root" / "root-2.key", "--sign-with", workdir / "root" / "root-3.key")
+    output = keys(
+        "remove-publisher",
+        last,
+        "--key",
+        workdir / "bob" / "publisher.pub",
+        "--sign-with",
+        workdir / "root" / "root-2.key",
+        "--sign-with",
+        workdir / "root" / "root-3.key",
+    )
     assert "complete: signed by a threshold of the previous and its own root keys" in output
     revoked = walk_root_chain(trusted, [(workdir / "root" / "root.5.json").read_bytes()], NOW).root
     with pytest.raises(ReleaseSignatureError, match="outside the role do not count"):
@@ -92,8 +100,9 @@ def test_a_root_without_enough_signatures_is_refused_unless_partial_and_then_co_
     pub = publisher(workdir, "alice")[1]
     one = ["--sign-with", workdir / "root" / "root-1.key"]
     with pytest.raises(ThresholdError, match="root v2 not written: .*1 valid signature.*--partial"):
-        CliRunner().invoke(keys_command, [str(a) for a in ("add-publisher", root_file, "--key", pub, *one)],
-                           catch_exceptions=False)
+        CliRunner().invoke(
+            keys_command, [str(a) for a in ("add-publisher", root_file, "--key", pub, *one)], catch_exceptions=False
+        )
     assert not (workdir / "root" / "root.2.json").exists()
     assert "INCOMPLETE" in keys("add-publisher", root_file, "--key", pub, *one, "--partial")
     second = keys("sign", workdir / "root" / "root.2.json", "--key", workdir / "root" / "root-3.key")
@@ -104,15 +113,20 @@ def test_a_key_that_would_not_count_does_not_sign_a_root(workdir, root_v1):
     root_file, _ = root_v1
     before = root_file.read_bytes()
     with pytest.raises(TrustError, match="is not a root key of root v1"):
-        CliRunner().invoke(keys_command, ["sign", str(root_file), "--key", str(publisher(workdir, "eve")[0])],
-                           catch_exceptions=False)
+        CliRunner().invoke(
+            keys_command, ["sign", str(root_file), "--key", str(publisher(workdir, "eve")[0])], catch_exceptions=False
+        )
     assert root_file.read_bytes() == before
 
 
 def test_show_prints_roles_thresholds_expiry_and_fingerprint(workdir, root_v1):
     root_file, root_print = root_v1
     table = keys("show", root_file)
-    assert f"fingerprint {root_print}" in table and "root       2 of 3" in table and "publisher  1 of 0 (never met" in table
+    assert (
+        f"fingerprint {root_print}" in table
+        and "root       2 of 3" in table
+        and "publisher  1 of 0 (never met" in table
+    )
     info = json.loads(keys("show", root_file, "--json"))
     assert info["version"] == 1 and info["fingerprint"] == root_print and info["roles"]["root"]["threshold"] == 2
     assert info["status"].startswith("complete") and len(info["signatures"]) == 3
@@ -125,16 +139,29 @@ def test_the_root_keys_are_private_and_passphrase_wrapped(workdir, root_v1):
 
 def test_a_threshold_above_the_root_keys_writes_nothing(workdir):
     with pytest.raises(TrustError, match="can never be met"):
-        CliRunner().invoke(keys_command, ["init-root", "--out", str(workdir / "r"), "--root-keys", "2",
-                                          "--root-threshold", "3"], catch_exceptions=False)
+        CliRunner().invoke(
+            keys_command,
+            ["init-root", "--out", str(workdir / "r"), "--root-keys", "2", "--root-threshold", "3"],
+            catch_exceptions=False,
+        )
     assert not (workdir / "r").exists()
 
 
 def test_removing_a_key_the_root_does_not_hold_is_refused(workdir, root_v1):
     root_file, _ = root_v1
     with pytest.raises(TrustError, match="is not a publisher key of this root"):
-        CliRunner().invoke(keys_command, ["remove-publisher", str(root_file), "--key", "ab" * 32, "--sign-with",
-                                          str(workdir / "root" / "root-1.key")], catch_exceptions=False)
+        CliRunner().invoke(
+            keys_command,
+            [
+                "remove-publisher",
+                str(root_file),
+                "--key",
+                "ab" * 32,
+                "--sign-with",
+                str(workdir / "root" / "root-1.key"),
+            ],
+            catch_exceptions=False,
+        )
 
 
 def test_every_root_command_explains_itself():
@@ -147,11 +174,23 @@ def test_rotate_root_replaces_a_root_key_and_the_timestamp_key(workdir, root_v1)
     root_file, root_print = root_v1
     new_holder = publisher(workdir, "dana")[1]
     online = publisher(workdir, "online")[1]
-    keys("rotate-root", root_file, "--add-root-key", new_holder, "--remove-root-key", workdir / "root" / "root-3.pub",
-         "--timestamp-key", online, "--sign-with", workdir / "root" / "root-1.key",
-         "--sign-with", workdir / "root" / "root-2.key")
-    walk = walk_root_chain(pin_root(root_file.read_bytes(), root_print),
-                           [(workdir / "root" / "root.2.json").read_bytes()], NOW)
+    keys(
+        "rotate-root",
+        root_file,
+        "--add-root-key",
+        new_holder,
+        "--remove-root-key",
+        workdir / "root" / "root-3.pub",
+        "--timestamp-key",
+        online,
+        "--sign-with",
+        workdir / "root" / "root-1.key",
+        "--sign-with",
+        workdir / "root" / "root-2.key",
+    )
+    walk = walk_root_chain(
+        pin_root(root_file.read_bytes(), root_print), [(workdir / "root" / "root.2.json").read_bytes()], NOW
+    )
     assert walk.timestamp_keys_rotated and len(walk.root.body.role("root").keyids) == 3
 
 

@@ -18,8 +18,9 @@ PUBLISHERS = ("alice", "bob", "carol")
 
 
 def root_with(publishers=PUBLISHERS, threshold=2, version=1):
-    return signed(build_root(version, root=("r1",), root_threshold=1, publishers=publishers,
-                             publisher_threshold=threshold), "r1")
+    return signed(
+        build_root(version, root=("r1",), root_threshold=1, publishers=publishers, publisher_threshold=threshold), "r1"
+    )
 
 
 @pytest.fixture
@@ -65,8 +66,10 @@ def test_a_removed_publisher_key_does_not_count(release):
 def test_a_root_or_timestamp_key_cannot_stand_in_for_a_publisher(release):
     """The server holds the timestamp key: it must not be able to make up a publisher's signature."""
     manifest, signatures = read_release_signatures(release)
-    root = signed(build_root(1, root=("r1",), root_threshold=1, publishers=PUBLISHERS, publisher_threshold=2,
-                             timestamp=("ts",)), "r1")
+    root = signed(
+        build_root(1, root=("r1",), root_threshold=1, publishers=PUBLISHERS, publisher_threshold=2, timestamp=("ts",)),
+        "r1",
+    )
     for other in ("r1", "ts"):
         with pytest.raises(ReleaseSignatureError, match="1 valid signature"):
             verify_release(root, manifest, (*signatures, sign_bytes(manifest, key(other))))

@@ -70,7 +70,9 @@ def test_only_the_last_root_of_a_walk_must_not_have_expired(v1):
     expired_v2 = rotated("r1", "r2", "n1", "n2", expires=NOW - timedelta(days=30))
     v3 = signed(build_root(3, root=NEW, root_threshold=2), "n1", "n2")
     assert walk_root_chain(v1, [expired_v2.to_bytes(), v3.to_bytes()], NOW).root.body.version == 3
-    with pytest.raises(ExpiredMetadataError, match=r"root v2 expired at .*this device's clock reads 2027-03-01T12:00:00Z"):
+    with pytest.raises(
+        ExpiredMetadataError, match=r"root v2 expired at .*this device's clock reads 2027-03-01T12:00:00Z"
+    ):
         walk_root_chain(v1, [expired_v2.to_bytes()], NOW)
 
 
@@ -116,13 +118,16 @@ def test_an_oversized_root_is_refused_before_it_is_parsed():
         parse_root(data)
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda d: d["signed"].update(extra=1), "unknown key"),
-    (lambda d: d["signed"].update(version=True), "expected int"),
-    (lambda d: d["signed"].update(_type="timestamp"), "not a 'root' one"),
-    (lambda d: d["signed"]["roles"]["root"].update(threshold=4), "can never be met"),
-    (lambda d: d["signed"].update(expires="2027-02-30T00:00:00Z"), "not a real date"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: d["signed"].update(extra=1), "unknown key"),
+        (lambda d: d["signed"].update(version=True), "expected int"),
+        (lambda d: d["signed"].update(_type="timestamp"), "not a 'root' one"),
+        (lambda d: d["signed"]["roles"]["root"].update(threshold=4), "can never be met"),
+        (lambda d: d["signed"].update(expires="2027-02-30T00:00:00Z"), "not a real date"),
+    ],
+)
 def test_a_malformed_root_is_refused_with_what_is_wrong(v1, damage, message):
     document = json.loads(v1.to_bytes())
     damage(document)

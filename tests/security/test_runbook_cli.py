@@ -41,8 +41,9 @@ def fingerprint(output: str) -> str:
 
 def release(folder: Path, version: int, publisher_key: Path) -> Path:
     """What `fctkit export` hands over: v<N>.tar signed by one publisher."""
-    bundle = make_tiny_bundle(folder / f"v{version}", load_private_key(publisher_key, PASSPHRASE.encode()), version,
-                              TINY_CHAIN[version])
+    bundle = make_tiny_bundle(
+        folder / f"v{version}", load_private_key(publisher_key, PASSPHRASE.encode()), version, TINY_CHAIN[version]
+    )
     return pack_bundle(bundle, folder / f"v{version}.tar")
 
 
@@ -63,17 +64,44 @@ def work(tmp_path, monkeypatch, admin_token_file):
 def test_the_keys_and_trust_runbook(work, admin_token_file):
     for name in ("alice", "bob", "carol", "timestamp"):
         fctkit("keys", "generate", "--out", f"keys/{name}")
-    created = fctkit("keys", "init-root", "--out", "root/", "--root-keys", 3, "--root-threshold", 2,
-                     "--publisher-key", "keys/alice/publisher.pub", "--publisher-key", "keys/bob/publisher.pub",
-                     "--publisher-key", "keys/carol/publisher.pub", "--publisher-threshold", 2,
-                     "--timestamp-key", "keys/timestamp/publisher.pub", "--freshness-days", 7)
-    server = ServerProcess(work / "srv", None, admin_token_file, "--root", "root/root.1.json",
-                           "--timestamp-key", "keys/timestamp/publisher.key").start()
+    created = fctkit(
+        "keys",
+        "init-root",
+        "--out",
+        "root/",
+        "--root-keys",
+        3,
+        "--root-threshold",
+        2,
+        "--publisher-key",
+        "keys/alice/publisher.pub",
+        "--publisher-key",
+        "keys/bob/publisher.pub",
+        "--publisher-key",
+        "keys/carol/publisher.pub",
+        "--publisher-threshold",
+        2,
+        "--timestamp-key",
+        "keys/timestamp/publisher.pub",
+        "--freshness-days",
+        7,
+    )
+    server = ServerProcess(
+        work / "srv",
+        None,
+        admin_token_file,
+        "--root",
+        "root/root.1.json",
+        "--timestamp-key",
+        "keys/timestamp/publisher.key",
+    ).start()
     try:
         admin = ("admin", "--server", server.target)
         code = fctkit(*admin, "enrol-code").splitlines()[0]
         fctkit("device", "init", "--dir", "D")
-        device("enrol", "--dir", "D", "--server", server.target, "--code", code, "--root-fingerprint", fingerprint(created))
+        device(
+            "enrol", "--dir", "D", "--server", server.target, "--code", code, "--root-fingerprint", fingerprint(created)
+        )
 
         v1 = release(work / "export", 1, Path("keys/alice/publisher.key"))
         refused(*admin, "publish", v1, match="1 valid signature.* of the 2 needed")  # one publisher of two
@@ -82,8 +110,17 @@ def test_the_keys_and_trust_runbook(work, admin_token_file):
         fctkit(*admin, "publish", v1)
         assert device("sync", "--dir", "D", "--quiet")["installed_after"] == 1
 
-        fctkit("keys", "remove-publisher", "root/root.1.json", "--key", "keys/alice/publisher.pub",
-               "--sign-with", "root/root-1.key", "--sign-with", "root/root-2.key")
+        fctkit(
+            "keys",
+            "remove-publisher",
+            "root/root.1.json",
+            "--key",
+            "keys/alice/publisher.pub",
+            "--sign-with",
+            "root/root-1.key",
+            "--sign-with",
+            "root/root-2.key",
+        )
         assert "root v2" in fctkit(*admin, "publish-root", "root/root.2.json")
         device("sync", "--dir", "D", "--quiet")
         status = device("status", "--dir", "D")
@@ -106,22 +143,47 @@ def test_moving_an_existing_fleet_to_k_of_n(work, admin_token_file):
     fctkit("keys", "generate", "--out", "keys/bob")
     server = ServerProcess(work / "srv", work / "keys/publisher.pub", admin_token_file).start()
     try:
-        fctkit(*("admin", "--server", server.target), "publish", release(work / "export", 1, Path("keys/publisher.key")))
+        fctkit(
+            *("admin", "--server", server.target), "publish", release(work / "export", 1, Path("keys/publisher.key"))
+        )
         fctkit("device", "init", "--dir", "D", "--publisher-key", "keys/publisher.pub")
         code = fctkit("admin", "--server", server.target, "enrol-code").splitlines()[0]
         device("enrol", "--dir", "D", "--server", server.target, "--code", code)
         assert device("sync", "--dir", "D", "--quiet")["installed_after"] == 1
         server.stop()
 
-        fctkit("keys", "init-root", "--out", "root/", "--root-keys", 3, "--root-threshold", 2,
-               "--publisher-key", "keys/publisher.pub", "--timestamp-key", "keys/timestamp/publisher.pub")
+        fctkit(
+            "keys",
+            "init-root",
+            "--out",
+            "root/",
+            "--root-keys",
+            3,
+            "--root-threshold",
+            2,
+            "--publisher-key",
+            "keys/publisher.pub",
+            "--timestamp-key",
+            "keys/timestamp/publisher.pub",
+        )
         fctkit("keys", "sign", "root/root.1.json", "--key", "keys/publisher.key")
         server.args = ["--root", "root/root.1.json", "--timestamp-key", "keys/timestamp/publisher.key"]
         server.start()
         device("sync", "--dir", "D", "--quiet")
         assert device("status", "--dir", "D")["trust"]["root_version"] == 1
-        fctkit("keys", "add-publisher", "root/root.1.json", "--key", "keys/bob/publisher.pub", "--threshold", 2,
-               "--sign-with", "root/root-1.key", "--sign-with", "root/root-2.key")
+        fctkit(
+            "keys",
+            "add-publisher",
+            "root/root.1.json",
+            "--key",
+            "keys/bob/publisher.pub",
+            "--threshold",
+            2,
+            "--sign-with",
+            "root/root-1.key",
+            "--sign-with",
+            "root/root-2.key",
+        )
         fctkit("admin", "--server", server.target, "publish-root", "root/root.2.json")
         device("sync", "--dir", "D", "--quiet")
         status = device("status", "--dir", "D")

@@ -62,16 +62,20 @@ def make_certificates(folder: Path) -> dict[str, Path]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def issue(name: str, issuer: tuple | None, *, ca: bool = False, names: list | None = None):
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
         issuer_name, issuer_key = issuer if issuer else (subject, key)
         builder = (
-            x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_name).public_key(key.public_key())
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer_name)
+            .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
         )
         if names:
@@ -79,8 +83,11 @@ def make_certificates(folder: Path) -> dict[str, Path]:
         certificate = builder.sign(issuer_key, hashes.SHA256())
         cert_path, key_path = folder / f"{name}.crt", folder / f"{name}.key"
         cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
+        key_path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
         return (subject, key), cert_path, key_path
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -89,8 +96,15 @@ def make_certificates(folder: Path) -> dict[str, Path]:
     _, server, server_key = issue("server", ca, names=local)
     _, client, client_key = issue("client", ca)
     _, stranger, stranger_key = issue("stranger", None)
-    return {"ca": ca_cert, "server": server, "server_key": server_key, "client": client, "client_key": client_key,
-            "stranger": stranger, "stranger_key": stranger_key}
+    return {
+        "ca": ca_cert,
+        "server": server,
+        "server_key": server_key,
+        "client": client,
+        "client_key": client_key,
+        "stranger": stranger,
+        "stranger_key": stranger_key,
+    }
 
 
 def linear_onnx(path: Path, inputs: dict[str, int], out_dim: int, *, seed: int, output: str) -> Path:
@@ -106,7 +120,8 @@ def linear_onnx(path: Path, inputs: dict[str, int], out_dim: int, *, seed: int, 
         joined = "joined"
     nodes.append(helper.make_node("MatMul", [joined, "W"], [output]))
     graph = helper.make_graph(
-        nodes, "tiny",
+        nodes,
+        "tiny",
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", d]) for n, d in inputs.items()],
         [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", out_dim])],
         initializer=[numpy_helper.from_array(weight, "W")],
@@ -121,8 +136,13 @@ def _sources(folder: Path, version: int, hops: tuple[tuple[int, int], ...], imag
     folder.mkdir(parents=True, exist_ok=True)
     seed = version * 100
     sources = [
-        ArtifactSource(linear_onnx(folder / "embed.onnx", {"image": image_dim}, EMBED_DIM, seed=seed, output="embedding"), "embed"),
-        ArtifactSource(linear_onnx(folder / "side.onnx", {"image": IMAGE_DIM}, SIDE_DIM, seed=seed + 1, output="side_info"), "side_info"),
+        ArtifactSource(
+            linear_onnx(folder / "embed.onnx", {"image": image_dim}, EMBED_DIM, seed=seed, output="embedding"), "embed"
+        ),
+        ArtifactSource(
+            linear_onnx(folder / "side.onnx", {"image": IMAGE_DIM}, SIDE_DIM, seed=seed + 1, output="side_info"),
+            "side_info",
+        ),
     ]
     for i, (source, target) in enumerate(hops):
         old = {"old_embedding": EMBED_DIM, "old_side_info": SIDE_DIM}
@@ -158,8 +178,10 @@ def admin_token_file(tmp_path_factory) -> Path:
 def bundles(tmp_path_factory, publisher_key) -> dict[int, Path]:
     """Signed bundle directories v1..v5 of the CHAIN (v1's embed graph is ~2.5 MB)."""
     root = tmp_path_factory.mktemp("bundles")
-    return {version: chain_bundle(root, version, publisher_key, BIG_IMAGE_DIM if version == 1 else IMAGE_DIM)
-            for version in CHAIN}
+    return {
+        version: chain_bundle(root, version, publisher_key, BIG_IMAGE_DIM if version == 1 else IMAGE_DIM)
+        for version in CHAIN
+    }
 
 
 def chain_bundle(folder: Path, version: int, key: Ed25519PrivateKey, image_dim: int = IMAGE_DIM) -> Path:
@@ -167,8 +189,15 @@ def chain_bundle(folder: Path, version: int, key: Ed25519PrivateKey, image_dim: 
     sources = _sources(folder / f"src{version}", version, CHAIN[version], image_dim)
     ecc = {s.artifact_name: True for s in sources if s.role == "forward"}
     return build_bundle(
-        folder / f"v{version}", version=version, parents=(version - 1,) if version > 1 else (), mode="forward",
-        distance="cosine", normalize=True, artifacts=sources, gate={"cases": {}, "ecc": ecc}, private_key=key,
+        folder / f"v{version}",
+        version=version,
+        parents=(version - 1,) if version > 1 else (),
+        mode="forward",
+        distance="cosine",
+        normalize=True,
+        artifacts=sources,
+        gate={"cases": {}, "ecc": ecc},
+        private_key=key,
     ).root
 
 
@@ -227,9 +256,14 @@ class Backend:
             return {p.name: p.read_bytes() for p in sorted((Path(data_dir) / kind).rglob("*")) if p.is_file()}
         prefix = f"{self._names(data_dir)[1].removeprefix(f's3://{BUCKET}/')}/{kind}/"
         client = self.s3.client()
-        keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-                for o in page.get("Contents", ())]
-        return {key.removeprefix(prefix): client.get_object(Bucket=BUCKET, Key=key)["Body"].read() for key in sorted(keys)}
+        keys = [
+            o["Key"]
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+            for o in page.get("Contents", ())
+        ]
+        return {
+            key.removeprefix(prefix): client.get_object(Bucket=BUCKET, Key=key)["Body"].read() for key in sorted(keys)
+        }
 
     def query(self, data_dir: Path, sql: str) -> list[tuple]:
         """Rows of ``sql`` on the server's metadata database (read only)."""
@@ -258,8 +292,14 @@ class Backend:
             for statement in statements:
                 connection.execute(statement)
 
-    def aged(self, data_dir: Path, open_storage: Callable[[Path], object], schema: int, *statements: str,
-             versions: tuple[int, ...] = ()) -> object:
+    def aged(
+        self,
+        data_dir: Path,
+        open_storage: Callable[[Path], object],
+        schema: int,
+        *statements: str,
+        versions: tuple[int, ...] = (),
+    ) -> object:
         """A storage in ``data_dir`` with ``versions`` published, made to look like schema ``schema``'s
         (``statements`` drop what later schemas added, then the schema number is set back) and
         opened again: migrated, as a server upgrading it would find it."""
@@ -269,8 +309,11 @@ class Backend:
         for version in versions:
             storage.add_version(VersionRecord(version, b"{}", b"sig", "now"), [])
         storage.close()
-        marker = ([f"PRAGMA user_version={schema}"] if self.name == "sqlite"
-                  else ["DELETE FROM fctkit_schema", f"INSERT INTO fctkit_schema VALUES ({schema})"])
+        marker = (
+            [f"PRAGMA user_version={schema}"]
+            if self.name == "sqlite"
+            else ["DELETE FROM fctkit_schema", f"INSERT INTO fctkit_schema VALUES ({schema})"]
+        )
         self.alter(data_dir, *statements, *marker)
         return open_storage(data_dir)
 
@@ -288,8 +331,13 @@ _CREATED: set[str] = set()
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``sqlite_only`` (about the data directory itself, or a protocol limit that no
     backend changes and that is slow to repeat) run on ``sqlite`` only."""
-    deselected = [item for item in items if item.get_closest_marker("sqlite_only")
-                  and getattr(item, "callspec", None) and item.callspec.params.get("backend") == "postgres"]
+    deselected = [
+        item
+        for item in items
+        if item.get_closest_marker("sqlite_only")
+        and getattr(item, "callspec", None)
+        and item.callspec.params.get("backend") == "postgres"
+    ]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = [item for item in items if item not in deselected]
@@ -326,8 +374,10 @@ def start_replicas(tmp_path_factory, publisher_pub, admin_token_file, scale_out)
 
     def start(count: int, *args: str, data_dir: Path | None = None) -> list[ServerProcess]:
         data = data_dir or tmp_path_factory.mktemp("replicas") / "data"
-        replicas = [ServerProcess(data, publisher_pub, admin_token_file, *args, backend=scale_out,
-                                  log_name=f"replica{k}") for k in range(count)]
+        replicas = [
+            ServerProcess(data, publisher_pub, admin_token_file, *args, backend=scale_out, log_name=f"replica{k}")
+            for k in range(count)
+        ]
         for replica in replicas:
             replica.launch()
         started.extend(replicas)
@@ -348,8 +398,15 @@ def open_storage(backend) -> Callable[[Path], object]:
 class ServerProcess:
     """`python -m fctkit.cli serve` in a subprocess; its JSON-lines log goes to a file."""
 
-    def __init__(self, data_dir: Path, publisher_pub: Path, admin_token_file: Path, *args: str,
-                 backend: Backend | None = None, log_name: str = "server") -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        publisher_pub: Path,
+        admin_token_file: Path,
+        *args: str,
+        backend: Backend | None = None,
+        log_name: str = "server",
+    ) -> None:
         self.backend = backend or Backend("sqlite")
         self.data_dir, self.args = Path(data_dir), list(args)
         self.publisher_pub, self.admin_token_file = publisher_pub, admin_token_file
@@ -371,9 +428,17 @@ class ServerProcess:
         log = self.log_path.open("a")
         self.log_offset = log.tell()
         command = [
-            sys.executable, "-m", "fctkit.cli", "serve", *self.backend.server_args(self.data_dir), "--port", str(self.port),
+            sys.executable,
+            "-m",
+            "fctkit.cli",
+            "serve",
+            *self.backend.server_args(self.data_dir),
+            "--port",
+            str(self.port),
             *([] if "--root" in self.args else ["--publisher-key", str(self.publisher_pub)]),
-            "--admin-token-file", str(self.admin_token_file), *self.args,
+            "--admin-token-file",
+            str(self.admin_token_file),
+            *self.args,
         ]
         environment = {**os.environ, **self.backend.environment(), "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=environment)

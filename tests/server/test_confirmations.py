@@ -25,8 +25,9 @@ def confirmed(client) -> list[int]:
     return list(listing(client).confirmed_versions)
 
 
-def test_a_confirmation_is_stored_once_listed_on_every_page_and_bad_ones_change_nothing(start_server, archives,
-                                                                                       publisher_key):
+def test_a_confirmation_is_stored_once_listed_on_every_page_and_bad_ones_change_nothing(
+    start_server, archives, publisher_key
+):
     server = start_server()
     with admin(server) as a:
         a.publish_bundle(archives[1])

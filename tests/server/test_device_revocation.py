@@ -25,8 +25,14 @@ def _enrol(server, owner: str, name: str) -> tuple[FctkitClient, str]:
 
 
 def _record(change_id: int, item: str, version: int) -> vault_pb2.SealedRecord:
-    return vault_pb2.SealedRecord(change_id=change_id, item_id=item, version=version, origin_version=1, via="native",
-                                  sealed=bytes([change_id]) * 40)
+    return vault_pb2.SealedRecord(
+        change_id=change_id,
+        item_id=item,
+        version=version,
+        origin_version=1,
+        via="native",
+        sealed=bytes([change_id]) * 40,
+    )
 
 
 def test_a_revoked_device_is_locked_out_and_its_owner_keeps_everything(start_server):
@@ -46,8 +52,13 @@ def test_a_revoked_device_is_locked_out_and_its_owner_keeps_everything(start_ser
         assert revoked_at and admin.revoke_device(lost_id).revoked_at == revoked_at  # once
         listed = {d.device_id: d.revoked_at for d in admin.list_devices()}
     assert listed[lost_id] == revoked_at and listed[phone_id] == ""
-    for call in (lambda: lost.list_versions(), lambda: lost.read_blob(sha256), lambda: lost.report(1, 1, IDLE),
-                 lambda: list(lost.pull_records()), lambda: lost.push_records([_record(3, "y", 1)])):
+    for call in (
+        lambda: lost.list_versions(),
+        lambda: lost.read_blob(sha256),
+        lambda: lost.report(1, 1, IDLE),
+        lambda: list(lost.pull_records()),
+        lambda: lost.push_records([_record(3, "y", 1)]),
+    ):
         assert status_code(call) == "UNAUTHENTICATED"
     assert phone.read_blob(sha256) == b"sealed original" * 10  # the owner's, whoever uploaded it
     # the lost phone stayed at v1; revoked, it no longer holds the v1 record of x alive
@@ -96,7 +107,9 @@ def test_a_revoked_devices_open_streams_end_with_unauthenticated(start_server):
     size = 24 << 20
     sha256 = lost.upload_blob(bytes(size), "big").sha256
     watch = lost.registry.WatchVersions(registry_pb2.WatchVersionsRequest(after_version=0), metadata=lost._metadata)
-    download = lost.vault.Download(vault_pb2.DownloadBlobRequest(sha256=sha256, chunk_size=64 << 10), metadata=lost._metadata)
+    download = lost.vault.Download(
+        vault_pb2.DownloadBlobRequest(sha256=sha256, chunk_size=64 << 10), metadata=lost._metadata
+    )
     ended: dict[str, tuple[str, float]] = {}
     received = [0]
 
@@ -109,7 +122,10 @@ def test_a_revoked_devices_open_streams_end_with_unauthenticated(start_server):
         except Exception as error:  # grpc.RpcError
             ended[name] = (error.code().name, time.monotonic())
 
-    threads = [threading.Thread(target=drain, args=(name, call), daemon=True) for name, call in (("watch", watch), ("download", download))]
+    threads = [
+        threading.Thread(target=drain, args=(name, call), daemon=True)
+        for name, call in (("watch", watch), ("download", download))
+    ]
     for thread in threads:
         thread.start()
     time.sleep(0.5)
@@ -118,6 +134,9 @@ def test_a_revoked_devices_open_streams_end_with_unauthenticated(start_server):
         admin.revoke_device(lost_id)
     for thread in threads:
         thread.join(timeout=60)
-    assert {name: code for name, (code, _) in ended.items()} == {"watch": "UNAUTHENTICATED", "download": "UNAUTHENTICATED"}
+    assert {name: code for name, (code, _) in ended.items()} == {
+        "watch": "UNAUTHENTICATED",
+        "download": "UNAUTHENTICATED",
+    }
     assert ended["watch"][1] - revoked < 1.0
     assert received[0] < size // 2, f"{received[0]} of {size} bytes arrived: the download went on after the revoke"

@@ -33,8 +33,11 @@ def scrape(port: int) -> dict[tuple[str, frozenset], float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         assert response.status == 200
         text = response.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in prometheus_parser.text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in prometheus_parser.text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(samples: dict, name: str, **labels: str) -> float:
@@ -106,10 +109,12 @@ def test_vault_bytes_are_counted_and_a_download_stream_once_at_its_end(metered):
         sha256 = device.upload_blob(blob).sha256
         assert device.read_blob(sha256) == blob
     after = scrape(port)
-    received = value(after, "fctkit_transfer_bytes_total", kind="vault_blob", direction="received") - \
-        value(before, "fctkit_transfer_bytes_total", kind="vault_blob", direction="received")
-    sent = value(after, "fctkit_transfer_bytes_total", kind="vault_blob", direction="sent") - \
-        value(before, "fctkit_transfer_bytes_total", kind="vault_blob", direction="sent")
+    received = value(after, "fctkit_transfer_bytes_total", kind="vault_blob", direction="received") - value(
+        before, "fctkit_transfer_bytes_total", kind="vault_blob", direction="received"
+    )
+    sent = value(after, "fctkit_transfer_bytes_total", kind="vault_blob", direction="sent") - value(
+        before, "fctkit_transfer_bytes_total", kind="vault_blob", direction="sent"
+    )
     assert len(blob) <= received < len(blob) + 4096  # the payload plus a little framing
     assert len(blob) <= sent < len(blob) + 4096
     downloads = [value(s, "fctkit_rpc_total", method="/fctkit.v1.Vault/Download", code="OK") for s in (before, after)]
@@ -117,8 +122,11 @@ def test_vault_bytes_are_counted_and_a_download_stream_once_at_its_end(metered):
 
 
 def storage_errors(samples: dict) -> dict[tuple[str, str], float]:
-    return {(dict(labels)["kind"], dict(labels)["error"]): v for (name, labels), v in samples.items()
-            if name == "fctkit_storage_errors_total"}
+    return {
+        (dict(labels)["kind"], dict(labels)["error"]): v
+        for (name, labels), v in samples.items()
+        if name == "fctkit_storage_errors_total"
+    }
 
 
 def test_storage_errors_are_counted_by_kind_and_class(start_server, backend, tmp_path):
@@ -126,7 +134,9 @@ def test_storage_errors_are_counted_by_kind_and_class(start_server, backend, tmp
     server = start_server("--metrics-port", "0", data_dir=data)
     port = metrics_port(server)
     assert storage_errors(scrape(port)) == {}
-    backend.alter(data, "ALTER TABLE enrolment_codes RENAME TO enrolment_codes_away")  # a statement fails in the database
+    backend.alter(
+        data, "ALTER TABLE enrolment_codes RENAME TO enrolment_codes_away"
+    )  # a statement fails in the database
     try:
         with FctkitClient(server.target, ADMIN_TOKEN) as admin:
             assert status_code(lambda: admin.create_enrolment_code(label="no table")) == "INTERNAL"
@@ -135,8 +145,11 @@ def test_storage_errors_are_counted_by_kind_and_class(start_server, backend, tmp
     error = "OperationalError" if backend.name == "sqlite" else "UndefinedTable"
     assert storage_errors(scrape(port)) == {("database", error): 1}
     if backend.name == "postgres":  # the database drops every connection: calls meet an unreachable database
-        backend.query(data, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                            "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        backend.query(
+            data,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
         with FctkitClient(server.target, ADMIN_TOKEN) as admin:
             admin.create_enrolment_code(label="after the drop")  # the client retries UNAVAILABLE
         unreachable = {e: v for (kind, e), v in storage_errors(scrape(port)).items() if kind == "unreachable"}
@@ -150,7 +163,9 @@ def test_a_taken_metrics_port_is_refused_with_a_clear_error(start_server):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(RuntimeError, match=rf"cannot serve metrics on 127\.0\.0\.1:{port}: .*choose another --metrics-port"):
+        with pytest.raises(
+            RuntimeError, match=rf"cannot serve metrics on 127\.0\.0\.1:{port}: .*choose another --metrics-port"
+        ):
             start_server("--metrics-port", str(port))
 
 
@@ -164,7 +179,10 @@ def test_rollout_gauges_come_from_the_source_at_each_scrape_and_replicas_keep_ap
     from fctkit.server.metrics import RolloutGauges, ServerMetrics, StageGauges
 
     first, second = ServerMetrics("sqlite"), ServerMetrics("postgres")  # two replicas in one process
-    stages = [StageGauges(1, {"offered": 3, "upgraded": 3}, 0.97), StageGauges(2, {"offered": 10, "upgraded": 7, "failed": 1})]
+    stages = [
+        StageGauges(1, {"offered": 3, "upgraded": 3}, 0.97),
+        StageGauges(2, {"offered": 10, "upgraded": 7, "failed": 1}),
+    ]
     rollouts = [RolloutGauges(2, "staged", 25.0, stages)]
     first.set_rollout_source(lambda: rollouts)
     ports = first.listen("127.0.0.1", 0), second.listen("127.0.0.1", 0)
@@ -240,8 +258,12 @@ def test_bundle_and_artifact_bytes_and_a_cancelled_stream_counted_once(metered, 
         watch.close()  # the client cancels the stream
     watch_method = "/fctkit.v1.Registry/WatchVersions"
     deadline = time.monotonic() + 10
-    while (after := scrape(port)) and value(after, "fctkit_rpc_total", method=watch_method, code="CANCELLED") \
-            == value(before, "fctkit_rpc_total", method=watch_method, code="CANCELLED") and time.monotonic() < deadline:
+    while (
+        (after := scrape(port))
+        and value(after, "fctkit_rpc_total", method=watch_method, code="CANCELLED")
+        == value(before, "fctkit_rpc_total", method=watch_method, code="CANCELLED")
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.05)
 
     def added(name: str, **labels: str) -> float:
@@ -250,8 +272,12 @@ def test_bundle_and_artifact_bytes_and_a_cancelled_stream_counted_once(metered, 
     assert added("fctkit_rpc_total", method=watch_method, code="CANCELLED") == 1
     assert added("fctkit_rpc_seconds_count", method=watch_method) == 1
     archive_size = archives[1].stat().st_size
-    assert archive_size <= added("fctkit_transfer_bytes_total", kind="bundle", direction="received") < archive_size + 65536
-    assert artifact.size <= added("fctkit_transfer_bytes_total", kind="artifact", direction="sent") < artifact.size + 4096
+    assert (
+        archive_size <= added("fctkit_transfer_bytes_total", kind="bundle", direction="received") < archive_size + 65536
+    )
+    assert (
+        artifact.size <= added("fctkit_transfer_bytes_total", kind="artifact", direction="sent") < artifact.size + 4096
+    )
     assert added("fctkit_rpc_total", method="/fctkit.v1.Registry/PublishBundle", code="OK") == 1
 
 
@@ -266,23 +292,51 @@ def test_rollout_gauges_show_what_rollout_status_answers(metered, archives):
     samples = scrape(port)
     assert [s.percent for s in status.stages] == [25.0, 100.0]
     assert value(samples, "fctkit_rollout_percent", version="2", state="staged") == 100.0
-    shown = {(dict(labels)["stage"], dict(labels)["status"]): v for (name, labels), v in samples.items()
-             if name == "fctkit_rollout_devices" and dict(labels)["version"] == "2"}
-    expected = {(str(stage.stage), status_name): getattr(stage, status_name)
-                for stage in status.stages for status_name in ("offered", "downloaded", "upgraded", "failed", "reverted")}
+    shown = {
+        (dict(labels)["stage"], dict(labels)["status"]): v
+        for (name, labels), v in samples.items()
+        if name == "fctkit_rollout_devices" and dict(labels)["version"] == "2"
+    }
+    expected = {
+        (str(stage.stage), status_name): getattr(stage, status_name)
+        for stage in status.stages
+        for status_name in ("offered", "downloaded", "upgraded", "failed", "reverted")
+    }
     assert shown == expected
-    assert sum(v for (_, status_name), v in shown.items() if status_name == "offered") == \
-        sum(stage.offered for stage in status.stages) >= 3
+    assert (
+        sum(v for (_, status_name), v in shown.items() if status_name == "offered")
+        == sum(stage.offered for stage in status.stages)
+        >= 3
+    )
 
 
 def test_gauges_of_a_rollout_status_message():
     from fctkit.protos import registry_pb2
     from fctkit.server.metrics import RolloutGauges, StageGauges, gauges_of
 
-    status = registry_pb2.RolloutStatus(version=3, state="halted", percent=5.0, stages=[
-        registry_pb2.RolloutStage(stage=1, percent=5.0, offered=4, downloaded=3, upgraded=2, failed=1,
-                                  health=registry_pb2.HealthSummary(devices=2, median=0.25)),
-        registry_pb2.RolloutStage(stage=2, percent=20.0, offered=1)])
-    assert gauges_of(status) == RolloutGauges(3, "halted", 5.0, [
-        StageGauges(1, {"offered": 4, "downloaded": 3, "upgraded": 2, "failed": 1, "reverted": 0}, 0.25),
-        StageGauges(2, {"offered": 1, "downloaded": 0, "upgraded": 0, "failed": 0, "reverted": 0}, None)])
+    status = registry_pb2.RolloutStatus(
+        version=3,
+        state="halted",
+        percent=5.0,
+        stages=[
+            registry_pb2.RolloutStage(
+                stage=1,
+                percent=5.0,
+                offered=4,
+                downloaded=3,
+                upgraded=2,
+                failed=1,
+                health=registry_pb2.HealthSummary(devices=2, median=0.25),
+            ),
+            registry_pb2.RolloutStage(stage=2, percent=20.0, offered=1),
+        ],
+    )
+    assert gauges_of(status) == RolloutGauges(
+        3,
+        "halted",
+        5.0,
+        [
+            StageGauges(1, {"offered": 4, "downloaded": 3, "upgraded": 2, "failed": 1, "reverted": 0}, 0.25),
+            StageGauges(2, {"offered": 1, "downloaded": 0, "upgraded": 0, "failed": 0, "reverted": 0}, None),
+        ],
+    )

@@ -5,10 +5,10 @@ server ran, enrolled a device and stored an upload (SQLite's WAL files and blobs
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import stat
+
+import pytest
 
 from fctkit.private_files import make_private
 
@@ -42,8 +42,9 @@ def test_the_server_keeps_its_data_owner_only_under_any_umask(start_server, tmp_
     server.stop()
     found = modes(data)
     assert any(path.startswith("blobs/") for path in found) and "meta.sqlite3" in found
-    wrong = {path: oct(mode) for path, mode in found.items()
-             if mode != (0o700 if os.path.isdir(data / path) else 0o600)}
+    wrong = {
+        path: oct(mode) for path, mode in found.items() if mode != (0o700 if os.path.isdir(data / path) else 0o600)
+    }
     assert wrong == {}
 
 

@@ -7,8 +7,8 @@ reports the newer one. A schema-2 database is migrated and compacted in place.""
 from __future__ import annotations
 
 import hashlib
-import time
 import sqlite3
+import time
 
 from fctkit.protos import fleet_pb2, vault_pb2
 from fctkit.protos.client import FctkitClient
@@ -25,12 +25,20 @@ def _devices(server, count: int) -> list[FctkitClient]:
     return [first, *(enrolled_client(server, enrolment.owner_id, f"device-{k}")[0] for k in range(1, count))]
 
 
-def _record(change_id: int, item: str, version: int = 1, via: str = "native", fill: int = 0, size: int = 100,
-            tombstone: bool = False) -> vault_pb2.SealedRecord:
+def _record(
+    change_id: int,
+    item: str,
+    version: int = 1,
+    via: str = "native",
+    fill: int = 0,
+    size: int = 100,
+    tombstone: bool = False,
+) -> vault_pb2.SealedRecord:
     if tombstone:
         return vault_pb2.SealedRecord(change_id=change_id, item_id=item, tombstone=True, sealed=bytes([fill]) * size)
-    return vault_pb2.SealedRecord(change_id=change_id, item_id=item, version=version, origin_version=1, via=via,
-                                  sealed=bytes([fill]) * size)
+    return vault_pb2.SealedRecord(
+        change_id=change_id, item_id=item, version=version, origin_version=1, via=via, sealed=bytes([fill]) * size
+    )
 
 
 def _sha(record: vault_pb2.SealedRecord) -> str:
@@ -79,7 +87,7 @@ def test_older_versions_go_once_every_device_reports_the_newer_one(start_server)
 
 
 def test_compaction_gives_the_bytes_back_to_the_quota(start_server):
-    phone, = _devices(start_server("--replica-quota-bytes", "2500"), 1)
+    (phone,) = _devices(start_server("--replica-quota-bytes", "2500"), 1)
     for change_id in range(1, 30):  # the same item re-pushed 29 times: one record's bytes stay
         phone.push_records([_record(change_id, "x", fill=change_id, size=1000)])
     assert len(_live(phone)) == 1
@@ -94,26 +102,43 @@ def test_a_schema_2_database_is_migrated_and_compacted(tmp_path):
     with sqlite3.connect(tmp_path / "data" / "meta.sqlite3") as db:  # back to what schema 2 held: one row per record
         db.execute("DROP TABLE replica_blocks")
         db.execute("DROP TABLE replica_items")
-        db.execute("CREATE TABLE replica_records (owner_id TEXT NOT NULL, sequence INTEGER NOT NULL, device_id TEXT NOT NULL, "
-                   "change_id INTEGER NOT NULL, item_id TEXT NOT NULL, version INTEGER NOT NULL, origin_version INTEGER NOT NULL, "
-                   "via TEXT NOT NULL, tombstone INTEGER NOT NULL, sealed BLOB NOT NULL, created_at TEXT NOT NULL, "
-                   "PRIMARY KEY (owner_id, sequence), UNIQUE (device_id, change_id))")
-        db.executemany("INSERT INTO replica_records VALUES (?, ?, 'dev-1', ?, 'x', 1, 1, ?, 0, ?, 'now')",
-                       [(owner, 1, 1, "native", b"a" * 100), (owner, 2, 2, "forward", b"b" * 100)])
+        db.execute(
+            "CREATE TABLE replica_records (owner_id TEXT NOT NULL, sequence INTEGER NOT NULL, device_id TEXT NOT NULL, "
+            "change_id INTEGER NOT NULL, item_id TEXT NOT NULL, version INTEGER NOT NULL, origin_version INTEGER NOT NULL, "
+            "via TEXT NOT NULL, tombstone INTEGER NOT NULL, sealed BLOB NOT NULL, created_at TEXT NOT NULL, "
+            "PRIMARY KEY (owner_id, sequence), UNIQUE (device_id, change_id))"
+        )
+        db.executemany(
+            "INSERT INTO replica_records VALUES (?, ?, 'dev-1', ?, 'x', 1, 1, ?, 0, ?, 'now')",
+            [(owner, 1, 1, "native", b"a" * 100), (owner, 2, 2, "forward", b"b" * 100)],
+        )
         db.execute("INSERT INTO replica_owners VALUES (?, 2, 200)", (owner,))
         db.execute("PRAGMA user_version=2")
     storage = SqliteStorage(tmp_path / "data")
     assert storage.replica_usage(owner) == (100, 2)
-    assert [(r.sequence, r.item_ids, r.via, r.block) for r in storage.pull_records(owner, 0, 10, 1 << 20)] == [(1, ("x",), "native", False)]
-    again = storage.push_records(owner, "dev-1", [ReplicaRecord(2, ("x",), 1, 1, "forward", False, b"b" * 100, block=False)], "now", 1 << 30)
+    assert [(r.sequence, r.item_ids, r.via, r.block) for r in storage.pull_records(owner, 0, 10, 1 << 20)] == [
+        (1, ("x",), "native", False)
+    ]
+    again = storage.push_records(
+        owner, "dev-1", [ReplicaRecord(2, ("x",), 1, 1, "forward", False, b"b" * 100, block=False)], "now", 1 << 30
+    )
     assert (again.stored, again.sequences) == (0, (2,))
     storage.close()
 
 
-def _block(change_id: int, items: list[str], version: int = 1, via: str = "native", fill: int = 0, size: int = 100,
-           tombstone: bool = False) -> vault_pb2.SealedRecord:
+def _block(
+    change_id: int,
+    items: list[str],
+    version: int = 1,
+    via: str = "native",
+    fill: int = 0,
+    size: int = 100,
+    tombstone: bool = False,
+) -> vault_pb2.SealedRecord:
     header = {} if tombstone else {"version": version, "origin_version": 1, "via": via}
-    return vault_pb2.SealedRecord(change_id=change_id, item_ids=items, tombstone=tombstone, sealed=bytes([fill]) * size, **header)
+    return vault_pb2.SealedRecord(
+        change_id=change_id, item_ids=items, tombstone=tombstone, sealed=bytes([fill]) * size, **header
+    )
 
 
 def test_blocks_are_compacted_row_by_row_and_dropped_when_no_row_is_live(start_server):
@@ -134,7 +159,12 @@ def test_blocks_are_compacted_row_by_row_and_dropped_when_no_row_is_live(start_s
     tablet.push_records([_block(3, ["a"], version=2, fill=3, size=28)])
     assert [r.sequence for b in phone.pull_records() for r in b.records] == [2, 3, 4]  # the block is gone from pulls
     retried = phone.push_records([_block(1, ["a", "b", "c"], fill=1, size=400)])  # its entry stays for retries
-    assert (retried.stored, retried.already_stored, retried.already_stored_rows, list(retried.sequences)) == (0, 1, 3, [1])
+    assert (retried.stored, retried.already_stored, retried.already_stored_rows, list(retried.sequences)) == (
+        0,
+        1,
+        3,
+        [1],
+    )
     phone.push_records([_record(9, "z", size=900)])  # and the quota has its bytes back: 3 x 28 + 900 fits
     again = phone.push_records([_record(9, "z", size=900)])  # a retry at a full quota stores nothing new: answered
     assert (again.stored, again.already_stored, list(again.sequences)) == (0, 1, [5])
@@ -148,7 +178,7 @@ def test_a_large_replica_is_swept_page_by_page_in_the_background(start_server):
     for version in (1, 2):
         records = [_record(version * items + k, f"item-{k:05d}", version=version, size=28) for k in range(items)]
         for start in range(0, items, 4096):
-            phone.push_records(records[start:start + 4096])
+            phone.push_records(records[start : start + 4096])
     phone.report(2, items, IDLE)
     tablet.report(2, items, IDLE)  # the first page now, two more in the background
     deadline = time.monotonic() + 60
@@ -180,7 +210,9 @@ def test_a_retried_push_compacts_nothing_else(tmp_path, open_storage):
 
     storage = open_storage(tmp_path / "data")
     for n in (1, 2):
-        storage.add_enrolment_code(f"c{n}", "", "2026-01-01T00:00:00.000000Z", "2099-01-01T00:00:00.000000Z", owner_id="own")
+        storage.add_enrolment_code(
+            f"c{n}", "", "2026-01-01T00:00:00.000000Z", "2099-01-01T00:00:00.000000Z", owner_id="own"
+        )
         storage.enrol(f"c{n}", "2026-01-01T00:00:00.000000Z", f"dev-{n}", "x", f"t{n}")
     old = ReplicaRecord(1, ("item",), 1, 1, "native", False, b"\x01" * 40, block=False)
     new = ReplicaRecord(2, ("item",), 2, 1, "forward", False, b"\x02" * 40, block=False)

@@ -72,7 +72,9 @@ def enrol_fleet(replicas: list[ServerProcess]) -> Fleet:
         client, enrolment = enrolled_client(replicas[home], name=f"camera-{k}")
         client.report(1, 100, IDLE)
         for index, replica in enumerate(replicas):
-            alone[index][enrolment.device_id] = client if index == home else FctkitClient(replica.target, enrolment.token)
+            alone[index][enrolment.device_id] = (
+                client if index == home else FctkitClient(replica.target, enrolment.token)
+            )
         everywhere[enrolment.device_id] = FctkitClient(targets, enrolment.token, retry=PATIENT)
     ranked = sorted(everywhere, key=lambda d: bucket(d, 2))
     return Fleet(replicas, ranked, alone, everywhere, dict.fromkeys(ranked, 1))
@@ -86,7 +88,9 @@ def agree(fleet: Fleet, replicas: list[int], canary: str, want: Offers, since: f
             assert time.monotonic() - since < AGREE_S, f"replica {'ABC'[replica]} does not show {what} a second later"
             time.sleep(0.02)
     for replica in replicas:
-        assert fleet.offers(replica) == want, f"replica {'ABC'[replica]} offers other versions than expected after {what}"
+        assert fleet.offers(replica) == want, (
+            f"replica {'ABC'[replica]} offers other versions than expected after {what}"
+        )
 
 
 def same_status(fleet: Fleet, replicas: list[int], state: str):
@@ -127,7 +131,7 @@ class Syncing:
                     client.version_listing()
                     client.report(self.fleet.versions[device_id], 100, IDLE)
                     self.calls += 1
-                except Exception as exc:  # noqa: BLE001 (every failure is asserted on by the test)
+                except Exception as exc:
                     self.errors.append(f"{device_id}: {exc!r}")
                 self._stop.wait(0.02)  # a fleet syncing, not a load test: the replicas keep a core free
 
@@ -146,8 +150,9 @@ def poll(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def test_rollout_halt_and_withdrawal_agree_across_three_replicas_with_one_sigkilled(start_replicas, archives,
-                                                                                   publisher_key):
+def test_rollout_halt_and_withdrawal_agree_across_three_replicas_with_one_sigkilled(
+    start_replicas, archives, publisher_key
+):
     replicas = start_replicas(3, "--max-reports-per-minute", "10000")
     a, b, c = 0, 1, 2
     fleet = enrol_fleet(replicas)
@@ -166,7 +171,10 @@ def test_rollout_halt_and_withdrawal_agree_across_three_replicas_with_one_sigkil
         since = time.monotonic()
         agree(fleet, [b, c], fleet.ranked[WIDENED_IN - 1], fleet.expected(WIDENED_IN), since, "v2 widened on A")
         widened = same_status(fleet, [a, b, c], "staged")
-        assert [s.offered for s in widened.stages] == [STAGED_IN, WIDENED_IN - STAGED_IN] and widened.halt_min_devices == 3
+        assert [s.offered for s in widened.stages] == [
+            STAGED_IN,
+            WIDENED_IN - STAGED_IN,
+        ] and widened.halt_min_devices == 3
 
         with Syncing(fleet, [d for d in fleet.ranked if d not in upgraders]) as syncing:
             syncing.wait_calls(10)

@@ -24,7 +24,11 @@ from fctkit.server.storage import VersionRecord
 from fctkit.server.storage_schema import SCHEMA_VERSION
 from tests.server.conftest import ADMIN_TOKEN, enrolled_client, status_code
 
-IDLE, UPGRADING, FAILED = fleet_pb2.UPGRADE_STATE_IDLE, fleet_pb2.UPGRADE_STATE_UPGRADING, fleet_pb2.UPGRADE_STATE_FAILED
+IDLE, UPGRADING, FAILED = (
+    fleet_pb2.UPGRADE_STATE_IDLE,
+    fleet_pb2.UPGRADE_STATE_UPGRADING,
+    fleet_pb2.UPGRADE_STATE_FAILED,
+)
 
 
 def admin(server) -> FctkitClient:
@@ -56,9 +60,17 @@ def listed(client: FctkitClient) -> tuple[list[int], int]:
 
 
 def health(version: int, mean_cosine: float = 0.9, **fields) -> fleet_pb2.UpgradeHealth:
-    values = {"version": version, "rows_upgraded": 100, "failures": 0, "seconds": 2.5, "sample_size": 32,
-              "mean_cosine": mean_cosine, "p10_cosine": max(-1.0, mean_cosine - 0.1), "recall_at_1": 0.9,
-              "mean_reciprocal_rank": 0.95}
+    values = {
+        "version": version,
+        "rows_upgraded": 100,
+        "failures": 0,
+        "seconds": 2.5,
+        "sample_size": 32,
+        "mean_cosine": mean_cosine,
+        "p10_cosine": max(-1.0, mean_cosine - 0.1),
+        "recall_at_1": 0.9,
+        "mean_reciprocal_rank": 0.95,
+    }
     return fleet_pb2.UpgradeHealth(**{**values, **fields})
 
 
@@ -128,8 +140,10 @@ def test_pause_offers_the_version_to_nobody_new_and_resume_brings_it_back(start_
 
 def test_a_watch_gets_the_version_when_the_rollout_widens_to_the_device(start_server, archives):
     server, devices = staged(start_server, archives, 0, "--watch-keepalive", "0.3", devices=1)
-    (device_id, client), = devices.items()
-    stream = client.registry.WatchVersions(registry_pb2.WatchVersionsRequest(after_version=0), metadata=client._metadata)
+    ((device_id, client),) = devices.items()
+    stream = client.registry.WatchVersions(
+        registry_pb2.WatchVersionsRequest(after_version=0), metadata=client._metadata
+    )
     published: list[int] = []
     keepalives: list[int] = []
 
@@ -175,7 +189,9 @@ def test_publish_percent_from_the_cli_and_bad_input_changes_nothing(start_server
         assert status_code(lambda: a.set_rollout(1, percent=10)) == "FAILED_PRECONDITION"  # published to everyone
         assert status_code(lambda: a.set_rollout(2, cohort=["dev-0123456789abcdef"])) == "NOT_FOUND"
         assert status_code(lambda: a.set_rollout(2, cohort=["not-a-device"])) == "INVALID_ARGUMENT"
-        assert status_code(lambda: a.set_rollout(2, percent=50, halt_below=2.0, halt_min_devices=3)) == "INVALID_ARGUMENT"
+        assert (
+            status_code(lambda: a.set_rollout(2, percent=50, halt_below=2.0, halt_min_devices=3)) == "INVALID_ARGUMENT"
+        )
         assert a.rollout_status(2) == before
         assert status_code(lambda: a.publish_bundle(archives[3], rollout_percent=-1)) == "INVALID_ARGUMENT"
         assert [v.version for v in a.list_versions()] == [1, 2]
@@ -187,7 +203,9 @@ def test_publish_percent_from_the_cli_and_bad_input_changes_nothing(start_server
     with admin(server) as a:
         assert a.rollout_status(2) == before
     cohort.write_text("# testers\n" + "\n".join(devices) + "\n")
-    widened = cli("rollout", "2", "--devices", str(cohort), "--percent", "10", "--halt-below", "0.5", "--halt-min-devices", "4")
+    widened = cli(
+        "rollout", "2", "--devices", str(cohort), "--percent", "10", "--halt-below", "0.5", "--halt-min-devices", "4"
+    )
     assert widened.exit_code == 0 and "staged at 10% (cohort of 2)" in widened.output
     assert all(listed(c) == ([1, 2], 2) for c in devices.values())
     table = cli("rollout-status", "2")
@@ -196,7 +214,10 @@ def test_publish_percent_from_the_cli_and_bad_input_changes_nothing(start_server
     assert data["state"] == "staged" and [s["stage"] for s in data["stages"]] == [0, 1, 2] and data["gate_cases"] == {}
     assert data["stages"][0]["offered"] == 2
     assert "no rollout" in cli("rollout-status", "1").output
-    assert cli("rollout", "2", "--complete").exit_code == 0 and cli("rollout-status", "2", "--json").output.count('"complete"') == 1
+    assert (
+        cli("rollout", "2", "--complete").exit_code == 0
+        and cli("rollout-status", "2", "--json").output.count('"complete"') == 1
+    )
     paused = CliRunner().invoke(admin_command, [*base, "rollout", "2", "--pause"])
     assert paused.exit_code != 0 and "nothing to pause" in str(paused.exception)
 
@@ -221,7 +242,10 @@ def test_reports_health_is_validated_stored_and_rate_limited(start_server, archi
     *bad, third = devices
     for k, (case, fields) in enumerate(BAD_HEALTH.items()):
         client = devices[bad[k % 3]]  # each device may report 5 times a minute
-        assert status_code(lambda c=client, f=fields: c.report(2, 100, IDLE, health=health(**{"version": 2, **f}))) == "INVALID_ARGUMENT", case
+        assert (
+            status_code(lambda c=client, f=fields: c.report(2, 100, IDLE, health=health(**{"version": 2, **f})))
+            == "INVALID_ARGUMENT"
+        ), case
     assert backend.query(server.data_dir, "SELECT COUNT(*) FROM device_health") == [(0,)]
     with admin(server) as a:
         assert {d.device_id: d.last_report_at for d in a.list_devices()} == dict.fromkeys(devices, "")
@@ -261,8 +285,11 @@ def test_status_counts_each_device_in_the_stage_it_entered_in(start_server, arch
 
     def split() -> tuple[list[str], list[str], list[str]]:
         ids = list(devices)
-        return ([d for d in ids if bucket(d, 2) < 20], [d for d in ids if 20 <= bucket(d, 2) < 70],
-                [d for d in ids if bucket(d, 2) >= 70])
+        return (
+            [d for d in ids if bucket(d, 2) < 20],
+            [d for d in ids if 20 <= bucket(d, 2) < 70],
+            [d for d in ids if bucket(d, 2) >= 70],
+        )
 
     first, second, outside = split()
     while len(first) < 3 or len(second) < 3 or not outside:  # device ids are random: enrol until each stage has enough
@@ -280,7 +307,9 @@ def test_status_counts_each_device_in_the_stage_it_entered_in(start_server, arch
         devices[second[1]].report(1, 100, IDLE)  # reverted
         devices[cohort[0]].report(2, 100, IDLE)
         status = a.rollout_status(2)
-    counts = [(s.stage, s.offered, s.downloaded, s.upgraded, s.failed, s.reverted, s.health.devices) for s in status.stages]
+    counts = [
+        (s.stage, s.offered, s.downloaded, s.upgraded, s.failed, s.reverted, s.health.devices) for s in status.stages
+    ]
     assert counts == [(0, 1, 1, 1, 0, 0, 0), (1, len(first), 3, 1, 1, 0, 1), (2, len(second), 2, 1, 0, 1, 2)]
     assert status.stages[2].health.median == pytest.approx(0.75)
 
@@ -312,8 +341,13 @@ def test_replicas_agree_on_a_rollout_within_a_second(start_replicas, archives):
 
 def test_a_schema_8_database_gets_the_rollout_tables(tmp_path, open_storage, backend):
     data_dir = tmp_path / "data"
-    storage = backend.aged(data_dir, open_storage, 8, *(f"DROP TABLE {t}" for t in (
-        "device_health", "rollout_cohort", "rollout_stages", "rollouts")), versions=(1,))
+    storage = backend.aged(
+        data_dir,
+        open_storage,
+        8,
+        *(f"DROP TABLE {t}" for t in ("device_health", "rollout_cohort", "rollout_stages", "rollouts")),
+        versions=(1,),
+    )
     try:
         assert [r.version for r in storage.versions()] == [1] and storage.rollouts() == {}
         from fctkit.server.rollout.changes import new_rollout

@@ -14,13 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from tests.server.conftest import ADMIN_TOKEN, enrolled_client, status_code
-from tests.server.test_replica_compaction import _record
-
 from fctkit.protos import registry_pb2, vault_pb2
 from fctkit.protos.client import FctkitClient
 from fctkit.protos.common_pb2 import Chunk
 from fctkit.protos.retry_policy import RetryPolicy
+from tests.server.conftest import ADMIN_TOKEN, enrolled_client, status_code
+from tests.server.test_replica_compaction import _record
 
 
 def test_replicas_started_together_create_the_schema_once(start_replicas, scale_out):
@@ -53,7 +52,9 @@ def test_a_version_published_on_one_replica_reaches_a_watch_on_another_within_a_
         published = time.monotonic()
     reader.join(10)
     stream.cancel()
-    assert arrived and arrived[0] - published < 1.0, f"the watch got v1 {arrived and arrived[0] - published} s after the publish"
+    assert arrived and arrived[0] - published < 1.0, (
+        f"the watch got v1 {arrived and arrived[0] - published} s after the publish"
+    )
     assert [v.version for v in device.list_versions()] == [1]
 
 
@@ -90,7 +91,7 @@ def test_a_revoked_device_is_refused_on_every_replica_within_a_second_streams_in
 def test_quota_is_exact_under_concurrent_uploads_spread_over_replicas(start_replicas):
     size, fits = 50_000, 5
     replicas = start_replicas(3, "--quota-bytes", str(size * fits + size // 2))
-    first, enrolment = enrolled_client(replicas[0], name="phone")
+    first, _enrolment = enrolled_client(replicas[0], name="phone")
     token = first._metadata[0][1].removeprefix("Bearer ")
     clients = [FctkitClient(r.target, token) for r in replicas]
     blobs = [hashlib.sha256(bytes([k])).digest() * (size // 32) + bytes(size % 32) for k in range(12)]
@@ -99,7 +100,7 @@ def test_quota_is_exact_under_concurrent_uploads_spread_over_replicas(start_repl
         try:
             clients[k % 3].upload_blob(blobs[k], f"item-{k}")
             return "stored"
-        except Exception as exc:  # noqa: BLE001 (the status is what is checked)
+        except Exception as exc:
             return getattr(exc, "code", repr(exc))
 
     with ThreadPoolExecutor(12) as pool:
@@ -146,7 +147,9 @@ def test_concurrent_pushes_and_pulls_through_different_replicas_lose_and_duplica
     for replica in replicas:
         with FctkitClient(replica.target, phone._metadata[0][1].removeprefix("Bearer ")) as client:
             records = [r for response in client.pull_records() for r in response.records]
-            assert sorted(r.item_id for r in records) == sorted([f"p-{k}" for k in range(per_device)] + [f"t-{k}" for k in range(per_device)])
+            assert sorted(r.item_id for r in records) == sorted(
+                [f"p-{k}" for k in range(per_device)] + [f"t-{k}" for k in range(per_device)]
+            )
             assert [r.sequence for r in records] == list(range(1, 2 * per_device + 1))  # every sequence once, in order
     assert len(seen) == len(set(seen)) and set(seen) <= set(range(1, 2 * per_device + 1))
     assert seen == sorted(seen)  # a reader never sees a sequence number appear behind one it already has
@@ -154,7 +157,7 @@ def test_concurrent_pushes_and_pulls_through_different_replicas_lose_and_duplica
 
 def test_an_upload_begun_on_one_replica_resumes_on_another(start_replicas):
     first, second = start_replicas(2)
-    client, enrolment = enrolled_client(first, name="camera")
+    client, _enrolment = enrolled_client(first, name="camera")
     data = hashlib.sha256(b"original").digest() * 100_000  # 3.2 MB: three part objects and a bit
     sha256 = hashlib.sha256(data).hexdigest()
     sent = 2_500_000
@@ -162,7 +165,9 @@ def test_an_upload_begun_on_one_replica_resumes_on_another(start_replicas):
     def half() -> vault_pb2.UploadBlobRequest:
         yield vault_pb2.UploadBlobRequest(header=vault_pb2.UploadHeader(sha256=sha256, size=len(data), item_id="photo"))
         for start in range(0, sent, 1 << 20):
-            yield vault_pb2.UploadBlobRequest(chunk=Chunk(offset=start, data=data[start:min(start + (1 << 20), sent)]))
+            yield vault_pb2.UploadBlobRequest(
+                chunk=Chunk(offset=start, data=data[start : min(start + (1 << 20), sent)])
+            )
 
     with pytest.raises(grpc.RpcError) as cut_short:
         client.vault.Upload(half(), metadata=client._metadata)
@@ -194,14 +199,17 @@ def test_sweeps_run_on_one_replica_at_a_time(scale_out, tmp_path):
         second.close()
 
 
-def test_an_unreachable_object_store_is_unavailable_not_an_internal_error(scale_out, publisher_pub, admin_token_file, tmp_path):
+def test_an_unreachable_object_store_is_unavailable_not_an_internal_error(
+    scale_out, publisher_pub, admin_token_file, tmp_path
+):
     from tests.server.conftest import Backend, ServerProcess
     from tests.support.scale_services import start_s3
 
     own_s3 = start_s3(tmp_path / "moto.log")
     own_s3.create_bucket("fctkit-tests")
-    replica = ServerProcess(tmp_path / "data", publisher_pub, admin_token_file,
-                            backend=Backend("postgres", scale_out.cluster, own_s3)).start()
+    replica = ServerProcess(
+        tmp_path / "data", publisher_pub, admin_token_file, backend=Backend("postgres", scale_out.cluster, own_s3)
+    ).start()
     try:
         client, _ = enrolled_client(replica, name="camera")
         client.retry = RetryPolicy(attempts=1)
@@ -221,8 +229,9 @@ def test_health_is_not_serving_while_the_database_is_unreachable(scale_out, publ
     from tests.support.scale_services import start_postgres
 
     own_cluster = start_postgres(tmp_path / "pg")
-    replica = ServerProcess(tmp_path / "data", publisher_pub, admin_token_file,
-                            backend=Backend("postgres", own_cluster, scale_out.s3)).start()
+    replica = ServerProcess(
+        tmp_path / "data", publisher_pub, admin_token_file, backend=Backend("postgres", own_cluster, scale_out.s3)
+    ).start()
     try:
         with grpc.insecure_channel(replica.target) as channel:
             check = lambda: health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status  # noqa: E731

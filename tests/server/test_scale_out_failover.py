@@ -13,12 +13,11 @@ import random
 import threading
 import time
 
-from tests.server.conftest import ADMIN_TOKEN, enrolled_client
-from tests.server.test_replica_compaction import _record
-
 from fctkit.protos.client import FctkitClient, _artifact_digest
 from fctkit.protos.resumable_transfer import stream_download
 from fctkit.protos.retry_policy import RetryPolicy
+from tests.server.conftest import ADMIN_TOKEN, enrolled_client
+from tests.server.test_replica_compaction import _record
 
 KILLS = int(os.environ.get("FCTKIT_FAILOVER_KILLS", "50"))
 PATIENT = RetryPolicy(attempts=12, initial_backoff_s=0.1, max_backoff_s=1.0)
@@ -91,7 +90,7 @@ def test_sigkilled_replicas_lose_no_acknowledged_write(start_replicas, archives)
             while not stop.is_set():
                 try:
                     work(client, k)
-                except Exception as exc:  # noqa: BLE001 (every failure is reported by the test)
+                except Exception as exc:
                     tally.errors.append(f"{work.__name__}: {exc!r}")
                 k += 1
 
@@ -112,7 +111,9 @@ def test_sigkilled_replicas_lose_no_acknowledged_write(start_replicas, archives)
         pushed.update(zip((r.change_id for r in records), response.sequences))  # acknowledged
         tally.add("pushes completed")
 
-    workers = [threading.Thread(target=run, args=(work,), daemon=True) for work in (downloads, downloads, uploads, pushes)]
+    workers = [
+        threading.Thread(target=run, args=(work,), daemon=True) for work in (downloads, downloads, uploads, pushes)
+    ]
     for worker in workers:
         worker.start()
     _kill_and_restart(replicas, KILLS, tally)
@@ -131,9 +132,15 @@ def test_sigkilled_replicas_lose_no_acknowledged_write(start_replicas, archives)
     change_ids = [r.change_id for r in records]
     assert len(change_ids) == len(set(change_ids)), "a record was stored twice"
     stored = {r.change_id: r.sequence for r in records}
-    assert all(stored.get(change_id) == sequence for change_id, sequence in pushed.items()), "an acknowledged push was lost"
+    assert all(stored.get(change_id) == sequence for change_id, sequence in pushed.items()), (
+        "an acknowledged push was lost"
+    )
     counts = tally.counts
     print(f"\nfailover: {counts} errors={len(tally.errors)} acknowledged blobs={len(uploaded)} records={len(pushed)}")
     assert not tally.errors, tally.errors[:5]
     assert counts["kills"] == KILLS >= 1
-    assert counts.get("downloads completed", 0) and counts.get("uploads completed", 0) and counts.get("pushes completed", 0)
+    assert (
+        counts.get("downloads completed", 0)
+        and counts.get("uploads completed", 0)
+        and counts.get("pushes completed", 0)
+    )

@@ -50,5 +50,9 @@ def test_s3_endpoint_stores_and_returns_objects(s3_endpoint):
         s3.get_object(Bucket="scale-services", Key="blobs/one")
 
     environment = s3_environment(s3_endpoint.url)
-    assert environment == {"AWS_ENDPOINT_URL": s3_endpoint.url, "AWS_ACCESS_KEY_ID": "testing",
-                           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    assert environment == {
+        "AWS_ENDPOINT_URL": s3_endpoint.url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }

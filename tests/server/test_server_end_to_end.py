@@ -72,7 +72,10 @@ def test_health_is_serving_and_reflection_lists_the_three_services(server):
     with grpc.insecure_channel(server.target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for name in ("", "fctkit.v1.Registry", "fctkit.v1.Vault", "fctkit.v1.Fleet"):
-            assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
+            assert (
+                health.Check(health_pb2.HealthCheckRequest(service=name)).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
         database = ProtoReflectionDescriptorDatabase(channel)
         services = set(database.get_services())
         assert {"fctkit.v1.Registry", "fctkit.v1.Vault", "fctkit.v1.Fleet", "grpc.health.v1.Health"} <= services
@@ -80,20 +83,28 @@ def test_health_is_serving_and_reflection_lists_the_three_services(server):
         assert described.name == "fctkit/v1/registry.proto" and "fctkit/v1/common.proto" in described.dependency
 
 
-
 def test_reflection_is_served_as_v1_too(server):
     """grpcurl and other current tools ask grpc.reflection.v1 first (same messages as v1alpha on the wire)."""
     from grpc_reflection.v1alpha import reflection_pb2
 
     with grpc.insecure_channel(server.target) as channel:
-        info = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
-                                     request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
-                                     response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
-        requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
-                    reflection_pb2.ServerReflectionRequest(file_containing_symbol="fctkit.v1.Vault")]
+        info = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        requests = [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="fctkit.v1.Vault"),
+        ]
         listed, described = list(info(iter(requests)))
     names = {s.name for s in listed.list_services_response.service}
-    assert {"fctkit.v1.Registry", "fctkit.v1.Vault", "fctkit.v1.Fleet", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    assert {
+        "fctkit.v1.Registry",
+        "fctkit.v1.Vault",
+        "fctkit.v1.Fleet",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= names
     assert described.file_descriptor_response.file_descriptor_proto  # the vault.proto descriptor
 
 
@@ -102,10 +113,15 @@ def test_missing_or_garbage_tokens_are_unauthenticated(server, token):
     metadata = () if token is None else (("authorization", token if " " in token else f"Bearer {token}"),)
     with grpc.insecure_channel(server.target) as channel:
         calls = [
-            lambda: registry_pb2_grpc.RegistryStub(channel).ListVersions(registry_pb2.ListVersionsRequest(), metadata=metadata),
+            lambda: registry_pb2_grpc.RegistryStub(channel).ListVersions(
+                registry_pb2.ListVersionsRequest(), metadata=metadata
+            ),
             lambda: vault_pb2_grpc.VaultStub(channel).List(vault_pb2.ListBlobsRequest(), metadata=metadata),
-            lambda: list(registry_pb2_grpc.RegistryStub(channel).DownloadArtifact(
-                registry_pb2.DownloadArtifactRequest(version=1, artifact_name="embed"), metadata=metadata)),
+            lambda: list(
+                registry_pb2_grpc.RegistryStub(channel).DownloadArtifact(
+                    registry_pb2.DownloadArtifactRequest(version=1, artifact_name="embed"), metadata=metadata
+                )
+            ),
         ]
         for call in calls:
             assert _raw_code(call) == grpc.StatusCode.UNAUTHENTICATED
@@ -125,7 +141,9 @@ def test_roles_device_cannot_publish_or_list_devices_and_admin_has_no_vault(devi
 def test_versions_and_manifests_are_exactly_as_published(device, bundles, publisher_key):
     versions = device.list_versions()
     assert [v.version for v in versions][:4] == [1, 2, 3, 4]
-    paged = device.registry.ListVersions(registry_pb2.ListVersionsRequest(after_version=1, page_size=2), metadata=device._metadata)
+    paged = device.registry.ListVersions(
+        registry_pb2.ListVersionsRequest(after_version=1, page_size=2), metadata=device._metadata
+    )
     assert [v.version for v in paged.versions] == [2, 3] and paged.more
     for version in (1, 4):
         manifest, signature = device.get_manifest(version)
@@ -155,13 +173,17 @@ def _hops(plan) -> list[tuple[int, int, str, str]]:
 def test_plans_go_hop_by_hop_or_take_a_published_direct_adapter(device):
     # v3 has no direct 1->3 adapter: two hops through v2.
     assert _hops(device.plan_upgrade(1, 3)) == [
-        (1, 2, "forward_1_to_2", "side_forward_1_to_2"), (2, 3, "forward_2_to_3", "side_forward_2_to_3")]
+        (1, 2, "forward_1_to_2", "side_forward_1_to_2"),
+        (2, 3, "forward_2_to_3", "side_forward_2_to_3"),
+    ]
     # v4 was published with a direct 1->4 adapter: one hop instead of three.
     direct = device.plan_upgrade(1, 4)
     assert _hops(direct) == [(1, 4, "forward_1_to_4", "side_forward_1_to_4")]
     assert direct.hops[0].bundle_version == 4 and not direct.hops[0].identity
     assert _hops(device.plan_upgrade(2, 4)) == [
-        (2, 3, "forward_2_to_3", "side_forward_2_to_3"), (3, 4, "forward_3_to_4", "side_forward_3_to_4")]
+        (2, 3, "forward_2_to_3", "side_forward_2_to_3"),
+        (3, 4, "forward_3_to_4", "side_forward_3_to_4"),
+    ]
     assert device.plan_upgrade(3, 3).hops == []
     assert status_code(lambda: device.plan_upgrade(3, 1)) == "NOT_FOUND"  # no adapters lead backwards
 
@@ -190,11 +212,16 @@ def test_download_from_any_offset_and_offset_limits(device, bundles):
     expected = (bundles[1] / "embed.onnx").read_bytes()
 
     def fetch(offset: int, chunk_size: int = 0):
-        request = registry_pb2.DownloadArtifactRequest(version=1, artifact_name="embed", offset=offset, chunk_size=chunk_size)
+        request = registry_pb2.DownloadArtifactRequest(
+            version=1, artifact_name="embed", offset=offset, chunk_size=chunk_size
+        )
         return list(device.registry.DownloadArtifact(request, metadata=device._metadata))
 
     tail = fetch(len(expected) - 10)
-    assert tail[0].header.offset == len(expected) - 10 and tail[0].header.artifact.sha256 == hashlib.sha256(expected).hexdigest()
+    assert (
+        tail[0].header.offset == len(expected) - 10
+        and tail[0].header.artifact.sha256 == hashlib.sha256(expected).hexdigest()
+    )
     assert b"".join(m.chunk.data for m in tail[1:]) == expected[-10:]
     assert len(fetch(len(expected))) == 1  # the header only
     whole = fetch(0)
@@ -251,7 +278,9 @@ def test_tampered_or_incomplete_bundles_are_refused_and_never_listed(admin, serv
     header = registry_pb2.PublishHeader(archive_size=len(archive), archive_sha256=hashlib.sha256(archive).hexdigest())
 
     def publish(chunks):
-        messages = [registry_pb2.PublishBundleRequest(header=header)] + [registry_pb2.PublishBundleRequest(chunk=c) for c in chunks]
+        messages = [registry_pb2.PublishBundleRequest(header=header)] + [
+            registry_pb2.PublishBundleRequest(chunk=c) for c in chunks
+        ]
         return admin.registry.PublishBundle(iter(messages), metadata=admin._metadata)
 
     half = Chunk(offset=0, data=archive[: len(archive) // 2])
@@ -275,7 +304,9 @@ def test_messages_over_the_limit_are_refused_by_size(admin):
 
 def test_watch_survives_idle_time_and_receives_a_newly_published_version(server, admin, device, archives):
     latest = device.list_versions()[-1].version
-    stream = device.registry.WatchVersions(registry_pb2.WatchVersionsRequest(after_version=latest), metadata=device._metadata)
+    stream = device.registry.WatchVersions(
+        registry_pb2.WatchVersionsRequest(after_version=latest), metadata=device._metadata
+    )
     events: list = []
 
     def consume():
@@ -293,7 +324,9 @@ def test_watch_survives_idle_time_and_receives_a_newly_published_version(server,
     reader.join(30)
     stream.cancel()
     assert events[-1].published.version == latest + 1
-    assert [a.name for a in events[-1].published.artifacts] == [a.name for a in Manifest.from_bytes(device.get_manifest(latest + 1)[0]).artifacts]
+    assert [a.name for a in events[-1].published.artifacts] == [
+        a.name for a in Manifest.from_bytes(device.get_manifest(latest + 1)[0]).artifacts
+    ]
 
 
 # -- vault -----------------------------------------------------------------------------------
@@ -315,8 +348,12 @@ def test_vault_upload_list_download_delete(server, device):
     assert status_code(lambda: device.delete_blob(transfer.sha256)) == "NOT_FOUND"
 
 
-def _upload_messages(data: bytes, *, size: int | None = None, sha256: str | None = None, offset: int = 0, upto: int | None = None):
-    header = vault_pb2.UploadHeader(sha256=sha256 or hashlib.sha256(data).hexdigest(), size=len(data) if size is None else size, offset=offset)
+def _upload_messages(
+    data: bytes, *, size: int | None = None, sha256: str | None = None, offset: int = 0, upto: int | None = None
+):
+    header = vault_pb2.UploadHeader(
+        sha256=sha256 or hashlib.sha256(data).hexdigest(), size=len(data) if size is None else size, offset=offset
+    )
     yield vault_pb2.UploadBlobRequest(header=header)
     end = len(data) if upto is None else upto
     for start in range(offset, end, 100_000):
@@ -386,7 +423,10 @@ def test_enrolment_codes_work_once_and_only_hashes_are_stored(server, admin, pub
     assert status_code(lambda: anonymous.enrol(code, "again")) == "PERMISSION_DENIED"
     assert status_code(lambda: anonymous.enrol("AAAA-BBBB-CCCC", "guess")) == "PERMISSION_DENIED"
     assert status_code(lambda: anonymous.enrol("", "empty")) == "INVALID_ARGUMENT"
-    assert status_code(lambda: admin.create_enrolment_code(ttl_seconds=limits.MAX_ENROLMENT_TTL_S + 1)) == "INVALID_ARGUMENT"
+    assert (
+        status_code(lambda: admin.create_enrolment_code(ttl_seconds=limits.MAX_ENROLMENT_TTL_S + 1))
+        == "INVALID_ARGUMENT"
+    )
     stored = server.backend.metadata_dump(server.data_dir)
     for secret in (enrolment.token, code, code.replace("-", ""), ADMIN_TOKEN):
         assert secret.encode() not in stored
@@ -396,14 +436,21 @@ def test_enrolment_codes_work_once_and_only_hashes_are_stored(server, admin, pub
 
 
 def test_reports_reach_the_fleet_list_and_bad_reports_are_refused(device, admin):
-    response = device.report(2, 1234, fleet_pb2.UPGRADE_STATE_UPGRADING, target_version=4, progress=0.25, detail="batch 3/12")
+    response = device.report(
+        2, 1234, fleet_pb2.UPGRADE_STATE_UPGRADING, target_version=4, progress=0.25, detail="batch 3/12"
+    )
     assert response.latest_version >= 4
     mine = [d for d in admin.list_devices() if d.name == "camera-a"]
     assert len(mine) == 1
     assert (mine[0].version, mine[0].gallery_size, mine[0].upgrade_state, mine[0].target_version, mine[0].progress) == (
-        2, 1234, fleet_pb2.UPGRADE_STATE_UPGRADING, 4, 0.25)
+        2,
+        1234,
+        fleet_pb2.UPGRADE_STATE_UPGRADING,
+        4,
+        0.25,
+    )
     assert mine[0].last_report_at == response.recorded_at and mine[0].label == "for camera-a"
-    for bad in (dict(progress=float("nan")), dict(progress=1.5), dict(detail="x" * (limits.MAX_DETAIL_CHARS + 1))):
+    for bad in ({"progress": float("nan")}, {"progress": 1.5}, {"detail": "x" * (limits.MAX_DETAIL_CHARS + 1)}):
         assert status_code(lambda: device.report(2, 1, fleet_pb2.UPGRADE_STATE_IDLE, **bad)) == "INVALID_ARGUMENT"
     assert status_code(lambda: device.report(2, 1, fleet_pb2.UPGRADE_STATE_UNSPECIFIED)) == "INVALID_ARGUMENT"
     assert status_code(lambda: device.report(2, 1, 77)) == "INVALID_ARGUMENT"
@@ -412,11 +459,23 @@ def test_reports_reach_the_fleet_list_and_bad_reports_are_refused(device, admin)
 
 def test_list_devices_pages(admin):
     first = admin.fleet.ListDevices(fleet_pb2.ListDevicesRequest(page_size=1), metadata=admin._metadata)
-    second = admin.fleet.ListDevices(fleet_pb2.ListDevicesRequest(page_size=1, page_token=first.next_page_token), metadata=admin._metadata)
+    second = admin.fleet.ListDevices(
+        fleet_pb2.ListDevicesRequest(page_size=1, page_token=first.next_page_token), metadata=admin._metadata
+    )
     assert first.next_page_token and first.devices[0].device_id != second.devices[0].device_id
     assert [d.device_id for d in admin.list_devices()][:2] == [first.devices[0].device_id, second.devices[0].device_id]
-    assert status_code(lambda: admin._unary(admin.fleet.ListDevices, fleet_pb2.ListDevicesRequest(page_token="x"))) == "INVALID_ARGUMENT"
-    assert status_code(lambda: admin._unary(admin.fleet.ListDevices, fleet_pb2.ListDevicesRequest(page_size=limits.MAX_DEVICES_PAGE + 1))) == "INVALID_ARGUMENT"
+    assert (
+        status_code(lambda: admin._unary(admin.fleet.ListDevices, fleet_pb2.ListDevicesRequest(page_token="x")))
+        == "INVALID_ARGUMENT"
+    )
+    assert (
+        status_code(
+            lambda: admin._unary(
+                admin.fleet.ListDevices, fleet_pb2.ListDevicesRequest(page_size=limits.MAX_DEVICES_PAGE + 1)
+            )
+        )
+        == "INVALID_ARGUMENT"
+    )
 
 
 # -- admin CLI and log -----------------------------------------------------------------------
@@ -439,7 +498,11 @@ def test_admin_cli_lists_and_makes_codes_with_the_token_from_a_file_or_env(serve
 def test_every_call_is_logged_as_one_json_line(server):
     events = [e for e in server.events() if e.get("event") == "rpc"]
     assert events and all({"method", "peer", "principal", "code", "ms"} <= set(e) for e in events)
-    assert {"OK", "UNAUTHENTICATED", "PERMISSION_DENIED", "NOT_FOUND", "INVALID_ARGUMENT"} <= {e["code"] for e in events}
+    assert {"OK", "UNAUTHENTICATED", "PERMISSION_DENIED", "NOT_FOUND", "INVALID_ARGUMENT"} <= {
+        e["code"] for e in events
+    }
     assert not [e for e in events if e["code"] == "INTERNAL"]
-    refused = [e for e in events if e["method"] == "/fctkit.v1.Registry/PublishBundle" and e["code"] == "PERMISSION_DENIED"]
+    refused = [
+        e for e in events if e["method"] == "/fctkit.v1.Registry/PublishBundle" and e["code"] == "PERMISSION_DENIED"
+    ]
     assert refused and refused[0]["principal"].startswith("dev-")  # who tried is on the record

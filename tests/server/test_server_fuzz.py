@@ -22,9 +22,15 @@ from fctkit.server.auth import METHOD_ROLES
 from .conftest import ADMIN_TOKEN
 
 EXPECTED_CODES = {
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE,
-    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.ABORTED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.ABORTED,
 }
 METHODS = [
     method
@@ -42,7 +48,9 @@ def fuzz_target(start_server, archives):
     admin = FctkitClient(server.target, ADMIN_TOKEN)
     for version in (1, 2):
         admin.publish_bundle(archives[version])
-    owner = FctkitClient(server.target, FctkitClient(server.target).enrol(admin.create_enrolment_code().code, "owner").token)
+    owner = FctkitClient(
+        server.target, FctkitClient(server.target).enrol(admin.create_enrolment_code().code, "owner").token
+    )
     blob_sha256 = owner.upload_blob(b"\x99ciphertext" * 1000, item_id="kept").sha256
     fuzzer_token = FctkitClient(server.target).enrol(admin.create_enrolment_code().code, "fuzzer").token
     versions = admin.list_versions()
@@ -134,8 +142,22 @@ def _invoke(channel: grpc.Channel, method, payload, metadata) -> grpc.StatusCode
 def test_random_and_garbled_requests_get_status_codes_and_leave_the_data_intact(fuzz_target):
     server, fuzzer_token, blob_sha256, artifact_shas = fuzz_target
     before = _snapshot(server)
-    strings = [blob_sha256, *artifact_shas, "0" * 64, "", "embed", "side_info", "forward_1_to_2", "x" * 300, "\x00",
-               "1", "-1", "9" * 40, "AAAA-BBBB", "Bearer"]
+    strings = [
+        blob_sha256,
+        *artifact_shas,
+        "0" * 64,
+        "",
+        "embed",
+        "side_info",
+        "forward_1_to_2",
+        "x" * 300,
+        "\x00",
+        "1",
+        "-1",
+        "9" * 40,
+        "AAAA-BBBB",
+        "Bearer",
+    ]
     admin, device = f"Bearer {ADMIN_TOKEN}", f"Bearer {fuzzer_token}"
 
     def tokens(method) -> st.SearchStrategy:
@@ -149,12 +171,21 @@ def test_random_and_garbled_requests_get_status_codes_and_leave_the_data_intact(
 
     with grpc.insecure_channel(server.target) as channel:
 
-        @settings(max_examples=1200, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @settings(
+            max_examples=1200,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
         @given(calls)
         def check(call):
             method, payload, token = call
-            metadata = () if token is None else (("authorization", token if token.startswith("Bearer") else f"Bearer {token}"),)
+            metadata = (
+                ()
+                if token is None
+                else (("authorization", token if token.startswith("Bearer") else f"Bearer {token}"),)
+            )
             code = _invoke(channel, method, payload, metadata)
             assert code == grpc.StatusCode.OK or code in EXPECTED_CODES, (method.full_name, code)
             answers[code.name] = answers.get(code.name, 0) + 1

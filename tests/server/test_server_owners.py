@@ -41,15 +41,20 @@ def _record(change_id: int, item: str = "item", size: int = 100, **fields) -> va
 
 
 def test_one_owner_shares_blobs_and_records_others_are_refused(server):
-    phone, owner = _device(server, "heidi")
+    phone, _owner = _device(server, "heidi")
     tablet, _ = _device(server, "heidi")
     stranger, stranger_owner = _device(server)
     assert stranger_owner not in ("", "heidi")
     sha256 = phone.upload_blob(b"sealed original" * 50, "item-1").sha256
     assert tablet.read_blob(sha256) == b"sealed original" * 50  # any device of the owner
     assert [b.sha256 for b in tablet.list_blobs()] == [sha256]
-    for call in (lambda: stranger.read_blob(sha256), lambda: stranger.stat_blob(sha256), lambda: stranger.delete_blob(sha256),
-                 lambda: stranger.list_blobs(owner_id="heidi"), lambda: list(stranger.pull_records(owner_id="heidi"))):
+    for call in (
+        lambda: stranger.read_blob(sha256),
+        lambda: stranger.stat_blob(sha256),
+        lambda: stranger.delete_blob(sha256),
+        lambda: stranger.list_blobs(owner_id="heidi"),
+        lambda: list(stranger.pull_records(owner_id="heidi")),
+    ):
         assert status_code(call) == "PERMISSION_DENIED"
     assert stranger.list_blobs() == [] and list(stranger.pull_records()) == []
 
@@ -63,13 +68,24 @@ def test_one_owner_shares_blobs_and_records_others_are_refused(server):
     assert [(r.sequence, r.item_id) for r in pulled] == [(1, "a"), (2, "b"), (3, "c"), (4, "d")]
     assert [r.item_id for batch in tablet.pull_records(after_sequence=2) for r in batch.records] == ["c", "d"]
     assert pulled[0].sealed == _record(1).sealed
-    assert tablet.delete_blob(sha256) == 0 and phone.list_blobs() == []  # the owner's blob, whichever device uploaded it
+    assert (
+        tablet.delete_blob(sha256) == 0 and phone.list_blobs() == []
+    )  # the owner's blob, whichever device uploaded it
 
 
-@pytest.mark.parametrize("bad", [
-    {"change_id": 0}, {"item_id": ""}, {"via": "sideways"}, {"version": 1, "origin_version": 2},
-    {"sealed": b"short"}, {"sealed": b"x" * (64 * 1024 + 1)}, {"tombstone": True, "via": "native"}, {"sequence": 9},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"change_id": 0},
+        {"item_id": ""},
+        {"via": "sideways"},
+        {"version": 1, "origin_version": 2},
+        {"sealed": b"short"},
+        {"sealed": b"x" * (64 * 1024 + 1)},
+        {"tombstone": True, "via": "native"},
+        {"sequence": 9},
+    ],
+)
 def test_malformed_records_are_invalid_argument(server, bad):
     device, _ = _device(server)
     record = _record(5)
@@ -79,11 +95,19 @@ def test_malformed_records_are_invalid_argument(server, bad):
     assert list(device.pull_records()) == []
 
 
-@pytest.mark.parametrize("bad", [
-    {"item_ids": ["a", "a"]}, {"item_ids": ["a", ""]}, {"item_ids": ["a", "b\x01"]}, {"item_ids": ["a"], "item_id": "a"},
-    {"item_ids": [f"r{i}" for i in range(4097)]}, {"item_ids": ["a"], "sealed": b"x" * ((1 << 20) + 1)},
-    {"item_ids": ["a"], "superseded": [0]}, {"item_ids": [f"{i:04d}" + "x" * 200 for i in range(2000)]},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"item_ids": ["a", "a"]},
+        {"item_ids": ["a", ""]},
+        {"item_ids": ["a", "b\x01"]},
+        {"item_ids": ["a"], "item_id": "a"},
+        {"item_ids": [f"r{i}" for i in range(4097)]},
+        {"item_ids": ["a"], "sealed": b"x" * ((1 << 20) + 1)},
+        {"item_ids": ["a"], "superseded": [0]},
+        {"item_ids": [f"{i:04d}" + "x" * 200 for i in range(2000)]},
+    ],
+)
 def test_malformed_blocks_are_invalid_argument(server, bad):
     device, _ = _device(server)
     record = _record(5, item="")
@@ -103,7 +127,10 @@ def test_malformed_blocks_are_invalid_argument(server, bad):
 def test_replica_quota_is_resource_exhausted_and_stores_nothing_of_the_batch(server):
     device, _ = _device(server)
     assert device.push_records([_record(i, f"item-{i}", size=1000) for i in range(1, 4)]).stored == 3
-    assert status_code(lambda: device.push_records([_record(i, f"item-{i}", size=1000) for i in range(4, 6)])) == "RESOURCE_EXHAUSTED"
+    assert (
+        status_code(lambda: device.push_records([_record(i, f"item-{i}", size=1000) for i in range(4, 6)]))
+        == "RESOURCE_EXHAUSTED"
+    )
     assert [r.change_id for b in device.pull_records() for r in b.records] == [1, 2, 3]
     too_many = [vault_pb2.PushRecordsRequest(records=[_record(i, size=100) for i in range(10, 4107)])]
     with pytest.raises(grpc.RpcError) as refused:
@@ -143,12 +170,16 @@ def test_a_push_call_holds_at_most_65536_records(start_server):
     device, _ = _device(start_server())  # the default replica quota (1 GiB)
     with pytest.raises(InputError, match="at most 65536"):
         device.push_records([_record(1, size=28)] * (limits.MAX_RECORDS_PER_PUSH + 1))
-    requests = [vault_pb2.PushRecordsRequest(records=[_record(i, f"item-{i}", size=28) for i in range(k, k + 4096)])
-                for k in range(1, limits.MAX_RECORDS_PER_PUSH + 4097, 4096)]  # 16 full messages and one more
+    requests = [
+        vault_pb2.PushRecordsRequest(records=[_record(i, f"item-{i}", size=28) for i in range(k, k + 4096)])
+        for k in range(1, limits.MAX_RECORDS_PER_PUSH + 4097, 4096)
+    ]  # 16 full messages and one more
     with pytest.raises(grpc.RpcError) as refused:
         device.vault.PushRecords(iter(requests), metadata=device._metadata)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "65536" in refused.value.details()
-    assert len([r for b in device.pull_records() for r in b.records]) == limits.MAX_RECORDS_PER_PUSH  # the first 16 messages stay
+    assert (
+        len([r for b in device.pull_records() for r in b.records]) == limits.MAX_RECORDS_PER_PUSH
+    )  # the first 16 messages stay
 
 
 def test_enrolment_checks_the_owner_key_id(server):
@@ -158,5 +189,7 @@ def test_enrolment_checks_the_owner_key_id(server):
     assert anonymous.enrol(codes[0], "first", owner_key_id="a" * 64).owner_id == "kim"  # the first device sets it
     assert status_code(lambda: anonymous.enrol(codes[1], "other key", owner_key_id="b" * 64)) == "FAILED_PRECONDITION"
     assert status_code(lambda: anonymous.enrol(codes[1], "bad id", owner_key_id="not-hex")) == "INVALID_ARGUMENT"
-    assert anonymous.enrol(codes[1], "same key", owner_key_id="a" * 64).owner_id == "kim"  # the refused code still works
+    assert (
+        anonymous.enrol(codes[1], "same key", owner_key_id="a" * 64).owner_id == "kim"
+    )  # the refused code still works
     assert anonymous.enrol(codes[2], "unchecked").owner_id == "kim"  # clients that send no id are not checked

@@ -15,8 +15,20 @@ from fctkit.server.auth import METHOD_ROLES, protocol_methods
 
 PROTO_ROOT = generate.PROTO_ROOT
 EXPECTED_RPCS = {
-    "Registry": ["ListVersions", "GetManifest", "PlanUpgrade", "DownloadArtifact", "WatchVersions", "PublishBundle",
-                 "GetTrust", "PublishRoot", "SetRollout", "GetRollout", "Withdraw", "ConfirmVersion"],
+    "Registry": [
+        "ListVersions",
+        "GetManifest",
+        "PlanUpgrade",
+        "DownloadArtifact",
+        "WatchVersions",
+        "PublishBundle",
+        "GetTrust",
+        "PublishRoot",
+        "SetRollout",
+        "GetRollout",
+        "Withdraw",
+        "ConfirmVersion",
+    ],
     "Vault": ["Upload", "Download", "Stat", "List", "Delete", "PushRecords", "PullRecords"],
     "Fleet": ["CreateEnrolmentCode", "Enrol", "Report", "ListDevices", "RevokeDevice"],
 }
@@ -49,9 +61,17 @@ def test_protos_compile_with_protoc_and_declare_the_three_services(tmp_path):
     sources = [str(p) for p in generate.proto_sources()]
     descriptor_set = tmp_path / "fctkit.pb"
     result = subprocess.run(
-        [*_protoc(), f"-I{PROTO_ROOT}", f"--descriptor_set_out={descriptor_set}", "--include_imports",
-         f"--python_out={tmp_path}", *sources],
-        capture_output=True, text=True, cwd=PROTO_ROOT,
+        [
+            *_protoc(),
+            f"-I{PROTO_ROOT}",
+            f"--descriptor_set_out={descriptor_set}",
+            "--include_imports",
+            f"--python_out={tmp_path}",
+            *sources,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=PROTO_ROOT,
     )
     assert result.returncode == 0, result.stderr
     files = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes()).file
@@ -63,10 +83,16 @@ def test_protos_compile_with_protoc_and_declare_the_three_services(tmp_path):
 def test_every_rpc_has_an_access_rule():
     expected = {f"/fctkit.v1.{service}/{rpc}" for service, rpcs in EXPECTED_RPCS.items() for rpc in rpcs}
     assert protocol_methods() == expected == set(METHOD_ROLES)
-    assert METHOD_ROLES["/fctkit.v1.Registry/PublishBundle"] == METHOD_ROLES["/fctkit.v1.Registry/PublishRoot"] == {"admin"}
+    assert (
+        METHOD_ROLES["/fctkit.v1.Registry/PublishBundle"]
+        == METHOD_ROLES["/fctkit.v1.Registry/PublishRoot"]
+        == {"admin"}
+    )
     assert METHOD_ROLES["/fctkit.v1.Registry/GetTrust"] == {"admin", "device"}
     assert METHOD_ROLES["/fctkit.v1.Registry/SetRollout"] == METHOD_ROLES["/fctkit.v1.Registry/GetRollout"] == {"admin"}
-    assert METHOD_ROLES["/fctkit.v1.Registry/Withdraw"] == METHOD_ROLES["/fctkit.v1.Registry/ConfirmVersion"] == {"admin"}
+    assert (
+        METHOD_ROLES["/fctkit.v1.Registry/Withdraw"] == METHOD_ROLES["/fctkit.v1.Registry/ConfirmVersion"] == {"admin"}
+    )
     assert METHOD_ROLES["/fctkit.v1.Fleet/Enrol"] == frozenset()
     assert all(roles == {"device"} for method, roles in METHOD_ROLES.items() if method.startswith("/fctkit.v1.Vault/"))
 

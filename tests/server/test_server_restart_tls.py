@@ -34,7 +34,9 @@ class CountingRetryPolicy(RetryPolicy):
             yield delay
 
 
-def test_everything_survives_a_restart_and_clients_retry_through_it(tmp_path, publisher_pub, admin_token_file, archives, bundles):
+def test_everything_survives_a_restart_and_clients_retry_through_it(
+    tmp_path, publisher_pub, admin_token_file, archives, bundles
+):
     server = ServerProcess(tmp_path / "data", publisher_pub, admin_token_file).start()
     patient = CountingRetryPolicy(attempts=60, initial_backoff_s=0.05, max_backoff_s=0.5)
     admin = FctkitClient(server.target, ADMIN_TOKEN, retry=patient)
@@ -82,7 +84,8 @@ def test_admin_publish_and_shutdown_ending_watch_streams_cleanly(start_server, a
     server = start_server()
     admin = FctkitClient(server.target, ADMIN_TOKEN, retry=RetryPolicy(attempts=1))
     published = CliRunner().invoke(
-        cli, ["admin", "--server", server.target, "--admin-token-file", str(admin_token_file), "publish", str(bundles[1])]
+        cli,
+        ["admin", "--server", server.target, "--admin-token-file", str(admin_token_file), "publish", str(bundles[1])],
     )  # a bundle directory: the command packs it
     assert published.exit_code == 0 and "published version 1" in published.output, published.output
     seen, outcome = [], []
@@ -105,7 +108,9 @@ def test_admin_publish_and_shutdown_ending_watch_streams_cleanly(start_server, a
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fctkit.cli", "serve", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "fctkit.cli", "serve", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_bad_start_up_settings_fail_with_one_clear_line(tmp_path, publisher_pub, admin_token_file, archives):
@@ -127,7 +132,16 @@ def test_bad_start_up_settings_fail_with_one_clear_line(tmp_path, publisher_pub,
     assert "Traceback" not in result.stderr
     short = tmp_path / "short.token"
     short.write_text("too-short")
-    result = _serve("--data", str(tmp_path / "data"), "--port", "0", "--publisher-key", str(publisher_pub), "--admin-token-file", str(short))
+    result = _serve(
+        "--data",
+        str(tmp_path / "data"),
+        "--port",
+        "0",
+        "--publisher-key",
+        str(publisher_pub),
+        "--admin-token-file",
+        str(short),
+    )
     assert result.returncode == 2 and "at least 32" in result.stderr
 
 
@@ -147,10 +161,13 @@ def test_tls_serves_verified_clients_and_refuses_plaintext(start_server, tmp_pat
     assert refused.value.code == "UNAVAILABLE"
 
 
-def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_client_ca(start_server, tmp_path, archives, admin_token_file,
-                                                                            publisher_pub):
+def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_client_ca(
+    start_server, tmp_path, archives, admin_token_file, publisher_pub
+):
     pki = make_certificates(tmp_path / "pki")
-    server = start_server("--tls-cert", str(pki["server"]), "--tls-key", str(pki["server_key"]), "--tls-ca", str(pki["ca"]))
+    server = start_server(
+        "--tls-cert", str(pki["server"]), "--tls-key", str(pki["server_key"]), "--tls-ca", str(pki["ca"])
+    )
     listening = next(e for e in server.events() if e.get("event") == "listening")
     assert listening["tls"] is True and listening["client_certificates"] is True
     ca = pki["ca"].read_bytes()
@@ -162,12 +179,30 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_client_ca(st
     for tls in (ClientTls(ca), stranger):  # no certificate, or one the client CA did not sign
         with FctkitClient(server.target, ADMIN_TOKEN, tls=tls, retry=once) as refused:
             assert status_code(refused.list_versions) == "UNAVAILABLE"
-    admin_cli = ["admin", "--server", server.target, "--admin-token-file", str(admin_token_file), "--tls-ca", str(pki["ca"])]
-    listed = CliRunner().invoke(cli, [*admin_cli, "--tls-cert", str(pki["client"]), "--tls-key", str(pki["client_key"]),
-                                      "list-versions", "--json"])
+    admin_cli = [
+        "admin",
+        "--server",
+        server.target,
+        "--admin-token-file",
+        str(admin_token_file),
+        "--tls-ca",
+        str(pki["ca"]),
+    ]
+    listed = CliRunner().invoke(
+        cli,
+        [*admin_cli, "--tls-cert", str(pki["client"]), "--tls-key", str(pki["client_key"]), "list-versions", "--json"],
+    )
     assert listed.exit_code == 0 and [v["version"] for v in json.loads(listed.output)] == [1], listed.output
     half = CliRunner().invoke(cli, [*admin_cli, "--tls-cert", str(pki["client"]), "list-versions"])
     assert isinstance(half.exception, ConfigError) and "--tls-cert with --tls-key" in str(half.exception)
-    result = _serve("--data", str(tmp_path / "other"), "--port", "0", "--publisher-key", str(publisher_pub),
-                    "--tls-ca", str(pki["ca"]))
+    result = _serve(
+        "--data",
+        str(tmp_path / "other"),
+        "--port",
+        "0",
+        "--publisher-key",
+        str(publisher_pub),
+        "--tls-ca",
+        str(pki["ca"]),
+    )
     assert result.returncode == 2 and "--tls-ca (require client certificates) needs TLS" in result.stderr

@@ -23,7 +23,13 @@ from fctkit.protos import fleet_pb2, registry_pb2
 from fctkit.protos.bundle import pack_bundle
 from fctkit.protos.bundle_vocabulary import SIGNATURES_FILE
 from fctkit.protos.client import FctkitClient
-from fctkit.protos.trust import parse_release_signatures, parse_root, parse_timestamp, root_fingerprint, verify_timestamp
+from fctkit.protos.trust import (
+    parse_release_signatures,
+    parse_root,
+    parse_timestamp,
+    root_fingerprint,
+    verify_timestamp,
+)
 from fctkit.server.registry import Catalog, RegistryService
 from fctkit.server.root_of_trust import ROOTS_PER_PAGE, RootOfTrust
 from fctkit.server.storage import VersionRecord
@@ -36,8 +42,15 @@ DAY_S = 86400.0
 
 def root(version: int, *, publishers=PUBLISHERS, timestamp=("ts",), root_keys=("r1", "r2"), signers=("r1", "r2")):
     """Root ``version``: 2-of-2 root keys, 2-of-n publishers, one timestamp key; signed by ``signers``."""
-    body = build_root(version, root=root_keys, root_threshold=2, publishers=publishers, publisher_threshold=2,
-                      timestamp=timestamp, expires=datetime.now(UTC).replace(microsecond=0) + timedelta(days=30))
+    body = build_root(
+        version,
+        root=root_keys,
+        root_threshold=2,
+        publishers=publishers,
+        publisher_threshold=2,
+        timestamp=timestamp,
+        expires=datetime.now(UTC).replace(microsecond=0) + timedelta(days=30),
+    )
     return signed(body, *signers)
 
 
@@ -62,8 +75,12 @@ def releases(tmp_path_factory) -> dict[str, Path]:
     """Archives: v2 by alice alone, v2 by alice+bob, v3 by alice+bob, v3 by bob+carol."""
     folder = tmp_path_factory.mktemp("trust-bundles")
     made = {}
-    for name, version, signers in (("v2-alice", 2, ("alice",)), ("v2-alice-bob", 2, ("alice", "bob")),
-                                   ("v3-alice-bob", 3, ("alice", "bob")), ("v3-bob-carol", 3, ("bob", "carol"))):
+    for name, version, signers in (
+        ("v2-alice", 2, ("alice",)),
+        ("v2-alice-bob", 2, ("alice", "bob")),
+        ("v3-alice-bob", 3, ("alice", "bob")),
+        ("v3-bob-carol", 3, ("bob", "carol")),
+    ):
         bundle = chain_bundle(folder / name, version, key(signers[0]))
         for co_signer in signers[1:]:
             sign_release(bundle, key(co_signer))
@@ -87,6 +104,7 @@ def current_timestamp(client: FctkitClient, trusted=None):
 
 
 # -- over the wire ------------------------------------------------------------------------------
+
 
 def test_a_legacy_server_serves_no_root(start_server):
     server = start_server()
@@ -122,7 +140,9 @@ def test_publishing_needs_the_latest_roots_publisher_threshold(trust_server, rel
         without_alice = root(2, publishers=("bob", "carol"))
         response = client.publish_root(without_alice.to_bytes())
         assert (response.root_version, response.fingerprint) == (2, root_fingerprint(without_alice))
-        with pytest.raises(RpcStatusError, match=f"publisher key {kid('alice')[:16]}… is not a publisher key of root v2"):
+        with pytest.raises(
+            RpcStatusError, match=f"publisher key {kid('alice')[:16]}… is not a publisher key of root v2"
+        ):
             client.publish_bundle(releases["v3-alice-bob"])
         assert client.publish_bundle(releases["v3-bob-carol"]).version == 3
         _, enrolment = enrolled_client(trust_server)
@@ -137,7 +157,9 @@ def test_publish_root_refuses_what_does_not_follow_and_stores_nothing(start_serv
     server = start_server("--root", str(root1_file), "--timestamp-key", str(keyfiles["ts"]))
     refused = {
         "skips a version": root(3),
-        r"root v2 \(the root keys of the trusted v1\) has 0 valid": root(2, root_keys=("r3", "r4"), signers=("r3", "r4")),
+        r"root v2 \(the root keys of the trusted v1\) has 0 valid": root(
+            2, root_keys=("r3", "r4"), signers=("r3", "r4")
+        ),
         r"root v2 \(its own root keys\) has 1 valid": root(2, root_keys=("r1", "r3"), signers=("r1", "r2")),
         "too big": None,
     }
@@ -155,8 +177,9 @@ def test_publish_root_refuses_what_does_not_follow_and_stores_nothing(start_serv
 
 
 def test_the_chain_comes_in_pages_and_the_timestamp_follows_a_key_rotation(start_server, root1_file, keyfiles):
-    server = start_server("--root", str(root1_file), "--timestamp-key", str(keyfiles["ts"]),
-                          "--timestamp-key", str(keyfiles["ts2"]))
+    server = start_server(
+        "--root", str(root1_file), "--timestamp-key", str(keyfiles["ts"]), "--timestamp-key", str(keyfiles["ts2"])
+    )
     with admin(server) as client:
         first = parse_timestamp(client.get_trust(0).timestamp)
         for version in range(2, 41):
@@ -174,16 +197,26 @@ def test_reports_carry_the_trust_state_and_absurd_values_are_refused(trust_serve
 
     device, enrolment = enrolled_client(trust_server, name="frozen")
     with device:
-        device.report(0, 3, fleet_pb2.UPGRADE_STATE_IDLE, root_version=2, trust_stale=True, seconds_since_fresh=9 * 86400)
-        for absurd in ({"root_version": 10**7}, {"root_version": 0, "trust_stale": True},
-                       {"root_version": 1, "seconds_since_fresh": 2**62}):
-            assert status_code(lambda: device.report(0, 3, fleet_pb2.UPGRADE_STATE_IDLE, **absurd)) == "INVALID_ARGUMENT"
+        device.report(
+            0, 3, fleet_pb2.UPGRADE_STATE_IDLE, root_version=2, trust_stale=True, seconds_since_fresh=9 * 86400
+        )
+        for absurd in (
+            {"root_version": 10**7},
+            {"root_version": 0, "trust_stale": True},
+            {"root_version": 1, "seconds_since_fresh": 2**62},
+        ):
+            assert (
+                status_code(lambda: device.report(0, 3, fleet_pb2.UPGRADE_STATE_IDLE, **absurd)) == "INVALID_ARGUMENT"
+            )
     with admin(trust_server) as client:
         listed = next(d for d in client.list_devices() if d.device_id == enrolment.device_id)
     assert (listed.root_version, listed.trust_stale, listed.seconds_since_fresh) == (2, True, 9 * 86400)
-    table = CliRunner().invoke(admin_command, ["--server", trust_server.target, "list-devices"],
-                               env={"FCTKIT_ADMIN_TOKEN": ADMIN_TOKEN})
-    assert table.exit_code == 0 and "stale: possible freeze" in next(l for l in table.output.splitlines() if "frozen" in l)
+    table = CliRunner().invoke(
+        admin_command, ["--server", trust_server.target, "list-devices"], env={"FCTKIT_ADMIN_TOKEN": ADMIN_TOKEN}
+    )
+    assert table.exit_code == 0 and "stale: possible freeze" in next(
+        l for l in table.output.splitlines() if "frozen" in l
+    )
 
 
 def test_admin_publish_root_prints_the_version_and_fingerprint(start_server, root1_file, keyfiles, tmp_path):
@@ -191,9 +224,11 @@ def test_admin_publish_root_prints_the_version_and_fingerprint(start_server, roo
 
     server = start_server("--root", str(root1_file), "--timestamp-key", str(keyfiles["ts"]))
     next_root = root(2, publishers=("bob", "carol"))
-    result = CliRunner().invoke(admin_command, ["--server", server.target, "publish-root",
-                                                str(write(tmp_path / "root.2.json", next_root.to_bytes()))],
-                                env={"FCTKIT_ADMIN_TOKEN": ADMIN_TOKEN})
+    result = CliRunner().invoke(
+        admin_command,
+        ["--server", server.target, "publish-root", str(write(tmp_path / "root.2.json", next_root.to_bytes()))],
+        env={"FCTKIT_ADMIN_TOKEN": ADMIN_TOKEN},
+    )
     assert result.exit_code == 0, result.output
     assert result.output.strip() == f"published root v2 (fingerprint {root_fingerprint(next_root)})"
 
@@ -202,12 +237,16 @@ def test_serve_takes_exactly_one_of_a_publisher_key_or_a_root(root1_file, keyfil
     from fctkit.cli import main
 
     data = ["serve", "--data", str(tmp_path / "data")]
-    for args, message in (([], "give exactly one"),
-                          (["--publisher-key", str(publisher_pub), "--root", str(root1_file)], "give exactly one"),
-                          (["--root", str(root1_file)], "--root needs --timestamp-key"),
-                          (["--publisher-key", str(publisher_pub), "--timestamp-key", str(keyfiles["ts"])], "goes with --root"),
-                          (["--root", str(root1_file), "--timestamp-key", str(keyfiles["ts"]), "--timestamp-expiry-hours", "0"],
-                           "timestamp_expiry_hours is 0.0; from 0.017 (one minute)")):
+    for args, message in (
+        ([], "give exactly one"),
+        (["--publisher-key", str(publisher_pub), "--root", str(root1_file)], "give exactly one"),
+        (["--root", str(root1_file)], "--root needs --timestamp-key"),
+        (["--publisher-key", str(publisher_pub), "--timestamp-key", str(keyfiles["ts"])], "goes with --root"),
+        (
+            ["--root", str(root1_file), "--timestamp-key", str(keyfiles["ts"]), "--timestamp-expiry-hours", "0"],
+            "timestamp_expiry_hours is 0.0; from 0.017 (one minute)",
+        ),
+    ):
         with pytest.raises(SystemExit) as exited:
             main(data + args)
         assert exited.value.code == 2 and message in capsys.readouterr().err
@@ -229,6 +268,7 @@ def test_replicas_agree_on_the_timestamp_and_see_each_others_publishes(start_rep
 
 # -- on storage, in process ---------------------------------------------------------------------
 
+
 class Clock:
     def __init__(self) -> None:
         self.now = datetime.now(UTC).replace(microsecond=0)
@@ -237,8 +277,9 @@ class Clock:
         return self.now
 
 
-def test_the_timestamp_is_reused_while_fresh_and_renewed_by_one_replica_at_a_time(tmp_path, open_storage, backend,
-                                                                                  root1_file):
+def test_the_timestamp_is_reused_while_fresh_and_renewed_by_one_replica_at_a_time(
+    tmp_path, open_storage, backend, root1_file
+):
     storage = open_storage(tmp_path / "data")
     other = storage if backend.name == "sqlite" else open_storage(tmp_path / "data")  # sqlite: one server per directory
     clock = Clock()
@@ -263,8 +304,9 @@ def test_the_timestamp_is_reused_while_fresh_and_renewed_by_one_replica_at_a_tim
             other.close()
 
 
-def test_a_replica_without_the_new_timestamp_key_serves_what_others_signed_and_signs_nothing(tmp_path, open_storage,
-                                                                                             root1_file):
+def test_a_replica_without_the_new_timestamp_key_serves_what_others_signed_and_signs_nothing(
+    tmp_path, open_storage, root1_file
+):
     storage = open_storage(tmp_path / "data")
     try:
         rotating = RootOfTrust.open(storage, root1_file, [key("ts"), key("ts2")], DAY_S)
@@ -280,8 +322,9 @@ def test_a_replica_without_the_new_timestamp_key_serves_what_others_signed_and_s
         storage.close()
 
 
-def test_a_release_published_on_another_replica_is_in_the_next_timestamp_at_once(tmp_path, open_storage, backend,
-                                                                                root1_file, releases):
+def test_a_release_published_on_another_replica_is_in_the_next_timestamp_at_once(
+    tmp_path, open_storage, backend, root1_file, releases
+):
     """No waiting for the other replica's notification: GetTrust looks at the stored versions first."""
     storage = open_storage(tmp_path / "data")
     other = storage if backend.name == "sqlite" else open_storage(tmp_path / "data")
@@ -309,19 +352,25 @@ def test_start_up_takes_the_first_root_or_the_next_and_refuses_the_rest(tmp_path
         with pytest.raises(ConfigError, match="holds no root yet: start it with root.1.json"):
             RootOfTrust.open(storage, write(tmp_path / "r2.json", root(2).to_bytes()), [key("ts")], DAY_S)
         with pytest.raises(ConfigError, match=r"its own root keys\) has 1 valid"):
-            RootOfTrust.open(storage, write(tmp_path / "half.json", root(1, signers=("r1",)).to_bytes()), [key("ts")], DAY_S)
+            RootOfTrust.open(
+                storage, write(tmp_path / "half.json", root(1, signers=("r1",)).to_bytes()), [key("ts")], DAY_S
+            )
         with pytest.raises(ConfigError, match=f"holds {kid('ts2')[:16]}…: restart the replicas"):
             RootOfTrust.open(storage, root1_file, [key("ts2")], DAY_S)
         assert storage.roots() == [(1, root1_file.read_bytes())]  # the root was right: it stays for the next start
         trust = RootOfTrust.open(storage, root1_file, [key("ts")], DAY_S)
         with pytest.raises(ConfigError, match="differs from the stored root v1"):
-            RootOfTrust.open(storage, write(tmp_path / "other.json", root(1, publishers=("bob",)).to_bytes()), [key("ts")], DAY_S)
+            RootOfTrust.open(
+                storage, write(tmp_path / "other.json", root(1, publishers=("bob",)).to_bytes()), [key("ts")], DAY_S
+            )
         with pytest.raises(ConfigError, match="skips a version"):
             RootOfTrust.open(storage, write(tmp_path / "r3.json", root(3).to_bytes()), [key("ts")], DAY_S)
         trust = RootOfTrust.open(storage, write(tmp_path / "r2.json", root(2).to_bytes()), [key("ts")], DAY_S)
         assert trust.latest().body.version == 2 and trust.enrolment_key() is not None
         assert [v for v, _ in storage.roots()] == [1, 2]
-        assert RootOfTrust.open(storage, root1_file, [key("ts")], DAY_S).latest().body.version == 2  # an older file of the chain
+        assert (
+            RootOfTrust.open(storage, root1_file, [key("ts")], DAY_S).latest().body.version == 2
+        )  # an older file of the chain
     finally:
         storage.close()
 
@@ -329,12 +378,21 @@ def test_start_up_takes_the_first_root_or_the_next_and_refuses_the_rest(tmp_path
 def test_a_schema_7_database_keeps_its_releases(tmp_path, open_storage, backend):
     data_dir = tmp_path / "data"
     storage = backend.aged(
-        data_dir, open_storage, 7, "DROP TABLE roots", "DROP TABLE timestamps", "ALTER TABLE versions DROP COLUMN co_signatures",
-        *(f"ALTER TABLE devices DROP COLUMN {c}" for c in ("root_version", "trust_stale", "seconds_since_fresh")), versions=(1,))
+        data_dir,
+        open_storage,
+        7,
+        "DROP TABLE roots",
+        "DROP TABLE timestamps",
+        "ALTER TABLE versions DROP COLUMN co_signatures",
+        *(f"ALTER TABLE devices DROP COLUMN {c}" for c in ("root_version", "trust_stale", "seconds_since_fresh")),
+        versions=(1,),
+    )
     try:
         assert storage.versions() == [VersionRecord(1, b"{}", b"sig", "now", b"")]
         assert storage.roots() == [] and storage.timestamp() is None
-        assert storage.add_root(1, b"root one") and not storage.add_root(1, b"again") and not storage.add_root(3, b"skips")
+        assert (
+            storage.add_root(1, b"root one") and not storage.add_root(1, b"again") and not storage.add_root(3, b"skips")
+        )
         storage.add_version(VersionRecord(2, b"{}", b"sig", "now", b'{"signatures":[]}'), [])
         assert storage.versions()[-1].co_signatures == b'{"signatures":[]}'
     finally:

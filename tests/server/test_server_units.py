@@ -11,8 +11,8 @@ import pytest
 from fctkit.errors import ConfigError, InputError
 from fctkit.protos.bundle import MANIFEST_FILE, Manifest
 from fctkit.protos.client import RetryPolicy
-from fctkit.server.content_store import ContentStore
 from fctkit.protos.planner import plan_upgrade
+from fctkit.server.content_store import ContentStore
 from fctkit.server.storage import BlobRecord, DeviceReport, SqliteStorage, VersionRecord
 
 
@@ -22,14 +22,31 @@ def template(bundles) -> Manifest:
     return Manifest.from_bytes((bundles[2] / MANIFEST_FILE).read_bytes())
 
 
-def _manifest(template: Manifest, version: int, hops: dict[tuple[int, int], int], *, mode: str = "forward", parents=()) -> Manifest:
+def _manifest(
+    template: Manifest, version: int, hops: dict[tuple[int, int], int], *, mode: str = "forward", parents=()
+) -> Manifest:
     forward, side = template.artifact("forward"), template.artifact("side_forward")
     artifacts = [template.artifact("embed"), template.artifact("side_info")]
     for (source, target), size in hops.items():
-        artifacts.append(replace(forward, name=f"forward_{source}_to_{target}", file=f"h{source}.onnx",
-                                 source_version=source, target_version=target, size=size))
-        artifacts.append(replace(side, name=f"side_forward_{source}_to_{target}", file=f"g{source}.onnx",
-                                 source_version=source, target_version=target))
+        artifacts.append(
+            replace(
+                forward,
+                name=f"forward_{source}_to_{target}",
+                file=f"h{source}.onnx",
+                source_version=source,
+                target_version=target,
+                size=size,
+            )
+        )
+        artifacts.append(
+            replace(
+                side,
+                name=f"side_forward_{source}_to_{target}",
+                file=f"g{source}.onnx",
+                source_version=source,
+                target_version=target,
+            )
+        )
     ecc = {f"forward_{s}_to_{t}": True for s, t in hops} | ({"embed": True} if mode == "compatible" and parents else {})
     gate = {"cases": {}, "ecc": ecc, "forced": False, "force_reason": None}
     return replace(template, version=version, parents=tuple(parents), mode=mode, artifacts=tuple(artifacts), gate=gate)
@@ -46,7 +63,9 @@ def test_plans_prefer_fewer_hops_then_fewer_bytes(template):
     assert _route(plan_upgrade([m1, m2, m3], 1, 3)) == [(1, 2), (2, 3)]
     m4 = _manifest(template, 4, {(3, 4): 10, (1, 4): 10**9}, parents=(3,))
     direct = plan_upgrade([m1, m2, m3, m4], 1, 4)
-    assert _route(direct) == [(1, 4)] and direct[0].side_forward.name == "side_forward_1_to_4"  # fewer hops win over bytes
+    assert (
+        _route(direct) == [(1, 4)] and direct[0].side_forward.name == "side_forward_1_to_4"
+    )  # fewer hops win over bytes
     assert plan_upgrade([m1, m2, m3, m4], 2, 2) == []
     assert plan_upgrade([m1, m2, m3, m4], 4, 1) is None
     assert plan_upgrade([m1, m3], 1, 3) is None  # the 1->2 adapter was never published

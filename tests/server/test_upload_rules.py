@@ -40,7 +40,10 @@ def replicas(tmp_path, open_storage, backend):
         first.enrol("code", "2026-01-01T00:00:00.000000Z", "dev-1", "phone", "token")
         owner = first.device_owner("dev-1")
         CALLER.set(Principal("device", "dev-1", owner))
-        a, b = (VaultService(s, quota_bytes=quota, max_blob_bytes=quota, partial_upload_ttl_s=TTL_S) for s in (first, second))
+        a, b = (
+            VaultService(s, quota_bytes=quota, max_blob_bytes=quota, partial_upload_ttl_s=TTL_S)
+            for s in (first, second)
+        )
 
         def reserved() -> dict[str, tuple[int, float]]:
             """SHA-256 -> (reserved size, touched_at) of every upload row."""
@@ -54,18 +57,28 @@ def replicas(tmp_path, open_storage, backend):
         storage.close()
 
 
-async def upload(service: VaultService, data: bytes, *, offset: int = 0, end: int | None = None, size: int | None = None,
-                 sha256: str | None = None, pause: asyncio.Event | None = None):
+async def upload(
+    service: VaultService,
+    data: bytes,
+    *,
+    offset: int = 0,
+    end: int | None = None,
+    size: int | None = None,
+    sha256: str | None = None,
+    pause: asyncio.Event | None = None,
+):
     """One Upload call: a header announcing ``size`` (``len(data)``) from ``offset``, then ``data``'s
     bytes ``offset..end`` in 64 KiB chunks, waiting for ``pause`` after the first chunk when given."""
     sha256 = sha256 or hashlib.sha256(data).hexdigest()
     end = len(data) if end is None else end
 
     async def requests():
-        header = vault_pb2.UploadHeader(sha256=sha256, size=len(data) if size is None else size, item_id="i", offset=offset)
+        header = vault_pb2.UploadHeader(
+            sha256=sha256, size=len(data) if size is None else size, item_id="i", offset=offset
+        )
         yield vault_pb2.UploadBlobRequest(header=header)
         for start in range(offset, end, 65_536):
-            yield vault_pb2.UploadBlobRequest(chunk=Chunk(offset=start, data=data[start:min(start + 65_536, end)]))
+            yield vault_pb2.UploadBlobRequest(chunk=Chunk(offset=start, data=data[start : min(start + 65_536, end)]))
             if pause is not None:
                 await pause.wait()
 
@@ -111,8 +124,10 @@ def test_shrinking_headers_over_many_partials_hold_no_more_than_the_quota(replic
             asyncio.run(upload(vault.a, data, offset=position, end=position, size=1))
     holding = {hashlib.sha256(d).hexdigest(): held(vault, d) or 0 for d in blobs}
     reserved = vault.reserved()
-    print(f"\nquota attack ({vault.storage.__class__.__name__}): held {sum(holding.values())} B = "
-          f"{sum(holding.values()) / quota:.2f}x the quota, reserved {sum(r[0] for r in reserved.values())} B")
+    print(
+        f"\nquota attack ({vault.storage.__class__.__name__}): held {sum(holding.values())} B = "
+        f"{sum(holding.values()) / quota:.2f}x the quota, reserved {sum(r[0] for r in reserved.values())} B"
+    )
     assert sum(holding.values()) <= quota
     assert all(holding[sha256] <= reserved.get(sha256, (0,))[0] for sha256 in holding)  # every byte held is reserved
     assert refused(upload(vault.a, bytes(quota))).code == "RESOURCE_EXHAUSTED"  # a full upload does not fit on top
@@ -155,7 +170,6 @@ def test_resuming_at_a_lower_offset_drops_the_bytes_beyond_it(replicas):
     reader.close()
 
 
-
 def test_parts_past_a_gap_go_when_an_upload_resumes(replicas, backend):
     """A replica killed mid-upload can leave a part past a lost one; resuming at the end of the
     contiguous bytes drops it (it used to stay, uncounted by the reservation, and to be read
@@ -170,6 +184,7 @@ def test_parts_past_a_gap_go_when_an_upload_resumes(replicas, backend):
     refused(upload(vault.b, data, offset=20_000, end=50_000))
     assert held(vault, data) == 50_000  # not 60,000 through the old part
     assert asyncio.run(upload(vault.a, data, offset=50_000)).blob.size == len(data)
+
 
 def test_one_upload_of_a_blob_per_owner_across_replicas_and_a_delete_leaves_it_running(replicas):
     """Used to let a second replica's upload of the same blob run alongside (never ABORTED), and
@@ -210,11 +225,14 @@ def test_a_dead_replicas_lease_is_taken_over_once_stale(replicas):
     live, dead = b"live" * 1000, b"dead" * 1000
     now = time.time()
     vault.storage.begin_upload(vault.owner, hashlib.sha256(live).hexdigest(), "dev-1", "replica-still-running", now)
-    vault.storage.begin_upload(vault.owner, hashlib.sha256(dead).hexdigest(), "dev-1", "replica-killed", now - LEASE_STALE_S - 1)
+    vault.storage.begin_upload(
+        vault.owner, hashlib.sha256(dead).hexdigest(), "dev-1", "replica-killed", now - LEASE_STALE_S - 1
+    )
     assert refused(upload(vault.b, live)).code == "ABORTED"
     assert asyncio.run(upload(vault.b, dead)).blob.size == len(dead)
-    assert vault.a.sweep_uploads() == 0 and set(vault.reserved()) == {hashlib.sha256(live).hexdigest()}  # a live lease stays
-
+    assert vault.a.sweep_uploads() == 0 and set(vault.reserved()) == {
+        hashlib.sha256(live).hexdigest()
+    }  # a live lease stays
 
 
 def test_a_call_whose_lease_was_taken_over_stops_writing(replicas, backend, tmp_path):
@@ -263,6 +281,7 @@ def test_an_upload_begun_while_the_sweep_lists_is_kept(replicas, backend, tmp_pa
     assert vault.storage.partials.sweep(reserved_now) == 1
     assert held(vault, kept) == 20_000 and held(vault, swept) is None
 
+
 def test_uploads_of_one_blob_through_three_replicas_run_one_at_a_time_and_a_delete_waits(start_replicas, scale_out):
     """Across replica processes: while one upload runs, every other upload of the blob by its
     owner (any device, any replica, the right or other bytes) is ABORTED and a Delete is
@@ -272,10 +291,9 @@ def test_uploads_of_one_blob_through_three_replicas_run_one_at_a_time_and_a_dele
 
     import grpc
 
-    from tests.server.conftest import enrolled_client
-
     from fctkit.protos.client import FctkitClient
     from fctkit.protos.retry_policy import RetryPolicy
+    from tests.server.conftest import enrolled_client
 
     replicas = start_replicas(3)
     phone, enrolment = enrolled_client(replicas[0], name="phone")
@@ -288,9 +306,11 @@ def test_uploads_of_one_blob_through_three_replicas_run_one_at_a_time_and_a_dele
     gate = threading.Event()
 
     def held_open(payload: bytes):
-        yield vault_pb2.UploadBlobRequest(header=vault_pb2.UploadHeader(sha256=sha256, size=len(payload), item_id="photo"))
+        yield vault_pb2.UploadBlobRequest(
+            header=vault_pb2.UploadHeader(sha256=sha256, size=len(payload), item_id="photo")
+        )
         for start in range(0, len(payload), 1 << 20):
-            yield vault_pb2.UploadBlobRequest(chunk=Chunk(offset=start, data=payload[start:start + (1 << 20)]))
+            yield vault_pb2.UploadBlobRequest(chunk=Chunk(offset=start, data=payload[start : start + (1 << 20)]))
             gate.wait(60)
 
     running = clients[0].vault.Upload.future(held_open(data), metadata=clients[0]._metadata)
@@ -311,13 +331,17 @@ def test_uploads_of_one_blob_through_three_replicas_run_one_at_a_time_and_a_dele
     deleted = [status(lambda c=c: c.delete_blob(sha256)) for c in clients]
     gate.set()
     assert running.result(60).blob.sha256 == sha256
-    print(f"\nsame blob while one upload runs: {outcomes.count('ABORTED')} of {len(outcomes)} ABORTED; deletes: {deleted}")
+    print(
+        f"\nsame blob while one upload runs: {outcomes.count('ABORTED')} of {len(outcomes)} ABORTED; deletes: {deleted}"
+    )
     assert outcomes == ["ABORTED"] * 12 and deleted == ["NOT_FOUND"] * 3
     fresh = hashlib.sha256(b"fresh").digest() * 100_000
     with ThreadPoolExecutor(12) as pool:
         concurrent = list(pool.map(lambda k: status(lambda: clients[k % 3].upload_blob(fresh, "photo")), range(12)))
-    print(f"12 concurrent uploads of a new blob over 3 replicas: {concurrent.count('ABORTED')} ABORTED, "
-          f"{concurrent.count('OK')} OK")
+    print(
+        f"12 concurrent uploads of a new blob over 3 replicas: {concurrent.count('ABORTED')} ABORTED, "
+        f"{concurrent.count('OK')} OK"
+    )
     assert set(concurrent) <= {"OK", "ABORTED"} and "OK" in concurrent
     for client in clients:
         assert client.read_blob(sha256) == data and client.read_blob(hashlib.sha256(fresh).hexdigest()) == fresh
@@ -340,18 +364,20 @@ def test_a_long_artifact_name_is_refused_before_it_reaches_an_error_message(star
     see RESOURCE_EXHAUSTED (gRPC's metadata limit) instead."""
     import grpc
 
-    from tests.server.conftest import ADMIN_TOKEN, enrolled_client
-
     from fctkit.protos import registry_pb2
     from fctkit.protos.client import FctkitClient
+    from tests.server.conftest import ADMIN_TOKEN, enrolled_client
 
     server = start_server()
     with FctkitClient(server.target, ADMIN_TOKEN) as admin:
         admin.publish_bundle(archives[1])
     device, _ = enrolled_client(server)
     with device:
-        for name, code in (("n" * 2_000_000, grpc.StatusCode.INVALID_ARGUMENT), ("n" * 10_000, grpc.StatusCode.INVALID_ARGUMENT),
-                           ("no-such-artifact", grpc.StatusCode.NOT_FOUND)):
+        for name, code in (
+            ("n" * 2_000_000, grpc.StatusCode.INVALID_ARGUMENT),
+            ("n" * 10_000, grpc.StatusCode.INVALID_ARGUMENT),
+            ("no-such-artifact", grpc.StatusCode.NOT_FOUND),
+        ):
             request = registry_pb2.DownloadArtifactRequest(version=1, artifact_name=name)
             with pytest.raises(grpc.RpcError) as caught:
                 list(device.registry.DownloadArtifact(request, metadata=device._metadata))
@@ -361,16 +387,27 @@ def test_a_long_artifact_name_is_refused_before_it_reaches_an_error_message(star
 def test_a_long_via_is_quoted_short():
     from fctkit.server.replica import replica_record
 
-    message = vault_pb2.SealedRecord(change_id=1, item_id="item", via="v" * 100_000, version=1, origin_version=1, sealed=bytes(40))
+    message = vault_pb2.SealedRecord(
+        change_id=1, item_id="item", via="v" * 100_000, version=1, origin_version=1, sealed=bytes(40)
+    )
     with pytest.raises(RpcStatusError) as caught:
         replica_record(message, 0)
-    assert caught.value.code == "INVALID_ARGUMENT" and "100000 characters" in str(caught.value) and len(str(caught.value)) < 300
+    assert (
+        caught.value.code == "INVALID_ARGUMENT"
+        and "100000 characters" in str(caught.value)
+        and len(str(caught.value)) < 300
+    )
 
 
 def test_a_schema_6_database_gets_the_upload_leases(tmp_path, open_storage, backend):
     data_dir = tmp_path / "data"
-    storage = backend.aged(data_dir, open_storage, 6, "ALTER TABLE uploads DROP COLUMN lease_token",
-                           "ALTER TABLE uploads DROP COLUMN lease_at")
+    storage = backend.aged(
+        data_dir,
+        open_storage,
+        6,
+        "ALTER TABLE uploads DROP COLUMN lease_token",
+        "ALTER TABLE uploads DROP COLUMN lease_at",
+    )
     try:
         assert storage.begin_upload("own-1", "ab" * 32, "dev-1", "token", time.time()) is False
         assert storage.begin_upload("own-1", "ab" * 32, "dev-2", "other", time.time()) is None  # the lease holds

@@ -116,12 +116,12 @@ def test_two_devices_of_one_owner_store_and_pay_for_a_blob_once(start_server):
 async def _upload(service: VaultService, data: bytes, *, send: int | None = None):
     """One Upload call sending the header and ``send`` bytes of ``data`` (all by default)."""
     sha256 = hashlib.sha256(data).hexdigest()
-    sent = data[:len(data) if send is None else send]
+    sent = data[: len(data) if send is None else send]
 
     async def requests():
         yield vault_pb2.UploadBlobRequest(header=vault_pb2.UploadHeader(sha256=sha256, size=len(data), item_id="i"))
         for start in range(0, len(sent), 4096):
-            yield vault_pb2.UploadBlobRequest(chunk=Chunk(offset=start, data=sent[start:start + 4096]))
+            yield vault_pb2.UploadBlobRequest(chunk=Chunk(offset=start, data=sent[start : start + 4096]))
 
     return await service.Upload(requests(), None)
 
@@ -139,7 +139,9 @@ def test_unfinished_uploads_count_against_the_quota_and_expire(tmp_path, open_st
     with pytest.raises(RpcStatusError, match="60000 held by unfinished uploads") as caught:
         asyncio.run(_upload(service, second))
     assert caught.value.code == "RESOURCE_EXHAUSTED"
-    assert service.sweep_uploads() == 0 and storage.partials.held(owner, hashlib.sha256(first).hexdigest()) == 20_480  # not idle yet
+    assert (
+        service.sweep_uploads() == 0 and storage.partials.held(owner, hashlib.sha256(first).hexdigest()) == 20_480
+    )  # not idle yet
     assert service.sweep_uploads(now=time.time() + 3601) == 1  # idle past the TTL: bytes given back
     assert asyncio.run(_upload(service, second)).used_bytes == 60_000
     with pytest.raises(RpcStatusError, match="resume from offset"):
@@ -154,8 +156,9 @@ def test_duplicate_blob_records_of_one_owner_are_merged_on_upgrade(tmp_path):
 
     storage = SqliteStorage(tmp_path / "data")
     for n in (1, 2):
-        storage.add_enrolment_code(f"c{n}", "", "2026-01-01T00:00:00.000000Z", "2099-01-01T00:00:00.000000Z",
-                                   owner_id="own-shared")
+        storage.add_enrolment_code(
+            f"c{n}", "", "2026-01-01T00:00:00.000000Z", "2099-01-01T00:00:00.000000Z", owner_id="own-shared"
+        )
         storage.enrol(f"c{n}", "2026-01-01T00:00:00.000000Z", f"dev-{n}", "x", f"t{n}")
     storage.close()
     with sqlite3.connect(tmp_path / "data" / "meta.sqlite3") as db:  # a schema-4 database with the old duplicates
@@ -170,7 +173,7 @@ def test_duplicate_blob_records_of_one_owner_are_merged_on_upgrade(tmp_path):
 
 def test_a_refused_resume_holds_no_quota(vault):
     """An Upload resuming past what the server holds is FAILED_PRECONDITION and reserves nothing."""
-    service, storage, owner = vault
+    service, storage, _owner = vault
 
     async def resume_from_nowhere():
         async def requests():

@@ -75,8 +75,14 @@ def fetch(client: FctkitClient, version: int) -> None:
 def root_server(start_server, tmp_path_factory):
     """A server under root v1 (2 of alice, bob, carol publish) with v1..v3 signed by alice and bob."""
     folder = tmp_path_factory.mktemp("withdraw-root")
-    body = build_root(1, root=("r1", "r2"), root_threshold=2, publishers=("alice", "bob", "carol"), publisher_threshold=2,
-                      expires=datetime.now(UTC).replace(microsecond=0) + timedelta(days=30))
+    body = build_root(
+        1,
+        root=("r1", "r2"),
+        root_threshold=2,
+        publishers=("alice", "bob", "carol"),
+        publisher_threshold=2,
+        expires=datetime.now(UTC).replace(microsecond=0) + timedelta(days=30),
+    )
     root_file = folder / "root.1.json"
     root_file.write_bytes(signed(body, "r1", "r2").to_bytes())
     timestamp_key = save_private_key(key("ts"), folder / "ts.key")
@@ -148,8 +154,9 @@ def test_revert_to_must_be_published_or_0(start_server, archives, publisher_key)
 # -- what devices are offered ---------------------------------------------------------------------------
 
 
-def test_a_withdrawn_version_is_offered_to_nobody_new_and_later_versions_are_offered(start_server, archives,
-                                                                                      publisher_key):
+def test_a_withdrawn_version_is_offered_to_nobody_new_and_later_versions_are_offered(
+    start_server, archives, publisher_key
+):
     server = start_server("--watch-keepalive", "0.3")
     with admin(server) as a:
         a.publish_bundle(archives[1])
@@ -178,7 +185,9 @@ def test_a_withdrawn_version_is_offered_to_nobody_new_and_later_versions_are_off
         assert "withdrawn" in message and "adapter hurts recall" in message
     fetch(on_v3, 3)  # a device that installed it keeps what it has
     assert inside.plan_upgrade(2).to_version == 2
-    stream = inside.registry.WatchVersions(registry_pb2.WatchVersionsRequest(after_version=2), metadata=inside._metadata)
+    stream = inside.registry.WatchVersions(
+        registry_pb2.WatchVersionsRequest(after_version=2), metadata=inside._metadata
+    )
     seen: list[str] = []
     with admin(server) as a:
         a.publish_bundle(archives[4])  # later versions are offered normally: 4 carries 3->4 and 1->4
@@ -200,14 +209,25 @@ def test_a_withdrawn_version_is_offered_to_nobody_new_and_later_versions_are_off
     assert [(h.source_version, h.target_version) for h in on_v1.plan_upgrade(1, 4).hops] == [(1, 4)]
     assert on_v1.plan_upgrade(1).to_version == 4
     with admin(server) as a:
-        assert status_code(lambda: a.set_rollout(3, percent=50)) == "FAILED_PRECONDITION"  # rolling out a withdrawn version
+        assert (
+            status_code(lambda: a.set_rollout(3, percent=50)) == "FAILED_PRECONDITION"
+        )  # rolling out a withdrawn version
 
 
 def test_a_plan_around_a_withdrawn_version_takes_a_direct_adapter(start_server, archives, publisher_key, tmp_path):
     sources = _sources(tmp_path / "src4", 4, ((3, 4), (2, 4)), IMAGE_DIM)  # v4 also carries a direct 2->4
     ecc = {s.artifact_name: True for s in sources if s.role == "forward"}
-    v4 = build_bundle(tmp_path / "v4", version=4, parents=(3,), mode="forward", distance="cosine", normalize=True,
-                      artifacts=sources, gate={"cases": {}, "ecc": ecc}, private_key=publisher_key).root
+    v4 = build_bundle(
+        tmp_path / "v4",
+        version=4,
+        parents=(3,),
+        mode="forward",
+        distance="cosine",
+        normalize=True,
+        artifacts=sources,
+        gate={"cases": {}, "ecc": ecc},
+        private_key=publisher_key,
+    ).root
     server = start_server()
     with admin(server) as a:
         for version in (1, 2, 3):
@@ -219,7 +239,9 @@ def test_a_plan_around_a_withdrawn_version_takes_a_direct_adapter(start_server, 
     with admin(server) as a:
         a.withdraw(withdrawal(3, 2, publisher_key))
     plan = device.plan_upgrade(2)
-    assert plan.to_version == 4 and [(h.source_version, h.target_version, h.bundle_version) for h in plan.hops] == [(2, 4, 4)]
+    assert plan.to_version == 4 and [(h.source_version, h.target_version, h.bundle_version) for h in plan.hops] == [
+        (2, 4, 4)
+    ]
     assert [(h.source_version, h.target_version) for h in device.plan_upgrade(1, 4).hops] == [(1, 2), (2, 4)]
 
 
@@ -232,7 +254,7 @@ def test_replicas_agree_on_a_withdrawal_within_a_second(start_replicas, archives
     with admin(first) as a:
         a.publish_bundle(archives[1])
         a.publish_bundle(archives[2])
-    on_second, enrolment = enrolled_client(second)
+    on_second, _enrolment = enrolled_client(second)
     on_second.report(1, 10, IDLE)
     assert listed(on_second) == ([1, 2], 2)
     with admin(first) as a:
@@ -250,8 +272,9 @@ def test_replicas_agree_on_a_withdrawal_within_a_second(start_replicas, archives
 # -- reports and the admin CLI -------------------------------------------------------------------------
 
 
-def test_reports_revert_fields_are_checked_stored_and_shown(start_server, archives, publisher_key, admin_token_file,
-                                                              tmp_path, monkeypatch):
+def test_reports_revert_fields_are_checked_stored_and_shown(
+    start_server, archives, publisher_key, admin_token_file, tmp_path, monkeypatch
+):
     server = start_server()
     base = ["--server", server.target, "--admin-token-file", str(admin_token_file)]
 
@@ -264,11 +287,18 @@ def test_reports_revert_fields_are_checked_stored_and_shown(start_server, archiv
     devices = [enrolled_client(server, name=f"d{k}")[0] for k in range(4)]
     for device in devices:
         device.report(3, 10, IDLE)
-    bad = {"an unknown method": (3, "magic"), "a method without a version": (0, "exact"),
-           "a version not withdrawn": (3, "exact"), "no method": (3, ""), "a huge method": (3, "x" * 100_000)}
+    bad = {
+        "an unknown method": (3, "magic"),
+        "a method without a version": (0, "exact"),
+        "a version not withdrawn": (3, "exact"),
+        "no method": (3, ""),
+        "a huge method": (3, "x" * 100_000),
+    }
     for why, (version, method) in bad.items():
-        assert status_code(lambda v=version, m=method: devices[0].report(2, 10, IDLE, reverted_from=v,
-                                                                         revert_method=m)) == "INVALID_ARGUMENT", why
+        assert (
+            status_code(lambda v=version, m=method: devices[0].report(2, 10, IDLE, reverted_from=v, revert_method=m))
+            == "INVALID_ARGUMENT"
+        ), why
     key_file = save_private_key(publisher_key, tmp_path / "publisher.key")
     monkeypatch.chdir(tmp_path)
     result = cli("withdraw", "3", "--reason", "recall fell", "--key", str(key_file))
@@ -280,7 +310,10 @@ def test_reports_revert_fields_are_checked_stored_and_shown(start_server, archiv
     assert cli("withdraw", "3").exit_code == 2  # VERSION without --reason and --key
     for device, method in zip(devices[:3], ("exact", "exact", "backward")):
         device.report(2, 10, IDLE, reverted_from=3, revert_method=method)
-    assert status_code(lambda: devices[3].report(2, 10, IDLE, reverted_from=2, revert_method="exact")) == "INVALID_ARGUMENT"
+    assert (
+        status_code(lambda: devices[3].report(2, 10, IDLE, reverted_from=2, revert_method="exact"))
+        == "INVALID_ARGUMENT"
+    )
     with admin(server) as a:
         status = a.rollout_status(3)
     assert status.state == "withdrawn" and status.withdrawn_reason == "recall fell" and status.revert_to == 2
@@ -315,7 +348,9 @@ def test_admin_withdraw_file_publishes_a_co_signed_withdrawal(root_server, admin
 
 def test_a_schema_9_database_gets_the_withdrawal_tables(tmp_path, open_storage, backend):
     data_dir = tmp_path / "data"
-    storage = backend.aged(data_dir, open_storage, 9, "DROP TABLE device_reverts", "DROP TABLE withdrawals", versions=(1, 2))
+    storage = backend.aged(
+        data_dir, open_storage, 9, "DROP TABLE device_reverts", "DROP TABLE withdrawals", versions=(1, 2)
+    )
     try:
         assert [r.version for r in storage.versions()] == [1, 2] and storage.withdrawals() == {}
         first = StoredWithdrawal(2, 1, "why", b"signed bytes", "now")

@@ -35,7 +35,9 @@ def digits_compatible_run(tmp_dir: Path) -> Path:
 
 def digits_data_growth_run(tmp_dir: Path) -> Path:
     """The data-growth run's folder (as :func:`digits_compatible_run`)."""
-    return _run(tmp_dir, CONFIGS / "digits-data-growth.toml", {"methods": ["independent", "cores", "cores-hoc"], "adapters": []})
+    return _run(
+        tmp_dir, CONFIGS / "digits-data-growth.toml", {"methods": ["independent", "cores", "cores-hoc"], "adapters": []}
+    )
 
 
 def _run(tmp_dir: Path, config_file: Path, overrides: dict) -> Path:

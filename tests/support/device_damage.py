@@ -55,10 +55,12 @@ def fctkit(*args: str) -> CliRun:
             main(list(args))
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        except Exception as exc:  # noqa: BLE001 - what the harness counts
+        except Exception as exc:
             frame = traceback.extract_tb(exc.__traceback__)[-1]
             code, error = -1, f"{type(exc).__name__}: {str(exc)[:160]} ({Path(frame.filename).name}:{frame.lineno})"
-        return CliRun(code, stdout.getvalue().decode("utf-8", "replace"), stderr.getvalue().decode("utf-8", "replace"), error)
+        return CliRun(
+            code, stdout.getvalue().decode("utf-8", "replace"), stderr.getvalue().decode("utf-8", "replace"), error
+        )
 
 
 def query(root: Path, queries: Path) -> CliRun:
@@ -68,7 +70,10 @@ def query(root: Path, queries: Path) -> CliRun:
 
 def answers_of(run: CliRun) -> list[list[tuple[str, float, str | None]]]:
     """The matches ``device query`` printed for an array of queries (one JSON list a line)."""
-    return [[(m["item_id"], round(m["distance"], 4), m["label"]) for m in json.loads(line)] for line in run.stdout.splitlines()]
+    return [
+        [(m["item_id"], round(m["distance"], 4), m["label"]) for m in json.loads(line)]
+        for line in run.stdout.splitlines()
+    ]
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,17 @@ class Pristine:
         with closing(sqlite3.connect(root / "gallery.sqlite")) as db:
             pages = dict(db.execute("SELECT pageno, name FROM dbstat"))
             (page_size,) = db.execute("PRAGMA page_size").fetchone()
-        return cls(root, enrolled, queries, new_items, next_bundle, answers_of(run), readable_embeddings(root), pages, page_size)
+        return cls(
+            root,
+            enrolled,
+            queries,
+            new_items,
+            next_bundle,
+            answers_of(run),
+            readable_embeddings(root),
+            pages,
+            page_size,
+        )
 
     def place(self, name: Path, offset: int) -> str:
         """The file, and for the gallery the table or index whose page holds ``offset``."""
@@ -112,7 +127,7 @@ def readable_embeddings(root: Path) -> dict[str, bytes]:
 def _safe_embeddings(root: Path) -> dict[str, bytes] | None:
     try:
         return readable_embeddings(root)
-    except Exception:  # noqa: BLE001 - a device that cannot be opened has no rows to keep
+    except Exception:
         return None
 
 
@@ -129,8 +144,14 @@ class Trial:
     def detail(self) -> str:
         errors = {name: run.error for name, run in self.runs.items() if run.error}
         codes = " ".join(f"{name}={run.code}" for name, run in self.runs.items())
-        said = next((f"{name} said {run.stderr.strip().splitlines()[-1][:200]!r}" for name, run in self.runs.items()
-                     if run.code == ERROR_EXIT and run.stderr.strip()), "")
+        said = next(
+            (
+                f"{name} said {run.stderr.strip().splitlines()[-1][:200]!r}"
+                for name, run in self.runs.items()
+                if run.code == ERROR_EXIT and run.stderr.strip()
+            ),
+            "",
+        )
         return f"{self.where}: {self.outcome} [{', '.join(self.flags)}] {codes} {errors or ''} {said}"[:900]
 
 
@@ -175,8 +196,8 @@ def _classify(trial: Trial, pristine: Pristine, unreadable_after_repair: bool) -
     flags = {
         "label null, exit 0": answers is not None and _labels_lost(answers, pristine.answers),
         "status exit 0, check reports damage": status.code == 0 and check.code == DAMAGED_EXIT,
-        "check clean, another command fails": check.code == 0 and any(
-            runs[name].code == ERROR_EXIT for name in ("query", "status", "repair", "upgrade", "add")),
+        "check clean, another command fails": check.code == 0
+        and any(runs[name].code == ERROR_EXIT for name in ("query", "status", "repair", "upgrade", "add")),
         "intact rows deleted by repair": bool(trial.intact_deleted),
         "repair failed": repair.code not in (0, DAMAGED_EXIT),
         "repair left damage": repair.code == DAMAGED_EXIT,
@@ -184,7 +205,8 @@ def _classify(trial: Trial, pristine: Pristine, unreadable_after_repair: bool) -
         "unreadable after repair": unreadable_after_repair,
         "upgrade fails after a clean repair": repair.code == 0 and runs["upgrade"].code != 0,
         "add fails after a clean repair": repair.code == 0 and runs["add"].code != 0,
-        "damaged bundle, no way back": "offer genuine bundle" in runs and (runs["query again"].code != 0 or runs["upgrade"].code != 0),
+        "damaged bundle, no way back": "offer genuine bundle" in runs
+        and (runs["query again"].code != 0 or runs["upgrade"].code != 0),
         "full disk called damage": any("No space" in r.stderr and "damaged" in r.stderr for r in runs.values()),
     }
     trial.flags = [name for name, raised in flags.items() if raised]
@@ -223,7 +245,10 @@ class Tally:
 
     def report(self) -> str:
         lines = [f"\n{self.title}: {self.trials} trials"]
-        lines += [f"  {place:44s} " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())) for place, c in sorted(self.by_place.items())]
+        lines += [
+            f"  {place:44s} " + ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+            for place, c in sorted(self.by_place.items())
+        ]
         lines.append("  total: " + ", ".join(f"{k} {self.outcomes[k]}" for k in OUTCOMES))
         lines.append("  flags: " + (", ".join(f"{k} {v}" for k, v in sorted(self.flags.items())) or "none"))
         lines.append(f"  intact rows deleted by repair: {self.intact_rows_deleted}")
@@ -258,6 +283,7 @@ def flip_bit(path: Path, rng: random.Random) -> int:
 
 
 # -- targeted flips of the gallery's plaintext values ----------------------------------------
+
 
 def gallery_cells(gallery: Path) -> dict[tuple[str, str], list[int]]:
     """(table, column) -> the rowids of the gallery's rows, for every table with rows (sqlite_sequence included)."""

@@ -21,9 +21,20 @@ def features_run(out: Path, old: np.ndarray, new: np.ndarray, labels: np.ndarray
     out.mkdir(parents=True, exist_ok=True)
     np.savez(out / "old.npz", embeddings=old.astype(np.float32), labels=labels)
     np.savez(out / "new.npz", embeddings=new.astype(np.float32), labels=labels)
-    config = load_pipeline_config(None, {"seed": seed(), "data.name": "features", "data.old_features": str(out / "old.npz"),
-                                         "data.new_features": str(out / "new.npz"), "methods": ["least-squares"],
-                                         "progress": False, "device": "cpu", "backfill.steps": 2, "evaluation.distance": "cosine"})
+    config = load_pipeline_config(
+        None,
+        {
+            "seed": seed(),
+            "data.name": "features",
+            "data.old_features": str(out / "old.npz"),
+            "data.new_features": str(out / "new.npz"),
+            "methods": ["least-squares"],
+            "progress": False,
+            "device": "cpu",
+            "backfill.steps": 2,
+            "evaluation.distance": "cosine",
+        },
+    )
     run_pipeline(config, out / "run", log=lambda _: None)
     return out / "run"
 

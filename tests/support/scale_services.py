@@ -14,6 +14,7 @@ tests/conftest.py turns that into a skip, or a failure under CI=true.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import os
@@ -116,11 +117,14 @@ class PostgresCluster:
         self._stopped = True
         pg_ctl = str(self._bin / "pg_ctl") if self._bin else "pg_ctl"
         command = [pg_ctl, "-D", str(self.data_dir), "-m", "immediate", "-w", "stop"]
-        try:
-            subprocess.run(_as_user(command, self._as_postgres), cwd=self.socket_dir.parent,
-                           capture_output=True, timeout=60, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            subprocess.run(
+                _as_user(command, self._as_postgres),
+                cwd=self.socket_dir.parent,
+                capture_output=True,
+                timeout=60,
+                check=False,
+            )
         shutil.rmtree(self._base if self._base is not None else self.data_dir, ignore_errors=True)
 
 
@@ -140,7 +144,8 @@ def start_postgres(root: Path) -> PostgresCluster:
     if bin_dir is None:
         raise ServiceUnavailable(
             "PostgreSQL is not installed: no initdb/pg_ctl on PATH or under /usr/lib/postgresql/*/bin "
-            "(make test installs it: apt-get install postgresql)")
+            "(make test installs it: apt-get install postgresql)"
+        )
     as_postgres = os.geteuid() == 0
     if as_postgres:
         try:
@@ -148,9 +153,12 @@ def start_postgres(root: Path) -> PostgresCluster:
         except KeyError:
             raise ServiceUnavailable(
                 "running as root, and PostgreSQL refuses to run as root, but there is no 'postgres' "
-                "user to run it as (Debian's postgresql package creates one)") from None
+                "user to run it as (Debian's postgresql package creates one)"
+            ) from None
         if shutil.which("runuser") is None:
-            raise ServiceUnavailable("running as root, but runuser (util-linux) is missing to run PostgreSQL as 'postgres'")
+            raise ServiceUnavailable(
+                "running as root, but runuser (util-linux) is missing to run PostgreSQL as 'postgres'"
+            )
 
     root = Path(root)
     created_base = as_postgres or len(str(root / "socket" / ".s.PGSQL.65535")) > _SOCKET_PATH_MAX
@@ -171,8 +179,10 @@ def start_postgres(root: Path) -> PostgresCluster:
             shutil.rmtree(base, ignore_errors=True)
         return ServiceUnavailable(reason)
 
-    initdb = _as_user([str(bin_dir / "initdb"), "-D", str(data_dir), "-A", "trust", "-U", PG_USER,
-                       "--no-locale", "-E", "UTF8"], as_postgres)
+    initdb = _as_user(
+        [str(bin_dir / "initdb"), "-D", str(data_dir), "-A", "trust", "-U", PG_USER, "--no-locale", "-E", "UTF8"],
+        as_postgres,
+    )
     try:
         done = subprocess.run(initdb, cwd=base, capture_output=True, text=True, timeout=120, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -185,20 +195,42 @@ def start_postgres(root: Path) -> PostgresCluster:
     for attempt in range(3):
         port = free_port()
         options = f"-k {shlex.quote(str(socket_dir))} -p {port} {PG_SETTINGS}"
-        start = _as_user([str(bin_dir / "pg_ctl"), "-D", str(data_dir), "-l", str(log_path),
-                          "-o", options, "-w", "-t", "60", "start"], as_postgres)
+        start = _as_user(
+            [
+                str(bin_dir / "pg_ctl"),
+                "-D",
+                str(data_dir),
+                "-l",
+                str(log_path),
+                "-o",
+                options,
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ],
+            as_postgres,
+        )
         try:
             done = subprocess.run(start, cwd=base, capture_output=True, text=True, timeout=90, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise give_up(f"pg_ctl start could not run: {exc}\n{_tail(log_path)}") from None
         if done.returncode == 0:
-            return PostgresCluster(port=port, socket_dir=socket_dir, data_dir=data_dir, user=PG_USER,
-                                   log_path=log_path, _bin=bin_dir, _as_postgres=as_postgres,
-                                   _base=base if created_base else None)
+            return PostgresCluster(
+                port=port,
+                socket_dir=socket_dir,
+                data_dir=data_dir,
+                user=PG_USER,
+                log_path=log_path,
+                _bin=bin_dir,
+                _as_postgres=as_postgres,
+                _base=base if created_base else None,
+            )
         log = _tail(log_path)
         if "could not bind" not in log or attempt == 2:
-            raise give_up(f"pg_ctl start failed (exit {done.returncode}): {done.stderr.strip()}\n"
-                          f"tail of the server log:\n{log}")
+            raise give_up(
+                f"pg_ctl start failed (exit {done.returncode}): {done.stderr.strip()}\ntail of the server log:\n{log}"
+            )
     raise AssertionError("unreachable")
 
 
@@ -219,9 +251,13 @@ class S3Endpoint:
         """A boto3 S3 client of this endpoint, with the dummy credentials."""
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
-                            aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
-                            region_name=S3_ENV["AWS_DEFAULT_REGION"])
+        return boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+            region_name=S3_ENV["AWS_DEFAULT_REGION"],
+        )
 
     def create_bucket(self, name: str) -> None:
         self.client().create_bucket(Bucket=name)
@@ -246,11 +282,13 @@ def _moto_command(port: int) -> list[str]:
 def start_s3(log_path: Path) -> S3Endpoint:
     """moto's server on a free port of 127.0.0.1 (its output in ``log_path``), once it answers HTTP.
     Raises ServiceUnavailable with the reason when moto[server] is missing or it does not come up."""
-    missing = [name for name in ("moto", "flask", "flask_cors", "werkzeug", "boto3")
-               if importlib.util.find_spec(name) is None]
+    missing = [
+        name for name in ("moto", "flask", "flask_cors", "werkzeug", "boto3") if importlib.util.find_spec(name) is None
+    ]
     if missing:
-        raise ServiceUnavailable(f"moto[server] is not installed: no module {', '.join(missing)} "
-                                 f"(pip install 'moto[server]')")
+        raise ServiceUnavailable(
+            f"moto[server] is not installed: no module {', '.join(missing)} (pip install 'moto[server]')"
+        )
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     # No proxy for loopback, whatever the environment says.
@@ -259,8 +297,9 @@ def start_s3(log_path: Path) -> S3Endpoint:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         with open(log_path, "ab") as log:
-            process = subprocess.Popen(_moto_command(port), stdin=subprocess.DEVNULL, stdout=log,
-                                       stderr=subprocess.STDOUT)
+            process = subprocess.Popen(
+                _moto_command(port), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
         endpoint = S3Endpoint(url=url, process=process)
         deadline = time.monotonic() + S3_START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -280,6 +319,7 @@ def start_s3(log_path: Path) -> S3Endpoint:
             continue
         if exited:
             raise ServiceUnavailable(f"moto_server exited with {process.returncode}; tail of {log_path}:\n{log}")
-        raise ServiceUnavailable(f"moto_server did not answer at {url} within {S3_START_TIMEOUT_S:.0f} s; "
-                                 f"tail of the server log:\n{log}")
+        raise ServiceUnavailable(
+            f"moto_server did not answer at {url} within {S3_START_TIMEOUT_S:.0f} s; tail of the server log:\n{log}"
+        )
     raise AssertionError("unreachable")

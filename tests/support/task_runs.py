@@ -16,8 +16,19 @@ def synthetic_task_run(out: Path, *, n_train: int, n_eval: int, **overrides: Any
     """Save the synthetic task under ``out`` and train residual and least squares on it (with
     transition scoring and hubness judged); ``overrides`` are further config keys."""
     task = save_task(out / "task.npz", synthetic_instance_task(n_train=n_train, n_eval=n_eval, seed=seed()))
-    config = load_pipeline_config(None, {"seed": seed(), "data.name": "task", "data.task": str(task), "progress": False,
-                                         "device": "cpu", "evaluation.distance": "cosine",
-                                         "methods": ["residual", "least-squares"], "transition.enabled": True,
-                                         "hubness.enabled": True, **overrides})
+    config = load_pipeline_config(
+        None,
+        {
+            "seed": seed(),
+            "data.name": "task",
+            "data.task": str(task),
+            "progress": False,
+            "device": "cpu",
+            "evaluation.distance": "cosine",
+            "methods": ["residual", "least-squares"],
+            "transition.enabled": True,
+            "hubness.enabled": True,
+            **overrides,
+        },
+    )
     return run_pipeline(config, out / "run", log=lambda _: None)

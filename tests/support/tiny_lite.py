@@ -18,13 +18,16 @@ def tiny_lite(size: int, width: float, seed: int) -> Any:
     import torch
     from efficientnet_lite_pytorch import EfficientNet
 
-    network = EfficientNet.from_name("efficientnet-lite0", image_size=size, width_coefficient=width, depth_coefficient=0.25,
-                                     fix_head_stem=False)
+    network = EfficientNet.from_name(
+        "efficientnet-lite0", image_size=size, width_coefficient=width, depth_coefficient=0.25, fix_head_stem=False
+    )
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in network.modules():
             if isinstance(module, torch.nn.Conv2d):
-                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * (2.0 / module.weight[0].numel()) ** 0.5)
+                module.weight.copy_(
+                    torch.randn(module.weight.shape, generator=generator) * (2.0 / module.weight[0].numel()) ** 0.5
+                )
         # The package's init gives features of ~1e-8 and, with random statistics, half of them dead and the rest
         # nearly collinear (an adapter fitted on them amplifies float32 noise 10⁶-fold). Statistics measured on a
         # batch, then a random affine, give features that vary from picture to picture.
@@ -47,7 +50,9 @@ def textured_picture(rng: np.random.Generator, width: int, height: int) -> Any:
 
     def noise(cells_w: int, cells_h: int, spread: float) -> np.ndarray:
         cells = rng.uniform(-spread, spread, size=(cells_h, cells_w, 3)).astype(np.float32)
-        channels = [Image.fromarray(cells[..., c], mode="F").resize((width, height), Image.Resampling.BICUBIC) for c in range(3)]
+        channels = [
+            Image.fromarray(cells[..., c], mode="F").resize((width, height), Image.Resampling.BICUBIC) for c in range(3)
+        ]
         return np.stack([np.asarray(c) for c in channels], axis=-1)
 
     pixels = rng.uniform(60, 200, size=3) + noise(3, 3, 60) + noise(max(2, width // 6), max(2, height // 6), 50)

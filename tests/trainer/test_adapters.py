@@ -7,21 +7,30 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from tests.support.seeds import seed as suite_seed
-
 from fctkit.errors import ConfigError, DataUnavailableError, InputError
 from fctkit.trainer.adapter_base import Adapter, adapter_kinds, load_adapter
 from fctkit.trainer.adapters import FastFillAdapter, FCTAdapter
 from fctkit.trainer.closed_form import ClosedFormAdapter
 from fctkit.trainer.evaluation import evaluate_retrieval
 from fctkit.trainer.lambda_orth import LambdaOrthAdapter
+from fctkit.trainer.losses import heteroscedastic_mse
 from fctkit.trainer.query_map import QueryMap, fit_jointly
 from fctkit.trainer.residual import ResidualAdapter
-from fctkit.trainer.losses import heteroscedastic_mse
+from tests.support.seeds import seed as suite_seed
 
 
-def small_config(side_info: bool = True, epochs: int = 15, seed: int | None = None, mixer_width: int = 128, **extra) -> dict:
-    train = {"epochs": epochs, "batch_size": 64, "warmup_epochs": 1, "lr": 1e-3, "seed": suite_seed() if seed is None else seed, "device": "cpu", "progress": False}
+def small_config(
+    side_info: bool = True, epochs: int = 15, seed: int | None = None, mixer_width: int = 128, **extra
+) -> dict:
+    train = {
+        "epochs": epochs,
+        "batch_size": 64,
+        "warmup_epochs": 1,
+        "lr": 1e-3,
+        "seed": suite_seed() if seed is None else seed,
+        "device": "cpu",
+        "progress": False,
+    }
     return {"side_info": side_info, "branch_width": 64, "mixer_width": mixer_width, "train": train, **extra}
 
 
@@ -72,7 +81,9 @@ def test_side_info_helps_when_it_carries_what_the_old_embedding_lacks():
     for side_info in (True, False):
         config = small_config(side_info, mixer_width=256)
         adapter, _ = FCTAdapter.fit(data["old"][train], data["new"][train], data["side"][train], config)
-        errors[side_info] = float(((adapter.transform(data["old"][test], data["side"][test]) - data["new"][test]) ** 2).mean())
+        errors[side_info] = float(
+            ((adapter.transform(data["old"][test], data["side"][test]) - data["new"][test]) ** 2).mean()
+        )
     assert errors[True] < 0.6 * errors[False]
 
 
@@ -102,7 +113,9 @@ def test_g_maps_to_the_new_side_info_space():
 
 def test_same_seed_gives_identical_weights_and_another_seed_does_not():
     data = two_factor_data(n=200)
-    runs = [FCTAdapter.fit(data["old"], data["new"], data["side"], small_config(epochs=2, seed=s))[0] for s in (3, 3, 4)]
+    runs = [
+        FCTAdapter.fit(data["old"], data["new"], data["side"], small_config(epochs=2, seed=s))[0] for s in (3, 3, 4)
+    ]
     weights = [r.head.weight.detach() for r in runs]
     assert torch.equal(weights[0], weights[1])
     assert not torch.allclose(weights[0], weights[2])
@@ -136,7 +149,9 @@ def test_heteroscedastic_loss_is_minimal_where_sigma_squared_is_the_row_mse():
     heteroscedastic_mse(prediction, target, log_variance).backward()
     assert log_variance.grad.abs().max() < 1e-6
     for shift in (-0.3, 0.3):
-        assert heteroscedastic_mse(prediction, target, log_variance.detach() + shift) > heteroscedastic_mse(prediction, target, log_variance.detach())
+        assert heteroscedastic_mse(prediction, target, log_variance.detach() + shift) > heteroscedastic_mse(
+            prediction, target, log_variance.detach()
+        )
 
 
 def test_fastfill_discriminative_term_uses_the_frozen_classifier(digits_views):
@@ -170,14 +185,28 @@ def fitted_adapters() -> dict[str, Adapter]:
         "fct": FCTAdapter.fit(old, new, side, small_config(epochs=2))[0],
         "fct-no-side": FCTAdapter.fit(old, new, None, small_config(side_info=False, epochs=2))[0],
         "fastfill": FastFillAdapter.fit(old, new, side, small_config(epochs=2))[0],
-        "lambda-orth-orthogonal-mlp": LambdaOrthAdapter.fit(old, new, labels, {"forward": "mlp", "hidden_width": 32, "train": lambda_train})[0],
-        "lambda-orth-lambda": LambdaOrthAdapter.fit(old, new, None, {"backward": "lambda", "lam": 0.0, "train": lambda_train})[0],
+        "lambda-orth-orthogonal-mlp": LambdaOrthAdapter.fit(
+            old, new, labels, {"forward": "mlp", "hidden_width": 32, "train": lambda_train}
+        )[0],
+        "lambda-orth-lambda": LambdaOrthAdapter.fit(
+            old, new, None, {"backward": "lambda", "lam": 0.0, "train": lambda_train}
+        )[0],
         "closed-form-ls": ClosedFormAdapter.fit(old, new, {"ridge": 0.1})[0],
         "closed-form-procrustes": ClosedFormAdapter.fit(old, new, {"method": "procrustes"})[0],
-        **{f"residual-{form}": ResidualAdapter.fit(old, new, side, {"form": form, "width": 16, "rank": 4, "train": lambda_train})[0]
-           for form in ("linear", "low_rank", "mlp")},
-        "query-map": fit_jointly(ResidualAdapter.fit(old, new, None, {"side_info": False, "train": lambda_train})[0],
-                                 new, old, None, new, {"width": 8, "train": lambda_train})[0],
+        **{
+            f"residual-{form}": ResidualAdapter.fit(
+                old, new, side, {"form": form, "width": 16, "rank": 4, "train": lambda_train}
+            )[0]
+            for form in ("linear", "low_rank", "mlp")
+        },
+        "query-map": fit_jointly(
+            ResidualAdapter.fit(old, new, None, {"side_info": False, "train": lambda_train})[0],
+            new,
+            old,
+            None,
+            new,
+            {"width": 8, "train": lambda_train},
+        )[0],
     }
 
 
@@ -223,9 +252,11 @@ def test_loading_bad_files_raises_kit_errors(tmp_path):
         load_adapter(tmp_path / "missing.pt")
     with pytest.raises(InputError, match="holds a 'closed_form' adapter"):
         FCTAdapter.load(good)
-    for key, value, message in [("dims", {"d_old": 4, "d_new": 5}, "do not fit"),
-                                ("adapter_kind", "nope", "unknown adapter kind"),
-                                ("config", {"method": "qr"}, "does not match")]:
+    for key, value, message in [
+        ("dims", {"d_old": 4, "d_new": 5}, "do not fit"),
+        ("adapter_kind", "nope", "unknown adapter kind"),
+        ("config", {"method": "qr"}, "does not match"),
+    ]:
         payload = torch.load(good, weights_only=True)
         payload["meta"][key] = value
         torch.save(payload, tmp_path / "tampered.pt")

@@ -6,8 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.seeds import seed
-
 from fctkit.config import from_mapping
 from fctkit.errors import ConfigError
 from fctkit.trainer.backbones import (
@@ -20,8 +18,11 @@ from fctkit.trainer.backbones import (
 )
 from fctkit.trainer.datasets import load_dataset, make_splits, old_class_subset
 from fctkit.trainer.evaluation import evaluate_retrieval
+from tests.support.seeds import seed
 
-COSINE = BackboneConfig(architecture="small", embedding_dim=32, classifier="cosine", normalize_embedding=True, progress=False)
+COSINE = BackboneConfig(
+    architecture="small", embedding_dim=32, classifier="cosine", normalize_embedding=True, progress=False
+)
 
 
 def test_cosine_logits_are_scaled_cosines():
@@ -52,7 +53,9 @@ def test_cosine_backbone_trains_saves_and_loads(digits_old, tmp_path):
     assert (predicted == query.labels).mean() > 0.93
     features = extract_features(model, query.images)
     assert np.allclose(np.linalg.norm(features, axis=1), 1.0, atol=1e-5)
-    top1 = evaluate_retrieval(features, query.labels, extract_features(model, gallery.images), gallery.labels, topk=(1,)).top1
+    top1 = evaluate_retrieval(
+        features, query.labels, extract_features(model, gallery.images), gallery.labels, topk=(1,)
+    ).top1
     assert top1 > 0.93
     loaded = load_backbone(save_backbone(model, tmp_path / "cosine.pt"))
     assert loaded.config.classifier == "cosine" and isinstance(loaded.classifier, CosineClassifier)

@@ -8,8 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.seeds import seed
-
 from fctkit.config import from_mapping
 from fctkit.errors import ConfigError, DataUnavailableError, InputError
 from fctkit.trainer.backbones import (
@@ -24,6 +22,7 @@ from fctkit.trainer.backbones import (
 from fctkit.trainer.datasets import load_dataset, make_splits, old_class_subset
 from fctkit.trainer.evaluation import evaluate_retrieval
 from fctkit.trainer.torch_utils import resolve_device, save_checkpoint
+from tests.support.seeds import seed
 
 OLD = BackboneConfig(architecture="small", embedding_dim=32, progress=False)
 NEW = BackboneConfig(architecture="wide", embedding_dim=64, progress=False)
@@ -53,8 +52,13 @@ def new_model(data):
 
 
 def _top1(model, query, gallery) -> float:
-    result = evaluate_retrieval(extract_features(model, query.images), query.labels,
-                                extract_features(model, gallery.images), gallery.labels, topk=(1,))
+    result = evaluate_retrieval(
+        extract_features(model, query.images),
+        query.labels,
+        extract_features(model, gallery.images),
+        gallery.labels,
+        topk=(1,),
+    )
     return result.cmc[1]
 
 
@@ -112,7 +116,9 @@ def test_save_load_round_trip_gives_identical_features(old_model, data, tmp_path
     path = save_backbone(old_model, tmp_path / "old.pt")
     loaded = load_backbone(path)
     assert loaded.config == old_model.config and loaded.classes == old_model.classes
-    assert np.array_equal(extract_features(loaded, data["query"].images), extract_features(old_model, data["query"].images))
+    assert np.array_equal(
+        extract_features(loaded, data["query"].images), extract_features(old_model, data["query"].images)
+    )
 
 
 def test_damaged_or_foreign_model_files(old_model, tmp_path):
@@ -132,8 +138,14 @@ def test_damaged_or_foreign_model_files(old_model, tmp_path):
     with pytest.raises(InputError, match="do not fit"):
         load_backbone(save_checkpoint(tmp_path / "partial.pt", "fctkit.backbone", state, meta))
     with pytest.raises(InputError, match="incomplete fctkit.backbone metadata"):
-        load_backbone(save_checkpoint(tmp_path / "no-classes.pt", "fctkit.backbone", old_model.state_dict(),
-                                      {k: v for k, v in meta.items() if k != "classes"}))
+        load_backbone(
+            save_checkpoint(
+                tmp_path / "no-classes.pt",
+                "fctkit.backbone",
+                old_model.state_dict(),
+                {k: v for k, v in meta.items() if k != "classes"},
+            )
+        )
     meta["config"]["depth"] = 3
     with pytest.raises(ConfigError, match="unknown key"):
         load_backbone(save_checkpoint(tmp_path / "extra.pt", "fctkit.backbone", old_model.state_dict(), meta))

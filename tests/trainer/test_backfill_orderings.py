@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fctkit.errors import InputError
 from fctkit.backfill_order import ORDERING_KINDS, backfill_order, distance_to_group_mean, kmeans
+from fctkit.errors import InputError
 
 
 def blobs(n_per_class: int = 40, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -28,7 +28,9 @@ def test_every_ordering_is_a_deterministic_permutation(kind):
 
 def test_random_ordering_depends_on_the_seed():
     embeddings, _ = blobs()
-    assert not np.array_equal(backfill_order("random", embeddings, seed=0), backfill_order("random", embeddings, seed=1))
+    assert not np.array_equal(
+        backfill_order("random", embeddings, seed=0), backfill_order("random", embeddings, seed=1)
+    )
 
 
 def test_class_mean_puts_the_farthest_item_of_each_class_first():
@@ -63,10 +65,12 @@ def test_without_labels_kmeans_clusters_stand_in_for_classes():
     clusters = kmeans(embeddings, 3, seed=0)
     assert len(set(zip(clusters, labels))) == 3  # the clusters are exactly the classes
     for kind in ("class-mean-l2", "class-mean-cosine"):
-        np.testing.assert_array_equal(backfill_order(kind, embeddings, None, n_clusters=3),
-                                      backfill_order(kind, embeddings, labels))
-    np.testing.assert_array_equal(backfill_order("kmeans", embeddings, labels, n_clusters=3),
-                                  backfill_order("class-mean-l2", embeddings, labels))
+        np.testing.assert_array_equal(
+            backfill_order(kind, embeddings, None, n_clusters=3), backfill_order(kind, embeddings, labels)
+        )
+    np.testing.assert_array_equal(
+        backfill_order("kmeans", embeddings, labels, n_clusters=3), backfill_order("class-mean-l2", embeddings, labels)
+    )
 
 
 def test_kmeans_is_seeded_and_uses_a_default_cluster_count():

@@ -33,7 +33,9 @@ def test_least_squares_without_bias_and_with_ridge():
     old, new = random_pair()
     no_bias, _ = ClosedFormAdapter.fit(old, new, {"bias": False})
     assert no_bias.linear.bias is None
-    np.testing.assert_allclose(no_bias.linear.weight.detach().numpy().T, np.linalg.lstsq(old, new, rcond=None)[0], atol=1e-5)
+    np.testing.assert_allclose(
+        no_bias.linear.weight.detach().numpy().T, np.linalg.lstsq(old, new, rcond=None)[0], atol=1e-5
+    )
 
     ridge = 25.0
     ridged, _ = ClosedFormAdapter.fit(old, new, {"ridge": ridge})

@@ -12,8 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.compatible_run import digits_compatible_run, digits_data_growth_run
-
 from fctkit.config import from_mapping
 from fctkit.errors import ConfigError, InputError
 from fctkit.trainer.backbones import BackboneConfig
@@ -28,6 +26,7 @@ from fctkit.trainer.compatible_models import (
 )
 from fctkit.trainer.compatible_training import EccSelector
 from fctkit.trainer.searches import EvaluationConfig
+from tests.support.compatible_run import digits_compatible_run, digits_data_growth_run
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +53,9 @@ def test_simplex_vertices_are_centred_unit_and_equiangular(classes):
 
 def test_cores_classifier_is_the_fixed_simplex_and_not_trained():
     cosine_head = cores_backbone(BackboneConfig(embedding_dim=99, width=4, classifier="cosine"), 10, in_channels=1)
-    torch.testing.assert_close(cosine_head.classifier.weight.detach(), torch.from_numpy(simplex_vertices(10)))  # the simplex wins
+    torch.testing.assert_close(
+        cosine_head.classifier.weight.detach(), torch.from_numpy(simplex_vertices(10))
+    )  # the simplex wins
     model = cores_backbone(BackboneConfig(embedding_dim=99, width=4), 10, in_channels=1)
     assert model.embedding_dim == 9 and model.classes == tuple(range(10))
     np.testing.assert_allclose(model.classifier.weight.detach().numpy(), simplex_vertices(10))
@@ -65,8 +66,14 @@ def test_cores_classifier_is_the_fixed_simplex_and_not_trained():
 
 def test_bt2_bases_are_orthogonal_and_the_exported_module_matches():
     torch.manual_seed(0)
-    model = BT2Backbone(BackboneConfig(architecture="small", embedding_dim=12, width=4), (0, 1, 2), 1, old_dim=8,
-                        extra_dims=4, scale=3.0)
+    model = BT2Backbone(
+        BackboneConfig(architecture="small", embedding_dim=12, width=4),
+        (0, 1, 2),
+        1,
+        old_dim=8,
+        extra_dims=4,
+        scale=3.0,
+    )
     with torch.no_grad():  # far from the identity start
         model.new_basis.upper.normal_(0, 1.0)
         model.old_basis.upper.normal_(0, 1.0)
@@ -133,7 +140,10 @@ def test_cores_with_hoc_keeps_the_old_gallery_usable_on_a_data_growth_upgrade(da
     assert hoc["new/old"]["top1"] > 0.5 * hoc["old/old"]["top1"], hoc
     assert hoc["new/old"]["top1"] > 2 * independent["new/old"]["top1"], (hoc, independent)
     # the same upgrade without compatible training: the new model cannot use the old gallery
-    assert data_growth_gate["ecc"]["independent"] is False and independent["new/old"]["top1"] < 0.5 * independent["old/old"]["top1"]
+    assert (
+        data_growth_gate["ecc"]["independent"] is False
+        and independent["new/old"]["top1"] < 0.5 * independent["old/old"]["top1"]
+    )
     assert data_growth_gate["ecc"]["cores-hoc"] == (hoc["new/old"]["top1"] > hoc["old/old"]["top1"])
 
 
@@ -148,11 +158,15 @@ def test_compatibility_results_are_consistent(compatible_run):
         assert results["matrices"][method]["ac"] == float(matrix[1][0] > matrix[0][0])
     # the old model is shared by independent, BCT, BT² and the adapters; CoReS trains its own,
     # which CoReS + HOC shares (its v2 differs)
-    assert {results["matrices"][m]["values"][0][0] for m in ("independent", "bct", "bt2", "fct")} == {results["matrices"]["bct"]["values"][0][0]}
+    assert {results["matrices"][m]["values"][0][0] for m in ("independent", "bct", "bt2", "fct")} == {
+        results["matrices"]["bct"]["values"][0][0]
+    }
     cores, hoc = results["matrices"]["cores"]["values"], results["matrices"]["cores-hoc"]["values"]
     assert cores[0][0] == hoc[0][0] and cores[1] != hoc[1]
     checkpoints = results["facts"]
-    assert [c["version"] for c in checkpoints["cores_checkpoints"]] == [1, 2] and [c["version"] for c in checkpoints["cores-hoc_checkpoints"]] == [2]
+    assert [c["version"] for c in checkpoints["cores_checkpoints"]] == [1, 2] and [
+        c["version"] for c in checkpoints["cores-hoc_checkpoints"]
+    ] == [2]
     assert "## One upgrade" in (compatible_run / "report.md").read_text()
 
 

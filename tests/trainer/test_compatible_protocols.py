@@ -48,8 +48,15 @@ def test_held_out_protocol_needs_classes_left_out(tmp_path):
         from_mapping(CompatibleConfig, {"cores": {"hoc_weight": 1.5}})
 
 
-def _reference_hoc(new: torch.Tensor, old: torch.Tensor, logits_ce: torch.Tensor, targets: torch.Tensor,
-                   labels: torch.Tensor, weight: float, scale: float) -> torch.Tensor:
+def _reference_hoc(
+    new: torch.Tensor,
+    old: torch.Tensor,
+    logits_ce: torch.Tensor,
+    targets: torch.Tensor,
+    labels: torch.Tensor,
+    weight: float,
+    scale: float,
+) -> torch.Tensor:
     """The loss written out per anchor: -log(e^{s·cos(old_i, new_i)} / Σ_{j: j = i or y_j ≠ y_i} e^{s·cos(old_i, new_j)})."""
     old, new = F.normalize(old, dim=1), F.normalize(new, dim=1)
     terms = []
@@ -79,7 +86,9 @@ def test_hoc_loss_matches_the_written_out_infonce_and_ignores_same_class_pairs()
     assert all(p.grad is None for p in previous.parameters())
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in net.parameters())
     # weight 0: the plain CoReS cross-entropy through the fixed simplex
-    torch.testing.assert_close(hoc_loss(previous, 0.0, 10.0)(net, x, labels, labels), F.cross_entropy(net.classify(x), labels))
+    torch.testing.assert_close(
+        hoc_loss(previous, 0.0, 10.0)(net, x, labels, labels), F.cross_entropy(net.classify(x), labels)
+    )
 
 
 def test_first_version_items_makes_a_data_growth_upgrade(tmp_path):
@@ -91,9 +100,21 @@ def test_first_version_items_makes_a_data_growth_upgrade(tmp_path):
         from_mapping(CompatibleConfig, {"first_version_items": 0.5, "sequence": [4, 6, 6]})
     rng = np.random.default_rng(0)
     labels = np.tile(np.arange(10), 20)
-    config = from_mapping(CompatibleConfig, {"upgrade": [10, 10], "first_version_items": 0.25, "evaluation_classes": "trained"})
-    run = SequenceRun(config, "upgrade", (10, 10), rng.normal(size=(200, 1, 8, 8)), labels, np.arange(150), np.arange(150, 200),
-                      10, tmp_path, log=lambda _: None)
+    config = from_mapping(
+        CompatibleConfig, {"upgrade": [10, 10], "first_version_items": 0.25, "evaluation_classes": "trained"}
+    )
+    run = SequenceRun(
+        config,
+        "upgrade",
+        (10, 10),
+        rng.normal(size=(200, 1, 8, 8)),
+        labels,
+        np.arange(150),
+        np.arange(150, 200),
+        10,
+        tmp_path,
+        log=lambda _: None,
+    )
     first, second = run.version_items
     assert set(first) < set(second) and set(second) == set(range(150))
     assert all(np.sum(labels[first] == c) == round(0.25 * 15) for c in range(10))  # stratified
@@ -104,5 +125,15 @@ def test_first_version_items_too_small_for_a_class_is_a_config_error(tmp_path):
     labels = np.tile(np.arange(10), 20)
     config = from_mapping(CompatibleConfig, {"upgrade": [10, 10], "first_version_items": 0.05})
     with pytest.raises(ConfigError, match="fewer than 2 images of some class"):
-        SequenceRun(config, "upgrade", (10, 10), np.zeros((200, 1, 8, 8)), labels, np.arange(150), np.arange(150, 200),
-                    10, tmp_path, log=lambda _: None)
+        SequenceRun(
+            config,
+            "upgrade",
+            (10, 10),
+            np.zeros((200, 1, 8, 8)),
+            labels,
+            np.arange(150),
+            np.arange(150, 200),
+            10,
+            tmp_path,
+            log=lambda _: None,
+        )

@@ -16,8 +16,18 @@ from fctkit.trainer.run_data import load_image_splits
 def _run(tmp_path: Path, **overrides) -> SequenceRun:
     config = load_compatible_config("configs/digits-compatible.toml", {"progress": False, "device": "cpu", **overrides})
     splits = load_image_splits(config)
-    return SequenceRun(config, "upgrade", config.upgrade, splits.images, splits.labels, splits.train, splits.evaluation,
-                       splits.n_classes, tmp_path, lambda _: None)
+    return SequenceRun(
+        config,
+        "upgrade",
+        config.upgrade,
+        splits.images,
+        splits.labels,
+        splits.train,
+        splits.evaluation,
+        splits.n_classes,
+        tmp_path,
+        lambda _: None,
+    )
 
 
 def test_validation_items_are_held_out_of_every_version(tmp_path):

@@ -56,7 +56,9 @@ def _fake_fashion_mnist(folder, n_train: int = 12, n_test: int = 5, compress: bo
     rng = np.random.default_rng(0)
     suffix = ".gz" if compress else ""
     for part, n in (("train", n_train), ("t10k", n_test)):
-        _write_idx(folder / f"{part}-images-idx3-ubyte{suffix}", rng.integers(0, 256, (n, 28, 28), dtype=np.uint8), compress)
+        _write_idx(
+            folder / f"{part}-images-idx3-ubyte{suffix}", rng.integers(0, 256, (n, 28, 28), dtype=np.uint8), compress
+        )
         _write_idx(folder / f"{part}-labels-idx1-ubyte{suffix}", (np.arange(n) % 10).astype(np.uint8), compress)
 
 
@@ -65,7 +67,7 @@ def test_fashion_mnist_reader_on_idx_files(tmp_path, compress):
     _fake_fashion_mnist(tmp_path, compress=compress)
     full = load_dataset("fashion-mnist", root=tmp_path)
     assert full.images.shape == (17, 1, 28, 28) and full.images.dtype == np.float32
-    assert 0.0 <= full.images.min() and full.images.max() <= 1.0
+    assert full.images.min() >= 0.0 and full.images.max() <= 1.0
     assert np.array_equal(full.labels[:12], np.arange(12) % 10)
     test = load_dataset("fashion-mnist", part="test", root=tmp_path)
     assert np.array_equal(test.images, full.images[12:])
@@ -253,8 +255,10 @@ def test_datasets_and_the_trainer_package_import_without_torch():
     import subprocess
     import sys
 
-    probe = ("import sys, fctkit.trainer, fctkit.trainer.datasets, fctkit.trainer.cka\n"
-             "assert 'torch' not in sys.modules, 'torch was imported'\n"
-             "fctkit.trainer.train_backbone\n"
-             "assert 'torch' in sys.modules")
+    probe = (
+        "import sys, fctkit.trainer, fctkit.trainer.datasets, fctkit.trainer.cka\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "fctkit.trainer.train_backbone\n"
+        "assert 'torch' in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", probe], check=True)

@@ -28,8 +28,21 @@ def sets(tmp_path):
 def test_eval_prints_the_table_and_writes_the_report(sets):
     root, (q, ql, g, gl) = sets
     out = root / "report"
-    args = ["eval", "--query", str(root / "new.npz"), "--gallery", str(root / "old.npz"),
-            "--distance", "cosine", "--topk", "1,5,10", "--chunk-size", "7", "--out", str(out)]
+    args = [
+        "eval",
+        "--query",
+        str(root / "new.npz"),
+        "--gallery",
+        str(root / "old.npz"),
+        "--distance",
+        "cosine",
+        "--topk",
+        "1,5,10",
+        "--chunk-size",
+        "7",
+        "--out",
+        str(out),
+    ]
     run = CliRunner().invoke(cli, args)
     assert run.exit_code == 0, run.output
     expected = evaluate_retrieval(q, ql, g, gl, distance="cosine", topk=(1, 5, 10))
@@ -47,7 +60,9 @@ def test_eval_without_gallery_is_leave_one_out_on_the_query_set(sets):
     run = CliRunner().invoke(cli, ["eval", "--query", str(root / "new.npz"), "--name", "new/new"])
     assert run.exit_code == 0, run.output
     expected = evaluate_retrieval(q, ql, q, ql, leave_one_out=True)
-    assert f"| new/new | {expected.cmc[1]:.4f} | {expected.cmc[5]:.4f} | {expected.mean_ap:.4f} | 40 | 0 |" in run.output
+    assert (
+        f"| new/new | {expected.cmc[1]:.4f} | {expected.cmc[5]:.4f} | {expected.mean_ap:.4f} | 40 | 0 |" in run.output
+    )
     assert "leave-one-out" in run.output
 
 
@@ -79,7 +94,9 @@ def test_missing_file_and_missing_keys_and_truncated_file(sets):
 
     np.savez(root / "nan.npz", embeddings=np.full((3, 6), np.nan), labels=np.zeros(3, int))
     run = runner.invoke(cli, ["eval", "--query", str(root / "new.npz"), "--gallery", str(root / "nan.npz")])
-    assert isinstance(run.exception, InputError) and "nan.npz: embeddings: 3 row(s) hold NaN or inf" in str(run.exception)
+    assert isinstance(run.exception, InputError) and "nan.npz: embeddings: 3 row(s) hold NaN or inf" in str(
+        run.exception
+    )
 
 
 @pytest.mark.parametrize("topk", ["0", "1,x", ""])
@@ -95,4 +112,6 @@ def test_main_turns_kit_errors_into_one_line_and_exit_2(sets, capsys):
         main(["eval", "--query", str(root / "absent.npz")])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "feature file not found" in err and "absent.npz" in err and "Traceback" not in err
+    assert (
+        err.startswith("error: ") and "feature file not found" in err and "absent.npz" in err and "Traceback" not in err
+    )

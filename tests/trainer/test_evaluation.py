@@ -147,12 +147,14 @@ def test_duplicate_gallery_items_rank_by_index_in_every_chunking():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    st.integers(1, 6).flatmap(lambda n_q: st.tuples(
-        st.lists(st.tuples(st.integers(-2, 2), st.integers(-2, 2), st.integers(0, 2)), min_size=n_q, max_size=n_q),
-        st.lists(st.tuples(st.integers(-2, 2), st.integers(-2, 2), st.integers(0, 2)), min_size=1, max_size=12),
-        st.integers(1, 13),
-        st.booleans(),
-    ))
+    st.integers(1, 6).flatmap(
+        lambda n_q: st.tuples(
+            st.lists(st.tuples(st.integers(-2, 2), st.integers(-2, 2), st.integers(0, 2)), min_size=n_q, max_size=n_q),
+            st.lists(st.tuples(st.integers(-2, 2), st.integers(-2, 2), st.integers(0, 2)), min_size=1, max_size=12),
+            st.integers(1, 13),
+            st.booleans(),
+        )
+    )
 )
 def test_tie_heavy_integer_data_matches_a_lexsort_reference(data):
     """Small integer grids are full of exact ties; ranks must follow (distance, gallery index)."""
@@ -232,16 +234,35 @@ def test_chunked_equals_unchunked_exactly(distance, leave_one_out):
     items, labels = clustered(rng, 203, 16, 7, spread=3.0)
     query = items if leave_one_out else clustered(rng, 97, 16, 7, spread=3.0)[0]
     query_labels = labels if leave_one_out else rng.integers(0, 7, 97)
-    kwargs = dict(distance=distance, topk=(1, 3, 10), leave_one_out=leave_one_out)
-    full = rank_queries(query, query_labels, items, labels, chunk_size=len(query), workers=1,
-                        distance=distance, leave_one_out=leave_one_out)
+    kwargs = {"distance": distance, "topk": (1, 3, 10), "leave_one_out": leave_one_out}
+    full = rank_queries(
+        query,
+        query_labels,
+        items,
+        labels,
+        chunk_size=len(query),
+        workers=1,
+        distance=distance,
+        leave_one_out=leave_one_out,
+    )
     reference = evaluate_retrieval(query, query_labels, items, labels, chunk_size=len(query), workers=1, **kwargs)
     for chunk, workers in [(1, 1), (2, 2), (7, 3), (8, 1), (64, 2), (len(query) + 5, 4)]:
-        ranks = rank_queries(query, query_labels, items, labels, chunk_size=chunk, workers=workers,
-                             distance=distance, leave_one_out=leave_one_out)
+        ranks = rank_queries(
+            query,
+            query_labels,
+            items,
+            labels,
+            chunk_size=chunk,
+            workers=workers,
+            distance=distance,
+            leave_one_out=leave_one_out,
+        )
         np.testing.assert_array_equal(ranks.first_positive_rank, full.first_positive_rank)
         np.testing.assert_array_equal(ranks.average_precision, full.average_precision)
-        assert evaluate_retrieval(query, query_labels, items, labels, chunk_size=chunk, workers=workers, **kwargs) == reference
+        assert (
+            evaluate_retrieval(query, query_labels, items, labels, chunk_size=chunk, workers=workers, **kwargs)
+            == reference
+        )
 
 
 def near_tie_sets(distance: str):
@@ -305,8 +326,9 @@ def test_result_dict_round_trips_through_json():
 
 
 def test_metric_values_and_ecc():
-    old = RetrievalResult(cmc={1: 0.5, 5: 0.8}, mean_ap=0.40, n_queries=10, n_skipped=0,
-                          cmc_curve=(0.5, 0.6, 0.7, 0.75, 0.8))
+    old = RetrievalResult(
+        cmc={1: 0.5, 5: 0.8}, mean_ap=0.40, n_queries=10, n_skipped=0, cmc_curve=(0.5, 0.6, 0.7, 0.75, 0.8)
+    )
     new = RetrievalResult(cmc={1: 0.6, 5: 0.8}, mean_ap=0.35, n_queries=10, n_skipped=0)
     assert metric_value(old, "top3") == 0.7
     assert metric_value(old, "mean_ap") == 0.40
@@ -364,7 +386,8 @@ def test_backfill_curve_endpoints_and_area():
     order = rng.permutation(len(labels))
     curve = backfill_curve(query, labels, adapted, backfilled, labels, order, steps=4, leave_one_out=True)
     at = lambda gallery, metric="top1": metric_value(  # noqa: E731
-        evaluate_retrieval(query, labels, gallery, labels, leave_one_out=True), metric)
+        evaluate_retrieval(query, labels, gallery, labels, leave_one_out=True), metric
+    )
     np.testing.assert_array_equal(curve.fractions, [0, 0.25, 0.5, 0.75, 1])
     assert curve.values[0] == at(adapted) and curve.values[-1] == at(backfilled)
     assert curve.values[-1] > curve.values[0]
@@ -373,8 +396,9 @@ def test_backfill_curve_endpoints_and_area():
     assert curve.values[2] == at(half)
     v = curve.values
     assert curve.area == pytest.approx(0.25 * (v[0] / 2 + v[1] + v[2] + v[3] + v[4] / 2), abs=1e-15)
-    by_map = backfill_curve(query, labels, adapted, backfilled, labels, order, steps=1, metric="mean_ap",
-                            leave_one_out=True)
+    by_map = backfill_curve(
+        query, labels, adapted, backfilled, labels, order, steps=1, metric="mean_ap", leave_one_out=True
+    )
     assert by_map.values.tolist() == [at(adapted, "mean_ap"), at(backfilled, "mean_ap")]
     assert by_map.area == pytest.approx(by_map.values.mean(), abs=1e-15)
     assert (curve.metric, by_map.metric) == ("top1", "mean_ap")
@@ -459,7 +483,9 @@ def test_large_benchmark_script_agrees_with_its_baseline_at_a_small_size():
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "eval_large.py"
     done = subprocess.run(
         [sys.executable, str(script), "--n", "400", "--baseline-n", "300", "--dim", "16", "--classes", "10"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     assert "same metrics as the baseline at 300: yes" in done.stdout

@@ -24,7 +24,9 @@ def _data(n: int = 96):
 
 def _model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
+    )
 
 
 def _loss(model, x, y):
@@ -36,6 +38,7 @@ def _stop_at(epoch: int):
     def hook(model, current):
         if current == epoch:
             raise Stop
+
     return hook
 
 
@@ -64,8 +67,13 @@ def test_a_checkpoint_of_other_settings_or_a_damaged_one_is_refused(tmp_path):
     with pytest.raises(Stop):
         fit(_model(), [x, y], _loss, config, checkpoint=checkpoint, on_epoch_start=_stop_at(2))
     with pytest.raises(ConfigError, match="other settings or data.*delete it"):
-        fit(_model(), [x, y], _loss, TrainConfig(epochs=4, batch_size=16, seed=2, device="cpu", progress=False),
-            checkpoint=checkpoint)
+        fit(
+            _model(),
+            [x, y],
+            _loss,
+            TrainConfig(epochs=4, batch_size=16, seed=2, device="cpu", progress=False),
+            checkpoint=checkpoint,
+        )
     checkpoint.write_bytes(checkpoint.read_bytes()[:100])
     with pytest.raises(InputError, match="cannot be read.*delete it"):
         fit(_model(), [x, y], _loss, config, checkpoint=checkpoint)
@@ -78,5 +86,7 @@ def test_train_backbone_takes_a_checkpoint(tmp_path):
     config = BackboneConfig(architecture="small", embedding_dim=4, epochs=2, warmup_epochs=0, batch_size=16)
     plain = train_backbone(images, labels, config, seed=0, device="cpu")
     checkpointed = train_backbone(images, labels, config, seed=0, device="cpu", checkpoint=tmp_path / "b.checkpoint")
-    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), checkpointed.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(plain.state_dict().values(), checkpointed.state_dict().values(), strict=True)
+    )
     assert not (tmp_path / "b.checkpoint").exists()

@@ -20,7 +20,9 @@ def test_masked_negatives_change_nothing_and_a_negative_like_the_positive_costs(
     generator = torch.Generator().manual_seed(seed())
     query, candidates, extra = (torch.randn(8, 16, generator=generator) for _ in range(3))
     none_valid = torch.zeros(8, 8, dtype=torch.bool)
-    assert torch.allclose(info_nce_with_negatives(query, candidates, extra, none_valid, 0.1), info_nce(query, candidates, 0.1))
+    assert torch.allclose(
+        info_nce_with_negatives(query, candidates, extra, none_valid, 0.1), info_nce(query, candidates, 0.1)
+    )
     copies = candidates.clone()  # each query's own positive offered again as a "negative"
     all_valid = torch.ones(8, 8, dtype=torch.bool)
     assert info_nce_with_negatives(query, candidates, copies, all_valid, 0.1) > info_nce(query, candidates, 0.1) + 0.1
@@ -52,12 +54,17 @@ def test_training_with_hard_negatives_and_distillation_runs_and_moves_the_adapte
     fitted = {}
     for name, options in {"plain": {}, "mined": {"hard_negatives": 4, "distill_weight": 1.0}}.items():
         torch.manual_seed(seed())
-        adapter, _ = ResidualAdapter.fit(train.gallery.old, train.gallery.new, None,
-                                         {"side_info": False, "train": {"progress": False, "device": "cpu", "epochs": 2,
-                                                                        "seed": seed()}})
+        adapter, _ = ResidualAdapter.fit(
+            train.gallery.old,
+            train.gallery.new,
+            None,
+            {"side_info": False, "train": {"progress": False, "device": "cpu", "epochs": 2, "seed": seed()}},
+        )
         config = QueryPositivesConfig(train=TrainConfig(epochs=2, progress=False, device="cpu", seed=seed()), **options)
         negatives = MinedNegatives.nearest(train.gallery.old, None, items, 4) if options else None
-        fit_jointly(adapter, train.query.new, train.gallery.old[items], None, train.gallery.new[items], config, negatives)
+        fit_jointly(
+            adapter, train.query.new, train.gallery.old[items], None, train.gallery.new[items], config, negatives
+        )
         fitted[name] = adapter.transform(task.evaluation.gallery.old)
     assert np.isfinite(fitted["mined"]).all() and not np.allclose(fitted["plain"], fitted["mined"], atol=1e-4)
 

@@ -65,13 +65,18 @@ def trec_eval_reference(query, gallery, positives: Positives, cutoffs=(1, 5, 10)
     measures = {"map", "recip_rank", "ndcg_cut_10", *(f"recall_{k}" for k in cutoffs)}
     per_query = pytrec_eval.RelevanceEvaluator(qrels, measures).evaluate(run)
     mean = lambda key: float(np.mean([m[key] for m in per_query.values()]))  # noqa: E731
-    return {"map": mean("map"), "mrr": mean("recip_rank"), "ndcg10": mean("ndcg_cut_10"),
-            **{f"recall@{k}": mean(f"recall_{k}") for k in cutoffs}}
+    return {
+        "map": mean("map"),
+        "mrr": mean("recip_rank"),
+        "ndcg10": mean("ndcg_cut_10"),
+        **{f"recall@{k}": mean(f"recall_{k}") for k in cutoffs},
+    }
 
 
 def random_positives(rng, n_queries, n_gallery, max_positives, graded):
-    lists = [rng.choice(n_gallery, size=rng.integers(0, max_positives + 1), replace=False).tolist()
-             for _ in range(n_queries)]
+    lists = [
+        rng.choice(n_gallery, size=rng.integers(0, max_positives + 1), replace=False).tolist() for _ in range(n_queries)
+    ]
     grades = [rng.integers(1, 4, size=len(p)).astype(float).tolist() for p in lists] if graded else None
     return Positives.from_lists(lists, n_gallery, grades)
 
@@ -101,8 +106,12 @@ def test_matches_trec_eval_on_any_small_task(seed, n_query, n_gallery):
         return
     ours = evaluate_retrieval(query, None, gallery, None, positives=positives, chunk_size=3)
     reference = trec_eval_reference(query, gallery, positives)
-    for ours_value, key in ((ours.mean_ap, "map"), (ours.mrr, "mrr"), (ours.ndcg10, "ndcg10"),
-                            (ours.recall[5], "recall@5")):
+    for ours_value, key in (
+        (ours.mean_ap, "map"),
+        (ours.mrr, "mrr"),
+        (ours.ndcg10, "ndcg10"),
+        (ours.recall[5], "recall@5"),
+    ):
         assert ours_value == pytest.approx(reference[key], abs=1e-9)
 
 
@@ -112,7 +121,9 @@ def test_class_labels_and_the_same_relevance_as_explicit_positives_agree():
     query, gallery = rng.normal(size=(40, 6)), rng.normal(size=(90, 6))
     by_labels = evaluate_retrieval(query, labels_q, gallery, labels_g, topk=(1, 5, 10))
     lists = [np.flatnonzero(labels_g == c).tolist() for c in labels_q]
-    explicit = evaluate_retrieval(query, None, gallery, None, positives=Positives.from_lists(lists, 90), topk=(1, 5, 10))
+    explicit = evaluate_retrieval(
+        query, None, gallery, None, positives=Positives.from_lists(lists, 90), topk=(1, 5, 10)
+    )
     for field in ("cmc", "mean_ap", "recall", "mrr", "ndcg10", "n_queries"):
         assert getattr(by_labels, field) == pytest.approx(getattr(explicit, field))
 
@@ -127,12 +138,15 @@ def test_results_round_trip_through_json_and_old_reports_still_load():
         metric_value(legacy, "mrr")
 
 
-@pytest.mark.parametrize(("build", "message"), [
-    (lambda: Positives.from_lists([[5]], n_gallery=3), "gallery row is outside"),
-    (lambda: Positives.from_lists([[1, 1]], n_gallery=3), "listed twice"),
-    (lambda: Positives.from_lists([[1]], n_gallery=3, grades=[[0.0]]), "grades must be finite and > 0"),
-    (lambda: Positives.from_pairs(np.array([0]), np.array([0.5]), 1, 3), "integer arrays"),
-])
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: Positives.from_lists([[5]], n_gallery=3), "gallery row is outside"),
+        (lambda: Positives.from_lists([[1, 1]], n_gallery=3), "listed twice"),
+        (lambda: Positives.from_lists([[1]], n_gallery=3, grades=[[0.0]]), "grades must be finite and > 0"),
+        (lambda: Positives.from_pairs(np.array([0]), np.array([0.5]), 1, 3), "integer arrays"),
+    ],
+)
 def test_bad_positives_are_refused(build, message):
     with pytest.raises(InputError, match=message):
         build()

@@ -8,16 +8,23 @@ import pytest
 import torch
 from scipy.stats import special_ortho_group
 
-from tests.support.seeds import seed as suite_seed
-
 from fctkit.errors import ConfigError, InputError
 from fctkit.trainer.evaluation import evaluate_retrieval
 from fctkit.trainer.lambda_orth import LambdaOrthAdapter, LambdaOrthConfig, OrthogonalMap, rotation_between
 from fctkit.trainer.losses import orthogonality_error, orthogonality_penalty, supervised_contrastive
+from tests.support.seeds import seed as suite_seed
 
 
 def train_config(epochs: int = 20, lr: float = 0.1, seed: int | None = None) -> dict:
-    return {"epochs": epochs, "batch_size": 64, "warmup_epochs": 1, "lr": lr, "seed": suite_seed() if seed is None else seed, "device": "cpu", "progress": False}
+    return {
+        "epochs": epochs,
+        "batch_size": 64,
+        "warmup_epochs": 1,
+        "lr": lr,
+        "seed": suite_seed() if seed is None else seed,
+        "device": "cpu",
+        "progress": False,
+    }
 
 
 def unit_rows(x: np.ndarray) -> np.ndarray:
@@ -45,7 +52,9 @@ def test_orthogonal_backward_is_orthogonal_and_recovers_the_rotation():
     assert adapter.metrics["orthogonality_error"] < 1e-5
     assert np.abs(matrix.numpy() - rotation.T).max() < 0.2  # B ≈ Rᵀ undoes the rotation
     q_labels = labels[test]
-    backward = evaluate_retrieval(adapter.transform_new(new[test]), q_labels, adapter.unified_old(old[test]), q_labels, leave_one_out=True)
+    backward = evaluate_retrieval(
+        adapter.transform_new(new[test]), q_labels, adapter.unified_old(old[test]), q_labels, leave_one_out=True
+    )
     old_old = evaluate_retrieval(old[test], q_labels, old[test], q_labels, leave_one_out=True)
     assert backward.top1 >= 0.95 * old_old.top1  # B⊥(new)/old is as good as old/old
 

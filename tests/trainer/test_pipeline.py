@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from tests.support.seeds import seed
-
 from fctkit.cli import cli
 from fctkit.errors import ConfigError
 from fctkit.trainer.pipeline import run_pipeline
 from fctkit.trainer.pipeline_config import load_pipeline_config
+from tests.support.seeds import seed
 
 REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "configs" / "digits.toml"
@@ -83,13 +82,24 @@ def test_outputs_are_written_and_reloadable(digits_run):
     gate = json.loads((out / "gate.json").read_text())
     assert set(gate["ecc"]) == set(run.adapters)
     markdown = (out / "report.md").read_text()
-    for case in ("old/old", "new/old", "new/new", "h(old)/h(old)", "new/h(old)", "B(new)/old", "B(new)/F(old)", "F(old)/old"):
+    for case in (
+        "old/old",
+        "new/old",
+        "new/new",
+        "h(old)/h(old)",
+        "new/h(old)",
+        "B(new)/old",
+        "B(new)/F(old)",
+        "F(old)/old",
+    ):
         assert case in markdown
     reloaded = load_adapter(out / "adapters" / "fct.pt")
     features = np.load(out / "features" / "eval.npz")
     np.testing.assert_allclose(
         reloaded.transform(features["old"], features["side"]),
-        run.adapters["fct"].transform(features["old"], features["side"]), rtol=0, atol=1e-6,
+        run.adapters["fct"].transform(features["old"], features["side"]),
+        rtol=0,
+        atol=1e-6,
     )
 
 
@@ -98,7 +108,9 @@ def _write_features(tmp_path: Path) -> tuple[Path, Path]:
     labels = np.repeat(np.arange(6), 60)
     centres = rng.normal(size=(6, 24)).astype(np.float32) * 3
     new = centres[labels] + rng.normal(size=(len(labels), 24)).astype(np.float32)
-    old = np.tanh(new[:, :16] @ rng.normal(size=(16, 12)).astype(np.float32) * 0.3) + 0.05 * rng.normal(size=(len(labels), 12))
+    old = np.tanh(new[:, :16] @ rng.normal(size=(16, 12)).astype(np.float32) * 0.3) + 0.05 * rng.normal(
+        size=(len(labels), 12)
+    )
     np.savez(tmp_path / "old.npz", embeddings=old.astype(np.float32), labels=labels)
     np.savez(tmp_path / "new.npz", embeddings=new, labels=labels)
     return tmp_path / "old.npz", tmp_path / "new.npz"
@@ -110,10 +122,12 @@ def test_bring_your_own_features_through_the_cli(tmp_path):
     config.write_text(
         f'methods = ["least-squares", "fct-no-side-info", "lambda-orth"]\nprogress = false\ndevice = "cpu"\n'
         f'[data]\nname = "features"\nold_features = "{old}"\nnew_features = "{new}"\n'
-        '[fct]\nbranch_width = 16\nmixer_width = 32\ntrain = { epochs = 5 }\n'
-        '[lambda_orth]\ntrain = { epochs = 5 }\n'
+        "[fct]\nbranch_width = 16\nmixer_width = 32\ntrain = { epochs = 5 }\n"
+        "[lambda_orth]\ntrain = { epochs = 5 }\n"
     )
-    result = CliRunner().invoke(cli, ["train", "--config", str(config), "--out", str(tmp_path / "out"), "--set", "backfill.steps=4"])
+    result = CliRunner().invoke(
+        cli, ["train", "--config", str(config), "--out", str(tmp_path / "out"), "--set", "backfill.steps=4"]
+    )
     assert result.exit_code == 0, result.output
     assert "new/h(old) [least squares]" in result.output
     assert (tmp_path / "out" / "adapters" / "least-squares.pt").is_file()
@@ -129,4 +143,12 @@ def test_unknown_config_keys_are_errors(tmp_path):
     with pytest.raises(ConfigError, match="unknown"):
         load_pipeline_config(None, {"methods": ["fct", "magic"]})
     with pytest.raises(ConfigError, match="chain needs image data"):
-        load_pipeline_config(None, {"data.name": "features", "data.old_features": "a.npz", "data.new_features": "b.npz", "chain.enabled": True})
+        load_pipeline_config(
+            None,
+            {
+                "data.name": "features",
+                "data.old_features": "a.npz",
+                "data.new_features": "b.npz",
+                "chain.enabled": True,
+            },
+        )

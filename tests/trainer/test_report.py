@@ -11,8 +11,8 @@ from fctkit.errors import InputError
 from fctkit.trainer.backfill_curves import BackfillCurve, backfill_curve
 from fctkit.trainer.compatibility import compatibility_matrix
 from fctkit.trainer.evaluation import evaluate_retrieval
-from fctkit.trainer.retrieval_result import RetrievalResult
 from fctkit.trainer.report import Report
+from fctkit.trainer.retrieval_result import RetrievalResult
 
 
 def result(top1: float, top5: float, mean_ap: float, n: int = 100, skipped: int = 0) -> RetrievalResult:

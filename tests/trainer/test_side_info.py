@@ -8,8 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.seeds import seed
-
 from fctkit.config import from_mapping
 from fctkit.errors import ConfigError, InputError
 from fctkit.trainer.backbones import BackboneConfig, save_backbone, train_backbone
@@ -27,6 +25,7 @@ from fctkit.trainer.side_info import (
     save_side_info,
     train_side_info,
 )
+from tests.support.seeds import seed
 
 SIMCLR = SideInfoConfig(kind="simclr", dim=32, progress=False)
 
@@ -47,8 +46,13 @@ def simclr(old_data):
 
 def _knn(model, data):
     query, gallery = data["query"], data["gallery"]
-    return evaluate_retrieval(extract_side_info(model, query.images), query.labels,
-                              extract_side_info(model, gallery.images), gallery.labels, topk=(1,))
+    return evaluate_retrieval(
+        extract_side_info(model, query.images),
+        query.labels,
+        extract_side_info(model, gallery.images),
+        gallery.labels,
+        topk=(1,),
+    )
 
 
 def _knn_top1(model, data) -> float:
@@ -105,8 +109,13 @@ def test_alternate_is_a_second_old_model(old_data, simclr, tmp_path):
     assert np.array_equal(extract_side_info(loaded, images), extract_side_info(alternate, images))
 
     # FCT Table 6: ψ from SimCLR shares less with φ_old than a second supervised old model does.
-    old = train_backbone(old_data["train"].images, old_data["train"].labels,
-                         BackboneConfig(embedding_dim=32, progress=False), seed=seed(), device="cpu")
+    old = train_backbone(
+        old_data["train"].images,
+        old_data["train"].labels,
+        BackboneConfig(embedding_dim=32, progress=False),
+        seed=seed(),
+        device="cpu",
+    )
     phi_old = extract_side_info(old, images)
     cka_alternate = linear_cka(phi_old, extract_side_info(alternate, images))
     cka_simclr = linear_cka(phi_old, extract_side_info(simclr, images))
@@ -120,8 +129,12 @@ def test_simclr_save_load_round_trip(simclr, old_data, tmp_path):
     images = old_data["query"].images
     assert np.array_equal(extract_side_info(loaded, images), extract_side_info(simclr, images))
     with pytest.raises(InputError, match="expected a 'fctkit.side_info' file"):
-        load_side_info(save_backbone(train_backbone(images[:30], old_data["query"].labels[:30],
-                                                    BackboneConfig(epochs=1, progress=False)), tmp_path / "bb.pt"))
+        load_side_info(
+            save_backbone(
+                train_backbone(images[:30], old_data["query"].labels[:30], BackboneConfig(epochs=1, progress=False)),
+                tmp_path / "bb.pt",
+            )
+        )
 
 
 def test_side_info_config_from_mapping():
@@ -163,7 +176,9 @@ def test_augment_is_a_seeded_random_view_in_range():
 
 def test_augment_with_zero_strength_is_identity():
     images = torch.rand(8, 1, 28, 28)
-    off = AugmentationConfig(crop_scale=1.0, max_shift=0.0, max_rotation=0.0, contrast=0.0, brightness=0.0, noise_std=0.0)
+    off = AugmentationConfig(
+        crop_scale=1.0, max_shift=0.0, max_rotation=0.0, contrast=0.0, brightness=0.0, noise_std=0.0
+    )
     assert torch.allclose(augment(images, off), images, atol=1e-5)
 
 

@@ -20,8 +20,12 @@ from tests.support.seeds import seed
 from tests.support.task_runs import synthetic_task_run
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL_SEARCH = {"selection.temperatures": [0.05, 0.1], "selection.learning_rates": [1e-3, 3e-3],
-                "selection.widths": [256], "selection.weight_decays": [1e-4]}
+SMALL_SEARCH = {
+    "selection.temperatures": [0.05, 0.1],
+    "selection.learning_rates": [1e-3, 3e-3],
+    "selection.widths": [256],
+    "selection.weight_decays": [1e-4],
+}
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +84,12 @@ def test_transition_over_the_hubness_offset_ranks_by_the_fused_score(task_run):
         return x / np.linalg.norm(x, axis=1, keepdims=True)
 
     offsets = hubness_offsets(adapted, hub.reference, hub.k)
-    scores = weight * unit(queries.old) @ unit(gallery.old).T + (1 - weight) * (unit(queries.new) @ unit(adapted).T - hub.beta * offsets)
+    scores = weight * unit(queries.old) @ unit(gallery.old).T + (1 - weight) * (
+        unit(queries.new) @ unit(adapted).T - hub.beta * offsets
+    )
     positives = task_run.evaluation.relevance["positives"]
     top = scores.argmax(axis=1)
-    hits = [top[q] in positives.indices[positives.indptr[q]:positives.indptr[q + 1]] for q in range(len(top))]
+    hits = [top[q] in positives.indices[positives.indptr[q] : positives.indptr[q + 1]] for q in range(len(top))]
     assert np.mean(hits) == pytest.approx(task_run.gate["cases"][key]["recall@1"], abs=1 / 800)
     assert "transition weight [residual adapter + query positives + hubness offset]" in task_run.report.facts
 
@@ -119,14 +125,27 @@ def test_selection_never_reads_the_evaluation_split(tmp_path, monkeypatch):
     for poison in (False, True):
         evaluation = task.evaluation
         if poison:
-            gallery = evaluation.gallery.__class__(evaluation.gallery.ids, -evaluation.gallery.old, -evaluation.gallery.new,
-                                                   evaluation.gallery.side)
+            gallery = evaluation.gallery.__class__(
+                evaluation.gallery.ids, -evaluation.gallery.old, -evaluation.gallery.new, evaluation.gallery.side
+            )
             evaluation = evaluation.__class__(evaluation.query, gallery, evaluation.positives)
-        path = save_task(tmp_path / f"task-{poison}.npz", task.__class__(task.name, task.level, task.primary_metric,
-                                                                         task.train, evaluation))
-        config = load_pipeline_config(None, {"data.name": "task", "data.task": str(path), "progress": False, "device": "cpu",
-                                             "methods": ["residual"], "residual.train.epochs": 5, "backfill.orderings": [],
-                                             **SMALL_SEARCH})
+        path = save_task(
+            tmp_path / f"task-{poison}.npz",
+            task.__class__(task.name, task.level, task.primary_metric, task.train, evaluation),
+        )
+        config = load_pipeline_config(
+            None,
+            {
+                "data.name": "task",
+                "data.task": str(path),
+                "progress": False,
+                "device": "cpu",
+                "methods": ["residual"],
+                "residual.train.epochs": 5,
+                "backfill.orderings": [],
+                **SMALL_SEARCH,
+            },
+        )
         run = run_pipeline(config, tmp_path / f"run-{poison}", log=lambda _: None)
         chosen.append(run.report.facts["selected [residual adapter]"])
     assert chosen[0] == chosen[1] and seen == [seen[0], seen[0]] and seen[0] > 1
@@ -148,16 +167,32 @@ def test_an_instance_task_with_the_defaults_trains_only_what_the_readme_recommen
     offset, transition scoring and both) and the least-squares baseline; never FCT's MLP or
     λ-orth, which fail ECC on instance-level tasks. The report says how long each stage took."""
     task = save_task(tmp_path / "task.npz", synthetic_instance_task(n_train=600, n_eval=200, seed=seed()))
-    settings = {"data.name": "task", "data.task": str(task), "progress": False, "device": "cpu",
-                "evaluation.distance": "cosine", "residual.train.epochs": 3, "query_positives.train.epochs": 3,
-                "backfill.orderings": [], **SMALL_SEARCH}
+    settings = {
+        "data.name": "task",
+        "data.task": str(task),
+        "progress": False,
+        "device": "cpu",
+        "evaluation.distance": "cosine",
+        "residual.train.epochs": 3,
+        "query_positives.train.epochs": 3,
+        "backfill.orderings": [],
+        **SMALL_SEARCH,
+    }
     config = load_pipeline_config(None, settings)
     run = run_pipeline(config, tmp_path / "run", log=lambda _: None)
     residual = ["residual", "residual+query-positives"]
     scored = [*residual, "least-squares"]
-    assert set(run.gate["ecc"]) == {*scored, *(f"{v}+{s}" for v in scored for s in ("transition", "hubness", "hubness+transition"))}
+    assert set(run.gate["ecc"]) == {
+        *scored,
+        *(f"{v}+{s}" for v in scored for s in ("transition", "hubness", "hubness+transition")),
+    }
     resolved = json.loads(run.files["config"].read_text())
-    assert [resolved[s]["enabled"] for s in ("query_positives", "hubness", "transition", "query_map")] == [True, True, True, False]
+    assert [resolved[s]["enabled"] for s in ("query_positives", "hubness", "transition", "query_map")] == [
+        True,
+        True,
+        True,
+        False,
+    ]
     assert resolved["residual"]["train"]["batch_size"] == 1024  # more in-batch negatives on an instance-level task
     held_out = run.gate["held_out"]  # every variant scored on held-out training data, none on the evaluation split
     assert set(held_out) == set(run.gate["ecc"])
@@ -169,7 +204,9 @@ def test_an_instance_task_with_the_defaults_trains_only_what_the_readme_recommen
     assert {"time: fitting residual adapter", "time: evaluating", "time: all stages above"} <= set(stages)
     assert any(name.startswith("time: choosing settings of residual adapter") for name in stages)
     # the same defaults with l2 distance: no cosine scores to fuse or offset, so no scoring variants
-    l2 = dataclasses.replace(config, evaluation=dataclasses.replace(config.evaluation, distance="l2")).for_task("instance")
+    l2 = dataclasses.replace(config, evaluation=dataclasses.replace(config.evaluation, distance="l2")).for_task(
+        "instance"
+    )
     assert (l2.hubness.enabled, l2.transition.enabled, l2.query_positives.enabled) == (False, False, True)
     class_level = config.for_task("class")
     assert (class_level.query_positives.enabled, class_level.residual.train.batch_size) == (False, 256)
@@ -180,7 +217,12 @@ def test_an_instance_task_with_the_defaults_trains_only_what_the_readme_recommen
 def test_the_recommendation_prefers_the_simpler_variant_on_a_tie():
     from fctkit.trainer.tuning import recommended
 
-    scores = {"residual": 0.4, "residual+hubness": 0.5, "residual+query-positives+hubness": 0.5, "residual+transition": 0.5}
+    scores = {
+        "residual": 0.4,
+        "residual+hubness": 0.5,
+        "residual+query-positives+hubness": 0.5,
+        "residual+transition": 0.5,
+    }
     assert recommended(scores) == {"gallery side": "residual+hubness", "during the transition": "residual+hubness"}
     assert recommended({"residual": 0.4, "residual+transition": 0.45})["during the transition"] == "residual+transition"
     assert recommended({}) == {}
@@ -189,8 +231,9 @@ def test_the_recommendation_prefers_the_simpler_variant_on_a_tie():
 def test_a_bad_task_file_fails_before_anything_is_written(tmp_path):
     bad = tmp_path / "bad.npz"
     np.savez(bad, format=np.array("fctkit-task/1"), level=np.array("instance"))
-    result = CliRunner().invoke(cli, ["train", "--out", str(tmp_path / "out"), "--set", "data.name=task",
-                                      "--set", f"data.task={bad}"])
+    result = CliRunner().invoke(
+        cli, ["train", "--out", str(tmp_path / "out"), "--set", "data.name=task", "--set", f"data.task={bad}"]
+    )
     assert isinstance(result.exception, InputError) and "missing key 'train.query.ids'" in str(result.exception)
     assert not (tmp_path / "out").exists()
 
@@ -206,7 +249,9 @@ def test_task_settings_are_checked():
         load_pipeline_config(None, {"query_map.enabled": True})
     with pytest.raises(ConfigError, match="query_positives needs a retrieval task"):
         load_pipeline_config(None, {"query_positives.enabled": True})
-    with pytest.raises(ConfigError, match="query_positives: task_weight, hard_negatives and distill_weight must be >= 0"):
+    with pytest.raises(
+        ConfigError, match="query_positives: task_weight, hard_negatives and distill_weight must be >= 0"
+    ):
         load_pipeline_config(None, {"query_positives.task_weight": -1})
     with pytest.raises(ConfigError, match="FastFill trains with its own"):
         load_pipeline_config(None, {"fastfill.objective.kind": "infonce"})
@@ -224,9 +269,20 @@ def test_the_residual_adapters_ridge_is_searched_only_when_asked_and_must_be_pos
         SelectionConfig(ridges=(0.0,))
     # In a run, the chosen ridge is reported with the other settings chosen on held-out training data.
     path = save_task(tmp_path / "task.npz", synthetic_instance_task(n_train=300, n_eval=100, seed=seed()))
-    config = load_pipeline_config(None, {"data.name": "task", "data.task": str(path), "progress": False, "device": "cpu",
-                                         "methods": ["residual"], "residual.train.epochs": 2, "backfill.orderings": [],
-                                         **SMALL_SEARCH, "selection.ridges": [1e-3, 1.0]})
+    config = load_pipeline_config(
+        None,
+        {
+            "data.name": "task",
+            "data.task": str(path),
+            "progress": False,
+            "device": "cpu",
+            "methods": ["residual"],
+            "residual.train.epochs": 2,
+            "backfill.orderings": [],
+            **SMALL_SEARCH,
+            "selection.ridges": [1e-3, 1.0],
+        },
+    )
     run = run_pipeline(config, tmp_path / "run", log=lambda _: None)
     assert "ridge = " in run.report.facts["selected [residual adapter]"]
 

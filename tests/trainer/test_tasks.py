@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from fctkit.errors import DataUnavailableError, InputError
-from fctkit.trainer.tasks import load_task, save_task, task_arrays, task_from_arrays
 from fctkit.trainer.synthetic import synthetic_instance_task
+from fctkit.trainer.tasks import load_task, save_task, task_arrays, task_from_arrays
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "synthetic-instance.npz"
 
@@ -84,25 +84,39 @@ def _overlap(arrays):
 
 def _orphan_query(arrays):
     keep = arrays["eval.positives.query"] != arrays["eval.query.ids"][3]
-    return {**arrays, "eval.positives.query": arrays["eval.positives.query"][keep],
-            "eval.positives.gallery": arrays["eval.positives.gallery"][keep]}
+    return {
+        **arrays,
+        "eval.positives.query": arrays["eval.positives.query"][keep],
+        "eval.positives.gallery": arrays["eval.positives.gallery"][keep],
+    }
 
 
 BAD_TASKS = {
     "missing key": (lambda a: _without(a, "eval.gallery.new"), "missing key 'eval.gallery.new'"),
-    "dimension mismatch": (lambda a: {**a, "eval.query.new": a["eval.query.new"][:, :-1]},
-                           "the new embeddings differ in dimension"),
-    "rows do not match ids": (lambda a: {**a, "train.query.old": a["train.query.old"][:-1]},
-                              "train.query.old: has 59 rows but the set has 60 ids"),
+    "dimension mismatch": (
+        lambda a: {**a, "eval.query.new": a["eval.query.new"][:, :-1]},
+        "the new embeddings differ in dimension",
+    ),
+    "rows do not match ids": (
+        lambda a: {**a, "train.query.old": a["train.query.old"][:-1]},
+        "train.query.old: has 59 rows but the set has 60 ids",
+    ),
     "a query without a positive": (_orphan_query, "query 63 has no positive"),
     "duplicate ids": (_duplicate_id, "train.gallery.ids: id 4 appears 2 times"),
     "NaN row": (lambda a: _nan_at(a, "train.gallery.old", 7), "train.gallery.old: row 7 holds NaN or inf"),
-    "inf row": (lambda a: {**a, "eval.query.new": np.where(np.arange(40)[:, None] == 2, np.inf, a["eval.query.new"])},
-                "eval.query.new: row 2 holds NaN or inf"),
+    "inf row": (
+        lambda a: {**a, "eval.query.new": np.where(np.arange(40)[:, None] == 2, np.inf, a["eval.query.new"])},
+        "eval.query.new: row 2 holds NaN or inf",
+    ),
     "train/eval overlap": (_overlap, "query id\\(s\\) are in both train and eval"),
-    "unknown key": (lambda a: {**a, "eval.gallery.sideinfo": a["eval.gallery.new"]}, "unknown key\\(s\\) eval.gallery.sideinfo"),
-    "positive not in the gallery": (lambda a: {**a, "eval.positives.gallery": a["eval.positives.gallery"] + 1000},
-                                    "eval.positives.gallery: id 1060 is not in eval.gallery.ids"),
+    "unknown key": (
+        lambda a: {**a, "eval.gallery.sideinfo": a["eval.gallery.new"]},
+        "unknown key\\(s\\) eval.gallery.sideinfo",
+    ),
+    "positive not in the gallery": (
+        lambda a: {**a, "eval.positives.gallery": a["eval.positives.gallery"] + 1000},
+        "eval.positives.gallery: id 1060 is not in eval.gallery.ids",
+    ),
     "unknown metric": (lambda a: {**a, "primary_metric": np.array("R@1")}, "unknown metric 'R@1'"),
     "wrong format": (lambda a: {**a, "format": np.array("fctkit-task/9")}, "this fctkit reads 'fctkit-task/1'"),
 }
