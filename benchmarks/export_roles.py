@@ -128,10 +128,14 @@ def main() -> None:
             bench = [np.concatenate([a] * max(1, 2048 // len(a))) for a in real]
             session = _session(fp32.export.path, args.threads)
             input_names = [i.name for i in session.get_inputs()]
+            # the lambdas bind this pass's session and module (rows_per_second calls them at once)
             ort_rate = rows_per_second(
-                lambda b: session.run(None, dict(zip(input_names, b))), bench, args.batch, args.repeats
+                lambda b, session=session, input_names=input_names: session.run(None, dict(zip(input_names, b))),
+                bench,
+                args.batch,
+                args.repeats,
             )
-            torch_rate = rows_per_second(lambda b: run_torch(module, b), bench, args.batch, args.repeats)
+            torch_rate = rows_per_second(lambda b, module=module: run_torch(module, b), bench, args.batch, args.repeats)
             exports[label] = (fp32, fp16)
             rows.append(_row(label, fp32, fp16, ort_rate, torch_rate))
             print(f"{label}: {rows[-1]}", flush=True)
@@ -207,7 +211,7 @@ def _retrieval(models, exports, query, gallery, old, new, side) -> dict:
     }
     for index, precision in enumerate(("onnx fp32", "onnx fp16")):
         path = {k: exports[k][index].export.path for k in keys}
-        one = lambda key: lambda *arrays: run_onnx(path[key], list(arrays))[0]  # noqa: E731
+        one = lambda key, path=path: lambda *arrays: run_onnx(path[key], list(arrays))[0]  # noqa: E731
         result[precision] = cases(one(keys[0]), one(keys[1]), one(keys[2]), one(keys[3]), one(keys[4]), one(keys[5]))
     return result
 

@@ -11,6 +11,7 @@ came) is sealed for the vault in the same transaction.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -148,10 +149,8 @@ def side_infos_again(parts: DeviceParts, rows: LoadedRows, *, online: bool) -> d
         else {}
     )
     if shas:
-        try:
+        with contextlib.suppress(FctkitError):  # the server is away: the rows keep their mark
             originals.update(_from_vault(parts, shas))
-        except FctkitError:  # the server is away: the rows keep their mark
-            pass
     found: dict[int, np.ndarray] = {}
     for tag in {rows.tags[wanted[i]] for i in originals}:
         ids = [i for i in originals if rows.tags[wanted[i]] == tag]

@@ -166,7 +166,7 @@ def init_command(
         threads=threads,
         search_backend=search_backend,
     )
-    settings.engine  # validates the engine choices before anything is written
+    _ = settings.engine  # evaluated for its check: it validates the engine choices before anything is written
     if trust_root and publisher_key:
         raise click.UsageError(
             "--root and --publisher-key exclude each other: pin a root of trust, or (before roots) one key"

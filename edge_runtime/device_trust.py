@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import os
 import shutil
@@ -239,10 +240,9 @@ class DeviceTrust:
     def record_refusal(self, error: TrustError) -> None:
         """Keep a sync's trust refusal for ``status`` (the trust files themselves stay as they were)."""
         record = {"at": format_time(self.clock()), "error": type(error).__name__, "message": str(error)}
-        try:
+        # a record for status only: a full disk must not hide the refusal itself
+        with contextlib.suppress(OSError):
             write_atomic(self.root / REFUSAL_FILE, json.dumps(record, indent=2).encode())
-        except OSError:  # a record for status only: a full disk must not hide the refusal itself
-            pass
 
     def clear_refusal(self) -> None:
         (self.root / REFUSAL_FILE).unlink(missing_ok=True)

@@ -253,7 +253,7 @@ def sign_release(bundle: str | os.PathLike, private_key: Ed25519PrivateKey) -> S
     signature = sign_bytes(manifest_bytes, private_key)
     if any(s.keyid == signature.keyid for s in signatures):
         raise TrustError(f"{bundle} is already signed by key {signature.keyid[:16]}…: another publisher must co-sign")
-    co_signers = tuple(signatures[1:]) + (signature,)  # signatures[0] is manifest.sig's
+    co_signers = (*signatures[1:], signature)  # signatures[0] is manifest.sig's
     write_atomic(bundle / SIGNATURES_FILE, release_signatures_bytes(co_signers))
     return signature
 

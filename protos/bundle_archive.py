@@ -83,7 +83,7 @@ def unpack_bundle(
     outside ``dest``. This does not verify the signature: call :func:`verify_bundle` next."""
     archive, dest = Path(archive), Path(dest)
     try:
-        tar = tarfile.open(archive, mode="r:")
+        tar = tarfile.open(archive, mode="r:")  # noqa: SIM115 (opened apart so its errors are told from the extraction's; `with tar` below closes it)
     except FileNotFoundError as exc:
         raise BundleFormatError(f"bundle archive {archive} does not exist") from exc
     except (tarfile.TarError, OSError) as exc:

@@ -155,12 +155,13 @@ def _check_artifacts(m: Any) -> None:
         where = f"{a.role} artifact {a.name!r}"
         if a.role in TRANSFORM_ROLES and m.mode == "compatible":
             raise BundleFormatError(f"bundle v{m.version}: mode 'compatible' uses no transformations, but has {where}")
-        if a.role in ("forward", "side_forward", "uncertainty"):
-            if a.target_version != m.version or a.source_version >= m.version:
-                raise BundleFormatError(
-                    f"{where}: maps v{a.source_version} -> v{a.target_version}, but in bundle v{m.version} it must map an "
-                    f"older version to v{m.version}"
-                )
+        if a.role in ("forward", "side_forward", "uncertainty") and (
+            a.target_version != m.version or a.source_version >= m.version
+        ):
+            raise BundleFormatError(
+                f"{where}: maps v{a.source_version} -> v{a.target_version}, but in bundle v{m.version} it must map an "
+                f"older version to v{m.version}"
+            )
         if a.role == "backward" and (a.source_version != m.version or a.target_version >= m.version):
             raise BundleFormatError(
                 f"{where}: maps v{a.source_version} -> v{a.target_version}, but in bundle v{m.version} it must map "

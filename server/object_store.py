@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 import tempfile
 from collections.abc import AsyncIterator, Callable, Collection, Iterator
@@ -272,8 +273,7 @@ class S3Partials:
         cover = self._cover(self._parts(owner_id, sha256))
         if (held := self._end(cover)) < size:
             raise IncompleteUpload(held)
-        handle = tempfile.NamedTemporaryFile(dir=self._scratch, prefix="upload-", delete=False)
-        with handle:
+        with tempfile.NamedTemporaryFile(dir=self._scratch, prefix="upload-", delete=False) as handle:
             for skip, _, key in cover:
                 try:
                     body = self._client.get_object(Bucket=self._bucket, Key=key, Range=f"bytes={skip}-")["Body"]
@@ -283,7 +283,7 @@ class S3Partials:
                     Path(handle.name).unlink(missing_ok=True)  # another replica finished or discarded the upload
                     raise IncompleteUpload(0) from None
                 with contextlib.closing(body):
-                    for chunk in iter(lambda: body.read(1 << 20), b""):
+                    for chunk in iter(functools.partial(body.read, 1 << 20), b""):
                         handle.write(chunk)
         return Path(handle.name)
 

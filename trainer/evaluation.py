@@ -48,6 +48,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -199,7 +200,7 @@ def rank_queries(
                 pos, grades = pos[keep], grades[keep]
                 row[i] = np.inf
             if pos.size:
-                ranks, order = positive_ranks(row, pos, keys.tolerance[i], lambda idx: keys.canonical(i, idx))
+                ranks, order = positive_ranks(row, pos, keys.tolerance[i], partial(keys.canonical, i))
                 first[i] = ranks[0]
                 ap[i] = float(np.mean(np.arange(1, ranks.size + 1) / ranks))
                 n_pos[i] = ranks.size
@@ -211,7 +212,7 @@ def rank_queries(
         for start in tqdm(starts, desc="ranking query chunks", unit="chunk", disable=not progress or len(starts) < 2):
             stop = min(start + chunk_size, len(q))
             block = keys.chunk(start, stop)
-            list(pool.map(lambda rows: rank_rows(rows, block, start), _split(range(start, stop), n_workers)))
+            list(pool.map(partial(rank_rows, block=block, start=start), _split(range(start, stop), n_workers)))
     return QueryRanks(
         first_positive_rank=first,
         average_precision=ap,

@@ -253,7 +253,9 @@ class _Reader:
                     f"{prefix}.{part}", "positives.query and positives.gallery must be 1-D and of equal length"
                 )
             rows[part] = _rows_of(
-                ids, listed, lambda bad: self.error(f"{prefix}.{part}", f"id {_show(bad)} is not in {split}.{part}.ids")
+                ids,
+                listed,
+                lambda bad, part=part: self.error(f"{prefix}.{part}", f"id {_show(bad)} is not in {split}.{part}.ids"),
             )
         if grade is not None and (grade.shape != pairs["query"].shape or grade.dtype.kind not in "iuf"):
             raise self.error(

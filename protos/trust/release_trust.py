@@ -4,7 +4,7 @@ threshold of distinct keys over the manifest bytes (``manifest.sig`` and ``manif
 
 from __future__ import annotations
 
-from typing import Union
+from typing import TypeAlias
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -19,7 +19,7 @@ from .root_metadata import Root
 from .trust_format import Signature, Signed
 from .trust_rules import verify_release
 
-ReleaseTrust = Union[Ed25519PublicKey, Signed[Root]]
+ReleaseTrust: TypeAlias = Ed25519PublicKey | Signed[Root]
 """A pinned publisher key (legacy) or a root of trust."""
 
 
