@@ -101,6 +101,6 @@ def test_an_exported_graph_with_the_kits_preprocessing_matches_sentence_transfor
 
 def test_a_model_that_does_not_mean_pool_is_refused(bench, tmp_path):
     source = tiny_sentence_model(tmp_path / "source", "bert", pooling="cls")
-    with pytest.raises(bench.BenchmarkSetupError, match="the model pools with .cls."):
+    with pytest.raises(bench.BenchmarkSetupError, match=r"the model pools with .cls."):
         bench.export_model("old", source, tmp_path / "out")
     assert not (tmp_path / "out").exists()

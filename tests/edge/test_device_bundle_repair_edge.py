@@ -102,7 +102,7 @@ def test_the_gallerys_own_bundle_deleted_comes_back_and_another_one_stays_a_repl
         assert bare.check()["damaged_bundles"] == {
             "v2": "bundle v2 is not installed; " + bare.check()["damaged_bundles"]["v2"].split("; ", 1)[1]
         }
-        with pytest.raises(DeviceError, match="not installed.*fctkit device repair"):
+        with pytest.raises(DeviceError, match=r"not installed.*fctkit device repair"):
             bare.query(queries)
         bare.upgrade(tiny_bundles[2])
         assert bare.check()["damaged"] == 0 and _answers(bare, queries) == answers

@@ -192,7 +192,7 @@ def test_a_damaged_row_pointer_is_found_and_repair_points_it_back(make_device, t
         damaged.progress = False
         assert _answers(damaged, queries) == before  # its vectors are intact: it keeps answering
         assert damaged.check()["damaged_row_pointers"] == reported and damaged.status()["damaged"] == len(reported)
-        with pytest.raises(GalleryError, match="point to the wrong vectors.*fctkit device repair"):
+        with pytest.raises(GalleryError, match=r"point to the wrong vectors.*fctkit device repair"):
             damaged.upgrade(tiny_bundles[2])  # it would skip or lose the row
         report = damaged.repair()
         assert report["rows_forgotten"] == [] and report["damaged_after"] == 0 and _answers(damaged, queries) == before
@@ -367,7 +367,7 @@ def test_a_constraint_no_caller_expected_is_damage_and_writes_nothing(make_devic
     device = _device(make_device, tiny_bundles, images)
     gallery = device.gallery
     queued = gallery.replica_log.outbox()
-    with pytest.raises(GalleryDamagedError, match="a table and its index disagree.*nothing was written"):
+    with pytest.raises(GalleryDamagedError, match=r"a table and its index disagree.*nothing was written"):
         with transaction(gallery._db) as db:
             db.execute("DELETE FROM outbox WHERE item_id = ?", (queued[1][0],))
             db.execute(

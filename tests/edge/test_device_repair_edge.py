@@ -92,7 +92,7 @@ def test_a_damaged_essential_setting_names_itself_and_a_wrong_key_stays_a_key_er
         "UPDATE meta SET value = (CASE WHEN substr(value, 1, 1) = '0' THEN '1' ELSE '0' END) || "
         "(CASE WHEN substr(value, 2, 1) = '0' THEN '1' ELSE '0' END) || substr(value, 3) WHERE key = 'gallery_id'",
     )
-    with pytest.raises(GalleryDamagedError, match="gallery_id.*rebuild it from the owner's replica") as caught:
+    with pytest.raises(GalleryDamagedError, match=r"gallery_id.*rebuild it from the owner's replica") as caught:
         Device.open(root)
     assert caught.value.settings == ("gallery_id",)
     other = make_device("other")

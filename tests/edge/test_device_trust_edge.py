@@ -301,7 +301,7 @@ def test_a_device_pinning_publisher_pub_moves_to_the_root_once(legacy, tiny_keye
     refresh_trust(legacy.trust, Offer(None))  # a server without a root: nothing changes
     assert not legacy.trust.pins_root and legacy.trust.status()["root_version"] == 0
     unsigned_by_key = root_v(1)  # lists alice, but alice did not sign it
-    with pytest.raises(ThresholdError, match="the publisher key .* this device pinned"):
+    with pytest.raises(ThresholdError, match=r"the publisher key .* this device pinned"):
         refresh_trust(legacy.trust, Offer([unsigned_by_key], timestamp(1, {})))
     other = root_v(1, publishers=("bob",), signers=(*ROOT_KEYS, "bob"))
     with pytest.raises(RootChainError, match="does not list this device's publisher key"):

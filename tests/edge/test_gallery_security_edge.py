@@ -207,7 +207,7 @@ def test_a_key_file_with_one_changed_character_is_refused_as_damaged(tmp_path):
         raw[3] ^= 0x20
         body[field] = base64.b64encode(bytes(raw)).decode()
         path.write_text(json.dumps(body))
-        with pytest.raises(DeviceKeyError, match="damaged|modified"):
+        with pytest.raises(DeviceKeyError, match=r"damaged|modified"):
             read_key_file(path, passphrase, kind=kind)
 
 

@@ -308,7 +308,7 @@ def test_search_declarations_are_checked_in_the_manifest(publisher_key, tmp_path
         with pytest.raises(BundleFormatError, match=message):
             scoring_bundle(tmp_path / str(i), publisher_key, **options)
     for bad in ({"weight": 0.0}, {"weight": 1.0}, {"weight": float("nan")}, {"max_days": -1.0}):
-        with pytest.raises(BundleFormatError, match="weight|max_days"):
+        with pytest.raises(BundleFormatError, match=r"weight|max_days"):
             TransitionPolicy(**({"previous_version": 1, "weight": WEIGHT} | bad))
     with pytest.raises(BundleFormatError, match="beta"):
         HubnessPolicy(0.0)

@@ -45,7 +45,7 @@ def test_pack_refuses_a_stray_file(signed, tmp_path):
     for path in signed.root.iterdir():
         (copy / path.name).write_bytes(path.read_bytes())
     (copy / "notes.txt").write_text("unsigned")
-    with pytest.raises(BundleFormatError, match="notes.txt"):
+    with pytest.raises(BundleFormatError, match=r"notes.txt"):
         pack_bundle(copy, tmp_path / "x.tar")
 
 

@@ -131,7 +131,7 @@ def test_swapping_an_artifact_between_two_bundles_is_refused(tmp_path, publisher
     a.write_bytes(b.read_bytes())
     b.write_bytes(swapped)
     for root in (first.root, second.root):
-        with pytest.raises(HashMismatchError, match="forward_1_to_2.*swapped for another file"):
+        with pytest.raises(HashMismatchError, match=r"forward_1_to_2.*swapped for another file"):
             verify_bundle(root, publisher_key.public_key())
 
 
@@ -156,7 +156,7 @@ def test_a_genuine_manifest_resigned_with_another_key_is_refused(bundle, publish
     (bundle.root / SIGNATURE_FILE).write_bytes(other_key.sign(manifest_bytes))
     with pytest.raises(SignatureError, match="manifest or the signature was modified"):
         verify_bundle(bundle.root, publisher_key.public_key())
-    with pytest.raises(SignatureError, match="names publisher key .* but was signed by"):
+    with pytest.raises(SignatureError, match=r"names publisher key .* but was signed by"):
         verify_bundle(bundle.root, other_key.public_key())
 
 

@@ -205,7 +205,7 @@ def test_arbitrary_bundle_is_refused_from_the_server_and_from_a_folder(world, re
 
 def test_a_bundle_signed_by_k_minus_1_of_k_publishers_is_refused(world, release):
     lone = release(2, "carol")
-    with pytest.raises(RpcStatusError, match="INVALID_ARGUMENT.*1 valid signature"):
+    with pytest.raises(RpcStatusError, match=r"INVALID_ARGUMENT.*1 valid signature"):
         publish(world.server, lone, world.tmp)
     world.refused(ReleaseSignatureError, "1 valid signature", lambda: world.device.upgrade(lone))
 
@@ -252,7 +252,7 @@ def test_a_root_signed_by_one_side_of_a_rotation_is_refused(world, case, signers
 def test_a_skipped_root_version_is_refused(world):
     serve_roots(world, root(3, signers=ROOT_KEYS))
     world.refused(RootChainError, "skips a version")
-    with pytest.raises(RpcStatusError, match="INVALID_ARGUMENT.*skips a version"):
+    with pytest.raises(RpcStatusError, match=r"INVALID_ARGUMENT.*skips a version"):
         publish_root(world.server, root(3))
 
 

@@ -99,7 +99,7 @@ def test_a_root_without_enough_signatures_is_refused_unless_partial_and_then_co_
     root_file, _ = root_v1
     pub = publisher(workdir, "alice")[1]
     one = ["--sign-with", workdir / "root" / "root-1.key"]
-    with pytest.raises(ThresholdError, match="root v2 not written: .*1 valid signature.*--partial"):
+    with pytest.raises(ThresholdError, match=r"root v2 not written: .*1 valid signature.*--partial"):
         CliRunner().invoke(
             keys_command, [str(a) for a in ("add-publisher", root_file, "--key", pub, *one)], catch_exceptions=False
         )

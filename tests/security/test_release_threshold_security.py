@@ -59,7 +59,7 @@ def test_a_removed_publisher_key_does_not_count(release):
     sign_release(release, key("bob"))
     manifest, signatures = read_release_signatures(release)
     without_bob = root_with(publishers=("alice", "carol"), version=2)
-    with pytest.raises(ReleaseSignatureError, match="1 valid .* outside the role do not count"):
+    with pytest.raises(ReleaseSignatureError, match=r"1 valid .* outside the role do not count"):
         verify_release(without_bob, manifest, signatures)
 
 

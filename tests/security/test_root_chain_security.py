@@ -57,7 +57,7 @@ def test_one_old_key_below_the_threshold_does_not_carry_a_rotation(v1):
 
 
 def test_a_skipped_root_version_is_refused(v1):
-    with pytest.raises(RootChainError, match="root v3 skips a version after the trusted v1: .*fetch root v2 first"):
+    with pytest.raises(RootChainError, match=r"root v3 skips a version after the trusted v1: .*fetch root v2 first"):
         verify_root_update(v1, rotated("r1", "r2", "n1", "n2", version=3))
 
 
@@ -96,7 +96,7 @@ def test_a_rotated_timestamp_key_resets_the_remembered_timestamp_version(v1):
 def test_a_device_pins_the_root_its_fingerprint_names(v1):
     assert pin_root(v1.to_bytes(), root_fingerprint(v1)).body == v1.body
     other = signed(build_root(1, root=NEW, root_threshold=2), "n1", "n2")
-    with pytest.raises(RootChainError, match="not the .* this device was given: refused"):
+    with pytest.raises(RootChainError, match=r"not the .* this device was given: refused"):
         pin_root(other.to_bytes(), root_fingerprint(v1))
     with pytest.raises(RootChainError, match="--root-fingerprint"):
         pin_root(v1.to_bytes(), None)

@@ -169,7 +169,7 @@ def test_publish_root_refuses_what_does_not_follow_and_stores_nothing(start_serv
             with pytest.raises(RpcStatusError, match=reason if document else "at most") as caught:
                 client.publish_root(data)
             assert caught.value.code == "INVALID_ARGUMENT"
-        with pytest.raises(RpcStatusError, match="restart the replicas with --timestamp-key NEW.key") as caught:
+        with pytest.raises(RpcStatusError, match=r"restart the replicas with --timestamp-key NEW.key") as caught:
             client.publish_root(root(2, timestamp=("ts2",)).to_bytes())
         assert caught.value.code == "FAILED_PRECONDITION"
         assert len(client.get_trust(0).roots) == 1
@@ -312,7 +312,7 @@ def test_a_replica_without_the_new_timestamp_key_serves_what_others_signed_and_s
         rotating = RootOfTrust.open(storage, root1_file, [key("ts"), key("ts2")], DAY_S)
         rotating.publish_root(root(2, timestamp=("ts2",)).to_bytes())
         behind = RootOfTrust(storage, [key("ts")], DAY_S)  # a replica not yet restarted with --timestamp-key ts2.key
-        with pytest.raises(RpcStatusError, match="restart the replicas with --timestamp-key NEW.key") as caught:
+        with pytest.raises(RpcStatusError, match=r"restart the replicas with --timestamp-key NEW.key") as caught:
             behind.timestamp({})
         assert caught.value.code == "FAILED_PRECONDITION" and storage.timestamp() is None
         signed_by_ts2 = rotating.timestamp({})
@@ -349,7 +349,7 @@ def registry_service(storage, root_file: Path) -> RegistryService:
 def test_start_up_takes_the_first_root_or_the_next_and_refuses_the_rest(tmp_path, open_storage, root1_file):
     storage = open_storage(tmp_path / "data")
     try:
-        with pytest.raises(ConfigError, match="holds no root yet: start it with root.1.json"):
+        with pytest.raises(ConfigError, match=r"holds no root yet: start it with root.1.json"):
             RootOfTrust.open(storage, write(tmp_path / "r2.json", root(2).to_bytes()), [key("ts")], DAY_S)
         with pytest.raises(ConfigError, match=r"its own root keys\) has 1 valid"):
             RootOfTrust.open(

@@ -64,7 +64,7 @@ def test_cosine_backbone_trains_saves_and_loads(digits_old, tmp_path):
 
 def test_classifier_config_validation():
     assert from_mapping(BackboneConfig, {"classifier": "cosine", "classifier_scale": 8.0}).classifier_scale == 8.0
-    with pytest.raises(ConfigError, match="not one of|classifier must be"):
+    with pytest.raises(ConfigError, match=r"not one of|classifier must be"):
         from_mapping(BackboneConfig, {"classifier": "arcface"})
     with pytest.raises(ConfigError, match="classifier_scale"):
         BackboneConfig(classifier_scale=0.0)

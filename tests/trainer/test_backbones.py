@@ -130,14 +130,14 @@ def test_damaged_or_foreign_model_files(old_model, tmp_path):
     with pytest.raises(InputError, match="truncated or damaged"):
         load_backbone(truncated)
     foreign = save_checkpoint(tmp_path / "side.pt", "fctkit.side_info", {}, {})
-    with pytest.raises(InputError, match="expected a 'fctkit.backbone' file"):
+    with pytest.raises(InputError, match=r"expected a 'fctkit.backbone' file"):
         load_backbone(foreign)
     state = old_model.state_dict()
     state.pop("classifier.bias")
     meta = {"config": dataclasses.asdict(old_model.config), "classes": list(old_model.classes), "in_channels": 1}
     with pytest.raises(InputError, match="do not fit"):
         load_backbone(save_checkpoint(tmp_path / "partial.pt", "fctkit.backbone", state, meta))
-    with pytest.raises(InputError, match="incomplete fctkit.backbone metadata"):
+    with pytest.raises(InputError, match=r"incomplete fctkit.backbone metadata"):
         load_backbone(
             save_checkpoint(
                 tmp_path / "no-classes.pt",

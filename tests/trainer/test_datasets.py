@@ -174,10 +174,10 @@ def test_unreadable_feature_files(tmp_path):
     good = save_features(tmp_path / "good.npz", *_features())
     truncated = tmp_path / "truncated.npz"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
-    with pytest.raises(InputError, match="not a readable .npz"):
+    with pytest.raises(InputError, match=r"not a readable .npz"):
         load_features(truncated)
     pickled = _npz(tmp_path, "pickled.npz", embeddings=np.array([object()] * 4), labels=np.arange(4))
-    with pytest.raises(InputError, match="not a readable .npz"):
+    with pytest.raises(InputError, match=r"not a readable .npz"):
         load_features(pickled)
 
 
@@ -247,7 +247,7 @@ def test_class_subsets_for_a_chain(digits):
         assert np.array_equal(np.unique(digits.labels[subset]), np.arange(n))
         assert np.array_equal(subset, np.flatnonzero(digits.labels < n))
     assert set(chain[0]) < set(chain[1]) < set(chain[2])
-    with pytest.raises(InputError, match="n_classes must be in 1..10"):
+    with pytest.raises(InputError, match=r"n_classes must be in 1..10"):
         class_subset(digits.labels, 11)
 
 

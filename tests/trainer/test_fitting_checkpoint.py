@@ -66,7 +66,7 @@ def test_a_checkpoint_of_other_settings_or_a_damaged_one_is_refused(tmp_path):
     checkpoint = tmp_path / "run.checkpoint"
     with pytest.raises(Stop):
         fit(_model(), [x, y], _loss, config, checkpoint=checkpoint, on_epoch_start=_stop_at(2))
-    with pytest.raises(ConfigError, match="other settings or data.*delete it"):
+    with pytest.raises(ConfigError, match=r"other settings or data.*delete it"):
         fit(
             _model(),
             [x, y],
@@ -75,7 +75,7 @@ def test_a_checkpoint_of_other_settings_or_a_damaged_one_is_refused(tmp_path):
             checkpoint=checkpoint,
         )
     checkpoint.write_bytes(checkpoint.read_bytes()[:100])
-    with pytest.raises(InputError, match="cannot be read.*delete it"):
+    with pytest.raises(InputError, match=r"cannot be read.*delete it"):
         fit(_model(), [x, y], _loss, config, checkpoint=checkpoint)
 
 

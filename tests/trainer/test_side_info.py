@@ -128,7 +128,7 @@ def test_simclr_save_load_round_trip(simclr, old_data, tmp_path):
     assert loaded.config == simclr.config
     images = old_data["query"].images
     assert np.array_equal(extract_side_info(loaded, images), extract_side_info(simclr, images))
-    with pytest.raises(InputError, match="expected a 'fctkit.side_info' file"):
+    with pytest.raises(InputError, match=r"expected a 'fctkit.side_info' file"):
         load_side_info(
             save_backbone(
                 train_backbone(images[:30], old_data["query"].labels[:30], BackboneConfig(epochs=1, progress=False)),

@@ -239,7 +239,7 @@ def test_a_bad_task_file_fails_before_anything_is_written(tmp_path):
 
 
 def test_task_settings_are_checked():
-    with pytest.raises(ConfigError, match="data.name = 'task' needs data.task"):
+    with pytest.raises(ConfigError, match=r"data.name = 'task' needs data.task"):
         load_pipeline_config(None, {"data.name": "task"})
     with pytest.raises(ConfigError, match="transition works on cosine scores of a retrieval task"):
         load_pipeline_config(None, {"data.name": "task", "data.task": "t.npz", "transition.enabled": True})
@@ -265,7 +265,7 @@ def test_the_residual_adapters_ridge_is_searched_only_when_asked_and_must_be_pos
 
     assert all(k.path != "ridge" for k in knobs_for("residual", ResidualConfig(), SelectionConfig()))
     assert knobs_for("residual", ResidualConfig(), SelectionConfig(ridges=(1e-3, 1.0)))[0] == Knob("ridge", (1e-3, 1.0))
-    with pytest.raises(ConfigError, match="selection.ridges must be > 0"):
+    with pytest.raises(ConfigError, match=r"selection.ridges must be > 0"):
         SelectionConfig(ridges=(0.0,))
     # In a run, the chosen ridge is reported with the other settings chosen on held-out training data.
     path = save_task(tmp_path / "task.npz", synthetic_instance_task(n_train=300, n_eval=100, seed=seed()))

@@ -134,7 +134,7 @@ def test_bad_task_files_get_an_error_naming_the_key_or_row(task, tmp_path, case)
 def test_a_truncated_or_absent_file_is_refused(task, tmp_path):
     path = save_task(tmp_path / "task.npz", task)
     path.write_bytes(path.read_bytes()[:500])
-    with pytest.raises(InputError, match="not a readable task .npz"):
+    with pytest.raises(InputError, match=r"not a readable task .npz"):
         load_task(path)
     with pytest.raises(DataUnavailableError, match="task file not found"):
         load_task(tmp_path / "absent.npz")
