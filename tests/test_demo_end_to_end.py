@@ -33,7 +33,7 @@ def test_demo_on_digits_with_two_devices(tmp_path):
     assert overall["new/h(old)"]["top1"] > overall["new/old"]["top1"]  # the adapter is what makes v2 usable
 
     assert set(report["per_device"]) == {"device-1", "device-2"}
-    for name, device in report["per_device"].items():
+    for device in report["per_device"].values():
         assert device["version"] == 2
         assert device["rows_by_space_after_upgrade"] == {"v1->v2 (forward)": device["rows"]}
         assert set(device["cases"]) == set(CASES)

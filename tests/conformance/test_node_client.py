@@ -51,7 +51,7 @@ def node() -> str:
     return found
 
 
-def test_the_node_client_conforms(node, start_server, archives):
+def test_the_node_client_conforms(node, start_server, archives):  # noqa: F811 (a pytest fixture, imported from tests/server/conftest.py)
     from fctkit.protos.client import FctkitClient
 
     server = start_server()

@@ -145,7 +145,7 @@ __all__ = [
 
 
 @pytest.fixture(scope="module")
-def edge_server(tmp_path_factory, publisher_pub, admin_token_file):
+def edge_server(tmp_path_factory, publisher_pub, admin_token_file):  # noqa: F811 (a pytest fixture, imported from tests/server/conftest.py)
     """A real `fctkit serve` on loopback pinning the edge tests' publisher key."""
     server = ServerProcess(tmp_path_factory.mktemp("edge-server") / "data", publisher_pub, admin_token_file).start()
     yield server

@@ -367,12 +367,14 @@ def test_a_constraint_no_caller_expected_is_damage_and_writes_nothing(make_devic
     device = _device(make_device, tiny_bundles, images)
     gallery = device.gallery
     queued = gallery.replica_log.outbox()
-    with pytest.raises(GalleryDamagedError, match=r"a table and its index disagree.*nothing was written"):
-        with transaction(gallery._db) as db:
-            db.execute("DELETE FROM outbox WHERE item_id = ?", (queued[1][0],))
-            db.execute(
-                "INSERT INTO outbox VALUES (?, ?)", queued[0]
-            )  # as a flipped outbox page makes repair's writes collide
+    with (
+        pytest.raises(GalleryDamagedError, match=r"a table and its index disagree.*nothing was written"),
+        transaction(gallery._db) as db,
+    ):
+        db.execute("DELETE FROM outbox WHERE item_id = ?", (queued[1][0],))
+        db.execute(
+            "INSERT INTO outbox VALUES (?, ?)", queued[0]
+        )  # as a flipped outbox page makes repair's writes collide
     assert gallery.replica_log.outbox() == queued
 
 

@@ -21,7 +21,11 @@ def _enrol(device: Device, replica, owner: str, name: str) -> None:
 
 
 def test_two_replicas_serve_the_whole_flow_and_devices_fail_over(
-    start_replicas, make_device, tiny_bundles, images, tmp_path
+    start_replicas,  # noqa: F811 (a pytest fixture, imported from tests/server/conftest.py)
+    make_device,
+    tiny_bundles,
+    images,
+    tmp_path,
 ):
     make = functools.partial(make_device, batch_size=8, health_sample=0)  # no health check: the rows stay adapted
     first, second = start_replicas(2)

@@ -105,7 +105,7 @@ def test_sigkill_anywhere_then_restart_equals_uninterrupted(tmp_path, make_devic
 
     reference = tmp_path / "reference"
     shutil.copytree(source.root, reference)
-    process, lines = start_worker(WORKER, str(reference), str(tiny_bundles[2]))
+    process, _lines = start_worker(WORKER, str(reference), str(tiny_bundles[2]))
     assert process.wait() == 0, process.stderr.read()
     expected = _decrypted(reference, key)
     assert {str(t) for t in expected.tags} == {"v1->v2 (forward)"}

@@ -107,7 +107,7 @@ def release(bench, tmp_path_factory) -> SimpleNamespace:
 
 
 @pytest.fixture
-def server(release, tmp_path, admin_token_file):
+def server(release, tmp_path, admin_token_file):  # noqa: F811 (a pytest fixture, imported from tests/server/conftest.py)
     process = ServerProcess(tmp_path / "server", release.public, admin_token_file).start()
     yield process
     if process.alive():

@@ -89,7 +89,7 @@ def test_parity_holds_on_all_batch_sizes_and_the_real_batch(exported, real_batch
 
 
 def test_parity_fails_loudly_when_the_graph_differs(exported, real_batch):
-    module, result = exported
+    _module, result = exported
     changed = _module()
     with torch.no_grad():
         changed.mix.bias.add_(1e-3)
@@ -144,3 +144,11 @@ def test_matrix_exp_must_be_materialised_before_export(tmp_path):
 def test_names_must_be_unique(tmp_path):
     with pytest.raises(InputError, match="unique"):
         export_onnx(_module(), [InputSpec("x", (12,)), InputSpec("x", (5,))], ["y"], tmp_path / "x.onnx")
+
+
+def test_export_prints_nothing(tmp_path, capfd):
+    """The exporter's own chatter (e.g. "torchvision is not installed. Skipping torchvision::nms",
+    four times per export) is held back: what a user sees during `fctkit export` is ours alone."""
+    export_onnx(_module(), SPECS, ["new_embedding"], tmp_path / "h.onnx")
+    captured = capfd.readouterr()
+    assert (captured.out, captured.err) == ("", "")

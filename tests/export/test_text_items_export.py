@@ -312,7 +312,9 @@ def test_a_graph_its_declaration_does_not_feed_is_refused_before_signing(text_re
 
 
 def test_through_a_server_texts_are_sealed_as_they_came_and_backfilled_with_the_new_tokenizer(
-    text_release, tmp_path, admin_token_file
+    text_release,
+    tmp_path,
+    admin_token_file,  # noqa: F811 (a pytest fixture, imported from tests/server/conftest.py)
 ):
     """v1 and v2 (with their tokenizer artifacts) published on a real loopback server; a device
     adds texts at v1 (originals in the vault), syncs to v2 (whose health check re-embeds a sample

@@ -127,7 +127,7 @@ def enrolment_code(server) -> str:
 
 
 @pytest.fixture
-def world(start_server, files, release, tmp_path):
+def world(start_server, files, release, tmp_path):  # noqa: F811 (a pytest fixture, imported from tests/server/conftest.py)
     """A server with root v1 and v1 (alice+bob) published; a mirror in front of it; a device
     enrolled through the mirror by fingerprint, synced to v1, holding 12 items."""
     server = start_server("--root", str(files["root1"]), "--timestamp-key", str(files["ts"]))
@@ -259,11 +259,12 @@ def test_a_skipped_root_version_is_refused(world):
 def test_oversized_metadata_is_refused_before_it_is_parsed(world):
     world.mirror.serve_trust(lambda answer: setattr(answer, "timestamp", b"{" + b" " * MAX_TIMESTAMP_BYTES + b"}"))
     world.refused(TrustError, "allowed: refused unread")
-    world.mirror.serve_trust(
-        lambda answer: (
-            (answer.roots.append(b"[" + b" " * (64 << 10) + b"]"), setattr(answer, "latest_root_version", 2)) and None
-        )
-    )
+
+    def oversized_root(answer):
+        answer.roots.append(b"[" + b" " * (64 << 10) + b"]")
+        answer.latest_root_version = 2
+
+    world.mirror.serve_trust(oversized_root)
     world.refused(TrustError, "allowed: refused unread")
 
 
@@ -343,7 +344,7 @@ def test_fast_forward_recovery_after_the_timestamp_key_rotates(world, files, rel
 # -- mix-and-match ------------------------------------------------------------------------------
 
 
-def test_a_manifest_or_artifacts_from_another_snapshot_are_refused(world, start_server, files, release, tmp_path):
+def test_a_manifest_or_artifacts_from_another_snapshot_are_refused(world, start_server, files, release, tmp_path):  # noqa: F811 (a pytest fixture, imported from tests/server/conftest.py)
     """A second server (same root, same timestamp key) holds another v2: its manifest or its
     artifacts, served with the first server's timestamp, never install."""
     publish(world.server, release(2, "alice", "bob"), world.tmp)
@@ -425,7 +426,7 @@ def test_endless_artifact_data_is_refused_at_the_signed_length(world, release):
 # -- the whole flow -----------------------------------------------------------------------------
 
 
-def test_the_whole_flow_two_of_three_then_a_revocation_by_root_rotation(start_server, files, release, tmp_path):
+def test_the_whole_flow_two_of_three_then_a_revocation_by_root_rotation(start_server, files, release, tmp_path):  # noqa: F811 (a pytest fixture, imported from tests/server/conftest.py)
     """Enrol by fingerprint → 2-of-3 publishers sign v2 → devices upgrade → alice's key is revoked
     by rotating the root → a bundle she signs is refused by every device → a properly signed v3 installs."""
     server = start_server("--root", str(files["root1"]), "--timestamp-key", str(files["ts"]))

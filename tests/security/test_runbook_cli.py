@@ -54,14 +54,14 @@ def device(*args: str | Path) -> dict:
 
 
 @pytest.fixture
-def work(tmp_path, monkeypatch, admin_token_file):
+def work(tmp_path, monkeypatch, admin_token_file):  # noqa: F811 (a pytest fixture, imported from tests/server/conftest.py)
     monkeypatch.setenv("FCTKIT_KEY_PASSPHRASE", PASSPHRASE)
     monkeypatch.setenv("FCTKIT_ADMIN_TOKEN", ADMIN_TOKEN)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
 
-def test_the_keys_and_trust_runbook(work, admin_token_file):
+def test_the_keys_and_trust_runbook(work, admin_token_file):  # noqa: F811 (a pytest fixture, imported from tests/server/conftest.py)
     for name in ("alice", "bob", "carol", "timestamp"):
         fctkit("keys", "generate", "--out", f"keys/{name}")
     created = fctkit(
@@ -137,7 +137,7 @@ def test_the_keys_and_trust_runbook(work, admin_token_file):
         server.stop()
 
 
-def test_moving_an_existing_fleet_to_k_of_n(work, admin_token_file):
+def test_moving_an_existing_fleet_to_k_of_n(work, admin_token_file):  # noqa: F811 (a pytest fixture, imported from tests/server/conftest.py)
     fctkit("keys", "generate", "--out", "keys")  # the publisher key the fleet pins
     fctkit("keys", "generate", "--out", "keys/timestamp")
     fctkit("keys", "generate", "--out", "keys/bob")

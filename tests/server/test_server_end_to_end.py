@@ -273,7 +273,9 @@ def edit_manifest(root):
 def test_tampered_or_incomplete_bundles_are_refused_and_never_listed(admin, server, bundles, archives, tmp_path):
     before = [v.version for v in admin.list_versions()]
     for edit in (flip_artifact_byte, edit_manifest):
-        assert status_code(lambda: admin.publish_bundle(_tampered(bundles[5], tmp_path, edit))) == "INVALID_ARGUMENT"
+        assert status_code(lambda edit=edit: admin.publish_bundle(_tampered(bundles[5], tmp_path, edit))) == (
+            "INVALID_ARGUMENT"
+        )
     archive = archives[5].read_bytes()
     header = registry_pb2.PublishHeader(archive_size=len(archive), archive_sha256=hashlib.sha256(archive).hexdigest())
 
@@ -451,7 +453,9 @@ def test_reports_reach_the_fleet_list_and_bad_reports_are_refused(device, admin)
     )
     assert mine[0].last_report_at == response.recorded_at and mine[0].label == "for camera-a"
     for bad in ({"progress": float("nan")}, {"progress": 1.5}, {"detail": "x" * (limits.MAX_DETAIL_CHARS + 1)}):
-        assert status_code(lambda: device.report(2, 1, fleet_pb2.UPGRADE_STATE_IDLE, **bad)) == "INVALID_ARGUMENT"
+        assert status_code(lambda bad=bad: device.report(2, 1, fleet_pb2.UPGRADE_STATE_IDLE, **bad)) == (
+            "INVALID_ARGUMENT"
+        )
     assert status_code(lambda: device.report(2, 1, fleet_pb2.UPGRADE_STATE_UNSPECIFIED)) == "INVALID_ARGUMENT"
     assert status_code(lambda: device.report(2, 1, 77)) == "INVALID_ARGUMENT"
     assert status_code(lambda: device.report(2, 2**63, fleet_pb2.UPGRADE_STATE_IDLE)) == "INVALID_ARGUMENT"

@@ -155,9 +155,11 @@ def test_tls_serves_verified_clients_and_refuses_plaintext(start_server, tmp_pat
         side_info = next(a for a in version.artifacts if a.name == "side_info")
         with open("/dev/null", "wb") as sink:
             assert admin.fetch_artifact(1, "side_info", sink).sha256 == side_info.sha256  # checked while streaming
-    with FctkitClient(server.target, ADMIN_TOKEN, retry=RetryPolicy(attempts=1)) as plaintext:
-        with pytest.raises(RpcStatusError) as refused:
-            plaintext.list_versions()
+    with (
+        FctkitClient(server.target, ADMIN_TOKEN, retry=RetryPolicy(attempts=1)) as plaintext,
+        pytest.raises(RpcStatusError) as refused,
+    ):
+        plaintext.list_versions()
     assert refused.value.code == "UNAVAILABLE"
 
 

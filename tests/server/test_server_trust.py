@@ -206,7 +206,8 @@ def test_reports_carry_the_trust_state_and_absurd_values_are_refused(trust_serve
             {"root_version": 1, "seconds_since_fresh": 2**62},
         ):
             assert (
-                status_code(lambda: device.report(0, 3, fleet_pb2.UPGRADE_STATE_IDLE, **absurd)) == "INVALID_ARGUMENT"
+                status_code(lambda absurd=absurd: device.report(0, 3, fleet_pb2.UPGRADE_STATE_IDLE, **absurd))
+                == "INVALID_ARGUMENT"
             )
     with admin(trust_server) as client:
         listed = next(d for d in client.list_devices() if d.device_id == enrolment.device_id)
@@ -215,7 +216,7 @@ def test_reports_carry_the_trust_state_and_absurd_values_are_refused(trust_serve
         admin_command, ["--server", trust_server.target, "list-devices"], env={"FCTKIT_ADMIN_TOKEN": ADMIN_TOKEN}
     )
     assert table.exit_code == 0 and "stale: possible freeze" in next(
-        l for l in table.output.splitlines() if "frozen" in l
+        line for line in table.output.splitlines() if "frozen" in line
     )
 
 

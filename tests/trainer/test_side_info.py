@@ -204,8 +204,8 @@ def test_nt_xent_matches_the_direct_formula():
 def _gram_cka(x: np.ndarray, y: np.ndarray) -> float:
     n = len(x)
     h = np.eye(n) - np.ones((n, n)) / n
-    k, l = h @ (x @ x.T) @ h, h @ (y @ y.T) @ h
-    return float(np.trace(k @ l) / np.sqrt(np.trace(k @ k) * np.trace(l @ l)))
+    kx, ky = h @ (x @ x.T) @ h, h @ (y @ y.T) @ h
+    return float(np.trace(kx @ ky) / np.sqrt(np.trace(kx @ kx) * np.trace(ky @ ky)))
 
 
 def test_linear_cka_properties():
