@@ -89,7 +89,7 @@ def test_parity_holds_on_all_batch_sizes_and_the_real_batch(exported, real_batch
 
 
 def test_parity_fails_loudly_when_the_graph_differs(exported, real_batch):
-    _module, result = exported
+    _, result = exported
     changed = _module()
     with torch.no_grad():
         changed.mix.bias.add_(1e-3)
