@@ -15,6 +15,7 @@ tolerance: ``FP32_TOLERANCE`` for fp32, ``FP16_RELATIVE_TOLERANCE`` for fp16 and
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 import time
@@ -117,8 +118,7 @@ def export_onnx(
     )
     batch = torch.export.Dim("batch")
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _temporary_sibling(path) as staging, _eval_mode(module), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with _temporary_sibling(path) as staging, _eval_mode(module), quiet_third_party("torch.onnx", "onnxscript"):
         start = time.perf_counter()
         try:
             torch.onnx.export(
@@ -276,11 +276,29 @@ def run_onnx(onnx_path: str | os.PathLike, arrays: Sequence[np.ndarray], *, batc
 # --------------------------------------------------------------------------- helpers
 
 
+@contextlib.contextmanager
+def quiet_third_party(*loggers: str) -> Iterator[None]:
+    """Inside: no Python warnings, and the named libraries' loggers ("" is the root logger) pass only
+    errors. What they say otherwise speaks to their own developers, not to ours (the ONNX exporter's
+    "torchvision is not installed. Skipping torchvision::nms", once per operator it looks up);
+    an export that fails still raises with the exporter's reason."""
+    named = [logging.getLogger(name) for name in loggers]
+    levels = [logger.level for logger in named]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for logger in named:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(named, levels):
+                logger.setLevel(level)
+
+
 def to_fp16(model: Any) -> Any:
     """float16 weights, float32 graph inputs/outputs (Casts at the boundary)."""
     float16 = require("onnxruntime.transformers.float16", "cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet_third_party():
         converted = float16.convert_float_to_float16(model, keep_io_types=True)
     _topological_sort(converted.graph)  # the converter appends its boundary Casts out of order
     return converted

@@ -15,7 +15,6 @@ figures under ``<case> [fp32]``, and ``gate.quantization`` what quantising cost.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +24,7 @@ import numpy as np
 
 from fctkit.errors import DataUnavailableError, GateError, InputError, require
 
-from .onnx_export import check_parity, describe_export, run_onnx, to_fp16
+from .onnx_export import check_parity, describe_export, quiet_third_party, run_onnx, to_fp16
 from .onnx_graph import load_onnx_model
 from .roles import RoleExport
 from .trained_run import TrainedRun
@@ -55,14 +54,10 @@ def quantize_graph(source: Path, path: Path, precision: str) -> Path:
     check_quantization(precision)
     if precision == "int8":
         quantization = require("onnxruntime.quantization", "cpu")
-        root = logging.getLogger()
-        level, root.level = root.level, logging.ERROR  # it advises, on the root logger, a pre-processing step for CNNs
-        try:
+        with quiet_third_party(""):  # it advises, on the root logger, a pre-processing step for CNNs
             quantization.quantize_dynamic(
                 str(source), str(path), per_channel=True, weight_type=quantization.QuantType.QInt8
             )
-        finally:
-            root.setLevel(level)
     else:
         require("onnx", "train").save(to_fp16(load_onnx_model(source)), str(path))
     return path
