@@ -198,7 +198,7 @@ def serve_command(**options) -> None:
     checks grpc.health.v1 (service "").
 
     Releases are checked against exactly one of --publisher-key (one key) or --root with
-    --timestamp-key (a root of trust; docs/PROTOCOL.md §6.2).
+    --timestamp-key (a root of trust; docs/reference/protocol.md §6.2).
 
     Logs are JSON lines on stderr. Stop with SIGTERM or Ctrl-C: in-flight calls finish first.
     """

@@ -1,5 +1,5 @@
 // A conformance client of the fctkit protocol in Node (@grpc/grpc-js + @grpc/proto-loader),
-// written from docs/PROTOCOL.md and the .proto files. It exercises a real `fctkit serve` and
+// written from docs/reference/protocol.md and the .proto files. It exercises a real `fctkit serve` and
 // prints one JSON line per check: {"check": name, "ok": true|false, "detail": ...}; it exits 1
 // when any check fails.
 //

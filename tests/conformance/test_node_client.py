@@ -1,5 +1,5 @@
 """The Node conformance client (tests/conformance/client.js, @grpc/grpc-js from the npm registry,
-written from docs/PROTOCOL.md and the .proto files) against a real `fctkit serve` on loopback:
+written from docs/reference/protocol.md and the .proto files) against a real `fctkit serve` on loopback:
 enrolment, versions, a verified manifest signature, a resumed artifact download, the vault
 round trip with a resumed upload, a Watch that sees a publish, and the documented status codes.
 
