@@ -13,7 +13,7 @@ Ties are broken by gallery index, so every ordering is deterministic.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 
@@ -49,7 +49,7 @@ def backfill_order(
     embeddings = check_features("embeddings", embeddings)
     if kind == "random":
         return np.random.default_rng(seed).permutation(len(embeddings)).astype(np.int64)
-    metric = "cosine" if kind == "class-mean-cosine" else "l2"
+    metric: Literal["l2", "cosine"] = "cosine" if kind == "class-mean-cosine" else "l2"
     if kind == "kmeans" or labels is None:
         clusters = default_clusters(len(embeddings)) if n_clusters is None else n_clusters
         groups = kmeans(embeddings, clusters, seed)
@@ -66,8 +66,8 @@ def distance_to_group_mean(embeddings: np.ndarray, groups: np.ndarray, metric: L
     np.add.at(means, index, vectors)
     means /= np.bincount(index)[:, None]
     if metric == "cosine":
-        return 1.0 - np.einsum("ij,ij->i", vectors, _unit_rows(means)[index])
-    return np.linalg.norm(vectors - means[index], axis=1)
+        return cast(np.ndarray, 1.0 - np.einsum("ij,ij->i", vectors, _unit_rows(means)[index]))
+    return cast(np.ndarray, np.linalg.norm(vectors - means[index], axis=1))
 
 
 def default_clusters(n: int) -> int:
@@ -106,12 +106,14 @@ def _kmeans_plus_plus(points: np.ndarray, n_clusters: int, rng: np.random.Genera
 
 
 def _squared_distances(points: np.ndarray, centres: np.ndarray) -> np.ndarray:
-    return np.maximum((points**2).sum(1)[:, None] - 2 * points @ centres.T + (centres**2).sum(1)[None], 0.0)
+    return cast(
+        np.ndarray, np.maximum((points**2).sum(1)[:, None] - 2 * points @ centres.T + (centres**2).sum(1)[None], 0.0)
+    )
 
 
 def _unit_rows(vectors: np.ndarray) -> np.ndarray:
     vectors = vectors.astype(np.float64)
-    return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    return cast(np.ndarray, vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12))
 
 
 def _descending(scores: np.ndarray) -> np.ndarray:

@@ -67,7 +67,7 @@ def _merged(base: dict[str, Any], update: typing.Mapping[str, Any]) -> dict[str,
 
 def _coerce(hint: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return value if isinstance(value, hint) else from_mapping(hint, value, where)
     if origin is typing.Literal:
         allowed = typing.get_args(hint)
@@ -82,8 +82,8 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             return _coerce(args[0], value, where)
         return value
     if origin in (tuple, list) and isinstance(value, (list, tuple)):
-        args = typing.get_args(hint)
-        inner = args[0] if args else Any
+        item_types = typing.get_args(hint)
+        inner = item_types[0] if item_types else Any
         items = [_coerce(inner, v, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if hint is float and isinstance(value, int) and not isinstance(value, bool):

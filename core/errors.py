@@ -3,6 +3,8 @@ on purpose, or one of its subclasses for what you can handle."""
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class FctkitError(Exception):
     """Base class of every error fctkit raises deliberately."""
@@ -24,7 +26,7 @@ class ItemError(InputError):
         super().__init__(message)
         self.problems = problems
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return type(self), (self.args[0], self.problems)
 
 
@@ -103,7 +105,7 @@ class SnapshotMismatchError(TrustError, HashMismatchError):
     """A manifest is not the one the timestamp names for its version (mix-and-match)."""
 
 
-def require(module: str, extra: str):
+def require(module: str, extra: str) -> Any:
     """Import an optional dependency or raise :class:`DependencyError` naming the extra."""
     import importlib
 
@@ -125,7 +127,7 @@ class RpcStatusError(FctkitError):
         self.code = code
         self.details = details
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return type(self), (self.code, self.details)
 
 
@@ -152,7 +154,7 @@ class GalleryDamagedError(GalleryError):
         super().__init__(message)
         self.settings = settings
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return type(self), (self.args[0], self.settings)
 
 

@@ -4,7 +4,7 @@ device check what they are handed with the same rules."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -41,7 +41,10 @@ def check_features(name: str, array: Any, *, dim: int | None = None, rows: int |
     return array
 
 
-def nonfinite_items(item_ids: Sequence[str], *arrays: np.ndarray) -> list[str]:
+_Id = TypeVar("_Id")  # an item id, or a position
+
+
+def nonfinite_items(item_ids: Sequence[_Id], *arrays: np.ndarray) -> list[_Id]:
     """The ids of the rows (aligned with ``item_ids``) holding NaN or inf in any of ``arrays``,
     each dense (rows × dims) or ragged (an object array of rows)."""
     finite = np.ones(len(item_ids), dtype=bool)

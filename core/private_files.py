@@ -14,7 +14,7 @@ import stat
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
 
 
-def make_private(root: str | os.PathLike) -> int:
+def make_private(root: str | os.PathLike[str]) -> int:
     """Give ``root`` and everything under it owner-only modes; returns how many modes changed."""
     changed = 0
     for folder, dirs, files in os.walk(root):

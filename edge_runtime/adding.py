@@ -15,7 +15,7 @@ import contextlib
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from fctkit.errors import DeviceError, FctkitError, InputError, ItemError
 from fctkit.feature_checks import nonfinite_items
 
 from .device_parts import DeviceParts
-from .engine import Engine
+from .engine import Engine, Items
 from .gallery.rows import LoadedRows, NewRow, VersionTag
 from .scoring import TransitionState, store_hubness_offsets
 from .upgrade_plan import UpgradePlan, transform_rows
@@ -43,7 +43,7 @@ class AddedItems:
 
 def add_items(
     parts: DeviceParts,
-    items,
+    items: Items,
     item_ids: Sequence[str] | None,
     labels: Sequence[str | None] | None,
     on_bad_item: OnBadItem = "refuse",
@@ -83,7 +83,7 @@ def add_items(
         if item_ids[i] not in in_vault
     ]
     kept = None
-    if previous is not None:  # kept for transition scoring
+    if previous is not None and transition is not None:  # kept for transition scoring (previous: only in one)
         u = transition.previous_version
         kept = (VersionTag(u, u, "native"), vectors["previous"])
     parts.gallery.add_rows(
@@ -182,7 +182,7 @@ def _side_infos(parts: DeviceParts, tag: VersionTag, originals: list[np.ndarray]
     return transform_rows(plan, engines, native, engine.embed(items), side_infos)[2]
 
 
-def checked_items(engine: Engine, items):
+def checked_items(engine: Engine, items: Items) -> Items:
     """``items`` as ``engine`` takes them: a list of raw items (bytes, str) or an array of at least one row."""
     if engine.takes_items:
         items = list(items)
@@ -207,7 +207,7 @@ def checked_items(engine: Engine, items):
     return items
 
 
-def _unusable_arrays(items) -> tuple[object, dict[int, str]]:
+def _unusable_arrays(items: Items) -> tuple[Items, dict[int, str]]:
     """Array items with a value NaN, inf or beyond float32's range (what the graphs compute in)
     are bad items: (position, reason) each, and ``items`` with those rows zeroed so the others can run."""
     if not isinstance(items, np.ndarray) or not np.issubdtype(items.dtype, np.number):
@@ -222,7 +222,7 @@ def _unusable_arrays(items) -> tuple[object, dict[int, str]]:
 
 
 def _embedded(
-    parts: DeviceParts, engine: Engine, previous: Engine | None, items, keep_going: bool
+    parts: DeviceParts, engine: Engine, previous: Engine | None, items: Items, keep_going: bool
 ) -> tuple[list[int], list[tuple[int, str]], dict[str, np.ndarray]]:
     """The positions of the good items, (position, reason) of the bad ones, and each role's
     vectors of the good ones ('embed', 'side_info', and 'previous' during a transition)."""
@@ -251,12 +251,15 @@ def _embedded(
     good = [i for i in range(len(items)) if i not in bad]
     if bad and not keep_going:
         return good, sorted(bad.items()), {}
-    vectors = {name: done.vectors[np.searchsorted(done.good, good)] for name, done in runs.items()}
+    # every run embedded every good item (a bad one stops the runs only when not keep_going, returned above)
+    vectors = {name: cast(np.ndarray, done.vectors)[np.searchsorted(done.good, good)] for name, done in runs.items()}
     vectors.setdefault("side_info", np.zeros((len(good), 0), np.float32))
     return good, sorted(bad.items()), vectors
 
 
-def usable_queries(engines: Sequence[Engine], items, query_ids: Sequence[str], on_bad_item: OnBadItem):
+def usable_queries(
+    engines: Sequence[Engine], items: Items, query_ids: Sequence[str], on_bad_item: OnBadItem
+) -> tuple[Items, list[str], list[tuple[str, str]]]:
     """The query items every engine (the query version's, and the previous one's during a
     transition) can take, their ids, and (id, reason) of the others; refused when
     ``on_bad_item`` is 'refuse' and any is bad."""

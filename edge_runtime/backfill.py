@@ -26,7 +26,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 
@@ -38,8 +38,10 @@ from .gallery.rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, tak
 from .vault_blob import original_items
 
 if TYPE_CHECKING:
+    from fctkit.protos.client import FctkitClient
+
     from .device_parts import DeviceParts
-    from .engine import Engine
+    from .engine import Engine, Items
 
 Ordering = Literal["random", "uncertainty", "class-mean-l2", "class-mean-cosine", "kmeans"]
 ORDERINGS: tuple[str, ...] = ("random", "uncertainty", "class-mean-l2", "class-mean-cosine", "kmeans")
@@ -90,8 +92,10 @@ def plan_rows(
     if not len(rows):
         return []
     embeddings = take_rows(rows.embeddings, range(len(rows)))
-    ranking = backfill_order(order, embeddings, _integer_labels(rows.labels), sigma, seed=seed)
-    chosen, used_bytes = [], 0
+    # backfill_order refuses any other name (InputError)
+    ranking = backfill_order(cast(Ordering, order), embeddings, _integer_labels(rows.labels), sigma, seed=seed)
+    chosen: list[int] = []
+    used_bytes = 0
     for index in ranking:
         if budget is not None and len(chosen) >= budget:
             break
@@ -120,7 +124,7 @@ def run_backfill(
     order: str | None = None,
     seed: int = 0,
     batch_size: int = 64,
-    on_batch: Callable[[int], None] | None = None,
+    on_batch: Callable[[int], object] | None = None,
 ) -> BackfillResult:
     """Backfill the device's gallery (see the module docstring); resumes a recorded plan first.
     ``searchable()`` gives the rows queries compare with (a new plan orders those).
@@ -139,8 +143,11 @@ def run_backfill(
     plan = _stored_plan(device, version)
     if plan is None:
         order = order or default_order(engine)
-        row_ids = _new_plan(device, searchable(), engine, order, budget, budget_bytes, seed)
-        plan = {"version": version, "order": order, "row_ids": row_ids}
+        plan = {
+            "version": version,
+            "order": order,
+            "row_ids": _new_plan(device, searchable(), engine, order, budget, budget_bytes, seed),
+        }
         gallery.set_meta({PLAN_KEY: json.dumps(plan)})
     row_ids: list[int] = plan["row_ids"]
     rows = gallery.load(with_labels=False)
@@ -175,11 +182,11 @@ def _is_native(tag: VersionTag, version: int) -> bool:
     return tag.version == version and tag.via in ("native", "backward")
 
 
-def _stored_plan(device: DeviceParts, version: int) -> dict | None:
+def _stored_plan(device: DeviceParts, version: int) -> dict[str, Any] | None:
     text = device.gallery.meta(PLAN_KEY)
     if text is None:
         return None
-    plan = json.loads(text)
+    plan: dict[str, Any] = json.loads(text)
     if plan["version"] != version:  # the gallery moved on to a newer version: that plan's rows are moot
         device.gallery.set_meta({PLAN_KEY: None})
         return None
@@ -240,7 +247,9 @@ def _vault_sha(device: DeviceParts, item_id: str) -> str:
     return sha
 
 
-def vault_originals(device: DeviceParts, client, item_ids: Sequence[str], engine: Engine) -> tuple[Any, int]:
+def vault_originals(
+    device: DeviceParts, client: FctkitClient, item_ids: Sequence[str], engine: Engine
+) -> tuple[Any, int]:
     """The items' originals downloaded from the vault and opened, as ``engine``'s embed graph
     takes them, and the sealed bytes downloaded."""
     blobs = [client.read_blob(_vault_sha(device, item)) for item in item_ids]
@@ -269,7 +278,7 @@ def reembedded_rows(
     return groups
 
 
-def gallery_vectors(engine: Engine, images) -> tuple[np.ndarray, np.ndarray, str]:
+def gallery_vectors(engine: Engine, images: Items) -> tuple[np.ndarray, np.ndarray, str]:
     """What a gallery row of freshly embedded ``images`` holds (:meth:`Engine.row_vectors`)."""
     return engine.row_vectors(engine.embed(images), engine.side_info(images))
 

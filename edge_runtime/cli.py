@@ -62,8 +62,9 @@ def _passphrase(var: str | None) -> str | None:
 
 def _key_passphrase(var: str | None, *, confirm: bool) -> str:
     """The exported owner key's passphrase: from the environment variable, else prompted."""
-    if var is not None:
-        return _passphrase(var)
+    passphrase = _passphrase(var)
+    if passphrase is not None:  # var was given (an unset one raised)
+        return passphrase
     return click.prompt("Owner key passphrase", hide_input=True, confirmation_prompt=confirm)
 
 
@@ -345,6 +346,7 @@ def query_command(root, passphrase_env, sources, k, on_bad_item) -> None:
             for matches in device.query(source.items, k=k):
                 click.echo(json.dumps([dataclasses.asdict(m) for m in matches]))
         else:
+            assert source.ids is not None  # raw items always come with their ids
             answered, skipped = device.query_items(source.items, source.ids, k=k, on_bad_item=on_bad_item)
             for query_id, matches in answered:
                 click.echo(json.dumps({"id": query_id, "matches": [dataclasses.asdict(m) for m in matches]}))

@@ -29,17 +29,20 @@ enrol with a code made for the same owner, ``sync()``: the gallery comes back fr
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from fctkit.errors import DeviceError
 from fctkit.private_files import make_private
-from fctkit.protos.client import ClientTls, FctkitClient, RetryPolicy
+from fctkit.protos.client import ClientTls, FctkitClient
+from fctkit.protos.retry_policy import RetryPolicy
 
 from .adding import AddedItems, OnBadItem, add_items, restore_from_vault, side_infos_again, usable_queries
 from .backfill import BackfillResult, run_backfill
@@ -60,12 +63,12 @@ from .device_status import device_status
 from .device_sync import SyncResult, sync_device
 from .device_trust import DeviceTrust, initial_pin
 from .device_trust_sync import TrustChoice, enrol_device, trusted_client
-from .engine import Engine
+from .engine import Engine, Items
 from .gallery import Gallery
 from .gallery.rows import LoadedRows
 from .queries import GallerySearch, Match
 from .repair import damage_report, repair_gallery, valid_names
-from .replication import ReplicationResult, apply_pending, replicate
+from .replication import OnBatch, ReplicationResult, apply_pending, replicate
 from .revert_records import expire_rollback, revert_report_fields, withdrawal_status
 from .scoring import TransitionState, store_hubness_offsets
 from .search import ExactIndex
@@ -103,14 +106,14 @@ class Device:
     @classmethod
     def init(
         cls,
-        root: str | os.PathLike,
+        root: str | os.PathLike[str],
         *,
         passphrase: str | None = None,
-        publisher_key: str | os.PathLike | None = None,
+        publisher_key: str | os.PathLike[str] | None = None,
         settings: DeviceSettings | None = None,
-        owner_key_file: str | os.PathLike | None = None,
+        owner_key_file: str | os.PathLike[str] | None = None,
         owner_key_passphrase: str | None = None,
-        trust_root: str | os.PathLike | None = None,
+        trust_root: str | os.PathLike[str] | None = None,
     ) -> Device:
         """Create a device directory: a new device key, an empty gallery, optionally a pinned
         root of trust (``trust_root``, a root file signed by a threshold of its own root keys) or
@@ -134,7 +137,7 @@ class Device:
         return cls(root, key, settings, owner_key)
 
     @classmethod
-    def open(cls, root: str | os.PathLike, *, passphrase: str | None = None) -> Device:
+    def open(cls, root: str | os.PathLike[str], *, passphrase: str | None = None) -> Device:
         root = Path(root)
         if not (root / SETTINGS_FILE).is_file():
             raise DeviceError(f"{root} is not a device directory: run `fctkit device init --dir {root}` first")
@@ -144,7 +147,7 @@ class Device:
             write_key_file(root / OWNER_KEY_FILE, new_key(), passphrase, kind="owner")
         return cls(root, key, settings, read_key_file(root / OWNER_KEY_FILE, passphrase, kind="owner"))
 
-    def export_owner_key(self, path: str | os.PathLike, passphrase: str) -> Path:
+    def export_owner_key(self, path: str | os.PathLike[str], passphrase: str) -> Path:
         """Write the owner key to a new 0600 file, wrapped by ``passphrase`` (scrypt), for
         ``init(owner_key_file=...)`` on the owner's other or replacement devices."""
         if not passphrase:
@@ -176,7 +179,7 @@ class Device:
     # -- server link ------------------------------------------------------------------------
 
     @property
-    def publisher_key(self):
+    def publisher_key(self) -> Ed25519PublicKey:
         """The pinned publisher key of a device from before roots."""
         return self.trust.publisher_key()
 
@@ -189,7 +192,7 @@ class Device:
         tls_ca: str | None = None,
         tls_cert: str | None = None,
         tls_key: str | None = None,
-        trust_root: str | os.PathLike | None = None,
+        trust_root: str | os.PathLike[str] | None = None,
         root_fingerprint: str | None = None,
         trust_on_first_use: bool = False,
     ) -> str:
@@ -233,9 +236,9 @@ class Device:
         write_settings(self.root / SETTINGS_FILE, self.settings)
 
     def client(self, *, attempts: int = 6) -> FctkitClient:
-        if not self.settings.server or not (self.root / TOKEN_FILE).exists():
-            raise DeviceError("this device is not enrolled: run `fctkit device enrol --server HOST:PORT --code CODE`")
         settings = self.settings
+        if not settings.server or not (self.root / TOKEN_FILE).exists():
+            raise DeviceError("this device is not enrolled: run `fctkit device enrol --server HOST:PORT --code CODE`")
         tls = ClientTls.from_files(settings.tls_root_certificates, settings.tls_client_cert, settings.tls_client_key)
         token = (self.root / TOKEN_FILE).read_text().strip()
         return FctkitClient(settings.server, token, tls=tls, retry=RetryPolicy(attempts=attempts))
@@ -251,7 +254,7 @@ class Device:
         """The engine of an installed bundle (default: the query version), verified on first use."""
         return self.bundles.engine(self.version if version is None else version)
 
-    def install_bundle(self, source: str | os.PathLike) -> int:
+    def install_bundle(self, source: str | os.PathLike[str]) -> int:
         """Verify a local bundle directory and copy it in (:meth:`InstalledBundles.install`); the
         gallery is not touched. Returns its version."""
         return self.bundles.install(source, self.version)
@@ -268,7 +271,7 @@ class Device:
 
     def add(
         self,
-        images,
+        images: Items,
         *,
         item_ids: Sequence[str] | None = None,
         labels: Sequence[str | None] | None = None,
@@ -283,7 +286,7 @@ class Device:
 
     def add_items(
         self,
-        items,
+        items: Items,
         *,
         item_ids: Sequence[str] | None = None,
         labels: Sequence[str | None] | None = None,
@@ -329,14 +332,14 @@ class Device:
         transition scoring or hubness offsets the index holds the prepared vectors (:mod:`.scoring`)."""
         return self.search.searchable()[1:3]
 
-    def query(self, images, k: int = 5) -> list[list[Match]]:
+    def query(self, images: Items, k: int = 5) -> list[list[Match]]:
         """The ``k`` nearest gallery items of each query (an array row, or a raw item when the
         bundle declares preprocessing; exact search; during a transition the query is embedded by
         both versions' models and scored as :mod:`.scoring` says)."""
         return self.search.query(images, k)
 
     def query_items(
-        self, items, query_ids: Sequence[str], k: int = 5, on_bad_item: OnBadItem = "refuse"
+        self, items: Items, query_ids: Sequence[str], k: int = 5, on_bad_item: OnBadItem = "refuse"
     ) -> tuple[list[tuple[str, list[Match]]], list[tuple[str, str]]]:
         """:meth:`query` with ids: (query id, matches) of each query answered, and (query id,
         reason) of each the bundle's preprocessing cannot take (refused unless ``on_bad_item`` is 'skip')."""
@@ -359,7 +362,7 @@ class Device:
         then (``replicate``, on a device of an owner) pull and push the owner's gallery replica."""
         return sync_device(self, upgrade=upgrade, replicate=replicate)
 
-    def _replicate(self, client, result: SyncResult, wanted: bool) -> None:
+    def _replicate(self, client: FctkitClient, result: SyncResult, wanted: bool) -> None:
         if not wanted:
             return
         if not self.settings.owner_id:
@@ -368,7 +371,7 @@ class Device:
         result.replication = replicate(self.parts, client)
         self._rows_arrived()
 
-    def replicate(self, *, on_batch=None) -> ReplicationResult:
+    def replicate(self, *, on_batch: OnBatch | None = None) -> ReplicationResult:
         """Pull and push the owner's gallery replica (see :mod:`fctkit.edge_runtime.replication`)."""
         with self.client() as client:
             result = replicate(self.parts, client, on_batch=on_batch)
@@ -381,7 +384,7 @@ class Device:
         if self.version:
             store_hubness_offsets(self.gallery, self.engine())
 
-    def watch(self, *, max_versions: int | None = None, upgrade: bool = True):
+    def watch(self, *, max_versions: int | None = None, upgrade: bool = True) -> Iterator[SyncResult]:
         """Follow the server's version stream and sync on each new version (blocking; ends when
         the server shuts down, or after ``max_versions`` versions). Yields each :class:`SyncResult`."""
         seen = 0
@@ -394,7 +397,7 @@ class Device:
                 if max_versions is not None and seen >= max_versions:
                     return
 
-    def upgrade(self, bundle_dirs: str | os.PathLike | Sequence[str | os.PathLike] | None = None) -> int:
+    def upgrade(self, bundle_dirs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None) -> int:
         """Offline: resume an interrupted upgrade, or install ``bundle_dirs`` (folders or ``.tar``
         archives, each verified, in version order) and upgrade to the newest along the cheapest
         path the installed bundles offer from every version the gallery's rows are in (direct
@@ -405,23 +408,23 @@ class Device:
             bundle_dirs = [bundle_dirs]
         return self._upgrades().offline(bundle_dirs)
 
-    def upgrade_with(self, plan: UpgradePlan, client=None) -> int:
+    def upgrade_with(self, plan: UpgradePlan, client: FctkitClient | None = None) -> int:
         """Record ``plan`` in the gallery and run it."""
         return self._upgrades(client).start(plan)
 
-    def _upgrades(self, client=None) -> DeviceUpgrade:
+    def _upgrades(self, client: FctkitClient | None = None) -> DeviceUpgrade:
         """This device's upgrades (:class:`~.upgrade.DeviceUpgrade`), reporting progress to the
         fleet service through ``client`` when given."""
         from fctkit.protos import fleet_pb2
 
-        def report(target: int, progress: float) -> None:
-            self._report(client, fleet_pb2.UPGRADE_STATE_UPGRADING, target, progress=progress)
+        def report(to: FctkitClient, target: int, progress: float) -> None:
+            self._report(to, fleet_pb2.UPGRADE_STATE_UPGRADING, target, progress=progress)
 
         return DeviceUpgrade(
             self.parts,
             batch_size=self.settings.batch_size,
             after=self._upgraded,
-            report=report if client is not None else None,
+            report=functools.partial(report, client) if client is not None else None,
             check=HealthCheck(self.parts, self.settings.device_id, self.settings.health_sample),
         )
 
@@ -432,7 +435,7 @@ class Device:
         store_hubness_offsets(self.gallery, self.engine())
         self.search.reset()
 
-    def _report(self, client, state: int, target: int = 0, progress: float = 0.0) -> None:
+    def _report(self, client: FctkitClient, state: int, target: int = 0, progress: float = 0.0) -> None:
         """Tell the fleet service where this device stands, with the last upgrade's health (best effort:
         :func:`~.upgrade_check.send_report`)."""
         send_report(
@@ -456,7 +459,7 @@ class Device:
         order: str | None = None,
         seed: int = 0,
         batch_size: int = 64,
-        on_batch=None,
+        on_batch: Callable[[int], object] | None = None,
     ) -> BackfillResult:
         """Re-embed the rows most worth it from their vault originals (see
         :mod:`fctkit.edge_runtime.backfill`): ``order`` one of random, uncertainty,

@@ -31,6 +31,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
 from fctkit.errors import BundleError, DeviceError, ExpiredMetadataError, TrustError
 from fctkit.private_files import make_private
 from fctkit.protos.bundle import load_public_key
@@ -138,7 +140,7 @@ class DeviceTrust:
             )
         return "a publisher key (publisher.pub)" if self.pins_key else "nothing"
 
-    def publisher_key(self):
+    def publisher_key(self) -> Ed25519PublicKey:
         path = self.root / PUBLISHER_FILE
         if not path.exists():
             raise DeviceError("no publisher key is pinned: enrol with a server, or init with --publisher-key or --root")
@@ -362,8 +364,8 @@ def read_root_file(path: str | os.PathLike) -> Signed[Root]:
 
 
 def initial_pin(
-    trust_root: str | os.PathLike | None, publisher_key: str | os.PathLike | None
-) -> Callable[[Path], None]:
+    trust_root: str | os.PathLike[str] | None, publisher_key: str | os.PathLike[str] | None
+) -> Callable[[Path], object]:
     """``device init``: check the root file (or the publisher key file) now; the returned
     function pins it in a new device folder."""
     if trust_root is not None and publisher_key is not None:

@@ -178,7 +178,13 @@ def trusted_client(trust: DeviceTrust, connect: Callable[[], Any]) -> Iterator[A
 
 
 def enrol_device(
-    trust: DeviceTrust, owner_key_id: str, server: str, code: str, device_name: str, tls: ClientTls, choice: TrustChoice
+    trust: DeviceTrust,
+    owner_key_id: str,
+    server: str,
+    code: str,
+    device_name: str,
+    tls: ClientTls | None,
+    choice: TrustChoice,
 ) -> Enrolment:
     """Trade the code for a token, take the server's trust as ``choice`` says, then write the
     trust and the token; a refusal writes nothing (the code is spent: ask for a new one)."""
@@ -201,7 +207,8 @@ def _trust_to_write(
         accepted = offered_update(trust, client)
         if accepted is None:
             return _legacy_key(trust, offered_key, pinned=True)
-        return lambda: trust.save(accepted.new_roots, accepted.state)
+        new_roots, state = accepted.new_roots, accepted.state
+        return lambda: trust.save(new_roots, state)
     update = fetch_trust(client, 0 if start is None else start.body.version)
     if update is None:
         if choice.trust_on_first_use:

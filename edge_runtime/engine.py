@@ -16,12 +16,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeAlias, cast
 
 import numpy as np
 
 from fctkit.errors import ConfigError, InputError, ItemError, require
 from fctkit.protos.bundle import Artifact, VerifiedBundle
 from fctkit.protos.preprocessing import Embedded, ItemProblem, Preprocessor, Purpose
+
+#: what the embedding graphs take: an array (N, ...) of inputs, or, for a bundle that declares
+#: preprocessing, a list of raw items (image file bytes, texts)
+Items: TypeAlias = Any
 
 PROVIDER_NAMES = {
     "tensorrt": "TensorrtExecutionProvider",
@@ -71,7 +76,7 @@ class Engine:
         self._preprocessors: dict[str, Preprocessor] = {}
         self.providers_in_use: dict[str, str] = {}
 
-    def session(self, artifact: Artifact):
+    def session(self, artifact: Artifact) -> Any:  # an onnxruntime.InferenceSession
         if artifact.name not in self._sessions:
             ort = self._ort
             options = ort.SessionOptions()
@@ -91,7 +96,9 @@ class Engine:
         self.session(self.manifest.artifact("embed"))
         return self.providers_in_use[self.manifest.artifact("embed").name]
 
-    def run(self, artifact: Artifact, *inputs: np.ndarray, progress: Callable[[int], None] | None = None) -> np.ndarray:
+    def run(
+        self, artifact: Artifact, *inputs: np.ndarray, progress: Callable[[int], object] | None = None
+    ) -> np.ndarray:
         """Run ``artifact`` on ``inputs`` (one array per graph input, same number of rows) in
         batches of ``config.batch_size``; returns the first output as float32."""
         if len(inputs) != len(artifact.inputs):
@@ -146,11 +153,11 @@ class Engine:
     def embed_items(
         self,
         role: str,
-        items,
+        items: Items,
         *,
         purpose: Purpose = "passage",
         keep_going: bool = False,
-        progress: Callable[[int], None] | None = None,
+        progress: Callable[[int], object] | None = None,
     ) -> Embedded:
         """The role's vectors of ``items`` (raw items, or arrays for a bundle without preprocessing),
         with the items its preprocessing cannot take left out and listed (see :class:`Embedded`)."""
@@ -167,24 +174,26 @@ class Engine:
             progress=progress,
         )
 
-    def item_problems(self, items, *, purpose: Purpose = "passage") -> list[tuple[int, str]]:
+    def item_problems(self, items: Items, *, purpose: Purpose = "passage") -> list[tuple[int, str]]:
         """(position, reason) of each raw item a preprocessed role cannot take; runs no graph."""
         problems: dict[int, str] = {}
         for role in ("embed", "side_info"):
             preprocessor = self.preprocessor(role) if role == "embed" or self.manifest.side_info_dim else None
-            for index, item in enumerate(items if preprocessor is not None else ()):
+            if preprocessor is None:
+                continue
+            for index, item in enumerate(items):
                 try:
                     preprocessor.prepare(item, purpose)
                 except ItemProblem as problem:
                     problems.setdefault(index, str(problem))
         return sorted(problems.items())
 
-    def embed(self, images, *, purpose: Purpose = "passage") -> np.ndarray:
+    def embed(self, images: Items, *, purpose: Purpose = "passage") -> np.ndarray:
         """φ of ``images`` (arrays, or raw items when the bundle declares preprocessing);
         :class:`ItemError` when a raw item cannot be embedded."""
         return self._vectors("embed", images, purpose)
 
-    def _vectors(self, role: str, items, purpose: Purpose) -> np.ndarray:
+    def _vectors(self, role: str, items: Items, purpose: Purpose) -> np.ndarray:
         done = self.embed_items(role, items, purpose=purpose)
         if done.bad:
             problems = tuple((f"#{index}", reason) for index, reason in done.bad)
@@ -193,6 +202,7 @@ class Engine:
                 + "; ".join(f"item {i} {r}" for i, r in problems[:5]),
                 problems,
             )
+        assert done.vectors is not None  # None only when a bad item stopped the runs
         return done.vectors
 
     def row_vectors(self, embeddings: np.ndarray, side_infos: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
@@ -208,25 +218,26 @@ class Engine:
         maps = [a for a in self.manifest.artifacts if a.role == "query_map"]
         return maps[0] if maps else None
 
-    def side_info(self, images, *, purpose: Purpose = "passage") -> np.ndarray:
+    def side_info(self, images: Items, *, purpose: Purpose = "passage") -> np.ndarray:
         """ψ(images), or zero-width vectors when the bundle has no side-info model."""
         if self.manifest.side_info_dim == 0:
             return np.zeros((len(images), 0), dtype=np.float32)
         return self._vectors("side_info", images, purpose)
 
 
-def _conform(x: np.ndarray, shape: tuple, name: str, graph: str) -> np.ndarray:
+def _conform(x: np.ndarray, shape: tuple[int | None, ...], name: str, graph: str) -> np.ndarray:
     """``x`` as a float32 array of the graph input's shape (items reshaped when they hold the
     same number of values); wrong sizes, NaN and inf are refused."""
     x = np.asarray(x)
     if x.ndim == 0 or x.shape[0] == 0:
         raise InputError(f"{graph}: input {name!r} is empty; give at least one row")
-    per_item = math.prod(shape[1:])
+    item_shape = cast(tuple[int, ...], shape[1:])  # a verified bundle's graph inputs are dynamic in the batch only
+    per_item = math.prod(item_shape)
     if math.prod(x.shape[1:]) != per_item:
-        raise InputError(f"{graph}: input {name!r} expects items of shape {tuple(shape[1:])}, got {x.shape[1:]}")
+        raise InputError(f"{graph}: input {name!r} expects items of shape {item_shape}, got {x.shape[1:]}")
     if not np.issubdtype(x.dtype, np.number) or np.issubdtype(x.dtype, np.complexfloating):
         raise InputError(f"{graph}: input {name!r} must be real numbers, got {x.dtype}; give real-valued arrays")
-    x = np.ascontiguousarray(x, dtype=np.float32).reshape((x.shape[0], *shape[1:]))
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape((x.shape[0], *item_shape))
     if not np.isfinite(x).all():
         raise InputError(f"{graph}: input {name!r} holds NaN or inf values; clean the data first")
     return x

@@ -73,7 +73,7 @@ def _arrays(path: Path) -> ItemSource:
     with data:
         if "images" not in data:
             raise InputError(f"{path} has no 'images' array (it has: {', '.join(data.files)})")
-        labels = [str(x) for x in data["labels"]] if "labels" in data else None
+        labels: list[str | None] | None = [str(x) for x in data["labels"]] if "labels" in data else None
         ids = [str(x) for x in data["ids"]] if "ids" in data else None
         return ItemSource("arrays", data["images"], ids, labels)
 

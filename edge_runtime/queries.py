@@ -5,11 +5,13 @@ transition scoring, hubness offsets, or "compatible" mode's common prefix)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .bundle_store import InstalledBundles
 from .compatible_search import comparable_dims, compatible_rows
+from .engine import Items
 from .gallery import Gallery
 from .gallery.rows import LoadedRows, take_rows
 from .scoring import Scoring, TransitionState, prepared_queries, scoring_of, searched_rows
@@ -29,7 +31,7 @@ class GallerySearch:
 
     def __init__(self, gallery: Gallery, bundles: InstalledBundles, backend: str) -> None:
         self.gallery, self.bundles, self.backend = gallery, bundles, backend
-        self._cache: tuple[tuple, ExactIndex, LoadedRows, Scoring] | None = None
+        self._cache: tuple[tuple[Any, ...], ExactIndex, LoadedRows, Scoring] | None = None
         #: (row id, item id, reason) of the matches of the last query whose label failed to open
         self.damaged_labels: list[tuple[int, str, str]] = []
 
@@ -53,7 +55,7 @@ class GallerySearch:
         self._cache = None
         return True
 
-    def query_vectors(self, images, version: int) -> np.ndarray:
+    def query_vectors(self, images: Items, version: int) -> np.ndarray:
         """Query images (arrays, or raw items for a bundle that declares preprocessing, embedded
         as queries) in the query space of ``version``: φ_v, Q(φ_v) when the bundle has a query
         map, or B(φ_v) in unified mode."""
@@ -62,7 +64,7 @@ class GallerySearch:
         mapping = engine.unified_backward() or engine.query_map()
         return vectors if mapping is None else engine.run(mapping, vectors)
 
-    def query(self, images, k: int) -> list[list[Match]]:
+    def query(self, images: Items, k: int) -> list[list[Match]]:
         version, index, rows, scoring = self.searchable()
         vectors = self.query_vectors(images, version)
         if scoring.kind == "transition" and len(index):

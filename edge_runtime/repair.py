@@ -30,9 +30,10 @@ Works on a :class:`~fctkit.edge_runtime.gallery.Gallery` and plain callables, no
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -101,7 +102,7 @@ def damage_report(
 
     settings = gallery.settings.damaged()
     rows = read("rows", gallery.load, None)
-    extras = {name: read(name, lambda n=name: gallery.extras.load(n).corrupt, []) for name in EXTRA_FIELDS}
+    extras = {name: read(name, functools.partial(_corrupt_extras, gallery, name), []) for name in EXTRA_FIELDS}
     originals = read("queued_originals", lambda: damaged_originals(gallery, open_original), [])
     report: dict[str, Any] = {
         "damaged_settings": settings,
@@ -133,6 +134,10 @@ def damage_report(
         + sum(len(v) if isinstance(v, list) else int(v) for v in file.values())
     )
     return report
+
+
+def _corrupt_extras(gallery: Gallery, name: str) -> Any:
+    return gallery.extras.load(name).corrupt
 
 
 def damaged_originals(gallery: Gallery, open_original: OpenOriginal) -> list[tuple[str, str]]:
@@ -185,7 +190,7 @@ def derived_settings(
     if "live_vectors" in damaged:
         values["live_vectors"] = live
     if "query_version" in damaged:
-        versions = gallery.table_versions(live)
+        versions = gallery.table_versions(cast(str, live))  # a REQUIRED setting, or derived: never None
         values["query_version"] = str(max(versions) if versions else max(installed_versions, default=0))
     other = VECTOR_TABLES[1 - VECTOR_TABLES.index(live)]
     upgrade = recovered.get("upgrade") or (None if "upgrade" in damaged else gallery.settings.get("upgrade"))

@@ -44,9 +44,10 @@ decrypted record vectors, bit for bit; nothing is re-embedded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -59,7 +60,12 @@ from .records import RecordHeader, beats, open_block, seal_block, sealed_sha256
 from .upgrade_plan import UpgradePlan, transform_rows
 
 if TYPE_CHECKING:
+    from fctkit.protos import vault_pb2
+    from fctkit.protos.client import FctkitClient
+
     from .device_parts import DeviceParts
+
+OnBatch = Callable[[str, int], object]  # on_batch(kind, rows): "push" or "pull", after each committed batch
 
 SEAL_BATCH = 16384  # changes sealed per transaction
 PUSH_ROWS = limits.MAX_RECORDS_PER_PUSH  # rows per PushRecords call (acknowledged together)
@@ -111,7 +117,7 @@ class Incoming:
         return [self.pending.item_ids[k] for k in self.live]
 
 
-def replicate(device: DeviceParts, client, *, on_batch=None) -> ReplicationResult:
+def replicate(device: DeviceParts, client: FctkitClient, *, on_batch: OnBatch | None = None) -> ReplicationResult:
     """Apply pending records the device can now place, pull everything after the cursor,
     push the device's changes. ``on_batch(kind, rows)`` after each committed batch."""
     _check_ready(device)
@@ -136,7 +142,7 @@ def _check_ready(device: DeviceParts) -> None:
 
 def seal_changes(device: DeviceParts, limit: int = SEAL_BATCH) -> int:
     """Seal up to ``limit`` logged changes under the owner key, as blocks; returns how many were looked at."""
-    owner, owner_id = device.owner_sealer, device.owner_id
+    owner, owner_id = device.owner_sealer, cast(str, device.owner_id)  # replicate() refuses a device without owner
 
     def seal(tag: VersionTag | None, rows: ReplicaRows) -> list[tuple[tuple[str, ...], bytes]]:
         return [(part.item_ids, seal_block(owner, owner_id, tag, part)) for part in block_parts(rows)]
@@ -161,7 +167,9 @@ def block_parts(rows: ReplicaRows) -> list[ReplicaRows]:
     return [*parts, rows.take(range(start, len(rows)))] if len(rows) else parts
 
 
-def push(device: DeviceParts, client, result: ReplicationResult, *, on_batch=None) -> None:
+def push(
+    device: DeviceParts, client: FctkitClient, result: ReplicationResult, *, on_batch: OnBatch | None = None
+) -> None:
     """Seal and push every logged change (see the module docstring). While the server stores one
     batch, the next changes are sealed: the call runs on its own thread, every database write on
     this one, and batches go out one at a time, oldest first."""
@@ -187,17 +195,19 @@ def push(device: DeviceParts, client, result: ReplicationResult, *, on_batch=Non
     result.originals_deleted += delete_removed_originals(device, client)
 
 
-def record_message(block: OutgoingBlock):
+def record_message(block: OutgoingBlock) -> vault_pb2.SealedRecord:
     """The SealedRecord of a sealed outgoing record."""
     from fctkit.protos import vault_pb2
 
     tag = block.tag
-    header = {} if tag is None else {"version": tag.version, "origin_version": tag.origin_version, "via": tag.via}
-    ids = {"item_ids": block.item_ids} if block.block else {"item_id": block.item_ids[0]}
+    header: dict[str, Any] = (
+        {} if tag is None else {"version": tag.version, "origin_version": tag.origin_version, "via": tag.via}
+    )
+    ids: dict[str, Any] = {"item_ids": block.item_ids} if block.block else {"item_id": block.item_ids[0]}
     return vault_pb2.SealedRecord(change_id=block.key, tombstone=tag is None, sealed=block.sealed, **header, **ids)
 
 
-def delete_removed_originals(device: DeviceParts, client) -> int:
+def delete_removed_originals(device: DeviceParts, client: FctkitClient) -> int:
     """Delete from the vault the originals of items removed here, once their tombstones are
     acknowledged (the owner's other devices learn of the removal first). Returns how many."""
     from fctkit.errors import RpcStatusError
@@ -217,7 +227,9 @@ def delete_removed_originals(device: DeviceParts, client) -> int:
 # -- pull -----------------------------------------------------------------------------------
 
 
-def pull(device: DeviceParts, client, result: ReplicationResult, *, on_batch=None) -> None:
+def pull(
+    device: DeviceParts, client: FctkitClient, result: ReplicationResult, *, on_batch: OnBatch | None = None
+) -> None:
     """Merge every record after the gallery's cursor, one transaction per :data:`PULL_ROWS` rows
     or so (whole messages; each transaction also advances the cursor)."""
     log = device.gallery.replica_log
@@ -252,7 +264,7 @@ def apply_pending(device: DeviceParts) -> dict[str, int]:
     return log.merge_blocks(placed, _decide, done_pending=[r.pending.sequence for r in placed])
 
 
-def _pulled(message) -> PendingBlock:
+def _pulled(message: vault_pb2.SealedRecord) -> PendingBlock:
     """A pulled message as a record to open (its rows and tag checked)."""
     block = bool(message.item_ids)
     item_ids = tuple(message.item_ids) if block else (message.item_id,)
@@ -269,7 +281,12 @@ def _pulled(message) -> PendingBlock:
 
 def _open(device: DeviceParts, record: PendingBlock) -> Incoming:
     rows = open_block(
-        device.owner_sealer, device.owner_id, record.item_ids, record.tag, record.sealed, block=record.block
+        device.owner_sealer,
+        cast(str, device.owner_id),  # replicate() and apply_pending() refuse a device without owner
+        record.item_ids,
+        record.tag,
+        record.sealed,
+        block=record.block,
     )
     skipped = set(record.skipped)
     live = [k for k in range(len(record.item_ids)) if k not in skipped]
@@ -284,6 +301,7 @@ def _place(device: DeviceParts, record: Incoming) -> Incoming:
     if tag is None or not version or tag.version > version:
         return record
     rows = record.rows
+    assert rows is not None  # only tombstones (no tag) have no rows
     if tag.version == version:
         return replace(record, landing=(tag, rows))
     plan = local_plan(device, tag.version, version)

@@ -125,6 +125,7 @@ def prepared_rows(
     if scoring.kind != "transition":
         raise GalleryError(f"no prepared rows for {scoring.kind!r} scoring")
     w = scoring.weight
+    assert previous is not None and has_previous is not None  # transition rows come with their previous vectors
     previous_part = np.sqrt(w) * normalise(previous) * has_previous[:, None]
     current_part = rows * np.where(has_previous, np.sqrt(1.0 - w), 1.0 / np.sqrt(1.0 - w))[:, None]
     parts = [previous_part, current_part]
@@ -141,6 +142,7 @@ def prepared_queries(scoring: Scoring, queries: np.ndarray, previous_queries: np
     if scoring.kind == "hubness":
         return np.hstack([queries, *ones])
     w = scoring.weight
+    assert previous_queries is not None  # transition queries come with the previous version's
     return np.hstack([np.sqrt(w) * normalise(previous_queries), np.sqrt(1.0 - w) * queries, *ones]).astype(np.float32)
 
 

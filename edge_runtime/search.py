@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 
@@ -40,7 +41,7 @@ def normalise(x: np.ndarray) -> np.ndarray:
         scale = np.maximum(rows.max(axis=1), -rows.min(axis=1))
         scaled = rows / np.where(scale > 0, scale, 1).astype(rows.dtype)[:, None]
         out[extreme] = scaled / np.maximum(np.sqrt(np.einsum("ij,ij->i", scaled, scaled)), np.float32(1e-12))[:, None]
-    return out
+    return cast(np.ndarray, out)  # x / (N, 1) norms: an array
 
 
 def faiss_available() -> bool:
@@ -105,7 +106,7 @@ class ExactIndex:
         return _tie_ordered(part.astype(np.int64), picked.astype(np.float32))
 
 
-def _faiss_index(vectors: np.ndarray, distance: str, chunk: int = 65_536):
+def _faiss_index(vectors: np.ndarray, distance: str, chunk: int = 65_536) -> tuple[Any, np.ndarray]:
     """A faiss flat index of ``vectors`` and a read-only numpy view of the vectors it holds. The
     index's storage is sized once and filled in place (normalised for cosine) a chunk at a
     time, so neither a second full copy nor faiss's growth by doubling ever exists."""
@@ -126,7 +127,7 @@ class _HeldByFaiss:
     """The vectors inside a faiss flat index as an array interface; an array made from it keeps
     the index (the memory's owner) alive, so the view can never outlive the memory."""
 
-    def __init__(self, index) -> None:
+    def __init__(self, index: Any) -> None:  # a faiss flat index
         self.index = index
         self.__array_interface__ = {
             "shape": (index.ntotal, index.d),

@@ -15,6 +15,7 @@ import shutil
 import sqlite3
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import cast
 
 from fctkit.errors import GalleryDamagedError, NoSpaceError
 
@@ -81,7 +82,7 @@ class _GuardedCursor(sqlite3.Cursor):
         except sqlite3.IntegrityError:
             raise
         except sqlite3.Error as exc:
-            raise damaged(self.connection.path, exc) from None
+            raise damaged(cast(GuardedConnection, self.connection).path, exc) from None
 
     def execute(self, sql, parameters=()):
         return self._guard(super().execute, sql, parameters)

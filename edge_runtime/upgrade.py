@@ -26,6 +26,7 @@ commits is answered by whichever version its snapshot saw (old or new, never a m
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,6 +49,8 @@ from .upgrade_check import UpgradeRun
 from .upgrade_plan import UpgradePlan, hop_list, plan_to, server_hops, transform_rows
 
 if TYPE_CHECKING:
+    from fctkit.protos.client import FctkitClient
+
     from .device_parts import DeviceParts
 
 REPORT_EVERY_S = 2.0  # upgrade progress reports to the fleet service, at most this often
@@ -78,7 +81,7 @@ class DeviceUpgrade:
         state = self.gallery.upgrade_state
         return self.finish(UpgradePlan.from_state(state)) if state is not None else 0
 
-    def offline(self, bundle_dirs: Sequence | None) -> int:
+    def offline(self, bundle_dirs: Sequence[str | os.PathLike[str]] | None) -> int:
         """Resume, then install ``bundle_dirs`` (or apply bundles installed but never applied) and
         upgrade to the newest over the installed bundles; a device without a model just installs."""
         done = self.resume()
@@ -107,7 +110,7 @@ class DeviceUpgrade:
         )
         return done + self.start(plan)
 
-    def server_plan(self, client, target: int) -> UpgradePlan:
+    def server_plan(self, client: FctkitClient, target: int) -> UpgradePlan:
         """The server's plan to ``target`` from every version the rows are in, its bundles downloaded."""
         query_version = self.parts.version
         self.bundles.download(client, target, query_version)
@@ -138,7 +141,7 @@ class DeviceUpgrade:
         record_uncertainty(
             self.parts, self.bundles.engine(plan.target)
         )  # FastFill σ needs φ_old, ψ: before the rewrite
-        meta = {"upgrade": plan.to_json()}
+        meta: dict[str, str | None] = {"upgrade": plan.to_json()}
         if plan.mode != "forward":
             meta["query_version"] = str(plan.target)
         self.gallery.set_meta(meta)
@@ -189,8 +192,13 @@ class DeviceUpgrade:
             rollback = rollback_meta(target, version)  # a window: every row keeps its vectors (:mod:`.revert`)
             self.gallery.switch_to(
                 plan.target,
-                {"upgrade": None, "transition": transition and transition.to_json(), **rollback, **revert_meta(None)},
-                keep_previous=transition and transition.previous_version,
+                {
+                    "upgrade": None,
+                    "transition": None if transition is None else transition.to_json(),
+                    **rollback,
+                    **revert_meta(None),
+                },
+                keep_previous=None if transition is None else transition.previous_version,
                 keep_rollback=rollback[ROLLBACK_KEY] is not None,
             )
         else:  # rows rewritten in place: no vectors kept, a withdrawal reverts through backward or the vault
@@ -225,7 +233,7 @@ def run_upgrade(
     staged = plan.mode == "forward"
     done, last_row_id = 0, 0
     reader = gallery.reader()
-    writing: Future | None = None
+    writing: Future[int] | None = None
 
     def committed() -> None:  # the previous batch's write finished (its error, if any, raised here)
         nonlocal done, writing

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,6 +18,10 @@ from fctkit.errors import DeviceError, GalleryError, RpcStatusError
 from .engine import Engine
 from .gallery import Gallery
 from .gallery.rows import VersionTag
+
+if TYPE_CHECKING:
+    from fctkit.protos.bundle import Artifact, Manifest
+    from fctkit.protos.client import FctkitClient
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class UpgradePlan:
         )
 
     @classmethod
-    def from_state(cls, state: Mapping) -> UpgradePlan:
+    def from_state(cls, state: Mapping[str, Any]) -> UpgradePlan:
         return cls(state["target"], state["mode"], tuple(Hop(**h) for h in state["hops"]))
 
     def path_from(self, version: int) -> list[Hop]:
@@ -97,7 +101,7 @@ def plan_to(
     return plan
 
 
-def server_hops(client, target: int) -> Callable[[int], list[Hop] | None]:
+def server_hops(client: FctkitClient, target: int) -> Callable[[int], list[Hop] | None]:
     """``find_hops`` for :func:`plan_to` that asks the server (None where it has no path)."""
 
     def find(source: int) -> list[Hop] | None:
@@ -164,14 +168,14 @@ def transform_rows(
     return tag, embeddings, side_infos
 
 
-def _artifact(manifest, name: str):
+def _artifact(manifest: Manifest, name: str) -> Artifact:
     for artifact in manifest.artifacts:
         if artifact.name == name:
             return artifact
     raise GalleryError(f"bundle v{manifest.version} has no artifact {name!r} named by the upgrade plan")
 
 
-def _inputs(artifact, embeddings: np.ndarray, side_infos: np.ndarray) -> tuple[np.ndarray, ...]:
+def _inputs(artifact: Artifact, embeddings: np.ndarray, side_infos: np.ndarray) -> tuple[np.ndarray, ...]:
     return (embeddings,) if len(artifact.inputs) == 1 else (embeddings, side_infos)
 
 

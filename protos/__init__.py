@@ -1,6 +1,8 @@
 """fctkit.protos — the wire formats shared by server, devices and trainer."""
 
 # The signed model bundle format (stdlib + cryptography only; see fctkit.protos.bundle).
+from typing import Any
+
 from fctkit.protos.bundle import Artifact, Manifest, TensorSpec, VerifiedBundle, unpack_bundle, verify_bundle
 
 # Upgrade planning over bundle manifests (the server's catalogue, a device's installed bundles).
@@ -23,7 +25,7 @@ _CLIENT_NAMES = ("FctkitClient", "RetryPolicy", "Transfer", "Enrolment")
 __all__ += list(_CLIENT_NAMES)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _CLIENT_NAMES:
         from fctkit.protos import client
 

@@ -59,9 +59,12 @@ class TensorSpec:
     @property
     def feature_dim(self) -> int:
         """The size of the last axis (the embedding / side-info dimension for 2-D tensors)."""
-        if len(self.shape) > 1 and self.shape[-1] is None:
+        if len(self.shape) <= 1:
+            return 1
+        last = self.shape[-1]
+        if last is None:
             raise BundleFormatError(f"tensor {self.name!r}: its last axis is dynamic, so it has no feature dim")
-        return int(self.shape[-1]) if len(self.shape) > 1 else 1
+        return int(last)
 
     @property
     def dynamic(self) -> bool:
@@ -174,7 +177,7 @@ class Artifact:
         data = exact_keys(data, keys, where)
         return cls(
             name=typed(data["name"], str, f"{where}.name"),
-            role=typed(data["role"], str, f"{where}.role"),  # type: ignore[arg-type]
+            role=typed(data["role"], str, f"{where}.role"),
             file=typed(data["file"], str, f"{where}.file"),
             sha256=typed(data["sha256"], str, f"{where}.sha256"),
             size=typed(data["size"], int, f"{where}.size"),

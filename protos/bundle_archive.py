@@ -25,7 +25,7 @@ DEFAULT_MAX_FILE_BYTES = 2 << 30
 DEFAULT_MAX_TOTAL_BYTES = 4 << 30
 
 
-def pack_bundle(root: str | os.PathLike, archive: str | os.PathLike) -> Path:
+def pack_bundle(root: str | os.PathLike[str], archive: str | os.PathLike[str]) -> Path:
     """Write the bundle directory as a deterministic tar (sorted, zero times and owners).
 
     Only the manifest, the signature and the artifacts the manifest lists are packed; a
@@ -69,8 +69,8 @@ def pack_bundle(root: str | os.PathLike, archive: str | os.PathLike) -> Path:
 
 
 def unpack_bundle(
-    archive: str | os.PathLike,
-    dest: str | os.PathLike,
+    archive: str | os.PathLike[str],
+    dest: str | os.PathLike[str],
     *,
     max_members: int = DEFAULT_MAX_MEMBERS,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,

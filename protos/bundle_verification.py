@@ -54,7 +54,7 @@ class VerifiedBundle:
         raise BundleFormatError(f"bundle v{self.manifest.version} has no artifact named {name!r}")
 
 
-def verify_bundle(root: str | os.PathLike, trust: Any, *, installed_version: int | None = None) -> VerifiedBundle:
+def verify_bundle(root: str | os.PathLike[str], trust: Any, *, installed_version: int | None = None) -> VerifiedBundle:
     """Verify a bundle directory: signatures under ``trust`` (a pinned publisher key, or a root
     whose publisher threshold must have signed: :func:`~fctkit.protos.trust.verify_release_manifest`),
     version monotonicity, no stray files, and every artifact's size and SHA-256. Returns the

@@ -26,7 +26,7 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar, cast
 
 import grpc
 
@@ -34,12 +34,14 @@ from fctkit.config import read_setting_file
 from fctkit.errors import ConfigError, InputError
 
 from . import fleet_pb2, fleet_pb2_grpc, limits, registry_pb2, registry_pb2_grpc, vault_pb2, vault_pb2_grpc
-from .bundle import MANIFEST_FILE, SIGNATURE_FILE, check_version_is_newer, file_sha256, verify_bundle
+from .bundle import MANIFEST_FILE, SIGNATURE_FILE, VerifiedBundle, check_version_is_newer, file_sha256, verify_bundle
 from .bundle_vocabulary import SIGNATURES_FILE
 from .resumable_transfer import Transfer, chunks_of, download_to_file, stream_download
 from .retry_policy import RetryPolicy, sleep_before_retry, status_error
 from .rollout_client import RolloutCalls
 from .trust import Timestamp, verify_release_manifest, verify_snapshot_manifest
+
+_Response = TypeVar("_Response")  # what an RPC answers
 
 
 @dataclass(frozen=True)
@@ -218,8 +220,8 @@ class FctkitClient(RolloutCalls):
     # -- plumbing ---------------------------------------------------------------------------
 
     def _retrying(
-        self, attempt: Callable[[], Any], retry_on: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)
-    ) -> Any:
+        self, attempt: Callable[[], _Response], retry_on: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)
+    ) -> _Response:
         delays = self.retry.delays()
         while True:
             try:
@@ -227,8 +229,8 @@ class FctkitClient(RolloutCalls):
             except grpc.RpcError as error:
                 sleep_before_retry(error, delays, retry_on)
 
-    def _unary(self, method: Callable, request: Any, *, retry: bool = True) -> Any:
-        def attempt():
+    def _unary(self, method: Callable[..., _Response], request: Any, *, retry: bool = True) -> _Response:
+        def attempt() -> _Response:
             return method(request, metadata=self._metadata, timeout=self.timeout_s)
 
         return self._retrying(attempt, (grpc.StatusCode.UNAVAILABLE,) if retry else ())
@@ -267,7 +269,10 @@ class FctkitClient(RolloutCalls):
 
     def get_signed_manifest(self, version: int) -> registry_pb2.GetManifestResponse:
         """``version``'s manifest, its signature and co-signatures (``manifest.sigs.json``) as published."""
-        return self._unary(self.registry.GetManifest, registry_pb2.GetManifestRequest(version=version))
+        return cast(
+            registry_pb2.GetManifestResponse,
+            self._unary(self.registry.GetManifest, registry_pb2.GetManifestRequest(version=version)),
+        )
 
     def get_trust(self, after_root_version: int = 0) -> TrustUpdate:
         """The roots after ``after_root_version`` (every page) and the current signed timestamp.
@@ -282,15 +287,18 @@ class FctkitClient(RolloutCalls):
 
     def publish_root(self, root: bytes) -> registry_pb2.PublishRootResponse:
         """Admin: add the next root (``root.<N+1>.json``) to the server's chain."""
-        return self._unary(self.registry.PublishRoot, registry_pb2.PublishRootRequest(root=root), retry=False)
+        return cast(
+            registry_pb2.PublishRootResponse,
+            self._unary(self.registry.PublishRoot, registry_pb2.PublishRootRequest(root=root), retry=False),
+        )
 
     def plan_upgrade(self, from_version: int, to_version: int = 0) -> registry_pb2.PlanUpgradeResponse:
         """The hops from ``from_version`` to ``to_version`` (0: the latest)."""
         request = registry_pb2.PlanUpgradeRequest(from_version=from_version, to_version=to_version)
-        return self._unary(self.registry.PlanUpgrade, request)
+        return cast(registry_pb2.PlanUpgradeResponse, self._unary(self.registry.PlanUpgrade, request))
 
     def _artifact_stream(self, version: int, name: str) -> Callable[[int], Any]:
-        def open_stream(offset: int):
+        def open_stream(offset: int) -> Any:
             request = registry_pb2.DownloadArtifactRequest(
                 version=version, artifact_name=name, offset=offset, chunk_size=self.chunk_size
             )
@@ -317,7 +325,7 @@ class FctkitClient(RolloutCalls):
         *,
         installed_version: int | None = None,
         timestamp: Timestamp | None = None,
-    ):
+    ) -> VerifiedBundle:
         """Fetch bundle ``version`` into the directory ``dest`` (manifest, signatures, every
         artifact; files already complete are kept, partial ones resumed) and verify it as a
         device must: the manifest is the one ``timestamp`` names (when given: no mix-and-match),
@@ -385,7 +393,8 @@ class FctkitClient(RolloutCalls):
                     yield registry_pb2.PublishBundleRequest(chunk=chunk)
 
         try:
-            return self.registry.PublishBundle(requests(), metadata=self._metadata).version
+            published = self.registry.PublishBundle(requests(), metadata=self._metadata)
+            return cast(registry_pb2.PublishBundleResponse, published).version
         except grpc.RpcError as error:
             raise status_error(error) from None
 
@@ -421,7 +430,7 @@ class FctkitClient(RolloutCalls):
         return self._retrying(attempt, (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED))
 
     def _blob_stream(self, sha256: str) -> Callable[[int], Any]:
-        def open_stream(offset: int):
+        def open_stream(offset: int) -> Any:
             request = vault_pb2.DownloadBlobRequest(sha256=sha256, offset=offset, chunk_size=self.chunk_size)
             return self.vault.Download(request, metadata=self._metadata)
 
@@ -438,7 +447,7 @@ class FctkitClient(RolloutCalls):
         return download_to_file(self._blob_stream(sha256), _blob_digest, dest, self.retry)
 
     def stat_blob(self, sha256: str) -> vault_pb2.StatBlobResponse:
-        return self._unary(self.vault.Stat, vault_pb2.StatBlobRequest(sha256=sha256))
+        return cast(vault_pb2.StatBlobResponse, self._unary(self.vault.Stat, vault_pb2.StatBlobRequest(sha256=sha256)))
 
     def list_blobs(self, owner_id: str = "") -> list[vault_pb2.BlobInfo]:
         """Every blob of this device's owner (all pages); naming another owner is PERMISSION_DENIED."""
@@ -461,7 +470,10 @@ class FctkitClient(RolloutCalls):
 
         def attempt() -> vault_pb2.PushRecordsResponse:
             requests = (vault_pb2.PushRecordsRequest(records=batch) for batch in messages)
-            return self.vault.PushRecords(requests, metadata=self._metadata, timeout=self.timeout_s)
+            return cast(
+                vault_pb2.PushRecordsResponse,
+                self.vault.PushRecords(requests, metadata=self._metadata, timeout=self.timeout_s),
+            )
 
         return self._retrying(attempt)
 
@@ -487,7 +499,8 @@ class FctkitClient(RolloutCalls):
 
     def delete_blob(self, sha256: str) -> int:
         """Delete a blob; returns the bytes its owner still stores."""
-        return self._unary(self.vault.Delete, vault_pb2.DeleteBlobRequest(sha256=sha256)).used_bytes
+        deleted = self._unary(self.vault.Delete, vault_pb2.DeleteBlobRequest(sha256=sha256))
+        return cast(vault_pb2.DeleteBlobResponse, deleted).used_bytes
 
     # -- fleet ------------------------------------------------------------------------------
 
@@ -497,7 +510,7 @@ class FctkitClient(RolloutCalls):
         """Admin: a one-time enrolment code (``ttl_seconds`` 0: one day) for a device of
         ``owner`` (empty: a new owner of its own; the response names it)."""
         request = fleet_pb2.CreateEnrolmentCodeRequest(ttl_seconds=ttl_seconds, label=label, owner=owner)
-        return self._unary(self.fleet.CreateEnrolmentCode, request)
+        return cast(fleet_pb2.CreateEnrolmentCodeResponse, self._unary(self.fleet.CreateEnrolmentCode, request))
 
     def enrol(self, code: str, device_name: str = "", owner_key_id: str = "") -> Enrolment:
         """Trade an enrolment code for a device id and token (not retried: a code works once);
@@ -512,7 +525,9 @@ class FctkitClient(RolloutCalls):
             response.owner_id,
         )
 
-    def report(self, version: int, gallery_size: int, upgrade_state: int, **fields: Any) -> fleet_pb2.ReportResponse:
+    def report(
+        self, version: int, gallery_size: int, upgrade_state: fleet_pb2.UpgradeState, **fields: Any
+    ) -> fleet_pb2.ReportResponse:
         """Device: report the installed version, gallery size and upgrade state
         (``fleet_pb2.UPGRADE_STATE_IDLE`` …); ``fields`` are the other ``ReportRequest`` fields:
         ``target_version``, ``progress``, ``detail``, the trust (``root_version``, ``trust_stale``,
@@ -521,7 +536,7 @@ class FctkitClient(RolloutCalls):
         request = fleet_pb2.ReportRequest(
             version=version, gallery_size=gallery_size, upgrade_state=upgrade_state, **fields
         )
-        return self._unary(self.fleet.Report, request)
+        return cast(fleet_pb2.ReportResponse, self._unary(self.fleet.Report, request))
 
     def list_devices(self) -> list[fleet_pb2.DeviceInfo]:
         """Admin: every enrolled device (all pages)."""
@@ -529,11 +544,14 @@ class FctkitClient(RolloutCalls):
 
     def revoke_device(self, device_id: str) -> fleet_pb2.RevokeDeviceResponse:
         """Admin: revoke a device; its token stops working at once (see the Fleet service)."""
-        return self._unary(self.fleet.RevokeDevice, fleet_pb2.RevokeDeviceRequest(device_id=device_id))
+        return cast(
+            fleet_pb2.RevokeDeviceResponse,
+            self._unary(self.fleet.RevokeDevice, fleet_pb2.RevokeDeviceRequest(device_id=device_id)),
+        )
 
-    def _all_pages(self, method: Any, request_type: Any, items: str) -> list:
+    def _all_pages(self, method: Any, request_type: Any, items: str) -> list[Any]:
         """Follow ``next_page_token`` until the last page; return every page's ``items``."""
-        found: list = []
+        found: list[Any] = []
         token = ""
         while True:
             page = self._unary(method, request_type(page_token=token))

@@ -61,7 +61,7 @@ class Manifest:
     embedding_dim: int
     side_info_dim: int
     artifacts: tuple[Artifact, ...]
-    gate: dict
+    gate: dict[str, Any]
     created_at: str
     kit_version: str
     publisher_key_id: str
@@ -73,7 +73,7 @@ class Manifest:
     hubness: HubnessPolicy | None = None
     #: artifact name -> {"max_abs_error", "tolerance", "against"}: how closely each graph reproduced
     #: its reference at export (torch, the team's own features, numpy)
-    parity: dict | None = None
+    parity: dict[str, Any] | None = None
     #: how raw items (image files, texts) become the embed/side_info graphs' inputs
     #: (fctkit.protos.preprocessing_spec); None: devices pass arrays as they are
     preprocessing: Preprocessing | None = None
@@ -146,8 +146,8 @@ class Manifest:
                 typed(p, int, f"{where}.parents[{i}]")
                 for i, p in enumerate(typed(raw["parents"], list, f"{where}.parents"))
             ),
-            mode=typed(raw["mode"], str, f"{where}.mode"),  # type: ignore[arg-type]
-            distance=typed(raw["distance"], str, f"{where}.distance"),  # type: ignore[arg-type]
+            mode=typed(raw["mode"], str, f"{where}.mode"),
+            distance=typed(raw["distance"], str, f"{where}.distance"),
             normalize=typed(raw["normalize"], bool, f"{where}.normalize"),
             embedding_dim=typed(raw["embedding_dim"], int, f"{where}.embedding_dim"),
             side_info_dim=typed(raw["side_info_dim"], int, f"{where}.side_info_dim"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fctkit.errors import BundleFormatError
 
@@ -203,7 +203,14 @@ def _check_parity(m: Any) -> None:
             )
 
 
-_Named = TypeVar("_Named")  # an artifact or a plan of one: has ``role`` and ``name``
+class _HasRoleAndName(Protocol):
+    @property
+    def role(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+
+
+_Named = TypeVar("_Named", bound=_HasRoleAndName)  # an artifact or a plan of one: has ``role`` and ``name``
 
 
 def _require_dim(spec: TensorSpec, expected: int, where: str, field: str) -> None:

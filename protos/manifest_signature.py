@@ -24,7 +24,7 @@ from .manifest import Manifest
 PASSPHRASE_ENV = "FCTKIT_KEY_PASSPHRASE"
 
 
-def load_public_key(path_or_bytes: str | os.PathLike | bytes | Ed25519PublicKey) -> Ed25519PublicKey:
+def load_public_key(path_or_bytes: str | os.PathLike[str] | bytes | Ed25519PublicKey) -> Ed25519PublicKey:
     """The publisher's Ed25519 public key from a PEM file, PEM bytes, or the raw 32 bytes."""
     if isinstance(path_or_bytes, Ed25519PublicKey):
         return path_or_bytes
@@ -51,7 +51,7 @@ def load_public_key(path_or_bytes: str | os.PathLike | bytes | Ed25519PublicKey)
     return key
 
 
-def load_private_key(path: str | os.PathLike, passphrase: bytes | None = None) -> Ed25519PrivateKey:
+def load_private_key(path: str | os.PathLike[str], passphrase: bytes | None = None) -> Ed25519PrivateKey:
     """Load the publisher's private key; refuses a file readable by group or others."""
     path = Path(path)
     try:
@@ -80,7 +80,7 @@ def load_private_key(path: str | os.PathLike, passphrase: bytes | None = None) -
     return key
 
 
-def read_passphrase(passphrase_file: str | os.PathLike | None = None) -> bytes | None:
+def read_passphrase(passphrase_file: str | os.PathLike[str] | None = None) -> bytes | None:
     """The key passphrase from a file (one trailing newline dropped) or ``$FCTKIT_KEY_PASSPHRASE``;
     ``None`` when neither is given. Never taken from a command-line argument, which other
     users could read from the process list."""

@@ -46,9 +46,9 @@ def upgrade_edges(manifests: Iterable[Manifest]) -> dict[int, list[PlannedHop]]:
             hops = [PlannedHop(parent, manifest.version, manifest.version, None, None) for parent in manifest.parents]
         side = {(a.source_version, a.target_version): a for a in manifest.artifacts if a.role == "side_forward"}
         for artifact in manifest.artifacts:
-            if artifact.role == "forward":
-                pair = (artifact.source_version, artifact.target_version)
-                hops.append(PlannedHop(pair[0], pair[1], manifest.version, artifact, side.get(pair)))
+            source, target = artifact.source_version, artifact.target_version
+            if artifact.role == "forward" and source is not None and target is not None:  # always set on a forward
+                hops.append(PlannedHop(source, target, manifest.version, artifact, side.get((source, target))))
         for hop in hops:
             edges.setdefault(hop.source_version, []).append(hop)
     return edges

@@ -73,7 +73,7 @@ class Preprocessor:
         purpose: Purpose = "passage",
         batch_size: int = 256,
         keep_going: bool = True,
-        progress: Callable[[int], None] | None = None,
+        progress: Callable[[int], object] | None = None,
     ) -> Embedded:
         """Prepare and embed ``items`` batch by batch. A bad item is recorded and left out; when
         ``keep_going`` is false, the first bad item stops the graph runs (the rest are still

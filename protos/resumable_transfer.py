@@ -92,6 +92,8 @@ def stream_download(
             sleep_before_retry(error, delays)
         finally:
             call.cancel()
+    if expected is None:  # a stream that ended before its header
+        raise RpcStatusError("DATA_LOSS", "the server ended the download without announcing the object")
     sha256, size = expected
     if position != size or digest.hexdigest() != sha256:
         raise HashMismatchError(

@@ -36,7 +36,9 @@ class RolloutCalls:
         (``cohort``: device ids) or the guard (``halt_below`` with ``halt_min_devices``) of
         ``version``'s rollout, all at once or nothing; returns its status."""
         request = registry_pb2.SetRolloutRequest(
-            version=version, percent=percent, action=ROLLOUT_ACTIONS[action] if action else 0
+            version=version,
+            percent=percent,
+            action=ROLLOUT_ACTIONS[action] if action else registry_pb2.ROLLOUT_ACTION_UNSPECIFIED,
         )
         if cohort is not None:
             request.cohort.device_ids.extend(cohort)

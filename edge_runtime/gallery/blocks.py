@@ -116,7 +116,7 @@ class BlockSealer:
 
     def _open_straight_into(self, block: SealedBlock, rows: np.ndarray) -> None:
         try:
-            self._sealer.open_into(block.sealed, self._aad(block), memoryview(rows).cast("B"), _described(block))
+            self._sealer.open_into(block.sealed, self._aad(block), rows.data.cast("B"), _described(block))
         except CorruptRecordError:
             rows[:] = np.nan  # what failed to authenticate is not left looking like values
             raise

@@ -14,7 +14,7 @@ import hashlib
 import sqlite3
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar, overload
 
 import numpy as np
 
@@ -25,6 +25,14 @@ from .blocks import decode_item_ids, encode_item_ids
 from .rows import LoadedRows, VersionTag, rows_by_tag, take_rows
 from .schema import VECTOR_TABLES
 from .vectors import LabelOpener, VectorBlocks
+
+
+class _OpenedRecord(Protocol):
+    @property
+    def item_ids(self) -> Sequence[str]: ...
+
+
+_Record = TypeVar("_Record", bound=_OpenedRecord)  # a pulled record as the caller opened it
 
 
 @dataclass(frozen=True)
@@ -130,7 +138,10 @@ class GalleryRows(Protocol):
     """What a replica log uses of its gallery, inside the log's transactions (a protocol because
     the gallery module imports this one)."""
 
-    def meta(self, key: str, default: str | None = None) -> str | None: ...
+    @overload
+    def meta(self, key: str, default: str) -> str: ...
+    @overload
+    def meta(self, key: str, default: None = None) -> str | None: ...
 
     def _set_meta(self, values: dict[str, str | None]) -> None: ...
 
@@ -243,7 +254,9 @@ class ReplicaLog:
                 raise GalleryError(
                     f"row {row_id} ({item_id!r}) cannot be read to replicate it: {reason}; remove it and sync again"
                 )
-            groups = [(None, ReplicaRows.tombstones(removed))] if removed else []
+            groups: list[tuple[VersionTag | None, ReplicaRows]] = (
+                [(None, ReplicaRows.tombstones(removed))] if removed else []
+            )
             for tag, picked in rows_by_tag(rows.tags).items():
                 item_ids = tuple(rows.item_ids[k] for k in picked)
                 groups.append(
@@ -258,9 +271,9 @@ class ReplicaLog:
                         ),
                     )
                 )
-            for tag, group in groups:
-                for item_ids, sealed in seal(tag, group):
-                    self._keep_outgoing(tag, item_ids, sealed, min(change_of[i] for i in item_ids))
+            for group_tag, group in groups:
+                for item_ids, sealed in seal(group_tag, group):
+                    self._keep_outgoing(group_tag, item_ids, sealed, min(change_of[i] for i in item_ids))
             # all of them: sealed now, or their rows are gone with no tombstone standing for them
             for chunk, marks in id_chunks([c for c, _, _ in changes]):
                 self._db.execute(f"DELETE FROM changes WHERE change_id IN ({marks})", chunk)
@@ -278,7 +291,8 @@ class ReplicaLog:
 
     def outgoing(self, max_rows: int) -> list[OutgoingBlock]:
         """Sealed records to push, oldest first, holding at most ``max_rows`` rows (at least one record)."""
-        found, rows = [], 0
+        found: list[OutgoingBlock] = []
+        rows = 0
         for key, block, version, origin, via, tombstone, item_ids, sealed in self._db.execute(
             "SELECT block_key, block, version, origin_version, via, tombstone, item_ids, sealed FROM outgoing_blocks "
             "ORDER BY block_key"
@@ -333,8 +347,8 @@ class ReplicaLog:
 
     def merge_blocks(
         self,
-        records: Sequence,
-        decide: Callable[[object, dict[str, ItemState]], BlockMerge],
+        records: Sequence[_Record],
+        decide: Callable[[_Record, dict[str, ItemState]], BlockMerge],
         *,
         cursor: int | None = None,
         done_pending: Sequence[int] = (),
@@ -394,6 +408,7 @@ class ReplicaLog:
             )
         if not merge.rows:
             return
+        assert merge.content is not None and merge.tag is not None  # a merge with rows has both
         rows = merge.content.take(merge.rows)
         replaced = [i for i in rows.item_ids if i in states and states[i].tag is not None]
         if replaced:

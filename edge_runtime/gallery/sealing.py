@@ -43,7 +43,7 @@ class RowSealer:
         """Each row's sealed label (None where it has none), all nonces drawn at once."""
         present = [k for k, label in enumerate(labels) if label is not None]
         sealed = self._sealer.seal_many(
-            [labels[k].encode("utf-8") for k in present],
+            [label.encode("utf-8") for label in labels if label is not None],  # the rows of ``present``
             [_aad(self._gallery_id, row_ids[k], item_ids[k], _label_tag(origins[k]), "label") for k in present],
         )
         found: list[bytes | None] = [None] * len(labels)

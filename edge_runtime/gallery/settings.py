@@ -129,7 +129,11 @@ class GallerySettings:
             if holds:
                 found[holds[0]] = text
             elif name in KNOWN:
-                fixed = _one_byte_fixed(text, lambda v, n=name, m=mac: setting_mac(self._sealer, n, v) == m)
+
+                def mac_holds(value: str, name: str = name, mac: bytes = mac) -> bool:
+                    return setting_mac(self._sealer, name, value) == mac
+
+                fixed = _one_byte_fixed(text, mac_holds)
                 if fixed is not None:
                     found[name] = fixed
         return found

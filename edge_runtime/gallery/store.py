@@ -32,17 +32,17 @@ import base64
 import json
 import os
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import Any, cast, overload
 
 import numpy as np
 
 from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryDamagedError, GalleryError, InputError
 
 from ..crypto import Sealer
-from ..sqlite_file import connect, id_chunks, text_match
+from ..sqlite_file import GuardedConnection, connect, id_chunks, text_match
 from ..sqlite_file import read_snapshot as _read_snapshot
 from ..sqlite_file import transaction as _transaction
 from .block_migration import migrate_to_blocks
@@ -74,7 +74,7 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
     Readers and one writer may use the file at the same time (WAL): a query sees one
     consistent snapshot; each write is one transaction."""
 
-    def __init__(self, path: Path, connection: sqlite3.Connection, sealer: Sealer, gallery_id: bytes) -> None:
+    def __init__(self, path: Path, connection: GuardedConnection, sealer: Sealer, gallery_id: bytes) -> None:
         self.path = path
         self._db = connection
         self._sealer = sealer
@@ -88,7 +88,7 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
     # -- opening ---------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, path: str | os.PathLike, key: bytes) -> Gallery:
+    def create(cls, path: str | os.PathLike[str], key: bytes) -> Gallery:
         path = Path(path)
         if path.exists():
             raise GalleryError(f"{path} already exists: open it instead, or move it away to start a new gallery")
@@ -115,7 +115,7 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
         return cls(path, db, sealer, gallery_id)
 
     @classmethod
-    def open(cls, path: str | os.PathLike, key: bytes) -> Gallery:
+    def open(cls, path: str | os.PathLike[str], key: bytes) -> Gallery:
         """Open an existing gallery (migrating an older schema); a key that is not the gallery's
         raises :class:`DeviceKeyError` and damaged essential settings :class:`GalleryDamagedError`,
         both before anything is written."""
@@ -130,7 +130,7 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
             raise
 
     @classmethod
-    def _opened(cls, path: Path, db: sqlite3.Connection, sealer: Sealer) -> Gallery:
+    def _opened(cls, path: Path, db: GuardedConnection, sealer: Sealer) -> Gallery:
         try:
             columns = {row[1] for row in db.execute("PRAGMA table_info(meta)")}
             mac_column = "mac" if "mac" in columns else "NULL"
@@ -182,6 +182,10 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
 
     # -- metadata --------------------------------------------------------------------------
 
+    @overload
+    def meta(self, key: str, default: str) -> str: ...
+    @overload
+    def meta(self, key: str, default: None = None) -> str | None: ...
     def meta(self, key: str, default: str | None = None) -> str | None:
         """An authenticated setting (:mod:`.settings`); a damaged one raises :class:`GalleryDamagedError`."""
         return self.settings.get(key, default)
@@ -196,12 +200,12 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
     def _count_rows(self, added: int) -> None:
         """Inside a write transaction: the authenticated row count moves with every row added or removed."""
         if added:
-            self._set_meta({"row_count": str(int(self.meta("row_count")) + added)})
+            self._set_meta({"row_count": str(int(cast(str, self.meta("row_count"))) + added)})  # a REQUIRED setting
 
     def recount_rows(self) -> int:
         """Take the row count afresh from the file (repair, after damage was dealt with)."""
         with _transaction(self._db):
-            count = self._db.execute("SELECT COUNT(*) FROM items").fetchone()[0]
+            count: int = self._db.execute("SELECT COUNT(*) FROM items").fetchone()[0]
             self._set_meta({"row_count": str(count)})
         return count
 
@@ -222,7 +226,7 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
         return vector_tables(self.settings, self.path)
 
     def __len__(self) -> int:
-        return self._db.execute("SELECT COUNT(*) FROM items").fetchone()[0]
+        return cast(int, self._db.execute("SELECT COUNT(*) FROM items").fetchone()[0])
 
     def tag_counts(self) -> dict[str, int]:
         """How many rows are in each space (``str(VersionTag)``), staged rows counted at their next tag."""
@@ -293,10 +297,13 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
 
     def _next_row_id(self) -> int:
         """The first free row id, also above a damaged pointer left without its row (a collision would stop every add)."""
-        return self._db.execute(
-            "SELECT MAX(COALESCE((SELECT MAX(row_id) FROM items), 0), COALESCE((SELECT MAX(row_id) FROM "
-            "vectors_0), 0), COALESCE((SELECT MAX(row_id) FROM vectors_1), 0)) + 1"
-        ).fetchone()[0]
+        return cast(
+            int,
+            self._db.execute(
+                "SELECT MAX(COALESCE((SELECT MAX(row_id) FROM items), 0), COALESCE((SELECT MAX(row_id) FROM "
+                "vectors_0), 0), COALESCE((SELECT MAX(row_id) FROM vectors_1), 0)) + 1"
+            ).fetchone()[0],
+        )
 
     def _write_vectors(
         self,
@@ -343,7 +350,7 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
         also reads the per-row tables: labels opened, disagreements with the blocks corrupt."""
         with _read_snapshot(self._db):
             live, _ = self._tables()
-            expected = int(self.meta("row_count"))
+            expected = int(cast(str, self.meta("row_count")))  # a REQUIRED setting: never None
             loaded = self._vectors.load(live, side_info=with_side_info)
             if with_labels:
                 items = self._db.execute(
@@ -355,7 +362,7 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
         return loaded
 
     def labels(
-        self, row_ids: Sequence[int], damaged: list[tuple[int, str, str]] | None = None
+        self, row_ids: Iterable[int], damaged: list[tuple[int, str, str]] | None = None
     ) -> dict[int, str | None]:
         """The labels of these rows (a row whose label fails to open: None, and (row id, item
         id, reason) appended to ``damaged``)."""
@@ -459,7 +466,9 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
         for table in VECTOR_TABLES:
             misplaced = self._vectors.misplaced(table)
             known = self._known_rows([r for r, _, _ in misplaced])
-            self._vectors.repoint(table, [(r, b, tag) for r, b, tag in misplaced if b is not None and r in known])
+            self._vectors.repoint(
+                table, [(r, b, tag) for r, b, tag in misplaced if b is not None and tag is not None and r in known]
+            )
             self._vectors.retire_held(table, [(r, b) for r, b, _ in misplaced if b is not None and r not in known])
             for chunk, marks in id_chunks(
                 [r for r, b, _ in misplaced if b is None and r not in known]

@@ -70,7 +70,10 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def strictly(what: str, parse: Callable[[], Any]) -> Any:
+_Parsed = TypeVar("_Parsed")
+
+
+def strictly(what: str, parse: Callable[[], _Parsed]) -> _Parsed:
     """Run a parser built on :mod:`~fctkit.protos.strict_json`, its errors reported as this file's."""
     try:
         return parse()

@@ -109,7 +109,7 @@ def withdrawal_file_name(version: int) -> str:
 
 
 def write_withdrawal(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     version: int,
     revert_to: int,
     reason: str,
