@@ -13,7 +13,7 @@ EXTRAS ?= cpu,train,dev,faiss,scale,metrics
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed-$(shell echo $(EXTRAS) | tr ',' '-')
 
-.PHONY: demo test install services protos bench robustness text-search photo-library clean
+.PHONY: demo test install services protos bench robustness text-search photo-library clean lint
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,13 @@ services:
 
 test: $(STAMP) $(CONFORMANCE) services
 	$(BIN)/python -m pytest $(ARGS)
+
+# Lint and type check: ruff (rules and format) over the repository, mypy over the kit
+# (tests/support/typecheck.py: a symlink view of the package, pyproject's [tool.mypy]).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python tests/support/typecheck.py
 
 # Issue 19's counts at full size (make test runs the same tests smaller): 200 bit flips per device
 # file, 1,000 tampered bundles, 120 kills during upgrades; issue 34's: 700 random flips and 400
