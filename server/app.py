@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -140,7 +141,7 @@ class ServerConfig:
     def release_rules(self, storage: Storage) -> ReleaseRules:
         """What releases must be signed by: the publisher key, or the root (reconciled with storage)."""
         if self.root is None:
-            return PublisherKeyRules(load_public_key(self.publisher_key))
+            return PublisherKeyRules(load_public_key(cast(Path, self.publisher_key)))  # a root or a publisher key
         passphrase = read_passphrase(self.timestamp_passphrase_file)
         keys = [load_private_key(path, passphrase) for path in self.timestamp_keys]
         return RootOfTrust.open(storage, self.root, keys, self.timestamp_expiry_hours * 3600)
@@ -201,8 +202,8 @@ class FctkitServer:
         admin_token, self.admin_token_path = load_or_create_admin_token(config.admin_token_file, config.data_dir)
         authenticator = Authenticator(admin_token, self._storage.device_for_token, self._storage.device_owner)
         self._open_streams = open_streams = OpenStreams()  # a revoked device's open streams end at once
-        self._listener: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()  # health changes in flight (kept referenced until done)
+        self._listener: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()  # health changes in flight (kept referenced until done)
         self._stopping = False
         self._health = health.aio.HealthServicer()
         metering = [] if self._metrics is None else [MeteringInterceptor(self._metrics, protocol_methods())]
@@ -234,7 +235,7 @@ class FctkitServer:
             replica_quota_bytes=config.replica_quota_bytes,
         )
         vault_pb2_grpc.add_VaultServicer_to_server(self._vault, self._server)
-        self._sweeper: asyncio.Task | None = None
+        self._sweeper: asyncio.Task[None] | None = None
         fleet_pb2_grpc.add_FleetServicer_to_server(
             FleetService(
                 self._storage,
@@ -248,7 +249,8 @@ class FctkitServer:
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         _enable_reflection([*self.service_names(), health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
-        log_event("storage opened", **_storage_fields(config), garbage_removed=removed, **self._storage.counts())
+        opened: dict[str, Any] = {**_storage_fields(config), "garbage_removed": removed, **self._storage.counts()}
+        log_event("storage opened", **opened)
 
     @staticmethod
     def service_names() -> list[str]:
@@ -263,7 +265,7 @@ class FctkitServer:
             credentials = grpc.ssl_server_credentials(
                 [
                     (
-                        read_setting_file(self.config.tls_key, "TLS key"),
+                        read_setting_file(cast(Path, self.config.tls_key), "TLS key"),  # given with the cert
                         read_setting_file(self.config.tls_cert, "TLS certificate"),
                     )
                 ],
@@ -310,7 +312,7 @@ class FctkitServer:
         if not self._stopping:
             self._background(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
-    def _background(self, work) -> None:
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -326,7 +328,7 @@ class FctkitServer:
         await self._server.stop(self.config.shutdown_grace_s)
         if self._metrics is not None:
             self._metrics.close()
-        round_trips = self._storage.round_trips()
+        round_trips: dict[str, Any] = self._storage.round_trips()
         self._storage.close()
         log_event("stopped", **round_trips)
 
@@ -384,8 +386,8 @@ def open_storage(config: ServerConfig) -> Storage:
     from .scale_out import ScaleOutStorage
 
     return ScaleOutStorage(
-        config.database,
-        config.object_store,
+        cast(str, config.database),  # ServerConfig: a data dir, or a database and an object store
+        cast(str, config.object_store),
         s3_endpoint_url=config.s3_endpoint_url,
         max_connections=config.database_connections,
     )

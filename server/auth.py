@@ -14,10 +14,10 @@ import hashlib
 import hmac
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import grpc
 
@@ -86,7 +86,7 @@ def load_or_create_admin_token(token_file: Path | None, data_dir: Path | None) -
     """The admin token from ``token_file``, or from (newly made, mode 0600) ``DATA/admin.token``."""
     if token_file is None and data_dir is None:
         raise ConfigError("no admin token file: pass --admin-token-file")
-    path = Path(token_file) if token_file else Path(data_dir) / "admin.token"
+    path = Path(token_file) if token_file else Path(cast(Path, data_dir)) / "admin.token"  # one of them is given
     if not path.exists():
         if token_file:
             raise ConfigError(
@@ -148,7 +148,7 @@ class Authenticator:
         self._device_for_token_hash = device_for_token_hash
         self._device_owner = device_owner
 
-    def principal(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> Principal:
+    def principal(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Principal:
         value = next((v for k, v in metadata or () if k == "authorization"), None)
         if value is None:
             raise RpcStatusError("UNAUTHENTICATED", "missing `authorization: Bearer <token>` metadata")

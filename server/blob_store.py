@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from . import upload_sessions
 from .content_store import Contents
@@ -113,7 +114,7 @@ class BlobStore:
         """Store the finished upload's blob and end its reservation, in one transaction."""
         with self._db.transaction(owner_lock(record.owner_id), _blob_lock(record.sha256)):
             self._add_blob(record, source)
-            upload_sessions.release(self._db, record.owner_id, record.sha256)
+            upload_sessions.release(self._db, cast(str, record.owner_id), record.sha256)  # an upload names its owner
 
     def begin_upload(self, owner_id: str, sha256: str, device_id: str, token: str, now: float) -> bool | None:
         """Give the upload's lease to ``token`` (see :func:`.upload_sessions.take_lease`)."""

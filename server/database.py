@@ -24,7 +24,8 @@ Params = Sequence[Any] | dict[str, Any]
 class Rows(Protocol):
     """What a statement returns: a cursor-like result (rows read eagerly under PostgreSQL)."""
 
-    rowcount: int
+    @property
+    def rowcount(self) -> int: ...
 
     def fetchone(self) -> Any: ...
     def fetchall(self) -> list[Any]: ...

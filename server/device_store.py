@@ -190,11 +190,11 @@ class DeviceStore:
                 label,
                 enrolled,
                 last,
-                DeviceReport(*report, int(root), bool(stale), int(fresh)),
+                DeviceReport(version, size, state, target, progress, detail, int(root), bool(stale), int(fresh)),
                 int(vb),
                 int(vn),
                 owner or "",
                 revoked,
             )
-            for seq, dev, name, label, enrolled, last, *report, root, stale, fresh, vb, vn, owner, revoked in rows
+            for seq, dev, name, label, enrolled, last, version, size, state, target, progress, detail, root, stale, fresh, vb, vn, owner, revoked in rows
         ]

@@ -21,6 +21,7 @@ import logging
 import math
 import secrets
 from collections.abc import Callable
+from typing import Any, cast
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -64,7 +65,7 @@ def device_info(record: DeviceRecord) -> fleet_pb2.DeviceInfo:
         last_report_at=record.last_report_at or "",
         version=report.version,
         gallery_size=report.gallery_size,
-        upgrade_state=report.upgrade_state,
+        upgrade_state=cast(fleet_pb2.UpgradeState, report.upgrade_state),  # the stored enum number
         target_version=report.target_version,
         progress=report.progress,
         detail=report.detail,
@@ -78,7 +79,7 @@ def device_info(record: DeviceRecord) -> fleet_pb2.DeviceInfo:
     )
 
 
-def _trust_fields(request: fleet_pb2.ReportRequest) -> dict[str, int | bool]:
+def _trust_fields(request: fleet_pb2.ReportRequest) -> dict[str, Any]:
     """A report's trust state, checked: a root version in range, freshness only with a root."""
     if request.root_version > MAX_ROOT_VERSION:
         raise invalid(f"root_version is {request.root_version}; at most {MAX_ROOT_VERSION}")
@@ -202,7 +203,7 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
             )
             return (
                 current
-                if reason is None
+                if current is None or reason is None
                 else dataclasses.replace(current, state=HALTED, halt_reason=reason, updated_at=now)
             )
 
@@ -244,9 +245,11 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
                 await previous
             try:
                 with self._storage.single_flight(f"compact-replica:{owner_id}") as mine:
+                    page: str | None = after
                     while (
                         mine
-                        and (after := self._storage.compact_replica_page(owner_id, after, COMPACTION_PAGE_ITEMS))
+                        and page is not None
+                        and (page := self._storage.compact_replica_page(owner_id, page, COMPACTION_PAGE_ITEMS))
                         is not None
                     ):
                         await asyncio.sleep(0)

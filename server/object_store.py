@@ -218,7 +218,8 @@ class S3Partials:
     @staticmethod
     def _cover(parts: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
         """The parts that hold the contiguous bytes from 0, each with the offset it is read from."""
-        chosen, position = [], 0
+        chosen: list[tuple[int, int, str]] = []
+        position = 0
         while True:
             reaching = [p for p in parts if p[0] <= position < p[1]]
             if not reaching:

@@ -24,6 +24,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fctkit.errors import BundleError, ConfigError, RpcStatusError, TrustError
 from fctkit.protos import limits, registry_pb2, registry_pb2_grpc
@@ -206,7 +207,7 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
 
     async def ListVersions(self, request, context):
         limit = page_size(request.page_size, limits.MAX_VERSIONS_PAGE)
-        trust = {}
+        trust: dict[str, Any] = {}
         if isinstance(self._rules, RootOfTrust):  # the timestamp rides along: one round trip per sync
             self._catch_up()
             trust = {

@@ -140,7 +140,8 @@ class ReplicaStore:
         """The owner's next records with a live row after ``after_sequence``, in sequence order:
         at most ``max_rows`` rows and ``max_sealed_bytes`` (at least one record), each with its
         superseded positions."""
-        picked, rows, size = [], 0, 0
+        picked: list[int] = []
+        rows = size = 0
         for sequence, count, length in self._db.execute(
             "SELECT sequence, rows, length(sealed) FROM replica_blocks WHERE owner_id=? AND sequence>? AND live_rows>0 "
             "ORDER BY sequence LIMIT ?",

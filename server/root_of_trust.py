@@ -51,7 +51,8 @@ class ReleaseRules(Protocol):
     """What a release must be signed by: for a publish (:meth:`release_trust`), for a release
     already stored (:meth:`verify_stored`), and the key an enrolling device is offered."""
 
-    description: str
+    @property
+    def description(self) -> str: ...
 
     def release_trust(self) -> ReleaseTrust: ...
     def verify_stored(self, record: VersionRecord) -> Manifest: ...

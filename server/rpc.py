@@ -75,7 +75,7 @@ async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
 @contextlib.asynccontextmanager
 async def _served(method: str, context: grpc.aio.ServicerContext, authorize: Callable) -> AsyncIterator[Any]:
     started = time.perf_counter()
-    code, fields = "OK", {}
+    code, fields = "OK", dict[str, Any]()
     peer = context.peer()  # read it now: asking a cancelled call's context for it crashes grpc (SIGSEGV)
     try:
         yield authorize(context)
@@ -137,7 +137,7 @@ def wrap_handler(
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, decode, encode)
     if handler.stream_unary:
-        inner_su = handler.stream_unary
+        inner_su: Any = handler.stream_unary  # a coroutine function (grpc.aio); the stubs type the sync server's
 
         async def stream_unary(requests, context):
             async with _served(method, context, authorize) as caller:
@@ -145,7 +145,8 @@ def wrap_handler(
                     return await inner_su(_checked_stream(requests), context)
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, decode, encode)
-    inner_stream = handler.unary_stream or handler.stream_stream
+    # an async generator function (grpc.aio); the stubs type the sync server's handlers
+    inner_stream: Any = handler.unary_stream or handler.stream_stream
     streaming_requests = handler.stream_stream is not None
 
     async def streaming(request_or_requests, context):
@@ -207,7 +208,7 @@ def _metered(handler: grpc.RpcMethodHandler, method: str, meter: RpcMeter) -> gr
 
         make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
         return make(single, counted_decode, counted_encode)
-    inner_stream = handler.unary_stream or handler.stream_stream
+    inner_stream: Any = handler.unary_stream or handler.stream_stream  # async (grpc.aio), as above
 
     async def streaming(request_or_requests, context):
         with measured(context):

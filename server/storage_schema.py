@@ -171,7 +171,7 @@ def _replica_blocks(db: sqlite3.Connection) -> None:
     db.execute("INSERT INTO replica_items SELECT owner_id, sequence, 0, item_id, superseded FROM replica_records")
     db.execute("DROP TABLE replica_records")
     for (owner_id,) in db.execute("SELECT owner_id FROM replica_owners").fetchall():
-        compact_replica(db, owner_id)
+        compact_replica(SqliteDatabase(db), owner_id)
 
 
 def _upload_leases(db: sqlite3.Connection) -> None:

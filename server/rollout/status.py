@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import Counter
+from typing import Any
 
 from fctkit.protos import fleet_pb2, registry_pb2
 
@@ -116,7 +117,7 @@ def rollout_status(
         _stage(i + 1, s.percent, s.started_at, by_stage.get(i + 1, []), health, version, reverts)
         for i, s in enumerate(rollout.stages)
     ]
-    fields = {"state": rollout.state, **withdrawn}
+    fields: dict[str, Any] = {"state": rollout.state, **withdrawn}
     return registry_pb2.RolloutStatus(
         version=version,
         percent=rollout.percent,
