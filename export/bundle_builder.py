@@ -64,7 +64,7 @@ class ArtifactSource:
 
 
 def build_bundle(
-    out_dir: str | os.PathLike,
+    out_dir: str | os.PathLike[str],
     *,
     version: int,
     parents: Sequence[int],
@@ -148,7 +148,7 @@ def build_bundle(
     return verify_bundle(out_dir, private_key.public_key())
 
 
-def _gate_tables(gate: Mapping[str, Any]) -> tuple[dict, dict, dict]:
+def _gate_tables(gate: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The gate's cases, ECC verdicts and (a quantised release) its ``quantization`` record, as
     plain JSON values exactly as they will be signed."""
     if not isinstance(gate, Mapping):
@@ -245,12 +245,12 @@ def check_graphs_load(bundle: VerifiedBundle) -> dict[str, list[str]]:
     return providers
 
 
-def _ort_spec(node: Any) -> tuple[str, tuple, str]:
+def _ort_spec(node: Any) -> tuple[str, tuple[Any, ...], str]:
     shape = tuple(d if isinstance(d, int) else None for d in node.shape)
     return node.name, shape, _ORT_TYPES.get(node.type, node.type)
 
 
-def _describe(specs: Sequence[tuple[str, tuple, str]]) -> str:
+def _describe(specs: Sequence[tuple[str, tuple[Any, ...], str]]) -> str:
     return "[" + ", ".join(f"{name}{list(shape)}:{dtype}" for name, shape, dtype in specs) + "]"
 
 
@@ -293,7 +293,7 @@ class BundleSpec:
     gate: Path | None = None
 
 
-def load_bundle_spec(path: str | os.PathLike) -> tuple[BundleSpec, list[ArtifactSource], dict]:
+def load_bundle_spec(path: str | os.PathLike[str]) -> tuple[BundleSpec, list[ArtifactSource], dict[str, Any]]:
     """Read a build spec: the spec, its artifacts (paths resolved) and the gate tables."""
     from fctkit.config import from_mapping, load_toml
 
@@ -322,7 +322,7 @@ def load_bundle_spec(path: str | os.PathLike) -> tuple[BundleSpec, list[Artifact
     return spec, sources, data
 
 
-def gate_from_report(report: Mapping[str, Any], ecc_verdicts: Mapping[str, str]) -> dict:
+def gate_from_report(report: Mapping[str, Any], ecc_verdicts: Mapping[str, str]) -> dict[str, Any]:
     """Gate tables from a trainer ``report.json``: every case's top-k and mAP, and for each
     artifact name in ``ecc_verdicts`` whether the named verdict passed."""
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import click
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -191,7 +192,7 @@ def _echo_summary(bundle: VerifiedBundle) -> None:
         click.echo(f"WARNING gate overridden (forced): {m.gate['force_reason']}")
 
 
-_GRAPH = {"type": click.Path(exists=True, dir_okay=False, path_type=Path)}
+_GRAPH: dict[str, Any] = {"type": click.Path(exists=True, dir_okay=False, path_type=Path)}
 
 
 @click.command("export")
@@ -313,6 +314,7 @@ def export_command(
         missing = [name for name, value in named.items() if value is None]
         if missing:
             raise click.UsageError(f"a features-mode export needs {', '.join(missing)} as well")
+        assert old_graph is not None and new_graph is not None and sample is not None  # none is missing
         if tokenizers and preprocessing_file is None:
             raise click.UsageError("--tokenizer goes with a text --preprocessing declaration")
         preprocessing = (

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -41,8 +41,8 @@ PARITY_ROWS = 512  # held-out evaluation images each graph's parity check runs o
 
 
 def export_compatible_release(
-    run_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
+    run_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
     *,
     private_key: Ed25519PrivateKey,
     method: str,
@@ -93,8 +93,8 @@ def export_compatible_release(
     out.mkdir(parents=True, exist_ok=True)
     distance = config.evaluation.distance
     bundles = []
-    with tempfile.TemporaryDirectory(prefix=".compatible-release-", dir=out) as scratch:
-        scratch = Path(scratch)
+    with tempfile.TemporaryDirectory(prefix=".compatible-release-", dir=out) as scratch_dir:
+        scratch = Path(scratch_dir)
         for version, parents, model, version_gate, prefix in plans:
             exported = export_role("embed", model, scratch / f"embed-v{version}.onnx", [images], fp16=fp16)
             build_bundle(
@@ -120,7 +120,7 @@ def export_compatible_release(
     return bundles
 
 
-def _run_files(run: Path) -> tuple[Any, dict]:
+def _run_files(run: Path) -> tuple[Any, dict[str, Any]]:
     for name in ("config.json", "gate.json"):
         if not (run / name).is_file():
             raise DataUnavailableError(
@@ -150,4 +150,4 @@ def _parity_images(config: Any) -> np.ndarray:
     from fctkit.trainer.run_data import load_image_splits
 
     splits = load_image_splits(config)
-    return splits.images[splits.evaluation[:PARITY_ROWS]]
+    return cast(np.ndarray, splits.images[splits.evaluation[:PARITY_ROWS]])

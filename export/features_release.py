@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -105,7 +105,7 @@ def check_user_graphs(graphs: UserGraphs, features: dict[str, np.ndarray]) -> di
         if path is None:
             continue
         feature, role = GRAPH_FEATURES[name]
-        rows = sample.get(f"{feature}_input", sample.get("input"))
+        rows = cast(np.ndarray, sample.get(f"{feature}_input", sample.get("input")))  # load_sample checked one is there
         checked[f"graph:{name}"] = check_user_graph(
             Path(path), role, rows, sample[feature], features[feature].shape[1], graphs.tolerance, f"the {name} graph"
         )

@@ -18,7 +18,7 @@ from fctkit.errors import ExportError, require
 OPSET = 17
 
 
-def hubness_onnx(reference_queries: np.ndarray, k: int, path: str | os.PathLike) -> Path:
+def hubness_onnx(reference_queries: np.ndarray, k: int, path: str | os.PathLike[str]) -> Path:
     """Write the graph ``embedding (batch, d) -> offset (batch, 1)`` to ``path``."""
     onnx = require("onnx", "train")
     from onnx import TensorProto, helper, numpy_helper

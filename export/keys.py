@@ -43,7 +43,7 @@ PRIVATE_KEY_FILE = "publisher.key"
 PUBLIC_KEY_FILE = "publisher.pub"
 
 
-def generate_keys(out_dir: str | os.PathLike, passphrase: bytes | None = None) -> tuple[Path, Path]:
+def generate_keys(out_dir: str | os.PathLike[str], passphrase: bytes | None = None) -> tuple[Path, Path]:
     """Create ``publisher.key`` (mode 0600) and ``publisher.pub`` in ``out_dir``; refuses to
     overwrite an existing key. Returns (private key path, public key path)."""
     out_dir = Path(out_dir)
@@ -58,7 +58,7 @@ def generate_keys(out_dir: str | os.PathLike, passphrase: bytes | None = None) -
     return private_path, public_path
 
 
-def save_private_key(key: Ed25519PrivateKey, path: str | os.PathLike, passphrase: bytes | None = None) -> Path:
+def save_private_key(key: Ed25519PrivateKey, path: str | os.PathLike[str], passphrase: bytes | None = None) -> Path:
     """Write the private key as PKCS#8 PEM, created with mode 0600 (never world-readable, not
     even briefly), encrypted with ``passphrase`` when one is given."""
     if passphrase is not None and not passphrase:
@@ -77,7 +77,7 @@ def save_private_key(key: Ed25519PrivateKey, path: str | os.PathLike, passphrase
     return path
 
 
-def save_public_key(key: Ed25519PublicKey, path: str | os.PathLike) -> Path:
+def save_public_key(key: Ed25519PublicKey, path: str | os.PathLike[str]) -> Path:
     """Write the public key as SubjectPublicKeyInfo PEM (what devices pin)."""
     path = Path(path)
     pem = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
@@ -94,7 +94,7 @@ def root_file_name(version: int) -> str:
 
 
 def init_root(
-    out_dir: str | os.PathLike,
+    out_dir: str | os.PathLike[str],
     *,
     root_keys: int,
     root_threshold: int,
@@ -203,7 +203,7 @@ def _expiry(now: datetime | None, days: int) -> datetime:
     return (now or datetime.now(UTC)).replace(microsecond=0) + timedelta(days=days)
 
 
-def load_root_file(path: str | os.PathLike) -> Signed[Root]:
+def load_root_file(path: str | os.PathLike[str]) -> Signed[Root]:
     path = Path(path)
     try:
         with path.open("rb") as fh:
@@ -213,7 +213,7 @@ def load_root_file(path: str | os.PathLike) -> Signed[Root]:
     return parse_root(data, str(path))
 
 
-def write_root(path: str | os.PathLike, signed: Signed[Root], *, replace: bool = False) -> Path:
+def write_root(path: str | os.PathLike[str], signed: Signed[Root], *, replace: bool = False) -> Path:
     """Write a root file atomically; a new one never replaces an existing file."""
     path = Path(path)
     if not replace and path.exists():
@@ -221,14 +221,14 @@ def write_root(path: str | os.PathLike, signed: Signed[Root], *, replace: bool =
     return write_atomic(path, signed.to_bytes())
 
 
-def sign_root_file(path: str | os.PathLike, private_key: Ed25519PrivateKey) -> Signed[Root]:
+def sign_root_file(path: str | os.PathLike[str], private_key: Ed25519PrivateKey) -> Signed[Root]:
     """Add this key's signature to a root file in place."""
     signed = load_root_file(path).signed_by(private_key)
     write_root(path, signed, replace=True)
     return signed
 
 
-def sign_withdrawal_file(path: str | os.PathLike, private_key: Ed25519PrivateKey) -> Signed[Withdrawal]:
+def sign_withdrawal_file(path: str | os.PathLike[str], private_key: Ed25519PrivateKey) -> Signed[Withdrawal]:
     """Add this key's signature to a withdrawal file in place."""
     path = Path(path)
     signed = parse_withdrawal(read_regular_file(path, MAX_WITHDRAWAL_BYTES), str(path)).signed_by(private_key)
@@ -236,7 +236,7 @@ def sign_withdrawal_file(path: str | os.PathLike, private_key: Ed25519PrivateKey
     return signed
 
 
-def sign_release(bundle: str | os.PathLike, private_key: Ed25519PrivateKey) -> Signature:
+def sign_release(bundle: str | os.PathLike[str], private_key: Ed25519PrivateKey) -> Signature:
     """Add this key's signature over the manifest to a bundle folder's ``manifest.sigs.json``,
     or to a ``.tar`` archive (unpacked, signed and packed again in place)."""
     bundle = Path(bundle)

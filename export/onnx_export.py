@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -98,7 +98,7 @@ def export_onnx(
     module: Any,
     input_specs: Sequence[InputSpec],
     output_names: Sequence[str],
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     *,
     opset: int | None = None,
     fp16: bool = False,
@@ -167,7 +167,7 @@ def describe_export(path: Path, model: Any, seconds: float) -> ExportResult:
 
 def check_parity(
     module: Any,
-    onnx_path: str | os.PathLike,
+    onnx_path: str | os.PathLike[str],
     inputs_list: Sequence[np.ndarray],
     *,
     tolerance: float | None = None,
@@ -255,14 +255,16 @@ def run_torch(module: Any, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     return [o.detach().cpu().double().numpy() for o in outputs]
 
 
-def onnx_session(onnx_path: str | os.PathLike | bytes) -> Any:
+def onnx_session(onnx_path: str | os.PathLike[str] | bytes) -> Any:
     """An ONNX Runtime session on the CPU execution provider (from a path or the file bytes)."""
     ort = require("onnxruntime", "cpu")
     source = onnx_path if isinstance(onnx_path, bytes) else str(onnx_path)
     return ort.InferenceSession(source, providers=["CPUExecutionProvider"])
 
 
-def run_onnx(onnx_path: str | os.PathLike, arrays: Sequence[np.ndarray], *, batch_size: int = 4096) -> list[np.ndarray]:
+def run_onnx(
+    onnx_path: str | os.PathLike[str], arrays: Sequence[np.ndarray], *, batch_size: int = 4096
+) -> list[np.ndarray]:
     """Run an ONNX graph over arrays (one per input) in batches; returns its outputs."""
     session = onnx_session(onnx_path)
     names = [node.name for node in session.get_inputs()]
@@ -320,7 +322,7 @@ def _topological_sort(graph: Any) -> None:
 
 
 def _opset(model: Any) -> int:
-    return max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    return cast(int, max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")))
 
 
 def _check_names(names: list[str], kind: str) -> None:

@@ -63,7 +63,9 @@ def quantize_graph(source: Path, path: Path, precision: str) -> Path:
     return path
 
 
-def judged_gate(run: TrainedRun, method: str, gate: dict, quantized: RoleExport, force: bool) -> dict:
+def judged_gate(
+    run: TrainedRun, method: str, gate: dict[str, Any], quantized: RoleExport, force: bool
+) -> dict[str, Any]:
     """The version's ``gate`` ({"cases", "ecc"}) judged again with its forward transform served
     by the ``quantized`` graph; :class:`GateError` when ECC fails and ``force`` is not given."""
     graph, precision = quantized.export.path, quantized.export.precision
@@ -91,7 +93,7 @@ def judged_gate(run: TrainedRun, method: str, gate: dict, quantized: RoleExport,
     }
 
 
-def quantized_metrics(run: TrainedRun, method: str, graph: Path) -> tuple[dict, bool]:
+def quantized_metrics(run: TrainedRun, method: str, graph: Path) -> tuple[dict[str, Any], bool]:
     """The gate's metrics and ECC verdict of the run's ``method`` (a variant key) with its
     forward transform computed by ONNX Runtime from ``graph``, on the run's evaluation split."""
     from fctkit.trainer.pipeline import evaluate_methods
@@ -123,7 +125,9 @@ def _evaluation_set(run: TrainedRun) -> Any:
 
     if run.config.data.name == "task":
         try:
-            return EvalSet.of_task(load_run_task(run.config).evaluation)
+            task = load_run_task(run.config)
+            assert task is not None  # a run on a task has one
+            return EvalSet.of_task(task.evaluation)
         except DataUnavailableError as exc:
             raise DataUnavailableError(f"judging a quantised adapter searches the run's task again: {exc}") from exc
     features = run.eval_features

@@ -45,8 +45,8 @@ class ReleasedBundle:
 
 
 def build_release(
-    run_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
+    run_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
     *,
     private_key: Ed25519PrivateKey,
     method: str = "fct",
@@ -123,8 +123,8 @@ def _build_versions(
     built = []
     # Everything is built in a scratch folder and moved into place at the end: a refused or
     # failed release leaves no partial versions behind.
-    with tempfile.TemporaryDirectory(prefix=".release-", dir=out_dir) as scratch:
-        scratch = Path(scratch)
+    with tempfile.TemporaryDirectory(prefix=".release-", dir=out_dir) as scratch_dir:
+        scratch = Path(scratch_dir)
         export = exporter(folder=scratch / "onnx")
         with export.bar:
             for plan in plans:
@@ -178,8 +178,8 @@ def move_versions_into_place(scratch: Path, out_dir: Path, versions: Sequence[in
 
 
 def export_release(
-    run_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
+    run_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
     *,
     private_key: Ed25519PrivateKey,
     method: str = "fct",
@@ -228,10 +228,10 @@ class _Exporter:
     quantize: str | None
     bar: Any
     ready: dict[str, Callable[[Path], RoleExport]] = field(default_factory=dict)  # graphs not exported from torch
-    done: dict[tuple, RoleExport] = field(default_factory=dict)
+    done: dict[tuple[Any, ...], RoleExport] = field(default_factory=dict)
 
     def __call__(self, plan: RolePlan) -> RoleExport:
-        key = (plan.source, plan.role, plan.source_version, plan.target_version)
+        key: tuple[Any, ...] = (plan.source, plan.role, plan.source_version, plan.target_version)
         if plan.role in ("embed", "side_info"):
             key = (plan.source, plan.role)  # one graph per model, whichever versions list it
         if key not in self.done and plan.source in self.ready:
@@ -284,7 +284,7 @@ def _ready_graphs(
         )
     checked = check_user_graphs(graphs, run.eval_features)
     ready: dict[str, Callable[[Path], RoleExport]] = {
-        source: (lambda _folder, e=export: e) for source, export in checked.items()
+        source: partial(_made, export) for source, export in checked.items()
     }
     for role in (r for plan in plans for r in plan.roles if r.role == "hubness"):
         reference = np.load(run.root / role.source, allow_pickle=False)
@@ -323,3 +323,8 @@ def _progress_bar(total: int, enabled: bool) -> Any:
 
 
 __all__ = ["ReleasedBundle", "build_release", "export_release"]
+
+
+def _made(export: RoleExport, _folder: Path) -> RoleExport:
+    """A graph given ready-made (exported elsewhere): the same export whatever the folder."""
+    return export

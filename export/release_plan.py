@@ -25,6 +25,7 @@ artifact, the run's ECC verdict.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fctkit.errors import InputError
 from fctkit.protos.bundle import GATED_ROLES, Mode, Role, artifact_name
@@ -63,8 +64,8 @@ class VersionPlan:
     parents: tuple[int, ...]
     mode: Mode
     roles: tuple[RolePlan, ...]
-    gate: dict = field(default_factory=dict)
-    declarations: dict = field(default_factory=dict)  # transition= / hubness= (fctkit.protos.search_policy)
+    gate: dict[str, Any] = field(default_factory=dict)
+    declarations: dict[str, Any] = field(default_factory=dict)  # transition= / hubness= (fctkit.protos.search_policy)
 
 
 def plan_release(

@@ -115,7 +115,7 @@ def role_module(role: str, trained: Any) -> tuple[Any, tuple[str, ...]]:
 def export_role(
     role: Role,
     trained: Any,
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     real_inputs: Sequence[np.ndarray],
     *,
     source_version: int | None = None,
@@ -155,7 +155,7 @@ def _on_cpu(module: Any) -> Any:
     return copy.deepcopy(module).to(torch.device("cpu"))
 
 
-def write_role_table(exports: Sequence[RoleExport], path: str | os.PathLike) -> Path:
+def write_role_table(exports: Sequence[RoleExport], path: str | os.PathLike[str]) -> Path:
     """A markdown table of the exports (role, opset, size, export time, parity) for reports."""
     path = Path(path)
     lines = [

@@ -67,10 +67,10 @@ class EngineResult:
 
 
 def build_engine(
-    onnx_path: str | os.PathLike,
+    onnx_path: str | os.PathLike[str],
     precision: Precision = "fp32",
     *,
-    engine_path: str | os.PathLike | None = None,
+    engine_path: str | os.PathLike[str] | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
     opt_batch: int = DEFAULT_OPT_BATCH,
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
@@ -126,7 +126,7 @@ def build_engine(
 class TensorRTRunner:
     """Runs a serialized engine on numpy batches (inputs in the engine's I/O order)."""
 
-    def __init__(self, engine_path: str | os.PathLike) -> None:
+    def __init__(self, engine_path: str | os.PathLike[str]) -> None:
         trt = _require_tensorrt()
         import torch
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -29,7 +29,7 @@ class TrainedRun:
     root: Path
 
     @classmethod
-    def open(cls, run_dir: str | os.PathLike) -> TrainedRun:
+    def open(cls, run_dir: str | os.PathLike[str]) -> TrainedRun:
         root = Path(run_dir)
         for name in ("config.json", "gate.json", "features/eval.npz"):
             if not (root / name).is_file():
@@ -48,7 +48,7 @@ class TrainedRun:
         return from_mapping(PipelineConfig, read_run_json(self.root / "config.json"), where=f"{self.root}/config.json")
 
     @cached_property
-    def gate(self) -> dict:
+    def gate(self) -> dict[str, Any]:
         return read_run_json(self.root / "gate.json")
 
     @property
@@ -57,8 +57,8 @@ class TrainedRun:
         return self.config.data.name in ("features", "task")
 
     @property
-    def distance(self) -> str:
-        return self.config.evaluation.distance
+    def distance(self) -> Literal["l2", "cosine"]:
+        return cast(Literal["l2", "cosine"], self.config.evaluation.distance)  # validated by the run's config
 
     @cached_property
     def eval_features(self) -> dict[str, np.ndarray]:
@@ -88,7 +88,7 @@ class TrainedRun:
                 f"{self.root}: the evaluation split rebuilt from config.json does not match features/eval.npz "
                 "(the dataset or the split code changed since the run); train the run again"
             )
-        return splits.images[splits.evaluation]
+        return cast(np.ndarray, splits.images[splits.evaluation])
 
     def load(self, relative: str) -> Any:
         """A saved model or adapter (``models/….pt`` or ``adapters/….pt``) on the CPU."""
@@ -126,7 +126,7 @@ class TrainedRun:
         return base
 
 
-def read_run_json(path: Path) -> dict:
+def read_run_json(path: Path) -> dict[str, Any]:
     """The JSON object in a run folder's file; :class:`InputError` when it is unreadable or not an object."""
     try:
         data = json.loads(path.read_text())

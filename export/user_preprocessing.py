@@ -129,7 +129,9 @@ class ItemSample:
 
 def read_item_sample(path: Path, kind: str, features: Sequence[str]) -> ItemSample:
     """The JSON Lines parity sample (see the module docstring)."""
-    items, purposes, rows = [], [], {f: [] for f in features}
+    items: list[Any] = []
+    purposes: list[str] = []
+    rows: dict[str, list[Any]] = {f: [] for f in features}
     allowed = {kind, "purpose", "id", *features}
     try:
         lines = [
@@ -271,13 +273,15 @@ def _embedded(preprocessor: Preprocessor, model: Any, sample: ItemSample, dim: i
 def bundle_preprocessing(exports: Sequence[RoleExport]) -> tuple[Preprocessing | None, list[ArtifactSource]]:
     """A bundle's preprocessing section and tokenizer artifacts, from its roles' exports; graphs
     sharing a tokenizer.json share one artifact."""
-    roles, tokenizers = [], {}
+    roles: list[tuple[str, Any]] = []
+    tokenizers: dict[str, ArtifactSource] = {}
     for export in exports:
         declaration = export.declaration
         if declaration is None:
             continue
         if isinstance(declaration, TextPreprocessing):
             name = "tokenizer" if export.role == "embed" else f"{export.role}_tokenizer"
+            assert export.tokenizer is not None  # a text declaration's export carries its tokenizer
             source = tokenizers.setdefault(
                 file_sha256(export.tokenizer)[0], ArtifactSource(export.tokenizer, "tokenizer", name=name)
             )
