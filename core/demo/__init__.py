@@ -85,6 +85,7 @@ def run_demo(options: DemoOptions, log: Callable[[str], None] = print) -> DemoRe
                 )
                 server.data_dir.parent.mkdir(parents=True)
                 server.start()
+                assert server.process is not None  # started
                 log(f"    server pid {server.process.pid} listening on {server.target}")
             report = fleet_story(options, out, server, [r.archive for r in released], phases, log, trust.fingerprint)
         finally:

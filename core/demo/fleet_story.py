@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -143,7 +143,7 @@ def _vault_bytes(device: Device) -> int:
         return sum(b.size for b in client.list_blobs())
 
 
-def _evaluate(pairs: list[_Pair], labels: list[np.ndarray], distance: str) -> dict[str, float]:
+def _evaluate(pairs: list[_Pair], labels: list[np.ndarray], distance: Literal["l2", "cosine"]) -> dict[str, float]:
     from fctkit.trainer.evaluation import evaluate_retrieval
 
     query = np.concatenate([q for q, _ in pairs])
