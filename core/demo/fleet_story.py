@@ -160,7 +160,7 @@ def _assemble(
     fleet: list[_Member],
     measures: dict[str, dict[str, Any]],
     labels: np.ndarray,
-    distance: str,
+    distance: Literal["l2", "cosine"],
     backfill: BackfillResult,
     backfill_s: float,
     upgrade_rows: int,
