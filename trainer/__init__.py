@@ -5,6 +5,8 @@ ranking, retrieval_result, compatibility, backfill_curves; :mod:`fctkit.trainer.
 numpy only; everything that trains needs the ``train`` extra (torch).
 """
 
+from typing import Any
+
 from fctkit.backfill_order import ORDERING_KINDS, backfill_order
 
 from .backfill_curves import BackfillCurve, backfill_curve
@@ -80,7 +82,7 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 

@@ -153,7 +153,7 @@ def load_adapter(path: str | Path) -> Adapter:
     if cls is None:
         raise InputError(f"{path}: unknown adapter kind {meta['adapter_kind']!r}; known: {', '.join(sorted(kinds))}")
     try:
-        config = from_mapping(cls.config_class, meta["config"], where=f"{path}:config")
+        config: Any = from_mapping(cls.config_class, meta["config"], where=f"{path}:config")
         adapter = cls(config=config, **meta["dims"])
     except (ConfigError, TypeError, ValueError) as exc:
         raise InputError(f"{path}: adapter file does not match its {meta['adapter_kind']!r} definition: {exc}") from exc

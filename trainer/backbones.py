@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -284,7 +284,7 @@ def save_backbone(backbone: Backbone, path: str | Path) -> Path:
 
 def load_backbone(path: str | Path, device: str = "cpu") -> Backbone:
     """Load a backbone written by :func:`save_backbone` (in eval mode)."""
-    return load_model(path, {BACKBONE_FORMAT: backbone_from_meta}, device)
+    return cast(Backbone, load_model(path, {BACKBONE_FORMAT: backbone_from_meta}, device))  # the format's model
 
 
 def backbone_from_meta(meta: dict[str, Any], where: str) -> Backbone:

@@ -4,6 +4,7 @@ trades its adapted embedding for the new model's, and the area under that curve 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -25,7 +26,7 @@ class BackfillCurve:
     area: float
     metric: str = "top1"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "fractions": self.fractions.tolist(),
             "values": self.values.tolist(),
@@ -34,7 +35,7 @@ class BackfillCurve:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> BackfillCurve:
+    def from_dict(cls, data: dict[str, Any]) -> BackfillCurve:
         return cls(
             fractions=np.asarray(data["fractions"], dtype=float),
             values=np.asarray(data["values"], dtype=float),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +37,7 @@ class VersionFeatures:
     side: np.ndarray  # ψ_v
 
 
-def run_chain(config: PipelineConfig, out: Path, report: Report, log: Callable[[str], None]) -> dict[str, float]:
+def run_chain(config: PipelineConfig, out: Path, report: Report, log: Callable[[str], None]) -> dict[str, Any]:
     data = load_image_splits(config)
     train_labels = data.labels[data.train]
     versions_train: list[VersionFeatures] = []

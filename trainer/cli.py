@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import click
 
@@ -44,7 +45,7 @@ def _parse_topk(_ctx: click.Context, _param: click.Parameter, value: str) -> tup
 def eval_command(
     query_path: Path,
     gallery_path: Path | None,
-    distance: str,
+    distance: Literal["l2", "cosine"],  # click.Choice
     topk: tuple[int, ...],
     leave_one_out: bool,
     chunk_size: int,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -99,7 +99,7 @@ class ClosedFormAdapter(Adapter):
         config: ClosedFormConfig | Mapping[str, Any] | None = None,
     ) -> tuple[ClosedFormAdapter, History]:
         """Fit in float64; the History holds the training MSE as its only epoch."""
-        config = config_of(cls.config_class, config)
+        config = cast(ClosedFormConfig, config_of(cls.config_class, config))  # config_class is ClosedFormConfig
         old64 = check_features("old", old).astype(np.float64)
         new64 = check_features("new", new, rows=len(old64)).astype(np.float64)
         old_mean = old64.mean(axis=0) if config.bias else np.zeros(old64.shape[1])

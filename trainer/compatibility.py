@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +49,7 @@ class CompatibilityMatrix:
         lines.append(f"AC = {self.ac:.4f}, AM = {self.am:.4f}")
         return "\n".join(lines)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "values": [[None if np.isnan(v) else float(v) for v in row] for row in self.values],
             "ac": self.ac,
@@ -56,7 +57,7 @@ class CompatibilityMatrix:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> CompatibilityMatrix:
+    def from_dict(cls, data: dict[str, Any]) -> CompatibilityMatrix:
         values = np.array([[np.nan if v is None else v for v in row] for row in data["values"]], dtype=float)
         return cls(values=values, ac=float(data["ac"]), am=float(data["am"]))
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -277,7 +277,7 @@ class LambdaOrthAdapter(Adapter):
         ``labels`` (int per row) define the contrastive positives; without them only the same
         item is positive. The final ``‖WWᵀ − I‖_F`` is recorded in ``metrics``.
         """
-        config = config_of(cls.config_class, config)
+        config = cast(LambdaOrthConfig, config_of(cls.config_class, config))  # config_class is LambdaOrthConfig
         old = check_features("old", old)
         new = check_features("new", new, rows=len(old))
         arrays = [old, new]

@@ -29,7 +29,7 @@ def method_config(config: PipelineConfig, method: str, has_side: bool, level: st
     it (and the method's ``side_info`` is not turned off), and the objective ``auto`` resolved
     (MSE for class level, InfoNCE for instance level)."""
     if method in ("least-squares", "procrustes"):
-        return ClosedFormConfig(method=method.replace("-", "_"))
+        return ClosedFormConfig(method="least_squares" if method == "least-squares" else "procrustes")
     section = {
         "fct": config.fct,
         "fct-no-side-info": config.fct,

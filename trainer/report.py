@@ -192,7 +192,7 @@ class Report:
             )
         return "\n".join(lines)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict; :meth:`from_json` rebuilds the report from it."""
         return {
             "format": REPORT_FORMAT,

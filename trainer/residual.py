@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -77,7 +77,7 @@ class ResidualAdapter(OldSideAdapter):
         elif config.form == "mlp":
             self.residual = nn.Sequential(nn.Linear(d_in, config.width), nn.GELU(), nn.Linear(config.width, d_out))
         if self.residual is not None:
-            nn.init.zeros_(self.residual[-1].weight)
+            nn.init.zeros_(cast(nn.Linear, self.residual[-1]).weight)
 
     def forward(self, old: torch.Tensor, side: torch.Tensor | None = None) -> torch.Tensor:
         side = self._side_or_none(side)
@@ -94,7 +94,7 @@ class ResidualAdapter(OldSideAdapter):
         config: ResidualConfig | Mapping[str, Any] | None = None,
     ) -> tuple[ResidualAdapter, History]:
         """Start from ridge least squares on ``[old, side]`` → ``target``, then train with the objective."""
-        config = config_of(cls.config_class, config)
+        config = cast(ResidualConfig, config_of(cls.config_class, config))  # config_class is ResidualConfig
         old = check_features("old", old)
         target = check_features("target", target, rows=len(old))
         arrays = [old]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from fctkit.errors import InputError
 
@@ -32,7 +33,7 @@ class RetrievalResult:
     def top1(self) -> float:
         return self.cmc[1]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form; :meth:`from_dict` inverts it."""
         return {
             "cmc": {str(k): v for k, v in sorted(self.cmc.items())},
@@ -49,7 +50,7 @@ class RetrievalResult:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> RetrievalResult:
+    def from_dict(cls, data: dict[str, Any]) -> RetrievalResult:
         try:
             return cls(
                 cmc={int(k): float(v) for k, v in data["cmc"].items()},
@@ -67,7 +68,7 @@ class RetrievalResult:
             raise InputError(f"not a retrieval result: {exc!r} in {data!r}") from exc
 
 
-def _float_or_nan(value: object) -> float:
+def _float_or_nan(value: Any) -> float:
     return math.nan if value is None else float(value)
 
 
@@ -86,6 +87,7 @@ def metric_value(result: RetrievalResult, metric: str) -> float:
         if k in result.recall:
             return result.recall[k]
         raise InputError(f"metric {metric!r}: this result has R@k only for k in {sorted(result.recall)}")
+    assert k is not None  # parse_metric gives k for every kind but mean_ap, mrr and ndcg@10
     if k in result.cmc:
         return result.cmc[k]
     if k <= len(result.cmc_curve):

@@ -150,6 +150,7 @@ def holdout_split(split: TaskSplit, fraction: float, seed: int) -> Holdout:
         held_queries = np.unique(owners[touching])
         fit_queries = np.setdiff1d(np.arange(len(split.query)), held_queries)
     else:
+        assert split.query.labels is not None and split.gallery.labels is not None  # class level: labels
         held_queries = np.flatnonzero(np.isin(split.query.labels, split.gallery.labels[held]))
         fit_queries = np.flatnonzero(np.isin(split.query.labels, split.gallery.labels[fit_rows]))
     if len(held_queries) == 0:

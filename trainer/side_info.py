@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -293,9 +293,9 @@ def save_side_info(model: SideInfoModel, path: str | Path) -> Path:
 
 def load_side_info(path: str | Path, device: str = "cpu") -> SideInfoModel:
     """Load a side-info model written by :func:`save_side_info` (in eval mode)."""
-    return load_model(path, {SIDE_INFO_FORMAT: _side_info_from_meta}, device)
+    return cast(SideInfoModel, load_model(path, {SIDE_INFO_FORMAT: _side_info_from_meta}, device))  # the format's
 
 
-def _side_info_from_meta(meta: dict, where: str) -> SideInfoModel:
+def _side_info_from_meta(meta: dict[str, Any], where: str) -> SideInfoModel:
     config = from_mapping(SideInfoConfig, meta["config"], where=f"{where}: config")
     return SideInfoModel(config, int(meta["in_channels"]), tuple(meta["classes"]))

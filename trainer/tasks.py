@@ -34,11 +34,13 @@ atomically.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import secrets
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, cast, overload
 
 import numpy as np
 
@@ -86,7 +88,7 @@ class TaskSplit:
     gallery: TaskSet
     positives: Positives | None = None
 
-    def relevance(self) -> dict:
+    def relevance(self) -> dict[str, Any]:
         """Keyword arguments for :func:`~fctkit.trainer.evaluation.evaluate_retrieval`."""
         if self.positives is not None:
             return {"query_labels": None, "gallery_labels": None, "positives": self.positives}
@@ -122,7 +124,7 @@ class RetrievalTask:
 # --------------------------------------------------------------------------- reading
 
 
-def load_task(path: str | os.PathLike) -> RetrievalTask:
+def load_task(path: str | os.PathLike[str]) -> RetrievalTask:
     """Read and validate a task file (see the module docstring)."""
     path = Path(path)
     if not path.is_file():
@@ -161,11 +163,18 @@ class _Reader:
     """Reads keys of one task file, remembering which it used, with errors naming key and row."""
 
     def __init__(self, arrays: dict[str, np.ndarray], source: str) -> None:
-        self.arrays, self.source, self.used = arrays, source, set()
+        self.arrays, self.source, self.used = arrays, source, set[str]()
+
+    def _not_in(self, key: str, ids_key: str, bad: object) -> InputError:
+        return self.error(key, f"id {_show(bad)} is not in {ids_key}")
 
     def error(self, key: str, message: str) -> InputError:
         return InputError(f"{self.source}: {key}: {message}")
 
+    @overload
+    def get(self, key: str, required: Literal[True] = True) -> np.ndarray: ...
+    @overload
+    def get(self, key: str, required: bool) -> np.ndarray | None: ...
     def get(self, key: str, required: bool = True) -> np.ndarray | None:
         if key not in self.arrays:
             if required:
@@ -182,6 +191,10 @@ class _Reader:
             raise self.error(key, f"expected one string, got an array of shape {value.shape} and dtype {value.dtype}")
         return str(value)
 
+    @overload
+    def matrix(self, key: str, rows: int, required: Literal[True] = True) -> np.ndarray: ...
+    @overload
+    def matrix(self, key: str, rows: int, required: bool) -> np.ndarray | None: ...
     def matrix(self, key: str, rows: int, required: bool = True) -> np.ndarray | None:
         value = self.get(key, required)
         if value is None:
@@ -230,6 +243,7 @@ class _Reader:
     def split(self, split: str, level: str) -> TaskSplit:
         query, gallery = (self.task_set(split, name, level) for name in SETS)
         if level == "class":
+            assert query.labels is not None and gallery.labels is not None  # class-level sets have labels
             missing = ~np.isin(query.labels, gallery.labels)
             if missing.any():
                 row = int(np.flatnonzero(missing)[0])
@@ -253,9 +267,7 @@ class _Reader:
                     f"{prefix}.{part}", "positives.query and positives.gallery must be 1-D and of equal length"
                 )
             rows[part] = _rows_of(
-                ids,
-                listed,
-                lambda bad, part=part: self.error(f"{prefix}.{part}", f"id {_show(bad)} is not in {split}.{part}.ids"),
+                ids, listed, functools.partial(self._not_in, f"{prefix}.{part}", f"{split}.{part}.ids")
             )
         if grade is not None and (grade.shape != pairs["query"].shape or grade.dtype.kind not in "iuf"):
             raise self.error(
@@ -291,7 +303,7 @@ class _Reader:
     def check_disjoint(self, splits: dict[str, TaskSplit]) -> None:
         for name in SETS:
             train_ids, eval_ids = (getattr(splits[s], name).ids for s in SPLITS)
-            shared = np.intersect1d(train_ids, eval_ids) if train_ids.dtype.kind == eval_ids.dtype.kind else []
+            shared: Any = np.intersect1d(train_ids, eval_ids) if train_ids.dtype.kind == eval_ids.dtype.kind else []
             if len(shared):
                 raise InputError(
                     f"{self.source}: {len(shared)} {name} id(s) are in both train and eval (first "
@@ -309,7 +321,7 @@ def _show(value: object) -> str:
     return repr(value.item() if isinstance(value, np.generic) else value)
 
 
-def _rows_of(ids: np.ndarray, listed: np.ndarray, error) -> np.ndarray:
+def _rows_of(ids: np.ndarray, listed: np.ndarray, error: Callable[[object], InputError]) -> np.ndarray:
     order = np.argsort(ids)
     if listed.dtype.kind != ids.dtype.kind and not (listed.dtype.kind in "iu" and ids.dtype.kind in "iu"):
         raise error(listed[0] if len(listed) else "?")
@@ -351,7 +363,7 @@ def task_arrays(task: RetrievalTask) -> dict[str, np.ndarray]:
     return arrays
 
 
-def save_task(path: str | os.PathLike, task: RetrievalTask) -> Path:
+def save_task(path: str | os.PathLike[str], task: RetrievalTask) -> Path:
     """Validate ``task`` and write it to ``path`` atomically (a crash leaves the old file or none)."""
     arrays = task_arrays(task)
     task_from_arrays(arrays, str(path))
@@ -360,7 +372,7 @@ def save_task(path: str | os.PathLike, task: RetrievalTask) -> Path:
     scratch = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
     try:
         with os.fdopen(os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as sink:
-            np.savez(sink, **arrays)
+            np.savez(sink, **cast(dict[str, Any], arrays))  # as Any: the stubs' allow_pickle keyword takes a bool
             sink.flush()
             os.fsync(sink.fileno())
         os.replace(scratch, path)

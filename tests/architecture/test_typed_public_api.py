@@ -9,7 +9,7 @@ import tomllib
 
 from tests.support.typecheck import PUBLIC_PACKAGES, REPO, package_dirs, public_api_modules
 
-STRICT_OPTIONS = ("disallow_untyped_defs", "disallow_incomplete_defs", "disallow_any_generics", "warn_return_any")
+STRICT_OPTIONS = ("disallow_untyped_defs", "disallow_incomplete_defs", "disallow_any_generics", "no_implicit_reexport")
 
 
 def strict_modules() -> set[str]:
