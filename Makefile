@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
-EXTRAS ?= cpu,train,dev,faiss,scale,metrics
+EXTRAS ?= cpu,train,dev,faiss,scale,metrics,docs
 # constraints.txt pins torch==2.13.0. Where pip finds no CPU wheel of it (our machines keep one
 # locally), PyPI's Linux torch pulls several GB of CUDA libraries; PyTorch's CPU wheel index has
 # torch 2.13.0+cpu, which pip prefers once it sees it:
@@ -13,7 +13,7 @@ EXTRAS ?= cpu,train,dev,faiss,scale,metrics
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed-$(shell echo $(EXTRAS) | tr ',' '-')
 
-.PHONY: demo test install services protos bench robustness text-search photo-library clean lint
+.PHONY: demo test install services protos bench robustness text-search photo-library clean lint docs docs-serve
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,14 @@ services:
 
 test: $(STAMP) $(CONFORMANCE) services
 	$(BIN)/python -m pytest $(ARGS)
+
+# The documentation site (mkdocs.yml, pages under docs/): built strictly, so a broken link, anchor or
+# cross-reference fails; the CLI, Python API and configuration references are generated at build time.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(BIN)/mkdocs serve
 
 # Lint and type check: ruff (rules and format) over the repository, mypy over the kit
 # (tests/support/typecheck.py: a symlink view of the package, pyproject's [tool.mypy]).
