@@ -111,7 +111,9 @@ def _defines(module: str, name: str) -> bool:
     if not path or not path.endswith(".py"):
         return False
     for node in ast.parse(Path(path).read_text()).body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         if isinstance(node, getattr(ast, "TypeAlias", ())):  # `type X = ...` (Python 3.12)
             targets = [node.name]
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):

@@ -65,7 +65,7 @@ def on_pre_build(config: Any) -> None:
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    if _BUILD is None or "<!-- config: " not in markdown and "<!-- fields: " not in markdown:
+    if _BUILD is None or ("<!-- config: " not in markdown and "<!-- fields: " not in markdown):
         return markdown
 
     def expand(match: re.Match[str]) -> str:
@@ -86,8 +86,9 @@ def on_post_build(config: Any) -> None:
         cls_name, _, field = key.partition(".")
         cls = _BUILD.classes.get(cls_name)
         if cls is None or (field and field not in {f.name for f in dataclasses.fields(cls)}):
-            log.warning("%s gives a meaning for %r, which no table shows (no such class or field)",
-                        MEANINGS_FILE.name, key)
+            log.warning(
+                "%s gives a meaning for %r, which no table shows (no such class or field)", MEANINGS_FILE.name, key
+            )
 
 
 def _load(path: str) -> type:
@@ -151,8 +152,16 @@ def meaning(cls: type, name: str, tables: Tables, where: str) -> str:
             text = code_comments(klass)[name]
             break
     else:
-        tables.warn(f"{cls.__name__}.{name}", "%s: %s.%s has no meaning: comment the field in the code or add "
-                    "%s.%s to %s", where, cls.__name__, name, cls.__name__, name, MEANINGS_FILE.name)
+        tables.warn(
+            f"{cls.__name__}.{name}",
+            "%s: %s.%s has no meaning: comment the field in the code or add %s.%s to %s",
+            where,
+            cls.__name__,
+            name,
+            cls.__name__,
+            name,
+            MEANINGS_FILE.name,
+        )
         return ""
     return ROLE.sub(r"`\1`", text).replace("|", "\\|")
 
@@ -235,7 +244,9 @@ def flattened(cls: type, default: Any, tables: Tables, prefix: str = "") -> list
 
 
 def section_table(sections: list[str], cls: type, defaults: list[Any], tables: Tables, where: str) -> list[str]:
-    by_section = [{key: (owner, name, value) for key, owner, name, value in flattened(cls, d, tables)} for d in defaults]
+    by_section = [
+        {key: (owner, name, value) for key, owner, name, value in flattened(cls, d, tables)} for d in defaults
+    ]
     keys = list(by_section[0])
     differ = len(sections) > 1 and any(len({repr(s[k][2]) for s in by_section}) > 1 for k in keys)
     heads = [f"default in `{s}`" for s in sections] if differ else ["default"]
@@ -243,8 +254,11 @@ def section_table(sections: list[str], cls: type, defaults: list[Any], tables: T
     for key in keys:
         owner, name, _ = by_section[0][key]
         values = [shown_default(owner, name, s[key][2], tables) for s in by_section]
-        out.append(f"| `{key}` | {type_name(typing.get_type_hints(owner)[name])} | "
-                   + " | ".join(values if differ else values[:1]) + f" | {meaning(owner, name, tables, where)} |")
+        out.append(
+            f"| `{key}` | {type_name(typing.get_type_hints(owner)[name])} | "
+            + " | ".join(values if differ else values[:1])
+            + f" | {meaning(owner, name, tables, where)} |"
+        )
     return out
 
 
@@ -262,8 +276,10 @@ def config_markdown(root: type, tables: Tables, where: str) -> str:
             groups.setdefault(type(getattr(default, field.name)), []).append(field.name)
         else:
             value = shown_default(root, field.name, getattr(default, field.name), tables)
-            out.append(f"| `{field.name}` | {type_name(hints[field.name])} | {value} | "
-                       f"{meaning(root, field.name, tables, where)} |")
+            out.append(
+                f"| `{field.name}` | {type_name(hints[field.name])} | {value} | "
+                f"{meaning(root, field.name, tables, where)} |"
+            )
     for cls, sections in groups.items():
         out += ["", "### " + ", ".join(f"`[{s}]`" for s in sections), ""]
         text = intro(cls, tables)
@@ -280,5 +296,7 @@ def fields_table(cls: type, tables: Tables, where: str) -> list[str]:
     out += ["| key | type | default | meaning |", "|---|---|---|---|"]
     for field in dataclasses.fields(cls):
         shown = shown_default(cls, field.name, _default(field), tables)
-        out.append(f"| `{field.name}` | {type_name(hints[field.name])} | {shown} | {meaning(cls, field.name, tables, where)} |")
+        out.append(
+            f"| `{field.name}` | {type_name(hints[field.name])} | {shown} | {meaning(cls, field.name, tables, where)} |"
+        )
     return out

@@ -22,16 +22,27 @@ from tests.foundation.test_cli_hints import all_commands, resolve
 
 REPO = Path(__file__).resolve().parents[2]
 MKDOCS = Path(sys.executable).with_name("mkdocs")
-PARTS = {"fctkit": "core", "fctkit.trainer": "trainer", "fctkit.export": "export",
-         "fctkit.edge_runtime": "edge_runtime", "fctkit.protos": "protos", "fctkit.server": "server"}
+PARTS = {
+    "fctkit": "core",
+    "fctkit.trainer": "trainer",
+    "fctkit.export": "export",
+    "fctkit.edge_runtime": "edge_runtime",
+    "fctkit.protos": "protos",
+    "fctkit.server": "server",
+}
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     """The site, built once for this module's tests."""
     out = tmp_path_factory.mktemp("site")
-    done = subprocess.run([str(MKDOCS), "build", "--strict", "--site-dir", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [str(MKDOCS), "build", "--strict", "--site-dir", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
     return out
 
@@ -95,8 +106,10 @@ def test_the_configuration_reference_shows_every_key(site):
 
 # --- every `fctkit …` command the docs show exists ------------------------------------------------
 
-FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)(?P<info>[^\n]*)\n(?P<body>.*?)^(?P=indent)(?P=fence)[ \t]*$",
-                   re.MULTILINE | re.DOTALL)
+FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)(?P<info>[^\n]*)\n(?P<body>.*?)^(?P=indent)(?P=fence)[ \t]*$",
+    re.MULTILINE | re.DOTALL,
+)
 SHELL = ("bash", "sh", "shell", "console")
 INLINE = re.compile(r"(?<!`)`(fctkit [^`\n]+)`(?!`)")
 START = re.compile(r"(?<![\w/.$-])fctkit(?=[ \t])")
@@ -111,9 +124,9 @@ def shell_commands(body: str) -> list[str]:
     for line in re.sub(r"\\\n", " ", body).splitlines():
         line = re.sub(r"(^|\s)#.*$", "", line)
         for match in START.finditer(line):
-            rest = line[match.start():]
+            rest = line[match.start() :]
             cut = END.search(rest)
-            found.append((rest[:cut.start()] if cut else rest).strip())
+            found.append((rest[: cut.start()] if cut else rest).strip())
     return found
 
 
@@ -145,7 +158,14 @@ def resolve_documented(command_line: str) -> str | None:
     while rest and isinstance(command, click.Group):
         token = rest.pop(0)
         if token.startswith("-"):
-            option = next((p for p in command.params if isinstance(p, click.Option) and token.split("=")[0] in p.opts + p.secondary_opts), None)
+            option = next(
+                (
+                    p
+                    for p in command.params
+                    if isinstance(p, click.Option) and token.split("=")[0] in p.opts + p.secondary_opts
+                ),
+                None,
+            )
             if option is None and token.split("=")[0] not in ("-h", "--help"):
                 return f"{command.name} has no option {token!r}"
             if option is not None and not option.is_flag and "=" not in token and rest:

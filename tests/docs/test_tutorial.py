@@ -76,8 +76,15 @@ def test_the_tutorial_runs_as_written(tmp_path):
     env.pop("FCTKIT_SERVER", None)
     env.pop("FCTKIT_ADMIN_TOKEN", None)
     env.pop("FCTKIT_DEVICE", None)
-    process = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", tutorial_script()], cwd=tmp_path, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        ["bash", "-e", "-o", "pipefail", "-c", tutorial_script()],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = process.communicate(timeout=420)
     except subprocess.TimeoutExpired:
