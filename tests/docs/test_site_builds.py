@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import re
 import shlex
 import subprocess
@@ -35,10 +36,13 @@ PARTS = {
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     """The site, built once for this module's tests."""
+    if not MKDOCS.is_file():
+        pytest.fail(f"{MKDOCS} is missing: install the docs extra (make test does: EXTRAS includes docs)")
     out = tmp_path_factory.mktemp("site")
     done = subprocess.run(
         [str(MKDOCS), "build", "--strict", "--site-dir", str(out)],
         cwd=REPO,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # Material's banner about its successor, not ours
         capture_output=True,
         text=True,
         timeout=600,
