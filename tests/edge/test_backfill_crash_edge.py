@@ -22,13 +22,13 @@ ROWS, PLAN, KILLS = 320, 40, 20
 
 WORKER = """
 import sys
-from fctkit.edge_runtime import Device, gallery
-original_exit = gallery._transaction.__exit__
+from fctkit.edge_runtime import Device, sqlite_file
+original_exit = sqlite_file.transaction.__exit__
 def exit_hook(self, exc_type, exc, tb):
     if exc_type is None:
         print("commit", flush=True)
     return original_exit(self, exc_type, exc, tb)
-gallery._transaction.__exit__ = exit_hook
+sqlite_file.transaction.__exit__ = exit_hook
 device = Device.open(sys.argv[1])
 device.progress = False
 if device.gallery.meta("backfill") is not None or sys.argv[2] != "0":

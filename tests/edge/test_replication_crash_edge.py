@@ -24,10 +24,10 @@ ROWS, SMALL_BATCH, KILLS = 480, 12, 20
 # server acknowledged a push (before the device records it) and "commit" as COMMIT is sent.
 WORKER = """
 import sys
-from fctkit.edge_runtime import Device, gallery, replication
+from fctkit.edge_runtime import Device, replication, sqlite_file
 from fctkit.protos import client as client_module
 replication.SEAL_BATCH = replication.PUSH_ROWS = replication.PULL_ROWS = int(sys.argv[2])  # small blocks, many transactions
-original_exit, original_push = gallery._transaction.__exit__, client_module.FctkitClient.push_records
+original_exit, original_push = sqlite_file.transaction.__exit__, client_module.FctkitClient.push_records
 def exit_hook(self, exc_type, exc, tb):
     if exc_type is None:
         print("commit", flush=True)
@@ -36,7 +36,7 @@ def push_hook(self, records):
     response = original_push(self, records)
     print("acked", flush=True)
     return response
-gallery._transaction.__exit__ = exit_hook
+sqlite_file.transaction.__exit__ = exit_hook
 client_module.FctkitClient.push_records = push_hook
 device = Device.open(sys.argv[1])
 device.progress = False

@@ -33,8 +33,8 @@ KILLS = int(os.environ.get("FCTKIT_REVERT_KILLS", "50"))
 WORKER = """
 import sys
 from pathlib import Path
-from fctkit.edge_runtime import Device, gallery, revert
-original_exit, original_kept = gallery._transaction.__exit__, revert._kept_rows
+from fctkit.edge_runtime import Device, revert, sqlite_file
+original_exit, original_kept = sqlite_file.transaction.__exit__, revert._kept_rows
 def exit_hook(self, exc_type, exc, tb):
     if exc_type is None:
         print("commit", flush=True)
@@ -43,7 +43,7 @@ def kept_hook(parts):
     kept = original_kept(parts)
     print("loaded", flush=True)
     return kept
-gallery._transaction.__exit__ = exit_hook
+sqlite_file.transaction.__exit__ = exit_hook
 revert._kept_rows = kept_hook
 device = Device.open(sys.argv[1])
 device.progress = False

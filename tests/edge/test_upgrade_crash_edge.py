@@ -30,8 +30,8 @@ KILLS = int(os.environ.get("FCTKIT_CRASH_KILLS", "36"))
 # The hooks print "batch" when a batch is read and "commit" just before COMMIT is sent.
 WORKER = """
 import sys
-from fctkit.edge_runtime import Device, gallery
-original_exit, original_rows = gallery._transaction.__exit__, gallery.Gallery.rows_to_upgrade
+from fctkit.edge_runtime import Device, gallery, sqlite_file
+original_exit, original_rows = sqlite_file.transaction.__exit__, gallery.Gallery.rows_to_upgrade
 def exit_hook(self, exc_type, exc, tb):
     if exc_type is None:
         print("commit", flush=True)
@@ -39,7 +39,7 @@ def exit_hook(self, exc_type, exc, tb):
 def rows_hook(self, *args):
     print("batch", flush=True)
     return original_rows(self, *args)
-gallery._transaction.__exit__ = exit_hook
+sqlite_file.transaction.__exit__ = exit_hook
 gallery.Gallery.rows_to_upgrade = rows_hook
 device = Device.open(sys.argv[1])
 device.progress = False
