@@ -20,7 +20,7 @@ import subprocess
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -167,7 +167,10 @@ def _load_fashion_mnist(part: DatasetPart, root: str | Path | None) -> ImageData
     return ImageDataset("fashion-mnist", all_images, all_labels, FASHION_MNIST_CLASSES)
 
 
-_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+_IDX_DTYPES: dict[int, np.dtype[Any]] = {
+    code: np.dtype(kind)
+    for code, kind in {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}.items()
+}
 
 
 def read_idx(path: str | Path) -> np.ndarray:
@@ -182,7 +185,7 @@ def read_idx(path: str | Path) -> np.ndarray:
         raise InputError(f"{path}: cannot read idx file ({exc}); the file is truncated or damaged") from exc
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
         raise InputError(f"{path}: not an idx file (bad magic number)")
-    dtype, ndim = np.dtype(_IDX_DTYPES[raw[2]]), raw[3]
+    dtype, ndim = _IDX_DTYPES[raw[2]], raw[3]
     header = 4 + 4 * ndim
     if len(raw) < header:
         raise InputError(f"{path}: truncated idx header")
@@ -341,7 +344,7 @@ def load_feature_versions(paths: Sequence[str | Path]) -> list[FeatureSet]:
             raise InputError(
                 f"{first.source} and {other.source}: ids are given in one file only; give them in all or none"
             )
-        if first.ids is not None and not np.array_equal(other.ids, first.ids):
+        if first.ids is not None and other.ids is not None and not np.array_equal(other.ids, first.ids):
             row = int(np.flatnonzero(other.ids != first.ids)[0])
             raise InputError(
                 f"{other.source} and {first.source} disagree on the id of row {row}; "

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -125,7 +125,23 @@ def _read_checkpoint(path: str | Path, kinds: tuple[str, ...]) -> tuple[dict[str
     return payload["state_dict"], payload["meta"], payload["kind"]
 
 
-def save_model(path: str | Path, kind: str, model: torch.nn.Module, **extra: Any) -> Path:
+class SavableModel(Protocol):
+    """What :func:`save_model` reads of a module: its weights, and the metadata :func:`load_model`'s
+    builders rebuild it from (nn.Module's ``__getattr__`` would type the three as ``Tensor | Module``)."""
+
+    @property
+    def config(self) -> Any: ...
+
+    @property
+    def classes(self) -> Sequence[int]: ...
+
+    @property
+    def in_channels(self) -> int: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+
+def save_model(path: str | Path, kind: str, model: SavableModel, **extra: Any) -> Path:
     """:func:`save_checkpoint` of a model that carries ``config``, ``classes`` and
     ``in_channels`` (the metadata :func:`load_model`'s builders read), plus ``extra`` metadata."""
     from fctkit.config import to_mapping
