@@ -5,9 +5,9 @@ Two jobs:
 1. **Where the source is.** ``pyproject.toml``'s ``package-dir`` maps the top-level folders onto
    one namespace (``fctkit`` -> ``core/``, ``fctkit.trainer`` -> ``trainer/``, ...), which griffe
    (mkdocstrings' static analysis) cannot follow. At each build this hook lays out a view of the
-   package made of symlinks, one per source file, in the layout Python sees (the idea of
-   ``tests/architecture/test_import_contracts.py``), and hands it to mkdocstrings' Python
-   handler as its first search path. It works from a fresh clone, installed or not, editable
+   package made of symlinks, one per source file, in the layout Python sees
+   (``tests/support/package_view.py``, as the architecture checks and the type check use it), and
+   hands it to mkdocstrings' Python handler as its first search path. It works from a fresh clone, installed or not, editable
    or not.
 2. **What is public.** A line ``<!-- api: fctkit.export -->`` in a page becomes that package's
    public API: every name of its ``__all__`` (read by importing the package, so lazily exported
@@ -27,11 +27,13 @@ import re
 import shutil
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from mkdocs.plugins import event_priority
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for its tests/support helpers
+from tests.support.package_view import build_view
 
 log = logging.getLogger("mkdocs.plugins.fctkit_api")
 
@@ -48,21 +50,6 @@ PARTS = {
 _VIEWS: list[Path] = []
 
 
-def package_dirs(repo: Path) -> dict[str, Path]:
-    mapping = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    return {package: repo / folder for package, folder in mapping.items()}
-
-
-def package_view(repo: Path, root: Path) -> Path:
-    """Symlinks to every source file of the package, laid out as ``fctkit/<part>/<module>.py``."""
-    for package, folder in package_dirs(repo).items():
-        for path in sorted(folder.glob("*.py")) + sorted(folder.glob("*.pyi")):
-            target = root.joinpath(*package.split("."), path.name)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.symlink_to(path)
-    return root
-
-
 def _remove_views() -> None:
     while _VIEWS:
         shutil.rmtree(_VIEWS.pop(), ignore_errors=True)
@@ -75,7 +62,7 @@ atexit.register(_remove_views)
 def on_config(config: Any) -> Any:
     repo = Path(config.config_file_path).resolve().parent
     _remove_views()  # a rebuild under `mkdocs serve` loads the config again: one view at a time
-    view = package_view(repo, Path(tempfile.mkdtemp(prefix="fctkit-docs-package-")))
+    view = build_view(Path(tempfile.mkdtemp(prefix="fctkit-docs-package-")), ("*.py", "*.pyi"), repo)
     _VIEWS.append(view)
     handlers = config.plugins["mkdocstrings"].config.handlers
     python = handlers.setdefault("python", {})

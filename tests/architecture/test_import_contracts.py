@@ -12,36 +12,15 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.package_view import REPO, build_view, view_files
+
 MAX_LINES = 600  # ruff format wraps one argument per line where the code was hand-wrapped: ~15% more lines than the 500 first set
 SAME_MEANING = {"__init__.py", "cli.py"}  # each part's public face and its commands
-
-
-def package_dirs() -> dict[str, Path]:
-    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    return {package: REPO / folder for package, folder in mapping.items()}
-
-
-def source_files() -> dict[str, Path]:
-    """Module path in the package ("fctkit/edge_runtime/device.py") -> the file in the repo."""
-    files = {}
-    for package, folder in package_dirs().items():
-        for path in folder.glob("*.py"):
-            files["/".join([*package.split("."), path.name])] = path
-    return files
-
-
-def package_view(root: Path) -> Path:
-    for name, path in source_files().items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).symlink_to(path)
-    return root
 
 
 def lint_imports(view: Path) -> subprocess.CompletedProcess:
@@ -91,7 +70,7 @@ print(json.dumps(found))
 
 @pytest.fixture(scope="module")
 def view(tmp_path_factory) -> Path:
-    return package_view(tmp_path_factory.mktemp("package-view"))
+    return build_view(tmp_path_factory.mktemp("package-view"))
 
 
 def test_the_import_contracts_hold(view):
@@ -101,7 +80,7 @@ def test_the_import_contracts_hold(view):
 
 
 def test_a_forbidden_import_breaks_a_contract(tmp_path):
-    probe = package_view(tmp_path) / "fctkit" / "edge_runtime" / "probe.py"
+    probe = build_view(tmp_path) / "fctkit" / "edge_runtime" / "probe.py"
     probe.write_text("import fctkit.trainer.fitting\n")  # the device must never need the trainer
     result = lint_imports(tmp_path)
     assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout
@@ -109,7 +88,7 @@ def test_a_forbidden_import_breaks_a_contract(tmp_path):
 
 def test_no_module_imports_itself_round_a_loop(view, tmp_path):
     assert import_cycles(view) == []
-    package = package_view(tmp_path) / "fctkit"
+    package = build_view(tmp_path) / "fctkit"
     (package / "loop_a.py").write_text("def later():\n    import fctkit.loop_b\n")  # inside a function counts too
     (package / "loop_b.py").write_text("import fctkit.loop_a\n")
     assert import_cycles(tmp_path) == [["fctkit.loop_a", "fctkit.loop_b"]]
@@ -118,12 +97,12 @@ def test_no_module_imports_itself_round_a_loop(view, tmp_path):
 def test_no_hand_written_module_is_over_600_lines():
     long = {
         name: n
-        for name, path in source_files().items()
+        for name, path in view_files().items()
         if not path.name.endswith(("_pb2.py", "_pb2_grpc.py")) and (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"split these by responsibility: {long}"
 
 
 def test_no_file_name_means_two_things():
-    names = Counter(path.name for path in source_files().values() if path.name not in SAME_MEANING)
+    names = Counter(path.name for path in view_files().values() if path.name not in SAME_MEANING)
     assert {name for name, count in names.items() if count > 1} == set()

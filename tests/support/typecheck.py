@@ -18,10 +18,11 @@ import re
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the checkout's tests/ package
+from tests.support.package_view import REPO, build_view, package_dirs, view_files
+
 PACKAGE_FILES = ("*.py", "*.pyi", "py.typed")
 # the parts whose public face (the package's __init__ and the modules defining what its __all__
 # exports) mypy checks strictly; fctkit.demo is the demo command's, not an API
@@ -36,31 +37,6 @@ PUBLIC_PACKAGES = (
     "fctkit.server",
     "fctkit.server.rollout",
 )
-
-
-def package_dirs() -> dict[str, Path]:
-    """Package name ("fctkit.edge_runtime") -> its folder in the checkout, from pyproject's ``package-dir``."""
-    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    return {package: REPO / folder for package, folder in mapping.items()}
-
-
-def view_files() -> dict[str, Path]:
-    """File in the package ("fctkit/edge_runtime/device.py") -> the file in the checkout."""
-    files = {}
-    for package, folder in package_dirs().items():
-        for pattern in PACKAGE_FILES:
-            for path in folder.glob(pattern):
-                files["/".join([*package.split("."), path.name])] = path
-    return files
-
-
-def build_view(root: Path) -> dict[str, Path]:
-    """Lay the symlink view under ``root``; returns :func:`view_files`."""
-    files = view_files()
-    for name, path in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).symlink_to(path)
-    return files
 
 
 def module_file(module: str) -> Path:
@@ -124,7 +100,8 @@ def main(arguments: list[str]) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="fctkit-typecheck-") as folder:
         view = Path(folder)
-        files = build_view(view)
+        build_view(view, PACKAGE_FILES)
+        files = view_files(PACKAGE_FILES)
         command = [
             *(sys.executable, "-m", "mypy"),
             *("--config-file", str(REPO / "pyproject.toml")),
