@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Self, cast
 
 import numpy as np
 import torch
@@ -137,7 +137,7 @@ class FCTAdapter(OldSideAdapter):
         ``config.side_info=True`` needs ``side``; with ``False`` any ``side`` is ignored.
         ``on_epoch_start(model, epoch)`` runs after the adapter's own epoch hook (e.g. to log).
         """
-        config = config_of(cls.config_class, config)
+        config = cast(FCTConfig, config_of(cls.config_class, config))  # config_class is FCTConfig or a subclass
         model, arrays = cls._prepare(old, target, side, config)
         compare = objective_loss(config.objective)
 
@@ -148,7 +148,7 @@ class FCTAdapter(OldSideAdapter):
         return model, model._train(arrays, loss, on_epoch_start)
 
     @classmethod
-    def _prepare(cls, old: Any, target: Any, side: Any, config: FCTConfig) -> tuple[FCTAdapter, list[np.ndarray]]:
+    def _prepare(cls, old: Any, target: Any, side: Any, config: FCTConfig) -> tuple[Self, list[np.ndarray]]:
         old = check_features("old", old)
         target = check_features("target", target, rows=len(old))
         arrays = [old]
@@ -226,7 +226,7 @@ class FastFillAdapter(FCTAdapter):
         old: np.ndarray,
         target: np.ndarray,
         side: np.ndarray | None = None,
-        config: FastFillConfig | Mapping[str, Any] | None = None,
+        config: FCTConfig | Mapping[str, Any] | None = None,
         *,
         classifier: nn.Module | None = None,
         labels: np.ndarray | None = None,
@@ -234,13 +234,17 @@ class FastFillAdapter(FCTAdapter):
     ) -> tuple[FastFillAdapter, History]:
         """Fit with the heteroscedastic loss; with ``classifier`` (the new model's head mapping
         φ_new → logits; a frozen copy is used, the module itself is left untouched) and
-        ``labels`` also add ``discriminative_weight · CE(classifier(h(old)), label)``."""
-        config = config_of(cls.config_class, config)
+        ``labels`` also add ``discriminative_weight · CE(classifier(h(old)), label)``.
+
+        ``config`` is typed as in :meth:`FCTAdapter.fit` but must be a :class:`FastFillConfig` (or a
+        mapping of one): a plain :class:`FCTConfig` is a :class:`~fctkit.errors.ConfigError`."""
+        # config_of raises that ConfigError for any dataclass but config_class (FastFillConfig)
+        config = cast(FastFillConfig, config_of(cls.config_class, config))
         if (classifier is None) != (labels is None):
             raise InputError("the discriminative term needs both classifier= and labels= (or neither)")
         model, arrays = cls._prepare(old, target, side, config)
         loss_fn: Callable[..., torch.Tensor] = model.loss
-        if classifier is not None:
+        if classifier is not None and labels is not None:  # both or neither (checked above)
             arrays.append(validate_labels(labels, len(arrays[0])))
             loss_fn = _discriminative_loss(classifier, config.discriminative_weight)
         return model, model._train(arrays, loss_fn, on_epoch_start)

@@ -160,11 +160,11 @@ class ResidualMLP(nn.Module):
     def __init__(self, d_in: int, n: int, hidden_width: int) -> None:
         super().__init__()
         self.n = n
-        self.mlp = nn.Sequential(
-            nn.Linear(d_in, hidden_width), nn.BatchNorm1d(hidden_width), nn.ReLU(), nn.Linear(hidden_width, n)
-        )
-        nn.init.zeros_(self.mlp[-1].weight)
-        nn.init.zeros_(self.mlp[-1].bias)
+        hidden, norm = nn.Linear(d_in, hidden_width), nn.BatchNorm1d(hidden_width)
+        last = nn.Linear(hidden_width, n)  # built after the others, as the seeded initialisation expects
+        nn.init.zeros_(last.weight)
+        nn.init.zeros_(last.bias)
+        self.mlp = nn.Sequential(hidden, norm, nn.ReLU(), last)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x[:, : self.n] + self.mlp(x)
@@ -185,7 +185,9 @@ class LambdaOrthAdapter(Adapter):
         self.forward_map: nn.Module = (
             _identity_linear(d_old, n) if config.forward == "affine" else ResidualMLP(d_old, n, config.hidden_width)
         )
-        self.backward_map: nn.Module = OrthogonalMap(n) if config.backward == "orthogonal" else _identity_linear(n, n)
+        self.backward_map: OrthogonalMap | nn.Linear = (
+            OrthogonalMap(n) if config.backward == "orthogonal" else _identity_linear(n, n)
+        )
         self.unit_rows: nn.Module = UnitRows() if config.normalize else nn.Identity()
 
     def dims(self) -> dict[str, int]:
@@ -243,7 +245,7 @@ class LambdaOrthAdapter(Adapter):
             linear.to(matrix.device)
             linear.weight.zero_()
             linear.weight[:, : self.n] = matrix
-            if linear.bias is not None:
+            if isinstance(self.backward_map, nn.Linear):  # then `linear` has a bias too
                 linear.bias.copy_(self.backward_map.bias)
         # UnitRows(n) normalises by the first n coordinates only: the zero columns drop the rest
         return (nn.Sequential(UnitRows(self.n), linear, UnitRows()) if self.config.normalize else linear).eval()

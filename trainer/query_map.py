@@ -24,7 +24,7 @@ are. On WordNet lemma → gloss this gallery-side adapter did better than a lear
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -98,9 +98,11 @@ class QueryMap(Adapter):
         if d_new < 1:
             raise InputError(f"query map dim must be positive, got {d_new}")
         self.d_new = d_new
-        self.residual = nn.Sequential(nn.Linear(d_new, config.width), nn.GELU(), nn.Linear(config.width, d_new))
-        nn.init.zeros_(self.residual[-1].weight)
-        nn.init.zeros_(self.residual[-1].bias)
+        widen = nn.Linear(d_new, config.width)
+        narrow = nn.Linear(config.width, d_new)  # built second, as the seeded initialisation expects
+        nn.init.zeros_(narrow.weight)
+        nn.init.zeros_(narrow.bias)
+        self.residual = nn.Sequential(widen, nn.GELU(), narrow)
 
     def dims(self) -> dict[str, int]:
         return {"d_new": self.d_new}
@@ -182,7 +184,7 @@ def fit_jointly(
     ``config.distill_weight`` > 0 adds :func:`~.losses.neighbourhood_kl` towards the new model's
     ranking of the batch."""
     if not isinstance(config, QueryPositivesConfig):
-        config = config_of(QueryMapConfig, config)
+        config = cast(QueryMapConfig, config_of(QueryMapConfig, config))
     query_new = check_features("query_new", query_new)
     rows = len(query_new)
     arrays = [query_new, check_features("gallery_old", gallery_old, rows=rows)]
@@ -193,17 +195,18 @@ def fit_jointly(
     query_map = QueryMap(config, d_new=query_new.shape[1]) if isinstance(config, QueryMapConfig) else None
     joint = _Joint(adapter, query_map if query_map is not None else nn.Identity())
     tau, weight = config.temperature, config.task_weight
-    mined = _mined_tensors(negatives, adapter) if config.hard_negatives and negatives is not None else None
-    if mined is not None:
+    mined: tuple[torch.Tensor, ...] | None = None
+    if config.hard_negatives and negatives is not None:
+        mined = _mined_tensors(negatives, adapter)
         arrays += [negatives.rows, negatives.positive]
 
     def loss(model: _Joint, query: torch.Tensor, *batch: torch.Tensor) -> torch.Tensor:
-        gallery, extra = (batch[:-2], batch[-2:]) if mined is not None else (batch, ())
+        gallery = batch[:-2] if mined is not None else batch
         *inputs, target = gallery
         adapted = model.adapter(*inputs)
         mapped = model.query_side(query)
-        if extra:
-            rows, positive = extra
+        if mined is not None:
+            rows, positive = batch[-2:]
             pool = rows.reshape(-1)
             negatives_adapted = model.adapter(*(t[pool.cpu()].to(query.device) for t in mined))
             valid = pool.reshape(1, -1) != positive.reshape(-1, 1)
