@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -32,11 +33,15 @@ class Adapter(torch.nn.Module):
     """Base class of every adapter: a torch module with a config dataclass and its dims.
 
     Subclasses declare ``kind`` (the registry key written into files) and ``config_class``,
-    and take ``config`` plus the keyword arguments listed in :meth:`dims` in ``__init__``.
+    take ``config`` plus the keyword arguments listed in :meth:`dims` in ``__init__``, and
+    define ``transform`` (numpy rows in, numpy rows out).
     """
 
     kind: ClassVar[str]
     config_class: ClassVar[type]
+    # every kind defines it, numpy rows in and out: one array, or OldSideAdapter's (old, side).
+    # Declared (not defined) here so that nn.Module's __getattr__ does not type it as a Tensor.
+    transform: Callable[..., np.ndarray]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
