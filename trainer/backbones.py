@@ -165,7 +165,7 @@ class Backbone(nn.Module):
             config.normalize_embedding,
             config.pool_grid,
         )
-        self.classifier = (
+        self.classifier: CosineClassifier | nn.Linear = (
             CosineClassifier(config.embedding_dim, len(self.classes), config.classifier_scale)
             if config.classifier == "cosine"
             else nn.Linear(config.embedding_dim, len(self.classes))

@@ -5,6 +5,7 @@ HOC's; each is a :data:`LossFn` of ``(model, images, targets, labels)``."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -13,17 +14,19 @@ from torch import nn
 
 from .backbones import Backbone, extract_features
 from .compatible_config import BT2Config
-from .compatible_models import BT2Backbone
+from .compatible_models import BT2Backbone, CompatibleModel
 
-LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ModelT = TypeVar("ModelT", bound=nn.Module)
+# a loss of the model it trains (LossFn[Backbone], LossFn[BT2Backbone]): (model, images, targets, labels) -> loss
+LossFn = Callable[[ModelT, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def cross_entropy(net: nn.Module, x: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def cross_entropy(net: CompatibleModel, x: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The plain loss: cross-entropy of ``net.classify`` over the model's classes."""
     return F.cross_entropy(net.classify(x), targets)
 
 
-def frozen(model: nn.Module, device: torch.device) -> nn.Module:
+def frozen(model: ModelT, device: torch.device) -> ModelT:
     """``model`` on ``device`` in eval mode, its weights no longer trained (a previous version as a teacher)."""
     model = model.to(device).eval()
     model.requires_grad_(False)
@@ -38,7 +41,7 @@ def _known(classes: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, t
 
 def bct_loss(
     previous: Backbone, weight: float, classifier: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-) -> LossFn:
+) -> LossFn[Backbone]:
     """BCT: cross-entropy on the new classes plus the *influence loss*, the cross-entropy of the
     new feature through ``previous``'s frozen classifier, on the items of the classes that
     classifier knows. ``classifier`` = (classes, weight, bias) replaces ``previous``'s own head
@@ -46,7 +49,8 @@ def bct_loss(
     classes, w, b = classifier or (
         torch.as_tensor(previous.classes),
         previous.classifier.weight.detach(),
-        previous.classifier.bias.detach(),
+        # a cosine head (old_backbone.classifier = "cosine") has no bias: AttributeError, as before the types
+        previous.classifier.bias.detach(),  # type: ignore[operator]
     )
 
     def loss(net: Backbone, x: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -61,7 +65,7 @@ def bct_loss(
     return loss
 
 
-def hoc_loss(previous: Backbone, weight: float, scale: float) -> LossFn:
+def hoc_loss(previous: Backbone, weight: float, scale: float) -> LossFn[Backbone]:
     """CoReS + HOC (Biondi et al., "Stationary Representations", CVPR 2024, Eq. 3–4):
     ``(1 − weight)``·cross-entropy through the fixed simplex + ``weight``·InfoNCE between the
     previous version's and the new unit features of the batch — for each image, its previous
@@ -91,7 +95,8 @@ def synthesised_classifier(
     """``previous``'s frozen classifier extended to the classes of ``labels`` it does not know:
     their rows are the class means of ``previous``'s raw features, scaled to the mean norm of
     its trained rows, with the mean of its biases (BCT's synthesised classifier)."""
-    weight, bias = previous.classifier.weight.detach().cpu(), previous.classifier.bias.detach().cpu()
+    # a cosine head (old_backbone.classifier = "cosine") has no bias: AttributeError, as before the types
+    weight, bias = previous.classifier.weight.detach().cpu(), previous.classifier.bias.detach().cpu()  # type: ignore[operator]
     new = sorted(set(np.unique(labels).tolist()) - set(previous.classes))
     if not new:
         return torch.as_tensor(previous.classes), weight, bias
@@ -123,7 +128,7 @@ def class_mean_classifier(embeddings: np.ndarray, labels: np.ndarray) -> tuple[n
 
 def bt2_loss(
     old: nn.Module, reference: nn.Module, pseudo: tuple[np.ndarray, np.ndarray], config: BT2Config, device: torch.device
-) -> LossFn:
+) -> LossFn[BT2Backbone]:
     """BT²'s loss (:mod:`.compatible_config`): CE on f, cosine of the old-compatible block to φ_old and
     of f to φ_new', class-mean influence on the block."""
     old, reference = frozen(old, device), frozen(reference, device)

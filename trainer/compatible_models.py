@@ -18,6 +18,7 @@ from fctkit.config import from_mapping
 from fctkit.errors import ConfigError, InputError
 
 from .backbones import BACKBONE_FORMAT, Backbone, BackboneConfig, Encoder, backbone_from_meta, save_backbone
+from .fitting import History
 from .lambda_orth import OrthogonalMap
 from .torch_utils import load_model, save_model
 
@@ -41,16 +42,20 @@ def cores_backbone(config: BackboneConfig, reserved_classes: int, in_channels: i
     so ``config.classifier`` (e.g. "cosine") and ``embedding_dim`` are replaced."""
     config = dataclasses.replace(config, embedding_dim=reserved_classes - 1, classifier="linear")
     backbone = Backbone(config, tuple(range(reserved_classes)), in_channels)
+    classifier = backbone.classifier
+    assert isinstance(classifier, nn.Linear)  # the config's classifier is "linear" (above)
     with torch.no_grad():
-        backbone.classifier.weight.copy_(torch.from_numpy(simplex_vertices(reserved_classes)))
-        backbone.classifier.bias.zero_()
-    backbone.classifier.requires_grad_(False)
+        classifier.weight.copy_(torch.from_numpy(simplex_vertices(reserved_classes)))
+        classifier.bias.zero_()
+    classifier.requires_grad_(False)
     return backbone
 
 
 class BT2Backbone(nn.Module):
     """The BT² new model (:mod:`.compatible_config`): ``forward(x)`` is φ_new (e + n dims), whose first
     ``old_dim`` dims are the old-compatible block; ``classify(x)`` gives logits over ``classes``."""
+
+    history: History | None  # set by compatible_training.train_model (absent before)
 
     def __init__(
         self,
@@ -109,6 +114,9 @@ class BT2Backbone(nn.Module):
 
 
 class _MaterialisedBT2(nn.Module):
+    b1: torch.Tensor  # buffers (register_buffer below)
+    b2: torch.Tensor
+
     def __init__(self, model: BT2Backbone) -> None:
         super().__init__()
         self.encoder, self.extra_head = model.encoder, model.extra_head
@@ -156,7 +164,10 @@ def _bt2_from_meta(meta: dict[str, Any], where: str) -> BT2Backbone:
     )
 
 
-def save_compatible_model(model: nn.Module, path: str | Path) -> Path:
+CompatibleModel = Backbone | BT2Backbone  # a version the compatible methods train (a CoReS one is a Backbone)
+
+
+def save_compatible_model(model: CompatibleModel, path: str | Path) -> Path:
     return save_bt2(model, path) if isinstance(model, BT2Backbone) else save_backbone(model, path)
 
 

@@ -5,12 +5,11 @@ evaluated pair by pair into C[i, j] and the compatibility matrix (:class:`Sequen
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from torch import nn
 
 from fctkit.errors import ConfigError, InputError
 from fctkit.feature_checks import validate_labels
@@ -20,6 +19,7 @@ from .backbones import Backbone, BackboneConfig, extract_features
 from .compatibility import CompatibilityMatrix, compatibility_matrix, ecc
 from .compatible_config import METHOD_LABELS, CompatibleConfig
 from .compatible_losses import (
+    LossFn,
     bct_loss,
     bt2_loss,
     class_mean_classifier,
@@ -28,7 +28,7 @@ from .compatible_losses import (
     hoc_loss,
     synthesised_classifier,
 )
-from .compatible_models import BT2Backbone, cores_backbone, save_compatible_model
+from .compatible_models import BT2Backbone, CompatibleModel, cores_backbone, save_compatible_model
 from .compatible_training import EccSelector, VersionTraining, train_model
 from .datasets import class_subset, make_splits, validate_images
 from .fitting import split_validation
@@ -132,7 +132,7 @@ class SequenceRun:
         self.reserved = config.cores.reserved_classes or n_classes
         self.out = out / "models" / name
         self.evaluate = Evaluator.labelled(labels[self.eval_index], config.evaluation)
-        self._cores_first: nn.Module | None = None  # CoReS's v1, shared by "cores" and "cores-hoc"
+        self._cores_first: Backbone | None = None  # CoReS's v1, shared by "cores" and "cores-hoc"
 
     def _first_version_subset(self, fraction: float) -> np.ndarray:
         """``fraction`` of each class's items of version 1, the stratified draw of :func:`make_splits`."""
@@ -156,10 +156,11 @@ class SequenceRun:
         )
 
     def run(self) -> SequenceResult:
-        versions: dict[str, list[nn.Module]] = {"independent": self._independent()}
+        independent = self._independent()
+        versions: dict[str, Sequence[CompatibleModel]] = {"independent": independent}
         for method in self.config.methods:
             if method != "independent":
-                versions[method] = getattr(self, f"_{method.replace('-', '_')}")(versions["independent"])
+                versions[method] = getattr(self, f"_{method.replace('-', '_')}")(independent)
         pairs: dict[str, Pairs] = {}
         for method in self.config.methods:
             embeddings = [extract_features(m, self.images[self.eval_index]) for m in versions[method]]
@@ -169,7 +170,7 @@ class SequenceRun:
             for k, model in enumerate(versions[method]):
                 save_compatible_model(model, self.out / method / f"v{k + 1}.pt")
         for adapter in self.config.adapters:
-            pairs[adapter] = self._adapter_pairs(adapter, versions["independent"])
+            pairs[adapter] = self._adapter_pairs(adapter, independent)
         results = {m: {key: self.evaluate(q, g) for key, (q, g) in p.items()} for m, p in pairs.items()}
         known = (
             {}
@@ -177,9 +178,11 @@ class SequenceRun:
             else {m: {key: self._evaluate_known(key[1], q, g) for key, (q, g) in p.items()} for m, p in pairs.items()}
         )
         dims = {m: [int(p[(k, k)][0].shape[1]) for k in range(len(self.counts))] for m, p in pairs.items()}
-        matrices = {
-            m: compatibility_matrix(lambda i, j, m=m: results[m][(i, j)].top1, len(self.counts)) for m in results
-        }
+
+        def top1(method: str) -> Callable[[int, int], float]:
+            return lambda i, j: results[method][(i, j)].top1
+
+        matrices = {m: compatibility_matrix(top1(m), len(self.counts)) for m in results}
         return SequenceResult(self.name, self.counts, results, known, matrices, dims, self.facts)
 
     def _evaluate_known(self, j: int, query: np.ndarray, gallery: np.ndarray) -> RetrievalResult:
@@ -189,7 +192,7 @@ class SequenceRun:
             query[mask], gallery[mask]
         )
 
-    def _independent(self) -> list[nn.Module]:
+    def _independent(self) -> list[Backbone]:
         models = []
         for k in range(len(self.counts)):
             job = self.job(k)
@@ -202,7 +205,7 @@ class SequenceRun:
             models.append(model)
         return models
 
-    def _bct(self, independent: list[nn.Module]) -> list[nn.Module]:
+    def _bct(self, independent: Sequence[Backbone]) -> list[Backbone]:
         models = [independent[0]]
         for k in range(1, len(self.counts)):
             previous = models[-1]
@@ -221,8 +224,9 @@ class SequenceRun:
             models.append(model)
         return models
 
-    def _bt2(self, independent: list[nn.Module]) -> list[nn.Module]:
-        models, bt2 = [independent[0]], self.config.bt2
+    def _bt2(self, independent: Sequence[Backbone]) -> list[CompatibleModel]:
+        models: list[CompatibleModel] = [independent[0]]
+        bt2 = self.config.bt2
         for k in range(1, len(self.counts)):
             previous, reference = models[-1], independent[k]
             job = self.job(k)
@@ -245,13 +249,13 @@ class SequenceRun:
             models.append(model)
         return models
 
-    def _cores_hoc(self, independent: list[nn.Module]) -> list[nn.Module]:
+    def _cores_hoc(self, independent: Sequence[Backbone]) -> list[Backbone]:
         return self._cores(independent, hoc=True)
 
-    def _cores(self, _independent: list[nn.Module], hoc: bool = False) -> list[nn.Module]:
+    def _cores(self, _independent: Sequence[Backbone], hoc: bool = False) -> list[Backbone]:
         """CoReS's versions (with ``hoc``: CoReS + HOC from v2 on; v1, trained with the
         cross-entropy alone, is the same model for both and trained once)."""
-        models: list[nn.Module] = []
+        models: list[Backbone] = []
         if self.counts[-1] > self.reserved:
             raise ConfigError(
                 f"cores.reserved_classes = {self.reserved} leaves no room for the {self.counts[-1]} classes of the last version"
@@ -283,7 +287,7 @@ class SequenceRun:
                     [extract_features(m, val_images) for m in models],
                     self.config.evaluation,
                 )
-            loss = cross_entropy
+            loss: LossFn[Backbone] = cross_entropy
             if hoc and models:
                 loss = hoc_loss(
                     frozen(models[-1], resolve_device(job.device)),
@@ -318,7 +322,7 @@ class SequenceRun:
             return self.config.old_backbone
         return dataclasses.replace(self.config.old_backbone, lr=cores.finetune_lr)
 
-    def _adapter_pairs(self, method: str, independent: list[nn.Module]) -> Pairs:
+    def _adapter_pairs(self, method: str, independent: Sequence[Backbone]) -> Pairs:
         """(query, gallery) of C[i, j] for an adapter method between the independent versions
         (:mod:`.compatible_config`)."""
         train_images, eval_images = self.images[self.train], self.images[self.eval_index]
@@ -348,7 +352,10 @@ class SequenceRun:
                         self.config.fct, side_info=use_side, train=dataclasses.replace(self.config.fct.train, seed=seed)
                     )
                     adapter, _ = FCTAdapter.fit(
-                        train_features[j][rows], train_features[i][rows], side_train[rows] if use_side else None, fct
+                        train_features[j][rows],
+                        train_features[i][rows],
+                        side_train[rows] if side_train is not None else None,
+                        fct,
                     )
                     cases[(i, j)] = (
                         eval_features[i],
@@ -358,10 +365,10 @@ class SequenceRun:
                     lo = dataclasses.replace(
                         self.config.lambda_orth, train=dataclasses.replace(self.config.lambda_orth.train, seed=seed)
                     )
-                    adapter, _ = LambdaOrthAdapter.fit(
+                    unified, _ = LambdaOrthAdapter.fit(
                         train_features[j][rows], train_features[i][rows], self.labels[self.version_items[i]], lo
                     )
-                    cases[(i, j)] = (adapter.transform_new(eval_features[i]), adapter.unified_old(eval_features[j]))
+                    cases[(i, j)] = (unified.transform_new(eval_features[i]), unified.unified_old(eval_features[j]))
         return cases
 
 

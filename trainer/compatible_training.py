@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -16,8 +16,11 @@ from fctkit.errors import InputError
 
 from .backbones import BackboneConfig, extract_features, random_shift
 from .compatible_losses import LossFn, cross_entropy
+from .compatible_models import CompatibleModel
 from .fitting import History, fit
 from .searches import EvaluationConfig, Evaluator
+
+VersionModel = TypeVar("VersionModel", bound=CompatibleModel)
 
 
 @dataclasses.dataclass
@@ -39,9 +42,9 @@ def _class_targets(labels: np.ndarray, classes: tuple[int, ...]) -> np.ndarray:
 
 
 def train_model(
-    model: nn.Module,
+    model: VersionModel,
     job: VersionTraining,
-    loss: LossFn = cross_entropy,
+    loss: LossFn[VersionModel] = cross_entropy,
     *,
     description: str,
     selector: EccSelector | None = None,
@@ -61,7 +64,7 @@ def train_model(
         )
     shift = job.backbone.shift_augment
 
-    def loss_fn(net: nn.Module, x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss_fn(net: VersionModel, x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return loss(net, random_shift(x, shift) if net.training else x, y, labels)
 
     train_config = job.backbone.train_config(job.seed, job.device)
@@ -112,6 +115,7 @@ class EccSelector:
     def finish(self, model: nn.Module, epochs: int) -> dict[str, Any]:
         """Evaluate the last epoch, restore the chosen weights, return the choice."""
         self._record(model, epochs - 1)
+        assert self._best is not None  # _record has just set it
         key, epoch, state = self._best
         model.load_state_dict(state)
         model.eval()
