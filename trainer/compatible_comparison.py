@@ -61,13 +61,9 @@ def run_compatible(config: CompatibleConfig, out: str | Path, log: Callable[[str
     markdown = report.to_markdown() + "\n" + results_markdown(runs["upgrade"], runs["sequence"])
     files["markdown"].write_text(markdown, encoding="utf-8")
     files["results"] = write_json(out / "results.json", {k: v.to_dict() for k, v in runs.items() if v is not None})
-    files["gate"] = (
-        write_json(out / "gate.json", compatible_gate(runs["upgrade"], config.evaluation_classes))
-        if runs["upgrade"]
-        else None
-    )
+    if runs["upgrade"]:
+        files["gate"] = write_json(out / "gate.json", compatible_gate(runs["upgrade"], config.evaluation_classes))
     files["config"] = write_json(out / "config.json", to_mapping(config))
-    files = {k: v for k, v in files.items() if v is not None}
     seconds = time.perf_counter() - start
     log(f"done in {seconds:.1f} s; report in {files['markdown']}")
     return CompatibleResult(runs["upgrade"], runs["sequence"], files, seconds)

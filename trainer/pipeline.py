@@ -26,14 +26,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from fctkit.backfill_order import backfill_order
+from fctkit.backfill_order import OrderingKind, backfill_order
 from fctkit.config import to_mapping
 
 from .adapter_base import Adapter
@@ -83,6 +83,10 @@ from .tuning import (
     select_settings,
 )
 
+# what fit_adapters gives each method key: the method's adapter, one jointly fitted with the
+# query positives (and a query map), or a scoring variant of either
+Fitted = Adapter | WithQueryMap | Hubness | Transition
+
 # --- stage 1: features -------------------------------------------------------------------
 
 
@@ -128,11 +132,11 @@ def fit_adapters(
     task: RetrievalTask | None = None,
     report: Report | None = None,
     clock: StageClock | None = None,
-) -> dict[str, Adapter]:
+) -> dict[str, Fitted]:
     """Every enabled method, fitted on the training split (all classes, like FCT); on a task,
     with the settings chosen on held-out training data (recorded as report facts)."""
     clock = clock or StageClock(log)
-    fitted: dict[str, Adapter] = {}
+    fitted: dict[str, Fitted] = {}
     level = task.level if task is not None else "class"
     scoring = config.transition.enabled or config.hubness.enabled
     # One cut of the training split serves every choice on held-out data (same seed, same cut).
@@ -149,28 +153,32 @@ def fit_adapters(
             with clock.stage(
                 f"choosing settings of {METHOD_LABELS[method]} on held-out training data ({task.primary_metric})"
             ):
+                assert holdout is not None  # cut above for a task with the selection on
                 section, fit_part_adapter = select_settings(config, method, section, knobs, task, holdout, report)
+        # this method's fits before scoring (also in `fitted`): the scoring variants build on them
+        variants: dict[str, Adapter | WithQueryMap] = {}
         with clock.stage(f"fitting {METHOD_LABELS[method]}"):
-            fitted[method] = fit_method(method, section, train)
+            fitted[method] = variants[method] = adapter = fit_method(method, section, train)
         for joint, joint_config in (("query-map", config.query_map), ("query-positives", config.query_positives)):
             if task is not None and joint_config.enabled and method in QUERY_MAP_METHODS:
                 with clock.stage(f"fitting {method_label(f'{method}+{joint}')} on the task's query positives"):
-                    fitted[f"{method}+{joint}"] = fit_on_positives(
-                        config, copy.deepcopy(fitted[method]), task.train, joint
+                    fitted[f"{method}+{joint}"] = variants[f"{method}+{joint}"] = fit_on_positives(
+                        config, copy.deepcopy(adapter), task.train, joint
                     )
         if task is None or not scoring:
             continue
+        assert holdout is not None  # cut above for a task with scoring on
         with clock.stage(
             f"choosing the transition weight / hubness offset of {METHOD_LABELS[method]} on held-out training data"
         ):
             if fit_part_adapter is None:
                 fit_part_adapter = fit_on_fit_part(method, section, holdout)
-            for variant in [v for v in (method, *(f"{method}+{joint}" for joint in JOINT_FITS)) if v in fitted]:
+            for variant in [v for v in (method, *(f"{method}+{joint}" for joint in JOINT_FITS)) if v in variants]:
                 fitted |= scoring_variants(
                     config,
                     task,
                     variant,
-                    fitted[variant],
+                    variants[variant],
                     fit_on_holdout(config, fit_part_adapter, holdout, variant),
                     report,
                 )
@@ -181,13 +189,13 @@ def scoring_variants(
     config: PipelineConfig,
     task: RetrievalTask,
     variant: str,
-    adapter: Adapter,
+    adapter: Adapter | WithQueryMap,
     refit: HeldOutFit,
     report: Report | None,
-) -> dict[str, Adapter]:
+) -> dict[str, Transition | Hubness]:
     """``variant`` with transition scoring, with the hubness offset, and with both (the weight
     chosen again with the offset in the adapted score), as the config enables them."""
-    scored: dict[str, Any] = {}
+    scored: dict[str, Transition | Hubness] = {}
     if config.transition.enabled:
         scored[f"{variant}+transition"] = choose_transition(config, task, variant, adapter, refit, report)
     if config.hubness.enabled:
@@ -203,7 +211,7 @@ def scoring_variants(
 
 
 def evaluate_methods(
-    config: PipelineConfig, data: EvalSet, adapters: dict[str, Adapter], report: Report, metric: str = "top1"
+    config: PipelineConfig, data: EvalSet, adapters: Mapping[str, Fitted], report: Report, metric: str = "top1"
 ) -> dict[str, Any]:
     """Add every case and verdict to ``report``; return the gate (cases + ECC per method, judged
     on ``metric``, the task's primary metric)."""
@@ -309,7 +317,7 @@ def _unified_cases(
 
 
 def evaluate_backfill(
-    config: PipelineConfig, data: EvalSet, adapters: dict[str, Adapter], report: Report, metric: str = "top1"
+    config: PipelineConfig, data: EvalSet, adapters: Mapping[str, Fitted], report: Report, metric: str = "top1"
 ) -> dict[str, float]:
     """Backfill curves in forward mode: the gallery starts as h(old) and rows turn into φ_new
     in each ordering's order. Uses FastFill's h when fitted (so σ orders its own rows), else
@@ -320,6 +328,7 @@ def evaluate_backfill(
     if name is None or not config.backfill.orderings:
         return {}
     adapter = adapters[name]
+    assert isinstance(adapter, Adapter)  # the forward methods' own fits (their variants have other names)
     gallery = data.gallery
     adapted = forward_transform(adapter, gallery)
     sigma = (
@@ -331,11 +340,16 @@ def evaluate_backfill(
     for kind in config.backfill.orderings:
         if (kind == "uncertainty" and sigma is None) or (kind.startswith("class-mean") and gallery.labels is None):
             continue
-        order = backfill_order(kind, adapted, None if kind == "kmeans" else gallery.labels, sigma, seed=config.seed)
+        # backfill_order checks the name against ORDERING_KINDS
+        order = backfill_order(
+            cast(OrderingKind, kind), adapted, None if kind == "kmeans" else gallery.labels, sigma, seed=config.seed
+        )
         searches = {kind: (data.queries.new, adapted, gallery.new, config.evaluation.distance)}
         if f"{name}+hubness" in adapters:
+            hub = adapters[f"{name}+hubness"]
+            assert isinstance(hub, Hubness)  # what choose_hubness fitted
             searches[f"{kind} + hubness offset"] = (
-                *offset_galleries(adapters[f"{name}+hubness"], data.queries.new, adapted, gallery.new),
+                *offset_galleries(hub, data.queries.new, adapted, gallery.new),
                 "l2",
             )
         for label, (queries, adapted_rows, backfilled_rows, distance) in searches.items():
@@ -362,7 +376,7 @@ def evaluate_backfill(
 class PipelineResult:
     report: Report
     gate: dict[str, Any]
-    adapters: dict[str, Adapter]
+    adapters: dict[str, Fitted]
     train: Features
     evaluation: EvalSet
     files: dict[str, Path]
@@ -400,7 +414,8 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
         hub = hubness_of(adapter)
         if hub is not None:  # β goes to gate.json; the reference queries are what a bundle's hubness graph holds
             np.save(out / "adapters" / f"{method}.reference.npy", hub.reference.astype(np.float32))
-        elif not isinstance(adapter, Transition):  # its weight is in gate.json; its adapter is saved under its own name
+        # a Transition's weight is in gate.json, its adapter is saved under its own name (a Hubness is handled above)
+        elif not isinstance(adapter, (Transition, Hubness)):
             adapter.save(out / "adapters" / f"{method}.pt")
 
     with clock.stage("evaluating"):
@@ -413,7 +428,8 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
     clock.report_to(report)
 
     gallery = data.gallery
-    labels = {} if gallery.labels is None else {"labels": gallery.labels}
+    # as Any: numpy's stubs would let a ** mapping fill savez's allow_pickle keyword, a bool
+    labels: dict[str, Any] = {} if gallery.labels is None else {"labels": gallery.labels}
     np.savez(out / "features" / "eval.npz", old=gallery.old, side=gallery.side, new=gallery.new, **labels)
     files = report.save(out)
     files["gate"] = write_json(out / "gate.json", gate)

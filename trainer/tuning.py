@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -84,10 +85,9 @@ class HeldOutFit:
 def fit_on_holdout(config: PipelineConfig, fit_part_adapter: Adapter, holdout: Holdout, variant: str) -> HeldOutFit:
     """Like the final fit of ``variant``, but from ``fit_part_adapter`` (the method fitted on the
     fit part): a copy of it, trained on the fit part's query positives when the variant was."""
-    adapter: Adapter | WithQueryMap = copy.deepcopy(fit_part_adapter)
+    copied = copy.deepcopy(fit_part_adapter)
     joint = joint_fit_of(variant)
-    if joint is not None:
-        adapter = fit_on_positives(config, adapter, holdout.fit, joint)
+    adapter = copied if joint is None else fit_on_positives(config, copied, holdout.fit, joint)
     return HeldOutFit(adapter, holdout)
 
 
@@ -129,7 +129,7 @@ def choose_transition(
     :class:`Hubness` ``final``, its β is kept and its offset is part of the adapted score."""
     judge = EvalSet.of_task(refit.holdout.held_out)
     evaluate = Evaluator(config.evaluation, judge)
-    base = refit.adapter
+    base: Adapter | WithQueryMap | Hubness = refit.adapter
     if isinstance(final, Hubness):
         base = Hubness(refit.adapter, final.beta, device_queries(refit.adapter, refit.holdout.fit.query.new), final.k)
     scores = {
@@ -181,7 +181,7 @@ def choose_hubness(
     )
 
 
-def held_out_scores(adapters: dict[str, Any]) -> dict[str, float]:
+def held_out_scores(adapters: Mapping[str, Any]) -> dict[str, float]:
     """Each variant's primary metric on held-out training data, from the scoring choices made
     there (a variant's own score is the "without" of the scorings built on it)."""
     scores: dict[str, float] = {}
