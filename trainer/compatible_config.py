@@ -220,6 +220,16 @@ class CompatibleConfig:
                 )
         if not self.upgrade and not self.sequence:
             raise ConfigError("nothing to run: set upgrade and/or sequence")
+        cosine_heads = [
+            f"{name}.classifier"
+            for name in ("old_backbone", "new_backbone")
+            if getattr(self, name).classifier == "cosine"
+        ]
+        if "bct" in self.methods and cosine_heads:
+            raise ConfigError(
+                f"bct trains through the previous version's linear classifier (its weights and biases), but "
+                f"{' and '.join(cosine_heads)} = 'cosine': set it to 'linear', or leave bct out of methods"
+            )
         if self.evaluation_classes not in ("trained", "held-out"):
             raise ConfigError(f'evaluation_classes: expected "trained" or "held-out", got {self.evaluation_classes!r}')
 

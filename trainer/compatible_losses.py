@@ -49,7 +49,7 @@ def bct_loss(
     classes, w, b = classifier or (
         torch.as_tensor(previous.classes),
         previous.classifier.weight.detach(),
-        # a cosine head (old_backbone.classifier = "cosine") has no bias: AttributeError, as before the types
+        # a linear head: CompatibleConfig refuses bct with a cosine one (which has no bias)
         previous.classifier.bias.detach(),  # type: ignore[operator]
     )
 
@@ -95,7 +95,7 @@ def synthesised_classifier(
     """``previous``'s frozen classifier extended to the classes of ``labels`` it does not know:
     their rows are the class means of ``previous``'s raw features, scaled to the mean norm of
     its trained rows, with the mean of its biases (BCT's synthesised classifier)."""
-    # a cosine head (old_backbone.classifier = "cosine") has no bias: AttributeError, as before the types
+    # a linear head: CompatibleConfig refuses bct with a cosine one (which has no bias)
     weight, bias = previous.classifier.weight.detach().cpu(), previous.classifier.bias.detach().cpu()  # type: ignore[operator]
     new = sorted(set(np.unique(labels).tolist()) - set(previous.classes))
     if not new:

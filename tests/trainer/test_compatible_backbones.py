@@ -27,11 +27,12 @@ from fctkit.trainer.compatible_models import (
 from fctkit.trainer.compatible_training import EccSelector
 from fctkit.trainer.searches import EvaluationConfig
 from tests.support.compatible_run import digits_compatible_run, digits_data_growth_run
+from tests.support.releases import shared_folder
 
 
 @pytest.fixture(scope="session")
 def compatible_run(tmp_path_factory):
-    return digits_compatible_run(tmp_path_factory.getbasetemp())
+    return digits_compatible_run(shared_folder(tmp_path_factory))
 
 
 @pytest.fixture(scope="session")
@@ -121,7 +122,7 @@ def test_bct_and_bt2_keep_the_old_gallery_usable_on_digits(gate):
 
 @pytest.fixture(scope="session")
 def data_growth_gate(tmp_path_factory) -> dict:
-    return json.loads((digits_data_growth_run(tmp_path_factory.getbasetemp()) / "gate.json").read_text())
+    return json.loads((digits_data_growth_run(shared_folder(tmp_path_factory)) / "gate.json").read_text())
 
 
 @pytest.mark.slow  # trains configs/digits-data-growth.toml (CoReS runs only) once per session (~20 s CPU)
@@ -235,6 +236,9 @@ def test_config_errors_are_clear():
         from_mapping(CompatibleConfig, {"data": {"name": "features", "old_features": "a.npz", "new_features": "b.npz"}})
     with pytest.raises(ConfigError, match="reserved_classes"):
         from_mapping(CompatibleConfig, {"cores": {"reserved_classes": 1}})
+    with pytest.raises(ConfigError, match=r"old_backbone.classifier = 'cosine': set it to 'linear'"):
+        from_mapping(CompatibleConfig, {"methods": ["bct"], "old_backbone": {"classifier": "cosine"}})
+    assert from_mapping(CompatibleConfig, {"methods": ["bt2"], "old_backbone": {"classifier": "cosine"}})
     config = load_compatible_config("configs/fashion-mnist-compatible.toml")
     assert config.sequence == (4, 6, 8, 10) and config.upgrade == (5, 10) and config.evaluation.distance == "cosine"
     assert load_compatible_config("configs/digits-compatible.toml", {"bt2.extra_dims": 7}).bt2.extra_dims == 7
