@@ -50,8 +50,12 @@ services:
 		{ $(SUDO) $(APT_GET) update -q && $(SUDO) $(APT_GET) install -y -q postgresql; } || \
 		echo "note: could not install postgresql; the PostgreSQL tests will skip (fail under CI=true) with the reason" >&2; }
 
+# The suite (ruff, mypy and the docs' strict build included) on one pytest-xdist worker per core, a
+# test file at a time (files share their module fixtures); tests/conftest.py starts the longest first.
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= auto
 test: $(STAMP) $(CONFORMANCE) services
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 # The documentation site (mkdocs.yml, pages under docs/): built strictly, so a broken link, anchor or
 # cross-reference fails; the CLI, Python API and configuration references are generated at build time.
@@ -68,14 +72,15 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/python tests/support/typecheck.py
 
-# Issue 19's counts at full size (make test runs the same tests smaller): 200 bit flips per device
-# file, 1,000 tampered bundles, 120 kills during upgrades; issue 34's: 700 random flips and 400
-# targeted value flips on plain and enrolled devices, each followed by a user's session through
-# the CLI, and 8 disk-full levels per operation (upgrade, add, repair; as root, on a tmpfs).
-# About an hour on two cores.
+# The robustness tests at full size (make test runs the same tests smaller): 200 bit flips per device
+# file, 1,000 tampered bundles, 120 kills during upgrades and 120 during reverts; 700 random flips
+# and 400 targeted value flips on plain and enrolled devices, each followed by a user's session
+# through the CLI, and 8 disk-full levels per operation (upgrade, add, repair; as root, on a tmpfs).
+# About an hour and a half on two cores.
 robustness: $(STAMP)
 	FCTKIT_FUZZ_FLIPS=200 FCTKIT_FUZZ_BUNDLES=1000 $(BIN)/python -m pytest -s tests/edge/test_device_fuzz_edge.py $(ARGS)
 	FCTKIT_CRASH_KILLS=120 $(BIN)/python -m pytest -s tests/edge/test_upgrade_crash_edge.py $(ARGS)
+	FCTKIT_REVERT_KILLS=120 $(BIN)/python -m pytest -s tests/edge/test_revert_crash_edge.py $(ARGS)
 	FCTKIT_FUZZ_DEVICE_FLIPS=700 FCTKIT_FUZZ_TARGETED=400 FCTKIT_FUZZ_DISK_LEVELS=8 \
 		$(BIN)/python -m pytest -s tests/edge/test_device_damage_fuzz_edge.py $(ARGS)
 

@@ -14,6 +14,44 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
+# The suite runs on two pytest-xdist workers (`make test`), a test file at a time. Files start in this
+# order, the longest first (measured with --durations), so that the workers finish together instead of
+# one running the last long file alone; the files that build the shared digits runs
+# (tests/support/releases.py, compatible_run.py) start apart, so neither worker waits on the other's build.
+LONGEST_FIRST = (
+    "tests/benchmarks/test_rollout_acceptance.py",
+    "tests/trainer/test_pipeline.py",
+    "tests/export/test_release_export.py",
+    "tests/edge/test_revert_crash_edge.py",
+    "tests/trainer/test_compatible_backbones.py",
+    "tests/test_demo_end_to_end.py",
+    "tests/export/test_quantized_export.py",
+    "tests/edge/test_replication_crash_edge.py",
+    "tests/trainer/test_task_pipeline.py",
+    "tests/export/test_features_export.py",
+    "tests/edge/test_compatible_device_edge.py",
+    "tests/docs/test_tutorial.py",
+    "tests/edge/test_digits_release_edge.py",
+    "tests/edge/test_backfill_edge.py",
+    "tests/edge/test_device_damage_fuzz_edge.py",
+    "tests/edge/test_upgrade_crash_edge.py",
+    "tests/edge/test_backfill_crash_edge.py",
+    "tests/server/test_scale_out_failover.py",
+    "tests/edge/test_device_damage_sweep_edge.py",
+    "tests/export/test_roles_export.py",
+    "tests/architecture/test_code_checks.py",
+    "tests/trainer/test_backbones.py",
+)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Put the files of :data:`LONGEST_FIRST` first, in its order; the others keep theirs."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    root = config.rootpath
+    items.sort(key=lambda item: rank.get(item.path.relative_to(root).as_posix(), len(rank)))
+
+
 def _service_unavailable(reason: str) -> NoReturn:
     """Skip the test that needs a service which cannot start; under CI=true, fail it instead."""
     if os.environ.get("CI", "").lower() == "true":

@@ -23,7 +23,7 @@ import pytest
 from fctkit.edge_runtime import Device, DeviceSettings
 from fctkit.errors import InputError
 from tests.edge.conftest import ServerProcess, device_cli, enrolment_code, publish
-from tests.support.releases import digits_release
+from tests.support.releases import digits_release, shared_folder
 
 pytestmark = pytest.mark.slow
 FRACTION = 0.3
@@ -33,7 +33,7 @@ CRASH_ROWS = slice(0, 360)
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     # FCTKIT_TEST_RELEASE_CACHE: a folder kept between runs (the release build takes minutes on busy cores)
-    return digits_release(Path(os.environ.get("FCTKIT_TEST_RELEASE_CACHE") or tmp_path_factory.getbasetemp()))
+    return digits_release(Path(os.environ.get("FCTKIT_TEST_RELEASE_CACHE") or shared_folder(tmp_path_factory)))
 
 
 @pytest.fixture(scope="module")

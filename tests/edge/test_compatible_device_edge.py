@@ -24,13 +24,14 @@ from fctkit.trainer.compatible_models import load_compatible_model
 from fctkit.trainer.run_data import load_image_splits
 from tests.edge.conftest import enrolment_code, publish
 from tests.support.compatible_run import digits_compatible_run
+from tests.support.releases import shared_folder
 
 GALLERY, QUERIES = 360, 200
 
 
 @pytest.fixture(scope="module")
 def compatible_run(tmp_path_factory):
-    return digits_compatible_run(tmp_path_factory.getbasetemp())
+    return digits_compatible_run(shared_folder(tmp_path_factory))
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,14 @@ import pytest
 from fctkit.edge_runtime import Device, DeviceSettings
 from fctkit.protos.client import FctkitClient
 from tests.edge.conftest import ServerProcess, enrolment_code, publish
-from tests.support.releases import UNIFIED_METHOD, digits_release, unified_override
+from tests.support.releases import UNIFIED_METHOD, digits_release, shared_folder, unified_override
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
-    return digits_release(tmp_path_factory.getbasetemp())
+    return digits_release(shared_folder(tmp_path_factory))
 
 
 @pytest.fixture(scope="module")

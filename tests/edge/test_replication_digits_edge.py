@@ -16,14 +16,14 @@ import pytest
 from fctkit.edge_runtime import Device, DeviceSettings
 from tests.edge.conftest import ServerProcess, enrolment_code, publish
 from tests.edge.test_replication_edge import state
-from tests.support.releases import digits_release
+from tests.support.releases import digits_release, shared_folder
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
-    return digits_release(Path(os.environ.get("FCTKIT_TEST_RELEASE_CACHE") or tmp_path_factory.getbasetemp()))
+    return digits_release(Path(os.environ.get("FCTKIT_TEST_RELEASE_CACHE") or shared_folder(tmp_path_factory)))
 
 
 def test_owner_devices_converge_restore_and_leave_no_vector_on_the_server(release, tmp_path, admin_token_file):

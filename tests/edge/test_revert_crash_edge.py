@@ -1,5 +1,5 @@
 """Crash safety of a revert: a subprocess taking a signed withdrawal of v2 on a 6,000-row gallery
-(upgraded v1 -> v2 inside its rollback window) is SIGKILLed at ≥ 50 moments (random times,
+(upgraded v1 -> v2 inside its rollback window) is SIGKILLed at ≥ 30 moments (120 in `make robustness`) (random times,
 after the kept vectors were read, mid-commit). After every kill the gallery is wholly at v2 (every
 row adapted, its kept vectors all there, no revert recorded) or wholly back at v1 (every row as
 before the upgrade, nothing kept, the revert recorded): never a mix. Restarts finish the revert,
@@ -26,7 +26,7 @@ from tests.edge.conftest import start_worker
 from tests.edge.test_revert_edge import top10, windowed_bundle
 
 ROWS = 6_000
-KILLS = int(os.environ.get("FCTKIT_REVERT_KILLS", "50"))
+KILLS = int(os.environ.get("FCTKIT_REVERT_KILLS", "30"))  # make robustness: 120
 
 # A device app's sync, as far as the withdrawal goes: "loaded" once the kept vectors are read,
 # "commit" just before each COMMIT is sent.

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fctkit.export.bundle_builder import ArtifactSource, build_bundle
 from fctkit.export.keys import load_private_key
-from tests.support.releases import digits_release
+from tests.support.releases import digits_release, shared_folder
 
 EMBED_DIM, SIDE_DIM, IMAGE_DIM = 8, 4, 16
 PASSING_GATE = {
@@ -142,7 +142,7 @@ def tiny_sources():
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     """The tiny digits chain release (:func:`tests.support.releases.digits_release`), built once."""
-    return digits_release(tmp_path_factory.getbasetemp())
+    return digits_release(shared_folder(tmp_path_factory))
 
 
 @pytest.fixture(scope="module")

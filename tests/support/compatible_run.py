@@ -3,10 +3,11 @@ and content hash (the config and the trainer sources), shared across test module
 processes like :func:`tests.support.releases.digits_release`::
 
     from tests.support.compatible_run import digits_compatible_run
+    from tests.support.releases import shared_folder
 
     @pytest.fixture(scope="session")
     def compatible_run(tmp_path_factory):
-        return digits_compatible_run(tmp_path_factory.getbasetemp())
+        return digits_compatible_run(shared_folder(tmp_path_factory))
 
 The run is ``configs/digits-compatible.toml``: one upgrade, classes 0–4 → 0–9, independent,
 BCT, BT², CoReS (+ HOC) and the FCT / λ-orth adapters; one torch thread, about 40 s of CPU.

@@ -3,11 +3,11 @@
 Use it from any test module (pytest's importlib mode finds ``tests.support`` from the
 repository root)::
 
-    from tests.support.releases import digits_release
+    from tests.support.releases import digits_release, shared_folder
 
     @pytest.fixture(scope="session")
     def release(tmp_path_factory):
-        return digits_release(tmp_path_factory.getbasetemp())
+        return digits_release(shared_folder(tmp_path_factory))
 
 :func:`digits_release` trains :data:`TINY_DIGITS_CONFIG` (small widths and epochs, one
 torch thread: tens of seconds on 2 shared cores), exports the chain release with
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.support.seeds import TEST_SEED
 
@@ -104,6 +105,13 @@ def unified_override(run_dir: Path) -> dict:
     if json.loads((Path(run_dir) / "gate.json").read_text())["ecc"][UNIFIED_METHOD]:
         return {}
     return {"force": True, "force_reason": f"tests: the tiny run's {UNIFIED_METHOD} ECC depends on the seed"}
+
+
+def shared_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where a session's builds are cached: its base temporary folder or, under pytest-xdist, the
+    folder above every worker's, so that one worker builds and the others wait for its result."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 def build_once(folder: Path, content_key: str, build: Callable[[Path], None]) -> None:
