@@ -1,4 +1,4 @@
-"""The trust a device keeps (issue 35): the root of trust it holds now, every root it has
+"""The trust a device keeps: the root of trust it holds now, every root it has
 accepted, and the last timestamp it accepted with when (its own clock); or, on a device from
 before roots, the one publisher key it pins (``publisher.pub``). :class:`DeviceTrust` reads and
 writes these files, tells the installed bundles what a release must be signed by, and says how

@@ -1,4 +1,4 @@
-"""What a device accepts of the trust a server offers (issue 35): at enrolment, the root to start
+"""What a device accepts of the trust a server offers: at enrolment, the root to start
 from (``--root``, ``--root-fingerprint`` or, explicitly, ``--trust-on-first-use``), and before
 every download from the server (:func:`trusted_client`), the roots after its own, walked one
 version at a time, and a fresh timestamp. A device pinning only ``publisher.pub`` moves to the

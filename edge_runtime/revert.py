@@ -1,4 +1,4 @@
-"""Withdrawals on a device (issue 36 §3): at each sync the device verifies the signed withdrawals its
+"""Withdrawals on a device: at each sync the device verifies the signed withdrawals its
 listing carries and, when the version answering its queries is withdrawn, goes back to the
 withdrawal's ``revert_to``.
 

@@ -1,4 +1,4 @@
-"""What a device remembers about rollback windows and withdrawals (issue 36 §3), each kept in the
+"""What a device remembers about rollback windows and withdrawals, each kept in the
 gallery's authenticated settings (HMAC'd like every setting, :mod:`.gallery.settings`):
 
 - ``rollback`` (:class:`RollbackWindow`): after a forward-mode upgrade to a bundle whose window

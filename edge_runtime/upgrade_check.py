@@ -1,5 +1,5 @@
 """The health check after each upgrade: what the upgrade did, and how well its adapter matches
-the new model (issue 36: fleet health from the devices, without labels).
+the new model (fleet health from the devices, without labels).
 
 Once an upgrade of the gallery has finished (:meth:`~.upgrade.DeviceUpgrade.finish`: a sync, or
 `fctkit device upgrade` online or from local bundles, or one resumed after a crash), the device:

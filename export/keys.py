@@ -1,7 +1,7 @@
 """Publisher Ed25519 keys: generate, save (private key 0600, optionally passphrase-encrypted
 PKCS#8 PEM), load. Devices pin the public key; only the publisher holds the private one.
 
-And the offline root of trust (issue 35, :mod:`fctkit.protos.trust`): create ``root.1.json``
+And the offline root of trust (:mod:`fctkit.protos.trust`): create ``root.1.json``
 with k-of-n root keys, write each next root version (publishers added or removed, root keys
 rotated), and add one signature at a time to a root file or a release, so k of n key holders
 can co-sign without ever sharing a private key."""

@@ -10,7 +10,7 @@ from typing import Literal, get_args
 
 MANIFEST_FILE = "manifest.json"
 SIGNATURE_FILE = "manifest.sig"
-#: Optional: more publishers' signatures over the same manifest bytes (issue 35, fctkit.protos.trust).
+#: Optional: more publishers' signatures over the same manifest bytes (fctkit.protos.trust).
 SIGNATURES_FILE = "manifest.sigs.json"
 FORMAT_VERSION = 1
 SIGNATURE_SIZE = 64

@@ -1,4 +1,4 @@
-"""The admin's rollout calls of :class:`~fctkit.protos.client.FctkitClient` (issue 36): change a
+"""The admin's rollout calls of :class:`~fctkit.protos.client.FctkitClient`: change a
 version's staged rollout, read its status, confirm a version, withdraw a release. A mixin: the client supplies
 ``_unary`` and the Registry stub."""
 

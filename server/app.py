@@ -215,7 +215,7 @@ class FctkitServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        self._rollouts = Rollouts(self._storage, self._catalog.wake)  # what each device is offered (issue 36)
+        self._rollouts = Rollouts(self._storage, self._catalog.wake)  # what each device is offered
         registry = RegistryService(
             self._storage,
             self._catalog,

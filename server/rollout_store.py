@@ -1,5 +1,5 @@
 """Staged rollouts, confirmations and the devices' upgrade health in the metadata database
-(schema 9; ``confirmations`` schema 11; issue 36).
+(schema 9; ``confirmations`` schema 11).
 
 ``rollouts`` holds one row per version published with a rollout (percent, state, guard, why the
 guard halted it), ``rollout_stages`` each percent it was widened to and when, ``rollout_cohort``

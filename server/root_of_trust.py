@@ -1,4 +1,4 @@
-"""What releases must be signed by on this server, and the root of trust it serves (issue 35).
+"""What releases must be signed by on this server, and the root of trust it serves.
 
 Two modes, one interface (:class:`ReleaseRules`):
 

@@ -212,7 +212,7 @@ class ServerStorage:
     def latest_version(self) -> int:
         return self._versions.latest_version()
 
-    # -- rollouts (issue 36) ----------------------------------------------------------------
+    # -- rollouts ----------------------------------------------------------------
 
     def rollouts(self) -> dict[int, Rollout]:
         return self._rollouts.rollouts()

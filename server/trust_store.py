@@ -1,4 +1,4 @@
-"""The root of trust's stored state (issue 35): the chain of roots (``roots``: version → the
+"""The root of trust's stored state: the chain of roots (``roots``: version → the
 ``root.<N>.json`` bytes) and the current signed timestamp (``timestamps``: only the newest row is
 kept). Both are written with a conditional insert on the version (the primary key), so two
 replicas racing to store one version cannot both win: the loser reads the winner's."""

@@ -1,4 +1,4 @@
-"""Withdrawn releases and the devices' reverts in the metadata database (schema 10, issue 36).
+"""Withdrawn releases and the devices' reverts in the metadata database (schema 10).
 
 ``withdrawals`` holds one row per withdrawn version: the version devices go back to, the reason,
 the exact signed ``withdrawal.<V>.json`` as published (what every ListVersions page carries) and

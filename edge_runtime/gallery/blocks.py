@@ -1,4 +1,4 @@
-"""Vector blocks: the rows of one field in one version tag, sealed as one record (issue 22).
+"""Vector blocks: the rows of one field in one version tag, sealed as one record.
 
 The sealing of the block-sealed gallery (schema 5); the blocks' table is :mod:`.vectors`.
 

@@ -1,4 +1,4 @@
-"""The gallery's vectors in sealed blocks (schema 5, issue 22): table ``vector_blocks``.
+"""The gallery's vectors in sealed blocks (schema 5): table ``vector_blocks``.
 
 Each block holds up to :data:`BLOCK_ROWS` rows of one version tag and one vector set
 (``vectors_0`` or ``vectors_1``, the live and staged sets of :mod:`.store`): the rows' ids and

@@ -1,4 +1,4 @@
-"""Trust metadata for fctkit (issue 35, first layer): a root of trust with threshold-signed
+"""Trust metadata for fctkit: a root of trust with threshold-signed
 roles, its rotation through a chain of roots, a short-lived timestamp against freeze and
 mix-and-match, and releases co-signed by k of n publishers.
 

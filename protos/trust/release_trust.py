@@ -1,5 +1,5 @@
 """What a release must be signed by on a device or server: either one pinned publisher key (a
-device or server without a root, as before issue 35) or a root, whose publisher role needs a
+device or server without a root, as before roots existed) or a root, whose publisher role needs a
 threshold of distinct keys over the manifest bytes (``manifest.sig`` and ``manifest.sigs.json``)."""
 
 from __future__ import annotations

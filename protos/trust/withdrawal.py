@@ -1,4 +1,4 @@
-"""A withdrawal (issue 36): the publishers' signed statement that a release must no longer be
+"""A withdrawal: the publishers' signed statement that a release must no longer be
 used, and which version devices that installed it go back to. It is signed like a release —
 by a threshold of the root's publisher keys (or by the one key of a device from before roots) —
 so a server on its own cannot make devices go back: that would be a downgrade attack.

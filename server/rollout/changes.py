@@ -1,4 +1,4 @@
-"""What an admin's rollout request and the guard do to a rollout, checked (issue 36).
+"""What an admin's rollout request and the guard do to a rollout, checked.
 
 :func:`changed_rollout` applies one ``SetRolloutRequest`` to a version's stored rollout: start or
 widen (never narrow), pause, resume, complete, replace the cohort or the guard, all at once or

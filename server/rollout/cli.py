@@ -1,5 +1,5 @@
 """``fctkit admin rollout``, ``fctkit admin rollout-status``, ``fctkit admin rollout-confirm`` and
-``fctkit admin withdraw`` (issue 36): stage, widen, pause, resume and complete a version's
+``fctkit admin withdraw``: stage, widen, pause, resume and complete a version's
 rollout, name its cohort and its guard, show per stage what the devices reported (and how they
 went back from a withdrawn version), confirm a version (its devices drop the vectors kept for a
 revert), and publish a signed withdrawal. Each takes the admin's ``connect`` from the ``admin`` group."""

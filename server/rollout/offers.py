@@ -1,4 +1,4 @@
-"""Which versions each device is offered under staged rollouts (issue 36).
+"""Which versions each device is offered under staged rollouts.
 
 A device is *in* the rollout of version V when its id is in V's cohort or when
 :func:`bucket` (SHA-256 of the version and the device id, mapped to [0, 100)) is below the

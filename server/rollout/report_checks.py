@@ -1,4 +1,4 @@
-"""Checks on device reports (issue 36): the ``health`` of an upgrade and the revert from a
+"""Checks on device reports: the ``health`` of an upgrade and the revert from a
 withdrawn version (``reverted_from``, ``revert_method``), validated before anything is stored, and
 a per-device limit on how often a device may report.
 

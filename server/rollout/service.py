@@ -1,4 +1,4 @@
-"""The Registry's rollout RPCs (admin only, issue 36): ``SetRollout`` changes a version's staged
+"""The Registry's rollout RPCs (admin only): ``SetRollout`` changes a version's staged
 rollout (never a withdrawn version's), ``GetRollout`` reports it (with its withdrawal and its
 confirmation, if any), ``ConfirmVersion`` confirms a version offered to devices and not withdrawn.
 Mixed into :class:`~..registry.RegistryService`, whose catalog, storage and

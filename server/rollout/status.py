@@ -1,4 +1,4 @@
-"""A rollout's status as ``GetRollout`` answers it (issue 36): per stage, the devices that entered
+"""A rollout's status as ``GetRollout`` answers it: per stage, the devices that entered
 the rollout in it and what they reported, and the distribution of their health signal.
 
 A device counts for the stage it entered in: stage 0 when it is in the cohort, else the first

@@ -1,4 +1,4 @@
-"""The Registry's ``Withdraw`` RPC (admin only, issue 36): publish a signed ``withdrawal.<V>.json``.
+"""The Registry's ``Withdraw`` RPC (admin only): publish a signed ``withdrawal.<V>.json``.
 
 The document is parsed size-limited and verified exactly as a device will verify it: under the
 publisher threshold of the latest root, or under the ``--publisher-key`` of a server started

@@ -1,4 +1,4 @@
-"""The withdrawn releases this replica knows of (issue 36): kept in memory, reloaded when another
+"""The withdrawn releases this replica knows of: kept in memory, reloaded when another
 replica announces one (``withdrawal:V``) and, for a version not known here yet, read again from
 storage before a caller relies on its absence. A withdrawn version is offered to no device; every
 ListVersions page carries :meth:`Withdrawals.documents`.
