@@ -104,3 +104,5 @@ def test_the_tutorial_runs_as_written(tmp_path):
     assert status["rows_by_space"].get("v1->v2 (forward)", 0) > 0, status["rows_by_space"]
     assert '"tag": "v1->v2 (forward)"' in output  # the last query searched the upgraded rows
     assert "ECC [FCT, side-info ψ] | PASS" in output
+    # what the commands print is the kit's own: no library's warnings (the exporter's, torch's, ...)
+    assert not re.findall(r"(?im)^.*warn.*$", output), re.findall(r"(?im)^.*warn.*$", output)
