@@ -241,7 +241,7 @@ def compare_with_torch(
     )
     if not report.passed:
         error = ExportError(report.summary() + ": the graph does not compute what the torch module computes")
-        error.report = report  # type: ignore[attr-defined]
+        error.report = report  # type: ignore[attr-defined]  # ExportError has no field for it: the parity figures ride on this one
         raise error
     return report
 

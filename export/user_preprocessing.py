@@ -115,7 +115,7 @@ def _tokenizers(options: Sequence[str], declarations: dict[str, Declaration]) ->
     missing = [g for g in text_graphs if g not in given and None not in given]
     if missing:
         raise ConfigError(f"the text graph(s) {missing} need their tokenizer.json: --tokenizer PATH (or GRAPH=PATH)")
-    return {g: given.get(g, given.get(None)) for g in text_graphs}  # type: ignore[misc]
+    return {g: given[g] if g in given else given[None] for g in text_graphs}  # one of them: checked above
 
 
 @dataclass(frozen=True)

@@ -173,10 +173,11 @@ def save_compatible_model(model: CompatibleModel, path: str | Path) -> Path:
 
 def orthogonality_errors(model: BT2Backbone) -> tuple[float, float]:
     """max |BᵀB − I| of B1 and B2 (in float64)."""
-    return tuple(
+    first, second = (
         float(torch.max(torch.abs(b.double().T @ b.double() - torch.eye(len(b), dtype=torch.float64))))
         for b in model.bases()
-    )  # type: ignore[return-value]
+    )
+    return first, second
 
 
 __all__ = ["BT2Backbone", "cores_backbone", "load_compatible_model", "save_compatible_model", "simplex_vertices"]

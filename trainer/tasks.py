@@ -156,7 +156,7 @@ def task_from_arrays(arrays: dict[str, np.ndarray], source: str = "task") -> Ret
     reader.check_dims(splits)
     reader.check_disjoint(splits)
     reader.check_no_unknown_keys()
-    return RetrievalTask(name, level, primary, splits["train"], splits["eval"], source)  # type: ignore[arg-type]
+    return RetrievalTask(name, cast(Level, level), primary, splits["train"], splits["eval"], source)  # checked above
 
 
 class _Reader:
@@ -186,7 +186,8 @@ class _Reader:
     def text(self, key: str, default: str | None = None) -> str:
         value = self.get(key, required=default is None)
         if value is None:
-            return default  # type: ignore[return-value]
+            assert default is not None  # get() raised for a required key
+            return default
         if value.ndim != 0 or value.dtype.kind != "U":
             raise self.error(key, f"expected one string, got an array of shape {value.shape} and dtype {value.dtype}")
         return str(value)
