@@ -18,7 +18,6 @@ Two jobs:
 
 from __future__ import annotations
 
-import ast
 import atexit
 import importlib
 import inspect
@@ -34,6 +33,7 @@ from mkdocs.plugins import event_priority
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for its tests/support helpers
 from tests.support.package_view import build_view
+from tests.support.public_api import defining_module
 
 log = logging.getLogger("mkdocs.plugins.fctkit_api")
 
@@ -92,36 +92,15 @@ def owner(module: str) -> str:
     return max((p for p in PARTS if module == p or module.startswith(p + ".")), key=len)
 
 
-def _defines(module: str, name: str) -> bool:
-    """Whether ``module``'s own source assigns ``name`` at its top level."""
-    path = getattr(sys.modules.get(module), "__file__", None)
-    if not path or not path.endswith(".py"):
-        return False
-    for node in ast.parse(Path(path).read_text()).body:
-        targets = (
-            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-        )
-        if isinstance(node, getattr(ast, "TypeAlias", ())):  # `type X = ...` (Python 3.12)
-            targets = [node.name]
-        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-            return True
-    return False
-
-
 def definition(package: str, name: str) -> tuple[str, str]:
     """(the dotted path of the module that defines ``package.name``, its kind)."""
     obj = getattr(importlib.import_module(package), name)
+    module = defining_module(package, name)
     if inspect.ismodule(obj):
-        return obj.__name__, "module"
-    module = getattr(obj, "__module__", "") or ""
-    if (inspect.isclass(obj) or inspect.isroutine(obj)) and module.startswith("fctkit"):
-        kind = "class" if inspect.isclass(obj) else "function"
-        return module, kind
-    candidates = [package, *sorted(m for m in list(sys.modules) if m.startswith("fctkit."))]
-    for module in candidates:
-        if vars(sys.modules[module]).get(name) is obj and _defines(module, name):
-            return module, "attribute"
-    raise LookupError(f"{package}.{name}: cannot find the module that defines it")
+        return module, "module"
+    if (inspect.isclass(obj) or inspect.isroutine(obj)) and module == getattr(obj, "__module__", None):
+        return module, "class" if inspect.isclass(obj) else "function"
+    return module, "attribute"
 
 
 def _summary(obj: Any) -> str:

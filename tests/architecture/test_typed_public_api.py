@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import tomllib
 
-from tests.support.typecheck import PUBLIC_PACKAGES, REPO, package_dirs, public_api_modules
+from tests.support.package_view import REPO, package_dirs
+from tests.support.typecheck import PUBLIC_PACKAGES, public_api_modules
 
 STRICT_OPTIONS = ("disallow_untyped_defs", "disallow_incomplete_defs", "disallow_any_generics", "no_implicit_reexport")
 

@@ -11,7 +11,6 @@ files of the checkout again. The cache stays in the checkout's ``.mypy_cache/``.
 
 from __future__ import annotations
 
-import ast
 import importlib
 import os
 import re
@@ -21,7 +20,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the checkout's tests/ package
-from tests.support.package_view import REPO, build_view, package_dirs, view_files
+from tests.support.package_view import REPO, build_view, view_files
+from tests.support.public_api import defining_module
 
 PACKAGE_FILES = ("*.py", "*.pyi", "py.typed")
 # the parts whose public face (the package's __init__ and the modules defining what its __all__
@@ -37,52 +37,6 @@ PUBLIC_PACKAGES = (
     "fctkit.server",
     "fctkit.server.rollout",
 )
-
-
-def module_file(module: str) -> Path:
-    """The checkout's file of a module of the kit ("fctkit.edge_runtime.device" -> edge_runtime/device.py)."""
-    dirs = package_dirs()
-    if module in dirs:
-        return dirs[module] / "__init__.py"
-    package, _, name = module.rpartition(".")
-    return dirs[package] / f"{name}.py"
-
-
-def _top_level_sources(module: str) -> tuple[set[str], dict[str, str]]:
-    """A module's own top-level names, and the module each name it imports comes from (an
-    ``from X import name``, or a lazy table ``{"name": "submodule"}`` of a package's ``__getattr__``)."""
-    tree = ast.parse(module_file(module).read_text())
-    package = module if module in package_dirs() else module.rpartition(".")[0]
-    defined: set[str] = set()
-    imported: dict[str, str] = {}
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom):
-            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
-            source = ".".join(part for part in (base, node.module or "") if part)
-            for alias in node.names:
-                imported[alias.asname or alias.name] = source
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            defined.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            defined.update(t.id for t in targets if isinstance(t, ast.Name))
-            if isinstance(node.value, ast.Dict) and all(
-                isinstance(x, ast.Constant) and isinstance(x.value, str) for x in [*node.value.keys, *node.value.values]
-            ):
-                for key, value in zip(node.value.keys, node.value.values):
-                    imported[key.value] = f"{package}.{value.value}"  # type: ignore[union-attr]  # checked above
-    return defined, imported
-
-
-def defining_module(module: str, name: str) -> str:
-    """The module of the kit whose top level defines ``name`` as ``module`` offers it."""
-    defined, imported = _top_level_sources(module)
-    if name in imported and imported[name].startswith("fctkit"):
-        return defining_module(imported[name], name)
-    if name in defined or name.startswith("__"):
-        return module
-    value = getattr(importlib.import_module(module), name)  # offered by a module __getattr__ (classes and functions)
-    return defining_module(value.__module__, name)
 
 
 def public_api_modules() -> list[str]:
