@@ -5,6 +5,7 @@ real click command tree."""
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import click
@@ -15,7 +16,7 @@ from fctkit.cli import cli
 REPO = Path(__file__).resolve().parents[2]
 PARTS = ("core", "trainer", "export", "protos", "server", "edge_runtime")
 HINT = re.compile(r"`(fctkit [^`]+)`|\((fctkit [a-z][^)]*)\)")
-PLACEHOLDER = re.compile(r"^([A-Z][A-Z_:]*|\{[^}]*\}|\.\.\.|…|\[.*|<.*)$")
+PLACEHOLDER = re.compile(r"^([A-Z][A-Z_:]*|\{[^}]*\}|\.\.\.|…|<.*)$")  # `[…]` brackets are dropped first
 
 
 def suggested_commands() -> list[tuple[str, str]]:
@@ -28,17 +29,34 @@ def suggested_commands() -> list[tuple[str, str]]:
 
 
 def resolve(command_line: str) -> str | None:
-    """None when ``command_line`` names existing commands and flags, else what is wrong."""
-    tokens = command_line.split()[1:]
+    """None when ``command_line`` names existing commands and flags, else what is wrong. It is read as
+    the shell would (a quoted value is one token); ``[…]`` marks optional parts, and a group's own
+    options may come before its subcommand (``fctkit admin --server HOST list-versions``)."""
+    try:
+        tokens = shlex.split(command_line.replace("[", " ").replace("]", " "))[1:]
+    except ValueError as exc:
+        return f"cannot split it as the shell would: {exc}"
+    tokens = ["VALUE" if not token or any(c.isspace() for c in token) else token for token in tokens]
     command: click.Command = cli
     context = click.Context(cli)
-    while tokens and isinstance(command, click.Group) and not tokens[0].startswith("-"):
-        if PLACEHOLDER.match(tokens[0]):
+    while tokens and isinstance(command, click.Group):
+        token, tokens = tokens[0], tokens[1:]
+        if token.startswith("-"):
+            name = token.split("=")[0]
+            option = next(
+                (p for p in command.params if isinstance(p, click.Option) and name in p.opts + p.secondary_opts), None
+            )
+            if option is None and name not in ("-h", "--help"):
+                return f"{command.name} has no option {token!r}"
+            if option is not None and not option.is_flag and "=" not in token and tokens:
+                tokens = tokens[1:]  # the option's value
+            continue
+        if PLACEHOLDER.match(token):
             return None  # `fctkit COMMAND --help`: any command
-        sub = command.get_command(context, tokens[0])  # the root group loads its commands lazily
+        sub = command.get_command(context, token)  # the root group loads its commands lazily
         if sub is None:
-            return f"{command.name} has no command {tokens[0]!r} (it has: {', '.join(command.list_commands(context))})"
-        command, tokens = sub, tokens[1:]
+            return f"{command.name} has no command {token!r} (it has: {', '.join(command.list_commands(context))})"
+        command = sub
     options = {
         name: param
         for param in command.params
