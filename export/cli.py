@@ -21,6 +21,7 @@ from .keys import load_private_key, load_root_file, read_passphrase
 from .keys_cli import PASSPHRASE_FILE
 from .release import DEFAULT_EXPORT_ROLLBACK_DAYS, build_release
 from .release_plan import METHODS
+from .trained_run import read_run_json
 from .user_preprocessing import load_graph_preprocessing
 
 # What every release export takes: the run, the signing key, where the bundles go, their numbering, fp16.
@@ -383,6 +384,9 @@ def export_command(
             )
         if m.gate["forced"]:
             click.echo(f"  WARNING gate overridden (forced, recorded in the manifest): {m.gate['force_reason']}")
+    advice = read_run_json(run_dir / "gate.json").get("advice")
+    if advice:
+        click.echo(f"note: {advice}")
 
 
 @click.command("export-compatible")

@@ -80,7 +80,7 @@ def build_release(
     plans = plan_release(run, method=method, first_version=first_version, chain=chain, transition_days=transition_days)
     out_dir = Path(out_dir)
     refuse_existing_versions(out_dir, [plan.version for plan in plans])
-    _check_gates(plans, force)
+    _check_gates(plans, force, run.gate.get("advice"))
     ready = _ready_graphs(run, plans, graphs)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -302,8 +302,9 @@ def _check_quantize(quantize: str | None, fp16: bool, chain: bool) -> None:
         raise InputError("--quantize judges one upgrade's forward adapter; chain releases are exported in fp32 only")
 
 
-def _check_gates(plans: Sequence[VersionPlan], force: bool) -> None:
-    """Refuse before exporting anything when a version's ECC gate fails and ``force`` is not set."""
+def _check_gates(plans: Sequence[VersionPlan], force: bool, advice: str | None = None) -> None:
+    """Refuse before exporting anything when a version's ECC gate fails and ``force`` is not set
+    (with the run's ``advice`` on why, when it has one)."""
     failing = [
         f"v{plan.version} {name}"
         for plan in plans
@@ -313,6 +314,7 @@ def _check_gates(plans: Sequence[VersionPlan], force: bool) -> None:
         raise GateError(
             f"publishing refused: the run's ECC (M(new, h(old)) > M(old, old)) does not hold for {', '.join(failing)}; "
             "fix the adapters, or pass --force --reason '...' to override on the record"
+            + (f". Why: {advice}" if advice else "")
         )
 
 

@@ -25,10 +25,9 @@ from .torch_utils import as_tensor, resolve_device, set_seed
 LossFn = Callable[..., torch.Tensor]
 
 
+# The batch of a fit whose config leaves it unset (None) and of class-level runs; on an
+# instance-level task a run derives it from the task's size (PipelineConfig.for_task).
 CLASS_LEVEL_BATCH_SIZE = 256
-# More in-batch negatives rank an item above its near-identical neighbours: on WordNet lemma →
-# gloss, 1,024 beat 256 on held-out training data at every gallery size (BENCHMARKS.md, "The last 5%").
-INSTANCE_LEVEL_BATCH_SIZE = 1024
 
 
 @dataclasses.dataclass

@@ -45,6 +45,7 @@ from .cka import linear_cka
 from .compatibility import ecc
 from .datasets import old_class_subset
 from .lambda_orth import LambdaOrthAdapter
+from .gate_advice import transition_only_advice
 from .method_names import JOINT_FITS, METHOD_LABELS, QUERY_MAP_METHODS, method_label
 from .methods import fit_method, method_config, run_methods
 from .pipeline_config import PipelineConfig
@@ -79,7 +80,10 @@ from .tuning import (
     fit_on_holdout,
     fit_on_positives,
     held_out_scores,
+    joint_section,
+    pair_count,
     recommended,
+    select_joint_settings,
     select_settings,
 )
 
@@ -132,39 +136,58 @@ def fit_adapters(
     task: RetrievalTask | None = None,
     report: Report | None = None,
     clock: StageClock | None = None,
+    searches: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Fitted]:
     """Every enabled method, fitted on the training split (all classes, like FCT); on a task,
-    with the settings chosen on held-out training data (recorded as report facts)."""
+    with the settings chosen on held-out training data (recorded as report facts, and each
+    search's record in ``searches`` by method or variant)."""
     clock = clock or StageClock(log)
     fitted: dict[str, Fitted] = {}
+    searches = {} if searches is None else searches
     level = task.level if task is not None else "class"
     scoring = config.transition.enabled or config.hubness.enabled
+    selecting = task is not None and config.selection.enabled
     # One cut of the training split serves every choice on held-out data (same seed, same cut).
     holdout = (
         holdout_split(task.train, config.selection.holdout_fraction, config.seed)
-        if task is not None and (config.selection.enabled or scoring)
+        if task is not None and (selecting or scoring)
         else None
     )
     for method in run_methods(config, task):
         section = method_config(config, method, train.side.shape[1] > 0, level)
-        knobs = knobs_for(method, section, config.selection)
+        knobs = knobs_for(method, section, config.selection, None if holdout is None else len(holdout.fit_rows))
         fit_part_adapter = None  # the method fitted on the holdout's fit part, once
-        if task is not None and config.selection.enabled and knobs:
+        if selecting and knobs:
+            assert task is not None and holdout is not None  # cut above for a task with the selection on
             with clock.stage(
                 f"choosing settings of {METHOD_LABELS[method]} on held-out training data ({task.primary_metric})"
             ):
-                assert holdout is not None  # cut above for a task with the selection on
-                section, fit_part_adapter = select_settings(config, method, section, knobs, task, holdout, report)
+                section, fit_part_adapter, searches[method] = select_settings(
+                    config, method, section, knobs, task, holdout, report
+                )
         # this method's fits before scoring (also in `fitted`): the scoring variants build on them
         variants: dict[str, Adapter | WithQueryMap] = {}
+        held_out_fits: dict[str, HeldOutFit] = {}  # joint fits on the fit part the search already made
         with clock.stage(f"fitting {METHOD_LABELS[method]}"):
             fitted[method] = variants[method] = adapter = fit_method(method, section, train)
-        for joint, joint_config in (("query-map", config.query_map), ("query-positives", config.query_positives)):
-            if task is not None and joint_config.enabled and method in QUERY_MAP_METHODS:
-                with clock.stage(f"fitting {method_label(f'{method}+{joint}')} on the task's query positives"):
-                    fitted[f"{method}+{joint}"] = variants[f"{method}+{joint}"] = fit_on_positives(
-                        config, copy.deepcopy(adapter), task.train, joint
+        for joint in JOINT_FITS:
+            joint_config = joint_section(config, joint)
+            if task is None or not joint_config.enabled or method not in QUERY_MAP_METHODS:
+                continue
+            variant = f"{method}+{joint}"
+            if selecting:
+                assert holdout is not None  # cut above for a task with the selection on
+                with clock.stage(f"choosing settings of {method_label(variant)} on held-out training data"):
+                    if fit_part_adapter is None:
+                        fit_part_adapter = fit_on_fit_part(method, section, holdout)
+                    joint_config, joint_fit, searches[variant] = select_joint_settings(
+                        config, variant, joint_config, fit_part_adapter, task, holdout, report
                     )
+                    held_out_fits[variant] = HeldOutFit(joint_fit, holdout)
+            with clock.stage(f"fitting {method_label(variant)} on the task's query positives"):
+                fitted[variant] = variants[variant] = fit_on_positives(
+                    config, joint_config, copy.deepcopy(adapter), task.train
+                )
         if task is None or not scoring:
             continue
         assert holdout is not None  # cut above for a task with scoring on
@@ -174,14 +197,8 @@ def fit_adapters(
             if fit_part_adapter is None:
                 fit_part_adapter = fit_on_fit_part(method, section, holdout)
             for variant in [v for v in (method, *(f"{method}+{joint}" for joint in JOINT_FITS)) if v in variants]:
-                fitted |= scoring_variants(
-                    config,
-                    task,
-                    variant,
-                    variants[variant],
-                    fit_on_holdout(config, fit_part_adapter, holdout, variant),
-                    report,
-                )
+                refit = held_out_fits.get(variant) or fit_on_holdout(config, fit_part_adapter, holdout, variant)
+                fitted |= scoring_variants(config, task, variant, variants[variant], refit, report)
     return fitted
 
 
@@ -388,7 +405,10 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
     start = time.perf_counter()
     out = Path(out)
     task = load_run_task(config)  # a bad task file fails here, before anything is written
-    config = config.for_task(task.level if task is not None else None)
+    if task is not None:
+        config = config.for_task(task.level, len(task.train.gallery), pair_count(task.train))
+    else:
+        config = config.for_task(None)
     clock = StageClock(log)
     (out / "adapters").mkdir(parents=True, exist_ok=True)
     (out / "features").mkdir(exist_ok=True)
@@ -409,7 +429,8 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
         with clock.stage("features: backbones and side-info model"):
             train, evaluation = image_features(config, out, log)
         data = EvalSet.labelled(evaluation)
-    adapters = fit_adapters(config, train, log, task, report, clock)
+    searches: dict[str, dict[str, Any]] = {}
+    adapters = fit_adapters(config, train, log, task, report, clock, searches)
     for method, adapter in adapters.items():
         hub = hubness_of(adapter)
         if hub is not None:  # β goes to gate.json; the reference queries are what a bundle's hubness graph holds
@@ -420,6 +441,13 @@ def run_pipeline(config: PipelineConfig, out: str | Path, log: Callable[[str], N
 
     with clock.stage("evaluating"):
         gate = evaluate_methods(config, data, adapters, report, task.primary_metric if task is not None else "top1")
+    if searches:
+        gate["selection"] = searches
+    if task is not None:
+        advice = transition_only_advice(gate, len(task.train.gallery), train.old.shape[1] + train.side.shape[1])
+        if advice is not None:
+            gate["advice"] = advice
+            report.add_fact("why the gate fails", advice)
     with clock.stage("backfill curves"):
         gate["backfill_area"] = evaluate_backfill(config, data, adapters, report, gate["metric"])
     if config.chain.enabled:

@@ -12,14 +12,14 @@ from fctkit.errors import ConfigError
 
 from .adapters import FastFillConfig, FCTConfig
 from .backbones import BackboneConfig
-from .fitting import CLASS_LEVEL_BATCH_SIZE, INSTANCE_LEVEL_BATCH_SIZE
+from .fitting import CLASS_LEVEL_BATCH_SIZE
 from .lambda_orth import LambdaOrthConfig
 from .method_names import METHOD_LABELS
 from .query_map import QueryMapConfig, QueryPositivesConfig
 from .residual import ResidualConfig
 from .run_data import DataConfig
 from .searches import EvaluationConfig
-from .selection import SelectionConfig
+from .selection import SelectionConfig, batch_candidates
 from .side_info import SideInfoConfig
 
 
@@ -112,12 +112,17 @@ class PipelineConfig:
                 "chain needs image data (it trains v1/v2/v3 backbones); disable chain for features and tasks"
             )
 
-    def for_task(self, level: str | None) -> PipelineConfig:
+    def for_task(self, level: str | None, rows: int = 0, pairs: int = 0) -> PipelineConfig:
         """This config with the options left unset (``None``) decided for the run's data: for an
         instance-level task, training on query positives, and — when it is searched by cosine —
         the hubness offset and transition scoring are on (what the README recommends there; they
-        cost evaluations, not fits) and the residual adapter trains on batches of 1,024 (more
-        in-batch negatives); for anything else they are off and its batches hold 256."""
+        cost evaluations, not fits); for anything else they are off.
+
+        Unset batch sizes follow the data: on an instance-level task the residual adapter starts
+        from the first of ``selection.batch_sizes`` that leaves enough steps an epoch on ``rows``
+        training gallery items (query-positives training likewise on ``pairs`` (query, positive)
+        pairs; :func:`.selection.batch_candidates`), and the settings search may pick another;
+        elsewhere batches hold 256."""
         instance = level == "instance"
         scored = instance and self.evaluation.distance == "cosine"
         decided = {"query_positives": instance, "hubness": scored, "transition": scored}
@@ -126,11 +131,17 @@ class PipelineConfig:
             for name, on in decided.items()
             if getattr(self, name).enabled is None
         }
-        if self.residual.train.batch_size is None:
-            batch_size = INSTANCE_LEVEL_BATCH_SIZE if instance else CLASS_LEVEL_BATCH_SIZE
-            changes["residual"] = dataclasses.replace(
-                self.residual, train=dataclasses.replace(self.residual.train, batch_size=batch_size)
-            )
+        for name, count in (("residual", rows), ("query_positives", pairs), ("query_map", pairs)):
+            section = changes.get(name, getattr(self, name))
+            if section.train.batch_size is None:
+                batch_size = (
+                    batch_candidates(count, self.selection.batch_sizes, section.train.val_fraction)[0]
+                    if instance
+                    else CLASS_LEVEL_BATCH_SIZE
+                )
+                changes[name] = dataclasses.replace(
+                    section, train=dataclasses.replace(section.train, batch_size=batch_size)
+                )
         return dataclasses.replace(self, **changes) if changes else self
 
 

@@ -54,11 +54,11 @@ class QueryPositivesConfig:
     # weight of a KL term matching each query's softmax over the batch's adapted rows to its
     # softmax over the same rows embedded by the new model (the new model's neighbourhoods)
     distill_weight: float = 0.0
-    # batch 1024 (more in-batch negatives) and 8 hard negatives: measured on WordNet lemma → gloss,
-    # better on held-out training data than 256 / none (BENCHMARKS.md, "The last 5%")
+    # batch_size None: derived from the task's pairs (PipelineConfig.for_task); a run's settings
+    # search chooses it and hard_negatives on held-out training data (selection.batch_sizes, .hard_negatives)
     train: TrainConfig = dataclasses.field(
         default_factory=lambda: TrainConfig(
-            epochs=30, batch_size=1024, lr=1e-3, weight_decay=1e-4, warmup_epochs=2, patience=6
+            epochs=30, batch_size=None, lr=1e-3, weight_decay=1e-4, warmup_epochs=2, patience=6
         )
     )
 

@@ -44,7 +44,7 @@ class ResidualConfig:
     side_info: bool = True  # False: the input is φ_old alone; a given side array is ignored
     ridge: float = 1e-3  # ridge of the least-squares start, relative to the mean squared input norm
     objective: ObjectiveConfig = dataclasses.field(default_factory=lambda: ObjectiveConfig(kind="infonce"))
-    # batch_size None: 1,024 on an instance-level task, 256 otherwise (PipelineConfig.for_task)
+    # batch_size None: derived from the task's size on an instance-level task, 256 otherwise (PipelineConfig.for_task)
     train: TrainConfig = dataclasses.field(
         default_factory=lambda: TrainConfig(
             epochs=40, batch_size=None, lr=3e-3, weight_decay=1e-4, warmup_epochs=2, patience=8

@@ -18,7 +18,7 @@ from .adapter_base import Adapter
 from .method_names import joint_fit_of, method_label
 from .methods import fit_method, quiet_training, run_seeded
 from .pipeline_config import PipelineConfig
-from .query_map import MinedNegatives, fit_jointly
+from .query_map import MinedNegatives, QueryPositivesConfig, fit_jointly
 from .report import Report
 from .retrieval_result import metric_value
 from .searches import (
@@ -33,7 +33,7 @@ from .searches import (
     scored_retrieval,
     task_features,
 )
-from .selection import Holdout, coordinate_search
+from .selection import Holdout, Selection, coordinate_search, knobs_for
 from .tasks import RetrievalTask, TaskSplit
 
 
@@ -45,27 +45,80 @@ def select_settings(
     task: RetrievalTask,
     holdout: Holdout,
     report: Report | None,
-) -> tuple[Any, Adapter]:
-    """The best settings on ``holdout``, and the adapter they fitted on its fit part."""
+) -> tuple[Any, Adapter, dict[str, Any]]:
+    """The best settings on ``holdout``, the adapter they fitted on its fit part, and the
+    search's record (:func:`search_record`)."""
     fit_part = task_features(holdout.fit.gallery)
+
+    def fit(candidate: Any) -> Adapter:
+        return fit_method(method, quiet_training(candidate), fit_part)
+
+    return _search(config, method_label(method), section, knobs, fit, task, holdout, report)
+
+
+def select_joint_settings(
+    config: PipelineConfig,
+    variant: str,
+    section: QueryPositivesConfig,
+    fit_part_adapter: Adapter,
+    task: RetrievalTask,
+    holdout: Holdout,
+    report: Report | None,
+) -> tuple[QueryPositivesConfig, Adapter | WithQueryMap, dict[str, Any]]:
+    """The joint fit's settings (batch size, hard negatives) chosen on ``holdout``: each candidate
+    continues a copy of ``fit_part_adapter`` on the fit part's positives, as the final fit does."""
+    knobs = knobs_for(section.section.replace("_", "-"), section, config.selection, pair_count(holdout.fit))
+
+    def fit(candidate: QueryPositivesConfig) -> Adapter | WithQueryMap:
+        return fit_on_positives(config, quiet_training(candidate), copy.deepcopy(fit_part_adapter), holdout.fit)
+
+    return _search(config, method_label(variant), section, knobs, fit, task, holdout, report)
+
+
+def _search(
+    config: PipelineConfig,
+    label: str,
+    section: Any,
+    knobs: list,
+    fit: Any,
+    task: RetrievalTask,
+    holdout: Holdout,
+    report: Report | None,
+) -> tuple[Any, Any, dict[str, Any]]:
     judge = EvalSet.of_task(holdout.held_out)
     evaluate = Evaluator(config.evaluation, judge)
 
-    def score(candidate: Any) -> tuple[float, Adapter]:
-        adapter = fit_method(method, quiet_training(candidate), fit_part)
-        query, gallery = adapted_retrieval(adapter, judge)
-        return metric_value(evaluate(query, gallery), task.primary_metric), adapter
+    def score(candidate: Any) -> tuple[float, Any]:
+        adapter = fit(candidate)
+        return metric_value(evaluate(*adapted_retrieval(adapter, judge)), task.primary_metric), adapter
 
-    chosen = coordinate_search(
-        section, knobs, score, progress=config.progress, description=f"selecting {method_label(method)}"
-    )
+    chosen = coordinate_search(section, knobs, score, progress=config.progress, description=f"selecting {label}")
     if report is not None:
         settings = ", ".join(f"{path} = {value}" for path, value in chosen.chosen.items())
+        gains = ", ".join(f"{path} {gain:+.4f}" for path, gain in chosen.gains.items())
         report.add_fact(
-            f"selected [{method_label(method)}]",
-            f"{settings} ({task.primary_metric} {chosen.score:.4f} on held-out training data, {chosen.tried} fits)",
+            f"selected [{label}]",
+            f"{settings} ({task.primary_metric} {chosen.score:.4f} on held-out training data, {chosen.tried} fits, "
+            f"{chosen.seconds:.0f} s; gain over the starting value: {gains})",
         )
-    return chosen.config, chosen.outcome
+    return chosen.config, chosen.outcome, search_record(chosen)
+
+
+def search_record(chosen: Selection) -> dict[str, Any]:
+    """What a settings search chose and what each searched setting gained on held-out training
+    data (the gate keeps it, so the quality suite can tell which settings earn their fits)."""
+    return {
+        "chosen": dict(chosen.chosen),
+        "gains": {path: round(gain, 6) for path, gain in chosen.gains.items()},
+        "score": round(chosen.score, 6),
+        "fits": chosen.tried,
+        "seconds": round(chosen.seconds, 2),
+    }
+
+
+def pair_count(split: TaskSplit) -> int:
+    """How many (query, positive) pairs a joint fit trains on."""
+    return len(split.positives.indices) if split.positives is not None else len(split.query)
 
 
 def fit_on_fit_part(method: str, section: Any, holdout: Holdout) -> Adapter:
@@ -82,19 +135,29 @@ class HeldOutFit:
     holdout: Holdout
 
 
-def fit_on_holdout(config: PipelineConfig, fit_part_adapter: Adapter, holdout: Holdout, variant: str) -> HeldOutFit:
+def fit_on_holdout(
+    config: PipelineConfig, fit_part_adapter: Adapter, holdout: Holdout, variant: str, section: Any = None
+) -> HeldOutFit:
     """Like the final fit of ``variant``, but from ``fit_part_adapter`` (the method fitted on the
-    fit part): a copy of it, trained on the fit part's query positives when the variant was."""
+    fit part): a copy of it, trained on the fit part's query positives (with ``section``, default
+    the run's) when the variant was."""
     copied = copy.deepcopy(fit_part_adapter)
     joint = joint_fit_of(variant)
-    adapter = copied if joint is None else fit_on_positives(config, copied, holdout.fit, joint)
-    return HeldOutFit(adapter, holdout)
+    if joint is None:
+        return HeldOutFit(copied, holdout)
+    return HeldOutFit(fit_on_positives(config, section or joint_section(config, joint), copied, holdout.fit), holdout)
 
 
-def fit_on_positives(config: PipelineConfig, adapter: Adapter, train: TaskSplit, joint: str) -> Adapter | WithQueryMap:
+def joint_section(config: PipelineConfig, joint: str) -> QueryPositivesConfig:
+    """The run's config section of a joint fit ("query-map" or "query-positives")."""
+    return {"query-map": config.query_map, "query-positives": config.query_positives}[joint]
+
+
+def fit_on_positives(
+    config: PipelineConfig, section: QueryPositivesConfig, adapter: Adapter, train: TaskSplit
+) -> Adapter | WithQueryMap:
     """Continue training ``adapter`` on the training positives: with a new query map
-    (``joint`` "query-map") or with the new model's queries as they are ("query-positives")."""
-    section = {"query-map": config.query_map, "query-positives": config.query_positives}[joint]
+    (a :class:`QueryMapConfig` ``section``) or with the new model's queries as they are."""
     positives = train.positives
     if positives is None:
         raise ConfigError(f"{section.section} needs an instance-level task (explicit positives per query)")

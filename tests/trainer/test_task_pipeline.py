@@ -147,8 +147,8 @@ def test_selection_never_reads_the_evaluation_split(tmp_path, monkeypatch):
             },
         )
         run = run_pipeline(config, tmp_path / f"run-{poison}", log=lambda _: None)
-        chosen.append(run.report.facts["selected [residual adapter]"])
-    assert chosen[0] == chosen[1] and seen == [seen[0], seen[0]] and seen[0] > 1
+        chosen.append({key: (record["chosen"], record["score"]) for key, record in run.gate["selection"].items()})
+    assert chosen[0] == chosen[1] and seen[: len(seen) // 2] == seen[len(seen) // 2 :] and seen[0] > 1
 
 
 def test_the_example_config_names_a_task_and_defaults_to_the_instance_methods():
@@ -193,7 +193,13 @@ def test_an_instance_task_with_the_defaults_trains_only_what_the_readme_recommen
         True,
         False,
     ]
-    assert resolved["residual"]["train"]["batch_size"] == 1024  # more in-batch negatives on an instance-level task
+    # 600 training items leave 540 rows a fit: neither 256 nor 1,024 gives 4 steps an epoch, so 128
+    assert resolved["residual"]["train"]["batch_size"] == resolved["query_positives"]["train"]["batch_size"] == 128
+    search = run.gate["selection"]  # what each searched setting gained on held-out training data
+    assert set(search) == {"residual", "residual+query-positives"}
+    assert set(search["residual+query-positives"]["gains"]) == {"hard_negatives"}
+    assert "train.batch_size" not in search["residual"]["gains"]  # one size suits the task: nothing to search
+    assert all(gain >= 0 for record in search.values() for gain in record["gains"].values())
     held_out = run.gate["held_out"]  # every variant scored on held-out training data, none on the evaluation split
     assert set(held_out) == set(run.gate["ecc"])
     recommended = run.gate["recommended"]
@@ -208,10 +214,47 @@ def test_an_instance_task_with_the_defaults_trains_only_what_the_readme_recommen
         "instance"
     )
     assert (l2.hubness.enabled, l2.transition.enabled, l2.query_positives.enabled) == (False, False, True)
-    class_level = config.for_task("class")
+    class_level = config.for_task("class", rows=6000)
     assert (class_level.query_positives.enabled, class_level.residual.train.batch_size) == (False, 256)
-    chosen = load_pipeline_config(None, {**settings, "residual.train.batch_size": 64}).for_task("instance")
+    chosen = load_pipeline_config(None, {**settings, "residual.train.batch_size": 64}).for_task("instance", 6000, 6000)
     assert chosen.residual.train.batch_size == 64  # a size the user set is kept
+
+
+@pytest.mark.parametrize(
+    ("rows", "sizes", "expected"),
+    [
+        (6000, (256, 1024), (256, 1024)),  # 5,400 trained rows: 21 and 5 steps an epoch
+        (2000, (256, 1024), (256,)),  # 1,800 rows: 1,024 would be one or two steps an epoch
+        (600, (256, 1024), (128,)),  # neither fits: the largest power of two leaving 4 steps
+        (40, (256, 1024), (32,)),  # never below 32
+    ],
+)
+def test_batch_sizes_follow_the_number_of_training_rows(rows, sizes, expected):
+    from fctkit.trainer.selection import SelectionConfig, batch_candidates, knobs_for
+
+    assert batch_candidates(rows, sizes) == expected
+    config = load_pipeline_config(None, {"data.name": "task", "data.task": "t.npz"}).for_task("instance", rows, rows)
+    assert config.residual.train.batch_size == config.query_positives.train.batch_size == expected[0]
+    knobs = {k.path: k.values for k in knobs_for("residual", config.residual, SelectionConfig(), rows)}
+    assert knobs.get("train.batch_size") == (expected if len(expected) > 1 else None)
+    with pytest.raises(ConfigError, match="selection.batch_sizes"):
+        SelectionConfig(batch_sizes=())
+
+
+def test_the_coordinate_search_reports_what_each_setting_gained():
+    from fctkit.trainer.selection import Knob, coordinate_search
+
+    @dataclasses.dataclass
+    class Settings:
+        a: int = 0
+        b: int = 0
+
+    scores = {(0, 0): 0.5, (1, 0): 0.7, (2, 0): 0.6, (1, 1): 0.65}
+    chosen = coordinate_search(
+        Settings(), [Knob("a", (0, 1, 2)), Knob("b", (0, 1))], lambda s: (scores[s.a, s.b], None)
+    )
+    assert (chosen.config, chosen.tried) == (Settings(1, 0), 4)
+    assert chosen.gains == pytest.approx({"a": 0.2, "b": 0.0})
 
 
 def test_the_recommendation_prefers_the_simpler_variant_on_a_tie():
@@ -264,7 +307,7 @@ def test_the_residual_adapters_ridge_is_searched_only_when_asked_and_must_be_pos
     from fctkit.trainer.selection import Knob, SelectionConfig, knobs_for
 
     assert all(k.path != "ridge" for k in knobs_for("residual", ResidualConfig(), SelectionConfig()))
-    assert knobs_for("residual", ResidualConfig(), SelectionConfig(ridges=(1e-3, 1.0)))[0] == Knob("ridge", (1e-3, 1.0))
+    assert Knob("ridge", (1e-3, 1.0)) in knobs_for("residual", ResidualConfig(), SelectionConfig(ridges=(1e-3, 1.0)))
     with pytest.raises(ConfigError, match=r"selection.ridges must be > 0"):
         SelectionConfig(ridges=(0.0,))
     # In a run, the chosen ridge is reported with the other settings chosen on held-out training data.
