@@ -412,10 +412,10 @@ def _reason(exc: GalleryDamagedError) -> str:
 @_NO_HEALTH
 def sync_command(root, passphrase_env, no_upgrade, no_replicate, watch, quiet, no_health_check) -> None:
     """Upload queued originals, take the publisher's signed withdrawals (a device on a withdrawn
-    version goes back to the one it names; the notes say how: exact, backward or reembedded, and
-    which withdrawals were refused), install or upgrade to the latest published version not
-    withdrawn, then pull and push the owner's encrypted gallery replica. The output ends with the
-    last upgrade's health check (upgrade_health)."""
+    version, or interrupted on its way to one, goes back to the one it names; the notes say how:
+    exact, backward, reembedded or a mix, and which withdrawals were refused), install or upgrade
+    to the latest published version not withdrawn, then pull and push the owner's encrypted
+    gallery replica. The output ends with the last upgrade's health check (upgrade_health)."""
     with _open(root, passphrase_env, quiet, no_health_check) as device:
         _echo(_with_health(device, dataclasses.asdict(device.sync(upgrade=not no_upgrade, replicate=not no_replicate))))
         if watch:

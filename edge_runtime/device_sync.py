@@ -1,7 +1,10 @@
-"""A device's sync (:meth:`~.device.Device.sync`): upload queued originals, resume an interrupted
-upgrade, take the listing's withdrawals (:mod:`.revert`), drop the vectors kept for a revert when
-the listing names the version confirmed, install or upgrade to the latest version on offer that
-is not withdrawn, replicate, report. :class:`SyncResult` is what it says it did."""
+"""A device's sync (:meth:`~.device.Device.sync`): upload queued originals, take the listing's
+withdrawals (:mod:`.revert`; an interrupted upgrade heading to a withdrawn version is not finished),
+resume an interrupted upgrade, drop the vectors kept for a revert when the listing names the
+version confirmed, install or upgrade to the latest version on offer that is not withdrawn, give
+rows a valid origin version where an earlier revert left one above their version
+(:meth:`~.gallery.upgrades.GalleryUpgrades.heal_origins`), replicate, report. :class:`SyncResult`
+is what it says it did."""
 
 from __future__ import annotations
 
@@ -61,16 +64,17 @@ def sync_device(device: SyncingDevice, *, upgrade: bool, replicate: bool) -> Syn
     with device.client() as client:
         result.uploaded, result.still_queued = device.flush_outbox()
         upgrades = device._upgrades(client)
-        result.rows_upgraded += upgrades.resume()
         listing = trusted_listing(device.trust, client, device.version)  # a trust refusal stops here
         if expire_rollback(device.gallery):
             result.notes.append(
                 "the rollback window closed: the vectors kept from before the last upgrade were dropped"
             )
         reverted_from = device.version
+        # before an interrupted upgrade resumes: one heading to a withdrawn version is not finished
         result.notes += take_withdrawals(device.parts, device.trust, listing.withdrawals, client)
         if device.version != reverted_from:
             device._upgraded()  # searches reload; the rows back in the earlier space get their offsets
+        result.rows_upgraded += upgrades.resume()
         if confirmed := confirm_rollback(device.gallery, listing.confirmed_versions):  # after a revert: it wins
             result.notes.append(
                 f"v{confirmed.version} was confirmed: the vectors kept of v{confirmed.previous_version} "
@@ -90,6 +94,12 @@ def sync_device(device: SyncingDevice, *, upgrade: bool, replicate: bool) -> Syn
                 if upgrade:
                     result.rows_upgraded += upgrades.start(plan)
         result.installed_after = device.version
+        if healed := device.gallery.heal_origins():  # left by reverts before origins were checked
+            result.notes.append(
+                f"{healed} row(s) had an origin version above their version (left by an earlier revert): "
+                "their origin is now their version, and their records are pushed again"
+            )
+            device._upgraded()
         device._replicate(client, result, replicate)
         device._report(client, fleet_pb2.UPGRADE_STATE_IDLE)
     return result

@@ -1,6 +1,6 @@
 """Withdrawals on a device: at each sync the device verifies the signed withdrawals its
-listing carries and, when the version answering its queries is withdrawn, goes back to the
-withdrawal's ``revert_to``.
+listing carries and, when the version answering its queries (or the one an interrupted upgrade
+is heading to) is withdrawn, goes back to the withdrawal's ``revert_to``.
 
 - A withdrawal is checked like a release (:func:`~fctkit.protos.trust.verify_withdrawal` with the
   device's current root, or its pinned publisher key): one that fails is refused, recorded for
@@ -12,7 +12,14 @@ withdrawal's ``revert_to``.
 - otherwise (no window, closed, confirmed, or kept for another version; the status and sync notes say so):
   **backward** through the withdrawn bundle's ``backward`` graph to ``revert_to`` when it has one,
   else **reembedded**: each row's original is fetched from the vault and embedded by ``revert_to``'s
-  model, as backfill does. Rows with neither are left out of searches and reported.
+  model, as backfill does. Rows with neither are left out of searches and reported. Rows without
+  kept vectors (added on the withdrawn version) go these ways inside an exact revert too, and the
+  record says the mix ("exact 58, reembedded 6"). A row added on the withdrawn version takes
+  ``revert_to`` as its origin version (origin <= version, as the server checks every record).
+- an upgrade to the withdrawn version that a crash interrupted is not finished: in forward mode
+  it is given up (its staged vectors dropped: queries never left the version before it); in
+  unified and compatible mode, whose queries switched at its start, the rows already in the
+  withdrawn space go back as above, the others stay where they are.
 
 Every vector is computed first; then one transaction writes every row back (each guarded by the
 tag it was read with), drops the kept vectors, switches the query version and records the revert.
@@ -44,10 +51,12 @@ from .revert_records import (
     RollbackWindow,
     WithdrawalLog,
     log_meta,
+    method_mix,
     revert_meta,
     rollback_window,
     withdrawal_log,
 )
+from .upgrade_plan import UpgradePlan
 
 BATCH = 64  # originals fetched and embedded at a time
 
@@ -64,8 +73,44 @@ class MovedRows:
 def take_withdrawals(
     parts: DeviceParts, trust: DeviceTrust, documents: Sequence[bytes], client: Any, now: float | None = None
 ) -> list[str]:
-    """Verify the listing's withdrawals, record them, and revert when the query version is
-    withdrawn; returns notes for the sync's output."""
+    """Verify the listing's withdrawals, record them, and go back when the version the device is on,
+    or the one an interrupted upgrade is heading to, is withdrawn (that upgrade is not finished
+    first: :func:`go_back`); returns notes for the sync's output."""
+    log, accepted = _recorded(parts, trust, documents)
+    under_way = parts.gallery.upgrade_state
+    plan = None if under_way is None else UpgradePlan.from_state(under_way)
+    heading = parts.version if plan is None else plan.target
+    current = next((w for w in accepted if w.version == heading), None)
+    return log.refused + ([] if current is None else [go_back(parts, current, plan, client, log, now)])
+
+
+def go_back(
+    parts: DeviceParts,
+    withdrawal: Withdrawal,
+    plan: UpgradePlan | None,
+    client: Any,
+    log: WithdrawalLog,
+    now: float | None = None,
+) -> str:
+    """Leave the withdrawn version: give up a forward-mode upgrade to it that has not switched
+    (:func:`give_up_note`), else :func:`revert`, from where an interrupted upgrade stopped when
+    ``plan`` is one (a failure then raises: that upgrade can be neither finished nor kept); returns
+    the note."""
+    if plan is not None and plan.mode == "forward":
+        return give_up_note(parts, withdrawal)
+    try:
+        return revert_note(revert(parts, withdrawal, client, log, now))
+    except DeviceError as exc:
+        if plan is not None:
+            raise
+        return f"not reverted: {exc}"  # the sync goes on (its report says the device is still on the version)
+
+
+def _recorded(
+    parts: DeviceParts, trust: DeviceTrust, documents: Sequence[bytes]
+) -> tuple[WithdrawalLog, list[Withdrawal]]:
+    """The withdrawal log with the verified ``documents`` recorded (written when it changed) and
+    the refused ones' reasons, and the verified withdrawals."""
     log = withdrawal_log(parts.gallery)
     log.refused = []
     accepted = []
@@ -85,14 +130,17 @@ def take_withdrawals(
         )
     if log != withdrawal_log(parts.gallery):
         parts.gallery.set_meta(log_meta(log))
-    notes = list(log.refused)
-    current = next((w for w in accepted if w.version == parts.version), None)
-    if current is not None:
-        try:
-            notes.append(revert_note(revert(parts, current, client, log, now)))
-        except DeviceError as exc:  # the sync goes on (its report says the device is still on the version)
-            notes.append(f"not reverted: {exc}")
-    return notes
+    return log, accepted
+
+
+def give_up_note(parts: DeviceParts, withdrawal: Withdrawal) -> str:
+    """Give up a forward-mode upgrade to the withdrawn version before its switch (queries never left
+    the version before it; :meth:`~.gallery.upgrades.GalleryUpgrades.give_up_staged`)."""
+    staged = parts.gallery.give_up_staged({"upgrade": None})
+    return (
+        f"v{withdrawal.version} was withdrawn ({withdrawal.reason!r}) while the upgrade to it was under way: "
+        f"the upgrade was given up ({staged} staged row(s) dropped), v{parts.version} answers queries as before"
+    )
 
 
 def revert_note(record: RevertRecord) -> str:
@@ -112,7 +160,8 @@ def revert(
 ) -> RevertRecord:
     """Go back from the withdrawn version to ``withdrawal.revert_to`` (see the module docstring)."""
     gallery, version, target = parts.gallery, withdrawal.version, withdrawal.revert_to
-    if gallery.upgrade_state is not None:
+    under_way = gallery.upgrade_state
+    if under_way is not None and (under_way["target"] != version or under_way["mode"] == "forward"):
         raise DeviceError("an upgrade is under way: finish it (`fctkit device upgrade --dir DIR`), then sync again")
     if target not in parts.bundles.versions() and target and client is not None:
         parts.bundles.download(client, target, 0)  # older than the query version: the verified withdrawal names it
@@ -131,20 +180,23 @@ def revert(
     left = {r: entry for r, entry in live.items() if entry[1].version == version and r not in kept.moved}
     backward = _backward_artifact(parts, version, target)
     rest = _through_backward(parts, version, target, left) if backward else _reembedded(parts, client, target, left)
-    method = "exact" if exact else "backward" if backward else "reembedded"
+    rest_method = "backward" if backward else "reembedded"
+    by_method = {m: n for m, n in (("exact", len(kept.moved)), (rest_method, len(rest.moved))) if n}
     record = RevertRecord(
         version,
         target,
-        method,
+        method_mix(by_method, "exact" if exact else rest_method),
         withdrawal.reason,
         time.time() if now is None else now,
         len(kept.moved) + len(rest.moved),
         len(rest.not_moved),
         rest.not_moved[:LISTED_ITEMS],
         note,
+        by_method,
     )
     meta = {
         "query_version": str(target),
+        "upgrade": None,  # an upgrade to the withdrawn version that stopped after queries switched (unified mode)
         "transition": None,
         ROLLBACK_KEY: None,
         **revert_meta(record),
@@ -218,7 +270,7 @@ def _through_backward(
         )
     row_ids = [int(r) for r in rows.row_ids]
     mapped = engine.run(_backward_artifact(parts, version, target), _stack(list(rows.embeddings)))
-    tags = [VersionTag(left[r][1].origin_version, target, "backward") for r in row_ids]
+    tags = [_back_in(left[r][1], target, "backward") for r in row_ids]
     return MovedRows(_batches(row_ids, left, tags, mapped, _stack(list(rows.side_infos))), set(row_ids), [])
 
 
@@ -235,9 +287,15 @@ def _reembedded(parts: DeviceParts, client: Any, target: int, left: dict[int, tu
         chunk = with_original[start : start + BATCH]
         images, _ = vault_originals(parts, client, [left[r][0] for r in chunk], engine)
         embeddings, side_infos, via = gallery_vectors(engine, images)
-        tags = [VersionTag(left[r][1].origin_version, target, via) for r in chunk]
+        tags = [_back_in(left[r][1], target, via) for r in chunk]
         batches += _batches(chunk, left, tags, embeddings, side_infos)
     return MovedRows(batches, set(with_original), not_moved)
+
+
+def _back_in(tag: VersionTag, target: int, via: str) -> VersionTag:
+    """A row's tag once back in ``target``'s space: a row added on the withdrawn version (or any
+    version above ``target``) takes ``target`` as its origin, so that origin <= version holds."""
+    return VersionTag(min(tag.origin_version, target), target, via)
 
 
 def _batches(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -49,9 +49,12 @@ class RollbackWindow:
 
 @dataclass(frozen=True)
 class RevertRecord:
-    """A revert from the withdrawn ``reverted_from`` to ``revert_to``; ``rows_not_moved``: how many
-    rows were left in the withdrawn version's space (no kept vectors and no original to embed
-    again), ``items_not_moved`` the first :data:`LISTED_ITEMS` of their item ids."""
+    """A revert from the withdrawn ``reverted_from`` to ``revert_to``. ``method``: the one way its
+    rows went (:data:`METHODS`), or the mix with the rows of each ("exact 58, reembedded 6",
+    :func:`method_mix`); ``rows_by_method`` the rows moved each way (empty in records written
+    before it was kept). ``rows_not_moved``: how many rows were left in the withdrawn version's
+    space (no kept vectors and no original to embed again), ``items_not_moved`` the first
+    :data:`LISTED_ITEMS` of their item ids."""
 
     reverted_from: int
     revert_to: int
@@ -62,6 +65,27 @@ class RevertRecord:
     rows_not_moved: int = 0
     items_not_moved: list[str] = field(default_factory=list)
     note: str = ""
+    rows_by_method: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def reported_method(self) -> str:
+        """The one method a Fleet.Report carries: the least exact way any of its rows went."""
+        used = _methods_used(self.rows_by_method)
+        return used[-1] if used else self.method
+
+
+def method_mix(rows_by_method: Mapping[str, int], tried: str) -> str:
+    """A revert's ``method``: the one way its rows went, or the mix with the rows of each in
+    :data:`METHODS` order ("exact 58, reembedded 6"); ``tried`` when no row moved."""
+    used = _methods_used(rows_by_method)
+    if len(used) > 1:
+        return ", ".join(f"{m} {rows_by_method[m]}" for m in used)
+    return used[0] if used else tried
+
+
+def _methods_used(rows_by_method: Mapping[str, int]) -> list[str]:
+    """The methods that moved rows, most exact first."""
+    return [m for m in METHODS if rows_by_method.get(m)]
 
 
 @dataclass
@@ -155,9 +179,10 @@ def revert_meta(record: RevertRecord | None) -> dict[str, str | None]:
 
 
 def revert_report_fields(gallery: Gallery) -> dict[str, Any]:
-    """``reverted_from`` and ``revert_method`` for every Fleet.Report until the next upgrade."""
+    """``reverted_from`` and ``revert_method`` for every Fleet.Report until the next upgrade (a mix
+    reports its least exact method: the server counts each device once, by one of :data:`METHODS`)."""
     record = last_revert(gallery)
-    return {} if record is None else {"reverted_from": record.reverted_from, "revert_method": record.method}
+    return {} if record is None else {"reverted_from": record.reverted_from, "revert_method": record.reported_method}
 
 
 def _state(window: RollbackWindow, now: float | None) -> str:

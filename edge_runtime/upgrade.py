@@ -77,9 +77,25 @@ class DeviceUpgrade:
         self.batch_size, self.after, self.report, self.check = batch_size, after, report, check
 
     def resume(self) -> int:
-        """Finish the upgrade a crash interrupted (0 when none was under way)."""
+        """Finish the upgrade a crash interrupted (0 when none was under way), unless its target was
+        withdrawn since (:meth:`_not_finished`)."""
         state = self.gallery.upgrade_state
-        return self.finish(UpgradePlan.from_state(state)) if state is not None else 0
+        if state is None:
+            return 0
+        plan = UpgradePlan.from_state(state)
+        return self._not_finished(plan) if withdrawal_log(self.gallery).withdrawn(plan.target) else self.finish(plan)
+
+    def _not_finished(self, plan: UpgradePlan) -> int:
+        """An interrupted upgrade to a withdrawn version: in forward mode given up (its staged vectors
+        dropped; queries never left the version before it), else refused (its queries switched at its
+        start: a sync takes the device back, :mod:`.revert`). Returns 0 rows upgraded."""
+        if plan.mode != "forward":
+            raise DeviceError(
+                f"the upgrade under way goes to v{plan.target}, which was withdrawn by its publishers: it is not "
+                "finished; run `fctkit device sync --dir DIR` to go back from where it stopped"
+            )
+        self.gallery.give_up_staged({"upgrade": None})
+        return 0
 
     def offline(self, bundle_dirs: Sequence[str | os.PathLike[str]] | None) -> int:
         """Resume, then install ``bundle_dirs`` (or apply bundles installed but never applied) and

@@ -306,6 +306,21 @@ class ReplicaLog:
             rows += len(ids)
         return found
 
+    def _drop_misplaced_origins(self) -> list[str]:
+        """Inside a transaction: drop the sealed records whose tag has its origin version above its
+        version (the server refuses them; :meth:`~.upgrades.GalleryUpgrades.heal_origins`); returns
+        those of their item ids that still have a row (to be logged again)."""
+        dropped = self._db.execute(
+            "SELECT block_key, item_ids FROM outgoing_blocks WHERE tombstone = 0 AND origin_version > version"
+        ).fetchall()
+        self._db.executemany("DELETE FROM outgoing_blocks WHERE block_key = ?", [(k,) for k, _ in dropped])
+        item_ids = [i for _, ids in dropped for i in decode_item_ids(ids)]
+        return [
+            i
+            for chunk, marks in id_chunks(item_ids)
+            for (i,) in self._db.execute(f"SELECT item_id FROM items WHERE item_id IN ({marks})", chunk)
+        ]
+
     def mark_pushed(self, keys: Sequence[int]) -> None:
         """The server acknowledged these records: forget them (one transaction)."""
         with transaction(self._db):

@@ -32,6 +32,7 @@ import base64
 import json
 import os
 import sqlite3
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from itertools import repeat
 from pathlib import Path
@@ -229,7 +230,8 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
         return cast(int, self._db.execute("SELECT COUNT(*) FROM items").fetchone()[0])
 
     def tag_counts(self) -> dict[str, int]:
-        """How many rows are in each space (``str(VersionTag)``), staged rows counted at their next tag."""
+        """How many rows are in each space (``str(VersionTag)``), staged rows counted at their next tag.
+        Tags of one space (a version's native rows, whatever their origin) add up under its name."""
         with _read_snapshot(self._db):
             live, staged = self._tables()
             query = (
@@ -237,7 +239,10 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
                 f"FROM items i JOIN {live} v USING (row_id) LEFT JOIN {staged} s USING (row_id) GROUP BY 1, 2, 3"
             )
             rows = self._db.execute(query).fetchall()
-        return {tag_name(o, v, via): n for o, v, via, n in rows}
+        counts: Counter[str] = Counter()
+        for o, v, via, n in rows:
+            counts[tag_name(o, v, via)] += n
+        return dict(counts)
 
     # -- rows ------------------------------------------------------------------------------
 

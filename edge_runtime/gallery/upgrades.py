@@ -11,11 +11,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fctkit.errors import GalleryError
+from fctkit.errors import CorruptRecordError, GalleryError
 
 from ..sqlite_file import id_chunks, read_snapshot, transaction
 from .extras import ROLLBACK_FIELDS, RowExtras
+from .replica_log import ReplicaLog
 from .rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
+from .sealing import RowSealer
 from .vectors import VectorBlocks
 
 
@@ -26,6 +28,8 @@ class GalleryUpgrades:
     _db: sqlite3.Connection
     _vectors: VectorBlocks
     _extras: RowExtras
+    _sealing: RowSealer
+    _replica_log: ReplicaLog
     _tables: Callable[[], tuple[str, str]]  # (live, staged) vector tables
     _log_changes: Callable[..., None]  # the change log: item ids, or select_sql=...
     _set_meta: Callable[[dict[str, str | None]], None]  # the authenticated settings
@@ -107,12 +111,57 @@ class GalleryUpgrades:
             self._db.execute(f"DELETE FROM row_extras WHERE field IN ('previous_embedding', {ROLLBACK_FIELDS[1:-1]})")
             self._set_meta(meta)
 
+    def give_up_staged(self, meta: dict[str, str | None]) -> int:
+        """Give up a forward-mode upgrade before its switch, in one transaction: its staged vectors
+        dropped (the live rows, which queries use, untouched) and ``meta`` set (its record cleared).
+        Returns the staged rows dropped."""
+        with transaction(self._db):
+            _, staged = self._tables()
+            self._vectors.drop_set(staged)
+            dropped: int = self._db.execute(f"DELETE FROM {staged}").rowcount
+            self._set_meta(meta)
+        return dropped
+
     def drop_rollback(self, meta: dict[str, str | None]) -> int:
         """Delete the rollback vectors and set ``meta`` (one transaction); returns the extras deleted."""
         with transaction(self._db):
             dropped = self._db.execute(f"DELETE FROM row_extras WHERE field IN {ROLLBACK_FIELDS}").rowcount
             self._set_meta(meta)
         return dropped
+
+    def heal_origins(self) -> int:
+        """One transaction: live rows whose origin version is above their version (so tagged by reverts
+        that kept the origin of rows added on the withdrawn version; the server refuses their records)
+        take their version as origin, their vectors sealed again under that tag and the change logged;
+        sealed records of such tags not yet pushed are dropped and their items logged again. Rows that
+        do not open stay (check and repair report them), and so do rows an upgrade under way staged
+        (sealed with their origin: the switch carries them to a version at least as high). Returns
+        the rows healed."""
+        with transaction(self._db):
+            live, staged = self._tables()
+            rows = self._vectors.open_pointers(
+                self._db.execute(
+                    f"SELECT row_id, i.item_id, i.origin_version, v.version, v.via, v.block_id, NULL FROM {live} v "
+                    f"JOIN items i USING (row_id) WHERE i.origin_version > v.version "
+                    f"AND NOT EXISTS (SELECT 1 FROM {staged} s WHERE s.row_id = v.row_id) ORDER BY row_id"
+                ).fetchall()
+            )
+            healed = [
+                UpgradedRows(
+                    rows.row_ids[picked].tolist(),
+                    [rows.item_ids[i] for i in picked],
+                    tag,
+                    VersionTag(tag.version, tag.version, tag.via),
+                    take_rows(rows.embeddings, picked),
+                    take_rows(rows.side_infos, picked),
+                )
+                for tag, picked in rows_by_tag(rows.tags).items()
+            ]
+            if healed:
+                self._write_rows(healed, staged=False, logged=True)
+            if logged_again := self._replica_log._drop_misplaced_origins():
+                self._log_changes(logged_again)
+        return len(rows)
 
     def live_rows(self) -> dict[int, tuple[str, VersionTag]]:
         """Every live row's item id and current tag, by row id (nothing decrypted)."""
@@ -153,8 +202,43 @@ class GalleryUpgrades:
         expected = sum(len(b.row_ids) for b in batches)
         if written != expected:
             raise GalleryError(f"{expected - written} row(s) changed while being upgraded; run the upgrade again")
+        if not staged:
+            self._move_origins([b for b in batches if b.new_tag.origin_version != b.old_tag.origin_version])
         if not staged and logged:  # in place: live rows changed (staged ones change at the switch)
             self._log_changes([i for b in batches for i in b.item_ids])
+
+    def _move_origins(self, batches: Sequence[UpgradedRows]) -> None:
+        """Inside a transaction: the rows of ``batches`` take their new tag's origin version in their
+        per-row entry (each guarded by the old one), their labels sealed again for it; a label that
+        does not open stays as it was (damage that check and repair report, as before)."""
+        for b in batches:
+            old, new = b.old_tag.origin_version, b.new_tag.origin_version
+            found = []
+            for chunk, marks in id_chunks([int(r) for r in b.row_ids]):
+                found += self._db.execute(
+                    f"SELECT row_id, item_id, label FROM items WHERE origin_version = ? AND row_id IN ({marks})",
+                    (old, *chunk),
+                ).fetchall()
+            if len(found) != len(b.row_ids):
+                raise GalleryError(f"{len(b.row_ids) - len(found)} row(s) changed while being moved; run it again")
+            labels = [self._reopened_label(row_id, item_id, old, label) for row_id, item_id, label in found]
+            resealed = self._sealing.seal_labels(
+                [r for r, _, _ in found], [i for _, i, _ in found], [new] * len(found), labels
+            )
+            self._db.executemany(
+                "UPDATE items SET origin_version = ?, label = ? WHERE row_id = ?",
+                [
+                    (new, sealed if text is not None else label, row_id)
+                    for (row_id, _, label), text, sealed in zip(found, labels, resealed, strict=True)
+                ],
+            )
+
+    def _reopened_label(self, row_id: int, item_id: str, origin: int, sealed: bytes | None) -> str | None:
+        """A row's label, or None when it has none or it does not open."""
+        try:
+            return None if sealed is None else self._sealing.open_label(row_id, item_id, origin, sealed)
+        except CorruptRecordError:
+            return None
 
     def staged_damage(self) -> list[tuple[int, str, str]]:
         """(row id, item id, reason) of the staged rows (an upgrade's, not yet switched) whose
