@@ -241,6 +241,7 @@ class FctkitServer:
                 self._storage,
                 enrolment_key=rules.enrolment_key,
                 latest_version=registry.latest_offered,
+                published=registry.published,
                 open_streams=open_streams,
                 rollouts=self._rollouts,
                 reports_per_minute=config.reports_per_minute,

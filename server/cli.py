@@ -163,7 +163,8 @@ _EXISTING = click.Path(path_type=Path, exists=True, dir_okay=False)
     type=int,
     default=120,
     show_default=True,
-    help="Fleet reports each device may send per minute (per replica); more are answered RESOURCE_EXHAUSTED.",
+    help="Fleet reports each device may send in any 60 seconds (over all replicas together); more are answered "
+    "RESOURCE_EXHAUSTED.",
 )
 @click.option(
     "--shutdown-grace",

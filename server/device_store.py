@@ -1,8 +1,13 @@
 """The fleet's devices (``devices``), the one-time enrolment codes that add them
-(``enrolment_codes``) and each owner's key id (``owner_keys``).
+(``enrolment_codes``), each owner's key id (``owner_keys``) and how many reports each device sent
+in each recent second (``report_counts``, schema 12).
 
 Every enrolment code names an owner (a fresh one unless the admin gives one) and the device it
 enrols belongs to that owner; a device reaches everything of its owner and nothing of another.
+
+The report limit is kept in the database, so every replica counts the same reports: a device
+holds at most 61 rows (one per second of the last minute it reported in), the older ones go at
+its next report.
 """
 
 from __future__ import annotations
@@ -13,6 +18,16 @@ from dataclasses import dataclass
 from . import upload_sessions
 from .database import Database
 from .replica_compaction import common_version, unique_chunks
+
+REPORT_COUNTS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS report_counts (
+    device_id TEXT NOT NULL,
+    at_second INTEGER NOT NULL,
+    reports INTEGER NOT NULL,
+    PRIMARY KEY (device_id, at_second)
+);
+"""
+REPORT_WINDOW_S = 60
 
 
 @dataclass(frozen=True)
@@ -132,6 +147,38 @@ class DeviceStore:
                     device_id,
                 ),
             )
+
+    def admit_report(self, device_id: str, now_s: float, per_minute: int) -> float | None:
+        """Count a report of ``device_id`` at ``now_s`` (seconds since the epoch) unless the device
+        sent ``per_minute`` already in the last :data:`REPORT_WINDOW_S` seconds (counted by whole
+        seconds, the current one and the 60 before it: never more than ``per_minute`` in any 60 s,
+        on every replica together); None when counted, else the seconds until it may report again."""
+        second = int(now_s)
+        oldest = second - REPORT_WINDOW_S
+        with self._db.transaction(f"reports:{device_id}"):
+            rows = self._db.execute(
+                "SELECT at_second, reports FROM report_counts WHERE device_id=? AND at_second>=? ORDER BY at_second",
+                (device_id, oldest),
+            ).fetchall()
+            if sum(reports for _, reports in rows) >= per_minute:
+                return rows[0][0] + REPORT_WINDOW_S + 1 - now_s  # when its oldest counted second leaves the window
+            self._db.execute("DELETE FROM report_counts WHERE device_id=? AND at_second<?", (device_id, oldest))
+            self._db.execute(
+                "INSERT INTO report_counts (device_id, at_second, reports) VALUES (?, ?, 1) "
+                "ON CONFLICT (device_id, at_second) DO UPDATE SET reports = report_counts.reports + 1",
+                (device_id, second),
+            )
+        return None
+
+    def device_owners(self, device_ids: Collection[str]) -> dict[str, str]:
+        """The owner of each of ``device_ids`` that is enrolled."""
+        return {
+            device_id: owner_id
+            for chunk in unique_chunks(list(device_ids))
+            for device_id, owner_id in self._db.execute(
+                f"SELECT device_id, owner_id FROM devices WHERE device_id IN ({','.join('?' * len(chunk))})", chunk
+            )
+        }
 
     def revoke_device(self, device_id: str, now: str) -> tuple[str, str | None] | None:
         """Revoke the device (its token stops working); None for an unknown device. Returns when

@@ -9,7 +9,10 @@ pin one key; root-mode devices take the root from GetTrust instead). Reports car
 trust state (its root version, and whether its timestamp went stale: a possible freeze) and,
 after an upgrade, its health (checked by :mod:`.rollout.report_checks`, kept per device and version; a
 rollout's guard may halt it at the report that tips it) and, after a withdrawal, the version it
-went back from and how (kept per device and withdrawn version); reports are limited per device and minute.
+went back from and how (kept per device and withdrawn version); reports are limited per device and
+minute over all replicas. Every version a report names must be published and offered to the
+device at some time (:meth:`~.rollout.offers.Rollouts.check_claim`): a report never widens what the
+device is offered.
 """
 
 from __future__ import annotations
@@ -35,7 +38,13 @@ from .jsonlog import log_event
 from .revocation import OpenStreams
 from .rollout.changes import guard_verdict
 from .rollout.offers import Rollouts
-from .rollout.report_checks import DEFAULT_REPORTS_PER_MINUTE, ReportLimiter, health_report, revert_report
+from .rollout.report_checks import (
+    DEFAULT_REPORTS_PER_MINUTE,
+    ReportLimiter,
+    claimed_versions,
+    health_report,
+    revert_report,
+)
 from .rollout_store import HALTED, Rollout
 from .storage import DeviceRecord, DeviceReport, OwnerKeyMismatch, Storage
 from .validation import counter_field, invalid, page_size, sha256_field, text_field, timestamp
@@ -106,14 +115,17 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
         *,
         enrolment_key: Callable[[], Ed25519PublicKey | None],
         latest_version: Callable[[str], int],
+        published: Callable[[int], bool],
         open_streams: OpenStreams | None = None,
         rollouts: Rollouts | None = None,
         reports_per_minute: int = DEFAULT_REPORTS_PER_MINUTE,
     ) -> None:
-        """``latest_version(device_id)``: the latest version offered to the device."""
+        """``latest_version(device_id)``: the latest version offered to the device;
+        ``published(version)``: whether the version is published."""
         self._storage = storage
         self._rollouts = rollouts or Rollouts(storage)
-        self._limiter = ReportLimiter(reports_per_minute)
+        self._limiter = ReportLimiter(storage, reports_per_minute)
+        self._published = published
         self._open_streams = open_streams or OpenStreams()
         self._enrolment_key = enrolment_key
         self._latest_version = latest_version
@@ -184,6 +196,7 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
         )
         health = health_report(request)
         revert = revert_report(request, self._rollouts.withdrawals.withdrawn)
+        self._check_claims(device_id, request)
         now = timestamp()
         if owner_id := self._storage.record_report(device_id, report, now):
             self._compact_replica(owner_id)
@@ -194,13 +207,24 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
             self._storage.record_revert(device_id, *revert, now)
         return fleet_pb2.ReportResponse(recorded_at=now, latest_version=self._latest_version(device_id))
 
+    def _check_claims(self, device_id: str, request: fleet_pb2.ReportRequest) -> None:
+        """NOT_FOUND when a version the report names is not published, PERMISSION_DENIED when it was
+        never offered to the device (both logged): nothing of the report is stored then."""
+        for field, version in claimed_versions(request).items():
+            if not self._published(version):
+                log_event("version claim refused", logging.WARNING, device_id=device_id, field=field, version=version)
+                raise RpcStatusError(
+                    "NOT_FOUND",
+                    f"{field} is {version}, a version that was never published: report the versions "
+                    "the device runs and upgrades to, as ListVersions names them; nothing was recorded",
+                )
+            self._rollouts.check_claim(device_id, version, field)
+
     def _guard(self, version: int, device_id: str, now: str) -> None:
         """Halt ``version``'s rollout when its guard trips at this report (on one replica at a time)."""
 
         def halted(current: Rollout | None) -> Rollout | None:
-            reason = (
-                None if current is None else guard_verdict(current, self._storage.health_reports(version), device_id)
-            )
+            reason = None if current is None else self._guard_verdict(current, device_id)
             return (
                 current
                 if current is None or reason is None
@@ -212,6 +236,11 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
         after = self._rollouts.change(version, halted)
         if after is not None and after.state == HALTED and rollout.state != HALTED:
             log_event("rollout halted", logging.WARNING, version=version, reason=after.halt_reason)
+
+    def _guard_verdict(self, rollout: Rollout, device_id: str) -> str | None:
+        """The guard's verdict on ``rollout`` from the stored health of its unrevoked devices and their owners."""
+        health = self._storage.health_reports(rollout.version)
+        return guard_verdict(rollout, health, self._storage.device_owners(health), device_id)
 
     async def RevokeDevice(self, request, context):
         device_id = text_field(request.device_id, "device_id").strip()

@@ -1,11 +1,11 @@
 """The Registry service: published model versions, upgrade plans, artifact streaming with
 resume, version watching, bundle publishing, the root of trust (GetTrust, PublishRoot), staged
 rollouts (SetRollout, GetRollout, ConfirmVersion: :mod:`.rollout.service`) and withdrawals (Withdraw:
-:mod:`.rollout.withdraw_service`). A device is listed, planned, watched and sent only the versions its
-rollouts offer it (:mod:`.rollout.offers`) and never a withdrawn one (a device on it may still download
-its artifacts; upgrade plans never route through a withdrawn bundle's adapters); every
-ListVersions page carries every published withdrawal and the confirmed versions. The admin sees
-every version.
+:mod:`.rollout.withdraw_service`). A device is listed, planned, watched and sent (manifests and
+artifacts) only the versions its rollouts offer it (:mod:`.rollout.offers`) and never a withdrawn one
+(a device on it may still fetch it; upgrade plans never route through a withdrawn bundle's
+adapters); a PlanUpgrade from a version never offered to the device is refused. Every ListVersions
+page carries every published withdrawal and the confirmed versions. The admin sees every version.
 
 Publishing receives the bundle archive into ``tmp/publish-*``, checks its size and SHA-256,
 unpacks it safely, verifies it exactly as a device would (signatures under the publisher key
@@ -141,6 +141,9 @@ class Catalog:
         """Set at the next publish or at shutdown; take it *before* reading the versions."""
         return self._changed
 
+    def has(self, version: int) -> bool:
+        return version in self._versions
+
     def get(self, version: int) -> PublishedVersion:
         try:
             return self._versions[version]
@@ -226,7 +229,8 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
         )
 
     async def GetManifest(self, request, context):
-        record = self._catalog.get(version_field(request.version, "version")).record
+        version = self._catalog.get(version_field(request.version, "version")).version
+        record = self._catalog.get(self._offered(version, self._cap(), kept_by_its_devices=True)).record
         return registry_pb2.GetManifestResponse(
             version=record.version,
             manifest=record.manifest,
@@ -257,6 +261,20 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
         """The versions the caller is never offered: the withdrawn ones for a device, none for the admin."""
         principal = current_principal()
         return frozenset() if principal is None or principal.device_id is None else self._rollouts.withdrawals.versions
+
+    def _claimed(self, version: int, field: str) -> int:
+        """``version``, which the calling device says it runs: PERMISSION_DENIED when it was never
+        offered to the device (the admin may name any)."""
+        principal = current_principal()
+        if principal is not None and principal.device_id is not None:
+            self._rollouts.check_claim(principal.device_id, version, field)
+        return version
+
+    def published(self, version: int) -> bool:
+        """Whether ``version`` is published (here, or on another replica a moment ago)."""
+        if not self._catalog.has(version):
+            self._catch_up()
+        return self._catalog.has(version)
 
     def _runs(self, version: int) -> bool:
         """Whether the calling device last reported running ``version``."""
@@ -311,7 +329,9 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
         return self._rules
 
     async def PlanUpgrade(self, request, context):
-        source = self._catalog.get(version_field(request.from_version, "from_version")).version
+        source = self._claimed(
+            self._catalog.get(version_field(request.from_version, "from_version")).version, "from_version"
+        )
         cap, hidden = self._cap(source), self._hidden()
         target = self._offered(
             self._catalog.get(request.to_version or self._catalog.latest_before(cap, hidden)).version, cap

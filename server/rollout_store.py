@@ -184,6 +184,13 @@ class RolloutStore:
         row = self._db.execute("SELECT version FROM devices WHERE device_id = ?", (device_id,)).fetchone()
         return int(row[0]) if row else 0
 
+    def device_reach(self, device_id: str) -> int:
+        """The highest version the device's stored report runs or upgrades to (0: none)."""
+        row = self._db.execute(
+            "SELECT version, target_version FROM devices WHERE device_id = ?", (device_id,)
+        ).fetchone()
+        return int(max(row)) if row else 0
+
     def device_states(self) -> list[DeviceState]:
         """Every enrolled, unrevoked device's last reported version, target and upgrade state."""
         rows = self._db.execute(
@@ -217,9 +224,13 @@ class RolloutStore:
         )
 
     def health(self, version: int) -> dict[str, HealthReport]:
-        """The latest health each device reported for ``version``, by device id."""
+        """The latest health each enrolled, unrevoked device reported for ``version``, by device id
+        (a revoked device's reports stop counting the moment it is revoked)."""
+        columns = ", ".join(f"h.{c}" for c in _HEALTH_COLUMNS)
         rows = self._db.execute(
-            f"SELECT device_id, {', '.join(_HEALTH_COLUMNS)} FROM device_health WHERE version = ?", (version,)
+            f"SELECT h.device_id, {columns} FROM device_health h JOIN devices d ON d.device_id = h.device_id "
+            "WHERE h.version = ? AND d.revoked_at IS NULL",
+            (version,),
         )
         return {row[0]: HealthReport(*row[1:]) for row in rows}
 

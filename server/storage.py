@@ -96,6 +96,7 @@ class Storage(Protocol):
     def confirmations(self) -> dict[int, str]: ...
     def confirm_version(self, version: int, now: str, check: Callable[[Rollout | None], None]) -> str: ...
     def device_version(self, device_id: str) -> int: ...
+    def device_reach(self, device_id: str) -> int: ...
     def rollout_devices(self) -> list[DeviceState]: ...
     def enrolled_devices(self, device_ids: list[str]) -> set[str]: ...
     def record_health(self, device_id: str, health: HealthReport, now: str) -> None: ...
@@ -150,6 +151,8 @@ class Storage(Protocol):
     def device_for_token(self, token_hash: str) -> str | None: ...
     def device_owner(self, device_id: str) -> str | None: ...
     def record_report(self, device_id: str, report: DeviceReport, now: str) -> str | None: ...
+    def admit_report(self, device_id: str, now_s: float, per_minute: int) -> float | None: ...
+    def device_owners(self, device_ids: Collection[str]) -> dict[str, str]: ...
     def revoke_device(self, device_id: str, now: str) -> tuple[str, str | None] | None: ...
     def compact_replica_page(self, owner_id: str, after_item: str, limit: int) -> str | None: ...
     def list_devices(self, after_seq: int, limit: int) -> list[DeviceRecord]: ...
@@ -232,6 +235,10 @@ class ServerStorage:
     def device_version(self, device_id: str) -> int:
         return self._rollouts.device_version(device_id)
 
+    def device_reach(self, device_id: str) -> int:
+        """The highest version the device's stored report runs or upgrades to."""
+        return self._rollouts.device_reach(device_id)
+
     def rollout_devices(self) -> list[DeviceState]:
         return self._rollouts.device_states()
 
@@ -242,6 +249,7 @@ class ServerStorage:
         self._rollouts.record_health(device_id, health, now)
 
     def health_reports(self, version: int) -> dict[str, HealthReport]:
+        """The latest health each unrevoked device reported for ``version``."""
         return self._rollouts.health(version)
 
     def withdrawals(self) -> dict[int, StoredWithdrawal]:
@@ -382,6 +390,14 @@ class ServerStorage:
 
     def record_report(self, device_id: str, report: DeviceReport, now: str) -> str | None:
         return self._devices.record_report(device_id, report, now)
+
+    def admit_report(self, device_id: str, now_s: float, per_minute: int) -> float | None:
+        """Count a report unless the device sent ``per_minute`` in the last minute (on any replica);
+        None when counted, else the seconds to wait (see :meth:`DeviceStore.admit_report`)."""
+        return self._devices.admit_report(device_id, now_s, per_minute)
+
+    def device_owners(self, device_ids: Collection[str]) -> dict[str, str]:
+        return self._devices.device_owners(device_ids)
 
     def revoke_device(self, device_id: str, now: str) -> tuple[str, str | None] | None:
         return self._devices.revoke_device(device_id, now)

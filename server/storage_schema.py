@@ -11,14 +11,16 @@ device's reported trust state; existing releases get no co-signatures and stay v
 gets staged rollouts and the devices' upgrade health (:mod:`.rollout_store`; existing releases
 have no rollout: every device is offered them); schema 10 gets withdrawals and the devices' reverts
 (:mod:`.withdrawal_store`; nothing is withdrawn); schema 11 gets the confirmed versions
-(:mod:`.rollout_store`; none is confirmed). A database of a schema this server does not know is
+(:mod:`.rollout_store`; none is confirmed); schema 12 gets the devices' report counts of the last
+minute (:mod:`.device_store`; none yet). A database of a schema this server does not know is
 refused.
 
 PostgreSQL databases start at schema 6 or later: the same tables in PostgreSQL's types, created
 once under an advisory lock however many replicas start at once, the version kept in
 ``fctkit_schema``; a schema-6 database gets the upload leases the same way, and a schema-6 or 7
 one the trust tables and columns, a schema 6 to 8 one the rollout tables, a schema 6 to 9 one
-the withdrawal tables, and a schema 6 to 10 one the confirmations table.
+the withdrawal tables, a schema 6 to 10 one the confirmations table, and a schema 6 to 11 one
+the report counts table.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ from fctkit.errors import ConfigError
 
 from . import upload_sessions
 from .database import PostgresDatabase, SqliteDatabase
+from .device_store import REPORT_COUNTS_SCHEMA
 from .replica_compaction import REPLICA_SCHEMA, compact_replica
 from .rollout_store import CONFIRMATION_SCHEMA, ROLLOUT_SCHEMA
 from .trust_store import TRUST_COLUMNS, TRUST_SCHEMA, add_trust_columns
 from .withdrawal_store import WITHDRAWAL_SCHEMA
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 _SCHEMA = (
     """
 CREATE TABLE IF NOT EXISTS versions (
@@ -110,6 +113,8 @@ CREATE TABLE IF NOT EXISTS replica_owners (
     + WITHDRAWAL_SCHEMA
     + ";"
     + CONFIRMATION_SCHEMA
+    + ";"
+    + REPORT_COUNTS_SCHEMA
 )
 
 
@@ -202,6 +207,10 @@ def _confirmations(db: sqlite3.Connection) -> None:
     """Schema 10 -> 11: nothing to alter (the confirmations table comes with the schema; nothing is confirmed)."""
 
 
+def _report_counts(db: sqlite3.Connection) -> None:
+    """Schema 11 -> 12: nothing to alter (the report counts table comes with the schema; no device reported yet)."""
+
+
 _MIGRATIONS = {
     1: _add_owners,
     2: _add_replica_compaction,
@@ -213,6 +222,7 @@ _MIGRATIONS = {
     8: _rollouts,
     9: _withdrawals,
     10: _confirmations,
+    11: _report_counts,
 }  # schema found -> the step to the next one
 
 
@@ -267,7 +277,7 @@ def open_postgres(dsn: str, *, max_connections: int = 20) -> PostgresDatabase:
             db.execute("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
             db.execute("CREATE TABLE IF NOT EXISTS fctkit_schema (version INTEGER NOT NULL)")
             found = db.execute("SELECT MAX(version) FROM fctkit_schema").fetchone()[0] or 0
-            if found not in (0, 6, 7, 8, 9, 10, SCHEMA_VERSION):
+            if found not in (0, 6, 7, 8, 9, 10, 11, SCHEMA_VERSION):
                 raise ConfigError(
                     f"{redacted_dsn(dsn)}: metadata schema {found} is not the {SCHEMA_VERSION} this "
                     "server understands; run the fctkit version that wrote it"
@@ -282,6 +292,7 @@ def open_postgres(dsn: str, *, max_connections: int = 20) -> PostgresDatabase:
                         + TRUST_SCHEMA
                     )
                     script += ";" + ROLLOUT_SCHEMA + ";" + WITHDRAWAL_SCHEMA + ";" + CONFIRMATION_SCHEMA
+                    script += ";" + REPORT_COUNTS_SCHEMA
                 execute_script(db, postgres_schema(script))
                 db.execute("INSERT INTO fctkit_schema VALUES (?)", (SCHEMA_VERSION,))
     except BaseException:

@@ -74,13 +74,14 @@ def read_cohort(path: Path) -> list[str]:
     "--halt-below",
     type=click.FloatRange(-1, 1),
     default=None,
-    help="Guard: halt the rollout when the median health (mean cosine) of reporting devices falls below this.",
+    help="Guard: halt the rollout when the median health (mean cosine) of reporting owners falls below this "
+    "(one vote per owner: the median of its devices).",
 )
 @click.option(
     "--halt-min-devices",
     type=click.IntRange(1),
     default=None,
-    help="Guard: only once at least this many devices of the rollout reported (with --halt-below).",
+    help="Guard: only once devices of at least this many owners in the rollout reported (with --halt-below).",
 )
 @click.pass_obj
 def rollout_command(
@@ -181,7 +182,7 @@ def _state(status) -> str:
     if status.state == "withdrawn":
         return f"version {status.version}: withdrawn (offered to no device; it had reached {status.percent:g}%)"
     guard = (
-        f"; guard: halt below {status.halt_below:g} once {status.halt_min_devices} devices reported"
+        f"; guard: halt below {status.halt_below:g} once {status.halt_min_devices} owners' devices reported"
         if status.halt_min_devices
         else ""
     )

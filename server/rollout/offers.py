@@ -16,6 +16,11 @@ A withdrawn version (:class:`~.withdrawals.Withdrawals`, kept here as ``Rollouts
 offered to no device and holds none back: a device is offered the versions after it as if it
 had never been published (their own rollouts apply).
 
+What a device runs counts only as the server recorded it: a version a device claims (in a
+Report, or as the ``from_version`` of a PlanUpgrade) is taken only when :meth:`Rollouts.was_offered`
+says the server offered it to that device at some time (:meth:`Rollouts.check_claim` refuses the
+others with PERMISSION_DENIED and logs them), so a claim never widens what the device is offered.
+
 The confirmed versions (an admin said "it is good": devices on them drop the vectors kept for a
 revert) are kept here too, reloaded with the rollouts (a confirmation is announced as ``rollout:V``).
 """
@@ -23,8 +28,12 @@ revert) are kept here too, reloaded with the rollouts (a confirmation is announc
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable
 
+from fctkit.errors import RpcStatusError
+
+from ..jsonlog import log_event
 from ..rollout_store import COMPLETE, STAGED, Rollout
 from ..storage import Storage
 from .withdrawals import Withdrawals
@@ -60,11 +69,13 @@ class Rollouts:
         self.reload()
 
     def reload(self) -> None:
-        """Read every rollout again (another replica changed one)."""
+        """Read every rollout again (another replica changed one); watchers wake up only when something changed."""
         self._read_through = self._storage.latest_version()  # first: a version at most this one has its rollout stored
-        self._by_version = self._storage.rollouts()
-        self._confirmed = self._storage.confirmations()
-        self._on_change()
+        by_version, confirmed = self._storage.rollouts(), self._storage.confirmations()
+        changed = (by_version, confirmed) != (self._by_version, self._confirmed)
+        self._by_version, self._confirmed = by_version, confirmed
+        if changed:
+            self._on_change()
 
     def get(self, version: int) -> Rollout | None:
         return self._by_version.get(version)
@@ -99,9 +110,9 @@ class Rollouts:
     def cap(self, device_id: str, latest: int, claimed_version: int = 0) -> int | None:
         """The first version not offered to ``device_id`` (it is offered the versions before it);
         None: every version. ``latest``: the newest version the caller lists;
-        ``claimed_version``: a version the device says it runs (its report may lag)."""
-        if latest > self._read_through:
-            self.reload()
+        ``claimed_version``: a version the device says it runs, already checked by :meth:`check_claim`
+        (its report may lag)."""
+        self._read_up_to(latest)
         withdrawn = self.withdrawals.versions
         held = sorted(
             v for v, r in self._by_version.items() if r.state != COMPLETE and v <= latest and v not in withdrawn
@@ -110,3 +121,49 @@ class Rollouts:
             return None
         device_version = max(self._storage.device_version(device_id), claimed_version)
         return next((v for v in held if not offered(self._by_version[v], device_id, device_version)), None)
+
+    def was_offered(self, device_id: str, version: int, reached: int) -> bool:
+        """Whether ``version`` was offered to ``device_id`` at some time, by the server's own records.
+        ``reached``: the highest version the device's accepted reports ran or set out for (offered to
+        it when they were accepted). A rollout at or below ``version`` held it back unless the device
+        is in the rollout's stages (the cohort, or a bucket below its percent: it was offered the
+        version when its stage started, whatever the rollout's state now) or reached its version;
+        a withdrawn version below ``version`` holds nothing back, and a withdrawn ``version`` itself
+        counts as reached only when the device runs or targets it."""
+        self._read_up_to(version)
+        withdrawn = self.withdrawals.versions
+
+        def let_through(rollout: Rollout) -> bool:
+            v = rollout.version
+            return in_rollout(rollout, device_id) or v == reached or (v < reached and v not in withdrawn)
+
+        return all(
+            let_through(r)
+            for v, r in self._by_version.items()
+            if r.state != COMPLETE and v <= version and (v == version or v not in withdrawn)
+        )
+
+    def check_claim(self, device_id: str, version: int, field: str) -> None:
+        """PERMISSION_DENIED (and a ``version claim refused`` log line) when the device claims, in
+        ``field``, a ``version`` the server never offered to it (:meth:`was_offered`; read again from
+        storage first, in case another replica changed a rollout or withdrew a version a moment ago)."""
+        reached = self._storage.device_reach(device_id)
+        if self.was_offered(device_id, version, reached):
+            return
+        self.reload()
+        self.withdrawals.reload()
+        if self.was_offered(device_id, version, reached):
+            return
+        log_event("version claim refused", logging.WARNING, device_id=device_id, field=field, version=version)
+        raise RpcStatusError(
+            "PERMISSION_DENIED",
+            f"{field} is {version}, a version this server never offered to this device (a staged rollout "
+            "it is not in holds it back): a device reports and plans only from versions it was offered; "
+            "nothing was recorded",
+        )
+
+    def _read_up_to(self, version: int) -> None:
+        """Read the rollouts again when ``version`` is newer than what this replica read (its rollout, if
+        any, was stored with it)."""
+        if version > self._read_through:
+            self.reload()

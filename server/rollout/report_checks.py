@@ -1,23 +1,24 @@
 """Checks on device reports: the ``health`` of an upgrade and the revert from a
-withdrawn version (``reverted_from``, ``revert_method``), validated before anything is stored, and
-a per-device limit on how often a device may report.
+withdrawn version (``reverted_from``, ``revert_method``), validated before anything is stored, the
+versions a report names (:func:`claimed_versions`, each checked against what the device was
+offered), and a per-device limit on how often a device may report.
 
-The limit is kept by each replica in memory (a sliding minute per device): a device spread over
-``k`` replicas by a load balancer gets at most ``k`` times the limit, which still bounds what one
-device can write.
+The limit is counted in the database (:meth:`~..storage.Storage.admit_report`): a device spread
+over any number of replicas by a load balancer gets the same ``per_minute`` reports through as
+one talking to a single replica.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 
 from fctkit.errors import RpcStatusError
 from fctkit.protos import fleet_pb2
 
 from ..rollout_store import HealthReport
+from ..storage import Storage
 from ..validation import invalid
 
 MAX_UPGRADE_SECONDS = 366 * 86400.0  # an upgrade longer than a year is not a measurement
@@ -93,27 +94,33 @@ def health_report(request: fleet_pb2.ReportRequest) -> HealthReport | None:
     )
 
 
-class ReportLimiter:
-    """At most ``per_minute`` reports per device in any 60 seconds (on this replica)."""
+def claimed_versions(request: fleet_pb2.ReportRequest) -> dict[str, int]:
+    """The versions a report names (field name -> version), those that are not 0."""
+    named = {
+        "version": request.version,
+        "target_version": request.target_version,
+        "health.version": request.health.version,
+        "reverted_from": request.reverted_from,
+    }
+    return {name: version for name, version in named.items() if version}
 
-    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
+
+class ReportLimiter:
+    """At most ``per_minute`` reports per device in any 60 seconds, on all replicas together
+    (counted in ``storage``)."""
+
+    def __init__(self, storage: Storage, per_minute: int, clock: Callable[[], float] = time.time) -> None:
+        self._storage = storage
         self._per_minute = per_minute
         self._clock = clock
-        self._recent: dict[str, deque[float]] = {}
 
     def admit(self, device_id: str) -> None:
         """Count a report of ``device_id``; RESOURCE_EXHAUSTED when it is one too many."""
-        now = self._clock()
-        recent = self._recent.setdefault(device_id, deque())
-        while recent and recent[0] <= now - 60.0:
-            recent.popleft()
-        if len(recent) >= self._per_minute:
-            wait = 60.0 - (now - recent[0])
+        wait = self._storage.admit_report(device_id, self._clock(), self._per_minute)
+        if wait is not None:
             raise RpcStatusError(
                 "RESOURCE_EXHAUSTED",
-                f"this device sent {len(recent)} reports in the last minute; at most "
-                f"{self._per_minute}: report again in {wait:.0f} s (a report every few seconds is plenty)",
+                f"this device sent {self._per_minute} reports in the last minute, the most it may (counted "
+                f"over every server replica): report again in {math.ceil(wait)} s (a report every few "
+                "seconds is plenty)",
             )
-        recent.append(now)
-        if len(self._recent) > 100_000:  # forget devices that went quiet, so the map stays bounded
-            self._recent = {d: q for d, q in self._recent.items() if q and q[-1] > now - 60.0}

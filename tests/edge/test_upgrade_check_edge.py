@@ -144,6 +144,7 @@ def test_a_device_offline_at_upgrade_time_sends_its_record_at_the_next_sync(
     assert device.upgrade(tiny_bundles[2]) == ROWS
     record = stored_health(device.gallery)
     assert (record.version, record.sample_size) == (2, 0) and "could not be downloaded from the vault" in record.reason
+    publish(server, tiny_bundles[2], tmp_path)  # the server reports only versions it published (and offered)
     device.use_servers(server.target)
     reports.clear()
     device.sync()

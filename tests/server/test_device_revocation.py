@@ -35,8 +35,11 @@ def _record(change_id: int, item: str, version: int) -> vault_pb2.SealedRecord:
     )
 
 
-def test_a_revoked_device_is_locked_out_and_its_owner_keeps_everything(start_server):
+def test_a_revoked_device_is_locked_out_and_its_owner_keeps_everything(start_server, archives):
     server = start_server()
+    with FctkitClient(server.target, ADMIN_TOKEN) as admin:
+        for version in (1, 2):
+            admin.publish_bundle(archives[version])
     phone, phone_id = _enrol(server, "rita", "phone")
     lost, lost_id = _enrol(server, "rita", "lost-phone")
     sha256 = lost.upload_blob(b"sealed original" * 10, "x").sha256

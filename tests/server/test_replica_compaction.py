@@ -14,9 +14,17 @@ from fctkit.protos import fleet_pb2, vault_pb2
 from fctkit.protos.client import FctkitClient
 from fctkit.server.storage import ReplicaRecord, SqliteStorage
 
-from .conftest import enrolled_client
+from .conftest import ADMIN_TOKEN, enrolled_client
 
 IDLE = fleet_pb2.UPGRADE_STATE_IDLE
+
+
+def _published(server, archives, *versions: int):
+    """``server`` with ``versions`` published (devices report only published versions)."""
+    with FctkitClient(server.target, ADMIN_TOKEN) as admin:
+        for version in versions:
+            admin.publish_bundle(archives[version])
+    return server
 
 
 def _devices(server, count: int) -> list[FctkitClient]:
@@ -70,8 +78,8 @@ def test_a_tombstone_supersedes_every_other_record_of_its_item(start_server):
     assert _live(phone) == [(2, "y", 1, "native", False), (4, "x", 0, "", True)]
 
 
-def test_older_versions_go_once_every_device_reports_the_newer_one(start_server):
-    phone, tablet = _devices(start_server(), 2)
+def test_older_versions_go_once_every_device_reports_the_newer_one(start_server, archives):
+    phone, tablet = _devices(_published(start_server(), archives, 1, 2, 3), 2)
     phone.push_records([_record(1, "x", fill=1), _record(2, "y", fill=2)])
     phone.report(2, 2, IDLE)
     tablet.report(1, 2, IDLE)
@@ -141,12 +149,12 @@ def _block(
     )
 
 
-def test_blocks_are_compacted_row_by_row_and_dropped_when_no_row_is_live(start_server):
+def test_blocks_are_compacted_row_by_row_and_dropped_when_no_row_is_live(start_server, archives):
     import pytest
 
     from fctkit.errors import RpcStatusError
 
-    phone, tablet = _devices(start_server("--replica-quota-bytes", "1000"), 2)
+    phone, tablet = _devices(_published(start_server("--replica-quota-bytes", "1000"), archives, 1, 2), 2)
     phone.push_records([_block(1, ["a", "b", "c"], fill=1, size=400)])
     tablet.push_records([_block(1, ["b"], tombstone=True, size=28), _record(2, "c", version=2, fill=2, size=28)])
     phone.report(2, 2, IDLE)
@@ -170,10 +178,10 @@ def test_blocks_are_compacted_row_by_row_and_dropped_when_no_row_is_live(start_s
     assert (again.stored, again.already_stored, list(again.sequences)) == (0, 1, [5])
 
 
-def test_a_large_replica_is_swept_page_by_page_in_the_background(start_server):
+def test_a_large_replica_is_swept_page_by_page_in_the_background(start_server, archives):
     from fctkit.server.fleet import COMPACTION_PAGE_ITEMS
 
-    phone, tablet = _devices(start_server(), 2)
+    phone, tablet = _devices(_published(start_server(), archives, 1, 2), 2)
     items = 2 * COMPACTION_PAGE_ITEMS + 500
     for version in (1, 2):
         records = [_record(version * items + k, f"item-{k:05d}", version=version, size=28) for k in range(items)]

@@ -155,11 +155,12 @@ def test_rollout_halt_and_withdrawal_agree_across_three_replicas_with_one_sigkil
 ):
     replicas = start_replicas(3, "--max-reports-per-minute", "10000")
     a, b, c = 0, 1, 2
+    with FctkitClient(replicas[a].target, ADMIN_TOKEN) as admin:
+        admin.publish_bundle(archives[1])  # first: devices report only published versions
     fleet = enrol_fleet(replicas)
     try:
         upgraders = fleet.ranked[:3]  # in the rollout from the start; they take v2 and report its health
         with fleet.admin(a) as admin:
-            admin.publish_bundle(archives[1])
             admin.publish_bundle(archives[2], rollout_percent=fleet.percent_for(STAGED_IN))
             admin.publish_bundle(archives[3])  # to everyone, but behind v2: a device not offered v2 gets neither
             admin.set_rollout(2, halt_below=0.8, halt_min_devices=3)

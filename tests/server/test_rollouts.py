@@ -209,7 +209,11 @@ def test_publish_percent_from_the_cli_and_bad_input_changes_nothing(start_server
     assert widened.exit_code == 0 and "staged at 10% (cohort of 2)" in widened.output
     assert all(listed(c) == ([1, 2], 2) for c in devices.values())
     table = cli("rollout-status", "2")
-    assert table.exit_code == 0 and "cohort" in table.output and "guard: halt below 0.5 once 4 devices" in table.output
+    assert (
+        table.exit_code == 0
+        and "cohort" in table.output
+        and "guard: halt below 0.5 once 4 owners' devices" in table.output
+    )
     data = json.loads(cli("rollout-status", "2", "--json").output)
     assert data["state"] == "staged" and [s["stage"] for s in data["stages"]] == [0, 1, 2] and data["gate_cases"] == {}
     assert data["stages"][0]["offered"] == 2
@@ -267,7 +271,9 @@ def test_the_guard_halts_the_rollout_at_the_report_that_tips_it(start_server, ar
             devices[ids[k]].report(2, 100, IDLE, health=health(2, signal))
             assert a.rollout_status(2).state == state, f"after report {k + 1}"
         status = a.rollout_status(2)
-    assert "median mean_cosine 0.6000 of 4 reporting devices fell below 0.8" in status.halt_reason
+    assert "median mean_cosine 0.6000 of 4 owners' votes (4 reporting devices, one vote per owner) fell below 0.8" in (
+        status.halt_reason
+    )
     assert ids[3] in status.halt_reason
     summary = status.stages[0].health
     assert (summary.devices, summary.median, summary.min) == (4, pytest.approx(0.6), pytest.approx(0.2))
