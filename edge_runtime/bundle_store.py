@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from fctkit.errors import BundleError, DeviceError, FctkitError
+from fctkit.errors import BundleError, DeviceError, FctkitError, TrustError
 from fctkit.private_files import make_private
 from fctkit.protos.bundle import (
     MANIFEST_FILE,
@@ -109,6 +109,8 @@ class InstalledBundles:
             self._verified(version)
         except (BundleError, OSError) as exc:
             return str(exc)
+        except TrustError:  # the device's trust files, not the bundle: `status` reports them
+            return None
         return None
 
     def fetch_again(self, connect: Callable[[], Any], needed: Callable[[], Sequence[int]] = tuple) -> dict[int, str]:

@@ -13,6 +13,7 @@ import click
 from fctkit.errors import GalleryDamagedError, InputError
 
 from .adding import ON_BAD_ITEM
+from .crypto import key_file_wrapped
 from .device import Device, DeviceSettings
 from .device_trust import trust_alarm
 from .device_trust_sync import CHOOSE
@@ -172,7 +173,8 @@ def init_command(
         raise click.UsageError(
             "--root and --publisher-key exclude each other: pin a root of trust, or (before roots) one key"
         )
-    owner_passphrase = _key_passphrase(key_passphrase_env, confirm=False) if import_key else None
+    wrapped = import_key is not None and key_file_wrapped(import_key)  # an unwrapped key needs no passphrase
+    owner_passphrase = _key_passphrase(key_passphrase_env, confirm=False) if wrapped else None
     with Device.init(
         root,
         passphrase=_passphrase(passphrase_env),

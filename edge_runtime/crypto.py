@@ -24,6 +24,7 @@ import os
 import stat
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes, hmac
@@ -37,6 +38,8 @@ KEY_BYTES = 32
 NONCE_BYTES = 12
 TAG_BYTES = 16
 KEY_FILE_FORMAT = 1
+#: every field a key file may hold: another name is a damaged one (e.g. "check", whose absence is allowed)
+KEY_FILE_FIELDS = frozenset({"format", "wrapping", "key", "n", "r", "p", "salt", "wrapped_key", "kind", "check"})
 #: scrypt cost (n = 2**15, r = 8, p = 1: ~32 MiB, ~0.1 s): the interactive setting of RFC 7914.
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 1 << 15, 8, 1
 
@@ -164,6 +167,16 @@ def write_key_file(path: str | os.PathLike, key: bytes, passphrase: str | None =
     return path
 
 
+def key_file_wrapped(path: str | os.PathLike) -> bool:
+    """Whether the key file at ``path`` asks for a passphrase (one that cannot be read is left to
+    :func:`read_key_file` to refuse: it says why)."""
+    try:
+        body = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return not isinstance(body, dict) or body.get("wrapping") != "none"
+
+
 def read_key_file(path: str | os.PathLike, passphrase: str | None = None, *, kind: str = "device") -> bytes:
     """The ``kind`` key from its file; refuses files others can read, files holding another
     kind of key, and wrong passphrases."""
@@ -177,6 +190,13 @@ def read_key_file(path: str | os.PathLike, passphrase: str | None = None, *, kin
         raise DeviceKeyError(f"{path} is readable by others (mode {stat.S_IMODE(mode):o}): chmod 600 {path}")
     try:
         body = json.loads(path.read_text())
+        if not isinstance(body, dict):
+            raise ValueError("not a JSON object")
+        if not set(body) <= KEY_FILE_FIELDS:
+            raise DeviceKeyError(
+                f"{path} is damaged: it names field(s) no key file has ({', '.join(sorted(set(body) - KEY_FILE_FIELDS))}); "
+                "restore the file from a backup or an exported key (nothing was changed)"
+            )
         if body.get("format") != KEY_FILE_FORMAT:
             raise DeviceKeyError(f"{path}: unsupported key file format {body.get('format')!r}")
         if body.get("kind", "device") != kind:
@@ -205,6 +225,27 @@ def read_key_file(path: str | os.PathLike, passphrase: str | None = None, *, kin
             f"restore the file from a backup or an exported key (nothing was changed)"
         )
     return key
+
+
+class UnusableKey(Sealer):
+    """A key whose file failed to read (``error``): the device answers queries without it, and
+    everything that needs it raises ``error`` rather than guess (nothing is sealed or dropped)."""
+
+    def __init__(self, error: DeviceKeyError) -> None:
+        self.error = error
+
+    def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
+        raise self.error
+
+    mac = seal = seal_many = open = open_into = _refuse
+
+    def refusal(self, command: str, queued: int) -> DeviceKeyError:
+        """Why ``command``, which needs the key to tell damaged queued originals from a damaged key, changes nothing."""
+        return DeviceKeyError(
+            f"{self.error} The {command} needs the owner key to tell damaged queued originals from a damaged key: "
+            f"refused, nothing was changed (the {queued} queued original(s) stay queued); put owner.key back (a backup, "
+            "or `fctkit device export-key` on another device of the owner and `init --import-key`), then run it again"
+        )
 
 
 def _key_check(kind: str, key: bytes) -> str:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from fctkit.errors import DeviceError
+from fctkit.errors import DeviceError, DeviceKeyError
 from fctkit.private_files import make_private
 from fctkit.protos.client import ClientTls, FctkitClient
 from fctkit.protos.retry_policy import RetryPolicy
@@ -47,7 +47,7 @@ from fctkit.protos.retry_policy import RetryPolicy
 from .adding import AddedItems, OnBadItem, add_items, restore_from_vault, side_infos_again, usable_queries
 from .backfill import BackfillResult, run_backfill
 from .bundle_store import InstalledBundles
-from .crypto import Sealer, new_key, owner_key_id, read_key_file, write_key_file
+from .crypto import Sealer, UnusableKey, new_key, owner_key_id, read_key_file, write_key_file
 from .device_files import (
     GALLERY_FILE,
     KEY_FILE,
@@ -85,20 +85,21 @@ class Device:
     (:mod:`.queries`) and the operations in :mod:`.upgrade`, :mod:`.backfill`,
     :mod:`.replication` and :mod:`.repair`, each handed what it needs."""
 
-    def __init__(self, root: Path, key: bytes, settings: DeviceSettings, owner_key: bytes) -> None:
+    def __init__(self, root: Path, key: bytes, settings: DeviceSettings, owner_key: bytes | DeviceKeyError) -> None:
         self.root = root
         make_private(root)  # owner-only: directories 0700, files 0600, whatever the umask or earlier modes
         self.settings = settings
         self._key = key
         self._sealer = Sealer(key)
-        self.owner_sealer = Sealer(owner_key)  # vault originals and replica records
+        # vault originals and replica records; a damaged owner key refuses them, queries go on without it
+        self.owner_sealer = UnusableKey(owner_key) if isinstance(owner_key, DeviceKeyError) else Sealer(owner_key)
         self._owner_key = owner_key
         self.gallery = Gallery.open(root / GALLERY_FILE, key)
         self.trust = DeviceTrust(root, settings.clock_tolerance_s)  # its .clock is replaceable (tests)
         self.bundles = InstalledBundles(root, self.trust, settings.engine)
         self.search = GallerySearch(self.gallery, self.bundles, settings.search_backend)
         if not self.gallery.settings.damaged():  # a closed rollback window's kept vectors go at an open or a sync
-            expire_rollback(self.gallery)
+            self.expire_rollback()
         self.progress = True
 
     # -- creation ---------------------------------------------------------------------------
@@ -145,14 +146,31 @@ class Device:
         key = read_key_file(root / KEY_FILE, passphrase)
         if not (root / OWNER_KEY_FILE).exists():  # a device from before owners: it starts an owner key of its own
             write_key_file(root / OWNER_KEY_FILE, new_key(), passphrase, kind="owner")
-        return cls(root, key, settings, read_key_file(root / OWNER_KEY_FILE, passphrase, kind="owner"))
+        try:
+            owner_key: bytes | DeviceKeyError = read_key_file(root / OWNER_KEY_FILE, passphrase, kind="owner")
+        except DeviceKeyError as exc:  # kept for what needs the owner key: queries do not
+            owner_key = exc
+        return cls(root, key, settings, owner_key)
+
+    def owner_key(self) -> bytes:
+        """The owner key; its file's error when it failed to read."""
+        if isinstance(self._owner_key, DeviceKeyError):
+            raise self._owner_key
+        return self._owner_key
+
+    def expire_rollback(self, now: float | None = None) -> bool:
+        """Drop the rollback window's kept vectors once it closed, by the device clock where the trust
+        metadata vouches for it (``now``: :meth:`DeviceTrust.trusted_time`, taken by a sync before it
+        accepts new metadata); a clock it does not vouch for keeps them. Returns whether they went."""
+        now = self.trust.trusted_time() if now is None else now
+        return now is not None and expire_rollback(self.gallery, now)
 
     def export_owner_key(self, path: str | os.PathLike[str], passphrase: str) -> Path:
         """Write the owner key to a new 0600 file, wrapped by ``passphrase`` (scrypt), for
         ``init(owner_key_file=...)`` on the owner's other or replacement devices."""
         if not passphrase:
             raise DeviceError("an exported owner key must be passphrase-wrapped: give a passphrase")
-        return write_key_file(path, self._owner_key, passphrase, kind="owner")
+        return write_key_file(path, self.owner_key(), passphrase, kind="owner")
 
     def close(self) -> None:
         self.gallery.close()
@@ -208,7 +226,7 @@ class Device:
         )
         enrolment = enrol_device(
             self.trust,
-            owner_key_id(self._owner_key),
+            owner_key_id(self.owner_key()),
             server,
             code,
             device_name,
@@ -522,7 +540,10 @@ class Device:
         whose side-info alone fails is kept); then, on a device of an owner with a server, pull the owner's
         replica again, which brings back every forgotten or missing row it holds; a row it does not hold whose
         original is in the vault is embedded again with the installed version. The rest stay removed, listed."""
+        if isinstance(self.owner_sealer, UnusableKey):  # it would take every queued original for damaged
+            raise self.owner_sealer.refusal("repair", self.gallery.replica_log.outbox_size())
         online, needed = bool(self.settings.server), lambda: [self.version]
+        trust = self.trust.repair()  # first: a download below checks against it
         connect = lambda: trusted_client(self.trust, self.client)  # noqa: E731
         bundles = self.bundles.fetch_again(connect, needed) if online else self.bundles.damaged(needed)
         result = repair_gallery(
@@ -534,6 +555,7 @@ class Device:
         report: dict[str, Any] = {
             **asdict(result),
             "damaged_bundles": {f"v{v}": reason for v, reason in bundles.items()},
+            "trust_restored": trust,
         }
         del report["vault_originals"]  # labels and hashes: the device's business, not the report's
         lost = result.rows_forgotten
@@ -570,8 +592,8 @@ class Device:
 
     def status(self) -> dict[str, Any]:
         """What the device holds and does (:func:`~.device_status.device_status`)."""
-        status = device_status(
-            self.root, self.settings, self.parts, self.search, owner_key_id(self._owner_key), self.check
-        )
+        key = self._owner_key
+        owner = f"damaged: {key}" if isinstance(key, DeviceKeyError) else owner_key_id(key)
+        status = device_status(self.root, self.settings, self.parts, self.search, owner, self.check)
         withdrawals = {} if "damaged_settings" in status else {"withdrawals": withdrawal_status(self.gallery)}
         return {**status, "trust": self.trust.status(), **withdrawals}

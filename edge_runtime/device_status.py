@@ -7,10 +7,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from fctkit.errors import TrustError
+
 from .device_files import PUBLISHER_FILE, DeviceSettings
 from .device_parts import DeviceParts
+from .engine import Engine
 from .queries import GallerySearch
 from .repair import side_info_lost
+from .revert_records import not_withdrawn
 from .scoring import scoring_of
 from .upgrade_check import stored_health
 
@@ -54,14 +58,14 @@ def device_status(
             "mode": state["mode"],
             "rows_left": gallery.remaining(state["target"]) if state["hops"] else 0,
         }
-    pending = parts.pending_versions()
+    pending = not_withdrawn(gallery, parts.pending_versions())
     if pending:
         result["installed_not_applied"] = {
             "versions": pending,
             "next": "run `fctkit device upgrade --dir DIR` to apply",
         }
-    if version:
-        engine = parts.engine()
+    engine = _engine(parts) if version else None
+    if engine is not None:
         result.update(
             mode=engine.manifest.mode,
             distance=engine.manifest.distance,
@@ -102,3 +106,12 @@ def device_status(
             next="run `fctkit device check --dir DIR` for the list, then `fctkit device repair --dir DIR`",
         )
     return result
+
+
+def _engine(parts: DeviceParts) -> Engine | None:
+    """The installed version's engine; None when the trust files it is checked against are damaged
+    (``status["trust"]`` says which and what to do)."""
+    try:
+        return parts.engine()
+    except TrustError:
+        return None

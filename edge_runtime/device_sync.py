@@ -18,7 +18,7 @@ from .device_trust_sync import trusted_listing
 from .gallery import Gallery
 from .replication import ReplicationResult
 from .revert import take_withdrawals
-from .revert_records import confirm_rollback, expire_rollback, withdrawal_log
+from .revert_records import confirm_rollback, withdrawal_log
 from .upgrade import DeviceUpgrade
 from .upgrade_plan import hop_list
 
@@ -49,6 +49,7 @@ class SyncingDevice(Protocol):
     def client(self, *, attempts: int = 6) -> Any: ...
     def flush_outbox(self, *, attempts: int = 2) -> tuple[int, int]: ...
     def _refuse_damaged_settings(self) -> None: ...
+    def expire_rollback(self, now: float | None = None) -> bool: ...
     def _upgrades(self, client: Any = None) -> DeviceUpgrade: ...
     def _upgraded(self) -> None: ...
     def _report(self, client: Any, state: int, target: int = 0, progress: float = 0.0) -> None: ...
@@ -64,8 +65,9 @@ def sync_device(device: SyncingDevice, *, upgrade: bool, replicate: bool) -> Syn
     with device.client() as client:
         result.uploaded, result.still_queued = device.flush_outbox()
         upgrades = device._upgrades(client)
+        trusted = device.trust.trusted_time()  # before the new metadata moves fresh_at to this clock
         listing = trusted_listing(device.trust, client, device.version)  # a trust refusal stops here
-        if expire_rollback(device.gallery):
+        if trusted is not None and device.expire_rollback(trusted):
             result.notes.append(
                 "the rollback window closed: the vectors kept from before the last upgrade were dropped"
             )

@@ -13,8 +13,12 @@ Files, private and written atomically::
 
 A first pin creates ``trust/`` whole (staged, then renamed); an update writes the new roots first
 and ``state.json`` last, so a crash leaves the old state or the new one, never a mix. A device
-with ``trust/`` trusts its root alone: damaged or missing trust files are a :class:`TrustError`
-naming the file, never a fallback to the publisher key or to whatever a server offers.
+with ``trust/`` trusts its roots alone: a damaged root file is a :class:`TrustError` naming the
+file, never a fallback to the publisher key or to whatever a server offers. A damaged or missing
+``state.json`` holds nothing the roots cannot give again: it is derived from the intact chain of
+root files (keeping the timestamp it held when that still verifies), reported by ``status``, and
+written back by ``repair``; so is a damaged ``publisher.pub`` next to a root (from root v1, which
+that key signed), skipped meanwhile.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -50,9 +55,10 @@ from fctkit.protos.trust import (
     parse_root,
     parse_timestamp,
     root_fingerprint,
+    verify_root_update,
     verify_self_signed,
 )
-from fctkit.protos.trust.trust_format import parse_time
+from fctkit.protos.trust.trust_format import parse_time, valid_signers
 
 from .device_files import PUBLISHER_FILE
 from .sqlite_file import is_no_space, no_space
@@ -61,7 +67,15 @@ TRUST_DIR, STATE_FILE, REFUSAL_FILE = "trust", "state.json", "trust_refusal.json
 MAX_STATE_BYTES = 2 * MAX_TIMESTAMP_BYTES  # the timestamp in base64, and a few small fields
 RESTORE = (
     "restore the device folder's trust/ from a backup; or move trust/ aside and enrol again with a new code and "
-    "--root-fingerprint (this device trusts nothing else meanwhile, and still answers queries)"
+    "--root-fingerprint (this device trusts nothing else meanwhile)"
+)
+DERIVED = (
+    "derived again from the intact root files for now (root v{version}; the last timestamp {stamp}): "
+    "`fctkit device repair --dir DIR` writes it back, and the next sync checks the server's timestamp in full"
+)
+KEY_RESTORE = (
+    "put the publisher key this device pinned back (the same publisher.pub, from the publisher or another device "
+    "pinning it); the installed bundles are not damaged"
 )
 
 
@@ -112,15 +126,19 @@ class DeviceTrust:
     replaceable in tests; ``clock_tolerance_s`` how far past expiry metadata is still accepted."""
 
     def __init__(
-        self, root: Path, clock_tolerance_s: int = DEFAULT_CLOCK_TOLERANCE_S, clock: Callable[[], datetime] = utc_now
+        self,
+        root: Path,
+        clock_tolerance_s: int = DEFAULT_CLOCK_TOLERANCE_S,
+        clock: Callable[[], datetime] | None = None,
     ) -> None:
         self.root = root
         self.folder = root / TRUST_DIR
-        self.clock = clock
+        self.clock = clock if clock is not None else utc_now
         self.clock_tolerance_s = clock_tolerance_s
         self._loaded: tuple[TrustState, Signed[Root]] | None = None
         self._accepted: list[Signed[Root]] | None = None
         self._fresh_written: datetime | None = None  # the fresh_at last written to state.json
+        self._state_damage: str | None = None  # why state.json was derived again from the roots (not yet rewritten)
 
     # -- what the device pins ---------------------------------------------------------------
 
@@ -144,7 +162,20 @@ class DeviceTrust:
         path = self.root / PUBLISHER_FILE
         if not path.exists():
             raise DeviceError("no publisher key is pinned: enrol with a server, or init with --publisher-key or --root")
-        return load_public_key(path)
+        try:
+            return load_public_key(path)
+        except BundleError as exc:
+            raise TrustError(f"{path}, the publisher key this device pins, is damaged ({exc}); {KEY_RESTORE}") from None
+
+    def _kept_key(self) -> list[ReleaseTrust]:
+        """The key pinned before the device's roots, when it still reads (a damaged one is
+        reported by :meth:`damage`: root v1 lists it, so the roots verify what it signed)."""
+        if not self.pins_key:
+            return []
+        try:
+            return [self.publisher_key()]
+        except TrustError:
+            return []
 
     def state(self) -> TrustState:
         return self._load()[0]
@@ -184,7 +215,7 @@ class DeviceTrust:
         (a rotation that drops a key does not break the model in use)."""
         if not self.pins_root:
             return [self.publisher_key()]
-        return [*self.accepted_roots(), *([self.publisher_key()] if self.pins_key else [])]
+        return [*self.accepted_roots(), *self._kept_key()]
 
     def on_offer(self, versions: Sequence[Any]) -> list[Any]:
         """The published versions (``.version``) the accepted timestamp lists: the only ones installed."""
@@ -204,7 +235,12 @@ class DeviceTrust:
         thousandth of the root's freshness limit (kept in memory meanwhile): a crash can only
         leave an older ``fresh_at``, which errs towards stale."""
         known = self.state() if self.pins_root else None
-        durable = bool(new_roots) or known is None or replace(known, fresh_at=state.fresh_at) != state
+        durable = (
+            bool(new_roots)
+            or known is None
+            or self._state_damage is not None
+            or replace(known, fresh_at=state.fresh_at) != state
+        )
         if not durable and self._fresh_on_disk(state):
             self._loaded = (state, self.current_root())
             return
@@ -220,7 +256,7 @@ class DeviceTrust:
             raise
         if durable:
             make_private(self.folder)
-            self._loaded = self._accepted = None
+            self._loaded = self._accepted = self._state_damage = None
         else:
             self._loaded = (state, self.current_root())
         self._fresh_written = state.fresh_at
@@ -253,21 +289,87 @@ class DeviceTrust:
 
     def _load(self) -> tuple[TrustState, Signed[Root]]:
         if self._loaded is None:
-            path = self.folder / STATE_FILE
-            if not path.is_file():
-                raise TrustError(f"{path} is missing: this device no longer knows which root it trusts; {RESTORE}")
             try:
-                state = TrustState.from_bytes(read_regular_file(path, MAX_STATE_BYTES))
-                if (
-                    state.timestamp is not None
-                    and parse_timestamp(state.timestamp).body.version != state.timestamp_version
-                ):
-                    raise ValueError("the timestamp it holds is not the version it names")
-            except (OSError, ValueError, TypeError, binascii.Error, BundleError, TrustError) as exc:
-                raise TrustError(f"{path} is damaged ({exc}); {RESTORE}") from None
+                state = self._read_state()
+            except TrustError as exc:  # the roots are what the device trusts: the pointer is derived from them
+                state = self._derived_state(exc)
             self._loaded = state, self._read_root(state.root_version)
             self._fresh_written = state.fresh_at
         return self._loaded
+
+    def _read_state(self) -> TrustState:
+        path = self.folder / STATE_FILE
+        if not path.is_file():
+            raise TrustError(f"{path} is missing: this device no longer knows which root it trusts; {RESTORE}")
+        try:
+            state = TrustState.from_bytes(read_regular_file(path, MAX_STATE_BYTES))
+            if state.timestamp is not None and parse_timestamp(state.timestamp).body.version != state.timestamp_version:
+                raise ValueError("the timestamp it holds is not the version it names")
+        except (OSError, ValueError, TypeError, binascii.Error, BundleError, TrustError) as exc:
+            raise TrustError(f"{path} is damaged ({exc}); {RESTORE}") from None
+        return state
+
+    def _derived_state(self, error: TrustError) -> TrustState:
+        """``state.json`` derived again after ``error``: the newest root the intact chain of root
+        files reaches (each checked against the one before), and the timestamp the damaged file
+        still holds when a threshold of that root's timestamp keys signed it (else none: the next
+        sync checks the server's in full). Raises ``error`` when no root file reads."""
+        versions = sorted(int(p.name.split(".")[1]) for p in self.folder.glob("root.*.json") if _root_number(p.name))
+        try:
+            current = self._read_root(versions[0])
+        except (IndexError, TrustError):
+            raise error from None
+        for version in versions[1:]:
+            try:
+                current = verify_root_update(current, self._read_root(version))
+            except TrustError:
+                break
+        stamp = _salvaged_timestamp(self.folder / STATE_FILE, current)
+        self._state_damage = f"{str(error).split('; ')[0]}; " + DERIVED.format(
+            version=current.body.version,
+            stamp="was kept" if stamp is not None else "is not known (trust/state.json lost it)",
+        )
+        if stamp is None:
+            return TrustState(current.body.version)
+        return TrustState(current.body.version, parse_timestamp(stamp).body.version, stamp)
+
+    def damage(self) -> list[str]:
+        """What is damaged of the trust files the device can do without: ``state.json`` (derived
+        again from the roots) and, next to a root, the publisher key pinned before it."""
+        if not self.pins_root:
+            return []
+        self._load()
+        found = [] if self._state_damage is None else [self._state_damage]
+        return found + list(self._key_damage().values())
+
+    def repair(self) -> dict[str, str]:
+        """``fctkit device repair``: write back ``state.json`` derived from the roots, and a damaged
+        publisher key pinned before them from root v1 (which that key signed: the move to roots);
+        file -> what was done."""
+        if not self.pins_root or not self.damage():
+            return {}
+        done: dict[str, str] = {}
+        if self._state_damage is not None:
+            state = self.state()
+            self._write(self.folder, [], state, True)
+            self._state_damage, self._fresh_written = None, None
+            done[STATE_FILE] = f"derived again from root v{state.root_version} (timestamp v{state.timestamp_version})"
+        key = self._key_from_first_root() if self.pins_key and self._kept_key() == [] else None
+        if key is not None:
+            write_atomic(self.root / PUBLISHER_FILE, key.public_bytes_raw())
+            done[PUBLISHER_FILE] = "derived again from root v1 (the publisher key that signed it)"
+        make_private(self.root)
+        return done
+
+    def _key_from_first_root(self) -> Ed25519PublicKey | None:
+        """The publisher key that signed root v1 (the pinned key it moved from), when exactly one did."""
+        if not (self.folder / "root.1.json").is_file():
+            return None
+        first = self._read_root(1)
+        signers = valid_signers(
+            first.signed_bytes, first.signatures, first.body.keys, first.body.role("publisher").keyids
+        )
+        return first.body.keys[next(iter(signers))] if len(signers) == 1 else None
 
     def _read_root(self, version: int) -> Signed[Root]:
         path = self.folder / f"root.{version}.json"
@@ -291,12 +393,14 @@ class DeviceTrust:
                 "its next sync"
                 if self.pins_key
                 else "nothing pinned yet: enrol, or init with --root",
+                **self._key_damage(),
             }
         try:
-            state, root, now = self.state(), self.current_root(), self.clock()
+            state, root, now, damage = self.state(), self.current_root(), self.clock(), self.damage()
         except TrustError as exc:
             return {"root_version": None, "damaged": str(exc)}
         result: dict[str, Any] = {
+            **({"damaged": " ".join(damage)} if damage else {}),
             "root_version": root.body.version,
             "root_fingerprint": root_fingerprint(root)[:16],
             "timestamp_version": state.timestamp_version,
@@ -327,6 +431,22 @@ class DeviceTrust:
                 )
         return result
 
+    def trusted_time(self) -> float | None:
+        """The device clock (epoch seconds) when the root's metadata vouches for it: not behind the
+        last time a timestamp was accepted (beyond the tolerance), nor ahead of it by more than the
+        root's freshness limit; None otherwise, and on a device with a root that has accepted no
+        timestamp. On a device without a root, the clock (nothing to check it against)."""
+        if not self.pins_root:
+            return time.time()
+        now = self.clock()
+        try:
+            fresh_at, limit = self.state().fresh_at, self.current_root().body.freshness_limit_s
+        except TrustError:
+            return None
+        if fresh_at is None or self.clock_went_back(now) or (now - fresh_at).total_seconds() > limit:
+            return None
+        return now.timestamp()
+
     def clock_went_back(self, now: datetime) -> bool:
         fresh_at = self.state().fresh_at
         return fresh_at is not None and (now - fresh_at).total_seconds() < -self.clock_tolerance_s
@@ -345,6 +465,15 @@ class DeviceTrust:
             "seconds_since_fresh": max(int(fresh.age_s), 0),
         }
 
+    def _key_damage(self) -> dict[str, str]:
+        """``{"damaged": why}`` when the pinned publisher key no longer reads, else nothing."""
+        try:
+            if self.pins_key:
+                self.publisher_key()
+        except TrustError as exc:
+            return {"damaged": str(exc)}
+        return {}
+
     def _refusal(self) -> dict[str, str] | None:
         path = self.root / REFUSAL_FILE
         try:
@@ -352,6 +481,25 @@ class DeviceTrust:
         except (OSError, ValueError):
             return {"error": "", "message": f"{path} is unreadable (a record only: remove it)"}
         return record if isinstance(record, dict) and {"error", "message"} <= set(record) else None
+
+
+def _root_number(name: str) -> bool:
+    """Whether ``name`` is ``root.<N>.json``."""
+    parts = name.split(".")
+    return len(parts) == 3 and parts[1].isdigit() and parts[1] == str(int(parts[1]))
+
+
+def _salvaged_timestamp(path: Path, root: Signed[Root]) -> bytes | None:
+    """The timestamp a damaged ``state.json`` still holds, when ``root``'s timestamp keys signed it."""
+    try:
+        item = json.loads(read_regular_file(path, MAX_STATE_BYTES))
+        data = base64.b64decode(item["timestamp"], validate=True)
+        stamp = parse_timestamp(data)
+    except (OSError, ValueError, TypeError, KeyError, binascii.Error, BundleError, TrustError):
+        return None
+    role = root.body.role("timestamp")
+    signers = valid_signers(stamp.signed_bytes, stamp.signatures, root.body.keys, role.keyids)
+    return data if len(signers) >= role.threshold else None
 
 
 def read_root_file(path: str | os.PathLike) -> Signed[Root]:

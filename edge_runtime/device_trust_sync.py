@@ -106,13 +106,20 @@ def accept(
     if not chain and not start_is_new and timestamp == trust.state().timestamp:
         known = parse_timestamp(timestamp).body
         check_not_expired(known.expires, now, trust.clock_tolerance_s, f"timestamp v{known.version}")
-        return Accepted([], replace(trust.state(), fresh_at=now))
+        return Accepted([], replace(trust.state(), fresh_at=_fresh_at(trust, now)))
     walk = walk_root_chain(start, chain, now, trust.clock_tolerance_s)
     floor = timestamp_version_floor(walk, last_version)
     stamp = verify_timestamp(walk.root, parse_timestamp(timestamp), floor, now, trust.clock_tolerance_s)
     roots = [parse_root(data) for data in chain]  # each verified by the walk
-    state = TrustState(walk.root.body.version, stamp.body.version, timestamp, now)
+    state = TrustState(walk.root.body.version, stamp.body.version, timestamp, _fresh_at(trust, now))
     return Accepted([start, *roots] if start_is_new else roots, state)
+
+
+def _fresh_at(trust: DeviceTrust, now: datetime) -> datetime:
+    """When the timestamp just accepted counts as accepted: ``now``, never earlier than the last
+    time (a clock gone back keeps being reported, at every sync, until it is set right)."""
+    last = trust.state().fresh_at if trust.pins_root else None
+    return now if last is None or now >= last else last
 
 
 def offered_update(trust: DeviceTrust, client: Any, listing: VersionListing | None = None) -> Accepted | None:

@@ -7,7 +7,8 @@
   whole replica again, idempotently), ``row_count`` (recounted), ``transition`` (ended),
   ``backfill`` and ``uncertainty:v…`` (dropped: a backfill plans again; the FastFill order
   needs the next upgrade's σ), ``upgrade`` (the upgrade is given up: its staged rows go, the
-  live rows are untouched, and the installed version stays to be applied again),
+  live rows are untouched, and the installed version stays to be applied again), ``withdrawn``
+  (rebuilt conservatively, never dropped: :func:`~.revert_records.rebuilt_withdrawals`),
   ``live_vectors`` (the vector table that holds rows) and ``query_version`` (the version the
   live rows are in; for an empty gallery the newest installed version);
 * a row whose side-info alone fails to open is kept (its embedding, label and tag are intact):
@@ -31,13 +32,14 @@ Works on a :class:`~fctkit.edge_runtime.gallery.Gallery` and plain callables, no
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 
-from fctkit.errors import CorruptRecordError, FctkitError, GalleryDamagedError, InputError
+from fctkit.errors import CorruptRecordError, DeviceKeyError, FctkitError, GalleryDamagedError, InputError
 from fctkit.feature_checks import nonfinite_items
 
 from .gallery import Gallery
@@ -45,9 +47,10 @@ from .gallery.extras import EXTRA_FIELDS
 from .gallery.rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
 from .gallery.schema import VECTOR_TABLES
 from .gallery.settings import REQUIRED, stored_name
+from .revert_records import rebuilt_withdrawals
 
 #: ``rollback`` with its kept vectors (a withdrawal then reverts through backward or the vault), ``revert`` (reports
-#: stop naming it), ``withdrawn`` (the next sync's listing carries the withdrawals again)
+#: stop naming it); ``withdrawn`` is rebuilt conservatively instead (:func:`~.revert_records.rebuilt_withdrawals`)
 DROPPED_WHEN_DAMAGED = ("transition", "backfill", "upgrade", "rollback", "revert", "withdrawn")
 DROPPED_PREFIXES = ("uncertainty:v",)
 REBUILD = (
@@ -96,7 +99,7 @@ def damage_report(
     def read(part: str, load: Callable[[], Any], empty: Any) -> Any:
         try:
             return load()
-        except (GalleryDamagedError, CorruptRecordError) as exc:  # e.g. a row in two authentic blocks
+        except (GalleryDamagedError, CorruptRecordError, DeviceKeyError) as exc:  # e.g. a row in two authentic blocks
             unreadable[part] = str(exc)
             return empty
 
@@ -149,6 +152,8 @@ def damaged_originals(gallery: Gallery, open_original: OpenOriginal) -> list[tup
                     f"queued original {stored_name(item_id)!r}: its item id or sealed bytes were damaged"
                 )
             open_original(item_id, blob)
+        except DeviceKeyError:  # the key, not the record: nothing is damaged that a repair could drop
+            raise
         except FctkitError as exc:
             found.append((stored_name(item_id), str(exc)))
     return found
@@ -201,6 +206,11 @@ def derived_settings(
     )  # staged rows of an upgrade whose setting's name was lost
     if upgrade_given_up:
         values["upgrade"] = None
+    if "withdrawn" in damaged:  # never dropped: a withdrawn version must not be installed again
+        heading = None if upgrade_given_up or upgrade is None else json.loads(upgrade)["target"]
+        query_version = int(values.get("query_version") or gallery.settings.get("query_version") or 0)
+        above = [v for v in installed_versions if v > query_version and v != heading]
+        values["withdrawn"] = rebuilt_withdrawals(gallery, above)
     left = [k for k in damaged if k not in values and k != "row_count"]
     if left:
         raise GalleryDamagedError(

@@ -119,15 +119,15 @@ def _recorded(
             accepted.append(verify_withdrawal(trust.release_trust(), parse_withdrawal(document)).body)
         except (TrustError, BundleFormatError) as exc:
             log.refused.append(f"a withdrawal was refused and changed nothing: {exc}")
-    for withdrawal in accepted:
-        log.versions.setdefault(
-            str(withdrawal.version),
-            {
+    signed = {str(w.version): w for w in accepted}
+    log.versions = {v: e for v, e in log.versions.items() if not e.get("rebuilt") or v in signed}  # repair's guesses
+    for version, withdrawal in signed.items():
+        if log.versions.get(version, {}).get("rebuilt", True):
+            log.versions[version] = {
                 "revert_to": withdrawal.revert_to,
                 "reason": withdrawal.reason,
                 "withdrawn_at": withdrawal.withdrawn_at.isoformat(),
-            },
-        )
+            }
     if log != withdrawal_log(parts.gallery):
         parts.gallery.set_meta(log_meta(log))
     return log, accepted

@@ -13,9 +13,10 @@ gallery's authenticated settings (HMAC'd like every setting, :mod:`.gallery.sett
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -156,6 +157,34 @@ def withdrawal_log(gallery: Gallery) -> WithdrawalLog:
 
 def log_meta(log: WithdrawalLog) -> dict[str, str | None]:
     return {WITHDRAWN_KEY: json.dumps(asdict(log), sort_keys=True)}
+
+
+REBUILT = (
+    "the withdrawal record was damaged: repair kept this version withdrawn, conservatively, until a sync's signed "
+    "withdrawals say again"
+)
+
+
+def rebuilt_withdrawals(gallery: Gallery, installed_above: Collection[int]) -> str:
+    """The ``withdrawn`` setting repair writes when it failed authentication: every version it may
+    have named, marked ``rebuilt`` (the next sync keeps those its signed withdrawals name, and
+    only those): the versions its unauthenticated text still names, the version the last revert
+    left (when that record reads), and ``installed_above``, the installed bundles above the query
+    version that no upgrade is heading to (a device keeps such a bundle when it reverted from it)."""
+    named = set(installed_above)
+    with contextlib.suppress(ValueError, TypeError, KeyError):
+        named |= {int(v) for v in json.loads(gallery.settings.stored(WITHDRAWN_KEY) or "")["versions"]}
+    with contextlib.suppress(GalleryError, TypeError):
+        revert = last_revert(gallery)
+        named |= set() if revert is None else {revert.reverted_from}
+    entry = {"revert_to": None, "reason": REBUILT, "withdrawn_at": None, "rebuilt": True}
+    return json.dumps(asdict(WithdrawalLog({str(v): dict(entry) for v in sorted(named) if v > 0})), sort_keys=True)
+
+
+def not_withdrawn(gallery: Gallery, versions: Iterable[int]) -> list[int]:
+    """``versions`` but the withdrawn ones (a withdrawn version's bundle stays installed, never applied)."""
+    log = withdrawal_log(gallery)
+    return [v for v in versions if not log.withdrawn(v)]
 
 
 def refuse_withdrawn(gallery: Gallery, version: int) -> None:

@@ -87,6 +87,8 @@ class ExactIndex:
             return Neighbours(empty.astype(np.int64), empty.astype(np.float32))
         if self.distance == "cosine":
             queries = normalise(queries)
+        elif _beyond_float32(queries):  # e.g. a query scaled by 1e19: its L2 distances overflow float32
+            return self._numpy_search(queries.astype(np.float64), k)
         if self._faiss_index is not None:
             scores, indices = self._faiss_index.search(queries, k)
             distances = scores if self.distance == "l2" else 1.0 - scores
@@ -94,16 +96,28 @@ class ExactIndex:
         return self._numpy_search(queries, k)
 
     def _numpy_search(self, queries: np.ndarray, k: int) -> Neighbours:
+        """Exact distances in the queries' float type (float64 for those beyond float32's range)."""
+        vectors = self.vectors.astype(queries.dtype, copy=False)
         if self.distance != "l2":
-            distances = 1.0 - queries @ self.vectors.T
-        else:
-            distances = (queries**2).sum(axis=1, keepdims=True) - 2.0 * (queries @ self.vectors.T) + self._squared_norms
+            distances, offsets = 1.0 - queries @ vectors.T, 0.0
+        else:  # ranked without each query's own squared norm, which would swamp the rest at a large scale
+            norms = self._squared_norms if queries.dtype == np.float32 else (vectors**2).sum(axis=1)
+            distances, offsets = norms - 2.0 * (queries @ vectors.T), (queries**2).sum(axis=1, keepdims=True)
         if k < distances.shape[1]:
             part = np.argpartition(distances, k - 1, axis=1)[:, :k]
         else:
             part = np.broadcast_to(np.arange(distances.shape[1]), distances.shape).copy()
         picked = np.take_along_axis(distances, part, axis=1)
-        return _tie_ordered(part.astype(np.int64), picked.astype(np.float32))
+        order = np.lexsort((part, picked), axis=1)  # by distance, then gallery position, before the offsets
+        part, picked = np.take_along_axis(part, order, axis=1), np.take_along_axis(picked, order, axis=1)
+        return Neighbours(part.astype(np.int64), (picked + offsets).astype(queries.dtype))
+
+
+def _beyond_float32(queries: np.ndarray) -> bool:
+    """Whether a query's squared norm nears float32's range (about 3.4e38), so that its distances
+    and products would overflow there: such queries are answered exactly in float64."""
+    wide = queries.astype(np.float64)
+    return bool((np.einsum("ij,ij->i", wide, wide) > 1e30).any())
 
 
 def _faiss_index(vectors: np.ndarray, distance: str, chunk: int = 65_536) -> tuple[Any, np.ndarray]:

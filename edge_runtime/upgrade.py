@@ -42,7 +42,14 @@ from .backfill import record_uncertainty
 from .engine import Engine
 from .gallery import Gallery
 from .gallery.rows import LoadedRows, UpgradedRows, rows_by_tag, take_rows
-from .revert_records import ROLLBACK_KEY, refuse_withdrawn, revert_meta, rollback_meta, withdrawal_log
+from .revert_records import (
+    ROLLBACK_KEY,
+    not_withdrawn,
+    refuse_withdrawn,
+    revert_meta,
+    rollback_meta,
+    withdrawal_log,
+)
 from .scoring import transition_for
 from .sqlite_file import file_bytes, require_room
 from .upgrade_check import UpgradeRun
@@ -102,10 +109,8 @@ class DeviceUpgrade:
         upgrade to the newest over the installed bundles; a device without a model just installs."""
         done = self.resume()
         query_version = self.parts.version
-        if bundle_dirs is None:
-            # installed by a run that stopped before its plan; a withdrawn version's bundle stays installed, never applied
-            withdrawn = withdrawal_log(self.gallery)
-            targets = [v for v in self.parts.pending_versions() if not withdrawn.withdrawn(v)]
+        if bundle_dirs is None:  # installed by a run that stopped before its plan (withdrawn versions are not)
+            targets = not_withdrawn(self.gallery, self.parts.pending_versions())
         else:
             self._require_room(self.bundles.bytes_of(bundle_dirs), "installing the bundles and upgrading the gallery")
             targets = self.bundles.install_all(bundle_dirs, query_version)

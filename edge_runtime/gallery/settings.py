@@ -100,6 +100,11 @@ class GallerySettings:
                     (key, value, setting_mac(self._sealer, key, value)),
                 )
 
+    def stored(self, key: str) -> str | None:
+        """The value stored under ``key`` as read, unauthenticated (repair's evidence, never used as a setting)."""
+        row = self._db.execute("SELECT value FROM meta WHERE CAST(key AS BLOB) = ?", (key.encode(),)).fetchone()
+        return None if row is None else stored_name(row[0])
+
     def damaged(self) -> list[str]:
         """Every setting that fails its MAC and every required one that is missing (a damaged
         name is listed as read, e.g. with ``\\udcff`` for a byte that is not UTF-8)."""

@@ -4,6 +4,7 @@ any finite scale give the same answers, and an upgrade names the rows it cannot 
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import numpy as np
@@ -11,6 +12,9 @@ import pytest
 
 from fctkit.edge_runtime.gallery.rows import NewRow, VersionTag
 from fctkit.errors import GalleryError, InputError, ItemError
+from fctkit.export.bundle_builder import build_bundle
+from tests.server.conftest import IMAGE_DIM, _sources
+from tests.support.device_damage import fctkit
 
 
 @pytest.fixture
@@ -68,3 +72,39 @@ def test_an_upgrade_names_the_rows_of_an_older_gallery_that_are_not_finite(devic
     device.remove(["huge"])
     device.upgrade()
     assert device.version == 2 and len(device.gallery) == 4
+
+
+@pytest.fixture(scope="module")
+def l2_bundle(tmp_path_factory, publisher_key):
+    """A tiny v1 bundle ranked by L2 distance (unnormalised), signed by the edge tests' key."""
+    out = tmp_path_factory.mktemp("l2")
+    sources = _sources(out / "src", 1, (), IMAGE_DIM)
+    return build_bundle(
+        out / "v1",
+        version=1,
+        parents=(),
+        mode="forward",
+        distance="l2",
+        normalize=False,
+        artifacts=sources,
+        gate={"cases": {}, "ecc": {}},
+        private_key=publisher_key,
+    ).root
+
+
+@pytest.mark.parametrize("backend", ["numpy", "faiss"])
+@pytest.mark.parametrize("scale", [1e19, 1e25, 1e30])
+def test_huge_l2_queries_get_distinct_items_at_finite_distances(
+    make_device, l2_bundle, images, tmp_path, backend, scale
+):
+    device = make_device(f"l2-{backend}-{scale:g}", search_backend=backend)
+    device.upgrade(l2_bundle)
+    device.add(images(30, seed=7), item_ids=[f"g{i}" for i in range(30)], upload=False)
+    device.close()
+    np.save(tmp_path / "q.npy", images(4, seed=8) * np.float32(scale))
+    asked = fctkit("device", "query", "--dir", str(device.root), "-k", "5", str(tmp_path / "q.npy"))
+    assert asked.code == 0 and not asked.error, asked
+    for line in asked.stdout.splitlines():
+        found = json.loads(line)
+        assert len({m["item_id"] for m in found}) == 5  # never one item k times
+        assert all(np.isfinite(m["distance"]) and m["distance"] != float(np.finfo(np.float32).max) for m in found)

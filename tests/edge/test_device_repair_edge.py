@@ -3,6 +3,7 @@ settings, an authenticated row count, SQLite errors as kit errors, `fctkit devic
 
 from __future__ import annotations
 
+import json
 import sqlite3
 
 import numpy as np
@@ -212,3 +213,15 @@ def test_rows_the_replica_lacks_are_embedded_again_from_their_vault_originals(se
             assert np.allclose(np.frombuffer(restored[item][2], "<f4"), np.frombuffer(side_info, "<f4"), atol=1e-6)
         assert damaged.gallery.replica_log.outbox_size() == 0  # the originals are not uploaded again
         assert damaged.gallery.replica_log.vault_sha256("v05") is not None
+
+
+def test_the_rebuild_imports_an_unwrapped_owner_key_without_asking_for_a_passphrase(make_device, tmp_path):
+    from tests.support.device_damage import fctkit
+
+    old = make_device("old")  # no passphrase: owner.key is stored unwrapped
+    old.close()
+    run = fctkit("device", "init", "--dir", str(tmp_path / "new"), "--import-key", str(old.root / "owner.key"))
+    assert run.code == 0 and "passphrase" not in run.stdout + run.stderr, run
+    assert json.loads(run.stdout)["owner_key_imported"] is True
+    with Device.open(tmp_path / "new") as new, Device.open(old.root) as again:
+        assert new.owner_key() == again.owner_key()

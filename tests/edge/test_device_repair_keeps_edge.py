@@ -4,6 +4,8 @@ hand and otherwise marked lost (an upgrade that needs it names the rows)."""
 
 from __future__ import annotations
 
+import base64
+import json
 import sqlite3
 
 import numpy as np
@@ -13,6 +15,7 @@ from fctkit.edge_runtime import Device
 from fctkit.errors import GalleryError
 from tests.edge.conftest import flip_stored_byte
 from tests.edge.test_replication_edge import enrolled, server, state  # noqa: F401 (server is a fixture)
+from tests.support.device_damage import fctkit
 
 ROWS = 1000
 
@@ -243,3 +246,35 @@ def test_the_side_info_of_adapted_rows_comes_back_along_their_path(make_device, 
             assert np.allclose(np.frombuffer(after[item][2], "<f4"), np.frombuffer(side_info, "<f4"), atol=1e-5)
         damaged.upgrade(tiny_bundles[3])
         assert damaged.version == 3 and len(damaged.gallery) == 40
+
+
+def _damage_key_file(path) -> None:
+    """Two bytes: one in the name of the "check" field (its checksum then looks absent), one in the key."""
+    body = json.loads(path.read_text())
+    key = bytearray(base64.b64decode(body["key"]))
+    key[5] ^= 0x10
+    damaged = {**body, "key": base64.b64encode(bytes(key)).decode()}
+    path.write_text(json.dumps(damaged).replace('"check"', '"chdck"'))
+
+
+def test_repair_refuses_an_owner_key_it_cannot_authenticate_and_keeps_every_queued_original(
+    make_device, tiny_bundles, images, tmp_path
+):
+    device = _device_with_queued_originals(make_device, tiny_bundles, images, "owner-key", n=300)
+    root = device.root
+    device.close()
+    np.save(tmp_path / "q.npy", images(4, seed=17))
+    answers = fctkit("device", "query", "--dir", str(root), str(tmp_path / "q.npy")).stdout
+    genuine = (root / "owner.key").read_bytes()
+    _damage_key_file(root / "owner.key")
+    asked = fctkit("device", "query", "--dir", str(root), str(tmp_path / "q.npy"))
+    assert (asked.code, asked.stdout) == (0, answers)  # queries do not need the owner key
+    checked = fctkit("device", "check", "--dir", str(root))
+    assert checked.code == 3 and "owner.key is damaged" in checked.stdout
+    repaired = fctkit("device", "repair", "--dir", str(root))
+    assert repaired.code == 2 and "nothing was changed" in repaired.stderr and "300 queued" in repaired.stderr
+    (root / "owner.key").write_bytes(genuine)
+    status = fctkit("device", "status", "--dir", str(root))
+    assert status.code == 0 and json.loads(status.stdout)["queued_uploads"] == 300
+    repaired = fctkit("device", "repair", "--dir", str(root))
+    assert repaired.code == 0 and json.loads(repaired.stdout)["queued_originals_dropped"] == []

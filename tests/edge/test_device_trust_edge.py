@@ -130,8 +130,6 @@ def test_init_refuses_a_root_below_its_own_threshold_and_both_pins_creating_noth
 @pytest.mark.parametrize(
     "damage, named",
     [
-        (lambda t: (t / "state.json").write_bytes(b'{"root_version": 1,'), "state.json is damaged"),
-        (lambda t: (t / "state.json").unlink(), "state.json is missing"),
         (
             lambda t: (t / "root.1.json").write_bytes(
                 (t / "root.1.json").read_bytes().replace(b'"version":1', b'"version":2')
@@ -142,6 +140,7 @@ def test_init_refuses_a_root_below_its_own_threshold_and_both_pins_creating_noth
     ],
 )
 def test_damaged_trust_files_are_named_and_nothing_else_is_trusted(rooted, publisher_pub, damage, named):
+    """A damaged root; a damaged state.json is derived again from the roots (test_device_trust_damage_edge)."""
     (rooted.root / "publisher.pub").write_bytes(publisher_pub.read_bytes())  # a key it could wrongly fall back to
     damage(rooted.root / "trust")
     reopened = Device.open(rooted.root)
