@@ -50,7 +50,9 @@ def translation_files() -> list[Path]:
     if found:
         return found
     if os.geteuid() != 0:
-        raise BenchmarkSetupError("no Translation-en under /var/lib/apt/lists: run `apt-get update -o Acquire::Languages=en`")
+        raise BenchmarkSetupError(
+            "no Translation-en under /var/lib/apt/lists: run `apt-get update -o Acquire::Languages=en`"
+        )
     print("fetching Debian's English package descriptions (apt-get update -o Acquire::Languages=en) ...", flush=True)
     subprocess.run(["apt-get", "update", "-q", "-o", "Acquire::Languages=en"], check=True, stdout=subprocess.DEVNULL)
     found = sorted(LISTS.glob("*_debian_dists_*_main_i18n_Translation-en*"))

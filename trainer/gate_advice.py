@@ -37,7 +37,9 @@ def transition_only_advice(gate: Mapping[str, Any], train_pairs: int, input_dims
     old, new = cases["old/old"][metric], cases["new/new"][metric]
     causes = []
     if train_pairs < PAIRS_PER_INPUT_DIM * input_dims:
-        causes.append(f"too few training pairs for the input size ({train_pairs:,} pairs for {input_dims:,} input dims)")
+        causes.append(
+            f"too few training pairs for the input size ({train_pairs:,} pairs for {input_dims:,} input dims)"
+        )
     if new <= old * LITTLE_BETTER:
         causes.append(
             f"a new model little or no better than the old one on this task (new/new {new:.4f} vs old/old {old:.4f})"

@@ -44,8 +44,8 @@ from .chains import run_chain
 from .cka import linear_cka
 from .compatibility import ecc
 from .datasets import old_class_subset
-from .lambda_orth import LambdaOrthAdapter
 from .gate_advice import transition_only_advice
+from .lambda_orth import LambdaOrthAdapter
 from .method_names import JOINT_FITS, METHOD_LABELS, QUERY_MAP_METHODS, method_label
 from .methods import fit_method, method_config, run_methods
 from .pipeline_config import PipelineConfig

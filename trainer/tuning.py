@@ -67,7 +67,7 @@ def select_joint_settings(
 ) -> tuple[QueryPositivesConfig, Adapter | WithQueryMap, dict[str, Any]]:
     """The joint fit's settings (batch size, hard negatives) chosen on ``holdout``: each candidate
     continues a copy of ``fit_part_adapter`` on the fit part's positives, as the final fit does."""
-    knobs = knobs_for(section.section.replace("_", "-"), section, config.selection, pair_count(holdout.fit))
+    knobs = knobs_for(str(joint_fit_of(variant)), section, config.selection, pair_count(holdout.fit))
 
     def fit(candidate: QueryPositivesConfig) -> Adapter | WithQueryMap:
         return fit_on_positives(config, quiet_training(candidate), copy.deepcopy(fit_part_adapter), holdout.fit)

@@ -20,6 +20,6 @@ def test_small_run_reports_each_step_against_the_aes_floor_and_the_memory(tmp_pa
         if line.startswith("| ") and not line.startswith("| measure")
     }
     assert len(rows) == 4 and rows["bulk AES-GCM decrypt of the same bytes (floor)"][1] == "1.00"
-    for seconds, ratio in rows.values():
-        assert float(seconds) > 0 and float(ratio.split()[0].strip("*")) > 0
+    for seconds, ratio in rows.values():  # a step can round to 0.0 s on a fast or idle machine
+        assert float(seconds) >= 0 and float(ratio.split()[0].strip("*")) >= 0
     assert re.search(r"peak [\d,]+ MiB = \*\*[\d.]+×\*\*", text)

@@ -237,7 +237,7 @@ def test_batch_sizes_follow_the_number_of_training_rows(rows, sizes, expected):
     assert config.residual.train.batch_size == config.query_positives.train.batch_size == expected[0]
     knobs = {k.path: k.values for k in knobs_for("residual", config.residual, SelectionConfig(), rows)}
     assert knobs.get("train.batch_size") == (expected if len(expected) > 1 else None)
-    with pytest.raises(ConfigError, match="selection.batch_sizes"):
+    with pytest.raises(ConfigError, match=r"selection\.batch_sizes"):
         SelectionConfig(batch_sizes=())
 
 
