@@ -152,14 +152,21 @@ def refresh_trust(trust: DeviceTrust, client: Any, listing: VersionListing | Non
     refusal is kept for ``status`` and raised (nothing else changes)."""
     if not (trust.pins_root or trust.pins_key):
         raise DeviceError("this device pins no root of trust and no publisher key: enrol it first")
-    try:
+    with refusal_recorded(trust):
         accepted = offered_update(trust, client, listing)
-    except TrustError as exc:
-        trust.record_refusal(exc)
-        raise
     if accepted is not None:
         trust.save(accepted.new_roots, accepted.state)
     trust.clear_refusal()
+
+
+@contextlib.contextmanager
+def refusal_recorded(trust: DeviceTrust) -> Iterator[None]:
+    """A trust refusal raised inside is kept for ``status``, then raised (the trust files stay as they were)."""
+    try:
+        yield
+    except TrustError as exc:
+        trust.record_refusal(exc)
+        raise
 
 
 def trusted_versions(trust: DeviceTrust, client: Any, after_version: int) -> list[Any]:
@@ -171,7 +178,8 @@ def trusted_versions(trust: DeviceTrust, client: Any, after_version: int) -> lis
 def trusted_listing(trust: DeviceTrust, client: Any, after_version: int) -> VersionListing:
     """:func:`trusted_versions`' listing: its ``versions`` cut to those the timestamp offers, its
     ``withdrawals`` as the server sent them (each verified by the device before use, :mod:`.revert`)."""
-    listing = client.version_listing(after_version)
+    with refusal_recorded(trust):  # a listing past the release limit (endless data)
+        listing = client.version_listing(after_version)
     refresh_trust(trust, client, listing)
     return replace(listing, versions=trust.on_offer(listing.versions))
 

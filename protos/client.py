@@ -6,9 +6,11 @@ name). Calls are retried with seeded, jittered exponential backoff while the ser
 UNAVAILABLE (restarting, network blip); downloads resume from the last byte received, across
 reconnects and (for :meth:`FctkitClient.download_artifact`) across process restarts via a
 ``.part`` file, and are SHA-256 checked; uploads to the vault resume from what the server
-already holds. The backoff lives in :mod:`fctkit.protos.retry_policy` and the resumable streams
-in :mod:`fctkit.protos.resumable_transfer`; ``RetryPolicy``, ``Transfer`` and ``status_error``
-are importable from here too.
+already holds. Listings that page are bounded in all as their pages arrive (endless data,
+:mod:`fctkit.protos.paging`). The backoff lives in :mod:`fctkit.protos.retry_policy`, the
+resumable streams in :mod:`fctkit.protos.resumable_transfer` and the trust calls in
+:mod:`fctkit.protos.trust_client`; ``RetryPolicy``, ``Transfer``, ``status_error``,
+``TrustUpdate`` and ``VersionListing`` are importable from here too.
 
 Example (a device)::
 
@@ -24,22 +26,26 @@ import io
 import ipaddress
 import json
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar, cast
 
 import grpc
 
 from fctkit.config import read_setting_file
-from fctkit.errors import ConfigError, InputError
+from fctkit.errors import ConfigError, InputError, RpcStatusError
 
 from . import fleet_pb2, fleet_pb2_grpc, limits, registry_pb2, registry_pb2_grpc, vault_pb2, vault_pb2_grpc
 from .bundle import MANIFEST_FILE, SIGNATURE_FILE, VerifiedBundle, check_version_is_newer, file_sha256, verify_bundle
 from .bundle_vocabulary import SIGNATURES_FILE
+from .paging import PagingBound, gather_pages
 from .resumable_transfer import Transfer, chunks_of, download_to_file, stream_download
 from .retry_policy import RetryPolicy, sleep_before_retry, status_error
 from .rollout_client import RolloutCalls
 from .trust import Timestamp, verify_release_manifest, verify_snapshot_manifest
+from .trust_client import TrustCalls
+from .trust_client import TrustUpdate as TrustUpdate
+from .trust_client import VersionListing as VersionListing
 
 _Response = TypeVar("_Response")  # what an RPC answers
 
@@ -78,29 +84,6 @@ class ClientTls:
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
-
-
-@dataclass(frozen=True)
-class TrustUpdate:
-    """What ``GetTrust`` answered: root files after the asked version, the timestamp file, and
-    the latest root version the server holds (all unverified bytes)."""
-
-    roots: list[bytes]
-    timestamp: bytes
-    latest_root_version: int
-
-
-@dataclass(frozen=True)
-class VersionListing:
-    """What ``ListVersions`` answered over all its pages: the versions, and from a server with a
-    root the current timestamp and latest root version (unverified bytes; empty and 0 otherwise),
-    the signed withdrawals and the (unsigned) confirmed versions."""
-
-    versions: list[registry_pb2.VersionInfo]
-    timestamp: bytes
-    latest_root_version: int
-    withdrawals: list[bytes] = field(default_factory=list)
-    confirmed_versions: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -177,7 +160,7 @@ def channel_target(servers: str) -> str:
     return "ipv4:" + ",".join(addresses)
 
 
-class FctkitClient(RolloutCalls):
+class FctkitClient(RolloutCalls, TrustCalls):
     """One connection to an fctkit server, authenticated with a device or admin token. ``target``
     may name several replicas (``10.0.0.1:50051,10.0.0.2:50051`` or any gRPC target URI): calls
     are spread over them and fail over when one goes away."""
@@ -237,31 +220,6 @@ class FctkitClient(RolloutCalls):
 
     # -- registry ---------------------------------------------------------------------------
 
-    def list_versions(self, after_version: int = 0) -> list[registry_pb2.VersionInfo]:
-        """Every published version after ``after_version``, in order (all pages)."""
-        return self.version_listing(after_version).versions
-
-    def version_listing(self, after_version: int = 0) -> VersionListing:
-        """Every published version after ``after_version`` (all pages), with the timestamp and
-        latest root version the first page carries (a server with a root; unverified bytes)."""
-        found: list[registry_pb2.VersionInfo] = []
-        first = None
-        while True:
-            page = self._unary(
-                self.registry.ListVersions, registry_pb2.ListVersionsRequest(after_version=after_version)
-            )
-            first = page if first is None else first
-            found.extend(page.versions)
-            if not page.more or not page.versions:
-                return VersionListing(
-                    found,
-                    first.timestamp,
-                    first.latest_root_version,
-                    list(first.withdrawals),
-                    list(first.confirmed_versions),
-                )
-            after_version = page.versions[-1].version
-
     def get_manifest(self, version: int) -> tuple[bytes, bytes]:
         """The signed manifest bytes and signature of ``version``, exactly as published."""
         response = self.get_signed_manifest(version)
@@ -272,24 +230,6 @@ class FctkitClient(RolloutCalls):
         return cast(
             registry_pb2.GetManifestResponse,
             self._unary(self.registry.GetManifest, registry_pb2.GetManifestRequest(version=version)),
-        )
-
-    def get_trust(self, after_root_version: int = 0) -> TrustUpdate:
-        """The roots after ``after_root_version`` (every page) and the current signed timestamp.
-        Nothing here is verified: the device walks the roots and checks the timestamp."""
-        roots: list[bytes] = []
-        while True:
-            request = registry_pb2.GetTrustRequest(after_root_version=after_root_version + len(roots))
-            page = self._unary(self.registry.GetTrust, request)
-            roots.extend(page.roots)
-            if not page.roots or after_root_version + len(roots) >= page.latest_root_version:
-                return TrustUpdate(roots, page.timestamp, page.latest_root_version)
-
-    def publish_root(self, root: bytes) -> registry_pb2.PublishRootResponse:
-        """Admin: add the next root (``root.<N+1>.json``) to the server's chain."""
-        return cast(
-            registry_pb2.PublishRootResponse,
-            self._unary(self.registry.PublishRoot, registry_pb2.PublishRootRequest(root=root), retry=False),
         )
 
     def plan_upgrade(self, from_version: int, to_version: int = 0) -> registry_pb2.PlanUpgradeResponse:
@@ -550,15 +490,20 @@ class FctkitClient(RolloutCalls):
         )
 
     def _all_pages(self, method: Any, request_type: Any, items: str) -> list[Any]:
-        """Follow ``next_page_token`` until the last page; return every page's ``items``."""
-        found: list[Any] = []
-        token = ""
-        while True:
-            page = self._unary(method, request_type(page_token=token))
-            found.extend(getattr(page, items))
-            token = page.next_page_token
-            if not token:
-                return found
+        """Follow ``next_page_token`` until the last page; return every page's ``items``
+        (within :data:`fctkit.protos.limits.MAX_LISTED_ITEMS` and ``MAX_LISTED_BYTES``)."""
+
+        def ask(previous: Any, kept: int) -> Any:
+            if previous is not None and not previous.next_page_token:
+                return None
+            return self._unary(method, request_type(page_token="" if previous is None else previous.next_page_token))
+
+        bound = PagingBound(items, limits.MAX_LISTED_ITEMS, limits.MAX_LISTED_BYTES, _listing_too_long)
+        return gather_pages(ask, lambda page: getattr(page, items), bound).items
+
+
+def _listing_too_long(message: str) -> RpcStatusError:
+    return RpcStatusError("RESOURCE_EXHAUSTED", message)
 
 
 def _artifact_digest(header: registry_pb2.ArtifactHeader) -> tuple[str, int]:

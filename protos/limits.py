@@ -19,6 +19,12 @@ MAX_ARTIFACTS_PER_BUNDLE = 32
 MAX_VERSIONS_PAGE = 100
 MAX_BLOBS_PAGE = 1000
 MAX_DEVICES_PAGE = 500
+MAX_LISTED_ITEMS = 1_000_000
+"""Blobs (ListBlobs) or devices (ListDevices) a client takes from all the pages of one listing."""
+
+MAX_LISTED_BYTES = 128 << 20
+"""Wire bytes of all the pages of one ListBlobs or ListDevices listing (128 MiB; a million blobs take about 110 MiB)."""
+
 MAX_NAME_CHARS = 256
 """Names, labels, item ids, artifact names."""
 

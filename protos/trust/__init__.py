@@ -44,7 +44,7 @@ from __future__ import annotations
 from .release_signatures import parse_release_signatures, read_release_signatures, release_signatures_bytes
 from .release_trust import ReleaseTrust, verify_release_manifest
 from .root_metadata import DEFAULT_FRESHNESS_LIMIT_S, ROLE_NAMES, RoleKeys, Root, parse_root, root_fingerprint
-from .timestamp_metadata import ReleaseEntry, Timestamp, make_timestamp, parse_timestamp
+from .timestamp_metadata import MAX_RELEASES, ReleaseEntry, Timestamp, make_timestamp, parse_timestamp
 from .trust_format import (
     MAX_ROOT_BYTES,
     MAX_SIGNATURES_BYTES,
@@ -56,6 +56,7 @@ from .trust_format import (
 )
 from .trust_rules import (
     DEFAULT_CLOCK_TOLERANCE_S,
+    MAX_ROOT_CHAIN,
     Freshness,
     RootWalk,
     check_not_expired,
@@ -76,7 +77,9 @@ from .withdrawal import MAX_WITHDRAWAL_BYTES, Withdrawal, parse_withdrawal, veri
 __all__ = [
     "DEFAULT_CLOCK_TOLERANCE_S",
     "DEFAULT_FRESHNESS_LIMIT_S",
+    "MAX_RELEASES",
     "MAX_ROOT_BYTES",
+    "MAX_ROOT_CHAIN",
     "MAX_SIGNATURES_BYTES",
     "MAX_TIMESTAMP_BYTES",
     "MAX_WITHDRAWAL_BYTES",

@@ -18,6 +18,7 @@ from ..strict_json import exact_keys, typed
 from .trust_format import MAX_TIMESTAMP_BYTES, Signed, format_time, load_signed, parse_sha256_hex, parse_time
 
 MAX_RELEASES = 1000
+"""Releases one timestamp may name, and the most versions ListVersions may bring a client in one answer."""
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from .trust_format import Signature, Signed, format_time, require_threshold, req
 DEFAULT_CLOCK_TOLERANCE_S = 300
 """How far past its expiry a root or timestamp is still accepted, for device clocks a little off."""
 MAX_ROOT_CHAIN = 1000
+"""Roots one walk accepts at once, and the most GetTrust may bring a client in one answer (endless data)."""
 
 
 @dataclass(frozen=True)
