@@ -39,6 +39,12 @@ REINSTALL = (
 )
 
 
+def damaged_bundle(version: int, why: str) -> str:
+    """An installed bundle that fails verification: what to do first (it was verified when installed, so
+    its files were damaged since), then what the check said (whose own advice is for a download)."""
+    return f"the installed bundle v{version} is damaged: {REINSTALL} (its check said: {why})"
+
+
 class BundleTrust(Protocol):
     """What releases must be signed by (:class:`~.device_trust.DeviceTrust`, read when needed)."""
 
@@ -80,7 +86,7 @@ class InstalledBundles:
             try:
                 bundle = self._verified(version)
             except (BundleError, OSError) as exc:
-                raise BundleError(f"the installed bundle v{version} is damaged ({exc}); {REINSTALL}") from None
+                raise BundleError(damaged_bundle(version, str(exc))) from None
             self._engines[version] = Engine(bundle, self.engine_config)
         return self._engines[version]
 
@@ -100,7 +106,7 @@ class InstalledBundles:
             for v in _versions(needed)
             if v and not self.folder(v).is_dir()
         }
-        found.update({v: f"{damage}; {REINSTALL}" for v in self.versions() if (damage := self._damage(v)) is not None})
+        found.update({v: damaged_bundle(v, why) for v in self.versions() if (why := self._damage(v)) is not None})
         return dict(sorted(found.items()))
 
     def _damage(self, version: int) -> str | None:
@@ -263,11 +269,25 @@ class InstalledBundles:
         paths = [Path(b) for b in bundles]
         return sum(f.stat().st_size for p in paths for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
 
-    def install_all(self, bundles: Sequence[str | os.PathLike], query_version: int) -> list[int]:
-        """Install bundle folders or ``.tar`` archives in version order; returns their versions."""
+    def install_all(
+        self, bundles: Sequence[str | os.PathLike], query_version: int, room: Callable[[int], None] = lambda more: None
+    ) -> list[int]:
+        """Install bundle folders or ``.tar`` archives in version order; returns their versions. Once
+        they verified, and only when there is work to do (a bundle to copy in, or one newer than
+        ``query_version``), ``room(bytes to copy)`` may refuse before anything is written."""
         with _unpacked(bundles) as folders:
-            versions = {Path(d): verify_bundle(d, self.trust.release_trust()).manifest.version for d in folders}
-            return [self.install(d, query_version) for d in sorted(versions, key=versions.__getitem__)]
+            verified = {Path(d): verify_bundle(d, self.trust.release_trust()) for d in folders}
+            new = [d for d, bundle in verified.items() if not self._holds_intact(bundle)]
+            if new or max((b.manifest.version for b in verified.values()), default=0) > query_version:
+                room(self.bytes_of(new))
+            return [
+                self.install(d, query_version) for d in sorted(verified, key=lambda d: verified[d].manifest.version)
+            ]
+
+    def _holds_intact(self, verified: VerifiedBundle) -> bool:
+        """Whether this very signed bundle is installed already, intact (installing it again copies nothing)."""
+        version = verified.manifest.version
+        return self._holds_signed(version, verified) and self._damage(version) is None
 
 
 def _versions(needed: Callable[[], Sequence[int]]) -> list[int]:

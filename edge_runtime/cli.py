@@ -19,7 +19,7 @@ from .device_trust import trust_alarm
 from .device_trust_sync import CHOOSE
 from .engine import PREFERENCE
 from .item_sources import read_items
-from .repair import REBUILD
+from .rebuild import REBUILD_LEAD, rebuild_advice
 from .sqlite_file import RECOVERY
 from .upgrade_check import stored_health
 
@@ -393,7 +393,7 @@ def repair_command(root, passphrase_env) -> None:
     except GalleryDamagedError as exc:  # opening or repairing: its own advice would be to run repair again
         raise GalleryDamagedError(
             f"the repair could not finish: {_reason(exc)}. Running it again will not help: "
-            f"restore a backup of the device directory, or {REBUILD}",
+            f"restore a backup of the device directory, or {rebuild_advice(root)}",
             exc.settings,
         ) from None
     _echo_report(report, damaged=bool(report["damaged_after"]))
@@ -401,7 +401,8 @@ def repair_command(root, passphrase_env) -> None:
 
 def _reason(exc: GalleryDamagedError) -> str:
     """What failed, without the advice (to run check or repair) that the error carries elsewhere."""
-    return str(exc).split(REBUILD)[0].split("; run ")[0].replace(RECOVERY, "").rstrip(" .;")
+    reason = str(exc).split(f"{REBUILD_LEAD}:")[0].split("; run ")[0].split("; restore a backup")[0]
+    return reason.replace(RECOVERY, "").rstrip(" .;")
 
 
 @device_command.command("sync")

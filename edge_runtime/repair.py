@@ -45,21 +45,15 @@ from fctkit.feature_checks import nonfinite_items
 from .gallery import Gallery
 from .gallery.extras import EXTRA_FIELDS
 from .gallery.rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
-from .gallery.schema import VECTOR_TABLES
+from .gallery.schema import SCHEMA_VERSION, VECTOR_TABLES
 from .gallery.settings import REQUIRED, stored_name
+from .rebuild import rebuild_advice
 from .revert_records import rebuilt_withdrawals
 
 #: ``rollback`` with its kept vectors (a withdrawal then reverts through backward or the vault), ``revert`` (reports
 #: stop naming it); ``withdrawn`` is rebuilt conservatively instead (:func:`~.revert_records.rebuilt_withdrawals`)
 DROPPED_WHEN_DAMAGED = ("transition", "backfill", "upgrade", "rollback", "revert", "withdrawn")
 DROPPED_PREFIXES = ("uncertainty:v",)
-REBUILD = (
-    "rebuild it from the owner's replica: move the device directory DIR away, then run "
-    "`fctkit device init --dir NEW --import-key DIR/owner.key`, "
-    "`fctkit device enrol --dir NEW --server HOST:PORT --code CODE` (a code for the same owner) and "
-    "`fctkit device sync --dir NEW` (rows not yet pushed from DIR are lost)"
-)
-
 OpenOriginal = Callable[[str, bytes], Any]
 #: rows whose side-info was lost -> row id -> ψ embedded again from the row's original (rows left out: none at hand)
 SideInfoAgain = Callable[[LoadedRows], dict[int, np.ndarray]]
@@ -80,6 +74,8 @@ class RepairResult:
     queued_originals_dropped: list[str] = field(default_factory=list)
     #: rows kept whose label failed to open (their per-row entry was set back from their block first): the label is gone
     labels_dropped: list[str] = field(default_factory=list)
+    #: rows kept whose per-row entry had a damaged row id: moved back to the row its block authenticates
+    row_ids_restored: list[str] = field(default_factory=list)
     #: rows kept whole although a whole-set load failed them (e.g. their block's list of removed rows): sealed again
     rows_sealed_again: list[str] = field(default_factory=list)
     #: rows kept although their side-info failed to open: ψ embedded again from the original ...
@@ -120,7 +116,8 @@ def damage_report(
     if file["sqlite_integrity"] or unreadable:
         report["next"] = (
             f"SQLite finds damage in {gallery.path}: `fctkit device repair --dir DIR` rebuilds damaged indexes; "
-            f"if the damage is in a table and stays after repair, restore a backup of the directory or {REBUILD}"
+            f"if the damage is in a table and stays after repair, restore a backup of the directory or "
+            f"{rebuild_advice(gallery.path.parent)}"
         )
     bundles = damaged_bundles()
     if bundles:
@@ -177,10 +174,11 @@ def derived_settings(
 ) -> tuple[dict[str, str | None], str | None]:
     """New values (None: delete) for the damaged settings that can be derived, and the live
     table to empty when an upgrade is given up; a setting that cannot be derived raises."""
-    found = {
+    found = {  # vouched for by opening, or their MACs; an open gallery is at the current schema (its tables say so)
         **gallery.settings.opened_essentials(),
         **gallery.settings.recovered(),
-    }  # vouched for by opening, or their MACs
+        "schema_version": str(SCHEMA_VERSION),
+    }
     recovered = {k: v for k, v in found.items() if k in damaged}
     damaged = [k for k in damaged if k not in recovered]
     values: dict[str, str | None] = dict(recovered)  # written back as they were
@@ -214,7 +212,9 @@ def derived_settings(
     left = [k for k in damaged if k not in values and k != "row_count"]
     if left:
         raise GalleryDamagedError(
-            f"{gallery.path}: setting(s) {', '.join(left)} are damaged and cannot be derived; {REBUILD}", tuple(left)
+            f"{gallery.path}: setting(s) {', '.join(left)} are damaged and cannot be derived; "
+            f"{rebuild_advice(gallery.path.parent)}",
+            tuple(left),
         )
     return values, other if upgrade_given_up else None
 
@@ -234,7 +234,7 @@ def _derived_live(gallery: Gallery, damaged: Sequence[str]) -> str:
         if len(holding) != 1:
             raise GalleryDamagedError(
                 f"{gallery.path}: live_vectors is damaged and both vector tables hold rows (an upgrade "
-                f"was under way), so the live one cannot be told; {REBUILD}",
+                f"was under way), so the live one cannot be told; {rebuild_advice(gallery.path.parent)}",
                 ("live_vectors",),
             )
     return holding[0] if holding else VECTOR_TABLES[0]
@@ -253,7 +253,7 @@ def repair_gallery(
     result = RepairResult(settings_restored=settings)
     unknown_count = {"row_count": "0"} if "row_count" in damaged else {}  # forget_rows counts afresh
     with gallery.settings.override({**settings, **unknown_count}):  # the rows are read with the derived settings
-        result.labels_dropped = _mend_entries(gallery)
+        result.labels_dropped, result.row_ids_restored = _mend_entries(gallery)
         rows = gallery.load()  # with the per-row table: rows whose vectors are gone are listed
         embedded = gallery.load(with_side_info=False)  # a side-info record that fails costs the side-info only
         intact = gallery.open_rows([r for r, _, _ in rows.corrupt])  # e.g. a block's dead list failed: pointers suffice
@@ -307,17 +307,19 @@ def repair_gallery(
     return result
 
 
-def _mend_entries(gallery: Gallery) -> list[str]:
+def _mend_entries(gallery: Gallery) -> tuple[list[str], list[str]]:
     """Damaged rows whose block is intact (its records authenticate the rows' item ids and tag):
-    their per-row entries are set back from it and a label that fails is dropped, so only the
-    label is lost (:meth:`Gallery.restore_entries`). Returns the items whose label was dropped."""
+    a per-row entry a damaged row id left beside its row is moved back to it
+    (:meth:`Gallery.restore_row_ids`), then their per-row entries are set back from the block and a
+    label that fails is dropped, so only the label is lost (:meth:`Gallery.restore_entries`).
+    Returns the items whose label was dropped and those whose row id was set back."""
     damaged = {r for r, _, _ in gallery.load(with_side_info=False).corrupt}
     if not damaged:
-        return []
+        return [], []
     authentic = gallery.load(with_labels=False, with_side_info=False)  # the blocks alone
-    return gallery.restore_entries(
-        authentic.subset([k for k, r in enumerate(authentic.row_ids.tolist()) if r in damaged])
-    )
+    rows = authentic.subset([k for k, r in enumerate(authentic.row_ids.tolist()) if r in damaged])
+    moved = gallery.restore_row_ids(rows)
+    return gallery.restore_entries(rows), moved
 
 
 def side_info_lost(gallery: Gallery) -> list[str]:

@@ -111,9 +111,12 @@ class DeviceUpgrade:
         query_version = self.parts.version
         if bundle_dirs is None:  # installed by a run that stopped before its plan (withdrawn versions are not)
             targets = not_withdrawn(self.gallery, self.parts.pending_versions())
-        else:
-            self._require_room(self.bundles.bytes_of(bundle_dirs), "installing the bundles and upgrading the gallery")
-            targets = self.bundles.install_all(bundle_dirs, query_version)
+        else:  # room is checked once they verified, and only for work to do (the same command again does none)
+            targets = self.bundles.install_all(
+                bundle_dirs,
+                query_version,
+                lambda more: self._require_room(more, "installing the bundles and upgrading the gallery"),
+            )
         if not targets or max(targets) <= query_version:
             return done  # nothing newer: already applied (the same command run again after a crash)
         target = max(targets)

@@ -1,7 +1,7 @@
 """The gallery's repair reads and writes (:class:`GalleryRepairs`, a base of
 :class:`~fctkit.edge_runtime.gallery.Gallery`; :mod:`..repair` uses them): rows opened one by one
 through their pointers, the side-info widths a re-seal needs, and per-row entries set back from
-their authenticated block."""
+their authenticated block (their row id too, when a damaged one left the entry beside its row)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from fctkit.errors import CorruptRecordError
 from ..sqlite_file import id_chunks, read_snapshot, transaction
 from .rows import LoadedRows
 from .sealing import RowSealer
+from .settings import stored_name
 from .vectors import VectorBlocks
 
 
@@ -81,3 +82,28 @@ class GalleryRepairs:
                     self._db.execute("UPDATE items SET label = NULL WHERE row_id = ?", (row_id,))
                     dropped.append(item_id)
         return dropped
+
+    def restore_row_ids(self, rows: LoadedRows) -> list[str]:
+        """One repair transaction: a per-row entry whose row id was damaged (no live row has that id) is
+        moved back to the row of ``rows`` that holds its item id and has no entry of its own. ``rows``
+        come from blocks that opened, whose authenticated data binds each row id to its item id, so
+        the pair is vouched for; an item id two such rows hold is left alone. Nothing is logged: the
+        row is what it was. Returns the item ids whose entry was moved back."""
+        held: dict[str, list[int]] = {}
+        for row_id, item_id in zip(rows.row_ids.tolist(), rows.item_ids, strict=True):
+            held.setdefault(item_id, []).append(row_id)
+        moved: list[str] = []
+        with transaction(self._db):
+            live, _ = self._tables()
+            stray = self._db.execute(
+                f"SELECT i.row_id, i.item_id FROM items i LEFT JOIN {live} v USING (row_id) WHERE v.row_id IS NULL"
+            ).fetchall()
+            for row_id, item_id in stray:
+                free = [r for r in held.get(stored_name(item_id), ()) if not self._has_entry(r)]
+                if len(free) == 1:
+                    self._db.execute("UPDATE items SET row_id = ? WHERE row_id = ?", (free[0], row_id))
+                    moved.append(stored_name(item_id))
+        return moved
+
+    def _has_entry(self, row_id: int) -> bool:
+        return self._db.execute("SELECT 1 FROM items WHERE row_id = ?", (row_id,)).fetchone() is not None

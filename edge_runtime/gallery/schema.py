@@ -48,11 +48,19 @@ import base64
 import sqlite3
 from pathlib import Path
 
-from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryError
+from fctkit.errors import CorruptRecordError, DeviceKeyError, GalleryDamagedError, GalleryError
 
 from ..crypto import Sealer
 from ..sqlite_file import transaction
-from .settings import ESSENTIAL, GallerySettings, add_macs, authentic, setting_mac
+from .settings import (
+    ESSENTIAL,
+    RESTORE_OR_REBUILD,
+    GallerySettings,
+    add_macs,
+    authentic,
+    setting_mac,
+    stored_name,
+)
 from .vectors import BLOCKS_SCHEMA
 
 SCHEMA_VERSION = 6
@@ -108,12 +116,14 @@ def migrate(db: sqlite3.Connection, sealer: Sealer) -> None:
         step(db, sealer)
 
 
-def check_essential(path: Path, db: sqlite3.Connection, sealer: Sealer, meta: dict[str, tuple]) -> None:
-    """Authenticate the settings needed to open the gallery at all. When no setting at all
-    authenticates, the key is not the gallery's; when only some fail, the file is damaged."""
+def check_essential(path: Path, db: sqlite3.Connection, sealer: Sealer, meta: dict[str, tuple]) -> str:
+    """Authenticate the settings needed to open the gallery at all; returns its schema version as
+    authenticated (a damaged record the file's own tables vouch for: the current one). When no
+    setting at all authenticates, the key is not the gallery's; when only some fail, the file is
+    damaged."""
     bad = [k for k in ESSENTIAL if k not in meta or not authentic(sealer, k, *meta[k])]
     if not bad:
-        return
+        return str(meta["schema_version"][0])
     if not any(authentic(sealer, k, v, m) for k, (v, m) in meta.items()):
         raise DeviceKeyError(
             f"{path} was not sealed with this device key: use the gallery's own key file (nothing was changed)"
@@ -124,10 +134,46 @@ def check_essential(path: Path, db: sqlite3.Connection, sealer: Sealer, meta: di
     left = [k for k in bad if k not in recovered]
     if _key_check_holds(meta, sealer):  # gallery id and key check vouch for each other: only their MACs are damaged
         left = [k for k in left if k not in ("gallery_id", "key_check")]
-    if left == ["schema_version"] and meta["schema_version"][0] == str(SCHEMA_VERSION):  # no one byte makes it another
-        left = []
+    if "schema_version" in left and _tables_at_current_schema(db):  # its tables say which schema the file is at
+        meta["schema_version"] = (str(SCHEMA_VERSION), None)
+        left.remove("schema_version")
+    if left == ["schema_version"]:
+        raise GalleryDamagedError(
+            f"{path}: the gallery's schema version record is damaged (it reads {_stored(meta, 'schema_version')!r} "
+            f"and fails authentication) and its tables are not those of schema {SCHEMA_VERSION}, so which migrations "
+            f"it needs cannot be told (nothing was changed); {RESTORE_OR_REBUILD}",
+            ("schema_version",),
+        )
     if left:
         raise settings.error(left)
+    return str(meta["schema_version"][0])
+
+
+def _stored(meta: dict[str, tuple], key: str) -> str | None:
+    value = meta.get(key, (None, None))[0]
+    return None if value is None else stored_name(value)
+
+
+def _tables_at_current_schema(db: sqlite3.Connection) -> bool:
+    """Whether the file's tables are exactly those of :data:`SCHEMA_VERSION` (blocks and replica blocks, no
+    per-row vector columns, no single-row replica tables)."""
+    tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    columns = {row[1] for row in db.execute("PRAGMA table_info(vectors_0)")}
+    current = {"meta", "items", *VECTOR_TABLES, "outbox", "changes", "tombstones", "row_extras", "vector_blocks"}
+    return (
+        current | {"outgoing_blocks", "pending_blocks"} <= tables
+        and "pending_records" not in tables
+        and columns == {"row_id", "version", "via", "block_id"}
+    )
+
+
+def reseal_schema_record(db: sqlite3.Connection, sealer: Sealer, path: Path, schema: str) -> None:
+    """Before an older gallery migrates: its schema version record sealed again at ``schema`` (as
+    authenticated) when the stored one is damaged, since each migration step reads the stored record."""
+    row = db.execute("SELECT value, mac FROM meta WHERE key = 'schema_version'").fetchone()
+    if row is None or not authentic(sealer, "schema_version", *row):
+        with transaction(db):
+            GallerySettings(db, sealer, path).put({"schema_version": schema})
 
 
 def _key_check_holds(meta: dict[str, tuple], sealer: Sealer) -> bool:

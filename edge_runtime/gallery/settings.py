@@ -27,6 +27,11 @@ REQUIRED = ("schema_version", "gallery_id", "key_check", "query_version", "live_
 ESSENTIAL = ("schema_version", "gallery_id", "key_check")
 #: every setting name but the numbered ``uncertainty:vN`` (a damaged name is recognised by its MAC)
 KNOWN = (*REQUIRED, "upgrade", "transition", "backfill", "upgrade_health", "rollback", "withdrawn", "revert")
+#: what to do about a gallery that cannot be opened (the CLI's repair cuts a message at "; restore a backup")
+RESTORE_OR_REBUILD = (
+    "restore a backup of the device directory, or rebuild it from the owner's replica "
+    "(`fctkit device repair --dir DIR` prints the steps for this device)"
+)
 RECOVERED_BYTES = 512  # longest value whose damaged byte is searched for (about 0.1 s per 100 bytes)
 
 
@@ -146,10 +151,7 @@ class GallerySettings:
     def error(self, keys: Iterable[str]) -> GalleryDamagedError:
         keys = tuple(keys)
         if set(keys) & set(ESSENTIAL):
-            advice = (
-                "the gallery cannot be opened: rebuild it from the owner's replica (README, "
-                '"Recovering a damaged device")'
-            )
+            advice = f"the gallery cannot be opened; {RESTORE_OR_REBUILD}"
         else:
             advice = (
                 "run `fctkit device repair --dir DIR`: it derives them again where it can, and otherwise says how "

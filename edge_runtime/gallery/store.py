@@ -59,6 +59,7 @@ from .schema import (
     create_tables,
     migrate,
     migrate_replica_to_blocks,
+    reseal_schema_record,
     vector_tables,
 )
 from .sealing import RowSealer
@@ -140,9 +141,7 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
             raise GalleryDamagedError(
                 f"{path} is not an fctkit gallery or is damaged beyond its records ({exc})"
             ) from None
-        if "mac" in columns:
-            check_essential(path, db, sealer, meta)
-        schema = meta.get("schema_version", (None, None))[0]
+        schema = check_essential(path, db, sealer, meta) if "mac" in columns else meta.get("schema_version", (None,))[0]
         if schema not in ("1", "2", "3", "4", "5", str(SCHEMA_VERSION)) or "gallery_id" not in meta:
             raise GalleryError(f"{path}: unsupported gallery schema {schema!r} (this fctkit reads {SCHEMA_VERSION})")
         try:
@@ -152,10 +151,13 @@ class Gallery(GalleryUpgrades, GalleryRepairs):
             raise DeviceKeyError(
                 f"{path} was not sealed with this device key: use the gallery's own key file (nothing was changed)"
             ) from None
-        migrate(db, sealer)
-        gallery = cls(path, db, sealer, gallery_id)
-        migrate_to_blocks(db, gallery.settings, gallery._sealing, gallery._vectors)
-        migrate_replica_to_blocks(db, gallery.settings)
+        gallery = cls(path, db, sealer, gallery_id)  # its parts read nothing yet: the migrations come first
+        if schema != str(SCHEMA_VERSION):  # as authenticated: a damaged record of a current gallery migrates nothing
+            if "mac" in columns:
+                reseal_schema_record(db, sealer, path, schema)
+            migrate(db, sealer)
+            migrate_to_blocks(db, gallery.settings, gallery._sealing, gallery._vectors)
+            migrate_replica_to_blocks(db, gallery.settings)
         return gallery
 
     def reader(self) -> Gallery:

@@ -32,6 +32,7 @@ from ..crypto import Sealer
 from ..sqlite_file import GuardedConnection, id_chunks
 from .blocks import ROW_ID_DTYPE, BlockSealer, SealedBlock, block_slices, decode_item_ids, encode_item_ids
 from .rows import LoadedRows, VersionTag
+from .settings import stored_name
 
 BLOCK_ROWS = 4096
 RECENT_BLOCKS = 2  # opened blocks kept in memory per connection (upgrade batches read a block in parts)
@@ -530,9 +531,8 @@ def reconciled_with_items(loaded: LoadedRows, items: Iterable[tuple], open_label
     vectors are gone."""
     entries = {r: (i, (o, v, via), label) for r, i, o, label, v, via in items}
     keep, labels = [], []
-    corrupt = [
-        (r, entries[r][0] if i == "?" and r in entries else i, why) for r, i, why in loaded.corrupt
-    ]  # named where possible
+    # named by their own entries: a block that failed to open vouches for none of its item ids
+    corrupt = [(r, stored_name(entries[r][0]) if r in entries else i, why) for r, i, why in loaded.corrupt]
     reported = {r for r, _, _ in corrupt}
     for k, (row_id, item_id, tag) in enumerate(zip(loaded.row_ids.tolist(), loaded.item_ids, loaded.tags, strict=True)):
         item_id_here, tag_here, label = entries.pop(row_id, (None, None, None))

@@ -14,6 +14,7 @@ from fctkit.edge_runtime import Device
 from fctkit.errors import BundleError, DeviceError, RollbackError
 from fctkit.export.bundle_builder import build_bundle
 from tests.edge.conftest import IMAGE_DIM, TINY_CHAIN, _sources
+from tests.edge.test_device_trust_edge import root_file, rooted, tiny_keyed_bundles  # noqa: F401 (fixtures)
 from tests.edge.test_replication_edge import enrolled, server  # noqa: F401 (server is a fixture)
 
 
@@ -122,3 +123,25 @@ def test_repair_downloads_a_damaged_bundle_again_from_the_server(server, make_de
         report = damaged.repair()
         assert report["damaged_bundles"] == {} and report["damaged_after"] == 0
         assert _answers(damaged, queries) == answers
+
+
+@pytest.mark.parametrize("trust", ["publisher key", "root"])
+def test_a_damaged_installed_manifest_says_to_put_the_bundle_back_before_anything_else(
+    trust, request, make_device, images
+):
+    if trust == "root":  # the root's publisher role: its check would have more key holders sign the release
+        device = request.getfixturevalue("rooted")
+        device.upgrade([request.getfixturevalue("tiny_keyed_bundles")["alice"][1]])
+    else:
+        device = make_device("manifest")
+        device.upgrade(request.getfixturevalue("tiny_bundles")[1])
+    device.add(images(4, seed=5), item_ids=["m0", "m1", "m2", "m3"], upload=False)
+    device.bundles.unload(1)
+    _flip(device.root / "bundles" / "v1" / "manifest.json", offset=40)
+    said = device.check()["damaged_bundles"]["v1"]
+    with pytest.raises(BundleError) as refused:
+        device.query(images(1, seed=6))
+    for message in (said, str(refused.value)):
+        assert message.startswith("the installed bundle v1 is damaged: put the published bundle back: ")
+        advice = message.index("fctkit device repair --dir DIR")
+        assert all(advice < message.index(a) for a in ("keys sign", "fetch the bundle again") if a in message)

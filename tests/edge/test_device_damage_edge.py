@@ -78,6 +78,27 @@ def test_a_separator_byte_in_a_blocks_item_ids_damages_that_block_only(make_devi
         assert repaired["rows_removed"] == ["it04", "it05", "it06", "it07"] and repaired["damaged_after"] == 0
 
 
+@pytest.mark.parametrize("name", [b"it05", b"it00"])  # one bit of 'it04': a name of its block, or of another block
+def test_a_damaged_name_in_a_blocks_item_ids_costs_its_rows_and_repair_names_every_one(
+    make_device, tiny_bundles, images, name
+):
+    device = _device(make_device, tiny_bundles, images)
+    root = device.root
+    device.close()
+    with sqlite3.connect(root / "gallery.sqlite") as db:
+        item_ids = db.execute("SELECT item_ids FROM vector_blocks WHERE block_id = 2").fetchone()[0]
+        db.execute("UPDATE vector_blocks SET item_ids = ? WHERE block_id = 2", (item_ids.replace(b"it04", name),))
+    block = ["it04", "it05", "it06", "it07"]
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        named = dict.fromkeys((r, i) for r, i, _ in damaged.check()["damaged_rows"])  # each field fails
+        assert list(named) == list(zip(range(5, 9), block, strict=True))
+        report = damaged.repair()
+        assert report["rows_forgotten"] == block and report["rows_removed"] == block
+        assert list(report["forgotten_because"]) == block and report["damaged_after"] == 0
+        assert sorted(damaged.gallery.load().item_ids) == [f"it{i:02d}" for i in range(12) if i not in range(4, 8)]
+
+
 @pytest.mark.parametrize(
     "edit",
     [

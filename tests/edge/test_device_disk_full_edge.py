@@ -127,6 +127,22 @@ def test_an_upgrade_that_would_fill_the_disk_midway_is_refused_before_it_starts(
             device.close()
 
 
+def test_the_same_upgrade_again_on_a_full_disk_is_done_not_refused(tmp_path, publisher_pub, tiny_bundles, images):
+    with small_disk(tmp_path / "disk") as disk:
+        device = _device(disk, publisher_pub, tiny_bundles, images)
+        try:
+            device.upgrade(tiny_bundles[2])
+            _fill(disk)
+            before = _dump(device.root)
+            assert device.upgrade(tiny_bundles[2]) == 0  # installed and applied: nothing to write, no room needed
+            assert _dump(device.root) == before and device.version == 2 and device.installed_versions() == [1, 2]
+            with pytest.raises(NoSpaceError, match=NO_SPACE + r".*installing the bundles"):
+                device.upgrade(tiny_bundles[3])  # work to do: still refused before anything is written
+            assert _dump(device.root) == before and device.installed_versions() == [1, 2]
+        finally:
+            device.close()
+
+
 def test_opening_a_device_on_a_full_disk_says_no_space_not_damage(tmp_path, publisher_pub, tiny_bundles, images):
     with small_disk(tmp_path / "disk") as disk:
         with _device(disk, publisher_pub, tiny_bundles, images) as device:

@@ -13,6 +13,7 @@ from fctkit.edge_runtime import Device
 from fctkit.errors import DeviceKeyError, GalleryDamagedError, GalleryError
 from tests.edge.conftest import device_cli
 from tests.edge.test_replication_edge import enrolled, server, state  # noqa: F401 (server is a fixture)
+from tests.support.device_damage import fctkit
 
 
 def _filled(make_device, tiny_bundles, images, name="dev", n=12) -> Device:
@@ -79,6 +80,56 @@ def test_a_damaged_setting_is_reported_never_used_and_repair_derives_it_again(
         assert report["damaged_after"] == 0 and set(report["settings_restored"]) <= set(status["damaged_settings"])
         assert _answers(damaged, queries) == before
         assert damaged.upgrade(tiny_bundles[2]) == 12 and damaged.check()["damaged"] == 0
+
+
+def _dump(root) -> list[str]:
+    with sqlite3.connect(f"file:{root / 'gallery.sqlite'}?mode=ro", uri=True) as db:
+        return list(db.iterdump())
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [  # one bit of '6': '2' and '4' name schemas whose migrations would run on this file, '7' none at all
+        "UPDATE meta SET value = '2' WHERE key = 'schema_version'",
+        "UPDATE meta SET value = '4' WHERE key = 'schema_version'",
+        "UPDATE meta SET value = '7' WHERE key = 'schema_version'",
+        "UPDATE meta SET value = '4', mac = substr(mac, 2) WHERE key = 'schema_version'",  # its MAC damaged too
+    ],
+)
+def test_a_damaged_schema_version_is_a_damaged_setting_not_sqlite_damage(make_device, tiny_bundles, images, edit):
+    device = _filled(make_device, tiny_bundles, images)
+    queries = images(3, seed=9)
+    before, root = _answers(device, queries), device.root
+    _sql(device, edit)
+    damaged_file = _dump(root)
+    with Device.open(root) as damaged:  # the file's own tables say it is at the current schema: nothing migrates
+        assert _answers(damaged, queries) == before
+        report = damaged.check()
+        assert report["damaged_settings"] == ["schema_version"] and "sqlite_integrity" not in report
+        assert "schema_version" in damaged.status()["damaged_settings"]
+    assert _dump(root) == damaged_file  # opening, querying and checking wrote nothing
+    checked = fctkit("device", "check", "--dir", str(root))
+    assert checked.code == 3 and "SQLite" not in checked.stdout + checked.stderr, checked
+    repaired = fctkit("device", "repair", "--dir", str(root))
+    assert repaired.code == 0 and json.loads(repaired.stdout)["settings_restored"] == {"schema_version": "6"}
+    with Device.open(root) as again:
+        assert again.check()["damaged"] == 0 and _answers(again, queries) == before
+
+
+def test_a_schema_version_neither_its_mac_nor_the_tables_vouch_for_says_so(make_device, tiny_bundles, images):
+    device = _filled(make_device, tiny_bundles, images)
+    root = device.root
+    _sql(
+        device,
+        "UPDATE meta SET value = '4', mac = substr(mac, 2) WHERE key = 'schema_version'",
+        "CREATE TABLE pending_records (sequence INTEGER PRIMARY KEY)",  # as an older schema's file holds
+    )
+    run = fctkit("device", "check", "--dir", str(root))
+    assert run.code == 2 and "schema version record is damaged (it reads '4'" in run.stderr, run
+    assert "SQLite" not in run.stderr and "`fctkit device repair --dir DIR` prints the steps" in run.stderr
+    run = fctkit("device", "repair", "--dir", str(root))
+    assert run.code == 2 and "schema version record is damaged" in run.stderr and "prints the steps" not in run.stderr
+    assert f"rebuild it from the owner's replica: `mv {root} {root}.damaged`" in run.stderr, run
 
 
 def test_a_damaged_essential_setting_names_itself_and_a_wrong_key_stays_a_key_error(
@@ -216,8 +267,6 @@ def test_rows_the_replica_lacks_are_embedded_again_from_their_vault_originals(se
 
 
 def test_the_rebuild_imports_an_unwrapped_owner_key_without_asking_for_a_passphrase(make_device, tmp_path):
-    from tests.support.device_damage import fctkit
-
     old = make_device("old")  # no passphrase: owner.key is stored unwrapped
     old.close()
     run = fctkit("device", "init", "--dir", str(tmp_path / "new"), "--import-key", str(old.root / "owner.key"))

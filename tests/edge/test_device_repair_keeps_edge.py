@@ -278,3 +278,44 @@ def test_repair_refuses_an_owner_key_it_cannot_authenticate_and_keeps_every_queu
     assert status.code == 0 and json.loads(status.stdout)["queued_uploads"] == 300
     repaired = fctkit("device", "repair", "--dir", str(root))
     assert repaired.code == 0 and json.loads(repaired.stdout)["queued_originals_dropped"] == []
+
+
+@pytest.mark.parametrize(
+    "removed, edit",
+    [
+        ((), "UPDATE items SET row_id = row_id | 64 WHERE row_id = 6"),  # one bit: row 6 -> 70, an id no row has
+        (("r0001",), "UPDATE items SET row_id = row_id & ~4 WHERE row_id = 6"),  # row 6 -> 2, a removed row's id
+    ],
+)
+def test_one_bit_of_a_row_id_costs_no_row_and_its_entry_moves_back(make_device, tiny_bundles, images, removed, edit):
+    device = _device_with_queued_originals(make_device, tiny_bundles, images, "row-id", n=12)
+    device.remove(list(removed))
+    queries, root = images(6, seed=18), device.root
+    before, answers = state(device), _answers(device, queries)
+    device.close()
+    with sqlite3.connect(root / "gallery.sqlite") as db:
+        db.execute(edit)
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        assert {item for _, item, _ in damaged.check()["damaged_rows"]} == {"r0005"}
+        report = damaged.repair()
+        assert report["row_ids_restored"] == ["r0005"] and report["labels_dropped"] == []
+        assert report["rows_forgotten"] == [] and report["rows_removed"] == [] and report["damaged_after"] == 0
+        assert state(damaged) == before and _answers(damaged, queries) == answers  # labels included
+        kept = 12 - len(removed)
+        assert len(damaged.gallery) == kept and damaged.gallery.replica_log.outbox_size() == kept
+
+
+def test_a_row_id_whose_block_fails_too_is_removed_and_named_once(make_device, tiny_bundles, images):
+    device = _device_with_queued_originals(make_device, tiny_bundles, images, "row-id-lost", n=12)
+    root = device.root
+    device.close()
+    with sqlite3.connect(root / "gallery.sqlite") as db:  # nothing authenticates the row any more: it is lost
+        db.execute("UPDATE items SET row_id = row_id | 64 WHERE row_id = 6")
+        flip_stored_byte(db, "vector_blocks", "embedding", "1", 40)
+    with Device.open(root) as damaged:
+        damaged.progress = False
+        report = damaged.repair()
+    ids = [f"r{i:04d}" for i in range(12)]
+    assert report["row_ids_restored"] == [] and sorted(report["rows_removed"]) == ids
+    assert sorted(report["rows_forgotten"]) == ids and report["damaged_after"] == 0
