@@ -28,7 +28,7 @@ from fctkit.protos.trust import format_time, root_fingerprint
 from .auth import SERVICE_MODULES, Authenticator, AuthInterceptor, load_or_create_admin_token, protocol_methods
 from .fleet import FleetService
 from .jsonlog import configure_logging, log_event
-from .metrics import ServerMetrics, gauges_of
+from .metrics import CACHE_S, ServerMetrics, gauges_of
 from .registry import Catalog, RegistryService
 from .revocation import OpenStreams
 from .rollout.offers import Rollouts
@@ -74,6 +74,7 @@ class ServerConfig:
     reports_per_minute: int = 120
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    metrics_cache_s: float = CACHE_S
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:
@@ -98,6 +99,8 @@ class ServerConfig:
             raise ConfigError(f"port {self.port} is not 0..65535 (0 picks a free port)")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics port {self.metrics_port} is not 0..65535 (0 picks a free port)")
+        if not 0 <= self.metrics_cache_s <= 300:
+            raise ConfigError(f"metrics cache {self.metrics_cache_s} s is not 0..300 seconds")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
         if self.tls_ca is not None and self.tls_cert is None:
@@ -180,7 +183,9 @@ class FctkitServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._metrics = (
-            None if config.metrics_port is None else ServerMetrics("sqlite" if config.data_dir else "postgres")
+            None
+            if config.metrics_port is None
+            else ServerMetrics("sqlite" if config.data_dir else "postgres", cache_s=config.metrics_cache_s)
         )
         self._storage = open_storage(config)
         try:

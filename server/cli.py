@@ -188,6 +188,14 @@ _EXISTING = click.Path(path_type=Path, exists=True, dir_okay=False)
     help="Address the metrics listen on (0.0.0.0 for all interfaces; the metrics need no token).",
 )
 @click.option(
+    "--metrics-cache",
+    "metrics_cache_s",
+    type=float,
+    default=None,
+    help="Seconds a rendered /metrics page answers scrapes before one renders it again (0: every scrape "
+    "after a render; scrapes at the same moment share one render). Default: 2.",
+)
+@click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
 )
 def serve_command(**options) -> None:

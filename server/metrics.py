@@ -43,15 +43,22 @@ The metrics (every replica counts what it served; sum them across replicas):
 - ``process_*`` (prometheus-client's process collector): CPU seconds, resident memory, open file
   descriptors, start time.
 
+Only ``/metrics`` is answered (every other path is 404), from a thread of the metrics port's own
+(:mod:`.metrics_http`), never on the gRPC event loop. The rendered page is kept for
+``cache_s`` seconds (``fctkit serve --metrics-cache``, 2 s by default; Prometheus scrapes every
+15 s or so): scrapes within that time get the same text, and scrapes that find it older share one
+new render; responses leave at most one per ``min_interval_s``, so nonstop scraping cannot crowd
+out the RPCs.
+
 Rollout gauges come from a provider: ``ServerMetrics.set_rollout_source(source)`` takes a
 callable that returns the current rollouts as :class:`RolloutGauges` (version, state, percent,
 devices by stage; :func:`gauges_of` turns a ``RolloutStatus`` message into them). The server
 connects it to ``RegistryService.rollout_statuses``: what ``GetRollout`` answers, for every
-rollout. It is called at every scrape, on the server's event loop (the scrape thread waits for
-it, at most 5 s: the storage is used from the loop's thread only). It reads every device's last
-report and each rollout's health reports, so its cost grows with the fleet: for a large fleet,
-scrape every minute rather than every 15 s. A scrape whose call fails shows no rollout gauges
-(the failure is logged, and counted as a storage error when it is one).
+rollout. It is called once per render, on the server's event loop (the render waits for it, at
+most 5 s: the storage is used from the loop's thread only). It reads every device's last report
+and each rollout's health reports, so its cost grows with the fleet; the cache bounds how often
+it runs, whoever scrapes. A render whose call fails shows no rollout gauges (the failure is
+logged, and counted as a storage error when it is one).
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ from fctkit.errors import ConfigError, require
 
 from .database import storage_unreachable
 from .jsonlog import log_event
+from .metrics_http import CachedPage, MetricsHttpServer
 
 RPC_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -127,6 +135,8 @@ def gauges_of(status: Any) -> RolloutGauges:
 
 
 ROLLOUT_READ_TIMEOUT_S = 5.0
+CACHE_S = 2.0  # a rendered page serves the scrapes of this long (`fctkit serve --metrics-cache`)
+MIN_INTERVAL_S = 0.02  # at most one response per this long: 50 scrapes a second
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -148,9 +158,16 @@ class ServerMetrics:
     keep apart); :meth:`listen` serves them. It is the :class:`fctkit.server.rpc.RpcMeter`
     of the replica's :class:`~fctkit.server.rpc.MeteringInterceptor`."""
 
-    def __init__(self, backend: Literal["sqlite", "postgres"]) -> None:
+    def __init__(
+        self,
+        backend: Literal["sqlite", "postgres"],
+        *,
+        cache_s: float = CACHE_S,
+        min_interval_s: float = MIN_INTERVAL_S,
+    ) -> None:
         prometheus = require("prometheus_client", "metrics")
         self._prometheus = prometheus
+        self._cache_s, self._min_interval_s = cache_s, min_interval_s
         self.registry = prometheus.CollectorRegistry()
         # first: a storage error met while reading the rollouts shows in the same scrape's counter
         self._rollouts = _RolloutCollector(prometheus.metrics_core.GaugeMetricFamily, self.storage_error)
@@ -188,7 +205,7 @@ class ServerMetrics:
         )
         build.labels(__version__, backend).set(1)
         prometheus.ProcessCollector(registry=self.registry)
-        self._http: Any = None
+        self._http: MetricsHttpServer | None = None
 
     def finished(self, method: str, code: str, seconds: float) -> None:
         self._rpcs.labels(method, code).inc()
@@ -208,25 +225,27 @@ class ServerMetrics:
         self._rollouts.source = source
 
     def listen(self, host: str, port: int) -> int:
-        """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread; the port.
-        Called on the server's event loop, the rollout source runs on that loop at each scrape."""
+        """Serve ``/metrics`` on ``host:port`` (0: a free port) from a thread of its own; the port.
+        Called on the server's event loop, the rollout source runs on that loop at each render."""
         self._rollouts.loop = _running_loop()
+        page = CachedPage(lambda: self._prometheus.generate_latest(self.registry), self._cache_s)
+        http = MetricsHttpServer(page, self._prometheus.exposition.CONTENT_TYPE_LATEST, self._min_interval_s)
         try:
-            self._http, _ = self._prometheus.start_http_server(port, addr=host, registry=self.registry)
+            bound = http.start(host, port)
         except OSError as exc:
+            http.close()
             raise ConfigError(
                 f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; choose another "
                 "--metrics-port (0 picks a free one) or stop what listens there"
             ) from exc
-        bound = int(self._http.server_port)
+        self._http = http
         log_event("metrics listening", host=host, port=bound, path="/metrics")
         return bound
 
     def close(self) -> None:
-        """Stop serving (scrapes in flight finish first)."""
+        """Stop serving (scrapes in flight finish first, for a moment)."""
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
             self._http = None
 
 

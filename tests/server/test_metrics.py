@@ -12,7 +12,9 @@ import sqlite3
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -64,9 +66,13 @@ def listening_ports(pid: int) -> set[int]:
     return ports
 
 
+#: the tests below compare scrapes taken a moment apart: each scrape renders afresh
+NO_CACHE = ("--metrics-cache", "0")
+
+
 @pytest.fixture(scope="module")
 def metered(start_server) -> ServerProcess:
-    return start_server("--metrics-port", "0")
+    return start_server("--metrics-port", "0", *NO_CACHE)
 
 
 def test_the_server_logs_its_metrics_port_and_listens_there_only_besides_grpc(metered, backend):
@@ -75,6 +81,48 @@ def test_the_server_logs_its_metrics_port_and_listens_there_only_besides_grpc(me
     samples = scrape(port)
     assert value(samples, "fctkit_build_info", version=__version__, backend=backend.name) == 1
     assert value(samples, "process_resident_memory_bytes") > 0
+
+
+def answer(port: int, path: str, method: str = "GET") -> tuple[int, bytes]:
+    """The status and body the metrics port answers ``method path``."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as refused:
+        return refused.code, refused.read()
+
+
+def test_the_metrics_port_answers_metrics_and_nothing_else(metered):
+    port = metrics_port(metered)
+    for path in ("/", "/admin", "/metrics/", "/metricsx", "/favicon.ico", "/../metrics", "/admin?x=/metrics"):
+        assert answer(port, path)[0] == 404, path
+    assert answer(port, "/metrics", "POST")[0] == 405
+    status, body = answer(port, "/metrics?name[]=fctkit_build_info")
+    assert status == 200 and b"fctkit_build_info" in body
+    assert answer(port, "/metrics", "HEAD") == (200, b"")
+
+
+def test_a_burst_of_concurrent_scrapes_renders_once_per_cache_period():
+    from fctkit.server.metrics import RolloutGauges, ServerMetrics
+
+    renders: list[int] = []  # the rollout source is read once per render
+
+    def source() -> list[RolloutGauges]:
+        renders.append(threading.get_ident())
+        return [RolloutGauges(4, "staged", 10.0)]
+
+    metrics = ServerMetrics("sqlite", cache_s=3600)  # one period spans the whole test
+    metrics.set_rollout_source(source)
+    port = metrics.listen("127.0.0.1", 0)
+    try:
+        with ThreadPoolExecutor(max_workers=32) as scrapers:
+            pages = list(scrapers.map(lambda _: answer(port, "/metrics"), range(96)))
+            again = list(scrapers.map(lambda _: answer(port, "/metrics"), range(32)))
+    finally:
+        metrics.close()
+    assert {status for status, _ in pages + again} == {200} and len({body for _, body in pages + again}) == 1
+    assert len(renders) == 1 and b'fctkit_rollout_percent{state="staged",version="4"} 10.0' in pages[0][1]
 
 
 def test_rpcs_are_counted_by_method_and_code_with_their_latency(metered):
@@ -131,7 +179,7 @@ def storage_errors(samples: dict) -> dict[tuple[str, str], float]:
 
 def test_storage_errors_are_counted_by_kind_and_class(start_server, backend, tmp_path):
     data = tmp_path / "data"
-    server = start_server("--metrics-port", "0", data_dir=data)
+    server = start_server("--metrics-port", "0", *NO_CACHE, data_dir=data)
     port = metrics_port(server)
     assert storage_errors(scrape(port)) == {}
     backend.alter(
@@ -178,7 +226,8 @@ def test_without_metrics_port_nothing_more_listens(start_server):
 def test_rollout_gauges_come_from_the_source_at_each_scrape_and_replicas_keep_apart():
     from fctkit.server.metrics import RolloutGauges, ServerMetrics, StageGauges
 
-    first, second = ServerMetrics("sqlite"), ServerMetrics("postgres")  # two replicas in one process
+    # two replicas in one process, each scrape rendered afresh
+    first, second = ServerMetrics("sqlite", cache_s=0), ServerMetrics("postgres", cache_s=0)
     stages = [
         StageGauges(1, {"offered": 3, "upgraded": 3}, 0.97),
         StageGauges(2, {"offered": 10, "upgraded": 7, "failed": 1}),
