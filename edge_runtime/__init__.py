@@ -7,6 +7,8 @@ grpcio, cryptography; faiss optional).
 - :class:`Gallery` — the encrypted SQLite gallery (rows sealed with AES-256-GCM).
 - :class:`Engine` — a verified bundle's ONNX graphs on ONNX Runtime (TensorRT → CUDA → CPU).
 - :meth:`Device.backfill` — partial backfill from the vault (:mod:`.backfill`, :class:`BackfillResult`).
+- :class:`Window` — bounds one upgrade or backfill call (seconds, rows) for background windows, with a
+  progress callback; a spent window pauses it and the next call resumes (:mod:`.work_window`).
 - :meth:`Device.sync` / :meth:`Device.replicate` — the owner's encrypted gallery replica
   (:mod:`.replication`, :class:`ReplicationResult`; records in :mod:`.records`);
   :meth:`Device.export_owner_key` and ``Device.init(owner_key_file=...)`` share the owner key.
@@ -26,9 +28,11 @@ from .replication import ReplicationResult
 from .search import ExactIndex, Neighbours
 from .upgrade import run_upgrade
 from .upgrade_plan import Hop, UpgradePlan
+from .work_window import PAUSED_EXIT, Window
 
 __all__ = [
     "ORDERINGS",
+    "PAUSED_EXIT",
     "AddedItems",
     "BackfillResult",
     "Device",
@@ -46,6 +50,7 @@ __all__ = [
     "SyncResult",
     "UpgradePlan",
     "VersionTag",
+    "Window",
     "comparable_dims",
     "compatible_rows",
     "run_upgrade",

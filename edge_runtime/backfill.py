@@ -36,6 +36,7 @@ from fctkit.feature_checks import nonfinite_items
 
 from .gallery.rows import LoadedRows, UpgradedRows, VersionTag, rows_by_tag, take_rows
 from .vault_blob import original_items
+from .work_window import Window
 
 if TYPE_CHECKING:
     from fctkit.protos.client import FctkitClient
@@ -53,7 +54,9 @@ _SIGMA_PREFIX = "uncertainty:v"
 class BackfillResult:
     """What one :func:`run_backfill` call did. ``planned``: rows in the recorded plan;
     ``backfilled``: rows re-embedded by this call; ``skipped``: planned rows found already
-    native (done before a crash); ``bytes_downloaded``: sealed vault bytes fetched."""
+    native (done before a crash or an earlier window); ``bytes_downloaded``: sealed vault bytes
+    fetched; ``left``: planned rows still to do (more than 0 only when the window was spent: the
+    next call resumes the plan)."""
 
     version: int
     order: str
@@ -61,6 +64,7 @@ class BackfillResult:
     backfilled: int
     skipped: int
     bytes_downloaded: int
+    left: int = 0
 
 
 def default_order(engine: Engine) -> str:
@@ -125,14 +129,17 @@ def run_backfill(
     seed: int = 0,
     batch_size: int = 64,
     on_batch: Callable[[int], object] | None = None,
+    window: Window | None = None,
 ) -> BackfillResult:
     """Backfill the device's gallery (see the module docstring); resumes a recorded plan first.
     ``searchable()`` gives the rows queries compare with (a new plan orders those).
 
     A recorded plan for the installed version is continued as it is (``budget`` / ``order``
-    apply only to a new plan); ``on_batch(rows)`` is called after each committed batch."""
+    apply only to a new plan); ``on_batch(rows)`` is called after each committed batch. ``window``
+    bounds this call (:mod:`.work_window`): once spent it pauses after a committed batch, the plan kept."""
     from tqdm import tqdm
 
+    clock = (window or Window()).clock()
     gallery, version = device.gallery, device.version
     if gallery.upgrade_state is not None:
         raise DeviceError("an upgrade is in progress: finish it (`fctkit device upgrade`) before backfilling")
@@ -155,7 +162,7 @@ def run_backfill(
     present = [r for r in row_ids if r in position]  # a row removed since the plan was made is moot
     done_before = [r for r in present if _is_native(rows.tags[position[r]], version)]
     todo = [position[r] for r in present if not _is_native(rows.tags[position[r]], version)]
-    downloaded = 0
+    downloaded, backfilled = 0, 0
     with (
         device.connect() as client,
         tqdm(
@@ -166,15 +173,21 @@ def run_backfill(
         ) as bar,
     ):
         for start in range(0, len(todo), batch_size):
+            if clock.spent(backfilled):
+                break
             batch = todo[start : start + batch_size]
             images, size = vault_originals(device, client, [rows.item_ids[i] for i in batch], engine)
             downloaded += size
             gallery.write_upgrades(reembedded_rows(rows, batch, gallery_vectors(engine, images), version), staged=False)
+            backfilled += len(batch)
             bar.update(len(batch))
+            clock.window.tell(len(done_before) + backfilled, len(present))
             if on_batch is not None:
                 on_batch(len(batch))
-    gallery.set_meta({PLAN_KEY: None})
-    return BackfillResult(version, plan["order"], len(row_ids), len(todo), len(done_before), downloaded)
+    if not clock.stopped:
+        gallery.set_meta({PLAN_KEY: None})
+    left = len(todo) - backfilled
+    return BackfillResult(version, plan["order"], len(row_ids), backfilled, len(done_before), downloaded, left)
 
 
 def _is_native(tag: VersionTag, version: int) -> bool:

@@ -22,6 +22,7 @@ from .item_sources import read_items
 from .rebuild import REBUILD_LEAD, rebuild_advice
 from .sqlite_file import RECOVERY
 from .upgrade_check import stored_health
+from .work_window import PAUSED_EXIT, Window, paused_report
 
 DAMAGED_EXIT = 3  # answers were given, but damaged rows were left out (see `fctkit device check`)
 STALE_EXIT = (
@@ -44,6 +45,19 @@ _NO_HEALTH = click.option(
     is_flag=True,
     help="After an upgrade, do not re-embed a sample of rows from the vault to measure its health "
     "(health_sample 0 in device.json turns it off for good).",
+)
+_MAX_SECONDS = click.option(
+    "--max-seconds",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="A background window: pause after the committed batch that ends past this many seconds (exit 5).",
+)
+_MAX_ROWS = click.option(
+    "--max-rows",
+    type=click.IntRange(min=1),
+    default=None,
+    help="A background window: pause after the committed batch that reaches this many rows (exit 5; batches "
+    "are never cut, so it may go up to one batch over).",
 )
 _KEY_PASSPHRASE = click.option(
     "--key-passphrase-env",
@@ -87,6 +101,24 @@ def _echo(data) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
 
+def _window_flags(window: Window) -> str:
+    """The window's own flags, for the command that continues."""
+    seconds = "" if window.max_seconds is None else f" --max-seconds {window.max_seconds:g}"
+    return seconds + ("" if window.max_rows is None else f" --max-rows {window.max_rows}")
+
+
+def _echo_paused(result: dict, rows_left: int, rows_total: int, command: str) -> None:
+    """Print a paused call's result with how far it is, say so on stderr and exit 5 (PAUSED_EXIT)."""
+    report = paused_report(rows_left, rows_total, command)
+    _echo({**result, **report})
+    click.echo(
+        f"paused: the window was spent; {report['rows_done']} of {rows_total} row(s) done, {rows_left} left; "
+        f"continue with `{command}`",
+        err=True,
+    )
+    sys.exit(PAUSED_EXIT)
+
+
 def _echo_report(report: dict, *, damaged: bool) -> None:
     """Print a JSON report; exit 3 (DAMAGED_EXIT) when it reports damage."""
     _echo(report)
@@ -107,6 +139,9 @@ def device_command() -> None:
       4    `status` only, when there is no damage: trust is stale ("stale: possible freeze", no
            fresh timestamp for longer than the root allows), the device clock may be wrong, or
            the trust files are damaged
+      5    `upgrade`/`backfill` only: paused, more to do. The window (--max-seconds, --max-rows)
+           was spent after a committed batch; the gallery is consistent and the output says how
+           many rows are left and the command that continues (the same command again)
       130  interrupted
     """
 
@@ -461,19 +496,34 @@ def end_transition_command(root, passphrase_env) -> None:
 )
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_NO_HEALTH
-def upgrade_command(root, passphrase_env, bundle_dirs, quiet, no_health_check) -> None:
+@_MAX_SECONDS
+@_MAX_ROWS
+def upgrade_command(root, passphrase_env, bundle_dirs, quiet, no_health_check, max_seconds, max_rows) -> None:
     """Resume an interrupted upgrade; else upgrade offline to the newest --bundle along the
     cheapest path the installed bundles offer (the first bundle of a new device is just
     installed), or, on an enrolled device, to the server's latest version. The output ends
-    with the last upgrade's health check (upgrade_health)."""
+    with the last upgrade's health check (upgrade_health).
+
+    With --max-seconds and/or --max-rows it works in a background window: once spent it pauses
+    after a committed batch (queries keep being answered: in forward mode by the version before
+    the upgrade until its switch), prints rows_done, rows_left and the command that continues,
+    and exits 5; that command resumes where it stopped."""
+    window = Window(max_seconds, max_rows)
+    windowed = max_seconds is not None or max_rows is not None
     with _open(root, passphrase_env, quiet, no_health_check) as device:
         if not bundle_dirs and device.gallery.upgrade_state is None and device.settings.server:
-            _echo(
-                _with_health(device, dataclasses.asdict(device.sync()))
-            )  # a deferred upgrade: plan it with the server now
+            synced = device.sync(upgrade=not windowed)  # a deferred upgrade: planned with the server now
+            if not windowed:
+                _echo(_with_health(device, dataclasses.asdict(synced)))
+                return  # windowed: the bundles it downloaded are upgraded to below, in this window
+        rows = device.upgrade(list(bundle_dirs) or None, window=window)
+        result = _with_health(device, {"rows_upgraded": rows, "installed_version": device.version})
+        state = device.gallery.upgrade_state
+        if state is None:
+            _echo(result)
             return
-        rows = device.upgrade(list(bundle_dirs) or None)
-        _echo(_with_health(device, {"rows_upgraded": rows, "installed_version": device.version}))
+        left, total = device.gallery.remaining(state["target"]), len(device.gallery)
+    _echo_paused(result, left, total, f"fctkit device upgrade --dir {root}{_window_flags(window)}")
 
 
 @device_command.command("status")
@@ -512,11 +562,26 @@ def status_command(root, passphrase_env) -> None:
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random and k-means orderings.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def backfill_command(root, passphrase_env, budget, budget_bytes, order, seed, quiet) -> None:
+@_MAX_SECONDS
+@_MAX_ROWS
+def backfill_command(root, passphrase_env, budget, budget_bytes, order, seed, quiet, max_seconds, max_rows) -> None:
     """Re-embed the most useful rows from their encrypted vault originals with the installed
-    model (tag: native); resumes an interrupted backfill first."""
+    model (tag: native); resumes an interrupted or paused backfill first (its recorded plan:
+    --budget and --order then apply to the next plan only).
+
+    --budget sizes the whole backfill; --max-seconds and/or --max-rows bound this call (a
+    background window): once spent it pauses after a committed batch, prints rows_done,
+    rows_left and the command that continues, and exits 5."""
+    window = Window(max_seconds, max_rows)
     with _open(root, passphrase_env, quiet) as device:
         if budget is None and budget_bytes is None and device.gallery.meta("backfill") is None:
             raise InputError("give --budget N (rows) and/or --budget-bytes B")
         order = "class-mean-l2" if order == "class-mean" else order
-        _echo(dataclasses.asdict(device.backfill(budget, budget_bytes=budget_bytes, order=order, seed=seed)))
+        result = device.backfill(budget, budget_bytes=budget_bytes, order=order, seed=seed, window=window)
+    if not result.left:
+        _echo(dataclasses.asdict(result))
+        return
+    total = result.skipped + result.backfilled + result.left
+    _echo_paused(
+        dataclasses.asdict(result), result.left, total, f"fctkit device backfill --dir {root}{_window_flags(window)}"
+    )

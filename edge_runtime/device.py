@@ -75,8 +75,10 @@ from .search import ExactIndex
 from .upgrade import DeviceUpgrade
 from .upgrade_check import HealthCheck, send_report
 from .upgrade_plan import UpgradePlan
+from .work_window import Window
 
 __all__ = ["AddedItems", "Device", "DeviceSettings", "Match", "SyncResult"]
+BundleDirs = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]  # bundle folders or .tar archives
 
 
 class Device:
@@ -415,22 +417,22 @@ class Device:
                 if max_versions is not None and seen >= max_versions:
                     return
 
-    def upgrade(self, bundle_dirs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None) -> int:
-        """Offline: resume an interrupted upgrade, or install ``bundle_dirs`` (folders or ``.tar``
-        archives, each verified, in version order) and upgrade to the newest along the cheapest
-        path the installed bundles offer from every version the gallery's rows are in (direct
-        adapters, hop by hop, "compatible" identity hops). A device with no model yet just
-        installs them. Returns the rows upgraded."""
+    def upgrade(self, bundle_dirs: BundleDirs | None = None, *, window: Window | None = None) -> int:
+        """Offline: resume an interrupted upgrade, or install ``bundle_dirs`` (folders or ``.tar`` archives, each
+        verified, in version order) and upgrade to the newest along the cheapest path the installed bundles offer from
+        every version the gallery's rows are in (direct adapters, hop by hop, "compatible" identity hops). A device
+        with no model yet just installs them. ``window`` (:mod:`.work_window`) bounds this call: once spent the
+        upgrade pauses (``gallery.upgrade_state`` stays set) and the next call resumes it. Returns the rows upgraded."""
         self._refuse_damaged_settings()
         if isinstance(bundle_dirs, (str, os.PathLike)):
             bundle_dirs = [bundle_dirs]
-        return self._upgrades().offline(bundle_dirs)
+        return self._upgrades(window=window).offline(bundle_dirs)
 
     def upgrade_with(self, plan: UpgradePlan, client: FctkitClient | None = None) -> int:
         """Record ``plan`` in the gallery and run it."""
         return self._upgrades(client).start(plan)
 
-    def _upgrades(self, client: FctkitClient | None = None) -> DeviceUpgrade:
+    def _upgrades(self, client: FctkitClient | None = None, window: Window | None = None) -> DeviceUpgrade:
         """This device's upgrades (:class:`~.upgrade.DeviceUpgrade`), reporting progress to the
         fleet service through ``client`` when given."""
         from fctkit.protos import fleet_pb2
@@ -444,6 +446,7 @@ class Device:
             after=self._upgraded,
             report=functools.partial(report, client) if client is not None else None,
             check=HealthCheck(self.parts, self.settings.device_id, self.settings.health_sample),
+            window=window,
         )
 
     def _upgraded(self) -> None:
@@ -478,12 +481,12 @@ class Device:
         seed: int = 0,
         batch_size: int = 64,
         on_batch: Callable[[int], object] | None = None,
+        window: Window | None = None,
     ) -> BackfillResult:
-        """Re-embed the rows most worth it from their vault originals (see
-        :mod:`fctkit.edge_runtime.backfill`): ``order`` one of random, uncertainty,
-        class-mean-l2, class-mean-cosine, kmeans (default: uncertainty when the bundle has
-        σ, else class-mean-l2), within ``budget`` rows and/or ``budget_bytes`` of vault
-        downloads. Resumes an interrupted backfill first."""
+        """Re-embed the rows most worth it from their vault originals (see :mod:`fctkit.edge_runtime.backfill`):
+        ``order`` one of random, uncertainty, class-mean-l2, class-mean-cosine, kmeans (default: uncertainty when
+        the bundle has σ, else class-mean-l2), within ``budget`` rows and/or ``budget_bytes`` of vault downloads.
+        Resumes an interrupted or paused backfill first; ``window`` bounds this call (:mod:`.work_window`)."""
         result = run_backfill(
             self.parts,
             lambda: self.searchable()[1],
@@ -493,6 +496,7 @@ class Device:
             seed=seed,
             batch_size=batch_size,
             on_batch=on_batch,
+            window=window,
         )
         self.search.reset()
         store_hubness_offsets(self.gallery, self.engine())
@@ -558,29 +562,25 @@ class Device:
             "trust_restored": trust,
         }
         del report["vault_originals"]  # labels and hashes: the device's business, not the report's
-        lost = result.rows_forgotten
-        if (lost or result.rows_missing) and not (self.settings.owner_id and self.settings.server):
+        lost, gone = result.rows_forgotten, result.rows_forgotten or result.rows_missing
+        if gone and not (self.settings.owner_id and self.settings.server):
             report.update(
                 replication=None,
                 next="this device has no owner's replica (not enrolled): the damaged rows are removed here",
             )
-        elif (
-            lost or result.rows_missing
-        ) and self.gallery.upgrade_state is not None:  # replication waits for the upgrade
+        elif gone and self.gallery.upgrade_state is not None:  # replication waits for the upgrade
             report.update(
                 replication=None,
                 next="finish the upgrade (`fctkit device upgrade --dir DIR`); the next sync brings the rows back",
             )
-        elif lost or result.rows_missing:
+        elif gone:
             report["replication"] = asdict(self.replicate())  # which reloads searches and stores missing offsets
         if not report.get("replication") and self.version not in bundles:
             self._rows_arrived()  # searches reload; dropped hubness offsets are computed again
         back = set(self.gallery.replica_log.load_items(valid_names(lost))[0].item_ids) if lost else set()
         from_vault = {i: result.vault_originals[i] for i in lost if i not in back and i in result.vault_originals}
-        if (
-            from_vault and online and self.gallery.upgrade_state is None and self.version not in bundles
-        ):  # the replica lacked them
-            back |= set(restore_from_vault(self.parts, from_vault))
+        if from_vault and online and self.gallery.upgrade_state is None and self.version not in bundles:
+            back |= set(restore_from_vault(self.parts, from_vault))  # the replica lacked them
             self._rows_arrived()
         report["rows_restored"] = [i for i in lost if i in back]
         report["rows_restored_from_vault"] = [i for i in from_vault if i in back]

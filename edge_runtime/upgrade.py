@@ -54,6 +54,7 @@ from .scoring import transition_for
 from .sqlite_file import file_bytes, require_room
 from .upgrade_check import UpgradeRun
 from .upgrade_plan import UpgradePlan, hop_list, plan_to, server_hops, transform_rows
+from .work_window import Window
 
 if TYPE_CHECKING:
     from fctkit.protos.client import FctkitClient
@@ -69,7 +70,9 @@ class DeviceUpgrade:
     places replica records that waited for the version and refreshes its search);
     ``report(progress)``, when given, tells the fleet service how far the rows are;
     ``check(run)``, when given, runs before ``after()`` with what the finished upgrade did (the
-    health check of :mod:`.upgrade_check`: it never raises)."""
+    health check of :mod:`.upgrade_check`: it never raises). ``window`` bounds this call's work
+    (:mod:`.work_window`): when it is spent the upgrade pauses after a committed batch, its plan
+    recorded, and the next call resumes it (:meth:`resume`, the path a crash takes)."""
 
     def __init__(
         self,
@@ -79,9 +82,11 @@ class DeviceUpgrade:
         after: Callable[[], None],
         report: Callable[[int, float], None] | None = None,
         check: Callable[[UpgradeRun], object] | None = None,
+        window: Window | None = None,
     ) -> None:
         self.parts, self.gallery, self.bundles = parts, parts.gallery, parts.bundles
         self.batch_size, self.after, self.report, self.check = batch_size, after, report, check
+        self.clock = (window or Window()).clock()
 
     def resume(self) -> int:
         """Finish the upgrade a crash interrupted (0 when none was under way), unless its target was
@@ -108,6 +113,8 @@ class DeviceUpgrade:
         """Resume, then install ``bundle_dirs`` (or apply bundles installed but never applied) and
         upgrade to the newest over the installed bundles; a device without a model just installs."""
         done = self.resume()
+        if self.gallery.upgrade_state is not None:
+            return done  # the window was spent while resuming: the rest waits for the next call
         query_version = self.parts.version
         if bundle_dirs is None:  # installed by a run that stopped before its plan (withdrawn versions are not)
             targets = not_withdrawn(self.gallery, self.parts.pending_versions())
@@ -179,7 +186,8 @@ class DeviceUpgrade:
     def finish(self, plan: UpgradePlan) -> int:
         """Run the recorded ``plan`` to its end (resuming where it stopped) and make the target the
         version answering queries: in forward mode by switching the staged vectors live, with a
-        transition when the bundle declares one. Returns the rows upgraded now."""
+        transition when the bundle declares one; unless the window is spent first (paused: the plan
+        stays recorded, nothing switches). Returns the rows upgraded now."""
         started = time.monotonic()
         engines = {b: self.bundles.engine(b) for b in {h.bundle for h in plan.hops if h.forward is not None}}
         rewrite = any(h.forward is not None for h in plan.hops)  # identity hops only (compatible): rows stay untouched
@@ -191,24 +199,31 @@ class DeviceUpgrade:
         if rewrite and plan.mode == "forward":
             self.gallery.unstage_damaged()  # staged again from their live rows below, never switched live damaged
         left = self.gallery.remaining(plan.target) if rewrite else 0
+        total = len(self.gallery)  # progress: rows in the target's space, of all rows
         if self.report is not None:
             self.report(plan.target, 0.0)
-        last_report = [time.monotonic()]
+        last_report, moved = [time.monotonic()], [0]  # a disabled bar (no progress shown) counts nothing
 
         def on_batch(rows: int) -> None:
             bar.update(rows)
+            moved[0] += rows
+            self.clock.window.tell(total - left + moved[0], total)
             if self.report is not None and time.monotonic() - last_report[0] > REPORT_EVERY_S:
-                self.report(plan.target, bar.n / max(left, 1))
+                self.report(plan.target, moved[0] / max(left, 1))
                 last_report[0] = time.monotonic()
 
         with tqdm(
             total=left, desc=f"upgrade {hop_list(plan.hops)}", unit="row", disable=not self.parts.progress or left == 0
         ) as bar:
             done = (
-                run_upgrade(self.gallery, plan, engines, batch_size=self.batch_size, on_batch=on_batch)
+                run_upgrade(
+                    self.gallery, plan, engines, batch_size=self.batch_size, on_batch=on_batch, stop=self.clock.spent
+                )
                 if rewrite
                 else 0
             )
+        if self.clock.stopped:
+            return done  # paused at a batch boundary: a consistent gallery, resumed by the next call
         if plan.mode == "forward":
             version = self.gallery.query_version
             target = self.bundles.engine(plan.target).manifest
@@ -243,9 +258,11 @@ def run_upgrade(
     *,
     batch_size: int,
     on_batch: Callable[[int], None] | None = None,
+    stop: Callable[[int], bool] | None = None,
 ) -> int:
     """Upgrade every row not yet in ``plan.target``'s space; returns the rows upgraded now.
-    ``on_batch(rows)`` is called after each committed batch.
+    ``on_batch(rows)`` is called after each committed batch; ``stop(rows taken)``, before each
+    batch, ends the run early (after the batches taken commit) when it returns True.
 
     Batches are the next ``batch_size`` pending rows in row-id order, so a restart after a
     crash (which begins again at the lowest pending row) forms the same batches as an
@@ -255,7 +272,7 @@ def run_upgrade(
     order; the fsync waits there, not here). Rows added meanwhile get higher ids and are
     picked up; a final pass from the start catches anything else before returning."""
     staged = plan.mode == "forward"
-    done, last_row_id = 0, 0
+    done, taken, last_row_id = 0, 0, 0
     reader = gallery.reader()
     writing: Future[int] | None = None
 
@@ -295,6 +312,10 @@ def run_upgrade(
                     last_row_id = 0
                     upcoming = pool.submit(reader.rows_to_upgrade, plan.target, 0, batch_size)
                     continue
+                if stop is not None and stop(taken):
+                    committed()
+                    return done
+                taken += len(batch)
                 last_row_id = int(batch.row_ids[-1])
                 upcoming = pool.submit(reader.rows_to_upgrade, plan.target, last_row_id, batch_size)
                 upgraded = _transform_batch(plan, engines, batch)
