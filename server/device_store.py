@@ -1,6 +1,6 @@
 """The fleet's devices (``devices``), the one-time enrolment codes that add them
 (``enrolment_codes``), each owner's key id (``owner_keys``) and how many reports each device sent
-in each recent second (``report_counts``, schema 12).
+in each recent second (``report_counts``, schema 12); the devices' indexes (schema 13).
 
 Every enrolment code names an owner (a fresh one unless the admin gives one) and the device it
 enrols belongs to that owner; a device reaches everything of its owner and nothing of another.
@@ -28,6 +28,13 @@ CREATE TABLE IF NOT EXISTS report_counts (
 );
 """
 REPORT_WINDOW_S = 60
+DEVICE_INDEXES = """
+CREATE INDEX IF NOT EXISTS devices_by_owner ON devices (owner_id, revoked_at, version);
+CREATE INDEX IF NOT EXISTS uploads_by_device ON uploads (device_id);
+"""
+"""Schema 13: what per-device calls look rows up by besides the tables' keys (the owner's common
+version, :data:`~.replica_compaction.COMMON_VERSION`; a revoked device's uploads), so that none of
+them reads a whole table."""
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,16 @@ gets staged rollouts and the devices' upgrade health (:mod:`.rollout_store`; exi
 have no rollout: every device is offered them); schema 10 gets withdrawals and the devices' reverts
 (:mod:`.withdrawal_store`; nothing is withdrawn); schema 11 gets the confirmed versions
 (:mod:`.rollout_store`; none is confirmed); schema 12 gets the devices' report counts of the last
-minute (:mod:`.device_store`; none yet). A database of a schema this server does not know is
+minute (:mod:`.device_store`; none yet); schema 13 gets the indexes per-device calls need
+(:data:`.device_store.DEVICE_INDEXES`). A database of a schema this server does not know is
 refused.
 
 PostgreSQL databases start at schema 6 or later: the same tables in PostgreSQL's types, created
 once under an advisory lock however many replicas start at once, the version kept in
 ``fctkit_schema``; a schema-6 database gets the upload leases the same way, and a schema-6 or 7
 one the trust tables and columns, a schema 6 to 8 one the rollout tables, a schema 6 to 9 one
-the withdrawal tables, a schema 6 to 10 one the confirmations table, and a schema 6 to 11 one
-the report counts table.
+the withdrawal tables, a schema 6 to 10 one the confirmations table, a schema 6 to 11 one
+the report counts table, and a schema 6 to 12 one the devices' indexes.
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from fctkit.errors import ConfigError
 
 from . import upload_sessions
 from .database import PostgresDatabase, SqliteDatabase
-from .device_store import REPORT_COUNTS_SCHEMA
+from .device_store import DEVICE_INDEXES, REPORT_COUNTS_SCHEMA
 from .replica_compaction import REPLICA_SCHEMA, compact_replica
 from .rollout_store import CONFIRMATION_SCHEMA, ROLLOUT_SCHEMA
 from .trust_store import TRUST_COLUMNS, TRUST_SCHEMA, add_trust_columns
 from .withdrawal_store import WITHDRAWAL_SCHEMA
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 _SCHEMA = (
     """
 CREATE TABLE IF NOT EXISTS versions (
@@ -211,6 +212,10 @@ def _report_counts(db: sqlite3.Connection) -> None:
     """Schema 11 -> 12: nothing to alter (the report counts table comes with the schema; no device reported yet)."""
 
 
+def _device_indexes(db: sqlite3.Connection) -> None:
+    """Schema 12 -> 13: nothing to alter (the devices' indexes come with the schema)."""
+
+
 _MIGRATIONS = {
     1: _add_owners,
     2: _add_replica_compaction,
@@ -223,6 +228,7 @@ _MIGRATIONS = {
     9: _withdrawals,
     10: _confirmations,
     11: _report_counts,
+    12: _device_indexes,
 }  # schema found -> the step to the next one
 
 
@@ -244,7 +250,7 @@ def open_database(path: Path) -> SqliteDatabase:
         with database.transaction():
             for step in range(found, SCHEMA_VERSION) if found else ():
                 _MIGRATIONS[step](db)
-            execute_script(db, _SCHEMA + upload_sessions.UPLOADS_SCHEMA)
+            execute_script(db, _SCHEMA + upload_sessions.UPLOADS_SCHEMA + DEVICE_INDEXES)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     except sqlite3.DatabaseError as exc:
         raise ConfigError(f"{path}: not a usable fctkit database: {exc}") from exc
@@ -277,13 +283,13 @@ def open_postgres(dsn: str, *, max_connections: int = 20) -> PostgresDatabase:
             db.execute("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
             db.execute("CREATE TABLE IF NOT EXISTS fctkit_schema (version INTEGER NOT NULL)")
             found = db.execute("SELECT MAX(version) FROM fctkit_schema").fetchone()[0] or 0
-            if found not in (0, 6, 7, 8, 9, 10, 11, SCHEMA_VERSION):
+            if found not in (0, *range(6, SCHEMA_VERSION + 1)):
                 raise ConfigError(
                     f"{redacted_dsn(dsn)}: metadata schema {found} is not the {SCHEMA_VERSION} this "
                     "server understands; run the fctkit version that wrote it"
                 )
             if found != SCHEMA_VERSION:
-                script = _SCHEMA + upload_sessions.UPLOADS_SCHEMA
+                script = _SCHEMA + upload_sessions.UPLOADS_SCHEMA + DEVICE_INDEXES
                 if found:  # the tables of today come with the schema; columns are added to older ones
                     script = (
                         (upload_sessions.ADD_LEASES + ";" if found == 6 else "")
@@ -292,7 +298,7 @@ def open_postgres(dsn: str, *, max_connections: int = 20) -> PostgresDatabase:
                         + TRUST_SCHEMA
                     )
                     script += ";" + ROLLOUT_SCHEMA + ";" + WITHDRAWAL_SCHEMA + ";" + CONFIRMATION_SCHEMA
-                    script += ";" + REPORT_COUNTS_SCHEMA
+                    script += ";" + REPORT_COUNTS_SCHEMA + ";" + DEVICE_INDEXES
                 execute_script(db, postgres_schema(script))
                 db.execute("INSERT INTO fctkit_schema VALUES (?)", (SCHEMA_VERSION,))
     except BaseException:

@@ -86,6 +86,7 @@ def test_a_schema_3_database_gets_revocation(tmp_path):
     storage.enrol("code", "2026-01-01T00:00:00.000000Z", "dev-1", "old", "token-hash")
     storage.close()
     with sqlite3.connect(tmp_path / "data" / "meta.sqlite3") as db:
+        db.execute("DROP INDEX devices_by_owner")  # schema 13's, on the column schema 3 lacks
         db.execute("ALTER TABLE devices DROP COLUMN revoked_at")
         db.execute("PRAGMA user_version=3")
     storage = SqliteStorage(tmp_path / "data")
