@@ -38,7 +38,7 @@ from fctkit.errors import ConfigError, InputError, RpcStatusError
 from . import fleet_pb2, fleet_pb2_grpc, limits, registry_pb2, registry_pb2_grpc, vault_pb2, vault_pb2_grpc
 from .bundle import MANIFEST_FILE, SIGNATURE_FILE, VerifiedBundle, check_version_is_newer, file_sha256, verify_bundle
 from .bundle_vocabulary import SIGNATURES_FILE
-from .paging import PagingBound, gather_pages
+from .paging import PagingBound, gather_pages, stream_pages
 from .resumable_transfer import Transfer, chunks_of, download_to_file, stream_download
 from .retry_policy import RetryPolicy, sleep_before_retry, status_error
 from .rollout_client import RolloutCalls
@@ -478,9 +478,17 @@ class FctkitClient(RolloutCalls, TrustCalls):
         )
         return cast(fleet_pb2.ReportResponse, self._unary(self.fleet.Report, request))
 
-    def list_devices(self) -> list[fleet_pb2.DeviceInfo]:
-        """Admin: every enrolled device (all pages)."""
-        return self._all_pages(self.fleet.ListDevices, fleet_pb2.ListDevicesRequest, "devices")
+    def list_devices(self, **filters: Any) -> list[fleet_pb2.DeviceInfo]:
+        """Admin: every enrolled device (all pages) matching ``filters``: ListDevicesRequest's
+        ``version``, ``upgrade_state``, ``stale_seconds`` and ``owner_id``."""
+        return self._all_pages(self.fleet.ListDevices, _devices_request(filters), "devices")
+
+    def device_pages(self, **filters: Any) -> Iterator[list[fleet_pb2.DeviceInfo]]:
+        """Admin: the devices matching ``filters`` (as :meth:`list_devices`), one page at a time as
+        each arrives; none is kept here."""
+        ask = self._page_asker(self.fleet.ListDevices, _devices_request(filters))
+        for page in stream_pages(ask, lambda page: page.devices, _listing_bound("devices")):
+            yield list(page.devices)
 
     def revoke_device(self, device_id: str) -> fleet_pb2.RevokeDeviceResponse:
         """Admin: revoke a device; its token stops working at once (see the Fleet service)."""
@@ -493,13 +501,28 @@ class FctkitClient(RolloutCalls, TrustCalls):
         """Follow ``next_page_token`` until the last page; return every page's ``items``
         (within :data:`fctkit.protos.limits.MAX_LISTED_ITEMS` and ``MAX_LISTED_BYTES``)."""
 
+        ask = self._page_asker(method, request_type)
+        return gather_pages(ask, lambda page: getattr(page, items), _listing_bound(items)).items
+
+    def _page_asker(self, method: Any, request_type: Any) -> Callable[[Any, int], Any]:
+        """Asks ``method`` for the page after the previous one (None: the first; None back: no more)."""
+
         def ask(previous: Any, kept: int) -> Any:
             if previous is not None and not previous.next_page_token:
                 return None
             return self._unary(method, request_type(page_token="" if previous is None else previous.next_page_token))
 
-        bound = PagingBound(items, limits.MAX_LISTED_ITEMS, limits.MAX_LISTED_BYTES, _listing_too_long)
-        return gather_pages(ask, lambda page: getattr(page, items), bound).items
+        return ask
+
+
+def _listing_bound(items: str) -> PagingBound:
+    """What one listing may bring in all (:data:`fctkit.protos.limits.MAX_LISTED_ITEMS` and ``MAX_LISTED_BYTES``)."""
+    return PagingBound(items, limits.MAX_LISTED_ITEMS, limits.MAX_LISTED_BYTES, _listing_too_long)
+
+
+def _devices_request(filters: dict[str, Any]) -> Callable[..., fleet_pb2.ListDevicesRequest]:
+    """ListDevicesRequest for one page, with ``filters`` on every page."""
+    return lambda page_token: fleet_pb2.ListDevicesRequest(page_token=page_token, **filters)
 
 
 def _listing_too_long(message: str) -> RpcStatusError:

@@ -165,12 +165,20 @@ class DeviceInfo(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., name: _Optional[str] = ..., label: _Optional[str] = ..., enrolled_at: _Optional[str] = ..., last_report_at: _Optional[str] = ..., version: _Optional[int] = ..., gallery_size: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., target_version: _Optional[int] = ..., progress: _Optional[float] = ..., detail: _Optional[str] = ..., vault_bytes: _Optional[int] = ..., vault_blobs: _Optional[int] = ..., owner_id: _Optional[str] = ..., revoked_at: _Optional[str] = ..., root_version: _Optional[int] = ..., trust_stale: _Optional[bool] = ..., seconds_since_fresh: _Optional[int] = ...) -> None: ...
 
 class ListDevicesRequest(_message.Message):
-    __slots__ = ("page_size", "page_token")
+    __slots__ = ("page_size", "page_token", "version", "upgrade_state", "stale_seconds", "owner_id")
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPGRADE_STATE_FIELD_NUMBER: _ClassVar[int]
+    STALE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     page_size: int
     page_token: str
-    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    version: int
+    upgrade_state: UpgradeState
+    stale_seconds: int
+    owner_id: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., version: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., stale_seconds: _Optional[int] = ..., owner_id: _Optional[str] = ...) -> None: ...
 
 class ListDevicesResponse(_message.Message):
     __slots__ = ("devices", "next_page_token")

@@ -91,7 +91,8 @@ class FleetServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListDevices(self, request, context):
-        """Admin only: devices in enrolment order, 500 at most per page.
+        """Admin only: devices in enrolment order, 500 at most per page, filtered by version, upgrade
+        state, staleness and owner in the database (keyset pages: a page holds only matching devices).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -9,7 +9,7 @@ from a page keeps the whole page in memory, so what the server sent is what the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -49,24 +49,37 @@ class Pages(Generic[Page, Item]):
     items: list[Item]
 
 
+def stream_pages(
+    ask: Callable[[Page | None, int], Page | None],
+    items_of: Callable[[Page], Sequence[Item]],
+    bound: PagingBound,
+) -> Iterator[Page]:
+    """Each page ``ask(previous page, items so far)`` answers (``None`` for the first; it returns
+    ``None`` once the previous page was the last), as it arrives, checked against ``bound``: what
+    all pages brought is counted, none is kept here."""
+    last: Page | None = None
+    items = size = 0
+    while (page := ask(last, items)) is not None:
+        if last is not None and not items_of(last):
+            raise bound.error(f"the server sent a page of no {bound.what} and asks for more: refused (endless paging)")
+        items += len(items_of(page))
+        size += page.ByteSize()
+        bound.check(items, size)
+        yield page
+        last = page
+
+
 def gather_pages(
     ask: Callable[[Page | None, int], Page | None],
     items_of: Callable[[Page], Sequence[Item]],
     bound: PagingBound,
 ) -> Pages[Page, Item]:
-    """Every page ``ask(previous page, items kept so far)`` answers (``None`` for the first; it
-    returns ``None`` once the previous page was the last) and their ``items_of``, within ``bound``."""
+    """Every page :func:`stream_pages` brings and their ``items_of``, kept in order."""
     found: list[Item] = []
     first: Page | None = None
     last: Page | None = None
-    size = 0
-    while (page := ask(last, len(found))) is not None:
-        if last is not None and not items_of(last):
-            raise bound.error(f"the server sent a page of no {bound.what} and asks for more: refused (endless paging)")
-        items = items_of(page)
-        size += page.ByteSize()
-        bound.check(len(found) + len(items), size)
-        found.extend(items)
+    for page in stream_pages(ask, items_of, bound):
+        found.extend(items_of(page))
         first = page if first is None else first
         last = page
     assert first is not None and last is not None  # ask answers the first call with a page

@@ -9,6 +9,8 @@ import asyncio
 import json
 import os
 import tempfile
+import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -346,30 +348,75 @@ def publish_root_command(connect, root_file: Path) -> None:
     click.echo(f"published root v{response.root_version} (fingerprint {response.fingerprint})")
 
 
+_DEVICE_COLUMNS = (
+    "device_id",
+    "owner_id",
+    "name",
+    "version",
+    "gallery_size",
+    "upgrade_state",
+    "last_report_at",
+    "vault_bytes",
+    "revoked_at",
+    "root_version",
+    "trust",
+)
+_STATES = ("idle", "downloading", "upgrading", "backfilling", "failed")
+
+
 @admin_command.command("list-devices")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (one array) instead of a table.")
+@click.option("--version", "version", type=click.IntRange(min=0), help="Only devices at this version (0: none yet).")
+@click.option("--state", type=click.Choice(_STATES), help="Only devices in this reported upgrade state.")
+@click.option(
+    "--stale",
+    "stale_days",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Only devices that sent no report for more than DAYS days (never reported: enrolled that long ago).",
+)
+@click.option("--owner", default="", help="Only this owner's devices.")
 @click.pass_obj
-def list_devices_command(connect, as_json: bool) -> None:
-    """Every enrolled device with its version, gallery size and upgrade state."""
+def list_devices_command(
+    connect, as_json: bool, version: int | None, state: str | None, stale_days: float | None, owner: str
+) -> None:
+    """The enrolled devices matching every filter given, with their version, gallery size and
+    upgrade state; each page is printed as it arrives (filtered by the server)."""
+    filters: dict = {"owner_id": owner}
+    if version is not None:
+        filters["version"] = version
+    if state is not None:
+        filters["upgrade_state"] = f"UPGRADE_STATE_{state.upper()}"
+    if stale_days is not None:
+        filters["stale_seconds"] = max(1, round(stale_days * 86400))
     with connect() as client:
-        rows = [_as_dict(d) for d in client.list_devices()]
-    if not as_json:
-        for row in rows:
+        pages = ([_as_dict(d) for d in page] for page in client.device_pages(**filters))
+        (_stream_json if as_json else _stream_table)(pages)
+
+
+def _stream_json(pages: Iterator[list[dict]]) -> None:
+    """One JSON array of every page's devices, written page by page."""
+    click.echo("[", nl=False)
+    separator = "\n"
+    for page in pages:
+        for row in page:
+            click.echo(separator + textwrap.indent(json.dumps(row, indent=2), "  "), nl=False)
+            separator = ",\n"
+    click.echo("\n]" if separator != "\n" else "]")
+
+
+def _stream_table(pages: Iterator[list[dict]]) -> None:
+    """A table of every page's devices, columns as wide as the first page needs, written page by page."""
+    widths: list[int] = []
+    for page in pages:
+        for row in page:
             row["trust"] = _trust_state(row)
-    columns = (
-        "device_id",
-        "owner_id",
-        "name",
-        "version",
-        "gallery_size",
-        "upgrade_state",
-        "last_report_at",
-        "vault_bytes",
-        "revoked_at",
-        "root_version",
-        "trust",
-    )
-    _emit(rows, as_json, columns)
+        if not widths and page:
+            widths = [max(len(c), *(len(str(r.get(c, ""))) for r in page)) for c in _DEVICE_COLUMNS]
+            click.echo("  ".join(c.ljust(w) for c, w in zip(_DEVICE_COLUMNS, widths)))
+        for row in page:
+            click.echo("  ".join(str(row.get(c, "")).ljust(w) for c, w in zip(_DEVICE_COLUMNS, widths)))
+    if not widths:
+        click.echo("(none)")
 
 
 def _trust_state(device: dict) -> str:

@@ -31,10 +31,13 @@ REPORT_WINDOW_S = 60
 DEVICE_INDEXES = """
 CREATE INDEX IF NOT EXISTS devices_by_owner ON devices (owner_id, revoked_at, version);
 CREATE INDEX IF NOT EXISTS uploads_by_device ON uploads (device_id);
+CREATE INDEX IF NOT EXISTS devices_by_version ON devices (version, seq);
+CREATE INDEX IF NOT EXISTS devices_by_state ON devices (upgrade_state, seq);
 """
 """Schema 13: what per-device calls look rows up by besides the tables' keys (the owner's common
 version, :data:`~.replica_compaction.COMMON_VERSION`; a revoked device's uploads), so that none of
-them reads a whole table."""
+them reads a whole table; schema 14: what a filtered device listing pages through (:class:`DeviceFilter`:
+a version's or an upgrade state's devices in enrolment order; an owner's come by ``devices_by_owner``)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,30 @@ class DeviceRecord:
     vault_blobs: int
     owner_id: str = ""
     revoked_at: str | None = None
+
+
+@dataclass(frozen=True)
+class DeviceFilter:
+    """Which devices a listing keeps: those matching every field given (None: any)."""
+
+    version: int | None = None
+    upgrade_state: int | None = None
+    reported_before: str | None = None  # stale: no report since (never reported: enrolled before) this time
+    owner_id: str | None = None
+
+    def where(self) -> tuple[str, tuple]:
+        """The filter's conditions on ``devices d``, each led by ``AND``, and their parameters."""
+        conditions = (
+            ("d.version=?", self.version),
+            ("d.upgrade_state=?", self.upgrade_state),
+            ("COALESCE(d.last_report_at, d.enrolled_at)<?", self.reported_before),
+            ("d.owner_id=?", self.owner_id),
+        )
+        given = [(condition, value) for condition, value in conditions if value is not None]
+        return "".join(f" AND {condition}" for condition, _ in given), tuple(value for _, value in given)
+
+
+ANY_DEVICE = DeviceFilter()
 
 
 class OwnerKeyMismatch(Exception):
@@ -224,8 +251,10 @@ class DeviceStore:
             )
         ]
 
-    def list_devices(self, after_seq: int, limit: int) -> list[DeviceRecord]:
-        return self._devices("WHERE d.seq>? ORDER BY d.seq LIMIT ?", (after_seq, limit))
+    def list_devices(self, after_seq: int, limit: int, match: DeviceFilter = ANY_DEVICE) -> list[DeviceRecord]:
+        """Up to ``limit`` devices enrolled after ``after_seq`` that ``match``, in enrolment order."""
+        conditions, params = match.where()
+        return self._devices(f"WHERE d.seq>?{conditions} ORDER BY d.seq LIMIT ?", (after_seq, *params, limit))
 
     def _devices(self, where: str, params: tuple) -> list[DeviceRecord]:
         rows = self._db.execute(

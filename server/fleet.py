@@ -46,7 +46,7 @@ from .rollout.report_checks import (
     revert_report,
 )
 from .rollout_store import HALTED, Rollout
-from .storage import DeviceRecord, DeviceReport, OwnerKeyMismatch, Storage
+from .storage import DeviceFilter, DeviceRecord, DeviceReport, OwnerKeyMismatch, Storage
 from .validation import counter_field, invalid, page_size, sha256_field, text_field, timestamp
 
 COMPACTION_PAGE_ITEMS = 2000  # item ids per replica compaction transaction (~50 ms on the reference box)
@@ -85,6 +85,22 @@ def device_info(record: DeviceRecord) -> fleet_pb2.DeviceInfo:
         root_version=report.root_version,
         trust_stale=report.trust_stale,
         seconds_since_fresh=report.seconds_since_fresh,
+    )
+
+
+def device_filter(request: fleet_pb2.ListDevicesRequest) -> DeviceFilter:
+    """The devices a ListDevices request keeps, checked (INVALID_ARGUMENT for a value out of range)."""
+    state = request.upgrade_state
+    if state not in fleet_pb2.UpgradeState.values():
+        raise invalid(f"upgrade_state {state} is not one of IDLE, DOWNLOADING, UPGRADING, BACKFILLING, FAILED")
+    if request.stale_seconds > MAX_SECONDS_SINCE_FRESH:
+        raise invalid(f"stale_seconds is {request.stale_seconds}; at most {MAX_SECONDS_SINCE_FRESH} (100 years)")
+    owner_id = text_field(request.owner_id, "owner_id")
+    return DeviceFilter(
+        version=request.version if request.HasField("version") else None,
+        upgrade_state=state or None,
+        reported_before=timestamp(after_s=-request.stale_seconds) if request.stale_seconds else None,
+        owner_id=owner_id or None,
     )
 
 
@@ -301,7 +317,7 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
             raise invalid("page_token must come from a previous ListDevices response") from None
         if not 0 <= after <= limits.MAX_UINT63:
             raise invalid("page_token must come from a previous ListDevices response")
-        records = self._storage.list_devices(after, limit + 1)
+        records = self._storage.list_devices(after, limit + 1, device_filter(request))
         page = records[:limit]
         return fleet_pb2.ListDevicesResponse(
             devices=[device_info(r) for r in page],

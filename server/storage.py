@@ -40,7 +40,7 @@ from fctkit.errors import ConfigError
 from .blob_store import BlobRecord, BlobStore
 from .content_store import Contents, ContentStore
 from .database import Database
-from .device_store import DeviceRecord, DeviceReport, DeviceStore, OwnerKeyMismatch
+from .device_store import ANY_DEVICE, DeviceFilter, DeviceRecord, DeviceReport, DeviceStore, OwnerKeyMismatch
 from .partial_uploads import PartialFiles, PartialUploads
 from .replica_store import PushOutcome, ReplicaQuotaExceeded, ReplicaRecord, ReplicaStore
 from .rollout_store import DeviceState, HealthReport, Rollout, RolloutStore
@@ -52,6 +52,7 @@ from .withdrawal_store import StoredWithdrawal, WithdrawalOutcome, WithdrawalSto
 
 __all__ = [
     "BlobRecord",
+    "DeviceFilter",
     "DeviceRecord",
     "DeviceReport",
     "OwnerKeyMismatch",
@@ -155,7 +156,7 @@ class Storage(Protocol):
     def device_owners(self, device_ids: Collection[str]) -> dict[str, str]: ...
     def revoke_device(self, device_id: str, now: str) -> tuple[str, str | None] | None: ...
     def compact_replica_page(self, owner_id: str, after_item: str, limit: int) -> str | None: ...
-    def list_devices(self, after_seq: int, limit: int) -> list[DeviceRecord]: ...
+    def list_devices(self, after_seq: int, limit: int, match: DeviceFilter = ...) -> list[DeviceRecord]: ...
 
     def counts(self) -> dict[str, int]: ...
     def collect_garbage(self) -> dict[str, int]: ...
@@ -402,8 +403,8 @@ class ServerStorage:
     def revoke_device(self, device_id: str, now: str) -> tuple[str, str | None] | None:
         return self._devices.revoke_device(device_id, now)
 
-    def list_devices(self, after_seq: int, limit: int) -> list[DeviceRecord]:
-        return self._devices.list_devices(after_seq, limit)
+    def list_devices(self, after_seq: int, limit: int, match: DeviceFilter = ANY_DEVICE) -> list[DeviceRecord]:
+        return self._devices.list_devices(after_seq, limit, match)
 
     # -- housekeeping -----------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ have no rollout: every device is offered them); schema 10 gets withdrawals and t
 (:mod:`.withdrawal_store`; nothing is withdrawn); schema 11 gets the confirmed versions
 (:mod:`.rollout_store`; none is confirmed); schema 12 gets the devices' report counts of the last
 minute (:mod:`.device_store`; none yet); schema 13 gets the indexes per-device calls need
-(:data:`.device_store.DEVICE_INDEXES`). A database of a schema this server does not know is
+and schema 14 those of filtered device listings (:data:`.device_store.DEVICE_INDEXES`). A database of a schema this server does not know is
 refused.
 
 PostgreSQL databases start at schema 6 or later: the same tables in PostgreSQL's types, created
@@ -21,7 +21,7 @@ once under an advisory lock however many replicas start at once, the version kep
 ``fctkit_schema``; a schema-6 database gets the upload leases the same way, and a schema-6 or 7
 one the trust tables and columns, a schema 6 to 8 one the rollout tables, a schema 6 to 9 one
 the withdrawal tables, a schema 6 to 10 one the confirmations table, a schema 6 to 11 one
-the report counts table, and a schema 6 to 12 one the devices' indexes.
+the report counts table, and a schema 6 to 13 one the devices' indexes.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from .rollout_store import CONFIRMATION_SCHEMA, ROLLOUT_SCHEMA
 from .trust_store import TRUST_COLUMNS, TRUST_SCHEMA, add_trust_columns
 from .withdrawal_store import WITHDRAWAL_SCHEMA
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 _SCHEMA = (
     """
 CREATE TABLE IF NOT EXISTS versions (
@@ -213,7 +213,7 @@ def _report_counts(db: sqlite3.Connection) -> None:
 
 
 def _device_indexes(db: sqlite3.Connection) -> None:
-    """Schema 12 -> 13: nothing to alter (the devices' indexes come with the schema)."""
+    """Schema 12 -> 13 and 13 -> 14: nothing to alter (the devices' indexes come with the schema)."""
 
 
 _MIGRATIONS = {
@@ -229,6 +229,7 @@ _MIGRATIONS = {
     10: _confirmations,
     11: _report_counts,
     12: _device_indexes,
+    13: _device_indexes,
 }  # schema found -> the step to the next one
 
 

@@ -1,6 +1,6 @@
 """Per-device calls read no whole table (issue 49), on both storage backends, pinned by query plans
 rather than timings: every statement that real Enrol, Report, ListVersions, PlanUpgrade and
-RevokeDevice calls run (recorded in an in-process server, called over gRPC on loopback) is planned
+RevokeDevice calls run, and filtered ListDevices pages, (recorded in an in-process server, called over gRPC on loopback) is planned
 on an index by SQLite's ``EXPLAIN QUERY PLAN`` and PostgreSQL's ``EXPLAIN`` (with sequential scans
 off, so that a missing index shows even on small tables); a schema-12 database gets the devices'
 owner index."""
@@ -195,6 +195,54 @@ def test_per_device_calls_read_no_whole_table(
     else:
         scans = postgres_scans(str(config.database), statements)
     assert {sql: tables for sql, tables in scans.items() if tables} == {}
+
+
+def filtered_listings(target: str, recorded: list[Statement]) -> list[Statement]:
+    """The statements of ListDevices pages filtered by version, state, staleness and owner (two devices enrolled)."""
+    server = _Target(target)
+    for name in ("first", "second"):
+        enrolled_client(server, owner="own-shared", name=name)[0].close()
+    recorded.clear()
+    with FctkitClient(target, ADMIN_TOKEN) as admin:
+        for filters in LISTING_FILTERS:
+            list(admin.device_pages(page_size=1, **filters))
+    return [(sql, params) for sql, params in recorded if _plannable(sql)]
+
+
+LISTING_FILTERS: tuple[dict[str, Any], ...] = (
+    {"version": 0},
+    {"upgrade_state": fleet_pb2.UPGRADE_STATE_IDLE},
+    {"stale_seconds": 60},
+    {"owner_id": "own-shared"},
+)
+
+
+def test_filtered_device_listings_page_on_an_index(
+    tmp_path, backend, publisher_pub, admin_token_file, recorded
+) -> None:
+    data_dir = tmp_path / "data"
+    config = server_config(backend, data_dir, publisher_pub, admin_token_file)
+    with in_process_server(config) as target:
+        statements = filtered_listings(target, recorded)
+    for condition in ("d.version=?", "d.upgrade_state=?", "COALESCE(d.last_report_at", "d.owner_id=?"):
+        assert any(f"WHERE d.seq>? AND {condition}" in sql for sql, _ in statements), condition
+    if backend.name == "sqlite":
+        scans = sqlite_scans(data_dir, statements)
+        plans = sqlite_plans(data_dir, statements)
+        assert any("devices_by_version" in plan for sql, plan in plans.items() if "d.version=?" in sql)
+        assert any("devices_by_state" in plan for sql, plan in plans.items() if "d.upgrade_state=?" in sql)
+    else:
+        scans = postgres_scans(str(config.database), statements)
+    assert {sql: tables for sql, tables in scans.items() if tables} == {}
+
+
+def sqlite_plans(data_dir: Path, statements: list[Statement]) -> dict[str, str]:
+    """Statement -> its SQLite query plan, one line per step."""
+    with contextlib.closing(sqlite3.connect(data_dir / "meta.sqlite3")) as db:
+        return {
+            sql: "\n".join(row[3] for row in db.execute("EXPLAIN QUERY PLAN " + sql, params))
+            for sql, params in statements
+        }
 
 
 def test_a_schema_12_database_gets_the_devices_owner_index(tmp_path, open_storage, backend) -> None:
