@@ -32,41 +32,9 @@ import urllib.request
 from pathlib import Path
 
 from _loopback import LoopbackServer, report
+from server_load import weights_bundle
 
-from fctkit.protos.bundle import pack_bundle
-
-
-def tiny_bundle(folder: Path, key) -> Path:
-    """A signed v1 bundle whose embed graph is one 16 x 8 MatMul."""
-    import numpy as np
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    from fctkit.export.bundle_builder import ArtifactSource, build_bundle
-
-    weight = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["image", "W"], ["embedding"])],
-        "tiny",
-        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 16])],
-        [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", 8])],
-        initializer=[numpy_helper.from_array(weight, "W")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    folder.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(folder / "embed.onnx"))
-    return build_bundle(
-        folder / "v1",
-        version=1,
-        parents=(),
-        mode="forward",
-        distance="cosine",
-        normalize=True,
-        artifacts=[ArtifactSource(folder / "embed.onnx", "embed")],
-        gate={"cases": {}, "ecc": {}},
-        private_key=key,
-    ).root
+TINY_MIB = 16 * 8 * 4 / (1 << 20)  # a 16 x 8 MatMul: the bundle is not what this measures
 
 
 def scrape(url: str, threads: int, go, stop, scraped) -> None:
@@ -160,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fctkit-metrics-scrape-") as scratch:
         work = Path(scratch)
         with LoopbackServer(work, "--metrics-port", "0") as server:
-            archive = pack_bundle(tiny_bundle(work / "bundle", server.key), work / "v1.tar")
+            archive = weights_bundle(work / "bundle", TINY_MIB, server.key)
             with server.admin() as admin:
                 admin.publish_bundle(archive, rollout_percent=50.0)
             result = measure(server, metrics_port_of(server), args)

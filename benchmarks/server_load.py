@@ -48,8 +48,9 @@ class _HashingSink:
 # -- the two servers -------------------------------------------------------------------------
 
 
-def _big_bundle(folder: Path, size_mib: float, key) -> Path:
-    """A signed bundle whose embed graph holds ``size_mib`` MiB of float32 weights."""
+def weights_bundle(folder: Path, size_mib: float, key) -> Path:
+    """A signed, packed v1 bundle whose embed graph is one MatMul holding ``size_mib`` MiB of
+    float32 weights (8 outputs)."""
     import numpy as np
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -69,6 +70,7 @@ def _big_bundle(folder: Path, size_mib: float, key) -> Path:
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
+    folder.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(folder / "embed.onnx"))
     bundle = build_bundle(
         folder / "bundle",
@@ -256,7 +258,7 @@ def main() -> None:
         public_key_path = save_public_key(key.public_key(), folder / "publisher.pub")
         token_file = folder / "admin.token"
         token_file.write_text("fcta_" + "benchmark-admin-token-" * 3)
-        archive = _big_bundle(folder, args.size_mib, key)
+        archive = weights_bundle(folder, args.size_mib, key)
         server, port = _start_fctkit_server(folder, public_key_path, token_file)
         ctx = multiprocessing.get_context("spawn")
         plain_port = ctx.Queue()
