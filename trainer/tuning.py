@@ -135,17 +135,14 @@ class HeldOutFit:
     holdout: Holdout
 
 
-def fit_on_holdout(
-    config: PipelineConfig, fit_part_adapter: Adapter, holdout: Holdout, variant: str, section: Any = None
-) -> HeldOutFit:
+def fit_on_holdout(config: PipelineConfig, fit_part_adapter: Adapter, holdout: Holdout, variant: str) -> HeldOutFit:
     """Like the final fit of ``variant``, but from ``fit_part_adapter`` (the method fitted on the
-    fit part): a copy of it, trained on the fit part's query positives (with ``section``, default
-    the run's) when the variant was."""
+    fit part): a copy of it, trained on the fit part's query positives when the variant was."""
     copied = copy.deepcopy(fit_part_adapter)
     joint = joint_fit_of(variant)
     if joint is None:
         return HeldOutFit(copied, holdout)
-    return HeldOutFit(fit_on_positives(config, section or joint_section(config, joint), copied, holdout.fit), holdout)
+    return HeldOutFit(fit_on_positives(config, joint_section(config, joint), copied, holdout.fit), holdout)
 
 
 def joint_section(config: PipelineConfig, joint: str) -> QueryPositivesConfig:
