@@ -1,5 +1,5 @@
-"""Per-device calls against fleet size: real gRPC Reports to a real `fctkit serve` whose devices
-table holds 1k, 10k and 100k devices (issue 49: a Report must not grow with the fleet).
+"""Per-device and status calls against fleet size: real gRPC calls to a real `fctkit serve` whose
+devices table holds 1k, 10k and 100k devices (issue 49: a per-device call must not grow with the fleet).
 
     python benchmarks/fleet_scale.py                     # SQLite, 1k / 10k / 100k devices
     python benchmarks/fleet_scale.py --million           # and 1M
@@ -7,9 +7,18 @@ table holds 1k, 10k and 100k devices (issue 49: a Report must not grow with the 
 
 For each size the metadata database is created and filled directly with ``size`` devices in the
 rows enrolment and reports write (``dev-`` ids, token hashes, owners of one to four devices,
-reported versions), then the server starts on it, four devices are enrolled into one owner
-through the API, and each sends Reports in turn (``--reports`` timed, after a warm-up). The
-median latency per size is printed with its ratio to the smallest size of the same run.
+reported versions) and, for the devices inside a 10% rollout of version 2, the health reports
+they would have sent for it. Then the server starts on it, v1 is published and v2 staged at 10%
+with a guard, four devices are enrolled into one owner through the API and put in v2's cohort,
+and each call is timed ``--reports`` times after a warm-up:
+
+- ``Report``: a plain report (version, gallery size, state);
+- ``Report + health``: a report carrying a health for v2, which the guard judges;
+- ``ListVersions``: what a device is offered;
+- ``GetRollout``: v2's rollout status (an admin call, not per device: it counts the whole
+  fleet's devices in the rollout, so it still grows with the fleet).
+
+The median latency per call and size is printed with its ratio to the smallest size of the same run.
 """
 
 from __future__ import annotations
@@ -33,6 +42,12 @@ from fctkit.protos.client import FctkitClient
 
 BATCH = 20_000
 DEVICE_COLUMNS = "device_id, token_hash, name, label, enrolled_at, owner_id, last_report_at, version, gallery_size"
+HEALTH_COLUMNS = (
+    "device_id, version, rows_upgraded, failures, seconds, sample_size, mean_cosine, p10_cosine, recall_at_1, "
+    "mean_reciprocal_rank, reported_at"
+)
+STAGED_VERSION, STAGED_PERCENT = 2, 10.0
+CALLS = ("Report", "Report + health", "ListVersions", "GetRollout")
 
 
 def device_rows(size: int) -> Iterator[tuple]:
@@ -44,39 +59,88 @@ def device_rows(size: int) -> Iterator[tuple]:
         yield (f"dev-{digest[:16]}", digest, f"device {k}", "bench", at, f"own-{owner}", at, k % 3, 100 + k % 50)
 
 
-def fill(storage: object, size: int) -> None:
-    """Insert ``size`` devices straight into the storage's metadata database."""
-    db = storage._db  # type: ignore[attr-defined]  # the benchmark writes the table the API writes
-    rows = device_rows(size)
-    marks = ", ".join("?" * len(DEVICE_COLUMNS.split(", ")))
+def health_rows(size: int) -> Iterator[tuple]:
+    """The health reports for v2 of the devices inside its 10% rollout (as record_health stores them)."""
+    from fctkit.server.rollout import bucket
+
+    for row in device_rows(size):
+        device_id = row[0]
+        if bucket(device_id, STAGED_VERSION) < STAGED_PERCENT:
+            cosine = 0.85 + (int(device_id[-2:], 16) % 10) / 100
+            yield (device_id, STAGED_VERSION, 100, 0, 1.0, 32, cosine, cosine - 0.1, 0.95, 0.97, "2025-01-02T00:00:00Z")
+
+
+def _insert(db, table: str, columns: str, rows: Iterator[tuple]) -> None:
+    marks = ", ".join("?" * len(columns.split(", ")))
     while batch := [row for _, row in zip(range(BATCH), rows, strict=False)]:
         with db.transaction():
-            db.executemany(f"INSERT INTO devices ({DEVICE_COLUMNS}) VALUES ({marks})", batch)
+            db.executemany(f"INSERT INTO {table} ({columns}) VALUES ({marks})", batch)
+
+
+def fill(storage: object, size: int) -> None:
+    """Insert ``size`` devices, and the health reports of those in v2's rollout, straight into the
+    storage's metadata database."""
+    db = storage._db  # type: ignore[attr-defined]  # the benchmark writes the tables the API writes
+    _insert(db, "devices", DEVICE_COLUMNS, device_rows(size))
+    _insert(db, "device_health", HEALTH_COLUMNS, health_rows(size))
     if type(db).__name__ == "PostgresDatabase":
-        db.execute("ANALYZE devices")  # what autovacuum does after such growth
+        db.execute("ANALYZE devices, device_health")  # what autovacuum does after such growth
 
 
-def timed_reports(server: LoopbackServer, reports: int) -> list[float]:
-    """Seconds per Report of four devices of one owner, taking turns."""
-    clients = []
+def staged(server: LoopbackServer) -> list[FctkitClient]:
+    """Publish v1, stage v2 at 10% with a guard, enrol four devices of one owner into its cohort."""
+    from fctkit.protos.bundle import pack_bundle
+    from tests.server.conftest import chain_bundle
+
+    with server.admin() as admin:
+        for version in (1, STAGED_VERSION):
+            archive = pack_bundle(
+                chain_bundle(server.work / "bundles", version, server.key), server.work / f"v{version}.tar"
+            )
+            admin.publish_bundle(archive, rollout_percent=STAGED_PERCENT if version == STAGED_VERSION else None)
+    clients, cohort = [], []
     for k in range(4):
         with FctkitClient(server.target) as anonymous:
-            clients.append(FctkitClient(server.target, anonymous.enrol(server.code("own-bench"), f"b{k}").token))
-    seconds = []
+            enrolment = anonymous.enrol(server.code("own-bench"), f"b{k}")
+        clients.append(FctkitClient(server.target, enrolment.token))
+        cohort.append(enrolment.device_id)
+    with server.admin() as admin:  # the guard's votes are counted here, once, from the health rows
+        admin.set_rollout(STAGED_VERSION, cohort=cohort, halt_below=0.5, halt_min_devices=3)
+    return clients
+
+
+def timed_calls(server: LoopbackServer, reports: int) -> dict[str, list[float]]:
+    """Seconds per call (:data:`CALLS`), the devices taking turns."""
+    clients = staged(server)
+    health = fleet_pb2.UpgradeHealth(
+        version=STAGED_VERSION, rows_upgraded=100, seconds=1.0, sample_size=16, mean_cosine=0.9, p10_cosine=0.8,
+        recall_at_1=0.95, mean_reciprocal_rank=0.97,
+    )  # fmt: skip
+    admin = server.admin()
+    calls = {
+        "Report": lambda k: clients[k % 4].report(STAGED_VERSION, 100, fleet_pb2.UPGRADE_STATE_IDLE),
+        "Report + health": lambda k: clients[k % 4].report(
+            STAGED_VERSION, 100, fleet_pb2.UPGRADE_STATE_IDLE, health=health
+        ),
+        "ListVersions": lambda k: clients[k % 4].list_versions(),
+        "GetRollout": lambda k: admin.rollout_status(STAGED_VERSION),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in CALLS}
     try:
-        for k in range(reports + 8):  # the first 8: warm-up
-            started = time.perf_counter()
-            clients[k % 4].report(0, k, fleet_pb2.UPGRADE_STATE_IDLE)
-            if k >= 8:
-                seconds.append(time.perf_counter() - started)
+        for name, call in calls.items():
+            for k in range(reports + 8):  # the first 8: warm-up
+                started = time.perf_counter()
+                call(k)
+                if k >= 8:
+                    seconds[name].append(time.perf_counter() - started)
     finally:
-        for client in clients:
+        for client in [*clients, admin]:
             client.close()
     return seconds
 
 
-def measure(work: Path, size: int, reports: int, storage_args: Sequence[str], open_storage) -> float:
-    """The median Report latency (seconds) with ``size`` devices enrolled."""
+def measure(work: Path, size: int, reports: int, storage_args: Sequence[str], open_storage) -> dict[str, float]:
+    """The median latency (seconds) of each call with ``size`` devices enrolled."""
     server = LoopbackServer(work, storage=storage_args)
     server.data_dir.mkdir(parents=True, exist_ok=True)
     storage = open_storage(server.data_dir)
@@ -85,7 +149,7 @@ def measure(work: Path, size: int, reports: int, storage_args: Sequence[str], op
     finally:
         storage.close()
     with server:
-        return statistics.median(timed_reports(server, reports))
+        return {name: statistics.median(s) for name, s in timed_calls(server, reports).items()}
 
 
 def sqlite_backend(work: Path, size: int):
@@ -116,16 +180,23 @@ def postgres_backend(stack: ExitStack, work: Path):
     return backend
 
 
-def table(name: str, medians: dict[int, float]) -> str:
-    smallest = min(medians)
-    lines = [f"{name}: median Report latency", "| devices | median ms | × smallest |", "|---:|---:|---:|"]
-    lines += [f"| {n:,} | {s * 1e3:.2f} | {s / medians[smallest]:.2f} |" for n, s in medians.items()]
+def table(name: str, medians: dict[int, dict[str, float]]) -> str:
+    sizes = list(medians)
+    smallest = sizes[0]
+    lines = [
+        f"{name}: median latency, ms (× the smallest fleet)",
+        "| call | " + " | ".join(f"{n:,} devices" for n in sizes) + " |",
+        "|---|" + "---:|" * len(sizes),
+    ]
+    for call in CALLS:
+        cells = [f"{medians[n][call] * 1e3:.2f} (×{medians[n][call] / medians[smallest][call]:.2f})" for n in sizes]
+        lines.append(f"| {call} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reports", type=int, default=60, help="timed Reports per size (default 60)")
+    parser.add_argument("--reports", type=int, default=60, help="timed calls of each kind per size (default 60)")
     parser.add_argument("--million", action="store_true", help="add 1,000,000 devices to the sizes")
     parser.add_argument("--postgres", action="store_true", help="measure PostgreSQL + S3 as well")
     args = parser.parse_args()
@@ -140,7 +211,8 @@ def main() -> None:
                 work = Path(tmp) / f"{name}-{size}"
                 storage_args, opener = backend(work, size)
                 medians[size] = measure(work, size, args.reports, storage_args, opener)
-                print(f"{name} {size:,} devices: {medians[size] * 1e3:.2f} ms", flush=True)
+                shown = ", ".join(f"{call} {s * 1e3:.2f} ms" for call, s in medians[size].items())
+                print(f"{name} {size:,} devices: {shown}", flush=True)
             print(table(name, medians), flush=True)
 
 

@@ -58,7 +58,7 @@ from fctkit.edge_runtime.revert_records import last_revert
 from fctkit.edge_runtime.upgrade_check import stored_health
 from fctkit.protos.bundle import pack_bundle
 from fctkit.protos.trust.withdrawal import write_withdrawal
-from fctkit.server.rollout.offers import bucket
+from fctkit.server.rollout import bucket
 
 V2_STAGES = (5.0, 25.0, 100.0)
 

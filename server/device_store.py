@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from . import upload_sessions
 from .database import Database
+from .guard_votes import refresh_device_votes
 from .replica_compaction import common_version, unique_chunks
 
 REPORT_COUNTS_SCHEMA = """
@@ -204,16 +205,6 @@ class DeviceStore:
             )
         return None
 
-    def device_owners(self, device_ids: Collection[str]) -> dict[str, str]:
-        """The owner of each of ``device_ids`` that is enrolled."""
-        return {
-            device_id: owner_id
-            for chunk in unique_chunks(list(device_ids))
-            for device_id, owner_id in self._db.execute(
-                f"SELECT device_id, owner_id FROM devices WHERE device_id IN ({','.join('?' * len(chunk))})", chunk
-            )
-        }
-
     def revoke_device(self, device_id: str, now: str) -> tuple[str, str | None] | None:
         """Revoke the device (its token stops working); None for an unknown device. Returns when
         it was revoked (the first time) and its owner if the owner's remaining devices now share
@@ -229,9 +220,11 @@ class DeviceStore:
                 return revoked_at, None
             upload_sessions.release_device(self._db, device_id)  # its partial files go at the next sweep
             self._db.notify(f"revoked:{device_id}")  # the other replicas end its open streams
-            return now, self._update_device(
+            compaction_due = self._update_device(
                 owner_id, "UPDATE devices SET revoked_at=? WHERE device_id=?", (now, device_id)
             )
+            refresh_device_votes(self._db, device_id, owner_id)  # its health stops counting for the guard now
+            return now, compaction_due
 
     def _update_device(self, owner_id: str | None, statement: str, params: tuple) -> str | None:
         """Run ``statement`` on a device of ``owner_id``; the owner if its devices now share a

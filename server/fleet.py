@@ -254,9 +254,8 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
             log_event("rollout halted", logging.WARNING, version=version, reason=after.halt_reason)
 
     def _guard_verdict(self, rollout: Rollout, device_id: str) -> str | None:
-        """The guard's verdict on ``rollout`` from the stored health of its unrevoked devices and their owners."""
-        health = self._storage.health_reports(rollout.version)
-        return guard_verdict(rollout, health, self._storage.device_owners(health), device_id)
+        """The guard's verdict on ``rollout`` from its running tally of owners' votes."""
+        return guard_verdict(rollout, self._storage.guard_tally(rollout.version), device_id)
 
     async def RevokeDevice(self, request, context):
         device_id = text_field(request.device_id, "device_id").strip()

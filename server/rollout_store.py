@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .database import Database
+from .guard_votes import GuardTally, guard_tally, rebuild_votes, refresh_owner_vote
 
 ROLLOUT_SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
@@ -132,25 +133,30 @@ class RolloutStore:
 
     def rollouts(self) -> dict[int, Rollout]:
         """Every rollout, by version."""
+        return self._read("", ())
+
+    def rollout(self, version: int) -> Rollout | None:
+        """``version``'s rollout (None: published to every device), read alone."""
+        return self._read(" WHERE version = ?", (version,)).get(version)
+
+    def _read(self, where: str, params: tuple) -> dict[int, Rollout]:
         stages: dict[int, list[Stage]] = {}
         for version, percent, started_at in self._db.execute(
-            "SELECT version, percent, started_at FROM rollout_stages ORDER BY version, stage"
+            f"SELECT version, percent, started_at FROM rollout_stages{where} ORDER BY version, stage", params
         ):
             stages.setdefault(version, []).append(Stage(percent, started_at))
         cohorts: dict[int, set[str]] = {}
-        for version, device_id in self._db.execute("SELECT version, device_id FROM rollout_cohort"):
+        for version, device_id in self._db.execute(f"SELECT version, device_id FROM rollout_cohort{where}", params):
             cohorts.setdefault(version, set()).add(device_id)
         rows = self._db.execute(
             "SELECT version, percent, state, halt_below, halt_min_devices, halt_reason, updated_at "
-            "FROM rollouts ORDER BY version"
+            f"FROM rollouts{where} ORDER BY version",
+            params,
         )
         return {
             v: Rollout(v, p, s, tuple(stages.get(v, ())), frozenset(cohorts.get(v, ())), hb, hm, why, at)
             for v, p, s, hb, hm, why, at in rows
         }
-
-    def rollout(self, version: int) -> Rollout | None:
-        return self.rollouts().get(version)
 
     def change(self, version: int, change: Callable[[Rollout | None], Rollout | None]) -> Rollout | None:
         """Apply ``change`` to the stored rollout of ``version`` (None: none) under the version's
@@ -161,6 +167,8 @@ class RolloutStore:
             changed = change(current)
             if changed is not None and changed != current:
                 write_rollout(self._db, changed)
+                if current is None or guard_inputs(current) != guard_inputs(changed):
+                    rebuild_votes(self._db, version)
             return changed
 
     def confirmations(self) -> dict[int, str]:
@@ -214,14 +222,24 @@ class RolloutStore:
         return found
 
     def record_health(self, device_id: str, health: HealthReport, now: str) -> None:
-        """Keep ``health`` as the device's latest for its version."""
+        """Keep ``health`` as the device's latest for its version and recount its owner's guard
+        vote for that version, together under the version's lock."""
         values = [getattr(health, c) for c in _HEALTH_COLUMNS]
         updates = ", ".join(f"{c} = excluded.{c}" for c in (*_HEALTH_COLUMNS[1:], "reported_at"))
-        self._db.execute(
-            f"INSERT INTO device_health (device_id, {', '.join(_HEALTH_COLUMNS)}, reported_at) "
-            f"VALUES (?, {', '.join('?' * len(_HEALTH_COLUMNS))}, ?) ON CONFLICT (device_id, version) DO UPDATE SET {updates}",
-            (device_id, *values, now),
-        )
+        with self._db.transaction(f"rollout:{health.version}"):
+            self._db.execute(
+                f"INSERT INTO device_health (device_id, {', '.join(_HEALTH_COLUMNS)}, reported_at) "
+                f"VALUES (?, {', '.join('?' * len(_HEALTH_COLUMNS))}, ?) "
+                f"ON CONFLICT (device_id, version) DO UPDATE SET {updates}",
+                (device_id, *values, now),
+            )
+            owner = self._db.execute("SELECT owner_id FROM devices WHERE device_id = ?", (device_id,)).fetchone()
+            if owner is not None:
+                refresh_owner_vote(self._db, health.version, owner[0])
+
+    def guard_tally(self, version: int) -> GuardTally:
+        """What the guard of ``version`` reads (see :mod:`.guard_votes`); inside :meth:`change`."""
+        return guard_tally(self._db, version)
 
     def health(self, version: int) -> dict[str, HealthReport]:
         """The latest health each enrolled, unrevoked device reported for ``version``, by device id
@@ -233,6 +251,11 @@ class RolloutStore:
             (version,),
         )
         return {row[0]: HealthReport(*row[1:]) for row in rows}
+
+
+def guard_inputs(rollout: Rollout) -> tuple[float, frozenset[str], float]:
+    """What the guard's votes depend on: who is in the rollout and the threshold they are counted against."""
+    return rollout.percent, rollout.cohort, rollout.halt_below
 
 
 def write_rollout(db: Database, rollout: Rollout) -> None:

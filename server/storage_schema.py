@@ -13,15 +13,17 @@ have no rollout: every device is offered them); schema 10 gets withdrawals and t
 (:mod:`.withdrawal_store`; nothing is withdrawn); schema 11 gets the confirmed versions
 (:mod:`.rollout_store`; none is confirmed); schema 12 gets the devices' report counts of the last
 minute (:mod:`.device_store`; none yet); schema 13 gets the indexes per-device calls need
-and schema 14 those of filtered device listings (:data:`.device_store.DEVICE_INDEXES`). A database of a schema this server does not know is
-refused.
+and schema 14 those of filtered device listings (:data:`.device_store.DEVICE_INDEXES`); schema 15 gets
+the guard's running tally of owners' votes (:mod:`.guard_votes`, counted from the health rows when
+first read). A database of a schema this server does not know is refused.
 
 PostgreSQL databases start at schema 6 or later: the same tables in PostgreSQL's types, created
 once under an advisory lock however many replicas start at once, the version kept in
 ``fctkit_schema``; a schema-6 database gets the upload leases the same way, and a schema-6 or 7
 one the trust tables and columns, a schema 6 to 8 one the rollout tables, a schema 6 to 9 one
 the withdrawal tables, a schema 6 to 10 one the confirmations table, a schema 6 to 11 one
-the report counts table, and a schema 6 to 13 one the devices' indexes.
+the report counts table, a schema 6 to 13 one the devices' indexes, and a schema 6 to 14 one the
+guard's tally.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ from fctkit.errors import ConfigError
 from . import upload_sessions
 from .database import PostgresDatabase, SqliteDatabase
 from .device_store import DEVICE_INDEXES, REPORT_COUNTS_SCHEMA
+from .guard_votes import GUARD_VOTES_SCHEMA
 from .replica_compaction import REPLICA_SCHEMA, compact_replica
 from .rollout_store import CONFIRMATION_SCHEMA, ROLLOUT_SCHEMA
 from .trust_store import TRUST_COLUMNS, TRUST_SCHEMA, add_trust_columns
 from .withdrawal_store import WITHDRAWAL_SCHEMA
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 _SCHEMA = (
     """
 CREATE TABLE IF NOT EXISTS versions (
@@ -116,6 +119,8 @@ CREATE TABLE IF NOT EXISTS replica_owners (
     + CONFIRMATION_SCHEMA
     + ";"
     + REPORT_COUNTS_SCHEMA
+    + ";"
+    + GUARD_VOTES_SCHEMA
 )
 
 
@@ -216,6 +221,11 @@ def _device_indexes(db: sqlite3.Connection) -> None:
     """Schema 12 -> 13 and 13 -> 14: nothing to alter (the devices' indexes come with the schema)."""
 
 
+def _guard_votes(db: sqlite3.Connection) -> None:
+    """Schema 14 -> 15: nothing to alter (the guard's tables come with the schema; a version's votes
+    are counted from its health rows the first time its guard reads them)."""
+
+
 _MIGRATIONS = {
     1: _add_owners,
     2: _add_replica_compaction,
@@ -230,6 +240,7 @@ _MIGRATIONS = {
     11: _report_counts,
     12: _device_indexes,
     13: _device_indexes,
+    14: _guard_votes,
 }  # schema found -> the step to the next one
 
 
@@ -299,7 +310,7 @@ def open_postgres(dsn: str, *, max_connections: int = 20) -> PostgresDatabase:
                         + TRUST_SCHEMA
                     )
                     script += ";" + ROLLOUT_SCHEMA + ";" + WITHDRAWAL_SCHEMA + ";" + CONFIRMATION_SCHEMA
-                    script += ";" + REPORT_COUNTS_SCHEMA + ";" + DEVICE_INDEXES
+                    script += ";" + REPORT_COUNTS_SCHEMA + ";" + DEVICE_INDEXES + ";" + GUARD_VOTES_SCHEMA
                 execute_script(db, postgres_schema(script))
                 db.execute("INSERT INTO fctkit_schema VALUES (?)", (SCHEMA_VERSION,))
     except BaseException:

@@ -8,7 +8,8 @@ Which versions a device is offered (:mod:`.offers`, over the withdrawn versions 
 they keep are in the storage layer (``rollout_store``, ``withdrawal_store``).
 """
 
-from .offers import Rollouts, bucket, in_rollout
+from ..guard_votes import bucket
+from .offers import Rollouts, in_rollout
 from .withdrawals import Withdrawals
 
 __all__ = ["Rollouts", "Withdrawals", "bucket", "in_rollout"]

@@ -4,7 +4,7 @@
 widen (never narrow), pause, resume, complete, replace the cohort or the guard, all at once or
 none (an :class:`~fctkit.errors.RpcStatusError` says why, and nothing is stored).
 :func:`guard_verdict` is the guard: the reason to halt a staged rollout whose reporting owners'
-median ``mean_cosine`` (one vote per owner, :func:`owner_votes`) fell below ``halt_below``, or
+median ``mean_cosine`` (one vote per owner, tallied as reports arrive) fell below ``halt_below``, or
 None. :func:`check_confirmable` refuses to confirm a version that no device was offered yet.
 """
 
@@ -13,14 +13,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import statistics
 
 from fctkit.errors import RpcStatusError
 from fctkit.protos import registry_pb2
 
-from ..rollout_store import COMPLETE, HALTED, PAUSED, STAGED, HealthReport, Rollout, Stage
+from ..guard_votes import GuardTally
+from ..rollout_store import COMPLETE, HALTED, PAUSED, STAGED, Rollout, Stage
 from ..validation import invalid
-from .offers import in_rollout
 
 DEVICE_ID = re.compile(r"dev-[0-9a-f]{16}")
 MAX_COHORT = 10_000
@@ -137,45 +136,22 @@ def check_confirmable(version: int, rollout: Rollout | None) -> None:
     )
 
 
-def owner_votes(signal: dict[str, float], owners: dict[str, str]) -> dict[str, float]:
-    """Each owner's vote: the median signal of its reporting devices (``signal``: device id -> its
-    mean cosine; ``owners``: device id -> owner, a device of unknown owner votes alone).
-
-    One vote per owner, rather than one per device or a capped weight: an owner's devices act for
-    one party (one owner key, one vault), so ten of them are no more independent witnesses than
-    one, and any weight above one per owner lets whoever enrols the most devices decide — three
-    devices of one owner outvoted two honest owners. The owner's median keeps its own devices from
-    pulling its vote to an extreme, and a fleet of one owner still gets its devices' median.
-    """
-    by_owner: dict[str, list[float]] = {}
-    for device_id, value in signal.items():
-        by_owner.setdefault(owners.get(device_id, device_id), []).append(value)
-    return {owner: statistics.median(values) for owner, values in by_owner.items()}
-
-
-def guard_verdict(
-    rollout: Rollout, health: dict[str, HealthReport], owners: dict[str, str], device_id: str
-) -> str | None:
+def guard_verdict(rollout: Rollout, tally: GuardTally, device_id: str) -> str | None:
     """Why the guard halts ``rollout`` now (at ``device_id``'s report), or None: no guard, not
     staged, fewer than ``halt_min_devices`` owners of devices in the rollout reported a sampled
-    health, or the median of their votes (:func:`owner_votes`) holds. ``health``: the unrevoked
-    devices' reports (what rollout status counts too); ``owners``: device id -> owner."""
+    health, or the median of their votes holds.
+
+    One vote per owner (the median ``mean_cosine`` of its devices, kept in :mod:`..guard_votes`),
+    rather than one per device or a capped weight: an owner's devices act for one party (one owner
+    key, one vault), so ten of them are no more independent witnesses than one, and any weight
+    above one per owner lets whoever enrols the most devices decide — three devices of one owner
+    outvoted two honest owners. The owner's median keeps its own devices from pulling its vote to
+    an extreme, and a fleet of one owner still gets its devices' median."""
     if rollout.halt_min_devices == 0 or rollout.state != STAGED:
         return None
-    signal = sampled_signal(rollout, health)
-    votes = owner_votes(signal, owners)
-    if len(votes) < rollout.halt_min_devices:
-        return None
-    median = statistics.median(votes.values())
-    if median >= rollout.halt_below:
+    if tally.owners < rollout.halt_min_devices or tally.median_below is None:
         return None
     return (
-        f"median mean_cosine {median:.4f} of {len(votes)} owners' votes ({len(signal)} reporting devices, one "
-        f"vote per owner) fell below {rollout.halt_below:g} (halted at the report of {device_id})"
+        f"median mean_cosine {tally.median_below:.4f} of {tally.owners} owners' votes ({tally.devices} reporting "
+        f"devices, one vote per owner) fell below {rollout.halt_below:g} (halted at the report of {device_id})"
     )
-
-
-def sampled_signal(rollout: Rollout, health: dict[str, HealthReport]) -> dict[str, float]:
-    """The ``mean_cosine`` of each device in ``rollout`` that reported a sampled health (the devices
-    rollout status counts in its stages' health)."""
-    return {d: h.mean_cosine for d, h in health.items() if h.sample_size > 0 and in_rollout(rollout, d)}

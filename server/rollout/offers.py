@@ -27,22 +27,16 @@ revert) are kept here too, reloaded with the rollouts (a confirmation is announc
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 
 from fctkit.errors import RpcStatusError
 
+from ..guard_votes import bucket
 from ..jsonlog import log_event
 from ..rollout_store import COMPLETE, STAGED, Rollout
 from ..storage import Storage
 from .withdrawals import Withdrawals
-
-
-def bucket(device_id: str, version: int) -> float:
-    """Where ``device_id`` falls for ``version``'s rollout, in [0, 100): the device is in at any percent above it."""
-    digest = hashlib.sha256(f"fctkit-rollout:{version}:{device_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 * 100.0
 
 
 def in_rollout(rollout: Rollout, device_id: str) -> bool:

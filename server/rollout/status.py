@@ -21,9 +21,9 @@ from typing import Any
 
 from fctkit.protos import fleet_pb2, registry_pb2
 
+from ..guard_votes import bucket
 from ..rollout_store import DeviceState, HealthReport, Rollout, Stage
 from ..withdrawal_store import StoredWithdrawal
-from .offers import bucket
 
 _GOT_BUNDLE = (fleet_pb2.UPGRADE_STATE_UPGRADING, fleet_pb2.UPGRADE_STATE_BACKFILLING, fleet_pb2.UPGRADE_STATE_FAILED)
 

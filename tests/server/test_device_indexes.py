@@ -100,23 +100,31 @@ class _Target:
 
 
 def per_device_calls(target: str, archives: dict[int, Path], recorded: list[Statement]) -> list[Statement]:
-    """The statements of an Enrol, two Reports, a ListVersions, a PlanUpgrade and a RevokeDevice
-    (v1 and v2 published, another device of the same owner enrolled before)."""
+    """The statements of an Enrol, two Reports, a ListVersions, a PlanUpgrade, a Report with a health
+    the guard judges and two RevokeDevice (v1 and v2 published, v3 staged at 0% with a guard and a
+    cohort; other devices of the same owner enrolled before)."""
     server = _Target(target)
     with FctkitClient(target, ADMIN_TOKEN) as admin:
         admin.publish_bundle(archives[1])
         admin.publish_bundle(archives[2])
+        admin.publish_bundle(archives[3], rollout_percent=0.0)
     first, _ = enrolled_client(server, owner="own-shared", name="first")
     first.report(1, 0, fleet_pb2.UPGRADE_STATE_IDLE)
+    canary, canary_enrolment = enrolled_client(server, owner="own-shared", name="canary")
+    with FctkitClient(target, ADMIN_TOKEN) as admin:
+        admin.set_rollout(3, cohort=[canary_enrolment.device_id], halt_below=0.5, halt_min_devices=1)
     recorded.clear()
     client, enrolment = enrolled_client(server, owner="own-shared", name="second")
-    with client, first:
+    with client, first, canary:
         client.report(1, 10, fleet_pb2.UPGRADE_STATE_IDLE)
         client.report(1, 10, fleet_pb2.UPGRADE_STATE_UPGRADING, target_version=2, progress=0.5)
         client.list_versions()
         client.plan_upgrade(1, 2)
+        health = fleet_pb2.UpgradeHealth(version=3, rows_upgraded=10, sample_size=4, mean_cosine=0.9, p10_cosine=0.8)
+        canary.report(3, 10, fleet_pb2.UPGRADE_STATE_IDLE, health=health)
         with FctkitClient(target, ADMIN_TOKEN) as admin:
             admin.revoke_device(enrolment.device_id)
+            admin.revoke_device(canary_enrolment.device_id)
     return [(sql, params) for sql, params in recorded if _plannable(sql)]
 
 
@@ -189,9 +197,15 @@ def test_per_device_calls_read_no_whole_table(
     with in_process_server(config) as target:
         statements = per_device_calls(target, archives, recorded)
     assert any("devices" in sql and "MIN(version)" in sql for sql, _ in statements)  # the owner's common version
+    assert any("guard_votes" in sql for sql, _ in statements)  # the health report moved the guard's tally
     assert len(statements) > 20
     if backend.name == "sqlite":
         scans = sqlite_scans(data_dir, statements)
+        # an index on the version alone walks every device that reported it: per-device calls never use it
+        by_version = {
+            sql for sql, plan in sqlite_plans(data_dir, statements).items() if "_by_version (version=?)" in plan
+        }
+        assert by_version == set()
     else:
         scans = postgres_scans(str(config.database), statements)
     assert {sql: tables for sql, tables in scans.items() if tables} == {}

@@ -17,9 +17,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import grpc
+
 from fctkit.protos import fleet_pb2
 from fctkit.protos.client import FctkitClient
-from fctkit.server.rollout.offers import bucket
+from fctkit.server.rollout import bucket
 from tests.server.conftest import ADMIN_TOKEN, ServerProcess, enrolled_client
 from tests.server.test_rollouts import health, listed
 from tests.server.test_scale_out_failover import PATIENT
@@ -143,6 +145,17 @@ class Syncing:
             time.sleep(0.02)
 
 
+def reachable_offers(fleet: Fleet, replica: int) -> Offers | None:
+    """The replica's offers, or None while its clients' channels still back off from its restart
+    (UNAVAILABLE: they reconnect on their own within their backoff)."""
+    try:
+        return fleet.offers(replica)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            raise
+        return None
+
+
 def poll(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -195,7 +208,7 @@ def test_rollout_halt_and_withdrawal_agree_across_three_replicas_with_one_sigkil
 
             replicas[b].launch()  # on its port: the devices' channels name it still
             replicas[b].wait_listening()
-            poll(lambda: fleet.offers(b) == halted, 10.0, "the restarted replica B does not hold v2 back")
+            poll(lambda: reachable_offers(fleet, b) == halted, 10.0, "the restarted replica B does not hold v2 back")
             assert same_status(fleet, [a, b, c], "halted") == status
             syncing.wait_calls(DEVICES)  # the devices go on syncing with B back in their channels
         assert not syncing.errors, syncing.errors[:5]

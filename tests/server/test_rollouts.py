@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from fctkit.protos import fleet_pb2, registry_pb2
 from fctkit.protos.client import FctkitClient
 from fctkit.server.cli import admin_command
-from fctkit.server.rollout.offers import bucket
+from fctkit.server.rollout import bucket
 from fctkit.server.storage import VersionRecord
 from fctkit.server.storage_schema import SCHEMA_VERSION
 from tests.server.conftest import ADMIN_TOKEN, enrolled_client, status_code

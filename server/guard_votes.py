@@ -1,0 +1,223 @@
+"""The rollout guard's running tally (schema 15): one vote per owner per staged version, kept as
+reports arrive, so the guard answers in O(log N) at any fleet size instead of re-reading every
+health row of the version at every report.
+
+An owner's vote for version V is the median ``mean_cosine`` of its devices that are enrolled, not
+revoked, in V's rollout (cohort, or :func:`bucket` below its percent) and reported a sampled health
+for V (``guard_votes``, one row per owner with a vote). ``guard_tallies`` keeps, per version, how
+many owners vote, how many devices stand behind the votes and how many votes lie below the
+guard's ``halt_below`` (its ``threshold``). From those counts and at most two indexed look-ups
+:func:`median_below` tells whether the median vote is below the threshold, exactly as the median
+of the recounted votes would.
+
+Every change runs inside the caller's transaction holding the version's ``rollout:V`` lock, so
+replicas take turns and a crash loses nothing: a health report refreshes its owner's vote
+(:func:`refresh_owner_vote`), a revocation the revoked device's owner's votes
+(:func:`refresh_device_votes`), and a change of the rollout's percent, cohort or threshold rebuilds
+the version's votes from the health rows (:func:`rebuild_votes`; an admin call, O(reports)). A
+version whose tally is missing (a database from before schema 15) is rebuilt the first time the
+guard needs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from .database import Database
+
+GUARD_VOTES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS guard_votes (
+    version INTEGER NOT NULL,
+    owner_id TEXT NOT NULL,
+    vote REAL NOT NULL,
+    devices INTEGER NOT NULL,
+    PRIMARY KEY (version, owner_id)
+);
+CREATE INDEX IF NOT EXISTS guard_votes_by_vote ON guard_votes (version, vote);
+CREATE TABLE IF NOT EXISTS guard_tallies (
+    version INTEGER PRIMARY KEY,
+    owners INTEGER NOT NULL,
+    devices INTEGER NOT NULL,
+    below INTEGER NOT NULL,
+    threshold REAL NOT NULL
+);
+"""
+
+
+def bucket(device_id: str, version: int) -> float:
+    """Where ``device_id`` falls for ``version``'s rollout, in [0, 100): the device is in at any percent above it."""
+    digest = hashlib.sha256(f"fctkit-rollout:{version}:{device_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 * 100.0
+
+
+@dataclass(frozen=True)
+class GuardTally:
+    """What the guard reads for a version: ``owners`` voting, ``devices`` behind their votes, and
+    the median vote when it lies below the tally's threshold (else None)."""
+
+    owners: int
+    devices: int
+    median_below: float | None
+
+
+# A health row as the votes read it: owner, device, mean cosine, whether the device is in the cohort;
+# of a version (:data:`_VERSION_ROWS`, version) or of one owner's devices (:data:`_OWNER_ROWS`, owner, version).
+_HEALTH_ROWS = (
+    "SELECT d.owner_id, h.device_id, h.mean_cosine, c.device_id IS NOT NULL "
+    "FROM device_health h JOIN devices d ON d.device_id = h.device_id "
+    "LEFT JOIN rollout_cohort c ON c.version = h.version AND c.device_id = h.device_id "
+    "WHERE d.revoked_at IS NULL AND h.sample_size > 0 AND "
+)
+_VERSION_ROWS = _HEALTH_ROWS + "h.version = ?"
+# "+h.version": without it SQLite walks the version's health index (every device that reported the
+# version) instead of the owner's devices, and a health report grows with the fleet
+_OWNER_ROWS = _HEALTH_ROWS + "d.owner_id = ? AND +h.version = ?"
+
+
+def _votes(rows: Iterable[tuple[str, str, float, bool]], version: int, percent: float) -> dict[str, tuple[float, int]]:
+    """Each owner's vote and how many of its devices it stands for, from health rows of ``version``."""
+    signal: dict[str, list[float]] = {}
+    for owner_id, device_id, mean_cosine, in_cohort in rows:
+        if in_cohort or bucket(device_id, version) < percent:
+            signal.setdefault(owner_id, []).append(mean_cosine)
+    return {owner: (statistics.median(values), len(values)) for owner, values in signal.items()}
+
+
+def _rollout(db: Database, version: int) -> tuple[float, float] | None:
+    """The version's rollout percent and guard threshold, or None: no staged rollout (no guard)."""
+    row = db.execute("SELECT percent, halt_below FROM rollouts WHERE version = ?", (version,)).fetchone()
+    return None if row is None else (float(row[0]), float(row[1]))
+
+
+def rebuild_votes(db: Database, version: int) -> None:
+    """Recount ``version``'s votes and tally from its health rows (inside the ``rollout:V`` lock)."""
+    db.execute("DELETE FROM guard_votes WHERE version = ?", (version,))
+    db.execute("DELETE FROM guard_tallies WHERE version = ?", (version,))
+    rollout = _rollout(db, version)
+    if rollout is None:
+        return
+    percent, threshold = rollout
+    votes = _votes(db.execute(_VERSION_ROWS, (version,)), version, percent)
+    db.executemany(
+        "INSERT INTO guard_votes (version, owner_id, vote, devices) VALUES (?, ?, ?, ?)",
+        [(version, owner, vote, devices) for owner, (vote, devices) in votes.items()],
+    )
+    db.execute(
+        "INSERT INTO guard_tallies (version, owners, devices, below, threshold) VALUES (?, ?, ?, ?, ?)",
+        (
+            version,
+            len(votes),
+            sum(devices for _, devices in votes.values()),
+            sum(vote < threshold for vote, _ in votes.values()),
+            threshold,
+        ),
+    )
+
+
+def _tally_threshold(db: Database, version: int) -> float | None:
+    """The tally's threshold, rebuilding a missing tally first; None: the version has no rollout."""
+    for _ in range(2):
+        row = db.execute("SELECT threshold FROM guard_tallies WHERE version = ?", (version,)).fetchone()
+        if row is not None:
+            return float(row[0])
+        if _rollout(db, version) is None:
+            return None
+        rebuild_votes(db, version)
+    raise AssertionError("unreachable: a rebuilt tally has a row")
+
+
+def refresh_owner_vote(db: Database, version: int, owner_id: str) -> None:
+    """Recount ``owner_id``'s vote for ``version`` and move the tally by the difference (inside the
+    ``rollout:V`` lock); O(the owner's devices)."""
+    threshold = _tally_threshold(db, version)
+    rollout = _rollout(db, version)
+    if threshold is None or rollout is None:
+        return
+    rows = db.execute(_OWNER_ROWS, (owner_id, version))
+    new = _votes(rows, version, rollout[0]).get(owner_id)
+    row = db.execute(
+        "SELECT vote, devices FROM guard_votes WHERE version = ? AND owner_id = ?", (version, owner_id)
+    ).fetchone()
+    old = None if row is None else (float(row[0]), int(row[1]))
+    if new == old:
+        return
+    if new is None:
+        db.execute("DELETE FROM guard_votes WHERE version = ? AND owner_id = ?", (version, owner_id))
+    else:
+        db.execute(
+            "INSERT INTO guard_votes (version, owner_id, vote, devices) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (version, owner_id) DO UPDATE SET vote = excluded.vote, devices = excluded.devices",
+            (version, owner_id, *new),
+        )
+
+    def counts(vote: tuple[float, int] | None) -> tuple[int, int, int]:
+        return (0, 0, 0) if vote is None else (1, vote[1], int(vote[0] < threshold))
+
+    (o1, d1, b1), (o0, d0, b0) = counts(new), counts(old)
+    db.execute(
+        "UPDATE guard_tallies SET owners = owners + ?, devices = devices + ?, below = below + ? WHERE version = ?",
+        (o1 - o0, d1 - d0, b1 - b0, version),
+    )
+
+
+def refresh_device_votes(db: Database, device_id: str, owner_id: str) -> None:
+    """Recount ``owner_id``'s votes for every staged version ``device_id`` reported a sampled health
+    for (after the device was revoked), taking each version's lock inside the caller's transaction."""
+    versions = [
+        int(v)
+        for (v,) in db.execute(
+            "SELECT h.version FROM device_health h JOIN rollouts r ON r.version = h.version "
+            "WHERE h.device_id = ? AND h.sample_size > 0 ORDER BY h.version",
+            (device_id,),
+        )
+    ]
+    for version in versions:
+        db.lock(f"rollout:{version}")
+        refresh_owner_vote(db, version, owner_id)
+
+
+def guard_tally(db: Database, version: int) -> GuardTally:
+    """The version's tally for the guard: O(log N) with ``guard_votes_by_vote`` (the exact median,
+    O(N), is read only when it lies below the threshold: the guard halts then, once)."""
+    threshold = _tally_threshold(db, version)
+    if threshold is None:
+        return GuardTally(0, 0, None)
+    owners, devices, below = db.execute(
+        "SELECT owners, devices, below FROM guard_tallies WHERE version = ?", (version,)
+    ).fetchone()
+    if not median_below(owners, below, lambda: _middle(db, version, threshold), threshold):
+        return GuardTally(owners, devices, None)
+    return GuardTally(owners, devices, _median(db, version, owners))
+
+
+def median_below(owners: int, below: int, middle: Callable[[], tuple[float, float]], threshold: float) -> bool:
+    """Whether the median of ``owners`` votes, ``below`` of them under ``threshold``, is under it.
+    With an odd count the median is the middle vote; with an even count it is the mean of the two
+    middle ones, so when exactly half lie below it takes those two (``middle()``: the largest vote
+    below the threshold and the smallest at or above it)."""
+    if owners == 0:
+        return False
+    half = owners // 2
+    if owners % 2 or below != half:
+        return below > half
+    low, high = middle()
+    return statistics.median((low, high)) < threshold
+
+
+def _middle(db: Database, version: int, threshold: float) -> tuple[float, float]:
+    low = db.execute("SELECT MAX(vote) FROM guard_votes WHERE version = ? AND vote < ?", (version, threshold))
+    high = db.execute("SELECT MIN(vote) FROM guard_votes WHERE version = ? AND vote >= ?", (version, threshold))
+    return float(low.fetchone()[0]), float(high.fetchone()[0])
+
+
+def _median(db: Database, version: int, owners: int) -> float:
+    """The exact median vote, read in vote order (O(owners): only when the guard is about to halt)."""
+    skip = (owners - 1) // 2
+    rows = db.execute(
+        "SELECT vote FROM guard_votes WHERE version = ? ORDER BY vote LIMIT ? OFFSET ?",
+        (version, 2 - owners % 2, skip),
+    ).fetchall()
+    return statistics.median(float(v) for (v,) in rows)

@@ -1,0 +1,140 @@
+"""The guard's running tally (issue 49): after every step of random sequences of health reports,
+revocations and rollout changes, spread over three replicas where the backend has them, the tally
+the guard reads equals a recount from the health rows (the guard before schema 15: every unrevoked
+device's report, one median per owner, the median of the owners' votes), on both backends; a
+schema-14 database's votes are counted the first time the guard reads them."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+
+import pytest
+
+from fctkit.server.guard_votes import GuardTally, median_below
+from fctkit.server.rollout import in_rollout
+from fctkit.server.rollout.changes import guard_verdict
+from fctkit.server.rollout_store import STAGED, HealthReport, Rollout, Stage
+from fctkit.server.storage import VersionRecord
+
+GUARDED = 2  # the version with a staged rollout and a guard
+OWNERS = 7
+COSINES = tuple(round(0.3 + 0.05 * i, 2) for i in range(9))  # a coarse grid: ties and exact hits of the threshold
+
+
+def recount(storage, version: int) -> GuardTally:
+    """The guard's inputs recounted from scratch, as the guard computed them before schema 15."""
+    rollout = storage.rollouts()[version]
+    signal = {
+        d: h.mean_cosine
+        for d, h in storage.health_reports(version).items()
+        if h.sample_size > 0 and in_rollout(rollout, d)
+    }
+    by_owner: dict[str, list[float]] = {}
+    for device_id, value in signal.items():
+        by_owner.setdefault(storage.device_owner(device_id), []).append(value)
+    votes = [statistics.median(values) for values in by_owner.values()]
+    median = statistics.median(votes) if votes else None
+    below = median if median is not None and median < rollout.halt_below else None
+    return GuardTally(len(votes), len(signal), below)
+
+
+def enrolled_fleet(storage, devices: int, rng: random.Random) -> list[str]:
+    """``devices`` devices spread over :data:`OWNERS` owners, enrolled through the storage API."""
+    ids = []
+    for i in range(devices):
+        code = f"code-{i}"
+        storage.add_enrolment_code(code, "", "2026-01-01", "2999-01-01", f"own-{rng.randrange(OWNERS)}")
+        device_id = f"dev-{i:016x}"
+        assert storage.enrol(code, "2026-01-02", device_id, f"d{i}", f"token-{i}") is not None
+        ids.append(device_id)
+    return ids
+
+
+def health(version: int, rng: random.Random) -> HealthReport:
+    sampled = rng.random() < 0.85
+    cosine = rng.choice(COSINES) if sampled else 0.0
+    return HealthReport(version, 64, 0, 1.0, 16 if sampled else 0, cosine, cosine if sampled else 0.0, 0.0, 0.0)
+
+
+def random_change(rollout: Rollout, device_ids: list[str], rng: random.Random) -> Rollout:
+    """Widen, replace the cohort, or move the guard's threshold."""
+    kind = rng.choice(("widen", "cohort", "threshold"))
+    if kind == "widen":
+        percent = min(100.0, rollout.percent + rng.choice((5.0, 20.0)))
+        return dataclasses.replace(rollout, percent=percent, stages=(*rollout.stages, Stage(percent, "t")))
+    if kind == "cohort":
+        return dataclasses.replace(rollout, cohort=frozenset(rng.sample(device_ids, rng.randrange(6))))
+    return dataclasses.replace(rollout, halt_below=rng.choice(COSINES))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_tally_equals_a_recount_after_every_step(tmp_path, backend, open_storage, seed) -> None:
+    rng = random.Random(seed)
+    data_dir = tmp_path / "data"
+    first = open_storage(data_dir)
+    replicas = [first] + ([open_storage(data_dir) for _ in range(2)] if backend.name == "postgres" else [])
+    try:
+        device_ids = enrolled_fleet(first, 30, rng)
+        cohort = frozenset(rng.sample(device_ids, 3))
+        first.add_version(VersionRecord(1, b"{}", b"sig", "t"), [])
+        guarded = Rollout(GUARDED, 20.0, STAGED, (Stage(20.0, "t"),), cohort, halt_below=0.6, halt_min_devices=1)
+        first.add_version(VersionRecord(GUARDED, b"{}", b"sig", "t"), [], guarded)
+        revoked: set[str] = set()
+        checked_halts = 0
+        for _ in range(160):
+            storage = rng.choice(replicas)
+            roll = rng.random()
+            if roll < 0.7:
+                storage.record_health(rng.choice(device_ids), health(rng.choice((1, GUARDED, GUARDED)), rng), "t")
+            elif roll < 0.8:
+                device_id = rng.choice(device_ids)
+                storage.revoke_device(device_id, "t")
+                revoked.add(device_id)
+            else:
+                storage.change_rollout(GUARDED, lambda current: random_change(current, device_ids, rng))
+            tally, expected = rng.choice(replicas).guard_tally(GUARDED), recount(first, GUARDED)
+            assert tally == expected
+            rollout = first.rollouts()[GUARDED]
+            verdict = guard_verdict(rollout, tally, "dev-x")
+            assert (verdict is not None) == (expected.median_below is not None and expected.owners >= 1)
+            checked_halts += verdict is not None
+        assert revoked and checked_halts  # the sequence revoked devices and crossed the threshold
+        assert first.guard_tally(1) == GuardTally(0, 0, None)  # published to every device: no guard, no votes
+    finally:
+        for storage in replicas:
+            storage.close()
+
+
+def test_a_schema_14_database_counts_its_votes_when_the_guard_first_reads_them(tmp_path, backend, open_storage) -> None:
+    rng = random.Random(5)
+    data_dir = tmp_path / "data"
+    storage = open_storage(data_dir)
+    device_ids = enrolled_fleet(storage, 12, rng)
+    rollout = Rollout(GUARDED, 100.0, STAGED, (Stage(100.0, "t"),), halt_below=0.9, halt_min_devices=1)
+    storage.add_version(VersionRecord(1, b"{}", b"sig", "t"), [])
+    storage.add_version(VersionRecord(GUARDED, b"{}", b"sig", "t"), [], rollout)
+    for device_id in device_ids:
+        storage.record_health(device_id, health(GUARDED, rng), "t")
+    expected = recount(storage, GUARDED)
+    storage.close()
+    storage = backend.aged(data_dir, open_storage, 14, "DROP TABLE guard_votes", "DROP TABLE guard_tallies")
+    try:
+        assert backend.query(data_dir, "SELECT COUNT(*) FROM guard_tallies") == [(0,)]
+        assert storage.guard_tally(GUARDED) == expected
+        assert expected.owners > 1 and expected.median_below is not None
+    finally:
+        storage.close()
+
+
+@pytest.mark.parametrize(
+    ("votes", "threshold"),
+    [((0.5,), 0.5), ((0.4,), 0.5), ((0.4, 0.6), 0.5), ((0.4, 0.59), 0.5), ((0.3, 0.5, 0.7, 0.9), 0.6),
+     ((0.3, 0.5, 0.65, 0.9), 0.6), ((0.1, 0.2, 0.7, 0.8), 0.45), ((0.2, 0.2, 0.2), 0.2), ((), 0.5)],
+)  # fmt: skip
+def test_median_below_agrees_with_the_median(votes: tuple[float, ...], threshold: float) -> None:
+    below = [v for v in votes if v < threshold]
+    above = [v for v in votes if v >= threshold]
+    expected = bool(votes) and statistics.median(votes) < threshold
+    assert median_below(len(votes), len(below), lambda: (max(below), min(above)), threshold) == expected
