@@ -16,9 +16,12 @@ and each call is timed ``--reports`` times after a warm-up:
 - ``Report + health``: a report carrying a health for v2, which the guard judges;
 - ``ListVersions``: what a device is offered;
 - ``GetRollout``: v2's rollout status (an admin call, not per device: it counts the whole
-  fleet's devices in the rollout, so it still grows with the fleet).
+  fleet's devices in the rollout, so it still grows with the fleet);
+- ``ListVersions during GetRollouts``: a device's ListVersions while an admin asks GetRollout
+  over and over (the count runs off the event loop: it must not delay the device).
 
-The median latency per call and size is printed with its ratio to the smallest size of the same run.
+The median latency per call and size is printed with its ratio to the smallest size of the same
+run, and the 99th percentile of ListVersions during GetRollouts.
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support, benchmarks._loopback
+
+import numpy as np
 
 from benchmarks._loopback import LoopbackServer
 from fctkit.protos import fleet_pb2
@@ -47,7 +53,7 @@ HEALTH_COLUMNS = (
     "mean_reciprocal_rank, reported_at"
 )
 STAGED_VERSION, STAGED_PERCENT = 2, 10.0
-CALLS = ("Report", "Report + health", "ListVersions", "GetRollout")
+CALLS = ("Report", "Report + health", "ListVersions", "GetRollout", "ListVersions during GetRollouts")
 
 
 def device_rows(size: int) -> Iterator[tuple]:
@@ -125,17 +131,38 @@ def timed_calls(server: LoopbackServer, reports: int) -> dict[str, list[float]]:
         "ListVersions": lambda k: clients[k % 4].list_versions(),
         "GetRollout": lambda k: admin.rollout_status(STAGED_VERSION),
     }
-    seconds: dict[str, list[float]] = {name: [] for name in CALLS}
+    seconds: dict[str, list[float]] = {}
     try:
         for name, call in calls.items():
-            for k in range(reports + 8):  # the first 8: warm-up
-                started = time.perf_counter()
-                call(k)
-                if k >= 8:
-                    seconds[name].append(time.perf_counter() - started)
+            seconds[name] = timed(call, reports)
+        stop = threading.Event()
+
+        def ask_status() -> None:
+            with server.admin() as other_admin:
+                while not stop.is_set():
+                    other_admin.rollout_status(STAGED_VERSION)
+
+        asking = threading.Thread(target=ask_status)
+        asking.start()
+        try:
+            seconds["ListVersions during GetRollouts"] = timed(calls["ListVersions"], reports * 3)
+        finally:
+            stop.set()
+            asking.join()
     finally:
         for client in [*clients, admin]:
             client.close()
+    return seconds
+
+
+def timed(call: Callable[[int], object], count: int) -> list[float]:
+    """Seconds of ``count`` calls of ``call(k)``, after 8 untimed ones."""
+    seconds = []
+    for k in range(count + 8):
+        started = time.perf_counter()
+        call(k)
+        if k >= 8:
+            seconds.append(time.perf_counter() - started)
     return seconds
 
 
@@ -149,7 +176,10 @@ def measure(work: Path, size: int, reports: int, storage_args: Sequence[str], op
     finally:
         storage.close()
     with server:
-        return {name: statistics.median(s) for name, s in timed_calls(server, reports).items()}
+        seconds = timed_calls(server, reports)
+    medians = {name: statistics.median(s) for name, s in seconds.items()}
+    medians["p99"] = float(np.percentile(seconds["ListVersions during GetRollouts"], 99))
+    return medians
 
 
 def sqlite_backend(work: Path, size: int):
@@ -191,6 +221,9 @@ def table(name: str, medians: dict[int, dict[str, float]]) -> str:
     for call in CALLS:
         cells = [f"{medians[n][call] * 1e3:.2f} (×{medians[n][call] / medians[smallest][call]:.2f})" for n in sizes]
         lines.append(f"| {call} | " + " | ".join(cells) + " |")
+    lines.append(
+        "| ListVersions during GetRollouts, p99 | " + " | ".join(f"{medians[n]['p99'] * 1e3:.2f}" for n in sizes) + " |"
+    )
     return "\n".join(lines)
 
 

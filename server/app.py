@@ -6,6 +6,7 @@ get ``shutdown_grace_s`` to finish)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from collections.abc import Coroutine
@@ -28,12 +29,13 @@ from fctkit.protos.trust import format_time, root_fingerprint
 from .auth import SERVICE_MODULES, Authenticator, AuthInterceptor, load_or_create_admin_token, protocol_methods
 from .fleet import FleetService
 from .jsonlog import configure_logging, log_event
-from .metrics import CACHE_S, ServerMetrics, gauges_of
+from .metrics import CACHE_S, ROLLOUT_READ_TIMEOUT_S, ServerMetrics, gauges_of
 from .registry import Catalog, RegistryService
 from .revocation import OpenStreams
 from .rollout.offers import Rollouts
 from .root_of_trust import PublisherKeyRules, ReleaseRules, RootOfTrust
 from .rpc import MeteringInterceptor
+from .status_reads import StatusReads
 from .storage import SqliteStorage, Storage
 from .storage_schema import redacted_dsn
 from .vault import VaultService
@@ -221,6 +223,7 @@ class FctkitServer:
             ],
         )
         self._rollouts = Rollouts(self._storage, self._catalog.wake)  # what each device is offered
+        self._status_reads = StatusReads(self._storage)  # rollout status counts, off the event loop
         registry = RegistryService(
             self._storage,
             self._catalog,
@@ -228,10 +231,12 @@ class FctkitServer:
             max_bundle_bytes=config.max_bundle_bytes,
             keepalive_s=config.watch_keepalive_s,
             rollouts=self._rollouts,
+            status_reads=self._status_reads,
         )
         registry_pb2_grpc.add_RegistryServicer_to_server(registry, self._server)
         if self._metrics is not None:  # the rollout gauges: what GetRollout answers for each rollout
-            self._metrics.set_rollout_source(lambda: map(gauges_of, registry.rollout_statuses()))
+            statuses = functools.partial(self._status_reads.call, registry.rollout_statuses, ROLLOUT_READ_TIMEOUT_S)
+            self._metrics.set_rollout_source(lambda: map(gauges_of, statuses()))
         self._vault = VaultService(
             self._storage,
             quota_bytes=config.quota_bytes,
@@ -334,6 +339,7 @@ class FctkitServer:
         await self._server.stop(self.config.shutdown_grace_s)
         if self._metrics is not None:
             self._metrics.close()
+        self._status_reads.close()
         round_trips: dict[str, Any] = self._storage.round_trips()
         self._storage.close()
         log_event("stopped", **round_trips)

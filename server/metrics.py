@@ -54,16 +54,16 @@ Rollout gauges come from a provider: ``ServerMetrics.set_rollout_source(source)`
 callable that returns the current rollouts as :class:`RolloutGauges` (version, state, percent,
 devices by stage; :func:`gauges_of` turns a ``RolloutStatus`` message into them). The server
 connects it to ``RegistryService.rollout_statuses``: what ``GetRollout`` answers, for every
-rollout. It is called once per render, on the server's event loop (the render waits for it, at
-most 5 s: the storage is used from the loop's thread only). It reads every device's last report
-and each rollout's health reports, so its cost grows with the fleet; the cache bounds how often
-it runs, whoever scrapes. A render whose call fails shows no rollout gauges (the failure is
+rollout. It is called once per render, on the render's thread, and the server's source hands the
+read to :class:`~.status_reads.StatusReads` (its worker thread and read connection; the render
+waits at most :data:`ROLLOUT_READ_TIMEOUT_S`), never the event loop. It reads every device's last
+report and each rollout's health reports, so its cost grows with the fleet; the cache bounds how
+often it runs, whoever scrapes. A render whose call fails shows no rollout gauges (the failure is
 logged, and counted as a storage error when it is one).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -137,13 +137,6 @@ def gauges_of(status: Any) -> RolloutGauges:
 ROLLOUT_READ_TIMEOUT_S = 5.0
 CACHE_S = 2.0  # a rendered page serves the scrapes of this long (`fctkit serve --metrics-cache`)
 MIN_INTERVAL_S = 0.02  # at most one response per this long: 50 scrapes a second
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 def storage_error_kind(exc: BaseException) -> str | None:
@@ -226,8 +219,7 @@ class ServerMetrics:
 
     def listen(self, host: str, port: int) -> int:
         """Serve ``/metrics`` on ``host:port`` (0: a free port) from a thread of its own; the port.
-        Called on the server's event loop, the rollout source runs on that loop at each render."""
-        self._rollouts.loop = _running_loop()
+        The rollout source runs on the render's thread at each render."""
         page = CachedPage(lambda: self._prometheus.generate_latest(self.registry), self._cache_s)
         http = MetricsHttpServer(page, self._prometheus.exposition.CONTENT_TYPE_LATEST, self._min_interval_s)
         try:
@@ -255,17 +247,6 @@ class _RolloutCollector:
     def __init__(self, gauge_family: type, storage_error: Callable[[BaseException], None]) -> None:
         self._family, self._storage_error = gauge_family, storage_error
         self.source: RolloutSource | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    def _read(self, source: RolloutSource) -> list[RolloutGauges]:
-        """``source()`` on the server's event loop (its storage is used from that thread only)."""
-        if self.loop is None or self.loop is _running_loop():
-            return list(source())
-
-        async def read() -> list[RolloutGauges]:
-            return list(source())
-
-        return asyncio.run_coroutine_threadsafe(read(), self.loop).result(timeout=ROLLOUT_READ_TIMEOUT_S)
 
     def describe(self) -> list:
         return []  # the families depend on the source; nothing to check at registration
@@ -274,7 +255,7 @@ class _RolloutCollector:
         if self.source is None:
             return
         try:
-            rollouts = self._read(self.source)
+            rollouts = list(self.source())  # on the render thread, never the event loop
         except Exception as exc:  # one failed read must not fail the whole scrape
             log_event("rollout metrics unavailable", logging.WARNING, error=f"{type(exc).__name__}: {exc}")
             self._storage_error(exc)

@@ -40,6 +40,7 @@ from .rollout.offers import Rollouts
 from .rollout.service import RolloutRpcs
 from .rollout.withdraw_service import WithdrawRpcs
 from .root_of_trust import ReleaseRules, RootOfTrust
+from .status_reads import StatusReads
 from .storage import StaleVersion, Storage, VersionRecord
 from .streams import FileSink, check_offset, file_chunks, open_stored, read_header, receive_chunks
 from .validation import chunk_size, invalid, page_size, quoted, sha256_field, text_field, timestamp, version_field
@@ -199,10 +200,12 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
         max_bundle_bytes: int,
         keepalive_s: float,
         rollouts: Rollouts | None = None,
+        status_reads: StatusReads | None = None,
     ) -> None:
         self._storage = storage
         self._catalog = catalog
         self._rollouts = rollouts or Rollouts(storage, catalog.wake)
+        self._status_reads = status_reads or StatusReads(storage)
         self._rules = rules
         self._max_bundle = max_bundle_bytes
         self._keepalive_s = keepalive_s

@@ -45,7 +45,7 @@ from .guard_votes import GuardTally
 from .partial_uploads import PartialFiles, PartialUploads
 from .replica_store import PushOutcome, ReplicaQuotaExceeded, ReplicaRecord, ReplicaStore
 from .rollout_store import DeviceState, HealthReport, Rollout, RolloutStore
-from .storage_schema import open_database
+from .storage_schema import open_database, open_reader
 from .trust_store import StoredTimestamp, TrustStore
 from .upload_sessions import Reservation
 from .version_store import StaleVersion, VersionRecord, VersionStore
@@ -161,6 +161,7 @@ class Storage(Protocol):
 
     def counts(self) -> dict[str, int]: ...
     def collect_garbage(self) -> dict[str, int]: ...
+    def reader(self) -> Storage: ...
     def close(self) -> None: ...
 
 
@@ -444,6 +445,11 @@ class ServerStorage:
             removed["staging"] += 1
         return removed
 
+    def reader(self) -> Storage:
+        """A storage for reads from one other thread (:mod:`.status_reads`): this one, whose
+        database hands each thread a connection of its own (PostgreSQL's pool)."""
+        return self
+
     def close(self) -> None:
         self._db.close()
 
@@ -469,6 +475,13 @@ class SqliteStorage(ServerStorage):
             ContentStore(self.data_dir / "blobs"),
             PartialFiles(tmp_dir / "uploads"),
             tmp_dir,
+        )
+
+    def reader(self) -> Storage:
+        """A storage on a read-only connection of its own to the same database, for the one
+        thread that calls this (WAL: it reads the last committed state while this one writes)."""
+        return ServerStorage(
+            open_reader(self.data_dir / "meta.sqlite3"), self.artifacts, self.blobs, self.partials, self.tmp_dir
         )
 
     def close(self) -> None:

@@ -269,6 +269,14 @@ def open_database(path: Path) -> SqliteDatabase:
     return database
 
 
+def open_reader(path: Path) -> SqliteDatabase:
+    """A read-only connection to the metadata database at ``path`` (opened and migrated by
+    :func:`open_database` first), for the one thread that opens it."""
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA query_only=ON")
+    return SqliteDatabase(db)
+
+
 _MIGRATION_LOCK = 0x66637463  # "fctc": the advisory lock replicas take to create or check the schema
 
 

@@ -2,7 +2,8 @@
 rollout (never a withdrawn version's), ``GetRollout`` reports it (with its withdrawal and its
 confirmation, if any), ``ConfirmVersion`` confirms a version offered to devices and not withdrawn.
 Mixed into :class:`~..registry.RegistryService`, whose catalog, storage and
-:class:`~.offers.Rollouts` they use."""
+:class:`~.offers.Rollouts` they use. The status each answers with counts every device in the
+rollout: it is read off the event loop (:class:`~..status_reads.StatusReads`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fctkit.errors import RpcStatusError
 from fctkit.protos import registry_pb2
 
 from ..rollout_store import DeviceState, Rollout
+from ..status_reads import StatusReads
 from ..storage import Storage
 from ..validation import timestamp, version_field
 from .changes import changed_rollout, check_cohort, check_confirmable
@@ -25,6 +27,7 @@ class RolloutRpcs:
     _catalog: Any  # the registry's Catalog
     _storage: Storage
     _rollouts: Rollouts
+    _status_reads: StatusReads
 
     async def SetRollout(self, request: registry_pb2.SetRolloutRequest, context) -> registry_pb2.RolloutStatus:
         version = self._catalog.get(version_field(request.version, "version")).version
@@ -45,7 +48,7 @@ class RolloutRpcs:
                 )
         now = timestamp()
         self._rollouts.change(version, lambda current: changed_rollout(current, request, now))
-        return self._rollout_status(version)
+        return await self.counted_status(version)
 
     async def ConfirmVersion(self, request: registry_pb2.ConfirmVersionRequest, context) -> registry_pb2.RolloutStatus:
         version = self._catalog.get(version_field(request.version, "version")).version
@@ -56,29 +59,36 @@ class RolloutRpcs:
                 "its devices go back to the version its withdrawal names; nothing changed",
             )
         self._rollouts.confirm(version, timestamp(), lambda rollout: check_confirmable(version, rollout))
-        return self._rollout_status(version)
+        return await self.counted_status(version)
 
     async def GetRollout(self, request: registry_pb2.GetRolloutRequest, context) -> registry_pb2.RolloutStatus:
-        return self._rollout_status(self._catalog.get(version_field(request.version, "version")).version)
+        return await self.counted_status(self._catalog.get(version_field(request.version, "version")).version)
 
-    def rollout_statuses(self) -> list[registry_pb2.RolloutStatus]:
+    async def counted_status(self, version: int) -> registry_pb2.RolloutStatus:
+        """``version``'s rollout status, counted off the event loop."""
+        return await self._status_reads.run(lambda storage: self.status_of(storage, version))
+
+    def rollout_statuses(self, storage: Storage) -> list[registry_pb2.RolloutStatus]:
         """The status of every version published with a rollout (what the metrics' rollout gauges show)."""
-        rollouts, devices = self._storage.rollouts(), self._storage.rollout_devices()
-        return [self._rollout_status(v, r, devices) for v, r in sorted(rollouts.items()) if v <= self._catalog.latest]
+        rollouts, devices = storage.rollouts(), storage.rollout_devices()
+        return [
+            self.status_of(storage, v, r, devices) for v, r in sorted(rollouts.items()) if v <= self._catalog.latest
+        ]
 
-    def _rollout_status(
-        self, version: int, rollout: Rollout | None = None, devices: list[DeviceState] | None = None
+    def status_of(
+        self, storage: Storage, version: int, rollout: Rollout | None = None, devices: list[DeviceState] | None = None
     ) -> registry_pb2.RolloutStatus:
-        rollout = rollout or self._storage.rollouts().get(version)
-        withdrawal = self._storage.withdrawals().get(version)
+        """``version``'s rollout status read from ``storage`` (on the status reads' worker)."""
+        rollout = rollout or storage.rollouts().get(version)
+        withdrawal = storage.withdrawals().get(version)
         status = rollout_status(
             version,
             rollout,
             self._catalog.get(version).manifest.gate,
-            self._storage.rollout_devices() if devices is None else devices,
-            self._storage.health_reports(version),
+            storage.rollout_devices() if devices is None else devices,
+            storage.health_reports(version),
             withdrawal,
-            self._storage.device_reverts(version) if withdrawal else {},
+            storage.device_reverts(version) if withdrawal else {},
         )
-        status.confirmed_at = self._storage.confirmations().get(version, "")
+        status.confirmed_at = storage.confirmations().get(version, "")
         return status
