@@ -128,8 +128,12 @@ def offered_update(trust: DeviceTrust, client: Any, listing: VersionListing | No
     version ``listing`` carries is enough while the server's latest root is the device's own."""
     if trust.pins_root:
         current, state = trust.current_root(), trust.state()
-        if listing is not None and listing.timestamp and listing.latest_root_version == current.body.version:
-            return accept(trust, current, [], listing.timestamp, state.timestamp_version, start_is_new=False)
+        if listing is not None and listing.latest_root_version == current.body.version:
+            # "unchanged": the server's timestamp is the very one this device holds (it asked with its
+            # version); timestamp bytes sent all the same are checked as always
+            timestamp = listing.timestamp or (state.timestamp if listing.timestamp_unchanged else b"")
+            if timestamp:
+                return accept(trust, current, [], timestamp, state.timestamp_version, start_is_new=False)
         update = fetch_trust(client, current.body.version)
         if update is None:
             raise RootChainError(
@@ -178,8 +182,10 @@ def trusted_versions(trust: DeviceTrust, client: Any, after_version: int) -> lis
 def trusted_listing(trust: DeviceTrust, client: Any, after_version: int) -> VersionListing:
     """:func:`trusted_versions`' listing: its ``versions`` cut to those the timestamp offers, its
     ``withdrawals`` as the server sent them (each verified by the device before use, :mod:`.revert`)."""
+    held = trust.state() if trust.pins_root else None
+    known = held.timestamp_version if held is not None and held.timestamp is not None else 0
     with refusal_recorded(trust):  # a listing past the release limit (endless data)
-        listing = client.version_listing(after_version)
+        listing = client.version_listing(after_version, known_timestamp_version=known)
     refresh_trust(trust, client, listing)
     return replace(listing, versions=trust.on_offer(listing.versions))
 

@@ -70,15 +70,17 @@ class VersionInfo(_message.Message):
     def __init__(self, version: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., distance: _Optional[str] = ..., normalize: _Optional[bool] = ..., embedding_dim: _Optional[int] = ..., side_info_dim: _Optional[int] = ..., artifacts: _Optional[_Iterable[_Union[ArtifactInfo, _Mapping]]] = ..., created_at: _Optional[str] = ..., published_at: _Optional[str] = ..., publisher_key_id: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., gate_forced: _Optional[bool] = ...) -> None: ...
 
 class ListVersionsRequest(_message.Message):
-    __slots__ = ("after_version", "page_size")
+    __slots__ = ("after_version", "page_size", "known_timestamp_version")
     AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_TIMESTAMP_VERSION_FIELD_NUMBER: _ClassVar[int]
     after_version: int
     page_size: int
-    def __init__(self, after_version: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
+    known_timestamp_version: int
+    def __init__(self, after_version: _Optional[int] = ..., page_size: _Optional[int] = ..., known_timestamp_version: _Optional[int] = ...) -> None: ...
 
 class ListVersionsResponse(_message.Message):
-    __slots__ = ("versions", "more", "latest_version", "timestamp", "latest_root_version", "withdrawals", "confirmed_versions")
+    __slots__ = ("versions", "more", "latest_version", "timestamp", "latest_root_version", "withdrawals", "confirmed_versions", "timestamp_unchanged")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +88,7 @@ class ListVersionsResponse(_message.Message):
     LATEST_ROOT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WITHDRAWALS_FIELD_NUMBER: _ClassVar[int]
     CONFIRMED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
     more: bool
     latest_version: int
@@ -93,7 +96,8 @@ class ListVersionsResponse(_message.Message):
     latest_root_version: int
     withdrawals: _containers.RepeatedScalarFieldContainer[bytes]
     confirmed_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., more: _Optional[bool] = ..., latest_version: _Optional[int] = ..., timestamp: _Optional[bytes] = ..., latest_root_version: _Optional[int] = ..., withdrawals: _Optional[_Iterable[bytes]] = ..., confirmed_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    timestamp_unchanged: bool
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., more: _Optional[bool] = ..., latest_version: _Optional[int] = ..., timestamp: _Optional[bytes] = ..., latest_root_version: _Optional[int] = ..., withdrawals: _Optional[_Iterable[bytes]] = ..., confirmed_versions: _Optional[_Iterable[int]] = ..., timestamp_unchanged: _Optional[bool] = ...) -> None: ...
 
 class GetManifestRequest(_message.Message):
     __slots__ = ("version",)

@@ -52,6 +52,8 @@ class VersionListing:
     latest_root_version: int
     withdrawals: list[bytes] = field(default_factory=list)
     confirmed_versions: list[int] = field(default_factory=list)
+    # the server's timestamp is the one the caller said it holds (``timestamp`` is then empty)
+    timestamp_unchanged: bool = False
 
 
 class TrustCalls:
@@ -64,10 +66,11 @@ class TrustCalls:
         """Every published version after ``after_version``, in order (all pages)."""
         return self.version_listing(after_version).versions
 
-    def version_listing(self, after_version: int = 0) -> VersionListing:
+    def version_listing(self, after_version: int = 0, known_timestamp_version: int = 0) -> VersionListing:
         """Every published version after ``after_version`` (all pages, within :data:`VERSION_PAGES`),
         with the timestamp and latest root version the first page carries (a server with a root;
-        unverified bytes)."""
+        unverified bytes). ``known_timestamp_version``: the timestamp the caller holds; when it is
+        still the current one the listing says so (``timestamp_unchanged``) instead of carrying it."""
 
         def ask(
             previous: registry_pb2.ListVersionsResponse | None, kept: int
@@ -75,7 +78,9 @@ class TrustCalls:
             if previous is not None and not (previous.more and previous.versions):
                 return None
             after = after_version if previous is None else previous.versions[-1].version
-            request = registry_pb2.ListVersionsRequest(after_version=after)
+            request = registry_pb2.ListVersionsRequest(
+                after_version=after, known_timestamp_version=known_timestamp_version
+            )
             return cast(registry_pb2.ListVersionsResponse, self._unary(self.registry.ListVersions, request))
 
         pages = gather_pages(ask, lambda page: page.versions, VERSION_PAGES)
@@ -86,6 +91,7 @@ class TrustCalls:
             first.latest_root_version,
             list(first.withdrawals),
             list(first.confirmed_versions),
+            first.timestamp_unchanged,
         )
 
     def get_trust(self, after_root_version: int = 0) -> TrustUpdate:

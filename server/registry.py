@@ -18,6 +18,7 @@ the content store and only then commits the version row with the bundle's co-sig
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hashlib
 import logging
 import shutil
@@ -31,7 +32,15 @@ from fctkit.protos import limits, registry_pb2, registry_pb2_grpc
 from fctkit.protos.bundle import Artifact, Manifest, VerifiedBundle, unpack_bundle, verify_bundle
 from fctkit.protos.bundle_vocabulary import MANIFEST_FILE, SIGNATURES_FILE
 from fctkit.protos.planner import PlannedHop, plan_upgrade
-from fctkit.protos.trust import MAX_SIGNATURES_BYTES, ReleaseTrust, Signed, parse_release_signatures, root_fingerprint
+from fctkit.protos.trust import (
+    MAX_SIGNATURES_BYTES,
+    ReleaseEntry,
+    ReleaseTrust,
+    Signed,
+    parse_release_signatures,
+    release_entry,
+    root_fingerprint,
+)
 
 from .auth import current_principal
 from .jsonlog import log_event
@@ -99,6 +108,8 @@ class Catalog:
 
     def __init__(self, versions: list[PublishedVersion]) -> None:
         self._versions = {v.version: v for v in versions}
+        self._entries: tuple[ReleaseEntry, ...] | None = None
+        self._order: list[int] | None = None
         self._changed = asyncio.Event()
         self.closed = False
 
@@ -155,12 +166,14 @@ class Catalog:
         self, version: int, limit: int | None = None, before: int | None = None, skip: frozenset[int] = frozenset()
     ) -> list[PublishedVersion]:
         """The versions after ``version`` (and before ``before``, when given), but those in ``skip``, in order."""
-        found = [
-            self._versions[v]
-            for v in sorted(self._versions)
-            if v > version and (before is None or v < before) and v not in skip
-        ]
-        return found if limit is None else found[:limit]
+        ordered = self._ordered()
+        found: list[PublishedVersion] = []
+        for v in ordered[bisect.bisect_right(ordered, version) :]:
+            if (before is not None and v >= before) or (limit is not None and len(found) >= limit):
+                break
+            if v not in skip:
+                found.append(self._versions[v])
+        return found
 
     def latest_before(self, cap: int | None, skip: frozenset[int] = frozenset()) -> int:
         """The latest version before ``cap`` (None: any), but those in ``skip``; 0 when none."""
@@ -172,14 +185,23 @@ class Catalog:
 
     def add(self, published: PublishedVersion) -> None:
         self._versions[published.version] = published
+        self._entries, self._order = None, None
         self._notify()
 
     def manifests(self) -> list[Manifest]:
         return [v.manifest for _, v in sorted(self._versions.items())]
 
-    def manifest_bytes(self) -> dict[int, bytes]:
-        """Each version on offer and its signed manifest bytes (what a timestamp names)."""
-        return {version: published.record.manifest for version, published in self._versions.items()}
+    def release_entries(self) -> tuple[ReleaseEntry, ...]:
+        """What a timestamp names of each version on offer (hashed once per version, kept until one is added)."""
+        if self._entries is None:
+            self._entries = tuple(release_entry(v, self._versions[v].record.manifest) for v in self._ordered())
+        return self._entries
+
+    def _ordered(self) -> list[int]:
+        """The versions in order (sorted once per version added)."""
+        if self._order is None:
+            self._order = sorted(self._versions)
+        return self._order
 
     def close(self) -> None:
         self.closed = True
@@ -216,8 +238,11 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
         trust: dict[str, Any] = {}
         if isinstance(self._rules, RootOfTrust):  # the timestamp rides along: one round trip per sync
             self._catch_up()
+            current = self._rules.timestamp(self._catalog.release_entries())
+            unchanged = request.known_timestamp_version == current.version
             trust = {
-                "timestamp": self._rules.timestamp(self._catalog.manifest_bytes()),
+                "timestamp": b"" if unchanged else current.data,
+                "timestamp_unchanged": unchanged,
                 "latest_root_version": self._rules.latest_root_version(),
             }
         cap, hidden = self._cap(), self._hidden()
@@ -246,7 +271,7 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
         self._catch_up()
         roots, latest = root.roots_after(request.after_root_version)
         return registry_pb2.GetTrustResponse(
-            roots=roots, latest_root_version=latest, timestamp=root.timestamp(self._catalog.manifest_bytes())
+            roots=roots, latest_root_version=latest, timestamp=root.timestamp(self._catalog.release_entries()).data
         )
 
     async def PublishRoot(self, request, context):

@@ -14,7 +14,7 @@ Two modes, one interface (:class:`ReleaseRules`):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -27,11 +27,11 @@ from fctkit.errors import BundleError, ConfigError, RpcStatusError, TrustError
 from fctkit.protos.bundle import Manifest, public_key_id
 from fctkit.protos.trust import (
     MAX_ROOT_BYTES,
+    ReleaseEntry,
     ReleaseTrust,
     Root,
     Signed,
     Timestamp,
-    make_timestamp,
     parse_root,
     parse_timestamp,
     root_fingerprint,
@@ -237,36 +237,35 @@ class RootOfTrust:
             )
         return new
 
-    def timestamp(self, manifests: Mapping[int, bytes]) -> bytes:
-        """The current signed timestamp naming ``manifests`` (version → manifest bytes on offer):
-        the stored one while it names exactly these, is signed for the latest root and has more
-        than half its lifetime left; else a new one, one version higher, stored once for all replicas."""
+    def timestamp(self, releases: tuple[ReleaseEntry, ...]) -> StoredTimestamp:
+        """The current signed timestamp naming ``releases`` (those on offer) and its version: the
+        stored one while it names exactly these, is signed for the latest root and has more than
+        half its lifetime left; else a new one, one version higher, stored once for all replicas."""
         root = self.latest()
         for _ in range(TIMESTAMP_WRITE_TRIES):
             now = self._clock()
             stored = self._storage.timestamp()
-            if stored is not None and self._reusable(stored, root, manifests, now):
-                return stored.data
+            if stored is not None and self._reusable(stored, root, releases, now):
+                return stored
             self.require_timestamp_keys(root, lambda message: RpcStatusError("FAILED_PRECONDITION", message))
             version = 1 if stored is None else stored.version + 1
-            document = Signed(make_timestamp(version, now + self._expiry, manifests))
+            document = Signed(Timestamp(version, now + self._expiry, releases))
             for key in self.signing_keys(root):
                 document = document.signed_by(key)
             data = document.to_bytes()
             if self._storage.put_timestamp(version, data):
-                return data
+                return StoredTimestamp(version, data)
         raise RpcStatusError(
             "UNAVAILABLE", "the timestamp kept changing under this replica (replicas racing); try again"
         )
 
     def _reusable(
-        self, stored: StoredTimestamp, root: Signed[Root], manifests: Mapping[int, bytes], now: datetime
+        self, stored: StoredTimestamp, root: Signed[Root], releases: tuple[ReleaseEntry, ...], now: datetime
     ) -> bool:
         timestamp = self._checked_timestamp(stored, root, now)
         if timestamp is None:
             return False
-        offered = make_timestamp(timestamp.body.version, timestamp.body.expires, manifests)
-        return timestamp.body.releases == offered.releases and timestamp.body.expires - now > self._expiry / 2
+        return timestamp.body.releases == releases and timestamp.body.expires - now > self._expiry / 2
 
     def _checked_timestamp(
         self, stored: StoredTimestamp, root: Signed[Root], now: datetime

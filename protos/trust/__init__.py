@@ -44,7 +44,7 @@ from __future__ import annotations
 from .release_signatures import parse_release_signatures, read_release_signatures, release_signatures_bytes
 from .release_trust import ReleaseTrust, verify_release_manifest
 from .root_metadata import DEFAULT_FRESHNESS_LIMIT_S, ROLE_NAMES, RoleKeys, Root, parse_root, root_fingerprint
-from .timestamp_metadata import MAX_RELEASES, ReleaseEntry, Timestamp, make_timestamp, parse_timestamp
+from .timestamp_metadata import MAX_RELEASES, ReleaseEntry, Timestamp, make_timestamp, parse_timestamp, release_entry
 from .trust_format import (
     MAX_ROOT_BYTES,
     MAX_SIGNATURES_BYTES,
@@ -104,6 +104,7 @@ __all__ = [
     "parse_withdrawal",
     "pin_root",
     "read_release_signatures",
+    "release_entry",
     "release_signatures_bytes",
     "root_fingerprint",
     "sign_bytes",

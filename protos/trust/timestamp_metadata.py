@@ -83,11 +83,12 @@ class Timestamp:
 
 def make_timestamp(version: int, expires: datetime, manifests: Mapping[int, bytes]) -> Timestamp:
     """The timestamp naming these releases' manifests (release version → canonical manifest bytes)."""
-    return Timestamp(
-        version,
-        expires,
-        tuple(ReleaseEntry(v, hashlib.sha256(data).hexdigest(), len(data)) for v, data in sorted(manifests.items())),
-    )
+    return Timestamp(version, expires, tuple(release_entry(v, data) for v, data in sorted(manifests.items())))
+
+
+def release_entry(version: int, manifest: bytes) -> ReleaseEntry:
+    """What a timestamp says of one release: its version, manifest SHA-256 and length."""
+    return ReleaseEntry(version, hashlib.sha256(manifest).hexdigest(), len(manifest))
 
 
 def parse_timestamp(data: bytes, what: str = "timestamp.json") -> Signed[Timestamp]:

@@ -286,6 +286,48 @@ def test_a_wrong_root_enrolment_is_refused_and_writes_nothing(world, tmp_path):
 # -- freshness: rollback, freeze, fast-forward --------------------------------------------------
 
 
+def recorded_listings(mirror: Mirror, change=None) -> list[registry_pb2.ListVersionsResponse]:
+    """The ListVersions answers passing through ``mirror`` from now on (``change`` edits each first)."""
+    answers: list[registry_pb2.ListVersionsResponse] = []
+
+    def record(request: bytes, forward) -> registry_pb2.ListVersionsResponse:
+        answer = registry_pb2.ListVersionsResponse.FromString(forward(request))
+        if change is not None:
+            change(answer)
+        answers.append(answer)
+        return answer
+
+    mirror.take_over("Registry/ListVersions", record)
+    return answers
+
+
+def test_a_sync_that_finds_nothing_new_is_told_unchanged_instead_of_sent_the_timestamp(world):
+    before = world.device.trust.state()
+    answers = recorded_listings(world.mirror)
+    assert world.device.sync().installed_after == 1
+    assert [(a.timestamp, a.timestamp_unchanged, list(a.versions)) for a in answers] == [(b"", True, [])]
+    assert len(answers[0].SerializeToString()) < 2048
+    after = world.device.trust.state()
+    assert after.timestamp == before.timestamp and after.fresh_at >= before.fresh_at  # still fresh
+
+
+def test_an_unchanged_answer_cannot_hide_a_newer_release_past_the_timestamps_expiry(world, release):
+    """A mirror that answers "unchanged" and strips the new versions freezes the device at most
+    like a replayed timestamp does: it keeps the one it holds, and that one still expires."""
+    publish(world.server, release(2, "alice", "bob"), world.tmp)
+
+    def frozen(answer: registry_pb2.ListVersionsResponse) -> None:
+        answer.timestamp, answer.timestamp_unchanged = b"", True
+        del answer.versions[:]
+
+    recorded_listings(world.mirror, frozen)
+    held = world.device.trust.state().timestamp
+    assert world.device.sync().installed_after == 1 and world.device.trust.state().timestamp == held
+    expired = world.device.trust.clock() + timedelta(days=400)
+    world.device.trust.clock = lambda: expired
+    world.refused(ExpiredMetadataError, "expired")
+
+
 def test_rollback_and_freeze_by_a_replayed_timestamp_are_refused(world, release):
     with FctkitClient(world.server.target, ADMIN_TOKEN) as admin:
         old_timestamp = admin.get_trust(1).timestamp

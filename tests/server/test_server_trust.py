@@ -27,6 +27,7 @@ from fctkit.protos.trust import (
     parse_release_signatures,
     parse_root,
     parse_timestamp,
+    release_entry,
     root_fingerprint,
     verify_timestamp,
 )
@@ -131,6 +132,11 @@ def test_publishing_needs_the_latest_roots_publisher_threshold(trust_server, rel
         assert second.body.version == first.body.version + 1 and [e.version for e in second.body.releases] == [2]
         listing = device.version_listing(0)  # a sync's version list carries the same timestamp and root version
         assert (listing.timestamp, listing.latest_root_version) == (second.to_bytes(), 1)
+        # a device that holds the current timestamp is told so instead of being sent it again
+        held = device.version_listing(2, known_timestamp_version=second.body.version)
+        assert (held.timestamp, held.timestamp_unchanged, held.versions, held.latest_root_version) == (b"", True, [], 1)
+        older = device.version_listing(2, known_timestamp_version=first.body.version)
+        assert (older.timestamp, older.timestamp_unchanged) == (second.to_bytes(), False)
 
         co_signatures = device.get_signed_manifest(2).co_signatures
         assert [s.keyid for s in parse_release_signatures(co_signatures)] == [kid("bob")]
@@ -287,15 +293,16 @@ def test_the_timestamp_is_reused_while_fresh_and_renewed_by_one_replica_at_a_tim
     try:
         first = RootOfTrust.open(storage, root1_file, [key("ts")], DAY_S, clock)
         second = RootOfTrust.open(other, root1_file, [key("ts")], DAY_S, clock)
-        offer = {2: b"manifest two"}
-        issued = first.timestamp(offer)
-        assert second.timestamp(offer) == issued == first.timestamp(offer)  # the other replica reads it, signs nothing
+        offer = (release_entry(2, b"manifest two"),)
+        issued = first.timestamp(offer).data
+        assert second.timestamp(offer).data == issued == first.timestamp(offer).data  # the other replica signs nothing
         clock.now += timedelta(hours=11)
-        assert first.timestamp(offer) == issued  # more than half its lifetime left
+        assert first.timestamp(offer).data == issued  # more than half its lifetime left
         clock.now += timedelta(hours=2)
         renewed = second.timestamp(offer)
-        assert parse_timestamp(renewed).body.version == 2 and first.timestamp(offer) == renewed
-        published = first.timestamp({**offer, 3: b"manifest three"})
+        assert parse_timestamp(renewed.data).body.version == renewed.version == 2
+        assert first.timestamp(offer) == renewed
+        published = first.timestamp((*offer, release_entry(3, b"manifest three"))).data
         assert [(e.version, e.manifest_length) for e in parse_timestamp(published).body.releases] == [(2, 12), (3, 14)]
         assert parse_timestamp(published).body.version == 3
         assert not storage.put_timestamp(3, b"a loser's") and storage.timestamp().data == published
@@ -314,11 +321,11 @@ def test_a_replica_without_the_new_timestamp_key_serves_what_others_signed_and_s
         rotating.publish_root(root(2, timestamp=("ts2",)).to_bytes())
         behind = RootOfTrust(storage, [key("ts")], DAY_S)  # a replica not yet restarted with --timestamp-key ts2.key
         with pytest.raises(RpcStatusError, match=r"restart the replicas with --timestamp-key NEW.key") as caught:
-            behind.timestamp({})
+            behind.timestamp(())
         assert caught.value.code == "FAILED_PRECONDITION" and storage.timestamp() is None
-        signed_by_ts2 = rotating.timestamp({})
+        signed_by_ts2 = rotating.timestamp(()).data
         assert [s.keyid for s in parse_timestamp(signed_by_ts2).signatures] == [kid("ts2")]
-        assert behind.timestamp({}) == signed_by_ts2
+        assert behind.timestamp(()).data == signed_by_ts2
     finally:
         storage.close()
 
