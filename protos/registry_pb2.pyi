@@ -272,18 +272,20 @@ class RolloutGuard(_message.Message):
     def __init__(self, halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ...) -> None: ...
 
 class SetRolloutRequest(_message.Message):
-    __slots__ = ("version", "percent", "action", "cohort", "guard")
+    __slots__ = ("version", "percent", "action", "cohort", "guard", "remove_guard")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PERCENT_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     COHORT_FIELD_NUMBER: _ClassVar[int]
     GUARD_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_GUARD_FIELD_NUMBER: _ClassVar[int]
     version: int
     percent: float
     action: RolloutAction
     cohort: RolloutCohort
     guard: RolloutGuard
-    def __init__(self, version: _Optional[int] = ..., percent: _Optional[float] = ..., action: _Optional[_Union[RolloutAction, str]] = ..., cohort: _Optional[_Union[RolloutCohort, _Mapping]] = ..., guard: _Optional[_Union[RolloutGuard, _Mapping]] = ...) -> None: ...
+    remove_guard: bool
+    def __init__(self, version: _Optional[int] = ..., percent: _Optional[float] = ..., action: _Optional[_Union[RolloutAction, str]] = ..., cohort: _Optional[_Union[RolloutCohort, _Mapping]] = ..., guard: _Optional[_Union[RolloutGuard, _Mapping]] = ..., remove_guard: _Optional[bool] = ...) -> None: ...
 
 class GetRolloutRequest(_message.Message):
     __slots__ = ("version",)
@@ -335,7 +337,7 @@ class RolloutStage(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., percent: _Optional[float] = ..., started_at: _Optional[str] = ..., offered: _Optional[int] = ..., downloaded: _Optional[int] = ..., upgraded: _Optional[int] = ..., failed: _Optional[int] = ..., reverted: _Optional[int] = ..., health: _Optional[_Union[HealthSummary, _Mapping]] = ..., revert_methods: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("version", "state", "percent", "cohort_size", "halt_below", "halt_min_devices", "halt_reason", "stages", "gate_cases_json", "updated_at", "withdrawn_reason", "revert_to", "confirmed_at")
+    __slots__ = ("version", "state", "percent", "cohort_size", "halt_below", "halt_min_devices", "halt_reason", "stages", "gate_cases_json", "updated_at", "withdrawn_reason", "revert_to", "confirmed_at", "gate_override_reason")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PERCENT_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +351,7 @@ class RolloutStatus(_message.Message):
     WITHDRAWN_REASON_FIELD_NUMBER: _ClassVar[int]
     REVERT_TO_FIELD_NUMBER: _ClassVar[int]
     CONFIRMED_AT_FIELD_NUMBER: _ClassVar[int]
+    GATE_OVERRIDE_REASON_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: str
     percent: float
@@ -362,7 +365,8 @@ class RolloutStatus(_message.Message):
     withdrawn_reason: str
     revert_to: int
     confirmed_at: str
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., percent: _Optional[float] = ..., cohort_size: _Optional[int] = ..., halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ..., halt_reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[RolloutStage, _Mapping]]] = ..., gate_cases_json: _Optional[str] = ..., updated_at: _Optional[str] = ..., withdrawn_reason: _Optional[str] = ..., revert_to: _Optional[int] = ..., confirmed_at: _Optional[str] = ...) -> None: ...
+    gate_override_reason: str
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., percent: _Optional[float] = ..., cohort_size: _Optional[int] = ..., halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ..., halt_reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[RolloutStage, _Mapping]]] = ..., gate_cases_json: _Optional[str] = ..., updated_at: _Optional[str] = ..., withdrawn_reason: _Optional[str] = ..., revert_to: _Optional[int] = ..., confirmed_at: _Optional[str] = ..., gate_override_reason: _Optional[str] = ...) -> None: ...
 
 class ConfirmVersionRequest(_message.Message):
     __slots__ = ("version",)

@@ -31,14 +31,16 @@ class RolloutCalls:
         cohort: Sequence[str] | None = None,
         halt_below: float | None = None,
         halt_min_devices: int = 0,
+        remove_guard: bool = False,
     ) -> registry_pb2.RolloutStatus:
         """Admin: widen (``percent``), ``action`` (pause, resume or complete), replace the cohort
-        (``cohort``: device ids) or the guard (``halt_below`` with ``halt_min_devices``) of
-        ``version``'s rollout, all at once or nothing; returns its status."""
+        (``cohort``: device ids) or the guard (``halt_below`` with ``halt_min_devices``; or
+        ``remove_guard``) of ``version``'s rollout, all at once or nothing; returns its status."""
         request = registry_pb2.SetRolloutRequest(
             version=version,
             percent=percent,
             action=ROLLOUT_ACTIONS[action] if action else registry_pb2.ROLLOUT_ACTION_UNSPECIFIED,
+            remove_guard=remove_guard,
         )
         if cohort is not None:
             request.cohort.device_ids.extend(cohort)

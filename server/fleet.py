@@ -255,7 +255,8 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
 
     def _guard_verdict(self, rollout: Rollout, device_id: str) -> str | None:
         """The guard's verdict on ``rollout`` from its running tally of owners' votes."""
-        return guard_verdict(rollout, self._storage.guard_tally(rollout.version), device_id)
+        confirmed = self._rollouts.is_confirmed(rollout.version)
+        return guard_verdict(rollout, self._storage.guard_tally(rollout.version), device_id, confirmed=confirmed)
 
     async def RevokeDevice(self, request, context):
         device_id = text_field(request.device_id, "device_id").strip()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 
 from fctkit.errors import RpcStatusError
 from fctkit.protos import registry_pb2
@@ -63,8 +64,12 @@ def changed_rollout(current: Rollout | None, request: registry_pb2.SetRolloutReq
     rollout = current
     if request.HasField("cohort"):
         rollout = dataclasses.replace(rollout, cohort=check_cohort(list(request.cohort.device_ids)))
+    if request.HasField("guard") and request.remove_guard:
+        raise invalid("remove_guard and guard together: remove the guard, or set a new one")
     if request.HasField("guard"):
         rollout = dataclasses.replace(rollout, **_guard(request.guard))
+    if request.remove_guard:
+        rollout = dataclasses.replace(rollout, halt_below=0.0, halt_min_devices=0)
     if request.HasField("percent"):
         rollout = _widened(rollout, check_percent(request.percent), now)
     rollout = _acted(rollout, request.action, now)
@@ -123,6 +128,22 @@ def _acted(rollout: Rollout, action: int, now: str) -> Rollout:
     raise invalid(f"action {action} is not one of PAUSE, RESUME, COMPLETE")
 
 
+def check_resumable(current: Rollout | None, changed: Rollout, tally: Callable[[], GuardTally]) -> None:
+    """FAILED_PRECONDITION when ``changed`` resumes a rollout its guard halted, under the same
+    guard, while that guard would halt it again at the very next report (``tally``: its votes now)."""
+    if current is None or current.state != HALTED or changed.state != STAGED:
+        return
+    if (current.halt_below, current.halt_min_devices) != (changed.halt_below, changed.halt_min_devices):
+        return  # a new guard (or none): its votes are counted again against the new threshold
+    reason = guard_verdict(changed, tally(), "the next report")
+    if reason is not None:
+        raise RpcStatusError(
+            "FAILED_PRECONDITION",
+            f"version {changed.version}'s guard would halt it again at the next report ({reason}): resume with "
+            "--no-guard, or with a new --halt-below and --halt-min-devices, or pause it; nothing changed",
+        )
+
+
 def check_confirmable(version: int, rollout: Rollout | None) -> None:
     """FAILED_PRECONDITION unless ``version`` (its rollout: ``rollout``, None when published to
     every device) was offered to some device: complete, widened above 0%, or with a cohort."""
@@ -136,10 +157,11 @@ def check_confirmable(version: int, rollout: Rollout | None) -> None:
     )
 
 
-def guard_verdict(rollout: Rollout, tally: GuardTally, device_id: str) -> str | None:
+def guard_verdict(rollout: Rollout, tally: GuardTally, device_id: str, *, confirmed: bool = False) -> str | None:
     """Why the guard halts ``rollout`` now (at ``device_id``'s report), or None: no guard, not
-    staged, fewer than ``halt_min_devices`` owners of devices in the rollout reported a sampled
-    health, or the median of their votes holds.
+    staged or complete (a complete rollout stays watched until the version is ``confirmed``),
+    fewer than ``halt_min_devices`` owners of devices in the rollout reported a sampled health,
+    or the median of their votes holds.
 
     One vote per owner (the median ``mean_cosine`` of its devices, kept in :mod:`..guard_votes`),
     rather than one per device or a capped weight: an owner's devices act for one party (one owner
@@ -147,7 +169,8 @@ def guard_verdict(rollout: Rollout, tally: GuardTally, device_id: str) -> str | 
     above one per owner lets whoever enrols the most devices decide — three devices of one owner
     outvoted two honest owners. The owner's median keeps its own devices from pulling its vote to
     an extreme, and a fleet of one owner still gets its devices' median."""
-    if rollout.halt_min_devices == 0 or rollout.state != STAGED:
+    watched = rollout.state == STAGED or (rollout.state == COMPLETE and not confirmed)
+    if rollout.halt_min_devices == 0 or not watched:
         return None
     if tally.owners < rollout.halt_min_devices or tally.median_below is None:
         return None

@@ -83,6 +83,7 @@ def read_cohort(path: Path) -> list[str]:
     default=None,
     help="Guard: only once devices of at least this many owners in the rollout reported (with --halt-below).",
 )
+@click.option("--no-guard", is_flag=True, help="Remove the rollout's guard: nothing halts it from now on.")
 @click.pass_obj
 def rollout_command(
     connect,
@@ -92,15 +93,20 @@ def rollout_command(
     cohort_file: Path | None,
     halt_below: float | None,
     halt_min_devices: int | None,
+    no_guard: bool,
 ) -> None:
     """Change the staged rollout of VERSION (published with `fctkit admin publish BUNDLE --percent P`):
     every option given at once, or none. Devices outside it keep being offered the versions before it.
+    The guard keeps watching a completed rollout until the version is confirmed; resuming a halted
+    rollout under the guard that would halt it again is refused (give a new guard or --no-guard).
     Once it has proved itself, `fctkit admin rollout-confirm VERSION` ends its rollback window early."""
     if (halt_below is None) != (halt_min_devices is None):
         raise click.UsageError("--halt-below and --halt-min-devices go together")
-    if percent is None and action is None and cohort_file is None and halt_below is None:
+    if no_guard and halt_below is not None:
+        raise click.UsageError("--no-guard removes the guard: not with --halt-below")
+    if percent is None and action is None and cohort_file is None and halt_below is None and not no_guard:
         raise click.UsageError(
-            "nothing to change: give --percent, --pause, --resume, --complete, --devices or --halt-below"
+            "nothing to change: give --percent, --pause, --resume, --complete, --devices, --halt-below or --no-guard"
         )
     cohort = None if cohort_file is None else read_cohort(cohort_file)
     with connect() as client:
@@ -111,6 +117,7 @@ def rollout_command(
             cohort=cohort,
             halt_below=halt_below,
             halt_min_devices=halt_min_devices or 0,
+            remove_guard=no_guard,
         )
     click.echo(_headline(status))
 
@@ -151,6 +158,8 @@ def rollout_status_command(connect, version: int, as_json: bool) -> None:
         or "no cases recorded"
     )
     click.echo(f"gate (the server's evaluation data): {cases}")
+    if status.gate_override_reason:
+        click.echo(f"gate overridden at export (--force): {status.gate_override_reason}")
 
 
 @click.command("rollout-confirm")
@@ -180,7 +189,8 @@ def _state(status) -> str:
     if status.state == "none":
         return f"version {status.version}: no rollout (offered to every device)"
     if status.state == "withdrawn":
-        return f"version {status.version}: withdrawn (offered to no device; it had reached {status.percent:g}%)"
+        cohort = f" and a cohort of {status.cohort_size}" if status.cohort_size else ""
+        return f"version {status.version}: withdrawn (offered to no device; it had reached {status.percent:g}%{cohort})"
     guard = (
         f"; guard: halt below {status.halt_below:g} once {status.halt_min_devices} owners' devices reported"
         if status.halt_min_devices

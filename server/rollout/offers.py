@@ -86,6 +86,9 @@ class Rollouts:
         self._confirmed[version] = confirmed_at
         return confirmed_at
 
+    def is_confirmed(self, version: int) -> bool:
+        return version in self._confirmed
+
     def confirmed_versions(self) -> list[int]:
         """The confirmed versions that are not withdrawn (a withdrawal overrides a confirmation: a
         device on the version keeps its vectors to revert exactly), increasing."""

@@ -16,7 +16,7 @@ from ..rollout_store import DeviceState, Rollout
 from ..status_reads import StatusReads
 from ..storage import Storage
 from ..validation import timestamp, version_field
-from .changes import changed_rollout, check_cohort, check_confirmable
+from .changes import changed_rollout, check_cohort, check_confirmable, check_resumable
 from .offers import Rollouts
 from .status import rollout_status
 
@@ -47,7 +47,13 @@ class RolloutRpcs:
                     f"{unknown[0]!r}: see `fctkit admin list-devices`; nothing changed",
                 )
         now = timestamp()
-        self._rollouts.change(version, lambda current: changed_rollout(current, request, now))
+
+        def change(current: Rollout | None) -> Rollout:
+            changed = changed_rollout(current, request, now)
+            check_resumable(current, changed, lambda: self._storage.guard_tally(version))
+            return changed
+
+        self._rollouts.change(version, change)
         return await self.counted_status(version)
 
     async def ConfirmVersion(self, request: registry_pb2.ConfirmVersionRequest, context) -> registry_pb2.RolloutStatus:

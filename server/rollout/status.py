@@ -97,6 +97,7 @@ def rollout_status(
     """The status of ``version``'s rollout (None: published to every device, no stages), and of its
     withdrawal (``reverts``: how each device reported going back from it)."""
     gate_cases = json.dumps(gate.get("cases", {}), sort_keys=True)
+    override = str(gate.get("force_reason") or "") if gate.get("forced") else ""
     reverts = reverts or {}
     withdrawn = (
         {}
@@ -104,7 +105,9 @@ def rollout_status(
         else {"state": "withdrawn", "withdrawn_reason": withdrawal.reason, "revert_to": withdrawal.revert_to}
     )
     if rollout is None and withdrawal is None:
-        return registry_pb2.RolloutStatus(version=version, state="none", percent=100.0, gate_cases_json=gate_cases)
+        return registry_pb2.RolloutStatus(
+            version=version, state="none", percent=100.0, gate_cases_json=gate_cases, gate_override_reason=override
+        )
     if rollout is None:  # offered to every device at once: they all entered at one stage
         rollout = Rollout(version, 100.0, "complete", (Stage(100.0, ""),))
     by_stage: dict[int, list[DeviceState]] = {}
@@ -127,6 +130,7 @@ def rollout_status(
         halt_reason=rollout.halt_reason,
         stages=stages,
         gate_cases_json=gate_cases,
+        gate_override_reason=override,
         updated_at=rollout.updated_at,
         **fields,
     )

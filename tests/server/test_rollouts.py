@@ -16,6 +16,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
+from fctkit.errors import RpcStatusError
 from fctkit.protos import fleet_pb2, registry_pb2
 from fctkit.protos.client import FctkitClient
 from fctkit.server.cli import admin_command
@@ -281,9 +282,13 @@ def test_the_guard_halts_the_rollout_at_the_report_that_tips_it(start_server, ar
     assert listed(devices[ids[0]]) == ([1, 2], 2)  # reported v2: stays
     assert listed(devices[ids[4]]) == ([1], 1)  # nobody new
     with admin(server) as a:
-        assert a.set_rollout(2, action="resume").state == "staged"
+        # under the same guard it would halt again at the next report: refused, with what to do
+        with pytest.raises(RpcStatusError, match=r"would halt it again at the next report .*--no-guard") as refused:
+            a.set_rollout(2, action="resume")
+        assert refused.value.code == "FAILED_PRECONDITION" and a.rollout_status(2).state == "halted"
+        assert a.set_rollout(2, action="resume", halt_below=0.5, halt_min_devices=3).state == "staged"
         devices[ids[4]].report(2, 100, IDLE, health=health(2, 0.1))
-        assert a.rollout_status(2).state == "halted"  # the guard still holds after a resume
+        assert a.rollout_status(2).state == "halted"  # the new guard holds after a resume: median 0.3 < 0.5
 
 
 def test_status_counts_each_device_in_the_stage_it_entered_in(start_server, archives):
