@@ -2,7 +2,9 @@
 the rollout in it and what they reported, and the distribution of their health signal.
 
 A device counts for the stage it entered in: stage 0 when it is in the cohort, else the first
-percent stage above its :func:`~.offers.bucket`. Of those (enrolled, not revoked):
+percent stage above its :func:`~.offers.bucket`. Of those (enrolled, not revoked): *offered* is
+offered the version now (all of them while the rollout is staged or complete; while it is paused,
+halted or withdrawn only those that run it or a later version, as nobody new gets it),
 *downloaded* got the bundle (reported upgrading, backfilling or failed towards the version, runs it,
 or reported a health for it), *upgraded* runs the version or a later one, *failed* reported a
 failed upgrade to it, *reverted* reported going back from it after its withdrawal (counted by
@@ -22,7 +24,7 @@ from typing import Any
 from fctkit.protos import fleet_pb2, registry_pb2
 
 from ..guard_votes import bucket
-from ..rollout_store import DeviceState, HealthReport, Rollout, Stage
+from ..rollout_store import COMPLETE, STAGED, DeviceState, HealthReport, Rollout, Stage
 from ..withdrawal_store import StoredWithdrawal
 
 _GOT_BUNDLE = (fleet_pb2.UPGRADE_STATE_UPGRADING, fleet_pb2.UPGRADE_STATE_BACKFILLING, fleet_pb2.UPGRADE_STATE_FAILED)
@@ -61,6 +63,7 @@ def _stage(
     health: dict[str, HealthReport],
     version: int,
     reverts: dict[str, str],
+    offering: bool,
 ) -> registry_pb2.RolloutStage:
     reported = [d for d in devices if d.device_id in health]
     methods = Counter(reverts[d.device_id] for d in devices if d.device_id in reverts)
@@ -68,7 +71,7 @@ def _stage(
         stage=number,
         percent=percent,
         started_at=started_at,
-        offered=len(devices),
+        offered=len(devices) if offering else sum(d.version >= version for d in devices),
         downloaded=sum(
             d.version >= version
             or d.device_id in health
@@ -115,9 +118,10 @@ def rollout_status(
         stage = entry_stage(rollout, device.device_id)
         if stage is not None:
             by_stage.setdefault(stage, []).append(device)
-    stages = [_stage(0, 0.0, "", by_stage.get(0, []), health, version, reverts)] if rollout.cohort else []
+    offering = withdrawal is None and rollout.state in (STAGED, COMPLETE)
+    stages = [_stage(0, 0.0, "", by_stage.get(0, []), health, version, reverts, offering)] if rollout.cohort else []
     stages += [
-        _stage(i + 1, s.percent, s.started_at, by_stage.get(i + 1, []), health, version, reverts)
+        _stage(i + 1, s.percent, s.started_at, by_stage.get(i + 1, []), health, version, reverts, offering)
         for i, s in enumerate(rollout.stages)
     ]
     fields: dict[str, Any] = {"state": rollout.state, **withdrawn}

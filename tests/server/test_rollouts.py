@@ -271,11 +271,13 @@ def test_the_guard_halts_the_rollout_at_the_report_that_tips_it(start_server, ar
         for k, (signal, state) in enumerate([(0.95, "staged"), (0.3, "staged"), (0.9, "staged"), (0.2, "halted")]):
             devices[ids[k]].report(2, 100, IDLE, health=health(2, signal))
             assert a.rollout_status(2).state == state, f"after report {k + 1}"
+            assert a.rollout_status(2).stages[0].offered == (5 if state == "staged" else 4)
         status = a.rollout_status(2)
     assert "median mean_cosine 0.6000 of 4 owners' votes (4 reporting devices, one vote per owner) fell below 0.8" in (
         status.halt_reason
     )
     assert ids[3] in status.halt_reason
+    assert status.stages[0].offered == 4  # halted: offered only to the 4 that run v2, not to the fifth
     summary = status.stages[0].health
     assert (summary.devices, summary.median, summary.min) == (4, pytest.approx(0.6), pytest.approx(0.2))
     assert summary.p10 == pytest.approx(0.23)  # 0.2 + (0.3 - 0.2) * 0.3, interpolated as numpy does
