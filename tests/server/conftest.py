@@ -40,6 +40,15 @@ def status_code(call: Callable[[], object]) -> str:
     return caught.value.code
 
 
+def call_status(call: Callable[[], object]) -> str:
+    """``OK`` when ``call`` succeeds, else the gRPC status code (name) of the kit's RpcStatusError it raised."""
+    try:
+        call()
+    except RpcStatusError as error:
+        return error.code
+    return "OK"
+
+
 def enrolled_client(server, owner: str = "", name: str = "device", **options) -> tuple[FctkitClient, Enrolment]:
     """Enrol a device named ``name`` into ``owner`` (empty: a new owner of its own) with a fresh
     admin code; a client holding its token (``options`` for FctkitClient) and the enrolment."""
@@ -184,10 +193,19 @@ def bundles(tmp_path_factory, publisher_key) -> dict[int, Path]:
     }
 
 
-def chain_bundle(folder: Path, version: int, key: Ed25519PrivateKey, image_dim: int = IMAGE_DIM) -> Path:
-    """Bundle ``version`` of the CHAIN, signed by ``key``, as the folder ``folder/v<version>``."""
+def chain_bundle(
+    folder: Path,
+    version: int,
+    key: Ed25519PrivateKey,
+    image_dim: int = IMAGE_DIM,
+    *,
+    cases: dict | None = None,
+    force_reason: str | None = None,
+) -> Path:
+    """Bundle ``version`` of the CHAIN, signed by ``key``, as the folder ``folder/v<version>``;
+    with ``force_reason`` its gate failed ECC and was overridden at export with that reason."""
     sources = _sources(folder / f"src{version}", version, CHAIN[version], image_dim)
-    ecc = {s.artifact_name: True for s in sources if s.role == "forward"}
+    ecc = {s.artifact_name: force_reason is None for s in sources if s.role == "forward"}
     return build_bundle(
         folder / f"v{version}",
         version=version,
@@ -196,8 +214,10 @@ def chain_bundle(folder: Path, version: int, key: Ed25519PrivateKey, image_dim: 
         distance="cosine",
         normalize=True,
         artifacts=sources,
-        gate={"cases": {}, "ecc": ecc},
+        gate={"cases": cases or {}, "ecc": ecc},
         private_key=key,
+        force=force_reason is not None,
+        force_reason=force_reason,
     ).root
 
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from fctkit.export.bundle_builder import build_bundle
 from fctkit.protos.bundle import pack_bundle
 from fctkit.server.cli import admin_command
-from tests.server.conftest import CHAIN, IMAGE_DIM, _sources
+from tests.server.conftest import chain_bundle
 from tests.server.test_rollouts import IDLE, admin, health, staged
 from tests.server.test_withdrawals import withdrawal
 
@@ -70,21 +69,8 @@ def test_a_withdrawn_rollout_names_the_cohort_it_had_reached(
 @pytest.fixture
 def forced_v2(tmp_path, publisher_key):
     """v2 of the CHAIN exported with its gate overridden: ECC failed, --force with a reason."""
-    sources = _sources(tmp_path / "src2", 2, CHAIN[2], IMAGE_DIM)
-    ecc = {s.artifact_name: False for s in sources if s.role == "forward"}
-    bundle = build_bundle(
-        tmp_path / "v2",
-        version=2,
-        parents=(1,),
-        mode="forward",
-        distance="cosine",
-        normalize=True,
-        artifacts=sources,
-        gate={"cases": {"new/h(old)": {"top1": 0.41}}, "ecc": ecc},
-        private_key=publisher_key,
-        force=True,
-        force_reason="ships the fix for crashes; recall loss accepted",
-    ).root
+    reason = "ships the fix for crashes; recall loss accepted"
+    bundle = chain_bundle(tmp_path, 2, publisher_key, cases={"new/h(old)": {"top1": 0.41}}, force_reason=reason)
     return pack_bundle(bundle, tmp_path / "v2.tar")
 
 

@@ -16,20 +16,11 @@ from fctkit.protos import fleet_pb2
 from fctkit.protos.client import FctkitClient
 from fctkit.server import status_reads
 from fctkit.server.rollout_store import RolloutStore
-from tests.server.conftest import ADMIN_TOKEN, enrolled_client
+from tests.server.conftest import ADMIN_TOKEN, call_status, enrolled_client
 from tests.server.test_device_indexes import _Target, in_process_server, server_config
 
 SLOW_S = 1.5  # how long the patched device count takes
 BOUND_S = 0.5  # the most a concurrent ListVersions may take (it takes milliseconds when nothing blocks it)
-
-
-def code_of(call) -> str:
-    """``OK`` or the gRPC status code (name) ``call`` failed with."""
-    try:
-        call()
-    except RpcStatusError as exc:
-        return exc.code
-    return "OK"
 
 
 @pytest.fixture
@@ -80,7 +71,7 @@ def test_too_many_status_reads_at_once_are_refused(served, slow_count, monkeypat
     target, _ = served
     monkeypatch.setattr(status_reads, "MAX_WAITING", 2)
     with FctkitClient(target, ADMIN_TOKEN) as admin, ThreadPoolExecutor(4) as callers:
-        codes = list(callers.map(lambda _: code_of(lambda: admin.rollout_status(2)), range(4)))
+        codes = list(callers.map(lambda _: call_status(lambda: admin.rollout_status(2)), range(4)))
     assert sorted(codes) == ["OK", "OK", "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED"]
 
 

@@ -22,6 +22,7 @@ from fctkit.protos import vault_pb2
 from fctkit.protos.common_pb2 import Chunk
 from fctkit.server.auth import CALLER, Principal
 from fctkit.server.vault import VaultService
+from tests.server.conftest import call_status
 
 TTL_S = 3600.0
 
@@ -319,7 +320,7 @@ def test_uploads_of_one_blob_through_three_replicas_run_one_at_a_time_and_a_dele
 
     def other(k: int) -> str:
         if k % 4 != 3:
-            return status(lambda: clients[k % 3].upload_blob(data, "photo"))
+            return call_status(lambda: clients[k % 3].upload_blob(data, "photo"))
         try:  # another device of the owner sending other bytes under the same hash
             tablet.vault.Upload(held_open(bytes(len(data))), metadata=tablet._metadata)
         except grpc.RpcError as error:
@@ -328,7 +329,7 @@ def test_uploads_of_one_blob_through_three_replicas_run_one_at_a_time_and_a_dele
 
     with ThreadPoolExecutor(12) as pool:
         outcomes = list(pool.map(other, range(12)))
-    deleted = [status(lambda c=c: c.delete_blob(sha256)) for c in clients]
+    deleted = [call_status(lambda c=c: c.delete_blob(sha256)) for c in clients]
     gate.set()
     assert running.result(60).blob.sha256 == sha256
     print(
@@ -337,7 +338,9 @@ def test_uploads_of_one_blob_through_three_replicas_run_one_at_a_time_and_a_dele
     assert outcomes == ["ABORTED"] * 12 and deleted == ["NOT_FOUND"] * 3
     fresh = hashlib.sha256(b"fresh").digest() * 100_000
     with ThreadPoolExecutor(12) as pool:
-        concurrent = list(pool.map(lambda k: status(lambda: clients[k % 3].upload_blob(fresh, "photo")), range(12)))
+        concurrent = list(
+            pool.map(lambda k: call_status(lambda: clients[k % 3].upload_blob(fresh, "photo")), range(12))
+        )
     print(
         f"12 concurrent uploads of a new blob over 3 replicas: {concurrent.count('ABORTED')} ABORTED, "
         f"{concurrent.count('OK')} OK"
@@ -348,15 +351,6 @@ def test_uploads_of_one_blob_through_three_replicas_run_one_at_a_time_and_a_dele
         client.close()
     phone.close()
     tablet.close()
-
-
-def status(call) -> str:
-    """The status code name of ``call``, "OK" when it succeeds."""
-    try:
-        call()
-    except RpcStatusError as error:
-        return error.code
-    return "OK"
 
 
 def test_a_long_artifact_name_is_refused_before_it_reaches_an_error_message(start_server, archives):
