@@ -18,7 +18,9 @@ and each call is timed ``--reports`` times after a warm-up:
 - ``GetRollout``: v2's rollout status (an admin call, not per device: it counts the whole
   fleet's devices in the rollout, so it still grows with the fleet);
 - ``ListVersions during GetRollouts``: a device's ListVersions while an admin asks GetRollout
-  over and over (the count runs off the event loop: it must not delay the device).
+  over and over (the count runs off the event loop: it must not delay the device);
+- ``reports/s``: Reports that 8 client threads of the benchmark get through in 5 s (the clients
+  share the two cores with the server: a lower bound of what the server sustains).
 
 The median latency per call and size is printed with its ratio to the smallest size of the same
 run, and the 99th percentile of ListVersions during GetRollouts.
@@ -149,10 +151,33 @@ def timed_calls(server: LoopbackServer, reports: int) -> dict[str, list[float]]:
         finally:
             stop.set()
             asking.join()
+        seconds["reports/s"] = [report_throughput(calls["Report"])]
     finally:
         for client in [*clients, admin]:
             client.close()
     return seconds
+
+
+THROUGHPUT_THREADS, THROUGHPUT_S = 8, 5.0
+
+
+def report_throughput(report: Callable[[int], object]) -> float:
+    """Reports a second that :data:`THROUGHPUT_THREADS` client threads of this process get through
+    in :data:`THROUGHPUT_S` (the clients share the machine's two cores with the server: a lower bound)."""
+    deadline = time.perf_counter() + THROUGHPUT_S
+    counts = [0] * THROUGHPUT_THREADS
+
+    def send(slot: int) -> None:
+        while time.perf_counter() < deadline:
+            report(slot * 1_000_003 + counts[slot])
+            counts[slot] += 1
+
+    threads = [threading.Thread(target=send, args=(slot,)) for slot in range(THROUGHPUT_THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(counts) / THROUGHPUT_S
 
 
 def timed(call: Callable[[int], object], count: int) -> list[float]:
@@ -168,7 +193,8 @@ def timed(call: Callable[[int], object], count: int) -> list[float]:
 
 def measure(work: Path, size: int, reports: int, storage_args: Sequence[str], open_storage) -> dict[str, float]:
     """The median latency (seconds) of each call with ``size`` devices enrolled."""
-    server = LoopbackServer(work, storage=storage_args)
+    # the throughput step sends more reports a device than the default limit lets through
+    server = LoopbackServer(work, "--max-reports-per-minute", "100000", storage=storage_args)
     server.data_dir.mkdir(parents=True, exist_ok=True)
     storage = open_storage(server.data_dir)
     try:
@@ -177,7 +203,8 @@ def measure(work: Path, size: int, reports: int, storage_args: Sequence[str], op
         storage.close()
     with server:
         seconds = timed_calls(server, reports)
-    medians = {name: statistics.median(s) for name, s in seconds.items()}
+    medians = {name: statistics.median(s) for name, s in seconds.items() if name != "reports/s"}
+    medians["reports/s"] = seconds["reports/s"][0]
     medians["p99"] = float(np.percentile(seconds["ListVersions during GetRollouts"], 99))
     return medians
 
@@ -224,6 +251,9 @@ def table(name: str, medians: dict[int, dict[str, float]]) -> str:
     lines.append(
         "| ListVersions during GetRollouts, p99 | " + " | ".join(f"{medians[n]['p99'] * 1e3:.2f}" for n in sizes) + " |"
     )
+    lines.append(
+        "| Reports a second, 8 client threads | " + " | ".join(f"{medians[n]['reports/s']:.0f}" for n in sizes) + " |"
+    )
     return "\n".join(lines)
 
 
@@ -232,11 +262,13 @@ def main() -> None:
     parser.add_argument("--reports", type=int, default=60, help="timed calls of each kind per size (default 60)")
     parser.add_argument("--million", action="store_true", help="add 1,000,000 devices to the sizes")
     parser.add_argument("--postgres", action="store_true", help="measure PostgreSQL + S3 as well")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None, help="fleet sizes in place of the default ones")
+    parser.add_argument("--only-postgres", action="store_true", help="measure PostgreSQL + S3 only")
     args = parser.parse_args()
-    sizes = [1_000, 10_000, 100_000] + ([1_000_000] if args.million else [])
+    sizes = args.sizes or [1_000, 10_000, 100_000] + ([1_000_000] if args.million else [])
     with tempfile.TemporaryDirectory(prefix="fleet-scale-") as tmp, ExitStack() as stack:
-        backends = {"SQLite": sqlite_backend}
-        if args.postgres:
+        backends = {} if args.only_postgres else {"SQLite": sqlite_backend}
+        if args.postgres or args.only_postgres:
             backends["PostgreSQL"] = postgres_backend(stack, Path(tmp))
         for name, backend in backends.items():
             medians = {}
@@ -244,7 +276,10 @@ def main() -> None:
                 work = Path(tmp) / f"{name}-{size}"
                 storage_args, opener = backend(work, size)
                 medians[size] = measure(work, size, args.reports, storage_args, opener)
-                shown = ", ".join(f"{call} {s * 1e3:.2f} ms" for call, s in medians[size].items())
+                shown = ", ".join(
+                    f"{call} {s:.0f}" if call == "reports/s" else f"{call} {s * 1e3:.2f} ms"
+                    for call, s in medians[size].items()
+                )
                 print(f"{name} {size:,} devices: {shown}", flush=True)
             print(table(name, medians), flush=True)
 

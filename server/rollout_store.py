@@ -64,6 +64,7 @@ CREATE TABLE IF NOT EXISTS confirmations (
 """
 
 STAGED, PAUSED, HALTED, COMPLETE = "staged", "paused", "halted", "complete"
+STATE_PAGE = 5000  # devices per statement when a rollout status reads them all
 
 
 @dataclass(frozen=True)
@@ -200,12 +201,21 @@ class RolloutStore:
         return int(max(row)) if row else 0
 
     def device_states(self) -> list[DeviceState]:
-        """Every enrolled, unrevoked device's last reported version, target and upgrade state."""
-        rows = self._db.execute(
-            "SELECT device_id, version, target_version, upgrade_state FROM devices "
-            "WHERE revoked_at IS NULL ORDER BY seq"
-        )
-        return [DeviceState(*row) for row in rows]
+        """Every enrolled, unrevoked device's last reported version, target and upgrade state, read
+        :data:`STATE_PAGE` rows a statement: a status counted on a worker thread then never holds
+        the interpreter for one whole-fleet fetch while the event loop waits for it."""
+        states: list[DeviceState] = []
+        after = 0
+        while True:
+            rows = self._db.execute(
+                "SELECT seq, device_id, version, target_version, upgrade_state FROM devices "
+                "WHERE seq > ? AND revoked_at IS NULL ORDER BY seq LIMIT ?",
+                (after, STATE_PAGE),
+            ).fetchall()
+            states += [DeviceState(*row[1:]) for row in rows]
+            if len(rows) < STATE_PAGE:
+                return states
+            after = rows[-1][0]
 
     def enrolled(self, device_ids: list[str]) -> set[str]:
         """Those of ``device_ids`` that are enrolled and not revoked."""
