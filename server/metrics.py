@@ -31,8 +31,9 @@ The metrics (every replica counts what it served; sum them across replicas):
   serving a call or sweeping unfinished uploads, as it logs them: ``kind`` is ``unreachable``
   (database or object store cannot be reached: the call got UNAVAILABLE), ``database`` (an SQLite
   or PostgreSQL error) or ``object_store`` (an S3 error); ``error`` is the exception's class.
-- ``fctkit_rollout_percent{version, state}`` (gauge): each rollout's share of the fleet and its
-  state (``staged``, ``paused``, ``halted``, ``complete``, ``withdrawn``).
+- ``fctkit_rollout_percent{version, state}`` (gauge): each rollout under way's share of the fleet
+  and its state (``staged``, ``paused``, ``halted``, ``complete``, ``withdrawn``); a complete
+  rollout drops out of the rollout gauges once its version is confirmed.
 - ``fctkit_rollout_devices{version, stage, status}`` (gauge): a rollout's devices by the stage
   they entered it in (``0``: the cohort, then ``1``, ``2``, ... one per widening) and by
   ``status``: ``offered``, ``downloaded``, ``upgraded``, ``failed``, ``reverted``.

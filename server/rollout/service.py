@@ -12,7 +12,7 @@ from typing import Any
 from fctkit.errors import RpcStatusError
 from fctkit.protos import registry_pb2
 
-from ..rollout_store import DeviceState, Rollout
+from ..rollout_store import COMPLETE, DeviceState, Rollout
 from ..status_reads import StatusReads
 from ..storage import Storage
 from ..validation import timestamp, version_field
@@ -75,11 +75,17 @@ class RolloutRpcs:
         return await self._status_reads.run(lambda storage: self.status_of(storage, version))
 
     def rollout_statuses(self, storage: Storage) -> list[registry_pb2.RolloutStatus]:
-        """The status of every version published with a rollout (what the metrics' rollout gauges show)."""
-        rollouts, devices = storage.rollouts(), storage.rollout_devices()
-        return [
-            self.status_of(storage, v, r, devices) for v, r in sorted(rollouts.items()) if v <= self._catalog.latest
-        ]
+        """The status of every rollout still under way (what the metrics' rollout gauges show): a
+        complete rollout whose version was confirmed drops out, so a scrape does not count the
+        fleet once more for every release that ever had a rollout."""
+        rollouts, confirmed = storage.rollouts(), storage.confirmations()
+        under_way = {
+            v: r
+            for v, r in sorted(rollouts.items())
+            if v <= self._catalog.latest and not (r.state == COMPLETE and v in confirmed)
+        }
+        devices = storage.rollout_devices() if under_way else []
+        return [self.status_of(storage, v, r, devices) for v, r in under_way.items()]
 
     def status_of(
         self, storage: Storage, version: int, rollout: Rollout | None = None, devices: list[DeviceState] | None = None

@@ -360,6 +360,16 @@ def test_rollout_gauges_show_what_rollout_status_answers(metered, archives):
     )
 
 
+def test_a_complete_confirmed_rollout_drops_out_of_the_gauges(metered, archives):
+    port = metrics_port(metered)
+    with FctkitClient(metered.target, ADMIN_TOKEN) as admin:
+        admin.publish_bundle(archives[3], rollout_percent=10.0)
+        admin.set_rollout(3, action="complete")
+        assert value(scrape(port), "fctkit_rollout_percent", version="3", state="complete") == 100.0
+        admin.confirm_version(3)  # complete and confirmed: no longer under way
+    assert not [key for key in scrape(port) if key[0] == "fctkit_rollout_percent" and dict(key[1])["version"] == "3"]
+
+
 def test_gauges_of_a_rollout_status_message():
     from fctkit.protos import registry_pb2
     from fctkit.server.metrics import RolloutGauges, StageGauges, gauges_of
