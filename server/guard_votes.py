@@ -117,25 +117,24 @@ def rebuild_votes(db: Database, version: int) -> None:
     )
 
 
-def _tally_threshold(db: Database, version: int) -> float | None:
-    """The tally's threshold, rebuilding a missing tally first; None: the version has no rollout."""
-    for _ in range(2):
-        row = db.execute("SELECT threshold FROM guard_tallies WHERE version = ?", (version,)).fetchone()
-        if row is not None:
-            return float(row[0])
-        if _rollout(db, version) is None:
-            return None
+def _tally(db: Database, version: int) -> tuple[int, int, int, float] | None:
+    """The version's tally (owners, devices, below, threshold), counted first when it is missing
+    (a database from before schema 15); None: the version has no rollout."""
+    query = "SELECT owners, devices, below, threshold FROM guard_tallies WHERE version = ?"
+    row = db.execute(query, (version,)).fetchone()
+    if row is None:
         rebuild_votes(db, version)
-    raise AssertionError("unreachable: a rebuilt tally has a row")
+        row = db.execute(query, (version,)).fetchone()
+    return None if row is None else (int(row[0]), int(row[1]), int(row[2]), float(row[3]))
 
 
 def refresh_owner_vote(db: Database, version: int, owner_id: str) -> None:
     """Recount ``owner_id``'s vote for ``version`` and move the tally by the difference (inside the
     ``rollout:V`` lock); O(the owner's devices)."""
-    threshold = _tally_threshold(db, version)
-    rollout = _rollout(db, version)
-    if threshold is None or rollout is None:
+    rollout, tally = _rollout(db, version), _tally(db, version)
+    if rollout is None or tally is None:
         return
+    threshold = tally[3]
     rows = db.execute(_OWNER_ROWS, (owner_id, version))
     new = _votes(rows, version, rollout[0]).get(owner_id)
     row = db.execute(
@@ -182,12 +181,10 @@ def refresh_device_votes(db: Database, device_id: str, owner_id: str) -> None:
 def guard_tally(db: Database, version: int) -> GuardTally:
     """The version's tally for the guard: O(log N) with ``guard_votes_by_vote`` (the exact median,
     O(N), is read only when it lies below the threshold: the guard halts then, once)."""
-    threshold = _tally_threshold(db, version)
-    if threshold is None:
+    tally = _tally(db, version)
+    if tally is None:
         return GuardTally(0, 0, None)
-    owners, devices, below = db.execute(
-        "SELECT owners, devices, below FROM guard_tallies WHERE version = ?", (version,)
-    ).fetchone()
+    owners, devices, below, threshold = tally
     if not median_below(owners, below, lambda: _middle(db, version, threshold), threshold):
         return GuardTally(owners, devices, None)
     return GuardTally(owners, devices, _median(db, version, owners))
