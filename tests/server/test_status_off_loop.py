@@ -19,23 +19,25 @@ from fctkit.server.rollout_store import RolloutStore
 from tests.server.conftest import ADMIN_TOKEN, call_status, enrolled_client
 from tests.server.test_device_indexes import _Target, in_process_server, server_config
 
-SLOW_S = 1.5  # how long the patched device count takes
+SLOW_S = 2.5  # how long the patched device count takes
 BOUND_S = 0.5  # the most a concurrent ListVersions may take (it takes milliseconds when nothing blocks it)
 
 
 @pytest.fixture
-def slow_count(monkeypatch) -> threading.Event:
-    """Make every count of the rollout's devices take :data:`SLOW_S`; the event is set when one starts."""
-    started = threading.Event()
+def slow_count(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Make every count of the rollout's devices take :data:`SLOW_S`; the events are set when one
+    starts and when one ends."""
+    started, ended = threading.Event(), threading.Event()
     device_states = RolloutStore.device_states
 
     def slow(self):
         started.set()
         time.sleep(SLOW_S)
+        ended.set()
         return device_states(self)
 
     monkeypatch.setattr(RolloutStore, "device_states", slow)
-    return started
+    return started, ended
 
 
 @pytest.fixture
@@ -54,15 +56,17 @@ def served(tmp_path, backend, archives, publisher_pub, admin_token_file):
 
 def test_a_slow_rollout_status_does_not_delay_a_devices_list_versions(served, slow_count) -> None:
     target, device = served
+    count_started, count_ended = slow_count
     with FctkitClient(target, ADMIN_TOKEN) as admin, ThreadPoolExecutor(1) as background:
         status = background.submit(admin.rollout_status, 2)
-        assert slow_count.wait(10)
-        seconds = []
-        for _ in range(10):
+        assert count_started.wait(10)
+        seconds, during = [], []
+        for _ in range(5):
             started = time.perf_counter()
             assert [v.version for v in device.list_versions()]
             seconds.append(time.perf_counter() - started)
-        assert status.running()  # the count was still under way while the device was answered
+            during.append(not count_ended.is_set())
+        assert during[0]  # the device was answered while the count was under way
         assert max(seconds) < BOUND_S, seconds
         assert status.result(30).state == "staged" and status.result().stages[0].offered in (0, 1)
 
