@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -125,6 +126,16 @@ def test_a_burst_of_concurrent_scrapes_renders_once_per_cache_period():
     assert len(renders) == 1 and b'fctkit_rollout_percent{state="staged",version="4"} 10.0' in pages[0][1]
 
 
+def scrape_until(port: int, done: Callable[[dict], bool], what: str, timeout_s: float = 10.0) -> dict:
+    """Scrape until ``done(samples)``: a call is counted as its handler ends on the server, which
+    can be just after its client got the answer (a refused token's status, a stream's last bytes)."""
+    deadline = time.monotonic() + timeout_s
+    while not done(samples := scrape(port)):
+        assert time.monotonic() < deadline, f"{what} not counted within {timeout_s:g} s"
+        time.sleep(0.05)
+    return samples
+
+
 def test_rpcs_are_counted_by_method_and_code_with_their_latency(metered):
     port = metrics_port(metered)
     before = scrape(port)
@@ -134,7 +145,8 @@ def test_rpcs_are_counted_by_method_and_code_with_their_latency(metered):
         assert status_code(lambda: admin.get_manifest(404)) == "NOT_FOUND"
     with FctkitClient(metered.target, "fcta_not-a-token") as stranger:
         assert status_code(stranger.list_versions) == "UNAUTHENTICATED"
-    after = scrape(port)
+    calls = lambda samples: value(samples, "fctkit_rpc_seconds_count", method=LIST_VERSIONS)  # noqa: E731
+    after = scrape_until(port, lambda samples: calls(samples) - calls(before) >= 3, "the three ListVersions calls")
 
     def added(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
@@ -156,7 +168,8 @@ def test_vault_bytes_are_counted_and_a_download_stream_once_at_its_end(metered):
     with device:
         sha256 = device.upload_blob(blob).sha256
         assert device.read_blob(sha256) == blob
-    after = scrape(port)
+    downloads_of = lambda samples: value(samples, "fctkit_rpc_total", method="/fctkit.v1.Vault/Download", code="OK")  # noqa: E731
+    after = scrape_until(port, lambda samples: downloads_of(samples) > downloads_of(before), "the download")
     received = value(after, "fctkit_transfer_bytes_total", kind="vault_blob", direction="received") - value(
         before, "fctkit_transfer_bytes_total", kind="vault_blob", direction="received"
     )
@@ -307,14 +320,8 @@ def test_bundle_and_artifact_bytes_and_a_cancelled_stream_counted_once(metered, 
         assert next(watch).version == 1
         watch.close()  # the client cancels the stream
     watch_method = "/fctkit.v1.Registry/WatchVersions"
-    deadline = time.monotonic() + 10
-    while (
-        (after := scrape(port))
-        and value(after, "fctkit_rpc_total", method=watch_method, code="CANCELLED")
-        == value(before, "fctkit_rpc_total", method=watch_method, code="CANCELLED")
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.05)
+    cancelled = lambda samples: value(samples, "fctkit_rpc_total", method=watch_method, code="CANCELLED")  # noqa: E731
+    after = scrape_until(port, lambda samples: cancelled(samples) != cancelled(before), "the cancelled watch")
 
     def added(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
