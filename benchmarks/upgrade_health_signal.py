@@ -3,7 +3,7 @@
     python benchmarks/upgrade_health_signal.py                 # 5 seeds, samples of 32 and 64
     python benchmarks/upgrade_health_signal.py --seeds 3 --metric cosine
 
-Sampled fidelity (:mod:`fctkit.edge_runtime.upgrade_health`) on the embedded digits data, per
+Sampled fidelity (:mod:`fctkit.upgrade_health`) on the embedded digits data, per
 seed: a stratified split (60 % train, 40 % held-out evaluation gallery), an old backbone
 (small CNN, 32-d, classes 0-4 only, the FCT protocol), a new backbone (wide CNN, 64-d, all
 classes), and six adapters old → new, all trained on the train split and applied to the
@@ -37,12 +37,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fctkit.edge_runtime.upgrade_health import UpgradeHealth, sample_rows, upgrade_health
 from fctkit.trainer.adapters import FCTAdapter
 from fctkit.trainer.backbones import BackboneConfig, extract_features, train_backbone
 from fctkit.trainer.datasets import ImageDataset, load_dataset, make_splits, old_class_subset
 from fctkit.trainer.evaluation import evaluate_retrieval
 from fctkit.trainer.ranking import pairwise_distances
+from fctkit.upgrade_health import UpgradeHealth, sample_rows, upgrade_health
 
 GOOD = "good FCT"
 SIGNALS = ("mean_cosine", "p10_cosine", "recall_at_1")

@@ -11,6 +11,7 @@ from pathlib import Path
 from fctkit.config import from_mapping, to_mapping
 from fctkit.errors import ConfigError, DeviceError
 from fctkit.protos.trust import DEFAULT_CLOCK_TOLERANCE_S
+from fctkit.upgrade_health import DEFAULT_SAMPLE_SIZE
 
 from .engine import PREFERENCE, EngineConfig
 
@@ -41,7 +42,9 @@ class DeviceSettings:
     threads: int = 0
     search_backend: str = "auto"
     clock_tolerance_s: int = DEFAULT_CLOCK_TOLERANCE_S  # how far past expiry a root or timestamp is still accepted
-    health_sample: int = 32  # rows re-embedded after each upgrade to measure it (0: no health check; .upgrade_check)
+    health_sample: int = (
+        DEFAULT_SAMPLE_SIZE  # rows re-embedded after each upgrade to measure it (0: no health check; .upgrade_check)
+    )
 
     @property
     def engine(self) -> EngineConfig:

@@ -47,11 +47,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fctkit.errors import DeviceError, RpcStatusError
+from fctkit.protos.health_expectation import gate_level
+from fctkit.upgrade_health import sample_rows, streamed_health
 
 from .backfill import gallery_vectors, reembedded_rows, vault_originals
 from .gallery import Gallery
 from .gallery.rows import take_rows
-from .upgrade_health import sample_rows, streamed_health
 
 if TYPE_CHECKING:
     from fctkit.protos import fleet_pb2
@@ -86,6 +87,8 @@ class HealthRecord:
     p10_cosine: float = 0.0
     recall_at_1: float = 0.0
     mean_reciprocal_rank: float = 0.0
+    median_rank: float = 0.0
+    gallery_rows: int = 0
     reason: str = ""  # why nothing was measured ("" when the sample was)
 
     def message(self) -> fleet_pb2.UpgradeHealth:
@@ -174,9 +177,14 @@ def keeps_sample(manifest: Any) -> bool:
     transition scoring fuses a previous embedding the native rows no longer have."""
     if manifest.hubness is not None:
         return True
-    cases = manifest.gate.get("cases", {}) if isinstance(manifest.gate, dict) else {}
-    instance_level = any("recall@1" in metrics for metrics in cases.values() if isinstance(metrics, dict))
-    return manifest.transition is None and not instance_level
+    return manifest.transition is None and release_level(manifest) == "class"
+
+
+def release_level(manifest: Any) -> str:
+    """``class`` or ``instance``: as the manifest records it, else as its gate's cases show."""
+    if manifest.health_expectation is not None:
+        return str(manifest.health_expectation.level)
+    return gate_level(manifest.gate.get("cases", {}) if isinstance(manifest.gate, dict) else {})
 
 
 def _no_originals(any_adapted: bool, version: int) -> str:

@@ -39,6 +39,7 @@ from fctkit.protos.bundle import (
     staged_directory,
     verify_bundle,
 )
+from fctkit.protos.health_expectation import HealthExpectation
 from fctkit.protos.preprocessing_spec import Preprocessing, vector_output
 from fctkit.protos.search_policy import HubnessPolicy, TransitionPolicy
 
@@ -82,6 +83,7 @@ def build_bundle(
     parity: Mapping[str, Mapping[str, Any]] | None = None,
     preprocessing: Preprocessing | None = None,
     rollback_window_days: int | None = None,
+    health_expectation: HealthExpectation | None = None,
 ) -> VerifiedBundle:
     """Copy the ONNX files into a new bundle directory ``out_dir``, describe them in a
     manifest, sign it, and return the bundle verified as a device would verify it.
@@ -103,7 +105,8 @@ def build_bundle(
     ``preprocessing``: how devices feed raw items to the embed/side_info graphs
     (:mod:`fctkit.protos.preprocessing_spec`); its tokenizers are ``tokenizer`` artifacts.
     ``rollback_window_days``: how long devices keep the rows' previous vectors after upgrading
-    to it, so that a withdrawal reverts them exactly (0: none; None: not written, the default)."""
+    to it, so that a withdrawal reverts them exactly (0: none; None: not written, the default).
+    ``health_expectation``: what devices should report after upgrading (:mod:`.expected_health`)."""
     cases, ecc, quantization = _gate_tables(gate)
     if force and not (force_reason and force_reason.strip()):
         raise GateError("--force needs a reason (--reason '...'): the override is recorded in the signed manifest")
@@ -141,6 +144,7 @@ def build_bundle(
             parity=None if parity is None else json.loads(json.dumps({k: dict(v) for k, v in parity.items()})),
             preprocessing=preprocessing,
             rollback_window_days=rollback_window_days,
+            health_expectation=health_expectation,
         )
         manifest_bytes = manifest.canonical_bytes()
         (staging / MANIFEST_FILE).write_bytes(manifest_bytes)

@@ -24,6 +24,7 @@ from fctkit.errors import GateError, InputError
 from fctkit.protos.bundle import VerifiedBundle, gate_failures, gated_artifacts, pack_bundle, verify_bundle
 
 from .bundle_builder import build_bundle
+from .expected_health import measured_expectation
 from .features_release import UserGraphs, check_user_graphs, hubness_role
 from .quantize import check_quantization, judged_gate, quantized_forward
 from .release_plan import RolePlan, VersionPlan, plan_release
@@ -95,7 +96,7 @@ def build_release(
             bar=_progress_bar(sum(len(p.roles) for p in plans), progress),
         )
         built = _build_versions(
-            run, plans, out_dir, private_key, method, exporter, force, force_reason, rollback_window_days
+            run, plans, out_dir, private_key, method, exporter, force, force_reason, rollback_window_days, chain
         )
     except BaseException:
         if created and not any(out_dir.iterdir()):
@@ -118,8 +119,12 @@ def _build_versions(
     force: bool,
     force_reason: str | None,
     rollback_window_days: int,
+    chain: bool,
 ) -> list[tuple[int, tuple[tuple[RolePlan, RoleExport], ...]]]:
-    """``exporter(folder=...)``: the :class:`_Exporter` of the release, given its scratch folder."""
+    """``exporter(folder=...)``: the :class:`_Exporter` of the release, given its scratch folder.
+    Each forward-mode version with a forward adapter from the run's old model records its health
+    expectation (not a chain's hops, whose old embeddings are another version's, nor a unified
+    release, whose adapted rows live in a shared space rather than the new model's)."""
     built = []
     # Everything is built in a scratch folder and moved into place at the end: a refused or
     # failed release leaves no partial versions behind.
@@ -132,6 +137,9 @@ def _build_versions(
                 quantized = [e for role, e in exports if role.role == "forward" and export.quantize]
                 gate = judged_gate(run, method, plan.gate, quantized[0], force) if quantized else plan.gate
                 preprocessing, tokenizers = bundle_preprocessing([e for _, e in exports])
+                forwards = [e.export.path for role, e in exports if role.role == "forward"]
+                measurable = len(forwards) == 1 and plan.mode == "forward" and not chain
+                expectation = measured_expectation(run, forwards[0], gate["cases"]) if measurable else None
                 build_bundle(
                     scratch / f"v{plan.version}",
                     version=plan.version,
@@ -147,6 +155,7 @@ def _build_versions(
                     preprocessing=preprocessing,
                     **plan.declarations,
                     rollback_window_days=rollback_window_days,
+                    health_expectation=expectation,
                     parity={
                         role.name: {
                             "max_abs_error": e.parity.max_abs_error,

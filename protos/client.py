@@ -317,15 +317,21 @@ class FctkitClient(RolloutCalls, TrustCalls):
             finally:
                 call.cancel()
 
-    def publish_bundle(self, archive: Path, *, rollout_percent: float | None = None) -> registry_pb2.VersionInfo:
-        """Admin: publish a bundle archive (from ``fctkit.protos.bundle.pack_bundle``); ``rollout_percent``: staged."""
+    def publish_bundle(
+        self, archive: Path, *, rollout_percent: float | None = None, no_guard: bool = False
+    ) -> registry_pb2.VersionInfo:
+        """Admin: publish a bundle archive (from ``fctkit.protos.bundle.pack_bundle``); ``rollout_percent``:
+        staged, guarded against the release's expectation unless ``no_guard``."""
         archive = Path(archive)
         sha256, size = file_sha256(archive)
 
         def requests() -> Iterator[registry_pb2.PublishBundleRequest]:
             yield registry_pb2.PublishBundleRequest(
                 header=registry_pb2.PublishHeader(
-                    archive_size=size, archive_sha256=sha256, rollout_percent=rollout_percent
+                    archive_size=size,
+                    archive_sha256=sha256,
+                    rollout_percent=rollout_percent,
+                    rollout_no_guard=no_guard,
                 )
             )
             with archive.open("rb") as fh:

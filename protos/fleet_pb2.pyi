@@ -95,7 +95,7 @@ class ReportRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., gallery_size: _Optional[int] = ..., upgrade_state: _Optional[_Union[UpgradeState, str]] = ..., target_version: _Optional[int] = ..., progress: _Optional[float] = ..., detail: _Optional[str] = ..., root_version: _Optional[int] = ..., trust_stale: _Optional[bool] = ..., seconds_since_fresh: _Optional[int] = ..., health: _Optional[_Union[UpgradeHealth, _Mapping]] = ..., reverted_from: _Optional[int] = ..., revert_method: _Optional[str] = ...) -> None: ...
 
 class UpgradeHealth(_message.Message):
-    __slots__ = ("version", "rows_upgraded", "failures", "seconds", "sample_size", "mean_cosine", "p10_cosine", "recall_at_1", "mean_reciprocal_rank")
+    __slots__ = ("version", "rows_upgraded", "failures", "seconds", "sample_size", "mean_cosine", "p10_cosine", "recall_at_1", "mean_reciprocal_rank", "median_rank", "gallery_rows")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROWS_UPGRADED_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,8 @@ class UpgradeHealth(_message.Message):
     P10_COSINE_FIELD_NUMBER: _ClassVar[int]
     RECALL_AT_1_FIELD_NUMBER: _ClassVar[int]
     MEAN_RECIPROCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_RANK_FIELD_NUMBER: _ClassVar[int]
+    GALLERY_ROWS_FIELD_NUMBER: _ClassVar[int]
     version: int
     rows_upgraded: int
     failures: int
@@ -114,7 +116,9 @@ class UpgradeHealth(_message.Message):
     p10_cosine: float
     recall_at_1: float
     mean_reciprocal_rank: float
-    def __init__(self, version: _Optional[int] = ..., rows_upgraded: _Optional[int] = ..., failures: _Optional[int] = ..., seconds: _Optional[float] = ..., sample_size: _Optional[int] = ..., mean_cosine: _Optional[float] = ..., p10_cosine: _Optional[float] = ..., recall_at_1: _Optional[float] = ..., mean_reciprocal_rank: _Optional[float] = ...) -> None: ...
+    median_rank: float
+    gallery_rows: int
+    def __init__(self, version: _Optional[int] = ..., rows_upgraded: _Optional[int] = ..., failures: _Optional[int] = ..., seconds: _Optional[float] = ..., sample_size: _Optional[int] = ..., mean_cosine: _Optional[float] = ..., p10_cosine: _Optional[float] = ..., recall_at_1: _Optional[float] = ..., mean_reciprocal_rank: _Optional[float] = ..., median_rank: _Optional[float] = ..., gallery_rows: _Optional[int] = ...) -> None: ...
 
 class ReportResponse(_message.Message):
     __slots__ = ("recorded_at", "latest_version")

@@ -13,6 +13,7 @@ from fctkit.errors import BundleFormatError
 
 from .artifact_spec import Artifact
 from .bundle_vocabulary import MANIFEST_FILE, MAX_MANIFEST_BYTES, Distance, Mode
+from .health_expectation import HealthExpectation
 from .manifest_rules import check_manifest
 from .preprocessing_spec import Preprocessing
 from .search_policy import HubnessPolicy, TransitionPolicy
@@ -41,6 +42,7 @@ _OPTIONAL_MANIFEST_KEYS = (
     "parity",
     "preprocessing",
     "rollback_window_days",
+    "health_expectation",
 )
 #: how long a device keeps every row's previous vectors after upgrading to a bundle that does not say:
 #: none, as before the field existed (a bundle already published never asked devices for the room);
@@ -80,6 +82,9 @@ class Manifest:
     #: days a device keeps every row's vectors from before its upgrade to this version, so that a
     #: withdrawal reverts it exactly (0: none); None (absent): :data:`DEFAULT_ROLLBACK_WINDOW_DAYS`
     rollback_window_days: int | None = None
+    #: what devices should report after upgrading to it (the exporter's measurement of the label-free
+    #: health on the evaluation split, fctkit.protos.health_expectation); None: not measured (older bundles)
+    health_expectation: HealthExpectation | None = None
 
     def __post_init__(self) -> None:
         check_manifest(self)
@@ -112,6 +117,7 @@ class Manifest:
                 ("parity", self.parity),
                 ("preprocessing", self.preprocessing and self.preprocessing.to_json()),
                 ("rollback_window_days", self.rollback_window_days),
+                ("health_expectation", self.health_expectation and self.health_expectation.to_json()),
             )
             if value is not None
         }
@@ -177,6 +183,11 @@ class Manifest:
             rollback_window_days=(
                 typed(optional["rollback_window_days"], int, f"{where}.rollback_window_days")
                 if "rollback_window_days" in optional
+                else None
+            ),
+            health_expectation=(
+                HealthExpectation.from_json(optional["health_expectation"], f"{where}.health_expectation")
+                if "health_expectation" in optional
                 else None
             ),
         )

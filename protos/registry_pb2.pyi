@@ -204,14 +204,16 @@ class WatchVersionsResponse(_message.Message):
     def __init__(self, published: _Optional[_Union[VersionInfo, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAlive, _Mapping]] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
-    __slots__ = ("archive_size", "archive_sha256", "rollout_percent")
+    __slots__ = ("archive_size", "archive_sha256", "rollout_percent", "rollout_no_guard")
     ARCHIVE_SIZE_FIELD_NUMBER: _ClassVar[int]
     ARCHIVE_SHA256_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_NO_GUARD_FIELD_NUMBER: _ClassVar[int]
     archive_size: int
     archive_sha256: str
     rollout_percent: float
-    def __init__(self, archive_size: _Optional[int] = ..., archive_sha256: _Optional[str] = ..., rollout_percent: _Optional[float] = ...) -> None: ...
+    rollout_no_guard: bool
+    def __init__(self, archive_size: _Optional[int] = ..., archive_sha256: _Optional[str] = ..., rollout_percent: _Optional[float] = ..., rollout_no_guard: _Optional[bool] = ...) -> None: ...
 
 class PublishBundleRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -264,12 +266,14 @@ class RolloutCohort(_message.Message):
     def __init__(self, device_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RolloutGuard(_message.Message):
-    __slots__ = ("halt_below", "halt_min_devices")
+    __slots__ = ("halt_below", "halt_min_devices", "measure")
     HALT_BELOW_FIELD_NUMBER: _ClassVar[int]
     HALT_MIN_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_FIELD_NUMBER: _ClassVar[int]
     halt_below: float
     halt_min_devices: int
-    def __init__(self, halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ...) -> None: ...
+    measure: str
+    def __init__(self, halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ..., measure: _Optional[str] = ...) -> None: ...
 
 class SetRolloutRequest(_message.Message):
     __slots__ = ("version", "percent", "action", "cohort", "guard", "remove_guard")
@@ -306,7 +310,7 @@ class HealthSummary(_message.Message):
     def __init__(self, devices: _Optional[int] = ..., median: _Optional[float] = ..., min: _Optional[float] = ..., p10: _Optional[float] = ...) -> None: ...
 
 class RolloutStage(_message.Message):
-    __slots__ = ("stage", "percent", "started_at", "offered", "downloaded", "upgraded", "failed", "reverted", "health", "revert_methods")
+    __slots__ = ("stage", "percent", "started_at", "offered", "downloaded", "upgraded", "failed", "reverted", "health", "recall_at_1", "expected_shortfall", "revert_methods")
     class RevertMethodsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +327,8 @@ class RolloutStage(_message.Message):
     FAILED_FIELD_NUMBER: _ClassVar[int]
     REVERTED_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    RECALL_AT_1_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SHORTFALL_FIELD_NUMBER: _ClassVar[int]
     REVERT_METHODS_FIELD_NUMBER: _ClassVar[int]
     stage: int
     percent: float
@@ -333,11 +339,13 @@ class RolloutStage(_message.Message):
     failed: int
     reverted: int
     health: HealthSummary
+    recall_at_1: HealthSummary
+    expected_shortfall: HealthSummary
     revert_methods: _containers.ScalarMap[str, int]
-    def __init__(self, stage: _Optional[int] = ..., percent: _Optional[float] = ..., started_at: _Optional[str] = ..., offered: _Optional[int] = ..., downloaded: _Optional[int] = ..., upgraded: _Optional[int] = ..., failed: _Optional[int] = ..., reverted: _Optional[int] = ..., health: _Optional[_Union[HealthSummary, _Mapping]] = ..., revert_methods: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(self, stage: _Optional[int] = ..., percent: _Optional[float] = ..., started_at: _Optional[str] = ..., offered: _Optional[int] = ..., downloaded: _Optional[int] = ..., upgraded: _Optional[int] = ..., failed: _Optional[int] = ..., reverted: _Optional[int] = ..., health: _Optional[_Union[HealthSummary, _Mapping]] = ..., recall_at_1: _Optional[_Union[HealthSummary, _Mapping]] = ..., expected_shortfall: _Optional[_Union[HealthSummary, _Mapping]] = ..., revert_methods: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("version", "state", "percent", "cohort_size", "halt_below", "halt_min_devices", "halt_reason", "stages", "gate_cases_json", "updated_at", "withdrawn_reason", "revert_to", "confirmed_at", "gate_override_reason")
+    __slots__ = ("version", "state", "percent", "cohort_size", "halt_below", "halt_min_devices", "halt_reason", "stages", "gate_cases_json", "updated_at", "withdrawn_reason", "revert_to", "confirmed_at", "gate_override_reason", "guard_measure", "health_expectation_json")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PERCENT_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +360,8 @@ class RolloutStatus(_message.Message):
     REVERT_TO_FIELD_NUMBER: _ClassVar[int]
     CONFIRMED_AT_FIELD_NUMBER: _ClassVar[int]
     GATE_OVERRIDE_REASON_FIELD_NUMBER: _ClassVar[int]
+    GUARD_MEASURE_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_EXPECTATION_JSON_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: str
     percent: float
@@ -366,7 +376,9 @@ class RolloutStatus(_message.Message):
     revert_to: int
     confirmed_at: str
     gate_override_reason: str
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., percent: _Optional[float] = ..., cohort_size: _Optional[int] = ..., halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ..., halt_reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[RolloutStage, _Mapping]]] = ..., gate_cases_json: _Optional[str] = ..., updated_at: _Optional[str] = ..., withdrawn_reason: _Optional[str] = ..., revert_to: _Optional[int] = ..., confirmed_at: _Optional[str] = ..., gate_override_reason: _Optional[str] = ...) -> None: ...
+    guard_measure: str
+    health_expectation_json: str
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., percent: _Optional[float] = ..., cohort_size: _Optional[int] = ..., halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ..., halt_reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[RolloutStage, _Mapping]]] = ..., gate_cases_json: _Optional[str] = ..., updated_at: _Optional[str] = ..., withdrawn_reason: _Optional[str] = ..., revert_to: _Optional[int] = ..., confirmed_at: _Optional[str] = ..., gate_override_reason: _Optional[str] = ..., guard_measure: _Optional[str] = ..., health_expectation_json: _Optional[str] = ...) -> None: ...
 
 class ConfirmVersionRequest(_message.Message):
     __slots__ = ("version",)

@@ -32,10 +32,12 @@ class RolloutCalls:
         halt_below: float | None = None,
         halt_min_devices: int = 0,
         remove_guard: bool = False,
+        guard_measure: str = "",
     ) -> registry_pb2.RolloutStatus:
         """Admin: widen (``percent``), ``action`` (pause, resume or complete), replace the cohort
-        (``cohort``: device ids) or the guard (``halt_below`` with ``halt_min_devices``; or
-        ``remove_guard``) of ``version``'s rollout, all at once or nothing; returns its status."""
+        (``cohort``: device ids) or the guard (``halt_below`` with ``halt_min_devices`` and
+        ``guard_measure``, see ``RolloutGuard``; or ``remove_guard``) of ``version``'s rollout, all
+        at once or nothing; returns its status."""
         request = registry_pb2.SetRolloutRequest(
             version=version,
             percent=percent,
@@ -46,7 +48,11 @@ class RolloutCalls:
             request.cohort.device_ids.extend(cohort)
             request.cohort.SetInParent()
         if halt_below is not None:
-            request.guard.CopyFrom(registry_pb2.RolloutGuard(halt_below=halt_below, halt_min_devices=halt_min_devices))
+            request.guard.CopyFrom(
+                registry_pb2.RolloutGuard(
+                    halt_below=halt_below, halt_min_devices=halt_min_devices, measure=guard_measure
+                )
+            )
         return self._unary(self.registry.SetRollout, request, retry=False)
 
     def rollout_status(self, version: int) -> registry_pb2.RolloutStatus:

@@ -21,7 +21,7 @@ from typing import Any
 
 from fctkit.errors import BundleFormatError
 
-from .strict_json import exact_keys, is_int, is_number, typed
+from .strict_json import exact_keys, is_int, is_number, number, typed
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ class TransitionPolicy:
         data = exact_keys(data, ("previous_version", "weight", "max_days"), where)
         return cls(
             typed(data["previous_version"], int, f"{where}.previous_version"),
-            _number(data["weight"], f"{where}.weight"),
-            _number(data["max_days"], f"{where}.max_days"),
+            number(data["weight"], f"{where}.weight"),
+            number(data["max_days"], f"{where}.max_days"),
         )
 
 
@@ -74,13 +74,7 @@ class HubnessPolicy:
     @classmethod
     def from_json(cls, data: Any, where: str) -> HubnessPolicy:
         data = exact_keys(data, ("beta",), where)
-        return cls(_number(data["beta"], f"{where}.beta"))
-
-
-def _number(value: Any, where: str) -> float:
-    if not is_number(value):
-        raise BundleFormatError(f"{where}: expected a finite number, got {value!r:.60}")
-    return float(value)
+        return cls(number(data["beta"], f"{where}.beta"))
 
 
 def check_search_policies(manifest: Any) -> None:

@@ -65,3 +65,10 @@ def is_int(value: Any) -> bool:
 
 def is_number(value: Any) -> bool:
     return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def number(value: Any, where: str) -> float:
+    """``value`` as a float when it is a finite JSON number (not a bool); BundleFormatError otherwise."""
+    if not is_number(value):
+        raise BundleFormatError(f"{where}: expected a finite number, got {value!r:.60}")
+    return float(value)

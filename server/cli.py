@@ -320,15 +320,27 @@ def enrol_code_command(connect, ttl: int, label: str, owner: str) -> None:
     help="Publish as a staged rollout at this percent of devices (0: only a cohort, named with "
     "`fctkit admin rollout VERSION --devices FILE`). Default: offered to every device at once.",
 )
+@click.option(
+    "--no-guard",
+    is_flag=True,
+    help="With --percent: start the rollout without its default guard (see `fctkit admin rollout --help`).",
+)
 @click.pass_obj
-def publish_command(connect, bundle: Path, percent: float | None) -> None:
-    """Publish BUNDLE (a bundle directory or its .tar archive); the server verifies it first."""
+def publish_command(connect, bundle: Path, percent: float | None, no_guard: bool) -> None:
+    """Publish BUNDLE (a bundle directory or its .tar archive); the server verifies it first.
+
+    A staged rollout (--percent) of a release that records its health expectation (every bundle
+    `fctkit export` makes) starts guarded: it halts when the median owner's measure — self-retrieval
+    R@1 at instance level, the mean cosine at class level — falls more than a margin (0.15 R@1,
+    0.05 cosine) below what the release expects at each device's gallery size, once 5 owners reported."""
     from fctkit.protos.bundle import pack_bundle
 
     with connect() as client, tempfile.TemporaryDirectory() as tmp:
         archive = pack_bundle(bundle, Path(tmp) / "bundle.tar") if bundle.is_dir() else bundle
-        info = client.publish_bundle(archive, rollout_percent=percent)
-    staged = "" if percent is None else f", staged rollout at {percent:g}%"
+        if no_guard and percent is None:
+            raise click.UsageError("--no-guard goes with --percent: only a staged rollout has a guard")
+        info = client.publish_bundle(archive, rollout_percent=percent, no_guard=no_guard)
+    staged = "" if percent is None else f", staged rollout at {percent:g}%" + (" without a guard" if no_guard else "")
     click.echo(f"published version {info.version} ({len(info.artifacts)} artifacts, mode {info.mode}{staged})")
 
 

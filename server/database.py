@@ -250,3 +250,14 @@ class PostgresDatabase:
 
     def close(self) -> None:
         self._pool.close()
+
+
+def add_columns(columns: Sequence[tuple[str, str, str]], present: dict[str, set[str]] | None = None) -> str:
+    """The statements adding those of ``columns`` (table, column, type) a table lacks (``present``:
+    table → its columns, as SQLite lists them); None: PostgreSQL's ``ADD COLUMN IF NOT EXISTS`` decides."""
+    guard = "IF NOT EXISTS " if present is None else ""
+    return ";\n".join(
+        f"ALTER TABLE {table} ADD COLUMN {guard}{column} {kind}"
+        for table, column, kind in columns
+        if column not in (present or {}).get(table, set())
+    )

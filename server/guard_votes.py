@@ -2,9 +2,14 @@
 reports arrive, so the guard answers in O(log N) at any fleet size instead of re-reading every
 health row of the version at every report.
 
-An owner's vote for version V is the median ``mean_cosine`` of its devices that are enrolled, not
-revoked, in V's rollout (cohort, or :func:`bucket` below its percent) and reported a sampled health
-for V (``guard_votes``, one row per owner with a vote). ``guard_tallies`` keeps, per version, how
+An owner's vote for version V is the median signal of its devices that are enrolled, not revoked,
+in V's rollout (cohort, or :func:`bucket` below its percent) and reported a sampled health for V
+(``guard_votes``, one row per owner with a vote). A device's signal is what the rollout's
+``guard_measure`` names (:class:`GuardInputs`): its ``mean_cosine`` or its self-retrieval
+``recall_at_1`` as reported (against an absolute bound), or — ``expected`` — the release's own
+measure as a fraction of what the release's manifest expects at the device's gallery size (against
+the larger of 1 − margin and the release's break-even, below which the fleet is taken to do no
+better than not upgrading). ``guard_tallies`` keeps, per version, how
 many owners vote, how many devices stand behind the votes and how many votes lie below the
 guard's ``halt_below`` (its ``threshold``). From those counts and at most two indexed look-ups
 :func:`median_below` tells whether the median vote is below the threshold, exactly as the median
@@ -21,10 +26,14 @@ guard needs it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from fctkit.protos.health_expectation import HealthExpectation
 
 from .database import Database
 
@@ -53,20 +62,57 @@ def bucket(device_id: str, version: int) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64 * 100.0
 
 
+#: what a rollout's guard may compare: an absolute bound on a reported measure, or the release's expectation
+GUARD_MEASURES = ("mean_cosine", "recall_at_1", "expected")
+
+
 @dataclass(frozen=True)
 class GuardTally:
-    """What the guard reads for a version: ``owners`` voting, ``devices`` behind their votes, and
-    the median vote when it lies below the tally's threshold (else None)."""
+    """What the guard reads for a version: ``owners`` voting, ``devices`` behind their votes, the
+    median vote when it lies below the tally's threshold (else None), and what a vote is (``signal``)."""
 
     owners: int
     devices: int
     median_below: float | None
+    signal: str = "mean_cosine"
+    threshold: float = 0.0
 
 
-# A health row as the votes read it: owner, device, mean cosine, whether the device is in the cohort;
-# of a version (:data:`_VERSION_ROWS`, version) or of one owner's devices (:data:`_OWNER_ROWS`, owner, version).
+@dataclass(frozen=True)
+class GuardInputs:
+    """A version's rollout as its votes are counted: who is in (``percent``; the cohort is read with
+    the health rows), the ``threshold`` a vote below counts against, the ``measure`` and, for an
+    ``expected`` guard, the release's ``expectation`` (None: the release records none)."""
+
+    percent: float
+    threshold: float
+    measure: str
+    expectation: HealthExpectation | None
+
+    @property
+    def signal(self) -> str:
+        if self.measure != "expected":
+            return self.measure
+        base = "mean_cosine" if self.expectation is None else self.expectation.guard_measure
+        return f"{base} / expected"
+
+    def value(self, mean_cosine: float, recall_at_1: float, gallery_rows: int) -> float | None:
+        """One device's signal (None: it cannot be measured against an expectation the release lacks)."""
+        reported = {"mean_cosine": mean_cosine, "recall_at_1": recall_at_1}
+        if self.measure != "expected":
+            return reported[self.measure]
+        if self.expectation is None:
+            return None
+        measure = self.expectation.guard_measure
+        return self.expectation.ratio(measure, reported[measure], gallery_rows)
+
+
+# A health row as the votes read it: owner, device, mean cosine, R@1, the gallery's rows (rows
+# upgraded from devices that did not say), whether the device is in the cohort; of a version
+# (:data:`_VERSION_ROWS`, version) or of one owner's devices (:data:`_OWNER_ROWS`, owner, version).
 _HEALTH_ROWS = (
-    "SELECT d.owner_id, h.device_id, h.mean_cosine, c.device_id IS NOT NULL "
+    "SELECT d.owner_id, h.device_id, h.mean_cosine, h.recall_at_1, "
+    "CASE WHEN h.gallery_rows > 0 THEN h.gallery_rows ELSE h.rows_upgraded END, c.device_id IS NOT NULL "
     "FROM device_health h JOIN devices d ON d.device_id = h.device_id "
     "LEFT JOIN rollout_cohort c ON c.version = h.version AND c.device_id = h.device_id "
     "WHERE d.revoked_at IS NULL AND h.sample_size > 0 AND "
@@ -77,30 +123,58 @@ _VERSION_ROWS = _HEALTH_ROWS + "h.version = ?"
 _OWNER_ROWS = _HEALTH_ROWS + "d.owner_id = ? AND +h.version = ?"
 
 
-def _votes(rows: Iterable[tuple[str, str, float, bool]], version: int, percent: float) -> dict[str, tuple[float, int]]:
+def _votes(
+    rows: Iterable[tuple[str, str, float, float, int, bool]], version: int, guard: GuardInputs
+) -> dict[str, tuple[float, int]]:
     """Each owner's vote and how many of its devices it stands for, from health rows of ``version``."""
     signal: dict[str, list[float]] = {}
-    for owner_id, device_id, mean_cosine, in_cohort in rows:
-        if in_cohort or bucket(device_id, version) < percent:
-            signal.setdefault(owner_id, []).append(mean_cosine)
+    for owner_id, device_id, mean_cosine, recall_at_1, gallery_rows, in_cohort in rows:
+        if in_cohort or bucket(device_id, version) < guard.percent:
+            value = guard.value(float(mean_cosine), float(recall_at_1), int(gallery_rows))
+            if value is not None:
+                signal.setdefault(owner_id, []).append(value)
     return {owner: (statistics.median(values), len(values)) for owner, values in signal.items()}
 
 
-def _rollout(db: Database, version: int) -> tuple[float, float] | None:
-    """The version's rollout percent and guard threshold, or None: no staged rollout (no guard)."""
-    row = db.execute("SELECT percent, halt_below FROM rollouts WHERE version = ?", (version,)).fetchone()
-    return None if row is None else (float(row[0]), float(row[1]))
+def _rollout(db: Database, version: int) -> GuardInputs | None:
+    """The version's rollout as its votes are counted, or None: no staged rollout (no guard)."""
+    row = db.execute(
+        "SELECT r.percent, r.halt_below, r.guard_measure, CASE WHEN r.guard_measure = 'expected' THEN v.manifest END "
+        "FROM rollouts r "
+        "JOIN versions v ON v.version = r.version WHERE r.version = ?",
+        (version,),
+    ).fetchone()
+    if row is None:
+        return None
+    percent, halt_below, measure, manifest = float(row[0]), float(row[1]), str(row[2]), row[3]
+    if measure != "expected":
+        return GuardInputs(percent, halt_below, measure, None)
+    expectation = release_expectation(bytes(manifest))
+    return GuardInputs(percent, expected_threshold(halt_below, expectation), measure, expectation)
+
+
+def expected_threshold(margin: float, expectation: HealthExpectation | None) -> float:
+    """The fraction of the expected measure an ``expected`` guard halts below: 1 − ``margin``, or
+    the release's break-even when that is higher (the fleet would do no better than not upgrading)."""
+    return max(1.0 - margin, 0.0 if expectation is None else expectation.break_even)
+
+
+@functools.lru_cache(maxsize=64)
+def release_expectation(manifest: bytes) -> HealthExpectation | None:
+    """The ``health_expectation`` of a stored (verified) manifest, or None: the release records none."""
+    raw = json.loads(manifest).get("health_expectation")
+    return None if raw is None else HealthExpectation.from_json(raw, "manifest.health_expectation")
 
 
 def rebuild_votes(db: Database, version: int) -> None:
     """Recount ``version``'s votes and tally from its health rows (inside the ``rollout:V`` lock)."""
     db.execute("DELETE FROM guard_votes WHERE version = ?", (version,))
     db.execute("DELETE FROM guard_tallies WHERE version = ?", (version,))
-    rollout = _rollout(db, version)
-    if rollout is None:
+    guard = _rollout(db, version)
+    if guard is None:
         return
-    percent, threshold = rollout
-    votes = _votes(db.execute(_VERSION_ROWS, (version,)), version, percent)
+    threshold = guard.threshold
+    votes = _votes(db.execute(_VERSION_ROWS, (version,)), version, guard)
     db.executemany(
         "INSERT INTO guard_votes (version, owner_id, vote, devices) VALUES (?, ?, ?, ?)",
         [(version, owner, vote, devices) for owner, (vote, devices) in votes.items()],
@@ -131,12 +205,12 @@ def _tally(db: Database, version: int) -> tuple[int, int, int, float] | None:
 def refresh_owner_vote(db: Database, version: int, owner_id: str) -> None:
     """Recount ``owner_id``'s vote for ``version`` and move the tally by the difference (inside the
     ``rollout:V`` lock); O(the owner's devices)."""
-    rollout, tally = _rollout(db, version), _tally(db, version)
-    if rollout is None or tally is None:
+    guard, tally = _rollout(db, version), _tally(db, version)
+    if guard is None or tally is None:
         return
     threshold = tally[3]
     rows = db.execute(_OWNER_ROWS, (owner_id, version))
-    new = _votes(rows, version, rollout[0]).get(owner_id)
+    new = _votes(rows, version, guard).get(owner_id)
     row = db.execute(
         "SELECT vote, devices FROM guard_votes WHERE version = ? AND owner_id = ?", (version, owner_id)
     ).fetchone()
@@ -182,12 +256,13 @@ def guard_tally(db: Database, version: int) -> GuardTally:
     """The version's tally for the guard: O(log N) with ``guard_votes_by_vote`` (the exact median,
     O(N), is read only when it lies below the threshold: the guard halts then, once)."""
     tally = _tally(db, version)
-    if tally is None:
+    guard = _rollout(db, version)
+    if tally is None or guard is None:
         return GuardTally(0, 0, None)
     owners, devices, below, threshold = tally
     if not median_below(owners, below, lambda: _middle(db, version, threshold), threshold):
-        return GuardTally(owners, devices, None)
-    return GuardTally(owners, devices, _median(db, version, owners))
+        return GuardTally(owners, devices, None, guard.signal, threshold)
+    return GuardTally(owners, devices, _median(db, version, owners), guard.signal, threshold)
 
 
 def median_below(owners: int, below: int, middle: Callable[[], tuple[float, float]], threshold: float) -> bool:

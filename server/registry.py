@@ -427,6 +427,8 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
             raise invalid(f"header.archive_size is {header.archive_size}; bundles hold 1 to {self._max_bundle} bytes")
         expected_sha256 = sha256_field(header.archive_sha256, "header.archive_sha256")
         percent = check_percent(header.rollout_percent) if header.HasField("rollout_percent") else None
+        if header.rollout_no_guard and percent is None:
+            raise invalid("rollout_no_guard without rollout_percent: only a staged rollout has a guard")
         staging = Path(tempfile.mkdtemp(prefix="publish-", dir=self._storage.tmp_dir))
         try:
             archive = staging / "bundle.tar"
@@ -439,12 +441,16 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
                 raise invalid(f"the stream ended after {end} of {header.archive_size} bytes; publish again")
             if digest.hexdigest() != expected_sha256:
                 raise invalid("the archive's SHA-256 differs from header.archive_sha256; publish again")
-            published = await self._verify_and_store(archive, staging / "bundle", percent)
+            published = await self._verify_and_store(
+                archive, staging / "bundle", percent, guarded=not header.rollout_no_guard
+            )
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return registry_pb2.PublishBundleResponse(version=published.info())
 
-    async def _verify_and_store(self, archive: Path, unpack_to: Path, percent: float | None = None) -> PublishedVersion:
+    async def _verify_and_store(
+        self, archive: Path, unpack_to: Path, percent: float | None = None, *, guarded: bool = True
+    ) -> PublishedVersion:
         trust = self._rules.release_trust()  # read here: the storage belongs to the event loop's thread
         verified, co_signatures = await asyncio.to_thread(self._verify, archive, unpack_to, self._catalog.latest, trust)
         async with self._publishing:
@@ -459,7 +465,13 @@ class RegistryService(RolloutRpcs, WithdrawRpcs, registry_pb2_grpc.RegistryServi
             record = VersionRecord(
                 manifest.version, verified.manifest_bytes, verified.signature, timestamp(), co_signatures
             )
-            rollout = None if percent is None else new_rollout(manifest.version, percent, record.published_at)
+            rollout = (
+                None
+                if percent is None
+                else new_rollout(
+                    manifest.version, percent, record.published_at, manifest.health_expectation, guarded=guarded
+                )
+            )
             try:
                 self._storage.add_version(record, [a.sha256 for a in manifest.artifacts], rollout)
             except StaleVersion as stale:  # another replica published this version or a later one meanwhile

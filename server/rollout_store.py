@@ -26,7 +26,8 @@ CREATE TABLE IF NOT EXISTS rollouts (
     halt_below REAL NOT NULL DEFAULT 0,
     halt_min_devices INTEGER NOT NULL DEFAULT 0,
     halt_reason TEXT NOT NULL DEFAULT '',
-    updated_at TEXT NOT NULL
+    updated_at TEXT NOT NULL,
+    guard_measure TEXT NOT NULL DEFAULT 'mean_cosine'
 );
 CREATE TABLE IF NOT EXISTS rollout_stages (
     version INTEGER NOT NULL REFERENCES rollouts(version),
@@ -52,10 +53,18 @@ CREATE TABLE IF NOT EXISTS device_health (
     recall_at_1 REAL NOT NULL,
     mean_reciprocal_rank REAL NOT NULL,
     reported_at TEXT NOT NULL,
+    median_rank REAL NOT NULL DEFAULT 0,
+    gallery_rows INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (device_id, version)
 );
 CREATE INDEX IF NOT EXISTS device_health_by_version ON device_health (version);
 """
+#: columns schema 16 adds to tables of schema 15 (a new database gets them in its CREATE TABLE)
+HEALTH_GUARD_COLUMNS = (
+    ("device_health", "median_rank", "REAL NOT NULL DEFAULT 0"),
+    ("device_health", "gallery_rows", "INTEGER NOT NULL DEFAULT 0"),
+    ("rollouts", "guard_measure", "TEXT NOT NULL DEFAULT 'mean_cosine'"),
+)
 CONFIRMATION_SCHEMA = """
 CREATE TABLE IF NOT EXISTS confirmations (
     version INTEGER PRIMARY KEY REFERENCES versions(version),
@@ -75,7 +84,10 @@ class Stage:
 
 @dataclass(frozen=True)
 class Rollout:
-    """A version's rollout. ``halt_min_devices`` 0: no guard."""
+    """A version's rollout. ``halt_min_devices`` 0: no guard. The guard compares ``guard_measure``:
+    ``mean_cosine`` or ``recall_at_1`` against the absolute bound ``halt_below``, or ``expected``: the
+    release's own measure against its expectation, halting ``halt_below`` (a margin) under it
+    (:mod:`.guard_votes`)."""
 
     version: int
     percent: float
@@ -86,6 +98,7 @@ class Rollout:
     halt_min_devices: int = 0
     halt_reason: str = ""
     updated_at: str = ""
+    guard_measure: str = "mean_cosine"
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,8 @@ class HealthReport:
     p10_cosine: float
     recall_at_1: float
     mean_reciprocal_rank: float
+    median_rank: float = 0.0
+    gallery_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,6 +138,8 @@ _HEALTH_COLUMNS = (
     "p10_cosine",
     "recall_at_1",
     "mean_reciprocal_rank",
+    "median_rank",
+    "gallery_rows",
 )
 
 
@@ -150,13 +167,13 @@ class RolloutStore:
         for version, device_id in self._db.execute(f"SELECT version, device_id FROM rollout_cohort{where}", params):
             cohorts.setdefault(version, set()).add(device_id)
         rows = self._db.execute(
-            "SELECT version, percent, state, halt_below, halt_min_devices, halt_reason, updated_at "
+            "SELECT version, percent, state, halt_below, halt_min_devices, halt_reason, updated_at, guard_measure "
             f"FROM rollouts{where} ORDER BY version",
             params,
         )
         return {
-            v: Rollout(v, p, s, tuple(stages.get(v, ())), frozenset(cohorts.get(v, ())), hb, hm, why, at)
-            for v, p, s, hb, hm, why, at in rows
+            v: Rollout(v, p, s, tuple(stages.get(v, ())), frozenset(cohorts.get(v, ())), hb, hm, why, at, gm)
+            for v, p, s, hb, hm, why, at, gm in rows
         }
 
     def change(self, version: int, change: Callable[[Rollout | None], Rollout | None]) -> Rollout | None:
@@ -263,20 +280,20 @@ class RolloutStore:
         return {row[0]: HealthReport(*row[1:]) for row in rows}
 
 
-def guard_inputs(rollout: Rollout) -> tuple[float, frozenset[str], float]:
-    """What the guard's votes depend on: who is in the rollout and the threshold they are counted against."""
-    return rollout.percent, rollout.cohort, rollout.halt_below
+def guard_inputs(rollout: Rollout) -> tuple[float, frozenset[str], float, str]:
+    """What the guard's votes depend on: who is in the rollout, the measure and the threshold they are counted against."""
+    return rollout.percent, rollout.cohort, rollout.halt_below, rollout.guard_measure
 
 
 def write_rollout(db: Database, rollout: Rollout) -> None:
     """Store ``rollout`` whole (inside the caller's transaction) and tell the other replicas."""
     r = rollout
     db.execute(
-        "INSERT INTO rollouts (version, percent, state, halt_below, halt_min_devices, halt_reason, updated_at) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (version) DO UPDATE SET percent = excluded.percent, "
+        "INSERT INTO rollouts (version, percent, state, halt_below, halt_min_devices, halt_reason, updated_at, "
+        "guard_measure) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (version) DO UPDATE SET percent = excluded.percent, "
         "state = excluded.state, halt_below = excluded.halt_below, halt_min_devices = excluded.halt_min_devices, "
-        "halt_reason = excluded.halt_reason, updated_at = excluded.updated_at",
-        (r.version, r.percent, r.state, r.halt_below, r.halt_min_devices, r.halt_reason, r.updated_at),
+        "halt_reason = excluded.halt_reason, updated_at = excluded.updated_at, guard_measure = excluded.guard_measure",
+        (r.version, r.percent, r.state, r.halt_below, r.halt_min_devices, r.halt_reason, r.updated_at, r.guard_measure),
     )
     db.execute("DELETE FROM rollout_stages WHERE version = ?", (r.version,))
     db.executemany(

@@ -36,15 +36,15 @@ from pathlib import Path
 from fctkit.errors import ConfigError
 
 from . import upload_sessions
-from .database import PostgresDatabase, SqliteDatabase
+from .database import PostgresDatabase, SqliteDatabase, add_columns
 from .device_store import DEVICE_INDEXES, REPORT_COUNTS_SCHEMA
 from .guard_votes import GUARD_VOTES_SCHEMA
 from .replica_compaction import REPLICA_SCHEMA, compact_replica
-from .rollout_store import CONFIRMATION_SCHEMA, ROLLOUT_SCHEMA
-from .trust_store import TRUST_COLUMNS, TRUST_SCHEMA, add_trust_columns
+from .rollout_store import CONFIRMATION_SCHEMA, HEALTH_GUARD_COLUMNS, ROLLOUT_SCHEMA
+from .trust_store import TRUST_COLUMNS, TRUST_SCHEMA
 from .withdrawal_store import WITHDRAWAL_SCHEMA
 
-SCHEMA_VERSION = 15
+SCHEMA_VERSION = 16
 _SCHEMA = (
     """
 CREATE TABLE IF NOT EXISTS versions (
@@ -196,9 +196,7 @@ def _upload_leases(db: sqlite3.Connection) -> None:
 def _trust(db: sqlite3.Connection) -> None:
     """Schema 7 -> 8: the root of trust's columns (its tables come with the schema)."""
     tables = {table for table, _, _ in TRUST_COLUMNS}
-    execute_script(
-        db, add_trust_columns({t: {row[1] for row in db.execute(f"PRAGMA table_info({t})")} for t in tables})
-    )
+    execute_script(db, add_columns(TRUST_COLUMNS, _columns(db, tables)))
 
 
 def _rollouts(db: sqlite3.Connection) -> None:
@@ -226,6 +224,19 @@ def _guard_votes(db: sqlite3.Connection) -> None:
     are counted from its health rows the first time its guard reads them)."""
 
 
+def _health_measures(db: sqlite3.Connection) -> None:
+    """Schema 15 -> 16: device_health gains median_rank and gallery_rows, rollouts guard_measure
+    (existing guards keep comparing the mean cosine)."""
+    present = _columns(db, {t for t, _, _ in HEALTH_GUARD_COLUMNS})
+    # a table not there yet (a database from before schema 9) comes whole with the schema
+    execute_script(db, add_columns([c for c in HEALTH_GUARD_COLUMNS if present[c[0]]], present))
+
+
+def _columns(db: sqlite3.Connection, tables: set[str]) -> dict[str, set[str]]:
+    """Each of ``tables``' columns, as SQLite lists them."""
+    return {t: {row[1] for row in db.execute(f"PRAGMA table_info({t})")} for t in tables}
+
+
 _MIGRATIONS = {
     1: _add_owners,
     2: _add_replica_compaction,
@@ -241,6 +252,7 @@ _MIGRATIONS = {
     12: _device_indexes,
     13: _device_indexes,
     14: _guard_votes,
+    15: _health_measures,
 }  # schema found -> the step to the next one
 
 
@@ -313,12 +325,13 @@ def open_postgres(dsn: str, *, max_connections: int = 20) -> PostgresDatabase:
                 if found:  # the tables of today come with the schema; columns are added to older ones
                     script = (
                         (upload_sessions.ADD_LEASES + ";" if found == 6 else "")
-                        + add_trust_columns()
+                        + add_columns(TRUST_COLUMNS)
                         + ";"
                         + TRUST_SCHEMA
                     )
                     script += ";" + ROLLOUT_SCHEMA + ";" + WITHDRAWAL_SCHEMA + ";" + CONFIRMATION_SCHEMA
                     script += ";" + REPORT_COUNTS_SCHEMA + ";" + DEVICE_INDEXES + ";" + GUARD_VOTES_SCHEMA
+                    script += ";" + add_columns(HEALTH_GUARD_COLUMNS)
                 execute_script(db, postgres_schema(script))
                 db.execute("INSERT INTO fctkit_schema VALUES (?)", (SCHEMA_VERSION,))
     except BaseException:

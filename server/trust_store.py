@@ -29,17 +29,6 @@ TRUST_COLUMNS = (
 """Columns schema 8 adds to tables of schema 7 (a new database gets them in its CREATE TABLE)."""
 
 
-def add_trust_columns(present: dict[str, set[str]] | None = None) -> str:
-    """The statements adding :data:`TRUST_COLUMNS` a table lacks (``present``: table → its columns,
-    as SQLite lists them); None: PostgreSQL's ``ADD COLUMN IF NOT EXISTS`` decides."""
-    guard = "IF NOT EXISTS " if present is None else ""
-    return ";\n".join(
-        f"ALTER TABLE {table} ADD COLUMN {guard}{column} {kind}"
-        for table, column, kind in TRUST_COLUMNS
-        if column not in (present or {}).get(table, set())
-    )
-
-
 @dataclass(frozen=True)
 class StoredTimestamp:
     version: int

@@ -4,8 +4,8 @@
 widen (never narrow), pause, resume, complete, replace the cohort or the guard, all at once or
 none (an :class:`~fctkit.errors.RpcStatusError` says why, and nothing is stored).
 :func:`guard_verdict` is the guard: the reason to halt a staged rollout whose reporting owners'
-median ``mean_cosine`` (one vote per owner, tallied as reports arrive) fell below ``halt_below``, or
-None. :func:`check_confirmable` refuses to confirm a version that no device was offered yet.
+median vote (one vote per owner, tallied as reports arrive: :mod:`..guard_votes`) fell below the
+guard's bound, or None. :func:`default_guard` is the guard a staged rollout starts with. :func:`check_confirmable` refuses to confirm a version that no device was offered yet.
 """
 
 from __future__ import annotations
@@ -17,14 +17,20 @@ from collections.abc import Callable
 
 from fctkit.errors import RpcStatusError
 from fctkit.protos import registry_pb2
+from fctkit.protos.health_expectation import HealthExpectation
 
-from ..guard_votes import GuardTally
+from ..guard_votes import GUARD_MEASURES, GuardTally
 from ..rollout_store import COMPLETE, HALTED, PAUSED, STAGED, Rollout, Stage
 from ..validation import invalid
 
 DEVICE_ID = re.compile(r"dev-[0-9a-f]{16}")
 MAX_COHORT = 10_000
 MAX_HALT_MIN_DEVICES = 1_000_000
+#: the default guard of a staged rollout whose release records its expectation: halt when the median
+#: owner's measure falls this far below what the release expects (by level; benchmarks/upgrade_health_signal.py)
+DEFAULT_GUARD_MARGIN = {"class": 0.1, "instance": 0.2}
+#: ... once this many owners reported (fewer: a sample's noise could halt a good release)
+DEFAULT_GUARD_OWNERS = 5
 
 
 def check_percent(percent: float) -> float:
@@ -46,13 +52,36 @@ def check_cohort(device_ids: list[str]) -> frozenset[str]:
     return frozenset(device_ids)
 
 
-def new_rollout(version: int, percent: float, now: str) -> Rollout:
-    """The rollout of a version published staged at ``percent``."""
-    return Rollout(version, check_percent(percent), STAGED, (Stage(percent, now),), updated_at=now)
+def new_rollout(
+    version: int, percent: float, now: str, expectation: HealthExpectation | None = None, *, guarded: bool = True
+) -> Rollout:
+    """The rollout of a version published staged at ``percent``, with :func:`default_guard` unless
+    not ``guarded`` (or the release records no ``expectation``)."""
+    rollout = Rollout(version, check_percent(percent), STAGED, (Stage(percent, now),), updated_at=now)
+    return dataclasses.replace(rollout, **default_guard(expectation)) if guarded else rollout
 
 
-def changed_rollout(current: Rollout | None, request: registry_pb2.SetRolloutRequest, now: str) -> Rollout:
-    """``current`` with ``request`` applied (``current`` None: the version was published to every device)."""
+def default_guard(expectation: HealthExpectation | None) -> dict:
+    """The guard a staged rollout starts with: the release's measure against its own expectation
+    (:data:`DEFAULT_GUARD_MARGIN` below it, once :data:`DEFAULT_GUARD_OWNERS` owners reported);
+    none for a release that records no expectation (exported before fctkit measured one)."""
+    if expectation is None:
+        return {}
+    return {
+        "guard_measure": "expected",
+        "halt_below": DEFAULT_GUARD_MARGIN[expectation.level],
+        "halt_min_devices": DEFAULT_GUARD_OWNERS,
+    }
+
+
+def changed_rollout(
+    current: Rollout | None,
+    request: registry_pb2.SetRolloutRequest,
+    now: str,
+    expectation: HealthExpectation | None = None,
+) -> Rollout:
+    """``current`` with ``request`` applied (``current`` None: the version was published to every
+    device; ``expectation``: the release's, which an ``expected`` guard needs)."""
     v = request.version
     if current is None:
         raise RpcStatusError(
@@ -67,23 +96,40 @@ def changed_rollout(current: Rollout | None, request: registry_pb2.SetRolloutReq
     if request.HasField("guard") and request.remove_guard:
         raise invalid("remove_guard and guard together: remove the guard, or set a new one")
     if request.HasField("guard"):
-        rollout = dataclasses.replace(rollout, **_guard(request.guard))
+        rollout = dataclasses.replace(rollout, **_guard(request.guard, expectation, v))
     if request.remove_guard:
-        rollout = dataclasses.replace(rollout, halt_below=0.0, halt_min_devices=0)
+        rollout = dataclasses.replace(rollout, halt_below=0.0, halt_min_devices=0, guard_measure="mean_cosine")
     if request.HasField("percent"):
         rollout = _widened(rollout, check_percent(request.percent), now)
     rollout = _acted(rollout, request.action, now)
     return dataclasses.replace(rollout, updated_at=now) if rollout != current else current
 
 
-def _guard(guard: registry_pb2.RolloutGuard) -> dict:
-    if not (math.isfinite(guard.halt_below) and -1.0 <= guard.halt_below <= 1.0):
-        raise invalid(f"halt_below is {guard.halt_below}; a mean cosine, from -1 to 1")
+_BOUNDS = {
+    "mean_cosine": (-1.0, 1.0, "a mean cosine"),
+    "recall_at_1": (0.0, 1.0, "an R@1"),
+    "expected": (0.0, 1.0, "a margin"),
+}
+
+
+def _guard(guard: registry_pb2.RolloutGuard, expectation: HealthExpectation | None, version: int) -> dict:
+    measure = guard.measure or "mean_cosine"
+    if measure not in GUARD_MEASURES:
+        raise invalid(f"guard.measure is {measure[:40]!r}; one of {', '.join(GUARD_MEASURES)}")
+    low, high, what = _BOUNDS[measure]
+    if not (math.isfinite(guard.halt_below) and low <= guard.halt_below <= high):
+        raise invalid(f"halt_below is {guard.halt_below}; with measure {measure}, {what} from {low:g} to {high:g}")
     if not 1 <= guard.halt_min_devices <= MAX_HALT_MIN_DEVICES:
         raise invalid(
             f"halt_min_devices is {guard.halt_min_devices}; from 1 to {MAX_HALT_MIN_DEVICES} reporting devices"
         )
-    return {"halt_below": guard.halt_below, "halt_min_devices": guard.halt_min_devices}
+    if measure == "expected" and expectation is None:
+        raise RpcStatusError(
+            "FAILED_PRECONDITION",
+            f"version {version}'s manifest records no health expectation (exported before fctkit measured one): "
+            "guard it with an absolute bound (measure mean_cosine or recall_at_1); nothing changed",
+        )
+    return {"halt_below": guard.halt_below, "halt_min_devices": guard.halt_min_devices, "guard_measure": measure}
 
 
 def _widened(rollout: Rollout, percent: float, now: str) -> Rollout:
@@ -133,7 +179,7 @@ def check_resumable(current: Rollout | None, changed: Rollout, tally: Callable[[
     guard, while that guard would halt it again at the very next report (``tally``: its votes now)."""
     if current is None or current.state != HALTED or changed.state != STAGED:
         return
-    if (current.halt_below, current.halt_min_devices) != (changed.halt_below, changed.halt_min_devices):
+    if _guard_of(current) != _guard_of(changed):
         return  # a new guard (or none): its votes are counted again against the new threshold
     reason = guard_verdict(changed, tally(), "the next report")
     if reason is not None:
@@ -142,6 +188,10 @@ def check_resumable(current: Rollout | None, changed: Rollout, tally: Callable[[
             f"version {changed.version}'s guard would halt it again at the next report ({reason}): resume with "
             "--no-guard, or with a new --halt-below and --halt-min-devices, or pause it; nothing changed",
         )
+
+
+def _guard_of(rollout: Rollout) -> tuple[float, int, str]:
+    return rollout.halt_below, rollout.halt_min_devices, rollout.guard_measure
 
 
 def check_confirmable(version: int, rollout: Rollout | None) -> None:
@@ -174,7 +224,8 @@ def guard_verdict(rollout: Rollout, tally: GuardTally, device_id: str, *, confir
         return None
     if tally.owners < rollout.halt_min_devices or tally.median_below is None:
         return None
+    bound = tally.threshold if rollout.guard_measure == "expected" else rollout.halt_below
     return (
-        f"median mean_cosine {tally.median_below:.4f} of {tally.owners} owners' votes ({tally.devices} reporting "
-        f"devices, one vote per owner) fell below {rollout.halt_below:g} (halted at the report of {device_id})"
+        f"median {tally.signal} {tally.median_below:.4f} of {tally.owners} owners' votes ({tally.devices} reporting "
+        f"devices, one vote per owner) fell below {bound:g} (halted at the report of {device_id})"
     )

@@ -29,9 +29,10 @@ _STAGE_COLUMNS = (
     "failed",
     "reverted",
     "reporting",
-    "median",
-    "min",
-    "p10",
+    "cos median",
+    "cos p10",
+    "r@1 median",
+    "vs expected",
     "reverted_by",
 )
 
@@ -74,8 +75,17 @@ def read_cohort(path: Path) -> list[str]:
     "--halt-below",
     type=click.FloatRange(-1, 1),
     default=None,
-    help="Guard: halt the rollout when the median health (mean cosine) of reporting owners falls below this "
-    "(one vote per owner: the median of its devices).",
+    help="Guard: halt the rollout when the median vote of reporting owners falls below this (one vote per "
+    "owner: the median of its devices; what a vote is: --halt-measure).",
+)
+@click.option(
+    "--halt-measure",
+    type=click.Choice(["mean_cosine", "recall_at_1", "expected"]),
+    default="mean_cosine",
+    show_default=True,
+    help="With --halt-below: mean_cosine or recall_at_1 (self-retrieval) as devices report them, against "
+    "--halt-below as an absolute bound; or expected: the measure of the release's level minus what the "
+    "release expects at each device's gallery size, halting --halt-below (a margin) under 0.",
 )
 @click.option(
     "--halt-min-devices",
@@ -93,6 +103,7 @@ def rollout_command(
     cohort_file: Path | None,
     halt_below: float | None,
     halt_min_devices: int | None,
+    halt_measure: str,
     no_guard: bool,
 ) -> None:
     """Change the staged rollout of VERSION (published with `fctkit admin publish BUNDLE --percent P`):
@@ -118,6 +129,7 @@ def rollout_command(
             halt_below=halt_below,
             halt_min_devices=halt_min_devices or 0,
             remove_guard=no_guard,
+            guard_measure=halt_measure,
         )
     click.echo(_headline(status))
 
@@ -158,6 +170,9 @@ def rollout_status_command(connect, version: int, as_json: bool) -> None:
         or "no cases recorded"
     )
     click.echo(f"gate (the server's evaluation data): {cases}")
+    click.echo(_expectation_line(status))
+    if version > 1:
+        click.echo(_previous_line(client_status(connect, version - 1)))
     if status.gate_override_reason:
         click.echo(f"gate overridden at export (--force): {status.gate_override_reason}")
 
@@ -191,17 +206,79 @@ def _state(status) -> str:
     if status.state == "withdrawn":
         cohort = f" and a cohort of {status.cohort_size}" if status.cohort_size else ""
         return f"version {status.version}: withdrawn (offered to no device; it had reached {status.percent:g}%{cohort})"
-    guard = (
-        f"; guard: halt below {status.halt_below:g} once {status.halt_min_devices} owners' devices reported"
-        if status.halt_min_devices
-        else ""
-    )
+    if status.guard_measure == "expected":
+        what = (
+            f"median {_level_measure(status)} under {1 - status.halt_below:g} of the release's expectation "
+            "(or under its break-even)"
+        )
+    else:
+        what = f"median {status.guard_measure or 'mean_cosine'} below {status.halt_below:g}"
+    guard = f"; guard: halt at {what} once {status.halt_min_devices} owners reported" if status.halt_min_devices else ""
     return f"version {status.version}: {status.state} at {status.percent:g}% (cohort of {status.cohort_size}){guard}"
+
+
+def client_status(connect, version: int):
+    """``version``'s rollout status, or None when the server has no such version."""
+    from fctkit.errors import RpcStatusError
+
+    try:
+        with connect() as client:
+            return client.rollout_status(version)
+    except RpcStatusError as exc:
+        if exc.code == "NOT_FOUND":
+            return None
+        raise
+
+
+def _expectation_line(status) -> str:
+    """What the release expects devices to report (its manifest's health_expectation), by gallery size."""
+    if not status.health_expectation_json:
+        return "expected health: not recorded (the release was exported before fctkit measured one)"
+    e = json.loads(status.health_expectation_json)
+    measure = "recall_at_1" if e["level"] == "instance" else "mean_cosine"
+    means, sds = e["measures"][measure]["mean"], e["measures"][measure]["sd"]
+    by_size = ", ".join(f"{m:.3f} ±{sd:.3f} at {rows:,} rows" for rows, m, sd in zip(e["gallery_rows"], means, sds))
+    cosine = e["measures"]["mean_cosine"]["mean"][-1]
+    return (
+        f"expected health ({e['level']} level, samples of {e['sample_size']}, {e['draws']} draws on the evaluation "
+        f"split): {measure} {by_size}; mean_cosine {cosine:.3f}; break-even {e['break_even']:.3f} of it"
+    )
+
+
+def _previous_line(previous) -> str:
+    """The previous release's fleet health, over all its stages, for comparison."""
+    if previous is None:
+        return "previous release: none"
+    stages = list(previous.stages)
+    reporting = sum(s.health.devices for s in stages)
+    if not reporting:
+        return f"previous release v{previous.version}: no device reported a sampled health"
+    cosine = max(stages, key=lambda s: s.health.devices)
+    return (
+        f"previous release v{previous.version}: {reporting} devices reported; largest stage's medians: "
+        f"mean_cosine {cosine.health.median:.4f}, recall_at_1 {cosine.recall_at_1.median:.4f}"
+    )
+
+
+def _level_measure(status) -> str:
+    if not status.health_expectation_json:
+        return "measure"
+    level = json.loads(status.health_expectation_json)["level"]
+    return "recall_at_1" if level == "instance" else "mean_cosine"
 
 
 def _stage_row(stage) -> dict[str, str]:
     health = stage.health
-    numbers = {k: f"{getattr(health, k):.4f}" if health.devices else "-" for k in ("median", "min", "p10")}
+
+    def shown(summary, field: str = "median") -> str:
+        return f"{getattr(summary, field):.4f}" if summary.devices else "-"
+
+    numbers = {
+        "cos median": shown(health),
+        "cos p10": shown(health, "p10"),
+        "r@1 median": shown(stage.recall_at_1),
+        "vs expected": shown(stage.expected_shortfall),
+    }
     return {
         "stage": "cohort" if stage.stage == 0 else str(stage.stage),
         "percent": f"{stage.percent:g}",

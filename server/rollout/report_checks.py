@@ -58,7 +58,7 @@ def health_report(request: fleet_pb2.ReportRequest) -> HealthReport | None:
     h = request.health
     if h.version == 0:
         raise invalid("health.version is 0: name the version the gallery was upgraded to")
-    for name in ("rows_upgraded", "failures"):
+    for name in ("rows_upgraded", "failures", "gallery_rows"):
         if getattr(h, name) > MAX_COUNT:
             raise invalid(f"health.{name} is {getattr(h, name)}; at most {MAX_COUNT}")
     if not (math.isfinite(h.seconds) and 0.0 <= h.seconds <= MAX_UPGRADE_SECONDS):
@@ -81,6 +81,15 @@ def health_report(request: fleet_pb2.ReportRequest) -> HealthReport | None:
             raise invalid(f"health.{name} is {value}; from {low:g} to {high:g}")
         if h.sample_size == 0 and value != 0.0:
             raise invalid(f"health.{name} is {value} with sample_size 0: without a sample the measures are unset (0)")
+    ranked = max(h.gallery_rows, 1)
+    if not (math.isfinite(h.median_rank) and (h.median_rank == 0.0 or 1.0 <= h.median_rank <= ranked)):
+        raise invalid(
+            f"health.median_rank is {h.median_rank}; a rank from 1 to gallery_rows ({h.gallery_rows}), or 0 (not measured)"
+        )
+    if h.sample_size == 0 and (h.median_rank or h.gallery_rows):
+        raise invalid(
+            "health.median_rank and gallery_rows are set with sample_size 0: without a sample they are unset (0)"
+        )
     return HealthReport(
         h.version,
         h.rows_upgraded,
@@ -91,6 +100,8 @@ def health_report(request: fleet_pb2.ReportRequest) -> HealthReport | None:
         h.p10_cosine,
         h.recall_at_1,
         h.mean_reciprocal_rank,
+        h.median_rank,
+        h.gallery_rows,
     )
 
 

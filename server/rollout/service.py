@@ -49,7 +49,7 @@ class RolloutRpcs:
         now = timestamp()
 
         def change(current: Rollout | None) -> Rollout:
-            changed = changed_rollout(current, request, now)
+            changed = changed_rollout(current, request, now, self._catalog.get(version).manifest.health_expectation)
             check_resumable(current, changed, lambda: self._storage.guard_tally(version))
             return changed
 
@@ -96,7 +96,7 @@ class RolloutRpcs:
         status = rollout_status(
             version,
             rollout,
-            self._catalog.get(version).manifest.gate,
+            self._catalog.get(version).manifest,
             storage.rollout_devices() if devices is None else devices,
             storage.health_reports(version),
             withdrawal,

@@ -8,7 +8,10 @@ halted or withdrawn only those that run it or a later version, as nobody new get
 *downloaded* got the bundle (reported upgrading, backfilling or failed towards the version, runs it,
 or reported a health for it), *upgraded* runs the version or a later one, *failed* reported a
 failed upgrade to it, *reverted* reported going back from it after its withdrawal (counted by
-method as well) or reported a health for it but runs an earlier version now.
+method as well) or reported a health for it but runs an earlier version now. The health of the
+devices that sampled one is summarised three ways: their mean cosine, their self-retrieval R@1, and
+(a release that records its expectation) each one's measure minus what the release expects at the
+device's gallery size.
 
 A withdrawn version's state is ``withdrawn`` with the withdrawal's reason and ``revert_to``; one
 published to every device (no rollout) and withdrawn shows every device as one stage at 100%.
@@ -19,9 +22,12 @@ from __future__ import annotations
 import json
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from fctkit.protos import fleet_pb2, registry_pb2
+from fctkit.protos.health_expectation import HealthExpectation
+from fctkit.protos.manifest import Manifest
 
 from ..guard_votes import bucket
 from ..rollout_store import COMPLETE, STAGED, DeviceState, HealthReport, Rollout, Stage
@@ -55,6 +61,20 @@ def entry_stage(rollout: Rollout, device_id: str) -> int | None:
     return next((i + 1 for i, stage in enumerate(rollout.stages) if where < stage.percent), None)
 
 
+def _shortfall(expectation: HealthExpectation | None) -> Callable[[HealthReport], float] | None:
+    """A device's measure as a fraction of what the release expects at its gallery size (the
+    measure of the release's level), or None: the release records no expectation."""
+    if expectation is None:
+        return None
+    measure = expectation.guard_measure
+
+    def shortfall(h: HealthReport) -> float:
+        rows = h.gallery_rows or h.rows_upgraded
+        return expectation.ratio(measure, float(getattr(h, measure)), rows)
+
+    return shortfall
+
+
 def _stage(
     number: int,
     percent: float,
@@ -64,8 +84,10 @@ def _stage(
     version: int,
     reverts: dict[str, str],
     offering: bool,
+    expectation: HealthExpectation | None,
 ) -> registry_pb2.RolloutStage:
-    reported = [d for d in devices if d.device_id in health]
+    sampled = [health[d.device_id] for d in devices if d.device_id in health and health[d.device_id].sample_size > 0]
+    shortfall = _shortfall(expectation)
     methods = Counter(reverts[d.device_id] for d in devices if d.device_id in reverts)
     return registry_pb2.RolloutStage(
         stage=number,
@@ -82,16 +104,16 @@ def _stage(
         failed=sum(d.target_version == version and d.upgrade_state == fleet_pb2.UPGRADE_STATE_FAILED for d in devices),
         reverted=sum(d.device_id in reverts or (d.device_id in health and d.version < version) for d in devices),
         revert_methods=methods,
-        health=health_summary(
-            [health[d.device_id].mean_cosine for d in reported if health[d.device_id].sample_size > 0]
-        ),
+        health=health_summary([h.mean_cosine for h in sampled]),
+        recall_at_1=health_summary([h.recall_at_1 for h in sampled]),
+        expected_shortfall=health_summary([shortfall(h) for h in sampled] if shortfall else []),
     )
 
 
 def rollout_status(
     version: int,
     rollout: Rollout | None,
-    gate: dict,
+    manifest: Manifest,
     devices: list[DeviceState],
     health: dict[str, HealthReport],
     withdrawal: StoredWithdrawal | None = None,
@@ -99,7 +121,9 @@ def rollout_status(
 ) -> registry_pb2.RolloutStatus:
     """The status of ``version``'s rollout (None: published to every device, no stages), and of its
     withdrawal (``reverts``: how each device reported going back from it)."""
+    gate, expectation = manifest.gate, manifest.health_expectation
     gate_cases = json.dumps(gate.get("cases", {}), sort_keys=True)
+    expected = "" if expectation is None else json.dumps(expectation.to_json(), sort_keys=True)
     override = str(gate.get("force_reason") or "") if gate.get("forced") else ""
     reverts = reverts or {}
     withdrawn = (
@@ -109,7 +133,12 @@ def rollout_status(
     )
     if rollout is None and withdrawal is None:
         return registry_pb2.RolloutStatus(
-            version=version, state="none", percent=100.0, gate_cases_json=gate_cases, gate_override_reason=override
+            version=version,
+            state="none",
+            percent=100.0,
+            gate_cases_json=gate_cases,
+            gate_override_reason=override,
+            health_expectation_json=expected,
         )
     if rollout is None:  # offered to every device at once: they all entered at one stage
         rollout = Rollout(version, 100.0, "complete", (Stage(100.0, ""),))
@@ -119,10 +148,10 @@ def rollout_status(
         if stage is not None:
             by_stage.setdefault(stage, []).append(device)
     offering = withdrawal is None and rollout.state in (STAGED, COMPLETE)
-    stages = [_stage(0, 0.0, "", by_stage.get(0, []), health, version, reverts, offering)] if rollout.cohort else []
+    counted = (health, version, reverts, offering, expectation)
+    stages = [_stage(0, 0.0, "", by_stage.get(0, []), *counted)] if rollout.cohort else []
     stages += [
-        _stage(i + 1, s.percent, s.started_at, by_stage.get(i + 1, []), health, version, reverts, offering)
-        for i, s in enumerate(rollout.stages)
+        _stage(i + 1, s.percent, s.started_at, by_stage.get(i + 1, []), *counted) for i, s in enumerate(rollout.stages)
     ]
     fields: dict[str, Any] = {"state": rollout.state, **withdrawn}
     return registry_pb2.RolloutStatus(
@@ -131,6 +160,8 @@ def rollout_status(
         cohort_size=len(rollout.cohort),
         halt_below=rollout.halt_below,
         halt_min_devices=rollout.halt_min_devices,
+        guard_measure=rollout.guard_measure if rollout.halt_min_devices else "",
+        health_expectation_json=expected,
         halt_reason=rollout.halt_reason,
         stages=stages,
         gate_cases_json=gate_cases,

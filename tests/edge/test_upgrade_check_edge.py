@@ -17,9 +17,9 @@ import pytest
 
 from fctkit.edge_runtime import Device, upgrade_check
 from fctkit.edge_runtime.upgrade_check import HealthRecord, health_seed, stored_health
-from fctkit.edge_runtime.upgrade_health import sample_rows, streamed_health, upgrade_health
 from fctkit.errors import InputError
 from fctkit.protos.client import FctkitClient
+from fctkit.upgrade_health import sample_rows, streamed_health, upgrade_health
 from tests.edge.conftest import ServerProcess, device_cli_steps, enrolment_code, publish
 
 ROWS, SAMPLE = 40, 8
@@ -195,6 +195,8 @@ def test_health_messages_hold_aggregates_only():
         "p10_cosine",
         "recall_at_1",
         "mean_reciprocal_rank",
+        "median_rank",
+        "gallery_rows",
     ]
     assert (message.version, message.failures, message.sample_size, message.recall_at_1) == (3, 1, 4, 0.75)
 
@@ -238,10 +240,14 @@ def test_the_sample_is_kept_backfilled_only_where_native_and_adapted_rows_rank_f
     assert upgrade_check.keeps_sample(manifest)  # the tiny bundles: class level (top-1 only), no transition
     instance = {"cases": {"new/new": {"recall@1": 0.4, "top1": 0.4}, "old/old": {"recall@1": 0.5, "top1": 0.5}}}
 
-    def bundle(gate=manifest.gate, hubness=None, transition=None):  # the fields the rule reads
-        return SimpleNamespace(gate=gate, hubness=hubness, transition=transition)
+    def bundle(gate=manifest.gate, hubness=None, transition=None, level=None):  # the fields the rule reads
+        expectation = None if level is None else SimpleNamespace(level=level)
+        return SimpleNamespace(gate=gate, hubness=hubness, transition=transition, health_expectation=expectation)
 
     assert not upgrade_check.keeps_sample(bundle(instance))
+    # the level the manifest records wins over the gate's metrics
+    assert not upgrade_check.keeps_sample(bundle(level="instance"))
+    assert upgrade_check.keeps_sample(bundle(instance, level="class"))
     assert upgrade_check.keeps_sample(bundle(instance, hubness=HubnessPolicy(0.5)))
     assert not upgrade_check.keeps_sample(bundle(transition=TransitionPolicy(1, 0.5, 30.0)))
 

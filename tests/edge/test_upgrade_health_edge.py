@@ -10,8 +10,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from fctkit.edge_runtime.upgrade_health import UpgradeHealth, sample_rows, self_retrieval_ranks, upgrade_health
 from fctkit.errors import InputError
+from fctkit.upgrade_health import UpgradeHealth, sample_rows, self_retrieval_ranks, upgrade_health
 
 METRICS = ("cosine", "l2")
 
@@ -90,10 +90,19 @@ def test_blocked_ranks_equal_a_brute_force_ranking(metric, block_rows):
     assert health.mean_reciprocal_rank == pytest.approx(np.mean(1.0 / expected))
 
 
-def test_only_five_aggregates_leave_the_device():
+def test_only_aggregates_leave_the_device():
     names = [f.name for f in dataclasses.fields(UpgradeHealth)]
-    assert names == ["sample_size", "mean_cosine", "p10_cosine", "recall_at_1", "mean_reciprocal_rank"]
+    assert names == [
+        "sample_size",
+        "mean_cosine",
+        "p10_cosine",
+        "recall_at_1",
+        "mean_reciprocal_rank",
+        "median_rank",
+        "gallery_rows",
+    ]
     health = upgrade_health(gallery(), np.arange(4), gallery()[:4], "l2")
+    assert health.gallery_rows == len(gallery()) and health.median_rank >= 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         health.recall_at_1 = 0.5  # type: ignore[misc]
 

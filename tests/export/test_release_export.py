@@ -23,6 +23,7 @@ from fctkit.export.release_plan import plan_release
 from fctkit.export.trained_run import TrainedRun
 from fctkit.protos.bundle import VerifiedBundle, unpack_bundle, verify_bundle
 from fctkit.trainer.evaluation import evaluate_retrieval
+from fctkit.upgrade_health import expected_health
 from tests.support.releases import UNIFIED_METHOD, unified_override
 
 pytestmark = pytest.mark.slow  # shares a tiny training run (tens of seconds) and exports real graphs
@@ -83,6 +84,16 @@ def test_forward_release_reproduces_the_runs_figures(release, run, private_key, 
     sigma = onnx(v2, "uncertainty_1_to_2", features["old"], features["side"])
     assert sigma.shape == (len(old),) and np.all(sigma > 0)
 
+    # What devices should report after upgrading: measured on the evaluation split through the bundled graph.
+    expectation = v2.manifest.health_expectation
+    assert v1.manifest.health_expectation is None  # v1 adapts nothing
+    assert (expectation.level, expectation.sample_size, expectation.gallery_rows[-1]) == ("class", 32, len(adapted))
+    sizes, measures = expected_health(adapted, features["new"], "l2", sample_size=32, draws=expectation.draws)
+    assert sizes == expectation.gallery_rows
+    assert expectation.measures["mean_cosine"][0] == pytest.approx(measures["mean_cosine"][0], abs=1e-4)
+    gate_cases = v2.manifest.gate["cases"]
+    assert expectation.break_even == pytest.approx(gate_cases["old/old"]["top1"] / gate_cases["new/h(old)"]["top1"])
+
 
 def test_unified_fp16_release_carries_forward_and_backward(release, run, private_key, tmp_path):
     override = unified_override(release.run_dir)
@@ -103,6 +114,7 @@ def test_unified_fp16_release_carries_forward_and_backward(release, run, private
     assert v2.manifest.gate["ecc"] == {"forward_4_to_5": passed, "backward_5_to_4": passed}
     assert v2.manifest.gate["forced"] is bool(override)
     check_graphs_load(v2)
+    assert v2.manifest.health_expectation is None  # the adapted rows live in the shared space, not the new model's
 
     features = run.eval_features
     unified_new = onnx(v2, "backward_5_to_4", features["new"])
@@ -124,6 +136,7 @@ def test_chain_release_has_every_hop_and_the_direct_adapter(release, tmp_path):
     assert [b.manifest.parents for b in (v1, v2, v3)] == [(), (1,), (1, 2)]
     assert len({b.manifest.artifact("side_info").sha256 for b in (v1, v2, v3)}) == 3  # each version its own ψ_v
     assert v3.manifest.gate["ecc"] == {"forward_2_to_3": True, "forward_1_to_3": True}
+    assert all(b.manifest.health_expectation is None for b in (v1, v2, v3))  # a chain's hops: not measured
 
     f, gate = release.eval_features, release.chain_gate
     for v, bundle in bundles.items():

@@ -201,9 +201,11 @@ def chain_bundle(
     *,
     cases: dict | None = None,
     force_reason: str | None = None,
+    health_expectation=None,
 ) -> Path:
     """Bundle ``version`` of the CHAIN, signed by ``key``, as the folder ``folder/v<version>``;
-    with ``force_reason`` its gate failed ECC and was overridden at export with that reason."""
+    with ``force_reason`` its gate failed ECC and was overridden at export with that reason;
+    ``health_expectation``: what its manifest expects devices to report."""
     sources = _sources(folder / f"src{version}", version, CHAIN[version], image_dim)
     ecc = {s.artifact_name: force_reason is None for s in sources if s.role == "forward"}
     return build_bundle(
@@ -218,6 +220,7 @@ def chain_bundle(
         private_key=key,
         force=force_reason is not None,
         force_reason=force_reason,
+        health_expectation=health_expectation,
     ).root
 
 

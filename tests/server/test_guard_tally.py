@@ -37,7 +37,7 @@ def recount(storage, version: int) -> GuardTally:
     votes = [statistics.median(values) for values in by_owner.values()]
     median = statistics.median(votes) if votes else None
     below = median if median is not None and median < rollout.halt_below else None
-    return GuardTally(len(votes), len(signal), below)
+    return GuardTally(len(votes), len(signal), below, "mean_cosine", rollout.halt_below)
 
 
 def enrolled_fleet(storage, devices: int, rng: random.Random) -> list[str]:
@@ -101,7 +101,7 @@ def test_the_tally_equals_a_recount_after_every_step(tmp_path, backend, open_sto
             assert (verdict is not None) == (expected.median_below is not None and expected.owners >= 1)
             checked_halts += verdict is not None
         assert revoked and checked_halts  # the sequence revoked devices and crossed the threshold
-        assert first.guard_tally(1) == GuardTally(0, 0, None)  # published to every device: no guard, no votes
+        assert first.guard_tally(1) == GuardTally(0, 0, None, "mean_cosine", 0.0)  # published to every device: no guard, no votes
     finally:
         for storage in replicas:
             storage.close()

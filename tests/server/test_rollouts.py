@@ -213,7 +213,7 @@ def test_publish_percent_from_the_cli_and_bad_input_changes_nothing(start_server
     assert (
         table.exit_code == 0
         and "cohort" in table.output
-        and "guard: halt below 0.5 once 4 owners' devices" in table.output
+        and "guard: halt at median mean_cosine below 0.5 once 4 owners reported" in table.output
     )
     data = json.loads(cli("rollout-status", "2", "--json").output)
     assert data["state"] == "staged" and [s["stage"] for s in data["stages"]] == [0, 1, 2] and data["gate_cases"] == {}

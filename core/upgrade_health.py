@@ -18,10 +18,17 @@ signal compares with φ_new itself.
 sample deterministically from a seed and the row ids.
 
 Privacy: only the aggregates of :class:`UpgradeHealth` (sample size, mean and 10th-percentile
-cosine, R@1, mean reciprocal rank) are meant to leave the device. No vector, row id, sampled
+cosine, R@1, mean reciprocal rank, median rank, the gallery's row count) are meant to leave the device. No vector, row id, sampled
 position or per-row value is part of it.
 
-Numpy only (and :mod:`fctkit.errors`): the device imports it without torch.
+:func:`expected_health` is what the exporter records in each release (the manifest's
+``health_expectation``): the same measures, with the same sample size, on the evaluation split's
+adapted gallery cut to several sizes, over repeated samples — what a device of that size should
+report when the release behaves as it did on the server's data. Self-retrieval depends on the
+gallery's size (more rows, more rows that can come first), so the expectation is kept per size and
+read at each device's own.
+
+Numpy only (and :mod:`fctkit.errors`): the device imports it without torch, and so does the exporter.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ from fctkit.errors import InputError
 # The distances of a bundle manifest (fctkit.protos.bundle_vocabulary.Distance).
 METRICS = ("cosine", "l2")
 DEFAULT_BLOCK_ROWS = 16_384
+#: rows a device re-embeds after each upgrade unless its device.json says otherwise, and the sample
+#: size each release's expectation is measured with
+DEFAULT_SAMPLE_SIZE = 32
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,8 @@ class UpgradeHealth:
     p10_cosine: float
     recall_at_1: float
     mean_reciprocal_rank: float
+    median_rank: float
+    gallery_rows: int
 
 
 def sample_rows(row_ids: Sequence[str], size: int, seed: int) -> np.ndarray:
@@ -110,6 +122,58 @@ def streamed_health(
     return _health(blocks, sample, sampled, _checked_reembedded(reembedded, sampled.shape), metric)
 
 
+#: the measures :func:`expected_health` records (every field of :class:`UpgradeHealth` that is a measure)
+MEASURES = ("mean_cosine", "p10_cosine", "recall_at_1", "mean_reciprocal_rank", "median_rank")
+
+
+def expected_health(
+    adapted: np.ndarray,
+    reembedded: np.ndarray,
+    metric: str,
+    *,
+    sample_size: int,
+    draws: int = 16,
+    seed: int = 0,
+    smallest: int = 64,
+) -> tuple[tuple[int, ...], dict[str, tuple[tuple[float, ...], tuple[float, ...]]]]:
+    """What a device should report for an upgrade that behaves as ``adapted`` (N×d, the adapted
+    evaluation gallery) does against ``reembedded`` (N×d, the same items embedded by the new model).
+
+    For gallery sizes from ``smallest`` up to N, each ×4 the last (and N itself), ``draws`` times:
+    cut a random gallery of that size, draw ``sample_size`` rows of it and measure them as a device
+    would (:func:`upgrade_health`). Returns the sizes and, per measure of :data:`MEASURES`, the mean
+    and standard deviation over the draws at each size."""
+    adapted, reembedded = np.asarray(adapted), np.asarray(reembedded)
+    if adapted.ndim != 2 or adapted.shape != reembedded.shape:
+        raise InputError(
+            f"the adapted gallery {adapted.shape} and its new-model embeddings {reembedded.shape} must be N×d alike"
+        )
+    if not 1 <= sample_size <= len(adapted) or draws < 2:
+        raise InputError(
+            f"an expectation needs 1 <= sample_size ({sample_size}) <= {len(adapted)} rows and at least 2 draws ({draws})"
+        )
+    sizes = []
+    size = min(max(smallest, sample_size), len(adapted))
+    while size < len(adapted):
+        sizes.append(size)
+        size *= 4
+    sizes.append(len(adapted))
+    rng = np.random.default_rng(seed)
+    found: dict[str, list[list[float]]] = {m: [] for m in MEASURES}
+    for size in sizes:
+        runs = []
+        for _ in range(draws):
+            gallery = np.sort(rng.choice(len(adapted), size, replace=False))
+            sample = np.sort(rng.choice(size, min(sample_size, size), replace=False))
+            runs.append(upgrade_health(adapted[gallery], sample, reembedded[gallery[sample]], metric))
+        for measure in MEASURES:
+            found[measure].append([float(getattr(run, measure)) for run in runs])
+    return tuple(sizes), {
+        m: (tuple(float(np.mean(v)) for v in values), tuple(float(np.std(v)) for v in values))
+        for m, values in found.items()
+    }
+
+
 def self_retrieval_ranks(
     adapted: np.ndarray,
     sample: np.ndarray,
@@ -132,7 +196,8 @@ def _health(
     reembedded: np.ndarray,
     metric: str,
 ) -> UpgradeHealth:
-    ranks = _ranks(blocks, sample, sampled, reembedded, metric)
+    rows = [0]
+    ranks = _ranks(_counted(blocks, rows), sample, sampled, reembedded, metric)
     # clipped: rounding can put a row's cosine with itself a hair past 1, outside what a report may carry
     cosines = np.clip(np.einsum("ij,ij->i", _unit(sampled), _unit(reembedded)), -1.0, 1.0)
     return UpgradeHealth(
@@ -141,7 +206,18 @@ def _health(
         p10_cosine=float(np.percentile(cosines, 10)),
         recall_at_1=float(np.mean(ranks == 1)),
         mean_reciprocal_rank=float(np.mean(1.0 / ranks)),
+        median_rank=float(np.median(ranks)),
+        gallery_rows=rows[0],
     )
+
+
+def _counted(
+    blocks: Iterable[tuple[np.ndarray, np.ndarray]], rows: list[int]
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``blocks`` as they are, adding each block's row count to ``rows[0]``."""
+    for keys, block in blocks:
+        rows[0] += len(block)
+        yield keys, block
 
 
 def _array_blocks(adapted: np.ndarray, block_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -183,9 +259,11 @@ def _scores(queries: np.ndarray, rows: np.ndarray, metric: str) -> np.ndarray:
     """Similarity of each query to each row (higher = nearer), float64: cosine of unit vectors,
     or −‖q − g‖² + ‖q‖² (the query's own norm is the same for every row, so it is left out)."""
     if metric == "cosine":
-        return queries @ _unit(rows).T
+        cosines: np.ndarray = queries @ _unit(rows).T
+        return cosines
     rows = rows.astype(np.float64)
-    return 2.0 * (queries @ rows.T) - np.einsum("ij,ij->i", rows, rows)[None, :]
+    scores: np.ndarray = 2.0 * (queries @ rows.T) - np.einsum("ij,ij->i", rows, rows)[None, :]
+    return scores
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
