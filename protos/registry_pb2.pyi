@@ -266,14 +266,16 @@ class RolloutCohort(_message.Message):
     def __init__(self, device_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RolloutGuard(_message.Message):
-    __slots__ = ("halt_below", "halt_min_devices", "measure")
+    __slots__ = ("halt_below", "halt_min_devices", "measure", "max_failure_rate")
     HALT_BELOW_FIELD_NUMBER: _ClassVar[int]
     HALT_MIN_DEVICES_FIELD_NUMBER: _ClassVar[int]
     MEASURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_FAILURE_RATE_FIELD_NUMBER: _ClassVar[int]
     halt_below: float
     halt_min_devices: int
     measure: str
-    def __init__(self, halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ..., measure: _Optional[str] = ...) -> None: ...
+    max_failure_rate: float
+    def __init__(self, halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ..., measure: _Optional[str] = ..., max_failure_rate: _Optional[float] = ...) -> None: ...
 
 class SetRolloutRequest(_message.Message):
     __slots__ = ("version", "percent", "action", "cohort", "guard", "remove_guard")
@@ -345,7 +347,7 @@ class RolloutStage(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., percent: _Optional[float] = ..., started_at: _Optional[str] = ..., offered: _Optional[int] = ..., downloaded: _Optional[int] = ..., upgraded: _Optional[int] = ..., failed: _Optional[int] = ..., reverted: _Optional[int] = ..., health: _Optional[_Union[HealthSummary, _Mapping]] = ..., recall_at_1: _Optional[_Union[HealthSummary, _Mapping]] = ..., expected_shortfall: _Optional[_Union[HealthSummary, _Mapping]] = ..., revert_methods: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("version", "state", "percent", "cohort_size", "halt_below", "halt_min_devices", "halt_reason", "stages", "gate_cases_json", "updated_at", "withdrawn_reason", "revert_to", "confirmed_at", "gate_override_reason", "guard_measure", "health_expectation_json")
+    __slots__ = ("version", "state", "percent", "cohort_size", "halt_below", "halt_min_devices", "halt_reason", "stages", "gate_cases_json", "updated_at", "withdrawn_reason", "revert_to", "confirmed_at", "gate_override_reason", "guard_measure", "health_expectation_json", "max_failure_rate", "failure_rate", "failure_owners")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PERCENT_FIELD_NUMBER: _ClassVar[int]
@@ -362,6 +364,9 @@ class RolloutStatus(_message.Message):
     GATE_OVERRIDE_REASON_FIELD_NUMBER: _ClassVar[int]
     GUARD_MEASURE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_EXPECTATION_JSON_FIELD_NUMBER: _ClassVar[int]
+    MAX_FAILURE_RATE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_RATE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_OWNERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: str
     percent: float
@@ -378,7 +383,10 @@ class RolloutStatus(_message.Message):
     gate_override_reason: str
     guard_measure: str
     health_expectation_json: str
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., percent: _Optional[float] = ..., cohort_size: _Optional[int] = ..., halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ..., halt_reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[RolloutStage, _Mapping]]] = ..., gate_cases_json: _Optional[str] = ..., updated_at: _Optional[str] = ..., withdrawn_reason: _Optional[str] = ..., revert_to: _Optional[int] = ..., confirmed_at: _Optional[str] = ..., gate_override_reason: _Optional[str] = ..., guard_measure: _Optional[str] = ..., health_expectation_json: _Optional[str] = ...) -> None: ...
+    max_failure_rate: float
+    failure_rate: float
+    failure_owners: int
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., percent: _Optional[float] = ..., cohort_size: _Optional[int] = ..., halt_below: _Optional[float] = ..., halt_min_devices: _Optional[int] = ..., halt_reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[RolloutStage, _Mapping]]] = ..., gate_cases_json: _Optional[str] = ..., updated_at: _Optional[str] = ..., withdrawn_reason: _Optional[str] = ..., revert_to: _Optional[int] = ..., confirmed_at: _Optional[str] = ..., gate_override_reason: _Optional[str] = ..., guard_measure: _Optional[str] = ..., health_expectation_json: _Optional[str] = ..., max_failure_rate: _Optional[float] = ..., failure_rate: _Optional[float] = ..., failure_owners: _Optional[int] = ...) -> None: ...
 
 class ConfirmVersionRequest(_message.Message):
     __slots__ = ("version",)

@@ -33,6 +33,7 @@ class RolloutCalls:
         halt_min_devices: int = 0,
         remove_guard: bool = False,
         guard_measure: str = "",
+        max_failure_rate: float = 0.0,
     ) -> registry_pb2.RolloutStatus:
         """Admin: widen (``percent``), ``action`` (pause, resume or complete), replace the cohort
         (``cohort``: device ids) or the guard (``halt_below`` with ``halt_min_devices`` and
@@ -50,7 +51,10 @@ class RolloutCalls:
         if halt_below is not None:
             request.guard.CopyFrom(
                 registry_pb2.RolloutGuard(
-                    halt_below=halt_below, halt_min_devices=halt_min_devices, measure=guard_measure
+                    halt_below=halt_below,
+                    halt_min_devices=halt_min_devices,
+                    measure=guard_measure,
+                    max_failure_rate=max_failure_rate,
                 )
             )
         return self._unary(self.registry.SetRollout, request, retry=False)

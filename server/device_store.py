@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from . import upload_sessions
 from .database import Database
+from .guard_failures import refresh_device_failures
 from .guard_votes import refresh_device_votes
 from .replica_compaction import common_version, unique_chunks
 
@@ -224,6 +225,7 @@ class DeviceStore:
                 owner_id, "UPDATE devices SET revoked_at=? WHERE device_id=?", (now, device_id)
             )
             refresh_device_votes(self._db, device_id, owner_id)  # its health stops counting for the guard now
+            refresh_device_failures(self._db, device_id, owner_id)  # and so do its downloads and failures
             return now, compaction_due
 
     def _update_device(self, owner_id: str | None, statement: str, params: tuple) -> str | None:

@@ -45,7 +45,7 @@ from .rollout.report_checks import (
     health_report,
     revert_report,
 )
-from .rollout_store import HALTED, Rollout
+from .rollout_store import HALTED, DeviceState, Rollout
 from .storage import DeviceFilter, DeviceRecord, DeviceReport, OwnerKeyMismatch, Storage
 from .validation import counter_field, invalid, page_size, sha256_field, text_field, timestamp
 
@@ -214,11 +214,17 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
         revert = revert_report(request, self._rollouts.withdrawals.withdrawn)
         self._check_claims(device_id, request)
         now = timestamp()
+        watched = self._rollouts.failure_watched(device_id)
+        before = self._storage.device_state(device_id) if watched else None
         if owner_id := self._storage.record_report(device_id, report, now):
             self._compact_replica(owner_id)
         if health is not None:
             self._storage.record_health(device_id, health, now)
             self._guard(health.version, device_id, now)
+        if watched and (before, health) != (DeviceState(device_id, *_state(report)), None):
+            for version in watched:  # the report may move the device's download or failure for each
+                self._storage.refresh_failures(version, device_id)
+                self._guard(version, device_id, now)
         if revert is not None:
             self._storage.record_revert(device_id, *revert, now)
         return fleet_pb2.ReportResponse(recorded_at=now, latest_version=self._latest_version(device_id))
@@ -323,3 +329,8 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
             devices=[device_info(r) for r in page],
             next_page_token=str(page[-1].seq) if len(records) > limit else "",
         )
+
+
+def _state(report: DeviceReport) -> tuple[int, int, int]:
+    """What of a report the failure votes read: the version it runs, its target and its upgrade state."""
+    return report.version, report.target_version, report.upgrade_state

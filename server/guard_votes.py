@@ -76,6 +76,9 @@ class GuardTally:
     median_below: float | None
     signal: str = "mean_cosine"
     threshold: float = 0.0
+    #: owners of devices that got the version, and their mean failed fraction (:mod:`.guard_failures`)
+    failure_owners: int = 0
+    failure_rate: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,12 @@ replicas as ``rollout:V``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .database import Database
+from .guard_failures import failure_tally, rebuild_failures, refresh_owner_failures
 from .guard_votes import GuardTally, guard_tally, rebuild_votes, refresh_owner_vote
 
 ROLLOUT_SCHEMA = """
@@ -27,7 +29,8 @@ CREATE TABLE IF NOT EXISTS rollouts (
     halt_min_devices INTEGER NOT NULL DEFAULT 0,
     halt_reason TEXT NOT NULL DEFAULT '',
     updated_at TEXT NOT NULL,
-    guard_measure TEXT NOT NULL DEFAULT 'mean_cosine'
+    guard_measure TEXT NOT NULL DEFAULT 'mean_cosine',
+    max_failure_rate REAL NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS rollout_stages (
     version INTEGER NOT NULL REFERENCES rollouts(version),
@@ -64,6 +67,7 @@ HEALTH_GUARD_COLUMNS = (
     ("device_health", "median_rank", "REAL NOT NULL DEFAULT 0"),
     ("device_health", "gallery_rows", "INTEGER NOT NULL DEFAULT 0"),
     ("rollouts", "guard_measure", "TEXT NOT NULL DEFAULT 'mean_cosine'"),
+    ("rollouts", "max_failure_rate", "REAL NOT NULL DEFAULT 0"),
 )
 CONFIRMATION_SCHEMA = """
 CREATE TABLE IF NOT EXISTS confirmations (
@@ -87,7 +91,8 @@ class Rollout:
     """A version's rollout. ``halt_min_devices`` 0: no guard. The guard compares ``guard_measure``:
     ``mean_cosine`` or ``recall_at_1`` against the absolute bound ``halt_below``, or ``expected``: the
     release's own measure against its expectation, halting ``halt_below`` (a margin) under it
-    (:mod:`.guard_votes`)."""
+    (:mod:`.guard_votes`); and, when ``max_failure_rate`` > 0, the owners' mean share of failed
+    upgrades among the devices that got the version (:mod:`.guard_failures`)."""
 
     version: int
     percent: float
@@ -99,6 +104,7 @@ class Rollout:
     halt_reason: str = ""
     updated_at: str = ""
     guard_measure: str = "mean_cosine"
+    max_failure_rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -167,13 +173,13 @@ class RolloutStore:
         for version, device_id in self._db.execute(f"SELECT version, device_id FROM rollout_cohort{where}", params):
             cohorts.setdefault(version, set()).add(device_id)
         rows = self._db.execute(
-            "SELECT version, percent, state, halt_below, halt_min_devices, halt_reason, updated_at, guard_measure "
-            f"FROM rollouts{where} ORDER BY version",
+            "SELECT version, percent, state, halt_below, halt_min_devices, halt_reason, updated_at, guard_measure, "
+            f"max_failure_rate FROM rollouts{where} ORDER BY version",
             params,
         )
         return {
-            v: Rollout(v, p, s, tuple(stages.get(v, ())), frozenset(cohorts.get(v, ())), hb, hm, why, at, gm)
-            for v, p, s, hb, hm, why, at, gm in rows
+            v: Rollout(v, p, s, tuple(stages.get(v, ())), frozenset(cohorts.get(v, ())), hb, hm, why, at, gm, mf)
+            for v, p, s, hb, hm, why, at, gm, mf in rows
         }
 
     def change(self, version: int, change: Callable[[Rollout | None], Rollout | None]) -> Rollout | None:
@@ -187,6 +193,7 @@ class RolloutStore:
                 write_rollout(self._db, changed)
                 if current is None or guard_inputs(current) != guard_inputs(changed):
                     rebuild_votes(self._db, version)
+                    rebuild_failures(self._db, version)
             return changed
 
     def confirmations(self) -> dict[int, str]:
@@ -209,6 +216,13 @@ class RolloutStore:
     def device_version(self, device_id: str) -> int:
         row = self._db.execute("SELECT version FROM devices WHERE device_id = ?", (device_id,)).fetchone()
         return int(row[0]) if row else 0
+
+    def device_state(self, device_id: str) -> DeviceState | None:
+        """The device's last reported version, target and upgrade state (None: unknown)."""
+        row = self._db.execute(
+            "SELECT device_id, version, target_version, upgrade_state FROM devices WHERE device_id = ?", (device_id,)
+        ).fetchone()
+        return None if row is None else DeviceState(*row)
 
     def device_reach(self, device_id: str) -> int:
         """The highest version the device's stored report runs or upgrades to (0: none)."""
@@ -263,10 +277,21 @@ class RolloutStore:
             owner = self._db.execute("SELECT owner_id FROM devices WHERE device_id = ?", (device_id,)).fetchone()
             if owner is not None:
                 refresh_owner_vote(self._db, health.version, owner[0])
+                refresh_owner_failures(self._db, health.version, owner[0])  # a health report means a download
 
     def guard_tally(self, version: int) -> GuardTally:
-        """What the guard of ``version`` reads (see :mod:`.guard_votes`); inside :meth:`change`."""
-        return guard_tally(self._db, version)
+        """What the guard of ``version`` reads (:mod:`.guard_votes`, :mod:`.guard_failures`); inside :meth:`change`."""
+        failures = failure_tally(self._db, version)
+        return dataclasses.replace(
+            guard_tally(self._db, version), failure_owners=failures.owners, failure_rate=failures.rate
+        )
+
+    def refresh_failures(self, version: int, device_id: str) -> None:
+        """Recount the failure vote of ``device_id``'s owner for ``version`` after its report, under the version's lock."""
+        with self._db.transaction(f"rollout:{version}"):
+            owner = self._db.execute("SELECT owner_id FROM devices WHERE device_id = ?", (device_id,)).fetchone()
+            if owner is not None:
+                refresh_owner_failures(self._db, version, owner[0])
 
     def health(self, version: int) -> dict[str, HealthReport]:
         """The latest health each enrolled, unrevoked device reported for ``version``, by device id
@@ -280,9 +305,9 @@ class RolloutStore:
         return {row[0]: HealthReport(*row[1:]) for row in rows}
 
 
-def guard_inputs(rollout: Rollout) -> tuple[float, frozenset[str], float, str]:
-    """What the guard's votes depend on: who is in the rollout, the measure and the threshold they are counted against."""
-    return rollout.percent, rollout.cohort, rollout.halt_below, rollout.guard_measure
+def guard_inputs(rollout: Rollout) -> tuple[float, frozenset[str], float, str, float]:
+    """What the guard's votes depend on: who is in the rollout, the measure and the bounds they are counted against."""
+    return rollout.percent, rollout.cohort, rollout.halt_below, rollout.guard_measure, rollout.max_failure_rate
 
 
 def write_rollout(db: Database, rollout: Rollout) -> None:
@@ -290,10 +315,22 @@ def write_rollout(db: Database, rollout: Rollout) -> None:
     r = rollout
     db.execute(
         "INSERT INTO rollouts (version, percent, state, halt_below, halt_min_devices, halt_reason, updated_at, "
-        "guard_measure) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (version) DO UPDATE SET percent = excluded.percent, "
-        "state = excluded.state, halt_below = excluded.halt_below, halt_min_devices = excluded.halt_min_devices, "
-        "halt_reason = excluded.halt_reason, updated_at = excluded.updated_at, guard_measure = excluded.guard_measure",
-        (r.version, r.percent, r.state, r.halt_below, r.halt_min_devices, r.halt_reason, r.updated_at, r.guard_measure),
+        "guard_measure, max_failure_rate) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (version) DO UPDATE SET "
+        "percent = excluded.percent, state = excluded.state, halt_below = excluded.halt_below, "
+        "halt_min_devices = excluded.halt_min_devices, halt_reason = excluded.halt_reason, "
+        "updated_at = excluded.updated_at, guard_measure = excluded.guard_measure, "
+        "max_failure_rate = excluded.max_failure_rate",
+        (
+            r.version,
+            r.percent,
+            r.state,
+            r.halt_below,
+            r.halt_min_devices,
+            r.halt_reason,
+            r.updated_at,
+            r.guard_measure,
+            r.max_failure_rate,
+        ),
     )
     db.execute("DELETE FROM rollout_stages WHERE version = ?", (r.version,))
     db.executemany(

@@ -41,6 +41,7 @@ from .blob_store import BlobRecord, BlobStore
 from .content_store import Contents, ContentStore
 from .database import Database
 from .device_store import ANY_DEVICE, DeviceFilter, DeviceRecord, DeviceReport, DeviceStore, OwnerKeyMismatch
+from .guard_failures import FailureTally, failure_tally
 from .guard_votes import GuardTally
 from .partial_uploads import PartialFiles, PartialUploads
 from .replica_store import PushOutcome, ReplicaQuotaExceeded, ReplicaRecord, ReplicaStore
@@ -104,6 +105,9 @@ class Storage(Protocol):
     def record_health(self, device_id: str, health: HealthReport, now: str) -> None: ...
     def health_reports(self, version: int) -> dict[str, HealthReport]: ...
     def guard_tally(self, version: int) -> GuardTally: ...
+    def failure_tally(self, version: int) -> FailureTally: ...
+    def device_state(self, device_id: str) -> DeviceState | None: ...
+    def refresh_failures(self, version: int, device_id: str) -> None: ...
     def withdrawals(self) -> dict[int, StoredWithdrawal]: ...
     def add_withdrawal(self, withdrawal: StoredWithdrawal) -> WithdrawalOutcome: ...
     def record_revert(self, device_id: str, version: int, method: str, now: str) -> None: ...
@@ -256,8 +260,18 @@ class ServerStorage:
         return self._rollouts.health(version)
 
     def guard_tally(self, version: int) -> GuardTally:
-        """The owners' votes the guard of ``version`` reads (:mod:`.guard_votes`)."""
+        """The owners' votes the guard of ``version`` reads (:mod:`.guard_votes`, :mod:`.guard_failures`)."""
         return self._rollouts.guard_tally(version)
+
+    def failure_tally(self, version: int) -> FailureTally:
+        """The owners' failure rate of ``version`` as kept now (read only)."""
+        return failure_tally(self._db, version)
+
+    def device_state(self, device_id: str) -> DeviceState | None:
+        return self._rollouts.device_state(device_id)
+
+    def refresh_failures(self, version: int, device_id: str) -> None:
+        self._rollouts.refresh_failures(version, device_id)
 
     def withdrawals(self) -> dict[int, StoredWithdrawal]:
         return self._withdrawals.withdrawals()

@@ -38,6 +38,7 @@ from fctkit.errors import ConfigError
 from . import upload_sessions
 from .database import PostgresDatabase, SqliteDatabase, add_columns
 from .device_store import DEVICE_INDEXES, REPORT_COUNTS_SCHEMA
+from .guard_failures import FAILURE_SCHEMA
 from .guard_votes import GUARD_VOTES_SCHEMA
 from .replica_compaction import REPLICA_SCHEMA, compact_replica
 from .rollout_store import CONFIRMATION_SCHEMA, HEALTH_GUARD_COLUMNS, ROLLOUT_SCHEMA
@@ -121,6 +122,7 @@ CREATE TABLE IF NOT EXISTS replica_owners (
     + REPORT_COUNTS_SCHEMA
     + ";"
     + GUARD_VOTES_SCHEMA
+    + FAILURE_SCHEMA
 )
 
 
@@ -226,7 +228,8 @@ def _guard_votes(db: sqlite3.Connection) -> None:
 
 def _health_measures(db: sqlite3.Connection) -> None:
     """Schema 15 -> 16: device_health gains median_rank and gallery_rows, rollouts guard_measure
-    (existing guards keep comparing the mean cosine)."""
+    (existing guards keep comparing the mean cosine) and max_failure_rate (0: existing guards do not
+    bound it); the failure tables come with the schema."""
     present = _columns(db, {t for t, _, _ in HEALTH_GUARD_COLUMNS})
     # a table not there yet (a database from before schema 9) comes whole with the schema
     execute_script(db, add_columns([c for c in HEALTH_GUARD_COLUMNS if present[c[0]]], present))
@@ -331,7 +334,7 @@ def open_postgres(dsn: str, *, max_connections: int = 20) -> PostgresDatabase:
                     )
                     script += ";" + ROLLOUT_SCHEMA + ";" + WITHDRAWAL_SCHEMA + ";" + CONFIRMATION_SCHEMA
                     script += ";" + REPORT_COUNTS_SCHEMA + ";" + DEVICE_INDEXES + ";" + GUARD_VOTES_SCHEMA
-                    script += ";" + add_columns(HEALTH_GUARD_COLUMNS)
+                    script += ";" + FAILURE_SCHEMA + ";" + add_columns(HEALTH_GUARD_COLUMNS)
                 execute_script(db, postgres_schema(script))
                 db.execute("INSERT INTO fctkit_schema VALUES (?)", (SCHEMA_VERSION,))
     except BaseException:

@@ -31,6 +31,8 @@ MAX_HALT_MIN_DEVICES = 1_000_000
 DEFAULT_GUARD_MARGIN = {"class": 0.1, "instance": 0.2}
 #: ... once this many owners reported (fewer: a sample's noise could halt a good release)
 DEFAULT_GUARD_OWNERS = 5
+#: ... or when more than this share of the devices that got it (owners' mean) failed to upgrade
+DEFAULT_MAX_FAILURE_RATE = 0.25
 
 
 def check_percent(percent: float) -> float:
@@ -71,6 +73,7 @@ def default_guard(expectation: HealthExpectation | None) -> dict:
         "guard_measure": "expected",
         "halt_below": DEFAULT_GUARD_MARGIN[expectation.level],
         "halt_min_devices": DEFAULT_GUARD_OWNERS,
+        "max_failure_rate": DEFAULT_MAX_FAILURE_RATE,
     }
 
 
@@ -98,7 +101,9 @@ def changed_rollout(
     if request.HasField("guard"):
         rollout = dataclasses.replace(rollout, **_guard(request.guard, expectation, v))
     if request.remove_guard:
-        rollout = dataclasses.replace(rollout, halt_below=0.0, halt_min_devices=0, guard_measure="mean_cosine")
+        rollout = dataclasses.replace(
+            rollout, halt_below=0.0, halt_min_devices=0, guard_measure="mean_cosine", max_failure_rate=0.0
+        )
     if request.HasField("percent"):
         rollout = _widened(rollout, check_percent(request.percent), now)
     rollout = _acted(rollout, request.action, now)
@@ -123,13 +128,20 @@ def _guard(guard: registry_pb2.RolloutGuard, expectation: HealthExpectation | No
         raise invalid(
             f"halt_min_devices is {guard.halt_min_devices}; from 1 to {MAX_HALT_MIN_DEVICES} reporting devices"
         )
+    if not (math.isfinite(guard.max_failure_rate) and 0.0 <= guard.max_failure_rate < 1.0):
+        raise invalid(f"max_failure_rate is {guard.max_failure_rate}; a share from 0 (no bound) to below 1")
     if measure == "expected" and expectation is None:
         raise RpcStatusError(
             "FAILED_PRECONDITION",
             f"version {version}'s manifest records no health expectation (exported before fctkit measured one): "
             "guard it with an absolute bound (measure mean_cosine or recall_at_1); nothing changed",
         )
-    return {"halt_below": guard.halt_below, "halt_min_devices": guard.halt_min_devices, "guard_measure": measure}
+    return {
+        "halt_below": guard.halt_below,
+        "halt_min_devices": guard.halt_min_devices,
+        "guard_measure": measure,
+        "max_failure_rate": guard.max_failure_rate,
+    }
 
 
 def _widened(rollout: Rollout, percent: float, now: str) -> Rollout:
@@ -190,8 +202,8 @@ def check_resumable(current: Rollout | None, changed: Rollout, tally: Callable[[
         )
 
 
-def _guard_of(rollout: Rollout) -> tuple[float, int, str]:
-    return rollout.halt_below, rollout.halt_min_devices, rollout.guard_measure
+def _guard_of(rollout: Rollout) -> tuple[float, int, str, float]:
+    return rollout.halt_below, rollout.halt_min_devices, rollout.guard_measure, rollout.max_failure_rate
 
 
 def check_confirmable(version: int, rollout: Rollout | None) -> None:
@@ -209,9 +221,10 @@ def check_confirmable(version: int, rollout: Rollout | None) -> None:
 
 def guard_verdict(rollout: Rollout, tally: GuardTally, device_id: str, *, confirmed: bool = False) -> str | None:
     """Why the guard halts ``rollout`` now (at ``device_id``'s report), or None: no guard, not
-    staged or complete (a complete rollout stays watched until the version is ``confirmed``),
-    fewer than ``halt_min_devices`` owners of devices in the rollout reported a sampled health,
-    or the median of their votes holds.
+    staged or complete (a complete rollout stays watched until the version is ``confirmed``), or
+    both bounds hold — the owners' mean failure rate (when bounded, once ``halt_min_devices`` owners
+    got the version) and the median of the owners' health votes (once ``halt_min_devices`` owners
+    reported a sampled health).
 
     One vote per owner (the median ``mean_cosine`` of its devices, kept in :mod:`..guard_votes`),
     rather than one per device or a capped weight: an owner's devices act for one party (one owner
@@ -222,6 +235,13 @@ def guard_verdict(rollout: Rollout, tally: GuardTally, device_id: str, *, confir
     watched = rollout.state == STAGED or (rollout.state == COMPLETE and not confirmed)
     if rollout.halt_min_devices == 0 or not watched:
         return None
+    bounded = rollout.max_failure_rate > 0 and tally.failure_owners >= rollout.halt_min_devices
+    if bounded and tally.failure_rate > rollout.max_failure_rate:
+        return (
+            f"failure rate {tally.failure_rate:.4f} (the mean over {tally.failure_owners} owners of their devices' share "
+            f"of failed upgrades among those that got it) rose above {rollout.max_failure_rate:g} "
+            f"(halted at the report of {device_id})"
+        )
     if tally.owners < rollout.halt_min_devices or tally.median_below is None:
         return None
     bound = tally.threshold if rollout.guard_measure == "expected" else rollout.halt_below

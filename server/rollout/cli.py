@@ -93,6 +93,14 @@ def read_cohort(path: Path) -> list[str]:
     default=None,
     help="Guard: only once devices of at least this many owners in the rollout reported (with --halt-below).",
 )
+@click.option(
+    "--halt-failure-rate",
+    type=click.FloatRange(0, 1, max_open=True),
+    default=0.0,
+    show_default=True,
+    help="With --halt-below: also halt when the owners' mean share of failed upgrades among their devices that "
+    "got the version rises above this (0: no bound; the default guard of a staged release uses 0.25).",
+)
 @click.option("--no-guard", is_flag=True, help="Remove the rollout's guard: nothing halts it from now on.")
 @click.pass_obj
 def rollout_command(
@@ -104,6 +112,7 @@ def rollout_command(
     halt_below: float | None,
     halt_min_devices: int | None,
     halt_measure: str,
+    halt_failure_rate: float,
     no_guard: bool,
 ) -> None:
     """Change the staged rollout of VERSION (published with `fctkit admin publish BUNDLE --percent P`):
@@ -130,6 +139,7 @@ def rollout_command(
             halt_min_devices=halt_min_devices or 0,
             remove_guard=no_guard,
             guard_measure=halt_measure,
+            max_failure_rate=halt_failure_rate,
         )
     click.echo(_headline(status))
 
@@ -213,6 +223,8 @@ def _state(status) -> str:
         )
     else:
         what = f"median {status.guard_measure or 'mean_cosine'} below {status.halt_below:g}"
+    if status.max_failure_rate:
+        what += f", or at a failure rate above {status.max_failure_rate:g} (now {status.failure_rate:.3f} of {status.failure_owners} owners)"
     guard = f"; guard: halt at {what} once {status.halt_min_devices} owners reported" if status.halt_min_devices else ""
     return f"version {status.version}: {status.state} at {status.percent:g}% (cohort of {status.cohort_size}){guard}"
 

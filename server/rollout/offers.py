@@ -89,6 +89,18 @@ class Rollouts:
     def is_confirmed(self, version: int) -> bool:
         return version in self._confirmed
 
+    def failure_watched(self, device_id: str) -> list[int]:
+        """The versions whose guard bounds the failure rate, still watched (staged, or complete and
+        not confirmed), whose rollout ``device_id`` is in: its reports move their failure votes."""
+        return [
+            v
+            for v, r in self._by_version.items()
+            if r.max_failure_rate > 0
+            and r.halt_min_devices > 0
+            and (r.state == STAGED or (r.state == COMPLETE and v not in self._confirmed))
+            and in_rollout(r, device_id)
+        ]
+
     def confirmed_versions(self) -> list[int]:
         """The confirmed versions that are not withdrawn (a withdrawal overrides a confirmation: a
         device on the version keeps its vectors to revert exactly), increasing."""

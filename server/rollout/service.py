@@ -103,4 +103,8 @@ class RolloutRpcs:
             storage.device_reverts(version) if withdrawal else {},
         )
         status.confirmed_at = storage.confirmations().get(version, "")
+        if rollout is not None and rollout.max_failure_rate > 0:
+            failures = storage.failure_tally(version)
+            status.max_failure_rate = rollout.max_failure_rate
+            status.failure_rate, status.failure_owners = failures.rate, failures.owners
         return status

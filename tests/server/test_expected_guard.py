@@ -5,7 +5,8 @@ At instance level the mean cosine runs backwards (an InfoNCE adapter keeps ident
 model's geometry), so a bad release reporting a high mean cosine must still be halted on its
 self-retrieval R@1, and a good one reporting a low mean cosine must not be. The expectation is read
 at each device's gallery size: a large gallery's lower R@1 is no fault. A release the gate itself
-found worse than not upgrading (exported with its gate overridden) halts at its break-even."""
+found worse than not upgrading (exported with its gate overridden) halts at its break-even. The
+default guard also bounds the owners' mean share of failed upgrades."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import pytest
 
 from fctkit.protos.bundle import pack_bundle
 from fctkit.protos.health_expectation import HealthExpectation
-from fctkit.server.rollout.changes import DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_OWNERS
-from tests.server.conftest import call_status, chain_bundle
-from tests.server.test_rollouts import IDLE, admin, enrol, health
+from fctkit.server.rollout.changes import DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_OWNERS, DEFAULT_MAX_FAILURE_RATE
+from tests.server.conftest import call_status, chain_bundle, enrolled_client
+from tests.server.test_rollouts import FAILED, IDLE, admin, enrol, health
 
 SIZES = (64, 256, 1024)
 # self-retrieval falls as a gallery grows; the mean cosine stays put
@@ -180,3 +181,58 @@ def test_bad_rank_and_size_fields_are_refused_and_change_nothing(start_server, r
     assert call_status(lambda: device.report(2, 64, IDLE, health=health(2, **fields))) == "INVALID_ARGUMENT"
     with admin(server) as a:
         assert a.rollout_status(2).stages[0].health.devices == 0
+
+
+def fail(device) -> None:
+    device.report(1, 64, FAILED, target_version=2)
+
+
+def upgraded(device) -> None:
+    device.report(2, 64, IDLE)
+
+
+def test_the_default_guard_halts_on_the_owners_failure_rate(start_server, releases):
+    server, devices = staged(start_server, releases, "expected", DEFAULT_GUARD_OWNERS)
+    ids = list(devices)
+    for device_id in ids[:1]:
+        fail(devices[device_id])
+    for device_id in ids[1:]:
+        upgraded(devices[device_id])
+    with admin(server) as a:
+        going = a.rollout_status(2)
+        assert going.state == "staged" and going.max_failure_rate == DEFAULT_MAX_FAILURE_RATE
+        assert (going.failure_owners, going.failure_rate) == (5, pytest.approx(0.2))  # 1 of 5: under 0.25
+        fail(devices[ids[1]])  # upgraded, then failed again towards v2: 2 of 5
+        halted = a.rollout_status(2)
+    assert halted.state == "halted" and "failure rate 0.4000" in halted.halt_reason, halted.halt_reason
+    assert ids[1] in halted.halt_reason
+    counted = sum(s.failed for s in halted.stages) / sum(s.downloaded for s in halted.stages)
+    assert halted.failure_rate == pytest.approx(counted)  # one device per owner: the tally is the plain share
+
+
+def test_one_owner_failing_on_many_devices_is_one_vote_and_a_revoked_device_stops_counting(start_server, releases):
+    server = start_server()
+    with admin(server) as a:
+        a.publish_bundle(releases["v1"])
+        a.publish_bundle(releases["expected"], rollout_percent=100)
+    many = [enrolled_client(server, owner="one-owner", name=f"m{k}")[0] for k in range(3)]
+    others = enrol(server, DEFAULT_GUARD_OWNERS - 1)
+    for device in many:
+        fail(device)
+    for device in others.values():
+        upgraded(device)
+    with admin(server) as a:
+        status = a.rollout_status(2)
+        assert status.state == "staged" and (status.failure_owners, status.failure_rate) == (5, pytest.approx(0.2))
+        failing = next(iter(others))
+        fail(others[failing])
+        assert a.rollout_status(2).state == "halted"  # two owners of five: 0.4
+        a.set_rollout(2, action="resume", halt_below=0.2, halt_min_devices=5, guard_measure="expected",
+                      max_failure_rate=0.3)  # fmt: skip
+        assert a.rollout_status(2).state == "staged"
+        a.revoke_device(failing)
+        status = a.rollout_status(2)
+    assert (status.failure_owners, status.failure_rate) == (4, pytest.approx(0.25))  # its failure is gone at once
+    assert call_status(
+        lambda: admin(server).set_rollout(2, halt_below=0.2, halt_min_devices=5, max_failure_rate=1.0)
+    ) == ("INVALID_ARGUMENT")

@@ -1,7 +1,9 @@
 """The guard's running tally (issue 49): after every step of random sequences of health reports,
-revocations and rollout changes, spread over three replicas where the backend has them, the tally
-the guard reads equals a recount from the health rows (the guard before schema 15: every unrevoked
-device's report, one median per owner, the median of the owners' votes), on both backends; a
+device state reports, revocations and rollout changes, spread over three replicas where the backend
+has them, the tally the guard reads equals a recount from the health rows (the guard before schema
+15: every unrevoked device's report, one median per owner, the median of the owners' votes) and,
+for the failure rate (schema 16), a recount from every device's state (each owner's share of failed
+upgrades among its devices that got the version, averaged over owners), on both backends; a
 schema-14 database's votes are counted the first time the guard reads them."""
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import statistics
 
 import pytest
 
+from fctkit.protos import fleet_pb2
 from fctkit.server.guard_votes import GuardTally, median_below
 from fctkit.server.rollout import in_rollout
 from fctkit.server.rollout.changes import guard_verdict
 from fctkit.server.rollout_store import STAGED, HealthReport, Rollout, Stage
-from fctkit.server.storage import VersionRecord
+from fctkit.server.storage import DeviceReport, VersionRecord
 
 GUARDED = 2  # the version with a staged rollout and a guard
 OWNERS = 7
@@ -38,6 +41,38 @@ def recount(storage, version: int) -> GuardTally:
     median = statistics.median(votes) if votes else None
     below = median if median is not None and median < rollout.halt_below else None
     return GuardTally(len(votes), len(signal), below, "mean_cosine", rollout.halt_below)
+
+
+GOT_BUNDLE = (fleet_pb2.UPGRADE_STATE_UPGRADING, fleet_pb2.UPGRADE_STATE_BACKFILLING, fleet_pb2.UPGRADE_STATE_FAILED)
+STATES = (
+    fleet_pb2.UPGRADE_STATE_IDLE,
+    fleet_pb2.UPGRADE_STATE_DOWNLOADING,
+    *GOT_BUNDLE,
+    *[fleet_pb2.UPGRADE_STATE_FAILED] * 3,
+)
+
+
+def failure_recount(storage, version: int) -> tuple[int, float]:
+    """(owners of devices in the rollout that got ``version``, their mean share of failed upgrades)."""
+    rollout, reported = storage.rollouts()[version], storage.health_reports(version)
+    shares: dict[str, list[bool]] = {}
+    for d in storage.rollout_devices():
+        got = (
+            d.version >= version
+            or d.device_id in reported
+            or (d.target_version == version and d.upgrade_state in GOT_BUNDLE)
+        )
+        if in_rollout(rollout, d.device_id) and got:
+            failed = d.target_version == version and d.upgrade_state == fleet_pb2.UPGRADE_STATE_FAILED
+            shares.setdefault(storage.device_owner(d.device_id), []).append(failed)
+    return len(shares), statistics.mean(sum(v) / len(v) for v in shares.values()) if shares else 0.0
+
+
+def state_report(rng: random.Random) -> DeviceReport:
+    """A device's report: running v1 or v2, maybe on its way to v2, in any upgrade state."""
+    runs = rng.choice((1, 1, GUARDED))
+    target = GUARDED if runs == 1 and rng.random() < 0.7 else 0
+    return DeviceReport(runs, 64, rng.choice(STATES), target, 0.5, "", 0, False, 0)
 
 
 def enrolled_fleet(storage, devices: int, rng: random.Random) -> list[str]:
@@ -79,15 +114,22 @@ def test_the_tally_equals_a_recount_after_every_step(tmp_path, backend, open_sto
         device_ids = enrolled_fleet(first, 30, rng)
         cohort = frozenset(rng.sample(device_ids, 3))
         first.add_version(VersionRecord(1, b"{}", b"sig", "t"), [])
-        guarded = Rollout(GUARDED, 20.0, STAGED, (Stage(20.0, "t"),), cohort, halt_below=0.6, halt_min_devices=1)
+        guarded = Rollout(
+            GUARDED, 20.0, STAGED, (Stage(20.0, "t"),), cohort, halt_below=0.6, halt_min_devices=1, max_failure_rate=0.1
+        )
         first.add_version(VersionRecord(GUARDED, b"{}", b"sig", "t"), [], guarded)
         revoked: set[str] = set()
-        checked_halts = 0
+        checked_halts = checked_failures = 0
         for _ in range(160):
             storage = rng.choice(replicas)
             roll = rng.random()
-            if roll < 0.7:
-                storage.record_health(rng.choice(device_ids), health(rng.choice((1, GUARDED, GUARDED)), rng), "t")
+            if roll < 0.45:
+                device_id = rng.choice(device_ids)
+                storage.record_health(device_id, health(rng.choice((1, GUARDED, GUARDED)), rng), "t")
+            elif roll < 0.7:
+                device_id = rng.choice(device_ids)
+                storage.record_report(device_id, state_report(rng), "t")
+                storage.refresh_failures(GUARDED, device_id)  # as Fleet.Report does for a watched rollout it is in
             elif roll < 0.8:
                 device_id = rng.choice(device_ids)
                 storage.revoke_device(device_id, "t")
@@ -95,13 +137,19 @@ def test_the_tally_equals_a_recount_after_every_step(tmp_path, backend, open_sto
             else:
                 storage.change_rollout(GUARDED, lambda current: random_change(current, device_ids, rng))
             tally, expected = rng.choice(replicas).guard_tally(GUARDED), recount(first, GUARDED)
-            assert tally == expected
+            owners, rate = failure_recount(first, GUARDED)
+            assert dataclasses.replace(tally, failure_owners=0, failure_rate=0.0) == expected
+            assert (tally.failure_owners, tally.failure_rate) == (owners, pytest.approx(rate, abs=1e-9))
+            checked_failures += rate > 0.1 and owners >= 1
             rollout = first.rollouts()[GUARDED]
             verdict = guard_verdict(rollout, tally, "dev-x")
-            assert (verdict is not None) == (expected.median_below is not None and expected.owners >= 1)
+            tripped = (expected.median_below is not None and expected.owners >= 1) or (owners >= 1 and rate > 0.1)
+            assert (verdict is not None) == tripped
             checked_halts += verdict is not None
-        assert revoked and checked_halts  # the sequence revoked devices and crossed the threshold
-        assert first.guard_tally(1) == GuardTally(0, 0, None, "mean_cosine", 0.0)  # published to every device: no guard, no votes
+        assert revoked and checked_halts and checked_failures  # it revoked devices and crossed both bounds
+        assert first.guard_tally(1) == GuardTally(
+            0, 0, None, "mean_cosine", 0.0
+        )  # published to every device: no guard, no votes
     finally:
         for storage in replicas:
             storage.close()
