@@ -40,18 +40,27 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import torch
 
 from fctkit.protos.health_expectation import HealthExpectation
 from fctkit.server.guard_votes import expected_threshold
 from fctkit.server.rollout.changes import DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_OWNERS
+from fctkit.trainer.backbones import BackboneConfig, extract_features, train_backbone
 from fctkit.trainer.closed_form import least_squares_map
+from fctkit.trainer.datasets import load_dataset, make_splits, old_class_subset
 from fctkit.trainer.residual import ResidualAdapter
 from fctkit.trainer.tasks import RetrievalTask, load_task
-from fctkit.upgrade_health import DEFAULT_SAMPLE_SIZE, expected_health, sample_rows, upgrade_health
+from fctkit.upgrade_health import DEFAULT_SAMPLE_SIZE, UpgradeHealth, expected_health, sample_rows, upgrade_health
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from upgrade_health_signal import fct, random_isometry
 
 SYNTHETIC = "examples/tasks/synthetic-instance.npz"
 
@@ -145,7 +154,7 @@ def fleets(task: RetrievalTask, devices: int, rows: int, noise: list[float], see
     ]
 
 
-def judged(task: RetrievalTask, release: Release, fleet: Fleet, seed: int) -> dict:
+def instance_measured(task: RetrievalTask, release: Release, fleet: Fleet, seed: int) -> Measured:
     """The release's gate and expectation on the evaluation split, and the fleet's health and quality."""
     e = task.evaluation
     side = e.gallery.side if e.gallery.side.shape[1] else None
@@ -173,63 +182,193 @@ def judged(task: RetrievalTask, release: Release, fleet: Fleet, seed: int) -> di
         q = queries[asked]
         true.append(r_at_1(e.query.new[q] + n["query.new"][q], adapted[items], local))
         stay.append(r_at_1(e.query.old[q] + n["query.old"][q], e.gallery.old[items] + n["gallery.old"][items], local))
-    ratios = [expectation.ratio("recall_at_1", h.recall_at_1, h.gallery_rows) for h in healths]
-    threshold = expected_threshold(DEFAULT_GUARD_MARGIN["instance"], expectation)
+    return Measured(healths, true, stay, expectation, cases["new/h(old)"]["recall@1"])
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One release on one fleet: each device's health, true quality and quality without upgrading,
+    and what the release's manifest would record (its expectation, the gate's figure)."""
+
+    healths: list[UpgradeHealth]
+    true: list[float]
+    stay: list[float]
+    expectation: HealthExpectation
+    gate: float
+
+
+def verdict(m: Measured) -> dict:
+    """What the server's default guard does with the fleet's reports (one owner per device)."""
+    level = m.expectation.level
+    measure = m.expectation.guard_measure
+    ratios = [m.expectation.ratio(measure, getattr(h, measure), h.gallery_rows) for h in m.healths]
+    threshold = expected_threshold(DEFAULT_GUARD_MARGIN[level], m.expectation)
     reported = len(ratios) >= DEFAULT_GUARD_OWNERS
-    halted = reported and statistics.median(ratios) < threshold
-    relative_only = reported and statistics.median(ratios) < 1.0 - DEFAULT_GUARD_MARGIN["instance"]
     return {
-        "true": float(np.mean(true)),
-        "stay": float(np.mean(stay)),
-        "r1": statistics.median(h.recall_at_1 for h in healths),
-        "cos": statistics.median(h.mean_cosine for h in healths),
-        "rank": statistics.median(h.median_rank for h in healths),
-        "expected": expectation.expected("recall_at_1", healths[0].gallery_rows)[0],
-        "break_even": expectation.break_even,
+        "true": float(np.mean(m.true)),
+        "stay": float(np.mean(m.stay)),
+        "r1": statistics.median(h.recall_at_1 for h in m.healths),
+        "cos": statistics.median(h.mean_cosine for h in m.healths),
+        "rank": statistics.median(h.median_rank for h in m.healths),
+        "expected": m.expectation.expected(measure, m.healths[0].gallery_rows)[0],
         "ratio": statistics.median(ratios),
         "threshold": threshold,
-        "halted": halted,
-        "relative_only": relative_only,
-        "gate": cases["new/h(old)"]["recall@1"],
+        "halted": reported and statistics.median(ratios) < threshold,
+        "relative_only": reported and statistics.median(ratios) < 1.0 - DEFAULT_GUARD_MARGIN[level],
+        "gate": m.gate,
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", default=SYNTHETIC, help="an instance-level fctkit-task/1 file")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--devices", type=int, default=30)
-    parser.add_argument("--rows", type=int, default=64, help="items per device")
-    parser.add_argument(
-        "--noise", type=float, nargs="+", default=[0.25, 0.5], help="the noisy fleets' noise, × the embeddings' scale"
-    )
-    parser.add_argument("--epochs", type=int, default=40)
-    args = parser.parse_args()
+def instance_runs(args: argparse.Namespace) -> Iterator[tuple[int, str, str, Measured]]:
     task = load_task(args.task)
     if task.level != "instance" or task.evaluation.positives is None:
-        raise SystemExit(f"{args.task} is a {task.level}-level task; this benchmark needs an instance-level one")
-    started = time.perf_counter()
-    counts = {"harmful": [0, 0, 0], "useful": [0, 0, 0]}
-    print(f"task {task.name}: {len(task.train.gallery)} training pairs, {len(task.evaluation.gallery)} eval items; "
-          f"{args.devices} devices of {args.rows} items, samples of {DEFAULT_SAMPLE_SIZE}; guard margin "
-          f"{DEFAULT_GUARD_MARGIN['instance']}, {DEFAULT_GUARD_OWNERS} owners")  # fmt: skip
-    header = "seed  release        fleet      true R@1  stay   kind     gate   expected  fleet R@1  cos    rank  ratio  threshold  verdict  (margin alone)"
-    print(header)
+        raise SystemExit(f"{args.task} is a {task.level}-level task; --level instance needs an instance-level one")
+    print(f"task {task.name}: {len(task.train.gallery)} training pairs, {len(task.evaluation.gallery)} eval items")
     for seed in args.seeds:
         made = releases(task, seed, args.epochs)
         for fleet in fleets(task, args.devices, args.rows, args.noise, seed):
             for release in made:
-                j = judged(task, release, fleet, seed)
-                kind = "harmful" if j["true"] < j["stay"] else "useful"
-                counts[kind][0] += j["halted"]
-                counts[kind][1] += 1
-                counts[kind][2] += j["relative_only"]
-                print(
-                    f"{seed:<5} {release.name:<14} {fleet.name:<10} {j['true']:.3f}     {j['stay']:.3f}  {kind:<8} "
-                    f"{j['gate']:.3f}  {j['expected']:.3f}     {j['r1']:.3f}      {j['cos']:.3f}  {j['rank']:<4g}  "
-                    f"{j['ratio']:.3f}  {j['threshold']:.3f}      {'HALTED ' if j['halted'] else 'goes on'}  "
-                    f"({'halted' if j['relative_only'] else 'goes on'})"
-                )
+                yield seed, release.name, fleet.name, instance_measured(task, release, fleet, seed)
+
+
+@dataclass(frozen=True)
+class DigitsViews:
+    """One seed's digits embeddings: the training split's old and new features, and the held-out
+    gallery's labels and old/new features as each fleet's cameras see it (fleet name -> (old, new))."""
+
+    old_train: np.ndarray
+    new_train: np.ndarray
+    labels: np.ndarray
+    views: dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def digits_views(seed: int, noise: list[float]) -> DigitsViews:
+    """The FCT protocol on digits (old: small CNN, 32-d, classes 0-4; new: wide CNN, 64-d, all
+    classes), the held-out gallery embedded clean and with Gaussian pixel noise of each level."""
+    data = load_dataset("digits")
+    splits = make_splits(data.labels, seed=seed, query_fraction=0.0)
+    train, held_out = data.subset(splits.train), data.subset(splits.gallery)
+    old_train = train.subset(old_class_subset(train.labels))
+
+    def backbone(images, architecture: str, dim: int):
+        return train_backbone(
+            images.images, images.labels, BackboneConfig(architecture, dim, progress=False), seed, "cpu"
+        )
+
+    old, new = backbone(old_train, "small", 32), backbone(train, "wide", 64)
+    rng = np.random.default_rng(seed + 2000)
+    views = {}
+    for level in (0.0, *noise):
+        images = np.clip(held_out.images + rng.normal(0, level, held_out.images.shape), 0, 1).astype(np.float32)
+        views["clean" if level == 0 else f"noisy {level:g}"] = (
+            extract_features(old, images),
+            extract_features(new, images),
+        )
+    return DigitsViews(extract_features(old, train.images), extract_features(new, train.images), held_out.labels, views)
+
+
+def class_releases(d: DigitsViews, seed: int) -> dict[str, Callable[[np.ndarray], np.ndarray]]:
+    """Old -> new maps: a good FCT adapter and worse ones, subtly (10% of the pairs, 5 epochs, 30% of
+    the pairs shuffled) and grossly (all pairs shuffled, a random rotation, one epoch)."""
+    rng = np.random.default_rng(seed)
+    n = len(d.old_train)
+    tenth = np.sort(rng.choice(n, n // 10, replace=False))
+    shuffled = np.arange(n)
+    moved = rng.choice(n, int(0.3 * n), replace=False)
+    shuffled[moved] = rng.permutation(moved)
+    rotation = random_isometry(d.old_train.shape[1], d.new_train.shape[1], seed)
+    adapters = {
+        "good FCT": fct(d.old_train, d.new_train, seed),
+        "10% pairs": fct(d.old_train[tenth], d.new_train[tenth], seed),
+        "5 epochs": fct(d.old_train, d.new_train, seed, epochs=5),
+        "30% shuffled": fct(d.old_train, d.new_train[shuffled], seed),
+        "all shuffled": fct(d.old_train, d.new_train[rng.permutation(n)], seed),
+        "1 epoch": fct(d.old_train, d.new_train, seed, epochs=1),
+    }
+    maps: dict[str, Callable[[np.ndarray], np.ndarray]] = {name: a.transform for name, a in adapters.items()}
+    maps["random rotation"] = lambda old: old @ rotation
+    return maps
+
+
+def top1_within(queries: np.ndarray, gallery: np.ndarray, labels: np.ndarray) -> float:
+    """Leave-one-out top-1 of each query against the others of a device's gallery (L2, as digits runs)."""
+    d = ((queries[:, None, :] - gallery[None, :, :]) ** 2).sum(-1)
+    np.fill_diagonal(d, np.inf)
+    return float(np.mean(labels[np.argmin(d, axis=1)] == labels))
+
+
+def class_measured(d: DigitsViews, forward, fleet: str, galleries: list[np.ndarray], seed: int) -> Measured:
+    old_clean, new_clean = d.views["clean"]
+    adapted_clean = forward(old_clean)
+    cases = {
+        "old/old": {"top1": top1_within(old_clean, old_clean, d.labels)},
+        "new/h(old)": {"top1": top1_within(new_clean, adapted_clean, d.labels)},
+    }
+    sizes, measures = expected_health(adapted_clean, new_clean, "l2", sample_size=DEFAULT_SAMPLE_SIZE)
+    expectation = HealthExpectation.measured(cases, sizes, measures, DEFAULT_SAMPLE_SIZE, 16)
+    old, new = d.views[fleet]
+    adapted = forward(old)
+    healths, true, stay = [], [], []
+    for k, items in enumerate(galleries):
+        sample = sample_rows([f"row-{i}" for i in items], DEFAULT_SAMPLE_SIZE, seed * 1000 + k)
+        healths.append(upgrade_health(adapted[items], sample, new[items[sample]], "l2"))
+        true.append(top1_within(new[items], adapted[items], d.labels[items]))
+        stay.append(top1_within(old[items], old[items], d.labels[items]))
+    return Measured(healths, true, stay, expectation, cases["new/h(old)"]["top1"])
+
+
+def class_runs(args: argparse.Namespace) -> Iterator[tuple[int, str, str, Measured]]:
+    print("digits: old small CNN 32-d (classes 0-4) -> new wide CNN 64-d, FCT adapters, L2; noisy fleets: pixel noise")
+    for seed in args.seeds:
+        d = digits_views(seed, args.noise)
+        rng = np.random.default_rng(seed + 1000)
+        galleries = [np.sort(rng.choice(len(d.labels), args.rows, replace=False)) for _ in range(args.devices)]
+        for name, forward in class_releases(d, seed).items():
+            for fleet in d.views:
+                yield seed, name, fleet, class_measured(d, forward, fleet, galleries, seed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--level", choices=["instance", "class"], default="instance")
+    parser.add_argument("--task", default=SYNTHETIC, help="--level instance: an instance-level fctkit-task/1 file")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--devices", type=int, default=30)
+    parser.add_argument("--rows", type=int, default=64, help="items per device")
+    parser.add_argument(
+        "--noise",
+        type=float,
+        nargs="+",
+        default=None,
+        help="the noisy fleets' noise: × the embeddings' scale (instance; default 0.25 0.5), or the pixel noise's "
+        "standard deviation on images in [0, 1] (class; default 0.15 0.3)",
+    )
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    args = parser.parse_args()
+    args.noise = args.noise or ([0.25, 0.5] if args.level == "instance" else [0.15, 0.3])
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    counts = {"harmful": [0, 0, 0], "useful": [0, 0, 0]}
+    level = args.level
+    print(f"{level} level: {args.devices} devices of {args.rows} items, samples of {DEFAULT_SAMPLE_SIZE}; guard margin "
+          f"{DEFAULT_GUARD_MARGIN[level]}, {DEFAULT_GUARD_OWNERS} owners")  # fmt: skip
+    quality = "R@1" if level == "instance" else "top-1"
+    print(f"seed  release            fleet      true {quality}  stay   kind     gate   expected  fleet R@1  cos    "
+          "rank  ratio  threshold  verdict  (margin alone)")  # fmt: skip
+    runs = instance_runs(args) if level == "instance" else class_runs(args)
+    for seed, release, fleet, measured in runs:
+        j = verdict(measured)
+        kind = "harmful" if j["true"] < j["stay"] else "useful"
+        counts[kind][0] += j["halted"]
+        counts[kind][1] += 1
+        counts[kind][2] += j["relative_only"]
+        print(
+            f"{seed:<5} {release:<18} {fleet:<10} {j['true']:.3f}      {j['stay']:.3f}  {kind:<8} "
+            f"{j['gate']:.3f}  {j['expected']:.3f}     {j['r1']:.3f}      {j['cos']:.3f}  {j['rank']:<4g}  "
+            f"{j['ratio']:.3f}  {j['threshold']:.3f}      {'HALTED ' if j['halted'] else 'goes on'}  "
+            f"({'halted' if j['relative_only'] else 'goes on'})"
+        )
     print(f"time: {time.perf_counter() - started:.0f} s")
     (h, nh, hr), (u, nu, ur) = counts["harmful"], counts["useful"]
     print(f"the margin alone, without the gate's break-even: harmful halted {hr}/{nh}, useful halted {ur}/{nu}")

@@ -9,6 +9,7 @@ schema-14 database's votes are counted the first time the guard reads them."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import statistics
 
@@ -186,3 +187,52 @@ def test_median_below_agrees_with_the_median(votes: tuple[float, ...], threshold
     above = [v for v in votes if v >= threshold]
     expected = bool(votes) and statistics.median(votes) < threshold
     assert median_below(len(votes), len(below), lambda: (max(below), min(above)), threshold) == expected
+
+
+def test_an_expected_guard_tally_equals_a_recount_of_each_device_ratio(tmp_path, backend, open_storage) -> None:
+    """The ``expected`` guard: each device's R@1 as a fraction of what the release's manifest expects
+    at its gallery size, one median per owner, against max(1 - margin, break-even)."""
+    from fctkit.protos.health_expectation import HealthExpectation
+    from fctkit.server.guard_votes import expected_threshold
+    from fctkit.upgrade_health import MEASURES
+
+    rng = random.Random(11)
+    measures = dict.fromkeys(MEASURES, ((0.95, 0.8, 0.6), (0.02, 0.03, 0.04)))
+    expectation = HealthExpectation("instance", 32, 16, (64, 256, 1024), measures, break_even=0.7)
+    manifest = json.dumps({"health_expectation": expectation.to_json()}).encode()
+    storage = open_storage(tmp_path / "data")
+    try:
+        device_ids = enrolled_fleet(storage, 24, rng)
+        storage.add_version(VersionRecord(1, b"{}", b"sig", "t"), [])
+        guarded = Rollout(
+            GUARDED, 50.0, STAGED, (Stage(50.0, "t"),), halt_below=0.2, halt_min_devices=1, guard_measure="expected"
+        )
+        storage.add_version(VersionRecord(GUARDED, manifest, b"sig", "t"), [], guarded)
+        crossed = 0
+        for step in range(80):
+            if step % 10 == 9:
+                margin = rng.choice((0.1, 0.2, 0.4))
+                storage.change_rollout(GUARDED, lambda current, m=margin: dataclasses.replace(current, halt_below=m))
+            rows = rng.choice((64, 100, 256, 700, 1024, 4096))
+            report = HealthReport(GUARDED, rows, 0, 1.0, 32, 0.5, 0.4, rng.choice((0.3, 0.5, 0.7, 0.9)), 0.8, 1.0, rows)
+            storage.record_health(rng.choice(device_ids), report, "t")
+            rollout = storage.rollouts()[GUARDED]
+            signal = {
+                d: expectation.ratio("recall_at_1", h.recall_at_1, h.gallery_rows)
+                for d, h in storage.health_reports(GUARDED).items()
+                if in_rollout(rollout, d)
+            }
+            by_owner: dict[str, list[float]] = {}
+            for device_id, value in signal.items():
+                by_owner.setdefault(storage.device_owner(device_id), []).append(value)
+            votes = [statistics.median(v) for v in by_owner.values()]
+            threshold = expected_threshold(rollout.halt_below, expectation)
+            median = statistics.median(votes) if votes else None
+            tally = storage.guard_tally(GUARDED)
+            assert (tally.owners, tally.devices, tally.threshold) == (len(votes), len(signal), threshold)
+            assert tally.median_below == (median if median is not None and median < threshold else None)
+            assert tally.signal == "recall_at_1 / expected"
+            crossed += tally.median_below is not None
+        assert 0 < crossed < 80  # the sequence went below the bound and back
+    finally:
+        storage.close()
