@@ -26,7 +26,8 @@ True quality on a fleet: the mean over its devices of R@1 of the new model's que
 device's items against its upgraded gallery; not upgrading: old queries against the old gallery.
 A release is harmful on a fleet when its true quality is below not upgrading, useful otherwise.
 The guard (the server's default, ``DEFAULT_GUARD_MARGIN`` and ``DEFAULT_GUARD_OWNERS``) halts when the
-median device's R@1 ÷ the expectation at its gallery size falls under max(1 − margin, break-even);
+median device's measure ÷ the expectation at its gallery size falls under 1 − margin (or the
+break-even, when the gate found the release worse than not upgrading: above 1);
 "(margin alone)" shows the verdict without the break-even (the gate's own old/old ÷ release figure,
 above 1 when the gate already found the release worse than not upgrading, i.e. one exported with
 its gate overridden).

@@ -312,7 +312,7 @@ class HealthSummary(_message.Message):
     def __init__(self, devices: _Optional[int] = ..., median: _Optional[float] = ..., min: _Optional[float] = ..., p10: _Optional[float] = ...) -> None: ...
 
 class RolloutStage(_message.Message):
-    __slots__ = ("stage", "percent", "started_at", "offered", "downloaded", "upgraded", "failed", "reverted", "health", "recall_at_1", "expected_shortfall", "revert_methods")
+    __slots__ = ("stage", "percent", "started_at", "offered", "downloaded", "upgraded", "failed", "reverted", "health", "recall_at_1", "expected_shortfall", "median_rank", "mean_reciprocal_rank", "revert_methods")
     class RevertMethodsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +331,8 @@ class RolloutStage(_message.Message):
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     RECALL_AT_1_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SHORTFALL_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_RANK_FIELD_NUMBER: _ClassVar[int]
+    MEAN_RECIPROCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     REVERT_METHODS_FIELD_NUMBER: _ClassVar[int]
     stage: int
     percent: float
@@ -343,8 +345,10 @@ class RolloutStage(_message.Message):
     health: HealthSummary
     recall_at_1: HealthSummary
     expected_shortfall: HealthSummary
+    median_rank: HealthSummary
+    mean_reciprocal_rank: HealthSummary
     revert_methods: _containers.ScalarMap[str, int]
-    def __init__(self, stage: _Optional[int] = ..., percent: _Optional[float] = ..., started_at: _Optional[str] = ..., offered: _Optional[int] = ..., downloaded: _Optional[int] = ..., upgraded: _Optional[int] = ..., failed: _Optional[int] = ..., reverted: _Optional[int] = ..., health: _Optional[_Union[HealthSummary, _Mapping]] = ..., recall_at_1: _Optional[_Union[HealthSummary, _Mapping]] = ..., expected_shortfall: _Optional[_Union[HealthSummary, _Mapping]] = ..., revert_methods: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(self, stage: _Optional[int] = ..., percent: _Optional[float] = ..., started_at: _Optional[str] = ..., offered: _Optional[int] = ..., downloaded: _Optional[int] = ..., upgraded: _Optional[int] = ..., failed: _Optional[int] = ..., reverted: _Optional[int] = ..., health: _Optional[_Union[HealthSummary, _Mapping]] = ..., recall_at_1: _Optional[_Union[HealthSummary, _Mapping]] = ..., expected_shortfall: _Optional[_Union[HealthSummary, _Mapping]] = ..., median_rank: _Optional[_Union[HealthSummary, _Mapping]] = ..., mean_reciprocal_rank: _Optional[_Union[HealthSummary, _Mapping]] = ..., revert_methods: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class RolloutStatus(_message.Message):
     __slots__ = ("version", "state", "percent", "cohort_size", "halt_below", "halt_min_devices", "halt_reason", "stages", "gate_cases_json", "updated_at", "withdrawn_reason", "revert_to", "confirmed_at", "gate_override_reason", "guard_measure", "health_expectation_json", "max_failure_rate", "failure_rate", "failure_owners")

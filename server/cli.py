@@ -331,7 +331,7 @@ def publish_command(connect, bundle: Path, percent: float | None, no_guard: bool
 
     A staged rollout (--percent) of a release that records its health expectation (every bundle
     `fctkit export` makes) starts guarded: it halts when the median owner's measure — self-retrieval
-    R@1 at instance level, the mean cosine at class level — falls under 0.8 (instance) or 0.75
+    R@1 at instance level, the mean cosine at class level — falls under 0.85 (instance) or 0.75
     (class) of what the release expects at each device's gallery size, or when more than 0.25
     of the devices that got it failed to upgrade (owners' mean), once 5 owners reported."""
     from fctkit.protos.bundle import pack_bundle

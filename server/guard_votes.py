@@ -8,8 +8,7 @@ in V's rollout (cohort, or :func:`bucket` below its percent) and reported a samp
 ``guard_measure`` names (:class:`GuardInputs`): its ``mean_cosine`` or its self-retrieval
 ``recall_at_1`` as reported (against an absolute bound), or — ``expected`` — the release's own
 measure as a fraction of what the release's manifest expects at the device's gallery size (against
-the larger of 1 − margin and the release's break-even, below which the fleet is taken to do no
-better than not upgrading). ``guard_tallies`` keeps, per version, how
+1 − margin, or the release's break-even when its gate found it worse than not upgrading). ``guard_tallies`` keeps, per version, how
 many owners vote, how many devices stand behind the votes and how many votes lie below the
 guard's ``halt_below`` (its ``threshold``). From those counts and at most two indexed look-ups
 :func:`median_below` tells whether the median vote is below the threshold, exactly as the median
@@ -157,9 +156,15 @@ def _rollout(db: Database, version: int) -> GuardInputs | None:
 
 
 def expected_threshold(margin: float, expectation: HealthExpectation | None) -> float:
-    """The fraction of the expected measure an ``expected`` guard halts below: 1 − ``margin``, or
-    the release's break-even when that is higher (the fleet would do no better than not upgrading)."""
-    return max(1.0 - margin, 0.0 if expectation is None else expectation.break_even)
+    """The fraction of the expected measure an ``expected`` guard halts below: 1 − ``margin``; or,
+    for a release its gate found worse than not upgrading (break-even above 1: exported with the
+    gate overridden), the break-even — the gate's verdict stands until the fleet does better than the
+    gate saw. A break-even under 1 is not used as a floor: it assumes the measure falls in proportion
+    to quality against a fixed not-upgrading figure, but on devices whose data drifted, not upgrading
+    drops too, and at class level that floor halted useful releases (benchmarks/upgrade_health_guard.py)."""
+    if expectation is not None and expectation.break_even > 1.0:
+        return expectation.break_even
+    return 1.0 - margin
 
 
 @functools.lru_cache(maxsize=64)

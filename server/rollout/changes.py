@@ -28,7 +28,7 @@ MAX_COHORT = 10_000
 MAX_HALT_MIN_DEVICES = 1_000_000
 #: the default guard of a staged rollout whose release records its expectation: halt when the median
 #: owner's measure falls this far below what the release expects (by level; benchmarks/upgrade_health_signal.py)
-DEFAULT_GUARD_MARGIN = {"class": 0.25, "instance": 0.2}
+DEFAULT_GUARD_MARGIN = {"class": 0.25, "instance": 0.15}
 #: ... once this many owners reported (fewer: a sample's noise could halt a good release)
 DEFAULT_GUARD_OWNERS = 5
 #: ... or when more than this share of the devices that got it (owners' mean) failed to upgrade

@@ -32,6 +32,7 @@ _STAGE_COLUMNS = (
     "cos median",
     "cos p10",
     "r@1 median",
+    "rank median",
     "vs expected",
     "reverted_by",
 )
@@ -219,7 +220,7 @@ def _state(status) -> str:
     if status.guard_measure == "expected":
         what = (
             f"median {_level_measure(status)} under {1 - status.halt_below:g} of the release's expectation "
-            "(or under its break-even)"
+            "(or under its break-even when its gate found it worse than not upgrading)"
         )
     else:
         what = f"median {status.guard_measure or 'mean_cosine'} below {status.halt_below:g}"
@@ -289,6 +290,7 @@ def _stage_row(stage) -> dict[str, str]:
         "cos median": shown(health),
         "cos p10": shown(health, "p10"),
         "r@1 median": shown(stage.recall_at_1),
+        "rank median": f"{stage.median_rank.median:g}" if stage.median_rank.devices else "-",
         "vs expected": shown(stage.expected_shortfall),
     }
     return {

@@ -106,6 +106,8 @@ def _stage(
         revert_methods=methods,
         health=health_summary([h.mean_cosine for h in sampled]),
         recall_at_1=health_summary([h.recall_at_1 for h in sampled]),
+        median_rank=health_summary([h.median_rank for h in sampled if h.median_rank > 0]),
+        mean_reciprocal_rank=health_summary([h.mean_reciprocal_rank for h in sampled]),
         expected_shortfall=health_summary([shortfall(h) for h in sampled] if shortfall else []),
     )
 

@@ -70,7 +70,12 @@ def report(devices, *, recall_at_1: float, mean_cosine: float, gallery_rows: int
             gallery_rows,
             IDLE,
             health=health(
-                2, mean_cosine, recall_at_1=recall_at_1, rows_upgraded=gallery_rows, gallery_rows=gallery_rows
+                2,
+                mean_cosine,
+                recall_at_1=recall_at_1,
+                rows_upgraded=gallery_rows,
+                gallery_rows=gallery_rows,
+                median_rank=2.0,
             ),
         )
 
@@ -98,6 +103,10 @@ def test_an_instance_release_is_halted_on_self_retrieval_whatever_its_mean_cosin
     assert halted.state == "halted" and "recall_at_1 / expected" in halted.halt_reason, halted.halt_reason
     assert halted.stages[0].expected_shortfall.median == pytest.approx(0.5 / 0.95)
     assert halted.stages[0].recall_at_1.median == pytest.approx(0.5)
+    assert halted.stages[0].mean_reciprocal_rank.median == pytest.approx(
+        0.95
+    )  # as tests.server.test_rollouts.health sends
+    assert halted.stages[0].median_rank.median == 2.0
     assert going.state == "staged" and going.stages[0].expected_shortfall.median == pytest.approx(1.0)
 
 
