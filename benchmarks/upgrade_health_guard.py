@@ -1,7 +1,8 @@
-"""Does the default rollout guard halt harmful instance-level releases, and only those?
+"""Does the default rollout guard halt harmful releases, and only those, at instance and class level?
 
     python benchmarks/upgrade_health_guard.py                                   # the embedded synthetic task
     python benchmarks/upgrade_health_guard.py --task runs/quality/tasks/photos-1k.npz --seeds 0 1
+    python benchmarks/upgrade_health_guard.py --level class       # digits: FCT adapters, pixel-noise fleets
 
 For an instance-level task (``fctkit-task/1``), per seed, releases old → new are trained on the
 task's training pairs (gallery items' old → new embeddings, with ψ when the task has one):
