@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fctkit.protos import fleet_pb2
 
 from .database import Database
-from .guard_votes import bucket
+from .guard_votes import bucket, store_owner_vote
 
 FAILURE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS failure_votes (
@@ -110,20 +110,9 @@ def refresh_owner_failures(db: Database, version: int, owner_id: str) -> None:
         rebuild_failures(db, version)
         return
     new = _counts(db.execute(_OWNER_ROWS, (version, version, owner_id)), version, percent).get(owner_id)
-    row = db.execute(
-        "SELECT downloaded, failed FROM failure_votes WHERE version = ? AND owner_id = ?", (version, owner_id)
-    ).fetchone()
-    old = None if row is None else (int(row[0]), int(row[1]))
+    old = store_owner_vote(db, "failure_votes", ("downloaded", "failed"), version, owner_id, new)
     if new == old:
         return
-    if new is None:
-        db.execute("DELETE FROM failure_votes WHERE version = ? AND owner_id = ?", (version, owner_id))
-    else:
-        db.execute(
-            "INSERT INTO failure_votes (version, owner_id, downloaded, failed) VALUES (?, ?, ?, ?) "
-            "ON CONFLICT (version, owner_id) DO UPDATE SET downloaded = excluded.downloaded, failed = excluded.failed",
-            (version, owner_id, *new),
-        )
 
     def share(vote: tuple[int, int] | None) -> tuple[int, float]:
         return (0, 0.0) if vote is None else (1, vote[1] / vote[0])

@@ -31,6 +31,7 @@ import json
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from fctkit.protos.health_expectation import HealthExpectation
 
@@ -219,20 +220,9 @@ def refresh_owner_vote(db: Database, version: int, owner_id: str) -> None:
     threshold = tally[3]
     rows = db.execute(_OWNER_ROWS, (owner_id, version))
     new = _votes(rows, version, guard).get(owner_id)
-    row = db.execute(
-        "SELECT vote, devices FROM guard_votes WHERE version = ? AND owner_id = ?", (version, owner_id)
-    ).fetchone()
-    old = None if row is None else (float(row[0]), int(row[1]))
+    old = store_owner_vote(db, "guard_votes", ("vote", "devices"), version, owner_id, new)
     if new == old:
         return
-    if new is None:
-        db.execute("DELETE FROM guard_votes WHERE version = ? AND owner_id = ?", (version, owner_id))
-    else:
-        db.execute(
-            "INSERT INTO guard_votes (version, owner_id, vote, devices) VALUES (?, ?, ?, ?) "
-            "ON CONFLICT (version, owner_id) DO UPDATE SET vote = excluded.vote, devices = excluded.devices",
-            (version, owner_id, *new),
-        )
 
     def counts(vote: tuple[float, int] | None) -> tuple[int, int, int]:
         return (0, 0, 0) if vote is None else (1, vote[1], int(vote[0] < threshold))
@@ -242,6 +232,34 @@ def refresh_owner_vote(db: Database, version: int, owner_id: str) -> None:
         "UPDATE guard_tallies SET owners = owners + ?, devices = devices + ?, below = below + ? WHERE version = ?",
         (o1 - o0, d1 - d0, b1 - b0, version),
     )
+
+
+def store_owner_vote(
+    db: Database,
+    table: str,
+    columns: tuple[str, str],
+    version: int,
+    owner_id: str,
+    new: tuple[Any, Any] | None,
+) -> tuple[Any, Any] | None:
+    """Put ``new`` as ``owner_id``'s row of ``table`` for ``version`` (its two ``columns``; None:
+    delete the row) and return the row it replaced (None: there was none; equal to ``new``: nothing
+    changed). The guard's health votes and its failure votes are both kept this way."""
+    first, second = columns
+    where = "WHERE version = ? AND owner_id = ?"
+    row = db.execute(f"SELECT {first}, {second} FROM {table} {where}", (version, owner_id)).fetchone()
+    old = None if row is None else (row[0], row[1])
+    if new == old:
+        return old
+    if new is None:
+        db.execute(f"DELETE FROM {table} {where}", (version, owner_id))
+    else:
+        db.execute(
+            f"INSERT INTO {table} (version, owner_id, {first}, {second}) VALUES (?, ?, ?, ?) ON CONFLICT "
+            f"(version, owner_id) DO UPDATE SET {first} = excluded.{first}, {second} = excluded.{second}",
+            (version, owner_id, *new),
+        )
+    return old
 
 
 def refresh_device_votes(db: Database, device_id: str, owner_id: str) -> None:
