@@ -49,7 +49,7 @@ whose items are the rows ``[old | new]``), with no explicit guard anywhere:
 3. v2 published at 5% with the server's default guard (each device's self-retrieval R@1 over
    what v2's manifest expects at its gallery size; halt when the median owner's falls under
    1 − the instance-level margin, or the break-even when above 1, once 5 owners reported:
-   ``default_guard``, ``expected_threshold``),
+   ``default_guard``, ``HealthExpectation.bound``),
    widened to 25% and 100%;
 4. v3 published at 5% under the default guard alone, with the first ``--v3-cohort`` (5, the
    guard's owners) devices as testers: a 5% stage of a small fleet draws fewer than the 5
@@ -100,7 +100,6 @@ from fctkit.protos import registry_pb2
 from fctkit.protos.bundle import pack_bundle
 from fctkit.protos.health_expectation import HealthExpectation
 from fctkit.protos.trust.withdrawal import write_withdrawal
-from fctkit.server.guard_votes import expected_threshold
 from fctkit.server.rollout import bucket
 from fctkit.server.rollout.changes import DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_OWNERS
 from fctkit.trainer.tasks import TaskSplit, load_task
@@ -623,13 +622,13 @@ def instance_health(
     verdicts, and the devices' true R@1 on v1, v2 and v3."""
     expectation = expectation_of(v2_status)
     margin = DEFAULT_GUARD_MARGIN[expectation.level]
-    bound = expected_threshold(margin, expectation)
+    bound = expectation.bound(margin, args.rows_per_device)  # every device holds as many rows
     v3_health = sampled_health(v3.took, 3)
     good, bad = ratios(v2_health, expectation), ratios(v3_health, expectation_of(v3.status))
     print(
         f"\nhealth signal (the default guard's: each device's self-retrieval {expectation.guard_measure} on its "
         f"{args.health_sample} sampled rows over what the release expects at its gallery size; halt under "
-        f"{bound:.3f} (1 - {margin:g}, or the break-even {expectation.break_even:.3f} when above 1) once "
+        f"{bound:.3f} (1 - {margin:g}, or the break-even at {args.rows_per_device} rows when above 1) once "
         f"{DEFAULT_GUARD_OWNERS} owners reported):"
     )
     print(fleet_line("v2 (residual InfoNCE)", v2_health, good))

@@ -52,7 +52,6 @@ import numpy as np
 import torch
 
 from fctkit.protos.health_expectation import HealthExpectation
-from fctkit.server.guard_votes import expected_threshold
 from fctkit.server.rollout.changes import DEFAULT_GUARD_MARGIN, DEFAULT_GUARD_OWNERS
 from fctkit.trainer.backbones import BackboneConfig, extract_features, train_backbone
 from fctkit.trainer.closed_form import least_squares_map
@@ -168,7 +167,17 @@ def instance_measured(task: RetrievalTask, release: Release, fleet: Fleet, seed:
         "new/new": {"recall@1": r_at_1(e.query.new, e.gallery.new, truth)},
     }
     sizes, measures = expected_health(adapted_eval, e.gallery.new, "cosine", sample_size=DEFAULT_SAMPLE_SIZE)
-    expectation = HealthExpectation.measured(cases, sizes, measures, DEFAULT_SAMPLE_SIZE, 16)
+
+    def cut_ratio(rows: np.ndarray) -> tuple[float, float]:
+        where = {int(g): k for k, g in enumerate(rows)}
+        asked = np.array([q for q in range(len(truth)) if int(truth[q]) in where], dtype=np.int64)
+        local = np.array([where[int(truth[q])] for q in asked])
+        return r_at_1(e.query.old[asked], e.gallery.old[rows], local), r_at_1(
+            e.query.new[asked], adapted_eval[rows], local
+        )
+
+    sized = sized_break_even(len(adapted_eval), sizes, cut_ratio)
+    expectation = HealthExpectation.measured(cases, sizes, measures, DEFAULT_SAMPLE_SIZE, 16, sized)
     device_side = side
     if release.wrong_side and side is not None:
         device_side = side[np.random.default_rng(seed + 7).permutation(len(side))]
@@ -187,6 +196,20 @@ def instance_measured(task: RetrievalTask, release: Release, fleet: Fleet, seed:
     return Measured(healths, true, stay, expectation, cases["new/h(old)"]["recall@1"])
 
 
+def sized_break_even(
+    n: int, sizes: tuple[int, ...], cut: Callable[[np.ndarray], tuple[float, float]], draws: int = 16
+) -> tuple[float, ...]:
+    """As ``fctkit export`` records it: per gallery size, not upgrading's figure over the release's,
+    each the mean over ``draws`` galleries of that size cut from the ``n`` evaluation items
+    (``cut(rows)``: the two figures on one cut)."""
+    rng = np.random.default_rng(0)
+    ratios = []
+    for size in sizes:
+        figures = np.array([cut(np.sort(rng.choice(n, size, replace=False))) for _ in range(draws)])
+        ratios.append(float(figures[:, 0].mean()) / max(float(figures[:, 1].mean()), 1e-3))
+    return tuple(ratios)
+
+
 @dataclass(frozen=True)
 class Measured:
     """One release on one fleet: each device's health, true quality and quality without upgrading,
@@ -203,8 +226,9 @@ def verdict(m: Measured) -> dict:
     """What the server's default guard does with the fleet's reports (one owner per device)."""
     level = m.expectation.level
     measure = m.expectation.guard_measure
+    margin = DEFAULT_GUARD_MARGIN[level]
     ratios = [m.expectation.ratio(measure, getattr(h, measure), h.gallery_rows) for h in m.healths]
-    threshold = expected_threshold(DEFAULT_GUARD_MARGIN[level], m.expectation)
+    votes = [m.expectation.vote(measure, getattr(h, measure), h.gallery_rows, margin) for h in m.healths]
     reported = len(ratios) >= DEFAULT_GUARD_OWNERS
     return {
         "true": float(np.mean(m.true)),
@@ -214,8 +238,8 @@ def verdict(m: Measured) -> dict:
         "rank": statistics.median(h.median_rank for h in m.healths),
         "expected": m.expectation.expected(measure, m.healths[0].gallery_rows)[0],
         "ratio": statistics.median(ratios),
-        "threshold": threshold,
-        "halted": reported and statistics.median(ratios) < threshold,
+        "threshold": m.expectation.bound(margin, m.healths[0].gallery_rows),
+        "halted": reported and statistics.median(votes) < 1.0,
         "relative_only": reported and statistics.median(ratios) < 1.0 - DEFAULT_GUARD_MARGIN[level],
         "gate": m.gate,
     }
@@ -307,7 +331,15 @@ def class_measured(d: DigitsViews, forward, fleet: str, galleries: list[np.ndarr
         "new/h(old)": {"top1": top1_within(new_clean, adapted_clean, d.labels)},
     }
     sizes, measures = expected_health(adapted_clean, new_clean, "l2", sample_size=DEFAULT_SAMPLE_SIZE)
-    expectation = HealthExpectation.measured(cases, sizes, measures, DEFAULT_SAMPLE_SIZE, 16)
+
+    def cut_ratio(rows: np.ndarray) -> tuple[float, float]:
+        labels = d.labels[rows]
+        return top1_within(old_clean[rows], old_clean[rows], labels), top1_within(
+            new_clean[rows], adapted_clean[rows], labels
+        )
+
+    sized = sized_break_even(len(adapted_clean), sizes, cut_ratio)
+    expectation = HealthExpectation.measured(cases, sizes, measures, DEFAULT_SAMPLE_SIZE, 16, sized)
     old, new = d.views[fleet]
     adapted = forward(old)
     healths, true, stay = [], [], []

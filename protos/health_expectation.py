@@ -60,10 +60,10 @@ class HealthExpectation:
     gallery_rows: tuple[int, ...]
     #: measure -> (mean at each gallery size, standard deviation at each gallery size)
     measures: dict[str, tuple[tuple[float, ...], tuple[float, ...]]]
-    #: the gate's old/old figure over the release's own (recall@1 at instance level, top-1 at class
-    #: level): the fraction of its expected measure below which a fleet is taken to do no better than
-    #: not upgrading (above 1: the gate found the release worse than not upgrading; 0: not known)
-    break_even: float = 0.0
+    #: per gallery size: not upgrading's figure over the release's (recall@1 at instance level,
+    #: top-1 at class level) on galleries of that size cut from the evaluation split; above 1 the
+    #: release does worse than not upgrading at that size, and a fleet is held to it (0: not known)
+    break_even: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -85,8 +85,10 @@ class HealthExpectation:
                 )
             if any(sd < 0 for sd in sds):
                 raise BundleFormatError(f"{_WHERE}: {name} has a negative standard deviation")
-        if not is_number(self.break_even) or self.break_even < 0:
-            raise BundleFormatError(f"{_WHERE}: break_even must be a finite number >= 0, got {self.break_even!r}")
+        if len(self.break_even) != len(rows) or not all(is_number(b) and b >= 0 for b in self.break_even):
+            raise BundleFormatError(
+                f"{_WHERE}: break_even needs one finite number >= 0 per gallery size ({len(rows)}), got {self.break_even!r:.80}"
+            )
 
     @classmethod
     def measured(
@@ -96,12 +98,28 @@ class HealthExpectation:
         measures: dict[str, tuple[tuple[float, ...], tuple[float, ...]]],
         sample_size: int,
         draws: int,
+        sized_break_even: tuple[float, ...] | None = None,
     ) -> HealthExpectation:
-        """The expectation of a release whose gate recorded ``cases`` (its level: :func:`gate_level`;
-        its break-even: :func:`break_even`), from :func:`fctkit.upgrade_health.expected_health`'s
-        ``sizes`` and ``measures``."""
+        """The expectation of a release whose gate recorded ``cases`` (its level: :func:`gate_level`),
+        from :func:`fctkit.upgrade_health.expected_health`'s ``sizes`` and ``measures``; its
+        break-even by size (``sized_break_even``; None: the gate's own figure, :func:`break_even`,
+        at every size)."""
         level = gate_level(cases)
-        return cls(level, sample_size, draws, sizes, measures, break_even(cases, level))
+        sized = sized_break_even or (break_even(cases, level),) * len(sizes)
+        return cls(level, sample_size, draws, sizes, measures, tuple(sized))
+
+    def bound(self, margin: float, rows: int) -> float:
+        """The fraction of the expected measure a device of ``rows`` rows is held to: 1 − ``margin``,
+        or the break-even at its size when that is above 1 — the release did worse than not upgrading
+        there on the evaluation split, and the fleet is held to doing better than that. A break-even
+        under 1 is no floor: it assumes the measure falls in proportion to quality against a fixed
+        not-upgrading figure, but on devices whose data drifted not upgrading falls too."""
+        at_size = self._interpolated(self.break_even, rows, extrapolate=False)
+        return at_size if at_size > 1.0 else 1.0 - margin
+
+    def vote(self, measure: str, value: float, rows: int, margin: float) -> float:
+        """A device's guard vote: its :meth:`ratio` over its :meth:`bound` (below 1: under the bound)."""
+        return self.ratio(measure, value, rows) / self.bound(margin, rows)
 
     def ratio(self, measure: str, value: float, rows: int) -> float:
         """``value`` of ``measure`` reported by a device whose gallery held ``rows`` rows, as a
@@ -120,16 +138,23 @@ class HealthExpectation:
         carried on along the last segment's slope beyond the largest (self-retrieval keeps falling
         as a gallery grows), kept within the measure's range."""
         means, sds = self.measures[measure]
+        mean = self._interpolated(means, rows, extrapolate=True)
+        sd = self._interpolated(sds, rows, extrapolate=False)
+        low, high = (1.0, math.inf) if measure == "median_rank" else (-1.0, 1.0)
+        return min(max(mean, low), high), max(sd, 0.0)
+
+    def _interpolated(self, values: tuple[float, ...], rows: int, *, extrapolate: bool) -> float:
+        """``values`` (one per gallery size) at ``rows`` rows: linear in log(rows) between the sizes,
+        held at the smallest below it, and beyond the largest carried on along the last segment's
+        slope (``extrapolate``) or held."""
         sizes = [math.log(r) for r in self.gallery_rows]
         at = math.log(max(rows, 1))
         if len(sizes) == 1 or at <= sizes[0]:
-            return means[0], sds[0]
+            return values[0]
         segment = next((i for i in range(1, len(sizes)) if at <= sizes[i]), len(sizes) - 1)
         t = (at - sizes[segment - 1]) / (sizes[segment] - sizes[segment - 1])
-        mean = means[segment - 1] + t * (means[segment] - means[segment - 1])
-        sd = sds[segment - 1] + min(t, 1.0) * (sds[segment] - sds[segment - 1])
-        low, high = (1.0, math.inf) if measure == "median_rank" else (-1.0, 1.0)
-        return min(max(mean, low), high), max(sd, 0.0)
+        t = t if extrapolate else min(t, 1.0)
+        return values[segment - 1] + t * (values[segment] - values[segment - 1])
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -137,7 +162,7 @@ class HealthExpectation:
             "sample_size": self.sample_size,
             "draws": self.draws,
             "gallery_rows": list(self.gallery_rows),
-            "break_even": float(self.break_even),
+            "break_even": [float(b) for b in self.break_even],
             "measures": {
                 name: {"mean": [float(v) for v in means], "sd": [float(v) for v in sds]}
                 for name, (means, sds) in sorted(self.measures.items())
@@ -167,5 +192,5 @@ class HealthExpectation:
                 for r in typed(data["gallery_rows"], list, f"{where}.gallery_rows")
             ),
             parsed,  # type: ignore[arg-type]
-            number(data["break_even"], f"{where}.break_even"),
+            tuple(number(b, f"{where}.break_even") for b in typed(data["break_even"], list, f"{where}.break_even")),
         )

@@ -7,8 +7,9 @@ in V's rollout (cohort, or :func:`bucket` below its percent) and reported a samp
 (``guard_votes``, one row per owner with a vote). A device's signal is what the rollout's
 ``guard_measure`` names (:class:`GuardInputs`): its ``mean_cosine`` or its self-retrieval
 ``recall_at_1`` as reported (against an absolute bound), or — ``expected`` — the release's own
-measure as a fraction of what the release's manifest expects at the device's gallery size (against
-1 − margin, or the release's break-even when its gate found it worse than not upgrading). ``guard_tallies`` keeps, per version, how
+measure as a fraction of what the release's manifest expects at the device's gallery size, over the
+bound at that size (1 − margin, or the release's break-even there when it did worse than not
+upgrading: :meth:`~fctkit.protos.health_expectation.HealthExpectation.vote`), against 1. ``guard_tallies`` keeps, per version, how
 many owners vote, how many devices stand behind the votes and how many votes lie below the
 guard's ``halt_below`` (its ``threshold``). From those counts and at most two indexed look-ups
 :func:`median_below` tells whether the median vote is below the threshold, exactly as the median
@@ -91,13 +92,14 @@ class GuardInputs:
     threshold: float
     measure: str
     expectation: HealthExpectation | None
+    margin: float = 0.0
 
     @property
     def signal(self) -> str:
         if self.measure != "expected":
             return self.measure
         base = "mean_cosine" if self.expectation is None else self.expectation.guard_measure
-        return f"{base} / expected"
+        return f"{base} / expected / bound"
 
     def value(self, mean_cosine: float, recall_at_1: float, gallery_rows: int) -> float | None:
         """One device's signal (None: it cannot be measured against an expectation the release lacks)."""
@@ -107,7 +109,7 @@ class GuardInputs:
         if self.expectation is None:
             return None
         measure = self.expectation.guard_measure
-        return self.expectation.ratio(measure, reported[measure], gallery_rows)
+        return self.expectation.vote(measure, reported[measure], gallery_rows, self.margin)
 
 
 # A health row as the votes read it: owner, device, mean cosine, R@1, the gallery's rows (rows
@@ -152,20 +154,8 @@ def _rollout(db: Database, version: int) -> GuardInputs | None:
     percent, halt_below, measure, manifest = float(row[0]), float(row[1]), str(row[2]), row[3]
     if measure != "expected":
         return GuardInputs(percent, halt_below, measure, None)
-    expectation = release_expectation(bytes(manifest))
-    return GuardInputs(percent, expected_threshold(halt_below, expectation), measure, expectation)
-
-
-def expected_threshold(margin: float, expectation: HealthExpectation | None) -> float:
-    """The fraction of the expected measure an ``expected`` guard halts below: 1 − ``margin``; or,
-    for a release its gate found worse than not upgrading (break-even above 1: exported with the
-    gate overridden), the break-even — the gate's verdict stands until the fleet does better than the
-    gate saw. A break-even under 1 is not used as a floor: it assumes the measure falls in proportion
-    to quality against a fixed not-upgrading figure, but on devices whose data drifted, not upgrading
-    drops too, and at class level that floor halted useful releases (benchmarks/upgrade_health_guard.py)."""
-    if expectation is not None and expectation.break_even > 1.0:
-        return expectation.break_even
-    return 1.0 - margin
+    # each vote is already over its own device's bound (HealthExpectation.vote): 1 is the line
+    return GuardInputs(percent, 1.0, measure, release_expectation(bytes(manifest)), halt_below)
 
 
 @functools.lru_cache(maxsize=64)

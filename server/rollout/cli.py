@@ -220,7 +220,7 @@ def _state(status) -> str:
     if status.guard_measure == "expected":
         what = (
             f"median {_level_measure(status)} under {1 - status.halt_below:g} of the release's expectation "
-            "(or under its break-even when its gate found it worse than not upgrading)"
+            "(or under the break-even at a device's gallery size, where the release did worse than not upgrading)"
         )
     else:
         what = f"median {status.guard_measure or 'mean_cosine'} below {status.halt_below:g}"
@@ -250,11 +250,14 @@ def _expectation_line(status) -> str:
     e = json.loads(status.health_expectation_json)
     measure = "recall_at_1" if e["level"] == "instance" else "mean_cosine"
     means, sds = e["measures"][measure]["mean"], e["measures"][measure]["sd"]
-    by_size = ", ".join(f"{m:.3f} ±{sd:.3f} at {rows:,} rows" for rows, m, sd in zip(e["gallery_rows"], means, sds))
+    by_size = ", ".join(
+        f"{m:.3f} ±{sd:.3f} (break-even {b:.3f}) at {rows:,} rows"
+        for rows, m, sd, b in zip(e["gallery_rows"], means, sds, e["break_even"])
+    )
     cosine = e["measures"]["mean_cosine"]["mean"][-1]
     return (
         f"expected health ({e['level']} level, samples of {e['sample_size']}, {e['draws']} draws on the evaluation "
-        f"split): {measure} {by_size}; mean_cosine {cosine:.3f}; break-even {e['break_even']:.3f} of it"
+        f"split): {measure} {by_size}; mean_cosine {cosine:.3f}"
     )
 
 

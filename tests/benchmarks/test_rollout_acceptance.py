@@ -95,7 +95,7 @@ def test_the_default_guard_halts_a_bad_instance_level_release_and_not_the_good_o
     assert ("server storage: PostgreSQL + S3" in out) == bool(storage)
     assert "[ok] the default guard let v2 through: 'staged' at 100%" in out, out
     halt = re.search(
-        r"v3 state 'halted', percent 5, halt reason: median recall_at_1 / expected (\d\.\d+) of 5 owners", out
+        r"v3 state 'halted', percent 5, halt reason: median recall_at_1 / expected / bound (\d\.\d+) of 5 owners", out
     )
     assert halt and float(halt[1]) < 0.8, out
     stage = re.search(r"v3's first stage holds (\d+) devices \(the server's bucket, 5 testers\); (\d+) took v3", out)

@@ -180,7 +180,7 @@ def test_a_device_runs_what_the_gate_judged(task_release, variant, scoring, tmp_
     assert v2.gate["cases"][case] == gate["cases"][variant]  # every task metric, signed
     assert {"recall@1", "recall@10", "mrr", "ndcg@10"} <= set(v2.gate["cases"][case])
     assert v1.parity["embed"] == {"max_abs_error": 0.0, "tolerance": 1e-3, "against": "the sample's features"}
-    assert v2.health_expectation.level == "instance" and v2.health_expectation.break_even > 0
+    assert v2.health_expectation.level == "instance" and min(v2.health_expectation.break_even) > 0
     assert v2.parity["forward_1_to_2"]["against"] == "torch"
     assert ("query_map" in {a.role for a in v2.artifacts}) == ("query-map" in variant)
     assert (v2.transition is not None, v2.hubness is not None) == ("transition" in variant, "hubness" in variant)

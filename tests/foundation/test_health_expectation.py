@@ -34,7 +34,7 @@ def expectation(**changes) -> HealthExpectation:
     measures = dict.fromkeys(MEASURES, ((0.9, 0.8, 0.6), (0.01, 0.02, 0.03)))
     measures["median_rank"] = ((1.0, 1.0, 2.0), (0.0, 0.0, 0.5))
     fields = {"level": "instance", "sample_size": 32, "draws": 16, "gallery_rows": (64, 256, 1024),
-              "measures": measures, "break_even": 0.8, **changes}  # fmt: skip
+              "measures": measures, "break_even": (0.8, 1.1, 1.3), **changes}  # fmt: skip
     return HealthExpectation(**fields)
 
 
@@ -50,6 +50,17 @@ def test_expected_reads_between_and_beyond_the_measured_sizes():
     assert e.guard_measure == "recall_at_1" and expectation(level="class").guard_measure == "mean_cosine"
 
 
+def test_each_device_is_held_to_the_bound_at_its_own_size():
+    e = expectation()  # break-even 0.8 at 64 rows (the release beats not upgrading), 1.1 at 256, 1.3 at 1,024
+    assert e.bound(0.15, 64) == pytest.approx(0.85)  # a break-even under 1 is no floor
+    assert e.bound(0.15, 128) == pytest.approx(0.85)  # the break-even halfway, 0.95: still under 1
+    assert e.bound(0.15, 256) == pytest.approx(1.1) and e.bound(0.15, 10**6) == pytest.approx(
+        1.3
+    )  # held, not carried on
+    assert e.vote("recall_at_1", 0.9, 64, 0.15) == pytest.approx(1 / 0.85)  # 0.9 of 0.9 expected, over 0.85
+    assert e.vote("recall_at_1", 0.8, 256, 0.15) == pytest.approx(1.0 / 1.1)  # as expected, but under the break-even
+
+
 def test_the_level_and_break_even_come_from_the_gate_cases():
     instance = {"old/old": {"recall@1": 0.6, "top1": 0.6}, "new/h(old)": {"recall@1": 0.75}, "new/new": {}}
     assert gate_level(instance) == "instance" and gate_level({"old/old": {"top1": 0.5}}) == "class"
@@ -63,6 +74,11 @@ def test_the_level_and_break_even_come_from_the_gate_cases():
 def test_the_manifest_form_round_trips_and_anything_else_is_refused():
     e = expectation()
     assert HealthExpectation.from_json(json.loads(json.dumps(e.to_json())), "m") == e
+    two_sizes = {m: (means[:2], sds[:2]) for m, (means, sds) in e.measures.items()}
+    gate_only = HealthExpectation.measured(
+        {"old/old": {"top1": 0.6}, "x": {"top1": 0.75}}, (64, 256), two_sizes, 32, 16
+    )
+    assert gate_only.break_even == (pytest.approx(0.8), pytest.approx(0.8))  # the gate's figure at every size
     bad = e.to_json()
     for edit, message in [
         (lambda d: d.update(level="item"), "level must be one of"),
@@ -72,7 +88,8 @@ def test_the_manifest_form_round_trips_and_anything_else_is_refused():
         (lambda d: d["measures"]["recall_at_1"]["mean"].pop(), "one finite mean"),
         (lambda d: d["measures"]["recall_at_1"]["sd"].__setitem__(0, -0.1), "negative standard deviation"),
         (lambda d: d["measures"].pop("median_rank"), "missing"),
-        (lambda d: d.update(break_even=-1.0), "break_even"),
+        (lambda d: d.update(break_even=[-1.0, 1.0, 1.0]), "break_even"),
+        (lambda d: d.update(break_even=[1.0]), "break_even"),
         (lambda d: d.update(sample_size=0), "sample_size"),
     ]:
         data = json.loads(json.dumps(bad))
@@ -80,4 +97,4 @@ def test_the_manifest_form_round_trips_and_anything_else_is_refused():
         with pytest.raises(BundleFormatError, match=message):
             HealthExpectation.from_json(data, "manifest.health_expectation")
     with pytest.raises(BundleFormatError, match="finite"):
-        expectation(break_even=math.inf)
+        expectation(break_even=(1.0, math.inf, 1.0))

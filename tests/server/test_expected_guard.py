@@ -133,7 +133,10 @@ def test_a_release_the_gate_found_worse_than_not_upgrading_halts_at_its_break_ev
     report(devices, recall_at_1=0.95, mean_cosine=0.5)  # exactly as expected: still below not upgrading
     with admin(server) as a:
         status = a.rollout_status(2)
-    assert status.state == "halted" and "fell below 1.2" in status.halt_reason, status.halt_reason
+    # each vote is its ratio (1.0) over its bound, the break-even 1.2: 0.8333, under 1
+    assert status.state == "halted" and "0.8333" in status.halt_reason and "fell below 1 " in status.halt_reason, (
+        status.halt_reason
+    )
 
 
 def test_no_guard_at_publish_and_releases_without_an_expectation_start_unguarded(start_server, releases):
@@ -245,3 +248,19 @@ def test_one_owner_failing_on_many_devices_is_one_vote_and_a_revoked_device_stop
     assert call_status(
         lambda: admin(server).set_rollout(2, halt_below=0.2, halt_min_devices=5, max_failure_rate=1.0)
     ) == ("INVALID_ARGUMENT")
+
+
+def test_rollout_status_shows_the_expectation_by_size_and_the_previous_release(
+    start_server, releases, admin_token_file
+):
+    from tests.server.test_rollout_operator import cli_of
+
+    server, devices = staged(start_server, releases, "expected", DEFAULT_GUARD_OWNERS)
+    report(devices, recall_at_1=0.95, mean_cosine=0.45)
+    shown = cli_of(server, admin_token_file)("rollout-status", "2")
+    assert shown.exit_code == 0, shown.output
+    assert "guard: halt at median recall_at_1 under 0.85 of the release's expectation" in shown.output, shown.output
+    assert "expected health (instance level, samples of 32, 16 draws" in shown.output
+    assert "0.950 ±0.030 (break-even 0.800) at 64 rows" in shown.output and "at 1,024 rows" in shown.output
+    assert "previous release v1: no device reported a sampled health" in shown.output
+    assert "vs expected" in shown.output and "rank median" in shown.output

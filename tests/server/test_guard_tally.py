@@ -189,16 +189,27 @@ def test_median_below_agrees_with_the_median(votes: tuple[float, ...], threshold
     assert median_below(len(votes), len(below), lambda: (max(below), min(above)), threshold) == expected
 
 
+def breaks(expectation, rows: int) -> float:
+    """The break-even at ``rows``, recomputed: linear in log(rows) between the sizes, held outside them."""
+    import math
+
+    sizes, values = [math.log(r) for r in expectation.gallery_rows], expectation.break_even
+    at = min(max(math.log(rows), sizes[0]), sizes[-1])
+    k = next(i for i in range(1, len(sizes)) if at <= sizes[i])
+    return values[k - 1] + (at - sizes[k - 1]) / (sizes[k] - sizes[k - 1]) * (values[k] - values[k - 1])
+
+
 def test_an_expected_guard_tally_equals_a_recount_of_each_device_ratio(tmp_path, backend, open_storage) -> None:
     """The ``expected`` guard: each device's R@1 as a fraction of what the release's manifest expects
-    at its gallery size, one median per owner, against 1 - margin (the break-even 0.7 is under 1: not a floor)."""
+    at its gallery size over the bound there (1 - margin, or the break-even where it is above 1), one
+    median per owner, against 1."""
     from fctkit.protos.health_expectation import HealthExpectation
-    from fctkit.server.guard_votes import expected_threshold
     from fctkit.upgrade_health import MEASURES
 
     rng = random.Random(11)
     measures = dict.fromkeys(MEASURES, ((0.95, 0.8, 0.6), (0.02, 0.03, 0.04)))
-    expectation = HealthExpectation("instance", 32, 16, (64, 256, 1024), measures, break_even=0.7)
+    # the break-even is under 1 at 64 and 256 rows (no floor there) and above it at 1,024
+    expectation = HealthExpectation("instance", 32, 16, (64, 256, 1024), measures, break_even=(0.7, 0.9, 1.2))
     manifest = json.dumps({"health_expectation": expectation.to_json()}).encode()
     storage = open_storage(tmp_path / "data")
     try:
@@ -219,6 +230,7 @@ def test_an_expected_guard_tally_equals_a_recount_of_each_device_ratio(tmp_path,
             rollout = storage.rollouts()[GUARDED]
             signal = {
                 d: expectation.ratio("recall_at_1", h.recall_at_1, h.gallery_rows)
+                / (max(be, 1.0) if (be := breaks(expectation, h.gallery_rows)) > 1 else 1 - rollout.halt_below)
                 for d, h in storage.health_reports(GUARDED).items()
                 if in_rollout(rollout, d)
             }
@@ -226,12 +238,12 @@ def test_an_expected_guard_tally_equals_a_recount_of_each_device_ratio(tmp_path,
             for device_id, value in signal.items():
                 by_owner.setdefault(storage.device_owner(device_id), []).append(value)
             votes = [statistics.median(v) for v in by_owner.values()]
-            threshold = expected_threshold(rollout.halt_below, expectation)
+            threshold = 1.0
             median = statistics.median(votes) if votes else None
             tally = storage.guard_tally(GUARDED)
             assert (tally.owners, tally.devices, tally.threshold) == (len(votes), len(signal), threshold)
             assert tally.median_below == (median if median is not None and median < threshold else None)
-            assert tally.signal == "recall_at_1 / expected"
+            assert tally.signal == "recall_at_1 / expected / bound"
             crossed += tally.median_below is not None
         assert 0 < crossed < 80  # the sequence went below the bound and back
     finally:
