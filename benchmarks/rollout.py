@@ -40,7 +40,7 @@ whose items are the rows ``[old | new]``), with no explicit guard anywhere:
    v2's embed graph with a random orthogonal 2 -> 3 adapter, signed with v2's gate cases and
    health expectation, as a release whose gate and expectation were measured with one adapter
    but which ships another would be. Not a release whose own gate fails: that one is exported
-   only with the gate overridden, and its break-even (the gate's old/old over its own R@1, above
+   only with the gate overridden, and its break-even (not upgrading's R@1 over its own, above
    1) halts it at the first 5 owners' reports unless the devices do better than the gate saw; this v3's
    break-even and expectation are a good release's, so only the devices' own measurements can
    halt it;
@@ -48,7 +48,7 @@ whose items are the rows ``[old | new]``), with no explicit guard anywhere:
    gallery (400 items; devices overlap), one owner per device;
 3. v2 published at 5% with the server's default guard (each device's self-retrieval R@1 over
    what v2's manifest expects at its gallery size; halt when the median owner's falls under
-   1 − the instance-level margin, or the break-even when above 1, once 5 owners reported:
+   1 − the instance-level margin, or the break-even at its size when above 1, once 5 owners reported:
    ``default_guard``, ``HealthExpectation.bound``),
    widened to 25% and 100%;
 4. v3 published at 5% under the default guard alone, with the first ``--v3-cohort`` (5, the

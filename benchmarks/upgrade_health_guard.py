@@ -16,7 +16,8 @@ task's training pairs (gallery items' old → new embeddings, with ψ when the t
 
 Each release gets what ``fctkit export`` records in its manifest: the gate's cases on the evaluation
 split (old/old, new/h(old) R@1) and the health expectation (``expected_health``: samples of 32, by
-gallery size; its break-even from the gate). Then two fleets of ``--devices`` simulated devices,
+gallery size; its break-even by gallery size: not upgrading's figure over the release's on cuts of
+the evaluation split of that size). Then two fleets of ``--devices`` simulated devices,
 one owner each, upgrade to it: each holds ``--rows`` items of the evaluation gallery and measures
 its health exactly as a device does (32 rows, ``sample_rows``, ``upgrade_health``); the second
 fleets' devices are "noisy" (Gaussian noise on every embedding of their items, old and new alike,
@@ -27,11 +28,10 @@ True quality on a fleet: the mean over its devices of R@1 of the new model's que
 device's items against its upgraded gallery; not upgrading: old queries against the old gallery.
 A release is harmful on a fleet when its true quality is below not upgrading, useful otherwise.
 The guard (the server's default, ``DEFAULT_GUARD_MARGIN`` and ``DEFAULT_GUARD_OWNERS``) halts when the
-median device's measure ÷ the expectation at its gallery size falls under 1 − margin (or the
-break-even, when the gate found the release worse than not upgrading: above 1);
-"(margin alone)" shows the verdict without the break-even (the gate's own old/old ÷ release figure,
-above 1 when the gate already found the release worse than not upgrading, i.e. one exported with
-its gate overridden).
+median device's vote falls under 1: its measure ÷ the expectation at its gallery size, over its
+bound there (1 − margin, or the break-even at that size when above 1: the release did worse than
+not upgrading on the evaluation split at that size); "(margin alone)" shows the verdict without the
+break-even.
 
 Printed per release and fleet: true R@1 vs not upgrading, the fleet's median R@1, mean cosine and
 median rank, the expectation, the median ratio, the verdict; the last line

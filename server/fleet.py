@@ -221,8 +221,10 @@ class FleetService(fleet_pb2_grpc.FleetServicer):
         if health is not None:
             self._storage.record_health(device_id, health, now)
             self._guard(health.version, device_id, now)
-        if watched and (before, health) != (DeviceState(device_id, *_state(report)), None):
-            for version in watched:  # the report may move the device's download or failure for each
+        if watched and before != DeviceState(device_id, *_state(report)):
+            # a new state may move the device's download or failure for each (a health report's own
+            # version was recounted with it)
+            for version in watched:
                 self._storage.refresh_failures(version, device_id)
                 self._guard(version, device_id, now)
         if revert is not None:
