@@ -10,8 +10,8 @@ or reported a health for it), *upgraded* runs the version or a later one, *faile
 failed upgrade to it, *reverted* reported going back from it after its withdrawal (counted by
 method as well) or reported a health for it but runs an earlier version now. The health of the
 devices that sampled one is summarised three ways: their mean cosine, their self-retrieval R@1, and
-(a release that records its expectation) each one's measure minus what the release expects at the
-device's gallery size.
+(a release that records its expectation) each one's measure as a fraction of what the release
+expects at the device's gallery size (``expected_shortfall``, named before it became a fraction).
 
 A withdrawn version's state is ``withdrawn`` with the withdrawal's reason and ``revert_to``; one
 published to every device (no rollout) and withdrawn shows every device as one stage at 100%.
